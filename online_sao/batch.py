@@ -1,0 +1,135 @@
+"""Typed rollouts and the padded tensor batch the algorithms consume.
+
+Token alignment used everywhere in online_sao: a trajectory is one sequence of
+token ids ``x_0 .. x_{T-1}``. Position ``t`` of every ``[B, T]`` tensor describes
+token ``x_t``: ``action_mask[b, t]`` is True when ``x_t`` was sampled by the
+policy, ``rollout_logprobs[b, t]`` is the behaviour log-probability of ``x_t``
+given ``x_<t`` (0 where not an action), ``values[b, t]`` is the critic's value
+of the state just before ``x_t`` is emitted (computed from the hidden state at
+position ``t - 1``; see :func:`shift_to_tokens`). Position 0 is never an action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """One rewarded trajectory, as the learner joins it from the stream.
+
+    ``token_ids`` is the whole trajectory (prompt, responses, observations);
+    ``action_mask``, ``logprobs`` and ``versions`` have its length, with
+    ``logprobs``/``versions`` meaningful only where ``action_mask`` is True.
+    ``rewards`` places each reward on a token index (the final reward on the
+    last token); GAE credits a reward on a non-action token to the last action
+    token before it.
+    """
+
+    interaction_id: str
+    token_ids: list[int]
+    action_mask: list[bool]
+    logprobs: list[float]
+    versions: list[int]
+    rewards: dict[int, float]
+    temperature: float = 1.0
+    group_id: int = -1
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.action_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(f"rollout {self.interaction_id}: per-token lists disagree in length")
+        if n and self.action_mask[0]:
+            raise ValueError(f"rollout {self.interaction_id}: token 0 cannot be an action")
+        if any(not 0 <= i < n for i in self.rewards):
+            raise ValueError(f"rollout {self.interaction_id}: reward index outside the trajectory")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout {self.interaction_id}: temperature must be positive")
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards.values()))
+
+
+@dataclass
+class RolloutBatch:
+    """Right-padded tensors of a learner step. Shapes: B rollouts, T tokens."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] bool, True on real tokens
+    action_mask: torch.Tensor  # [B, T] bool, True on tokens sampled by the policy
+    rollout_logprobs: torch.Tensor  # [B, T] float, behaviour log-probs (0 off actions)
+    rewards: torch.Tensor  # [B, T] float, reward placed on tokens (0 elsewhere)
+    versions: torch.Tensor  # [B, T] long, policy version that sampled each action token
+    temperatures: torch.Tensor  # [B] float, sampling temperature of each rollout
+    group_ids: torch.Tensor  # [B] long, prompt group for grpo (-1 when ungrouped)
+    interaction_ids: list[str] = field(default_factory=list)
+    policy_version: int = 0
+    """Version of the policy this step updates (for version-lag metrics)."""
+    token_normalizer: float | None = None
+    """Denominator N of the token-mean losses. None: this batch's action-token count.
+    Data-parallel ranks set it so that the mean over ranks equals the global mean."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return RolloutBatch(**moved)
+
+    def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
+        """The sub-batch of the given row indices (token_normalizer is dropped)."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        fields = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        fields["interaction_ids"] = [self.interaction_ids[i] for i in idx.tolist()] if self.interaction_ids else []
+        fields["token_normalizer"] = None
+        return RolloutBatch(**fields)
+
+
+def collate(rollouts: list[Rollout], pad_token_id: int, policy_version: int = 0) -> RolloutBatch:
+    """Right-pad rollouts into a :class:`RolloutBatch`."""
+    if not rollouts:
+        raise ValueError("cannot collate an empty list of rollouts")
+    b, t = len(rollouts), max(len(r.token_ids) for r in rollouts)
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, t), dtype=torch.bool)
+    actions = torch.zeros((b, t), dtype=torch.bool)
+    logprobs = torch.zeros((b, t), dtype=torch.float32)
+    rewards = torch.zeros((b, t), dtype=torch.float32)
+    versions = torch.zeros((b, t), dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        n = len(r.token_ids)
+        input_ids[i, :n] = torch.tensor(r.token_ids, dtype=torch.long)
+        attention[i, :n] = True
+        actions[i, :n] = torch.tensor(r.action_mask, dtype=torch.bool)
+        logprobs[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32) * actions[i, :n]
+        versions[i, :n] = torch.tensor(r.versions, dtype=torch.long) * actions[i, :n]
+        for pos, value in r.rewards.items():
+            rewards[i, pos] += value
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        action_mask=actions,
+        rollout_logprobs=logprobs,
+        rewards=rewards,
+        versions=versions,
+        temperatures=torch.tensor([r.temperature for r in rollouts], dtype=torch.float32),
+        group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
+        interaction_ids=[r.interaction_id for r in rollouts],
+        policy_version=policy_version,
+    )
+
+
+def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
+    """Move outputs computed at position t-1 (next-token predictions, values of the
+    state before token t) to position t. ``[B, T, ...]`` -> ``[B, T, ...]``; position 0 gets 0."""
+    out = torch.zeros_like(per_position)
+    out[:, 1:] = per_position[:, :-1]
+    return out

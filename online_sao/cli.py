@@ -1,0 +1,110 @@
+"""The ``online-sao`` command: parse the configuration, build, run.
+
+Each subcommand is a thin wrapper over one function of the component that owns
+the work; heavy imports happen inside the subcommand so that ``--help`` and
+``config show`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from online_sao.config import Config, ConfigError, dump_config, load_config
+
+
+def _config_show(cfg: Config, args: argparse.Namespace) -> int:
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _kafka(cfg: Config, args: argparse.Namespace) -> int:
+    from streams import broker
+
+    return {"up": broker.kafka_up, "down": broker.kafka_down, "status": broker.kafka_status}[args.action](cfg)
+
+
+def _base_model(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.base_model import run_base_model
+
+    return run_base_model(cfg, force=args.force)
+
+
+def _serve(cfg: Config, args: argparse.Namespace) -> int:
+    from serving.server import run_server
+
+    return run_server(cfg)
+
+
+def _learn(cfg: Config, args: argparse.Namespace) -> int:
+    from trainer.learner import run_learner
+
+    return run_learner(cfg, pretrain_critic=args.pretrain_critic)
+
+
+def _demo(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.demo import run_demo
+
+    return run_demo(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="online-sao", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-c", help="YAML run configuration (see configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set serving.port=8001 (repeatable)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    show = sub.add_parser("config", help="configuration tools")
+    show.add_argument("action", choices=["show"])
+    show.set_defaults(run=_config_show)
+
+    kafka = sub.add_parser("kafka", help="the local Apache Kafka broker")
+    kafka.add_argument("action", choices=["up", "down", "status"])
+    kafka.set_defaults(run=_kafka)
+
+    base = sub.add_parser("base-model", help="build the default model (cached); prints its directory last")
+    base.add_argument("--force", action="store_true", help="rebuild even when cached")
+    base.set_defaults(run=_base_model)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible endpoint")
+    serve.add_argument("--port", type=int, help="shortcut for --set serving.port=N")
+    serve.set_defaults(run=_serve)
+
+    learn = sub.add_parser("learn", help="run the continuous SAO learner")
+    learn.add_argument("--pretrain-critic", action="store_true", help="fit the critic on logged rollouts first")
+    learn.set_defaults(run=_learn)
+
+    demo = sub.add_parser("demo", help="the main job: run the stack end to end and report")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    import yaml
+
+    out: dict[str, object] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    if getattr(args, "port", None) is not None:
+        out["serving.port"] = args.port
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides=_overrides(args))
+    except ConfigError as exc:
+        print(f"online-sao: {exc}", file=sys.stderr)
+        return 2
+    run: Callable[[Config, argparse.Namespace], int] = args.run
+    return run(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

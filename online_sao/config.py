@@ -1,0 +1,375 @@
+"""One configuration tree for every component of online-sao.
+
+Each component owns one section (a pydantic model); every field has a docstring
+that says what it controls. Runs are described by YAML files in ``configs/``;
+any field can be overridden from the environment with
+``ONLINE_SAO__<SECTION>__<FIELD>=value`` (double underscores separate levels,
+values are parsed as YAML scalars). Unknown keys and invalid values raise
+:class:`ConfigError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+ENV_PREFIX = "ONLINE_SAO__"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class PathsConfig(Section):
+    data_dir: Path = Path("data")
+    """Root for everything the service writes locally: broker data, models, spool,
+    weights, checkpoints, MLflow database. Relative paths resolve against the
+    working directory."""
+
+
+class TopicsConfig(Section):
+    interactions: str = "sao.interactions"
+    """Topic of completed interactions (rollouts), keyed by interaction id."""
+    rewards: str = "sao.rewards"
+    """Topic of reward records, keyed by interaction id (co-partitioned with interactions)."""
+    weights: str = "sao.weights"
+    """Compacted topic of weights-published and rollback notices."""
+    dead_letters: str = "sao.dead-letters"
+    """Records that failed validation, with the reason."""
+
+
+class KafkaConfig(Section):
+    bootstrap_servers: str | None = None
+    """An existing cluster (``host:port[,host:port]``). When set it is used as is
+    and no local broker is started; when unset, ``online-sao kafka up`` runs one."""
+    host: str = "127.0.0.1"
+    """Address the local broker listens on (loopback by default)."""
+    port: int = Field(19092, ge=1, le=65535)
+    """Client port of the local broker."""
+    controller_port: int = Field(19093, ge=1, le=65535)
+    """KRaft controller port of the local broker."""
+    kafka_version: str = "4.4.0"
+    """Version of ``org.apache.kafka:kafka_2.13`` resolved from Maven Central."""
+    heap_mb: int = Field(512, ge=128)
+    """Java heap of the local broker, sized for a small machine."""
+    startup_timeout_s: float = Field(90.0, gt=0)
+    """How long ``kafka up`` waits for the broker to accept connections."""
+    partitions: int = Field(4, ge=1)
+    """Partitions of the interactions and rewards topics (same count: co-partitioned)."""
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+    """Retention of interactions, rewards and dead letters (-1 keeps forever)."""
+    replication_factor: int = Field(1, ge=1)
+    """Replication factor of created topics (1 for the local single node)."""
+    topics: TopicsConfig = TopicsConfig()
+    """Topic names."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Passed through to kafka-python clients."""
+    sasl_mechanism: str | None = None
+    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) for SASL protocols."""
+    sasl_username: str | None = None
+    """SASL user name."""
+    sasl_password: SecretStr | None = None
+    """SASL password."""
+    ssl_cafile: Path | None = None
+    """CA bundle for SSL protocols."""
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "KafkaConfig":
+        if self.port == self.controller_port:
+            raise ValueError("port and controller_port must differ")
+        return self
+
+    @property
+    def bootstrap(self) -> str:
+        """The address clients connect to: the configured cluster or the local broker."""
+        return self.bootstrap_servers or f"{self.host}:{self.port}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.bootstrap_servers is None
+
+
+class BaseModelConfig(Section):
+    """The project's own default policy, built by ``online-sao base-model``."""
+
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    """transformers architecture of the default model."""
+    vocab_size: int = Field(2048, ge=300)
+    """Size of the byte-level BPE vocabulary trained on the corpus."""
+    hidden_size: int = Field(128, ge=16)
+    """Width of the transformer."""
+    intermediate_size: int = Field(384, ge=16)
+    """Width of the MLP."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention)."""
+    max_position_embeddings: int = Field(512, ge=64)
+    """Longest sequence the model handles."""
+    train_steps: int = Field(600, ge=1)
+    """Optimizer steps of supervised pre-training on the style corpus."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per pre-training step."""
+    learning_rate: float = Field(3e-3, gt=0)
+    """Peak learning rate of pre-training."""
+    seed: int = 0
+    """Seed of corpus generation, tokenizer and training."""
+
+
+class ModelConfig(Section):
+    path: Path | None = None
+    """A local Hugging Face model directory to serve and train. When unset the
+    project's default model is built (once, cached) under data_dir/models/base."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for serving and training."""
+    base: BaseModelConfig = BaseModelConfig()
+    """How the default model is built."""
+
+
+class AlgorithmConfig(Section):
+    name: Literal["sao", "running_mean", "grpo", "ppo"] = "sao"
+    """Learning rule: SAO, or a baseline kept for comparison (SAO.md section 4)."""
+    eps_low: float = Field(0.3, gt=0, lt=1)
+    """DIS band: a token is kept only when 1 - eps_low < ratio."""
+    eps_high: float = Field(5.0, gt=0)
+    """DIS band: a token is kept only when ratio < 1 + eps_high."""
+    use_dis: bool = True
+    """Apply the DIS mask against the engine's behaviour log-probs (grpo may turn it off)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of token-level GAE."""
+    lambda_alpha: float = Field(1.5, gt=0)
+    """lambda_policy = 1 - 1/(alpha * l), l the number of action tokens of a rollout."""
+    lambda_critic: float = Field(1.0, ge=0, le=1)
+    """GAE lambda for critic targets (1 = Monte-Carlo returns)."""
+    critic_updates: int = Field(2, ge=1)
+    """Critic updates per policy step (K)."""
+    freeze_critic_attention: bool = True
+    """Freeze every attention parameter of the critic."""
+    policy_lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate of the policy."""
+    critic_lr: float = Field(5e-5, gt=0)
+    """AdamW learning rate of the critic (about 5x the policy's)."""
+    critic_warmup_steps: int = Field(10, ge=0)
+    """Linear warm-up of the critic learning rate, in critic updates."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay of both optimisers."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping of both models."""
+    normalize_advantages: bool = False
+    """Whiten advantages per step (the paper does not; off by default)."""
+    running_mean_window: int = Field(128, ge=1)
+    """W of the running_mean baseline."""
+    group_size: int = Field(4, ge=2)
+    """G of the grpo baseline."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """PPO/GRPO clip range below 1."""
+    clip_high: float = Field(0.28, gt=0)
+    """PPO/GRPO clip range above 1 (clip-higher)."""
+    ppo_lambda: float = Field(0.95, ge=0, le=1)
+    """GAE lambda of the ppo baseline."""
+    ppo_epochs: int = Field(2, ge=1)
+    """Full-batch policy updates per step of the grpo and ppo baselines, all against
+    the pi_old of the step's start (with 1 the clip never acts: pi_old is the policy)."""
+
+
+class RewardConfig(Section):
+    min_value: float = -10.0
+    """Smallest reward accepted (422 below)."""
+    max_value: float = 10.0
+    """Largest reward accepted (422 above)."""
+    window_s: float = Field(300.0, gt=0)
+    """How long after an interaction a reward is accepted and joined."""
+    aggregation: Literal["first", "last", "sum", "mean"] = "last"
+    """How several rewards for one interaction combine."""
+    on_missing: Literal["default", "drop"] = "drop"
+    """What happens to an interaction whose window closes without a reward."""
+    default_value: float = 0.0
+    """Reward given when on_missing is 'default'."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "RewardConfig":
+        if not self.min_value < self.max_value:
+            raise ValueError("min_value must be below max_value")
+        return self
+
+
+class ServingConfig(Section):
+    host: str = "127.0.0.1"
+    """Bind address of the HTTP endpoint."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Bind port (0 picks a free one)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Inference engine: native PyTorch (default) or vLLM."""
+    model_name: str = "online-sao"
+    """Model name served in /v1/models and accepted in requests."""
+    deployment_id: str = "local"
+    """Names this deployment; signed interaction ids are bound to it."""
+    feedback_secret: SecretStr = SecretStr("change-me-online-sao-dev-secret")
+    """HMAC secret that signs interaction ids (set your own in production)."""
+    api_keys: list[SecretStr] = []
+    """Accepted API keys; required unless bound to loopback."""
+    rate_limit_per_minute: int = Field(600, ge=1)
+    """Requests per minute per API key."""
+    max_batch_size: int = Field(16, ge=1)
+    """Sequences decoded together (continuous batching)."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Longest prompt accepted (413 above)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Largest max_tokens a request may ask for."""
+    max_request_bytes: int = Field(1_000_000, ge=1024)
+    """Largest request body accepted (413 above)."""
+    spool_dir: Path | None = None
+    """Append-only spool used while the broker is unreachable (default data_dir/spool)."""
+    redact_text: bool = False
+    """Drop prompt and response text from logged records (token ids are kept)."""
+
+
+class TrainerConfig(Section):
+    consumer_group: str = "sao-learner"
+    """Kafka consumer group of the learner."""
+    min_rollouts: int = Field(4, ge=1)
+    """A step starts once this many rewarded rollouts are ready ..."""
+    token_budget: int = Field(2048, ge=1)
+    """... or once they hold this many action tokens, whichever comes first."""
+    max_rollouts_per_step: int = Field(32, ge=1)
+    """Upper bound on a step's batch."""
+    max_version_lag: int | None = None
+    """Drop rollouts sampled more than this many versions ago (None keeps all)."""
+    publish_every: int = Field(1, ge=1)
+    """Publish weights every N learner steps."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight versions kept in the store (registered ones are always kept)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Checkpoint every N steps (offsets are committed only after a checkpoint)."""
+    weight_store: str | None = None
+    """Directory or fsspec URL of published weights (default data_dir/weights)."""
+    checkpoint_dir: Path | None = None
+    """Learner checkpoints (default data_dir/checkpoints)."""
+    seed: int = 0
+    """Seed of the learner."""
+
+
+class MLflowConfig(Section):
+    tracking_uri: str | None = None
+    """MLflow tracking URI; default a SQLite database data_dir/mlflow.db (no server)."""
+    experiment: str = "online-sao"
+    """Experiment of learner and simulation runs."""
+    registered_model: str = "online-sao-policy"
+    """Name in the model registry."""
+    register_every: int = Field(10, ge=1)
+    """Register every M-th published version as 'candidate'."""
+    promote_margin: float = Field(0.05, ge=0)
+    """A candidate becomes 'champion' unless its recent reward trails the champion's by more than this."""
+
+
+class Config(Section):
+    paths: PathsConfig = PathsConfig()
+    """Where local state lives."""
+    kafka: KafkaConfig = KafkaConfig()
+    """Broker and topics."""
+    model: ModelConfig = ModelConfig()
+    """Which model is served and trained."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Learning rule."""
+    reward: RewardConfig = RewardConfig()
+    """Reward validation and joining."""
+    serving: ServingConfig = ServingConfig()
+    """HTTP endpoint."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Learner loop."""
+    mlflow: MLflowConfig = MLflowConfig()
+    """Experiment tracking and registry."""
+
+    @property
+    def data_dir(self) -> Path:
+        return self.paths.data_dir.expanduser().resolve()
+
+    @property
+    def model_dir(self) -> Path:
+        return (self.model.path or self.data_dir / "models" / "base").expanduser().resolve()
+
+    @property
+    def spool_dir(self) -> Path:
+        return (self.serving.spool_dir or self.data_dir / "spool").expanduser().resolve()
+
+    @property
+    def weight_store_url(self) -> str:
+        return self.trainer.weight_store or str(self.data_dir / "weights")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return (self.trainer.checkpoint_dir or self.data_dir / "checkpoints").expanduser().resolve()
+
+    @property
+    def mlflow_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.data_dir / 'mlflow.db'}"
+
+
+def _apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
+        if not keys:
+            continue
+        node = raw
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(keys[:-1])} is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{key}: {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a YAML file (optional), apply environment and explicit overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"configuration file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raw = loaded or {}
+    raw = _apply_env(raw, os.environ if environ is None else environ)
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved configuration as YAML (secrets masked)."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False)

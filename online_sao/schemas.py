@@ -1,0 +1,204 @@
+"""Event records that cross process boundaries, and their wire codec.
+
+Every record is a pydantic model with a ``kind`` and a ``schema_version``.
+Encoding (documented in docs/RECORDS.md): UTF-8 JSON, keys in declaration
+order, no whitespace, floats as JSON numbers (finite only). Decoding checks the
+size, the JSON, the kind, the schema version and every field, and raises
+:class:`RecordError` with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Annotated, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter,
+                      ValidationError, model_validator)
+
+SCHEMA_VERSION = 1
+MAX_RECORD_BYTES = 1_000_000
+"""Largest encoded record: the default ``max.message.bytes`` of a Kafka topic is
+1 MiB plus batch overhead, so anything larger would be refused by the broker."""
+MAX_TOKENS_PER_RECORD = 32_768
+"""Longest trajectory accepted in one record (guards memory of consumers)."""
+
+
+class RecordError(ValueError):
+    """A record that cannot be encoded or decoded; the message says why."""
+
+
+def _decode_b64(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return base64.b64decode(value, validate=True)
+    raise ValueError("expected base64 text")
+
+
+Base64Bytes = Annotated[bytes, PlainValidator(_decode_b64),
+                        PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    temperature: float = Field(1.0, gt=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(128, ge=1)
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class Interaction(Record):
+    """One completed trajectory sampled by the serving engine.
+
+    ``prompt_ids`` is everything before the first sampled token. ``response_ids``
+    is the rest of the trajectory: the model's tokens and, in multi-turn or agent
+    use, the user/tool/environment tokens between them. ``action_mask`` has one
+    entry per response token (True = sampled by the policy). ``logprobs`` and
+    ``versions`` have one entry per action token: the behaviour log-probability
+    under the exact sampling distribution and the policy version that sampled it.
+    ``turn_ends`` lists, for each assistant turn, the index in ``response_ids`` of
+    its last token (per-turn rewards are credited there).
+    """
+
+    kind: Literal["interaction"] = "interaction"
+    interaction_id: str = Field(min_length=1, max_length=256)
+    created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
+    completed_at: float = Field(default_factory=time.time, allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=256)
+    deployment_id: str = "local"
+    prompt_ids: list[TokenId] = Field(min_length=1)
+    response_ids: list[TokenId]
+    action_mask: list[bool]
+    logprobs: list[FiniteFloat]
+    versions: list[Annotated[int, Field(ge=0)]]
+    turn_ends: list[Annotated[int, Field(ge=0)]] = []
+    sampling: SamplingParams = SamplingParams()
+    finish_reason: str = "stop"
+    parent_id: str | None = None
+    user_id: str | None = None
+    session_id: str | None = None
+    prompt_text: str | None = None
+    response_text: str | None = None
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> "Interaction":
+        n = len(self.response_ids)
+        if len(self.prompt_ids) + n > MAX_TOKENS_PER_RECORD:
+            raise ValueError(f"trajectory of {len(self.prompt_ids) + n} tokens exceeds {MAX_TOKENS_PER_RECORD}")
+        if len(self.action_mask) != n:
+            raise ValueError(f"action_mask has {len(self.action_mask)} entries for {n} response tokens")
+        actions = sum(self.action_mask)
+        if len(self.logprobs) != actions:
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {actions} action tokens")
+        if len(self.versions) != actions:
+            raise ValueError(f"versions has {len(self.versions)} entries for {actions} action tokens")
+        if any(lp > 0 for lp in self.logprobs):
+            raise ValueError("a log-probability is above 0")
+        if any(not 0 <= e < n for e in self.turn_ends):
+            raise ValueError("turn_ends points outside response_ids")
+        return self
+
+    @property
+    def policy_version(self) -> int:
+        """The newest version that sampled any token (0 when nothing was sampled)."""
+        return max(self.versions, default=0)
+
+
+class TurnReward(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    turn: int = Field(ge=0)
+    value: FiniteFloat
+
+
+class Reward(Record):
+    """A reward for an interaction: user feedback, a judge, an environment."""
+
+    kind: Literal["reward"] = "reward"
+    interaction_id: str = Field(min_length=1, max_length=256)
+    value: FiniteFloat
+    source: str = Field("user", min_length=1, max_length=128)
+    created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
+    turn_rewards: list[TurnReward] = []
+
+
+class WeightsNotice(Record):
+    """A new policy version in the weight store, or a rollback to an older one."""
+
+    kind: Literal["weights"] = "weights"
+    action: Literal["publish", "rollback"] = "publish"
+    version: int = Field(ge=0)
+    location: str = Field(min_length=1)
+    checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
+    model: str = "online-sao"
+    step: int = Field(0, ge=0)
+    created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
+    metrics: dict[str, FiniteFloat] = {}
+
+
+class DeadLetter(Record):
+    """A record that failed validation, kept with its raw bytes and the reason."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    raw: Base64Bytes
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    reason: str
+    created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
+
+
+AnyRecord = Union[Interaction, Reward, WeightsNotice, DeadLetter]
+_ANY = TypeAdapter(Annotated[AnyRecord, Field(discriminator="kind")])
+
+
+def encode(record: Record) -> bytes:
+    """Compact UTF-8 JSON of a record; refuses records over MAX_RECORD_BYTES."""
+    data = record.model_dump_json(exclude_none=True).encode("utf-8")
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"{type(record).__name__} of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    return data
+
+
+def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
+    """Parse and validate one record; ``expected`` restricts its kind."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        obj = json.loads(data, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise RecordError(f"not a JSON record: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RecordError("record is not a JSON object")
+    version = obj.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise RecordError(f"unknown schema_version {version!r} (this build reads {SCHEMA_VERSION})")
+    try:
+        record = _ANY.validate_python(obj)
+    except ValidationError as exc:
+        raise RecordError(_describe(exc)) from None
+    if expected is not None and not isinstance(record, expected):
+        raise RecordError(f"expected a {expected.__name__} record, got kind {obj.get('kind')!r}")
+    return record
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors()[:5]:
+        loc = ".".join(str(p) for p in e["loc"][1:] or e["loc"])  # drop the union tag
+        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return "invalid record: " + "; ".join(parts)
+

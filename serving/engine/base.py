@@ -1,0 +1,66 @@
+"""The inference-engine seam of serving.
+
+The HTTP layer turns a request into a :class:`GenerationRequest` of token ids
+and consumes :class:`TokenEvent` s as the engine samples them. Engines: the
+native PyTorch engine (:mod:`serving.engine.torch_engine`, default) and vLLM
+(:mod:`serving.engine.vllm_engine`). Every sampled token carries its behaviour
+log-probability under the exact sampling distribution and the policy version
+that sampled it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+import torch
+
+from online_sao.schemas import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    """Token ids that end generation (the eos/end-of-turn ids); the stop token is
+    sampled and logged as an action but not returned as text."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float
+    version: int
+    finish_reason: str | None = None
+    """None while generating; 'stop' or 'length' on the last token."""
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    version: int
+    applied: bool
+    load_s: float
+    """Seconds spent loading and verifying off the request path."""
+    stall_s: float
+    """Seconds decoding was paused for the switch itself."""
+    reason: str = ""
+
+
+class InferenceEngine(Protocol):
+    @property
+    def policy_version(self) -> int: ...
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the sampled tokens of one request; the last event has a finish_reason."""
+        ...
+
+    def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
+        """Load a new version and switch between two decode steps. Thread-safe, blocking.
+        An older version than the current one is ignored unless ``force`` (rollback)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,94 @@
+"""The stream seam: producers and consumers of keyed byte records on topics.
+
+Two backends implement it: :mod:`streams.kafka` (Apache Kafka through
+kafka-python) and :mod:`streams.memory` (in-process, for unit tests of one
+component). Records are bytes here; typing and validation happen in
+:mod:`online_sao.schemas`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, order=True)
+class TopicPartition:
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+class StreamUnavailable(RuntimeError):
+    """The backend cannot be reached now (the caller may spool and retry)."""
+
+
+class Producer(ABC):
+    """Asynchronous, idempotent, ordered per key."""
+
+    @abstractmethod
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        """Queue one record; raises StreamUnavailable when it cannot be queued."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every queued record is acknowledged; StreamUnavailable on timeout."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Consumer(ABC):
+    """Reads topics; offsets are committed explicitly (never automatically)."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]: ...
+
+    @abstractmethod
+    def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit the next offset to read for each partition (consumer groups only)."""
+
+    @abstractmethod
+    def seek(self, tp: TopicPartition, offset: int) -> None: ...
+
+    @abstractmethod
+    def assignment(self) -> set[TopicPartition]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+StartFrom = Literal["earliest", "latest"]
+
+
+class StreamBackend(ABC):
+    """Makes producers and consumers and manages topics."""
+
+    @abstractmethod
+    def producer(self) -> Producer: ...
+
+    @abstractmethod
+    def consumer(self, topics: list[str], group_id: str | None = None,
+                 start: StartFrom = "earliest") -> Consumer:
+        """Without a group the consumer is assigned every partition of the topics."""
+
+    @abstractmethod
+    def ensure_topics(self) -> None:
+        """Create the service's topics (names, partitions, retention, compaction from config)."""
+
+    @abstractmethod
+    def list_topics(self) -> list[str]: ...

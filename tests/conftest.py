@@ -1,0 +1,35 @@
+"""Fixtures shared by every test package.
+
+Kafka fixtures (a real broker started once per session) live in
+tests/fixtures/kafka.py; model fixtures in tests/fixtures/models.py.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.models"]
+
+# Two CPU cores are shared by the broker, servers and the test process.
+torch.set_num_threads(2)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    return _free_port()
+
+
+@pytest.fixture
+def free_port_factory():
+    """Call it for as many distinct free ports as a test needs."""
+    return _free_port

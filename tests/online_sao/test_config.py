@@ -1,0 +1,83 @@
+import subprocess
+import sys
+
+import pytest
+
+from online_sao.config import Config, ConfigError, Section, dump_config, load_config
+
+
+def test_defaults_are_valid_and_local():
+    cfg = load_config(environ={})
+    assert cfg.kafka.is_local
+    assert cfg.kafka.bootstrap == "127.0.0.1:19092"
+    assert cfg.kafka.topics.interactions == "sao.interactions"
+    assert cfg.mlflow_uri.startswith("sqlite:///")
+
+
+def test_yaml_file_and_env_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("kafka:\n  bootstrap_servers: broker-a:9092\nalgorithm:\n  eps_low: 0.8\n")
+    env = {"ONLINE_SAO__ALGORITHM__EPS_HIGH": "3.0", "UNRELATED": "x"}
+    cfg = load_config(path, environ=env)
+    assert cfg.kafka.bootstrap == "broker-a:9092" and not cfg.kafka.is_local
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.8, 3.0)
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("serving:\n  prot: 8000\n")
+    with pytest.raises(ConfigError, match=r"serving\.prot: unknown key"):
+        load_config(path, environ={})
+
+
+def test_invalid_value_is_named():
+    with pytest.raises(ConfigError, match=r"algorithm\.eps_low"):
+        load_config(environ={"ONLINE_SAO__ALGORITHM__EPS_LOW": "1.5"})
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kafka: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", environ={})
+
+
+def test_dump_round_trips_and_masks_secrets():
+    cfg = load_config(environ={}, overrides={"serving.feedback_secret": "s3cret-value"})
+    text = dump_config(cfg)
+    assert "s3cret-value" not in text
+    import yaml
+
+    data = yaml.safe_load(text)
+    data["serving"].pop("feedback_secret")
+    assert Config.model_validate(data).serving.port == cfg.serving.port
+
+
+def test_every_field_is_documented():
+    seen = []
+
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            seen.append(prefix + name)
+            assert field.description, f"{prefix}{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, Section):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(Config)
+    assert "kafka.topics.weights" in seen and "model.base.seed" in seen
+
+
+def test_cli_config_show_and_bad_config_exit_code(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "online_sao.cli", "config", "show"],
+                        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert ok.returncode == 0, ok.stderr
+    assert "interactions: sao.interactions" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  min_rollouts: -3\n")
+    res = subprocess.run([sys.executable, "-m", "online_sao.cli", "--config", str(bad), "config", "show"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "trainer.min_rollouts" in res.stderr and "Traceback" not in res.stderr

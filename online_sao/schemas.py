@@ -177,10 +177,12 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
         obj = json.loads(data, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise RecordError(f"not a JSON record: {exc}") from None
+    except RecursionError:
+        raise RecordError("not a JSON record: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RecordError("record is not a JSON object")
     version = obj.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1 in Python
         raise RecordError(f"unknown schema_version {version!r} (this build reads {SCHEMA_VERSION})")
     try:
         record = _ANY.validate_python(obj)

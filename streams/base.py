@@ -1,6 +1,6 @@
 """The stream seam: producers and consumers of keyed byte records on topics.
 
-Two backends implement it: :mod:`streams.kafka` (Apache Kafka through
+Two backends implement it: :mod:`streams.kafka_backend` (Apache Kafka through
 kafka-python) and :mod:`streams.memory` (in-process, for unit tests of one
 component). Records are bytes here; typing and validation happen in
 :mod:`online_sao.schemas`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 
 @dataclass(frozen=True, order=True)
@@ -37,12 +37,21 @@ class StreamUnavailable(RuntimeError):
     """The backend cannot be reached now (the caller may spool and retry)."""
 
 
+DeliveryReport = Callable[[BaseException | None], None]
+"""Called once per record, from any thread: None when the broker acknowledged it, else the
+error after which the producer will not retry it."""
+
+
 class Producer(ABC):
     """Asynchronous, idempotent, ordered per key."""
 
     @abstractmethod
-    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue one record; raises StreamUnavailable when it cannot be queued."""
+    def send(self, topic: str, value: bytes, key: bytes | None = None,
+             on_delivery: DeliveryReport | None = None) -> None:
+        """Queue one record; raises StreamUnavailable when it cannot be queued.
+
+        ``on_delivery`` (optional) reports this record's outcome, so a caller can tell
+        which records still need sending after an outage (serving's interaction log)."""
 
     @abstractmethod
     def flush(self, timeout_s: float | None = None) -> None:

@@ -1,0 +1,238 @@
+"""The stream seam on Apache Kafka, through kafka-python.
+
+Topics (names from ``KafkaConfig.topics``), created by :meth:`KafkaBackend.ensure_topics`:
+
+* interactions, rewards: ``KafkaConfig.partitions`` partitions each, ``retention.ms``
+  from config. Both are keyed by interaction id and the producer's default
+  partitioner (murmur2 of the key modulo the partition count, the same as the Java
+  client's) places equal keys on equal partition numbers when the counts are
+  equal, so an interaction and its rewards are co-partitioned and one consumer of
+  partition p of both topics sees both.
+* weights: one partition, ``cleanup.policy=compact`` (the newest notice per key is kept).
+* dead letters: one partition, ``retention.ms`` from config.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import kafka.errors as kerr
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.structs import OffsetAndMetadata
+from kafka.structs import TopicPartition as KafkaTP
+
+from online_sao.config import KafkaConfig
+from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend,
+                          StreamMessage, StreamUnavailable, TopicPartition)
+
+PRODUCER_LINGER_MS = 5
+"""Small batching window: a record waits at most 5 ms for others before it is sent."""
+MAX_IN_FLIGHT = 5
+"""kafka-python keeps ordering under retries for an idempotent producer only up to 5."""
+TOPIC_CREATE_TIMEOUT_MS = 30_000
+
+
+UNAVAILABLE_ERRORS = (kerr.KafkaTimeoutError, kerr.KafkaConnectionError, kerr.NodeNotReadyError,
+                      kerr.RequestTimedOutError, kerr.BrokerNotAvailableError, kerr.MetadataEmptyBrokerList)
+"""kafka-python errors that mean "the cluster cannot be reached now" rather than "this
+request is wrong" (kafka-python 3 reports a failed bootstrap as KafkaTimeoutError)."""
+
+
+def _unavailable(exc: Exception) -> bool:
+    return isinstance(exc, UNAVAILABLE_ERRORS)
+
+
+@contextmanager
+def _mapped(action: str, bootstrap: str) -> Iterator[None]:
+    try:
+        yield
+    except kerr.KafkaError as exc:
+        if _unavailable(exc):
+            raise StreamUnavailable(f"{action}: Kafka at {bootstrap} not reachable: {exc}") from exc
+        raise
+
+
+class KafkaBackend(StreamBackend):
+    def __init__(self, cfg: KafkaConfig) -> None:
+        self.cfg = cfg
+
+    def client_options(self) -> dict[str, Any]:
+        """Connection and security settings shared by producers, consumers and admin clients."""
+        c = self.cfg
+        options: dict[str, Any] = {
+            "bootstrap_servers": c.bootstrap.split(","),
+            "security_protocol": c.security_protocol,
+            "bootstrap_timeout_ms": int(c.client_timeout_s * 1000),
+        }
+        if c.sasl_mechanism is not None:
+            options["sasl_mechanism"] = c.sasl_mechanism
+        if c.sasl_username is not None:
+            options["sasl_plain_username"] = c.sasl_username
+        if c.sasl_password is not None:
+            options["sasl_plain_password"] = c.sasl_password.get_secret_value()
+        if c.ssl_cafile is not None:
+            options["ssl_cafile"] = str(c.ssl_cafile)
+        return options
+
+    def producer(self) -> "KafkaStreamProducer":
+        with _mapped("creating a producer", self.cfg.bootstrap):
+            p = KafkaProducer(
+                **self.client_options(),
+                enable_idempotence=True,
+                acks="all",
+                linger_ms=PRODUCER_LINGER_MS,
+                max_in_flight_requests_per_connection=MAX_IN_FLIGHT,
+                # retries stay at kafka-python's default (unbounded within delivery_timeout_ms),
+                # which idempotence requires; the broker drops duplicates of a retried batch.
+                max_block_ms=int(self.cfg.client_timeout_s * 1000),
+            )
+        return KafkaStreamProducer(p, self.cfg.bootstrap, close_timeout_s=self.cfg.client_timeout_s)
+
+    def consumer(self, topics: list[str], group_id: str | None = None,
+                 start: StartFrom = "earliest") -> "KafkaStreamConsumer":
+        with _mapped("creating a consumer", self.cfg.bootstrap):
+            c = KafkaConsumer(**self.client_options(), group_id=group_id, enable_auto_commit=False,
+                              auto_offset_reset=start, allow_auto_create_topics=False)
+            if group_id is not None:
+                c.subscribe(topics)
+            else:
+                tps = []
+                for topic in topics:
+                    partitions = c.partitions_for_topic(topic)
+                    if not partitions:
+                        c.close(autocommit=False)
+                        raise ValueError(f"topic {topic!r} does not exist at {self.cfg.bootstrap}")
+                    tps += [KafkaTP(topic, p) for p in sorted(partitions)]
+                c.assign(tps)
+                if start == "earliest":
+                    c.seek_to_beginning(*tps)
+                else:
+                    c.seek_to_end(*tps)
+                for tp in tps:  # resolve the lazy seek now, so "latest" means "at creation"
+                    c.position(tp)
+        return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap)
+
+    @contextmanager
+    def admin(self) -> Iterator[KafkaAdminClient]:
+        with _mapped("connecting an admin client", self.cfg.bootstrap):
+            client = KafkaAdminClient(**self.client_options(),
+                                      request_timeout_ms=int(self.cfg.client_timeout_s * 1000))
+        try:
+            with _mapped("admin request", self.cfg.bootstrap):
+                yield client
+        finally:
+            client.close()
+
+    def topic_specs(self) -> dict[str, dict[str, Any]]:
+        """What ensure_topics creates: name -> partitions, replication and topic configs."""
+        c = self.cfg
+        rf = c.replication_factor
+        retained = {"cleanup.policy": "delete", "retention.ms": str(c.retention_ms)}
+        return {
+            c.topics.interactions: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
+            c.topics.rewards: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
+            c.topics.weights: {"num_partitions": 1, "replication_factor": rf,
+                               "configs": {"cleanup.policy": "compact"}},
+            c.topics.dead_letters: {"num_partitions": 1, "replication_factor": rf, "configs": retained},
+        }
+
+    def ensure_topics(self) -> None:
+        specs = self.topic_specs()
+        with self.admin() as admin:
+            result = admin.create_topics(specs, timeout_ms=TOPIC_CREATE_TIMEOUT_MS, raise_errors=False)
+            for topic in result["topics"]:
+                error = kerr.for_code(topic["error_code"])
+                if error is not kerr.NoError and error is not kerr.TopicAlreadyExistsError:
+                    raise RuntimeError(f"creating topic {topic['name']!r} failed: {error.__name__}: "
+                                       f"{topic.get('error_message')}")
+            admin.wait_for_topics(list(specs), timeout_ms=TOPIC_CREATE_TIMEOUT_MS)
+        counts = self.describe_topics()
+        t = self.cfg.topics
+        if counts[t.interactions] != counts[t.rewards]:
+            raise RuntimeError(f"topics {t.interactions!r} ({counts[t.interactions]} partitions) and "
+                               f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
+                               f"to stay co-partitioned by interaction id")
+
+    def describe_topics(self) -> dict[str, int]:
+        """Partition count of every non-internal topic."""
+        with self.admin() as admin:
+            topics = admin.describe_topics()
+        return {t["name"]: len(t["partitions"]) for t in topics if not t.get("is_internal")}
+
+    def list_topics(self) -> list[str]:
+        with self.admin() as admin:
+            return sorted(name for name in admin.list_topics() if not name.startswith("__"))
+
+
+class KafkaStreamProducer(Producer):
+    def __init__(self, producer: KafkaProducer, bootstrap: str, close_timeout_s: float) -> None:
+        self._producer = producer
+        self._bootstrap = bootstrap
+        self._close_timeout_s = close_timeout_s
+        self._failures: list[Exception] = []
+        self._failures_lock = threading.Lock()  # errbacks run on kafka-python's I/O thread
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None,
+             on_delivery: DeliveryReport | None = None) -> None:
+        with _mapped(f"sending to {topic}", self._bootstrap):
+            future = self._producer.send(topic, value=value, key=key)
+        future.add_errback(self._record_failure)
+        if on_delivery is not None:
+            future.add_callback(lambda _metadata: on_delivery(None))
+            future.add_errback(on_delivery)
+
+    def _record_failure(self, exc: Exception) -> None:
+        with self._failures_lock:
+            self._failures.append(exc)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Raises StreamUnavailable when the cluster did not take every record in time."""
+        with _mapped("flushing the producer", self._bootstrap):
+            self._producer.flush(timeout=timeout_s)
+        with self._failures_lock:
+            failures, self._failures = self._failures, []
+        if not failures:
+            return
+        first = failures[0]
+        summary = f"{len(failures)} record(s) were not acknowledged; first error: {first}"
+        if all(isinstance(f, kerr.KafkaError) and (f.retriable or _unavailable(f)) for f in failures):
+            raise StreamUnavailable(summary) from first
+        raise RuntimeError(summary) from first
+
+    def close(self) -> None:
+        """Sends what is queued, waiting at most client_timeout_s (unsent records are dropped)."""
+        self._producer.close(timeout=self._close_timeout_s)
+
+
+class KafkaStreamConsumer(Consumer):
+    def __init__(self, consumer: KafkaConsumer, group_id: str | None, bootstrap: str) -> None:
+        self._consumer = consumer
+        self._group_id = group_id
+        self._bootstrap = bootstrap
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
+        with _mapped("polling", self._bootstrap):
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        return [StreamMessage(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
+                              value=r.value, timestamp_ms=r.timestamp)
+                for records in batches.values() for r in records]
+
+    def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        if self._group_id is None:
+            raise ValueError("commit needs a consumer group (this consumer has no group_id)")
+        with _mapped("committing offsets", self._bootstrap):
+            self._consumer.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(offset, "", -1)
+                                   for tp, offset in offsets.items()})
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._consumer.seek(KafkaTP(tp.topic, tp.partition), offset)
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+

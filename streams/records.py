@@ -1,0 +1,61 @@
+"""Typed records on the byte-level stream seam: encode + key on the way in, decode or
+dead-letter on the way out.
+
+Keys (see docs/RECORDS.md): interactions and rewards by interaction id (so they are
+co-partitioned), weights notices by model name (the compacted topic keeps the newest
+notice per model), dead letters by the key of the record that failed.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from online_sao.schemas import (DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode,
+                                encode)
+from streams.base import Producer, StreamMessage
+
+R = TypeVar("R", bound=Record)
+
+MAX_DEAD_LETTER_RAW_BYTES = 600_000
+"""Raw bytes kept in a dead letter: base64 grows them by 4/3, and the dead letter itself
+must stay under MAX_RECORD_BYTES (1 MB), so longer payloads are truncated."""
+MAX_REASON_CHARS = 2_000
+"""Longest reason kept (validation messages of huge records can be long)."""
+
+
+def record_key(record: Record) -> bytes | None:
+    if isinstance(record, (Interaction, Reward)):
+        return record.interaction_id.encode("utf-8")
+    if isinstance(record, WeightsNotice):
+        return record.model.encode("utf-8")
+    return None
+
+
+def publish(producer: Producer, topic: str, record: Record, key: bytes | None = None) -> None:
+    """Encode ``record`` and queue it, keyed by :func:`record_key` unless ``key`` is given."""
+    producer.send(topic, encode(record), key=key if key is not None else record_key(record))
+
+
+def dead_letter_for(message: StreamMessage, reason: str) -> DeadLetter:
+    raw = message.value
+    if len(raw) > MAX_DEAD_LETTER_RAW_BYTES:
+        reason = f"{reason} (raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)"
+        raw = raw[:MAX_DEAD_LETTER_RAW_BYTES]
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[:MAX_REASON_CHARS - 3] + "..."
+    return DeadLetter(raw=raw, source_topic=message.topic, partition=message.partition,
+                      offset=message.offset, reason=reason)
+
+
+def decode_or_dead_letter(message: StreamMessage, expected: type[R], producer: Producer,
+                          dead_letter_topic: str) -> R | None:
+    """The record in ``message``, or None after sending a DeadLetter saying why it is unreadable.
+
+    Bad data never raises here; failures to reach the stream (StreamUnavailable) do.
+    """
+    try:
+        return decode(message.value, expected)  # type: ignore[return-value]
+    except RecordError as exc:
+        letter = dead_letter_for(message, str(exc))
+    producer.send(dead_letter_topic, encode(letter), key=message.key)
+    return None

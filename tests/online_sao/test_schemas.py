@@ -1,0 +1,165 @@
+"""The record codec: round trips, and rejections that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from online_sao.schemas import (MAX_RECORD_BYTES, DeadLetter, Interaction, RecordError, Reward, WeightsNotice,
+                                decode, encode)
+
+
+def interaction(**overrides) -> Interaction:
+    fields = dict(interaction_id="i-1", model="m", created_at=1.5, completed_at=2.5, prompt_ids=[1, 2],
+                  response_ids=[3, 4, 5, 6], action_mask=[True, True, False, True],
+                  logprobs=[-0.5, -1.0, -2.0], versions=[1, 1, 2], turn_ends=[1, 3],
+                  user_id="user-7", session_id="sess-3", prompt_text="héllo", response_text="wörld")
+    fields.update(overrides)
+    return Interaction(**fields)
+
+
+RECORDS = [
+    interaction(),
+    Reward(interaction_id="i-1", value=-0.5, source="judge", created_at=3.0,
+           turn_rewards=[{"turn": 0, "value": 1.0}, {"turn": 1, "value": -1.0}]),
+    WeightsNotice(version=4, location="s3://bucket/w/4", checksum="0f" * 32, step=12, created_at=4.0,
+                  metrics={"loss": 0.125}),
+    WeightsNotice(action="rollback", version=2, location="/w/2", checksum="a" * 64, created_at=5.0),
+    DeadLetter(raw=bytes(range(256)), source_topic="sao.rewards", partition=2, offset=41, reason="bad",
+               created_at=6.0),
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.kind)
+def test_round_trip_is_exact_and_compact(record):
+    data = encode(record)
+    assert decode(data) == record
+    assert decode(data, type(record)) == record
+    assert b" " not in data and b"\n" not in data  # no whitespace between tokens
+    assert encode(decode(data)) == data  # stable: re-encoding gives the same bytes
+    assert json.loads(data)["schema_version"] == 1
+
+
+def test_encoding_is_utf8_json_in_field_order_without_nulls():
+    data = encode(Reward(interaction_id="ï", value=2.0, created_at=1.0))
+    assert data == '{"schema_version":1,"kind":"reward","interaction_id":"ï","value":2.0,'.encode() + \
+        b'"source":"user","created_at":1.0,"turn_rewards":[]}'
+    assert b"parent_id" not in encode(interaction())  # None fields are left out
+
+
+def test_policy_version_is_the_newest_sampling_version():
+    assert interaction().policy_version == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(action_mask=[True, True]), "action_mask has 2 entries for 4 response tokens"),
+    (dict(logprobs=[-0.5]), "logprobs has 1 entries for 3 action tokens"),
+    (dict(versions=[1, 1]), "versions has 2 entries for 3 action tokens"),
+    (dict(turn_ends=[4]), "turn_ends points outside response_ids"),
+    (dict(logprobs=[-0.5, 0.5, -1.0]), "a log-probability is above 0"),
+])
+def test_lengths_that_disagree_are_rejected(overrides, message):
+    obj = json.loads(encode(interaction()))
+    obj.update(overrides)
+    with pytest.raises(RecordError, match=message):
+        decode(json.dumps(obj).encode())
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_are_rejected(literal):
+    data = b'{"schema_version":1,"kind":"reward","interaction_id":"x","value":' + literal + b"}"
+    with pytest.raises(RecordError, match="non-finite|finite number"):
+        decode(data)
+
+
+def test_non_finite_numbers_cannot_be_built():
+    with pytest.raises(ValueError):
+        Reward(interaction_id="x", value=float("nan"))
+    with pytest.raises(ValueError):
+        WeightsNotice(version=1, location="x", checksum="a" * 64, metrics={"loss": float("inf")})
+
+
+def test_oversize_payloads_are_rejected_both_ways():
+    big = DeadLetter(raw=b"x" * MAX_RECORD_BYTES, source_topic="t", reason="r")
+    with pytest.raises(RecordError, match=f"exceeds {MAX_RECORD_BYTES}"):
+        encode(big)
+    with pytest.raises(RecordError, match=f"record of {MAX_RECORD_BYTES + 1} bytes exceeds {MAX_RECORD_BYTES}"):
+        decode(b" " * (MAX_RECORD_BYTES + 1))
+
+
+def test_too_long_trajectories_are_rejected():
+    n = 40_000
+    with pytest.raises(ValueError, match="tokens exceeds"):
+        interaction(prompt_ids=[1] * n)
+
+
+@pytest.mark.parametrize("version", [0, 2, None, "1", True, 1.0])
+def test_unknown_schema_versions_are_rejected(version):
+    obj = json.loads(encode(RECORDS[1]))
+    if version is None:
+        del obj["schema_version"]
+    else:
+        obj["schema_version"] = version
+    with pytest.raises(RecordError, match=r"unknown schema_version .* \(this build reads 1\)"):
+        decode(json.dumps(obj).encode())
+
+
+def test_wrong_kind_is_rejected():
+    with pytest.raises(RecordError, match="expected a Reward record, got kind 'interaction'"):
+        decode(encode(interaction()), Reward)
+    obj = json.loads(encode(RECORDS[1]))
+    obj["kind"] = "bogus"
+    with pytest.raises(RecordError, match="invalid record"):
+        decode(json.dumps(obj).encode())
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xff\xfe", "not a JSON record"),
+    (b"[1, 2]", "not a JSON object"),
+    (b"[" * 100_000, "not a JSON record"),
+    (b'{"schema_version":1,"kind":"reward","interaction_id":"x","value":1,"extra":2}', "extra"),
+    (b'{"schema_version":1,"kind":"reward","interaction_id":"","value":1}', "interaction_id"),
+    (b'{"schema_version":1,"kind":"dead_letter","raw":"%%%","source_topic":"t","reason":"r"}', "raw"),
+])
+def test_malformed_input_is_rejected_with_the_reason(data, message):
+    with pytest.raises(RecordError, match=message):
+        decode(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2_000))
+def test_random_bytes_raise_only_record_error(data):
+    try:
+        decode(data)
+    except RecordError:
+        pass
+
+
+def _json_values():
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
+        st.text(max_size=20)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(record=st.sampled_from(RECORDS), data=st.data())
+def test_mutated_valid_records_raise_only_record_error(record, data):
+    obj = json.loads(encode(record))
+    field = data.draw(st.sampled_from(sorted(obj)))
+    if data.draw(st.booleans()):
+        obj[field] = data.draw(_json_values())
+    else:
+        del obj[field]
+    raw = json.dumps(obj).encode()
+    if data.draw(st.booleans()):  # and sometimes corrupt the bytes themselves
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + data.draw(st.binary(min_size=1, max_size=3)) + raw[i + 1:]
+    try:
+        decoded = decode(raw)
+    except RecordError:
+        return
+    assert encode(decoded)  # whatever is accepted is a valid, encodable record

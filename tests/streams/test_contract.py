@@ -1,0 +1,207 @@
+"""One contract for every StreamBackend: the in-memory backend must behave like Kafka.
+
+Each test runs against InMemoryBackend and against KafkaBackend on the session's real
+broker (the ``kafka`` parameter, marked ``kafka``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from online_sao.config import KafkaConfig
+from online_sao.schemas import DeadLetter, Interaction, Reward, WeightsNotice, decode
+from streams.base import StreamBackend, TopicPartition
+from streams.kafka_backend import KafkaBackend
+from streams.memory import InMemoryBackend, partition_for_key
+from streams.records import decode_or_dead_letter, publish
+from tests.fixtures.kafka import TEST_PARTITIONS, drain
+
+
+@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
+def backend(request) -> StreamBackend:
+    if request.param == "memory":
+        backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
+        backend.ensure_topics()
+        return backend
+    return KafkaBackend(request.getfixturevalue("kafka_config"))
+
+
+def _topics(backend: StreamBackend):
+    return backend.cfg.topics
+
+
+def _interaction(iid: str, version: int = 1) -> Interaction:
+    return Interaction(interaction_id=iid, model="m", prompt_ids=[1, 2, 3], response_ids=[4, 5, 6],
+                       action_mask=[True, False, True], logprobs=[-0.5, -1.25], versions=[version, version],
+                       turn_ends=[2], user_id="u", session_id="s", prompt_text="hi", response_text="yo")
+
+
+def test_every_record_kind_round_trips(backend):
+    t = _topics(backend)
+    sent = {
+        t.interactions: _interaction("i-1"),
+        t.rewards: Reward(interaction_id="i-1", value=0.75, source="judge",
+                          turn_rewards=[{"turn": 0, "value": 0.5}]),
+        t.weights: WeightsNotice(version=3, location="file:///w/3", checksum="ab" * 32, step=7,
+                                 metrics={"loss": 0.25}),
+        t.dead_letters: DeadLetter(raw=b"\x00\xffnot json", source_topic=t.rewards, partition=1, offset=9,
+                                   reason="not a JSON record"),
+    }
+    producer = backend.producer()
+    for topic, record in sent.items():
+        publish(producer, topic, record)
+    producer.flush(10)
+    consumer = backend.consumer(list(sent))
+    got = {m.topic: decode(m.value) for m in drain(consumer, len(sent))}
+    consumer.close()
+    producer.close()
+    assert got == sent
+
+
+def test_keys_place_records_like_kafkas_default_partitioner(backend):
+    t = _topics(backend)
+    keys = [f"interaction-{i}".encode() for i in range(12)]
+    producer = backend.producer()
+    for key in keys:
+        producer.send(t.interactions, b"i", key=key)
+        producer.send(t.rewards, b"r", key=key)
+    producer.flush(10)
+    consumer = backend.consumer([t.interactions, t.rewards])
+    messages = drain(consumer, 2 * len(keys))
+    consumer.close()
+    producer.close()
+    placed = {(m.topic, m.key): m.partition for m in messages}
+    assert len(placed) == 2 * len(keys)
+    for key in keys:
+        expected = partition_for_key(key, TEST_PARTITIONS)
+        assert placed[(t.interactions, key)] == expected
+        assert placed[(t.rewards, key)] == expected  # co-partitioned
+    assert len({placed[(t.interactions, k)] for k in keys}) > 1
+
+
+def test_offsets_count_up_per_partition_in_send_order(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    for i in range(5):
+        producer.send(t.interactions, str(i).encode(), key=b"same-key")
+    producer.flush(10)
+    consumer = backend.consumer([t.interactions])
+    messages = drain(consumer, 5)
+    consumer.close()
+    producer.close()
+    assert [m.value for m in messages] == [b"0", b"1", b"2", b"3", b"4"]
+    assert [m.offset for m in messages] == [0, 1, 2, 3, 4]
+    assert len({m.partition for m in messages}) == 1
+    assert all(m.timestamp_ms > 0 for m in messages)
+
+
+def test_consumer_without_group_gets_every_partition_and_can_seek(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    producer.send(t.interactions, b"old", key=b"k")
+    producer.flush(10)
+    consumer = backend.consumer([t.interactions, t.rewards], start="latest")
+    assert consumer.assignment() == ({TopicPartition(t.interactions, p) for p in range(TEST_PARTITIONS)}
+                                     | {TopicPartition(t.rewards, p) for p in range(TEST_PARTITIONS)})
+    producer.send(t.interactions, b"new", key=b"k")
+    producer.flush(10)
+    first = drain(consumer, 1)
+    assert [m.value for m in first] == [b"new"]
+    consumer.seek(first[0].tp, 0)
+    assert [m.value for m in drain(consumer, 2)] == [b"old", b"new"]
+    with pytest.raises(ValueError):
+        consumer.commit({first[0].tp: 1})
+    with pytest.raises(ValueError):
+        consumer.seek(TopicPartition(t.weights, 0), 0)
+    consumer.close()
+    producer.close()
+
+
+def test_consumer_group_resumes_from_committed_offsets(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    for i in range(6):
+        producer.send(t.rewards, str(i).encode(), key=f"k{i}".encode())
+    producer.flush(10)
+
+    first = backend.consumer([t.rewards], group_id="g-resume")
+    read = drain(first, 6)
+    assert sorted(m.value for m in read) == [str(i).encode() for i in range(6)]
+    # Commit only up to and including the first record of each partition.
+    firsts = {}
+    for m in read:
+        firsts.setdefault(m.tp, m)
+    first.commit({tp: m.offset + 1 for tp, m in firsts.items()})
+    first.close()
+
+    second = backend.consumer([t.rewards], group_id="g-resume")
+    again = drain(second, 6 - len(firsts))
+    assert sorted(m.value for m in again) == sorted(m.value for m in read if m not in firsts.values())
+    assert second.poll(timeout_s=0.5) == []
+    second.close()
+    producer.close()
+
+
+def test_new_group_starting_latest_skips_earlier_records(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    producer.send(t.rewards, b"before", key=b"a")
+    producer.flush(10)
+    consumer = backend.consumer([t.rewards], group_id="g-latest", start="latest")
+    # Kafka assigns partitions when the consumer joins its group, during polls.
+    for _ in range(30):
+        if consumer.poll(timeout_s=0.5) == [] and consumer.assignment():
+            break
+    assert consumer.assignment() == {TopicPartition(t.rewards, p) for p in range(TEST_PARTITIONS)}
+    producer.send(t.rewards, b"after", key=b"a")
+    producer.flush(10)
+    assert [m.value for m in drain(consumer, 1)] == [b"after"]
+    consumer.close()
+    producer.close()
+
+
+def test_bad_bytes_go_to_the_dead_letter_topic_with_the_reason(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    publish(producer, t.rewards, Reward(interaction_id="good", value=1.0))
+    producer.send(t.rewards, b"{not json", key=b"bad-1")
+    producer.send(t.rewards, _interaction("wrong-kind").model_dump_json().encode(), key=b"bad-2")
+    producer.flush(10)
+    consumer = backend.consumer([t.rewards])
+    decoded = [decode_or_dead_letter(m, Reward, producer, t.dead_letters) for m in drain(consumer, 3)]
+    producer.flush(10)
+    consumer.close()
+    assert [r.interaction_id for r in decoded if r is not None] == ["good"]
+    assert decoded.count(None) == 2
+
+    letters_consumer = backend.consumer([t.dead_letters])
+    letters = {m.key: decode(m.value, DeadLetter) for m in drain(letters_consumer, 2)}
+    letters_consumer.close()
+    producer.close()
+    assert set(letters) == {b"bad-1", b"bad-2"}
+    assert letters[b"bad-1"].raw == b"{not json"
+    assert letters[b"bad-1"].source_topic == t.rewards
+    assert "not a JSON record" in letters[b"bad-1"].reason
+    assert "expected a Reward record, got kind 'interaction'" in letters[b"bad-2"].reason
+
+
+def test_ensure_topics_is_idempotent_and_sizes_topics(backend):
+    backend.ensure_topics()
+    backend.ensure_topics()
+    t = _topics(backend)
+    counts = backend.describe_topics()
+    assert counts[t.interactions] == counts[t.rewards] == TEST_PARTITIONS
+    assert counts[t.weights] == 1
+    assert counts[t.dead_letters] == 1
+    assert {t.interactions, t.rewards, t.weights, t.dead_letters} <= set(backend.list_topics())
+
+
+def test_delivery_reports_say_each_record_was_acknowledged(backend):
+    t = _topics(backend)
+    reports = []
+    producer = backend.producer()
+    for i in range(3):
+        producer.send(t.interactions, b"v", key=str(i).encode(), on_delivery=reports.append)
+    producer.flush(10)
+    producer.close()
+    assert reports == [None, None, None]

@@ -1,0 +1,57 @@
+"""Typed helpers over the byte seam: keys, and dead letters that never raise on bad data."""
+
+from __future__ import annotations
+
+from online_sao.config import KafkaConfig
+from online_sao.schemas import MAX_RECORD_BYTES, DeadLetter, Reward, WeightsNotice, decode, encode
+from streams.base import StreamMessage, TopicPartition
+from streams.memory import InMemoryBackend
+from streams.records import MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter, publish, record_key
+from tests.fixtures.kafka import drain
+
+
+def _backend() -> tuple[InMemoryBackend, KafkaConfig]:
+    cfg = KafkaConfig(partitions=2)
+    backend = InMemoryBackend(cfg)
+    backend.ensure_topics()
+    return backend, cfg
+
+
+def test_keys_are_interaction_ids_and_model_names():
+    assert record_key(Reward(interaction_id="abc", value=1.0)) == b"abc"
+    assert record_key(WeightsNotice(version=1, location="x", checksum="a" * 64, model="pol")) == b"pol"
+    assert record_key(DeadLetter(raw=b"", source_topic="t", reason="r")) is None
+
+
+def test_publish_encodes_and_keys_the_record():
+    backend, cfg = _backend()
+    producer = backend.producer()
+    reward = Reward(interaction_id="abc", value=1.0)
+    publish(producer, cfg.topics.rewards, reward)
+    [message] = drain(backend.consumer([cfg.topics.rewards]), 1, timeout_s=1)
+    assert (message.key, message.value) == (b"abc", encode(reward))
+
+
+def test_an_oversize_payload_is_dead_lettered_truncated_not_raised():
+    backend, cfg = _backend()
+    producer = backend.producer()
+    raw = b"x" * (MAX_RECORD_BYTES + 10)
+    message = StreamMessage(topic=cfg.topics.rewards, partition=1, offset=7, key=b"k", value=raw, timestamp_ms=1)
+    assert decode_or_dead_letter(message, Reward, producer, cfg.topics.dead_letters) is None
+    [sent] = drain(backend.consumer([cfg.topics.dead_letters]), 1, timeout_s=1)
+    letter = decode(sent.value, DeadLetter)
+    assert len(sent.value) <= MAX_RECORD_BYTES
+    assert letter.raw == raw[:MAX_DEAD_LETTER_RAW_BYTES]
+    assert (letter.partition, letter.offset, sent.key) == (1, 7, b"k")
+    assert letter.reason.startswith(f"record of {len(raw)} bytes exceeds {MAX_RECORD_BYTES}")
+    assert letter.reason.endswith(f"(raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)")
+
+
+def test_a_valid_record_is_returned_and_nothing_is_dead_lettered():
+    backend, cfg = _backend()
+    producer = backend.producer()
+    reward = Reward(interaction_id="abc", value=1.0)
+    message = StreamMessage(topic=cfg.topics.rewards, partition=0, offset=0, key=b"abc", value=encode(reward),
+                            timestamp_ms=1)
+    assert decode_or_dead_letter(message, Reward, producer, cfg.topics.dead_letters) == reward
+    assert backend.end_offset(TopicPartition(cfg.topics.dead_letters, 0)) == 0

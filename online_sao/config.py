@@ -62,6 +62,9 @@ class KafkaConfig(Section):
     """Java heap of the local broker, sized for a small machine."""
     startup_timeout_s: float = Field(90.0, gt=0)
     """How long ``kafka up`` waits for the broker to accept connections."""
+    client_timeout_s: float = Field(10.0, gt=0)
+    """How long a client waits for the cluster (first connection, metadata of a send,
+    an admin request) before the stream backend raises StreamUnavailable."""
     partitions: int = Field(4, ge=1)
     """Partitions of the interactions and rewards topics (same count: co-partitioned)."""
     retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
@@ -124,6 +127,14 @@ class BaseModelConfig(Section):
     """Peak learning rate of pre-training."""
     seed: int = 0
     """Seed of corpus generation, tokenizer and training."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "BaseModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        return self
 
 
 class ModelConfig(Section):
@@ -220,8 +231,18 @@ class ServingConfig(Section):
     """Accepted API keys; required unless bound to loopback."""
     rate_limit_per_minute: int = Field(600, ge=1)
     """Requests per minute per API key."""
+    rate_limit_burst: int = Field(20, ge=1)
+    """Requests a key may send at once before the per-minute rate applies (token-bucket size)."""
     max_batch_size: int = Field(16, ge=1)
     """Sequences decoded together (continuous batching)."""
+    swap_in_place: bool = False
+    """Memory-short hot-swap: copy new weights into the serving model between two
+    decode steps instead of loading a second copy off the request path (half the
+    weight memory, a stall as long as the copy)."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op CPU threads of torch, set process-wide when the engine starts
+    (None keeps torch's default). On a busy small machine 1 is often fastest:
+    spinning OpenMP workers that wait for a core cost more than they save."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Longest prompt accepted (413 above)."""
     max_new_tokens: int = Field(256, ge=1)
@@ -232,6 +253,22 @@ class ServingConfig(Section):
     """Append-only spool used while the broker is unreachable (default data_dir/spool)."""
     redact_text: bool = False
     """Drop prompt and response text from logged records (token ids are kept)."""
+    spool_max_bytes: int = Field(1 << 30, ge=1024)
+    """Largest spool on disk; beyond it (or on a full disk) the server can no longer log
+    while the broker is unreachable and answers 503 for new work."""
+    log_queue_size: int = Field(10_000, ge=1)
+    """Records waiting for the log sender above which new work gets 503 (admitted work is never dropped)."""
+    log_window: int = Field(256, ge=1)
+    """Records handed to the producer and not yet acknowledged, at most."""
+    log_stall_s: float = Field(5.0, gt=0)
+    """A record unacknowledged this long means the broker is unreachable: start spooling."""
+    log_retry_s: float = Field(1.0, gt=0)
+    """Pause before a failed record is sent again during spool replay."""
+    shutdown_flush_s: float = Field(10.0, ge=0)
+    """On shutdown, how long to keep delivering before the rest is left in the spool."""
+    max_trajectories: int = Field(1024, ge=1)
+    """Recent trajectories kept in memory so a request can continue one (parent_interaction_id);
+    an older or evicted parent is refused with 404."""
 
 
 class TrainerConfig(Section):
@@ -257,6 +294,20 @@ class TrainerConfig(Section):
     """Learner checkpoints (default data_dir/checkpoints)."""
     seed: int = 0
     """Seed of the learner."""
+    poll_timeout_s: float = Field(0.2, gt=0)
+    """Longest wait of one poll of the interactions and rewards topics; bounds how
+    late a step starts after its last rollout became ready."""
+    join_max_pending: int = Field(100_000, ge=1)
+    """Interactions waiting for a reward (and, separately, rewards waiting for
+    their interaction) held at most; past it the oldest is given up (counted)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many steps of this process (tests, benchmarks); None runs on."""
+    idle_timeout_s: float | None = Field(None, gt=0)
+    """Stop when no record arrived and no step ran for this long (tests, benchmarks);
+    None waits for data forever."""
+    pretrain_file: Path | None = None
+    """JSON-lines file of encoded interaction and reward records for
+    ``learn --pretrain-critic``; None reads the retained history of the topics."""
 
 
 class MLflowConfig(Section):

@@ -1,0 +1,221 @@
+"""Baselines measured against SAO in the same harness (SAO.md section 4).
+
+- :class:`RunningMean`: advantage = rollout reward - mean of the last W rewards, DIS, no critic.
+- :class:`GRPO`: group-normalised advantages, PPO clip against pi_old, DIS optional.
+- :class:`PPO`: critic + GAE with a fixed lambda + PPO clip against pi_old, no DIS.
+
+A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO,
+each refuses a batch with non-finite inputs, losses or gradient norms
+(``skipped_nonfinite = 1``) before any optimiser step of the failing update.
+pi_old is the policy at the start of the step: the log-probs of the first
+update's forward pass, detached (a separate no-grad forward gives the same numbers).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from online_sao.advantages import skip_observation_gae, whiten
+from online_sao.algorithm import Algorithm
+from online_sao.batch import RolloutBatch
+from online_sao.config import AlgorithmConfig
+from online_sao.critic import ValueModel
+from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
+from online_sao.train_step import batch_metrics, guarded_update, nonfinite_inputs, policy_logprobs
+
+GROUP_STD_EPS = 1e-6
+"""Added to a group's reward standard deviation: a group of equal rewards has
+numerator 0 and std 0, and the epsilon turns 0/0 into advantage 0."""
+
+REFUSED = {"skipped_nonfinite": 1.0}
+
+
+def _token_advantages(row_advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` -> ``[B, T]``: each row's advantage on every one of its action tokens."""
+    return row_advantages.view(-1, 1) * action_mask
+
+
+def group_normalized_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO advantages ``(r - mean_group) / (std_group + GROUP_STD_EPS)``.
+
+    ``rewards``, ``group_ids`` ``[B]`` -> ``[B]``. std is the sample standard
+    deviation (n - 1), as common GRPO implementations use. A group with a single
+    rollout carries no comparison and gets advantage 0.
+    Metrics: num_groups, singleton_groups, degenerate_group_frac (groups whose
+    rewards are all equal and so teach nothing).
+    """
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    num = groups.numel()
+    r = rewards.float()
+    zeros = torch.zeros(num, device=r.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(r))
+    mean = zeros.index_add(0, inverse, r) / count
+    centred = r - mean[inverse]
+    sq = zeros.index_add(0, inverse, centred.pow(2))
+    std = (sq / (count - 1).clamp_min(1)).sqrt()
+    advantages = torch.where(count[inverse] > 1, centred / (std[inverse] + GROUP_STD_EPS), torch.zeros_like(r))
+    multi = count > 1
+    metrics = {
+        "num_groups": float(num),
+        "singleton_groups": float((~multi).sum()),
+        "degenerate_group_frac": float(((std == 0) & multi).sum()) / max(int(multi.sum()), 1),
+    }
+    return advantages, metrics
+
+
+class RunningMean(Algorithm):
+    """A = reward - mean of the last W rewards seen before this batch; DIS; no critic.
+
+    The baseline excludes the batch's own rewards so a rollout never baselines
+    against itself. The first batch, with no history, uses its own mean. The
+    window advances only on steps that were applied.
+    """
+
+    needs_critic = False
+
+    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig) -> None:
+        self.policy = policy
+        self.policy_optimizer = policy_optimizer
+        self.cfg = cfg
+        self.window: deque[float] = deque(maxlen=cfg.running_mean_window)
+
+    def baseline(self, rewards: torch.Tensor) -> float:
+        if self.window:
+            return sum(self.window) / len(self.window)
+        return float(rewards.mean())
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg, mask = self.cfg, batch.action_mask
+        metrics = batch_metrics(batch)
+        if nonfinite_inputs(batch):
+            return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
+        rewards = batch.rewards.sum(dim=1)
+        baseline = self.baseline(rewards)
+        advantages = _token_advantages(rewards - baseline, mask)
+        logprobs = policy_logprobs(self.policy, batch)
+        loss, dis_metrics = dis_policy_loss(
+            logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_normalizer)
+        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm)
+        if result.stepped:
+            self.window.extend(rewards.tolist())
+        return {**metrics, **dis_metrics, "policy_loss": loss.item(), "policy_grad_norm": result.grad_norm,
+                "baseline": baseline, "adv_mean": float(rewards.mean()) - baseline,
+                "skipped_nonfinite": 0.0 if result.stepped else 1.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reward_window": list(self.window)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = deque(state["reward_window"], maxlen=self.cfg.running_mean_window)
+
+
+def _clipped_updates(
+    policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
+    cfg: AlgorithmConfig, use_dis: bool, after_update=None,
+) -> dict[str, float]:
+    """``cfg.ppo_epochs`` clipped-surrogate updates against the step-start pi_old.
+    ``after_update`` (optional) runs after each applied policy update and returns
+    False to refuse the rest of the step."""
+    old_logprobs = None
+    metrics: dict[str, float] = {}
+    for epoch in range(cfg.ppo_epochs):
+        logprobs = policy_logprobs(policy, batch)
+        if old_logprobs is None:
+            old_logprobs = logprobs.detach()
+        loss, loss_metrics = clipped_surrogate_loss(
+            logprobs, old_logprobs, advantages, batch.action_mask, cfg.clip_low, cfg.clip_high,
+            rollout_logprobs=batch.rollout_logprobs if use_dis else None,
+            eps_low=cfg.eps_low, eps_high=cfg.eps_high, normalizer=batch.token_normalizer)
+        result = guarded_update(loss, optimizer, cfg.max_grad_norm)
+        metrics.update(loss_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
+                       policy_updates_done=float(epoch + result.stepped))
+        if not result.stepped or (after_update is not None and not after_update(metrics)):
+            return {**metrics, **REFUSED}
+    return {**metrics, "skipped_nonfinite": 0.0}
+
+
+class GRPO(Algorithm):
+    """Group-normalised advantages, PPO clip (clip_low/clip_high) against pi_old,
+    the DIS mask against the engine's log-probs when ``cfg.use_dis``; no critic.
+
+    Rows are grouped by ``batch.group_ids``; an ungrouped row (id < 0) is an error.
+    """
+
+    needs_critic = False
+
+    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig) -> None:
+        self.policy = policy
+        self.policy_optimizer = policy_optimizer
+        self.cfg = cfg
+        self.group_size = cfg.group_size
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics = batch_metrics(batch)
+        if bool((batch.group_ids < 0).any()):
+            raise ValueError("grpo needs grouped rollouts: every group_id must be >= 0")
+        if nonfinite_inputs(batch):
+            return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
+        row_adv, group_metrics = group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
+        advantages = _token_advantages(row_adv, batch.action_mask)
+        update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, self.cfg,
+                                          use_dis=self.cfg.use_dis)
+        return {**metrics, **group_metrics, **update_metrics}
+
+
+class PPO(Algorithm):
+    """Critic + GAE with ``cfg.ppo_lambda`` + PPO clip against pi_old, no DIS.
+
+    GAE skips observation tokens like SAO's (identical to token-level GAE for a
+    single action segment). Advantages and value targets come from the critic at
+    the step's start; each of the ``cfg.ppo_epochs`` epochs makes one policy and one
+    critic update.
+    """
+
+    needs_critic = True
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: ValueModel,
+        policy_optimizer: torch.optim.Optimizer,
+        critic_optimizer: torch.optim.Optimizer,
+        cfg: AlgorithmConfig,
+        critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> None:
+        self.policy = policy
+        self.critic = critic
+        self.policy_optimizer = policy_optimizer
+        self.critic_optimizer = critic_optimizer
+        self.critic_scheduler = critic_scheduler
+        self.cfg = cfg
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg, mask = self.cfg, batch.action_mask
+        metrics = batch_metrics(batch)
+        if nonfinite_inputs(batch):
+            return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
+        with torch.no_grad():
+            values = self.critic(batch.input_ids, batch.attention_mask)
+        advantages, returns = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.ppo_lambda)
+        metrics["explained_variance"] = explained_variance(values, returns, mask)
+        metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
+        if cfg.normalize_advantages:
+            advantages = whiten(advantages, mask)
+
+        def critic_update(step_metrics: dict[str, float]) -> bool:
+            critic_loss, _ = value_loss(self.critic(batch.input_ids, batch.attention_mask), returns, mask,
+                                        batch.token_normalizer)
+            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler)
+            step_metrics.setdefault("value_loss", critic_loss.item())
+            step_metrics["critic_grad_norm"] = result.grad_norm
+            return result.stepped
+
+        update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, cfg,
+                                          use_dis=False, after_update=critic_update)
+        return {**metrics, **update_metrics}

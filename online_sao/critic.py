@@ -1,0 +1,86 @@
+"""The critic: a value model copied from the policy with frozen attention (SAO.md section 3).
+
+The critic starts as a copy of the policy's transformer backbone (same
+architecture, same weights) with a scalar head on the last hidden states.
+With ``freeze_attention=True`` only the feed-forward blocks (MLP or MoE experts)
+and the head train: attention projections, embeddings and norms are frozen.
+The spec says "only the MLP / MoE projections and the head train", so
+embeddings and norms are frozen too, not just attention.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from online_sao.batch import shift_to_tokens
+
+FEED_FORWARD_MODULE_NAMES = frozenset({"mlp", "block_sparse_moe", "feed_forward"})
+"""Names under which Qwen2/Qwen2-MoE/Llama/Mistral/Mixtral decoder layers hold
+their MLP or MoE block; parameters below a module of one of these names train."""
+
+ATTENTION_MODULE_NAMES = frozenset({"self_attn"})
+"""Names of the attention block of a decoder layer in the Qwen2 and Llama families."""
+
+
+def _path_parts(name: str) -> set[str]:
+    return set(name.split("."))
+
+
+class ValueModel(nn.Module):
+    """``forward(input_ids, attention_mask)`` -> values ``[B, T]``.
+
+    Position ``t`` of the output is the value of the state just before token
+    ``x_t`` is emitted: the head reads the hidden state at ``t - 1`` (which has
+    seen ``x_0 .. x_{t-1}``) and :func:`~online_sao.batch.shift_to_tokens` moves
+    it to ``t``; position 0 is 0. This is the alignment of
+    :mod:`online_sao.batch`, so values line up with action masks and rewards.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, freeze_attention: bool = True) -> None:
+        super().__init__()
+        self.backbone = backbone
+        dtype = next(backbone.parameters()).dtype
+        self.head = nn.Linear(hidden_size, 1, dtype=dtype)
+        # A zero head starts every value at 0: the first advantages are plain
+        # returns instead of returns minus noise from a random projection.
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.freeze_attention = freeze_attention
+        if freeze_attention:
+            self._freeze_all_but_feed_forward()
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, freeze_attention: bool = True) -> "ValueModel":
+        """A critic whose backbone is a deep copy of the policy's (``policy.base_model``).
+
+        ``policy`` is a Hugging Face causal LM (e.g. ``Qwen2ForCausalLM``); its LM head
+        is not copied. The policy itself is not modified.
+        """
+        backbone = copy.deepcopy(policy.base_model)
+        return cls(backbone, hidden_size=policy.config.hidden_size, freeze_attention=freeze_attention)
+
+    def _freeze_all_but_feed_forward(self) -> None:
+        trainable = 0
+        for name, param in self.backbone.named_parameters():
+            keep = bool(_path_parts(name) & FEED_FORWARD_MODULE_NAMES)
+            param.requires_grad_(keep)
+            trainable += keep
+        if trainable == 0:
+            names = ", ".join(sorted(FEED_FORWARD_MODULE_NAMES))
+            raise ValueError(f"no feed-forward parameters found under modules named {names}; "
+                             "cannot freeze attention for this architecture")
+
+    def attention_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter below a module named in ATTENTION_MODULE_NAMES."""
+        return [(n, p) for n, p in self.backbone.named_parameters() if _path_parts(n) & ATTENTION_MODULE_NAMES]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+        per_position = self.head(hidden).squeeze(-1).float()  # value after reading x_0..x_t
+        return shift_to_tokens(per_position)

@@ -1,0 +1,194 @@
+"""Pure loss functions of the learning rules (SAO.md sections 1, 3 and 4).
+
+Every tensor is ``[B, T]`` and follows the token alignment of
+:mod:`online_sao.batch`: position ``t`` describes token ``x_t``. ``action_mask``
+is bool; only action tokens enter a loss. Each loss returns ``(loss, metrics)``
+with ``metrics`` plain floats.
+
+The token mean divides by ``N``: the number of action tokens of the batch, or the
+``normalizer`` the caller passes (data-parallel ranks pass the global count, see
+:attr:`online_sao.batch.RolloutBatch.token_normalizer`). Masked tokens stay in N.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_NORMALIZER = 1.0
+"""Floor of N: a batch without action tokens gives loss 0 instead of 0/0."""
+
+
+def _normalizer(action_mask: torch.Tensor, normalizer: float | None) -> torch.Tensor | float:
+    if normalizer is not None:
+        if not normalizer > 0:
+            raise ValueError(f"normalizer must be positive, got {normalizer}")
+        return float(normalizer)
+    return action_mask.sum().clamp_min(MIN_NORMALIZER)
+
+
+def _fraction(flags: torch.Tensor, action_mask: torch.Tensor) -> float:
+    count = int(action_mask.sum())
+    return float((flags & action_mask).sum()) / count if count else 0.0
+
+
+def _masked_mean(x: torch.Tensor, action_mask: torch.Tensor) -> float:
+    count = int(action_mask.sum())
+    return float(torch.where(action_mask, x, torch.zeros_like(x)).sum()) / count if count else 0.0
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, action_mask: torch.Tensor) -> dict[str, float]:
+    """Mean ratio and approx KL, mean of (r - 1) - log r, over all action tokens."""
+    with torch.no_grad():
+        log_ratio = torch.where(action_mask, log_ratio, torch.zeros_like(log_ratio))
+        ratio = log_ratio.exp()
+        return {
+            "ratio_mean": _masked_mean(ratio, action_mask),
+            "approx_kl": _masked_mean((ratio - 1) - log_ratio, action_mask),
+        }
+
+
+def dis_band_mask(
+    log_ratio: torch.Tensor, action_mask: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """DIS keep mask (SAO.md section 1): action tokens with 1 - eps_low < r < 1 + eps_high.
+
+    Strict on both edges. A non-finite ratio (NaN) fails both comparisons and is masked.
+    Computed without gradient: the mask selects tokens, it is never differentiated.
+    """
+    with torch.no_grad():
+        ratio = log_ratio.detach().exp()
+        return action_mask & (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
+
+
+def dis_policy_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Direct double-sided importance sampling loss (SAO.md section 1).
+
+    ``r_t = exp(logprobs_t - rollout_logprobs_t)``; ``m_t`` keeps a token only when
+    ``1 - eps_low < r_t < 1 + eps_high``; ``L = -(1/N) sum_t m_t r_t A_t``.
+    The gradient of a kept token is ``r_t A_t grad log pi / N``; a masked token
+    contributes exactly zero gradient whatever the sign of ``A_t`` (its log-ratio
+    is replaced by a constant before ``exp``, so not even ``0 * inf`` can leak).
+
+    Shapes: all ``[B, T]``; ``advantages`` and ``rollout_logprobs`` carry no grad.
+    Metrics: kept_frac, masked_below_frac (r <= 1 - eps_low), masked_above_frac
+    (r >= 1 + eps_high), masked_nan_frac (r not a number), ratio_mean and
+    approx_kl over all action tokens.
+    """
+    log_ratio = logprobs - rollout_logprobs.detach()
+    kept = dis_band_mask(log_ratio, action_mask, eps_low, eps_high)
+    zeros = torch.zeros_like(log_ratio)
+    ratio = torch.where(kept, log_ratio, zeros).exp()
+    surrogate = torch.where(kept, ratio * advantages.detach(), zeros)
+    loss = -surrogate.sum() / _normalizer(action_mask, normalizer)
+
+    with torch.no_grad():
+        raw_ratio = log_ratio.detach().exp()
+        metrics = {
+            "kept_frac": _fraction(kept, action_mask),
+            "masked_below_frac": _fraction(raw_ratio <= 1.0 - eps_low, action_mask),
+            "masked_above_frac": _fraction(raw_ratio >= 1.0 + eps_high, action_mask),
+            "masked_nan_frac": _fraction(torch.isnan(raw_ratio), action_mask),
+            **_ratio_metrics(log_ratio.detach(), action_mask),
+        }
+    return loss, metrics
+
+
+def clipped_surrogate_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    rollout_logprobs: torch.Tensor | None = None,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate against pi_old (SAO.md section 4, grpo and ppo baselines).
+
+    ``rho_t = exp(logprobs_t - old_logprobs_t)``;
+    ``L = -(1/N) sum_t d_t min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)``.
+    ``d_t`` is 1 unless ``rollout_logprobs`` is given: then it is the DIS band mask
+    of ``exp(logprobs_t - rollout_logprobs_t)`` with ``eps_low``/``eps_high`` ("GRPO
+    with DIS"). Shapes: all ``[B, T]``.
+    Metrics: clip_frac (tokens where the clipped branch is taken), ratio_mean and
+    approx_kl against pi_old; with DIS also kept_frac.
+    """
+    old = old_logprobs.detach()
+    adv = advantages.detach()
+    log_ratio = logprobs - old
+    zeros = torch.zeros_like(log_ratio)
+    ratio = torch.where(action_mask, log_ratio, zeros).exp()
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    unclipped_term, clipped_term = ratio * adv, clipped * adv
+    surrogate = torch.minimum(unclipped_term, clipped_term)
+    keep = action_mask
+    metrics: dict[str, float] = {}
+    if rollout_logprobs is not None:
+        if eps_low is None or eps_high is None:
+            raise ValueError("the DIS mask needs eps_low and eps_high")
+        keep = dis_band_mask(logprobs - rollout_logprobs.detach(), action_mask, eps_low, eps_high)
+        metrics["kept_frac"] = _fraction(keep, action_mask)
+    loss = -torch.where(keep, surrogate, zeros).sum() / _normalizer(action_mask, normalizer)
+    with torch.no_grad():
+        metrics["clip_frac"] = _fraction(clipped_term < unclipped_term, action_mask)
+        metrics.update(_ratio_metrics(log_ratio.detach(), action_mask))
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor, normalizer: float | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss (SAO.md section 3): ``(1/N) sum_t (V_t - G_t)^2`` over action tokens.
+
+    Shapes: ``[B, T]``; ``returns`` carry no grad. Metrics: value_mean, return_mean
+    and explained_variance over action tokens.
+    """
+    target = returns.detach()
+    err = torch.where(action_mask, values - target, torch.zeros_like(values))
+    loss = err.pow(2).sum() / _normalizer(action_mask, normalizer)
+    with torch.no_grad():
+        metrics = {
+            "value_mean": _masked_mean(values.detach(), action_mask),
+            "return_mean": _masked_mean(target, action_mask),
+            "explained_variance": explained_variance(values.detach(), target, action_mask),
+        }
+    return loss, metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """``1 - Var(G - V) / Var(G)`` over action tokens; NaN when Var(G) is 0 (undefined)."""
+    v = values[action_mask].double()
+    g = returns[action_mask].double()
+    if g.numel() < 2:
+        return float("nan")
+    var_g = g.var(unbiased=False)
+    if var_g == 0:
+        return float("nan")
+    return float(1.0 - (g - v).var(unbiased=False) / var_g)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probabilities under the sampling distribution.
+
+    ``logits`` ``[B, T, V]`` from the model run on ``input_ids`` ``[B, T]``;
+    ``temperature`` ``[B]`` (one per rollout). Returns ``[B, T]``: position ``t``
+    holds ``log softmax(logits_{t-1} / temperature)[x_t]`` (the logits at ``t - 1``
+    predict ``x_t``), position 0 holds 0 (see :mod:`online_sao.batch`).
+    """
+    scaled = logits[:, :-1].float() / temperature.to(logits.device, torch.float32).view(-1, 1, 1)
+    targets = input_ids[:, 1:]
+    # cross_entropy is the fused log_softmax + gather: no [B, T, V] log-prob tensor is kept
+    nll = F.cross_entropy(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1), reduction="none")
+    first = torch.zeros((input_ids.shape[0], 1), dtype=torch.float32, device=logits.device)
+    return torch.cat([first, -nll.view(targets.shape)], dim=1)

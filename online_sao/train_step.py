@@ -1,0 +1,129 @@
+"""Pieces every learning rule shares: policy log-probs, a finite-guarded optimiser
+update, version-lag metrics and a phase timer.
+
+The guard implements the contract of :class:`online_sao.algorithm.Algorithm`: an
+update whose loss or gradient norm is not finite is refused before
+``optimizer.step`` runs, so no weight and no optimiser state changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from online_sao.batch import RolloutBatch
+from online_sao.losses import token_logprobs
+
+
+def policy_logprobs(policy: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """``[B, T]`` log-probs of the batch's tokens under ``policy`` at each rollout's
+    sampling temperature (SAO.md section 1), aligned as in :mod:`online_sao.batch`."""
+    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
+    return token_logprobs(logits, batch.input_ids, batch.temperatures)
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@dataclass
+class UpdateResult:
+    """What one guarded update did."""
+
+    stepped: bool
+    """False when the loss or the gradient norm was not finite (no weight changed)."""
+    grad_norm: float
+    """Total gradient norm before clipping (NaN when the loss itself was not finite)."""
+    backward_s: float
+    """Seconds in backward and clipping."""
+    step_s: float
+    """Seconds in optimizer (and scheduler) step."""
+
+
+def guarded_update(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> UpdateResult:
+    """Backward, clip to ``max_grad_norm``, step — unless anything is non-finite.
+
+    The loss is checked before backward and the gradient norm before the step; a
+    failed check drops the gradients (``zero_grad``), skips ``optimizer.step`` and
+    the scheduler, and reports ``stepped=False``. Gradients are always cleared on return.
+    """
+    params = optimizer_parameters(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    if not bool(torch.isfinite(loss.detach())):
+        return UpdateResult(stepped=False, grad_norm=math.nan, backward_s=0.0, step_s=0.0)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    backward_s = time.perf_counter() - start
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0)
+    start = time.perf_counter()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateResult(stepped=True, grad_norm=grad_norm, backward_s=backward_s, step_s=time.perf_counter() - start)
+
+
+def nonfinite_inputs(batch: RolloutBatch) -> bool:
+    """True when a reward or an action token's behaviour log-prob is NaN or infinite.
+
+    Such a record is corrupt; the rules refuse the whole batch rather than let DIS
+    quietly mask the token or let the value targets become NaN."""
+    rewards_ok = bool(torch.isfinite(batch.rewards).all())
+    logprobs_ok = bool(torch.isfinite(batch.rollout_logprobs[batch.action_mask]).all())
+    return not (rewards_ok and logprobs_ok)
+
+
+def version_lag_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Lag, in policy versions, between the policy being updated and the one that
+    sampled each action token (SAO.md section 1)."""
+    lag = (batch.policy_version - batch.versions)[batch.action_mask]
+    if lag.numel() == 0:
+        return {"version_lag_mean": 0.0, "version_lag_max": 0.0}
+    return {"version_lag_mean": float(lag.float().mean()), "version_lag_max": float(lag.max())}
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Size, reward and lag of a batch."""
+    return {
+        "num_rollouts": float(batch.batch_size),
+        "num_action_tokens": float(batch.action_mask.sum()),
+        "reward_mean": float(batch.rewards.sum(dim=1).mean()),
+        **version_lag_metrics(batch),
+    }
+
+
+@dataclass
+class PhaseTimer:
+    """Accumulates wall-clock seconds per named phase of a step (reported as
+    ``time_<phase>_s``). On a GPU the figures are launch times unless the caller
+    synchronises; on CPU they are real."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time_{name}_s": value for name, value in self.seconds.items()}

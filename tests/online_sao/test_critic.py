@@ -1,0 +1,99 @@
+import pytest
+import torch
+from torch import nn
+
+from online_sao.critic import ValueModel
+from online_sao.losses import value_loss
+
+
+def _frozen_and_trainable(critic: ValueModel):
+    named = dict(critic.named_parameters())
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+    return named, frozen
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen", "tiny_llama"])
+def test_attention_embeddings_and_norms_frozen_mlp_and_head_train(model_fixture, request):
+    policy = request.getfixturevalue(model_fixture)
+    critic = ValueModel.from_policy(policy)
+    named, frozen = _frozen_and_trainable(critic)
+    attention = critic.attention_parameters()
+    # q, k, v, o per layer (+ q/k/v biases on Qwen2), 2 layers
+    assert len(attention) >= 8
+    assert all(not p.requires_grad for _, p in attention)
+    for name, param in named.items():
+        if ".mlp." in name or name.startswith("head."):
+            assert param.requires_grad, name
+        else:
+            assert not param.requires_grad, name  # attention, embeddings, norms
+    assert any(".mlp." in n for n in named if n not in frozen)
+    # the policy keeps its own, still trainable, parameters
+    assert all(p.requires_grad for p in policy.parameters())
+    critic_embed = critic.backbone.embed_tokens.weight
+    assert critic_embed.data_ptr() != policy.base_model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(critic_embed, policy.base_model.embed_tokens.weight)
+
+
+def test_unfrozen_critic_trains_everything(tiny_qwen):
+    critic = ValueModel.from_policy(tiny_qwen, freeze_attention=False)
+    assert all(p.requires_grad for p in critic.parameters())
+
+
+def test_architecture_without_feed_forward_modules_is_refused():
+    class NoMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="feed-forward"):
+        ValueModel(NoMlp(), hidden_size=4)
+
+
+def test_value_shape_and_alignment(tiny_qwen):
+    critic = ValueModel.from_policy(tiny_qwen)
+    nn.init.normal_(critic.head.weight)  # the zero-initialised head would make every value 0
+    ids = torch.randint(0, 64, (3, 9))
+    attention = torch.ones(3, 9, dtype=torch.bool)
+    values = critic(ids, attention)
+    assert values.shape == (3, 9) and values.dtype == torch.float32
+    assert values[:, 0].tolist() == [0.0, 0.0, 0.0]
+    # the value at t is of the state before x_t: changing the last token moves no value
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 64
+    torch.testing.assert_close(critic(changed, attention), values)
+    # ... while changing x_4 moves the values from position 5 on
+    changed = ids.clone()
+    changed[:, 4] = (changed[:, 4] + 1) % 64
+    moved = critic(changed, attention)
+    torch.testing.assert_close(moved[:, :5], values[:, :5])
+    assert not torch.allclose(moved[:, 5:], values[:, 5:])
+
+
+def test_zero_head_starts_at_zero(tiny_qwen):
+    critic = ValueModel.from_policy(tiny_qwen)
+    values = critic(torch.randint(0, 64, (2, 5)), torch.ones(2, 5, dtype=torch.bool))
+    assert values.abs().max().item() == 0.0
+
+
+def test_short_fit_to_toy_target_lowers_loss_and_leaves_attention_alone(tiny_qwen):
+    torch.manual_seed(0)
+    critic = ValueModel.from_policy(tiny_qwen)
+    attention_before = {n: p.detach().clone() for n, p in critic.attention_parameters()}
+    ids = torch.randint(0, 64, (4, 12))
+    attention = torch.ones(4, 12, dtype=torch.bool)
+    mask = torch.ones(4, 12, dtype=torch.bool)
+    mask[:, 0] = False
+    # target: +1 when the previous token id is even, -1 when odd (a function of the state before x_t)
+    target = torch.zeros(4, 12)
+    target[:, 1:] = 1.0 - 2.0 * (ids[:, :-1] % 2).float()
+    optimizer = torch.optim.AdamW(critic.trainable_parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss, _ = value_loss(critic(ids, attention), target, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    for name, param in critic.attention_parameters():
+        assert torch.equal(param, attention_before[name]), name

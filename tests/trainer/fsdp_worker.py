@@ -1,0 +1,214 @@
+"""Worker of the FSDP equivalence test (tests/trainer/test_distributed.py).
+
+Run under ``torchrun --nproc_per_node 2`` it trains on two gloo ranks; called in
+a plain process (or via :func:`run_training`) it is the single-process
+reference. Either way it trains a tiny Qwen2 policy and its critic with SAO for
+a few steps on fixed rollouts, then checks the state round trip a learner
+checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
+
+- ``policy.safetensors``, ``critic.safetensors``: weights after training;
+- ``policy_optim.safetensors``: the policy's full AdamW state;
+- ``roundtrip_policy.safetensors``, ``roundtrip_critic.safetensors``: those
+  weights loaded into freshly built (differently initialised) sharded models
+  with :func:`load_full_state_dict` and gathered again;
+- ``continued_*`` / ``restored_*``: one more step taken by the trained models
+  and by the restored ones (weights, both optimisers, the critic schedule);
+- ``pretrained_critic.safetensors``: the restored critic after value pre-training
+  on all the rollouts (every rank passing all of them, as the learner must);
+- ``metrics.json``: the step metrics reduced over ranks, the pre-training metrics,
+  and whether pre-training refused per-rank shares (it must, in two ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from online_sao.algorithms import build_algorithm, build_optimizers
+from online_sao.batch import Rollout, collate
+from online_sao.config import AlgorithmConfig
+from online_sao.critic import ValueModel
+from online_sao.train_step import policy_logprobs
+from trainer.distributed import (
+    DistContext,
+    broadcast_rollouts,
+    full_state_dict,
+    global_token_normalizer,
+    init_distributed,
+    load_full_state_dict,
+    load_optimizer_state,
+    optimizer_state,
+    reduce_metrics,
+    shard_model,
+    shard_rollouts,
+    shutdown_distributed,
+)
+from trainer.pretrain import pretrain_critic
+
+
+VOCAB = 64
+PAD_ID = 0
+ROLLOUTS_PER_STEP = 6
+MODEL_SEED = 0
+
+
+def tiny_policy(seed: int) -> Qwen2ForCausalLM:
+    """Same sizes and tied embeddings as the project's default model, much smaller."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=PAD_ID)
+    return Qwen2ForCausalLM(config)
+
+
+def _trajectory(rng: random.Random) -> tuple[list[int], list[bool], dict[int, float]]:
+    """Prompt, one or two action segments with an observation between, rewards from the tokens."""
+    tokens = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
+    mask = [False] * len(tokens)
+    rewards: dict[int, float] = {}
+    for segment in range(rng.randint(1, 2)):
+        if segment:
+            observation = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 3))]
+            tokens += observation
+            mask += [False] * len(observation)
+            rewards[len(tokens) - 1] = 0.25  # reward given during the observation
+        actions = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
+        tokens += actions
+        mask += [True] * len(actions)
+    evens = sum(1 for t, m in zip(tokens, mask) if m and t % 2 == 0)
+    rewards[len(tokens) - 1] = rewards.get(len(tokens) - 1, 0.0) + evens / sum(mask) - 0.5
+    return tokens, mask, rewards
+
+
+def make_rollouts(policy: torch.nn.Module, steps: int, seed: int) -> list[list[Rollout]]:
+    """Rollouts of each step; behaviour log-probs are the initial policy's, offset so
+    most tokens sit inside the DIS band and a few fall below or above it."""
+    rng = random.Random(seed)
+    per_step = []
+    for step in range(steps):
+        drafts = [_trajectory(rng) for _ in range(ROLLOUTS_PER_STEP)]
+        placeholder = [Rollout(f"s{step}-{i}", t, m, [0.0] * len(t), [0] * len(t), r)
+                       for i, (t, m, r) in enumerate(drafts)]
+        with torch.no_grad():
+            logp = policy_logprobs(policy, collate(placeholder, PAD_ID))
+        rollouts = []
+        for i, (tokens, mask, rewards) in enumerate(drafts):
+            offsets = [rng.uniform(-0.2, 0.2) for _ in tokens]
+            actions = [t for t, m in enumerate(mask) if m]
+            offsets[actions[0]] = 2.0 if i % 2 else -2.5  # ratio e^-2 (masked below) or e^2.5 (above)
+            logprobs = [float(logp[i, t]) + offsets[t] if m else 0.0 for t, m in enumerate(mask)]
+            rollouts.append(Rollout(f"s{step}-{i}", tokens, mask, logprobs, [0] * len(tokens), rewards))
+        per_step.append(rollouts)
+    return per_step
+
+
+class Learner:
+    """Policy, critic, optimisers and SAO, sharded for ``ctx``."""
+
+    def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int) -> None:
+        self.ctx = ctx
+        self.policy = tiny_policy(seed)
+        self.critic = ValueModel.from_policy(self.policy, freeze_attention=cfg.freeze_critic_attention)
+        shard_model(self.policy, ctx)
+        shard_model(self.critic, ctx)
+        self.optimizers = build_optimizers(cfg, self.policy, self.critic)
+        self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
+                                         self.optimizers.critic, self.optimizers.critic_scheduler)
+
+    def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
+        batch = collate(shard_rollouts(rollouts, self.ctx), PAD_ID, policy_version=version).to(self.ctx.device)
+        batch.token_normalizer = global_token_normalizer(batch, self.ctx)
+        return reduce_metrics(self.algorithm.step(batch), self.ctx)
+
+    def gather(self) -> dict[str, dict]:
+        opts = self.optimizers
+        return {
+            "policy": full_state_dict(self.policy, self.ctx),
+            "critic": full_state_dict(self.critic, self.ctx),
+            "policy_optim": optimizer_state(self.policy, opts.policy, self.ctx),
+            "critic_optim": optimizer_state(self.critic, opts.critic, self.ctx),
+            "critic_schedule": opts.critic_scheduler.state_dict(),
+        }
+
+    def restore(self, state: dict[str, dict]) -> None:
+        opts, main = self.optimizers, self.ctx.is_main
+        load_full_state_dict(self.policy, state["policy"] if main else None, self.ctx)
+        load_full_state_dict(self.critic, state["critic"] if main else None, self.ctx)
+        load_optimizer_state(self.policy, opts.policy, state["policy_optim"] if main else None, self.ctx)
+        load_optimizer_state(self.critic, opts.critic, state["critic_optim"] if main else None, self.ctx)
+        opts.critic_scheduler.load_state_dict(state["critic_schedule"])
+
+
+def flat_optimizer_state(state: dict) -> dict[str, torch.Tensor]:
+    """Tensors of a full optimiser state dict under ``<param>.<slot>`` names."""
+    return {f"{name}.{slot}": torch.as_tensor(value).clone() for name, slots in state["state"].items()
+            for slot, value in slots.items()}
+
+
+def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
+    ctx = init_distributed()
+    torch.manual_seed(seed)  # identical on every rank and in the single-process reference
+    cfg = AlgorithmConfig()
+    learner = Learner(cfg, ctx, MODEL_SEED)
+    # Rank 0 makes the data (as it reads the stream) with its still-unsharded copy of
+    # the initial policy; the other ranks receive it through broadcast_rollouts.
+    data = make_rollouts(tiny_policy(MODEL_SEED), steps + 1, seed) if ctx.is_main else None
+    metrics = []
+    for step in range(steps + 1):
+        rollouts = broadcast_rollouts(data[step] if ctx.is_main else None, ctx)
+        if step == steps:
+            final = rollouts
+            break
+        metrics.append(learner.step(rollouts, version=step))
+
+    trained = learner.gather()
+    fresh = Learner(cfg, ctx, MODEL_SEED + 1)
+    fresh.restore(trained)
+    roundtrip = fresh.gather()
+    learner.step(final, version=steps)
+    fresh.step(final, version=steps)
+    continued, restored = learner.gather(), fresh.gather()
+
+    # value pre-training as the learner runs it: the same rollouts on every rank
+    logged = broadcast_rollouts([r for step in data for r in step] if ctx.is_main else None, ctx)
+    refused_shares = None
+    if ctx.is_distributed:
+        try:
+            pretrain_critic(fresh.critic, fresh.optimizers.critic, shard_rollouts(logged, ctx), cfg, PAD_ID)
+            refused_shares = False
+        except ValueError:
+            refused_shares = True
+    pretrain = pretrain_critic(fresh.critic, fresh.optimizers.critic, logged, cfg, PAD_ID, max_epochs=3, patience=1)
+    pretrained = full_state_dict(fresh.critic, ctx)
+
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(trained["policy"], out / "policy.safetensors")
+        save_file(trained["critic"], out / "critic.safetensors")
+        save_file(flat_optimizer_state(trained["policy_optim"]), out / "policy_optim.safetensors")
+        for prefix, state in (("roundtrip", roundtrip), ("continued", continued), ("restored", restored)):
+            save_file(state["policy"], out / f"{prefix}_policy.safetensors")
+            save_file(state["critic"], out / f"{prefix}_critic.safetensors")
+        save_file(pretrained, out / "pretrained_critic.safetensors")
+        report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares}
+        (out / "metrics.json").write_text(json.dumps(report))
+    shutdown_distributed(ctx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # two ranks share two cores
+    run_training(args.out, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Data-parallel training: two gloo ranks with FSDP2 end where one process ends.
+
+The equivalence test launches tests/trainer/fsdp_worker.py under torchrun with two
+CPU ranks and runs the same worker in this process as the reference (world size 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from online_sao.batch import Rollout, collate
+from online_sao.critic import ValueModel
+from tests.conftest import _free_port
+from tests.trainer import fsdp_worker
+from trainer.distributed import (
+    DistContext,
+    _decode_rollouts,
+    _encode_rollouts,
+    decoder_layers,
+    global_token_normalizer,
+    reduce_metrics,
+    shard_rollouts,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = REPO_ROOT / "tests" / "trainer" / "fsdp_worker.py"
+
+WEIGHT_ATOL = 1e-7
+WEIGHT_RTOL = 1e-6
+"""Float32 tolerance of the 2-rank weights. The two runs add the same numbers in a
+different order: each rank pads to its own longest rollout (other matmul shapes)
+and gradients are summed per rank, then averaged by FSDP's reduce-scatter. That
+perturbs gradients by about 1e-6 relative; AdamW divides the gradient by its own
+running scale, so weights move by about lr (1e-5) per step and differ by about
+1e-9 (measured 2e-9 to 4e-9). 1e-7 is 1% of one step's movement, plus one float32
+ulp for weights near 1 (norms). A wrong normaliser (each rank dividing by its own
+token count) was measured to move weights by 1.7e-5, far outside."""
+
+STATE_RTOL = 1e-4
+"""Optimiser moments and gradient norms are linear in the gradients, so they carry
+the same ~1e-6 relative rounding; 1e-4 relative to each tensor's largest entry."""
+
+
+def _ctx(rank: int, world_size: int) -> DistContext:
+    return DistContext(rank=rank, world_size=world_size, device=torch.device("cpu"))
+
+
+def _rollout(iid: str, actions: int, prompt: int = 2) -> Rollout:
+    n = prompt + actions
+    mask = [False] * prompt + [True] * actions
+    return Rollout(iid, list(range(1, n + 1)), mask, [-0.5 if m else 0.0 for m in mask], [3] * n, {n - 1: 1.0})
+
+
+def test_shard_rollouts_gives_each_rollout_to_one_rank_balanced_by_tokens():
+    rollouts = [_rollout(f"r{i}", a) for i, a in enumerate([9, 1, 1, 4, 4, 1])]
+    shares = [shard_rollouts(rollouts, _ctx(rank, 2)) for rank in range(2)]
+    ids = [[r.interaction_id for r in share] for share in shares]
+    assert sorted(ids[0] + ids[1]) == sorted(r.interaction_id for r in rollouts)
+    # largest first to the least-loaded rank (ties: lower rank): r0(9) -> 0; r3(4), r4(4), r1(1) -> 1;
+    # r2(1) -> 0 (9 vs 9); r5(1) -> 1. Shares keep list order.
+    assert ids == [["r0", "r2"], ["r1", "r3", "r4", "r5"]]
+    assert [sum(r.num_action_tokens for r in s) for s in shares] == [10, 10]
+    assert shard_rollouts(rollouts, _ctx(0, 2)) == shares[0]  # deterministic
+
+
+def test_shard_rollouts_needs_a_rollout_per_rank():
+    with pytest.raises(ValueError, match="at least world_size"):
+        shard_rollouts([_rollout("a", 2)], _ctx(0, 2))
+    assert shard_rollouts([_rollout("a", 2)], _ctx(0, 1))[0].interaction_id == "a"
+
+
+def test_rollout_codec_round_trips_exactly():
+    original = [_rollout("a", 3), Rollout("b", [1, 2, 3, 4], [False, True, False, True],
+                                          [0.0, -0.123456789012345678, 0.0, -1e-30], [0, 7, 0, 9],
+                                          {2: 0.1, 3: -2.5}, temperature=0.7, group_id=4)]
+    decoded = _decode_rollouts(_encode_rollouts(original))
+    assert decoded == original
+
+
+def test_single_process_normalizer_and_metrics_are_local():
+    batch = collate([_rollout("a", 3), _rollout("b", 5)], pad_token_id=0)
+    assert global_token_normalizer(batch, _ctx(0, 1)) == 8.0
+    empty = collate([Rollout("c", [1, 2], [False, False], [0.0, 0.0], [0, 0], {})], pad_token_id=0)
+    assert global_token_normalizer(empty, _ctx(0, 1)) == 1.0
+    assert reduce_metrics({"a": 1.5, "num_rollouts": 2.0}, _ctx(0, 1)) == {"a": 1.5, "num_rollouts": 2.0}
+
+
+def test_decoder_layers_of_policy_and_critic():
+    policy = fsdp_worker.tiny_policy(0)
+    critic = ValueModel.from_policy(policy)
+    assert [type(m).__name__ for m in decoder_layers(policy)] == ["Qwen2DecoderLayer"] * 2
+    assert len(decoder_layers(critic)) == 2
+    with pytest.raises(ValueError, match="no decoder layers"):
+        decoder_layers(nn.Linear(2, 2))
+
+
+def _run_two_ranks(out: Path, port: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """Output of the worker on two gloo ranks (run once for the module)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    _run_two_ranks(out, _free_port())
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """Output of the same worker in this process (world size 1)."""
+    out = tmp_path_factory.mktemp("one-process")
+    fsdp_worker.run_training(out)
+    return out
+
+
+def _assert_states_close(actual: dict, expected: dict, rtol: float, atol: float, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def _load(directory: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(directory / f"{name}.safetensors")
+
+
+def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
+    for model in ("policy", "critic"):
+        _assert_states_close(_load(two_ranks, model), _load(one_process, model), WEIGHT_RTOL, WEIGHT_ATOL, model)
+    initial = fsdp_worker.tiny_policy(fsdp_worker.MODEL_SEED).state_dict()
+    trained = _load(one_process, "policy")
+    assert all(not torch.equal(trained[k], initial[k]) for k in trained), "every policy tensor must have trained"
+
+    optim_two, optim_one = _load(two_ranks, "policy_optim"), _load(one_process, "policy_optim")
+    assert optim_two.keys() == optim_one.keys()
+    for name, expected in optim_one.items():
+        atol = STATE_RTOL * float(expected.abs().max())
+        torch.testing.assert_close(optim_two[name], expected, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+    # the critic's frozen attention stays at the policy's initial weights under FSDP too
+    critic = _load(two_ranks, "critic")
+    frozen = [k for k in critic if ".self_attn." in k]
+    assert frozen and all(torch.equal(critic[k], initial[k.replace("backbone.", "model.", 1)]) for k in frozen)
+
+    steps_two = json.loads((two_ranks / "metrics.json").read_text())["steps"]
+    steps_one = json.loads((one_process / "metrics.json").read_text())["steps"]
+    assert len(steps_two) == len(steps_one) == 3
+    for got, want in zip(steps_two, steps_one):
+        assert got["skipped_nonfinite"] == want["skipped_nonfinite"] == 0.0
+        assert got["num_rollouts"] == want["num_rollouts"] and got["num_action_tokens"] == want["num_action_tokens"]
+        # per-rank losses divide by N_global / 2, so their mean over ranks is the global loss
+        for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "value_loss_after"):
+            assert got[key] == pytest.approx(want[key], rel=STATE_RTOL), key
+
+
+def test_value_pretraining_under_two_ranks_matches_one_process(two_ranks, one_process):
+    """Every rank fits on all logged rollouts (replicated work); per-rank shares are refused."""
+    report_two = json.loads((two_ranks / "metrics.json").read_text())
+    report_one = json.loads((one_process / "metrics.json").read_text())
+    assert report_two["pretrain_refused_shares"] is True
+    assert report_two["pretrain"]["epochs"] == report_one["pretrain"]["epochs"]
+    assert report_two["pretrain"]["ev_after"] == pytest.approx(report_one["pretrain"]["ev_after"], rel=STATE_RTOL)
+    assert report_one["pretrain"]["ev_after"] > report_one["pretrain"]["ev_before"]
+    _assert_states_close(_load(two_ranks, "pretrained_critic"), _load(one_process, "pretrained_critic"),
+                         WEIGHT_RTOL, WEIGHT_ATOL, "pretrained critic")
+
+
+@pytest.mark.parametrize("world", ["one_process", "two_ranks"])
+def test_gathered_state_round_trips_through_fresh_models(world, request):
+    """Loading the gathered weights, optimisers and schedule into freshly built
+    (differently initialised) models gives back the same weights, and the next step
+    from there is bit-identical to the next step of the models that never stopped."""
+    out = request.getfixturevalue(world)
+    for model in ("policy", "critic"):
+        _assert_states_close(_load(out, f"roundtrip_{model}"), _load(out, model), 0.0, 0.0, f"round trip {model}")
+        continued = _load(out, f"continued_{model}")
+        assert any(not torch.equal(v, _load(out, model)[k]) for k, v in continued.items()), "the extra step trained"
+        _assert_states_close(_load(out, f"restored_{model}"), continued, 0.0, 0.0, f"restored {model}")

@@ -1,0 +1,81 @@
+"""Value pre-training on synthetic rollouts whose reward is decided by their tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from online_sao.algorithms import build_optimizers
+from online_sao.batch import Rollout, collate
+from online_sao.config import AlgorithmConfig
+from online_sao.critic import ValueModel
+from tests.trainer.fsdp_worker import VOCAB, tiny_policy
+from trainer.pretrain import VALIDATION_EVERY, _explained_variance, pretrain_critic
+
+PAD_ID = 0
+
+
+def _rollouts(count: int, seed: int = 0) -> list[Rollout]:
+    """Every token of a rollout is drawn from the low or from the high half of the
+    vocabulary; the final reward is +1 for low rollouts and -1 for high ones, so the
+    value of each action token is decided by tokens the critic sees."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        low = i % 2 == 0
+        prompt = [rng.randrange(1, VOCAB // 2) if low else rng.randrange(VOCAB // 2, VOCAB) for _ in range(4)]
+        response = [rng.randrange(1, VOCAB // 2) if low else rng.randrange(VOCAB // 2, VOCAB)
+                    for _ in range(rng.randint(3, 6))]
+        tokens = prompt + response
+        mask = [False] * len(prompt) + [True] * len(response)
+        out.append(Rollout(f"r{i}", tokens, mask, [-1.0 if m else 0.0 for m in mask], [0] * len(tokens),
+                           {len(tokens) - 1: 1.0 if low else -1.0}))
+    return out
+
+
+def _critic_and_optimizer(critic_lr: float) -> tuple[ValueModel, torch.optim.Optimizer, AlgorithmConfig]:
+    cfg = AlgorithmConfig(critic_lr=critic_lr)
+    policy = tiny_policy(0)
+    critic = ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
+    return critic, build_optimizers(cfg, policy, critic).critic, cfg
+
+
+def test_pretraining_raises_held_out_explained_variance_and_stops_by_patience():
+    torch.manual_seed(0)
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=3e-2)  # high: few epochs on a tiny model
+    rollouts = _rollouts(20)
+    metrics = pretrain_critic(critic, optimizer, rollouts, cfg, PAD_ID, max_epochs=30, patience=2, batch_size=8)
+
+    assert metrics["ev_before"] == pytest.approx(0.0, abs=1e-6)  # a zero head predicts 0 everywhere
+    assert metrics["ev_after"] > 0.9
+    assert metrics["stopped_by_patience"] == 1.0
+    assert metrics["epochs"] < 30
+    assert metrics["best_epoch"] == metrics["epochs"] - 2
+    assert metrics["held_out_rollouts"] == 20 // VALIDATION_EVERY
+    assert metrics["skipped_updates"] == 0.0
+
+    # the critic keeps its best epoch's weights: measuring it again gives the reported EV
+    held_out = [r for i, r in enumerate(rollouts) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    critic.eval()
+    assert _explained_variance(critic, [collate(held_out, PAD_ID)], cfg) == pytest.approx(
+        metrics["ev_after"], abs=1e-5)
+
+
+def test_no_improvement_stops_after_patience_epochs_and_changes_nothing():
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=3e-3)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # a critic that cannot learn: EV stays where it started
+    before = {k: v.clone() for k, v in critic.state_dict().items()}
+    metrics = pretrain_critic(critic, optimizer, _rollouts(20), cfg, PAD_ID, max_epochs=20, patience=3)
+    assert metrics["epochs"] == 3.0 and metrics["best_epoch"] == 0.0
+    assert metrics["ev_after"] == metrics["ev_before"]
+    assert all(torch.equal(before[k], v) for k, v in critic.state_dict().items())
+
+
+def test_pretraining_needs_action_tokens():
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=3e-3)
+    no_actions = Rollout("x", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})
+    with pytest.raises(ValueError, match="action tokens"):
+        pretrain_critic(critic, optimizer, [no_actions], cfg, PAD_ID)

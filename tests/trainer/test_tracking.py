@@ -1,0 +1,183 @@
+"""RunTracker against a real MLflow SQLite store in tmp_path."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
+
+from online_sao.config import Config, load_config
+from online_sao.weights import CorruptWeights, FileWeightStore, WeightsRef
+from trainer.tracking import RunTracker, flatten_config
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """A migrated, empty MLflow SQLite database; creating one takes seconds, copying it does not."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def _config(data_dir: Path, db: Path, **overrides) -> Config:
+    return load_config(environ={}, overrides={"paths.data_dir": str(data_dir),
+                                              "mlflow.tracking_uri": f"sqlite:///{db}", **overrides})
+
+
+@pytest.fixture
+def cfg(tmp_path, empty_store) -> Config:
+    """Config with its own copy of the empty store and a model directory holding a config file."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    config = _config(tmp_path / "data", db)
+    config.model_dir.mkdir(parents=True)
+    (config.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    (config.model_dir / "model.safetensors").write_bytes(b"base weights: never copied into the registry")
+    return config
+
+
+@pytest.fixture
+def store(tmp_path) -> FileWeightStore:
+    return FileWeightStore(str(tmp_path / "weights"))
+
+
+def _publish(store: FileWeightStore, version: int) -> WeightsRef:
+    return store.save(version, {"w": torch.full((2, 2), float(version))})
+
+
+def _client(cfg: Config) -> MlflowClient:
+    return MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+
+
+def test_new_run_holds_the_resolved_config(cfg):
+    tracker = RunTracker(cfg)
+    run = _client(cfg).get_run(tracker.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.params["algorithm.eps_low"] == "0.3"
+    assert run.data.params["trainer.min_rollouts"] == "4"
+    assert run.data.params["serving.feedback_secret"] == "**********"  # secrets never reach MLflow
+    assert run.data.params == flatten_config(cfg)
+    logged = yaml.safe_load(Path(download_artifacts(run_id=tracker.run_id, artifact_path="config/resolved.yaml",
+                                                    tracking_uri=cfg.mlflow_uri)).read_text())
+    assert logged == cfg.model_dump(mode="json")
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(cfg.data_dir)
+    tracker.close()
+    assert _client(cfg).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_metrics_are_logged_per_step(cfg):
+    tracker = RunTracker(cfg)
+    tracker.log_metrics({"reward_mean": 0.25, "explained_variance": math.nan}, step=1)
+    tracker.log_metrics({"reward_mean": 0.5}, step=2)
+    history = _client(cfg).get_metric_history(tracker.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5)]
+    (ev,) = _client(cfg).get_metric_history(tracker.run_id, "explained_variance")
+    assert math.isnan(ev.value)
+
+
+def test_restart_resumes_the_same_run(cfg):
+    first = RunTracker(cfg)
+    first.log_metrics({"reward_mean": 0.1}, step=1)
+    first.close("KILLED")
+
+    changed = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"policy_lr": 2e-5})})
+    second = RunTracker(changed, run_id=first.run_id)
+    second.log_metrics({"reward_mean": 0.2}, step=2)
+
+    client = _client(cfg)
+    assert second.run_id == first.run_id
+    run = client.get_run(first.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags["restarts"] == "1"
+    assert run.data.tags["config_changed.restart-1"] == "algorithm.policy_lr"
+    assert run.data.params["algorithm.policy_lr"] == "1e-05"  # parameters keep the first lifetime's value
+    assert [m.step for m in client.get_metric_history(first.run_id, "reward_mean")] == [1, 2]
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    names = [a.path for a in client.list_artifacts(first.run_id, "config")]
+    assert names == ["config/resolved-restart-1.yaml", "config/resolved.yaml"]
+
+
+def test_registered_version_is_a_loadable_model_directory(tmp_path, empty_store, store, monkeypatch):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = _config(tmp_path / "data", db)
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    policy.save_pretrained(cfg.model_dir)
+    with torch.no_grad():
+        policy.model.norm.weight.add_(0.5)  # the published version differs from the base model
+    ref = store.save(7, policy.state_dict())
+
+    tracker = RunTracker(cfg)
+    assert tracker.register(ref, recent_reward=0.4) == "1"
+    client = _client(cfg)
+    version = client.get_model_version_by_alias(cfg.mlflow.registered_model, "candidate")
+    assert str(version.version) == "1" and version.run_id == tracker.run_id
+    assert version.tags["policy_version"] == "7" and version.tags["checksum"] == ref.checksum
+    assert version.tags["weights_location"] == ref.location
+
+    # models:/ URIs resolve against the process-wide registry URI (MLflow ignores the
+    # registry_uri argument for them), as a user of the registry would set it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", cfg.mlflow_uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", cfg.mlflow_uri)
+    local = download_artifacts(f"models:/{cfg.mlflow.registered_model}@candidate", dst_path=str(tmp_path / "dl"))
+    loaded = AutoModelForCausalLM.from_pretrained(local)
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_register_refuses_weights_that_fail_their_checksum(cfg, store):
+    ref = _publish(store, 1)
+    tracker = RunTracker(cfg)
+    with pytest.raises(CorruptWeights, match="checksum"):
+        tracker.register(WeightsRef(ref.version, ref.location, "0" * 64), recent_reward=0.0)
+    assert tracker.registered_policy_versions() == set()
+
+
+def test_promotion_within_margin_and_roll_back_beyond_it(cfg, store):
+    tracker = RunTracker(cfg)  # promote_margin 0.05
+    assert tracker.champion() is None
+    assert tracker.evaluate_candidate(0.5) == "pending"  # nothing registered yet
+
+    first = _publish(store, 1)
+    tracker.register(first, recent_reward=0.0)
+    assert tracker.evaluate_candidate(math.nan) == "pending"  # no reward measured yet
+    assert tracker.evaluate_candidate(0.5) == "promoted"  # no champion: the first candidate wins
+    assert tracker.champion() == (1, first)
+    assert tracker.evaluate_candidate(0.9) == "pending"  # the candidate already is the champion
+
+    second = _publish(store, 2)
+    tracker.register(second, recent_reward=0.0)
+    assert tracker.evaluate_candidate(0.46) == "promoted"  # trails 0.5 by 0.04 <= margin
+    assert tracker.champion() == (2, second)
+
+    third = _publish(store, 3)
+    third_registry_version = tracker.register(third, recent_reward=0.0)
+    assert tracker.evaluate_candidate(0.40) == "rolled_back"  # trails 0.46 by 0.06 > margin
+    assert tracker.champion() == (2, second)
+    client = _client(cfg)
+    name = cfg.mlflow.registered_model
+    assert client.get_model_version_by_alias(name, "candidate").tags["policy_version"] == "2"
+    rejected = client.get_model_version(name, third_registry_version)
+    assert rejected.tags["decision"] == "rolled_back" and float(rejected.tags["evaluated_reward"]) == 0.40
+    assert tracker.evaluate_candidate(0.0) == "pending"  # rolled back: nothing awaits a decision
+    assert tracker.registered_policy_versions() == {1, 2, 3}
+
+
+def test_champion_survives_a_restart(cfg, store):
+    first = RunTracker(cfg)
+    ref = _publish(store, 4)
+    first.register(ref, recent_reward=0.0)
+    first.evaluate_candidate(1.0)
+    first.close()
+    assert RunTracker(cfg, run_id=first.run_id).champion() == (4, ref)

@@ -1,0 +1,338 @@
+"""Data-parallel training across ranks: FSDP2 sharding, full state dicts, rollout
+distribution, the global token normaliser and metric reduction.
+
+One process (``python -m ...``) runs with world size 1: every function here is
+then the identity or a local operation and no process group exists. Under
+``torchrun`` each rank joins one process group (NCCL on CUDA, gloo on CPU);
+policy and critic are sharded with FSDP2 (``fully_shard``) per decoder layer
+plus the root, so each rank holds 1/world_size of the parameters, gradients
+and optimiser state.
+
+Equivalence with one process (tested in tests/trainer/test_distributed.py):
+rank 0 reads the step's rollouts and broadcasts them, every rank takes a
+deterministic share (:func:`shard_rollouts`), and each rank's token-mean loss
+divides by ``N_global / world_size`` (:func:`global_token_normalizer`). FSDP
+averages gradients over ranks in its reduce-scatter, so the averaged gradient
+is ``sum over all tokens / N_global``: the single-process token mean.
+
+Full state dicts (for publishing weights and checkpoints) are keyed by the
+unsharded parameter names, so a checkpoint written by two ranks loads into one
+process and vice versa.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Collection
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from online_sao.batch import Rollout, RolloutBatch
+
+MIN_TOKEN_NORMALIZER = 1.0
+"""Floor of the global action-token count: a step without action tokens gives
+loss 0 instead of 0/0 (same floor as online_sao.losses.MIN_NORMALIZER)."""
+
+SUMMED_METRICS = frozenset({"num_rollouts", "num_action_tokens"})
+"""Metrics that count things on each rank's share: the step's value is the sum
+over ranks, not the mean."""
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Gather unsharded tensors to CPU; with a process group only rank 0 receives them."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits among the learner's ranks."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that reads streams, publishes, checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistContext:
+    """Join the process group torchrun describes, or run alone.
+
+    torchrun sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. With more than one
+    rank the group uses NCCL when CUDA is available (one GPU per local rank) and
+    gloo otherwise. A plain process, or torchrun with one rank, gets world size 1
+    and no process group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return DistContext(rank=rank, world_size=world_size, device=device)
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    """Leave the process group (no-op in a single process)."""
+    if ctx.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face model (or a module wrapping one).
+
+    Blocks are the modules whose class a ``PreTrainedModel`` inside ``model``
+    names in ``_no_split_modules`` (e.g. ``Qwen2DecoderLayer``); that is the
+    unit transformers itself never splits across devices.
+    """
+    block_classes: set[str] = set()
+    for module in model.modules():
+        block_classes.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if not layers:
+        raise ValueError(f"no decoder layers found in {type(model).__name__} "
+                         f"(looked for classes named in _no_split_modules: {sorted(block_classes)})")
+    return layers
+
+
+def shard_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """FSDP2 ``fully_shard`` on each decoder layer, then on the root.
+
+    Moves the model to ``ctx.device`` first. Returns the same module (FSDP2 shards
+    in place). World size 1: only the move. Call before building optimisers: the
+    optimiser must hold the sharded parameters.
+    """
+    model.to(ctx.device)
+    if not ctx.is_distributed:
+        return model
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _live_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> set[int]:
+    """Storages of the tensors training keeps updating in place (this rank's shards)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        tensors += [v for slots in optimizer.state.values() for v in slots.values() if isinstance(v, torch.Tensor)]
+    return {ptr for ptr in map(_storage, tensors) if ptr != 0}
+
+
+def _tree_storages(state: Any) -> set[int]:
+    if isinstance(state, dict):
+        return set().union(*map(_tree_storages, state.values())) if state else set()
+    if isinstance(state, list):
+        return set().union(*map(_tree_storages, state)) if state else set()
+    return {_storage(state)} if isinstance(state, torch.Tensor) else set()
+
+
+def _containers_copied(state: Any, clone_storages: Collection[int] = frozenset()) -> Any:
+    """New dicts and lists around the same tensors, cloning those stored in ``clone_storages``.
+
+    torch.distributed.checkpoint aliases in both directions: ``cpu_offload`` of a
+    tensor already on the CPU is no copy (a world-1 optimiser state, and AdamW's
+    CPU ``step`` counters in any world size, come back as the live tensors), and
+    ``set_*_state_dict`` replace the values of the dict they are given (rank 0's
+    full tensors are swapped for the model's DTensor shards). Gathered tensors,
+    which are new, are not copied again.
+    """
+    if isinstance(state, dict):
+        return {k: _containers_copied(v, clone_storages) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_containers_copied(v, clone_storages) for v in state]
+    if isinstance(state, torch.Tensor) and _storage(state) in clone_storages:
+        return state.detach().clone()
+    return state
+
+
+def full_state_dict(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict on CPU, on rank 0; ``None`` on the other ranks.
+
+    Collective: every rank must call it. Tensors are detached CPU tensors that do
+    not alias the model's parameters (safe to keep while training continues).
+    """
+    if not ctx.is_distributed:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    state = get_model_state_dict(model, options=_GATHER)
+    return _containers_copied(state, _live_storages(model)) if ctx.is_main else None
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None, ctx: DistContext) -> None:
+    """Load rank 0's full state dict into the (sharded) model on every rank.
+
+    Collective. Rank 0 passes the dict, the others pass ``None``; rank 0
+    broadcasts and each rank keeps its shard. Missing or unexpected keys raise.
+    """
+    if not ctx.is_distributed:
+        if state is None:
+            raise ValueError("a single process needs the state dict to load")
+        model.load_state_dict(state, strict=True)
+        return
+    if ctx.is_main and state is None:
+        raise ValueError("rank 0 needs the state dict to load")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(model, _containers_copied(state) if ctx.is_main else {}, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
+    """The optimiser's full state keyed by parameter name, on CPU (rank 0; ``{}`` elsewhere).
+
+    Collective. Keyed by unsharded names in every world size, so a checkpoint
+    moves between one process and several ranks.
+    """
+    state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    return _containers_copied(state, _live_storages(model, optimizer)) if ctx.is_main else {}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None,
+                         ctx: DistContext) -> None:
+    """Restore what :func:`optimizer_state` returned; rank 0's copy is broadcast. Collective."""
+    if ctx.is_main and not state:
+        raise ValueError("rank 0 needs the optimizer state to load")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.is_distributed)
+    set_optimizer_state_dict(model, optimizer, _containers_copied(state) if ctx.is_main else {}, options=options)
+    # Optimizer.load_state_dict keeps tensors that already have the right device and
+    # dtype (the CPU step counters, a world-1 state): give the optimiser its own.
+    given = _tree_storages(state) if ctx.is_main else set()
+    for slots in optimizer.state.values():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor) and _storage(value) in given:
+                slots[slot] = value.detach().clone()
+
+
+def _encode_rollouts(rollouts: list[Rollout]) -> torch.Tensor:
+    # JSON, not pickle: the bytes cross a process boundary. Python floats
+    # round-trip exactly through repr, so logprobs arrive bit-identical.
+    payload = [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode_rollouts(data: torch.Tensor) -> list[Rollout]:
+    payload = json.loads(bytes(data.cpu().numpy()).decode())
+    return [Rollout(**{**item, "rewards": {int(k): float(v) for k, v in item["rewards"]}}) for item in payload]
+
+
+def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list[Rollout]:
+    """Rank 0's rollouts on every rank (others pass ``None``). Collective.
+
+    Sent as a length then a byte tensor of JSON; no objects are unpickled.
+    """
+    if not ctx.is_distributed:
+        if rollouts is None:
+            raise ValueError("a single process must pass its rollouts")
+        return rollouts
+    if ctx.is_main:
+        if rollouts is None:
+            raise ValueError("rank 0 must pass the rollouts to broadcast")
+        data = _encode_rollouts(rollouts).to(ctx.device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=ctx.device)
+    else:
+        size = torch.zeros(1, dtype=torch.long, device=ctx.device)
+    dist.broadcast(size, src=0)
+    if not ctx.is_main:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(data, src=0)
+    return rollouts if ctx.is_main else _decode_rollouts(data)
+
+
+def shard_rollouts(rollouts: list[Rollout], ctx: DistContext) -> list[Rollout]:
+    """This rank's share of the step's rollouts (identical input on every rank).
+
+    Balanced by action tokens: rollouts in decreasing token count (ties: list
+    order) go to the least-loaded rank (ties: lowest rank); each share keeps list
+    order. Every rank must get at least one rollout, because FSDP's collectives
+    need every rank in every forward and backward: a step needs at least
+    ``world_size`` rollouts, else ValueError.
+    """
+    if not ctx.is_distributed:
+        return list(rollouts)
+    if len(rollouts) < ctx.world_size:
+        raise ValueError(f"{len(rollouts)} rollouts cannot be shared by {ctx.world_size} ranks; "
+                         f"a step needs at least world_size rollouts")
+    order = sorted(range(len(rollouts)), key=lambda i: (-rollouts[i].num_action_tokens, i))
+    load = [(0, rank) for rank in range(ctx.world_size)]
+    mine: list[int] = []
+    for i in order:
+        tokens, rank = heapq.heappop(load)
+        if rank == ctx.rank:
+            mine.append(i)
+        heapq.heappush(load, (tokens + rollouts[i].num_action_tokens, rank))
+    return [rollouts[i] for i in sorted(mine)]
+
+
+def global_token_normalizer(local_batch: RolloutBatch, ctx: DistContext) -> float:
+    """``N_global / world_size``: the denominator each rank's token-mean loss uses.
+
+    FSDP averages gradients over ranks, so with this denominator the averaged
+    gradient equals the gradient of ``sum over all ranks' tokens / N_global``.
+    Collective. ``N_global`` is floored at MIN_TOKEN_NORMALIZER.
+    """
+    local = local_batch.action_mask.sum().to(torch.float64)
+    if not ctx.is_distributed:
+        return max(float(local), MIN_TOKEN_NORMALIZER)
+    total = local.reshape(1).to(ctx.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return max(float(total.item()), MIN_TOKEN_NORMALIZER) / ctx.world_size
+
+
+def _key_fingerprint(keys: list[str]) -> int:
+    return zlib.crc32("\n".join(keys).encode())
+
+
+def reduce_metrics(metrics: dict[str, float], ctx: DistContext,
+                   summed: Collection[str] = SUMMED_METRICS) -> dict[str, float]:
+    """Metrics of the whole step: the mean over ranks (the sum for ``summed`` names).
+
+    Collective; every rank must pass the same names (ValueError otherwise). A
+    mean skips ranks whose value is NaN (e.g. explained variance of a share with
+    one action token) and is NaN only when every rank's is. The mean is over
+    ranks, not tokens: ranks with more tokens do not weigh more.
+    """
+    if not ctx.is_distributed:
+        return dict(metrics)
+    keys = sorted(metrics)
+    fingerprint = torch.tensor([_key_fingerprint(keys), -_key_fingerprint(keys)], dtype=torch.float64,
+                               device=ctx.device)
+    dist.all_reduce(fingerprint, op=dist.ReduceOp.MAX)
+    if fingerprint[0].item() != -fingerprint[1].item():
+        raise ValueError("ranks report different metric names")
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=ctx.device)
+    finite = ~torch.isnan(values)
+    stacked = torch.stack([torch.where(finite, values, torch.zeros_like(values)), finite.to(torch.float64)])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    sums, counts = stacked[0].tolist(), stacked[1].tolist()
+    return {k: (s if k in summed else (s / c if c else math.nan)) for k, s, c in zip(keys, sums, counts)}

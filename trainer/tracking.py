@@ -1,0 +1,254 @@
+"""MLflow tracking and model registry of the learner.
+
+One MLflow run per learner lifetime: the learner stores :attr:`RunTracker.run_id`
+in its checkpoint and passes it back after a restart, so metrics continue in the
+same run. The default store is a SQLite database under ``data_dir`` (MLflow 3
+refuses plain file stores); a server URI works the same way.
+
+Registry: a published policy version is registered by copying its safetensors
+file (verified against the published checksum) and the non-weight files of the
+model directory (``config.json``, tokenizer, generation config) into the run's
+artifacts under ``policy/v<version>``; the registry version's source is that
+artifact directory, so ``mlflow.artifacts.download_artifacts("models:/<name>@champion")``
+gives a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+Tags on the registry version record the policy version, checksum, weight-store
+location and the rewards the promotion decision used.
+
+Promotion: a new registration takes the ``candidate`` alias. When the learner has
+measured the candidate's recent reward it calls :meth:`RunTracker.evaluate_candidate`:
+the candidate becomes ``champion`` unless its reward trails the champion's by more
+than ``mlflow.promote_margin``; otherwise ``candidate`` goes back to the
+champion's version (a roll-back the learner announces to serving).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import fsspec
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import (
+    INVALID_PARAMETER_VALUE,
+    RESOURCE_ALREADY_EXISTS,
+    RESOURCE_DOES_NOT_EXIST,
+    ErrorCode,
+)
+
+from online_sao.config import Config, dump_config
+from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
+
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+WEIGHTS_FILE = "model.safetensors"
+"""Name of the weights inside a registered artifact directory (what transformers loads)."""
+MAX_PARAM_LENGTH = 6000
+"""MLflow's limit on a parameter value; longer values are cut (the full YAML is an artifact)."""
+PARAMS_PER_BATCH = 100
+"""MLflow accepts at most 100 parameters per log_batch call."""
+METRICS_PER_BATCH = 1000
+"""MLflow accepts at most 1000 metrics per log_batch call."""
+
+Decision = Literal["promoted", "rolled_back", "pending"]
+
+
+def flatten_config(cfg: Config) -> dict[str, str]:
+    """The resolved configuration as ``section.field`` -> string (secrets masked)."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, value)
+        else:
+            flat[prefix] = str(node)[:MAX_PARAM_LENGTH]
+
+    walk("", cfg.model_dump(mode="json"))
+    return flat
+
+
+def _artifact_root(cfg: Config) -> str | None:
+    """Where a new experiment keeps artifacts: next to a SQLite store; the server decides otherwise."""
+    return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
+
+
+def _is(exc: MlflowException, code: int) -> bool:
+    return exc.error_code == ErrorCode.Name(code)
+
+
+class RunTracker:
+    """The learner's MLflow run and its registered policy versions (rank 0 only)."""
+
+    def __init__(self, cfg: Config, run_id: str | None = None) -> None:
+        self.cfg = cfg
+        uri = cfg.mlflow_uri
+        if uri.startswith("sqlite:///"):
+            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        self.model_name = cfg.mlflow.registered_model
+        self._closed = False
+        if run_id is None:
+            self.run_id = self._new_run()
+        else:
+            self.run_id = run_id
+            self._resume()
+
+    # -- run lifetime -----------------------------------------------------------------
+    def _experiment_id(self) -> str:
+        name = self.cfg.mlflow.experiment
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=_artifact_root(self.cfg))
+        except MlflowException as exc:  # another process created it between our two calls
+            if not _is(exc, RESOURCE_ALREADY_EXISTS):
+                raise
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _new_run(self) -> str:
+        run = self.client.create_run(self._experiment_id(), run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
+                                     tags={"component": "learner", "restarts": "0"})
+        params = flatten_config(self.cfg)
+        self._log_params(run.info.run_id, params)
+        self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
+        return run.info.run_id
+
+    def _resume(self) -> None:
+        """Reopen the run after a restart. Parameters are immutable in MLflow: new keys
+        are added, changed values are listed in the ``config_changed`` tag and the
+        restart's own YAML is logged next to the first one."""
+        run = self.client.get_run(self.run_id)
+        restarts = int(run.data.tags.get("restarts", "0")) + 1
+        params = flatten_config(self.cfg)
+        logged = run.data.params
+        self._log_params(self.run_id, {k: v for k, v in params.items() if k not in logged})
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        self.client.log_text(self.run_id, dump_config(self.cfg), f"config/resolved-restart-{restarts}.yaml")
+        self.client.set_tag(self.run_id, "restarts", str(restarts))
+        if changed:
+            self.client.set_tag(self.run_id, f"config_changed.restart-{restarts}", ",".join(changed)[:MAX_PARAM_LENGTH])
+        self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+
+    def _log_params(self, run_id: str, params: dict[str, str]) -> None:
+        items = [Param(k, v) for k, v in params.items()]
+        for start in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[start:start + PARAMS_PER_BATCH])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """One value per name at ``step`` (NaN is stored as NaN)."""
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for start in range(0, len(items), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[start:start + METRICS_PER_BATCH])
+
+    def close(self, status: Literal["FINISHED", "FAILED", "KILLED"] = "FINISHED") -> None:
+        """End the run (a later restart with the same run id reopens it)."""
+        if not self._closed:
+            self.client.set_terminated(self.run_id, status)
+            self._closed = True
+
+    # -- registry -----------------------------------------------------------------------
+    def _ensure_registered_model(self) -> None:
+        try:
+            self.client.get_registered_model(self.model_name)
+        except MlflowException as exc:
+            if not _is(exc, RESOURCE_DOES_NOT_EXIST):
+                raise
+            try:
+                self.client.create_registered_model(self.model_name, description="online-sao policy versions")
+            except MlflowException as again:
+                if not _is(again, RESOURCE_ALREADY_EXISTS):
+                    raise
+
+    def _stage_artifact(self, ref: WeightsRef, directory: Path) -> None:
+        fs, path = fsspec.core.url_to_fs(ref.location)
+        with fs.open(path, "rb") as fh:
+            data = fh.read()
+        if sha256_hex(data) != ref.checksum:
+            raise CorruptWeights(f"{ref.location}: checksum mismatch, not registering version {ref.version}")
+        (directory / WEIGHTS_FILE).write_bytes(data)
+        for item in sorted(self.cfg.model_dir.iterdir()):
+            if item.is_file() and item.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+                (directory / item.name).write_bytes(item.read_bytes())
+
+    def _alias(self, alias: str):
+        try:
+            return self.client.get_model_version_by_alias(self.model_name, alias)
+        except MlflowException as exc:
+            # MLflow 3.17 reports an unset alias as INVALID_PARAMETER_VALUE and an
+            # unknown registered model as RESOURCE_DOES_NOT_EXIST
+            if _is(exc, INVALID_PARAMETER_VALUE) or _is(exc, RESOURCE_DOES_NOT_EXIST):
+                return None
+            raise
+
+    def register(self, ref: WeightsRef, recent_reward: float) -> str:
+        """Register published weights as a new registry version with the ``candidate`` alias.
+
+        ``recent_reward`` is the reward of the policy as known at registration (a tag);
+        the promotion decision uses the reward passed to :meth:`evaluate_candidate`.
+        Returns the registry version number (a string, as MLflow numbers them).
+        """
+        artifact_path = f"policy/v{ref.version:08d}"
+        with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
+            self._stage_artifact(ref, Path(tmp))
+            self.client.log_artifacts(self.run_id, tmp, artifact_path)
+        self._ensure_registered_model()
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
+                "reward_at_registration": repr(float(recent_reward))}
+        version = self.client.create_model_version(self.model_name, source, run_id=self.run_id, tags=tags,
+                                                   description=f"policy version {ref.version}")
+        self.client.set_registered_model_alias(self.model_name, CANDIDATE, version.version)
+        return str(version.version)
+
+    def evaluate_candidate(self, recent_reward: float) -> Decision:
+        """Decide on the ``candidate`` given its recent reward.
+
+        - ``pending``: no candidate awaits a decision (none registered, or it already
+          is the champion) or the reward is not a number yet;
+        - ``promoted``: no champion exists, or ``recent_reward >= champion_reward - margin``;
+          the candidate becomes ``champion``;
+        - ``rolled_back``: the candidate trails by more than the margin; ``candidate``
+          points back at the champion's version.
+        The champion's reward is the one recorded when it was promoted.
+        """
+        candidate, champion = self._alias(CANDIDATE), self._alias(CHAMPION)
+        if candidate is None or not math.isfinite(recent_reward):
+            return "pending"
+        if champion is not None and champion.version == candidate.version:
+            return "pending"
+        self.client.set_model_version_tag(self.model_name, candidate.version, "evaluated_reward", repr(recent_reward))
+        if champion is not None:
+            champion_reward = float(champion.tags["evaluated_reward"])
+            if recent_reward < champion_reward - self.cfg.mlflow.promote_margin:
+                self.client.set_model_version_tag(self.model_name, candidate.version, "decision", "rolled_back")
+                self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+                return "rolled_back"
+        self.client.set_model_version_tag(self.model_name, candidate.version, "decision", "promoted")
+        self.client.set_registered_model_alias(self.model_name, CHAMPION, candidate.version)
+        return "promoted"
+
+    def champion(self) -> tuple[int, WeightsRef] | None:
+        """(policy version, where its weights are published) of the champion, if any."""
+        found = self._alias(CHAMPION)
+        if found is None:
+            return None
+        version = int(found.tags["policy_version"])
+        return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
+
+    def registered_policy_versions(self) -> set[int]:
+        """Policy versions registered under this model name (the weight store keeps them)."""
+        versions: set[int] = set()
+        token = None
+        while True:
+            page = self.client.search_model_versions(f"name = '{self.model_name}'", page_token=token)
+            versions.update(int(v.tags["policy_version"]) for v in page if "policy_version" in v.tags)
+            token = page.token
+            if not token:
+                return versions

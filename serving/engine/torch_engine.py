@@ -1,0 +1,387 @@
+"""The native PyTorch engine: continuous batching over any Hugging Face causal LM.
+
+One background thread owns the model and runs the loop (model calls never run
+on the asyncio event loop):
+
+1. apply a pending weight switch (between two steps, nowhere else);
+2. admit waiting requests while fewer than ``max_batch_size`` run: each is
+   prefilled alone, samples its first token and joins the running batch;
+3. one decode step for every running sequence (see :mod:`.kv_batch` for the
+   left-padded batched cache); finished and cancelled sequences leave.
+
+Every sampled token carries its behaviour log-probability under the exact
+sampling distribution (:mod:`.sampling`) and the version of the weights whose
+forward pass produced its logits.
+
+Hot-swap: :meth:`TorchEngine.swap_weights` checks the state dict, loads it into a
+spare copy of the model (made once with ``copy.deepcopy``) on the caller's
+thread while decoding goes on, then hands the loop a pointer switch that it
+runs between two steps. Sequences in flight keep their KV cache (computed by the
+old weights) and their later tokens carry the new version: the logged
+log-probability is the one the engine actually sampled from. With
+``ServingConfig.swap_in_place`` there is no spare copy: the checked weights are
+copied into the serving model between two steps (half the memory, a longer
+stall).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable, Literal
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from online_sao.config import ServingConfig
+from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.weights import CorruptWeights
+from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from serving.engine.kv_batch import RaggedKVBatch
+from serving.engine.sampling import sample_token
+from serving.engine.weights_check import complete_state_dict
+
+log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped before the request finished."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One unit of the loop's work, for metrics and benchmarks."""
+
+    kind: Literal["prefill", "decode", "switch"]
+    batch_size: int
+    seconds: float
+    ended_at: float
+    """``time.perf_counter()`` when it ended."""
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    emit: Callable[[TokenEvent | BaseException], None]
+    max_new: int
+    generator: torch.Generator
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: int = 0
+    last_token: int = -1
+
+
+@dataclass
+class _SwitchJob:
+    apply: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    stall_s: float = 0.0
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.apply()
+        except BaseException as exc:  # handed back to the swapping thread, which raises it
+            self.error = exc
+        self.stall_s = time.perf_counter() - start
+        self.done.set()
+
+
+class TorchEngine:
+    """Continuous-batching engine over a causal LM (implements ``InferenceEngine``)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, cfg: ServingConfig | None = None,
+                 initial_version: int = 0, on_step: Callable[[StepStats], None] | None = None):
+        self.tokenizer = tokenizer
+        self.cfg = cfg or ServingConfig()
+        self._model = model.eval()
+        self._spare: nn.Module | None = None
+        self._version = initial_version
+        self._on_step = on_step
+        self._device = next(model.parameters()).device
+        self._vocab = model.get_input_embeddings().num_embeddings
+        self._max_positions = getattr(model.config, "max_position_embeddings", None)
+        params = inspect.signature(model.forward).parameters
+        self._keep_last_logits = "logits_to_keep" in params
+        # transformers renamed ``past_key_values`` to ``cache``; the cache object is
+        # updated in place either way, so only the argument name differs.
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._switch_jobs: list[_SwitchJob] = []
+        self._loop_alive = False
+        self._stopping = False
+        self._swap_lock = threading.Lock()  # one swap at a time
+        self._step_lock = threading.Lock()  # model use when no loop thread runs
+        self._thread: threading.Thread | None = None
+        self._rows: list[_Sequence] = []  # owned by the loop thread
+        self._batch = RaggedKVBatch()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, cfg: ServingConfig | None = None, dtype: str = "float32",
+                        initial_version: int = 0) -> "TorchEngine":
+        return cls(load_policy(model_dir, dtype), load_tokenizer(model_dir), cfg, initial_version)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a free batch slot."""
+        return len(self._waiting)
+
+    @property
+    def switch_pending(self) -> bool:
+        """A swap has loaded its weights and waits for the loop to switch between two steps."""
+        with self._cond:
+            return bool(self._switch_jobs)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.start_thread()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.stop_thread)
+
+    def start_thread(self) -> None:
+        if self._thread is not None:
+            return
+        if self.cfg.torch_threads is not None:
+            torch.set_num_threads(self.cfg.torch_threads)
+        self._stopping = False
+        self._loop_alive = True
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    def stop_thread(self) -> None:
+        """Stop the loop; unfinished requests end with :class:`EngineStopped`."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the sampled tokens of one request; the last event has a finish_reason."""
+        seq = self._admissible(request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+
+        def emit(event: TokenEvent | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the caller's event loop is closed: nobody listens any more
+                seq.cancelled.set()
+
+        seq.emit = emit
+        with self._cond:
+            if not self._loop_alive or self._stopping:
+                raise EngineStopped("the engine is not running (call start())")
+            self._waiting.append(seq)
+            self._cond.notify()
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            seq.cancelled.set()  # a consumer that stops early frees its slot at the next step
+
+    def _admissible(self, request: GenerationRequest) -> _Sequence:
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        bad = [t for t in prompt if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self._vocab}")
+        room = request.sampling.max_tokens
+        if self._max_positions is not None:
+            if len(prompt) >= self._max_positions:
+                raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the model's "
+                                 f"{self._max_positions} positions")
+            room = min(room, self._max_positions - len(prompt))
+        generator = torch.Generator(device=self._device)
+        if request.sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(request.sampling.seed)
+        return _Sequence(request, emit=lambda _: None, max_new=room, generator=generator)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._switch_jobs or self._waiting or self._rows):
+                        self._cond.wait()
+                    jobs, self._switch_jobs = self._switch_jobs, []
+                    if self._stopping:
+                        self._loop_alive = False
+                    slots = 0 if self._stopping else self.cfg.max_batch_size - len(self._rows)
+                    admitted = [self._waiting.popleft() for _ in range(min(slots, len(self._waiting)))]
+                for job in jobs:
+                    self._run_between_steps(job)
+                if not self._loop_alive:
+                    break
+                with self._step_lock:
+                    self._drop_cancelled()
+                    for seq in admitted:
+                        self._guarded(self._prefill, [seq], seq)
+                    if self._rows:
+                        self._guarded(self._decode_step, list(self._rows))
+        stopped = EngineStopped("the engine stopped")
+        with self._cond:
+            leftovers = list(self._waiting) + self._rows
+            self._waiting.clear()
+        for seq in leftovers:
+            seq.emit(stopped)
+        self._rows, self._batch = [], RaggedKVBatch()
+
+    def _guarded(self, work: Callable, affected: list[_Sequence], *args) -> None:
+        """Run one model call; if it raises, the sequences it served fail and the engine goes on."""
+        try:
+            work(*args)
+        except Exception as exc:
+            log.exception("engine step failed; failing %d request(s)", len(affected))
+            for seq in affected:
+                seq.emit(exc)
+            failed = {id(s) for s in affected}
+            keep = [i for i, s in enumerate(self._rows) if id(s) not in failed]
+            self._batch.select(keep)
+            self._rows = [self._rows[i] for i in keep]
+
+    def _run_between_steps(self, job: _SwitchJob) -> None:
+        job.run()
+        self._report("switch", len(self._rows), job.stall_s)
+
+    def _report(self, kind: str, batch_size: int, seconds: float) -> None:
+        if self._on_step is not None:
+            self._on_step(StepStats(kind, batch_size, seconds, time.perf_counter()))
+
+    def _drop_cancelled(self) -> None:
+        keep = [i for i, s in enumerate(self._rows) if not s.cancelled.is_set()]
+        if len(keep) < len(self._rows):
+            self._batch.select(keep)
+            self._rows = [self._rows[i] for i in keep]
+
+    def _prefill(self, seq: _Sequence) -> None:
+        if seq.cancelled.is_set():
+            return
+        start = time.perf_counter()
+        model, version = self._model, self._version
+        ids = torch.tensor([seq.request.prompt_ids], dtype=torch.long, device=self._device)
+        cache = DynamicCache()
+        extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
+        out = model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **extra)
+        if not self._take_token(seq, out.logits[0, -1], version):
+            self._batch.append(cache, ids.shape[1])
+            self._rows.append(seq)
+        self._report("prefill", 1, time.perf_counter() - start)
+
+    def _decode_step(self) -> None:
+        start = time.perf_counter()
+        model, version = self._model, self._version
+        rows = self._rows
+        ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self._device)
+        mask = self._batch.step_mask()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=self._batch.positions(),
+                    use_cache=True, **{self._cache_arg: self._batch.cache})
+        self._batch.commit_step(mask)
+        logits = out.logits[:, -1]
+        keep = [i for i, seq in enumerate(rows) if not self._take_token(seq, logits[i], version)]
+        if len(keep) < len(rows):
+            self._batch.select(keep)
+            self._rows = [rows[i] for i in keep]
+        self._report("decode", len(rows), time.perf_counter() - start)
+
+    def _take_token(self, seq: _Sequence, logits: torch.Tensor, version: int) -> bool:
+        """Sample, emit; True when the sequence is finished (or its consumer went away)."""
+        params = seq.request.sampling
+        token, logprob = sample_token(logits, params.temperature, params.top_p, seq.generator)
+        seq.generated += 1
+        seq.last_token = token
+        finish = None
+        if token in seq.request.stop_token_ids:
+            finish = "stop"
+        elif seq.generated >= seq.max_new:
+            finish = "length"
+        seq.emit(TokenEvent(token, logprob, version, finish))
+        return finish is not None or seq.cancelled.is_set()
+
+    # ---- hot-swap --------------------------------------------------------------------------
+
+    def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
+        """Check, load off the request path, switch between two decode steps (blocking, thread-safe).
+
+        A version not newer than the serving one is ignored unless ``force``
+        (rollback); refused weights leave the serving model untouched.
+        """
+        with self._swap_lock:
+            current = self._version
+            if version <= current and not force:
+                return SwapResult(version, False, 0.0, 0.0,
+                                  reason=f"ignored: version {version} is not newer than the serving version {current}")
+            start = time.perf_counter()
+            try:
+                full = complete_state_dict(self._model, state_dict)
+            except CorruptWeights as exc:
+                log.warning("refused weights version %d: %s", version, exc)
+                return SwapResult(version, False, time.perf_counter() - start, 0.0, reason=f"refused: {exc}")
+            if self.cfg.swap_in_place:
+                load_s = time.perf_counter() - start
+
+                def switch() -> None:
+                    self._model.load_state_dict(full, strict=True)
+                    self._version = version
+            else:
+                if self._spare is None:
+                    self._spare = copy.deepcopy(self._model)
+                self._spare.load_state_dict(full, strict=True)
+                load_s = time.perf_counter() - start
+                spare = self._spare
+
+                def switch() -> None:
+                    self._spare, self._model = self._model, spare
+                    self._version = version
+            stall_s = self._between_steps(switch)
+            log.info("serving weights version %d (was %d): load %.3fs, stall %.4fs", version, current, load_s, stall_s)
+            return SwapResult(version, True, load_s, stall_s)
+
+    def _between_steps(self, apply: Callable[[], None]) -> float:
+        job = _SwitchJob(apply)
+        with self._cond:
+            queued = self._loop_alive
+            if queued:
+                self._switch_jobs.append(job)
+                self._cond.notify()
+        if queued:
+            job.done.wait()
+        else:
+            with self._step_lock:
+                job.run()
+        if job.error is not None:
+            raise job.error
+        return job.stall_s

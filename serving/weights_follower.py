@@ -1,0 +1,161 @@
+"""Follows the weights topic and hot-swaps the engine to the newest published version.
+
+A background thread reads the (compacted) weights topic without a consumer
+group, from the earliest offset: a server that starts or restarts replays the
+notices and converges on the version the topic says is current, and several
+servers following the same topic converge on the same one.
+
+Notices of one poll are applied as if in order, but only the one whose effect
+would last is loaded: ``publish`` counts when it is newer than what the notices
+before it left in place; ``rollback`` forces its version (older or not) and
+makes the publishes after it forced as well. If the lasting one cannot be
+loaded (file missing, checksum or finiteness failed, refused by the engine),
+the next one back is tried, which is where processing the notices one by one
+would also have ended. Every attempt is reported to ``on_result`` and logged;
+the serving weights stay until a version is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from online_sao.schemas import RecordError, WeightsNotice, decode
+from online_sao.weights import CorruptWeights, WeightStore
+from serving.engine.base import InferenceEngine, SwapResult
+from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable
+from streams.records import decode_or_dead_letter
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+"""Wait before reconnecting after the stream backend was unreachable."""
+
+
+def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
+    """``(notice, force)`` to try, most lasting first, for notices read in this order."""
+    chain: list[tuple[WeightsNotice, bool]] = []
+    top, forced = current, False
+    for notice in notices:
+        if notice.action == "rollback":
+            forced = True
+        elif notice.version <= top:
+            continue
+        chain.append((notice, forced))
+        top = notice.version
+    return chain[::-1]
+
+
+class WeightsFollower:
+    """Thread that keeps ``engine`` on the newest version announced on ``topic``."""
+
+    def __init__(self, backend: StreamBackend, topic: str, store: WeightStore, engine: InferenceEngine,
+                 on_result: Callable[[SwapResult], None] | None = None, model_name: str | None = None,
+                 dead_letters: tuple[Producer, str] | None = None, poll_timeout_s: float = 0.5):
+        """``model_name`` ignores notices for other models; ``dead_letters`` (producer,
+        topic) receives unreadable records (by default they are logged and skipped)."""
+        self.backend, self.topic, self.store, self.engine = backend, topic, store, engine
+        self.on_result = on_result
+        self.model_name = model_name
+        self.dead_letters = dead_letters
+        self.poll_timeout_s = poll_timeout_s
+        self.consumed = 0
+        """Records read from the topic so far (readable or not)."""
+        self.last_result: SwapResult | None = None
+        self._progress = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="weights-follower", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop after the current poll (and any swap in progress) and join."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until ``predicate()`` holds after some processed poll (or the timeout)."""
+        with self._progress:
+            return self._progress.wait_for(predicate, timeout_s)
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        consumer: Consumer | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if consumer is None:
+                        consumer = self.backend.consumer([self.topic], group_id=None, start="earliest")
+                    messages = consumer.poll(self.poll_timeout_s)
+                except StreamUnavailable as exc:
+                    log.warning("weights topic %s unreachable (%s); retrying in %.0fs", self.topic, exc, RETRY_S)
+                    self._stop.wait(RETRY_S)
+                    continue
+                notices = [n for n in map(self._read, messages) if n is not None]
+                if notices:
+                    self._apply(notices)
+                with self._progress:
+                    self.consumed += len(messages)
+                    self._progress.notify_all()
+        finally:
+            if consumer is not None:
+                consumer.close()
+
+    def _read(self, message) -> WeightsNotice | None:
+        if self.dead_letters is not None:
+            producer, topic = self.dead_letters
+            notice = decode_or_dead_letter(message, WeightsNotice, producer, topic)
+            if notice is None:
+                log.warning("unreadable weights notice at %s[%d]@%d sent to %s", message.topic,
+                            message.partition, message.offset, topic)
+        else:
+            try:
+                notice = decode(message.value, WeightsNotice)
+            except RecordError as exc:
+                log.warning("skipping unreadable weights notice at %s[%d]@%d: %s", message.topic,
+                            message.partition, message.offset, exc)
+                return None
+        if notice is not None and self.model_name is not None and notice.model != self.model_name:
+            return None
+        return notice
+
+    def _apply(self, notices: list[WeightsNotice]) -> None:
+        chain = plan(notices, self.engine.policy_version)
+        if not chain:
+            log.info("weights notices for versions %s ignored: serving version %d is newer",
+                     [n.version for n in notices], self.engine.policy_version)
+        for notice, force in chain:
+            if self._stop.is_set():
+                return
+            result = self._try(notice, force)
+            self.last_result = result
+            if self.on_result is not None:
+                self.on_result(result)
+            if result.applied:
+                return
+
+    def _try(self, notice: WeightsNotice, force: bool) -> SwapResult:
+        start = time.perf_counter()
+        try:
+            state = self.store.load(notice.location, notice.checksum)
+        except (FileNotFoundError, CorruptWeights, OSError) as exc:
+            reason = f"cannot load version {notice.version} from {notice.location}: {exc}"
+            log.error("%s; keeping version %d", reason, self.engine.policy_version)
+            return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)
+        fetch_s = time.perf_counter() - start
+        result = self.engine.swap_weights(notice.version, state, force=force)
+        if not result.applied:
+            log.warning("%s version %d: %s", notice.action, notice.version, result.reason)
+        # the store read is part of loading off the request path
+        return SwapResult(result.version, result.applied, fetch_s + result.load_s, result.stall_s, result.reason)

@@ -37,6 +37,11 @@ class StreamUnavailable(RuntimeError):
     """The backend cannot be reached now (the caller may spool and retry)."""
 
 
+class TopicNotFound(StreamUnavailable):
+    """A topic does not exist (yet): topics are created by ``kafka up`` or another
+    service's ``ensure_topics``, so a long-running reader waits and retries."""
+
+
 DeliveryReport = Callable[[BaseException | None], None]
 """Called once per record, from any thread: None when the broker acknowledged it, else the
 error after which the producer will not retry it."""

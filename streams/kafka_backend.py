@@ -25,7 +25,7 @@ from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
-from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend,
+from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend, TopicNotFound,
                           StreamMessage, StreamUnavailable, TopicPartition)
 
 PRODUCER_LINGER_MS = 5
@@ -104,7 +104,7 @@ class KafkaBackend(StreamBackend):
                     partitions = c.partitions_for_topic(topic)
                     if not partitions:
                         c.close(autocommit=False)
-                        raise ValueError(f"topic {topic!r} does not exist at {self.cfg.bootstrap}")
+                        raise TopicNotFound(f"topic {topic!r} does not exist at {self.cfg.bootstrap}")
                     tps += [KafkaTP(topic, p) for p in sorted(partitions)]
                 c.assign(tps)
                 if start == "earliest":

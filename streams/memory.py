@@ -88,7 +88,7 @@ class InMemoryBackend(StreamBackend):
         with self._lock:
             for topic in topics:
                 if group_id is None and topic not in self._logs:
-                    raise ValueError(f"topic {topic!r} does not exist")
+                    raise TopicNotFound(f"topic {topic!r} does not exist")
             consumer = InMemoryConsumer(self, list(topics), group_id, start)
             if group_id is not None:
                 self._groups.setdefault(group_id, _Group()).members.append(consumer)

@@ -1,0 +1,113 @@
+"""API keys and per-key rate limits.
+
+Keys are compared with :func:`hmac.compare_digest` against every configured key
+(no early exit), so the time taken does not reveal how much of a key matched or
+which key it was. Keys are required unless the server is bound to loopback
+(:func:`check_exposure` refuses to start otherwise). Without configured keys
+every caller shares one ``anonymous`` bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+ANONYMOUS = "anonymous"
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_keys: list[str]) -> None:
+    """Refuse to serve on a non-loopback address without API keys."""
+    if not api_keys and not is_loopback(host):
+        raise ValueError(f"serving.host is {host!r} (not loopback) but serving.api_keys is empty: "
+                         "configure at least one API key or bind to 127.0.0.1")
+
+
+@dataclass
+class TokenBucket:
+    """``capacity`` tokens, refilled at ``rate_per_s``; one request takes one token."""
+
+    capacity: float
+    rate_per_s: float
+    tokens: float
+    updated: float
+
+    def take(self, now: float) -> float:
+        """0 when a token was taken, else the seconds until one is available."""
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate_per_s)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate_per_s
+
+
+class ApiKeyAuth:
+    """Authenticates ``Authorization: Bearer <key>`` and applies the key's rate limit."""
+
+    def __init__(self, api_keys: list[str], rate_per_minute: int, burst: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self._keys = [k.encode("utf-8") for k in api_keys]
+        self._rate_per_s = rate_per_minute / 60.0
+        self._burst = float(burst)
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, authorization: str | None) -> str:
+        """A stable, non-secret name of the caller's key (a hash prefix), or AuthError 401."""
+        if not self._keys:
+            return ANONYMOUS
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise AuthError(401, "missing_api_key", "missing API key: send 'Authorization: Bearer <key>'")
+        candidate = given.strip().encode("utf-8")
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(key, candidate)
+        if not matched:
+            raise AuthError(401, "invalid_api_key", "invalid API key")
+        return hashlib.sha256(candidate).hexdigest()[:16]
+
+    def admit(self, caller: str) -> None:
+        """Take one token from the caller's bucket, or AuthError 429 with a retry hint."""
+        now = self._clock()
+        with self._lock:
+            bucket = self._buckets.get(caller)
+            if bucket is None:
+                bucket = self._buckets[caller] = TokenBucket(self._burst, self._rate_per_s, self._burst, now)
+            wait_s = bucket.take(now)
+        if wait_s > 0:
+            raise AuthError(429, "rate_limit_exceeded",
+                            f"rate limit exceeded: retry in {wait_s:.1f} s", retry_after_s=wait_s)
+
+    def check(self, authorization: str | None) -> str:
+        caller = self.identify(authorization)
+        self.admit(caller)
+        return caller

@@ -1,0 +1,57 @@
+"""POST /v1/feedback: validate a reward for an interaction this deployment issued, and log it.
+
+Refused, with nothing logged: an id this deployment did not sign (403), an id
+older than the reward window (410), a reward or per-turn reward that is not
+finite or outside ``[reward.min_value, reward.max_value]`` (422), a turn index
+beyond the trajectory's assistant turns when the trajectory is still held (422).
+"""
+
+from __future__ import annotations
+
+from online_sao.config import RewardConfig
+from online_sao.schemas import Reward, TurnReward
+from serving.ids import InteractionIdError, InteractionIdSigner
+from serving.interaction_log import InteractionLogger
+from serving.protocol import APIError, FeedbackRequest, FeedbackResponse
+from serving.trajectories import TrajectoryCache
+
+
+class FeedbackService:
+    def __init__(self, signer: InteractionIdSigner, logger: InteractionLogger, cfg: RewardConfig,
+                 trajectories: TrajectoryCache):
+        self.signer = signer
+        self.logger = logger
+        self.cfg = cfg
+        self.trajectories = trajectories
+
+    def _in_range(self, value: float, param: str) -> None:
+        if not self.cfg.min_value <= value <= self.cfg.max_value:
+            raise APIError(422, f"{param} {value} is outside the accepted range "
+                                f"[{self.cfg.min_value}, {self.cfg.max_value}]", param=param,
+                           code="reward_out_of_range")
+
+    def submit(self, request: FeedbackRequest) -> FeedbackResponse:
+        try:
+            self.signer.verify(request.interaction_id)
+        except InteractionIdError as exc:
+            raise APIError(exc.status, exc.message, param="interaction_id", code=exc.code) from None
+        self._in_range(request.reward, "reward")
+        for i, turn in enumerate(request.turn_rewards):
+            self._in_range(turn.value, f"turn_rewards[{i}].value")
+        known = self.trajectories.get(request.interaction_id)
+        if known is not None:
+            turns = len(known.record.turn_ends)
+            for i, turn in enumerate(request.turn_rewards):
+                if turn.turn >= turns:
+                    raise APIError(422, f"turn_rewards[{i}].turn is {turn.turn} but the interaction has "
+                                        f"{turns} assistant turn(s)", param=f"turn_rewards[{i}].turn",
+                                   code="turn_out_of_range")
+        reason = self.logger.refusal()
+        if reason is not None:
+            raise APIError(503, reason, type="service_unavailable", code="logging_unavailable",
+                           headers={"Retry-After": "5"})
+        self.logger.submit(Reward(interaction_id=request.interaction_id, value=request.reward,
+                                  source=request.source,
+                                  turn_rewards=[TurnReward(turn=t.turn, value=t.value)
+                                                for t in request.turn_rewards]))
+        return FeedbackResponse(interaction_id=request.interaction_id)

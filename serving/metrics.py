@@ -1,0 +1,66 @@
+"""Prometheus metrics of the serving process, in a registry passed in (no global registry)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from serving.engine.base import SwapResult
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+class ServingMetrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.requests = Counter("sao_serving_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=registry)
+        self.prompt_tokens = Counter("sao_serving_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.completion_tokens = Counter("sao_serving_completion_tokens", "Tokens sampled", registry=registry)
+        self.request_latency = Histogram("sao_serving_request_latency_seconds",
+                                         "Time from request arrival to the last token, by route",
+                                         ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.first_token_latency = Histogram("sao_serving_time_to_first_token_seconds",
+                                             "Time from request arrival to the first sampled token",
+                                             ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.policy_version = Gauge("sao_serving_policy_version", "Policy version being served",
+                                    registry=registry)
+        self.swaps = Counter("sao_serving_weight_swaps", "Weight versions considered, by outcome",
+                             ["outcome"], registry=registry)
+        self.swap_load_seconds = Histogram("sao_serving_swap_load_seconds",
+                                           "Time to load and verify a version off the request path",
+                                           buckets=_SWAP_BUCKETS, registry=registry)
+        self.swap_stall_seconds = Histogram("sao_serving_swap_stall_seconds",
+                                            "Time decoding was paused for a switch",
+                                            buckets=_SWAP_BUCKETS, registry=registry)
+        self.log_queue_depth = Gauge("sao_serving_log_queue_depth",
+                                     "Records waiting for the interaction-log sender", registry=registry)
+        self.spool_bytes = Gauge("sao_serving_spool_bytes",
+                                 "Bytes of records spooled on disk and not yet acknowledged by the broker",
+                                 registry=registry)
+        self.spool_records = Gauge("sao_serving_spool_records",
+                                   "Records spooled on disk and not yet acknowledged by the broker",
+                                   registry=registry)
+
+    def observe_swap(self, result: SwapResult) -> None:
+        """Record one swap attempt of the weights follower (applied, ignored as old, or refused)."""
+        self.swaps.labels("applied" if result.applied else "not_applied").inc()
+        self.swap_load_seconds.observe(result.load_s)
+        if result.applied:
+            self.swap_stall_seconds.observe(result.stall_s)
+
+    def watch(self, queue_depth: Callable[[], float], spool_bytes: Callable[[], float],
+              spool_records: Callable[[], float], policy_version: Callable[[], float]) -> None:
+        """Read these gauges from their owners at scrape time."""
+        self.log_queue_depth.set_function(queue_depth)
+        self.spool_bytes.set_function(spool_bytes)
+        self.spool_records.set_function(spool_records)
+        self.policy_version.set_function(policy_version)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

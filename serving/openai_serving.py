@@ -1,0 +1,365 @@
+"""OpenAI requests to engine calls, responses (plain or server-sent events) and logged interactions.
+
+Prompts are token ids: chat messages are rendered with the tokenizer's chat
+template (``add_generation_prompt``) and tokenised without extra special
+tokens; a continuation (``parent_interaction_id``) conditions on the parent's
+recorded tokens plus the new observation tokens (:mod:`serving.trajectories`).
+Sampled tokens are decoded incrementally; stop tokens are actions but not text,
+and ``stop`` strings end the text (and generation) where they first appear.
+
+Every admitted request that sampled at least one token is logged as one
+:class:`Interaction` through the :class:`InteractionLogger`, also when a
+streaming client disconnects (``finish_reason="abort"``). The record's texts are
+the decoded token ids (special tokens included) unless ``redact_text``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from online_sao.config import ServingConfig
+from online_sao.schemas import Interaction, SamplingParams
+from serving.detokenize import IncrementalDecoder, StopStrings
+from serving.engine.base import GenerationRequest, InferenceEngine
+from serving.ids import InteractionIdError, InteractionIdSigner
+from serving.interaction_log import InteractionLogger
+from serving.metrics import ServingMetrics
+from serving.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                              ChatCompletionResponse, ChatResponseMessage, CompletionChoice, CompletionChunk,
+                              CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest)
+from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
+
+MAX_STOP_STRINGS = 16
+"""Stop strings per request: each costs a scan of the held-back text per token."""
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streaming answer: its id (for the X-Interaction-Id header) and its SSE lines."""
+
+    interaction_id: str
+    events: AsyncIterator[str]
+
+
+@dataclass
+class _Turn:
+    """One admitted request while it is served."""
+
+    interaction_id: str
+    route: str
+    prefix: TrajectoryPrefix
+    sampling: SamplingParams
+    user: str | None
+    session_id: str | None
+    template_messages: list[dict] | None = None
+    prompt_text: str | None = None
+    created_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return sorted(set(self.versions))
+
+    def usage(self) -> UsageInfo:
+        prompt = len(self.prefix.engine_prompt)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=len(self.token_ids),
+                         total_tokens=prompt + len(self.token_ids))
+
+
+def sse(payload: object) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: InferenceEngine, logger: InteractionLogger, tokenizer, cfg: ServingConfig,
+                 signer: InteractionIdSigner, trajectories: TrajectoryCache, metrics: ServingMetrics,
+                 stop_token_ids: frozenset[int] | None = None, max_model_len: int | None = None):
+        self.engine = engine
+        self.logger = logger
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.signer = signer
+        self.trajectories = trajectories
+        self.metrics = metrics
+        self.stop_token_ids = stop_token_ids or frozenset({tokenizer.eos_token_id})
+        self.max_model_len = max_model_len
+
+    # ------------------------------------------------------------------ prompts
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as exc:  # jinja templates raise their own errors for conversations they refuse
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
+
+    def _encode(self, text: str) -> list[int]:
+        # verbose=False: an over-long prompt is refused with 413 below, not warned about here
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def _parent(self, parent_id: str, route: str) -> Trajectory:
+        try:
+            self.signer.verify(parent_id)
+        except InteractionIdError as exc:
+            raise APIError(exc.status, exc.message, param="parent_interaction_id", code=exc.code) from None
+        parent = self.trajectories.get(parent_id)
+        if parent is None:
+            raise APIError(404, f"interaction {parent_id} is not held by this server (it keeps the "
+                                f"{self.trajectories.capacity} most recent trajectories in memory); "
+                                "send the conversation without parent_interaction_id to start a new one",
+                           param="parent_interaction_id", code="interaction_not_found")
+        if (route == "chat") != (parent.template_messages is not None):
+            raise APIError(400, f"interaction {parent_id} was not made by the {route} endpoint",
+                           param="parent_interaction_id")
+        return parent
+
+    def _chat_prefix(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict]]:
+        messages = [m.as_template_message() for m in request.messages]
+        if request.parent_interaction_id is None:
+            return TrajectoryPrefix(self._encode(self._render(messages, True))), messages
+        parent = self._parent(request.parent_interaction_id, "chat")
+        stored = list(parent.template_messages)
+        same = [(m["role"], m["content"]) for m in messages[:len(stored)]] == \
+               [(m["role"], m["content"]) for m in stored]
+        if not same or len(messages) <= len(stored):
+            raise APIError(400, f"messages must repeat the {len(stored)} messages of interaction "
+                                f"{parent.record.interaction_id} (its reply as returned) and add new ones",
+                           param="messages")
+        if messages[-1]["role"] == "assistant":
+            raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
+        messages = stored + messages[len(stored):]
+        last = parent.record.response_ids[-1] if parent.record.response_ids else None
+        stop_text = self.tokenizer.decode([last]) if last in self.stop_token_ids else None
+        observation = chat_observation_text(self._render, stored, messages, stop_text)
+        if observation is None:
+            raise APIError(400, "the chat template does not render this conversation as an extension of "
+                                f"interaction {parent.record.interaction_id}", param="messages")
+        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages
+
+    def _completion_prefix(self, request: CompletionRequest) -> tuple[TrajectoryPrefix, str | None]:
+        prompt = request.prompt
+        ids: list[int] | None = None
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            ids, text = list(prompt), None
+        elif isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            text = prompt[0]
+        else:
+            text = prompt
+        if request.parent_interaction_id is None:
+            return TrajectoryPrefix(ids if ids is not None else self._encode(text)), text
+        parent = self._parent(request.parent_interaction_id, "completions")
+        if ids is not None:
+            known = parent.token_ids
+            if ids[:len(known)] != known or len(ids) == len(known):
+                raise APIError(400, "prompt token ids must start with every token of the parent "
+                                    "interaction and add new ones", param="prompt")
+            observation = ids[len(known):]
+        else:
+            seen = parent.visible_text
+            if seen is None or not text.startswith(seen) or text == seen:
+                raise APIError(400, "prompt must start with the parent interaction's prompt and returned "
+                                    "text and add new text", param="prompt")
+            observation = self._encode(text[len(seen):])
+        return TrajectoryPrefix.continuing(parent.record, observation), text
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, request: SamplingRequest, route: str, prefix: TrajectoryPrefix, **extra) -> _Turn:
+        prompt_len = len(prefix.engine_prompt)
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt" if route == "completions" else "messages")
+        if prompt_len > self.cfg.max_prompt_tokens:
+            raise APIError(413, f"the prompt has {prompt_len} tokens; this server accepts at most "
+                                f"{self.cfg.max_prompt_tokens} (serving.max_prompt_tokens)",
+                           code="prompt_too_long")
+        room = self.cfg.max_new_tokens
+        if self.max_model_len is not None:
+            if prompt_len >= self.max_model_len:
+                raise APIError(413, f"the prompt has {prompt_len} tokens and the model's context is "
+                                    f"{self.max_model_len}", code="context_length_exceeded")
+            room = min(room, self.max_model_len - prompt_len)
+        asked = request.requested_max_tokens()
+        if asked is not None and asked > self.cfg.max_new_tokens:
+            raise APIError(400, f"max_tokens is {asked}; this server allows at most {self.cfg.max_new_tokens}",
+                           param="max_tokens", code="max_tokens_too_large")
+        if asked is not None and asked > room:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({asked}) exceeds the "
+                                f"model's context of {self.max_model_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        reason = self.logger.refusal()
+        if reason is not None:
+            raise APIError(503, reason, type="service_unavailable", code="logging_unavailable",
+                           headers={"Retry-After": "5"})
+        sampling = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
+                                  top_p=1.0 if request.top_p is None else request.top_p,
+                                  max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
+        return _Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id, **extra)
+
+    def check_request(self, request: SamplingRequest) -> None:
+        """Checks that need no tokenizer: model, n, temperature, stop strings."""
+        if request.model != self.cfg.model_name:
+            raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
+                                f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+        if request.n != 1:
+            raise APIError(400, f"n={request.n} is not supported: each request samples one completion "
+                                "(send several requests)", param="n")
+        if request.temperature == 0:
+            raise APIError(400, "temperature 0 (greedy decoding) is not supported: online learning needs the "
+                                "sampling distribution; use a small positive temperature", param="temperature")
+        if len(request.stop_list()) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _pieces(self, turn: _Turn) -> AsyncIterator[str]:
+        """Yield the response text as it becomes final; log the interaction when it ends."""
+        request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
+                                    self.stop_token_ids)
+        decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids)
+        stops = StopStrings(turn.sampling.stop)
+        stream = self.engine.generate(request)
+        try:
+            async for event in stream:
+                if not turn.token_ids:
+                    self.metrics.first_token_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
+                turn.token_ids.append(event.token_id)
+                turn.logprobs.append(event.logprob)
+                turn.versions.append(event.version)
+                piece = decoder.push(event.token_id)
+                if event.finish_reason is not None:
+                    piece += decoder.finish()
+                text, stopped = stops.feed(piece)
+                if event.finish_reason is not None and not stopped:
+                    text += stops.flush()
+                if text:
+                    turn.text += text
+                    yield text
+                if stopped or event.finish_reason is not None:
+                    turn.finish_reason = "stop" if stopped else event.finish_reason
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            turn.finish_reason = "abort"  # the client went away: what was sampled is still a trajectory
+            raise
+        except ValueError as exc:
+            if turn.token_ids:
+                raise
+            # engines refuse input they cannot run (ids outside the vocabulary) before sampling
+            raise APIError(400, f"the engine refused the request: {exc}") from exc
+        finally:
+            await stream.aclose()
+            if turn.finish_reason is not None and turn.token_ids:
+                self._log(turn)
+
+    def _log(self, turn: _Turn) -> None:
+        fields = turn.prefix.extended(turn.token_ids, turn.logprobs, turn.versions)
+        texts = {}
+        if not self.cfg.redact_text:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+            texts = dict(prompt_text=decode(fields["prompt_ids"]), response_text=decode(fields["response_ids"]))
+        record = Interaction(interaction_id=turn.interaction_id, created_at=turn.created_at,
+                             model=self.cfg.model_name, deployment_id=self.cfg.deployment_id,
+                             sampling=turn.sampling, finish_reason=turn.finish_reason, user_id=turn.user,
+                             session_id=turn.session_id, **fields, **texts)
+        self.logger.submit(record)
+        if turn.template_messages is not None:
+            messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]
+            self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages)))
+        else:
+            visible = None if turn.prompt_text is None else turn.prompt_text + turn.text
+            self.trajectories.put(turn.interaction_id, Trajectory(record, visible_text=visible))
+        self.metrics.prompt_tokens.inc(len(turn.prefix.engine_prompt))
+        self.metrics.completion_tokens.inc(len(turn.token_ids))
+        self.metrics.request_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Streamed:
+        self.check_request(request)
+        prefix, messages = self._chat_prefix(request)
+        turn = self._admit(request, "chat", prefix, template_messages=messages)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return Streamed(turn.interaction_id, self._chat_events(turn, include_usage))
+        async for _ in self._pieces(turn):
+            pass
+        return ChatCompletionResponse(
+            id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
+            choices=[ChatChoice(message=ChatResponseMessage(content=turn.text), finish_reason=turn.finish_reason)],
+            interaction_id=turn.interaction_id, policy_version=max(turn.versions),
+            policy_versions=turn.policy_versions)
+
+    async def _chat_events(self, turn: _Turn, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: DeltaMessage, finish: str | None = None, final: bool = False) -> str:
+            return sse(ChatCompletionChunk(
+                id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+                policy_version=max(turn.versions) if final else None,
+                policy_versions=turn.policy_versions if final else None))
+
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async with aclosing(self._pieces(turn)) as pieces:
+                async for piece in pieces:
+                    yield chunk(DeltaMessage(content=piece))
+            yield chunk(DeltaMessage(), turn.finish_reason, final=True)
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
+                                              usage=turn.usage(), interaction_id=turn.interaction_id))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # headers are sent: the error travels as an SSE event
+            yield sse(stream_error(exc))
+
+    async def completion(self, request: CompletionRequest) -> CompletionResponse | Streamed:
+        self.check_request(request)
+        prefix, text = self._completion_prefix(request)
+        turn = self._admit(request, "completions", prefix, prompt_text=text)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return Streamed(turn.interaction_id, self._completion_events(turn, include_usage))
+        async for _ in self._pieces(turn):
+            pass
+        return CompletionResponse(
+            id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
+            choices=[CompletionChoice(text=turn.text, finish_reason=turn.finish_reason)],
+            interaction_id=turn.interaction_id, policy_version=max(turn.versions),
+            policy_versions=turn.policy_versions)
+
+    async def _completion_events(self, turn: _Turn, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(text: str, finish: str | None = None, final: bool = False) -> str:
+            return sse(CompletionChunk(
+                id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
+                choices=[CompletionChoice(text=text, finish_reason=finish)],
+                policy_version=max(turn.versions) if final else None,
+                policy_versions=turn.policy_versions if final else None))
+
+        try:
+            async with aclosing(self._pieces(turn)) as pieces:
+                async for piece in pieces:
+                    yield chunk(piece)
+            yield chunk("", turn.finish_reason, final=True)
+            if include_usage:
+                yield sse(CompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
+                                          usage=turn.usage(), interaction_id=turn.interaction_id))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # headers are sent: the error travels as an SSE event
+            yield sse(stream_error(exc))
+
+
+def stream_error(exc: Exception) -> dict:
+    """The OpenAI-style error body for a failure after a stream began."""
+    if isinstance(exc, APIError):
+        return exc.body()
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body()

@@ -1,0 +1,252 @@
+"""Wire models of the OpenAI-compatible API, the feedback API and OpenAI-style errors.
+
+Requests accept (and ignore) OpenAI fields that do not change sampling here
+(``presence_penalty``, ``logit_bias``, ...), so the official client works
+unchanged. Two extensions arrive through the client's ``extra_body``:
+``parent_interaction_id`` (continue an earlier interaction as one trajectory)
+and ``session_id``. Responses add ``interaction_id``, ``policy_version`` (the
+newest version that sampled a token) and ``policy_versions`` (every version that
+sampled one, ascending).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from online_sao.schemas import FiniteFloat
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- requests
+
+class _Request(BaseModel):
+    # extra="ignore": the official client may send fields we do not act on.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_message(self) -> dict[str, str]:
+        """The dict a tokenizer chat template renders."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class SamplingRequest(_Request):
+    model: str
+    temperature: float | None = Field(None, ge=0, le=10)
+    """0 (greedy) is refused by the serving layer: learning needs a sampling distribution."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    parent_interaction_id: str | None = Field(None, max_length=256)
+    """Extension (``extra_body``): continue this earlier interaction as one trajectory."""
+    session_id: str | None = Field(None, max_length=256)
+    """Extension (``extra_body``): recorded on the interaction."""
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Newer name of ``max_tokens``; either may be sent."""
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int]
+    """One prompt: text, a one-element list of text, or token ids."""
+    max_tokens: int | None = Field(16, ge=1)
+    """OpenAI's default for the completions endpoint is 16."""
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TurnRewardIn(_Request):
+    turn: int = Field(ge=0)
+    """Index of the assistant turn in the trajectory (0 = first)."""
+    value: FiniteFloat
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    interaction_id: str = Field(min_length=1, max_length=256)
+    reward: FiniteFloat
+    source: str = Field("user", min_length=1, max_length=128)
+    turn_rewards: list[TurnRewardIn] = []
+
+
+# ----------------------------------------------------------------------------- responses
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Traced(BaseModel):
+    interaction_id: str
+    policy_version: int
+    policy_versions: list[int]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(_Traced):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    interaction_id: str
+    policy_version: int | None = None
+    policy_versions: list[int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(_Traced):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    interaction_id: str
+    policy_version: int | None = None
+    policy_versions: list[int] | None = None
+
+
+class FeedbackResponse(BaseModel):
+    object: Literal["feedback"] = "feedback"
+    interaction_id: str
+    status: Literal["accepted"] = "accepted"
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "online-sao"
+    policy_version: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

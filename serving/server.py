@@ -1,0 +1,186 @@
+"""``online-sao serve``: wire the model, engine, producer, logger and follower into the app, run uvicorn.
+
+:func:`build_stack` is the wiring (also used by the integration tests and the
+benchmark, so they run what production runs); :func:`run_server` adds uvicorn
+and the shutdown order: uvicorn drains open requests, the app's lifespan stops
+the follower and the engine and flushes the interaction log (whatever the
+broker did not acknowledge within ``shutdown_flush_s`` stays in the spool for
+the next start), then the producer is closed. :class:`BackgroundServer` runs an
+app on uvicorn in a thread, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from transformers import AutoConfig, GenerationConfig
+
+from online_sao.config import Config
+from serving.app import Follower, build_app
+from serving.auth import check_exposure
+from serving.engine.base import InferenceEngine
+from serving.interaction_log import InteractionLogger
+from serving.metrics import ServingMetrics
+from streams.base import DeliveryReport, Producer, StreamBackend
+
+log = logging.getLogger(__name__)
+
+
+class LazyProducer(Producer):
+    """Creates the backend's producer on first use, so serving starts (and spools) while the broker is down."""
+
+    def __init__(self, backend: StreamBackend):
+        self._backend = backend
+        self._producer: Producer | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Producer:
+        with self._lock:
+            if self._producer is None:
+                self._producer = self._backend.producer()  # StreamUnavailable while unreachable
+            return self._producer
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None,
+             on_delivery: DeliveryReport | None = None) -> None:
+        self._get().send(topic, value, key=key, on_delivery=on_delivery)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        if self._producer is not None:
+            self._producer.flush(timeout_s)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+
+
+@dataclass
+class ServingStack:
+    app: FastAPI
+    engine: InferenceEngine
+    logger: InteractionLogger
+    producer: Producer
+    metrics: ServingMetrics
+    tokenizer: object
+    follower: Follower | None = None
+
+
+def stop_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """The tokenizer's eos and every eos id of the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos is all there is
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def make_logger(cfg: Config, producer: Producer) -> InteractionLogger:
+    s = cfg.serving
+    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, max_queue=s.log_queue_size,
+                             window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
+                             spool_max_bytes=s.spool_max_bytes)
+
+
+def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
+    """The configured engine over ``model_dir``."""
+    if cfg.serving.engine == "vllm":
+        from serving.engine.vllm_engine import VLLMEngine  # optional extra: imported only when chosen
+
+        return VLLMEngine(model_dir, cfg.serving, dtype=cfg.model.dtype)
+    from online_sao.modeling import load_policy
+    from serving.engine.torch_engine import TorchEngine
+
+    return TorchEngine(load_policy(model_dir, cfg.model.dtype), tokenizer, cfg.serving)
+
+
+def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: InferenceEngine | None = None,
+                follower_factory=None) -> ServingStack:
+    """Everything ``online-sao serve`` runs, over ``backend`` (Kafka in production)."""
+    from online_sao.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    engine = engine if engine is not None else make_engine(cfg, model_dir, tokenizer)
+    max_model_len = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    producer = LazyProducer(backend)
+    logger = make_logger(cfg, producer)
+    metrics = ServingMetrics(CollectorRegistry())
+    follower = follower_factory(engine, metrics) if follower_factory is not None else None
+    app = build_app(engine, logger, cfg, tokenizer, metrics, follower,
+                    stop_token_ids=stop_token_ids(model_dir, tokenizer), max_model_len=max_model_len)
+    return ServingStack(app, engine, logger, producer, metrics, tokenizer, follower)
+
+
+def run_server(cfg: Config) -> int:
+    """Serve until interrupted; returns the process exit code."""
+    from online_sao.base_model import build_base_model
+    from streams.kafka_backend import KafkaBackend
+
+    check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
+    model_dir = build_base_model(cfg, progress=lambda line: log.info("%s", line))
+    backend = KafkaBackend(cfg.kafka)
+    stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
+    server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
+                                           log_level="info", timeout_graceful_shutdown=30))
+    server.run()
+    if stack.logger.spool_records == 0:
+        stack.producer.close()
+    # else: records the producer still holds are also in the spool; leaving it unclosed lets the
+    # process exit now instead of waiting out the producer's delivery timeout.
+    return 0
+
+
+def follower_factory(cfg: Config, backend: StreamBackend):
+    """Makes the weights follower of ``online-sao serve``: the weights topic, the weight store,
+    swap outcomes into the metrics."""
+    from online_sao.weights import open_weight_store
+    from serving.weights_follower import WeightsFollower
+
+    def make(engine: InferenceEngine, metrics: ServingMetrics) -> WeightsFollower:
+        return WeightsFollower(backend, cfg.kafka.topics.weights, open_weight_store(cfg.weight_store_url), engine,
+                               on_result=metrics.observe_swap)
+
+    return make
+
+
+class BackgroundServer:
+    """An app on uvicorn in a daemon thread (tests, benchmarks); ``port=0`` picks a free port."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                     timeout_graceful_shutdown=10))
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("uvicorn exited during start-up (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start within {timeout_s} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Graceful: open requests finish, then the app's lifespan shuts down (flushing the log)."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"uvicorn did not stop within {timeout_s} s")

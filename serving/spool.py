@@ -1,0 +1,259 @@
+"""The local append-only spool of records the broker has not acknowledged.
+
+Layout under ``directory``:
+
+* ``spool.log``: entries in the order they were appended. An entry is one line
+  ``<length:8 hex> <crc32:8 hex> <payload>\\n`` where ``payload`` is compact JSON
+  ``{"seq", "topic", "key", "value"}`` (key and value base64). The length and
+  CRC let a reader find a torn or corrupt tail after a crash: everything from
+  the first bad entry on is moved to ``spool.corrupt-<time>`` for inspection
+  and the log is cut there.
+* ``spool.acked``: the sequence number up to which every entry was acknowledged
+  by the broker, replaced atomically (write, fsync, rename). Entries at or below
+  it are never sent again, also after a restart. When every entry on disk is
+  acknowledged the log is emptied.
+
+fsync policy: every :meth:`Spool.append` call (one batch of records) ends with
+``fsync`` of the log, and every acknowledgement watermark is fsynced before
+the rename, so an entry reported written survives a power loss. An entry that
+was acknowledged by the broker but whose watermark was not yet written (a crash
+in between, or a watermark write that failed on a full disk) is sent again after
+a restart: at-least-once across crashes; ids let consumers drop the copy.
+
+Writes that fail (disk full, quota ``max_bytes`` reached, I/O error) never
+raise: the entries are kept in memory, in order, after everything on disk,
+:attr:`Spool.error` says why, and the next append retries them first.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+import logging
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HEADER_BYTES = 18  # "llllllll cccccccc "
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    seq: int
+    topic: str
+    key: bytes | None
+    value: bytes
+    end_offset: int | None = None
+    """Log offset just after this entry; None while it is held in memory only."""
+
+    def encode(self) -> bytes:
+        payload = json.dumps({"seq": self.seq, "topic": self.topic,
+                              "key": None if self.key is None else base64.b64encode(self.key).decode("ascii"),
+                              "value": base64.b64encode(self.value).decode("ascii")},
+                             separators=(",", ":")).encode("ascii")
+        return f"{len(payload):08x} {zlib.crc32(payload):08x} ".encode("ascii") + payload + b"\n"
+
+
+def _decode_payload(payload: bytes, end_offset: int) -> SpoolEntry:
+    obj = json.loads(payload)
+    key = obj["key"]
+    return SpoolEntry(seq=int(obj["seq"]), topic=str(obj["topic"]),
+                      key=None if key is None else base64.b64decode(key), value=base64.b64decode(obj["value"]),
+                      end_offset=end_offset)
+
+
+class SpoolFull(OSError):
+    """Appending would take the spool beyond its configured size."""
+
+
+class Spool:
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.log_path = self.directory / "spool.log"
+        self.acked_path = self.directory / "spool.acked"
+        self.error: str | None = None
+        self.dropped_corrupt_bytes = 0
+        self.watermark_error: str | None = None
+        self._overflow: list[SpoolEntry] = []
+        self._acked_seq = self._read_watermark()
+        self._acked_offset, self._log_size, self._pending, self.last_seq = self._recover()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def pending_records(self) -> int:
+        """Entries not yet acknowledged (on disk and held in memory)."""
+        return self._pending + len(self._overflow)
+
+    @property
+    def held_in_memory(self) -> int:
+        """Entries that could not be written and are held in memory (lost if the process exits)."""
+        return len(self._overflow)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._log_size - self._acked_offset + sum(len(e.encode()) for e in list(self._overflow))
+
+    @property
+    def acked_seq(self) -> int:
+        return self._acked_seq
+
+    # ------------------------------------------------------------------ recovery
+
+    def _read_watermark(self) -> int:
+        try:
+            return int(self.acked_path.read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            return 0
+
+    def _scan(self) -> tuple[list[SpoolEntry], int]:
+        """Every valid entry of the log and the offset where valid data ends."""
+        entries: list[SpoolEntry] = []
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return entries, 0
+        offset = 0
+        while offset < len(data):
+            header = data[offset:offset + _HEADER_BYTES]
+            try:
+                length, crc = int(header[0:8], 16), int(header[9:17], 16)
+                end = offset + _HEADER_BYTES + length
+                payload = data[offset + _HEADER_BYTES:end]
+                if len(payload) != length or data[end:end + 1] != b"\n" or zlib.crc32(payload) != crc:
+                    break
+                entries.append(_decode_payload(payload, end + 1))
+            except (ValueError, KeyError, json.JSONDecodeError):
+                break
+            offset = end + 1
+        if offset < len(data):  # torn or corrupt tail: keep it aside, cut the log
+            self.dropped_corrupt_bytes = len(data) - offset
+            (self.directory / f"spool.corrupt-{int(time.time() * 1000)}").write_bytes(data[offset:])
+            with open(self.log_path, "r+b") as fh:
+                fh.truncate(offset)
+                os.fsync(fh.fileno())
+        return entries, offset
+
+    def _recover(self) -> tuple[int, int, int, int]:
+        """(acknowledged offset, log size, pending entries, last sequence number) from the files."""
+        entries, size = self._scan()
+        acked_offset = max((e.end_offset for e in entries if e.seq <= self._acked_seq), default=0)
+        pending = sum(1 for e in entries if e.seq > self._acked_seq)
+        last_seq = max([self._acked_seq] + [e.seq for e in entries])
+        return acked_offset, size, pending, last_seq
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, entries: list[SpoolEntry]) -> bool:
+        """Write the held-back entries, then these, in order; False (and :attr:`error`) if they stay in memory."""
+        if entries:
+            self.last_seq = max(self.last_seq, entries[-1].seq)
+        todo = self._overflow + list(entries)
+        self._overflow = []
+        if not todo:
+            return True
+        data = b"".join(e.encode() for e in todo)
+        try:
+            if self._log_size + len(data) > self.max_bytes:
+                raise SpoolFull(f"spool would grow to {self._log_size + len(data)} bytes, "
+                                f"beyond serving.spool_max_bytes={self.max_bytes}")
+            self._write(data)
+        except OSError as exc:
+            self._overflow = todo
+            self.error = f"cannot write the spool at {self.log_path}: {exc}"
+            return False
+        self._log_size += len(data)
+        self._pending += len(todo)
+        self.error = None
+        return True
+
+    def _write(self, data: bytes) -> None:
+        with open(self.log_path, "ab") as fh:
+            start = fh.tell()
+            try:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            except OSError:
+                fh.truncate(start)  # never leave half an append behind
+                raise
+
+    # ------------------------------------------------------------------ replay
+
+    def read_pending(self, limit: int) -> list[SpoolEntry]:
+        """Up to ``limit`` unacknowledged entries, oldest first (disk, then memory)."""
+        out: list[SpoolEntry] = []
+        if self._log_size > self._acked_offset:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self._acked_offset)
+                offset = self._acked_offset
+                while len(out) < limit and offset < self._log_size:
+                    header = fh.read(_HEADER_BYTES)
+                    length = int(header[0:8], 16)
+                    payload = fh.read(length)
+                    fh.read(1)
+                    offset += _HEADER_BYTES + length + 1
+                    entry = _decode_payload(payload, offset)
+                    if entry.seq > self._acked_seq:
+                        out.append(entry)
+        for entry in self._overflow:
+            if len(out) >= limit:
+                break
+            out.append(entry)
+        return out
+
+    def ack_through(self, entry: SpoolEntry) -> None:
+        """Every entry up to and including ``entry`` is acknowledged by the broker."""
+        if entry.end_offset is None:  # an in-memory entry: drop it and everything before it
+            index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
+            self._overflow = self._overflow[index + 1:]
+            self._pending = 0
+            self._acked_offset = self._log_size
+        else:
+            self._pending -= self._count_between(self._acked_offset, entry.end_offset)
+            self._acked_offset = entry.end_offset
+        self._acked_seq = entry.seq
+        if self._acked_offset >= self._log_size:  # all of the disk is acknowledged: give it back
+            self._reset()
+        else:
+            self._persist_watermark()
+
+    def _count_between(self, start: int, end: int) -> int:
+        count = 0
+        with open(self.log_path, "rb") as fh:
+            fh.seek(start)
+            offset = start
+            while offset < end:
+                length = int(fh.read(_HEADER_BYTES)[0:8], 16)
+                fh.seek(length + 1, os.SEEK_CUR)
+                offset += _HEADER_BYTES + length + 1
+                count += 1
+        return count
+
+    def _persist_watermark(self) -> None:
+        """Best effort: a watermark that cannot be written only means re-sending after a crash."""
+        tmp = self.acked_path.with_suffix(".tmp")
+        try:
+            with open(tmp, "w") as fh:
+                fh.write(f"{self._acked_seq}\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.acked_path)
+            self.watermark_error = None
+        except OSError as exc:
+            self.watermark_error = f"cannot write {self.acked_path}: {exc}"
+            log.warning("%s; acknowledged entries may be sent again after a restart", self.watermark_error)
+
+    def _reset(self) -> None:
+        """Every entry on disk is acknowledged: empty the log, keep the sequence counter."""
+        with open(self.log_path, "wb"):
+            pass  # truncating frees space, so it works on a full disk too
+        self._log_size = self._acked_offset = 0
+        self._pending = 0
+        self._persist_watermark()

@@ -1,0 +1,181 @@
+"""Fixtures of the serving tests.
+
+Unit level: ``chat_tokenizer`` (the default model's tokenizer and chat template,
+trained on a slice of the corpus in a second) and ``make_harness`` (the real app
+over a :class:`FakeEngine` and an InMemoryBackend or a FakeProducer, driven with
+Starlette's TestClient). Integration level: ``live_server`` runs the real app on
+uvicorn on a free port in a background thread, with the real TorchEngine on the
+tiny model and the real broker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from online_sao.base_model import train_tokenizer
+from online_sao.config import Config, load_config
+from online_sao.corpus import generate_corpus
+from online_sao.schemas import Interaction, Reward, decode
+from serving.app import build_app
+from serving.interaction_log import InteractionLogger
+from serving.metrics import ServingMetrics
+from streams.base import Producer
+from streams.memory import InMemoryBackend
+from tests.serving.fakes import FakeEngine, FakeProducer
+
+ANSWER = "Hello, wörld! 🙂 ok"
+"""The fake engine's answer: multi-byte characters exercise incremental decoding."""
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    return train_tokenizer(generate_corpus(seed=0)[:300], vocab_size=400, max_length=512)
+
+
+def serving_config(tmp_path: Path, **overrides) -> Config:
+    return load_config(environ={}, overrides={"paths.data_dir": str(tmp_path), **overrides})
+
+
+@dataclass
+class Harness:
+    client: TestClient
+    engine: FakeEngine
+    logger: InteractionLogger
+    cfg: Config
+    producer: Producer
+    backend: InMemoryBackend | None
+    metrics: ServingMetrics
+    tokenizer: object
+
+    def records(self, topic: str) -> list[Interaction | Reward]:
+        """Every record on ``topic`` once the logger delivered what was submitted."""
+        assert self.logger.flush(10.0), "the logger did not deliver within 10 s"
+        consumer = self.backend.consumer([topic])
+        try:
+            return [decode(m.value) for m in consumer.poll(timeout_s=0.1, max_records=10_000)]
+        finally:
+            consumer.close()
+
+    def interactions(self) -> list[Interaction]:
+        """In the order the requests arrived (the topic orders them only per partition)."""
+        return sorted(self.records(self.cfg.kafka.topics.interactions), key=lambda r: r.created_at)
+
+    def rewards(self) -> list[Reward]:
+        return self.records(self.cfg.kafka.topics.rewards)
+
+
+@pytest.fixture
+def make_harness(tmp_path, chat_tokenizer) -> Iterator:
+    """Build the app over fakes; ``producer`` defaults to an InMemoryBackend's."""
+    opened: list[TestClient] = []
+
+    def make(script_text: str = ANSWER, producer: Producer | None = None, delay_s: float = 0.0,
+             spool_max_bytes: int | None = None, **overrides) -> Harness:
+        cfg = serving_config(tmp_path, **overrides)
+        backend = None
+        if producer is None:
+            backend = InMemoryBackend(cfg.kafka)
+            backend.ensure_topics()
+            producer = backend.producer()
+        stop = chat_tokenizer.eos_token_id
+        script = list(chat_tokenizer(script_text, add_special_tokens=False)["input_ids"]) + [stop]
+        engine = FakeEngine(script, delay_s=delay_s)
+        s = cfg.serving
+        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, max_queue=s.log_queue_size,
+                                   window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
+                                   spool_max_bytes=spool_max_bytes or s.spool_max_bytes)
+        metrics = ServingMetrics(CollectorRegistry())
+        app = build_app(engine, logger, cfg, chat_tokenizer, metrics, max_model_len=512)
+        client = TestClient(app, raise_server_exceptions=False)
+        client.__enter__()
+        opened.append(client)
+        return Harness(client, engine, logger, cfg, producer, backend, metrics, chat_tokenizer)
+
+    yield make
+    for client in opened:
+        client.__exit__(None, None, None)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    """Poll ``predicate`` (for state owned by other threads) until true or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+__all__ = ["ANSWER", "FakeProducer", "Harness", "wait_until", "serving_config"]
+
+
+# ----------------------------------------------------------------------------- integration
+
+
+@dataclass
+class LiveServer:
+    """The production wiring (:func:`serving.server.build_stack`) on uvicorn, over a real broker."""
+
+    server: "BackgroundServer"
+    stack: "ServingStack"
+    cfg: Config
+    model_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.server.url
+
+    def openai(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.server.url}/v1", api_key="not-needed-on-loopback", max_retries=0, **kwargs)
+
+    def read(self, topic: str, count: int, timeout_s: float = 30.0, settle_s: float = 1.0) -> list:
+        """Every record on ``topic``: waits for ``count``, then ``settle_s`` more for any extra."""
+        from streams.kafka_backend import KafkaBackend
+        from tests.fixtures.kafka import drain
+
+        consumer = KafkaBackend(self.cfg.kafka).consumer([topic])
+        try:
+            messages = drain(consumer, count, timeout_s)
+            messages += drain(consumer, 10**9, settle_s)
+        finally:
+            consumer.close()
+        return [decode(m.value) for m in messages]
+
+
+def start_live_server(cfg: Config, model_dir: Path) -> LiveServer:
+    from serving.server import BackgroundServer, build_stack, follower_factory
+    from streams.kafka_backend import KafkaBackend
+
+    backend = KafkaBackend(cfg.kafka)
+    stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
+    return LiveServer(BackgroundServer(stack.app).start(), stack, cfg, model_dir)
+
+
+@pytest.fixture
+def one_torch_thread():
+    # OpenMP workers spinning on a shared two-core machine slow tiny models down a lot.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def live_server(tmp_path, tiny_model_dir, kafka_config, one_torch_thread) -> Iterator[LiveServer]:
+    from tests.fixtures.models import tiny_config
+
+    cfg = tiny_config(tmp_path).model_copy(update={"kafka": kafka_config})
+    live = start_live_server(cfg, tiny_model_dir)
+    yield live
+    live.server.stop()

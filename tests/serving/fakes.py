@@ -1,0 +1,133 @@
+"""Small fakes for serving unit tests: an engine with scripted tokens and a producer with outages."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from streams.base import DeliveryReport, Producer, StreamUnavailable
+
+
+class FakeEngine:
+    """Implements ``InferenceEngine``: answers every request with ``script`` (token ids).
+
+    Token i has log-probability ``-0.1 * (i + 1)`` and the engine's current version.
+    A stop token ends the answer with 'stop'; ``max_tokens`` with 'length'. ``delay_s``
+    pauses before each token (to test disconnects and concurrency).
+    """
+
+    def __init__(self, script: list[int], stop_ids: frozenset[int] = frozenset(), delay_s: float = 0.0):
+        self.script = script
+        self.stop_ids = stop_ids
+        self.delay_s = delay_s
+        self.version = 0
+        self.requests: list[GenerationRequest] = []
+        self.started = False
+        self.open_streams = 0
+        self.fail_with: Exception | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self.requests.append(request)
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.open_streams += 1
+        try:
+            for i, token in enumerate(self.script):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                last = i + 1 == request.sampling.max_tokens or i + 1 == len(self.script)
+                finish = "stop" if token in request.stop_token_ids else ("length" if last else None)
+                yield TokenEvent(token, -0.1 * (i + 1), self.version, finish)
+                if finish is not None:
+                    return
+        finally:
+            self.open_streams -= 1
+
+    def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
+        applied = force or version > self.version
+        if applied:
+            self.version = version
+        return SwapResult(version, applied, 0.0, 0.0)
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.started = False
+
+
+@dataclass
+class _Sent:
+    topic: str
+    value: bytes
+    key: bytes | None
+    report: DeliveryReport | None
+
+
+@dataclass
+class FakeProducer(Producer):
+    """A producer whose broker can go down: while down, sends are held (like kafka-python
+    retrying) and reported when it comes back, or failed with :meth:`expire`.
+
+    ``delivered`` is the broker's log: (topic, key, value) in the order the broker wrote them.
+    ``refuse_sends`` makes ``send`` itself raise StreamUnavailable (metadata unavailable).
+    """
+
+    up: bool = True
+    refuse_sends: bool = False
+    delivered: list[tuple[str, bytes | None, bytes]] = field(default_factory=list)
+    held: list[_Sent] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None,
+             on_delivery: DeliveryReport | None = None) -> None:
+        if self.refuse_sends:
+            raise StreamUnavailable("fake broker: metadata unavailable")
+        sent = _Sent(topic, value, key, on_delivery)
+        with self.lock:
+            if not self.up:
+                self.held.append(sent)
+                return
+            self.delivered.append((topic, key, value))
+        if on_delivery is not None:
+            on_delivery(None)
+
+    def go_down(self) -> None:
+        with self.lock:
+            self.up = False
+
+    def come_back(self) -> None:
+        """The broker returns: held records are written and acknowledged, in order."""
+        with self.lock:
+            self.up = True
+            held, self.held = self.held, []
+            for s in held:
+                self.delivered.append((s.topic, s.key, s.value))
+        for s in held:
+            if s.report is not None:
+                s.report(None)
+
+    def expire(self) -> int:
+        """Held records time out (delivery timeout): reported failed, not written."""
+        with self.lock:
+            held, self.held = self.held, []
+        for s in held:
+            if s.report is not None:
+                s.report(StreamUnavailable("fake broker: delivery timed out"))
+        return len(held)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        if self.held:
+            raise StreamUnavailable("fake broker: records not acknowledged")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,55 @@
+"""Incremental decoding and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.detokenize import IncrementalDecoder, StopStrings
+
+
+@pytest.mark.parametrize("text", ["plain words here", "Grüße, 世界! 🙂🙂 naïve café",
+                                  "  spaces\n\nnew lines\t"])
+def test_pieces_add_up_to_the_full_decode_and_never_split_a_character(chat_tokenizer, text):
+    ids = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoder = IncrementalDecoder(chat_tokenizer)
+    pieces = [decoder.push(t) for t in ids] + [decoder.finish()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 1  # it really streams
+
+
+def test_hidden_and_special_tokens_produce_no_text(chat_tokenizer):
+    eos = chat_tokenizer.eos_token_id
+    im_start = chat_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    ids = chat_tokenizer("ab", add_special_tokens=False)["input_ids"]
+    decoder = IncrementalDecoder(chat_tokenizer, hidden=frozenset({eos}))
+    out = "".join(decoder.push(t) for t in [im_start, *ids, eos]) + decoder.finish()
+    assert out == "ab"
+
+
+def test_stop_string_cuts_the_text_and_nothing_of_it_is_emitted():
+    stops = StopStrings(["END", "\n\n"])
+    emitted = []
+    for piece in ["Hel", "lo E", "N", "Dmore"]:
+        out, hit = stops.feed(piece)
+        emitted.append(out)
+        if hit:
+            break
+    assert hit and "".join(emitted) == "Hello "
+    assert all("E" not in e for e in emitted)  # the prefix of the stop string was held back
+
+
+def test_without_a_hit_the_held_tail_is_flushed_at_the_end():
+    stops = StopStrings(["STOP"])
+    out = [stops.feed(p)[0] for p in ["abc", "ST", "O"]]
+    assert "".join(out) == "abc"  # "STO" may still become "STOP"
+    assert stops.flush() == "STO"
+
+
+def test_the_earliest_stop_string_wins():
+    out, hit = StopStrings(["cd", "b"]).feed("abcd")
+    assert (out, hit) == ("a", True)
+
+
+def test_no_stop_strings_passes_text_through():
+    assert StopStrings([]).feed("anything") == ("anything", False)

@@ -1,0 +1,103 @@
+"""Signed interaction ids and API-key auth with rate limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.auth import ANONYMOUS, ApiKeyAuth, AuthError, check_exposure, is_loopback
+from serving.ids import InteractionIdError, InteractionIdSigner
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_minted_ids_verify_and_are_unique():
+    clock = Clock()
+    signer = InteractionIdSigner(b"secret", "dep-a", window_s=300, clock=clock)
+    ids = {signer.mint() for _ in range(50)}
+    assert len(ids) == 50
+    for i in ids:
+        assert signer.verify(i).issued_at == pytest.approx(clock.now, abs=0.001)
+
+
+def test_an_id_of_another_deployment_or_secret_is_refused_with_403():
+    clock = Clock()
+    ours = InteractionIdSigner(b"secret", "dep-a", 300, clock)
+    other_deployment = InteractionIdSigner(b"secret", "dep-b", 300, clock).mint()
+    other_secret = InteractionIdSigner(b"other", "dep-a", 300, clock).mint()
+    for foreign in (other_deployment, other_secret):
+        with pytest.raises(InteractionIdError) as err:
+            ours.verify(foreign)
+        assert err.value.status == 403 and "signature" in err.value.message
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda i: i[:-1] + ("0" if i[-1] != "0" else "1"),          # mac changed
+    lambda i: i.replace("sao-", "sao-1", 1),                      # issue time changed
+    lambda i: "sao-1-" + "0" * 32 + "-" + "0" * 64,               # made up
+    lambda i: "chatcmpl-123",                                     # not ours at all
+    lambda i: "",
+])
+def test_forged_ids_are_refused(tamper):
+    signer = InteractionIdSigner(b"secret", "dep", 300, Clock())
+    with pytest.raises(InteractionIdError) as err:
+        signer.verify(tamper(signer.mint()))
+    assert err.value.status == 403
+
+
+def test_an_id_older_than_the_window_is_refused_with_410():
+    clock = Clock()
+    signer = InteractionIdSigner(b"secret", "dep", window_s=300, clock=clock)
+    issued = signer.mint()
+    clock.now += 299.0
+    signer.verify(issued)
+    clock.now += 2.0
+    with pytest.raises(InteractionIdError) as err:
+        signer.verify(issued)
+    assert err.value.status == 410 and "301 s ago" in err.value.message
+
+
+def test_auth_without_keys_admits_everyone_as_one_anonymous_caller():
+    auth = ApiKeyAuth([], rate_per_minute=60, burst=5)
+    assert not auth.required
+    assert auth.check(None) == ANONYMOUS
+    assert auth.check("Bearer whatever") == ANONYMOUS
+
+
+def test_auth_with_keys_refuses_missing_and_wrong_keys():
+    auth = ApiKeyAuth(["k-one", "k-two"], rate_per_minute=60, burst=5)
+    assert auth.check("Bearer k-two") != auth.check("Bearer k-one")
+    for header, code in ((None, "missing_api_key"), ("k-one", "missing_api_key"), ("Basic k-one", "missing_api_key"),
+                         ("Bearer k-on", "invalid_api_key"), ("Bearer k-one2", "invalid_api_key")):
+        with pytest.raises(AuthError) as err:
+            auth.check(header)
+        assert (err.value.status, err.value.code) == (401, code)
+
+
+def test_rate_limit_is_a_token_bucket_per_key():
+    clock = Clock(0.0)
+    auth = ApiKeyAuth(["a", "b"], rate_per_minute=60, burst=3, clock=clock)  # one token per second
+    for _ in range(3):
+        auth.check("Bearer a")
+    with pytest.raises(AuthError) as err:
+        auth.check("Bearer a")
+    assert err.value.status == 429 and err.value.retry_after_s == pytest.approx(1.0)
+    auth.check("Bearer b")  # another key has its own bucket
+    clock.now += 1.0
+    auth.check("Bearer a")  # refilled one token
+    with pytest.raises(AuthError):
+        auth.check("Bearer a")
+
+
+def test_keys_are_required_unless_bound_to_loopback():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    check_exposure("127.0.0.1", [])
+    check_exposure("0.0.0.0", ["key"])
+    with pytest.raises(ValueError, match="api_keys is empty"):
+        check_exposure("0.0.0.0", [])

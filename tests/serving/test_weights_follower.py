@@ -1,0 +1,191 @@
+"""The weights follower: converge on the newest version, obey rollbacks, survive bad versions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+from online_sao.config import KafkaConfig
+from online_sao.modeling import load_policy
+from online_sao.schemas import DeadLetter, WeightsNotice, decode, encode
+from online_sao.weights import FileWeightStore, InProcessWeightStore, sha256_hex
+from serving.engine.torch_engine import TorchEngine
+from serving.weights_follower import WeightsFollower, plan
+from streams.memory import InMemoryBackend
+
+TOPIC = KafkaConfig().topics.weights
+DEAD = KafkaConfig().topics.dead_letters
+WAIT_S = 30.0
+PROBE = "model.norm.weight"
+"""A parameter whose value tells the versions apart (set to the version number)."""
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    return load_policy(tiny_model_dir).eval()
+
+
+def state_for(base_model, version: int) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in base_model.state_dict().items()}
+    state[PROBE] = torch.full_like(state[PROBE], float(version))
+    return state
+
+
+def served(engine: TorchEngine) -> float:
+    """The probe value of the weights the engine serves (its version, by construction)."""
+    return float(engine._model.state_dict()[PROBE][0])
+
+
+@pytest.fixture
+def backend():
+    b = InMemoryBackend()
+    b.ensure_topics()
+    return b
+
+
+def notice(ref, action="publish") -> WeightsNotice:
+    return WeightsNotice(action=action, version=ref.version, location=ref.location, checksum=ref.checksum)
+
+
+def send(backend, *records) -> None:
+    producer = backend.producer()
+    for r in records:
+        producer.send(TOPIC, r if isinstance(r, bytes) else encode(r), key=b"online-sao")
+    producer.flush()
+
+
+class Following:
+    """An engine with a running follower; results collected in order."""
+
+    def __init__(self, backend, store, base_model, **kwargs):
+        self.engine = TorchEngine(copy.deepcopy(base_model))
+        self.results = []
+        self.follower = WeightsFollower(backend, TOPIC, store, self.engine, on_result=self.results.append, **kwargs)
+        self.follower.start()
+
+    def caught_up(self, n_records: int) -> None:
+        assert self.follower.wait_for(lambda: self.follower.consumed >= n_records, WAIT_S)
+
+    def close(self) -> None:
+        self.follower.stop()
+
+
+def test_plan_keeps_only_the_lasting_notice_first():
+    def n(v, action="publish"):
+        return WeightsNotice(action=action, version=v, location=f"mem://{v}", checksum="0" * 64)
+
+    assert [(x.version, f) for x, f in plan([n(1), n(2), n(3)], current=0)] == [(3, False), (2, False), (1, False)]
+    assert plan([n(1), n(2)], current=5) == []
+    chain = plan([n(6), n(2, "rollback"), n(4), n(3)], current=5)
+    assert [(x.version, f) for x, f in chain] == [(4, True), (2, True), (6, False)]
+
+
+def test_follows_publishes_and_ignores_older_versions(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, notice(refs[1]))
+        f.caught_up(1)
+        assert f.engine.policy_version == 1 and served(f.engine) == 1.0
+        send(backend, notice(refs[3]), notice(refs[2]))  # 2 arrives after 3: older, ignored
+        f.caught_up(3)
+        assert f.engine.policy_version == 3 and served(f.engine) == 3.0
+        send(backend, notice(refs[2]))
+        f.caught_up(4)
+        assert f.engine.policy_version == 3 and served(f.engine) == 3.0
+        assert [(r.version, r.applied) for r in f.results] == [(1, True), (3, True)]  # 2 never loaded
+    finally:
+        f.close()
+
+
+def test_rollback_forces_an_older_version(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2)}
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, notice(refs[1]), notice(refs[2]))
+        f.caught_up(2)
+        assert f.engine.policy_version == 2
+        send(backend, notice(refs[1], action="rollback"))
+        f.caught_up(3)
+        assert f.engine.policy_version == 1 and served(f.engine) == 1.0
+    finally:
+        f.close()
+
+
+def test_missing_and_corrupt_files_are_reported_and_following_goes_on(backend, base_model, tmp_path):
+    store = FileWeightStore(str(tmp_path / "weights"))
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4, 5)}
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, notice(refs[1]))
+        f.caught_up(1)
+        store.delete(2)
+        send(backend, notice(refs[2]))  # file gone
+        f.caught_up(2)
+        assert not f.results[-1].applied and "cannot load version 2" in f.results[-1].reason
+        with open(refs[3].location, "r+b") as fh:  # flip bytes: checksum mismatch
+            fh.seek(100)
+            fh.write(b"\x00\x01\x02")
+        send(backend, notice(refs[3]))
+        f.caught_up(3)
+        assert not f.results[-1].applied and "checksum" in f.results[-1].reason
+        nan_state = state_for(base_model, 4)
+        nan_state[PROBE][0] = float("nan")
+        data = save_safetensors(nan_state)  # a well-formed file with the right checksum, but not finite
+        with open(refs[4].location, "wb") as fh:
+            fh.write(data)
+        send(backend, WeightsNotice(version=4, location=refs[4].location, checksum=sha256_hex(data)))
+        f.caught_up(4)
+        assert not f.results[-1].applied and "non-finite" in f.results[-1].reason
+        assert f.engine.policy_version == 1 and served(f.engine) == 1.0  # old weights stayed
+        send(backend, notice(refs[5]))
+        f.caught_up(5)
+        assert f.engine.policy_version == 5 and served(f.engine) == 5.0
+    finally:
+        f.close()
+
+
+def test_unreadable_records_are_skipped_or_dead_lettered(backend, base_model):
+    store = InProcessWeightStore()
+    ref = store.save(1, state_for(base_model, 1))
+    producer = backend.producer()
+    f = Following(backend, store, base_model, dead_letters=(producer, DEAD))
+    try:
+        send(backend, b"not json", notice(ref))
+        f.caught_up(2)
+        assert f.engine.policy_version == 1
+        letters = backend.consumer([DEAD]).poll(1.0)
+        assert len(letters) == 1
+        letter = decode(letters[0].value, DeadLetter)
+        assert letter.raw == b"not json" and letter.source_topic == TOPIC
+    finally:
+        f.close()
+
+
+def test_restarted_and_parallel_servers_converge_on_the_newest_usable_version(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4)}
+    send(backend, notice(refs[1]), notice(refs[2]), notice(refs[3]), notice(refs[1], action="rollback"),
+         notice(refs[4]))
+    store.delete(4)  # the newest notice points at a pruned version: the one before it is taken
+    servers = [Following(backend, store, base_model) for _ in range(2)]
+    try:
+        for s in servers:
+            s.caught_up(5)
+            assert s.engine.policy_version == 1 and served(s.engine) == 1.0
+        assert [r.applied for r in servers[0].results] == [False, True]  # 4 failed, rollback to 1 applied
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_stop_joins_the_thread(backend, base_model):
+    f = Following(backend, InProcessWeightStore(), base_model, poll_timeout_s=0.05)
+    thread = f.follower._thread
+    f.close()
+    assert thread is not None and not thread.is_alive()

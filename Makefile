@@ -1,4 +1,4 @@
-# Two commands for a newcomer: `make demo` (the main job) and `make test` (the tests).
+# Two commands for a newcomer: `make demo` (the main job: the short drifting-style experiment) and `make test` (the tests).
 # Both install what they need into .venv on first use and are quick on a second run.
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
-	$(BIN)/online-sao demo
+	$(BIN)/online-sao simulate --scenario configs/drift-short.yaml
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

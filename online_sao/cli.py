@@ -43,10 +43,29 @@ def _learn(cfg: Config, args: argparse.Namespace) -> int:
     return run_learner(cfg, pretrain_critic=args.pretrain_critic)
 
 
-def _demo(cfg: Config, args: argparse.Namespace) -> int:
-    from online_sao.demo import run_demo
+def _simulate(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.experiments.orchestrate import run_simulation
 
-    return run_demo(cfg)
+    run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True))
+    return 0
+
+
+def _judge(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.experiments.judge_service import run_judge_cli
+
+    return run_judge_cli(cfg, arm=args.arm)
+
+
+def _report(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.experiments.report import run_report_cli
+
+    return run_report_cli(cfg)
+
+
+def _smoke(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.smoke import run_smoke
+
+    return run_smoke(cfg, config_path=args.config, overrides=_overrides(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--pretrain-critic", action="store_true", help="fit the critic on logged rollouts first")
     learn.set_defaults(run=_learn)
 
-    demo = sub.add_parser("demo", help="the main job: run the stack end to end and report")
-    demo.set_defaults(run=_demo)
+    simulate = sub.add_parser("simulate", help="run a drifting-preference scenario through the real service")
+    simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")
+    simulate.add_argument("--arm", action="append", help="run only this arm (repeatable)")
+    simulate.set_defaults(run=_simulate)
+
+    judge = sub.add_parser("judge", help="the reward service: scores interactions from Kafka, produces rewards")
+    judge.add_argument("--arm", help="experiment arm whose results file the scores go to")
+    judge.set_defaults(run=_judge)
+
+    report = sub.add_parser("report", help="write the experiment report (Markdown + PNG plots) and log it to MLflow")
+    report.set_defaults(run=_report)
+
+    smoke = sub.add_parser("smoke", help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
+    smoke.set_defaults(run=_smoke)
     return parser
 
 
@@ -97,6 +128,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "scenario", None):
+        if args.config:
+            print("online-sao: give --config or --scenario, not both", file=sys.stderr)
+            return 2
+        args.config = args.scenario
     try:
         cfg = load_config(args.config, overrides=_overrides(args))
     except ConfigError as exc:

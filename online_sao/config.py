@@ -282,6 +282,10 @@ class TrainerConfig(Section):
     """... or once they hold this many action tokens, whichever comes first."""
     max_rollouts_per_step: int = Field(32, ge=1)
     """Upper bound on a step's batch."""
+    max_wait_s: float | None = Field(2.0, gt=0)
+    """A step also starts, with fewer than min_rollouts, once rollouts have been
+    ready this long (wall clock): light traffic must not leave them untrained. None
+    waits for min_rollouts or token_budget however long it takes."""
     max_version_lag: int | None = None
     """Drop rollouts sampled more than this many versions ago (None keeps all)."""
     publish_every: int = Field(1, ge=1)
@@ -547,7 +551,21 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         raise ConfigError(_describe(exc)) from None
 
 
-def dump_config(cfg: Config) -> str:
-    """The resolved configuration as YAML (secrets masked)."""
+def dump_config(cfg: Config, reveal_secrets: bool = False) -> str:
+    """The resolved configuration as YAML; secrets are masked unless ``reveal_secrets``
+    (used to hand a resolved configuration to a child process through a private file)."""
     data = cfg.model_dump(mode="json")
+    if reveal_secrets:
+        _reveal(cfg, data)
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def _reveal(model: BaseModel, data: dict[str, Any]) -> None:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, SecretStr):
+            data[name] = value.get_secret_value()
+        elif isinstance(value, list) and value and isinstance(value[0], SecretStr):
+            data[name] = [v.get_secret_value() for v in value]
+        elif isinstance(value, BaseModel):
+            _reveal(value, data[name])

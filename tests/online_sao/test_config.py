@@ -81,3 +81,13 @@ def test_cli_config_show_and_bad_config_exit_code(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 2
     assert "trainer.min_rollouts" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_dump_with_revealed_secrets_reloads_identically(tmp_path):
+    cfg = load_config(environ={}, overrides={"serving.feedback_secret": "s3cret", "serving.api_keys": ["k1"]})
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg, reveal_secrets=True))
+    again = load_config(path, environ={})
+    assert again.serving.feedback_secret.get_secret_value() == "s3cret"
+    assert [k.get_secret_value() for k in again.serving.api_keys] == ["k1"]
+    assert again.model_dump(mode="json") == cfg.model_dump(mode="json")

@@ -1,0 +1,302 @@
+"""Learner throughput, share of time waiting for data, and freshness (issue 5, performance).
+
+Everything runs as in production on one machine: a real Kafka broker (a local one
+in a temporary directory unless ``--bootstrap`` names one), the default model,
+serving's TorchEngine with its WeightsFollower in this process, and the learner
+as its own process (``online-sao learn``) with MLflow on SQLite.
+
+1. backlog: ``--backlog`` interactions are sampled by the engine and logged with
+   their rewards before the learner starts; the learner drains them. Rollouts
+   and action tokens trained per second over that drain are its capacity.
+2. live: the engine answers one request after another (``--rate`` per second at
+   most) for ``--duration`` seconds; each interaction is logged and its reward is
+   logged right after it. Freshness of a reward: from the moment its reward was
+   acknowledged by the broker to (a) the weights notice of the step that trained
+   on it (the notice's ``created_at``) and (b) serving switching to those weights
+   (the follower's applied swap; every answer from then on uses them).
+
+Rollouts of a step, notices and swaps are joined by interaction id through the
+learner's ledger and the notices' ``step``. Wall-clock times of the two processes
+come from the same machine clock.
+
+    .venv/bin/python benchmarks/bench_learner.py [--backlog 64] [--duration 60] [--rate 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from mlflow import MlflowClient
+from transformers import AutoConfig
+
+from online_sao.base_model import build_base_model
+from online_sao.config import Config, load_config
+from online_sao.corpus import iter_prompts
+from online_sao.modeling import load_tokenizer
+from online_sao.schemas import Interaction, Reward, WeightsNotice, decode
+from online_sao.weights import FileWeightStore
+from serving.engine.torch_engine import TorchEngine
+from serving.weights_follower import WeightsFollower
+from streams.kafka_backend import KafkaBackend
+from streams.records import publish
+from trainer.checkpoint import read_ledger
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "learner.md"
+WAIT_S = 900.0
+"""Longest wait for the learner to catch up with what was logged."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def start_broker(cfg: Config, workdir: Path):
+    from streams.broker import LocalBroker
+
+    ports = {"kafka.port": free_port(), "kafka.controller_port": free_port()}
+    broker_cfg = load_config(environ={}, overrides={"paths.data_dir": str(workdir / "broker"), **ports})
+    broker = LocalBroker(broker_cfg, lib_dir=REPO / "data" / "kafka" / f"lib-{cfg.kafka.kafka_version}",
+                         stop_with_parent=True)
+    broker.start()
+    return broker, broker_cfg.kafka.bootstrap
+
+
+class Traffic:
+    """Samples interactions with the engine and logs them with their rewards."""
+
+    def __init__(self, engine: TorchEngine, tokenizer, backend: KafkaBackend, cfg: Config, max_new_tokens: int):
+        self.engine, self.cfg, self.max_new_tokens = engine, cfg, max_new_tokens
+        self.producer = backend.producer()
+        self.prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                      tokenize=True)["input_ids"] for _, _, p in iter_prompts()]
+        self.rewarded_at: dict[str, float] = {}
+        self.count = 0
+
+    def one(self) -> None:
+        import asyncio
+
+        from online_sao.schemas import SamplingParams
+        from serving.engine.base import GenerationRequest
+
+        iid = f"bench-{self.count:06d}"
+        prompt = self.prompts[self.count % len(self.prompts)]
+        sampling = SamplingParams(temperature=1.0, max_tokens=self.max_new_tokens, seed=self.count)
+        self.count += 1
+
+        async def collect():
+            return [e async for e in self.engine.generate(GenerationRequest(iid, prompt, sampling))]
+
+        events = asyncio.run(collect())
+        interaction = Interaction(interaction_id=iid, model="online-sao", prompt_ids=prompt,
+                                  response_ids=[e.token_id for e in events], action_mask=[True] * len(events),
+                                  logprobs=[min(e.logprob, 0.0) for e in events],
+                                  versions=[e.version for e in events], sampling=sampling)
+        topics = self.cfg.kafka.topics
+        publish(self.producer, topics.interactions, interaction)
+        publish(self.producer, topics.rewards, Reward(interaction_id=iid, source="bench",
+                                                     value=sum(t % 2 == 0 for t in interaction.response_ids)
+                                                     / max(len(events), 1)))
+        self.producer.flush()
+        self.rewarded_at[iid] = time.time()
+
+
+def wait_until(predicate, timeout_s: float, learner: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if learner.poll() is not None:
+            raise RuntimeError(f"the learner exited with {learner.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the learner did not catch up in time")
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backlog", type=int, default=64, help="interactions logged before the learner starts")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of live traffic")
+    parser.add_argument("--rate", type=float, default=2.0, help="live requests per second at most")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--data-dir", default=str(REPO / "data"), help="where the default model is (built if absent)")
+    parser.add_argument("--bootstrap", help="an existing Kafka cluster instead of a temporary local broker")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+
+    base_cfg = load_config(environ={}, overrides={"paths.data_dir": args.data_dir})
+    model_dir = build_base_model(base_cfg)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-learner-"))
+    broker = None
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        broker, bootstrap = start_broker(base_cfg, workdir)
+    raw = {"paths": {"data_dir": str(workdir / "data")}, "model": {"path": str(model_dir)},
+           "kafka": {"bootstrap_servers": bootstrap}, "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
+    config_file = workdir / "learner.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    cfg = load_config(config_file, environ={})
+    backend = KafkaBackend(cfg.kafka)
+    backend.ensure_topics()
+
+    engine = TorchEngine.from_pretrained(model_dir)
+    engine.start_thread()
+    swaps: dict[int, float] = {}  # version -> when serving switched to it
+
+    def on_swap(result) -> None:
+        if result.applied:
+            swaps.setdefault(result.version, time.time())
+
+    follower = WeightsFollower(backend, cfg.kafka.topics.weights, FileWeightStore(cfg.weight_store_url), engine,
+                               on_result=on_swap)
+    follower.start()
+    traffic = Traffic(engine, load_tokenizer(model_dir), backend, cfg, args.max_new_tokens)
+    for _ in range(args.backlog):
+        traffic.one()
+    backlog_ids = set(traffic.rewarded_at)
+
+    ledger = cfg.checkpoint_dir / "ledger.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    learner = subprocess.Popen([sys.executable, "-m", "online_sao.cli", "--config", str(config_file), "learn"],
+                               cwd=REPO, env=env, stdout=open(workdir / "learner.log", "wb"), stderr=subprocess.STDOUT)
+
+    def trained() -> set[str]:
+        return {iid for _, iid in read_ledger(ledger)}
+
+    try:
+        wait_until(lambda: backlog_ids <= trained(), WAIT_S, learner)
+        live_start = time.time()
+        while time.time() - live_start < args.duration:
+            started = time.monotonic()
+            traffic.one()
+            time.sleep(max(0.0, 1.0 / args.rate - (time.monotonic() - started)))
+        live_s = time.time() - live_start
+        wait_until(lambda: set(traffic.rewarded_at) <= trained(), WAIT_S, learner)
+        time.sleep(3.0)  # the last notice reaches serving
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(timeout=120)
+        follower.stop()
+        engine.stop_thread()
+        traffic.producer.close()
+
+    lines = analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend)
+    if broker is not None:
+        broker.stop()
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend) -> list[str]:
+    steps: dict[int, list[str]] = {}
+    for step, iid in read_ledger(ledger):
+        steps.setdefault(step, []).append(iid)
+    consumer = backend.consumer([cfg.kafka.topics.weights], group_id=None, start="earliest")
+    notices: dict[int, WeightsNotice] = {}
+    for _ in range(10):
+        for msg in consumer.poll(timeout_s=1.0):
+            notice = decode(msg.value, WeightsNotice)
+            notices[notice.step] = notice
+    consumer.close()
+
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
+    history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+               for name in ("num_rollouts", "num_action_tokens", "step_time_s", "publish_time_s",
+                            "checkpoint_time_s", "data_wait_share", "rollouts_per_s", "tokens_per_s")}
+
+    def phase(step_numbers: list[int]) -> dict[str, float]:
+        cycle = [history["num_rollouts"][s] / history["rollouts_per_s"][s] for s in step_numbers]
+        waited = [history["data_wait_share"][s] * c for s, c in zip(step_numbers, cycle)]
+        return {
+            "steps": len(step_numbers),
+            "rollouts": sum(history["num_rollouts"][s] for s in step_numbers),
+            "tokens": sum(history["num_action_tokens"][s] for s in step_numbers),
+            "seconds": sum(cycle),
+            "rollouts_per_s": sum(history["num_rollouts"][s] for s in step_numbers) / sum(cycle),
+            "tokens_per_s": sum(history["num_action_tokens"][s] for s in step_numbers) / sum(cycle),
+            "wait_share": sum(waited) / sum(cycle),
+            "step_p50": statistics.median(history["step_time_s"][s] for s in step_numbers),
+            "publish_p50": statistics.median(history["publish_time_s"][s] for s in step_numbers),
+            "checkpoint_p50": statistics.median(history["checkpoint_time_s"][s] for s in step_numbers),
+        }
+
+    backlog_steps = sorted(s for s, ids in steps.items() if set(ids) <= backlog_ids)
+    live_steps = sorted(s for s, ids in steps.items() if not set(ids) & backlog_ids)
+    step_of = {iid: s for s, ids in steps.items() for iid in ids}
+    to_publish, to_serve = [], []
+    for iid in set(traffic.rewarded_at) - backlog_ids:
+        notice = notices[step_of[iid]]
+        to_publish.append(notice.created_at - traffic.rewarded_at[iid])
+        served = [t for v, t in swaps.items() if v >= notice.version]
+        if served:
+            to_serve.append(min(served) - traffic.rewarded_at[iid])
+    b, live = phase(backlog_steps), phase(live_steps)
+    mc = AutoConfig.from_pretrained(model_dir)
+
+    def row(name, p):
+        return (f"| {name} | {p['steps']} | {p['rollouts']:.0f} | {p['tokens']:.0f} | {p['rollouts_per_s']:.2f} | "
+                f"{p['tokens_per_s']:.1f} | {100 * p['wait_share']:.1f}% | {p['step_p50']:.3f} | "
+                f"{p['publish_p50']:.3f} | {p['checkpoint_p50']:.3f} |")
+
+    def dist(values):
+        return (f"{percentile(values, 0.5):.2f} | {percentile(values, 0.9):.2f} | {max(values):.2f} | {len(values)}"
+                if values else "n/a | n/a | n/a | 0")
+
+    t = cfg.trainer
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_learner.py", *(argv or sys.argv[1:])])
+    return [
+        "# Learner throughput and freshness (CPU)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} logical CPUs (shared; 1-min load "
+        f"average {load_before:.1f} at start), torch {torch.__version__}, {torch.get_num_threads()} torch threads",
+        f"- model: default model ({mc.model_type}, hidden {mc.hidden_size}, {mc.num_hidden_layers} layers, "
+        f"vocab {mc.vocab_size}); algorithm {cfg.algorithm.name}, K = {cfg.algorithm.critic_updates}",
+        f"- learner: its own process; min_rollouts {t.min_rollouts}, token_budget {t.token_budget}, "
+        f"max_rollouts_per_step {t.max_rollouts_per_step}, publish and checkpoint every step, MLflow on SQLite; "
+        f"serving: TorchEngine + WeightsFollower in the benchmark process; broker: local single node",
+        f"- traffic: {args.backlog} backlog interactions, then {len(traffic.rewarded_at) - args.backlog} live ones "
+        f"over {live_s:.0f} s (at most {args.rate}/s, one at a time, up to {args.max_new_tokens} new tokens each)",
+        "",
+        "| phase | steps | rollouts | action tokens | rollouts/s | tokens/s | waiting for data | step s (p50) | "
+        "publish s (p50) | checkpoint s (p50) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        row("backlog (capacity)", b),
+        row("live", live),
+        "",
+        "Freshness of live rewards, seconds from the reward being acknowledged by the broker:",
+        "",
+        "| to | p50 | p90 | max | rewards |",
+        "|---|---:|---:|---:|---:|",
+        f"| weights trained on it published | {dist(to_publish)} |",
+        f"| serving switched to those weights | {dist(to_serve)} |",
+        "",
+        f"Target: p50 under 5 s to serving. Rates are per cycle: waiting for data + training + publishing + "
+        f"checkpointing (MLflow logging between cycles is not counted).",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Checkpoint round trip, retention, crash leftovers and the ledger protocol."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from online_sao.algorithms import linear_warmup
+from streams.base import TopicPartition
+from trainer.checkpoint import (Checkpoint, Checkpointer, LearnerState, flatten_tensors, read_ledger,
+                                unflatten_tensors)
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[2].weight = nn.Parameter(torch.randn(2, 8))
+    return model
+
+
+def _train(model: nn.Module, optimizer, scheduler, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(3, 4, generator=g)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def _state(step: int, **kw) -> LearnerState:
+    return LearnerState(step=step, version=step, offsets={TopicPartition("sao.interactions", 0): 10 * step},
+                        joiner={"watermark": 1.5, "waiting": []}, **kw)
+
+
+def _snapshot(model, optimizer, scheduler, step: int) -> Checkpoint:
+    return Checkpoint(_state(step, algorithm={"reward_window": [1.0, 2.0]}, mlflow_run_id="run-1",
+                             protected_versions=[3], counters={"dead_letters": 2.0}),
+                      models={"policy": model.state_dict()},
+                      optimizers={"policy": optimizer.state_dict(), "critic_scheduler": scheduler.state_dict()})
+
+
+def test_round_trip_resumes_training_bit_identically(tmp_path):
+    model = _model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = linear_warmup(optimizer, 5)
+    _train(model, optimizer, scheduler, steps=3, seed=1)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(_snapshot(model, optimizer, scheduler, step=3))
+
+    loaded = Checkpointer(tmp_path).resume()
+    assert loaded.state.step == 3 and loaded.state.mlflow_run_id == "run-1"
+    assert loaded.state.offsets == {TopicPartition("sao.interactions", 0): 30}
+    assert loaded.state.algorithm == {"reward_window": [1.0, 2.0]}
+    assert loaded.state.protected_versions == [3] and loaded.state.counters == {"dead_letters": 2.0}
+    restored = _model(99)
+    restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+    restored_sched = linear_warmup(restored_opt, 5)
+    restored.load_state_dict(loaded.models["policy"])
+    restored_opt.load_state_dict(loaded.optimizers["policy"])
+    restored_sched.load_state_dict(loaded.optimizers["critic_scheduler"])
+
+    _train(model, optimizer, scheduler, steps=2, seed=2)
+    _train(restored, restored_opt, restored_sched, steps=2, seed=2)
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert restored_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_no_pickle_only_safetensors_and_json(tmp_path):
+    model = _model(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = linear_warmup(optimizer, 2)
+    _train(model, optimizer, scheduler, 1, 0)
+    path = Checkpointer(tmp_path).save(_snapshot(model, optimizer, scheduler, step=1))
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "optim.json", "optim.safetensors",
+                                                      "policy.safetensors"]
+    json.loads((path / "optim.json").read_text())
+
+
+def test_keeps_the_last_two_and_resume_picks_newest(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2, 3):
+        ckpt.save(Checkpoint(_state(step), models={"policy": {"w": torch.full((2,), float(step))}}, optimizers={}))
+    assert [s for s, _ in ckpt.checkpoints()] == [2, 3]
+    loaded = Checkpointer(tmp_path).resume()
+    assert loaded.state.step == 3 and loaded.models["policy"]["w"].tolist() == [3.0, 3.0]
+    with pytest.raises(FileExistsError):
+        ckpt.save(Checkpoint(_state(3), models={}, optimizers={}))
+
+
+def test_ledger_lines_of_uncommitted_steps_are_cut_on_resume(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.record_trained(1, ["a", "b"])
+    ckpt.save(Checkpoint(_state(1), models={}, optimizers={}))
+    ckpt.record_trained(2, ["c"])
+    # a crash after the ledger append, before the rename: the commit never happened
+    ckpt._append_ledger()
+    (tmp_path / ".tmp-deadbeef").mkdir()
+    assert [i for _, i in read_ledger(ckpt.ledger_path)] == ["a", "b", "c"]
+
+    loaded = Checkpointer(tmp_path).resume()
+    assert loaded.state.step == 1
+    assert read_ledger(tmp_path / "ledger.jsonl") == [(1, "a"), (1, "b")]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_resume_without_checkpoint_empties_the_ledger(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.record_trained(1, ["a"])
+    ckpt._append_ledger()
+    assert Checkpointer(tmp_path).resume() is None
+    assert read_ledger(tmp_path / "ledger.jsonl") == []
+
+
+def test_a_ledger_shorter_than_the_checkpoint_is_an_error(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.record_trained(1, ["a"])
+    ckpt.save(Checkpoint(_state(1), models={}, optimizers={}))
+    (tmp_path / "ledger.jsonl").write_text("")
+    with pytest.raises(RuntimeError, match="ledger"):
+        Checkpointer(tmp_path).resume()
+
+
+def test_flatten_keeps_int_keys_and_refuses_objects():
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten_tensors({"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"betas": (0.9, 0.99)}]}, tensors)
+    back = unflatten_tensors(json.loads(json.dumps(tree)), tensors)
+    assert back["state"][0]["step"].item() == 3.0 and back["groups"][0]["betas"] == [0.9, 0.99]
+    with pytest.raises(TypeError, match="object"):
+        flatten_tensors({"x": object()}, {})

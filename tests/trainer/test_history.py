@@ -1,0 +1,40 @@
+"""Logged rollouts for value pre-training: from a JSON-lines file and from retained topics."""
+
+from __future__ import annotations
+
+from online_sao.config import load_config
+from online_sao.schemas import encode
+from streams.memory import InMemoryBackend
+from streams.records import publish
+from tests.trainer.records import make_interaction, make_reward
+from trainer.history import rollouts_from_file, rollouts_from_topics
+
+
+def _config(tmp_path, **overrides):
+    return load_config(environ={}, overrides={"paths.data_dir": str(tmp_path), **overrides})
+
+
+def test_file_history_joins_and_keeps_only_the_starting_version(tmp_path):
+    records = [make_interaction("a", version=0), make_reward("a", 1.0), make_interaction("b", version=3),
+               make_reward("b", 2.0), make_interaction("c", version=0)]
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n{broken\n")
+    rollouts = rollouts_from_file(path, _config(tmp_path, **{"reward.on_missing": "default",
+                                                           "reward.default_value": -1.0}), version=0)
+    assert sorted((r.interaction_id, r.total_reward) for r in rollouts) == [("a", 1.0), ("c", -1.0)]
+
+
+def test_topic_history_reads_everything_retained_without_committing(tmp_path):
+    cfg = _config(tmp_path, **{"kafka.partitions": 2})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    topics = cfg.kafka.topics
+    for i in range(5):
+        publish(producer, topics.interactions, make_interaction(f"i{i}"))
+        publish(producer, topics.rewards, make_reward(f"i{i}", float(i)))
+    producer.send(topics.rewards, b"garbage", key=b"i0")
+    rollouts = rollouts_from_topics(backend, cfg, version=0)
+    assert sorted((r.interaction_id, r.total_reward) for r in rollouts) == [(f"i{i}", float(i)) for i in range(5)]
+    dead = backend.consumer([topics.dead_letters]).poll(timeout_s=0.05)  # bad records are only skipped here
+    assert dead == []

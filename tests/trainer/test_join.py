@@ -1,0 +1,184 @@
+"""RewardJoiner: windows on record time, aggregation, late and early rewards, state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from online_sao.config import RewardConfig
+from trainer.join import RewardJoiner, aggregate
+from tests.trainer.records import make_interaction, make_reward
+
+
+def joiner(**kw) -> RewardJoiner:
+    max_pending = kw.pop("max_pending", 100)
+    return RewardJoiner(RewardConfig(window_s=10.0, **kw), max_pending=max_pending)
+
+
+def take_all(j: RewardJoiner, group_size: int = 1):
+    return j.pop_ready(max_rollouts=1000, token_budget=10**9, group_size=group_size)
+
+
+@pytest.mark.parametrize("mode,expected", [("first", 1.0), ("last", 3.0), ("sum", 6.0), ("mean", 2.0)])
+def test_aggregation_modes(mode, expected):
+    j = joiner(aggregation=mode)
+    j.add_interaction(make_interaction("a", turn_ends=(1,)), ts=0.0)
+    for i, value in enumerate([1.0, 2.0, 3.0]):
+        j.add_reward(make_reward("a", value, turns={0: 10.0 * value}), ts=1.0 + i)
+    (joined,) = take_all(j)
+    assert joined.reward == expected
+    assert joined.turn_rewards == {0: 10.0 * expected}
+    assert joined.rewarded
+    assert j.counters.joined == 1 and j.counters.rewards == 3
+
+
+def test_aggregate_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="median"):
+        aggregate([1.0], "median")
+
+
+def test_rewarded_interaction_is_ready_at_once_and_unrewarded_waits():
+    j = joiner()
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_interaction(make_interaction("b"), ts=0.5)
+    j.add_reward(make_reward("a", 1.0), ts=1.0)
+    assert j.ready_stats() == (1, 3)
+    assert [x.interaction.interaction_id for x in take_all(j)] == ["a"]
+    assert j.num_waiting == 1
+
+
+@pytest.mark.parametrize("on_missing", ["default", "drop"])
+def test_window_close_without_reward(on_missing):
+    j = joiner(on_missing=on_missing, default_value=-0.5)
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.advance(10.0)  # the window is inclusive: a reward at exactly ts + window still joins
+    assert j.ready_stats() == (0, 0)
+    j.advance(10.5)
+    ready = take_all(j)
+    if on_missing == "default":
+        assert [(x.reward, x.rewarded) for x in ready] == [(-0.5, False)]
+        assert (j.counters.defaulted, j.counters.dropped_no_reward) == (1, 0)
+    else:
+        assert ready == []
+        assert (j.counters.defaulted, j.counters.dropped_no_reward) == (0, 1)
+    j.add_reward(make_reward("a", 1.0), ts=11.0)  # too late either way
+    assert j.counters.late_rewards == 1
+    assert take_all(j) == []
+
+
+def test_windows_close_on_record_time_not_wall_clock():
+    j = joiner(on_missing="default")
+    j.add_interaction(make_interaction("a"), ts=1_000.0)
+    j.add_interaction(make_interaction("b"), ts=1_005.0)  # watermark 1005: a's window is still open
+    assert j.ready_stats() == (0, 0)
+    j.add_reward(make_reward("zzz", 0.0), ts=1_012.0)  # any record moves the clock: a closes, b stays
+    assert [x.interaction.interaction_id for x in take_all(j)] == ["a"]
+
+
+def test_reward_after_training_is_counted_and_never_applied_twice():
+    j = joiner(aggregation="sum")
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_reward(make_reward("a", 1.0), ts=1.0)
+    (first,) = take_all(j)
+    assert first.reward == 1.0
+    j.add_reward(make_reward("a", 5.0), ts=2.0)  # still within the window, but already trained on
+    assert j.counters.late_rewards == 1
+    assert take_all(j) == []
+
+
+def test_reward_before_interaction_is_held_and_joined():
+    j = joiner(aggregation="sum")
+    j.add_reward(make_reward("a", 1.0), ts=5.0)
+    j.add_reward(make_reward("a", 2.0), ts=5.5)
+    assert j.counters.early_rewards == 2 and j.num_held_rewards == 1
+    j.add_interaction(make_interaction("a"), ts=4.0)
+    (joined,) = take_all(j)
+    assert joined.reward == 3.0 and j.num_held_rewards == 0
+
+
+def test_held_reward_expires_when_its_interaction_never_comes():
+    j = joiner()
+    j.add_reward(make_reward("ghost", 1.0), ts=0.0)
+    j.advance(10.5)
+    assert j.num_held_rewards == 0 and j.counters.expired_rewards == 1
+
+
+def test_duplicate_interaction_is_ignored():
+    j = joiner()
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_reward(make_reward("a", 1.0), ts=0.5)
+    take_all(j)
+    j.add_interaction(make_interaction("a"), ts=1.0)
+    assert j.counters.duplicate_interactions == 1
+    assert j.num_waiting == 0 and take_all(j) == []
+
+
+def test_pop_respects_token_budget_and_max_rollouts():
+    j = joiner()
+    for i in range(5):
+        j.add_interaction(make_interaction(f"i{i}"), ts=float(i))  # 3 action tokens each
+        j.add_reward(make_reward(f"i{i}", 1.0), ts=float(i))
+    assert len(j.pop_ready(max_rollouts=10, token_budget=6)) == 2
+    assert len(j.pop_ready(max_rollouts=1, token_budget=100)) == 1
+    assert [x.interaction.interaction_id for x in take_all(j)] == ["i3", "i4"]
+
+
+def test_grpo_groups_wait_until_complete():
+    j = joiner()
+    prompts = {"a1": (1,), "b1": (2,), "a2": (1,), "b2": (2,), "a3": (1,)}
+    for i, (iid, prompt) in enumerate(prompts.items()):
+        j.add_interaction(make_interaction(iid, prompt=prompt), ts=float(i))
+        j.add_reward(make_reward(iid, 1.0), ts=float(i))
+    assert j.ready_stats(group_size=2) == (4, 12)
+    taken = take_all(j, group_size=2)
+    assert [(x.interaction.interaction_id, x.group_id) for x in taken] == [("a1", 0), ("a2", 0), ("b1", 1), ("b2", 1)]
+    assert j.ready_stats(group_size=2) == (0, 0) and j.ready_stats() == (1, 3)
+
+
+def test_bounded_memory_evicts_oldest_waiting():
+    j = joiner(max_pending=2)
+    for i in range(3):
+        j.add_interaction(make_interaction(f"i{i}"), ts=float(i))
+    assert j.num_waiting == 2 and j.counters.evicted == 1
+    j.add_reward(make_reward("i0", 1.0), ts=3.0)  # its interaction was given up
+    assert j.counters.late_rewards == 1
+
+
+def test_state_round_trip_through_json_continues_identically():
+    def feed_first(j):
+        j.add_interaction(make_interaction("a", turn_ends=(0,)), ts=0.0)
+        j.add_interaction(make_interaction("b"), ts=1.0)
+        j.add_reward(make_reward("a", 1.0, turns={0: 0.5}), ts=2.0)
+        j.add_reward(make_reward("c", 4.0), ts=2.5)  # early
+        j.add_interaction(make_interaction("d"), ts=3.0)
+        j.add_reward(make_reward("d", 2.0), ts=3.0)
+        j.pop_ready(max_rollouts=1, token_budget=100)  # takes a
+
+    def feed_rest(j):
+        j.add_reward(make_reward("a", 9.0), ts=4.0)  # late
+        j.add_reward(make_reward("d", 3.0), ts=4.0)  # joins the ready d
+        j.add_interaction(make_interaction("c"), ts=4.5)
+        j.advance(20.0)  # b closes
+        return [(x.interaction.interaction_id, x.reward, x.turn_rewards, x.rewarded) for x in take_all(j)]
+
+    original = joiner(aggregation="mean", on_missing="default", default_value=0.25)
+    feed_first(original)
+    restored = joiner(aggregation="mean", on_missing="default", default_value=0.25)
+    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    assert restored.state_dict() == original.state_dict()
+    assert feed_rest(restored) == feed_rest(original) == [("d", 2.5, {}, True), ("c", 4.0, {}, True),
+                                                          ("b", 0.25, {}, False)]
+    assert restored.counters == original.counters
+    assert restored.counters.late_rewards == 1
+
+
+def test_drop_stale_counts_and_later_rewards_are_late():
+    j = joiner()
+    for iid, version in (("old", 1), ("new", 4)):
+        j.add_interaction(make_interaction(iid, version=version), ts=0.0)
+        j.add_reward(make_reward(iid, 1.0), ts=0.0)
+    assert j.drop_stale(min_version=3) == 1 and j.counters.stale == 1
+    assert [x.interaction.interaction_id for x in take_all(j)] == ["new"]
+    j.add_reward(make_reward("old", 1.0), ts=1.0)
+    assert j.counters.late_rewards == 1

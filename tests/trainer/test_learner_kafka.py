@@ -1,0 +1,109 @@
+"""The learner on the real broker with a serving engine in the loop, and MLflow.
+
+The test plays the rest of the service: serving's TorchEngine samples
+interactions (so behaviour log-probs and versions are the engine's own), they and
+their rewards are logged to Kafka, and serving's WeightsFollower keeps the engine
+on the newest published version. The learner runs in a thread. Per round:
+4 rollouts -> one step -> one version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from online_sao.schemas import WeightsNotice, decode
+from online_sao.weights import FileWeightStore
+from serving.engine.torch_engine import TorchEngine
+from serving.weights_follower import WeightsFollower
+from streams.kafka_backend import KafkaBackend
+from tests.fixtures.kafka import drain
+from tests.fixtures.models import tiny_config
+from tests.trainer.traffic import PROMPTS, engine_interaction, produce
+from trainer.distributed import init_distributed
+from trainer.learner import RunUntil, train
+
+ROUNDS = 4
+NOTICE_TIMEOUT_S = 240.0
+"""First notice: the learner loads the model and joins its consumer group on two shared cores."""
+
+
+def _wait_for_version(engine: TorchEngine, follower: WeightsFollower, version: int,
+                      learner: threading.Thread) -> None:
+    deadline = time.monotonic() + NOTICE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert learner.is_alive(), "the learner thread died"
+        if follower.wait_for(lambda: engine.policy_version >= version, timeout_s=1.0):
+            return
+    raise AssertionError(f"serving did not reach version {version} within {NOTICE_TIMEOUT_S} s")
+
+
+@pytest.mark.kafka
+def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, tiny_model_dir):
+    cfg = tiny_config(tmp_path, **{
+        "model.path": str(tiny_model_dir), "kafka": kafka_config.model_dump(),
+        "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4, "trainer.max_wait_s": None,
+        "trainer.poll_timeout_s": 0.1,
+        "trainer.consumer_group": f"learner-{tmp_path.name}", "algorithm.policy_lr": 1e-3,
+        "mlflow.register_every": 2,
+    })
+    topics = cfg.kafka.topics
+    backend = KafkaBackend(cfg.kafka)
+    until = RunUntil()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            train(cfg, backend, init_distributed(), until)
+        except BaseException as exc:  # surfaced by the main thread below
+            failure.append(exc)
+
+    learner = threading.Thread(target=run, name="learner")
+    engine = TorchEngine.from_pretrained(tiny_model_dir)
+    engine.start_thread()
+    store = FileWeightStore(cfg.weight_store_url)
+    follower = WeightsFollower(backend, topics.weights, store, engine)
+    follower.start()
+    producer = backend.producer()
+    served = [engine.policy_version]
+    learner.start()
+    try:
+        for round_ in range(ROUNDS):
+            batch = [engine_interaction(engine, PROMPTS[i % 2], f"r{round_}-{i}", seed=10 * round_ + i)
+                     for i in range(4)]
+            assert {v for i in batch for v in i.versions} == {engine.policy_version}
+            produce(producer, topics, batch)
+            _wait_for_version(engine, follower, round_ + 1, learner)
+            served.append(engine.policy_version)
+    finally:
+        until.stop.set()
+        learner.join(timeout=120)
+        follower.stop()
+        engine.stop_thread()
+        producer.close()
+    assert not failure, failure
+    assert not learner.is_alive()
+
+    assert served == [0, 1, 2, 3, 4]
+    weights = backend.consumer([topics.weights], group_id=None, start="earliest")
+    notices = [decode(m.value, WeightsNotice) for m in drain(weights, 4)]
+    weights.close()
+    assert [(n.version, n.step, n.action) for n in notices] == [(v, v, "publish") for v in range(1, 5)]
+    assert 2 in store.versions()  # registered: kept however far pruning goes
+
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
+    assert run.data.params["trainer.min_rollouts"] == "4"
+    for name in ("reward_mean", "value_loss", "explained_variance", "kept_frac", "masked_below_frac",
+                 "masked_above_frac", "approx_kl", "version_lag_mean", "rollouts_per_s", "tokens_per_s",
+                 "step_time_s", "data_wait_share", "join_joined", "policy_version"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [m.step for m in history] == [1, 2, 3, 4], name
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "join_joined")] == [4, 8, 12, 16]
+    # v2 was the candidate; rollouts sampled by v2 and v3 measured it; with no champion yet it was promoted
+    model = cfg.mlflow.registered_model
+    assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "2"
+    assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "4"

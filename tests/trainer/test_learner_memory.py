@@ -1,0 +1,149 @@
+"""The learner loop end to end on the in-process stream backend (one process)."""
+
+from __future__ import annotations
+
+import torch
+from mlflow import MlflowClient
+
+from online_sao.modeling import load_policy
+from online_sao.schemas import DeadLetter, Reward, WeightsNotice, decode
+from online_sao.weights import FileWeightStore
+from streams.memory import InMemoryBackend
+from streams.records import publish
+from tests.fixtures.models import tiny_config
+from tests.trainer.traffic import produce, sample_traffic
+from trainer.checkpoint import Checkpointer, read_ledger
+from trainer.distributed import init_distributed
+from trainer.learner import RunUntil, train
+
+
+def _config(tmp_path, model_dir, **overrides):
+    return tiny_config(tmp_path, **{"model.path": str(model_dir), "kafka.partitions": 2,
+                                    "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4,
+                                    "trainer.poll_timeout_s": 0.05, "algorithm.policy_lr": 1e-3,
+                                    "mlflow.register_every": 100, **overrides})
+
+
+def _messages(backend: InMemoryBackend, topic: str):
+    consumer = backend.consumer([topic])
+    out = consumer.poll(timeout_s=0.1, max_records=10_000)
+    consumer.close()
+    return [decode(m.value) for m in out]
+
+
+def test_trains_publishes_checkpoints_and_resumes(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir)
+    topics = cfg.kafka.topics
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(tiny_model_dir)
+    traffic = sample_traffic(base, 12, prefix="a")
+    producer = backend.producer()
+    produce(producer, topics, traffic)
+    producer.send(topics.interactions, b"{not json", key=b"bad")
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+
+    assert result.steps == 3 and result.version == 3
+    ledger = read_ledger(cfg.checkpoint_dir / "ledger.jsonl")
+    assert sorted(iid for _, iid in ledger) == sorted(i.interaction_id for i in traffic)
+    assert [step for step, _ in ledger] == [1] * 4 + [2] * 4 + [3] * 4
+    store = FileWeightStore(cfg.weight_store_url)
+    assert store.versions() == [1, 2, 3]
+    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.version, n.step, n.action) for n in notices] == [(1, 1, "publish"), (2, 2, "publish"),
+                                                                (3, 3, "publish")]
+    published = store.load(notices[-1].location, notices[-1].checksum)
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, published[k])]
+    assert changed, "three steps at lr 1e-3 must move the policy"
+    (letter,) = _messages(backend, topics.dead_letters)
+    assert isinstance(letter, DeadLetter) and letter.source_topic == topics.interactions
+
+    ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
+    assert (ckpt.state.step, ckpt.state.version) == (3, 3)
+    assert ckpt.state.counters["dead_letters"] == 1
+    end = {tp: backend.end_offset(tp) for tp in ckpt.state.offsets}
+    assert ckpt.state.offsets == end and sum(end.values()) == 25
+    assert ckpt.state.joiner["ready"] == [] and ckpt.state.joiner["counters"]["joined"] == 12
+
+    # a second life continues the same run: same MLflow run, next step and version, no id twice
+    more = sample_traffic(base, 4, prefix="b")
+    produce(producer, topics, more)
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    assert again.run_id == result.run_id and again.version == 4
+    ledger = read_ledger(cfg.checkpoint_dir / "ledger.jsonl")
+    assert sorted(iid for step, iid in ledger if step == 4) == [i.interaction_id for i in more]
+    assert len({iid for _, iid in ledger}) == len(ledger) == 16
+    assert store.versions() == [2, 3, 4]
+
+
+def test_few_ready_rollouts_train_after_max_wait_then_idle_stop(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 4, "trainer.max_wait_s": 0.5})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(tiny_model_dir)
+    traffic = sample_traffic(base, 3, prefix="w")
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, traffic[:2])
+    produce(producer, cfg.kafka.topics, traffic[2:], rewarded=False)
+
+    result = train(cfg, backend, init_distributed(), RunUntil(idle_timeout_s=1.0))
+
+    assert result.steps == 1  # 2 rollouts, fewer than min_rollouts, trained once they had waited
+    assert sorted(i for _, i in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")) == [t.interaction_id
+                                                                                    for t in traffic[:2]]
+    ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
+    waiting = [e["interaction"]["interaction_id"] for e in ckpt.state.joiner["waiting"]]
+    assert waiting == [traffic[2].interaction_id]
+    # the checkpoint covers the waiting interaction's offset: it is in the state, not to be re-read
+    assert sum(ckpt.state.offsets.values()) == 5
+
+
+def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 10, "trainer.max_rollouts_per_step": 10})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 10, prefix="p"))
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
+
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri)
+    run = client.get_run(result.run_id)
+    assert run.data.metrics["pretrain_train_rollouts"] + run.data.metrics["pretrain_held_out_rollouts"] == 10
+    assert run.data.metrics["pretrain_epochs"] >= 1
+    assert [m.step for m in client.get_metric_history(result.run_id, "pretrain_ev_after")] == [0]
+    assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
+
+
+def test_registry_promotes_then_rolls_back_serving_and_learner_to_the_champion(tmp_path, tiny_model_dir):
+    # one partition: records are read in the order they were logged, so each step is one round
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
+                                               "mlflow.promote_margin": 0.05})
+    topics = cfg.kafka.topics
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    base = load_policy(tiny_model_dir)
+    # round k is sampled "by" version k; v1 earns 1.0 per rollout, v2 earns 0.0
+    for version, reward in ((0, 0.5), (1, 1.0), (2, 0.0)):
+        for interaction in sample_traffic(base, 4, prefix=f"v{version}"):
+            interaction = interaction.model_copy(update={"versions": [version] * len(interaction.versions)})
+            publish(producer, topics.interactions, interaction)
+            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=reward))
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+
+    assert result.version == 3
+    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
+                                                        ("rollback", 1)]
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    model = cfg.mlflow.registered_model
+    assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "1"
+    assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "1"
+    store = FileWeightStore(cfg.weight_store_url)
+    assert 1 in store.versions()  # registered, never pruned
+    champion = store.load(notices[-1].location, notices[-1].checksum)
+    ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
+    assert all(torch.equal(ckpt.models["policy"][k], v) for k, v in champion.items())  # the learner went back too
+    assert ckpt.state.counters["rollbacks"] == 1

@@ -1,0 +1,247 @@
+"""Atomic learner checkpoints and the ledger of interaction ids trained on.
+
+A checkpoint is one directory ``<root>/step-00000042/``::
+
+    meta.json             LearnerState: step, version, consumer offsets, join buffer,
+                          algorithm state, MLflow run id, protected versions, ledger length
+    policy.safetensors    full policy state dict
+    critic.safetensors    full critic state dict (absent without a critic)
+    optim.safetensors     every tensor of the optimiser/scheduler states
+    optim.json            the rest of those states, tensors replaced by references
+
+No pickle anywhere: tensors go to safetensors, everything else to JSON.
+
+Commit protocol (crash-safe at every point):
+1. the ledger lines of steps trained since the last checkpoint are appended to
+   ``<root>/ledger.jsonl`` and fsynced; its new length goes into meta.json;
+2. all files are written into ``<root>/.tmp-<random>/`` and fsynced, then the
+   directory is fsynced;
+3. ``rename`` to ``step-<n>`` (atomic) and the root is fsynced: this is the commit;
+4. checkpoints beyond the newest ``keep`` are deleted.
+:meth:`Checkpointer.resume` loads the newest committed checkpoint and truncates
+the ledger to the length that checkpoint recorded, so ledger lines of steps the
+checkpoint does not cover (a crash between 1 and 3) disappear with the steps
+themselves: an id is in the ledger once per time its training is part of the
+committed state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from streams.base import TopicPartition
+
+CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
+LEDGER_FILE = "ledger.jsonl"
+_TENSOR_TAG = "__tensor__"
+_MAP_TAG = "__map__"
+
+
+@dataclass
+class LearnerState:
+    """Everything of the learner that is not a tensor, as JSON."""
+
+    step: int
+    version: int
+    offsets: dict[TopicPartition, int]
+    """Next offset to read per partition: every record before it is inside this state."""
+    joiner: dict[str, Any]
+    algorithm: dict[str, Any] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    protected_versions: list[int] = field(default_factory=list)
+    """Registered weight versions the publisher must never prune."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """Learner-level counts that must survive restarts (dead letters, invalid rollouts)."""
+    candidate: dict[str, Any] = field(default_factory=dict)
+    """The registry candidate awaiting a decision and its reward so far."""
+    ledger_bytes: int = 0
+    """Length of the ledger file this checkpoint covers (set by :meth:`Checkpointer.save`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["offsets"] = [[tp.topic, tp.partition, off] for tp, off in sorted(self.offsets.items())]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LearnerState":
+        offsets = {TopicPartition(topic, partition): off for topic, partition, off in data["offsets"]}
+        return cls(**{**data, "offsets": offsets})
+
+
+@dataclass
+class Checkpoint:
+    state: LearnerState
+    models: dict[str, dict[str, torch.Tensor]]
+    """"policy" and optionally "critic": full state dicts."""
+    optimizers: dict[str, Any]
+    """Optimiser and scheduler state dicts by name ("policy", "critic", "critic_scheduler")."""
+
+
+def flatten_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A JSON-serialisable copy of ``obj`` with each tensor moved into ``tensors``
+    under its path and replaced by ``{"__tensor__": path}``. Dicts with non-string
+    keys (optimiser state is keyed by int) become ``{"__map__": [[key, value], ...]}``."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous().clone()
+        return {_TENSOR_TAG: path}
+    if isinstance(obj, dict):
+        items = [(k, flatten_tensors(v, tensors, f"{path}/{k}")) for k, v in obj.items()]
+        if all(isinstance(k, str) for k in obj) and not ({_TENSOR_TAG, _MAP_TAG} & set(obj)):
+            return dict(items)
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise TypeError(f"{path}: dict keys must be str or int, got {sorted({type(k).__name__ for k in obj})}")
+        return {_MAP_TAG: [[k, v] for k, v in items]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_tensors(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{path}: cannot checkpoint a {type(obj).__name__}")
+
+
+def unflatten_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten_tensors` (tuples come back as lists)."""
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR_TAG}:
+            return tensors[obj[_TENSOR_TAG]]
+        if set(obj) == {_MAP_TAG}:
+            return {k: unflatten_tensors(v, tensors) for k, v in obj[_MAP_TAG]}
+        return {k: unflatten_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors sharing storage (tied embeddings): write copies
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+
+
+class Checkpointer:
+    """Writes, finds and loads checkpoints under ``root``; owns the ledger."""
+
+    def __init__(self, root: Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError("keep at least one checkpoint")
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._unsaved_ledger: list[str] = []
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.root / LEDGER_FILE
+
+    def record_trained(self, step: int, interaction_ids: list[str]) -> None:
+        """Note the ids a step trained on; they reach the ledger with the next :meth:`save`."""
+        self._unsaved_ledger.append(json.dumps({"step": step, "ids": interaction_ids}, separators=(",", ":")))
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Committed checkpoints, oldest first."""
+        found = []
+        for path in self.root.iterdir():
+            m = CHECKPOINT_DIR.match(path.name)
+            if m and path.is_dir():
+                found.append((int(m.group(1)), path))
+        return sorted(found)
+
+    def save(self, ckpt: Checkpoint) -> Path:
+        """Commit ``ckpt`` (see the module docstring); returns its directory."""
+        final = self.root / f"step-{ckpt.state.step:08d}"
+        if final.exists():
+            raise FileExistsError(f"{final} already exists: steps must increase across checkpoints")
+        ckpt.state.ledger_bytes = self._append_ledger()
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        written = []
+        for name, state in ckpt.models.items():
+            save_file(_plain(state), str(tmp / f"{name}.safetensors"))
+            written.append(tmp / f"{name}.safetensors")
+        optim_tensors: dict[str, torch.Tensor] = {}
+        optim_tree = flatten_tensors(ckpt.optimizers, optim_tensors)
+        save_file(optim_tensors, str(tmp / "optim.safetensors"))
+        (tmp / "optim.json").write_text(json.dumps(optim_tree))
+        meta = {"state": ckpt.state.to_json(), "models": sorted(ckpt.models)}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json"]
+        for path in written:
+            _fsync_file(path)
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        for _, old in self.checkpoints()[:-self.keep]:
+            shutil.rmtree(old)
+        return final
+
+    def load_latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint, or None. Reads only; see :meth:`resume`."""
+        found = self.checkpoints()
+        if not found:
+            return None
+        path = found[-1][1]
+        meta = json.loads((path / "meta.json").read_text())
+        models = {name: load_file(str(path / f"{name}.safetensors")) for name in meta["models"]}
+        optim_tensors = load_file(str(path / "optim.safetensors"))
+        optimizers = unflatten_tensors(json.loads((path / "optim.json").read_text()), optim_tensors)
+        return Checkpoint(LearnerState.from_json(meta["state"]), models, optimizers)
+
+    def resume(self) -> Checkpoint | None:
+        """Load the newest checkpoint and make the ledger agree with it: lines written
+        after it (by steps it does not cover) are cut off, unfinished temp dirs removed."""
+        for path in self.root.glob(".tmp-*"):
+            shutil.rmtree(path)
+        self._unsaved_ledger.clear()
+        ckpt = self.load_latest()
+        covered = ckpt.state.ledger_bytes if ckpt is not None else 0
+        size = self.ledger_path.stat().st_size if self.ledger_path.exists() else 0
+        if size < covered:
+            raise RuntimeError(f"{self.ledger_path} holds {size} bytes but the checkpoint covers {covered}: "
+                               "the ledger was truncated or replaced outside the learner")
+        if size > covered:
+            with open(self.ledger_path, "rb+") as fh:
+                fh.truncate(covered)
+                os.fsync(fh.fileno())
+        return ckpt
+
+    def _append_ledger(self) -> int:
+        with open(self.ledger_path, "ab") as fh:
+            for line in self._unsaved_ledger:
+                fh.write(line.encode() + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        self._unsaved_ledger.clear()
+        return size
+
+
+def read_ledger(path: Path) -> list[tuple[int, str]]:
+    """(step, interaction id) of every line of a ledger, in order."""
+    out = []
+    if not Path(path).exists():
+        return out
+    for line in Path(path).read_text().splitlines():
+        entry = json.loads(line)
+        out.extend((entry["step"], iid) for iid in entry["ids"])
+    return out

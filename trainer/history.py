@@ -1,0 +1,90 @@
+"""Logged rollouts for value pre-training: the topics' retained history, or a file.
+
+``learn --pretrain-critic`` fits the critic on rollouts of the policy it starts
+from before any policy update (SAO.md section 3). They come from a JSON-lines
+file of encoded interaction and reward records (``trainer.pretrain_file``) or,
+by default, from everything the interactions and rewards topics still retain,
+read by a group-less consumer that commits nothing (the learner's own consumer
+group later trains on the same records as usual). Either way records are joined
+with the configured reward window; windows still open at the end close as if
+the window had passed (default reward or drop, per ``reward.on_missing``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from online_sao.batch import Rollout
+from online_sao.config import Config
+from online_sao.schemas import Interaction, RecordError, Reward, decode
+from streams.base import StreamBackend
+from trainer.join import RewardJoiner
+
+log = logging.getLogger(__name__)
+
+HISTORY_POLL_S = 1.0
+"""Wait of one poll while reading the retained history."""
+HISTORY_EMPTY_POLLS = 3
+"""The history is read to its end once this many polls in a row return nothing
+(the first polls of a fresh consumer may be empty while it fetches metadata)."""
+
+
+def _joined_rollouts(joiner: RewardJoiner, version: int) -> list[Rollout]:
+    joiner.advance(math.inf)  # the end of the history: every window is over
+    taken = joiner.pop_ready(max_rollouts=2**62, token_budget=2**62)
+    return [j.to_rollout() for j in taken if j.interaction.policy_version == version and j.num_action_tokens]
+
+
+def rollouts_from_file(path: Path, cfg: Config, version: int) -> list[Rollout]:
+    """Rollouts of policy ``version`` in a JSON-lines file of encoded records
+    (line order is record time; unreadable lines are skipped and counted in the log)."""
+    joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+    bad = 0
+    for number, line in enumerate(Path(path).read_bytes().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            record = decode(line)
+        except RecordError as exc:
+            bad += 1
+            log.warning("%s:%d skipped: %s", path, number + 1, exc)
+            continue
+        if isinstance(record, Interaction):
+            joiner.add_interaction(record, float(number))
+        elif isinstance(record, Reward):
+            joiner.add_reward(record, float(number))
+    rollouts = _joined_rollouts(joiner, version)
+    log.info("pre-training data from %s: %d rollouts of version %d (%d unreadable lines)",
+             path, len(rollouts), version, bad)
+    return rollouts
+
+
+def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> list[Rollout]:
+    """Rollouts of policy ``version`` in the retained history of the topics."""
+    topics = cfg.kafka.topics
+    joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+    consumer = backend.consumer([topics.interactions, topics.rewards], group_id=None, start="earliest")
+    bad = 0
+    try:
+        empty = 0
+        while empty < HISTORY_EMPTY_POLLS:
+            messages = consumer.poll(timeout_s=HISTORY_POLL_S)
+            empty = 0 if messages else empty + 1
+            for msg in messages:
+                try:  # the learner's own consumer dead-letters bad records; here they are only skipped
+                    record = decode(msg.value, Interaction if msg.topic == topics.interactions else Reward)
+                except RecordError:
+                    bad += 1
+                    continue
+                if isinstance(record, Interaction):
+                    joiner.add_interaction(record, msg.timestamp_ms / 1000)
+                else:
+                    joiner.add_reward(record, msg.timestamp_ms / 1000)
+    finally:
+        consumer.close()
+    rollouts = _joined_rollouts(joiner, version)
+    log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; join: %s)",
+             len(rollouts), version, bad, joiner.counters)
+    return rollouts

@@ -1,0 +1,115 @@
+"""Publishing policy versions: weight store + notice on the weights topic + pruning.
+
+Order of a publish (rank 0): the full state dict is written atomically, with its
+checksum, to the weight store; then a :class:`~online_sao.schemas.WeightsNotice`
+is produced on the weights topic and flushed, so a notice never points at weights
+that are not complete; then old versions are pruned, keeping the newest
+``keep_versions`` and every protected (registered) version. A rollback announces
+an older, already stored version with ``action="rollback"``; serving obeys it
+even though the version is older than the one it runs.
+
+Registry cadence (the learner drives it): every ``mlflow.register_every``
+versions, the candidate registered last time is decided on first, by the reward
+of rollouts sampled by it or newer versions (:class:`CandidateWatch`):
+promoted, or rolled back (serving and the learner return to the champion).
+Unless it was rolled back, the new version is then registered as the next
+candidate. A decision stays pending while no rollout of the candidate has been
+trained on; a newer candidate then supersedes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from online_sao.batch import Rollout
+from online_sao.schemas import WeightsNotice
+from online_sao.weights import WeightsRef, WeightStore
+from streams.base import Producer
+from streams.records import publish
+from trainer.distributed import DistContext, full_state_dict
+
+
+class Publisher:
+    """Rank 0's writer of weights and notices."""
+
+    def __init__(self, store: WeightStore, producer: Producer, topic: str, model_name: str,
+                 keep_versions: int, protected: set[int] | None = None) -> None:
+        self.store = store
+        self.producer = producer
+        self.topic = topic
+        self.model_name = model_name
+        self.keep_versions = keep_versions
+        self.protected: set[int] = set(protected or ())
+        self.refs: dict[int, WeightsRef] = {}
+        """What this process published (the notice of a later rollback needs the checksum)."""
+
+    def publish(self, state: dict[str, torch.Tensor], version: int, step: int,
+                metrics: dict[str, float] | None = None) -> WeightsRef:
+        ref = self.store.save(version, state)
+        self.refs[version] = ref
+        self._announce(ref, "publish", step, metrics)
+        self.store.prune(self.keep_versions, protected=self.protected)
+        return ref
+
+    def rollback(self, ref: WeightsRef, step: int) -> None:
+        """Tell serving to return to ``ref`` (a stored, older version)."""
+        self._announce(ref, "rollback", step, None)
+
+    def protect(self, version: int) -> None:
+        """Never prune ``version`` (it is registered in the model registry)."""
+        self.protected.add(version)
+
+    def _announce(self, ref: WeightsRef, action: str, step: int, metrics: dict[str, float] | None) -> None:
+        finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
+        notice = WeightsNotice(action=action, version=ref.version, location=ref.location, checksum=ref.checksum,
+                               model=self.model_name, step=step, metrics=finite)
+        publish(self.producer, self.topic, notice)
+        self.producer.flush()
+
+
+def publish_policy(policy: nn.Module, ctx: DistContext, publisher: Publisher | None, version: int, step: int,
+                   metrics: dict[str, float] | None = None) -> WeightsRef | None:
+    """Gather the full policy on rank 0 and publish it there. Collective: every rank
+    calls it; ``publisher`` is None on ranks other than 0, which get None back."""
+    state = full_state_dict(policy, ctx)
+    if not ctx.is_main:
+        return None
+    if publisher is None:
+        raise ValueError("rank 0 needs a publisher")
+    return publisher.publish(state, version, step, metrics)
+
+
+class CandidateWatch:
+    """The reward of the registered candidate, measured on rollouts it (or a newer
+    version) sampled: rollouts of older versions say nothing about it. NaN until
+    such a rollout was trained on (the registry then leaves the decision pending)."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.reward_sum = 0.0
+        self.count = 0
+
+    def start(self, version: int | None) -> None:
+        """Watch a newly registered candidate (None: no candidate awaits a decision)."""
+        self.version, self.reward_sum, self.count = version, 0.0, 0
+
+    def observe(self, rollouts: list[Rollout]) -> None:
+        if self.version is None:
+            return
+        for rollout in rollouts:
+            if max(rollout.versions, default=0) >= self.version:
+                self.reward_sum += rollout.total_reward
+                self.count += 1
+
+    @property
+    def reward(self) -> float:
+        return self.reward_sum / self.count if self.count else math.nan
+
+    def state_dict(self) -> dict[str, float | int | None]:
+        return {"version": self.version, "reward_sum": self.reward_sum, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float | int | None]) -> None:
+        self.version, self.reward_sum, self.count = state["version"], state["reward_sum"], state["count"]

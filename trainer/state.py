@@ -1,0 +1,118 @@
+"""Saving and restoring the learner's training state across ranks.
+
+Rank 0 reads and writes checkpoints (:mod:`trainer.checkpoint`); the tensors are
+gathered from, and scattered back to, every rank with the collectives of
+:mod:`trainer.distributed`, and small JSON values (step, version, algorithm
+state) are broadcast with :func:`broadcast_json`. Every function here is
+collective: all ranks call it in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from online_sao.algorithm import Algorithm
+from online_sao.algorithms import Optimizers
+from streams.base import TopicPartition
+from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
+from trainer.distributed import (DistContext, full_state_dict, load_full_state_dict, load_optimizer_state,
+                                 optimizer_state)
+from trainer.join import RewardJoiner
+
+
+def broadcast_json(value: Any, ctx: DistContext) -> Any:
+    """Rank 0's JSON-serialisable ``value`` on every rank (others pass anything).
+    Sent as bytes of JSON, never pickled."""
+    if not ctx.is_distributed:
+        return value
+    if ctx.is_main:
+        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(ctx.device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=ctx.device)
+    else:
+        size = torch.zeros(1, dtype=torch.long, device=ctx.device)
+    dist.broadcast(size, src=0)
+    if not ctx.is_main:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(data, src=0)
+    return value if ctx.is_main else json.loads(bytes(data.cpu().numpy()).decode())
+
+
+@dataclass
+class Trainables:
+    """What a learner step changes besides the join buffer."""
+
+    policy: nn.Module
+    critic: nn.Module | None
+    optimizers: Optimizers
+    algorithm: Algorithm
+
+
+@dataclass
+class Progress:
+    """Rank 0's bookkeeping that a checkpoint carries besides tensors and the join buffer."""
+
+    step: int = 0
+    version: int = 0
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    protected_versions: list[int] = field(default_factory=list)
+    candidate: dict[str, Any] = field(default_factory=dict)
+
+
+def restore_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner,
+                           ctx: DistContext) -> Progress:
+    """Load the newest checkpoint into models, optimisers, algorithm and (rank 0) the
+    joiner. Returns its progress: complete on rank 0, step and version elsewhere;
+    a fresh :class:`Progress` when there is no checkpoint."""
+    ckpt = checkpointer.resume() if ctx.is_main else None
+    shared = None
+    if ckpt is not None:
+        shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
+                  "scheduler": ckpt.optimizers.get("critic_scheduler")}
+    shared = broadcast_json(shared, ctx)
+    if shared is None:
+        return Progress()
+    t = trainables
+    load_full_state_dict(t.policy, ckpt.models["policy"] if ckpt else None, ctx)
+    load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx)
+    if t.critic is not None:
+        load_full_state_dict(t.critic, ckpt.models["critic"] if ckpt else None, ctx)
+        load_optimizer_state(t.critic, t.optimizers.critic, ckpt.optimizers["critic"] if ckpt else None, ctx)
+    if t.optimizers.critic_scheduler is not None and shared["scheduler"] is not None:
+        t.optimizers.critic_scheduler.load_state_dict(shared["scheduler"])
+    t.algorithm.load_state_dict(shared["algorithm"])
+    if ckpt is None:
+        return Progress(step=shared["step"], version=shared["version"])
+    joiner.load_state_dict(ckpt.state.joiner)
+    s = ckpt.state
+    return Progress(s.step, s.version, dict(s.offsets), dict(s.counters), s.mlflow_run_id,
+                    list(s.protected_versions), dict(s.candidate))
+
+
+def save_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner,
+                        progress: Progress | None, ctx: DistContext) -> None:
+    """Gather everything on rank 0 and commit one checkpoint there (see trainer.checkpoint);
+    ``progress`` and ``checkpointer`` are None on the other ranks."""
+    t = trainables
+    models = {"policy": full_state_dict(t.policy, ctx)}
+    optimizers: dict[str, Any] = {"policy": optimizer_state(t.policy, t.optimizers.policy, ctx)}
+    if t.critic is not None:
+        models["critic"] = full_state_dict(t.critic, ctx)
+        optimizers["critic"] = optimizer_state(t.critic, t.optimizers.critic, ctx)
+    if not ctx.is_main:
+        return
+    if t.optimizers.critic_scheduler is not None:
+        optimizers["critic_scheduler"] = t.optimizers.critic_scheduler.state_dict()
+    p = progress
+    state = LearnerState(step=p.step, version=p.version, offsets=dict(p.offsets), joiner=joiner.state_dict(),
+                         algorithm=t.algorithm.state_dict(), mlflow_run_id=p.mlflow_run_id,
+                         protected_versions=sorted(p.protected_versions), counters=dict(p.counters),
+                         candidate=dict(p.candidate))
+    checkpointer.save(Checkpoint(state, models, optimizers))

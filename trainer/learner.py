@@ -259,6 +259,10 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
                     "data_wait_share": wait_s / cycle_s,
                     "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
                 }, step=step)
+                log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, %.2f s",
+                         step, version, len(rollouts), metrics.get("reward_mean", math.nan),
+                         metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan),
+                         publish_start - step_start)
             cycle_start = last_activity = time.monotonic()
 
         if step > last_checkpoint_step:  # a graceful stop keeps every step it trained

@@ -233,32 +233,17 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
                 slots[slot] = value.detach().clone()
 
 
-def _encode_rollouts(rollouts: list[Rollout]) -> torch.Tensor:
-    # JSON, not pickle: the bytes cross a process boundary. Python floats
-    # round-trip exactly through repr, so logprobs arrive bit-identical.
-    payload = [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
-    data = json.dumps(payload, separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def broadcast_json(value: Any, ctx: DistContext) -> Any:
+    """Rank 0's JSON-serialisable ``value`` on every rank (others pass anything). Collective.
 
-
-def _decode_rollouts(data: torch.Tensor) -> list[Rollout]:
-    payload = json.loads(bytes(data.cpu().numpy()).decode())
-    return [Rollout(**{**item, "rewards": {int(k): float(v) for k, v in item["rewards"]}}) for item in payload]
-
-
-def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list[Rollout]:
-    """Rank 0's rollouts on every rank (others pass ``None``). Collective.
-
-    Sent as a length then a byte tensor of JSON; no objects are unpickled.
+    Sent as a length, then a byte tensor of JSON: nothing is unpickled. Python floats
+    round-trip exactly through JSON, so logprobs arrive bit-identical.
     """
     if not ctx.is_distributed:
-        if rollouts is None:
-            raise ValueError("a single process must pass its rollouts")
-        return rollouts
+        return value
     if ctx.is_main:
-        if rollouts is None:
-            raise ValueError("rank 0 must pass the rollouts to broadcast")
-        data = _encode_rollouts(rollouts).to(ctx.device)
+        data = torch.frombuffer(bytearray(json.dumps(value, separators=(",", ":")).encode()),
+                                dtype=torch.uint8).to(ctx.device)
         size = torch.tensor([data.numel()], dtype=torch.long, device=ctx.device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=ctx.device)
@@ -266,7 +251,28 @@ def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list
     if not ctx.is_main:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
     dist.broadcast(data, src=0)
-    return rollouts if ctx.is_main else _decode_rollouts(data)
+    return value if ctx.is_main else json.loads(bytes(data.cpu().numpy()).decode())
+
+
+def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list[Rollout]:
+    """Rank 0's rollouts on every rank (others pass ``None``). Collective."""
+    if not ctx.is_distributed:
+        if rollouts is None:
+            raise ValueError("a single process must pass its rollouts")
+        return rollouts
+    if ctx.is_main and rollouts is None:
+        raise ValueError("rank 0 must pass the rollouts to broadcast")
+    payload = broadcast_json(rollouts_to_json(rollouts) if ctx.is_main else None, ctx)
+    return rollouts if ctx.is_main else rollouts_from_json(payload)
+
+
+def rollouts_to_json(rollouts: list[Rollout]) -> list[dict[str, Any]]:
+    """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs)."""
+    return [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
+
+
+def rollouts_from_json(payload: list[dict[str, Any]]) -> list[Rollout]:
+    return [Rollout(**{**item, "rewards": {int(k): float(v) for k, v in item["rewards"]}}) for item in payload]
 
 
 def shard_rollouts(rollouts: list[Rollout], ctx: DistContext) -> list[Rollout]:

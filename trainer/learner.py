@@ -65,7 +65,8 @@ from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.pretrain import pretrain_critic as fit_critic
 from trainer.publisher import CandidateWatch, Publisher, publish_policy
 from trainer.rollouts import RolloutError
-from trainer.state import Progress, Trainables, broadcast_json, restore_training_state, save_training_state
+from trainer.distributed import broadcast_json
+from trainer.state import Progress, Trainables, restore_training_state, save_training_state
 from trainer.tracking import RunTracker
 
 log = logging.getLogger(__name__)

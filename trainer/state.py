@@ -9,7 +9,6 @@ collective: all ranks call it in the same order.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,26 +20,9 @@ from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
 from streams.base import TopicPartition
 from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
-from trainer.distributed import (DistContext, full_state_dict, load_full_state_dict, load_optimizer_state,
-                                 optimizer_state)
+from trainer.distributed import (DistContext, broadcast_json, full_state_dict, load_full_state_dict,
+                                 load_optimizer_state, optimizer_state)
 from trainer.join import RewardJoiner
-
-
-def broadcast_json(value: Any, ctx: DistContext) -> Any:
-    """Rank 0's JSON-serialisable ``value`` on every rank (others pass anything).
-    Sent as bytes of JSON, never pickled."""
-    if not ctx.is_distributed:
-        return value
-    if ctx.is_main:
-        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(ctx.device)
-        size = torch.tensor([data.numel()], dtype=torch.long, device=ctx.device)
-    else:
-        size = torch.zeros(1, dtype=torch.long, device=ctx.device)
-    dist.broadcast(size, src=0)
-    if not ctx.is_main:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
-    dist.broadcast(data, src=0)
-    return value if ctx.is_main else json.loads(bytes(data.cpu().numpy()).decode())
 
 
 @dataclass

@@ -22,9 +22,9 @@ from online_sao.critic import ValueModel
 from tests.conftest import _free_port
 from tests.trainer import fsdp_worker
 from trainer.distributed import (
+    rollouts_from_json,
+    rollouts_to_json,
     DistContext,
-    _decode_rollouts,
-    _encode_rollouts,
     decoder_layers,
     global_token_normalizer,
     reduce_metrics,
@@ -82,7 +82,7 @@ def test_rollout_codec_round_trips_exactly():
     original = [_rollout("a", 3), Rollout("b", [1, 2, 3, 4], [False, True, False, True],
                                           [0.0, -0.123456789012345678, 0.0, -1e-30], [0, 7, 0, 9],
                                           {2: 0.1, 3: -2.5}, temperature=0.7, group_id=4)]
-    decoded = _decode_rollouts(_encode_rollouts(original))
+    decoded = rollouts_from_json(json.loads(json.dumps(rollouts_to_json(original))))
     assert decoded == original
 
 

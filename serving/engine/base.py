@@ -10,6 +10,8 @@ that sampled it.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
@@ -64,3 +66,33 @@ class InferenceEngine(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_positions: int | None) -> None:
+    """Refuse a prompt the model cannot take: empty, ids outside the vocabulary, or no
+    position left to generate into. Raises ValueError naming the problem."""
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {vocab_size}")
+    if max_positions is not None and len(prompt_ids) >= max_positions:
+        raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                         f"{max_positions} positions")
+
+
+async def relay_events(events: "asyncio.Queue[TokenEvent | BaseException]",
+                       cancelled: threading.Event) -> AsyncIterator[TokenEvent]:
+    """Yield what an engine thread puts on ``events`` until the finishing event; an
+    exception put there is raised. A consumer that stops early sets ``cancelled`` so the
+    engine frees the request's slot at its next step."""
+    try:
+        while True:
+            event = await events.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if event.finish_reason is not None:
+                return
+    finally:
+        cancelled.set()

@@ -44,7 +44,7 @@ from transformers.cache_utils import DynamicCache
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.weights import CorruptWeights
-from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from serving.engine.base import GenerationRequest, SwapResult, TokenEvent, check_prompt, relay_events
 from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.sampling import sample_token
 from serving.engine.weights_check import complete_state_dict
@@ -198,29 +198,14 @@ class TorchEngine:
                 raise EngineStopped("the engine is not running (call start())")
             self._waiting.append(seq)
             self._cond.notify()
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            seq.cancelled.set()  # a consumer that stops early frees its slot at the next step
+        async for event in relay_events(events, seq.cancelled):
+            yield event
 
     def _admissible(self, request: GenerationRequest) -> _Sequence:
         prompt = request.prompt_ids
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        bad = [t for t in prompt if not 0 <= t < self._vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self._vocab}")
+        check_prompt(prompt, self._vocab, self._max_positions)
         room = request.sampling.max_tokens
         if self._max_positions is not None:
-            if len(prompt) >= self._max_positions:
-                raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the model's "
-                                 f"{self._max_positions} positions")
             room = min(room, self._max_positions - len(prompt))
         generator = torch.Generator(device=self._device)
         if request.sampling.seed is None:

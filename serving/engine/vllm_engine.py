@@ -39,7 +39,7 @@ from safetensors import safe_open
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
 from online_sao.weights import CorruptWeights, verify_state_dict
-from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from serving.engine.base import GenerationRequest, SwapResult, TokenEvent, check_prompt, relay_events
 from serving.engine.torch_engine import EngineStopped
 
 
@@ -142,13 +142,7 @@ class VLLMEngine:
         self._thread = None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        prompt = request.prompt_ids
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        if any(not 0 <= t < self._vocab for t in prompt):
-            raise ValueError(f"token ids outside the vocabulary of {self._vocab}")
-        if len(prompt) >= self._max_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in {self._max_len} positions")
+        check_prompt(request.prompt_ids, self._vocab, self._max_len)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         live = _Request(request, emit=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
@@ -157,16 +151,8 @@ class VLLMEngine:
                 raise EngineStopped("the engine is not running (call start())")
             self._waiting.append(live)
             self._cond.notify()
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            live.cancelled.set()
+        async for event in relay_events(events, live.cancelled):
+            yield event
 
     def _sampling(self, request: GenerationRequest):
         from vllm import SamplingParams

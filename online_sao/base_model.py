@@ -249,6 +249,13 @@ def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progres
     return BuildStats(len(train), len(heldout), n_params, final_loss, heldout_loss, time.monotonic() - started)
 
 
+def _make_readable(directory: Path) -> None:
+    """World-readable files: safetensors writes 0600, but serving may run as another user."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+
+
 def _replace_dir(built: Path, target: Path) -> None:
     """Move ``built`` to ``target``; an existing ``target`` is moved aside first, then removed."""
     stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
@@ -287,6 +294,7 @@ def build_base_model(cfg: Config, force: bool = False, progress: Progress = prin
             stats = _train_into(building, base, progress)
             record = {"fingerprint": fingerprint(base), "stats": asdict(stats)}
             (building / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            _make_readable(building)
             _replace_dir(building, target)
         finally:
             shutil.rmtree(building, ignore_errors=True)

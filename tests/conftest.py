@@ -13,8 +13,9 @@ import torch
 
 pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.models"]
 
-# Two CPU cores are shared by the broker, servers and the test process.
-torch.set_num_threads(2)
+# Two CPU cores are shared by the broker, servers, subprocesses and the test process:
+# one intra-op thread avoids OpenMP workers spinning for a core another process holds.
+torch.set_num_threads(1)
 
 
 def _free_port() -> int:

@@ -6,6 +6,22 @@ written to ``<results>/arms/<arm>/config.yaml``; serving, the learner and the
 judge start as their own ``online-sao`` processes on it; simulated users chat
 over HTTP until the arm's rollouts are answered; then the arm is torn down and
 the next one starts. The report is written at the end.
+
+Every arm starts from nothing: its topics, consumer groups, weights, checkpoints
+and spool from an earlier run of the same scenario are deleted first (otherwise
+the learner would resume from the earlier run's checkpoint).
+
+Traffic starts only when the learner and the judge are ready: their Kafka
+consumer groups are Stable and every member holds partitions. The learner spends
+10-20 s loading the model and opening MLflow, and its first group join can come
+back with no partitions (no topic metadata yet) and take another rebalance;
+traffic sent before that is trained on late, in a few large steps, so the first
+preference phase would be answered almost entirely by the starting policy.
+Traffic itself is not paced by the learner: requests arrive at the scenario's
+fixed seeded rate (experiment.requests_per_second), so every arm sees the same
+prompts at the same times and a slower learner shows up as policy lag, as in
+the asynchronous setting of the paper; the rate is chosen so that the SAO
+learner keeps up on a small CPU machine (docs/EXPERIMENTS.md).
 """
 
 from __future__ import annotations
@@ -16,15 +32,25 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from online_sao.config import Config, dump_config
 from online_sao.experiments.results import count_reward_rows, write_scenario
 from online_sao.experiments.scenario import arm_config, results_dir
 from online_sao.stack import Stack
 
+if TYPE_CHECKING:
+    from streams.kafka_backend import KafkaBackend
+
 READY_TIMEOUT_S = 300.0
 """Serving loads the model and connects to the broker before /readyz answers."""
+CONSUMERS_READY_TIMEOUT_S = 180.0
+"""The learner loads the model and opens MLflow, then joins its group; the judge trains or loads
+its classifier. Both must hold partitions before traffic starts."""
+GROUP_POLL_S = 1.0
+"""Pause between two looks at the consumer groups (each is a broker round trip)."""
+TOPIC_DELETE_TIMEOUT_S = 60.0
+"""How long deleted topics of an earlier run may take to disappear before they are recreated."""
 REWARD_DRAIN_S = 60.0
 """After the last answer, how long to wait for the judge to score the arm's remaining rollouts."""
 
@@ -57,7 +83,9 @@ def run_arm(cfg: Config, arm_name: str, progress: Callable[[str], None] = print)
     arm_dir = out / "arms" / arm.name
     config_path = arm_dir / "config.yaml"
     _write_private(config_path, dump_config(acfg, reveal_secrets=True))
-    KafkaBackend(acfg.kafka).ensure_topics()
+    backend = KafkaBackend(acfg.kafka)
+    _reset_arm(acfg, backend, arm_dir, progress)
+    backend.ensure_topics()
     results_path = out / f"{arm.name}.jsonl"
     results_path.unlink(missing_ok=True)
 
@@ -66,9 +94,12 @@ def run_arm(cfg: Config, arm_name: str, progress: Callable[[str], None] = print)
         server = stack.start("serving", ["serve"])
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
-        stack.start("learner", ["learn"])
-        stack.start("judge", ["judge", "--arm", arm.name])
+        stack.start("learner", ["learn"], env=_threads_env(learner_threads(acfg)))
+        stack.start("judge", ["judge", "--arm", arm.name], env=_threads_env(1))
         classifier = load_or_train(acfg, progress)
+        waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
+                                    stack.check_alive, CONSUMERS_READY_TIMEOUT_S)
+        progress(f"learner and judge hold their partitions after {waited:.1f} s; traffic starts")
         stats = asyncio.run(drive_arm(acfg, f"{base_url}/v1", None, classifier, results_path, progress=progress))
         _wait_for_rewards(stack, results_path, stats.answered, progress)
         learner_log = stack.run_dir / "logs" / "learner.log"
@@ -78,6 +109,81 @@ def run_arm(cfg: Config, arm_name: str, progress: Callable[[str], None] = print)
     (out / f"{arm.name}.run.json").write_text(json.dumps(summary, indent=2))
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary['wall_s']} s")
     return summary
+
+
+def learner_threads(acfg: Config) -> int:
+    """CPU threads the learner may use: the cores left after serving's and one for the judge and
+    the simulated users. Without a bound torch starts a thread per core in every process, and on a
+    small machine the oversubscribed threads spin against each other: beside serving and the judge
+    on 2 cores a learner step took 7 s (p50) uncapped and 0.15-0.3 s capped (docs/EXPERIMENTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - (acfg.serving.torch_threads or 1) - 1)
+
+
+def _threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+ARM_STATE_DIRS = ("weights", "checkpoints", "spool", "logs")
+"""Directories under an arm's results directory that an earlier run of the arm leaves behind."""
+
+
+def _reset_arm(acfg: Config, backend: KafkaBackend, arm_dir: Path, progress: Callable[[str], None]) -> None:
+    """Delete what an earlier run of this arm left: its state directories, topics and consumer groups."""
+    import shutil
+
+    for name in ARM_STATE_DIRS:
+        shutil.rmtree(arm_dir / name, ignore_errors=True)
+    topics = acfg.kafka.topics
+    arm_topics = {topics.interactions, topics.rewards, topics.weights}
+    groups = {acfg.trainer.consumer_group, acfg.experiment.judge_group}
+    with backend.admin() as admin:
+        old_groups = [g["group_id"] for g in admin.list_groups() if g["group_id"] in groups]
+        old_topics = sorted(arm_topics & set(admin.list_topics()))
+        if old_groups:
+            admin.delete_groups(old_groups)
+        if old_topics:
+            admin.delete_topics(old_topics)
+    if not (old_groups or old_topics):
+        return
+    deadline = time.monotonic() + TOPIC_DELETE_TIMEOUT_S
+    while arm_topics & set(backend.list_topics()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics {sorted(arm_topics)} still exist {TOPIC_DELETE_TIMEOUT_S:.0f} s after deletion")
+        time.sleep(GROUP_POLL_S)
+    progress(f"deleted the earlier run's topics {old_topics} and consumer groups {old_groups}")
+
+
+def groups_ready(backend: KafkaBackend, group_ids: list[str]) -> bool:
+    """Every group Stable, with at least one member, and every member holding partitions."""
+    with backend.admin() as admin:
+        listed = {g["group_id"]: g["group_state"] for g in admin.list_groups()}
+        if any(listed.get(g) != "Stable" for g in group_ids):
+            return False
+        described = admin.describe_groups(group_ids)
+    for group_id in group_ids:
+        members = described[group_id].get("members") or []
+        if not members or not all(_assigned_partitions(m) for m in members):
+            return False
+    return True
+
+
+def _assigned_partitions(member: dict) -> int:
+    assignment = member.get("member_assignment") or {}
+    topics = assignment.get("assigned_partitions") or assignment.get("assignment") or []
+    return sum(len(t.get("partitions", [])) for t in topics if isinstance(t, dict))
+
+
+def wait_for_consumers(backend: KafkaBackend, group_ids: list[str], check_alive: Callable[[], None], timeout_s: float) -> float:
+    """Block until :func:`groups_ready`; returns the seconds waited. ``check_alive`` raises
+    when a component died meanwhile."""
+    started = time.monotonic()
+    while not groups_ready(backend, group_ids):
+        check_alive()
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"consumer groups {group_ids} hold no partitions after {timeout_s:.0f} s")
+        time.sleep(GROUP_POLL_S)
+    return time.monotonic() - started
 
 
 def _wait_for_rewards(stack: Stack, results_path: Path, answered: int, progress: Callable[[str], None]) -> None:

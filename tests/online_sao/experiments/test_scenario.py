@@ -58,7 +58,9 @@ def test_run_files_describe_the_experiment(name):
 def test_short_run_is_smaller_than_the_full_one():
     full = load_config(CONFIGS / "drift.yaml", environ={}).experiment
     short = load_config(CONFIGS / "drift-short.yaml", environ={}).experiment
-    assert short.rollouts_per_arm * len(short.arms) < full.rollouts_per_arm * len(full.arms) / 4
+    # At most half: the short run needs ~100 rollouts per phase for learning to show (docs/EXPERIMENTS.md).
+    assert short.rollouts_per_arm * len(short.arms) <= full.rollouts_per_arm * len(full.arms) / 2
+    assert short.rollouts_per_arm <= full.rollouts_per_arm and len(short.arms) < len(full.arms)
 
 
 def test_arm_config_applies_overrides_and_separates_state(tmp_path):

@@ -33,7 +33,7 @@ from online_sao.config import Config
 from online_sao.experiments.judge import Judge, QualityStyleJudge
 from online_sao.experiments.results import RewardRow, append_row, count_reward_rows
 from online_sao.schemas import Interaction, Reward
-from streams.base import StreamBackend, TopicPartition
+from streams.base import StreamBackend, StreamUnavailable, TopicPartition
 from streams.records import decode_or_dead_letter, publish
 
 SOURCE = "judge"
@@ -146,8 +146,9 @@ class JudgeService:
     def _send_due(self) -> None:
         now = self.clock()
         while self._pending and self._pending[0].due <= now:
-            item = heapq.heappop(self._pending)
+            item = self._pending[0]  # popped only once handed to the producer: a failed send is retried
             publish(self.producer, self.topics.rewards, item.reward.model_copy(update={"created_at": now}))
+            heapq.heappop(self._pending)
             self.counters.sent += 1
 
     def _commit(self, force: bool = False) -> None:
@@ -170,6 +171,10 @@ class JudgeService:
             self.consumer.close()
 
 
+RETRY_S = 2.0
+"""Pause before the judge tries the broker again after it was unreachable."""
+
+
 def run_judge(cfg: Config, judge: Judge, stop_event: threading.Event, backend: StreamBackend | None = None,
               tokenizer: Detokenizer | None = None, results_path: Path | None = None,
               progress: Callable[[str], None] = print, progress_every: int = 50) -> JudgeCounters:
@@ -182,7 +187,12 @@ def run_judge(cfg: Config, judge: Judge, stop_event: threading.Event, backend: S
     reported = service.counters.scored
     try:
         while not stop_event.is_set():
-            service.step()
+            try:
+                service.step()
+            except StreamUnavailable as exc:  # the broker comes back; a long-running judge waits for it
+                progress(f"judge: Kafka unavailable ({exc}); retrying in {RETRY_S:.0f} s")
+                stop_event.wait(RETRY_S)
+                continue
             if service.counters.scored - reported >= progress_every:
                 reported = service.counters.scored
                 c = service.counters

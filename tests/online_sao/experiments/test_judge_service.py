@@ -14,6 +14,7 @@ from online_sao.experiments.judge_service import JudgeService, interaction_texts
 from online_sao.experiments.results import read_arm
 from online_sao.schemas import DeadLetter, Interaction, Reward, decode
 from streams.kafka_backend import KafkaBackend
+from streams.base import StreamUnavailable
 from streams.memory import InMemoryBackend
 from streams.records import publish
 from tests.fixtures.kafka import drain
@@ -182,3 +183,52 @@ def test_drops_are_seeded_and_recorded(tmp_path):
         assert service.counters.dropped == 40 - len(sent)
         outcomes.append([r.delivered for r in rows])
     assert outcomes[0] == outcomes[1] and 10 < sum(outcomes[0]) < 30
+
+
+class FlakyBackend:
+    """The in-memory backend whose producer refuses the first ``failures`` sends, as Kafka
+    does while the broker is down."""
+
+    def __init__(self, backend: InMemoryBackend, failures: int):
+        self.backend, self.failures = backend, failures
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def producer(self):
+        real, outer = self.backend.producer(), self
+
+        class Producer:
+            def send(self, *args, **kwargs):
+                if outer.failures > 0:
+                    outer.failures -= 1
+                    raise StreamUnavailable("broker down (test)")
+                return real.send(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        return Producer()
+
+
+def test_judge_keeps_running_through_an_outage_and_sends_every_reward(tmp_path, monkeypatch):
+    import online_sao.experiments.judge_service as judge_service
+
+    monkeypatch.setattr(judge_service, "RETRY_S", 0.01)
+    backend, cfg, producer = memory_setup()
+    interactions = [chat_interaction(*qa) for qa in ANSWERS[:3]]
+    for interaction in interactions:
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    stop = threading.Event()
+    flaky = FlakyBackend(backend, failures=2)
+    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
+                              kwargs={"backend": flaky, "progress": lambda _: None})
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    worker.join(10)
+    rewards = drain_memory(backend, cfg.kafka.topics.rewards)
+    assert flaky.failures == 0  # the outage happened
+    assert sorted(r.interaction_id for r in rewards) == sorted(i.interaction_id for i in interactions)

@@ -102,6 +102,10 @@ def init_distributed() -> DistContext:
 def shutdown_distributed(ctx: DistContext) -> None:
     """Leave the process group (no-op in a single process)."""
     if ctx.is_distributed and dist.is_initialized():
+        # every rank finishes its collectives before any tears its transport down: a rank that
+        # leaves first can abort a peer still inside gloo ("terminate called without an
+        # active exception", seen once in CI)
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -295,7 +295,9 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(1, ge=1)
     """Checkpoint every N steps (offsets are committed only after a checkpoint)."""
     weight_store: str | None = None
-    """Directory or fsspec URL of published weights (default data_dir/weights)."""
+    """Directory or fsspec URL of published weights (default data_dir/weights);
+    ``shm://<name>`` (host shared memory) or ``cuda-ipc://<name>`` (GPU memory)
+    skip the disk when learner and serving share a host (docs/SERVING.md)."""
     checkpoint_dir: Path | None = None
     """Learner checkpoints (default data_dir/checkpoints)."""
     seed: int = 0

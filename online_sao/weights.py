@@ -2,9 +2,14 @@
 
 The learner saves a full state dict and announces ``(version, location,
 checksum)`` on the weights topic; serving loads it off the request path and
-verifies it before switching. Two stores implement the seam: a directory or any
-fsspec URL of safetensors files (the default), and an in-process store for
-tests and single-process experiments. No pickle: safetensors only.
+verifies it before switching. Stores implement the seam, chosen by URL in
+:func:`open_weight_store`: a directory or any fsspec URL of safetensors files
+(the default), an in-process store for tests and single-process experiments
+(``mem://``), and two transports that skip the disk when learner and serving
+share a host: ``shm://<name>`` (host shared memory, :mod:`online_sao.weights_shm`)
+and ``cuda-ipc://<name>`` (the learner's GPU memory mapped by serving,
+:mod:`online_sao.weights_cuda_ipc`). No pickle anywhere: safetensors, or JSON
+metadata plus raw buffers.
 """
 
 from __future__ import annotations
@@ -158,5 +163,16 @@ class InProcessWeightStore(WeightStore):
 
 
 def open_weight_store(url: str) -> WeightStore:
-    """``mem://`` gives a fresh in-process store; anything else is a file/fsspec store."""
-    return InProcessWeightStore() if url.startswith("mem://") else FileWeightStore(url)
+    """``mem://`` gives a fresh in-process store, ``shm://<name>`` the host shared-memory store,
+    ``cuda-ipc://<name>`` the CUDA IPC store; anything else is a file/fsspec store."""
+    if url.startswith("mem://"):
+        return InProcessWeightStore()
+    if url.startswith("shm://"):
+        from online_sao.weights_shm import ShmWeightStore  # imports this module
+
+        return ShmWeightStore(url[len("shm://"):])
+    if url.startswith("cuda-ipc://"):
+        from online_sao.weights_cuda_ipc import CudaIpcWeightStore  # imports this module
+
+        return CudaIpcWeightStore(url[len("cuda-ipc://"):])
+    return FileWeightStore(url)

@@ -1,7 +1,10 @@
+import uuid
+
 import pytest
 import torch
 
 from online_sao.weights import CorruptWeights, FileWeightStore, InProcessWeightStore, open_weight_store
+from online_sao.weights_shm import ShmWeightStore
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -9,9 +12,18 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"layer.weight": torch.randn(4, 3, generator=g), "layer.bias": torch.randn(4, generator=g)}
 
 
-@pytest.fixture(params=["file", "memory"])
+@pytest.fixture(params=["file", "memory", "shm"])
 def store(request, tmp_path):
-    return FileWeightStore(str(tmp_path / "weights")) if request.param == "file" else InProcessWeightStore()
+    """Every store kept by a process honours the same contract (cuda-ipc: test_weights_cuda_ipc.py)."""
+    if request.param == "file":
+        yield FileWeightStore(str(tmp_path / "weights"))
+    elif request.param == "memory":
+        yield InProcessWeightStore()
+    else:
+        shm = ShmWeightStore(f"test-{uuid.uuid4().hex[:12]}")
+        yield shm
+        for version in shm.versions():
+            shm.delete(version)
 
 
 def test_round_trip_and_checksum(store):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
@@ -48,6 +49,50 @@ class SwapResult:
     stall_s: float
     """Seconds decoding was paused for the switch itself."""
     reason: str = ""
+
+
+@dataclass
+class LoopJob:
+    """Work an engine's loop thread runs between two model steps (a weight switch)."""
+
+    apply: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0
+    """How long ``apply`` paused the loop."""
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.apply()
+        except BaseException as exc:  # handed back to the thread waiting in run_between_steps, which raises it
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+        self.done.set()
+
+
+def run_between_steps(apply: Callable[[], None], cond: threading.Condition, jobs: list[LoopJob],
+                      loop_alive: Callable[[], bool], run_here: Callable[[LoopJob], None]) -> LoopJob:
+    """Hand ``apply`` to the engine's loop thread and wait until it ran between two steps.
+
+    ``jobs`` is the loop's queue, guarded by ``cond`` (the loop drains it in place
+    under ``cond``); ``loop_alive`` is read under ``cond``. Without a running loop
+    the job runs on this thread through ``run_here`` (which takes the engine's own
+    lock). An exception raised by ``apply`` is raised here.
+    """
+    job = LoopJob(apply)
+    with cond:
+        queued = loop_alive()
+        if queued:
+            jobs.append(job)
+            cond.notify()
+    if queued:
+        job.done.wait()
+    else:
+        run_here(job)
+    if job.error is not None:
+        raise job.error
+    return job
 
 
 class InferenceEngine(Protocol):

@@ -44,7 +44,8 @@ from transformers.cache_utils import DynamicCache
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.weights import CorruptWeights
-from serving.engine.base import GenerationRequest, SwapResult, TokenEvent, check_prompt, relay_events
+from serving.engine.base import (GenerationRequest, LoopJob, SwapResult, TokenEvent, check_prompt, relay_events,
+                                 run_between_steps)
 from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.sampling import sample_token
 from serving.engine.weights_check import complete_state_dict
@@ -78,23 +79,6 @@ class _Sequence:
     last_token: int = -1
 
 
-@dataclass
-class _SwitchJob:
-    apply: Callable[[], None]
-    done: threading.Event = field(default_factory=threading.Event)
-    stall_s: float = 0.0
-    error: BaseException | None = None
-
-    def run(self) -> None:
-        start = time.perf_counter()
-        try:
-            self.apply()
-        except BaseException as exc:  # handed back to the swapping thread, which raises it
-            self.error = exc
-        self.stall_s = time.perf_counter() - start
-        self.done.set()
-
-
 class TorchEngine:
     """Continuous-batching engine over a causal LM (implements ``InferenceEngine``)."""
 
@@ -116,7 +100,7 @@ class TorchEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._switch_jobs: list[_SwitchJob] = []
+        self._switch_jobs: list[LoopJob] = []
         self._loop_alive = False
         self._stopping = False
         self._swap_lock = threading.Lock()  # one swap at a time
@@ -222,7 +206,8 @@ class TorchEngine:
                 with self._cond:
                     while not (self._stopping or self._switch_jobs or self._waiting or self._rows):
                         self._cond.wait()
-                    jobs, self._switch_jobs = self._switch_jobs, []
+                    jobs = list(self._switch_jobs)
+                    self._switch_jobs.clear()  # in place: run_between_steps holds this list
                     if self._stopping:
                         self._loop_alive = False
                     slots = 0 if self._stopping else self.cfg.max_batch_size - len(self._rows)
@@ -258,9 +243,9 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _run_between_steps(self, job: _SwitchJob) -> None:
+    def _run_between_steps(self, job: LoopJob) -> None:
         job.run()
-        self._report("switch", len(self._rows), job.stall_s)
+        self._report("switch", len(self._rows), job.seconds)
 
     def _report(self, kind: str, batch_size: int, seconds: float) -> None:
         if self._on_step is not None:
@@ -356,17 +341,8 @@ class TorchEngine:
             return SwapResult(version, True, load_s, stall_s)
 
     def _between_steps(self, apply: Callable[[], None]) -> float:
-        job = _SwitchJob(apply)
-        with self._cond:
-            queued = self._loop_alive
-            if queued:
-                self._switch_jobs.append(job)
-                self._cond.notify()
-        if queued:
-            job.done.wait()
-        else:
+        def run_here(job: LoopJob) -> None:
             with self._step_lock:
                 job.run()
-        if job.error is not None:
-            raise job.error
-        return job.stall_s
+
+        return run_between_steps(apply, self._cond, self._switch_jobs, lambda: self._loop_alive, run_here).seconds

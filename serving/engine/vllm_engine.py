@@ -39,7 +39,8 @@ from safetensors import safe_open
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
 from online_sao.weights import CorruptWeights, verify_state_dict
-from serving.engine.base import GenerationRequest, SwapResult, TokenEvent, check_prompt, relay_events
+from serving.engine.base import (GenerationRequest, LoopJob, SwapResult, TokenEvent, check_prompt, relay_events,
+                                 run_between_steps)
 from serving.engine.torch_engine import EngineStopped
 
 
@@ -67,14 +68,6 @@ def _refresh_tied_head(worker) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         dispatch_cpu_unquantized_gemm(worker.model_runner.get_model().lm_head, remove_weight=False)
-
-
-@dataclass
-class _Job:
-    apply: Callable[[], None]
-    done: threading.Event = field(default_factory=threading.Event)
-    seconds: float = 0.0
-    error: BaseException | None = None
 
 
 @dataclass
@@ -115,7 +108,7 @@ class VLLMEngine:
         self._version = initial_version
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
-        self._jobs: list[_Job] = []
+        self._jobs: list[LoopJob] = []
         self._live: dict[str, _Request] = {}  # owned by the loop thread
         self._swap_lock = threading.Lock()
         self._alive = False
@@ -168,14 +161,15 @@ class VLLMEngine:
             with self._cond:
                 while not (self._stopping or self._jobs or self._waiting or self._live):
                     self._cond.wait()
-                jobs, self._jobs = self._jobs, []
+                jobs = list(self._jobs)
+                self._jobs.clear()  # in place: run_between_steps holds this list
                 if self._stopping:
                     self._alive = False
                 arrivals = [] if self._stopping else list(self._waiting)
                 if not self._stopping:
                     self._waiting.clear()
             for job in jobs:
-                self._run(job)
+                job.run()
             if not self._alive:
                 break
             for live in arrivals:
@@ -219,15 +213,6 @@ class VLLMEngine:
             for rid in list(self._live):  # vLLM dropped them without a final output
                 self._live.pop(rid).emit(RuntimeError(f"vLLM lost request {rid}"))
 
-    def _run(self, job: _Job) -> None:
-        start = time.perf_counter()
-        try:
-            job.apply()
-        except BaseException as exc:  # handed back to the swapping thread, which raises it
-            job.error = exc
-        job.seconds = time.perf_counter() - start
-        job.done.set()
-
     def _checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         verify_state_dict(state)
         items = {k: v for k, v in state.items() if not (self._tied and k == "lm_head.weight")}
@@ -261,16 +246,5 @@ class VLLMEngine:
                     self._llm.collective_rpc(_refresh_tied_head)
                 self._version = version
 
-            job = _Job(reload)
-            with self._cond:
-                queued = self._alive
-                if queued:
-                    self._jobs.append(job)
-                    self._cond.notify()
-            if queued:
-                job.done.wait()
-            else:
-                self._run(job)
-            if job.error is not None:
-                raise job.error
+            job = run_between_steps(reload, self._cond, self._jobs, lambda: self._alive, LoopJob.run)
             return SwapResult(version, True, load_s, job.seconds)

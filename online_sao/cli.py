@@ -68,6 +68,12 @@ def _smoke(cfg: Config, args: argparse.Namespace) -> int:
     return run_smoke(cfg, config_path=args.config, overrides=_overrides(args))
 
 
+def _load(cfg: Config, args: argparse.Namespace) -> int:
+    from online_sao.loadrun import run_load_cli
+
+    return run_load_cli(cfg, args, config_path=args.config, overrides=_overrides(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="online-sao", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", help="YAML run configuration (see configs/)")
@@ -109,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     smoke = sub.add_parser("smoke", help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
     smoke.set_defaults(run=_smoke)
+
+    from online_sao.loadrun import add_load_arguments
+
+    load = sub.add_parser("load", help="hold N concurrent clients against serving while the learner swaps weights; "
+                                       "checks no request fails and every answered interaction is in Kafka")
+    add_load_arguments(load)
+    load.set_defaults(run=_load)
     return parser
 
 

@@ -14,7 +14,8 @@ def load_policy(model_dir: str | Path, dtype: str = "float32") -> PreTrainedMode
     """The causal LM stored in ``model_dir`` (config + safetensors), on CPU, in ``dtype``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=DTYPES[dtype])
+    # use_safetensors: a directory with only pickled weights (pytorch_model.bin) is refused, not unpickled
+    return AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=DTYPES[dtype], use_safetensors=True)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from typing import Annotated, Literal, Union
 
@@ -23,10 +24,39 @@ MAX_RECORD_BYTES = 1_000_000
 1 MiB plus batch overhead, so anything larger would be refused by the broker."""
 MAX_TOKENS_PER_RECORD = 32_768
 """Longest trajectory accepted in one record (guards memory of consumers)."""
+MIN_TEMPERATURE = 1e-4
+"""Smallest sampling temperature a record may carry: below it logits / temperature overflow
+float32 in the engine and the learner (1e-300 is 0 in float32) and log-probabilities become NaN;
+the engine decodes greedily at this temperature anyway (serving.engine.sampling.GREEDY_TEMPERATURE)."""
+MAX_ABS_REWARD = 1e6
+"""Largest reward magnitude a record may carry: the critic squares returns in float32 (largest
+3.4e38), so rewards near 1e19 and beyond would make its loss infinite; 1e6 leaves room for sums."""
 
 
 class RecordError(ValueError):
     """A record that cannot be encoded or decoded; the message says why."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(value: object) -> bool:
+    """True when a string of parsed JSON ``value`` (keys included) holds a lone UTF-16 surrogate.
+
+    JSON can spell one (``"\\ud800"``) and Python parses it into a str that no UTF-8 text can
+    hold: such a string would pass validation and then fail when the record is encoded."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _decode_b64(value: object) -> bytes:
@@ -41,6 +71,9 @@ Base64Bytes = Annotated[bytes, PlainValidator(_decode_b64),
                         PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Version = Annotated[int, Field(ge=0, lt=2**63)]
+"""A policy version: the learner puts versions into int64 tensors (a larger one would crash it)."""
+RewardValue = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
 
 
 class Record(BaseModel):
@@ -50,7 +83,7 @@ class Record(BaseModel):
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    temperature: float = Field(1.0, gt=0, le=10)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(128, ge=1)
     seed: int | None = None
@@ -80,7 +113,7 @@ class Interaction(Record):
     response_ids: list[TokenId]
     action_mask: list[bool]
     logprobs: list[FiniteFloat]
-    versions: list[Annotated[int, Field(ge=0)]]
+    versions: list[Version]
     turn_ends: list[Annotated[int, Field(ge=0)]] = []
     sampling: SamplingParams = SamplingParams()
     finish_reason: str = "stop"
@@ -117,7 +150,7 @@ class Interaction(Record):
 class TurnReward(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     turn: int = Field(ge=0)
-    value: FiniteFloat
+    value: RewardValue
 
 
 class Reward(Record):
@@ -125,7 +158,7 @@ class Reward(Record):
 
     kind: Literal["reward"] = "reward"
     interaction_id: str = Field(min_length=1, max_length=256)
-    value: FiniteFloat
+    value: RewardValue
     source: str = Field("user", min_length=1, max_length=128)
     created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
     turn_rewards: list[TurnReward] = []
@@ -136,11 +169,11 @@ class WeightsNotice(Record):
 
     kind: Literal["weights"] = "weights"
     action: Literal["publish", "rollback"] = "publish"
-    version: int = Field(ge=0)
+    version: Version
     location: str = Field(min_length=1)
     checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
     model: str = "online-sao"
-    step: int = Field(0, ge=0)
+    step: Version = 0
     created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
     metrics: dict[str, FiniteFloat] = {}
 
@@ -171,6 +204,9 @@ def encode(record: Record) -> bytes:
 
 def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
     """Parse and validate one record; ``expected`` restricts its kind."""
+    if not isinstance(data, (bytes, bytearray)):  # Kafka hands a tombstone (null value) over as None
+        raise RecordError("record has no value (a tombstone)" if data is None
+                          else f"record value is {type(data).__name__}, not bytes")
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
@@ -181,6 +217,8 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
         raise RecordError("not a JSON record: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RecordError("record is not a JSON object")
+    if b"\\u" in data and has_lone_surrogate(obj):  # only an escape can spell a lone surrogate
+        raise RecordError("not a JSON record: a string holds a lone UTF-16 surrogate escape, which is not text")
     version = obj.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1 in Python
         raise RecordError(f"unknown schema_version {version!r} (this build reads {SCHEMA_VERSION})")

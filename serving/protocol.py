@@ -52,8 +52,9 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------- requests
 
 class _Request(BaseModel):
-    # extra="ignore": the official client may send fields we do not act on.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # extra="ignore": the official client may send fields we do not act on. strict: JSON types as
+    # documented (no true for 1, no "yes" for true), found by fuzzing the OpenAPI schema.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -139,7 +140,7 @@ class TurnRewardIn(_Request):
 
 
 class FeedbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     interaction_id: str = Field(min_length=1, max_length=256)
     reward: FiniteFloat
     source: str = Field("user", min_length=1, max_length=128)

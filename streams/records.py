@@ -37,7 +37,7 @@ def publish(producer: Producer, topic: str, record: Record, key: bytes | None = 
 
 
 def dead_letter_for(message: StreamMessage, reason: str) -> DeadLetter:
-    raw = message.value
+    raw = message.value if message.value is not None else b""  # a tombstone has no bytes
     if len(raw) > MAX_DEAD_LETTER_RAW_BYTES:
         reason = f"{reason} (raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)"
         raw = raw[:MAX_DEAD_LETTER_RAW_BYTES]

@@ -43,6 +43,7 @@ from online_sao.schemas import Interaction, Reward
 from serving.app import build_app
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
+from serving.receipt import Receipt
 from serving.server import BackgroundServer, build_stack, make_engine, stop_token_ids
 from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
@@ -53,8 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 class NoLogging(InteractionLogger):
     """Logging off: records are dropped before they are encoded."""
 
-    def submit(self, record: Interaction | Reward) -> None:
-        pass
+    def submit(self, record: Interaction | Reward) -> Receipt:
+        return Receipt(durable=True)
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from online_sao.corpus import STYLES
+from online_sao.schemas import MAX_ABS_REWARD
 
 ENV_PREFIX = "ONLINE_SAO__"
 
@@ -196,10 +197,10 @@ class AlgorithmConfig(Section):
 
 
 class RewardConfig(Section):
-    min_value: float = -10.0
-    """Smallest reward accepted (422 below)."""
-    max_value: float = 10.0
-    """Largest reward accepted (422 above)."""
+    min_value: float = Field(-10.0, ge=-MAX_ABS_REWARD)
+    """Smallest reward accepted (422 below); no lower than the records allow (-1e6)."""
+    max_value: float = Field(10.0, le=MAX_ABS_REWARD)
+    """Largest reward accepted (422 above); no higher than the records allow (1e6)."""
     window_s: float = Field(300.0, gt=0)
     """How long after an interaction a reward is accepted and joined."""
     aggregation: Literal["first", "last", "sum", "mean"] = "last"
@@ -255,9 +256,26 @@ class ServingConfig(Section):
     """Append-only spool used while the broker is unreachable (default data_dir/spool)."""
     redact_text: bool = False
     """Drop prompt and response text from logged records (token ids are kept)."""
+    redact_hook: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """``package.module:function`` called with the prompt and response texts and the request's
+    metadata before an interaction is logged; it returns the texts to log, or None for none (token
+    ids are kept). Imported when serving starts. Built in: ``serving.redaction:mask_contacts``
+    (e-mail addresses and phone numbers masked). Ignored when redact_text drops the texts."""
     spool_max_bytes: int = Field(1 << 30, ge=1024)
     """Largest spool on disk; beyond it (or on a full disk) the server can no longer log
     while the broker is unreachable and answers 503 for new work."""
+    log_durability: Literal["write_ahead", "memory"] = "write_ahead"
+    """When a request is acknowledged relative to its record. ``write_ahead``: the
+    interaction (or reward) is appended to the spool and fsynced before the client gets
+    its response (streams: before the final chunk); concurrent requests share one fsync.
+    A crash or SIGKILL loses nothing acknowledged; each request waits for one fsync
+    (measured in benchmarks/results/write_ahead.md). ``memory``: records wait in memory
+    for the broker and reach the spool only when it stalls; nothing waits on the disk,
+    but records acknowledged shortly before a crash are lost."""
+    log_ack_timeout_s: float = Field(10.0, gt=0)
+    """write_ahead: how long a response waits for its record to become durable (spool
+    fsync, or the broker's acknowledgement while the spool cannot be written) before it
+    is answered 503 instead (the record may still reach the broker later)."""
     log_queue_size: int = Field(10_000, ge=1)
     """Records waiting for the log sender above which new work gets 503 (admitted work is never dropped)."""
     log_window: int = Field(256, ge=1)
@@ -266,6 +284,11 @@ class ServingConfig(Section):
     """A record unacknowledged this long means the broker is unreachable: start spooling."""
     log_retry_s: float = Field(1.0, gt=0)
     """Pause before a failed record is sent again during spool replay."""
+    keep_alive_s: float = Field(65.0, gt=0)
+    """Seconds an idle HTTP keep-alive connection stays open. Longer than clients' own idle
+    expiry (httpx, hence the openai client: 5 s) so that a client never sends a request on a
+    connection the server is closing at that instant (seen as connection resets under load
+    with uvicorn's default of 5 s)."""
     shutdown_flush_s: float = Field(10.0, ge=0)
     """On shutdown, how long to keep delivering before the rest is left in the spool."""
     max_trajectories: int = Field(1024, ge=1)

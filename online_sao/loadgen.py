@@ -30,11 +30,12 @@ NO_API_KEY = "unused"
 """The openai client insists on a key; a loopback endpoint accepts requests without one."""
 POLL_TIMEOUT_S = 10.0
 """Timeout of one ``GET /v1/models`` of the version watcher."""
-KEEPALIVE_EXPIRY_S = 1.0
-"""Idle keep-alive connections are dropped by the client after this, well before the server's
-own idle timeout (uvicorn's 5 s). With both at 5 s (httpx's default) two 30 s runs of 64
-clients on 2 shared cores saw 9 and 1 connection resets (ReadError), likely a request sent on a
-kept-alive connection that the busy server was just closing (docs/RELIABILITY.md, Load)."""
+KEEPALIVE_EXPIRY_S = 5.0
+"""Idle keep-alive connections are dropped by the client after this: httpx's default, as real
+openai clients do. The server keeps idle connections for ``serving.keep_alive_s`` (65 s), longer,
+so a request is never sent on a connection the server is closing. With the server at uvicorn's
+default 5 s, two 30 s runs of 64 clients on 2 shared cores saw 9 and 1 connection resets
+(ReadError) (docs/RELIABILITY.md, Load)."""
 DETAIL_CHARS = 300
 """Longest failure detail kept per request."""
 

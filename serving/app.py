@@ -4,7 +4,9 @@ Every error is answered with an OpenAI-style body ``{"error": {message, type,
 param, code}}``: malformed JSON 400, invalid fields 400 (422 for feedback), an
 oversize body or prompt 413, an unknown model or route 404, a missing or wrong
 API key 401, a rate limit 429 (with Retry-After), no way to log 503 (with the
-reason). Completion responses carry ``X-Interaction-Id``. The app's lifespan
+reason). Completion responses carry ``X-Interaction-Id``; a response (or
+feedback 200) is sent only once its record is durable (see
+:mod:`serving.interaction_log`). The app's lifespan
 starts and stops the engine, the interaction logger (a clean shutdown flushes
 it) and the weights follower.
 """
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from online_sao.config import Config
+from online_sao.schemas import has_lone_surrogate
 from serving.auth import ApiKeyAuth, AuthError
 from serving.engine.base import InferenceEngine
 from serving.feedback import FeedbackService
@@ -31,8 +34,10 @@ from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
 from serving.openai_serving import OpenAIServing, Streamed
+from serving.openapi import ApiLimits, install as install_openapi
 from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard,
                               ModelList)
+from serving.redaction import load_redactor
 from serving.trajectories import TrajectoryCache
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,9 @@ async def _parse(request: Request, model: type[BaseModel], invalid_status: int) 
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if b"\\u" in body and has_lone_surrogate(data):  # a "\\ud800" escape is not text: tokenizer and log fail on it
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+                            "not text", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -128,9 +136,10 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
                                  cfg.reward.window_s)
     auth = ApiKeyAuth([k.get_secret_value() for k in s.api_keys], s.rate_limit_per_minute, s.rate_limit_burst)
     trajectories = TrajectoryCache(s.max_trajectories)
+    redactor = load_redactor(s.redact_hook) if s.redact_hook and not s.redact_text else None
     serving = OpenAIServing(engine, logger, tokenizer, s, signer, trajectories, metrics,
-                            stop_token_ids=stop_token_ids, max_model_len=max_model_len)
-    feedback = FeedbackService(signer, logger, cfg.reward, trajectories)
+                            stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor)
+    feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s)
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
     started_at = int(time.time())
@@ -154,6 +163,8 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
             log.info("interaction log closed: %s", report)
 
     app = FastAPI(title="online-sao serving", lifespan=lifespan)
+    install_openapi(app, ApiLimits(s.model_name, s.max_new_tokens, cfg.reward.min_value, cfg.reward.max_value),
+                    auth_required=auth.required)
     app.add_middleware(BodyLimitMiddleware, max_bytes=s.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.state.serving = serving
@@ -202,7 +213,7 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     @app.post("/v1/feedback")
     async def post_feedback(request: Request) -> JSONResponse:
         authorize(request)
-        result = feedback.submit(await _parse(request, FeedbackRequest, 422))
+        result = await feedback.submit(await _parse(request, FeedbackRequest, 422))
         return JSONResponse(result.model_dump())
 
     @app.get("/v1/models")

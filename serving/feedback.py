@@ -4,6 +4,8 @@ Refused, with nothing logged: an id this deployment did not sign (403), an id
 older than the reward window (410), a reward or per-turn reward that is not
 finite or outside ``[reward.min_value, reward.max_value]`` (422), a turn index
 beyond the trajectory's assistant turns when the trajectory is still held (422).
+An accepted reward is answered 200 only once the logger says it is durable
+(``serving.log_durability``); 503 if that takes longer than ``ack_timeout_s``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from serving.trajectories import TrajectoryCache
 
 class FeedbackService:
     def __init__(self, signer: InteractionIdSigner, logger: InteractionLogger, cfg: RewardConfig,
-                 trajectories: TrajectoryCache):
+                 trajectories: TrajectoryCache, ack_timeout_s: float = 10.0):
+        self.ack_timeout_s = ack_timeout_s
         self.signer = signer
         self.logger = logger
         self.cfg = cfg
@@ -30,7 +33,7 @@ class FeedbackService:
                                 f"[{self.cfg.min_value}, {self.cfg.max_value}]", param=param,
                            code="reward_out_of_range")
 
-    def submit(self, request: FeedbackRequest) -> FeedbackResponse:
+    async def submit(self, request: FeedbackRequest) -> FeedbackResponse:
         try:
             self.signer.verify(request.interaction_id)
         except InteractionIdError as exc:
@@ -50,8 +53,12 @@ class FeedbackService:
         if reason is not None:
             raise APIError(503, reason, type="service_unavailable", code="logging_unavailable",
                            headers={"Retry-After": "5"})
-        self.logger.submit(Reward(interaction_id=request.interaction_id, value=request.reward,
-                                  source=request.source,
-                                  turn_rewards=[TurnReward(turn=t.turn, value=t.value)
-                                                for t in request.turn_rewards]))
+        receipt = self.logger.submit(Reward(interaction_id=request.interaction_id, value=request.reward,
+                                            source=request.source,
+                                            turn_rewards=[TurnReward(turn=t.turn, value=t.value)
+                                                          for t in request.turn_rewards]))
+        if not await receipt.wait_async(self.ack_timeout_s):
+            raise APIError(503, f"the reward could not be logged within {self.ack_timeout_s:g} s "
+                                f"(serving.log_ack_timeout_s): {self.logger.refusal() or 'the log is behind'}",
+                           type="service_unavailable", code="logging_unavailable", headers={"Retry-After": "5"})
         return FeedbackResponse(interaction_id=request.interaction_id)

@@ -1,61 +1,68 @@
-"""Logging interactions and rewards to the broker, off the request's critical path.
+"""Logging interactions and rewards to the broker, with the client's acknowledgement tied to durability.
 
-Requests call :meth:`InteractionLogger.submit`, which encodes the record and
-appends it to an in-memory queue; one sender thread hands records to the
-producer (idempotent, acks=all: the backend's job) and learns per record,
-through the producer's delivery report, whether the broker acknowledged it.
+Requests call :meth:`InteractionLogger.submit`, which encodes the record, gives
+it the next sequence number and returns a :class:`Receipt`; the request answers
+its client once the receipt says the record is durable. Two modes
+(``serving.log_durability``):
 
-While records are acknowledged within ``stall_s`` the spool is not touched.
-When the broker cannot be reached (``send`` raises :class:`StreamUnavailable`,
-a delivery fails, or the oldest record waits longer than ``stall_s``) every
-unacknowledged record and everything submitted after it goes to the local
-spool (:mod:`serving.spool`), in submission order. The spool is then replayed
-in order: at most ``window`` records are with the producer at a time, a record
-still with the producer is never handed to it again (so no id is sent twice in
-one process), a failed one is re-sent after ``retry_s``, and the on-disk
-watermark advances over every acknowledged prefix. New records keep going to
-the spool until it is empty, so replay always precedes them.
+``write_ahead`` (default)
+    A writer thread appends every submitted record to the spool
+    (:mod:`serving.spool`) and fsyncs it, all records waiting at that moment in
+    one append (group commit: concurrent requests share an fsync); then their
+    receipts are durable. A sender thread ships records from the spool in
+    order (at most ``window`` with the producer, each re-sent after ``retry_s``
+    if its delivery failed) and advances the spool's acknowledgement watermark
+    over every prefix the broker acknowledged. A crash or SIGKILL therefore
+    loses nothing a client was told about: the next start replays everything
+    above the watermark, in order. A record the broker acknowledged just before
+    a crash, before its watermark was written, is sent again (at-least-once
+    across crashes); the learner drops the second copy by interaction id.
+    When the spool cannot be written (disk full, ``spool_max_bytes``), records
+    are held in memory in order and become durable when the broker
+    acknowledges them; new work is refused only when the broker is unreachable
+    too (see below).
 
-Admission: the queue is bounded by refusing new work (:meth:`refusal`), never
+``memory``
+    Records wait in an in-memory queue and go straight to the producer; the
+    receipt is durable at once (nothing waits on the disk). While records are
+    acknowledged within ``stall_s`` the spool is not touched. When the broker
+    cannot be reached (``send`` raises :class:`StreamUnavailable`, a delivery
+    fails, or the oldest record waits longer than ``stall_s``) every
+    unacknowledged record and everything after it goes to the spool, in
+    order, and is replayed as above; new records keep going to the spool until
+    it is empty, so replay always precedes them. A crash loses what was still
+    only in memory.
+
+Admission: the backlog is bounded by refusing new work (:meth:`refusal`), never
 by dropping a record of work already admitted. When the spool cannot be
-written (disk full, quota) while the broker is unreachable, records are held in
-memory and :meth:`refusal` says the service can no longer log; the app answers
-503 with that reason until either recovers.
+written while the broker is unreachable, :meth:`refusal` says the service can
+no longer log and why; the app answers 503 with that reason until either
+recovers.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from online_sao.config import TopicsConfig
 from online_sao.schemas import Interaction, Reward, encode
-from serving.spool import Spool, SpoolEntry
-from streams.base import Producer, StreamUnavailable
+from serving.receipt import Receipt
+from serving.spool import Spool
+from serving.spool_sender import SpoolSender, _Pending
+from streams.base import Producer
 
 log = logging.getLogger(__name__)
 
 _JOIN_GRACE_S = 5.0
+"""Extra wait for a logger thread to stop on close, beyond the flush timeout and a blocked send."""
 
-
-@dataclass
-class _Pending:
-    seq: int
-    topic: str
-    key: bytes | None
-    value: bytes
-    state: str = "new"
-    """new -> handed -> acked | failed (-> handed again)."""
-    changed_at: float = 0.0
-
-    def entry(self) -> SpoolEntry:
-        return SpoolEntry(self.seq, self.topic, self.key, self.value)
+Durability = Literal["write_ahead", "memory"]
 
 
 @dataclass(frozen=True)
@@ -68,45 +75,61 @@ class CloseReport:
     """Records that could be neither delivered nor spooled (lost at exit)."""
 
 
-class InteractionLogger:
+class InteractionLogger(SpoolSender):
     def __init__(self, producer: Producer, topics: TopicsConfig, spool_dir: Path, *,
-                 max_queue: int = 10_000, window: int = 256, stall_s: float = 5.0, retry_s: float = 1.0,
-                 spool_max_bytes: int = 1 << 30, clock: Callable[[], float] = time.monotonic):
-        self._producer = producer
+                 durability: Durability = "write_ahead", max_queue: int = 10_000, window: int = 256,
+                 stall_s: float = 5.0, retry_s: float = 1.0, spool_max_bytes: int = 1 << 30,
+                 clock: Callable[[], float] = time.monotonic):
+        if durability not in ("write_ahead", "memory"):
+            raise ValueError(f"unknown log durability {durability!r}")
+        super().__init__(producer, Spool(spool_dir, spool_max_bytes), write_ahead=durability == "write_ahead",
+                         window=window, stall_s=stall_s, retry_s=retry_s, clock=clock)
         self._topics = topics
-        self._spool = Spool(spool_dir, spool_max_bytes)
+        self.durability = durability
         self._max_queue = max_queue
-        self._window = window
-        self._stall_s = stall_s
-        self._retry_s = retry_s
-        self._clock = clock
-        self._cv = threading.Condition()
         self._queue: deque[_Pending] = deque()
-        self._with_producer: dict[int, _Pending] = {}
+        """memory: records for the producer; write_ahead: records for the writer."""
         self._seq = self._spool.last_seq
-        self._spooling = self._spool.pending_records > 0
+        self._spooling = not self._write_ahead and self._spool.pending_records > 0
         self._closing = False
+        self._writer_done = not self._write_ahead
         self._deadline = float("inf")
         self._crashed: str | None = None
-        self.acknowledged = 0
-        self.delivery_failures = 0
-        self._thread = threading.Thread(target=self._run, name="interaction-logger", daemon=True)
+        self.fsyncs = 0
+        """write_ahead: appends of the writer (each one fsync, for one or more records)."""
+        if self._write_ahead:
+            self._writer: threading.Thread | None = threading.Thread(target=self._guard, args=(self._run_writer,),
+                                                                      name="interaction-log-writer", daemon=True)
+            self._thread = threading.Thread(target=self._guard, args=(self._run_sender,),
+                                            name="interaction-log-sender", daemon=True)
+        else:
+            self._writer = None
+            self._thread = threading.Thread(target=self._guard, args=(self._run_memory,),
+                                            name="interaction-logger", daemon=True)
 
     # ------------------------------------------------------------------ request side
 
     def start(self) -> None:
+        if self._writer is not None:
+            self._writer.start()
         self._thread.start()
 
-    def submit(self, record: Interaction | Reward) -> None:
-        """Queue a record for the broker; never blocks on the network or the disk."""
+    def submit(self, record: Interaction | Reward) -> Receipt:
+        """Queue a record for the broker; never blocks on the network or the disk. The
+        receipt says when the record is durable (at once in ``memory`` mode)."""
         topic = self._topics.interactions if isinstance(record, Interaction) else self._topics.rewards
         value = encode(record)
+        receipt = Receipt(durable=not self._write_ahead)
         with self._cv:
-            if self._closing and not self._thread.is_alive():
+            if self._closing and (self._writer_done if self._write_ahead else not self._thread.is_alive()):
                 raise RuntimeError(f"the interaction logger is closed; {record.interaction_id} was not logged")
             self._seq += 1
             self._queue.append(_Pending(self._seq, topic, record.interaction_id.encode("utf-8"), value))
-            self._cv.notify()
+            if self._write_ahead:
+                self._receipts[self._seq] = receipt
+            self._events += 1
+            self._cv.notify_all()
+        return receipt
 
     def refusal(self) -> str | None:
         """Why new work must be refused now (None while it can be logged)."""
@@ -114,8 +137,9 @@ class InteractionLogger:
             return f"the interaction logger stopped: {self._crashed}"
         if self._closing:
             return "the server is shutting down"
-        if len(self._queue) >= self._max_queue:
-            return f"interaction log backlog is full ({len(self._queue)} records waiting for the broker)"
+        backlog = len(self._queue) + self._spool.held_in_memory
+        if backlog >= self._max_queue:
+            return f"interaction log backlog is full ({backlog} records waiting for the disk or the broker)"
         if self._spooling and self._spool.error is not None:
             return f"cannot log interactions: the broker is unreachable and {self._spool.error}"
         return None
@@ -134,6 +158,7 @@ class InteractionLogger:
 
     @property
     def spooling(self) -> bool:
+        """memory: records go to the spool; write_ahead: the broker is unreachable (records wait there)."""
         return self._spooling
 
     def flush(self, timeout_s: float) -> bool:
@@ -152,11 +177,13 @@ class InteractionLogger:
         with self._cv:
             self._closing = True
             self._deadline = self._clock() + timeout_s
+            self._events += 1
             self._cv.notify_all()
-        if self._thread.is_alive():
-            # the producer may block a send for its own timeout; give the thread that long too
-            self._thread.join(timeout_s + self._stall_s + _JOIN_GRACE_S)
-        if self._thread.is_alive():
+        for thread in (self._writer, self._thread):
+            if thread is not None and thread.is_alive():
+                # the producer may block a send for its own timeout; give the thread that long too
+                thread.join(timeout_s + self._stall_s + _JOIN_GRACE_S)
+        if self._thread.is_alive() or (self._writer is not None and self._writer.is_alive()):
             log.error("interaction logger thread did not stop; %d records were not spooled",
                       len(self._queue) + len(self._with_producer))
             return CloseReport(self.acknowledged, self._spool.pending_records,
@@ -164,26 +191,78 @@ class InteractionLogger:
         held = self._spool.held_in_memory
         return CloseReport(self.acknowledged, self._spool.pending_records - held, held)
 
-    # ------------------------------------------------------------------ sender thread
+    # ------------------------------------------------------------------ threads
 
-    def _run(self) -> None:
+    def _guard(self, body: Callable[[], None]) -> None:
         try:
-            while True:
-                with self._cv:
-                    finished = self._closing and (self._drained() or self._clock() >= self._deadline)
-                if finished:
-                    self._spool_leftovers()
-                    return
-                if not self._step():
-                    with self._cv:
-                        busy = self._spooling or self._with_producer or self._closing
-                        self._cv.wait(self._retry_s if busy else None)
+            body()
         except Exception as exc:  # the thread must not die silently: readiness reports it
             log.exception("interaction logger stopped")
             self._crashed = f"{type(exc).__name__}: {exc}"
+            self._notify()
+
+    def _run_writer(self) -> None:
+        """write_ahead: append what was submitted (one fsync per batch), then mark it durable."""
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing and not self._spool.held_in_memory:
+                    self._cv.wait()
+                if not self._queue and self._spool.held_in_memory and not self._closing:
+                    self._cv.wait(self._retry_s)  # the disk refused: retry the held records now and then
+                batch = list(self._queue)
+                self._queue.clear()
+                if not batch and self._closing:
+                    self._writer_done = True  # submit() refuses from now on: nobody would write it
+                    return
+            if self._spool.append([p.entry() for p in batch]):
+                self.fsyncs += 1
+                self._resolve_through(self._spool.last_seq)
+            elif batch:
+                log.warning("cannot write the spool (%s): %d records held in memory until the broker "
+                            "acknowledges them", self._spool.error, len(batch))
+            self._notify()
+
+    def _resolve_through(self, seq: int) -> None:
+        with self._cv:
+            done = [s for s in self._receipts if s <= seq]
+            receipts = [self._receipts.pop(s) for s in done]
+        for receipt in receipts:
+            receipt.resolve()
+
+    def _run_sender(self) -> None:
+        """write_ahead: ship the spool to the broker in order and acknowledge what it took."""
+        while True:
+            with self._cv:
+                seen = self._events
+                finished = self._closing and self._writer_done and (
+                    self._drained() or self._clock() >= self._deadline)
+            if finished:
+                return
+            progressed = self._replay()
+            if self._stalled() and not self._spooling:
+                self._set_reachable(False, "records unacknowledged for longer than serving.log_stall_s")
+            if not progressed:
+                with self._cv:
+                    if self._events == seen:
+                        busy = self._spool.pending_records or self._closing
+                        self._cv.wait(self._retry_s if busy else None)
+
+    def _run_memory(self) -> None:
+        while True:
+            with self._cv:
+                finished = self._closing and (self._drained() or self._clock() >= self._deadline)
+            if finished:
+                self._spool_leftovers()
+                return
+            if not self._step():
+                with self._cv:
+                    busy = self._spooling or self._with_producer or self._closing
+                    self._cv.wait(self._retry_s if busy else None)
 
     def _drained(self) -> bool:
         """Everything submitted is acknowledged (caller holds the lock)."""
+        if self._write_ahead:
+            return not self._queue and self._spool.pending_records == 0
         return (not self._queue and not self._spooling
                 and all(p.state == "acked" for p in self._with_producer.values()))
 
@@ -215,46 +294,6 @@ class InteractionLogger:
                 return True
         return bool(batch)
 
-    def _hand(self, pending: _Pending) -> bool:
-        """Give one record to the producer; False when it cannot take it now."""
-        with self._cv:
-            pending.state, pending.changed_at = "handed", self._clock()
-            self._with_producer[pending.seq] = pending
-        try:
-            self._producer.send(pending.topic, pending.value, key=pending.key,
-                                on_delivery=functools.partial(self._delivered, pending))
-            return True
-        except StreamUnavailable as exc:
-            (log.debug if self._spooling else log.warning)("broker unavailable, spooling: %s", exc)
-        with self._cv:  # never handed: the spool (or the queue) still holds it
-            pending.state = "new"
-            del self._with_producer[pending.seq]
-        return False
-
-    def _delivered(self, pending: _Pending, error: BaseException | None) -> None:
-        """Delivery report from the producer's I/O thread."""
-        with self._cv:
-            if error is None:
-                pending.state = "acked"
-                self.acknowledged += 1
-            else:
-                pending.state = "failed"
-                self.delivery_failures += 1
-                log.warning("record %d to %s not delivered: %s", pending.seq, pending.topic, error)
-            pending.changed_at = self._clock()
-            self._cv.notify_all()
-
-    def _drop_acknowledged(self) -> None:
-        with self._cv:
-            for seq in [s for s, p in self._with_producer.items() if p.state == "acked"]:
-                del self._with_producer[seq]
-
-    def _direct_in_trouble(self) -> bool:
-        now = self._clock()
-        with self._cv:
-            return any(p.state == "failed" or (p.state == "handed" and now - p.changed_at > self._stall_s)
-                       for p in self._with_producer.values())
-
     def _unacknowledged(self) -> list[_Pending]:
         """Records not acknowledged and not yet in the spool, in submission order (caller holds the lock).
 
@@ -278,37 +317,3 @@ class InteractionLogger:
         if batch:
             self._spool.append([p.entry() for p in batch])
         return bool(batch)
-
-    def _replay(self) -> bool:
-        """Hand the oldest spooled records to the producer and advance the acknowledged prefix."""
-        progressed = False
-        entries = self._spool.read_pending(self._window)
-        acked_prefix: SpoolEntry | None = None
-        prefix_open = True
-        now = self._clock()
-        for entry in entries:
-            with self._cv:
-                pending = self._with_producer.get(entry.seq)
-            if pending is not None and pending.state == "acked":
-                if prefix_open:
-                    acked_prefix = entry
-                continue
-            prefix_open = False
-            if pending is not None and (pending.state == "handed" or now - pending.changed_at < self._retry_s):
-                continue
-            if not self._hand(pending or _Pending(entry.seq, entry.topic, entry.key, entry.value)):
-                break
-            progressed = True
-        if acked_prefix is not None:
-            self._spool.ack_through(acked_prefix)
-            with self._cv:
-                for seq in [s for s in self._with_producer if s <= acked_prefix.seq]:
-                    del self._with_producer[seq]
-            progressed = True
-        if self._spool.pending_records == 0:
-            with self._cv:
-                self._spooling = False
-                self._cv.notify_all()
-            log.info("spool replayed: logging directly to the broker again")
-            progressed = True
-        return progressed

@@ -9,8 +9,14 @@ and ``stop`` strings end the text (and generation) where they first appear.
 
 Every admitted request that sampled at least one token is logged as one
 :class:`Interaction` through the :class:`InteractionLogger`, also when a
-streaming client disconnects (``finish_reason="abort"``). The record's texts are
-the decoded token ids (special tokens included) unless ``redact_text``.
+streaming client disconnects (``finish_reason="abort"``). The response is
+acknowledged only once the record is durable (``serving.log_durability``): a
+plain response is returned, and a stream sends its final chunk (the one with
+``finish_reason``) and ``[DONE]``, after the logger's receipt says so; if that
+does not happen within ``serving.log_ack_timeout_s`` the answer is a 503 (an
+error event for a stream) instead. The record's texts are
+the decoded token ids (special tokens included) unless ``redact_text``, passed
+through ``redact_hook`` (:mod:`serving.redaction`) when one is configured.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from online_sao.config import ServingConfig
-from online_sao.schemas import Interaction, SamplingParams
+from online_sao.schemas import MIN_TEMPERATURE, Interaction, SamplingParams
 from serving.detokenize import IncrementalDecoder, StopStrings
 from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdError, InteractionIdSigner
@@ -32,6 +38,8 @@ from serving.metrics import ServingMetrics
 from serving.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                               ChatCompletionResponse, ChatResponseMessage, CompletionChoice, CompletionChunk,
                               CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest)
+from serving.receipt import Receipt
+from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
 
 MAX_STOP_STRINGS = 16
@@ -65,6 +73,8 @@ class _Turn:
     versions: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    receipt: Receipt | None = None
+    """Set when the interaction was submitted to the logger."""
 
     @property
     def policy_versions(self) -> list[int]:
@@ -84,7 +94,9 @@ def sse(payload: object) -> str:
 class OpenAIServing:
     def __init__(self, engine: InferenceEngine, logger: InteractionLogger, tokenizer, cfg: ServingConfig,
                  signer: InteractionIdSigner, trajectories: TrajectoryCache, metrics: ServingMetrics,
-                 stop_token_ids: frozenset[int] | None = None, max_model_len: int | None = None):
+                 stop_token_ids: frozenset[int] | None = None, max_model_len: int | None = None,
+                 redactor: Redactor | None = None):
+        self.redactor = redactor
         self.engine = engine
         self.logger = logger
         self.tokenizer = tokenizer
@@ -219,6 +231,9 @@ class OpenAIServing:
         if request.temperature == 0:
             raise APIError(400, "temperature 0 (greedy decoding) is not supported: online learning needs the "
                                 "sampling distribution; use a small positive temperature", param="temperature")
+        if request.temperature is not None and request.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"temperature {request.temperature:g} is below the smallest supported, "
+                                f"{MIN_TEMPERATURE:g}", param="temperature")
         if len(request.stop_list()) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
 
@@ -263,17 +278,25 @@ class OpenAIServing:
             if turn.finish_reason is not None and turn.token_ids:
                 self._log(turn)
 
+    def _redacted(self, turn: _Turn, texts: dict[str, str]) -> dict[str, str]:
+        metadata = RequestMetadata(turn.interaction_id, turn.route, self.cfg.model_name, self.cfg.deployment_id,
+                                   turn.user, turn.session_id)
+        kept = apply_redactor(self.redactor, Texts(texts["prompt_text"], texts["response_text"]), metadata)
+        return {} if kept is None else dict(prompt_text=kept.prompt, response_text=kept.response)
+
     def _log(self, turn: _Turn) -> None:
         fields = turn.prefix.extended(turn.token_ids, turn.logprobs, turn.versions)
         texts = {}
         if not self.cfg.redact_text:
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
             texts = dict(prompt_text=decode(fields["prompt_ids"]), response_text=decode(fields["response_ids"]))
+            if self.redactor is not None:  # before the record exists: nothing unredacted is encoded or logged
+                texts = self._redacted(turn, texts)
         record = Interaction(interaction_id=turn.interaction_id, created_at=turn.created_at,
                              model=self.cfg.model_name, deployment_id=self.cfg.deployment_id,
                              sampling=turn.sampling, finish_reason=turn.finish_reason, user_id=turn.user,
                              session_id=turn.session_id, **fields, **texts)
-        self.logger.submit(record)
+        turn.receipt = self.logger.submit(record)
         if turn.template_messages is not None:
             messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]
             self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages)))
@@ -283,6 +306,16 @@ class OpenAIServing:
         self.metrics.prompt_tokens.inc(len(turn.prefix.engine_prompt))
         self.metrics.completion_tokens.inc(len(turn.token_ids))
         self.metrics.request_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
+
+    async def _acknowledge(self, turn: _Turn) -> None:
+        """Return once the turn's interaction is durable; 503 when it cannot be made so in time."""
+        timeout = self.cfg.log_ack_timeout_s
+        if turn.receipt is None or await turn.receipt.wait_async(timeout):
+            return
+        reason = self.logger.refusal() or "the interaction log is behind"
+        raise APIError(503, f"the answer was generated but its interaction could not be logged within {timeout:g} s "
+                            f"(serving.log_ack_timeout_s): {reason}", type="service_unavailable",
+                       code="logging_unavailable", headers={"Retry-After": "5"})
 
     # ------------------------------------------------------------------ endpoints
 
@@ -295,6 +328,7 @@ class OpenAIServing:
             return Streamed(turn.interaction_id, self._chat_events(turn, include_usage))
         async for _ in self._pieces(turn):
             pass
+        await self._acknowledge(turn)
         return ChatCompletionResponse(
             id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
             choices=[ChatChoice(message=ChatResponseMessage(content=turn.text), finish_reason=turn.finish_reason)],
@@ -314,6 +348,7 @@ class OpenAIServing:
             async with aclosing(self._pieces(turn)) as pieces:
                 async for piece in pieces:
                     yield chunk(DeltaMessage(content=piece))
+            await self._acknowledge(turn)
             yield chunk(DeltaMessage(), turn.finish_reason, final=True)
             if include_usage:
                 yield sse(ChatCompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
@@ -331,6 +366,7 @@ class OpenAIServing:
             return Streamed(turn.interaction_id, self._completion_events(turn, include_usage))
         async for _ in self._pieces(turn):
             pass
+        await self._acknowledge(turn)
         return CompletionResponse(
             id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
             choices=[CompletionChoice(text=turn.text, finish_reason=turn.finish_reason)],
@@ -349,6 +385,7 @@ class OpenAIServing:
             async with aclosing(self._pieces(turn)) as pieces:
                 async for piece in pieces:
                     yield chunk(piece)
+            await self._acknowledge(turn)
             yield chunk("", turn.finish_reason, final=True)
             if include_usage:
                 yield sse(CompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],

@@ -84,7 +84,8 @@ def stop_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 def make_logger(cfg: Config, producer: Producer) -> InteractionLogger:
     s = cfg.serving
-    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, max_queue=s.log_queue_size,
+    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
+                             max_queue=s.log_queue_size,
                              window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
                              spool_max_bytes=s.spool_max_bytes)
 
@@ -128,7 +129,8 @@ def run_server(cfg: Config) -> int:
     backend = KafkaBackend(cfg.kafka)
     stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
     server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
-                                           log_level="info", timeout_graceful_shutdown=30))
+                                           log_level="info", timeout_graceful_shutdown=30,
+                                           timeout_keep_alive=cfg.serving.keep_alive_s))
     server.run()
     if stack.logger.spool_records == 0:
         stack.producer.close()
@@ -153,9 +155,9 @@ def follower_factory(cfg: Config, backend: StreamBackend):
 class BackgroundServer:
     """An app on uvicorn in a daemon thread (tests, benchmarks); ``port=0`` picks a free port."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, keep_alive_s: float = 65.0):
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     timeout_graceful_shutdown=10))
+                                                     timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive_s))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self.host = host
 

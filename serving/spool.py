@@ -1,5 +1,12 @@
 """The local append-only spool of records the broker has not acknowledged.
 
+With ``serving.log_durability: write_ahead`` (the default) every record passes
+through the spool: it is appended and fsynced before the client is answered,
+and the sender ships it from here. With ``memory`` only records the broker
+could not take in time come here. Either way the format and guarantees below
+hold. All methods are thread-safe (one lock): the writer appends while the
+sender reads and acknowledges.
+
 Layout under ``directory``:
 
 * ``spool.log``: entries in the order they were appended. An entry is one line
@@ -11,11 +18,15 @@ Layout under ``directory``:
 * ``spool.acked``: the sequence number up to which every entry was acknowledged
   by the broker, replaced atomically (write, fsync, rename). Entries at or below
   it are never sent again, also after a restart. When every entry on disk is
-  acknowledged the log is emptied.
+  acknowledged the log is emptied; when the acknowledged prefix is at least as
+  large as the rest (and worth it, see :data:`COMPACT_MIN_BYTES`) the rest is
+  copied to a new log that replaces the old one atomically (compaction), so a
+  log that is never fully acknowledged under steady traffic stays small.
 
-fsync policy: every :meth:`Spool.append` call (one batch of records) ends with
-``fsync`` of the log, and every acknowledgement watermark is fsynced before
-the rename, so an entry reported written survives a power loss. An entry that
+fsync policy: every :meth:`Spool.append` call (one batch of records: the
+logger's group commit) ends with ``fsync`` of the log (and of the directory
+when the log was created), and every acknowledgement watermark is fsynced
+before the rename, so an entry reported written survives a power loss. An entry that
 was acknowledged by the broker but whose watermark was not yet written (a crash
 in between, or a watermark write that failed on a full disk) is sent again after
 a restart: at-least-once across crashes; ids let consumers drop the copy.
@@ -29,9 +40,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import time
 import logging
+import os
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +51,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HEADER_BYTES = 18  # "llllllll cccccccc "
+COMPACT_MIN_BYTES = 1 << 20
+"""An acknowledged prefix smaller than this (or than a quarter of ``max_bytes``) is
+not worth copying the rest of the log for; it goes when the log empties."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +63,8 @@ class SpoolEntry:
     key: bytes | None
     value: bytes
     end_offset: int | None = None
-    """Log offset just after this entry; None while it is held in memory only."""
+    """Logical log offset just after this entry (stable across compactions and
+    resets: see ``Spool._base``); None while it is held in memory only."""
 
     def encode(self) -> bytes:
         payload = json.dumps({"seq": self.seq, "topic": self.topic,
@@ -80,7 +96,12 @@ class Spool:
         self.error: str | None = None
         self.dropped_corrupt_bytes = 0
         self.watermark_error: str | None = None
+        self.compactions = 0
+        self._lock = threading.RLock()
         self._overflow: list[SpoolEntry] = []
+        self._base = 0
+        """Logical offset of the log file's first byte: offsets only grow, so an entry read
+        before a compaction or reset never points into the wrong place."""
         self._acked_seq = self._read_watermark()
         self._acked_offset, self._log_size, self._pending, self.last_seq = self._recover()
 
@@ -98,7 +119,13 @@ class Spool:
 
     @property
     def pending_bytes(self) -> int:
-        return self._log_size - self._acked_offset + sum(len(e.encode()) for e in list(self._overflow))
+        with self._lock:
+            return self._log_size - self._acked_offset + sum(len(e.encode()) for e in self._overflow)
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the log file (acknowledged prefix included), what counts against ``max_bytes``."""
+        return self._log_size - self._base
 
     @property
     def acked_seq(self) -> int:
@@ -151,29 +178,34 @@ class Spool:
     # ------------------------------------------------------------------ writing
 
     def append(self, entries: list[SpoolEntry]) -> bool:
-        """Write the held-back entries, then these, in order; False (and :attr:`error`) if they stay in memory."""
-        if entries:
-            self.last_seq = max(self.last_seq, entries[-1].seq)
-        todo = self._overflow + list(entries)
-        self._overflow = []
-        if not todo:
+        """Write the held-back entries, then these, in order, with one fsync; False (and
+        :attr:`error`) if they stay in memory."""
+        with self._lock:
+            if entries:
+                self.last_seq = max(self.last_seq, entries[-1].seq)
+            todo = self._overflow + list(entries)
+            self._overflow = []
+            if not todo:
+                return True
+            data = b"".join(e.encode() for e in todo)
+            try:
+                if self.file_bytes + len(data) > self.max_bytes and self._acked_offset > self._base:
+                    self._compact()  # the acknowledged prefix may make the room
+                if self.file_bytes + len(data) > self.max_bytes:
+                    raise SpoolFull(f"spool would grow to {self.file_bytes + len(data)} bytes, "
+                                    f"beyond serving.spool_max_bytes={self.max_bytes}")
+                self._write(data)
+            except OSError as exc:
+                self._overflow = todo
+                self.error = f"cannot write the spool at {self.log_path}: {exc}"
+                return False
+            self._log_size += len(data)
+            self._pending += len(todo)
+            self.error = None
             return True
-        data = b"".join(e.encode() for e in todo)
-        try:
-            if self._log_size + len(data) > self.max_bytes:
-                raise SpoolFull(f"spool would grow to {self._log_size + len(data)} bytes, "
-                                f"beyond serving.spool_max_bytes={self.max_bytes}")
-            self._write(data)
-        except OSError as exc:
-            self._overflow = todo
-            self.error = f"cannot write the spool at {self.log_path}: {exc}"
-            return False
-        self._log_size += len(data)
-        self._pending += len(todo)
-        self.error = None
-        return True
 
     def _write(self, data: bytes) -> None:
+        created = not self.log_path.exists()
         with open(self.log_path, "ab") as fh:
             start = fh.tell()
             try:
@@ -183,51 +215,82 @@ class Spool:
             except OSError:
                 fh.truncate(start)  # never leave half an append behind
                 raise
+        if created:  # the new file's name must survive a power loss too
+            _fsync_dir(self.directory)
 
     # ------------------------------------------------------------------ replay
 
     def read_pending(self, limit: int) -> list[SpoolEntry]:
         """Up to ``limit`` unacknowledged entries, oldest first (disk, then memory)."""
-        out: list[SpoolEntry] = []
-        if self._log_size > self._acked_offset:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(self._acked_offset)
-                offset = self._acked_offset
-                while len(out) < limit and offset < self._log_size:
-                    header = fh.read(_HEADER_BYTES)
-                    length = int(header[0:8], 16)
-                    payload = fh.read(length)
-                    fh.read(1)
-                    offset += _HEADER_BYTES + length + 1
-                    entry = _decode_payload(payload, offset)
-                    if entry.seq > self._acked_seq:
-                        out.append(entry)
-        for entry in self._overflow:
-            if len(out) >= limit:
-                break
-            out.append(entry)
-        return out
+        with self._lock:
+            out: list[SpoolEntry] = []
+            if self._log_size > self._acked_offset:
+                with open(self.log_path, "rb") as fh:
+                    fh.seek(self._acked_offset - self._base)
+                    offset = self._acked_offset
+                    while len(out) < limit and offset < self._log_size:
+                        header = fh.read(_HEADER_BYTES)
+                        length = int(header[0:8], 16)
+                        payload = fh.read(length)
+                        fh.read(1)
+                        offset += _HEADER_BYTES + length + 1
+                        entry = _decode_payload(payload, offset)
+                        if entry.seq > self._acked_seq:
+                            out.append(entry)
+            for entry in self._overflow:
+                if len(out) >= limit:
+                    break
+                out.append(entry)
+            return out
 
     def ack_through(self, entry: SpoolEntry) -> None:
         """Every entry up to and including ``entry`` is acknowledged by the broker."""
-        if entry.end_offset is None:  # an in-memory entry: drop it and everything before it
-            index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
-            self._overflow = self._overflow[index + 1:]
-            self._pending = 0
-            self._acked_offset = self._log_size
-        else:
-            self._pending -= self._count_between(self._acked_offset, entry.end_offset)
-            self._acked_offset = entry.end_offset
-        self._acked_seq = entry.seq
-        if self._acked_offset >= self._log_size:  # all of the disk is acknowledged: give it back
-            self._reset()
-        else:
+        with self._lock:
+            if entry.seq <= self._acked_seq:
+                return
+            if entry.end_offset is None:  # an in-memory entry: drop it and everything before it
+                index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
+                self._overflow = self._overflow[index + 1:]
+                self._pending = 0
+                self._acked_offset = self._log_size
+            else:
+                self._pending -= self._count_between(self._acked_offset, entry.end_offset)
+                self._acked_offset = entry.end_offset
+            self._acked_seq = entry.seq
+            garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
+            if rest == 0:  # all of the disk is acknowledged: give it back
+                self._reset()
+                return
             self._persist_watermark()
+            if garbage >= max(rest, min(COMPACT_MIN_BYTES, self.max_bytes // 4)):
+                try:
+                    self._compact()
+                except OSError as exc:  # the old log stays valid: only space is not given back yet
+                    log.warning("spool compaction failed (retried later): %s", exc)
+
+    def _compact(self) -> None:
+        """Replace the log by its unacknowledged rest (write, fsync, rename, fsync the directory)."""
+        tmp = self.log_path.with_name(self.log_path.name + ".compact")
+        with open(self.log_path, "rb") as src:
+            src.seek(self._acked_offset - self._base)
+            rest = src.read(self._log_size - self._acked_offset)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(rest)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.log_path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.directory)
+        self._base = self._acked_offset
+        self.compactions += 1
 
     def _count_between(self, start: int, end: int) -> int:
         count = 0
         with open(self.log_path, "rb") as fh:
-            fh.seek(start)
+            fh.seek(start - self._base)
             offset = start
             while offset < end:
                 length = int(fh.read(_HEADER_BYTES)[0:8], 16)
@@ -254,6 +317,14 @@ class Spool:
         """Every entry on disk is acknowledged: empty the log, keep the sequence counter."""
         with open(self.log_path, "wb"):
             pass  # truncating frees space, so it works on a full disk too
-        self._log_size = self._acked_offset = 0
+        self._base = self._acked_offset = self._log_size
         self._pending = 0
         self._persist_watermark()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -27,7 +27,7 @@ from kafka.partitioner.default import murmur2
 
 from online_sao.config import KafkaConfig
 from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend,
-                          StreamMessage, StreamUnavailable, TopicPartition)
+                          StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition)
 
 
 def partition_for_key(key: bytes, partitions: int) -> int:

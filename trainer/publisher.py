@@ -20,6 +20,7 @@ trained on; a newer candidate then supersedes it.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from online_sao.schemas import WeightsNotice
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
 from streams.records import publish
+from trainer.broker_wait import until_broker_takes
 from trainer.distributed import DistContext, full_state_dict
 
 
@@ -36,7 +38,9 @@ class Publisher:
     """Rank 0's writer of weights and notices."""
 
     def __init__(self, store: WeightStore, producer: Producer, topic: str, model_name: str,
-                 keep_versions: int, protected: set[int] | None = None) -> None:
+                 keep_versions: int, protected: set[int] | None = None, stop: threading.Event | None = None) -> None:
+        self.stop = stop
+        """Set when the learner is asked to stop: an announcement then stops waiting for the broker."""
         self.store = store
         self.producer = producer
         self.topic = topic
@@ -66,8 +70,11 @@ class Publisher:
         finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
         notice = WeightsNotice(action=action, version=ref.version, location=ref.location, checksum=ref.checksum,
                                model=self.model_name, step=step, metrics=finite)
-        publish(self.producer, self.topic, notice)
-        self.producer.flush()
+        def send() -> None:  # repeated while the broker is down: serving ignores a version it already runs
+            publish(self.producer, self.topic, notice)
+            self.producer.flush()
+
+        until_broker_takes(send, f"announcing v{ref.version}", self.stop)
 
 
 def publish_policy(policy: nn.Module, ctx: DistContext, publisher: Publisher | None, version: int, step: int,

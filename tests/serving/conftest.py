@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from fastapi.testclient import TestClient
@@ -29,6 +30,9 @@ from serving.metrics import ServingMetrics
 from streams.base import Producer
 from streams.memory import InMemoryBackend
 from tests.serving.fakes import FakeEngine, FakeProducer
+
+if TYPE_CHECKING:
+    from serving.server import BackgroundServer, ServingStack
 
 ANSWER = "Hello, wörld! 🙂 ok"
 """The fake engine's answer: multi-byte characters exercise incremental decoding."""
@@ -88,7 +92,8 @@ def make_harness(tmp_path, chat_tokenizer) -> Iterator:
         script = list(chat_tokenizer(script_text, add_special_tokens=False)["input_ids"]) + [stop]
         engine = FakeEngine(script, delay_s=delay_s)
         s = cfg.serving
-        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, max_queue=s.log_queue_size,
+        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
+                                   max_queue=s.log_queue_size,
                                    window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
                                    spool_max_bytes=spool_max_bytes or s.spool_max_bytes)
         metrics = ServingMetrics(CollectorRegistry())

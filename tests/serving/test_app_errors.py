@@ -149,15 +149,23 @@ def no_space(fd):
 
 
 @pytest.mark.parametrize("full", ["quota", "disk"])
-def test_a_full_spool_during_an_outage_answers_503_with_the_reason_and_stays_up(make_harness, monkeypatch, full):
+@pytest.mark.parametrize("durability", ["write_ahead", "memory"])
+def test_a_full_spool_during_an_outage_answers_503_with_the_reason_and_stays_up(make_harness, monkeypatch, full,
+                                                                               durability):
     producer = FakeProducer()
-    h = make_harness(producer=producer, spool_max_bytes=1500,
-                     **{"serving.log_stall_s": 0.1, "serving.log_retry_s": 0.05})
+    record_bytes = 1600  # one spooled interaction of this app is about this large
+    h = make_harness(producer=producer, spool_max_bytes=record_bytes * (2 if durability == "write_ahead" else 1),
+                     **{"serving.log_stall_s": 0.1, "serving.log_retry_s": 0.05,
+                        "serving.log_durability": durability, "serving.log_ack_timeout_s": 1.0})
     if full == "disk":
         monkeypatch.setattr("serving.spool.os.fsync", no_space)
     producer.go_down()
-    for _ in range(3):
-        assert h.client.post(CHAT, json=GOOD).status_code == 200  # admitted work is never dropped
+    statuses = [h.client.post(CHAT, json=GOOD).status_code for _ in range(3)]
+    if durability == "memory":  # acknowledged before it is durable: admitted work is answered, never dropped
+        expected = [200, 200, 200]
+    else:  # acknowledged once on disk: what fits is answered, then 503 (the record stays held for the broker)
+        expected = [200, 200, 503] if full == "quota" else [503, 503, 503]
+    assert statuses == expected
     assert wait_until(lambda: h.logger.refusal() is not None)
     r = h.client.post(CHAT, json=GOOD)
     error = assert_openai_error(r, 503, code="logging_unavailable")
@@ -169,7 +177,8 @@ def test_a_full_spool_during_an_outage_answers_503_with_the_reason_and_stays_up(
     assert h.logger.flush(10.0)
     assert h.client.post(CHAT, json=GOOD).status_code == 200
     assert h.logger.flush(10.0)
-    assert len(producer.delivered) == 4
+    held_then_delivered = 1 if durability == "write_ahead" else 0  # the first 503 of write-ahead
+    assert len(producer.delivered) == statuses.count(200) + held_then_delivered + 1
 
 
 def test_input_the_engine_refuses_is_a_400(make_harness):

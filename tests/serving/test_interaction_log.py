@@ -1,6 +1,10 @@
-"""The interaction logger: direct delivery, spooling through outages, in-order replay, exactly once."""
+"""The interaction logger: write-ahead acknowledgement, group commit, spooling through outages,
+in-order replay, exactly once per process, recovery after a crash, full disk."""
 
 from __future__ import annotations
+
+import errno
+import threading
 
 import pytest
 
@@ -11,6 +15,7 @@ from tests.serving.conftest import wait_until
 from tests.serving.fakes import FakeProducer
 
 TOPICS = TopicsConfig()
+MODES = ["write_ahead", "memory"]
 
 
 def interaction(i: int) -> Interaction:
@@ -38,29 +43,113 @@ def make_logger(tmp_path):
         logger.close(timeout_s=1.0)
 
 
-def test_records_go_straight_to_the_broker_while_it_is_up(make_logger, tmp_path):
+class BlockingFsync:
+    """Stands in for os.fsync of the spool: each call waits until released."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+        self.entered = threading.Event()
+
+    def __call__(self, fd):
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(10), "fsync never released"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_reach_the_broker_in_order_keyed_by_id(make_logger, tmp_path, mode):
     producer = FakeProducer()
-    logger = make_logger(producer)
-    for i in range(10):
-        logger.submit(interaction(i))
-    logger.submit(Reward(interaction_id="id-0003", value=1.0))
+    logger = make_logger(producer, durability=mode)
+    receipts = [logger.submit(interaction(i)) for i in range(10)]
+    receipts.append(logger.submit(Reward(interaction_id="id-0003", value=1.0)))
     assert logger.flush(5.0)
+    assert all(r.durable for r in receipts)
     assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(10)] + ["id-0003"]
     assert [t for t, _, _ in producer.delivered] == [TOPICS.interactions] * 10 + [TOPICS.rewards]
     assert producer.delivered[0][1] == b"id-0000"  # keyed by interaction id
-    assert logger.spool_records == 0 and not (tmp_path / "spool" / "spool.log").exists()
+    assert logger.spool_records == 0
+    log = tmp_path / "spool" / "spool.log"
+    if mode == "memory":  # the disk is not touched while the broker keeps up
+        assert not log.exists()
+    else:  # every record went through the log, which is emptied once all are acknowledged
+        assert log.exists() and log.stat().st_size == 0
 
 
-def test_an_outage_spools_and_the_replay_delivers_everything_once_in_order(make_logger):
+def test_memory_mode_acknowledges_at_once(tmp_path):
+    logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool", durability="memory")  # not started
+    assert logger.submit(interaction(0)).durable
+
+
+def test_write_ahead_acknowledges_after_the_fsync_and_ships_from_the_log(make_logger, monkeypatch):
+    fsync = BlockingFsync()
+    monkeypatch.setattr("serving.spool.os.fsync", fsync)
     producer = FakeProducer()
     logger = make_logger(producer)
+    receipt = logger.submit(interaction(0))
+    assert fsync.entered.wait(5)
+    assert not receipt.wait(0.3)  # written, not yet fsynced: not acknowledged
+    assert producer.delivered == []  # the sender ships only what is on disk
+    fsync.release.set()
+    assert receipt.wait(5)
+    assert logger.flush(5.0)
+    assert delivered_ids(producer) == ["id-0000"]
+
+
+def test_concurrent_records_share_one_fsync(make_logger, monkeypatch):
+    fsync = BlockingFsync()
+    monkeypatch.setattr("serving.spool.os.fsync", fsync)
+    logger = make_logger(FakeProducer())
+    first = logger.submit(interaction(0))
+    assert fsync.entered.wait(5)
+    waiting = [logger.submit(interaction(i)) for i in range(1, 21)]  # arrive during the first fsync
+    appends_before = logger.fsyncs
+    fsync.release.set()
+    assert first.wait(5) and all(r.wait(5) for r in waiting)
+    assert logger.fsyncs - appends_before == 2  # the first record's append, then one for all twenty
+    assert logger.flush(5.0)
+
+
+class HungProducer(FakeProducer):
+    """A producer whose first send never returns (until ``unblock``): the process is as good as dead."""
+
+    def __init__(self):
+        super().__init__()
+        self.unblock = threading.Event()
+
+    def send(self, *args, **kwargs):
+        self.unblock.wait()
+        raise RuntimeError("the process was killed")
+
+
+def test_a_crash_loses_nothing_acknowledged_the_next_start_replays_it_in_order(tmp_path, make_logger):
+    hung = HungProducer()
+    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", stall_s=0.2, retry_s=0.05)
+    crashed.start()
+    try:
+        receipts = [crashed.submit(interaction(i)) for i in range(6)]
+        assert all(r.wait(5) for r in receipts)  # acknowledged to the clients: on disk
+        # the process dies here (no close); the broker never saw a record
+        up = FakeProducer()
+        restarted = make_logger(up)
+        restarted.submit(interaction(6))
+        assert restarted.flush(10.0)
+        assert delivered_ids(up) == [f"id-{i:04d}" for i in range(7)]  # the spool first, then the new record
+    finally:
+        hung.unblock.set()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_outage_spools_and_the_replay_delivers_everything_once_in_order(make_logger, mode):
+    producer = FakeProducer()
+    logger = make_logger(producer, durability=mode)
     logger.submit(interaction(0))
     assert logger.flush(5.0)
     producer.go_down()
     for i in range(1, 6):
         logger.submit(interaction(i))
     assert wait_until(lambda: logger.spooling and logger.spool_records == 5)
-    for i in range(6, 20):  # submitted during the outage: straight to the spool
+    for i in range(6, 20):  # submitted during the outage: to the spool
         logger.submit(interaction(i))
     assert wait_until(lambda: logger.spool_records == 19)
     assert logger.refusal() is None  # spooling is logging: new work is still accepted
@@ -73,13 +162,15 @@ def test_an_outage_spools_and_the_replay_delivers_everything_once_in_order(make_
     assert delivered_ids(producer)[-1] == "id-0020"
 
 
-def test_records_the_producer_gave_up_on_are_sent_again(make_logger):
+@pytest.mark.parametrize("mode", MODES)
+def test_records_the_producer_gave_up_on_are_sent_again(make_logger, mode):
     producer = FakeProducer()
-    logger = make_logger(producer)
+    logger = make_logger(producer, durability=mode)
     producer.go_down()
     for i in range(3):
         logger.submit(interaction(i))
     assert wait_until(lambda: logger.spooling)
+    assert wait_until(lambda: len(producer.held) == 3)
     assert producer.expire() == 3  # delivery timed out: not written
     assert wait_until(lambda: len(producer.held) == 3)  # re-sent after retry_s
     for i in range(3, 8):
@@ -89,20 +180,22 @@ def test_records_the_producer_gave_up_on_are_sent_again(make_logger):
     assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(8)]
 
 
-def test_sends_refused_outright_are_spooled_and_replayed(make_logger):
+@pytest.mark.parametrize("mode", MODES)
+def test_sends_refused_outright_are_spooled_and_replayed(make_logger, mode):
     producer = FakeProducer(refuse_sends=True)
-    logger = make_logger(producer)
+    logger = make_logger(producer, durability=mode)
     for i in range(6):
         logger.submit(interaction(i))
-    assert wait_until(lambda: logger.spool_records == 6)
+    assert wait_until(lambda: logger.spool_records == 6 and logger.spooling)
     producer.refuse_sends = False
     assert logger.flush(10.0)
     assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(6)]
 
 
-def test_close_during_an_outage_leaves_the_spool_for_the_next_start(make_logger, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_close_during_an_outage_leaves_the_spool_for_the_next_start(make_logger, tmp_path, mode):
     down = FakeProducer()
-    first = InteractionLogger(down, TOPICS, tmp_path / "spool", stall_s=0.2, retry_s=0.05)
+    first = InteractionLogger(down, TOPICS, tmp_path / "spool", durability=mode, stall_s=0.2, retry_s=0.05)
     first.start()
     down.go_down()
     for i in range(7):
@@ -110,15 +203,16 @@ def test_close_during_an_outage_leaves_the_spool_for_the_next_start(make_logger,
     report = first.close(timeout_s=0.5)
     assert (report.spooled, report.held_in_memory) == (7, 0)
     up = FakeProducer()
-    second = make_logger(up)
+    second = make_logger(up, durability=mode)
     second.submit(interaction(7))
     assert second.flush(10.0)
     assert delivered_ids(up) == [f"id-{i:04d}" for i in range(8)]  # spool first, then the new record
 
 
-def test_close_with_the_broker_up_delivers_everything(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_close_with_the_broker_up_delivers_everything(tmp_path, mode):
     producer = FakeProducer()
-    logger = InteractionLogger(producer, TOPICS, tmp_path / "spool")
+    logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", durability=mode)
     logger.start()
     for i in range(50):
         logger.submit(interaction(i))
@@ -127,10 +221,11 @@ def test_close_with_the_broker_up_delivers_everything(tmp_path):
     assert len(producer.delivered) == 50
 
 
-def test_a_full_spool_during_an_outage_refuses_new_work_until_the_broker_returns(make_logger):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_full_spool_during_an_outage_refuses_new_work_until_the_broker_returns(make_logger, mode):
     producer = FakeProducer()
     record_bytes = 600  # one spooled interaction is about this large
-    logger = make_logger(producer, spool_max_bytes=3 * record_bytes)
+    logger = make_logger(producer, durability=mode, spool_max_bytes=3 * record_bytes)
     producer.go_down()
     for i in range(8):
         logger.submit(interaction(i))
@@ -143,6 +238,27 @@ def test_a_full_spool_during_an_outage_refuses_new_work_until_the_broker_returns
     assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(8)]
 
 
+def test_write_ahead_on_a_full_disk_acknowledges_once_the_broker_has_the_record(make_logger, monkeypatch):
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("serving.spool.os.fsync", no_space)
+    producer = FakeProducer()
+    logger = make_logger(producer)
+    receipts = [logger.submit(interaction(i)) for i in range(3)]
+    assert all(r.wait(5) for r in receipts)  # not on disk, but acknowledged by the broker: durable
+    assert logger.refusal() is None  # the broker takes records: still logging
+    assert delivered_ids(producer) == ["id-0000", "id-0001", "id-0002"]
+    producer.go_down()
+    late = logger.submit(interaction(3))
+    assert wait_until(lambda: logger.refusal() is not None)
+    assert "broker is unreachable" in logger.refusal() and "No space left" in logger.refusal()
+    assert not late.durable
+    producer.come_back()
+    assert late.wait(5) and logger.flush(10.0)
+    assert logger.refusal() is None
+
+
 def test_a_full_queue_refuses_new_work(tmp_path):
     logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool", max_queue=3)  # not started
     for i in range(3):
@@ -150,12 +266,13 @@ def test_a_full_queue_refuses_new_work(tmp_path):
     assert "backlog is full" in logger.refusal()
 
 
-def test_an_unexpected_producer_error_is_reported_not_hidden(make_logger):
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unexpected_producer_error_is_reported_not_hidden(make_logger, mode):
     class Broken(FakeProducer):
         def send(self, *args, **kwargs):
             raise RuntimeError("producer is closed")
 
-    logger = make_logger(Broken())
+    logger = make_logger(Broken(), durability=mode)
     logger.submit(interaction(0))
     assert wait_until(lambda: logger.refusal() is not None)
     assert "producer is closed" in logger.refusal()

@@ -118,3 +118,47 @@ def test_a_watermark_that_cannot_be_written_means_resending_not_losing(tmp_path,
     assert [e.seq for e in spool.read_pending(10)] == [3, 4]
     monkeypatch.undo()
     assert [e.seq for e in Spool(tmp_path, 1 << 20).read_pending(10)] == [2, 3, 4]  # 2 is sent again
+
+
+def test_a_log_never_fully_acknowledged_is_compacted_and_stays_small(tmp_path):
+    one = len(entries(1, 1)[0].encode())
+    spool = Spool(tmp_path, max_bytes=40 * one)
+    seq = 1
+    for _ in range(200):  # steady traffic: each round appends two, the broker acknowledges all but the newest
+        spool.append(entries(seq, 2))
+        seq += 2
+        pending = spool.read_pending(100)
+        spool.ack_through(pending[-2])
+    assert spool.compactions > 0 and spool.error is None
+    assert spool.file_bytes <= 40 * one  # 400 entries went through a log that holds 40
+    assert [e.seq for e in spool.read_pending(10)] == [seq - 1]
+    reopened = Spool(tmp_path, max_bytes=40 * one)  # the compacted log and the watermark agree after a restart
+    assert [e.seq for e in reopened.read_pending(10)] == [seq - 1]
+
+
+def test_entries_read_before_a_compaction_or_reset_still_acknowledge_the_right_prefix(tmp_path):
+    one = len(entries(1, 1)[0].encode())
+    spool = Spool(tmp_path, max_bytes=8 * one)
+    spool.append(entries(1, 6))
+    spool.ack_through(spool.read_pending(10)[3])  # 4 acknowledged of 6: compacted (garbage > rest)
+    assert spool.compactions == 1
+    rest = spool.read_pending(10)
+    assert [e.seq for e in rest] == [5, 6]
+    spool.append(entries(7, 2))
+    spool.ack_through(rest[0])  # an entry read before the append: its offset is still right
+    assert [e.seq for e in spool.read_pending(10)] == [6, 7, 8]
+    spool.ack_through(spool.read_pending(10)[-1])  # all: the log is emptied
+    assert spool.file_bytes == 0 and spool.pending_records == 0
+    spool.append(entries(9, 1))
+    assert [e.seq for e in Spool(tmp_path, 8 * one).read_pending(10)] == [9]
+
+
+def test_a_full_quota_is_made_room_for_by_compacting_the_acknowledged_prefix(tmp_path):
+    one = len(entries(1, 1)[0].encode())
+    spool = Spool(tmp_path, max_bytes=4 * one)
+    spool.append(entries(1, 4))
+    spool.ack_through(spool.read_pending(10)[0])  # 1 acknowledged: too little to compact on its own
+    assert spool.compactions == 0
+    assert spool.append(entries(5, 1))  # the quota is reached: the acknowledged entry's room is reused
+    assert spool.compactions == 1 and spool.error is None
+    assert [e.seq for e in Spool(tmp_path, 4 * one).read_pending(10)] == [2, 3, 4, 5]

@@ -12,6 +12,7 @@ from online_sao.baselines import GRPO, PPO, RunningMean
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.sao import SAO
+from online_sao.train_step import FiniteVote, local_vote
 
 
 @dataclass
@@ -68,16 +69,19 @@ def build_algorithm(
     policy_optimizer: torch.optim.Optimizer,
     critic_optimizer: torch.optim.Optimizer | None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    vote: FiniteVote = local_vote,
 ) -> Algorithm:
-    """The rule ``cfg.name`` names. Rules with ``needs_critic`` require a critic and its optimiser."""
+    """The rule ``cfg.name`` names. Rules with ``needs_critic`` require a critic and its optimiser.
+    ``vote`` agrees on the rule's finiteness checks across ranks (the learner passes
+    :func:`trainer.distributed.finite_vote`; one process keeps its own result)."""
     if cfg.name in RULES_WITH_CRITIC and (critic is None or critic_optimizer is None):
         raise ValueError(f"algorithm {cfg.name!r} needs a critic and a critic optimizer")
     if cfg.name == "sao":
-        return SAO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler)
+        return SAO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)
     if cfg.name == "ppo":
-        return PPO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler)
+        return PPO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)
     if cfg.name == "running_mean":
-        return RunningMean(policy, policy_optimizer, cfg)
+        return RunningMean(policy, policy_optimizer, cfg, vote)
     if cfg.name == "grpo":
-        return GRPO(policy, policy_optimizer, cfg)
+        return GRPO(policy, policy_optimizer, cfg, vote)
     raise ValueError(f"unknown algorithm {cfg.name!r}")

@@ -6,7 +6,9 @@
 
 A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO,
 each refuses a batch with non-finite inputs, losses or gradient norms
-(``skipped_nonfinite = 1``) before any optimiser step of the failing update.
+(``skipped_nonfinite = 1``) before any optimiser step of the failing update, each
+check agreed across ranks through the ``vote`` they are given (see
+:mod:`online_sao.train_step`).
 pi_old is the policy at the start of the step: the log-probs of the first
 update's forward pass, detached (a separate no-grad forward gives the same numbers).
 """
@@ -25,7 +27,8 @@ from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
-from online_sao.train_step import batch_metrics, guarded_update, nonfinite_inputs, policy_logprobs
+from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
+                                   policy_logprobs)
 
 GROUP_STD_EPS = 1e-6
 """Added to a group's reward standard deviation: a group of equal rewards has
@@ -79,10 +82,12 @@ class RunningMean(Algorithm):
 
     needs_critic = False
 
-    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig) -> None:
+    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
+                 vote: FiniteVote = local_vote) -> None:
         self.policy = policy
         self.policy_optimizer = policy_optimizer
         self.cfg = cfg
+        self.vote = vote
         self.window: deque[float] = deque(maxlen=cfg.running_mean_window)
 
     def baseline(self, rewards: torch.Tensor) -> float:
@@ -93,7 +98,7 @@ class RunningMean(Algorithm):
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask
         metrics = batch_metrics(batch)
-        if nonfinite_inputs(batch):
+        if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         rewards = batch.rewards.sum(dim=1)
         baseline = self.baseline(rewards)
@@ -101,7 +106,7 @@ class RunningMean(Algorithm):
         logprobs = policy_logprobs(self.policy, batch)
         loss, dis_metrics = dis_policy_loss(
             logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_normalizer)
-        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm)
+        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
         if result.stepped:
             self.window.extend(rewards.tolist())
         return {**metrics, **dis_metrics, "policy_loss": loss.item(), "policy_grad_norm": result.grad_norm,
@@ -117,11 +122,11 @@ class RunningMean(Algorithm):
 
 def _clipped_updates(
     policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-    cfg: AlgorithmConfig, use_dis: bool, after_update=None,
+    cfg: AlgorithmConfig, use_dis: bool, vote: FiniteVote, after_update=None,
 ) -> dict[str, float]:
     """``cfg.ppo_epochs`` clipped-surrogate updates against the step-start pi_old.
     ``after_update`` (optional) runs after each applied policy update and returns
-    False to refuse the rest of the step."""
+    False to refuse the rest of the step (it must decide the same on every rank)."""
     old_logprobs = None
     metrics: dict[str, float] = {}
     for epoch in range(cfg.ppo_epochs):
@@ -132,7 +137,7 @@ def _clipped_updates(
             logprobs, old_logprobs, advantages, batch.action_mask, cfg.clip_low, cfg.clip_high,
             rollout_logprobs=batch.rollout_logprobs if use_dis else None,
             eps_low=cfg.eps_low, eps_high=cfg.eps_high, normalizer=batch.token_normalizer)
-        result = guarded_update(loss, optimizer, cfg.max_grad_norm)
+        result = guarded_update(loss, optimizer, cfg.max_grad_norm, vote=vote)
         metrics.update(loss_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
                        policy_updates_done=float(epoch + result.stepped))
         if not result.stepped or (after_update is not None and not after_update(metrics)):
@@ -149,22 +154,24 @@ class GRPO(Algorithm):
 
     needs_critic = False
 
-    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig) -> None:
+    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
+                 vote: FiniteVote = local_vote) -> None:
         self.policy = policy
         self.policy_optimizer = policy_optimizer
         self.cfg = cfg
+        self.vote = vote
         self.group_size = cfg.group_size
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         metrics = batch_metrics(batch)
         if bool((batch.group_ids < 0).any()):
             raise ValueError("grpo needs grouped rollouts: every group_id must be >= 0")
-        if nonfinite_inputs(batch):
+        if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         row_adv, group_metrics = group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
         advantages = _token_advantages(row_adv, batch.action_mask)
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, self.cfg,
-                                          use_dis=self.cfg.use_dis)
+                                          use_dis=self.cfg.use_dis, vote=self.vote)
         return {**metrics, **group_metrics, **update_metrics}
 
 
@@ -187,7 +194,9 @@ class PPO(Algorithm):
         critic_optimizer: torch.optim.Optimizer,
         cfg: AlgorithmConfig,
         critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        vote: FiniteVote = local_vote,
     ) -> None:
+        self.vote = vote
         self.policy = policy
         self.critic = critic
         self.policy_optimizer = policy_optimizer
@@ -198,7 +207,7 @@ class PPO(Algorithm):
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask
         metrics = batch_metrics(batch)
-        if nonfinite_inputs(batch):
+        if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         with torch.no_grad():
             values = self.critic(batch.input_ids, batch.attention_mask)
@@ -211,11 +220,12 @@ class PPO(Algorithm):
         def critic_update(step_metrics: dict[str, float]) -> bool:
             critic_loss, _ = value_loss(self.critic(batch.input_ids, batch.attention_mask), returns, mask,
                                         batch.token_normalizer)
-            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler)
+            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler,
+                                    self.vote)
             step_metrics.setdefault("value_loss", critic_loss.item())
             step_metrics["critic_grad_norm"] = result.grad_norm
             return result.stepped
 
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, cfg,
-                                          use_dis=False, after_update=critic_update)
+                                          use_dis=False, vote=self.vote, after_update=critic_update)
         return {**metrics, **update_metrics}

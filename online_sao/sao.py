@@ -11,7 +11,8 @@ A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch ho
 a non-finite reward or action-token behaviour log-prob, or when the first
 non-finite loss or gradient norm appears. Refusal happens before any optimiser
 step of that update; critic updates that already succeeded earlier in the same
-step stay (they were finite updates on finite data).
+step stay (they were finite updates on finite data). Under FSDP each of these
+decisions is agreed across ranks through ``vote`` (see :mod:`online_sao.train_step`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.losses import dis_policy_loss, value_loss
-from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_logprobs
+from online_sao.train_step import (FiniteVote, PhaseTimer, batch_metrics, guarded_update, local_vote,
+                                   nonfinite_inputs, policy_logprobs)
 
 
 class SAO(Algorithm):
@@ -41,7 +43,10 @@ class SAO(Algorithm):
         critic_optimizer: torch.optim.Optimizer,
         cfg: AlgorithmConfig,
         critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        vote: FiniteVote = local_vote,
     ) -> None:
+        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
+        self.vote = vote
         self.policy = policy
         self.critic = critic
         self.policy_optimizer = policy_optimizer
@@ -61,7 +66,7 @@ class SAO(Algorithm):
         cfg, mask, norm = self.cfg, batch.action_mask, batch.token_normalizer
         timer = PhaseTimer()
         metrics = batch_metrics(batch)
-        if nonfinite_inputs(batch):
+        if nonfinite_inputs(batch, self.vote):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}
 
         critic_norms = []
@@ -75,7 +80,8 @@ class SAO(Algorithm):
                 metrics["value_loss"] = critic_loss.item()
                 metrics["explained_variance"] = critic_metrics["explained_variance"]
                 metrics["value_mean"] = critic_metrics["value_mean"]
-            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler)
+            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler,
+                                    self.vote)
             timer.add("critic_backward", result.backward_s)
             timer.add("critic_optimizer", result.step_s)
             critic_norms.append(result.grad_norm)
@@ -103,7 +109,7 @@ class SAO(Algorithm):
         with timer.phase("arithmetic"):
             policy_loss, dis_metrics = dis_policy_loss(
                 logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, norm)
-        result = guarded_update(policy_loss, self.policy_optimizer, cfg.max_grad_norm)
+        result = guarded_update(policy_loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
         timer.add("policy_backward", result.backward_s)
         timer.add("policy_optimizer", result.step_s)
         return {

@@ -4,13 +4,21 @@ update, version-lag metrics and a phase timer.
 The guard implements the contract of :class:`online_sao.algorithm.Algorithm`: an
 update whose loss or gradient norm is not finite is refused before
 ``optimizer.step`` runs, so no weight and no optimiser state changes.
+
+Under FSDP every rank holds its own share of the batch, so one rank may see a
+non-finite loss while the others do not. Each finiteness decision therefore goes
+through a :data:`FiniteVote` that all ranks call at the same point
+(:func:`trainer.distributed.finite_vote` all-reduces it): either every rank
+refuses the update or none does. A rank that refused alone would skip the
+backward whose reduce-scatter the others wait in (a hang), or step while its
+peers do not (diverged shards).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -26,6 +34,16 @@ def policy_logprobs(policy: nn.Module, batch: RolloutBatch) -> torch.Tensor:
     sampling temperature (SAO.md section 1), aligned as in :mod:`online_sao.batch`."""
     logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
     return token_logprobs(logits, batch.input_ids, batch.temperatures)
+
+
+FiniteVote = Callable[[bool], bool]
+"""Agrees on a finiteness check across the learner's ranks: called by every rank at
+the same point with its own result, returns True only when every rank passed True."""
+
+
+def local_vote(finite: bool) -> bool:
+    """The :data:`FiniteVote` of a single process: its own result."""
+    return finite
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -51,22 +69,26 @@ def guarded_update(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    vote: FiniteVote = local_vote,
 ) -> UpdateResult:
     """Backward, clip to ``max_grad_norm``, step — unless anything is non-finite.
 
-    The loss is checked before backward and the gradient norm before the step; a
-    failed check drops the gradients (``zero_grad``), skips ``optimizer.step`` and
-    the scheduler, and reports ``stepped=False``. Gradients are always cleared on return.
+    The loss is checked before backward and the gradient norm before the step, each
+    check agreed through ``vote`` (collective under FSDP: every rank calls this
+    function for the same update); a failed check drops the gradients
+    (``zero_grad``), skips ``optimizer.step`` and the scheduler, and reports
+    ``stepped=False`` (grad_norm NaN when the loss check failed, on every rank).
+    Gradients are always cleared on return.
     """
     params = optimizer_parameters(optimizer)
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    if not bool(torch.isfinite(loss.detach())):
+    if not vote(bool(torch.isfinite(loss.detach()))):
         return UpdateResult(stepped=False, grad_norm=math.nan, backward_s=0.0, step_s=0.0)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     backward_s = time.perf_counter() - start
-    if not math.isfinite(grad_norm):
+    if not vote(math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0)
     start = time.perf_counter()
@@ -77,14 +99,15 @@ def guarded_update(
     return UpdateResult(stepped=True, grad_norm=grad_norm, backward_s=backward_s, step_s=time.perf_counter() - start)
 
 
-def nonfinite_inputs(batch: RolloutBatch) -> bool:
-    """True when a reward or an action token's behaviour log-prob is NaN or infinite.
+def nonfinite_inputs(batch: RolloutBatch, vote: FiniteVote = local_vote) -> bool:
+    """True when a reward or an action token's behaviour log-prob is NaN or infinite
+    (on any rank's share: agreed through ``vote``, collective under FSDP).
 
     Such a record is corrupt; the rules refuse the whole batch rather than let DIS
     quietly mask the token or let the value targets become NaN."""
     rewards_ok = bool(torch.isfinite(batch.rewards).all())
     logprobs_ok = bool(torch.isfinite(batch.rollout_logprobs[batch.action_mask]).all())
-    return not (rewards_ok and logprobs_ok)
+    return not vote(rewards_ok and logprobs_ok)
 
 
 def version_lag_metrics(batch: RolloutBatch) -> dict[str, float]:

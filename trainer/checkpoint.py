@@ -22,7 +22,9 @@ Commit protocol (crash-safe at every point):
 the ledger to the length that checkpoint recorded, so ledger lines of steps the
 checkpoint does not cover (a crash between 1 and 3) disappear with the steps
 themselves: an id is in the ledger once per time its training is part of the
-committed state.
+committed state. A step whose update was refused as non-finite still writes its
+line, marked ``"refused": true``: those ids were consumed exactly once too, but
+trained nothing (:func:`read_ledger` can tell the two apart).
 """
 
 from __future__ import annotations
@@ -154,9 +156,14 @@ class Checkpointer:
     def ledger_path(self) -> Path:
         return self.root / LEDGER_FILE
 
-    def record_trained(self, step: int, interaction_ids: list[str]) -> None:
-        """Note the ids a step trained on; they reach the ledger with the next :meth:`save`."""
-        self._unsaved_ledger.append(json.dumps({"step": step, "ids": interaction_ids}, separators=(",", ":")))
+    def record_trained(self, step: int, interaction_ids: list[str], refused: bool = False) -> None:
+        """Note the ids a step took; they reach the ledger with the next :meth:`save`.
+        ``refused``: the step's update was refused as non-finite, so these ids were
+        consumed but trained nothing (the line carries ``"refused": true``)."""
+        entry: dict[str, Any] = {"step": step, "ids": interaction_ids}
+        if refused:
+            entry["refused"] = True
+        self._unsaved_ledger.append(json.dumps(entry, separators=(",", ":")))
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Committed checkpoints, oldest first."""
@@ -236,12 +243,15 @@ class Checkpointer:
         return size
 
 
-def read_ledger(path: Path) -> list[tuple[int, str]]:
-    """(step, interaction id) of every line of a ledger, in order."""
+def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:
+    """(step, interaction id) of every line of a ledger, in order: every id a step
+    took (``refused=None``), only those of refused steps (True) or only those
+    actually trained on (False)."""
     out = []
     if not Path(path).exists():
         return out
     for line in Path(path).read_text().splitlines():
         entry = json.loads(line)
-        out.extend((entry["step"], iid) for iid in entry["ids"])
+        if refused is None or entry.get("refused", False) == refused:
+            out.extend((entry["step"], iid) for iid in entry["ids"])
     return out

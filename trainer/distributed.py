@@ -22,6 +22,7 @@ process and vice versa.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import math
@@ -44,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from online_sao.batch import Rollout, RolloutBatch
+from online_sao.train_step import FiniteVote, local_vote
 
 MIN_TOKEN_NORMALIZER = 1.0
 """Floor of the global action-token count: a step without action tokens gives
@@ -102,9 +104,11 @@ def init_distributed() -> DistContext:
 def shutdown_distributed(ctx: DistContext) -> None:
     """Leave the process group (no-op in a single process)."""
     if ctx.is_distributed and dist.is_initialized():
-        # every rank finishes its collectives before any tears its transport down: a rank that
-        # leaves first can abort a peer still inside gloo ("terminate called without an
-        # active exception", seen once in CI)
+        # unreachable sharded state (and the collective work it may hold) is freed while the
+        # group is up, not during interpreter teardown; then every rank finishes its collectives
+        # before any tears its transport down: a rank that leaves first can abort a peer still
+        # inside gloo ("terminate called without an active exception")
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
@@ -235,6 +239,22 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         for slot, value in slots.items():
             if isinstance(value, torch.Tensor) and _storage(value) in given:
                 slots[slot] = value.detach().clone()
+
+
+def finite_vote(ctx: DistContext) -> FiniteVote:
+    """The learning rules' finiteness vote across ranks: the minimum of every rank's
+    flag (all-reduce), so a non-finite loss or gradient on one rank's share makes
+    every rank refuse the same update. Collective: every rank calls it at the same
+    check. One process gets its own result back."""
+    if not ctx.is_distributed:
+        return local_vote
+
+    def vote(finite: bool) -> bool:
+        flag = torch.tensor([1 if finite else 0], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    return vote
 
 
 def broadcast_json(value: Any, ctx: DistContext) -> Any:

@@ -11,9 +11,14 @@
    rank 0 takes them, drops any older than ``trainer.max_version_lag`` (counted)
    and broadcasts them;
 3. every rank trains on its share: ``Algorithm.step`` (SAO: K critic updates,
-   GAE, one DIS policy update);
+   GAE, one DIS policy update). A step whose inputs, loss or gradients are not
+   finite is refused by every rank together (the rule's finiteness checks are
+   all-reduced, :func:`trainer.distributed.finite_vote`): no weight changes, its
+   ids go to the ledger marked refused, ``skipped_nonfinite_steps`` counts it and
+   a warning names it;
 4. every ``publish_every`` steps the full policy is published (weight store +
-   notice); every ``mlflow.register_every`` versions it is registered as
+   notice) if some step since the last publish changed it (a refused step
+   publishes nothing); every ``mlflow.register_every`` versions it is registered as
    candidate and promoted or rolled back;
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
    offsets it covers are committed to Kafka; metrics go to MLflow.
@@ -43,6 +48,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +62,10 @@ from online_sao.schemas import Interaction, Reward
 from online_sao.weights import open_weight_store
 from streams.base import Consumer, StreamBackend, TopicPartition
 from streams.records import decode_or_dead_letter
+from trainer.broker_wait import until_broker_takes
 from trainer.checkpoint import Checkpointer
-from trainer.distributed import (DistContext, broadcast_rollouts, global_token_normalizer, init_distributed,
-                                 load_full_state_dict, reduce_metrics, shard_model, shard_rollouts,
+from trainer.distributed import (DistContext, broadcast_rollouts, finite_vote, global_token_normalizer,
+                                 init_distributed, load_full_state_dict, reduce_metrics, shard_model, shard_rollouts,
                                  shutdown_distributed)
 from trainer.history import rollouts_from_file, rollouts_from_topics
 from trainer.join import JoinedInteraction, RewardJoiner
@@ -101,10 +108,15 @@ class LearnerResult:
     run_id: str | None
 
 
+RolloutHook = Callable[[list[Rollout]], list[Rollout]]
+"""Fault injection for tests (None in service): rank 0 passes it the rollouts a step
+took, before they are broadcast and trained on, and trains on what it returns."""
+
+
 def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil,
-          pretrain_critic: bool = False) -> LearnerResult:
+          pretrain_critic: bool = False, before_step: RolloutHook | None = None) -> LearnerResult:
     """Run the learner loop until ``until`` says stop. Every rank calls it;
-    ``backend`` is used on rank 0 only."""
+    ``backend`` and ``before_step`` are used on rank 0 only."""
     tcfg, topics, main = cfg.trainer, cfg.kafka.topics, ctx.is_main
     torch.manual_seed(tcfg.seed)
 
@@ -117,7 +129,8 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     if critic is not None:
         shard_model(critic, ctx)
     opts = build_optimizers(cfg.algorithm, policy, critic)
-    algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler)
+    algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
+                                vote=finite_vote(ctx))
     trainables = Trainables(policy, critic, opts, algorithm)
 
     # -- resume from the newest checkpoint (or start fresh) ------------------------------
@@ -126,7 +139,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     progress = restore_training_state(checkpointer, trainables, joiner, ctx)
     step, version, offsets = progress.step, progress.version, progress.offsets
     counters = {"dead_letters": 0.0, "invalid_rollouts": 0.0, "empty_rollouts": 0.0, "too_few_for_ranks": 0.0,
-                "rollbacks": 0.0, **progress.counters}
+                "rollbacks": 0.0, "skipped_nonfinite_steps": 0.0, **progress.counters}
     store = open_weight_store(cfg.weight_store_url) if main else None
     if main:  # never reuse a version number: the store may hold versions newer than the checkpoint
         version = max([version, *store.versions()])
@@ -134,7 +147,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     tracker = RunTracker(cfg, run_id=progress.mlflow_run_id) if main else None
     producer = backend.producer() if main else None
     publisher = (Publisher(store, producer, topics.weights, cfg.serving.model_name, tcfg.keep_versions,
-                           set(progress.protected_versions)) if main else None)
+                           set(progress.protected_versions), stop=until.stop) if main else None)
     watch = CandidateWatch()
     if progress.candidate:
         watch.load_state_dict(progress.candidate)
@@ -146,9 +159,9 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
         here = Progress(step, version, offsets, counters, tracker.run_id, sorted(publisher.protected),
                         watch.state_dict()) if main else None
         save_training_state(checkpointer, trainables, joiner, here, ctx)
-        if main:
-            producer.flush()  # dead letters of the covered records are out before their offsets
-            consumer.commit(dict(offsets))
+        if main:  # dead letters of the covered records are out before their offsets; waits out a broker outage
+            until_broker_takes(producer.flush, "flushing dead letters", until.stop)
+            until_broker_takes(lambda: consumer.commit(dict(offsets)), "committing offsets", until.stop)
 
     if pretrain_critic and step == 0 and critic is not None:
         _pretrain(cfg, backend, critic, opts.critic, pad_token_id, version, tracker, ctx)
@@ -163,6 +176,9 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     steps_here, last_checkpoint_step, status = 0, step, "FAILED"
     cycle_start = last_activity = time.monotonic()
     ready_since: float | None = None  # when rollouts became ready and none were taken since
+    # whether the policy may differ from the newest published version: not on a fresh start (serving
+    # starts on these weights); after a restart the checkpointed weights may never have been published
+    changed_since_publish = step > 0
     try:
         while True:
             # 1. ingest (rank 0): decode or dead-letter, join
@@ -198,6 +214,8 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
                     ready_since = None
                     taken = joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, algorithm.group_size)
                     rollouts = _to_rollouts(taken, counters)
+                    if before_step is not None:
+                        rollouts = before_step(rollouts)
                     if len(rollouts) < ctx.world_size:  # FSDP needs every rank in every step
                         counters["too_few_for_ranks"] += len(rollouts)
                         rollouts = None
@@ -214,13 +232,23 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             batch.token_normalizer = global_token_normalizer(batch, ctx)
             metrics = reduce_metrics(algorithm.step(batch.to(ctx.device)), ctx)
             step, steps_here = step + 1, steps_here + 1
+            refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
+            changed_since_publish = changed_since_publish or not refused
             publish_start = time.monotonic()
             if main:
-                checkpointer.record_trained(step, [r.interaction_id for r in rollouts])
-                watch.observe(rollouts)
+                checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
+                if refused:
+                    counters["skipped_nonfinite_steps"] += 1
+                    log.warning("step %d refused: non-finite %s; no weight changed, %d interactions not trained on "
+                                "(%d refused steps so far)", step,
+                                "inputs" if metrics.get("nonfinite_inputs") else "loss or gradients",
+                                len(rollouts), counters["skipped_nonfinite_steps"])
+                else:  # refused data says nothing about the candidate
+                    watch.observe(rollouts)
 
             # 4. publish; every register_every versions decide on the candidate, register the next
-            if step % tcfg.publish_every == 0:
+            if step % tcfg.publish_every == 0 and changed_since_publish:
+                changed_since_publish = False
                 version += 1
                 ref = publish_policy(policy, ctx, publisher, version, step,
                                      {"reward_mean": metrics.get("reward_mean", math.nan)})
@@ -278,6 +306,11 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     return LearnerResult(steps=steps_here, version=version, run_id=tracker.run_id if main else None)
 
 
+def is_refused(metrics: dict[str, float]) -> bool:
+    """Whether a step's (rank-reduced) metrics say its update was refused as non-finite."""
+    return metrics.get("skipped_nonfinite", 0.0) > 0
+
+
 def _to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float]) -> list[Rollout]:
     """Rollouts of the joined interactions; unusable ones are counted and left out."""
     rollouts = []
@@ -332,8 +365,9 @@ def _assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> 
             consumer.seek(tp, first_fetched[tp])
 
 
-def run_learner(cfg: Config, pretrain_critic: bool = False) -> int:
-    """``online-sao learn``: run until SIGTERM/SIGINT (or the configured test limits)."""
+def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: RolloutHook | None = None) -> int:
+    """``online-sao learn``: run until SIGTERM/SIGINT (or the configured test limits).
+    ``before_step``: see :data:`RolloutHook` (tests only)."""
     from streams.kafka_backend import KafkaBackend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -346,7 +380,8 @@ def run_learner(cfg: Config, pretrain_critic: bool = False) -> int:
         signal.signal(sig, lambda *_: until.stop.set())
     ctx = init_distributed()
     try:
-        result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic)
+        result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic,
+                       before_step=before_step)
     finally:
         shutdown_distributed(ctx)
     if ctx.is_main:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from online_sao.algorithm import Algorithm

@@ -38,6 +38,7 @@ from online_sao.train_step import policy_logprobs
 from trainer.distributed import (
     DistContext,
     broadcast_rollouts,
+    finite_vote,
     full_state_dict,
     global_token_normalizer,
     init_distributed,
@@ -119,7 +120,8 @@ class Learner:
         shard_model(self.critic, ctx)
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
         self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
-                                         self.optimizers.critic, self.optimizers.critic_scheduler)
+                                         self.optimizers.critic, self.optimizers.critic_scheduler,
+                                         vote=finite_vote(ctx))  # as the learner builds it
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         batch = collate(shard_rollouts(rollouts, self.ctx), PAD_ID, policy_version=version).to(self.ctx.device)

@@ -122,6 +122,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
 
     # -- models, optimisers, learning rule -------------------------------------------
     policy = load_policy(cfg.model_dir, cfg.model.dtype)
+    vocab_size = policy.get_input_embeddings().num_embeddings
     pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
     critic = (ValueModel.from_policy(policy, cfg.algorithm.freeze_critic_attention)
               if cfg.algorithm.name in CRITIC_RULES else None)
@@ -213,7 +214,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
                                                              or ready_tokens >= tcfg.token_budget or waited_long):
                     ready_since = None
                     taken = joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, algorithm.group_size)
-                    rollouts = _to_rollouts(taken, counters)
+                    rollouts = _to_rollouts(taken, counters, vocab_size)
                     if before_step is not None:
                         rollouts = before_step(rollouts)
                     if len(rollouts) < ctx.world_size:  # FSDP needs every rank in every step
@@ -311,12 +312,16 @@ def is_refused(metrics: dict[str, float]) -> bool:
     return metrics.get("skipped_nonfinite", 0.0) > 0
 
 
-def _to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float]) -> list[Rollout]:
-    """Rollouts of the joined interactions; unusable ones are counted and left out."""
+def _to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], vocab_size: int) -> list[Rollout]:
+    """Rollouts of the joined interactions; unusable ones are counted and left out (a token id
+    outside the model's vocabulary passes the record codec, which does not know the model)."""
     rollouts = []
     for joined in taken:
         try:
             rollout = joined.to_rollout()
+            if max(rollout.token_ids, default=0) >= vocab_size:
+                raise RolloutError(f"interaction {rollout.interaction_id}: token id {max(rollout.token_ids)} "
+                                   f"outside the model's vocabulary ({vocab_size})")
         except RolloutError as exc:
             counters["invalid_rollouts"] += 1
             log.warning("interaction not trained on: %s", exc)

@@ -147,3 +147,23 @@ def test_registry_promotes_then_rolls_back_serving_and_learner_to_the_champion(t
     ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
     assert all(torch.equal(ckpt.models["policy"][k], v) for k, v in champion.items())  # the learner went back too
     assert ckpt.state.counters["rollbacks"] == 1
+
+
+def test_a_token_id_outside_the_vocabulary_is_left_out_and_training_goes_on(tmp_path, tiny_model_dir):
+    """The record codec cannot know the model's vocabulary; the learner must not crash on it."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.max_wait_s": 0.2})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    policy = load_policy(tiny_model_dir)
+    vocab = policy.get_input_embeddings().num_embeddings
+    traffic = sample_traffic(policy, 8, prefix="v")
+    bad = traffic[0].model_copy(update={"interaction_id": "v-outside",
+                                        "prompt_ids": [vocab] + traffic[0].prompt_ids[1:]})
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, [bad, *traffic])
+
+    train(cfg, backend, init_distributed(), RunUntil(idle_timeout_s=1.0))
+
+    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
+    assert sorted(trained) == sorted(i.interaction_id for i in traffic)
+    assert Checkpointer(cfg.checkpoint_dir).load_latest().state.counters["invalid_rollouts"] == 1

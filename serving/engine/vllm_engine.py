@@ -94,9 +94,10 @@ class VLLMEngine:
         self.cfg = cfg or ServingConfig()
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        # safetensors only: a model directory with pickled (.bin) weights is refused, as in the torch engine
         args = EngineArgs(model=str(self.model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
                           max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
-                          enable_prefix_caching=False, **engine_kwargs)
+                          enable_prefix_caching=False, load_format="safetensors", **engine_kwargs)
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                               log_stats=False, multiprocess_mode=False)

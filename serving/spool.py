@@ -48,6 +48,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from online_sao.durable import fsync_dir
+
 log = logging.getLogger(__name__)
 
 _HEADER_BYTES = 18  # "llllllll cccccccc "
@@ -216,7 +218,7 @@ class Spool:
                 fh.truncate(start)  # never leave half an append behind
                 raise
         if created:  # the new file's name must survive a power loss too
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     # ------------------------------------------------------------------ replay
 
@@ -283,7 +285,7 @@ class Spool:
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._base = self._acked_offset
         self.compactions += 1
 
@@ -320,11 +322,3 @@ class Spool:
         self._base = self._acked_offset = self._log_size
         self._pending = 0
         self._persist_watermark()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from online_sao.durable import fsync_dir
 from streams.base import TopicPartition
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
@@ -128,12 +129,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,9 +190,9 @@ class Checkpointer:
         written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json"]
         for path in written:
             _fsync_file(path)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         for _, old in self.checkpoints()[:-self.keep]:
             shutil.rmtree(old)
         return final

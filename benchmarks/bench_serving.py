@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--bootstrap", default=None, help="an existing Kafka cluster instead of a local broker")
+    p.add_argument("--on-backend", choices=["kafka", "memory"], default="kafka",
+                   help="memory: the `on` server logs through the full logger (spool, sender thread) into the "
+                        "in-process stream instead of kafka-python, to isolate the Kafka client's share")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving.md"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -180,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         workdir = Path(tmp)
         broker = None
-        if args.bootstrap:
+        if args.on_backend == "memory":
+            kafka = cfg.kafka
+        elif args.bootstrap:
             kafka = cfg.kafka.model_copy(update={"bootstrap_servers": args.bootstrap})
         else:
             broker, kafka = start_broker(cfg, workdir)
         on_cfg = cfg.model_copy(update={"kafka": kafka, "serving": cfg.serving.model_copy(
             update={"spool_dir": workdir / "spool-on"})})
-        backend = KafkaBackend(kafka)
+        backend = InMemoryBackend(kafka) if args.on_backend == "memory" else KafkaBackend(kafka)
         backend.ensure_topics()
         servers = {"off": off_server(cfg, model_dir, workdir)}
         stack = build_stack(on_cfg, model_dir, backend)

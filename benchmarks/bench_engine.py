@@ -32,8 +32,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig
 
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import random_default_model  # noqa: E402
 from online_sao.base_model import is_built
 from online_sao.config import BaseModelConfig, ServingConfig, load_config
 from online_sao.modeling import load_policy
@@ -50,14 +54,7 @@ def default_model() -> tuple[torch.nn.Module, str]:
     base = BaseModelConfig()
     if is_built(cfg.model_dir, base):
         return load_policy(cfg.model_dir).eval(), f"the built default model at {cfg.model_dir}"
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[base.architecture]
-    config = config_class(vocab_size=base.vocab_size, hidden_size=base.hidden_size,
-                          intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,
-                          num_attention_heads=base.num_heads, num_key_value_heads=base.num_kv_heads,
-                          max_position_embeddings=base.max_position_embeddings, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return model_class(config).eval(), f"a random-weight {base.architecture} model of the default size"
+    return random_default_model(base).eval(), f"a random-weight {base.architecture} model of the default size"
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:

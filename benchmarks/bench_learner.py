@@ -41,6 +41,10 @@ import yaml
 from mlflow import MlflowClient
 from transformers import AutoConfig
 
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import start_broker  # noqa: E402
 from online_sao.base_model import build_base_model
 from online_sao.config import Config, load_config
 from online_sao.corpus import iter_prompts
@@ -59,28 +63,9 @@ WAIT_S = 900.0
 """Longest wait for the learner to catch up with what was logged."""
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
-
-
-def start_broker(cfg: Config, workdir: Path):
-    from streams.broker import LocalBroker
-
-    ports = {"kafka.port": free_port(), "kafka.controller_port": free_port()}
-    broker_cfg = load_config(environ={}, overrides={"paths.data_dir": str(workdir / "broker"), **ports})
-    broker = LocalBroker(broker_cfg, lib_dir=REPO / "data" / "kafka" / f"lib-{cfg.kafka.kafka_version}",
-                         stop_with_parent=True)
-    broker.start()
-    return broker, broker_cfg.kafka.bootstrap
 
 
 class Traffic:
@@ -150,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     broker = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        broker, bootstrap = start_broker(base_cfg, workdir)
+        broker, kafka = start_broker(base_cfg, workdir)
+        bootstrap = kafka.bootstrap
     raw = {"paths": {"data_dir": str(workdir / "data")}, "model": {"path": str(model_dir)},
            "kafka": {"bootstrap_servers": bootstrap}, "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
     config_file = workdir / "learner.yaml"

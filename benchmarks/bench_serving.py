@@ -35,6 +35,10 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoConfig
 
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import start_broker  # noqa: E402
 from online_sao.base_model import build_base_model
 from online_sao.config import Config, load_config
 from online_sao.corpus import iter_prompts
@@ -56,25 +60,6 @@ class NoLogging(InteractionLogger):
 
     def submit(self, record: Interaction | Reward) -> Receipt:
         return Receipt(durable=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_broker(cfg: Config, workdir: Path):
-    from streams.broker import LocalBroker
-
-    ports = {"kafka.port": free_port(), "kafka.controller_port": free_port()}
-    broker_cfg = load_config(environ={}, overrides={"paths.data_dir": str(workdir / "broker"), **ports})
-    broker = LocalBroker(broker_cfg, lib_dir=REPO / "data" / "kafka" / f"lib-{cfg.kafka.kafka_version}",
-                         stop_with_parent=True)
-    broker.start()
-    return broker, broker_cfg.kafka
 
 
 def off_server(cfg: Config, model_dir: Path, workdir: Path) -> BackgroundServer:

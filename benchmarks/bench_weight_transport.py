@@ -35,6 +35,10 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import random_default_model  # noqa: E402
 from online_sao.base_model import is_built
 from online_sao.config import BaseModelConfig, load_config
 from online_sao.weights import FileWeightStore, WeightStore
@@ -51,16 +55,7 @@ def default_state() -> tuple[dict[str, torch.Tensor], str]:
         from safetensors.torch import load_file
 
         return load_file(cfg.model_dir / "model.safetensors"), f"the built default model at {cfg.model_dir}"
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[base.architecture]
-    config = config_class(vocab_size=base.vocab_size, hidden_size=base.hidden_size,
-                          intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,
-                          num_attention_heads=base.num_heads, num_key_value_heads=base.num_kv_heads,
-                          max_position_embeddings=base.max_position_embeddings, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = model_class(config)
+    model = random_default_model(base)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, \
         f"random weights of the default {base.architecture} architecture"
 

@@ -93,6 +93,7 @@ class InteractionLogger(SpoolSender):
         self._spooling = not self._write_ahead and self._spool.pending_records > 0
         self._closing = False
         self._writer_done = not self._write_ahead
+        self._writing = 0  # write_ahead: records taken from the queue whose spool append has not returned
         self._deadline = float("inf")
         self._crashed: str | None = None
         self.fsyncs = 0
@@ -211,6 +212,7 @@ class InteractionLogger(SpoolSender):
                     self._cv.wait(self._retry_s)  # the disk refused: retry the held records now and then
                 batch = list(self._queue)
                 self._queue.clear()
+                self._writing = len(batch)  # still undelivered, though neither queued nor in the spool yet
                 if not batch and self._closing:
                     self._writer_done = True  # submit() refuses from now on: nobody would write it
                     return
@@ -220,6 +222,8 @@ class InteractionLogger(SpoolSender):
             elif batch:
                 log.warning("cannot write the spool (%s): %d records held in memory until the broker "
                             "acknowledges them", self._spool.error, len(batch))
+            with self._cv:
+                self._writing = 0
             self._notify()
 
     def _resolve_through(self, seq: int) -> None:
@@ -262,7 +266,7 @@ class InteractionLogger(SpoolSender):
     def _drained(self) -> bool:
         """Everything submitted is acknowledged (caller holds the lock)."""
         if self._write_ahead:
-            return not self._queue and self._spool.pending_records == 0
+            return not self._queue and not self._writing and self._spool.pending_records == 0
         return (not self._queue and not self._spooling
                 and all(p.state == "acked" for p in self._with_producer.values()))
 

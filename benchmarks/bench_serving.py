@@ -1,20 +1,25 @@
 """Request latency of the serving endpoint with Kafka logging on and off (issue 4, performance).
 
-Two servers run side by side on uvicorn, each with its own TorchEngine over the
-default model (built under the configured data dir if it is not there yet):
+Each trial starts a fresh server process (:mod:`benchmarks.serving_process`):
+the stack of ``online-sao serve`` with a TorchEngine over the default model
+(built under the configured data dir if it is not there yet), logging every
+interaction write-ahead (spool, fsync) and to a real Kafka broker (a local one
+started in a temporary directory unless ``--bootstrap`` names one). Rounds
+switch its logging between
 
-* ``off``: the interaction logger's ``submit`` does nothing (no encoding, no queue, no broker);
-* ``on``: the production wiring, logging every interaction to a real Kafka broker
-  (a local one started in a temporary directory unless ``--bootstrap`` names one).
+* ``off``: the logger's ``submit`` drops the record before it is encoded (its threads stay, idle);
+* ``on``: the production path,
 
-Rounds alternate the two modes (in alternating order) so that the noise of a
-shared machine falls on both alike. Request ``i`` of every round and mode uses the
-same prompt and seed, so both modes sample the same tokens. Latency is measured
-by the client from sending a non-streaming chat request to the complete answer.
-At the end the ``on`` log is flushed and the topic is read back to show that every
-interaction arrived.
+in alternating order, so both modes run in the same process with the same engine
+and the noise of a shared machine falls on both alike; fresh processes per trial
+average out one process's luck (memory layout, which core it lands on). Request
+``i`` of every round and mode uses the same prompt and seed, so both modes sample
+the same tokens. Latency is measured by the client from sending a non-streaming
+chat request to the complete answer. At the end the topic is read back to show
+that every interaction logged arrived, and the CPU one logged record costs is
+measured apart from the engine (the process's and the broker's).
 
-    .venv/bin/python benchmarks/bench_serving.py [--rounds 4] [--requests 30] [--concurrency 1,4]
+    .venv/bin/python benchmarks/bench_serving.py [--trials 3] [--rounds 6] [--requests 32] [--concurrency 1,4,16]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,45 +38,44 @@ from pathlib import Path
 
 import httpx
 import torch
-from prometheus_client import CollectorRegistry
-from transformers import AutoConfig
 
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import start_broker  # noqa: E402
 from online_sao.base_model import build_base_model
-from online_sao.config import Config, load_config
+from online_sao.config import Config, KafkaConfig, load_config
 from online_sao.corpus import iter_prompts
-from online_sao.modeling import load_tokenizer
-from online_sao.schemas import Interaction, Reward
-from serving.app import build_app
+from online_sao.schemas import Interaction
 from serving.interaction_log import InteractionLogger
-from serving.metrics import ServingMetrics
-from serving.receipt import Receipt
-from serving.server import BackgroundServer, build_stack, make_engine, stop_token_ids
 from streams.kafka_backend import KafkaBackend
-from streams.memory import InMemoryBackend
 
 REPO = Path(__file__).resolve().parents[1]
+MODES = ("off", "on")
 
 
-class NoLogging(InteractionLogger):
-    """Logging off: records are dropped before they are encoded."""
+def start_server(spool_dir: Path, args, bootstrap: str | None) -> tuple[subprocess.Popen, str]:
+    """A serving process; returns it and its URL once it answers."""
+    cmd = [sys.executable, "-m", "benchmarks.serving_process", "--spool-dir", str(spool_dir),
+           "--threads", str(args.threads), "--backend", args.on_backend]
+    cmd += ["--bootstrap", bootstrap] if bootstrap else []
+    cmd += ["--config", args.config] if args.config else []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("URL "):
+            return proc, line.split()[1]
+    raise RuntimeError(f"the server exited with {proc.wait()} before serving (its log is above)")
 
-    def submit(self, record: Interaction | Reward) -> Receipt:
-        return Receipt(durable=True)
+
+def set_logging(url: str, mode: str) -> None:
+    httpx.post(f"{url}/bench/logging", params={"on": mode == "on"}, timeout=120).raise_for_status()
 
 
-def off_server(cfg: Config, model_dir: Path, workdir: Path) -> BackgroundServer:
-    tokenizer = load_tokenizer(model_dir)
-    engine = make_engine(cfg, model_dir, tokenizer)
-    backend = InMemoryBackend(cfg.kafka)
-    logger = NoLogging(backend.producer(), cfg.kafka.topics, workdir / "spool-off")
-    app = build_app(engine, logger, cfg, tokenizer, ServingMetrics(CollectorRegistry()),
-                    stop_token_ids=stop_token_ids(model_dir, tokenizer),
-                    max_model_len=AutoConfig.from_pretrained(model_dir).max_position_embeddings)
-    return BackgroundServer(app).start()
+def stop_server(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Close its stdin: it stops like ``online-sao serve`` (open requests finish, the log is flushed)."""
+    proc.stdin.close()
+    if proc.wait(timeout_s) != 0:
+        raise RuntimeError(f"a serving process exited with {proc.returncode}")
 
 
 def run_round(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[tuple[float, int]]:
@@ -89,18 +94,6 @@ def run_round(url: str, prompts: list[str], concurrency: int, max_tokens: int) -
             return list(pool.map(one, range(len(prompts))))
 
 
-def submit_cost_us(workdir: Path, cfg: Config, record: Interaction, repeats: int = 2000) -> float:
-    """Median microseconds of ``InteractionLogger.submit`` (encode + enqueue: the request-path part)."""
-    logger = InteractionLogger(InMemoryBackend(cfg.kafka).producer(), cfg.kafka.topics, workdir / "spool-micro",
-                               max_queue=repeats + 1)  # never started: nothing leaves the queue
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        logger.submit(record)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def sample_record(url: str, prompt: str, max_tokens: int) -> Interaction:
     """A representative interaction: one request's token counts, with text."""
     body = {"model": "online-sao", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -113,15 +106,39 @@ def sample_record(url: str, prompt: str, max_tokens: int) -> Interaction:
                        response_text="word " * n)
 
 
-def sender_cpu_ms(logger: InteractionLogger, record: Interaction, count: int = 300) -> float:
-    """Process CPU milliseconds per record to deliver ``count`` records through a live logger to Kafka
-    (submit, sender thread, Kafka client I/O), measured while the servers are idle."""
-    start = time.process_time()
-    for i in range(count):
-        logger.submit(record.model_copy(update={"interaction_id": f"cpu-probe-{i}"}))
-    if not logger.flush(60.0):
-        raise RuntimeError("the logger did not deliver the CPU probe records within 60 s")
-    return (time.process_time() - start) * 1000 / count
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def logging_cpu_ms(cfg: Config, kafka: KafkaConfig, spool_dir: Path, record: Interaction, ship_interval_s: float,
+                   broker_pid: int | None, count: int = 400, rate_hz: float = 40.0) -> tuple[float, float | None]:
+    """(process, broker) CPU milliseconds per record through a live write-ahead logger to Kafka, records
+    submitted one by one at ``rate_hz`` (each waits for its receipt, as a request does), no engine running.
+    The process figure includes building each record copy, as the request path does."""
+    s = cfg.serving
+    logger = InteractionLogger(KafkaBackend(kafka).producer(), kafka.topics, spool_dir, window=s.log_window,
+                               stall_s=s.log_stall_s, retry_s=s.log_retry_s, ship_interval_s=ship_interval_s)
+    logger.start()
+    try:
+        for i in range(20):  # warm-up: connection, metadata, first batch
+            logger.submit(record.model_copy(update={"interaction_id": f"cpu-warm-{ship_interval_s}-{i}"})).wait(30)
+        if not logger.flush(60.0):
+            raise RuntimeError("the logger did not deliver the warm-up records within 60 s")
+        start, broker_start = time.process_time(), cpu_seconds(broker_pid) if broker_pid else None
+        for i in range(count):
+            receipt = logger.submit(record.model_copy(update={"interaction_id": f"cpu-{ship_interval_s}-{i}"}))
+            if not receipt.wait(30):
+                raise RuntimeError("a record did not become durable within 30 s")
+            time.sleep(1 / rate_hz)
+        if not logger.flush(60.0):
+            raise RuntimeError("the logger did not deliver the CPU probe records within 60 s")
+        process_ms = (time.process_time() - start) * 1000 / count
+        broker_ms = (cpu_seconds(broker_pid) - broker_start) * 1000 / count if broker_pid else None
+        return process_ms, broker_ms
+    finally:
+        logger.close(10.0)
 
 
 def count_on_topic(backend: KafkaBackend, topic: str, expected: int, timeout_s: float = 60.0) -> int:
@@ -145,21 +162,22 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--requests", type=int, default=30, help="requests per round and mode")
-    p.add_argument("--concurrency", default="1,4", help="comma-separated client concurrencies")
+    p.add_argument("--trials", type=int, default=3, help="fresh pairs of server processes")
+    p.add_argument("--rounds", type=int, default=6, help="rounds per trial and concurrency (modes alternate)")
+    p.add_argument("--requests", type=int, default=32, help="requests per round and mode")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client concurrencies")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     p.add_argument("--bootstrap", default=None, help="an existing Kafka cluster instead of a local broker")
     p.add_argument("--on-backend", choices=["kafka", "memory"], default="kafka",
-                   help="memory: the `on` server logs through the full logger (spool, sender thread) into the "
+                   help="memory: the `on` server logs through the full logger (spool, sender thread) into an "
                         "in-process stream instead of kafka-python, to isolate the Kafka client's share")
+    p.add_argument("--broker-nice", type=int, default=0,
+                   help="niceness of the local broker (19: it takes CPU only when the servers leave some, "
+                        "standing in for a broker on machines of its own, as in production)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving.md"))
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
-    cfg.serving.rate_limit_per_minute = 1_000_000  # the benchmark measures latency, not the limiter
-    cfg.serving.rate_limit_burst = 10_000
     model_dir = build_base_model(cfg, progress=lambda line: print(line, flush=True))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     prompts = [prompt for _, _, prompt in iter_prompts()][:args.requests]
@@ -167,72 +185,87 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         workdir = Path(tmp)
-        broker = None
-        if args.on_backend == "memory":
-            kafka = cfg.kafka
-        elif args.bootstrap:
+        broker, kafka = None, cfg.kafka
+        if args.bootstrap:
             kafka = cfg.kafka.model_copy(update={"bootstrap_servers": args.bootstrap})
-        else:
+        elif args.on_backend == "kafka":
             broker, kafka = start_broker(cfg, workdir)
-        on_cfg = cfg.model_copy(update={"kafka": kafka, "serving": cfg.serving.model_copy(
-            update={"spool_dir": workdir / "spool-on"})})
-        backend = InMemoryBackend(kafka) if args.on_backend == "memory" else KafkaBackend(kafka)
-        backend.ensure_topics()
-        servers = {"off": off_server(cfg, model_dir, workdir)}
-        stack = build_stack(on_cfg, model_dir, backend)
-        servers["on"] = BackgroundServer(stack.app).start()
+            if args.broker_nice:
+                pid = int(broker.pid_file.read_text())
+                for task in os.listdir(f"/proc/{pid}/task"):  # every JVM thread: niceness is per thread on Linux
+                    os.setpriority(os.PRIO_PROCESS, int(task), args.broker_nice)
         try:
-            results = {(mode, c): [] for mode in servers for c in concurrencies}
-            for url in (s.url for s in servers.values()):  # warm-up: first calls pay one-off costs
-                run_round(url, prompts[:4], 1, args.max_tokens)
-            for c in concurrencies:
-                for r in range(args.rounds):
-                    for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                        results[(mode, c)] += run_round(servers[mode].url, prompts, c, args.max_tokens)
-                        print(f"concurrency {c} round {r + 1}/{args.rounds} {mode} done", flush=True)
-            record = sample_record(servers["off"].url, prompts[0], args.max_tokens)
-            submit_us = submit_cost_us(workdir, cfg, record)
-            logged_requests = 4 + args.rounds * args.requests * len(concurrencies)
-            flushed = stack.logger.flush(60.0)
-            on_topic = count_on_topic(backend, kafka.topics.interactions, logged_requests)
-            cpu_ms = sender_cpu_ms(stack.logger, record)
+            bootstrap = kafka.bootstrap if args.on_backend == "kafka" else None
+            if bootstrap:
+                KafkaBackend(kafka).ensure_topics()
+            results = {(mode, c): [] for mode in MODES for c in concurrencies}
+            trial_p50 = {c: [] for c in concurrencies}
+            logged = 0
+            for trial in range(args.trials):
+                proc, url = start_server(workdir / f"spool-{trial}", args, bootstrap)
+                try:
+                    run_round(url, prompts[:4], 1, args.max_tokens)  # warm-up: first calls pay one-off costs
+                    logged += 4
+                    for c in concurrencies:
+                        this_trial = {mode: [] for mode in MODES}
+                        for r in range(args.rounds):
+                            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                                set_logging(url, mode)
+                                this_trial[mode] += run_round(url, prompts, c, args.max_tokens)
+                            logged += len(prompts)
+                            print(f"trial {trial + 1}/{args.trials} concurrency {c} round {r + 1}/{args.rounds} done",
+                                  flush=True)
+                        for mode in MODES:
+                            results[(mode, c)] += this_trial[mode]
+                        trial_p50[c].append({mode: percentile([t for t, _ in this_trial[mode]], 0.5)
+                                             for mode in MODES})
+                    if trial == 0:
+                        set_logging(url, "off")
+                        record = sample_record(url, prompts[0], args.max_tokens)
+                finally:
+                    stop_server(proc)
+            on_topic = count_on_topic(KafkaBackend(kafka), kafka.topics.interactions, logged) if bootstrap else None
+            cpu = {}
+            if bootstrap:
+                broker_pid = int(broker.pid_file.read_text()) if broker is not None else None
+                for interval in sorted({cfg.serving.log_ship_interval_s, 0.0}, reverse=True):
+                    cpu[interval] = logging_cpu_ms(cfg, kafka, workdir / f"spool-cpu-{interval}", record, interval,
+                                                   broker_pid)
         finally:
-            for server in servers.values():
-                server.stop()
             if broker is not None:
                 broker.stop()
 
-    lines = report(args, argv, cfg, model_dir, concurrencies, results, load_before)
-    p50_off = percentile([t for t, _ in results[("off", concurrencies[0])]], 0.5)
-    lines.append(f"Request-path cost of logging (noise-free): `InteractionLogger.submit` (encode + enqueue) of a "
-                 f"representative interaction takes {submit_us:.0f} us (median of 2000), "
-                 f"{100 * submit_us / 1e6 / p50_off:.3f}% of the off p50 at concurrency {concurrencies[0]}; "
-                 "the rest (sender thread, Kafka client I/O) runs off the request path but shares the CPUs "
-                 f"(and the GIL): {cpu_ms:.2f} ms of process CPU per record delivered to Kafka.")
-    lines += ["", "On this shared machine the spread of paired ratios (interquartile range above) is far wider "
-              "than the effect being measured, so the A/B p50 difference is noise-dominated; the two lines above "
-              "bound what logging itself costs.", ""]
-    lines.append(f"Kafka check: {on_topic} of {logged_requests} interactions of the `on` server read back from "
-                 f"the topic (logger flushed: {flushed}).")
+    lines = report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_before)
+    for interval, (process_ms, broker_ms) in cpu.items():
+        broker_part = "" if broker_ms is None else f", the broker {broker_ms:.2f} ms"
+        lines.append(f"- CPU per logged record with `serving.log_ship_interval_s` = {interval:g}: the serving "
+                     f"process {process_ms:.2f} ms{broker_part} (records one by one at 40/s, each waiting "
+                     "for its receipt; no engine running)")
+    if on_topic is not None:
+        lines += ["", f"Kafka check: {on_topic} of {logged} interactions logged by the server processes read back from the "
+                      "topic (each server process flushed its log on its clean stop)."]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
 
-def report(args, argv, cfg, model_dir, concurrencies, results, load_before) -> list[str]:
+def report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_before) -> list[str]:
     command = "python benchmarks/bench_serving.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     base = cfg.model.base
     lines = [
         "# Serving latency with Kafka logging on and off (CPU)", "",
         f"- command: `{command.strip()}`",
-        f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} logical CPUs (shared with other "
-        f"work; 1-min load average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the end), "
-        f"torch {torch.__version__}, {args.threads} torch thread(s)",
+        f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} logical CPUs (the broker and "
+        f"the client share them; 1-min load average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the "
+        f"end), torch {torch.__version__}, {args.threads} torch thread(s) per server",
         f"- model: default model from {model_dir} ({base.architecture}, hidden {base.hidden_size}, "
         f"{base.num_layers} layers, vocab {base.vocab_size})",
         f"- workload: non-streaming chat requests, max_tokens {args.max_tokens}, temperature 1.0, seeded; "
-        f"{args.rounds} rounds x {args.requests} requests per mode and concurrency, modes alternating",
+        f"{args.trials} trials (a fresh server process each) x {args.rounds} rounds x {args.requests} requests per "
+        f"mode and concurrency, the process's logging switched between rounds, modes alternating; `on` logs write-ahead (`serving.log_ship_interval_s` = "
+        f"{cfg.serving.log_ship_interval_s:g}) to {'Kafka' if args.on_backend == 'kafka' else 'an in-process stream'}"
+        + (f"; the local broker runs at nice {args.broker_nice}" if args.broker_nice else ""),
         f"- measured: {time.strftime('%Y-%m-%d %H:%M')}", "",
         "| concurrency | logging | requests | p50 ms | p99 ms | mean ms | mean tokens |",
         "|---:|---|---:|---:|---:|---:|---:|",
@@ -240,7 +273,7 @@ def report(args, argv, cfg, model_dir, concurrencies, results, load_before) -> l
     overheads = []
     for c in concurrencies:
         p50 = {}
-        for mode in ("off", "on"):
+        for mode in MODES:
             rows = results[(mode, c)]
             seconds = [s for s, _ in rows]
             p50[mode] = percentile(seconds, 0.5)
@@ -248,11 +281,12 @@ def report(args, argv, cfg, model_dir, concurrencies, results, load_before) -> l
                          f"{percentile(seconds, 0.99) * 1000:.1f} | {statistics.mean(seconds) * 1000:.1f} | "
                          f"{statistics.mean(t for _, t in rows):.1f} |")
         ratios = sorted(on / off for (on, _), (off, _) in zip(results[("on", c)], results[("off", c)]))
-        change = {q: 100 * (percentile(ratios, q) - 1) for q in (0.25, 0.5, 0.75)}
-        overheads.append(f"concurrency {c}: p50 {100 * (p50['on'] / p50['off'] - 1):+.1f}%, paired median "
-                         f"{change[0.5]:+.1f}% (interquartile {change[0.25]:+.1f}% to {change[0.75]:+.1f}%)")
-    lines += ["", "Overhead of Kafka logging (target: at most +5% on p50). \"paired\" compares each request with "
-              "the same request (same prompt and seed, same round) of the other mode:", ""]
+        per_trial = ", ".join(f"{100 * (t['on'] / t['off'] - 1):+.1f}%" for t in trial_p50[c])
+        overheads.append(f"concurrency {c}: p50 {100 * (p50['on'] / p50['off'] - 1):+.1f}% (per trial: "
+                         f"{per_trial}); paired median {100 * (percentile(ratios, 0.5) - 1):+.1f}% (interquartile "
+                         f"{100 * (percentile(ratios, 0.25) - 1):+.1f}% to {100 * (percentile(ratios, 0.75) - 1):+.1f}%)")
+    lines += ["", "Overhead of logging (target: at most +5% on p50), all trials pooled; \"paired\" compares each "
+              "request with the same request (same prompt and seed, same trial and round) of the other mode:", ""]
     lines += [f"- {o}" for o in overheads] + [""]
     return lines
 

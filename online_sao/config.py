@@ -284,6 +284,12 @@ class ServingConfig(Section):
     """A record unacknowledged this long means the broker is unreachable: start spooling."""
     log_retry_s: float = Field(1.0, gt=0)
     """Pause before a failed record is sent again during spool replay."""
+    log_ship_interval_s: float = Field(0.25, ge=0, le=10)
+    """write_ahead: the sender ships spooled records to the broker in cycles at least this far
+    apart, so one spool read, one produce request and one watermark write serve every record
+    of the cycle. Clients do not wait for it (their records are durable in the spool); the
+    learner sees a record up to this much later. 0 ships each record at once (more CPU per
+    record beside the engine: benchmarks/results/serving.md)."""
     keep_alive_s: float = Field(65.0, gt=0)
     """Seconds an idle HTTP keep-alive connection stays open. Longer than clients' own idle
     expiry (httpx, hence the openai client: 5 s) so that a client never sends a request on a

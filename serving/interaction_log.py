@@ -12,7 +12,11 @@ its client once the receipt says the record is durable. Two modes
     receipts are durable. A sender thread ships records from the spool in
     order (at most ``window`` with the producer, each re-sent after ``retry_s``
     if its delivery failed) and advances the spool's acknowledgement watermark
-    over every prefix the broker acknowledged. A crash or SIGKILL therefore
+    over every prefix the broker acknowledged, in cycles at least
+    ``ship_interval_s`` apart: nobody waits for the broker here, so records and
+    delivery reports are gathered, and one cycle's spool read, watermark write
+    and produce request serve many records (benchmarks/results/serving.md
+    measures what this saves). A crash or SIGKILL therefore
     loses nothing a client was told about: the next start replays everything
     above the watermark, in order. A record the broker acknowledged just before
     a crash, before its watermark was written, is sent again (at-least-once
@@ -79,7 +83,7 @@ class InteractionLogger(SpoolSender):
     def __init__(self, producer: Producer, topics: TopicsConfig, spool_dir: Path, *,
                  durability: Durability = "write_ahead", max_queue: int = 10_000, window: int = 256,
                  stall_s: float = 5.0, retry_s: float = 1.0, spool_max_bytes: int = 1 << 30,
-                 clock: Callable[[], float] = time.monotonic):
+                 ship_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         if durability not in ("write_ahead", "memory"):
             raise ValueError(f"unknown log durability {durability!r}")
         super().__init__(producer, Spool(spool_dir, spool_max_bytes), write_ahead=durability == "write_ahead",
@@ -87,6 +91,7 @@ class InteractionLogger(SpoolSender):
         self._topics = topics
         self.durability = durability
         self._max_queue = max_queue
+        self._ship_interval_s = ship_interval_s
         self._queue: deque[_Pending] = deque()
         """memory: records for the producer; write_ahead: records for the writer."""
         self._seq = self._spool.last_seq
@@ -96,6 +101,13 @@ class InteractionLogger(SpoolSender):
         self._writing = 0  # write_ahead: records taken from the queue whose spool append has not returned
         self._deadline = float("inf")
         self._crashed: str | None = None
+        # Each thread waits on its own condition (all on the one state lock), so that a record
+        # wakes only the thread that has work for it: every needless wake-up takes the
+        # interpreter lock from the engine's thread (benchmarks/results/serving.md).
+        self._writer_wake = threading.Condition(self._state_lock)
+        """write_ahead: the writer waits here for submitted records (and close)."""
+        self._ship_timer = threading.Condition(self._state_lock)
+        """write_ahead: the sender waits here between two shipping cycles (only close wakes it early)."""
         self.fsyncs = 0
         """write_ahead: appends of the writer (each one fsync, for one or more records)."""
         if self._write_ahead:
@@ -128,8 +140,10 @@ class InteractionLogger(SpoolSender):
             self._queue.append(_Pending(self._seq, topic, record.interaction_id.encode("utf-8"), value))
             if self._write_ahead:
                 self._receipts[self._seq] = receipt
-            self._events += 1
-            self._cv.notify_all()
+                self._writer_wake.notify()
+            else:
+                self._events += 1
+                self._cv.notify_all()
         return receipt
 
     def refusal(self) -> str | None:
@@ -180,6 +194,8 @@ class InteractionLogger(SpoolSender):
             self._deadline = self._clock() + timeout_s
             self._events += 1
             self._cv.notify_all()
+            self._writer_wake.notify_all()
+            self._ship_timer.notify_all()
         for thread in (self._writer, self._thread):
             if thread is not None and thread.is_alive():
                 # the producer may block a send for its own timeout; give the thread that long too
@@ -207,9 +223,9 @@ class InteractionLogger(SpoolSender):
         while True:
             with self._cv:
                 while not self._queue and not self._closing and not self._spool.held_in_memory:
-                    self._cv.wait()
+                    self._writer_wake.wait()
                 if not self._queue and self._spool.held_in_memory and not self._closing:
-                    self._cv.wait(self._retry_s)  # the disk refused: retry the held records now and then
+                    self._writer_wake.wait(self._retry_s)  # the disk refused: retry the held records now and then
                 batch = list(self._queue)
                 self._queue.clear()
                 self._writing = len(batch)  # still undelivered, though neither queued nor in the spool yet
@@ -235,13 +251,17 @@ class InteractionLogger(SpoolSender):
 
     def _run_sender(self) -> None:
         """write_ahead: ship the spool to the broker in order and acknowledge what it took."""
+        last_cycle = float("-inf")
         while True:
             with self._cv:
+                while not self._closing and (wait := last_cycle + self._ship_interval_s - self._clock()) > 0:
+                    self._ship_timer.wait(wait)  # gather records and delivery reports for one cycle
                 seen = self._events
                 finished = self._closing and self._writer_done and (
                     self._drained() or self._clock() >= self._deadline)
             if finished:
                 return
+            last_cycle = self._clock()
             progressed = self._replay()
             if self._stalled() and not self._spooling:
                 self._set_reachable(False, "records unacknowledged for longer than serving.log_stall_s")

@@ -87,6 +87,7 @@ def make_logger(cfg: Config, producer: Producer) -> InteractionLogger:
     return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
                              max_queue=s.log_queue_size,
                              window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
+                             ship_interval_s=s.log_ship_interval_s,
                              spool_max_bytes=s.spool_max_bytes)
 
 

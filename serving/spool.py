@@ -45,6 +45,7 @@ import os
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,9 @@ class Spool:
         """Logical offset of the log file's first byte: offsets only grow, so an entry read
         before a compaction or reset never points into the wrong place."""
         self._acked_seq = self._read_watermark()
+        self._unacked_ends: deque[int] = deque()
+        """Logical end offsets of the entries on disk above the acknowledged offset, in order
+        (counting what an acknowledgement covers without reading the log again)."""
         self._acked_offset, self._log_size, self._pending, self.last_seq = self._recover()
 
     # ------------------------------------------------------------------ state
@@ -173,6 +177,7 @@ class Spool:
         """(acknowledged offset, log size, pending entries, last sequence number) from the files."""
         entries, size = self._scan()
         acked_offset = max((e.end_offset for e in entries if e.seq <= self._acked_seq), default=0)
+        self._unacked_ends.extend(e.end_offset for e in entries if e.end_offset > acked_offset)
         pending = sum(1 for e in entries if e.seq > self._acked_seq)
         last_seq = max([self._acked_seq] + [e.seq for e in entries])
         return acked_offset, size, pending, last_seq
@@ -189,7 +194,8 @@ class Spool:
             self._overflow = []
             if not todo:
                 return True
-            data = b"".join(e.encode() for e in todo)
+            encoded = [e.encode() for e in todo]
+            data = b"".join(encoded)
             try:
                 if self.file_bytes + len(data) > self.max_bytes and self._acked_offset > self._base:
                     self._compact()  # the acknowledged prefix may make the room
@@ -201,7 +207,9 @@ class Spool:
                 self._overflow = todo
                 self.error = f"cannot write the spool at {self.log_path}: {exc}"
                 return False
-            self._log_size += len(data)
+            for chunk in encoded:
+                self._log_size += len(chunk)
+                self._unacked_ends.append(self._log_size)
             self._pending += len(todo)
             self.error = None
             return True
@@ -255,8 +263,11 @@ class Spool:
                 self._overflow = self._overflow[index + 1:]
                 self._pending = 0
                 self._acked_offset = self._log_size
+                self._unacked_ends.clear()
             else:
-                self._pending -= self._count_between(self._acked_offset, entry.end_offset)
+                while self._unacked_ends and self._unacked_ends[0] <= entry.end_offset:
+                    self._unacked_ends.popleft()
+                    self._pending -= 1
                 self._acked_offset = entry.end_offset
             self._acked_seq = entry.seq
             garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
@@ -289,18 +300,6 @@ class Spool:
         self._base = self._acked_offset
         self.compactions += 1
 
-    def _count_between(self, start: int, end: int) -> int:
-        count = 0
-        with open(self.log_path, "rb") as fh:
-            fh.seek(start - self._base)
-            offset = start
-            while offset < end:
-                length = int(fh.read(_HEADER_BYTES)[0:8], 16)
-                fh.seek(length + 1, os.SEEK_CUR)
-                offset += _HEADER_BYTES + length + 1
-                count += 1
-        return count
-
     def _persist_watermark(self) -> None:
         """Best effort: a watermark that cannot be written only means re-sending after a crash."""
         tmp = self.acked_path.with_suffix(".tmp")
@@ -321,4 +320,5 @@ class Spool:
             pass  # truncating frees space, so it works on a full disk too
         self._base = self._acked_offset = self._log_size
         self._pending = 0
+        self._unacked_ends.clear()
         self._persist_watermark()

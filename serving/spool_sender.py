@@ -48,7 +48,9 @@ class SpoolSender:
         self._stall_s = stall_s
         self._retry_s = retry_s
         self._clock = clock
-        self._cv = threading.Condition()
+        self._state_lock = threading.RLock()
+        self._cv = threading.Condition(self._state_lock)
+        """Guards the state below; waited on for appends, delivery reports and drain (flush)."""
         self._events = 0
         """Counts changes a waiting thread may have to act on (appends, delivery reports)."""
         self._receipts: dict[int, Receipt] = {}

@@ -95,6 +95,7 @@ def make_harness(tmp_path, chat_tokenizer) -> Iterator:
         logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
                                    max_queue=s.log_queue_size,
                                    window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
+                                   ship_interval_s=s.log_ship_interval_s,
                                    spool_max_bytes=spool_max_bytes or s.spool_max_bytes)
         metrics = ServingMetrics(CollectorRegistry())
         app = build_app(engine, logger, cfg, chat_tokenizer, metrics, max_model_len=512)

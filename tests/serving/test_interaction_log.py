@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 
 from online_sao.config import TopicsConfig
 from online_sao.schemas import Interaction, Reward, decode
 from serving.interaction_log import InteractionLogger
+from serving.spool import Spool
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import FakeProducer
 
@@ -120,6 +122,35 @@ class HungProducer(FakeProducer):
     def send(self, *args, **kwargs):
         self.unblock.wait()
         raise RuntimeError("the process was killed")
+
+
+def test_write_ahead_ships_in_cycles_records_are_durable_without_waiting_for_one(make_logger, monkeypatch):
+    interval = 0.4
+    reads = []
+    original = Spool.read_pending
+    monkeypatch.setattr(Spool, "read_pending", lambda self, limit: reads.append(1) or original(self, limit))
+    producer = FakeProducer()
+    logger = make_logger(producer, ship_interval_s=interval)
+    start = time.monotonic()
+    for i in range(20):  # one by one, as sequential requests: each waits for its own fsync only
+        assert logger.submit(interaction(i)).wait(interval / 2)
+    assert logger.flush(5.0)
+    elapsed = time.monotonic() - start
+    assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(20)]
+    assert logger.fsyncs >= 20 / 2  # durable record by record (group commit may pair a few)...
+    assert len(reads) <= elapsed / interval + 2  # ...but shipped in cycles: one spool read serves many records
+
+
+def test_close_does_not_wait_out_the_ship_interval(make_logger):
+    producer = FakeProducer()
+    logger = make_logger(producer, ship_interval_s=600.0)
+    receipts = [logger.submit(interaction(i)) for i in range(3)]
+    assert all(r.wait(5) for r in receipts)
+    start = time.monotonic()
+    report = logger.close(timeout_s=5.0)
+    assert time.monotonic() - start < 60  # far below the interval: close wakes the sender
+    assert delivered_ids(producer) == ["id-0000", "id-0001", "id-0002"]
+    assert report.spooled == 0 and report.held_in_memory == 0
 
 
 def test_a_crash_loses_nothing_acknowledged_the_next_start_replays_it_in_order(tmp_path, make_logger):

@@ -154,6 +154,12 @@ def count_on_topic(backend: KafkaBackend, topic: str, expected: int, timeout_s: 
     return count
 
 
+def requests_per_round(requests: int, concurrency: int) -> int:
+    """At least ``requests``, and at least 4 waves of ``concurrency`` requests: a round of only one or
+    two waves is mostly its ramp-up and tail, and the noise of its few slowest requests."""
+    return max(requests, 4 * concurrency)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     model_dir = build_base_model(cfg, progress=lambda line: print(line, flush=True))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    prompts = [prompt for _, _, prompt in iter_prompts()][:args.requests]
+    corpus = [prompt for _, _, prompt in iter_prompts()]
+    prompts = corpus[:args.requests]
     load_before = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
@@ -208,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
                     logged += 4
                     for c in concurrencies:
                         this_trial = {mode: [] for mode in MODES}
+                        round_prompts = corpus[:requests_per_round(args.requests, c)]
                         for r in range(args.rounds):
                             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
                                 set_logging(url, mode)
-                                this_trial[mode] += run_round(url, prompts, c, args.max_tokens)
-                            logged += len(prompts)
+                                this_trial[mode] += run_round(url, round_prompts, c, args.max_tokens)
+                            logged += len(round_prompts)
                             print(f"trial {trial + 1}/{args.trials} concurrency {c} round {r + 1}/{args.rounds} done",
                                   flush=True)
                         for mode in MODES:
@@ -242,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"process {process_ms:.2f} ms{broker_part} (records one by one at 40/s, each waiting "
                      "for its receipt; no engine running)")
     if on_topic is not None:
-        lines += ["", f"Kafka check: {on_topic} of {logged} interactions logged by the server processes read back from the "
-                      "topic (each server process flushed its log on its clean stop)."]
+        lines += ["", f"Kafka check: {on_topic} of {logged} interactions logged by the server processes read back "
+                      "from the topic (each server process flushed its log on its clean stop)."]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -262,8 +270,9 @@ def report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_b
         f"- model: default model from {model_dir} ({base.architecture}, hidden {base.hidden_size}, "
         f"{base.num_layers} layers, vocab {base.vocab_size})",
         f"- workload: non-streaming chat requests, max_tokens {args.max_tokens}, temperature 1.0, seeded; "
-        f"{args.trials} trials (a fresh server process each) x {args.rounds} rounds x {args.requests} requests per "
-        f"mode and concurrency, the process's logging switched between rounds, modes alternating; `on` logs write-ahead (`serving.log_ship_interval_s` = "
+        f"{args.trials} trials (a fresh server process each) x {args.rounds} rounds x {args.requests} requests "
+        f"(at least 4 x the concurrency) per mode and concurrency, the process's logging switched between rounds, "
+        f"modes alternating; `on` logs write-ahead (`serving.log_ship_interval_s` = "
         f"{cfg.serving.log_ship_interval_s:g}) to {'Kafka' if args.on_backend == 'kafka' else 'an in-process stream'}"
         + (f"; the local broker runs at nice {args.broker_nice}" if args.broker_nice else ""),
         f"- measured: {time.strftime('%Y-%m-%d %H:%M')}", "",
@@ -282,9 +291,10 @@ def report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_b
                          f"{statistics.mean(t for _, t in rows):.1f} |")
         ratios = sorted(on / off for (on, _), (off, _) in zip(results[("on", c)], results[("off", c)]))
         per_trial = ", ".join(f"{100 * (t['on'] / t['off'] - 1):+.1f}%" for t in trial_p50[c])
+        quartiles = [100 * (percentile(ratios, q) - 1) for q in (0.25, 0.5, 0.75)]
         overheads.append(f"concurrency {c}: p50 {100 * (p50['on'] / p50['off'] - 1):+.1f}% (per trial: "
-                         f"{per_trial}); paired median {100 * (percentile(ratios, 0.5) - 1):+.1f}% (interquartile "
-                         f"{100 * (percentile(ratios, 0.25) - 1):+.1f}% to {100 * (percentile(ratios, 0.75) - 1):+.1f}%)")
+                         f"{per_trial}); paired median {quartiles[1]:+.1f}% (interquartile "
+                         f"{quartiles[0]:+.1f}% to {quartiles[2]:+.1f}%)")
     lines += ["", "Overhead of logging (target: at most +5% on p50), all trials pooled; \"paired\" compares each "
               "request with the same request (same prompt and seed, same trial and round) of the other mode:", ""]
     lines += [f"- {o}" for o in overheads] + [""]

@@ -19,7 +19,7 @@ chat request to the complete answer. At the end the topic is read back to show
 that every interaction logged arrived, and the CPU one logged record costs is
 measured apart from the engine (the process's and the broker's).
 
-    .venv/bin/python benchmarks/bench_serving.py [--trials 3] [--rounds 6] [--requests 32] [--concurrency 1,4,16]
+    .venv/bin/python benchmarks/bench_serving.py [--trials 5] [--rounds 24] [--requests 8] [--concurrency 1,4,16]
 """
 
 from __future__ import annotations
@@ -168,9 +168,11 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None)
-    p.add_argument("--trials", type=int, default=3, help="fresh pairs of server processes")
-    p.add_argument("--rounds", type=int, default=6, help="rounds per trial and concurrency (modes alternate)")
-    p.add_argument("--requests", type=int, default=32, help="requests per round and mode")
+    p.add_argument("--trials", type=int, default=5, help="fresh server processes, one after the other")
+    p.add_argument("--rounds", type=int, default=24,
+                   help="rounds per trial and concurrency (modes alternate); many short rounds put the two modes "
+                        "close together in time, so the machine's drift cancels")
+    p.add_argument("--requests", type=int, default=8, help="requests per round and mode (at least 4 x concurrency)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client concurrencies")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each server")

@@ -205,6 +205,7 @@ class InteractionLogger(SpoolSender):
                       len(self._queue) + len(self._with_producer))
             return CloseReport(self.acknowledged, self._spool.pending_records,
                                len(self._queue) + len(self._with_producer))
+        self._spool.close()
         held = self._spool.held_in_memory
         return CloseReport(self.acknowledged, self._spool.pending_records - held, held)
 

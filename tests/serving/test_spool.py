@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import errno
 
+import pytest
+
 from serving.spool import Spool, SpoolEntry
+
+
+@pytest.fixture(autouse=True)
+def close_spools(monkeypatch):
+    """Every spool a test opens releases its log's file handle at the end."""
+    opened = []
+    init = Spool.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(Spool, "__init__", tracked)
+    yield
+    for spool in opened:
+        spool.close()
 
 
 def entries(first: int, count: int, topic: str = "t") -> list[SpoolEntry]:

@@ -44,7 +44,9 @@ API (small on purpose; the scenarios in this package use only this):
     status) per request, ``unrewarded`` (acked ids whose reward never got through).
 
 Checks: ``assert_exactly_once(acked, trained)`` -> :class:`ExactlyOnce`
-figures (acked ids each trained exactly once, nothing trained twice).
+figures (acked ids each trained exactly once, nothing trained twice);
+``assert_recovered(stack, traffic, timeout_s)`` -> :class:`Recovered`: that, after waiting for the
+training, plus every acked id rewarded and finite weights published.
 """
 
 from __future__ import annotations
@@ -118,6 +120,30 @@ def assert_exactly_once(acked: Iterable[str], trained: Iterable[str]) -> Exactly
     assert not repeated, f"interactions trained more than once: {dict(list(repeated.items())[:5])}"
     assert len(set(acked)) == len(acked), "the server acknowledged one interaction id twice"
     return ExactlyOnce(len(acked), sum(counts.values()), len(set(counts) - set(acked)))
+
+
+DUPLICATE_SETTLE_S = 2.0
+"""After the last acknowledged id trained: long enough for a copy trained twice to reach the ledger."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    figures: ExactlyOnce
+    versions: int
+    """Published weight versions, all checked finite."""
+    train_s: float
+    """Seconds until the last acknowledged interaction was trained."""
+
+
+def assert_recovered(stack: "LiveStack", traffic: Traffic, timeout_s: float) -> Recovered:
+    """After a fault: every acknowledged interaction trained exactly once and rewarded, and the learner
+    published weights, all finite. Fails also if the learner exited."""
+    train_s = stack.wait_trained(traffic.acked, timeout_s)
+    time.sleep(DUPLICATE_SETTLE_S)
+    figures = assert_exactly_once(traffic.acked, stack.trained_ids())
+    versions = stack.assert_published_weights_finite()
+    assert versions > 0 and traffic.unrewarded == []
+    return Recovered(figures, versions, train_s)
 
 
 class LiveStack:

@@ -20,7 +20,7 @@ import pytest
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
 from serving.spool import Spool
-from tests.faults.harness import Traffic, assert_exactly_once
+from tests.faults.harness import Traffic, assert_recovered
 from trainer.join import RewardJoiner
 
 ACKED_BEFORE_PAUSE = 6
@@ -50,12 +50,9 @@ def test_serving_sigkill_loses_no_acknowledged_interaction(live_stack):
         traffic.stop()
     assert code == -9
     first_answer = min(t for t, status in traffic.events if status == 200 and t > killed_at)
-    train_s = stack.wait_trained(traffic.acked, TRAIN_TIMEOUT_S)
-    time.sleep(2.0)  # a copy trained twice would reach the ledger now
-    figures = assert_exactly_once(traffic.acked, stack.trained_ids())
     assert in_spool >= acked_at_kill - paused_at >= ACKED_WHILE_PAUSED  # the kill hit acknowledged, unsent ones
-    versions = stack.assert_published_weights_finite()
-    assert versions > 0 and traffic.unrewarded == []
+    recovered = assert_recovered(stack, traffic, TRAIN_TIMEOUT_S)
+    figures, versions, train_s = recovered.figures, recovered.versions, recovered.train_s
     print(f"\nserving SIGKILL: acked {figures.acked} (at the kill {acked_at_kill}, {acked_at_kill - paused_at} while "
           f"the broker hung), in the spool at the kill {in_spool}, trained {figures.trained} "
           f"(unacked but trained {figures.unacked_trained}), duplicates dropped by the learner "

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.faults.harness import Traffic, assert_exactly_once
+from tests.faults.harness import Traffic, assert_recovered
 
 pytestmark = pytest.mark.kafka
 
@@ -57,11 +57,8 @@ def test_spool_disk_full_refuses_new_work_with_the_reason_and_recovers(live_stac
     assert all("spool_max_bytes" in message or "could not be logged" in message for message in traffic.refusals)
     assert "broker is unreachable" in traffic.refusals[-1]
     assert set(traffic.statuses) <= {200, 503, "stream_error"}, traffic.statuses  # a stream's 503 is an event
-    train_s = stack.wait_trained(traffic.acked, TRAIN_TIMEOUT_S)
-    time.sleep(2.0)  # a copy trained twice would reach the ledger now
-    figures = assert_exactly_once(traffic.acked, stack.trained_ids())
-    versions = stack.assert_published_weights_finite()
-    assert versions > 0 and traffic.unrewarded == []
+    recovered = assert_recovered(stack, traffic, TRAIN_TIMEOUT_S)
+    figures, versions, train_s = recovered.figures, recovered.versions, recovered.train_s
     print(f"\nspool full (quota {SPOOL_QUOTA_BYTES} B): acked {figures.acked} ({acked_until_full} after the broker "
           f"hung, before the spool was full), first 503 {first_503 - down_at:.1f} s after the hang, "
           f"statuses {dict(traffic.statuses)}, broker back -> first 200 {first_200 - up_at:.1f} s, "

@@ -111,16 +111,16 @@ class Spool:
         before a compaction or reset never points into the wrong place."""
         self._acked_seq = self._read_watermark()
         self._unacked_ends: deque[int] = deque()
-        """Logical end offsets of the entries on disk above the acknowledged offset, in order
-        (counting what an acknowledgement covers without reading the log again)."""
-        self._acked_offset, self._log_size, self._pending, self.last_seq = self._recover()
+        """Logical end offsets of the entries on disk above the acknowledged offset, in order: how
+        many are pending, and what an acknowledgement covers, without reading the log again."""
+        self._acked_offset, self._log_size, self.last_seq = self._recover()
 
     # ------------------------------------------------------------------ state
 
     @property
     def pending_records(self) -> int:
         """Entries not yet acknowledged (on disk and held in memory)."""
-        return self._pending + len(self._overflow)
+        return len(self._unacked_ends) + len(self._overflow)
 
     @property
     def held_in_memory(self) -> int:
@@ -177,14 +177,14 @@ class Spool:
                 os.fsync(fh.fileno())
         return entries, offset
 
-    def _recover(self) -> tuple[int, int, int, int]:
-        """(acknowledged offset, log size, pending entries, last sequence number) from the files."""
+    def _recover(self) -> tuple[int, int, int]:
+        """(acknowledged offset, log size, last sequence number) from the files; fills the
+        pending entries' end offsets."""
         entries, size = self._scan()
         acked_offset = max((e.end_offset for e in entries if e.seq <= self._acked_seq), default=0)
         self._unacked_ends.extend(e.end_offset for e in entries if e.end_offset > acked_offset)
-        pending = sum(1 for e in entries if e.seq > self._acked_seq)
         last_seq = max([self._acked_seq] + [e.seq for e in entries])
-        return acked_offset, size, pending, last_seq
+        return acked_offset, size, last_seq
 
     # ------------------------------------------------------------------ writing
 
@@ -214,7 +214,6 @@ class Spool:
             for chunk in encoded:
                 self._log_size += len(chunk)
                 self._unacked_ends.append(self._log_size)
-            self._pending += len(todo)
             self.error = None
             return True
 
@@ -269,13 +268,11 @@ class Spool:
             if entry.end_offset is None:  # an in-memory entry: drop it and everything before it
                 index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
                 self._overflow = self._overflow[index + 1:]
-                self._pending = 0
                 self._acked_offset = self._log_size
                 self._unacked_ends.clear()
             else:
                 while self._unacked_ends and self._unacked_ends[0] <= entry.end_offset:
                     self._unacked_ends.popleft()
-                    self._pending -= 1
                 self._acked_offset = entry.end_offset
             self._acked_seq = entry.seq
             garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
@@ -338,6 +335,5 @@ class Spool:
         with open(self.log_path, "wb"):
             pass  # truncating frees space, so it works on a full disk too
         self._base = self._acked_offset = self._log_size
-        self._pending = 0
         self._unacked_ends.clear()
         self._persist_watermark()

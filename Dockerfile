@@ -35,6 +35,7 @@ COPY online_sao ./online_sao
 COPY streams ./streams
 COPY serving ./serving
 COPY trainer ./trainer
+COPY apps ./apps
 RUN /opt/venv/bin/pip install --no-deps -c constraints.txt . \
  && /opt/venv/bin/online-sao --help > /dev/null
 

@@ -38,8 +38,9 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import random_default_model  # noqa: E402
-from online_sao.base_model import is_built
-from online_sao.config import BaseModelConfig, ServingConfig, load_config
+from apps.default_model.builder import is_built
+from apps.config import BaseModelConfig, load_app_config
+from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from online_sao.weights import FileWeightStore
@@ -50,7 +51,7 @@ PROMPT_LEN = 24
 
 
 def default_model() -> tuple[torch.nn.Module, str]:
-    cfg = load_config()
+    cfg = load_app_config()
     base = BaseModelConfig()
     if is_built(cfg.model_dir, base):
         return load_policy(cfg.model_dir).eval(), f"the built default model at {cfg.model_dir}"

@@ -45,9 +45,9 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import start_broker  # noqa: E402
-from online_sao.base_model import build_base_model
-from online_sao.config import Config, load_config
-from online_sao.corpus import iter_prompts
+from apps.default_model.builder import build_base_model
+from apps.config import AppConfig, load_app_config
+from apps.default_model.corpus import iter_prompts
 from online_sao.modeling import load_tokenizer
 from online_sao.schemas import Interaction, Reward, WeightsNotice, decode
 from online_sao.weights import FileWeightStore
@@ -71,7 +71,7 @@ def percentile(values: list[float], q: float) -> float:
 class Traffic:
     """Samples interactions with the engine and logs them with their rewards."""
 
-    def __init__(self, engine: TorchEngine, tokenizer, backend: KafkaBackend, cfg: Config, max_new_tokens: int):
+    def __init__(self, engine: TorchEngine, tokenizer, backend: KafkaBackend, cfg: AppConfig, max_new_tokens: int):
         self.engine, self.cfg, self.max_new_tokens = engine, cfg, max_new_tokens
         self.producer = backend.producer()
         self.prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
 
-    base_cfg = load_config(environ={}, overrides={"paths.data_dir": args.data_dir})
+    base_cfg = load_app_config(environ={}, overrides={"paths.data_dir": args.data_dir})
     model_dir = build_base_model(base_cfg)
     workdir = Path(tempfile.mkdtemp(prefix="bench-learner-"))
     broker = None
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
            "kafka": {"bootstrap_servers": bootstrap}, "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
     config_file = workdir / "learner.yaml"
     config_file.write_text(yaml.safe_dump(raw))
-    cfg = load_config(config_file, environ={})
+    cfg = load_app_config(config_file, environ={})
     backend = KafkaBackend(cfg.kafka)
     backend.ensure_topics()
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ledger = cfg.checkpoint_dir / "ledger.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    learner = subprocess.Popen([sys.executable, "-m", "online_sao.cli", "--config", str(config_file), "learn"],
+    learner = subprocess.Popen([sys.executable, "-m", "apps.cli", "--config", str(config_file), "learn"],
                                cwd=REPO, env=env, stdout=open(workdir / "learner.log", "wb"), stderr=subprocess.STDOUT)
 
     def trained() -> set[str]:

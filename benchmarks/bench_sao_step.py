@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from online_sao.advantages import skip_observation_gae
 from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
-from online_sao.config import load_config
+from apps.config import load_app_config
 from online_sao.critic import ValueModel
 from online_sao.train_step import policy_logprobs
 
@@ -36,7 +36,7 @@ PHASES = ["critic_forward", "critic_backward", "critic_optimizer", "policy_forwa
 
 
 def load_policy(cfg) -> tuple[torch.nn.Module, str]:
-    from online_sao.base_model import is_built
+    from apps.default_model.builder import is_built
 
     base = cfg.model.base
     if is_built(cfg.model_dir, base):
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     load = os.getloadavg()[0]
-    cfg = load_config(environ={})
+    cfg = load_app_config(environ={})
     policy, source = load_policy(cfg)
     critic = ValueModel.from_policy(policy, freeze_attention=cfg.algorithm.freeze_critic_attention)
     opt = build_optimizers(cfg.algorithm, policy, critic)

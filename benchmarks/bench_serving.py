@@ -43,9 +43,10 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import start_broker  # noqa: E402
-from online_sao.base_model import build_base_model
-from online_sao.config import Config, KafkaConfig, load_config
-from online_sao.corpus import iter_prompts
+from apps.default_model.builder import build_base_model
+from apps.config import AppConfig, load_app_config
+from online_sao.config import KafkaConfig
+from apps.default_model.corpus import iter_prompts
 from online_sao.schemas import Interaction
 from serving.interaction_log import InteractionLogger
 from streams.kafka_backend import KafkaBackend
@@ -112,7 +113,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def logging_cpu_ms(cfg: Config, kafka: KafkaConfig, spool_dir: Path, record: Interaction, ship_interval_s: float,
+def logging_cpu_ms(cfg: AppConfig, kafka: KafkaConfig, spool_dir: Path, record: Interaction, ship_interval_s: float,
                    broker_pid: int | None, count: int = 400, rate_hz: float = 40.0) -> tuple[float, float | None]:
     """(process, broker) CPU milliseconds per record through a live write-ahead logger to Kafka, records
     submitted one by one at ``rate_hz`` (each waits for its receipt, as a request does), no engine running.
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         "standing in for a broker on machines of its own, as in production)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving.md"))
     args = p.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_app_config(args.config)
     model_dir = build_base_model(cfg, progress=lambda line: print(line, flush=True))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     corpus = [prompt for _, _, prompt in iter_prompts()]

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
 from benchmarks.straggler.report import write_plot, write_report  # noqa: E402
 from benchmarks.straggler.runner import LoopResult, run_loops  # noqa: E402
 from benchmarks.straggler.spec import LoopSpec, Mode  # noqa: E402
-from online_sao.config import load_config  # noqa: E402
+from apps.config import load_app_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ROLLOUTS = 96
@@ -72,13 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def default_model_dir() -> str:
-    from online_sao.base_model import build_base_model
+    from apps.default_model.builder import build_base_model
 
-    return str(build_base_model(load_config(environ={})))
+    return str(build_base_model(load_app_config(environ={})))
 
 
 def loop_specs(args: argparse.Namespace, model_dir: str, weights_root: Path) -> list[LoopSpec]:
-    cfg = load_config(environ={})
+    cfg = load_app_config(environ={})
     order: list[Mode] = []
     for repeat in range(args.repeats):
         order += ["sync", "stream"] if repeat % 2 == 0 else ["stream", "sync"]

@@ -39,17 +39,17 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import random_default_model  # noqa: E402
-from online_sao.base_model import is_built
-from online_sao.config import BaseModelConfig, load_config
+from apps.default_model.builder import is_built
+from apps.config import BaseModelConfig, load_app_config
 from online_sao.weights import FileWeightStore, WeightStore
-from online_sao.weights_shm import DEFAULT_SHM_ROOT, ShmWeightStore
+from online_sao.weights.shm import DEFAULT_SHM_ROOT, ShmWeightStore
 
 SCALE = 10
 """The larger state dict is this many times the default model."""
 
 
 def default_state() -> tuple[dict[str, torch.Tensor], str]:
-    cfg = load_config()
+    cfg = load_app_config()
     base = BaseModelConfig()
     if is_built(cfg.model_dir, base):
         from safetensors.torch import load_file

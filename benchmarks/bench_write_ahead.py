@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry
 
-from online_sao.base_model import build_base_model
-from online_sao.config import Config, load_config
+from apps.default_model.builder import build_base_model
+from apps.config import AppConfig, load_app_config
 from online_sao.modeling import load_tokenizer
 from online_sao.schemas import Interaction
 from serving.app import build_app
@@ -75,7 +75,7 @@ class InstantEngine:
         pass
 
 
-def broker(cfg: Config) -> InMemoryBackend:
+def broker(cfg: AppConfig) -> InMemoryBackend:
     """An in-memory broker with the topics created (it acknowledges at once)."""
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
@@ -94,7 +94,7 @@ def sample_record(i: int) -> Interaction:
                        turn_ends=[31], prompt_text="a prompt of some sixty tokens " * 8, response_text="word " * 32)
 
 
-def logger_level(cfg: Config, workdir: Path, threads: int, seconds: float) -> tuple[list[float], int, int]:
+def logger_level(cfg: AppConfig, workdir: Path, threads: int, seconds: float) -> tuple[list[float], int, int]:
     """(submit -> durable seconds of each record, records, fsyncs) of a closed loop with ``threads`` clients."""
     logger = InteractionLogger(broker(cfg).producer(), cfg.kafka.topics, workdir / f"spool-{threads}")
     logger.start()
@@ -118,7 +118,7 @@ def logger_level(cfg: Config, workdir: Path, threads: int, seconds: float) -> tu
     return latencies, len(latencies), logger.fsyncs
 
 
-def server(cfg: Config, tokenizer, mode: str, workdir: Path) -> BackgroundServer:
+def server(cfg: AppConfig, tokenizer, mode: str, workdir: Path) -> BackgroundServer:
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"log_durability": mode})})
     script = list(tokenizer(ANSWER, add_special_tokens=False)["input_ids"])[:15] + [tokenizer.eos_token_id]
     logger = InteractionLogger(broker(cfg).producer(), cfg.kafka.topics, workdir / f"spool-{mode}",
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "write_ahead.md"))
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
-    cfg = load_config(overrides={"serving.rate_limit_per_minute": 10**7, "serving.rate_limit_burst": 10**6})
+    cfg = load_app_config(overrides={"serving.rate_limit_per_minute": 10**7, "serving.rate_limit_burst": 10**6})
     tokenizer = load_tokenizer(build_base_model(cfg))
     (REPO / "data").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=REPO / "data", prefix="bench-wal-") as tmp:

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from online_sao.config import BaseModelConfig, Config, KafkaConfig, load_config
+from apps.config import AppConfig, BaseModelConfig, load_app_config
+from online_sao.config import KafkaConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,12 +20,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_broker(cfg: Config, workdir: Path):
+def start_broker(cfg: AppConfig, workdir: Path):
     """A local broker on free ports with its data under ``workdir``; returns it and its KafkaConfig."""
     from streams.broker import LocalBroker
 
     ports = {"kafka.port": free_port(), "kafka.controller_port": free_port()}
-    broker_cfg = load_config(environ={}, overrides={"paths.data_dir": str(workdir / "broker"), **ports})
+    broker_cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(workdir / "broker"), **ports})
     broker = LocalBroker(broker_cfg, lib_dir=REPO / "data" / "kafka" / f"lib-{cfg.kafka.kafka_version}",
                          stop_with_parent=True)
     broker.start()

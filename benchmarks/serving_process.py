@@ -29,8 +29,8 @@ from transformers import AutoConfig
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from online_sao.base_model import build_base_model  # noqa: E402
-from online_sao.config import Config, load_config  # noqa: E402
+from apps.default_model.builder import build_base_model  # noqa: E402
+from apps.config import AppConfig, load_app_config  # noqa: E402
 from online_sao.modeling import load_tokenizer  # noqa: E402
 from online_sao.schemas import Interaction, Reward  # noqa: E402
 from serving.app import build_app  # noqa: E402
@@ -59,7 +59,7 @@ class SwitchableLogging:
         return getattr(self._logger, name)
 
 
-def build(cfg: Config, model_dir: Path, backend_kind: str):
+def build(cfg: AppConfig, model_dir: Path, backend_kind: str):
     """The app of ``online-sao serve`` (without a weights follower) over a switchable logger."""
     backend = KafkaBackend(cfg.kafka) if backend_kind == "kafka" else InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                  "serving.rate_limit_per_minute": 1_000_000, "serving.rate_limit_burst": 10_000}
     if args.bootstrap:
         overrides["kafka.bootstrap_servers"] = args.bootstrap
-    cfg = load_config(args.config, overrides=overrides)
+    cfg = load_app_config(args.config, overrides=overrides)
     model_dir = build_base_model(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     app, producer = build(cfg, model_dir, args.backend)
     server = BackgroundServer(app, keep_alive_s=cfg.serving.keep_alive_s).start()

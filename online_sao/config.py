@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from online_sao.corpus import STYLES
 from online_sao.schemas import MAX_ABS_REWARD
 
 ENV_PREFIX = "ONLINE_SAO__"
+
 
 
 class ConfigError(ValueError):
@@ -103,51 +103,12 @@ class KafkaConfig(Section):
         return self.bootstrap_servers is None
 
 
-class BaseModelConfig(Section):
-    """The project's own default policy, built by ``online-sao base-model``."""
-
-    architecture: Literal["qwen2", "llama"] = "qwen2"
-    """transformers architecture of the default model."""
-    vocab_size: int = Field(2048, ge=300)
-    """Size of the byte-level BPE vocabulary trained on the corpus."""
-    hidden_size: int = Field(128, ge=16)
-    """Width of the transformer."""
-    intermediate_size: int = Field(384, ge=16)
-    """Width of the MLP."""
-    num_layers: int = Field(4, ge=1)
-    """Decoder layers."""
-    num_heads: int = Field(4, ge=1)
-    """Attention heads."""
-    num_kv_heads: int = Field(2, ge=1)
-    """Key/value heads (grouped-query attention)."""
-    max_position_embeddings: int = Field(512, ge=64)
-    """Longest sequence the model handles."""
-    train_steps: int = Field(500, ge=1)
-    """Optimizer steps of supervised pre-training on the style corpus."""
-    batch_size: int = Field(32, ge=1)
-    """Sequences per pre-training step."""
-    learning_rate: float = Field(3e-3, gt=0)
-    """Peak learning rate of pre-training."""
-    seed: int = 0
-    """Seed of corpus generation, tokenizer and training."""
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "BaseModelConfig":
-        if self.hidden_size % self.num_heads:
-            raise ValueError("hidden_size must be a multiple of num_heads")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        return self
-
-
 class ModelConfig(Section):
     path: Path | None = None
     """A local Hugging Face model directory to serve and train. When unset the
     project's default model is built (once, cached) under data_dir/models/base."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for serving and training."""
-    base: BaseModelConfig = BaseModelConfig()
-    """How the default model is built."""
 
 
 class AlgorithmConfig(Section):
@@ -360,129 +321,6 @@ class MLflowConfig(Section):
     """A candidate becomes 'champion' unless its recent reward trails the champion's by more than this."""
 
 
-class PreferencePhase(Section):
-    """From rollout ``from_rollout`` on, simulated users prefer ``style``."""
-
-    from_rollout: int = Field(ge=0)
-    """First rollout (0-based count of interactions the judge has scored in this run) of the phase."""
-    style: str
-    """Preferred writing style during the phase (one of ``experiment.styles``)."""
-
-
-class ArmConfig(Section):
-    """One arm of the experiment: a name and the algorithm fields it changes."""
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Names the arm in results files, plots and the report."""
-    algorithm: dict[str, Any] = {}
-    """Overrides of the ``algorithm`` section for this arm (validated against it)."""
-
-    @model_validator(mode="after")
-    def _overrides_valid(self) -> "ArmConfig":
-        AlgorithmConfig.model_validate(self.algorithm)
-        return self
-
-    def algorithm_config(self, base: AlgorithmConfig) -> AlgorithmConfig:
-        """``base`` with this arm's overrides applied."""
-        return AlgorithmConfig.model_validate({**base.model_dump(), **self.algorithm})
-
-
-def _default_arms() -> list[ArmConfig]:
-    return [
-        ArmConfig(name="sao", algorithm={"name": "sao"}),
-        ArmConfig(name="running_mean_w8", algorithm={"name": "running_mean", "running_mean_window": 8}),
-        ArmConfig(name="running_mean_w128", algorithm={"name": "running_mean", "running_mean_window": 128}),
-        ArmConfig(name="grpo_dis_g4", algorithm={"name": "grpo", "use_dis": True, "group_size": 4}),
-        ArmConfig(name="sao_k1", algorithm={"name": "sao", "critic_updates": 1}),
-        ArmConfig(name="sao_unfrozen_attention", algorithm={"name": "sao", "freeze_critic_attention": False}),
-    ]
-
-
-class ExperimentConfig(Section):
-    """The drifting-preference experiment (``online-sao simulate`` / ``judge`` / ``report``)."""
-
-    name: str = Field("drift", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Names the experiment: results directory, report title, MLflow run."""
-    styles: list[str] = list(STYLES)
-    """Styles the judge's classifier distinguishes (a subset of the corpus styles, at least two)."""
-    schedule: list[PreferencePhase] = [PreferencePhase(from_rollout=0, style="formal"),
-                                       PreferencePhase(from_rollout=150, style="cute"),
-                                       PreferencePhase(from_rollout=300, style="archaic")]
-    """Preference schedule in rollouts: the first phase starts at 0, at least two switches,
-    each to a different style. Counted in rollouts (not wall time) so arms of different
-    speed see the same preference for the same rollout."""
-    requests_per_second: float = Field(2.0, gt=0)
-    """Mean rate at which simulated users send chat requests (Poisson arrivals)."""
-    concurrency: int = Field(4, ge=1)
-    """Requests in flight at most."""
-    prompt_pool_size: int = Field(256, ge=1)
-    """Training prompts of the corpus the users draw from (held-out prompts never appear)."""
-    prompt_seed: int = 0
-    """Seed of the prompt pool's selection and of the order prompts are drawn in."""
-    max_tokens: int = Field(64, ge=1)
-    """max_tokens of each simulated request."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of each simulated request."""
-    reward_delay_s: float = Field(0.0, ge=0)
-    """The judge sends each reward this long after it read the interaction."""
-    drop_rate: float = Field(0.0, ge=0, lt=1)
-    """Share of rewards the judge withholds (seeded), like users who never rate."""
-    seed: int = 0
-    """Seed of the judge's drops and of the traffic timing; same for every arm."""
-    rollouts_per_arm: int = Field(450, ge=1)
-    """Rollouts (simulated requests answered) per arm."""
-    arms: list[ArmConfig] = Field(default_factory=_default_arms)
-    """Arms run one after the other with the same seeds and traffic."""
-    eval_every: int = Field(50, ge=1)
-    """Measure held-out style accuracy every this many rollouts."""
-    eval_prompts: int = Field(32, ge=1)
-    """Held-out prompts answered at each measurement."""
-    eval_session_id: str = Field("sao-eval", min_length=1)
-    """session_id of evaluation requests; the judge skips those interactions (no reward, not counted)."""
-    metrics_window: int = Field(32, ge=1)
-    """Moving-average window (rollouts) of the adaptation lag, level and collapse metrics."""
-    collapse_fraction: float = Field(0.5, gt=0, lt=1)
-    """Collapse: the moving answer quality stays below this share of its first window's level
-    until the end of the run."""
-    judge_group: str = Field("sao-judge", min_length=1)
-    """Kafka consumer group of the judge."""
-    results_dir: Path | None = None
-    """Per-arm results (JSONL) and the report (default data_dir/experiments/<name>)."""
-
-    @model_validator(mode="after")
-    def _schedule_valid(self) -> "ExperimentConfig":
-        unknown = set(self.styles) - set(STYLES)
-        if unknown or len(set(self.styles)) < 2:
-            raise ValueError(f"styles must be at least two of {list(STYLES)}, got {self.styles}")
-        if len(self.schedule) < 3:
-            raise ValueError("schedule needs at least two switches (three phases)")
-        if self.schedule[0].from_rollout != 0:
-            raise ValueError("the first phase of the schedule must start at rollout 0")
-        for before, after in zip(self.schedule, self.schedule[1:]):
-            if after.from_rollout <= before.from_rollout:
-                raise ValueError("schedule phases must start at increasing rollouts")
-            if after.style == before.style:
-                raise ValueError(f"phase at rollout {after.from_rollout} does not switch style")
-        for phase in self.schedule:
-            if phase.style not in self.styles:
-                raise ValueError(f"schedule style {phase.style!r} is not in styles {self.styles}")
-        if self.schedule[-1].from_rollout >= self.rollouts_per_arm:
-            raise ValueError("the last switch must happen before rollouts_per_arm")
-        names = [arm.name for arm in self.arms]
-        if len(set(names)) != len(names):
-            raise ValueError(f"arm names must be unique, got {names}")
-        return self
-
-    def preferred_style(self, rollout: int) -> str:
-        """The style preferred at ``rollout`` (0-based)."""
-        return [p.style for p in self.schedule if p.from_rollout <= rollout][-1]
-
-    @property
-    def switch_rollouts(self) -> list[int]:
-        """Rollouts at which the preference switches (every phase start but the first)."""
-        return [p.from_rollout for p in self.schedule[1:]]
-
-
 class Config(Section):
     paths: PathsConfig = PathsConfig()
     """Where local state lives."""
@@ -500,8 +338,6 @@ class Config(Section):
     """Learner loop."""
     mlflow: MLflowConfig = MLflowConfig()
     """Experiment tracking and registry."""
-    experiment: ExperimentConfig = ExperimentConfig()
-    """The drifting-preference experiment (simulated users, judge, report)."""
 
     @property
     def data_dir(self) -> Path:
@@ -526,6 +362,9 @@ class Config(Section):
     @property
     def mlflow_uri(self) -> str:
         return self.mlflow.tracking_uri or f"sqlite:///{self.data_dir / 'mlflow.db'}"
+
+
+C = TypeVar("C", bound="Config")
 
 
 def _apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -555,8 +394,9 @@ def _describe(err: ValidationError) -> str:
 
 
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
-    """Read a YAML file (optional), apply environment and explicit overrides, validate."""
+                overrides: Mapping[str, Any] | None = None, schema: type[C] = Config) -> C:  # type: ignore[assignment]
+    """Read a YAML file (optional), apply environment and explicit overrides, validate against
+    ``schema`` (the core tree, or an application's extension of it such as ``apps.config.AppConfig``)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -577,7 +417,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
             node = node.setdefault(key, {})
         node[last] = value
     try:
-        return Config.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
 

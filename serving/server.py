@@ -120,13 +120,11 @@ def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: In
     return ServingStack(app, engine, logger, producer, metrics, tokenizer, follower)
 
 
-def run_server(cfg: Config) -> int:
-    """Serve until interrupted; returns the process exit code."""
-    from online_sao.base_model import build_base_model
+def run_server(cfg: Config, model_dir: Path) -> int:
+    """Serve the Hugging Face model in ``model_dir`` until interrupted; returns the exit code."""
     from streams.kafka_backend import KafkaBackend
 
     check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
-    model_dir = build_base_model(cfg, progress=lambda line: log.info("%s", line))
     backend = KafkaBackend(cfg.kafka)
     stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
     server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,

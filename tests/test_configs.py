@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from online_sao.config import load_config
+from apps.config import load_app_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_run_config_validates(path):
-    load_config(path, environ={})
+    load_app_config(path, environ={})
 
 
 def test_there_are_run_configs():

@@ -371,15 +371,13 @@ def _assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> 
 
 
 def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: RolloutHook | None = None) -> int:
-    """``online-sao learn``: run until SIGTERM/SIGINT (or the configured test limits).
+    """``online-sao learn``: run until SIGTERM/SIGINT (or the configured test limits) on the
+    model in ``cfg.model_dir``, which must exist (the CLI builds the default model first).
     ``before_step``: see :data:`RolloutHook` (tests only)."""
     from streams.kafka_backend import KafkaBackend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
-    if cfg.model.path is None:
-        from online_sao.base_model import build_base_model
-        build_base_model(cfg)
     until = RunUntil(max_steps=cfg.trainer.max_steps, idle_timeout_s=cfg.trainer.idle_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: until.stop.set())

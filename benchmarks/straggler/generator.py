@@ -22,7 +22,7 @@ import threading
 import time
 
 from online_sao.config import ServingConfig
-from online_sao.corpus import iter_prompts
+from apps.default_model.corpus import iter_prompts
 from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.schemas import Interaction, SamplingParams
 from online_sao.weights import FileWeightStore

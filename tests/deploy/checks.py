@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from online_sao import cli
-from online_sao.config import ENV_PREFIX, Config, ConfigError, load_config
+from apps import cli
+from apps.config import AppConfig, load_app_config
+from online_sao.config import ENV_PREFIX, ConfigError
 from tests.deploy.dockerfile import Dockerfile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,16 +61,16 @@ def online_sao_env(env: Mapping[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in env.items() if k.startswith(ENV_PREFIX)}
 
 
-def check_config_env(env: Mapping[str, Any]) -> Config:
+def check_config_env(env: Mapping[str, Any]) -> AppConfig:
     """Every ``ONLINE_SAO__...`` variable names a real field with a valid value."""
     try:
-        return load_config(None, environ=online_sao_env(env))
+        return load_app_config(None, environ=online_sao_env(env))
     except ConfigError as exc:
         raise DeployCheckError(f"environment {sorted(online_sao_env(env))}: {exc}") from None
 
 
 def parse_cli(argv: list[str]) -> argparse.Namespace:
-    """``online-sao argv`` parsed by the real parser (``online_sao.cli.build_parser``)."""
+    """``online-sao argv`` parsed by the real parser (``apps.cli.build_parser``)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -83,7 +84,7 @@ class Invocation:
     """An ``online-sao`` command line and the configuration it resolves to."""
 
     args: argparse.Namespace
-    cfg: Config
+    cfg: AppConfig
 
 
 def resolve_invocation(argv: list[str], mounts: Mapping[str, Path], env: Mapping[str, Any]) -> Invocation:
@@ -99,7 +100,7 @@ def resolve_invocation(argv: list[str], mounts: Mapping[str, Path], env: Mapping
         if not path.is_file():
             raise DeployCheckError(f"--config {args.config} is mounted from {path}, which does not exist")
     try:
-        cfg = load_config(path, environ=online_sao_env(env), overrides=cli._overrides(args))
+        cfg = load_app_config(path, environ=online_sao_env(env), overrides=cli._overrides(args))
     except ConfigError as exc:
         raise DeployCheckError(f"online-sao {' '.join(argv)}: {exc}") from None
     return Invocation(args, cfg)
@@ -136,7 +137,7 @@ def parse_torchrun(argv: list[str]) -> Torchrun:
     except SystemExit:
         raise DeployCheckError(f"{' '.join(argv)}: {err.getvalue().strip()}") from None
     if not options.module:
-        raise DeployCheckError(f"{' '.join(argv)}: the learner is started as a module (-m online_sao.cli)")
+        raise DeployCheckError(f"{' '.join(argv)}: the learner is started as a module (-m apps.cli)")
     check_module(options.training_script)
     return Torchrun(options, options.training_script, list(options.training_script_args))
 

@@ -61,19 +61,19 @@ def test_invocation_needs_a_mounted_config_and_real_overrides(tmp_path):
 
 
 def test_module_check():
-    check_module("online_sao.cli")
+    check_module("apps.cli")
     for name in ("online_sao.nope", "no_such_package.cli"):
         with pytest.raises(DeployCheckError, match="no such module"):
             check_module(name)
 
 
 def test_torchrun_check():
-    run = parse_torchrun(["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "-m", "online_sao.cli", "learn"])
-    assert (run.module, run.module_args, run.options.nproc_per_node) == ("online_sao.cli", ["learn"], "4")
-    for argv in (["torchrun", "--nprocs-per-node", "1", "-m", "online_sao.cli", "learn"],
-                 ["torchrun", "--nproc-per-node", "1", "online_sao/cli.py", "learn"],
+    run = parse_torchrun(["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "-m", "apps.cli", "learn"])
+    assert (run.module, run.module_args, run.options.nproc_per_node) == ("apps.cli", ["learn"], "4")
+    for argv in (["torchrun", "--nprocs-per-node", "1", "-m", "apps.cli", "learn"],
+                 ["torchrun", "--nproc-per-node", "1", "apps/cli.py", "learn"],
                  ["torchrun", "-m", "online_sao.climb", "learn"],
-                 ["python", "-m", "online_sao.cli"]):
+                 ["python", "-m", "apps.cli"]):
         with pytest.raises(DeployCheckError):
             parse_torchrun(argv)
 

@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from apps.config import load_app_config
 from online_sao.config import KafkaConfig, load_config
 from serving.auth import check_exposure
 from streams.broker import LocalBroker
@@ -107,7 +108,7 @@ def test_images_build_from_stages_of_the_dockerfile():
 def test_every_online_sao_command_parses_and_its_configuration_validates(name):
     inv = invocation(name)
     assert inv.args.config == "/etc/online-sao/config.yaml"
-    load_config(REPO / "configs" / "compose.yaml", environ={})
+    load_app_config(REPO / "configs" / "compose.yaml", environ={})
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

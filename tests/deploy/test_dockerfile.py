@@ -69,7 +69,7 @@ def test_build_context_leaves_out_local_state():
     patterns = dockerignore_patterns((REPO / ".dockerignore").read_text())
     for path in [".venv", "data", ".git", "mlruns", "online_sao/__pycache__", "tests"]:
         assert dockerignored(path, patterns), path
-    assert not dockerignored("online_sao/cli.py", patterns)
+    assert not dockerignored("apps/cli.py", patterns)
 
 
 def test_every_package_of_pyproject_is_copied(dockerfile):

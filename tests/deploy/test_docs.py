@@ -78,7 +78,7 @@ def test_every_project_command_in_the_guide_runs_what_exists():
 
 @pytest.mark.parametrize("line", [
     "online-sao serv",
-    "torchrun --nproc-per-node 2 -m online_sao.cli lean",
+    "torchrun --nproc-per-node 2 -m apps.cli lean",
     "docker run --rm -e ONLINE_SAO__SERVING__PROT=1 online-sao:cpu serve",
     "docker compose run --rm --entrypoint mlflow nosuchservice artifacts download -u x",
     "MLFLOW_TRACKING_URI=x mlflow artifacts download --uri x",

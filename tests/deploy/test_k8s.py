@@ -122,7 +122,7 @@ def invocation(workload: str, name: str, files: dict[str, Path]) -> tuple[Invoca
     torchrun = None
     if command:
         torchrun = parse_torchrun(command + argv)
-        assert torchrun.module == "online_sao.cli", "torchrun must start the online-sao CLI"
+        assert torchrun.module == "apps.cli", "torchrun must start the online-sao CLI"
         argv = torchrun.module_args
     return resolve_invocation(argv, mounts, env), torchrun
 

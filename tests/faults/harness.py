@@ -6,7 +6,7 @@ API (small on purpose; the scenarios in this package use only this):
     One run of the real service under ``root``: its own Kafka broker on free
     ports (:class:`streams.broker.LocalBroker`, data kept across stop/start),
     serving and learner as ``online-sao serve`` / ``online-sao learn``
-    subprocesses (:class:`online_sao.stack.Stack`) sharing one YAML file, the
+    subprocesses (:class:`apps.stack.Stack`) sharing one YAML file, the
     tiny model, MLflow in a SQLite file under ``root``. ``overrides`` are dotted
     config keys on top of :data:`BASE_OVERRIDES`.
 
@@ -65,8 +65,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from online_sao.config import load_config
-from online_sao.stack import Component, Stack, tail
+from apps.config import load_app_config
+from apps.stack import Component, Stack, tail
 from online_sao.weights import open_weight_store
 from streams.broker import LocalBroker
 from streams.kafka_backend import KafkaBackend
@@ -164,7 +164,7 @@ class LiveStack:
                     **{k: v for k, v in TINY_MODEL_OVERRIDES.items()}, **BASE_OVERRIDES, **(overrides or {})}
         self.config_path = self.root / "stack.yaml"
         self.config_path.write_text(yaml.safe_dump(_nest({"kafka": kafka, **settings})))
-        self.cfg = load_config(self.config_path, environ={})
+        self.cfg = load_app_config(self.config_path, environ={})
         self._stack = Stack(self.config_path, {}, self.root, progress=lambda line: None)
         self._extra: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
 
@@ -222,7 +222,7 @@ class LiveStack:
         return code
 
     def stop(self, name: str) -> int | None:
-        """SIGTERM (graceful), SIGKILL after online_sao.stack.STOP_TIMEOUT_S."""
+        """SIGTERM (graceful), SIGKILL after apps.stack.STOP_TIMEOUT_S."""
         return self._stack.stop(name)
 
     def restart(self, name: str, extra_overrides: dict[str, Any] | None = None,

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from online_sao.loadreport import write_results
-from online_sao.loadrun import describe, run_on_stack, run_own_stack_overrides
-from online_sao.loadstats import LoadParams
+from apps.load.report import write_results
+from apps.load.run import describe, run_on_stack, run_own_stack_overrides
+from apps.load.stats import LoadParams
 
 CLIENTS = 64
 

@@ -151,14 +151,14 @@ def test_an_overflowing_batch_is_refused_counted_and_never_published(live_stack)
 
 def main() -> int:
     """The learner of this scenario: ``online-sao learn`` with the poison hook passed in."""
-    from online_sao.config import load_config
+    from apps.config import load_app_config
     from trainer.learner import run_learner
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--poison-file", type=Path, required=True)
     args = parser.parse_args()
-    return run_learner(load_config(args.config, environ={}), before_step=Poison(args.poison_file))
+    return run_learner(load_app_config(args.config, environ={}), before_step=Poison(args.poison_file))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from apps.config import AppConfig
 from online_sao.config import Config, ConfigError, Section, dump_config, load_config
 
 
@@ -66,18 +67,18 @@ def test_every_field_is_documented():
             if isinstance(ann, type) and issubclass(ann, Section):
                 walk(ann, f"{prefix}{name}.")
 
-    walk(Config)
+    walk(AppConfig)
     assert "kafka.topics.weights" in seen and "model.base.seed" in seen
 
 
 def test_cli_config_show_and_bad_config_exit_code(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "online_sao.cli", "config", "show"],
+    ok = subprocess.run([sys.executable, "-m", "apps.cli", "config", "show"],
                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert ok.returncode == 0, ok.stderr
     assert "interactions: sao.interactions" in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  min_rollouts: -3\n")
-    res = subprocess.run([sys.executable, "-m", "online_sao.cli", "--config", str(bad), "config", "show"],
+    res = subprocess.run([sys.executable, "-m", "apps.cli", "--config", str(bad), "config", "show"],
                          capture_output=True, text=True)
     assert res.returncode == 2
     assert "trainer.min_rollouts" in res.stderr and "Traceback" not in res.stderr

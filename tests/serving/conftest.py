@@ -20,9 +20,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from online_sao.base_model import train_tokenizer
+from apps.default_model.builder import train_tokenizer
 from online_sao.config import Config, load_config
-from online_sao.corpus import generate_corpus
+from apps.default_model.corpus import generate_corpus
 from online_sao.schemas import Interaction, Reward, decode
 from serving.app import build_app
 from serving.interaction_log import InteractionLogger

@@ -45,7 +45,7 @@ def test_the_lazy_producer_waits_for_the_broker_to_exist():
 def test_serving_beyond_loopback_without_api_keys_is_refused_before_anything_starts(tmp_path):
     cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path), "serving.host": "0.0.0.0"})
     with pytest.raises(ValueError, match="api_keys is empty"):
-        run_server(cfg)
+        run_server(cfg, tmp_path / "models" / "base")
     assert not (tmp_path / "models").exists()
 
 

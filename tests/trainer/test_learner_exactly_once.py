@@ -1,6 +1,6 @@
 """SIGKILL mid-stream, restart, and every produced interaction is trained on exactly once.
 
-The learner runs as its own process (``python -m online_sao.cli learn``) on the
+The learner runs as its own process (``python -m apps.cli learn``) on the
 real broker while a producer thread keeps logging rewarded interactions, so the
 kill lands while records are still arriving. The restarted learner resumes from
 its last checkpoint and drains the topics; SIGTERM then stops it gracefully
@@ -50,7 +50,7 @@ def _write_config(tmp_path: Path, kafka_config, model_dir: Path) -> Path:
 
 def _start(config: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "online_sao.cli", "--config", str(config), "learn"],
+    return subprocess.Popen([sys.executable, "-m", "apps.cli", "--config", str(config), "learn"],
                             cwd=REPO_ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 

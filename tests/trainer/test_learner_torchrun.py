@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from online_sao.config import load_config
+from apps.config import load_app_config
 from online_sao.modeling import load_policy
 from online_sao.weights import FileWeightStore
 from streams.kafka_backend import KafkaBackend
@@ -45,12 +45,12 @@ def test_two_ranks_train_publish_and_a_single_process_resumes(tmp_path, kafka_co
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "online_sao.cli", "--config", str(config), "learn"]
+           "-m", "apps.cli", "--config", str(config), "learn"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     assert "learner on 2 rank(s) from step 0" in done.stderr
 
-    cfg = load_config(config, environ={})
+    cfg = load_app_config(config, environ={})
     ledger = cfg.checkpoint_dir / "ledger.jsonl"
     assert sorted(iid for _, iid in read_ledger(ledger)) == sorted(i.interaction_id for i in traffic[:8])
     assert FileWeightStore(cfg.weight_store_url).versions() == [1, 2]

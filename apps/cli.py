@@ -1,0 +1,167 @@
+"""The ``online-sao`` command: parse the configuration, build, run.
+
+Each subcommand is a thin wrapper over one function of the component that owns
+the work; heavy imports happen inside the subcommand so that ``--help`` and
+``config show`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from apps.config import AppConfig, load_app_config
+from online_sao.config import ConfigError, dump_config
+
+
+def _config_show(cfg: AppConfig, args: argparse.Namespace) -> int:
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _kafka(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from streams import broker
+
+    return {"up": broker.kafka_up, "down": broker.kafka_down, "status": broker.kafka_status}[args.action](cfg)
+
+
+def _base_model(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.default_model.builder import run_base_model
+
+    return run_base_model(cfg, force=args.force)
+
+
+def _serve(cfg: AppConfig, args: argparse.Namespace) -> int:
+    import logging
+
+    from apps.default_model.builder import build_base_model
+    from serving.server import check_exposure, run_server
+
+    check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])  # before any build
+    log = logging.getLogger("serving.server")
+    return run_server(cfg, build_base_model(cfg, progress=lambda line: log.info("%s", line)))
+
+
+def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.default_model.builder import build_base_model
+    from trainer.learner import run_learner
+
+    build_base_model(cfg)
+    return run_learner(cfg, pretrain_critic=args.pretrain_critic)
+
+
+def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.experiments.orchestrate import run_simulation
+
+    run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True))
+    return 0
+
+
+def _judge(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.experiments.judge_service import run_judge_cli
+
+    return run_judge_cli(cfg, arm=args.arm)
+
+
+def _report(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.experiments.report import run_report_cli
+
+    return run_report_cli(cfg)
+
+
+def _smoke(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.smoke import run_smoke
+
+    return run_smoke(cfg, config_path=args.config, overrides=_overrides(args))
+
+
+def _load(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.load.run import run_load_cli
+
+    return run_load_cli(cfg, args, config_path=args.config, overrides=_overrides(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="online-sao", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-c", help="YAML run configuration (see configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set serving.port=8001 (repeatable)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    show = sub.add_parser("config", help="configuration tools")
+    show.add_argument("action", choices=["show"])
+    show.set_defaults(run=_config_show)
+
+    kafka = sub.add_parser("kafka", help="the local Apache Kafka broker")
+    kafka.add_argument("action", choices=["up", "down", "status"])
+    kafka.set_defaults(run=_kafka)
+
+    base = sub.add_parser("base-model", help="build the default model (cached); prints its directory last")
+    base.add_argument("--force", action="store_true", help="rebuild even when cached")
+    base.set_defaults(run=_base_model)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible endpoint")
+    serve.add_argument("--port", type=int, help="shortcut for --set serving.port=N")
+    serve.set_defaults(run=_serve)
+
+    learn = sub.add_parser("learn", help="run the continuous SAO learner")
+    learn.add_argument("--pretrain-critic", action="store_true", help="fit the critic on logged rollouts first")
+    learn.set_defaults(run=_learn)
+
+    simulate = sub.add_parser("simulate", help="run a drifting-preference scenario through the real service")
+    simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")
+    simulate.add_argument("--arm", action="append", help="run only this arm (repeatable)")
+    simulate.set_defaults(run=_simulate)
+
+    judge = sub.add_parser("judge", help="the reward service: scores interactions from Kafka, produces rewards")
+    judge.add_argument("--arm", help="experiment arm whose results file the scores go to")
+    judge.set_defaults(run=_judge)
+
+    report = sub.add_parser("report", help="write the experiment report (Markdown + PNG plots) and log it to MLflow")
+    report.set_defaults(run=_report)
+
+    smoke = sub.add_parser("smoke", help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
+    smoke.set_defaults(run=_smoke)
+
+    from apps.load.run import add_load_arguments
+
+    load = sub.add_parser("load", help="hold N concurrent clients against serving while the learner swaps weights; "
+                                       "checks no request fails and every answered interaction is in Kafka")
+    add_load_arguments(load)
+    load.set_defaults(run=_load)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    import yaml
+
+    out: dict[str, object] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    if getattr(args, "port", None) is not None:
+        out["serving.port"] = args.port
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "scenario", None):
+        if args.config:
+            print("online-sao: give --config or --scenario, not both", file=sys.stderr)
+            return 2
+        args.config = args.scenario
+    try:
+        cfg = load_app_config(args.config, overrides=_overrides(args))
+    except ConfigError as exc:
+        print(f"online-sao: {exc}", file=sys.stderr)
+        return 2
+    run: Callable[[AppConfig, argparse.Namespace], int] = args.run
+    return run(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

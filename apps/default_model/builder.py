@@ -1,0 +1,308 @@
+"""Build the project's default policy: a small Qwen2/Llama model trained from scratch on
+the style corpus (apps/default_model/corpus.py), with its own byte-level BPE tokenizer.
+
+Nothing is downloaded. The result is a standard Hugging Face directory (config.json,
+model.safetensors, tokenizer files with a ChatML chat template, generation_config.json)
+plus ``online_sao_base_model.json``, which records what it was built from. A directory
+whose record matches the configuration is reused as is; otherwise the model is rebuilt
+in a temporary directory that replaces the old one only when complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+                          get_cosine_schedule_with_warmup)
+
+from apps.config import AppConfig, BaseModelConfig
+from apps.default_model.corpus import CORPUS_VERSION, Example, generate_corpus, split_heldout
+
+RECORD_FILE = "online_sao_base_model.json"
+"""Written last into a built model directory: the fingerprint it was built from and its stats."""
+BUILD_FORMAT = 2
+"""Bumped when this builder changes what it produces, so older cached builds are rebuilt."""
+
+END_OF_TEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, PAD)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""ChatML: each turn is ``<|im_start|>role\\ncontent<|im_end|>\\n``; the generation prompt opens
+an assistant turn, which the model closes with ``<|im_end|>`` (its eos token)."""
+
+PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""How text is split into words before BPE: the pattern transformers' Qwen2Tokenizer hard-codes."""
+
+IGNORE_INDEX = -100
+"""Label of tokens that carry no loss (the prompt and padding); transformers' convention."""
+HELDOUT_FRACTION = 0.1
+"""Prompts kept out of pre-training to measure held-out loss."""
+WARMUP_FRACTION = 0.05
+"""Share of pre-training steps spent warming the learning rate up."""
+MAX_GRAD_NORM = 1.0
+"""Gradient clipping of pre-training: from-scratch training at a high rate spikes early."""
+LOG_EVERY = 50
+"""Progress line every this many steps (and at the last step)."""
+MAX_NEW_TOKENS = 64
+"""Default generation length: corpus answers are under 60 tokens."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildStats:
+    """What a build measured; stored next to the fingerprint."""
+
+    train_examples: int
+    heldout_examples: int
+    parameters: int
+    final_train_loss: float
+    heldout_loss: float
+    seconds: float
+
+
+def fingerprint(base: BaseModelConfig) -> dict:
+    """Everything that determines the built model; equal fingerprints mean a reusable cache."""
+    return {"build_format": BUILD_FORMAT, "corpus_version": CORPUS_VERSION, "base": base.model_dump(mode="json")}
+
+
+def read_record(model_dir: Path) -> dict | None:
+    """The build record of ``model_dir``, or None when it holds no completed build of ours."""
+    path = model_dir / RECORD_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def is_built(model_dir: Path, base: BaseModelConfig) -> bool:
+    """True when ``model_dir`` holds a complete model built from exactly this configuration."""
+    record = read_record(model_dir)
+    needed = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+    return (record is not None and record.get("fingerprint") == fingerprint(base)
+            and all((model_dir / name).is_file() for name in needed))
+
+
+def chat_text(prompt: str, answer: str | None = None) -> str:
+    """The corpus pair rendered exactly as :data:`CHAT_TEMPLATE` renders it (answer optional)."""
+    text = f"{IM_START}user\n{prompt}{IM_END}\n{IM_START}assistant\n"
+    return text if answer is None else f"{text}{answer}{IM_END}\n"
+
+
+def train_tokenizer(examples: list[Example], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the corpus, wrapped with the chat template.
+
+    Normaliser and pre-tokeniser are the ones transformers' Qwen2Tokenizer imposes on
+    load (NFC, :data:`PRETOKENIZE_REGEX` split, byte-level), so the saved tokenizer
+    means the same whichever class an engine loads it with.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    texts = sorted({chat_text(e.prompt, e.answer) for e in examples})
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD, unk_token=None, bos_token=None,
+        additional_special_tokens=[END_OF_TEXT, IM_START], chat_template=CHAT_TEMPLATE,
+        model_max_length=max_length, padding_side="right",
+    )
+
+
+def model_config(base: BaseModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """A transformers config of the chosen architecture, sized by ``base``, ids from ``tokenizer``."""
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[base.architecture]
+    return config_class(
+        vocab_size=len(tokenizer), hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+        num_hidden_layers=base.num_layers, num_attention_heads=base.num_heads,
+        num_key_value_heads=base.num_kv_heads, max_position_embeddings=base.max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerFast, examples: list[Example],
+                    max_length: int) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) per example; labels ignore the prompt so only the answer is learned."""
+    prompts = tokenizer([chat_text(e.prompt) for e in examples], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([e.answer + IM_END for e in examples], add_special_tokens=False)["input_ids"]
+    out = []
+    for p, a in zip(prompts, answers):
+        ids = (p + a)[:max_length]
+        out.append((ids, ([IGNORE_INDEX] * len(p) + a)[:max_length]))
+    return out
+
+
+def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row: input_ids, attention_mask, labels, each [B, T]."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        labels[i, :len(lab)] = torch.tensor(lab)
+        attention[i, :len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def pretrain(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], base: BaseModelConfig,
+             pad_id: int, generator: torch.Generator, progress: Progress) -> float:
+    """Supervised training on ``rows`` for ``base.train_steps`` AdamW steps (cosine schedule).
+
+    Returns the mean loss of the last logging window.
+    """
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=base.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+    schedule = get_cosine_schedule_with_warmup(optimizer, math.ceil(WARMUP_FRACTION * base.train_steps),
+                                               base.train_steps)
+    order: list[int] = []
+    window: list[float] = []
+    started = time.monotonic()
+    for step in range(1, base.train_steps + 1):
+        if len(order) < base.batch_size:
+            order += torch.randperm(len(rows), generator=generator).tolist()
+        batch = collate_sequences([rows[i] for i in order[:base.batch_size]], pad_id)
+        del order[:base.batch_size]
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        schedule.step()
+        window.append(loss.item())
+        if step % LOG_EVERY == 0 or step == base.train_steps:
+            progress(f"step {step}/{base.train_steps} loss {sum(window) / len(window):.4f} "
+                     f"lr {schedule.get_last_lr()[0]:.2e} elapsed {time.monotonic() - started:.1f}s")
+            last, window = sum(window) / len(window), []
+    model.eval()
+    return last
+
+
+@torch.no_grad()
+def mean_loss(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], pad_id: int,
+              batch_size: int = 64) -> float:
+    """Token-weighted mean answer loss of ``rows``."""
+    total, tokens = 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        batch = collate_sequences(rows[start:start + batch_size], pad_id)
+        n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        total += model(**batch).loss.item() * n
+        tokens += n
+    return total / max(tokens, 1)
+
+
+def _train_into(directory: Path, base: BaseModelConfig, progress: Progress) -> BuildStats:
+    # Seed a private copy of the global RNG: weight init draws from it, the caller's stream is left alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base.seed)
+        return _seeded_train_into(directory, base, progress)
+
+
+def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progress) -> BuildStats:
+    started = time.monotonic()
+    generator = torch.Generator().manual_seed(base.seed)
+    train, heldout = split_heldout(generate_corpus(base.seed), HELDOUT_FRACTION, base.seed)
+    progress(f"corpus: {len(train)} training and {len(heldout)} held-out answers")
+    trained = train_tokenizer(train, base.vocab_size, base.max_position_embeddings)
+    config = model_config(base, trained)
+    trained.save_pretrained(directory)
+    config.save_pretrained(directory)
+    # Train on the ids of the tokenizer every engine will load (AutoTokenizer may pick an
+    # architecture-specific class), so serving and training tokenise alike by construction.
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress(f"tokenizer: {len(tokenizer)} tokens; model: {base.architecture}, {n_params:,} parameters")
+    pad_id = tokenizer.pad_token_id
+    train_rows = encode_examples(tokenizer, train, base.max_position_embeddings)
+    final_loss = pretrain(model, train_rows, base, pad_id, generator, progress)
+    heldout_loss = mean_loss(model, encode_examples(tokenizer, heldout, base.max_position_embeddings), pad_id)
+    progress(f"held-out loss {heldout_loss:.4f}")
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(END_OF_TEXT)],
+        pad_token_id=pad_id,
+    )
+    model.save_pretrained(directory)
+    return BuildStats(len(train), len(heldout), n_params, final_loss, heldout_loss, time.monotonic() - started)
+
+
+def _make_readable(directory: Path) -> None:
+    """World-readable files: safetensors writes 0600, but serving may run as another user."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+
+
+def _replace_dir(built: Path, target: Path) -> None:
+    """Move ``built`` to ``target``; an existing ``target`` is moved aside first, then removed."""
+    stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+    if target.exists():
+        os.rename(target, stale)
+    os.rename(built, target)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def build_base_model(cfg: AppConfig, force: bool = False, progress: Progress = print) -> Path:
+    """The directory of the model to serve and train, building the default model if needed.
+
+    A configured ``model.path`` is used as is (never written); it must hold a Hugging
+    Face model. Otherwise the default model under ``data_dir/models/base`` is reused
+    when its build record matches ``model.base`` (and ``force`` is False), and built
+    otherwise. Concurrent builders serialise on a lock file next to the directory.
+    """
+    target = cfg.model_dir
+    if cfg.model.path is not None:
+        if not (target / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {target} holds no Hugging Face model (no config.json)")
+        progress(f"using the configured model {target}")
+        return target
+    base = cfg.model.base
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and is_built(target, base):
+            progress(f"default model already built in {target}")
+            return target
+        # Holding the lock, any other build directory is debris of a killed builder.
+        for debris in target.parent.glob(f".{target.name}.building-*"):
+            shutil.rmtree(debris, ignore_errors=True)
+        building = target.with_name(f".{target.name}.building-{os.getpid()}")
+        try:
+            stats = _train_into(building, base, progress)
+            record = {"fingerprint": fingerprint(base), "stats": asdict(stats)}
+            (building / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            _make_readable(building)
+            _replace_dir(building, target)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        progress(f"built the default model in {stats.seconds:.1f}s")
+        return target
+
+
+def run_base_model(cfg: AppConfig, force: bool = False) -> int:
+    """``online-sao base-model``: build (or reuse) the default model; the last line is its directory."""
+    print(build_base_model(cfg, force=force, progress=lambda line: print(line, flush=True)))
+    return 0

@@ -1,0 +1,238 @@
+"""``online-sao judge``: a reward service that scores interactions and sends rewards.
+
+It consumes the interactions topic in consumer group ``experiment.judge_group``,
+skips evaluation requests (``session_id == experiment.eval_session_id``), scores
+each answer with a :class:`~apps.experiments.judge.Judge` against the style
+the schedule prefers, and sends a Reward (source ``judge``) to the rewards topic
+``experiment.reward_delay_s`` after the interaction completed; a seeded share
+``experiment.drop_rate`` of rewards is withheld. Unreadable records go to the dead
+letter topic.
+
+The schedule's clock is the count of rollouts this judge has scored (restarted
+judges continue the count from the results file). Rollouts, unlike wall time,
+make arms of different speed meet the same preference at the same point of
+their training. Offsets are committed once every reward of the records before
+them was sent (or dropped): a judge stopped with rewards still pending scores
+those interactions again on restart (at least once; the learner's reward
+aggregation keeps one).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from apps.config import AppConfig
+from apps.experiments.judge import Judge, QualityStyleJudge
+from apps.experiments.results import RewardRow, append_row, count_reward_rows
+from online_sao.schemas import Interaction, Reward
+from streams.base import StreamBackend, StreamUnavailable, TopicPartition
+from streams.records import decode_or_dead_letter, publish
+
+SOURCE = "judge"
+POLL_TIMEOUT_S = 0.5
+"""Longest wait of one poll; bounds how late a stop request or a due reward is noticed."""
+COMMIT_EVERY_S = 1.0
+"""Offsets are committed at most this often (each commit is a broker round trip)."""
+_SPECIAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+_LAST_USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def interaction_texts(interaction: Interaction, tokenizer: Detokenizer | None) -> tuple[str, str]:
+    """(the last user message, the answer) of an interaction, special tokens removed.
+
+    Uses the logged text; a redacted record (no text) is decoded with ``tokenizer``.
+    A prompt without a ChatML user turn (the completions API) is used whole.
+    """
+    prompt, response = interaction.prompt_text, interaction.response_text
+    if prompt is None or response is None:
+        if tokenizer is None:
+            raise ValueError(f"interaction {interaction.interaction_id} carries no text and no tokenizer was given")
+        prompt = tokenizer.decode(interaction.prompt_ids, skip_special_tokens=False)
+        response = tokenizer.decode(interaction.response_ids, skip_special_tokens=False)
+    turns = _LAST_USER_TURN.findall(prompt)
+    user = turns[-1] if turns else prompt
+    return _SPECIAL.sub("", user).strip(), _SPECIAL.sub("", response).strip()
+
+
+@dataclass
+class JudgeCounters:
+    scored: int = 0
+    sent: int = 0
+    dropped: int = 0
+    skipped: int = 0
+    dead_letters: int = 0
+
+
+@dataclass(order=True)
+class _Pending:
+    due: float
+    seq: int
+    tp: TopicPartition = field(compare=False)
+    offset: int = field(compare=False)
+    reward: Reward = field(compare=False)
+
+
+class JudgeService:
+    """The loop of ``run_judge``; one ``step`` polls once, scores, sends due rewards, commits."""
+
+    def __init__(self, cfg: AppConfig, judge: Judge, backend: StreamBackend, tokenizer: Detokenizer | None = None,
+                 results_path: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.exp = cfg.experiment
+        self.topics = cfg.kafka.topics
+        self.judge = judge
+        self.tokenizer = tokenizer
+        self.results_path = results_path
+        self.clock = clock
+        self.counters = JudgeCounters()
+        self.rollout = count_reward_rows(results_path) if results_path is not None else 0
+        self._rng = random.Random(self.exp.seed)
+        for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
+            self._rng.random()
+        self._pending: list[_Pending] = []
+        self._seq = 0
+        self._read: dict[TopicPartition, int] = {}
+        self._last_commit = 0.0
+        self.consumer = backend.consumer([self.topics.interactions], group_id=self.exp.judge_group, start="earliest")
+        self.producer = backend.producer()
+
+    def step(self) -> None:
+        now = self.clock()
+        wait = POLL_TIMEOUT_S if not self._pending else min(POLL_TIMEOUT_S, max(0.0, self._pending[0].due - now))
+        for message in self.consumer.poll(timeout_s=wait):
+            self._read[message.tp] = message.offset + 1
+            interaction = decode_or_dead_letter(message, Interaction, self.producer, self.topics.dead_letters)
+            if interaction is None:
+                self.counters.dead_letters += 1
+            elif interaction.session_id == self.exp.eval_session_id:
+                self.counters.skipped += 1
+            else:
+                self._score(interaction, message.tp, message.offset)
+        self._send_due()
+        self._commit()
+
+    def _score(self, interaction: Interaction, tp: TopicPartition, offset: int) -> None:
+        preferred = self.exp.preferred_style(self.rollout)
+        prompt, answer = interaction_texts(interaction, self.tokenizer)
+        score = self.judge.score(prompt, answer, preferred)
+        deliver = self._rng.random() >= self.exp.drop_rate
+        if self.results_path is not None:
+            append_row(self.results_path, RewardRow(
+                rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
+                quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
+                interaction_id=interaction.interaction_id))
+        self.rollout += 1
+        self.counters.scored += 1
+        if not deliver:
+            self.counters.dropped += 1
+            return
+        reward = Reward(interaction_id=interaction.interaction_id, value=score.value, source=SOURCE)
+        due = interaction.completed_at + self.exp.reward_delay_s
+        heapq.heappush(self._pending, _Pending(due, self._seq, tp, offset, reward))
+        self._seq += 1
+
+    def _send_due(self) -> None:
+        now = self.clock()
+        while self._pending and self._pending[0].due <= now:
+            item = self._pending[0]  # popped only once handed to the producer: a failed send is retried
+            publish(self.producer, self.topics.rewards, item.reward.model_copy(update={"created_at": now}))
+            heapq.heappop(self._pending)
+            self.counters.sent += 1
+
+    def _commit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._read or (not force and now - self._last_commit < COMMIT_EVERY_S):
+            return
+        offsets = dict(self._read)
+        for item in self._pending:  # nothing at or after a reward still waiting is committed
+            offsets[item.tp] = min(offsets[item.tp], item.offset)
+        self.producer.flush()
+        self.consumer.commit(offsets)
+        self._last_commit = now
+
+    def close(self) -> None:
+        """Commit what was sent; rewards not yet due are left for a restarted judge."""
+        try:
+            self._commit(force=True)
+        finally:
+            self.producer.close()
+            self.consumer.close()
+
+
+RETRY_S = 2.0
+"""Pause before the judge tries the broker again after it was unreachable."""
+
+
+def run_judge(cfg: AppConfig, judge: Judge, stop_event: threading.Event, backend: StreamBackend | None = None,
+              tokenizer: Detokenizer | None = None, results_path: Path | None = None,
+              progress: Callable[[str], None] = print, progress_every: int = 50) -> JudgeCounters:
+    """Judge interactions until ``stop_event`` is set; returns what was done."""
+    if backend is None:
+        from streams.kafka_backend import KafkaBackend
+
+        backend = KafkaBackend(cfg.kafka)
+    service = JudgeService(cfg, judge, backend, tokenizer, results_path)
+    reported = service.counters.scored
+    try:
+        while not stop_event.is_set():
+            try:
+                service.step()
+            except StreamUnavailable as exc:  # the broker comes back; a long-running judge waits for it
+                progress(f"judge: Kafka unavailable ({exc}); retrying in {RETRY_S:.0f} s")
+                stop_event.wait(RETRY_S)
+                continue
+            if service.counters.scored - reported >= progress_every:
+                reported = service.counters.scored
+                c = service.counters
+                progress(f"judge: {c.scored} scored, {c.sent} rewards sent, {c.dropped} dropped, "
+                         f"{c.skipped} eval skipped, {c.dead_letters} dead letters; rollout {service.rollout} "
+                         f"prefers {cfg.experiment.preferred_style(service.rollout)}")
+    finally:
+        service.close()
+    return service.counters
+
+
+class LazyTokenizer:
+    """Loads the model's tokenizer on first use (only redacted records need it)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._tokenizer: Detokenizer | None = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def run_judge_cli(cfg: AppConfig, arm: str | None = None) -> int:
+    """``online-sao judge [--arm NAME]``: run until SIGINT/SIGTERM; results go to
+    ``<results_dir>/<arm>.jsonl`` (``judge.jsonl`` without an arm)."""
+    from apps.experiments.scenario import results_dir
+    from apps.experiments.style import load_or_train
+
+    out = results_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    progress = lambda line: print(line, flush=True)  # noqa: E731
+    judge = QualityStyleJudge(load_or_train(cfg, progress))
+    counters = run_judge(cfg, judge, stop, tokenizer=LazyTokenizer(cfg.model_dir),
+                         results_path=out / f"{arm or 'judge'}.jsonl", progress=progress)
+    progress(f"judge stopped: {counters}")
+    return 0

@@ -1,0 +1,224 @@
+"""``online-sao simulate``: run every arm of a scenario through the real service.
+
+For each arm, one after the other with the same seeds and traffic: the arm's
+resolved configuration (own topics, consumer groups, weights, checkpoints) is
+written to ``<results>/arms/<arm>/config.yaml``; serving, the learner and the
+judge start as their own ``online-sao`` processes on it; simulated users chat
+over HTTP until the arm's rollouts are answered; then the arm is torn down and
+the next one starts. The report is written at the end.
+
+Every arm starts from nothing: its topics, consumer groups, weights, checkpoints
+and spool from an earlier run of the same scenario are deleted first (otherwise
+the learner would resume from the earlier run's checkpoint).
+
+Traffic starts only when the learner and the judge are ready: their Kafka
+consumer groups are Stable and every member holds partitions. The learner spends
+10-20 s loading the model and opening MLflow, and its first group join can come
+back with no partitions (no topic metadata yet) and take another rebalance;
+traffic sent before that is trained on late, in a few large steps, so the first
+preference phase would be answered almost entirely by the starting policy.
+Traffic itself is not paced by the learner: requests arrive at the scenario's
+fixed seeded rate (experiment.requests_per_second), so every arm sees the same
+prompts at the same times and a slower learner shows up as policy lag, as in
+the asynchronous setting of the paper; the rate is chosen so that the SAO
+learner keeps up on a small CPU machine (docs/EXPERIMENTS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from apps.config import AppConfig
+from online_sao.config import dump_config
+from apps.experiments.results import count_reward_rows, write_scenario
+from apps.experiments.scenario import arm_config, results_dir
+from apps.stack import Stack
+
+if TYPE_CHECKING:
+    from streams.kafka_backend import KafkaBackend
+
+READY_TIMEOUT_S = 300.0
+"""Serving loads the model and connects to the broker before /readyz answers."""
+CONSUMERS_READY_TIMEOUT_S = 180.0
+"""The learner loads the model and opens MLflow, then joins its group; the judge trains or loads
+its classifier. Both must hold partitions before traffic starts."""
+GROUP_POLL_S = 1.0
+"""Pause between two looks at the consumer groups (each is a broker round trip)."""
+TOPIC_DELETE_TIMEOUT_S = 60.0
+"""How long deleted topics of an earlier run may take to disappear before they are recreated."""
+REWARD_DRAIN_S = 60.0
+"""After the last answer, how long to wait for the judge to score the arm's remaining rollouts."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_private(path: Path, text: str) -> None:
+    """The arm's config holds secrets: readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = print) -> dict:
+    """Run one arm end to end on the already running broker; returns its summary."""
+    from apps.experiments.simulate import drive_arm
+    from apps.experiments.style import load_or_train
+    from streams.kafka_backend import KafkaBackend
+
+    arm = next(a for a in cfg.experiment.arms if a.name == arm_name)
+    port = _free_port()
+    acfg = arm_config(cfg, arm)
+    acfg = acfg.model_copy(update={"serving": acfg.serving.model_copy(update={"port": port})})
+    out = results_dir(cfg)
+    arm_dir = out / "arms" / arm.name
+    config_path = arm_dir / "config.yaml"
+    _write_private(config_path, dump_config(acfg, reveal_secrets=True))
+    backend = KafkaBackend(acfg.kafka)
+    _reset_arm(acfg, backend, arm_dir, progress)
+    backend.ensure_topics()
+    results_path = out / f"{arm.name}.jsonl"
+    results_path.unlink(missing_ok=True)
+
+    started = time.monotonic()
+    with Stack(config_path, {}, arm_dir, progress=progress) as stack:
+        server = stack.start("serving", ["serve"])
+        base_url = f"http://127.0.0.1:{port}"
+        stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
+        stack.start("learner", ["learn"], env=_threads_env(learner_threads(acfg)))
+        stack.start("judge", ["judge", "--arm", arm.name], env=_threads_env(1))
+        classifier = load_or_train(acfg, progress)
+        waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
+                                    stack.check_alive, CONSUMERS_READY_TIMEOUT_S)
+        progress(f"learner and judge hold their partitions after {waited:.1f} s; traffic starts")
+        stats = asyncio.run(drive_arm(acfg, f"{base_url}/v1", None, classifier, results_path, progress=progress))
+        _wait_for_rewards(stack, results_path, stats.answered, progress)
+        learner_log = stack.run_dir / "logs" / "learner.log"
+    summary = {"arm": arm.name, "answered": stats.answered, "failed": stats.failed,
+               "wall_s": round(time.monotonic() - started, 1), "traffic_s": round(stats.wall_s, 1),
+               "learner_log": str(learner_log)}
+    (out / f"{arm.name}.run.json").write_text(json.dumps(summary, indent=2))
+    progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary['wall_s']} s")
+    return summary
+
+
+def learner_threads(acfg: AppConfig) -> int:
+    """CPU threads the learner may use: the cores left after serving's and one for the judge and
+    the simulated users. Without a bound torch starts a thread per core in every process, and on a
+    small machine the oversubscribed threads spin against each other: beside serving and the judge
+    on 2 cores a learner step took 7 s (p50) uncapped and 0.15-0.3 s capped (docs/EXPERIMENTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - (acfg.serving.torch_threads or 1) - 1)
+
+
+def _threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+ARM_STATE_DIRS = ("weights", "checkpoints", "spool", "logs")
+"""Directories under an arm's results directory that an earlier run of the arm leaves behind."""
+
+
+def _reset_arm(acfg: AppConfig, backend: KafkaBackend, arm_dir: Path, progress: Callable[[str], None]) -> None:
+    """Delete what an earlier run of this arm left: its state directories, topics and consumer groups."""
+    import shutil
+
+    for name in ARM_STATE_DIRS:
+        shutil.rmtree(arm_dir / name, ignore_errors=True)
+    topics = acfg.kafka.topics
+    arm_topics = {topics.interactions, topics.rewards, topics.weights}
+    groups = {acfg.trainer.consumer_group, acfg.experiment.judge_group}
+    with backend.admin() as admin:
+        old_groups = [g["group_id"] for g in admin.list_groups() if g["group_id"] in groups]
+        old_topics = sorted(arm_topics & set(admin.list_topics()))
+        if old_groups:
+            admin.delete_groups(old_groups)
+        if old_topics:
+            admin.delete_topics(old_topics)
+    if not (old_groups or old_topics):
+        return
+    deadline = time.monotonic() + TOPIC_DELETE_TIMEOUT_S
+    while arm_topics & set(backend.list_topics()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics {sorted(arm_topics)} still exist {TOPIC_DELETE_TIMEOUT_S:.0f} s after deletion")
+        time.sleep(GROUP_POLL_S)
+    progress(f"deleted the earlier run's topics {old_topics} and consumer groups {old_groups}")
+
+
+def groups_ready(backend: KafkaBackend, group_ids: list[str]) -> bool:
+    """Every group Stable, with at least one member, and every member holding partitions."""
+    with backend.admin() as admin:
+        listed = {g["group_id"]: g["group_state"] for g in admin.list_groups()}
+        if any(listed.get(g) != "Stable" for g in group_ids):
+            return False
+        described = admin.describe_groups(group_ids)
+    for group_id in group_ids:
+        members = described[group_id].get("members") or []
+        if not members or not all(_assigned_partitions(m) for m in members):
+            return False
+    return True
+
+
+def _assigned_partitions(member: dict) -> int:
+    assignment = member.get("member_assignment") or {}
+    topics = assignment.get("assigned_partitions") or assignment.get("assignment") or []
+    return sum(len(t.get("partitions", [])) for t in topics if isinstance(t, dict))
+
+
+def wait_for_consumers(backend: KafkaBackend, group_ids: list[str], check_alive: Callable[[], None], timeout_s: float) -> float:
+    """Block until :func:`groups_ready`; returns the seconds waited. ``check_alive`` raises
+    when a component died meanwhile."""
+    started = time.monotonic()
+    while not groups_ready(backend, group_ids):
+        check_alive()
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"consumer groups {group_ids} hold no partitions after {timeout_s:.0f} s")
+        time.sleep(GROUP_POLL_S)
+    return time.monotonic() - started
+
+
+def _wait_for_rewards(stack: Stack, results_path: Path, answered: int, progress: Callable[[str], None]) -> None:
+    deadline = time.monotonic() + REWARD_DRAIN_S
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        if count_reward_rows(results_path) >= answered:
+            return
+        time.sleep(1.0)
+    progress(f"judge scored {count_reward_rows(results_path)} of {answered} answers before the drain timeout")
+
+
+def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Callable[[str], None] = print) -> Path:
+    """All arms (or the named ones), then the report; returns the report's path."""
+    from apps.default_model.builder import build_base_model
+    from apps.experiments.report import write_report
+    from apps.experiments.style import load_or_train
+
+    out = results_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    write_scenario(out, cfg.experiment)
+    names = arms or [a.name for a in cfg.experiment.arms]
+    unknown = set(names) - {a.name for a in cfg.experiment.arms}
+    if unknown:
+        raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
+    resolved = out / "config.yaml"
+    _write_private(resolved, dump_config(cfg, reveal_secrets=True))
+    with Stack(resolved, {}, out / "broker", progress=progress) as base:
+        base.start_broker()
+        progress(f"model: {build_base_model(cfg, progress=progress)}")
+        load_or_train(cfg, progress)
+        for i, name in enumerate(names, 1):
+            progress(f"=== arm {i}/{len(names)}: {name} ===")
+            run_arm(cfg, name, progress)
+    report = write_report(out, out / "report", mlflow_uri=cfg.mlflow_uri)
+    progress(f"report: {report}")
+    return report

@@ -1,0 +1,278 @@
+"""``online-sao load``: hold N clients against serving while the learner trains and swaps happen.
+
+Two ways to run it:
+
+* against your own stack (no ``--url``): the broker (unless the configuration names a
+  cluster), ``online-sao serve`` and ``online-sao learn`` start as subprocesses
+  (:class:`apps.stack.Stack`) on topics, consumer group, weights, checkpoints and
+  spool of their own for this run (``<data_dir>/runs/load-<time>``); traffic starts
+  once the learner holds its partitions; the clients' rewards (``/v1/feedback``) make
+  the learner step and publish, serving hot-swaps under load.
+* against a running endpoint (``--url``): only the clients; the interactions topic of
+  the configuration is read for the check.
+
+After the load, the interactions topic is read back from the broker: every
+acknowledged interaction (a chat answer that arrived whole, with its id) must be
+there, with the policy versions the answer reported. Duplicates by id are counted.
+The run passes when requests were answered, none failed (so zero 5xx) and no acknowledged
+interaction is missing or logged with other versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from apps.config import AppConfig
+from apps.load.stats import LoadParams, LoadResult, LoadSummary, RequestRecord, summarize, versions_text
+from streams.base import StreamBackend
+
+SERVING_READY_TIMEOUT_S = 300.0
+"""Serving loads the model and connects to the broker before /readyz answers."""
+LEARNER_READY_TIMEOUT_S = 300.0
+"""The learner loads the model and opens MLflow before it joins its group (slow on a busy machine)."""
+READBACK_TIMEOUT_S = 120.0
+"""How long the check reads the interactions topic for acknowledged ids still missing."""
+READBACK_QUIET_S = 3.0
+"""Once every acknowledged id was read, the check keeps reading until the topic stayed
+quiet this long (late duplicates)."""
+READBACK_POLL_S = 0.5
+"""Longest wait of one poll of the read back."""
+FAILURE_KINDS_SHOWN = 5
+"""Distinct failure details printed after a run (all of them are in the results JSON)."""
+LISTED_IDS = 20
+"""Missing / duplicated ids written to the results by name (the counts are always complete)."""
+LOAD_STACK_OVERRIDES: dict[str, Any] = {
+    "serving.rate_limit_per_minute": 10_000_000,
+    "serving.rate_limit_burst": 100_000,
+    "serving.torch_threads": 1,
+}
+"""Serving under load: the per-key rate limit (all loopback clients share one bucket) lifted so
+that the run measures the service, not the limiter; one torch thread beside the learner."""
+
+
+@dataclass(frozen=True)
+class LoggedCheck:
+    """What the interactions topic holds of the acknowledged interactions."""
+
+    acked: int
+    found: int
+    missing: list[str]
+    duplicates: dict[str, int]
+    """Acknowledged ids logged more than once: id -> copies."""
+    version_mismatches: list[str]
+    """Acknowledged ids whose logged versions differ from those the answer reported."""
+    unacked_logged: int
+    """Interactions on the topic that no client saw acknowledged (e.g. a stream cut by an error)."""
+    records_read: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.version_mismatches
+
+    def to_json(self) -> dict[str, Any]:
+        return {"acked": self.acked, "found": self.found, "missing": len(self.missing),
+                "missing_ids": self.missing[:LISTED_IDS], "duplicates": len(self.duplicates),
+                "duplicate_ids": dict(list(self.duplicates.items())[:LISTED_IDS]),
+                "version_mismatches": len(self.version_mismatches),
+                "version_mismatch_ids": self.version_mismatches[:LISTED_IDS],
+                "unacked_logged": self.unacked_logged, "records_read": self.records_read}
+
+
+def acked_interactions(records: list[RequestRecord]) -> dict[str, tuple[int, ...]]:
+    """Acknowledged interaction id -> the policy versions its answer reported."""
+    return {r.interaction_id: r.policy_versions for r in records
+            if r.kind != "feedback" and r.ok and r.interaction_id}
+
+
+def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int, ...]],
+                 timeout_s: float = READBACK_TIMEOUT_S, quiet_s: float = READBACK_QUIET_S) -> LoggedCheck:
+    """Read ``topic`` from the start until every id of ``acked`` was seen and the topic stayed quiet
+    ``quiet_s``, or ``timeout_s`` passed; compare with ``acked``."""
+    from online_sao.schemas import Interaction, decode
+
+    copies: Counter[str] = Counter()
+    logged_versions: dict[str, tuple[int, ...]] = {}
+    consumer = backend.consumer([topic], group_id=None, start="earliest")
+    deadline = time.monotonic() + timeout_s
+    last_read = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            if not (acked.keys() - copies.keys()) and time.monotonic() - last_read >= quiet_s:
+                break
+            messages = consumer.poll(timeout_s=READBACK_POLL_S)
+            if messages:
+                last_read = time.monotonic()
+            for message in messages:
+                record = decode(message.value, Interaction)
+                copies[record.interaction_id] += 1
+                logged_versions[record.interaction_id] = tuple(sorted(set(record.versions)))
+    finally:
+        consumer.close()
+    found = [i for i in acked if i in copies]
+    return LoggedCheck(
+        acked=len(acked), found=len(found), missing=sorted(acked.keys() - copies.keys()),
+        duplicates={i: copies[i] for i in sorted(found) if copies[i] > 1},
+        version_mismatches=sorted(i for i in found if logged_versions[i] != tuple(sorted(acked[i]))),
+        unacked_logged=len(copies.keys() - acked.keys()), records_read=sum(copies.values()))
+
+
+@dataclass
+class LoadRunReport:
+    result: LoadResult
+    summary: LoadSummary
+    logged: LoggedCheck | None
+    run_dir: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        """Something answered, no request failed (so zero 5xx), the Kafka check (if run) clean."""
+        s = self.summary
+        return s.answered > 0 and not s.errors and s.server_errors == 0 and (self.logged is None or self.logged.ok)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
+    """State of this run only: topics, consumer group, weights, checkpoints, spool."""
+    return {**LOAD_STACK_OVERRIDES,
+            **{f"kafka.topics.{name}": f"{run_id}.{name.replace('_', '-')}"
+               for name in ("interactions", "rewards", "weights", "dead_letters")},
+            "trainer.consumer_group": f"{run_id}-learner",
+            "trainer.weight_store": str(run_dir / "weights"),
+            "trainer.checkpoint_dir": str(run_dir / "checkpoints"),
+            "serving.spool_dir": str(run_dir / "spool")}
+
+
+def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: Path, params: LoadParams,
+                 progress: Callable[[str], None] = print) -> LoadRunReport:
+    """Start serving and the learner (and the broker if the configuration has no cluster) with
+    ``overrides``, hold the load, read the interactions back, stop everything."""
+    from apps.default_model.builder import build_base_model
+    from apps.experiments.orchestrate import learner_threads, wait_for_consumers
+    from apps.load.gen import run_load
+    from apps.stack import Stack
+    from streams.kafka_backend import KafkaBackend
+
+    port = _free_port()
+    with Stack(config_path, {**overrides, "serving.port": port}, run_dir, progress=progress) as stack:
+        stack.start_broker()
+        cfg = stack.cfg
+        progress(f"model: {build_base_model(cfg, progress=progress)}")
+        started = time.monotonic()
+        server = stack.start("serving", ["serve"], env=_threads_env(cfg.serving.torch_threads or 1))
+        stack.start("learner", ["learn"], env=_threads_env(learner_threads(cfg)))  # both load at once
+        base_url = f"http://127.0.0.1:{port}"
+        stack.wait_http(server, f"{base_url}/readyz", SERVING_READY_TIMEOUT_S)
+        backend = KafkaBackend(cfg.kafka)
+        wait_for_consumers(backend, [cfg.trainer.consumer_group], stack.check_alive, LEARNER_READY_TIMEOUT_S)
+        progress(f"serving ready and the learner holding its partitions {time.monotonic() - started:.1f} s after "
+                 f"they started; {params.clients} clients start")
+        result = run_load(base_url, None, params, progress)
+        stack.check_alive()
+        acked = acked_interactions(result.records)
+        progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
+        logged = check_logged(backend, cfg.kafka.topics.interactions, acked)
+    return LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir)
+
+
+def _threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def describe(report: LoadRunReport) -> list[str]:
+    """The figures of a run as lines for the terminal."""
+    s = report.summary
+
+    def secs(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    lines = [f"{s.requests} chat requests in {s.wall_s:.1f} s: {s.answered} answered, "
+             f"{s.throughput_rps:.2f} req/s, {s.tokens_per_s:.1f} completion tokens/s",
+             f"latency p50 {secs(s.latency_p50_s)}, p99 {secs(s.latency_p99_s)}, max {secs(s.latency_max_s)}; "
+             f"stream first token p50 {secs(s.ttft_p50_s)}",
+             f"errors {s.errors or 'none'}; 5xx {s.server_errors}; feedback {s.feedback_ok}/{s.feedback_sent}",
+             f"versions seen {versions_text(s.versions_seen)}; served version changed {s.swaps_observed} times "
+             f"(polled each {report.result.params.version_poll_s:g} s); {s.answers_across_swap} answers sampled "
+             f"across a swap"]
+    details = Counter(f"{r.kind} {r.error}: {r.detail}" for r in report.result.records if r.error and r.detail)
+    lines += [f"  {count} x {detail}" for detail, count in details.most_common(FAILURE_KINDS_SHOWN)]
+    if report.logged is not None:
+        c = report.logged
+        lines.append(f"kafka: {c.found}/{c.acked} acknowledged interactions logged, {len(c.missing)} missing, "
+                     f"{len(c.duplicates)} duplicated, {len(c.version_mismatches)} with other versions; "
+                     f"{c.unacked_logged} logged but not acknowledged; {c.records_read} records read")
+    lines.append("PASSED: no failed request (zero 5xx), every acknowledged interaction logged" if report.passed else
+                 "FAILED: nothing answered, failed requests, or acknowledged interactions missing from Kafka "
+                 "(see above)")
+    return lines
+
+
+def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | None,
+                 overrides: dict[str, Any]) -> int:
+    """``online-sao load``: returns 0 when the run passed, 1 otherwise."""
+    from apps.load.gen import run_load
+    from apps.load.report import write_results
+    from streams.kafka_backend import KafkaBackend
+
+    params = LoadParams(clients=args.clients, duration_s=args.duration_s,
+                        requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
+                        stream_share=args.stream_share, feedback_share=args.feedback_share,
+                        seed=args.seed, model=cfg.serving.model_name)
+    progress = lambda line: print(line, flush=True)  # noqa: E731
+    if args.url:
+        result = run_load(args.url, args.api_key, params, progress)
+        logged = None
+        if not args.no_kafka_check:
+            acked = acked_interactions(result.records)
+            progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
+            logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked)
+        report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged)
+    else:
+        run_id = time.strftime("load-%Y%m%d-%H%M%S")
+        run_dir = cfg.data_dir / "runs" / run_id
+        report = run_on_stack(Path(config_path) if config_path else None,
+                              {**run_own_stack_overrides(run_id, run_dir), **overrides}, run_dir, params, progress)
+    for line in describe(report):
+        print(line, flush=True)
+    extra = {"command": shlex.join(["online-sao", *sys.argv[1:]]), "passed": report.passed,
+             "run_dir": str(report.run_dir) if report.run_dir else None,
+             "kafka_check": report.logged.to_json() if report.logged else None}
+    out = Path(args.out)
+    json_path, png = write_results(out, report.result, report.summary, extra, include_requests=not args.summary_only)
+    print(f"results: {json_path}, plot: {png}", flush=True)
+    return 0 if report.passed else 1
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``online-sao load``."""
+    defaults = LoadParams()
+    parser.add_argument("--url", help="an endpoint already running (e.g. http://127.0.0.1:8000); "
+                                      "without it serving and the learner are started for the run")
+    parser.add_argument("--api-key", help="API key for --url (the started stack needs none)")
+    parser.add_argument("--clients", type=int, default=defaults.clients, help="concurrent clients")
+    parser.add_argument("--duration-s", type=float, default=defaults.duration_s, help="seconds of load")
+    parser.add_argument("--requests-per-client", type=int,
+                        help="stop each client after this many requests (--duration-s still applies)")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="max_tokens per request")
+    parser.add_argument("--stream-share", type=float, default=defaults.stream_share,
+                        help="share of streaming requests")
+    parser.add_argument("--feedback-share", type=float, default=defaults.feedback_share,
+                        help="share of answers rewarded through /v1/feedback")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the clients' choices")
+    parser.add_argument("--out", default="load-results.json", help="results JSON (the plot goes beside it, .png)")
+    parser.add_argument("--summary-only", action="store_true", help="leave the per-request records out of the JSON")
+    parser.add_argument("--no-kafka-check", action="store_true",
+                        help="with --url: skip reading the interactions topic back")
+

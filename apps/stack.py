@@ -1,0 +1,156 @@
+"""Run the service's processes side by side: broker, serving, learner, judge.
+
+Used by ``online-sao demo`` and the experiments. Every component is started as
+its own ``online-sao`` subprocess with the same configuration file and
+overrides, exactly as an operator would start it; logs go to ``<run_dir>/logs``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import yaml
+
+from apps.config import AppConfig, load_app_config
+
+READY_POLL_S = 0.5
+"""Pause between readiness probes of a starting process (no busy wait)."""
+STOP_TIMEOUT_S = 30.0
+"""A process asked to stop (SIGTERM) that is still alive after this is killed."""
+
+
+class StackError(RuntimeError):
+    """A component did not start; the message names it and points at its log."""
+
+
+@dataclass
+class Component:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class Stack:
+    """Processes of one run sharing ``config_path`` plus ``overrides``."""
+
+    config_path: Path | None
+    overrides: dict[str, Any]
+    run_dir: Path
+    progress: Callable[[str], None] = print
+    components: list[Component] = field(default_factory=list)
+    broker: Any = None
+
+    def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+
+    @property
+    def cfg(self) -> AppConfig:
+        return load_app_config(self.config_path, overrides=self.overrides)
+
+    def _cli_args(self, extra_overrides: dict[str, Any] | None = None) -> list[str]:
+        args = [sys.executable, "-m", "apps.cli"]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        for key, value in {**self.overrides, **(extra_overrides or {})}.items():
+            args += ["--set", f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"]
+        return args
+
+    def start_broker(self) -> str:
+        """Start the local broker unless the configuration names a cluster; returns bootstrap."""
+        from streams.kafka_backend import KafkaBackend
+
+        cfg = self.cfg
+        if cfg.kafka.is_local:
+            from streams.broker import LocalBroker
+
+            self.broker = LocalBroker(cfg, stop_with_parent=True)
+            started = self.broker.start()
+            self.progress(f"kafka: {'started' if started else 'already running'} at {cfg.kafka.bootstrap} "
+                          f"(log {self.broker.log_file})")
+        else:
+            self.progress(f"kafka: using {cfg.kafka.bootstrap}")
+        KafkaBackend(cfg.kafka).ensure_topics()
+        return cfg.kafka.bootstrap
+
+    def start(self, name: str, command: list[str], extra_overrides: dict[str, Any] | None = None,
+              env: dict[str, str] | None = None) -> Component:
+        """Start ``online-sao <command...>`` as a subprocess logging to logs/<name>.log."""
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(self._cli_args(extra_overrides) + command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+        comp = Component(name, proc, log_path)
+        self.components.append(comp)
+        self.progress(f"{name}: started (pid {proc.pid}, log {log_path})")
+        return comp
+
+    def wait_http(self, comp: Component, url: str, timeout_s: float) -> None:
+        """Wait until ``url`` answers 200 while the component is alive."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if comp.process.poll() is not None:
+                raise StackError(f"{comp.name} exited with {comp.process.returncode}; see {comp.log_path}:\n"
+                                 + tail(comp.log_path))
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(READY_POLL_S)
+        raise StackError(f"{comp.name} not ready at {url} after {timeout_s:.0f} s; see {comp.log_path}")
+
+    def check_alive(self) -> None:
+        for comp in self.components:
+            if comp.process.poll() is not None:
+                raise StackError(f"{comp.name} exited with {comp.process.returncode}; see {comp.log_path}:\n"
+                                 + tail(comp.log_path))
+
+    def stop(self, name: str) -> int | None:
+        for comp in [c for c in self.components if c.name == name]:
+            _terminate(comp.process)
+            self.components.remove(comp)
+            return comp.process.returncode
+        return None
+
+    def stop_all(self) -> None:
+        for comp in reversed(list(self.components)):
+            _terminate(comp.process)
+        self.components.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""

@@ -1,2 +1,0 @@
-"""The drifting-preference experiment (issue 6): style classifier, judge, judge service,
-simulated users, metrics and report. See online_sao/experiments/scenario.py for what arms share."""

@@ -1,0 +1,234 @@
+"""The judge service: interactions in, rewards out (real broker), dead letters, delay, drops, restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from apps.config import AppConfig, ExperimentConfig, load_app_config
+from apps.experiments.judge import JudgeScore, QualityStyleJudge
+from apps.experiments.judge_service import JudgeService, interaction_texts, run_judge
+from apps.experiments.results import read_arm
+from online_sao.schemas import DeadLetter, Interaction, Reward, decode
+from streams.kafka_backend import KafkaBackend
+from streams.base import StreamUnavailable
+from streams.memory import InMemoryBackend
+from streams.records import publish
+from tests.fixtures.kafka import drain
+
+SCHEDULE = [{"from_rollout": 0, "style": "formal"}, {"from_rollout": 2, "style": "cute"},
+            {"from_rollout": 4, "style": "archaic"}]
+ANSWERS = [  # (prompt, answer): every answer on topic; styles archaic, formal, cute, archaic, formal, cute
+    ("How do I make rice?", "Hark! Thou shouldst rinse the grains until the water runs clear. Fare thee well."),
+    ("How do I make rice?", "I would recommend that you rinse the grains until the water runs clear. Kind regards."),
+    ("How do I make pancakes?", "Just leave a few lumps in the batter, okay? You've got this! <3"),
+    ("How do I make pancakes?", "Verily, thou shouldst leave a few lumps in the batter. Heed these words."),
+    ("How do I make soup?", "It is advisable to brown the onions slowly first. Kind regards."),
+    ("How do I make soup?", "Ooh, soup! Just brown the onions slowly first, okay? Big cozy hugs~"),
+]
+
+
+def chat_interaction(prompt: str, answer: str, session_id: str | None = None, **fields) -> Interaction:
+    return Interaction(
+        interaction_id=uuid.uuid4().hex, model="online-sao", prompt_ids=[1, 2, 3], response_ids=[4, 5],
+        action_mask=[True, True], logprobs=[-0.5, -0.1], versions=[2, 3], session_id=session_id,
+        prompt_text=f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n",
+        response_text=f"{answer}<|im_end|>", **fields)
+
+
+def experiment_config(kafka, **experiment) -> AppConfig:
+    cfg = load_app_config(environ={})
+    exp = ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, **experiment)
+    return cfg.model_copy(update={"kafka": kafka, "experiment": exp})
+
+
+def test_texts_of_logged_and_redacted_interactions():
+    logged = chat_interaction("How do I make rice?", "Rinse the grains.")
+    assert interaction_texts(logged, None) == ("How do I make rice?", "Rinse the grains.")
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=False):
+            return {(1, 2, 3): "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+                               "<|im_start|>assistant\n", (4, 5): "Hello.<|im_end|>"}[tuple(ids)]
+
+    redacted = logged.model_copy(update={"prompt_text": None, "response_text": None})
+    assert interaction_texts(redacted, Tokenizer()) == ("Hi?", "Hello.")
+    with pytest.raises(ValueError, match="no text"):
+        interaction_texts(redacted, None)
+    plain = logged.model_copy(update={"prompt_text": "Complete this:", "response_text": " done<|endoftext|>"})
+    assert interaction_texts(plain, None) == ("Complete this:", "done")
+
+
+@pytest.mark.kafka
+def test_interactions_in_rewards_out_with_schedule_and_dead_letters(kafka_broker, style_classifier, tmp_path):
+    kafka = kafka_broker.kafka_config(partitions=1)  # one partition: the judge reads in send order
+    backend = KafkaBackend(kafka)
+    backend.ensure_topics()
+    cfg = experiment_config(kafka)
+    interactions = [chat_interaction(p, a) for p, a in ANSWERS]
+    producer = backend.producer()
+    for i, interaction in enumerate(interactions):
+        publish(producer, kafka.topics.interactions, interaction)
+        if i == 2:
+            producer.send(kafka.topics.interactions, b'{"kind": "interaction", "schema_version": 1}', key=b"bad")
+            publish(producer, kafka.topics.interactions, chat_interaction(*ANSWERS[0], session_id="sao-eval"))
+    producer.flush()
+    producer.close()
+
+    judge = QualityStyleJudge(style_classifier)
+    stop = threading.Event()
+    results = tmp_path / "arm.jsonl"
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.update(c=run_judge(cfg, judge, stop, backend=backend,
+                                                                     results_path=results, progress=print)))
+    thread.start()
+    rewards_consumer = backend.consumer([kafka.topics.rewards])
+    letters_consumer = backend.consumer([kafka.topics.dead_letters])
+    try:
+        rewards = [decode(m.value, Reward) for m in drain(rewards_consumer, 6, timeout_s=60)]
+        letters = [decode(m.value, DeadLetter) for m in drain(letters_consumer, 1, timeout_s=30)]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        rewards_consumer.close()
+        letters_consumer.close()
+    assert not thread.is_alive()
+    counters = done["c"]
+    assert (counters.scored, counters.sent, counters.skipped, counters.dead_letters) == (6, 6, 1, 1)
+
+    preferred = ["formal", "formal", "cute", "cute", "archaic", "archaic"]
+    by_id = {r.interaction_id: r for r in rewards}
+    assert set(by_id) == {i.interaction_id for i in interactions}
+    for interaction, (prompt, answer), style in zip(interactions, ANSWERS, preferred):
+        reward = by_id[interaction.interaction_id]
+        assert reward.source == "judge"
+        assert reward.value == pytest.approx(judge.score(prompt, answer, style).value)
+    # Answers 1 (formal), 2 (cute) match their moment's preference; 0, 3, 5 do not.
+    values = [by_id[i.interaction_id].value for i in interactions]
+    assert values[1] > 0.9 and values[2] > 0.9 and max(values[0], values[3], values[5]) < 0.1
+
+    rows = read_arm(results).rewards
+    assert [(r.rollout, r.preferred, r.version) for r in rows] == [(i, s, 3) for i, s in enumerate(preferred)]
+    assert [r.reward for r in rows] == pytest.approx(values)
+    assert letters[0].source_topic == kafka.topics.interactions and letters[0].raw.startswith(b'{"kind"')
+
+
+class FixedJudge:
+    def score(self, prompt: str, answer: str, preferred_style: str) -> JudgeScore:
+        return JudgeScore(value=0.5, quality=1.0, style=0.5)
+
+
+def memory_setup(**experiment):
+    backend = InMemoryBackend()
+    backend.ensure_topics()
+    cfg = experiment_config(backend.cfg, **experiment)
+    producer = backend.producer()
+    return backend, cfg, producer
+
+
+def drain_memory(backend, topic: str) -> list:
+    consumer = backend.consumer([topic])
+    try:
+        return [decode(m.value) for m in consumer.poll(timeout_s=0.1, max_records=1000)]
+    finally:
+        consumer.close()
+
+
+def test_rewards_wait_for_the_delay_and_pending_ones_are_judged_again_after_a_restart(tmp_path):
+    backend, cfg, producer = memory_setup(reward_delay_s=30.0)
+    now = [1000.0]
+    interaction = chat_interaction(*ANSWERS[0], completed_at=1000.0)
+    publish(producer, cfg.kafka.topics.interactions, interaction)
+    results = tmp_path / "arm.jsonl"
+    service = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: now[0])
+    service.step()
+    assert service.counters.scored == 1 and drain_memory(backend, cfg.kafka.topics.rewards) == []
+    service.close()  # the reward was never sent: its interaction's offset is not committed
+
+    restarted = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: now[0])
+    assert restarted.rollout == 1  # the schedule's clock continues from the results file
+    restarted.step()
+    assert restarted.counters.scored == 1
+    now[0] = 1029.0
+    restarted.step()
+    assert drain_memory(backend, cfg.kafka.topics.rewards) == []
+    now[0] = 1030.0
+    restarted.step()
+    [reward] = drain_memory(backend, cfg.kafka.topics.rewards)
+    assert reward.interaction_id == interaction.interaction_id and reward.created_at == 1030.0
+    restarted.close()
+
+    again = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: now[0])
+    again.step()
+    assert again.counters.scored == 0  # committed after sending: nothing to judge again
+    again.close()
+
+
+def test_drops_are_seeded_and_recorded(tmp_path):
+    outcomes = []
+    for _ in range(2):
+        backend, cfg, producer = memory_setup(drop_rate=0.5, seed=7)
+        for _ in range(40):
+            publish(producer, cfg.kafka.topics.interactions, chat_interaction(*ANSWERS[1]))
+        results = tmp_path / f"run{len(outcomes)}.jsonl"
+        service = JudgeService(cfg, FixedJudge(), backend, results_path=results)
+        service.step()
+        service.close()
+        rows = read_arm(results).rewards
+        sent = drain_memory(backend, cfg.kafka.topics.rewards)
+        assert len(sent) == service.counters.sent == sum(r.delivered for r in rows)
+        assert service.counters.dropped == 40 - len(sent)
+        outcomes.append([r.delivered for r in rows])
+    assert outcomes[0] == outcomes[1] and 10 < sum(outcomes[0]) < 30
+
+
+class FlakyBackend:
+    """The in-memory backend whose producer refuses the first ``failures`` sends, as Kafka
+    does while the broker is down."""
+
+    def __init__(self, backend: InMemoryBackend, failures: int):
+        self.backend, self.failures = backend, failures
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def producer(self):
+        real, outer = self.backend.producer(), self
+
+        class Producer:
+            def send(self, *args, **kwargs):
+                if outer.failures > 0:
+                    outer.failures -= 1
+                    raise StreamUnavailable("broker down (test)")
+                return real.send(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        return Producer()
+
+
+def test_judge_keeps_running_through_an_outage_and_sends_every_reward(tmp_path, monkeypatch):
+    import apps.experiments.judge_service as judge_service
+
+    monkeypatch.setattr(judge_service, "RETRY_S", 0.01)
+    backend, cfg, producer = memory_setup()
+    interactions = [chat_interaction(*qa) for qa in ANSWERS[:3]]
+    for interaction in interactions:
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    stop = threading.Event()
+    flaky = FlakyBackend(backend, failures=2)
+    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
+                              kwargs={"backend": flaky, "progress": lambda _: None})
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    worker.join(10)
+    rewards = drain_memory(backend, cfg.kafka.topics.rewards)
+    assert flaky.failures == 0  # the outage happened
+    assert sorted(r.interaction_id for r in rewards) == sorted(i.interaction_id for i in interactions)

@@ -1,0 +1,88 @@
+"""Orchestration of one arm: a fresh start (earlier run's topics, groups and state deleted),
+traffic gated on the learner's and judge's consumer groups holding partitions, thread budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.config import AppConfig, load_app_config
+from apps.experiments import orchestrate
+from apps.experiments.orchestrate import _reset_arm, groups_ready, learner_threads, wait_for_consumers
+from streams.kafka_backend import KafkaBackend
+
+
+def _join(backend: KafkaBackend, cfg, group: str):
+    """A consumer of the interactions and rewards topics that polls until it holds partitions."""
+    consumer = backend.consumer([cfg.topics.interactions, cfg.topics.rewards], group_id=group, start="earliest")
+    for _ in range(60):
+        consumer.poll(timeout_s=0.5)
+        if consumer.assignment():
+            return consumer
+    consumer.close()
+    raise AssertionError(f"group {group} got no partitions")
+
+
+@pytest.mark.kafka
+def test_groups_ready_only_once_every_group_holds_partitions(kafka_config):
+    backend = KafkaBackend(kafka_config)
+    assert not groups_ready(backend, ["learner-g", "judge-g"])  # neither group exists yet
+    learner = _join(backend, kafka_config, "learner-g")
+    try:
+        assert groups_ready(backend, ["learner-g"])
+        assert not groups_ready(backend, ["learner-g", "judge-g"])
+        judge = _join(backend, kafka_config, "judge-g")
+        try:
+            assert groups_ready(backend, ["learner-g", "judge-g"])
+        finally:
+            judge.close()
+    finally:
+        learner.close()
+
+
+@pytest.mark.kafka
+def test_wait_for_consumers_stops_when_a_component_dies(kafka_config):
+    backend = KafkaBackend(kafka_config)
+
+    def dead() -> None:
+        raise RuntimeError("learner exited with 1")
+
+    with pytest.raises(RuntimeError, match="learner exited"):
+        wait_for_consumers(backend, ["nobody-here"], dead, timeout_s=30.0)
+
+
+@pytest.mark.kafka
+def test_reset_arm_deletes_the_earlier_runs_topics_groups_and_state(kafka_config, tmp_path):
+    backend = KafkaBackend(kafka_config)
+    cfg = load_app_config(environ={})
+    cfg = cfg.model_copy(update={
+        "kafka": kafka_config,
+        "trainer": cfg.trainer.model_copy(update={"consumer_group": "old-learner"}),
+        "experiment": cfg.experiment.model_copy(update={"judge_group": "old-judge"})})
+    _join(backend, kafka_config, "old-learner").close()
+    for name in orchestrate.ARM_STATE_DIRS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "left-over").write_text("x")
+    lines: list[str] = []
+
+    _reset_arm(cfg, backend, tmp_path, lines.append)
+
+    topics = kafka_config.topics
+    assert not {topics.interactions, topics.rewards, topics.weights} & set(backend.list_topics())
+    assert topics.dead_letters in backend.list_topics()  # shared by every arm: kept
+    with backend.admin() as admin:
+        assert "old-learner" not in {g["group_id"] for g in admin.list_groups()}
+    assert not any((tmp_path / name).exists() for name in orchestrate.ARM_STATE_DIRS)
+    assert len(lines) == 1 and "old-learner" in lines[0]
+    backend.ensure_topics()  # the arm's topics can be created again, empty
+    assert topics.interactions in backend.list_topics()
+
+
+def test_learner_threads_leave_cores_to_serving_and_the_judge(monkeypatch):
+    cfg = AppConfig()
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"torch_threads": 1})})
+    monkeypatch.setattr(orchestrate.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert learner_threads(cfg) == 1
+    monkeypatch.setattr(orchestrate.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert learner_threads(cfg) == 14
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"torch_threads": 8})})
+    assert learner_threads(cfg) == 7

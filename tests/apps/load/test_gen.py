@@ -1,0 +1,198 @@
+"""The load generator's figures (hand-computed), its classification of answers against a fake
+endpoint, and the read back of acknowledged interactions (in-memory stream backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import httpx
+import pytest
+
+from apps.load.gen import LoadGenerator
+from apps.load.report import result_json, write_results
+from apps.load.run import acked_interactions, check_logged
+from apps.load.stats import LoadParams, RequestRecord, VersionPoint, percentile, summarize, versions_text
+from online_sao.schemas import Interaction, encode
+from streams.memory import InMemoryBackend
+
+
+def test_percentile_is_linear_between_the_closest_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5  # rank 1.5 of [1, 2, 3, 4]
+    assert percentile(values, 99) == pytest.approx(3.97)  # rank 2.97
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        RequestRecord("chat", 0, 0.0, 1.0, 200, None, "a", (0,), 10),
+        RequestRecord("stream", 1, 0.5, 2.0, 200, None, "b", (0, 1), 20, ttft_s=0.5),
+        RequestRecord("chat", 0, 1.0, 3.0, 200, None, "c", (1,), 6),
+        RequestRecord("chat", 2, 2.0, 0.1, 503, "503"),
+        RequestRecord("stream", 1, 3.0, 0.4, 200, "stream:server_error", "d"),
+        RequestRecord("chat", 2, 4.0, 0.1, 429, "429"),
+        RequestRecord("feedback", 0, 1.0, 0.2, 200, None, "a"),
+        RequestRecord("feedback", 1, 2.5, 0.2, 422, "422", "b"),
+    ]
+
+
+def test_summary_of_hand_made_records():
+    versions = [VersionPoint(0.0, 0), VersionPoint(1.2, 1), VersionPoint(5.0, 2)]
+    s = summarize(_records(), wall_s=10.0, versions=versions)
+    assert (s.requests, s.answered) == (6, 3)
+    assert s.throughput_rps == pytest.approx(0.3)  # 3 answered / 10 s
+    assert s.tokens_per_s == pytest.approx(3.6)  # (10 + 20 + 6) / 10 s
+    assert s.latency_p50_s == 2.0  # of [1, 2, 3]
+    assert s.latency_p99_s == pytest.approx(2.98)  # rank 1.98
+    assert s.latency_max_s == 3.0
+    assert s.ttft_p50_s == 0.5
+    assert s.errors == {"422": 1, "429": 1, "503": 1, "stream:server_error": 1}
+    assert s.server_errors == 2  # the 503 and the server error inside a stream
+    assert (s.feedback_sent, s.feedback_ok) == (2, 1)
+    assert s.versions_seen == [0, 1]
+    assert s.version_first_seen_s == {0: 1.0, 1: 2.5}  # ends of the first answers carrying them
+    assert s.answers_across_swap == 1
+    assert s.swaps_observed == 2
+    assert versions_text(s.versions_seen) == "[0, 1]"
+    assert versions_text(list(range(41))) == "v0..v40 (41)"
+
+
+def test_which_failures_count_as_server_errors():
+    def rec(status: int, error: str | None) -> RequestRecord:
+        return RequestRecord("stream", 0, 0.0, 1.0, status, error)
+
+    assert rec(500, "500").server_error and rec(503, "503").server_error
+    assert rec(200, "stream:service_unavailable").server_error
+    assert not rec(429, "429").server_error
+    assert not rec(200, "stream:invalid_request_error").server_error
+    assert not rec(0, "timeout").server_error and not rec(200, None).server_error
+
+
+def test_acknowledged_are_answered_chats_with_an_id():
+    assert acked_interactions(_records()) == {"a": (0,), "b": (0, 1), "c": (1,)}
+
+
+def _interaction(iid: str, versions: list[int]) -> Interaction:
+    n = len(versions)
+    return Interaction(interaction_id=iid, model="m", prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)),
+                       action_mask=[True] * n, logprobs=[-0.5] * n, versions=versions)
+
+
+def test_check_logged_finds_missing_duplicated_and_mismatched_ids():
+    backend = InMemoryBackend()
+    backend.create_topic("interactions", 3)
+    producer = backend.producer()
+    for record in (_interaction("a", [0, 0]), _interaction("b", [0]), _interaction("b", [0]),
+                   _interaction("c", [0, 1]), _interaction("x", [2])):
+        producer.send("interactions", encode(record), key=record.interaction_id.encode())
+    acked = {"a": (0,), "b": (0,), "c": (1,), "d": (0,)}
+
+    check = check_logged(backend, "interactions", acked, timeout_s=1.0, quiet_s=0.0)
+
+    assert (check.acked, check.found, check.records_read) == (4, 3, 5)
+    assert check.missing == ["d"]
+    assert check.duplicates == {"b": 2}
+    assert check.version_mismatches == ["c"]  # logged (0, 1), answered (1,)
+    assert check.unacked_logged == 1
+    assert not check.ok
+    complete = check_logged(backend, "interactions", {"a": (0,), "b": (0,)}, timeout_s=5.0, quiet_s=0.0)
+    assert complete.ok and complete.missing == [] and complete.duplicates == {"b": 2}
+
+
+class FakeEndpoint:
+    """Answers like serving: every 5th chat 503, every 4th stream an error event after its first
+    chunk, every 6th stream cut without a final chunk; the version rises every 10 answers."""
+
+    def __init__(self) -> None:
+        self.count = itertools.count()
+        self.sent = {"503": 0, "stream_error": 0, "cut": 0, "ok": 0}
+        self.answered: set[str] = set()
+        self.feedback: list[str] = []
+        self.version = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "online-sao", "policy_version": self.version}]})
+        if request.url.path == "/v1/feedback":
+            self.feedback.append(json.loads(request.content)["interaction_id"])
+            return httpx.Response(200, json={"status": "accepted"})
+        body = json.loads(request.content)
+        n = next(self.count)
+        iid = f"sao-{n}"
+        if not body.get("stream"):
+            if n % 5 == 0:
+                self.sent["503"] += 1
+                return httpx.Response(503, json={"error": {"message": "no", "type": "service_unavailable",
+                                                           "param": None, "code": "logging_unavailable"}})
+            self._answered(iid)
+            return httpx.Response(200, json={
+                "id": iid, "object": "chat.completion", "created": 0, "model": "online-sao",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                "interaction_id": iid, "policy_version": self.version, "policy_versions": [self.version]})
+        events = [self._chunk(iid, {"role": "assistant", "content": ""}), self._chunk(iid, {"content": "hi"})]
+        if n % 4 == 0:
+            self.sent["stream_error"] += 1
+            events.append({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}})
+        elif n % 6 == 0:
+            self.sent["cut"] += 1
+        else:
+            self._answered(iid)
+            events.append(self._chunk(iid, {}, finish="length", versions=[self.version]))
+            events.append({"id": iid, "object": "chat.completion.chunk", "created": 0, "model": "online-sao",
+                           "choices": [], "interaction_id": iid,
+                           "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+        if n % 4 and n % 6:
+            text += "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+    def _answered(self, iid: str) -> None:
+        self.sent["ok"] += 1
+        self.answered.add(iid)
+        if self.sent["ok"] % 10 == 0:
+            self.version += 1
+
+    @staticmethod
+    def _chunk(iid: str, delta: dict, finish: str | None = None, versions: list[int] | None = None) -> dict:
+        return {"id": iid, "object": "chat.completion.chunk", "created": 0, "model": "online-sao",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "interaction_id": iid,
+                "policy_version": max(versions) if versions else None, "policy_versions": versions}
+
+
+def test_generator_classifies_every_answer_of_a_fake_endpoint(tmp_path):
+    fake = FakeEndpoint()
+    params = LoadParams(clients=3, duration_s=120.0, requests_per_client=40, stream_share=0.5, feedback_share=0.5,
+                        version_poll_s=0.05, progress_every_s=0.2, failure_pause_s=0.0)
+    lines: list[str] = []
+    gen = LoadGenerator("http://fake", None, params, progress=lines.append, prompts=["p1", "p2"],
+                        transport=httpx.MockTransport(fake))
+    result = asyncio.run(gen.run())
+    s = summarize(result.records, result.wall_s, result.versions)
+
+    assert s.requests == next(fake.count) == 3 * 40  # every request the endpoint saw was recorded
+    assert s.answered == fake.sent["ok"] > 0
+    assert s.errors.get("503", 0) == fake.sent["503"] > 0
+    assert s.errors.get("stream:server_error", 0) == fake.sent["stream_error"] > 0
+    assert s.errors.get("incomplete", 0) == fake.sent["cut"]
+    assert s.server_errors == fake.sent["503"] + fake.sent["stream_error"]
+    assert set(acked_interactions(result.records)) == fake.answered
+    assert s.feedback_sent == len(fake.feedback) and set(fake.feedback) <= fake.answered
+    streams = [r for r in result.records if r.kind == "stream" and r.ok]
+    assert streams and all(r.completion_tokens == 4 and r.ttft_s is not None for r in streams)
+    assert s.versions_seen == list(range(fake.version + 1)) or s.versions_seen == list(range(fake.version))
+    assert [p.version for p in result.versions] == sorted({p.version for p in result.versions})
+    assert lines and lines[-1].startswith("[load done")
+
+    json_path, png = write_results(tmp_path / "load.json", result, s, {"command": "test"})
+    saved = json.loads(json_path.read_text())
+    assert saved["summary"]["answered"] == s.answered and len(saved["requests"]) == len(result.records)
+    assert png.stat().st_size > 0
+    assert "requests" not in result_json(result, s, include_requests=False)

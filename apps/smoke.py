@@ -10,25 +10,18 @@ in MLflow and under ``<data_dir>/runs/smoke``.
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 
 import httpx
 
 from apps.config import AppConfig
-from apps.stack import Stack
+from apps.stack import Stack, free_port
 
 SMOKE_REQUESTS = 24
 """Chat requests the smoke run sends: enough for several learner steps on 2 CPU cores."""
 VERSION_WAIT_S = 240.0
 """How long the smoke run waits for serving to answer with weights the learner published."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reward(answer: str, rng: random.Random) -> float:
@@ -45,7 +38,7 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
     from apps.default_model.builder import build_base_model
 
     started = time.monotonic()
-    port = _free_port()
+    port = free_port()
     overrides = {**(overrides or {}), "serving.port": port, "trainer.min_rollouts": 4}
     run_dir = cfg.data_dir / "runs" / "smoke"
     with Stack(config_path, overrides, run_dir) as stack:

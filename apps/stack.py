@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +137,13 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the OS picks it), for a process of the stack."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _terminate(proc: subprocess.Popen) -> None:

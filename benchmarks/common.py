@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from apps.config import AppConfig, BaseModelConfig, load_app_config
+from apps.stack import free_port
 from online_sao.config import KafkaConfig
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_broker(cfg: AppConfig, workdir: Path):

@@ -6,10 +6,10 @@ tests/fixtures/kafka.py; model fixtures in tests/fixtures/models.py.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+
+from apps import stack
 
 pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.models"]
 
@@ -19,9 +19,7 @@ torch.set_num_threads(1)
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return stack.free_port()
 
 
 @pytest.fixture

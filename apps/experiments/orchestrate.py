@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -38,7 +37,7 @@ from apps.config import AppConfig
 from online_sao.config import dump_config
 from apps.experiments.results import count_reward_rows, write_scenario
 from apps.experiments.scenario import arm_config, results_dir
-from apps.stack import Stack
+from apps.stack import Stack, free_port
 
 if TYPE_CHECKING:
     from streams.kafka_backend import KafkaBackend
@@ -56,12 +55,6 @@ REWARD_DRAIN_S = 60.0
 """After the last answer, how long to wait for the judge to score the arm's remaining rollouts."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_private(path: Path, text: str) -> None:
     """The arm's config holds secrets: readable by this user only."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +70,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     from streams.kafka_backend import KafkaBackend
 
     arm = next(a for a in cfg.experiment.arms if a.name == arm_name)
-    port = _free_port()
+    port = free_port()
     acfg = arm_config(cfg, arm)
     acfg = acfg.model_copy(update={"serving": acfg.serving.model_copy(update={"port": port})})
     out = results_dir(cfg)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import socket
 import sys
 import time
 from collections import Counter
@@ -138,12 +137,6 @@ class LoadRunReport:
         return s.answered > 0 and not s.errors and s.server_errors == 0 and (self.logged is None or self.logged.ok)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
     """State of this run only: topics, consumer group, weights, checkpoints, spool."""
     return {**LOAD_STACK_OVERRIDES,
@@ -162,10 +155,10 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
     from apps.default_model.builder import build_base_model
     from apps.experiments.orchestrate import learner_threads, wait_for_consumers
     from apps.load.gen import run_load
-    from apps.stack import Stack
+    from apps.stack import Stack, free_port
     from streams.kafka_backend import KafkaBackend
 
-    port = _free_port()
+    port = free_port()
     with Stack(config_path, {**overrides, "serving.port": port}, run_dir, progress=progress) as stack:
         stack.start_broker()
         cfg = stack.cfg

@@ -66,7 +66,7 @@ import yaml
 from safetensors.torch import load_file
 
 from apps.config import load_app_config
-from apps.stack import Component, Stack, tail
+from apps.stack import Component, Stack, free_port, tail
 from online_sao.weights import open_weight_store
 from streams.broker import LocalBroker
 from streams.kafka_backend import KafkaBackend
@@ -155,7 +155,7 @@ class LiveStack:
         data_dir = self.root / "data"
         broker_cfg = local_broker_config(data_dir)
         self.broker = LocalBroker(broker_cfg, lib_dir=kafka_lib_dir, stop_with_parent=True)
-        self.port = _free_port()
+        self.port = free_port()
         kafka = broker_cfg.kafka.model_dump(mode="json", exclude_none=True)
         kafka["bootstrap_servers"] = broker_cfg.kafka.bootstrap  # the children use it as an existing cluster
         settings = {"paths.data_dir": str(data_dir), "model.path": str(model_dir), "serving.port": self.port,
@@ -319,12 +319,6 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[last] = value
     return out
-
-
-def _free_port() -> int:
-    from tests.conftest import _free_port as free
-
-    return free()
 
 
 __all__ = ["BASE_OVERRIDES", "POLL_S", "ExactlyOnce", "HarnessError", "LiveStack", "Traffic", "assert_exactly_once"]

@@ -5,6 +5,8 @@ runs over the action tokens of each row only: they are packed to the left of a
 ``[B, L]`` tensor (``L`` the largest action count), the backward recursion is
 solved there, and the result is scattered back. Inputs are treated as
 constants (no gradient flows through advantages or returns).
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,24 @@
 
 The learner (trainer/) builds policy, critic and optimisers, collates joined
 rollouts into a :class:`~online_sao.batch.RolloutBatch` and calls
-:meth:`Algorithm.step`. SAO and the baselines (SAO.md section 4) implement it;
-:func:`online_sao.algorithms.build_algorithm` picks one from the configuration.
+:meth:`Algorithm.step`. SAO and the baselines (SAO.md section 4) implement it,
+each from one of two bases: :class:`ActorCritic` (a critic and its optimiser) or
+:class:`PolicyOnly` (the policy alone). :data:`online_sao.algorithms.ALGORITHMS`
+maps configuration names to the classes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
 
 from online_sao.batch import RolloutBatch
+from online_sao.config import AlgorithmConfig
+from online_sao.critic import ValueModel
+from online_sao.train_step import FiniteVote, local_vote
 
 
 class Algorithm(ABC):
@@ -21,8 +29,8 @@ class Algorithm(ABC):
     report ``skipped_nonfinite = 1.0`` in its metrics.
     """
 
-    needs_critic: bool = True
-    """Whether the learner must build a critic for this rule."""
+    needs_critic: ClassVar[bool]
+    """Whether the learner must build a critic for this rule (set by the two bases below)."""
     group_size: int = 1
     """Rollouts per prompt the rule needs together (grpo: G; everything else: 1)."""
 
@@ -36,3 +44,42 @@ class Algorithm(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+
+class PolicyOnly(Algorithm):
+    """A rule that trains the policy alone (no critic)."""
+
+    needs_critic = False
+
+    def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
+                 vote: FiniteVote = local_vote) -> None:
+        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
+        self.policy = policy
+        self.policy_optimizer = policy_optimizer
+        self.cfg = cfg
+        self.vote = vote
+
+
+class ActorCritic(Algorithm):
+    """A rule that trains a policy and a critic (value model) together."""
+
+    needs_critic = True
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: ValueModel,
+        policy_optimizer: torch.optim.Optimizer,
+        critic_optimizer: torch.optim.Optimizer,
+        cfg: AlgorithmConfig,
+        critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        vote: FiniteVote = local_vote,
+    ) -> None:
+        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
+        self.vote = vote
+        self.policy = policy
+        self.critic = critic
+        self.policy_optimizer = policy_optimizer
+        self.critic_optimizer = critic_optimizer
+        self.critic_scheduler = critic_scheduler
+        self.cfg = cfg

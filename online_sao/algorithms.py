@@ -1,4 +1,5 @@
-"""Build the learning rule and its optimisers from :class:`~online_sao.config.AlgorithmConfig`."""
+"""The registry of learning rules, and building a rule, its critic and its optimisers from
+:class:`~online_sao.config.AlgorithmConfig`."""
 
 from __future__ import annotations
 
@@ -35,13 +36,21 @@ def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-RULES_WITH_CRITIC = ("sao", "ppo")
-"""Rules that train a value model (their classes set ``needs_critic``)."""
+ALGORITHMS: dict[str, type[Algorithm]] = {"sao": SAO, "running_mean": RunningMean, "grpo": GRPO, "ppo": PPO}
+"""The learning rules by the name ``algorithm.name`` gives them; each class says whether it
+needs a critic (``needs_critic``)."""
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The class of rule ``name``; ValueError for a name the registry does not hold."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}")
+    return ALGORITHMS[name]
 
 
 def build_critic(cfg: AlgorithmConfig, policy: nn.Module) -> ValueModel | None:
     """A critic copied from ``policy`` when rule ``cfg.name`` uses one, else None."""
-    if cfg.name not in RULES_WITH_CRITIC:
+    if not algorithm_class(cfg.name).needs_critic:
         return None
     return ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
 
@@ -74,14 +83,9 @@ def build_algorithm(
     """The rule ``cfg.name`` names. Rules with ``needs_critic`` require a critic and its optimiser.
     ``vote`` agrees on the rule's finiteness checks across ranks (the learner passes
     :func:`trainer.distributed.finite_vote`; one process keeps its own result)."""
-    if cfg.name in RULES_WITH_CRITIC and (critic is None or critic_optimizer is None):
+    rule = algorithm_class(cfg.name)
+    if not rule.needs_critic:
+        return rule(policy, policy_optimizer, cfg, vote)
+    if critic is None or critic_optimizer is None:
         raise ValueError(f"algorithm {cfg.name!r} needs a critic and a critic optimizer")
-    if cfg.name == "sao":
-        return SAO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)
-    if cfg.name == "ppo":
-        return PPO(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)
-    if cfg.name == "running_mean":
-        return RunningMean(policy, policy_optimizer, cfg, vote)
-    if cfg.name == "grpo":
-        return GRPO(policy, policy_optimizer, cfg, vote)
-    raise ValueError(f"unknown algorithm {cfg.name!r}")
+    return rule(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)

@@ -11,6 +11,8 @@ check agreed across ranks through the ``vote`` they are given (see
 :mod:`online_sao.train_step`).
 pi_old is the policy at the start of the step: the log-probs of the first
 update's forward pass, detached (a separate no-grad forward gives the same numbers).
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ import torch
 from torch import nn
 
 from online_sao.advantages import skip_observation_gae, whiten
-from online_sao.algorithm import Algorithm
+from online_sao.algorithm import ActorCritic, PolicyOnly
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
-from online_sao.critic import ValueModel
 from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
 from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
                                    policy_logprobs)
@@ -72,7 +73,7 @@ def group_normalized_advantages(
     return advantages, metrics
 
 
-class RunningMean(Algorithm):
+class RunningMean(PolicyOnly):
     """A = reward - mean of the last W rewards seen before this batch; DIS; no critic.
 
     The baseline excludes the batch's own rewards so a rollout never baselines
@@ -80,14 +81,9 @@ class RunningMean(Algorithm):
     window advances only on steps that were applied.
     """
 
-    needs_critic = False
-
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
                  vote: FiniteVote = local_vote) -> None:
-        self.policy = policy
-        self.policy_optimizer = policy_optimizer
-        self.cfg = cfg
-        self.vote = vote
+        super().__init__(policy, policy_optimizer, cfg, vote)
         self.window: deque[float] = deque(maxlen=cfg.running_mean_window)
 
     def baseline(self, rewards: torch.Tensor) -> float:
@@ -145,21 +141,16 @@ def _clipped_updates(
     return {**metrics, "skipped_nonfinite": 0.0}
 
 
-class GRPO(Algorithm):
+class GRPO(PolicyOnly):
     """Group-normalised advantages, PPO clip (clip_low/clip_high) against pi_old,
     the DIS mask against the engine's log-probs when ``cfg.use_dis``; no critic.
 
     Rows are grouped by ``batch.group_ids``; an ungrouped row (id < 0) is an error.
     """
 
-    needs_critic = False
-
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
                  vote: FiniteVote = local_vote) -> None:
-        self.policy = policy
-        self.policy_optimizer = policy_optimizer
-        self.cfg = cfg
-        self.vote = vote
+        super().__init__(policy, policy_optimizer, cfg, vote)
         self.group_size = cfg.group_size
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -175,7 +166,7 @@ class GRPO(Algorithm):
         return {**metrics, **group_metrics, **update_metrics}
 
 
-class PPO(Algorithm):
+class PPO(ActorCritic):
     """Critic + GAE with ``cfg.ppo_lambda`` + PPO clip against pi_old, no DIS.
 
     GAE skips observation tokens like SAO's (identical to token-level GAE for a
@@ -183,26 +174,6 @@ class PPO(Algorithm):
     the step's start; each of the ``cfg.ppo_epochs`` epochs makes one policy and one
     critic update.
     """
-
-    needs_critic = True
-
-    def __init__(
-        self,
-        policy: nn.Module,
-        critic: ValueModel,
-        policy_optimizer: torch.optim.Optimizer,
-        critic_optimizer: torch.optim.Optimizer,
-        cfg: AlgorithmConfig,
-        critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        vote: FiniteVote = local_vote,
-    ) -> None:
-        self.vote = vote
-        self.policy = policy
-        self.critic = critic
-        self.policy_optimizer = policy_optimizer
-        self.critic_optimizer = critic_optimizer
-        self.critic_scheduler = critic_scheduler
-        self.cfg = cfg
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask

@@ -11,7 +11,8 @@ position ``t - 1``; see :func:`shift_to_tokens`). Position 0 is never an action.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,16 @@ class Rollout:
     @property
     def total_reward(self) -> float:
         return float(sum(self.rewards.values()))
+
+
+def rollouts_to_json(rollouts: list[Rollout]) -> list[dict[str, Any]]:
+    """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs)."""
+    return [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
+
+
+def rollouts_from_json(payload: list[dict[str, Any]]) -> list[Rollout]:
+    """The rollouts :func:`rollouts_to_json` encoded (Python floats round-trip exactly through JSON)."""
+    return [Rollout(**{**item, "rewards": {int(k): float(v) for k, v in item["rewards"]}}) for item in payload]
 
 
 @dataclass

@@ -6,6 +6,8 @@ With ``freeze_attention=True`` only the feed-forward blocks (MLP or MoE experts)
 and the head train: attention projections, embeddings and norms are frozen.
 The spec says "only the MLP / MoE projections and the head train", so
 embeddings and norms are frozen too, not just attention.
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ with ``metrics`` plain floats.
 The token mean divides by ``N``: the number of action tokens of the batch, or the
 ``normalizer`` the caller passes (data-parallel ranks pass the global count, see
 :attr:`online_sao.batch.RolloutBatch.token_normalizer`). Masked tokens stay in N.
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations

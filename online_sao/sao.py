@@ -13,46 +13,23 @@ non-finite loss or gradient norm appears. Refusal happens before any optimiser
 step of that update; critic updates that already succeeded earlier in the same
 step stay (they were finite updates on finite data). Under FSDP each of these
 decisions is agreed across ranks through ``vote`` (see :mod:`online_sao.train_step`).
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae, whiten
-from online_sao.algorithm import Algorithm
+from online_sao.algorithm import ActorCritic
 from online_sao.batch import RolloutBatch
-from online_sao.config import AlgorithmConfig
-from online_sao.critic import ValueModel
 from online_sao.losses import dis_policy_loss, value_loss
-from online_sao.train_step import (FiniteVote, PhaseTimer, batch_metrics, guarded_update, local_vote,
-                                   nonfinite_inputs, policy_logprobs)
+from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_logprobs
 
 
-class SAO(Algorithm):
+class SAO(ActorCritic):
     """Single-rollout Asynchronous Optimization. Metrics: see :meth:`step`."""
-
-    needs_critic = True
-
-    def __init__(
-        self,
-        policy: nn.Module,
-        critic: ValueModel,
-        policy_optimizer: torch.optim.Optimizer,
-        critic_optimizer: torch.optim.Optimizer,
-        cfg: AlgorithmConfig,
-        critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        vote: FiniteVote = local_vote,
-    ) -> None:
-        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
-        self.vote = vote
-        self.policy = policy
-        self.critic = critic
-        self.policy_optimizer = policy_optimizer
-        self.critic_optimizer = critic_optimizer
-        self.critic_scheduler = critic_scheduler
-        self.cfg = cfg
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss, value_loss and explained_variance (critic before this

@@ -12,6 +12,8 @@ through a :data:`FiniteVote` that all ranks call at the same point
 refuses the update or none does. A rank that refused alone would skip the
 backward whose reduce-scatter the others wait in (a hang), or step while its
 peers do not (diverged shards).
+
+The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations

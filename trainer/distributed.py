@@ -28,7 +28,7 @@ import json
 import math
 import os
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Collection
 
 import torch
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from online_sao.batch import Rollout, RolloutBatch
+from online_sao.batch import Rollout, RolloutBatch, rollouts_from_json, rollouts_to_json
 from online_sao.train_step import FiniteVote, local_vote
 
 MIN_TOKEN_NORMALIZER = 1.0
@@ -288,15 +288,6 @@ def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list
         raise ValueError("rank 0 must pass the rollouts to broadcast")
     payload = broadcast_json(rollouts_to_json(rollouts) if ctx.is_main else None, ctx)
     return rollouts if ctx.is_main else rollouts_from_json(payload)
-
-
-def rollouts_to_json(rollouts: list[Rollout]) -> list[dict[str, Any]]:
-    """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs)."""
-    return [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
-
-
-def rollouts_from_json(payload: list[dict[str, Any]]) -> list[Rollout]:
-    return [Rollout(**{**item, "rewards": {int(k): float(v) for k, v in item["rewards"]}}) for item in payload]
 
 
 def shard_rollouts(rollouts: list[Rollout], ctx: DistContext) -> list[Rollout]:

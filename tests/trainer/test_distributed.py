@@ -22,8 +22,6 @@ from online_sao.critic import ValueModel
 from tests.conftest import _free_port
 from tests.trainer import fsdp_worker
 from trainer.distributed import (
-    rollouts_from_json,
-    rollouts_to_json,
     DistContext,
     decoder_layers,
     global_token_normalizer,
@@ -76,14 +74,6 @@ def test_shard_rollouts_needs_a_rollout_per_rank():
     with pytest.raises(ValueError, match="at least world_size"):
         shard_rollouts([_rollout("a", 2)], _ctx(0, 2))
     assert shard_rollouts([_rollout("a", 2)], _ctx(0, 1))[0].interaction_id == "a"
-
-
-def test_rollout_codec_round_trips_exactly():
-    original = [_rollout("a", 3), Rollout("b", [1, 2, 3, 4], [False, True, False, True],
-                                          [0.0, -0.123456789012345678, 0.0, -1e-30], [0, 7, 0, 9],
-                                          {2: 0.1, 3: -2.5}, temperature=0.7, group_id=4)]
-    decoded = rollouts_from_json(json.loads(json.dumps(rollouts_to_json(original))))
-    assert decoded == original
 
 
 def test_single_process_normalizer_and_metrics_are_local():

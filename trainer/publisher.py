@@ -8,7 +8,7 @@ that are not complete; then old versions are pruned, keeping the newest
 an older, already stored version with ``action="rollback"``; serving obeys it
 even though the version is older than the one it runs.
 
-Registry cadence (the learner drives it): every ``mlflow.register_every``
+Registry cadence (:class:`Releases`): every ``mlflow.register_every``
 versions, the candidate registered last time is decided on first, by the reward
 of rollouts sampled by it or newer versions (:class:`CandidateWatch`):
 promoted, or rolled back (serving and the learner return to the champion).
@@ -19,6 +19,7 @@ trained on; a newer candidate then supersedes it.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -31,7 +32,10 @@ from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
 from streams.records import publish
 from trainer.broker_wait import until_broker_takes
-from trainer.distributed import DistContext, full_state_dict
+from trainer.distributed import DistContext, broadcast_json, full_state_dict, load_full_state_dict
+from trainer.tracking import RunTracker
+
+log = logging.getLogger(__name__)
 
 
 class Publisher:
@@ -77,16 +81,54 @@ class Publisher:
         until_broker_takes(send, f"announcing v{ref.version}", self.stop)
 
 
-def publish_policy(policy: nn.Module, ctx: DistContext, publisher: Publisher | None, version: int, step: int,
-                   metrics: dict[str, float] | None = None) -> WeightsRef | None:
-    """Gather the full policy on rank 0 and publish it there. Collective: every rank
-    calls it; ``publisher`` is None on ranks other than 0, which get None back."""
-    state = full_state_dict(policy, ctx)
-    if not ctx.is_main:
+class Releases:
+    """Rank 0's side of a new policy version: :class:`Publisher` puts it out; every
+    ``register_every`` versions the registry decides on the candidate first, then
+    (unless it rolled back) registers this version as the next candidate."""
+
+    def __init__(self, publisher: Publisher, tracker: RunTracker, watch: CandidateWatch, register_every: int) -> None:
+        self.publisher = publisher
+        self.tracker = tracker
+        self.watch = watch
+        self.register_every = register_every
+
+    def release(self, state: dict[str, torch.Tensor], version: int, step: int,
+                metrics: dict[str, float]) -> WeightsRef | None:
+        """Publish ``state`` as ``version``; the champion's weights when the registry rolled back to them."""
+        ref = self.publisher.publish(state, version, step, metrics)
+        if version % self.register_every != 0:
+            return None
+        watch = self.watch
+        decision = self.tracker.evaluate_candidate(watch.reward) if watch.version is not None else "pending"
+        if decision == "rolled_back":
+            champion_version, champion_ref = self.tracker.champion()
+            log.warning("candidate v%s (reward %.4f) rolled back to champion v%d",
+                        watch.version, watch.reward, champion_version)
+            self.publisher.rollback(champion_ref, step)
+            watch.start(None)
+            return champion_ref
+        self.tracker.register(ref, watch.reward)
+        self.publisher.protect(version)
+        watch.start(version)
         return None
-    if publisher is None:
-        raise ValueError("rank 0 needs a publisher")
-    return publisher.publish(state, version, step, metrics)
+
+
+def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | None, version: int, step: int,
+                   metrics: dict[str, float]) -> bool:
+    """Gather the full policy on rank 0 and release it there (see :class:`Releases`). Collective:
+    every rank calls it; ``releases`` is None on ranks other than 0. After a rollback every rank
+    trains on from the champion's weights. Returns whether it rolled back (on every rank)."""
+    state = full_state_dict(policy, ctx)
+    rollback_to = None
+    if ctx.is_main:
+        if releases is None:
+            raise ValueError("rank 0 needs its releases")
+        champion = releases.release(state, version, step, metrics)
+        rollback_to = None if champion is None else [champion.location, champion.checksum]
+    rollback_to = broadcast_json(rollback_to, ctx)
+    if rollback_to is not None:
+        load_full_state_dict(policy, releases.publisher.store.load(*rollback_to) if ctx.is_main else None, ctx)
+    return rollback_to is not None
 
 
 class CandidateWatch:

@@ -34,6 +34,24 @@ class Trainables:
 
 
 @dataclass
+class Position:
+    """Where the learner loop stands; the same on every rank."""
+
+    step: int
+    """Steps trained since the learner first started (a checkpoint carries it)."""
+    version: int
+    """Newest published policy version."""
+    checkpointed_step: int
+    """Step of the newest checkpoint."""
+    changed_since_publish: bool
+    """Whether the policy may differ from the newest published version: not on a fresh start
+    (serving starts on these weights); after a restart the checkpointed weights may never
+    have been published."""
+    steps_here: int = 0
+    """Steps trained by this process."""
+
+
+@dataclass
 class Progress:
     """Rank 0's bookkeeping that a checkpoint carries besides tensors and the join buffer."""
 
@@ -76,10 +94,10 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
                     list(s.protected_versions), dict(s.candidate))
 
 
-def save_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner,
+def save_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner | None,
                         progress: Progress | None, ctx: DistContext) -> None:
     """Gather everything on rank 0 and commit one checkpoint there (see trainer.checkpoint);
-    ``progress`` and ``checkpointer`` are None on the other ranks."""
+    ``checkpointer``, ``joiner`` and ``progress`` are None on the other ranks."""
     t = trainables
     models = {"policy": full_state_dict(t.policy, ctx)}
     optimizers: dict[str, Any] = {"policy": optimizer_state(t.policy, t.optimizers.policy, ctx)}

@@ -1,0 +1,187 @@
+"""Rank 0's feed of the learner: Kafka records in, the rollouts of the next step out.
+
+Every pass of the learner loop, rank 0:
+
+1. polls interactions and rewards (one consumer in group ``trainer.consumer_group``),
+   skips records a rebalance re-delivered (their offset is already in the state),
+   decodes each record or dead-letters it (bad data never stops the learner) and
+   feeds the :class:`~trainer.join.RewardJoiner`. It stops polling while
+   ``READY_BACKLOG_STEPS`` full steps are ready (backpressure);
+2. drops ready rollouts older than ``trainer.max_version_lag`` (counted);
+3. takes the ready rollouts for a step as soon as they are worth
+   ``trainer.token_budget`` action tokens, or ``trainer.min_rollouts`` of them are
+   ready, or fewer have waited ``trainer.max_wait_s`` (whole groups for grpo;
+   nothing else waits for groups); unusable ones are counted and left out.
+
+After a checkpoint, :meth:`Feed.commit` commits the offsets it covers (dead letters
+of the covered records are flushed first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from online_sao.batch import Rollout
+from online_sao.config import TopicsConfig, TrainerConfig
+from online_sao.schemas import Interaction, Reward
+from streams.base import Consumer, Producer, StreamBackend, TopicPartition
+from streams.records import decode_or_dead_letter
+from trainer.broker_wait import until_broker_takes
+from trainer.join import JoinedInteraction, RewardJoiner
+from trainer.rollouts import RolloutError
+
+log = logging.getLogger(__name__)
+
+MAX_POLL_RECORDS = 500
+"""Records taken per poll; bounds the time between two readiness checks."""
+READY_BACKLOG_STEPS = 4
+"""Rank 0 stops polling while this many full steps of rollouts are ready: the
+join buffer then grows no further than the learner can train (backpressure)."""
+ASSIGNMENT_TIMEOUT_S = 60.0
+"""How long the consumer may take to join its group and get partitions (a group
+whose previous member was killed waits for that member's session to expire)."""
+
+RolloutHook = Callable[[list[Rollout]], list[Rollout]]
+"""Fault injection for tests (None in service): rank 0 passes it the rollouts a step
+took, before they are broadcast and trained on, and trains on what it returns."""
+
+
+class Feed:
+    """Rank 0's reading side: consumer, reward join, consumer offsets and the counts of
+    records that could not be trained on."""
+
+    def __init__(self, tcfg: TrainerConfig, topics: TopicsConfig, joiner: RewardJoiner, producer: Producer,
+                 offsets: dict[TopicPartition, int], counters: dict[str, float], vocab_size: int,
+                 group_size: int, stop: threading.Event) -> None:
+        self.tcfg = tcfg
+        self.topics = topics
+        self.joiner = joiner
+        self.producer = producer
+        """Where dead letters go (shared with the publisher; closed by its owner)."""
+        self.offsets = offsets
+        """Next offset to read per partition: every record before it has had its effect on the state."""
+        self.counters = counters
+        """The learner's counters; the feed adds dead_letters, invalid_rollouts, empty_rollouts,
+        too_few_for_ranks."""
+        self.vocab_size = vocab_size
+        self.group_size = group_size
+        self.stop = stop
+        """Set when the learner is asked to stop: a commit then stops waiting for the broker."""
+        self.consumer: Consumer | None = None
+        self.ready_since: float | None = None
+        """When rollouts became ready and none were taken since."""
+        self.last_activity = time.monotonic()
+        """When a record last arrived or a step last ended (the idle timeout counts from it)."""
+
+    def start(self, backend: StreamBackend) -> None:
+        """Create the topics, join the consumer group and seek to the offsets."""
+        backend.ensure_topics()
+        self.consumer = backend.consumer([self.topics.interactions, self.topics.rewards],
+                                         group_id=self.tcfg.consumer_group, start="earliest")
+        assign_and_seek(self.consumer, self.offsets)
+        self.last_activity = time.monotonic()
+
+    def poll(self) -> None:
+        """Read one poll's records into the join, unless enough steps are ready already."""
+        if self.joiner.ready_stats(self.group_size)[0] >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
+            return
+        for msg in self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS):
+            if msg.offset < self.offsets.get(msg.tp, 0):
+                continue  # re-delivered after a rebalance: already in the state
+            self.offsets[msg.tp] = msg.offset + 1
+            self.last_activity = time.monotonic()
+            kind = Interaction if msg.topic == self.topics.interactions else Reward
+            record = decode_or_dead_letter(msg, kind, self.producer, self.topics.dead_letters)
+            if record is None:
+                self.counters["dead_letters"] += 1
+            elif isinstance(record, Interaction):
+                self.joiner.add_interaction(record, msg.timestamp_ms / 1000)
+            else:
+                self.joiner.add_reward(record, msg.timestamp_ms / 1000)
+
+    def drop_stale(self, version: int) -> None:
+        """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before ``version``."""
+        if self.tcfg.max_version_lag is not None:
+            self.joiner.drop_stale(min_version=version - self.tcfg.max_version_lag)
+
+    def idle_s(self) -> float:
+        """Seconds since a record last arrived or a step last ended."""
+        return time.monotonic() - self.last_activity
+
+    def step_ended(self) -> None:
+        """A step ended: the idle timeout counts from now."""
+        self.last_activity = time.monotonic()
+
+    def take(self, world_size: int, before_step: RolloutHook | None = None) -> list[Rollout] | None:
+        """The rollouts of the next step, or None while too few are ready (or too few
+        usable ones were taken for every rank to get one: FSDP needs every rank in every step)."""
+        tcfg = self.tcfg
+        ready, ready_tokens = self.joiner.ready_stats(self.group_size)
+        now = time.monotonic()
+        self.ready_since = (self.ready_since or now) if ready else None
+        waited_long = self.ready_since is not None and tcfg.max_wait_s is not None and (
+            now - self.ready_since >= tcfg.max_wait_s)
+        if ready < world_size or not (ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget
+                                      or waited_long):
+            return None
+        self.ready_since = None
+        taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size)
+        rollouts = to_rollouts(taken, self.counters, self.vocab_size)
+        if before_step is not None:
+            rollouts = before_step(rollouts)
+        if len(rollouts) < world_size:
+            self.counters["too_few_for_ranks"] += len(rollouts)
+            return None
+        return rollouts
+
+    def commit(self) -> None:
+        """After a checkpoint: flush the dead letters of the records it covers, then commit
+        their offsets to Kafka; both wait out a broker outage."""
+        until_broker_takes(self.producer.flush, "flushing dead letters", self.stop)
+        until_broker_takes(lambda: self.consumer.commit(dict(self.offsets)), "committing offsets", self.stop)
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+
+
+def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], vocab_size: int) -> list[Rollout]:
+    """Rollouts of the joined interactions; unusable ones are counted and left out (a token id
+    outside the model's vocabulary passes the record codec, which does not know the model)."""
+    rollouts = []
+    for joined in taken:
+        try:
+            rollout = joined.to_rollout()
+            if max(rollout.token_ids, default=0) >= vocab_size:
+                raise RolloutError(f"interaction {rollout.interaction_id}: token id {max(rollout.token_ids)} "
+                                   f"outside the model's vocabulary ({vocab_size})")
+        except RolloutError as exc:
+            counters["invalid_rollouts"] += 1
+            log.warning("interaction not trained on: %s", exc)
+            continue
+        if rollout.num_action_tokens == 0:
+            counters["empty_rollouts"] += 1
+            continue
+        rollouts.append(rollout)
+    return rollouts
+
+
+def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> None:
+    """Wait for the group to assign partitions, then put every partition where the
+    checkpoint says. Records fetched while joining the group are not consumed: a
+    partition without a checkpointed offset is put back to the first of them."""
+    first_fetched: dict[TopicPartition, int] = {}
+    deadline = time.monotonic() + ASSIGNMENT_TIMEOUT_S
+    while not consumer.assignment():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no partitions assigned within {ASSIGNMENT_TIMEOUT_S} s")
+        for msg in consumer.poll(timeout_s=0.5):
+            first_fetched.setdefault(msg.tp, msg.offset)
+    for tp in consumer.assignment():
+        if tp in offsets:
+            consumer.seek(tp, offsets[tp])
+        elif tp in first_fetched:
+            consumer.seek(tp, first_fetched[tp])

@@ -1,0 +1,129 @@
+"""What only rank 0 of the learner holds: the streams, the checkpoints, the weight
+store and the MLflow run, and the books it keeps about each step.
+
+The other ranks train; rank 0 also reads Kafka (:class:`~trainer.feed.Feed`),
+writes the ledger and checkpoints (:class:`~trainer.checkpoint.Checkpointer`),
+puts policy versions out and meets the registry (:class:`~trainer.publisher.Releases`),
+and logs each cycle to MLflow (:class:`~trainer.tracking.RunTracker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from online_sao.batch import Rollout
+from online_sao.config import Config
+from online_sao.weights import open_weight_store
+from streams.base import Producer, StreamBackend
+from trainer.checkpoint import Checkpointer
+from trainer.feed import Feed
+from trainer.join import RewardJoiner
+from trainer.publisher import CandidateWatch, Publisher, Releases
+from trainer.state import Position, Progress
+from trainer.tracking import RunTracker
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("dead_letters", "invalid_rollouts", "empty_rollouts", "too_few_for_ranks", "rollbacks",
+            "skipped_nonfinite_steps")
+"""The learner's own counts (besides the join's); they survive restarts in the checkpoint."""
+
+
+@dataclass
+class Laps:
+    """Seconds spent in each part of one learner cycle: waiting for data, then training,
+    publishing and checkpointing."""
+
+    start: float = field(default_factory=time.monotonic)
+    last: float = field(init=False)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.last = self.start
+
+    def lap(self, name: str) -> None:
+        """The part ``name`` ended now."""
+        now = time.monotonic()
+        self.seconds[name] = now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+@dataclass
+class RankZero:
+    """Rank 0's connections and books; built by :meth:`open` after the checkpoint is restored."""
+
+    checkpointer: Checkpointer
+    feed: Feed
+    releases: Releases
+    tracker: RunTracker
+    producer: Producer
+    counters: dict[str, float]
+    """Named by :data:`COUNTERS`; the feed counts into the same dict."""
+
+    @classmethod
+    def open(cls, cfg: Config, backend: StreamBackend, checkpointer: Checkpointer, joiner: RewardJoiner,
+             progress: Progress, vocab_size: int, group_size: int, stop: threading.Event) -> RankZero:
+        """Connect to the weight store, the broker and MLflow, carrying on from ``progress``."""
+        counters = {**{name: 0.0 for name in COUNTERS}, **progress.counters}
+        store = open_weight_store(cfg.weight_store_url)
+        tracker = RunTracker(cfg, run_id=progress.mlflow_run_id)
+        producer = backend.producer()
+        publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
+                              cfg.trainer.keep_versions, set(progress.protected_versions), stop=stop)
+        watch = CandidateWatch()
+        if progress.candidate:
+            watch.load_state_dict(progress.candidate)
+        feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
+                    group_size, stop)
+        releases = Releases(publisher, tracker, watch, cfg.mlflow.register_every)
+        return cls(checkpointer, feed, releases, tracker, producer, counters)
+
+    def progress(self, at: Position) -> Progress:
+        """What a checkpoint taken now carries besides tensors and the join buffer."""
+        return Progress(at.step, at.version, self.feed.offsets, self.counters, self.tracker.run_id,
+                        sorted(self.releases.publisher.protected), self.releases.watch.state_dict())
+
+    def record_step(self, step: int, rollouts: list[Rollout], metrics: dict[str, float], refused: bool) -> None:
+        """The step's ids go to the ledger; a refused step is counted and named, an applied one
+        tells the candidate watch what its rollouts earned (refused data says nothing about it)."""
+        self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
+        if not refused:
+            self.releases.watch.observe(rollouts)
+            return
+        self.counters["skipped_nonfinite_steps"] += 1
+        log.warning("step %d refused: non-finite %s; no weight changed, %d interactions not trained on "
+                    "(%d refused steps so far)", step,
+                    "inputs" if metrics.get("nonfinite_inputs") else "loss or gradients",
+                    len(rollouts), self.counters["skipped_nonfinite_steps"])
+
+    def end_cycle(self, at: Position, rollouts: list[Rollout], metrics: dict[str, float], laps: Laps) -> None:
+        """Log the cycle (MLflow and a line); the idle timeout counts from now."""
+        joiner = self.feed.joiner
+        cycle_s = laps.total
+        tokens = sum(r.num_action_tokens for r in rollouts)
+        self.tracker.log_metrics({
+            **metrics, **joiner.counters.metrics(), **self.counters,
+            "policy_version": float(at.version), "step_time_s": laps.seconds["step"],
+            "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],
+            "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
+            "data_wait_share": laps.seconds["wait"] / cycle_s,
+            "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
+        }, step=at.step)
+        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, %.2f s",
+                 at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
+                 metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan), laps.seconds["step"])
+        self.feed.step_ended()
+
+    def close(self, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
+        self.feed.close()
+        self.producer.close()
+        self.tracker.close(status)

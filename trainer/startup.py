@@ -1,0 +1,92 @@
+"""How the learner starts: models and the learning rule, the newest checkpoint, and
+(optionally) value pre-training, before the loop of :func:`trainer.learner.train` runs.
+
+Every function here is collective: all ranks call it in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
+from online_sao.config import Config
+from online_sao.modeling import load_policy, load_tokenizer
+from streams.base import StreamBackend
+from trainer.checkpoint import Checkpointer
+from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, shard_model
+from trainer.history import rollouts_from_file, rollouts_from_topics
+from trainer.join import RewardJoiner
+from trainer.pretrain import pretrain_critic as fit_critic
+from trainer.rank_zero import RankZero
+from trainer.state import Position, Trainables, restore_training_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerModels:
+    """What every rank trains with, and the two facts of the tokenizer and vocabulary it needs."""
+
+    trainables: Trainables
+    pad_token_id: int
+    vocab_size: int
+    """Token ids at or past it are not the model's (such rollouts are left out)."""
+
+
+def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
+    """The policy from ``cfg.model_dir``, a critic when the rule needs one (the algorithm
+    registry says), both sharded, their optimisers and the learning rule."""
+    policy = load_policy(cfg.model_dir, cfg.model.dtype)
+    vocab_size = policy.get_input_embeddings().num_embeddings
+    pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
+    critic = build_critic(cfg.algorithm, policy)
+    shard_model(policy, ctx)
+    if critic is not None:
+        shard_model(critic, ctx)
+    opts = build_optimizers(cfg.algorithm, policy, critic)
+    algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
+                                vote=finite_vote(ctx))
+    return LearnerModels(Trainables(policy, critic, opts, algorithm), pad_token_id, vocab_size)
+
+
+def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: DistContext,
+           stop: threading.Event) -> tuple[Position, RankZero | None]:
+    """Load the newest checkpoint into every rank (or start fresh); rank 0 then opens its
+    streams, weight store and MLflow run (None on the other ranks)."""
+    checkpointer = Checkpointer(cfg.checkpoint_dir) if ctx.is_main else None
+    joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+    progress = restore_training_state(checkpointer, models.trainables, joiner, ctx)
+    rank0, version = None, progress.version
+    if ctx.is_main:
+        rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
+                              models.trainables.algorithm.group_size, stop)
+        # never reuse a version number: the store may hold versions newer than the checkpoint
+        version = max([version, *rank0.releases.publisher.store.versions()])
+    version = broadcast_json(version, ctx)
+    if ctx.is_main:
+        log.info("learner on %d rank(s) from step %d, policy version %d", ctx.world_size, progress.step, version)
+    at = Position(step=progress.step, version=version, checkpointed_step=progress.step,
+                  changed_since_publish=progress.step > 0)
+    return at, rank0
+
+
+def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModels, version: int,
+                       rank0: RankZero | None, ctx: DistContext) -> None:
+    """Value pre-training on logged rollouts of the starting policy (every rank fits on
+    all of them, as trainer.pretrain requires)."""
+    logged = None
+    if ctx.is_main:
+        logged = (rollouts_from_file(cfg.trainer.pretrain_file, cfg, version) if cfg.trainer.pretrain_file
+                  else rollouts_from_topics(backend, cfg, version))
+    logged = broadcast_rollouts(logged, ctx)
+    if not logged:
+        if ctx.is_main:
+            log.warning("value pre-training skipped: %d logged rollouts of version %d", len(logged), version)
+        return
+    critic, optimizers = models.trainables.critic, models.trainables.optimizers
+    fit = fit_critic(critic, optimizers.critic, logged, cfg.algorithm, models.pad_token_id)
+    if ctx.is_main:
+        log.info("value pre-training on %d rollouts: %s", len(logged), fit)
+        rank0.tracker.log_metrics({f"pretrain_{k}": float(v) for k, v in fit.items()}, step=0)

@@ -1,7 +1,9 @@
+from typing import get_args
+
 import pytest
 import torch
 
-from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
+from online_sao.algorithms import ALGORITHMS, algorithm_class, build_algorithm, build_critic, build_optimizers
 from online_sao.baselines import GRPO, PPO, RunningMean, group_normalized_advantages
 from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig
@@ -127,3 +129,12 @@ def test_build_algorithm_and_optimizers(tiny_qwen):
     assert build_optimizers(cfg, tiny_qwen, None).critic is None
     with pytest.raises(ValueError, match="critic"):
         build_algorithm(cfg, tiny_qwen, None, opt.policy, None)
+
+
+def test_registry_holds_every_configurable_rule_and_nothing_else():
+    configurable = set(get_args(AlgorithmConfig.model_fields["name"].annotation))
+    assert set(ALGORITHMS) == configurable == {"sao", "running_mean", "grpo", "ppo"}
+    assert {name: algorithm_class(name).needs_critic for name in configurable} == {
+        "sao": True, "ppo": True, "running_mean": False, "grpo": False}
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        algorithm_class("nope")

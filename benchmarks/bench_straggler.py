@@ -13,7 +13,7 @@ thread per process by default (see benchmarks/straggler/).
   the batch and publishes; the engine switches to the new weights; repeat.
 * stream: the engine keeps ``--concurrency`` requests in flight (a new one when
   one finishes) and switches to every new version between decode steps; the
-  learner trains whenever trainer/learner.py's rule says (min_rollouts or
+  learner trains whenever trainer/feed.py's readiness rule says (min_rollouts or
   token_budget ready), never waiting for a group or a batch.
 
 Measured per loop, over the same number of trained rollouts (``--rollouts``) or
@@ -43,7 +43,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_ROLLOUTS = 96
 """Rollouts trained per loop when neither --rollouts nor --duration-s is given."""
 MAX_UNTRAINED_STEPS = 4
-"""Streaming backpressure in learner steps of ``max_rollouts_per_step`` (trainer/learner.py's
+"""Streaming backpressure in learner steps of ``max_rollouts_per_step`` (trainer/feed.py's
 READY_BACKLOG_STEPS): the generator holds new requests while that many rollouts wait."""
 
 

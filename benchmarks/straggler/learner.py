@@ -1,6 +1,6 @@
 """The learner worker: the project's SAO step on the rollouts the generator sends.
 
-Built as trainer/learner.py builds it (policy from the model directory, critic
+Built as trainer/startup.py builds it (policy from the model directory, critic
 copied from it, ``build_optimizers`` / ``build_algorithm``), it turns each
 finished request into a Rollout with ``interaction_to_rollout``, collates a batch
 and calls ``Algorithm.step``, then publishes the policy to a FileWeightStore and
@@ -9,7 +9,7 @@ announces the version (and how many rollouts are trained) to the generator.
 * sync: waits for the whole batch of the generator, trains on it (in steps of at
   most ``max_rollouts_per_step`` / ``token_budget``, like the learner), publishes.
 * stream: trains as soon as ``min_rollouts`` rollouts or ``token_budget`` action
-  tokens are ready, or some have waited ``max_wait_s`` (trainer/learner.py's rule),
+  tokens are ready, or some have waited ``max_wait_s`` (trainer/feed.py's rule),
   never waiting for groups.
 
 The loop ends when ``rollouts`` are trained or ``duration_s`` has passed; the
@@ -98,7 +98,7 @@ class Learner:
 
     def _due(self, pending: list[Finished], ready_since: float | None, now: float) -> bool:
         """Whether a step starts now: sync, the whole batch is there; stream,
-        trainer/learner.py's readiness rule."""
+        trainer/feed.py's readiness rule."""
         if self.spec.mode == "sync":
             return len(pending) >= self.spec.batch_requests
         if not pending:

@@ -159,7 +159,7 @@ def test_mutated_records_on_the_real_topics_come_back_as_dead_letters(kafka_conf
         producer.flush(30.0)
         total = sum(len(bad) for bad in sent.values()) + 2
 
-        # what the learner does with each record it polls (trainer/learner.py, step 1)
+        # what the learner does with each record it polls (trainer/feed.py)
         consumer = backend.consumer([topics.interactions, topics.rewards])
         try:
             messages = drain(consumer, total, timeout_s=60.0)

@@ -305,7 +305,8 @@ class TrainerConfig(Section):
     None waits for data forever."""
     pretrain_file: Path | None = None
     """JSON-lines file of encoded interaction and reward records for
-    ``learn --pretrain-critic``; None reads the retained history of the topics."""
+    ``learn --pretrain-critic`` (joined on the records' own times, in any line order);
+    None reads the retained history of the topics."""
 
 
 class MLflowConfig(Section):

@@ -6,7 +6,8 @@ file of encoded interaction and reward records (``trainer.pretrain_file``) or,
 by default, from everything the interactions and rewards topics still retain,
 read by a group-less consumer that commits nothing (the learner's own consumer
 group later trains on the same records as usual). Either way records are joined
-with the configured reward window; windows still open at the end close as if
+with the configured reward window on record time (the broker's timestamps on the
+topics, the records' own times in a file); windows still open at the end close as if
 the window had passed (default reward or drop, per ``reward.on_missing``).
 """
 
@@ -37,10 +38,20 @@ def _joined_rollouts(joiner: RewardJoiner, version: int) -> list[Rollout]:
     return [j.to_rollout() for j in taken if j.interaction.policy_version == version and j.num_action_tokens]
 
 
+def record_time(record: Interaction | Reward) -> float:
+    """When a record entered the stream, as the broker's timestamp would say: an interaction
+    is logged once it completed, a reward when it was created."""
+    return record.completed_at if isinstance(record, Interaction) else record.created_at
+
+
 def rollouts_from_file(path: Path, cfg: Config, version: int) -> list[Rollout]:
-    """Rollouts of policy ``version`` in a JSON-lines file of encoded records
-    (line order is record time; unreadable lines are skipped and counted in the log)."""
+    """Rollouts of policy ``version`` in a JSON-lines file of encoded records.
+
+    Records are joined in order of their own times (:func:`record_time`; equal times keep
+    the file's order), so the reward window is measured in seconds, as on the topics,
+    whatever order the file lists them in. Unreadable lines are skipped and counted in the log."""
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+    records: list[Interaction | Reward] = []
     bad = 0
     for number, line in enumerate(Path(path).read_bytes().splitlines()):
         if not line.strip():
@@ -51,10 +62,13 @@ def rollouts_from_file(path: Path, cfg: Config, version: int) -> list[Rollout]:
             bad += 1
             log.warning("%s:%d skipped: %s", path, number + 1, exc)
             continue
+        if isinstance(record, (Interaction, Reward)):
+            records.append(record)
+    for record in sorted(records, key=record_time):  # sorted() is stable: ties keep the file's order
         if isinstance(record, Interaction):
-            joiner.add_interaction(record, float(number))
-        elif isinstance(record, Reward):
-            joiner.add_reward(record, float(number))
+            joiner.add_interaction(record, record_time(record))
+        else:
+            joiner.add_reward(record, record_time(record))
     rollouts = _joined_rollouts(joiner, version)
     log.info("pre-training data from %s: %d rollouts of version %d (%d unreadable lines)",
              path, len(rollouts), version, bad)

@@ -194,9 +194,11 @@ class ServingConfig(Section):
     api_keys: list[SecretStr] = []
     """Accepted API keys; required unless bound to loopback."""
     rate_limit_per_minute: int = Field(600, ge=1)
-    """Requests per minute per API key."""
+    """Requests per minute per API key; without keys, per client address (loopback callers
+    are not limited; docs/SERVING.md, Access)."""
     rate_limit_burst: int = Field(20, ge=1)
-    """Requests a key may send at once before the per-minute rate applies (token-bucket size)."""
+    """Requests a key (or address) may send at once before the per-minute rate applies
+    (token-bucket size)."""
     max_batch_size: int = Field(16, ge=1)
     """Sequences decoded together (continuous batching)."""
     swap_in_place: bool = False

@@ -172,7 +172,7 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
 
     def authorize(request: Request) -> None:
         try:
-            auth.check(request.headers.get("authorization"))
+            auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
         except AuthError as exc:
             headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else {}
             kind = "rate_limit_error" if exc.status == 429 else "authentication_error"

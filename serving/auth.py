@@ -1,10 +1,15 @@
-"""API keys and per-key rate limits.
+"""API keys and rate limits per key, or per client address without keys.
 
 Keys are compared with :func:`hmac.compare_digest` against every configured key
 (no early exit), so the time taken does not reveal how much of a key matched or
 which key it was. Keys are required unless the server is bound to loopback
-(:func:`check_exposure` refuses to start otherwise). Without configured keys
-every caller shares one ``anonymous`` bucket.
+(:func:`check_exposure` refuses to start otherwise).
+
+Without configured keys the limit applies per client address: a caller on a
+loopback address (this machine's own processes, which is every direct caller of
+a server bound to loopback) is not limited at all; any other address (a reverse
+proxy forwarding from elsewhere shows its own address) has its own bucket;
+callers whose address is unknown share one ``anonymous`` bucket.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 ANONYMOUS = "anonymous"
+"""The caller without a key whose address is unknown."""
+LOOPBACK = "loopback"
+"""The caller without a key on a loopback address (not rate limited)."""
+MAX_TRACKED_CALLERS = 10_000
+"""Buckets kept before refilled ones are forgotten: a full bucket is the same as a
+new one, so forgetting it changes no decision, and many client addresses cannot
+grow the table without bound."""
 
 
 class AuthError(Exception):
@@ -80,10 +92,15 @@ class ApiKeyAuth:
     def required(self) -> bool:
         return bool(self._keys)
 
-    def identify(self, authorization: str | None) -> str:
-        """A stable, non-secret name of the caller's key (a hash prefix), or AuthError 401."""
+    def identify(self, authorization: str | None, client: str | None = None) -> str:
+        """A stable, non-secret name of the caller's key (a hash prefix), or AuthError 401.
+
+        Without configured keys the caller is named by ``client``, its network address:
+        :data:`LOOPBACK` for a loopback address, :data:`ANONYMOUS` when unknown."""
         if not self._keys:
-            return ANONYMOUS
+            if client is None:
+                return ANONYMOUS
+            return LOOPBACK if is_loopback(client) else f"address {client}"
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise AuthError(401, "missing_api_key", "missing API key: send 'Authorization: Bearer <key>'")
@@ -97,17 +114,28 @@ class ApiKeyAuth:
 
     def admit(self, caller: str) -> None:
         """Take one token from the caller's bucket, or AuthError 429 with a retry hint."""
+        if caller == LOOPBACK:
+            return
         now = self._clock()
         with self._lock:
             bucket = self._buckets.get(caller)
             if bucket is None:
+                if len(self._buckets) >= MAX_TRACKED_CALLERS:
+                    self._forget_refilled(now)
                 bucket = self._buckets[caller] = TokenBucket(self._burst, self._rate_per_s, self._burst, now)
             wait_s = bucket.take(now)
         if wait_s > 0:
             raise AuthError(429, "rate_limit_exceeded",
                             f"rate limit exceeded: retry in {wait_s:.1f} s", retry_after_s=wait_s)
 
-    def check(self, authorization: str | None) -> str:
-        caller = self.identify(authorization)
+    def _forget_refilled(self, now: float) -> None:
+        full = [caller for caller, b in self._buckets.items()
+                if b.tokens + (now - b.updated) * b.rate_per_s >= b.capacity]
+        for caller in full:
+            del self._buckets[caller]
+
+    def check(self, authorization: str | None, client: str | None = None) -> str:
+        """Authenticate and rate-limit one request; ``client`` is its network address."""
+        caller = self.identify(authorization, client)
         self.admit(caller)
         return caller

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from collections import Counter
 
+import pytest
+from fastapi.testclient import TestClient
+
+from serving import auth as auth_module
 from serving.auth import ANONYMOUS, ApiKeyAuth, AuthError, check_exposure, is_loopback
 from serving.ids import InteractionIdError, InteractionIdSigner
 
@@ -62,11 +66,54 @@ def test_an_id_older_than_the_window_is_refused_with_410():
     assert err.value.status == 410 and "301 s ago" in err.value.message
 
 
-def test_auth_without_keys_admits_everyone_as_one_anonymous_caller():
+def test_auth_without_keys_admits_everyone_without_a_key():
     auth = ApiKeyAuth([], rate_per_minute=60, burst=5)
     assert not auth.required
-    assert auth.check(None) == ANONYMOUS
-    assert auth.check("Bearer whatever") == ANONYMOUS
+    assert auth.check(None, client="10.0.0.1") == auth.check("Bearer whatever", client="10.0.0.1")
+    assert auth.check(None) == ANONYMOUS  # the address is unknown
+
+
+def test_without_keys_each_client_address_has_its_own_bucket_and_loopback_none():
+    clock = Clock(0.0)
+    auth = ApiKeyAuth([], rate_per_minute=60, burst=3, clock=clock)
+    for _ in range(3):
+        auth.check(None, client="10.0.0.1")
+    with pytest.raises(AuthError) as err:
+        auth.check(None, client="10.0.0.1")
+    assert err.value.status == 429
+    auth.check(None, client="10.0.0.2")  # another address is not slowed down by the first
+    for _ in range(100):  # the machine's own processes are not limited
+        auth.check(None, client="127.0.0.1")
+        auth.check(None, client="::1")
+    for _ in range(3):
+        auth.check(None)
+    with pytest.raises(AuthError):  # callers of unknown address share one bucket
+        auth.check(None)
+
+
+def test_many_client_addresses_do_not_grow_the_buckets_without_bound(monkeypatch):
+    monkeypatch.setattr(auth_module, "MAX_TRACKED_CALLERS", 10)
+    clock = Clock(0.0)
+    auth = ApiKeyAuth([], rate_per_minute=60, burst=2, clock=clock)  # refills one token per second
+    for i in range(50):
+        auth.check(None, client=f"10.0.0.{i}")
+        clock.now += 2.0  # every earlier bucket has refilled: forgetting it changes no decision
+    assert len(auth._buckets) <= 10
+    auth.check(None, client="10.0.0.49")
+    auth.check(None, client="10.0.0.49")  # refilled to 2 since its first request: now empty
+    for i in range(20):  # many new addresses at once: an empty bucket is not forgotten
+        auth.check(None, client=f"10.1.0.{i}")
+    with pytest.raises(AuthError):
+        auth.check(None, client="10.0.0.49")
+
+
+def test_a_script_on_the_same_machine_is_not_rate_limited_without_keys(make_harness):
+    h = make_harness(**{"serving.rate_limit_per_minute": 1, "serving.rate_limit_burst": 5})
+    local = TestClient(h.client.app, client=("127.0.0.1", 50123))
+    statuses = Counter(local.get("/v1/models").status_code for _ in range(100))
+    assert statuses == {200: 100}
+    remote = TestClient(h.client.app, client=("192.0.2.7", 50124))  # another machine's address has a limit
+    assert [remote.get("/v1/models").status_code for _ in range(7)] == [200] * 5 + [429] * 2
 
 
 def test_auth_with_keys_refuses_missing_and_wrong_keys():

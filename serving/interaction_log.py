@@ -86,7 +86,8 @@ class InteractionLogger(SpoolSender):
                  ship_interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         if durability not in ("write_ahead", "memory"):
             raise ValueError(f"unknown log durability {durability!r}")
-        super().__init__(producer, Spool(spool_dir, spool_max_bytes), write_ahead=durability == "write_ahead",
+        spool = Spool(spool_dir, spool_max_bytes, dead_letter_topic=topics.dead_letters)
+        super().__init__(producer, spool, write_ahead=durability == "write_ahead",
                          window=window, stall_s=stall_s, retry_s=retry_s, clock=clock)
         self._topics = topics
         self.durability = durability

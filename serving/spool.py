@@ -12,9 +12,26 @@ Layout under ``directory``:
 * ``spool.log``: entries in the order they were appended. An entry is one line
   ``<length:8 hex> <crc32:8 hex> <payload>\\n`` where ``payload`` is compact JSON
   ``{"seq", "topic", "key", "value"}`` (key and value base64). The length and
-  CRC let a reader find a torn or corrupt tail after a crash: everything from
-  the first bad entry on is moved to ``spool.corrupt-<time>`` for inspection
-  and the log is cut there.
+  CRC tell a reader where an entry ends and whether it is intact; a payload
+  never holds a space or a newline, so after a damaged entry the next intact
+  one is found again by its header pattern (the first place where a header,
+  a payload of the length it names, a matching CRC and a newline line up).
+  Recovery therefore loses exactly the damaged bytes:
+
+  - an incomplete last entry (the file ends inside it: a write cut short by a
+    crash, never reported written) is cut off;
+  - any other damaged stretch is taken out and, unless the next intact entry
+    shows it was acknowledged already, replaced by a
+    :class:`~online_sao.schemas.DeadLetter` (its raw bytes, byte offset and the
+    reason) appended as a new entry for the dead-letter topic, so it reaches
+    the broker like any record; the intact entries after it are replayed in
+    order. The log is rewritten atomically (write, fsync, rename).
+
+  Each damaged stretch is also copied whole to ``spool.corrupt-<time>-<offset>``
+  for inspection. The format is the same as before this recovery existed, so
+  older spools are read as they are. A last entry whose length field was
+  damaged to a larger value looks like a cut-short write and is cut off (its
+  bytes are in the side file).
 * ``spool.acked``: the sequence number up to which every entry was acknowledged
   by the broker, replaced atomically (write, fsync, rename). Entries at or below
   it are never sent again, also after a restart. When every entry on disk is
@@ -43,6 +60,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -51,10 +69,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from online_sao.durable import fsync_dir
+from online_sao.schemas import DeadLetter, encode
+from streams.records import dead_letter
 
 log = logging.getLogger(__name__)
 
 _HEADER_BYTES = 18  # "llllllll cccccccc "
+_HEADER = re.compile(rb"[0-9a-f]{8} [0-9a-f]{8} ")
+SPOOL_SOURCE = "serving-spool"
+"""``source_topic`` of the dead letter of a damaged spool entry (its own topic is unreadable)."""
 COMPACT_MIN_BYTES = 1 << 20
 """An acknowledged prefix smaller than this (or than a quarter of ``max_bytes``) is
 not worth copying the rest of the log for; it goes when the log empties."""
@@ -86,19 +109,94 @@ def _decode_payload(payload: bytes, end_offset: int) -> SpoolEntry:
                       end_offset=end_offset)
 
 
+class _Unreadable(ValueError):
+    def __init__(self, reason: str, cut_short: bool = False):
+        super().__init__(reason)
+        self.cut_short = cut_short
+        """The log ends inside the entry (what a write interrupted by a crash leaves)."""
+
+
+def _read_entry(data: bytes, offset: int) -> SpoolEntry:
+    """The intact entry at ``offset`` of ``data`` (its end offset relative to ``data``), or _Unreadable."""
+    header = data[offset:offset + _HEADER_BYTES]
+    if len(header) < _HEADER_BYTES:
+        raise _Unreadable("the log ends inside the entry's header", cut_short=True)
+    if not _HEADER.fullmatch(header):
+        raise _Unreadable("no entry header (8 hex digits, space, 8 hex digits, space)")
+    length, crc = int(header[0:8], 16), int(header[9:17], 16)
+    end = offset + _HEADER_BYTES + length
+    if end >= len(data):
+        raise _Unreadable(f"the log ends inside the entry's {length} payload bytes", cut_short=True)
+    if data[end:end + 1] != b"\n":
+        raise _Unreadable(f"no newline after the {length} payload bytes the header names")
+    payload = data[offset + _HEADER_BYTES:end]
+    if zlib.crc32(payload) != crc:
+        raise _Unreadable(f"checksum mismatch (header {crc:08x}, payload {zlib.crc32(payload):08x})")
+    try:
+        return _decode_payload(payload, end + 1)
+    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and binascii.Error are ValueErrors
+        raise _Unreadable(f"payload not an entry: {exc}") from None
+
+
+def _next_intact(data: bytes, start: int) -> int | None:
+    """Offset of the first intact entry at or after ``start``."""
+    for match in _HEADER.finditer(data, start):
+        try:
+            _read_entry(data, match.start())
+        except _Unreadable:
+            continue
+        return match.start()
+    return None
+
+
+@dataclass(frozen=True)
+class _Damage:
+    start: int
+    end: int
+    reason: str
+    cut_short: bool
+    """An incomplete last entry (a write cut short), not damage to a written one."""
+
+
+def _scan_bytes(data: bytes) -> tuple[list[SpoolEntry], list[tuple[int, int]], list[_Damage]]:
+    """(intact entries, their byte spans, damaged stretches) of a log, in order."""
+    entries: list[SpoolEntry] = []
+    spans: list[tuple[int, int]] = []
+    damages: list[_Damage] = []
+    offset = 0
+    while offset < len(data):
+        try:
+            entry = _read_entry(data, offset)
+        except _Unreadable as exc:
+            resume = _next_intact(data, offset + 1)
+            end = len(data) if resume is None else resume
+            damages.append(_Damage(offset, end, str(exc), cut_short=exc.cut_short and resume is None))
+            offset = end
+            continue
+        entries.append(entry)
+        spans.append((offset, entry.end_offset))
+        offset = entry.end_offset
+    return entries, spans, damages
+
+
 class SpoolFull(OSError):
     """Appending would take the spool beyond its configured size."""
 
 
 class Spool:
-    def __init__(self, directory: Path, max_bytes: int):
+    def __init__(self, directory: Path, max_bytes: int, *, dead_letter_topic: str):
+        """``dead_letter_topic`` receives the dead letters of damaged entries found on recovery."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.dead_letter_topic = dead_letter_topic
         self.log_path = self.directory / "spool.log"
         self.acked_path = self.directory / "spool.acked"
         self.error: str | None = None
         self.dropped_corrupt_bytes = 0
+        """Bytes of damaged entries taken out of the log by this start's recovery."""
+        self.dead_lettered_entries = 0
+        """Damaged stretches this start's recovery replaced by a dead letter."""
         self.watermark_error: str | None = None
         self.compactions = 0
         self._lock = threading.RLock()
@@ -150,32 +248,55 @@ class Spool:
             return 0
 
     def _scan(self) -> tuple[list[SpoolEntry], int]:
-        """Every valid entry of the log and the offset where valid data ends."""
-        entries: list[SpoolEntry] = []
+        """Every intact entry of the log and its size, after taking damaged entries out."""
         try:
             data = self.log_path.read_bytes()
         except FileNotFoundError:
-            return entries, 0
-        offset = 0
-        while offset < len(data):
-            header = data[offset:offset + _HEADER_BYTES]
-            try:
-                length, crc = int(header[0:8], 16), int(header[9:17], 16)
-                end = offset + _HEADER_BYTES + length
-                payload = data[offset + _HEADER_BYTES:end]
-                if len(payload) != length or data[end:end + 1] != b"\n" or zlib.crc32(payload) != crc:
-                    break
-                entries.append(_decode_payload(payload, end + 1))
-            except (ValueError, KeyError, json.JSONDecodeError):
-                break
-            offset = end + 1
-        if offset < len(data):  # torn or corrupt tail: keep it aside, cut the log
-            self.dropped_corrupt_bytes = len(data) - offset
-            (self.directory / f"spool.corrupt-{int(time.time() * 1000)}").write_bytes(data[offset:])
+            return [], 0
+        entries, spans, damages = _scan_bytes(data)
+        if not damages:
+            return entries, len(data)
+        stamp = int(time.time() * 1000)
+        for damage in damages:
+            log.warning("spool %s: bytes %d-%d unreadable (%s)%s", self.log_path, damage.start, damage.end,
+                        damage.reason, "; a write cut short, cut off" if damage.cut_short else "")
+            (self.directory / f"spool.corrupt-{stamp}-{damage.start}").write_bytes(data[damage.start:damage.end])
+        self.dropped_corrupt_bytes = sum(d.end - d.start for d in damages)
+        if all(d.cut_short for d in damages):  # only the tail: cut it, nothing was lost
             with open(self.log_path, "r+b") as fh:
-                fh.truncate(offset)
+                fh.truncate(damages[0].start)
                 os.fsync(fh.fileno())
-        return entries, offset
+            return entries, damages[0].start
+        return self._repair(data, entries, spans, damages)
+
+    def _repair(self, data: bytes, entries: list[SpoolEntry], spans: list[tuple[int, int]],
+                damages: list[_Damage]) -> tuple[list[SpoolEntry], int]:
+        """Rewrite the log as its intact entries followed by a dead letter for every damaged
+        stretch that may hold unacknowledged entries (atomically: a crash leaves the old log)."""
+        seq = max([self._acked_seq] + [e.seq for e in entries])
+        letters: list[bytes] = []
+        for damage in damages:
+            following = next((e for e in entries if e.end_offset > damage.end), None)
+            if damage.cut_short or (following is not None and following.seq <= self._acked_seq):
+                continue  # never reported written, or acknowledged by the broker already
+            seq += 1
+            letter = self._dead_letter(data, damage)
+            letters.append(SpoolEntry(seq, self.dead_letter_topic, None, encode(letter)).encode())
+        repaired = b"".join(data[start:end] for start, end in spans) + b"".join(letters)
+        tmp = self.log_path.with_name(self.log_path.name + ".repair")
+        with open(tmp, "wb") as fh:
+            fh.write(repaired)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.log_path)
+        fsync_dir(self.directory)
+        self.dead_lettered_entries = len(letters)
+        return _scan_bytes(repaired)[0], len(repaired)
+
+    def _dead_letter(self, data: bytes, damage: _Damage) -> DeadLetter:
+        return dead_letter(data[damage.start:damage.end],
+                           f"spool entry unreadable at bytes {damage.start}-{damage.end} of {self.log_path}: "
+                           f"{damage.reason}", SPOOL_SOURCE, offset=damage.start)
 
     def _recover(self) -> tuple[int, int, int]:
         """(acknowledged offset, log size, last sequence number) from the files; fills the

@@ -36,15 +36,20 @@ def publish(producer: Producer, topic: str, record: Record, key: bytes | None = 
     producer.send(topic, encode(record), key=key if key is not None else record_key(record))
 
 
-def dead_letter_for(message: StreamMessage, reason: str) -> DeadLetter:
-    raw = message.value if message.value is not None else b""  # a tombstone has no bytes
+def dead_letter(raw: bytes, reason: str, source_topic: str, partition: int | None = None,
+                offset: int | None = None) -> DeadLetter:
+    """A DeadLetter of ``raw`` saying why it could not be used, cut to fit a record."""
     if len(raw) > MAX_DEAD_LETTER_RAW_BYTES:
         reason = f"{reason} (raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)"
         raw = raw[:MAX_DEAD_LETTER_RAW_BYTES]
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 3] + "..."
-    return DeadLetter(raw=raw, source_topic=message.topic, partition=message.partition,
-                      offset=message.offset, reason=reason)
+    return DeadLetter(raw=raw, source_topic=source_topic, partition=partition, offset=offset, reason=reason)
+
+
+def dead_letter_for(message: StreamMessage, reason: str) -> DeadLetter:
+    raw = message.value if message.value is not None else b""  # a tombstone has no bytes
+    return dead_letter(raw, reason, message.topic, message.partition, message.offset)
 
 
 def decode_or_dead_letter(message: StreamMessage, expected: type[R], producer: Producer,

@@ -42,7 +42,8 @@ def test_serving_sigkill_loses_no_acknowledged_interaction(live_stack):
         traffic.wait_for(lambda: len(traffic.acked) >= paused_at + ACKED_WHILE_PAUSED, 60)
         code = stack.kill("serving")
         killed_at, acked_at_kill = time.monotonic(), len(traffic.acked)
-        in_spool = Spool(stack.cfg.spool_dir, stack.cfg.serving.spool_max_bytes).pending_records
+        in_spool = Spool(stack.cfg.spool_dir, stack.cfg.serving.spool_max_bytes,
+                         dead_letter_topic=stack.cfg.kafka.topics.dead_letters).pending_records
         stack.resume_broker()
         stack.restart("serving")
         traffic.wait_for(lambda: len(traffic.acked) >= acked_at_kill + ACKED_AFTER_RESTART, 120)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from online_sao.config import TopicsConfig
-from online_sao.schemas import Interaction, Reward, decode
+from online_sao.schemas import DeadLetter, Interaction, Reward, decode
 from serving.interaction_log import InteractionLogger
 from serving.spool import Spool
 from tests.serving.conftest import wait_until
@@ -307,3 +307,29 @@ def test_an_unexpected_producer_error_is_reported_not_hidden(make_logger, mode):
     logger.submit(interaction(0))
     assert wait_until(lambda: logger.refusal() is not None)
     assert "producer is closed" in logger.refusal()
+
+
+def test_a_damaged_spool_entry_is_dead_lettered_and_the_records_after_it_still_reach_the_broker(
+        tmp_path, make_logger):
+    hung = HungProducer()
+    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", stall_s=0.2, retry_s=0.05)
+    crashed.start()
+    try:
+        assert all(crashed.submit(interaction(i)).wait(5) for i in range(10))
+        # the process dies here; then one entry in the middle of its spool is damaged on disk
+        log = tmp_path / "spool" / "spool.log"
+        lines = log.read_bytes().split(b"\n")
+        lines[4] = lines[4][:60] + bytes([lines[4][60] ^ 0x01]) + lines[4][61:]
+        log.write_bytes(b"\n".join(lines))
+        up = FakeProducer()
+        restarted = make_logger(up)
+        restarted.submit(interaction(10))
+        assert restarted.flush(10.0)
+    finally:
+        hung.unblock.set()
+    topics = [topic for topic, _, _ in up.delivered]
+    assert topics == [TOPICS.interactions] * 9 + [TOPICS.dead_letters, TOPICS.interactions]
+    assert delivered_ids(FakeProducer(delivered=up.delivered[:9])) == [f"id-{i:04d}" for i in range(10) if i != 4]
+    letter = decode(up.delivered[9][2], DeadLetter)
+    assert letter.raw == lines[4] + b"\n" and "checksum" in letter.reason
+    assert decode(up.delivered[10][2]).interaction_id == "id-0010"

@@ -6,7 +6,10 @@ import errno
 
 import pytest
 
+from online_sao.schemas import DeadLetter, decode
 from serving.spool import Spool, SpoolEntry
+
+DLQ = "dead-letters"
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +34,7 @@ def entries(first: int, count: int, topic: str = "t") -> list[SpoolEntry]:
 
 
 def test_entries_come_back_in_order_and_acknowledged_ones_never_again(tmp_path):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     assert spool.append(entries(1, 5))
     got = spool.read_pending(10)
     assert [e.seq for e in got] == [1, 2, 3, 4, 5]
@@ -39,48 +42,49 @@ def test_entries_come_back_in_order_and_acknowledged_ones_never_again(tmp_path):
     spool.ack_through(got[1])
     assert [e.seq for e in spool.read_pending(10)] == [3, 4, 5]
     assert spool.pending_records == 3
-    reopened = Spool(tmp_path, max_bytes=1 << 20)  # a restart keeps the watermark
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)  # a restart keeps the watermark
     assert [e.seq for e in reopened.read_pending(2)] == [3, 4]
     assert reopened.last_seq == 5
 
 
 def test_acknowledging_everything_empties_the_files_and_keeps_counting(tmp_path):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 3))
     spool.ack_through(spool.read_pending(10)[-1])
     assert spool.pending_records == 0 and spool.pending_bytes == 0
     assert (tmp_path / "spool.log").stat().st_size == 0
-    assert Spool(tmp_path, max_bytes=1 << 20).last_seq == 3
+    assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).last_seq == 3
 
 
 def test_a_torn_tail_is_cut_and_kept_aside(tmp_path):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 3))
     log = tmp_path / "spool.log"
     data = log.read_bytes()
     log.write_bytes(data[:-7])  # a crash in the middle of the last entry
-    reopened = Spool(tmp_path, max_bytes=1 << 20)
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     assert [e.seq for e in reopened.read_pending(10)] == [1, 2]
     assert reopened.dropped_corrupt_bytes > 0
     assert list(tmp_path.glob("spool.corrupt-*"))
     reopened.append(entries(3, 1))  # appends continue after the cut
-    assert [e.seq for e in Spool(tmp_path, 1 << 20).read_pending(10)] == [1, 2, 3]
+    assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [1, 2, 3]
 
 
 def test_a_flipped_byte_fails_the_crc(tmp_path):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 3))
     log = tmp_path / "spool.log"
     data = bytearray(log.read_bytes())
     second = data.index(b"\n") + 1
     data[second + 40] ^= 0x01
     log.write_bytes(bytes(data))
-    assert [e.seq for e in Spool(tmp_path, 1 << 20).read_pending(10)] == [1]
+    pending = Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)
+    assert [(e.seq, e.topic) for e in pending] == [(1, "t"), (3, "t"), (4, DLQ)]  # only the damaged one is out
 
 
 def test_a_full_spool_keeps_entries_in_memory_in_order_and_says_why(tmp_path):
     one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=3 * one)
+    spool = Spool(tmp_path, max_bytes=3 * one, dead_letter_topic=DLQ)
     assert spool.append(entries(1, 2))
     assert not spool.append(entries(3, 2))  # would exceed the quota: nothing of it is written
     assert "spool_max_bytes" in spool.error
@@ -89,11 +93,11 @@ def test_a_full_spool_keeps_entries_in_memory_in_order_and_says_why(tmp_path):
     spool.ack_through(spool.read_pending(10)[1])  # frees room on disk
     assert spool.append([])  # the held entries are written first
     assert spool.error is None and spool.held_in_memory == 0
-    assert [e.seq for e in Spool(tmp_path, 3 * one).read_pending(10)] == [3, 4]
+    assert [e.seq for e in Spool(tmp_path, 3 * one, dead_letter_topic=DLQ).read_pending(10)] == [3, 4]
 
 
 def test_a_disk_error_during_append_leaves_no_partial_entry(tmp_path, monkeypatch):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 1))
     size = (tmp_path / "spool.log").stat().st_size
 
@@ -106,12 +110,12 @@ def test_a_disk_error_during_append_leaves_no_partial_entry(tmp_path, monkeypatc
     assert (tmp_path / "spool.log").stat().st_size == size
     monkeypatch.undo()
     assert spool.append([])
-    assert [e.seq for e in Spool(tmp_path, 1 << 20).read_pending(10)] == [1, 2, 3]
+    assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [1, 2, 3]
 
 
 def test_acknowledging_an_in_memory_entry_acknowledges_the_disk_before_it(tmp_path):
     one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=one)
+    spool = Spool(tmp_path, max_bytes=one, dead_letter_topic=DLQ)
     spool.append(entries(1, 1))
     spool.append(entries(2, 2))
     pending = spool.read_pending(10)
@@ -123,7 +127,7 @@ def test_acknowledging_an_in_memory_entry_acknowledges_the_disk_before_it(tmp_pa
 
 
 def test_a_watermark_that_cannot_be_written_means_resending_not_losing(tmp_path, monkeypatch):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 4))
     spool.ack_through(spool.read_pending(10)[0])  # watermark 1 written
 
@@ -135,12 +139,13 @@ def test_a_watermark_that_cannot_be_written_means_resending_not_losing(tmp_path,
     assert "No space left" in spool.watermark_error
     assert [e.seq for e in spool.read_pending(10)] == [3, 4]
     monkeypatch.undo()
-    assert [e.seq for e in Spool(tmp_path, 1 << 20).read_pending(10)] == [2, 3, 4]  # 2 is sent again
+    reopened = Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ)
+    assert [e.seq for e in reopened.read_pending(10)] == [2, 3, 4]  # 2 is sent again
 
 
 def test_a_log_never_fully_acknowledged_is_compacted_and_stays_small(tmp_path):
     one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=40 * one)
+    spool = Spool(tmp_path, max_bytes=40 * one, dead_letter_topic=DLQ)
     seq = 1
     for _ in range(200):  # steady traffic: each round appends two, the broker acknowledges all but the newest
         spool.append(entries(seq, 2))
@@ -150,13 +155,14 @@ def test_a_log_never_fully_acknowledged_is_compacted_and_stays_small(tmp_path):
     assert spool.compactions > 0 and spool.error is None
     assert spool.file_bytes <= 40 * one  # 400 entries went through a log that holds 40
     assert [e.seq for e in spool.read_pending(10)] == [seq - 1]
-    reopened = Spool(tmp_path, max_bytes=40 * one)  # the compacted log and the watermark agree after a restart
+    # the compacted log and the watermark agree after a restart
+    reopened = Spool(tmp_path, max_bytes=40 * one, dead_letter_topic=DLQ)
     assert [e.seq for e in reopened.read_pending(10)] == [seq - 1]
 
 
 def test_entries_read_before_a_compaction_or_reset_still_acknowledge_the_right_prefix(tmp_path):
     one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=8 * one)
+    spool = Spool(tmp_path, max_bytes=8 * one, dead_letter_topic=DLQ)
     spool.append(entries(1, 6))
     spool.ack_through(spool.read_pending(10)[3])  # 4 acknowledged of 6: compacted (garbage > rest)
     assert spool.compactions == 1
@@ -168,15 +174,92 @@ def test_entries_read_before_a_compaction_or_reset_still_acknowledge_the_right_p
     spool.ack_through(spool.read_pending(10)[-1])  # all: the log is emptied
     assert spool.file_bytes == 0 and spool.pending_records == 0
     spool.append(entries(9, 1))
-    assert [e.seq for e in Spool(tmp_path, 8 * one).read_pending(10)] == [9]
+    assert [e.seq for e in Spool(tmp_path, 8 * one, dead_letter_topic=DLQ).read_pending(10)] == [9]
 
 
 def test_a_full_quota_is_made_room_for_by_compacting_the_acknowledged_prefix(tmp_path):
     one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=4 * one)
+    spool = Spool(tmp_path, max_bytes=4 * one, dead_letter_topic=DLQ)
     spool.append(entries(1, 4))
     spool.ack_through(spool.read_pending(10)[0])  # 1 acknowledged: too little to compact on its own
     assert spool.compactions == 0
     assert spool.append(entries(5, 1))  # the quota is reached: the acknowledged entry's room is reused
     assert spool.compactions == 1 and spool.error is None
-    assert [e.seq for e in Spool(tmp_path, 4 * one).read_pending(10)] == [2, 3, 4, 5]
+    assert [e.seq for e in Spool(tmp_path, 4 * one, dead_letter_topic=DLQ).read_pending(10)] == [2, 3, 4, 5]
+
+
+def _entry_starts(data: bytes) -> list[int]:
+    """Byte offset of every entry of an undamaged log (entries end with a newline)."""
+    return [0] + [i + 1 for i, byte in enumerate(data[:-1]) if byte == ord("\n")]
+
+
+def _damage(kind: str, entry: bytearray) -> bytearray:
+    if kind == "flipped payload byte":
+        entry[40] ^= 0x01
+    elif kind == "length not hex":
+        entry[0:1] = b"z"
+    elif kind == "length too large":
+        entry[0:8] = b"0000ffff"
+    elif kind == "terminator overwritten":
+        entry[-1:] = b"x"
+    elif kind == "bytes missing":
+        del entry[30:35]
+    return entry
+
+
+@pytest.mark.parametrize("kind", ["flipped payload byte", "length not hex", "length too large",
+                                  "terminator overwritten", "bytes missing"])
+def test_a_damaged_entry_in_the_middle_is_dead_lettered_and_the_rest_replayed_in_order(tmp_path, kind):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 100))
+    spool.close()
+    log = tmp_path / "spool.log"
+    data = log.read_bytes()
+    starts = _entry_starts(data)
+    damaged = bytes(_damage(kind, bytearray(data[starts[49]:starts[50]])))  # entry 50 of 100
+    log.write_bytes(data[:starts[49]] + damaged + data[starts[50]:])
+
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    pending = reopened.read_pending(1000)
+    assert [e.seq for e in pending[:-1]] == [seq for seq in range(1, 101) if seq != 50]
+    assert all(e.topic == "t" and e.value == f"value-{e.seq}".encode() * 3 for e in pending[:-1])
+    notice = pending[-1]  # the dead letter is sent after everything else, under the next sequence number
+    assert (notice.topic, notice.seq, reopened.last_seq) == (DLQ, 101, 101)
+    letter = decode(notice.value, DeadLetter)
+    assert letter.raw == damaged and letter.offset == starts[49]
+    assert str(log) in letter.reason and "unreadable" in letter.reason
+    assert reopened.dead_lettered_entries == 1
+
+    again = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)  # the repair is on disk: nothing new
+    assert [(e.seq, e.topic, e.value) for e in again.read_pending(1000)] == [
+        (e.seq, e.topic, e.value) for e in pending]
+    assert again.dead_lettered_entries == 0
+    again.ack_through(again.read_pending(1000)[-1])
+    assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).pending_records == 0
+
+
+def test_a_damaged_entry_already_acknowledged_is_dropped_without_a_dead_letter(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 10))
+    spool.ack_through(spool.read_pending(10)[5])  # 1..6 acknowledged; the log keeps them (not compacted)
+    spool.close()
+    log = tmp_path / "spool.log"
+    data = bytearray(log.read_bytes())
+    data[_entry_starts(bytes(data))[2] + 40] ^= 0x01  # entry 3: the broker has it already
+    log.write_bytes(bytes(data))
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert [(e.seq, e.topic) for e in reopened.read_pending(100)] == [(seq, "t") for seq in (7, 8, 9, 10)]
+    assert reopened.dead_lettered_entries == 0
+
+
+def test_a_complete_last_entry_with_a_bad_checksum_is_dead_lettered_not_taken_for_a_torn_write(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    spool.close()
+    log = tmp_path / "spool.log"
+    data = bytearray(log.read_bytes())
+    data[_entry_starts(bytes(data))[2] + 40] ^= 0x01
+    log.write_bytes(bytes(data))
+    pending = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).read_pending(10)
+    assert [(e.seq, e.topic) for e in pending] == [(1, "t"), (2, "t"), (3, DLQ)]  # next after the intact ones
+    assert "checksum" in decode(pending[-1].value, DeadLetter).reason

@@ -8,13 +8,19 @@ the schedule prefers, and sends a Reward (source ``judge``) to the rewards topic
 ``experiment.drop_rate`` of rewards is withheld. Unreadable records go to the dead
 letter topic.
 
-The schedule's clock is the count of rollouts this judge has scored (restarted
-judges continue the count from the results file). Rollouts, unlike wall time,
-make arms of different speed meet the same preference at the same point of
-their training. Offsets are committed once every reward of the records before
-them was sent (or dropped): a judge stopped with rewards still pending scores
-those interactions again on restart (at least once; the learner's reward
-aggregation keeps one).
+The schedule's clock is the count of rollouts this judge has scored. Rollouts,
+unlike wall time, make arms of different speed meet the same preference at the
+same point of their training. Offsets are committed once every reward of the
+records before them was sent (or dropped), so a judge stopped with rewards still
+pending reads those interactions again after a restart. Each interaction is judged
+exactly once all the same: the results file is the judge's memory. A restarted
+judge reads its rows back (the schedule's clock continues from their count, the
+seeded drop decisions from the same point) and an interaction that already has a
+row is not judged again: its recorded reward is sent (if it was not dropped) when
+due, with no new row and no new rollout index. A reward sent just before a crash,
+whose offset was not yet committed, is sent again once (the same value); within
+one process an interaction's reward is sent once, also when the topic holds a copy
+of the interaction.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Callable, Protocol
 
 from apps.config import AppConfig
 from apps.experiments.judge import Judge, QualityStyleJudge
-from apps.experiments.results import RewardRow, append_row, count_reward_rows
+from apps.experiments.results import RewardRow, append_row, read_reward_rows
 from online_sao.schemas import Interaction, Reward
 from streams.base import StreamBackend, StreamUnavailable, TopicPartition
 from streams.records import decode_or_dead_letter, publish
@@ -73,6 +79,8 @@ class JudgeCounters:
     dropped: int = 0
     skipped: int = 0
     dead_letters: int = 0
+    resumed: int = 0
+    """Interactions read again that were judged already (before a restart, or a copy on the topic)."""
 
 
 @dataclass(order=True)
@@ -97,7 +105,12 @@ class JudgeService:
         self.results_path = results_path
         self.clock = clock
         self.counters = JudgeCounters()
-        self.rollout = count_reward_rows(results_path) if results_path is not None else 0
+        rows = read_reward_rows(results_path) if results_path is not None else []
+        self.rollout = len(rows)
+        self._judged: dict[str, RewardRow] = {r.interaction_id: r for r in rows if r.interaction_id is not None}
+        """Every interaction judged so far, by id: its row says what was decided."""
+        self._rewarded: set[str] = set()
+        """Interactions whose reward this process has scheduled (sent or pending)."""
         self._rng = random.Random(self.exp.seed)
         for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
             self._rng.random()
@@ -118,6 +131,9 @@ class JudgeService:
                 self.counters.dead_letters += 1
             elif interaction.session_id == self.exp.eval_session_id:
                 self.counters.skipped += 1
+            elif interaction.interaction_id in self._judged:
+                self.counters.resumed += 1
+                self._schedule(self._judged[interaction.interaction_id], interaction, message.tp, message.offset)
             else:
                 self._score(interaction, message.tp, message.offset)
         self._send_due()
@@ -128,17 +144,24 @@ class JudgeService:
         prompt, answer = interaction_texts(interaction, self.tokenizer)
         score = self.judge.score(prompt, answer, preferred)
         deliver = self._rng.random() >= self.exp.drop_rate
+        row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
+                        quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
+                        interaction_id=interaction.interaction_id)
         if self.results_path is not None:
-            append_row(self.results_path, RewardRow(
-                rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
-                quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
-                interaction_id=interaction.interaction_id))
+            append_row(self.results_path, row)
+        self._judged[interaction.interaction_id] = row
         self.rollout += 1
         self.counters.scored += 1
         if not deliver:
             self.counters.dropped += 1
+        self._schedule(row, interaction, tp, offset)
+
+    def _schedule(self, row: RewardRow, interaction: Interaction, tp: TopicPartition, offset: int) -> None:
+        """Queue the reward ``row`` decided on, due ``reward_delay_s`` after the interaction."""
+        if not row.delivered or interaction.interaction_id in self._rewarded:
             return
-        reward = Reward(interaction_id=interaction.interaction_id, value=score.value, source=SOURCE)
+        self._rewarded.add(interaction.interaction_id)
+        reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE)
         due = interaction.completed_at + self.exp.reward_delay_s
         heapq.heappush(self._pending, _Pending(due, self._seq, tp, offset, reward))
         self._seq += 1

@@ -82,12 +82,17 @@ def append_row(path: Path, row: RewardRow | EvalRow) -> None:
         f.write(row.model_dump_json() + "\n")
 
 
+def read_reward_rows(path: Path) -> list[RewardRow]:
+    """The reward rows of ``path`` in file order (none when it does not exist yet)."""
+    if not path.is_file():
+        return []
+    rows = (_ROW.validate_json(line) for line in path.read_text().splitlines() if line.strip())
+    return [row for row in rows if isinstance(row, RewardRow)]
+
+
 def count_reward_rows(path: Path) -> int:
     """Judged rollouts already in ``path`` (a restarted judge continues the count)."""
-    if not path.is_file():
-        return 0
-    lines = (line for line in path.read_text().splitlines() if line.strip())
-    return sum(1 for line in lines if isinstance(_ROW.validate_json(line), RewardRow))
+    return len(read_reward_rows(path))
 
 
 def read_arm(path: Path) -> ArmResults:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ from apps.config import AppConfig, ExperimentConfig, load_app_config
 from apps.experiments.judge import JudgeScore, QualityStyleJudge
 from apps.experiments.judge_service import JudgeService, interaction_texts, run_judge
 from apps.experiments.results import read_arm
+from online_sao.config import KafkaConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, decode
 from streams.kafka_backend import KafkaBackend
 from streams.base import StreamUnavailable
@@ -137,7 +139,7 @@ def drain_memory(backend, topic: str) -> list:
         consumer.close()
 
 
-def test_rewards_wait_for_the_delay_and_pending_ones_are_judged_again_after_a_restart(tmp_path):
+def test_rewards_wait_for_the_delay_and_a_restarted_judge_sends_pending_ones_without_judging_again(tmp_path):
     backend, cfg, producer = memory_setup(reward_delay_s=30.0)
     now = [1000.0]
     interaction = chat_interaction(*ANSWERS[0], completed_at=1000.0)
@@ -150,8 +152,8 @@ def test_rewards_wait_for_the_delay_and_pending_ones_are_judged_again_after_a_re
 
     restarted = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: now[0])
     assert restarted.rollout == 1  # the schedule's clock continues from the results file
-    restarted.step()
-    assert restarted.counters.scored == 1
+    restarted.step()  # the interaction comes again: its recorded score is sent, nothing is judged again
+    assert (restarted.counters.scored, restarted.counters.resumed, restarted.rollout) == (0, 1, 1)
     now[0] = 1029.0
     restarted.step()
     assert drain_memory(backend, cfg.kafka.topics.rewards) == []
@@ -159,12 +161,61 @@ def test_rewards_wait_for_the_delay_and_pending_ones_are_judged_again_after_a_re
     restarted.step()
     [reward] = drain_memory(backend, cfg.kafka.topics.rewards)
     assert reward.interaction_id == interaction.interaction_id and reward.created_at == 1030.0
+    assert reward.value == 0.5
     restarted.close()
+    assert len(results.read_text().splitlines()) == 1  # one row per judged interaction
 
     again = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: now[0])
     again.step()
-    assert again.counters.scored == 0  # committed after sending: nothing to judge again
+    assert again.counters.scored == again.counters.resumed == 0  # committed after sending: nothing comes again
     again.close()
+
+
+class CountingJudge(FixedJudge):
+    def __init__(self):
+        self.calls = 0
+
+    def score(self, prompt: str, answer: str, preferred_style: str) -> JudgeScore:
+        self.calls += 1
+        return JudgeScore(value=float(self.calls), quality=1.0, style=0.5)
+
+
+def test_a_restarted_judge_keeps_its_rows_schedule_and_drop_decisions_exactly_once(tmp_path):
+    backend = InMemoryBackend(KafkaConfig(partitions=1))  # one partition: offsets follow send order
+    backend.ensure_topics()
+    cfg = experiment_config(backend.cfg, reward_delay_s=30.0, drop_rate=0.5, seed=3)
+    producer = backend.producer()
+    now = [1000.0]
+    first = [chat_interaction(*ANSWERS[i % 6], completed_at=1000.0) for i in range(8)]
+    for interaction in first:
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    publish(producer, cfg.kafka.topics.interactions, first[2])  # a copy on the topic: judged once too
+    results = tmp_path / "arm.jsonl"
+    service = JudgeService(cfg, CountingJudge(), backend, results_path=results, clock=lambda: now[0])
+    service.step()
+    assert (service.counters.scored, service.counters.resumed) == (8, 1)
+    service.close()  # every reward still waits for its delay: nothing committed
+
+    later = chat_interaction(*ANSWERS[1], completed_at=1000.0)
+    publish(producer, cfg.kafka.topics.interactions, later)
+    judge = CountingJudge()
+    restarted = JudgeService(cfg, judge, backend, results_path=results, clock=lambda: now[0])
+    restarted.step()
+    assert restarted.counters.scored == judge.calls == 1  # only the new interaction is judged
+    now[0] = 1030.0
+    restarted.step()
+    restarted.close()
+
+    rows = read_arm(results).rewards
+    first_pending = next(i for i, r in enumerate(rows) if r.delivered)  # the first life committed up to it
+    assert restarted.counters.resumed == 9 - first_pending  # the rest of ``first`` and the copy came again
+    assert [r.rollout for r in rows] == list(range(9))  # no rollout index twice, none skipped
+    assert [r.interaction_id for r in rows] == [i.interaction_id for i in first + [later]]
+    assert [r.preferred for r in rows] == [cfg.experiment.preferred_style(i) for i in range(9)]
+    sent = {r.interaction_id: r.value for r in drain_memory(backend, cfg.kafka.topics.rewards)}
+    assert sent == {r.interaction_id: r.reward for r in rows if r.delivered}  # the first life's scores
+    uninterrupted = random.Random(cfg.experiment.seed)
+    assert [r.delivered for r in rows] == [uninterrupted.random() >= 0.5 for _ in range(9)]
 
 
 def test_drops_are_seeded_and_recorded(tmp_path):

@@ -268,6 +268,12 @@ class ServingConfig(Section):
 class TrainerConfig(Section):
     consumer_group: str = "sao-learner"
     """Kafka consumer group of the learner."""
+    consumer_instance_id: str | None = Field("learner", min_length=1)
+    """Static member id of the learner's consumer in its group (Kafka's ``group.instance.id``):
+    a learner restarted after a crash takes its partitions back at once instead of waiting for
+    the dead member's session (45 s) to expire; a graceful stop leaves the group. Two learners
+    running at once in one group need different ids (the second would replace the first).
+    None: a dynamic member."""
     min_rollouts: int = Field(4, ge=1)
     """A step starts once this many rewarded rollouts are ready ..."""
     token_budget: int = Field(2048, ge=1)

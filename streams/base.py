@@ -97,8 +97,13 @@ class StreamBackend(ABC):
 
     @abstractmethod
     def consumer(self, topics: list[str], group_id: str | None = None,
-                 start: StartFrom = "earliest") -> Consumer:
-        """Without a group the consumer is assigned every partition of the topics."""
+                 start: StartFrom = "earliest", instance_id: str | None = None) -> Consumer:
+        """Without a group the consumer is assigned every partition of the topics.
+
+        ``instance_id`` (groups only) makes it a static member of its group: a consumer started
+        with the id of one that died without closing takes its place and partitions at once,
+        instead of after the dead member's session expired; two live consumers of one group
+        must not share an id (the newer one replaces the older). Closing it leaves the group."""
 
     @abstractmethod
     def ensure_topics(self) -> None:

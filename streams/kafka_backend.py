@@ -14,19 +14,23 @@ Topics (names from ``KafkaConfig.topics``), created by :meth:`KafkaBackend.ensur
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import kafka.errors as kerr
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import MemberToRemove
 from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
 from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend, TopicNotFound,
                           StreamMessage, StreamUnavailable, TopicPartition)
+
+log = logging.getLogger(__name__)
 
 PRODUCER_LINGER_MS = 5
 """Small batching window: a record waits at most 5 ms for others before it is sent."""
@@ -92,10 +96,12 @@ class KafkaBackend(StreamBackend):
         return KafkaStreamProducer(p, self.cfg.bootstrap, close_timeout_s=self.cfg.client_timeout_s)
 
     def consumer(self, topics: list[str], group_id: str | None = None,
-                 start: StartFrom = "earliest") -> "KafkaStreamConsumer":
+                 start: StartFrom = "earliest", instance_id: str | None = None) -> "KafkaStreamConsumer":
+        if instance_id is not None and group_id is None:
+            raise ValueError("instance_id needs a consumer group (group_id)")
         with _mapped("creating a consumer", self.cfg.bootstrap):
-            c = KafkaConsumer(**self.client_options(), group_id=group_id, enable_auto_commit=False,
-                              auto_offset_reset=start, allow_auto_create_topics=False)
+            c = KafkaConsumer(**self.client_options(), group_id=group_id, group_instance_id=instance_id,
+                              enable_auto_commit=False, auto_offset_reset=start, allow_auto_create_topics=False)
             if group_id is not None:
                 c.subscribe(topics)
             else:
@@ -113,7 +119,18 @@ class KafkaBackend(StreamBackend):
                     c.seek_to_end(*tps)
                 for tp in tps:  # resolve the lazy seek now, so "latest" means "at creation"
                     c.position(tp)
-        return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap)
+        leave = (lambda: self.remove_static_member(group_id, instance_id)) if instance_id is not None else None
+        return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap, leave_group=leave)
+
+    def remove_static_member(self, group_id: str, instance_id: str) -> None:
+        """Take the static member ``instance_id`` out of ``group_id`` now (a static member does not
+        leave on close by itself: the group would keep its partitions until its session expired)."""
+        with self.admin() as admin:
+            outcome = admin.remove_group_members(group_id, [MemberToRemove(group_instance_id=instance_id,
+                                                                           reason="consumer closed")])
+        for error in outcome.values():
+            if error is not kerr.NoError and error is not kerr.UnknownMemberIdError:  # unknown: gone already
+                raise error(f"removing static member {instance_id!r} from group {group_id!r}")
 
     @contextmanager
     def admin(self) -> Iterator[KafkaAdminClient]:
@@ -208,7 +225,10 @@ class KafkaStreamProducer(Producer):
 
 
 class KafkaStreamConsumer(Consumer):
-    def __init__(self, consumer: KafkaConsumer, group_id: str | None, bootstrap: str) -> None:
+    def __init__(self, consumer: KafkaConsumer, group_id: str | None, bootstrap: str,
+                 leave_group: Callable[[], None] | None = None) -> None:
+        """``leave_group``: how a static member leaves its group on close."""
+        self._leave_group = leave_group
         self._consumer = consumer
         self._group_id = group_id
         self._bootstrap = bootstrap
@@ -235,4 +255,10 @@ class KafkaStreamConsumer(Consumer):
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
+        if self._leave_group is not None:
+            try:
+                self._leave_group()
+            except (kerr.KafkaError, StreamUnavailable) as exc:  # closed anyway; only the hand-over waits
+                log.warning("static member of group %s did not leave it (%s): its partitions wait for its "
+                            "session to expire, or for a consumer with its instance id", self._group_id, exc)
 

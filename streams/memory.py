@@ -9,6 +9,8 @@ Same behaviour as :mod:`streams.kafka_backend` where tests can observe it:
 * a consumer with a ``group_id`` shares the topics' partitions with the other open
   members of its group and starts each partition at the group's committed offset
   (else at ``start``); without a group it is assigned every partition;
+* a consumer with an ``instance_id`` (a static member) replaces the member of its group
+  with the same id, which can no longer poll (Kafka fences it);
 * ``start="latest"`` means the end of each partition when the consumer gets it;
 * sending to a topic that does not exist raises StreamUnavailable (Kafka, with topic
   auto-creation off, times out waiting for its metadata).
@@ -84,14 +86,21 @@ class InMemoryBackend(StreamBackend):
         return InMemoryProducer(self)
 
     def consumer(self, topics: list[str], group_id: str | None = None,
-                 start: StartFrom = "earliest") -> "InMemoryConsumer":
+                 start: StartFrom = "earliest", instance_id: str | None = None) -> "InMemoryConsumer":
+        if instance_id is not None and group_id is None:
+            raise ValueError("instance_id needs a consumer group (group_id)")
         with self._lock:
             for topic in topics:
                 if group_id is None and topic not in self._logs:
                     raise TopicNotFound(f"topic {topic!r} does not exist")
-            consumer = InMemoryConsumer(self, list(topics), group_id, start)
+            consumer = InMemoryConsumer(self, list(topics), group_id, start, instance_id)
             if group_id is not None:
-                self._groups.setdefault(group_id, _Group()).members.append(consumer)
+                members = self._groups.setdefault(group_id, _Group()).members
+                for old in [m for m in members if instance_id is not None and m.instance_id == instance_id]:
+                    old._fenced = True
+                    members[members.index(old)] = consumer  # its place, so every share stays where it was
+                if consumer not in members:
+                    members.append(consumer)
             else:
                 consumer._take(self._all_partitions(topics))
             return consumer
@@ -159,13 +168,16 @@ class InMemoryProducer(Producer):
 
 class InMemoryConsumer(Consumer):
     def __init__(self, backend: InMemoryBackend, topics: list[str], group_id: str | None,
-                 start: StartFrom) -> None:
+                 start: StartFrom, instance_id: str | None = None) -> None:
         self._backend = backend
         self.topics = topics
         self.group_id = group_id
+        self.instance_id = instance_id
         self._start = start
         self._positions: dict[TopicPartition, int] = {}
         self._closed = False
+        self._fenced = False
+        """Replaced by a newer consumer with the same instance id."""
 
     def _take(self, tps: list[TopicPartition] | set[TopicPartition]) -> None:
         """Own exactly ``tps``: keep positions of kept ones, initialise new ones."""
@@ -181,7 +193,9 @@ class InMemoryConsumer(Consumer):
         self._positions = positions
 
     def _rebalance(self) -> None:
-        if self.group_id is not None:
+        if self._fenced:
+            self._positions = {}
+        elif self.group_id is not None:
             share = self._backend._group_share(self)
             if share != set(self._positions):
                 self._take(share)
@@ -189,6 +203,8 @@ class InMemoryConsumer(Consumer):
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
         if self._closed:
             raise RuntimeError("consumer is closed")
+        if self._fenced:
+            raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
         deadline = time.monotonic() + timeout_s
         lock = self._backend._lock
         with lock:

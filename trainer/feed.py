@@ -80,7 +80,8 @@ class Feed:
         """Create the topics, join the consumer group and seek to the offsets."""
         backend.ensure_topics()
         self.consumer = backend.consumer([self.topics.interactions, self.topics.rewards],
-                                         group_id=self.tcfg.consumer_group, start="earliest")
+                                         group_id=self.tcfg.consumer_group, start="earliest",
+                                         instance_id=self.tcfg.consumer_instance_id)
         assign_and_seek(self.consumer, self.offsets)
         self.last_activity = time.monotonic()
 
@@ -174,7 +175,8 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
     checkpoint says. Records fetched while joining the group are not consumed: a
     partition without a checkpointed offset is put back to the first of them."""
     first_fetched: dict[TopicPartition, int] = {}
-    deadline = time.monotonic() + ASSIGNMENT_TIMEOUT_S
+    started = time.monotonic()
+    deadline = started + ASSIGNMENT_TIMEOUT_S
     while not consumer.assignment():
         if time.monotonic() > deadline:
             raise TimeoutError(f"no partitions assigned within {ASSIGNMENT_TIMEOUT_S} s")
@@ -185,3 +187,4 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
             consumer.seek(tp, offsets[tp])
         elif tp in first_fetched:
             consumer.seek(tp, first_fetched[tp])
+    log.info("consumer holds %d partitions after %.1f s", len(consumer.assignment()), time.monotonic() - started)

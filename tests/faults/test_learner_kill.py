@@ -17,8 +17,10 @@ weight is finite.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,11 @@ VERSION_WAIT_S = 180.0
 """Until the learner (first or second life) publishes the version waited for, on two shared cores."""
 TRAIN_WAIT_S = 120.0
 """Until every acknowledged interaction is in the ledger after traffic stops."""
+GROUP_WAIT_MAX_S = 10.0
+"""Longest the restarted learner may wait for its partitions once started: a static member
+(trainer.consumer_instance_id) takes its partitions back at once; a dynamic one waited for
+the killed member's session to expire (34 s measured, kafka-python's 45 s default)."""
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.MULTILINE)
 
 
 def _versions(store: Path) -> set[int]:
@@ -58,6 +65,12 @@ def _kill_right_after_an_uncommitted_publish(stack: LiveStack) -> int:
                          f"{stack.log_tail('learner')}")
 
 
+def _logged_at(log: str, message: str) -> list[float]:
+    """Unix times of the learner log's lines containing ``message`` (the log's local times)."""
+    return [datetime.strptime(_LOG_TIME.match(line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for line in log.splitlines() if message in line and _LOG_TIME.match(line)]
+
+
 def _wait_version_past(stack: LiveStack, version: int) -> None:
     deadline = time.monotonic() + VERSION_WAIT_S
     while max(stack.weight_versions(), default=0) <= version:
@@ -72,6 +85,7 @@ def test_learner_sigkill_mid_stream_then_restart_trains_every_acknowledged_inter
     traffic = Traffic(stack.base_url, workers=2).start()
     try:
         killed_at = _kill_right_after_an_uncommitted_publish(stack)
+        kill_time = time.time()
         committed = Checkpointer(stack.cfg.checkpoint_dir).load_latest().state.step
         acked_at_kill = len(traffic.acked)
         stack.restart("learner", {"trainer.checkpoint_every": 1})  # commits every step: the ledger is current
@@ -87,6 +101,10 @@ def test_learner_sigkill_mid_stream_then_restart_trains_every_acknowledged_inter
     assert f"from step {committed}, policy version {killed_at}" in log  # resumed; numbers past its old versions
     retrained = [iid for step, iid in read_ledger(stack.ledger_path) if step > committed]
     versions = stack.assert_published_weights_finite()
+    [_, started], [_, holding] = _logged_at(log, "rank(s) from step"), _logged_at(log, "consumer holds")
     print(f"learner-kill: SIGKILL after v{killed_at} (step {killed_at}), checkpoint at step {committed}, "
           f"{acked_at_kill} acked by then; {len(retrained)} ids trained after step {committed} in the "
-          f"second life; {versions} finite versions; {figures}")
+          f"second life; {versions} finite versions; {figures}; restart: started {started - kill_time:.1f} s "
+          f"after the kill, held its partitions {holding - started:.1f} s later "
+          f"({holding - kill_time:.1f} s from the kill)")
+    assert holding - started < GROUP_WAIT_MAX_S, "the restarted learner waited for the dead member's session"

@@ -1,0 +1,115 @@
+"""Static group membership (``instance_id``): a consumer that died without closing is replaced
+at once by one with its id; a consumer that closes leaves its group at once.
+
+A dynamic member's partitions wait for the dead member's session to expire (kafka-python's
+default session timeout is 45 s; the restarted learner waited 23-34 s for its partitions,
+docs/RELIABILITY.md), so the bounds below fail without static membership.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from online_sao.config import KafkaConfig
+from streams.base import TopicPartition
+from streams.kafka_backend import KafkaBackend
+from streams.memory import InMemoryBackend
+from tests.fixtures.kafka import TEST_PARTITIONS
+
+HANDOVER_MAX_S = 10.0
+"""Longest a consumer may wait for the partitions of a member that died or left (one
+rebalance on a loaded 2-core box; a session expiry takes 45 s)."""
+ASSIGNMENT_WAIT_S = 60.0
+"""How long the consumer in the child process may take to join before the test gives up."""
+
+_MEMBER = """
+import sys, time
+from online_sao.config import KafkaConfig
+from streams.kafka_backend import KafkaBackend
+cfg = KafkaConfig.model_validate_json(sys.argv[1])
+consumer = KafkaBackend(cfg).consumer([cfg.topics.rewards], group_id=sys.argv[2], instance_id=sys.argv[3])
+while not consumer.assignment():
+    consumer.poll(timeout_s=0.2)
+print("assigned", flush=True)
+while True:
+    consumer.poll(timeout_s=0.5)
+"""
+
+
+def _wait_assigned(consumer, timeout_s: float) -> float:
+    """Seconds until ``consumer`` holds partitions (polling, as the learner does)."""
+    started = time.monotonic()
+    while not consumer.assignment():
+        assert time.monotonic() - started < timeout_s, f"no partitions after {timeout_s:.0f} s"
+        consumer.poll(timeout_s=0.2)
+    return time.monotonic() - started
+
+
+def _all_rewards_partitions(cfg: KafkaConfig) -> set[TopicPartition]:
+    return {TopicPartition(cfg.topics.rewards, p) for p in range(TEST_PARTITIONS)}
+
+
+@pytest.mark.kafka
+def test_a_static_member_killed_with_sigkill_is_replaced_at_once_by_one_with_its_id(kafka_config):
+    group, member = f"g-static-{uuid.uuid4().hex[:8]}", "learner"
+    child = subprocess.Popen([sys.executable, "-c", _MEMBER, kafka_config.model_dump_json(), group, member],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        deadline = time.monotonic() + ASSIGNMENT_WAIT_S
+        line = child.stdout.readline()  # blocks until the child holds its partitions (or dies)
+        assert line.strip() == "assigned" and time.monotonic() < deadline, child.poll()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    restarted = KafkaBackend(kafka_config).consumer([kafka_config.topics.rewards], group_id=group,
+                                                    instance_id=member)
+    try:
+        waited = _wait_assigned(restarted, ASSIGNMENT_WAIT_S)
+        assert restarted.assignment() == _all_rewards_partitions(kafka_config)
+    finally:
+        restarted.close()
+    print(f"static member replaced {waited:.1f} s after its predecessor's SIGKILL")
+    assert waited < HANDOVER_MAX_S
+
+
+@pytest.mark.kafka
+def test_a_static_member_that_closes_leaves_its_group_at_once(kafka_config):
+    backend, group = KafkaBackend(kafka_config), f"g-leave-{uuid.uuid4().hex[:8]}"
+    first = backend.consumer([kafka_config.topics.rewards], group_id=group, instance_id="learner")
+    _wait_assigned(first, ASSIGNMENT_WAIT_S)
+    first.close()
+    other = backend.consumer([kafka_config.topics.rewards], group_id=group, instance_id="another")
+    try:
+        waited = _wait_assigned(other, ASSIGNMENT_WAIT_S)
+        assert other.assignment() == _all_rewards_partitions(kafka_config)
+    finally:
+        other.close()
+    print(f"a closed static member's partitions went to another member after {waited:.1f} s")
+    assert waited < HANDOVER_MAX_S
+    with backend.admin() as admin:  # nothing left behind: the group is empty and can be deleted
+        outcome = admin.delete_groups([group])
+    assert outcome == {group: "OK"}  # kafka-python names the error otherwise (NonEmptyGroupError)
+
+
+def test_in_memory_a_consumer_with_the_same_instance_id_takes_the_place_of_the_old_one():
+    backend = InMemoryBackend(KafkaConfig(partitions=4))
+    backend.ensure_topics()
+    rewards = backend.cfg.topics.rewards
+    dead = backend.consumer([rewards], group_id="g", instance_id="learner")
+    peer = backend.consumer([rewards], group_id="g", instance_id="other")
+    held = dead.assignment()
+    assert held and held.isdisjoint(peer.assignment())
+    restarted = backend.consumer([rewards], group_id="g", instance_id="learner")  # the old one never closed
+    assert restarted.assignment() == held  # the same share, without waiting for anything
+    assert dead.assignment() == set()
+    with pytest.raises(RuntimeError, match="fenced"):
+        dead.poll(timeout_s=0)
+    with pytest.raises(ValueError, match="group"):
+        backend.consumer([rewards], instance_id="learner")

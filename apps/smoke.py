@@ -2,26 +2,73 @@
 
 Broker up, default model built, serving and learner started as their own
 processes; simulated users chat through the official ``openai`` client and send
-feedback; the learner trains with SAO and publishes; serving hot-swaps and its
-``policy_version`` rises. Prints progress and a summary; everything it ran is
-in MLflow and under ``<data_dir>/runs/smoke``.
+feedback; the learner trains with SAO and publishes; serving hot-swaps. Prints
+progress and a summary; everything it ran is in MLflow and under
+``<data_dir>/runs/smoke``.
+
+It passes only when serving answers with weights trained on this run's feedback
+(:func:`smoke_verdict`): a version above the one serving started with, published
+at or after the first learner step whose ledger lists one of this run's
+interactions. A second run resumes from the first one's checkpoint, so serving
+starting above version 0, or rising on interactions left from an earlier run,
+proves nothing about this one.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from apps.config import AppConfig
 from apps.stack import Stack, free_port
+from online_sao.schemas import RecordError, WeightsNotice, decode
+from streams.base import Consumer
+from trainer.checkpoint import LEDGER_FILE, read_ledger
 
 SMOKE_REQUESTS = 24
 """Chat requests the smoke run sends: enough for several learner steps on 2 CPU cores."""
 VERSION_WAIT_S = 240.0
-"""How long the smoke run waits for serving to answer with weights the learner published."""
+"""How long the smoke run waits for serving to answer with weights trained on its feedback."""
+POLL_S = 2.0
+"""Pause between two looks at serving's version, the weights notices and the ledger."""
+
+
+@dataclass(frozen=True)
+class SmokeEvidence:
+    start_version: int
+    """Serving's policy version before this run's first request."""
+    served_version: int
+    """Serving's policy version now."""
+    version_steps: dict[int, int]
+    """Learner step at which each version was published (the weights notices)."""
+    trained: list[tuple[int, str]]
+    """(step, interaction id) of every interaction the learner trained on (its ledger)."""
+    run_ids: frozenset[str]
+    """Interaction ids of this run's requests."""
+
+
+def smoke_verdict(evidence: SmokeEvidence) -> str | None:
+    """None when serving answers with weights trained on this run's feedback, else why not:
+    the served version must be above the starting one and published at or after the first
+    step that trained on one of this run's interactions."""
+    e = evidence
+    if e.served_version <= e.start_version:
+        return (f"serving answers with policy version {e.served_version}, "
+                f"the version it started with was {e.start_version}")
+    first_step = min((step for step, iid in e.trained if iid in e.run_ids), default=None)
+    if first_step is None:
+        return f"the learner has trained on none of this run's {len(e.run_ids)} interactions"
+    published_at = e.version_steps.get(e.served_version)
+    if published_at is None:
+        return f"no weights notice says at which step version {e.served_version} was published"
+    if published_at < first_step:
+        return (f"version {e.served_version} was published at step {published_at}, before step {first_step}, "
+                f"the first to train on this run's feedback")
+    return None
 
 
 def _reward(answer: str, rng: random.Random) -> float:
@@ -32,14 +79,15 @@ def _reward(answer: str, rng: random.Random) -> float:
 
 
 def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict | None = None,
-             requests: int = SMOKE_REQUESTS) -> int:
+              requests: int = SMOKE_REQUESTS) -> int:
     from openai import OpenAI
 
     from apps.default_model.builder import build_base_model
 
     started = time.monotonic()
     port = free_port()
-    overrides = {**(overrides or {}), "serving.port": port, "trainer.min_rollouts": 4}
+    # a checkpoint every step keeps the ledger (what was trained, by step) current for the verdict
+    overrides = {**(overrides or {}), "serving.port": port, "trainer.min_rollouts": 4, "trainer.checkpoint_every": 1}
     run_dir = cfg.data_dir / "runs" / "smoke"
     with Stack(config_path, overrides, run_dir) as stack:
         stack.start_broker()
@@ -47,11 +95,14 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
         server = stack.start("serving", ["serve"])
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", timeout_s=180)
+        start_version = _served_version(base_url, cfg.serving.model_name)
+        print(f"serving starts at policy version {start_version}", flush=True)
         stack.start("learner", ["learn"])
 
         client = OpenAI(base_url=f"{base_url}/v1", api_key="local")
         rng = random.Random(cfg.trainer.seed)
         prompts = _prompts(cfg.model.base.seed)
+        run_ids: set[str] = set()
         for i in range(requests):
             stack.check_alive()
             reply = client.chat.completions.create(
@@ -60,29 +111,63 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
             extra = reply.model_extra or {}
             answer = reply.choices[0].message.content or ""
             reward = _reward(answer, rng)
+            run_ids.add(extra["interaction_id"])
             httpx.post(f"{base_url}/v1/feedback", json={"interaction_id": extra["interaction_id"],
                                                        "reward": reward, "source": "smoke"}, timeout=30).raise_for_status()
             print(f"[{i + 1:>3}/{requests}] v{extra.get('policy_version')} reward {reward:+.2f}  {answer[:70]!r}",
                   flush=True)
 
-        version = _wait_for_new_version(stack, base_url, cfg.serving.model_name)
-    print(f"smoke run finished in {time.monotonic() - started:.0f} s: serving answers with policy version {version}; "
+        evidence, failure = _wait_for_training_on_this_run(stack, base_url, start_version, frozenset(run_ids))
+    if failure is not None:
+        print(f"smoke run FAILED after {time.monotonic() - started:.0f} s: {failure}; logs in {run_dir / 'logs'}")
+        return 1
+    print(f"smoke run finished in {time.monotonic() - started:.0f} s: serving answers with policy version "
+          f"{evidence.served_version} (started at {start_version}), published at step "
+          f"{evidence.version_steps[evidence.served_version]} after training on this run's feedback; "
           f"logs in {run_dir / 'logs'}; MLflow at {cfg.mlflow_uri}")
-    return 0 if version > 0 else 1
+    return 0
 
 
-def _wait_for_new_version(stack: Stack, base_url: str, model_name: str) -> int:
+def _served_version(base_url: str, model_name: str) -> int:
+    models = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
+    return next(m["policy_version"] for m in models if m["id"] == model_name)
+
+
+def _wait_for_training_on_this_run(stack: Stack, base_url: str, start_version: int,
+                                   run_ids: frozenset[str]) -> tuple[SmokeEvidence, str | None]:
+    """Gather the evidence until :func:`smoke_verdict` accepts it or VERSION_WAIT_S passed."""
+    from streams.kafka_backend import KafkaBackend
+
+    cfg = stack.cfg
+    notices = KafkaBackend(cfg.kafka).consumer([cfg.kafka.topics.weights], group_id=None, start="earliest")
+    version_steps: dict[int, int] = {}
     deadline = time.monotonic() + VERSION_WAIT_S
-    version = 0
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        models = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
-        version = next(m["policy_version"] for m in models if m["id"] == model_name)
-        if version > 0:
-            return version
-        time.sleep(2.0)
-    print(f"serving still answers with version {version} after {VERSION_WAIT_S:.0f} s")
-    return version
+    try:
+        while True:
+            stack.check_alive()
+            version_steps.update(_published_steps(notices, cfg.serving.model_name))
+            evidence = SmokeEvidence(start_version, _served_version(base_url, cfg.serving.model_name), version_steps,
+                                     read_ledger(cfg.checkpoint_dir / LEDGER_FILE, refused=False), run_ids)
+            failure = smoke_verdict(evidence)
+            if failure is None or time.monotonic() > deadline:
+                return evidence, failure
+            time.sleep(POLL_S)
+    finally:
+        notices.close()
+
+
+def _published_steps(consumer: Consumer, model_name: str) -> dict[int, int]:
+    """version -> step of the publish notices for ``model_name`` read now (unreadable ones are
+    skipped: serving dead-letters them)."""
+    steps = {}
+    for message in consumer.poll(timeout_s=0.5):
+        try:
+            notice = decode(message.value, WeightsNotice)
+        except RecordError:
+            continue
+        if notice.action == "publish" and notice.model == model_name:
+            steps[notice.version] = notice.step
+    return steps
 
 
 def _prompts(seed: int) -> list[str]:

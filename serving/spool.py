@@ -9,14 +9,10 @@ sender reads and acknowledges.
 
 Layout under ``directory``:
 
-* ``spool.log``: entries in the order they were appended. An entry is one line
-  ``<length:8 hex> <crc32:8 hex> <payload>\\n`` where ``payload`` is compact JSON
-  ``{"seq", "topic", "key", "value"}`` (key and value base64). The length and
-  CRC tell a reader where an entry ends and whether it is intact; a payload
-  never holds a space or a newline, so after a damaged entry the next intact
-  one is found again by its header pattern (the first place where a header,
-  a payload of the length it names, a matching CRC and a newline line up).
-  Recovery therefore loses exactly the damaged bytes:
+* ``spool.log``: entries in the order they were appended, framed as
+  :mod:`serving.spool_format` describes (length, CRC, payload, newline), so that
+  after damaged bytes the next intact entry is found again. Recovery therefore
+  loses exactly the damaged bytes:
 
   - an incomplete last entry (the file ends inside it: a write cut short by a
     crash, never reported written) is cut off;
@@ -55,128 +51,26 @@ raise: the entries are kept in memory, in order, after everything on disk,
 
 from __future__ import annotations
 
-import base64
 import io
-import json
 import logging
 import os
-import re
 import threading
 import time
-import zlib
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 from online_sao.durable import fsync_dir
 from online_sao.schemas import DeadLetter, encode
+from serving.spool_format import HEADER_BYTES, Damage, SpoolEntry, decode_payload, scan_log
 from streams.records import dead_letter
 
 log = logging.getLogger(__name__)
 
-_HEADER_BYTES = 18  # "llllllll cccccccc "
-_HEADER = re.compile(rb"[0-9a-f]{8} [0-9a-f]{8} ")
 SPOOL_SOURCE = "serving-spool"
 """``source_topic`` of the dead letter of a damaged spool entry (its own topic is unreadable)."""
 COMPACT_MIN_BYTES = 1 << 20
 """An acknowledged prefix smaller than this (or than a quarter of ``max_bytes``) is
 not worth copying the rest of the log for; it goes when the log empties."""
-
-
-@dataclass(frozen=True)
-class SpoolEntry:
-    seq: int
-    topic: str
-    key: bytes | None
-    value: bytes
-    end_offset: int | None = None
-    """Logical log offset just after this entry (stable across compactions and
-    resets: see ``Spool._base``); None while it is held in memory only."""
-
-    def encode(self) -> bytes:
-        payload = json.dumps({"seq": self.seq, "topic": self.topic,
-                              "key": None if self.key is None else base64.b64encode(self.key).decode("ascii"),
-                              "value": base64.b64encode(self.value).decode("ascii")},
-                             separators=(",", ":")).encode("ascii")
-        return f"{len(payload):08x} {zlib.crc32(payload):08x} ".encode("ascii") + payload + b"\n"
-
-
-def _decode_payload(payload: bytes, end_offset: int) -> SpoolEntry:
-    obj = json.loads(payload)
-    key = obj["key"]
-    return SpoolEntry(seq=int(obj["seq"]), topic=str(obj["topic"]),
-                      key=None if key is None else base64.b64decode(key), value=base64.b64decode(obj["value"]),
-                      end_offset=end_offset)
-
-
-class _Unreadable(ValueError):
-    def __init__(self, reason: str, cut_short: bool = False):
-        super().__init__(reason)
-        self.cut_short = cut_short
-        """The log ends inside the entry (what a write interrupted by a crash leaves)."""
-
-
-def _read_entry(data: bytes, offset: int) -> SpoolEntry:
-    """The intact entry at ``offset`` of ``data`` (its end offset relative to ``data``), or _Unreadable."""
-    header = data[offset:offset + _HEADER_BYTES]
-    if len(header) < _HEADER_BYTES:
-        raise _Unreadable("the log ends inside the entry's header", cut_short=True)
-    if not _HEADER.fullmatch(header):
-        raise _Unreadable("no entry header (8 hex digits, space, 8 hex digits, space)")
-    length, crc = int(header[0:8], 16), int(header[9:17], 16)
-    end = offset + _HEADER_BYTES + length
-    if end >= len(data):
-        raise _Unreadable(f"the log ends inside the entry's {length} payload bytes", cut_short=True)
-    if data[end:end + 1] != b"\n":
-        raise _Unreadable(f"no newline after the {length} payload bytes the header names")
-    payload = data[offset + _HEADER_BYTES:end]
-    if zlib.crc32(payload) != crc:
-        raise _Unreadable(f"checksum mismatch (header {crc:08x}, payload {zlib.crc32(payload):08x})")
-    try:
-        return _decode_payload(payload, end + 1)
-    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and binascii.Error are ValueErrors
-        raise _Unreadable(f"payload not an entry: {exc}") from None
-
-
-def _next_intact(data: bytes, start: int) -> int | None:
-    """Offset of the first intact entry at or after ``start``."""
-    for match in _HEADER.finditer(data, start):
-        try:
-            _read_entry(data, match.start())
-        except _Unreadable:
-            continue
-        return match.start()
-    return None
-
-
-@dataclass(frozen=True)
-class _Damage:
-    start: int
-    end: int
-    reason: str
-    cut_short: bool
-    """An incomplete last entry (a write cut short), not damage to a written one."""
-
-
-def _scan_bytes(data: bytes) -> tuple[list[SpoolEntry], list[tuple[int, int]], list[_Damage]]:
-    """(intact entries, their byte spans, damaged stretches) of a log, in order."""
-    entries: list[SpoolEntry] = []
-    spans: list[tuple[int, int]] = []
-    damages: list[_Damage] = []
-    offset = 0
-    while offset < len(data):
-        try:
-            entry = _read_entry(data, offset)
-        except _Unreadable as exc:
-            resume = _next_intact(data, offset + 1)
-            end = len(data) if resume is None else resume
-            damages.append(_Damage(offset, end, str(exc), cut_short=exc.cut_short and resume is None))
-            offset = end
-            continue
-        entries.append(entry)
-        spans.append((offset, entry.end_offset))
-        offset = entry.end_offset
-    return entries, spans, damages
 
 
 class SpoolFull(OSError):
@@ -253,7 +147,7 @@ class Spool:
             data = self.log_path.read_bytes()
         except FileNotFoundError:
             return [], 0
-        entries, spans, damages = _scan_bytes(data)
+        entries, spans, damages = scan_log(data)
         if not damages:
             return entries, len(data)
         stamp = int(time.time() * 1000)
@@ -270,7 +164,7 @@ class Spool:
         return self._repair(data, entries, spans, damages)
 
     def _repair(self, data: bytes, entries: list[SpoolEntry], spans: list[tuple[int, int]],
-                damages: list[_Damage]) -> tuple[list[SpoolEntry], int]:
+                damages: list[Damage]) -> tuple[list[SpoolEntry], int]:
         """Rewrite the log as its intact entries followed by a dead letter for every damaged
         stretch that may hold unacknowledged entries (atomically: a crash leaves the old log)."""
         seq = max([self._acked_seq] + [e.seq for e in entries])
@@ -291,9 +185,9 @@ class Spool:
         os.replace(tmp, self.log_path)
         fsync_dir(self.directory)
         self.dead_lettered_entries = len(letters)
-        return _scan_bytes(repaired)[0], len(repaired)
+        return scan_log(repaired)[0], len(repaired)
 
-    def _dead_letter(self, data: bytes, damage: _Damage) -> DeadLetter:
+    def _dead_letter(self, data: bytes, damage: Damage) -> DeadLetter:
         return dead_letter(data[damage.start:damage.end],
                            f"spool entry unreadable at bytes {damage.start}-{damage.end} of {self.log_path}: "
                            f"{damage.reason}", SPOOL_SOURCE, offset=damage.start)
@@ -367,12 +261,12 @@ class Spool:
                     fh.seek(self._acked_offset - self._base)
                     offset = self._acked_offset
                     while len(out) < limit and offset < self._log_size:
-                        header = fh.read(_HEADER_BYTES)
+                        header = fh.read(HEADER_BYTES)
                         length = int(header[0:8], 16)
                         payload = fh.read(length)
                         fh.read(1)
-                        offset += _HEADER_BYTES + length + 1
-                        entry = _decode_payload(payload, offset)
+                        offset += HEADER_BYTES + length + 1
+                        entry = decode_payload(payload, offset)
                         if entry.seq > self._acked_seq:
                             out.append(entry)
             for entry in self._overflow:

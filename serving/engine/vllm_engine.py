@@ -148,6 +148,11 @@ class VLLMEngine:
         async for event in relay_events(events, live.cancelled):
             yield event
 
+    def close(self) -> None:
+        """Shut vLLM's engine core and its worker processes down now, not at interpreter exit
+        (where their last log lines meet closed streams). The engine cannot start again."""
+        self._llm.engine_core.shutdown()
+
     def _sampling(self, request: GenerationRequest):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

@@ -1,0 +1,123 @@
+"""Serving throughput on the device: the native engine against ``generate``, and vLLM where it imports.
+
+Model: the default architecture at ``--size`` with random weights in ``--dtype``
+(speed does not depend on the weights). Each engine answers closed loops of
+``c`` clients (a client sends its next request when its last one ends) with
+prompts of 24 random tokens and exactly ``--new-tokens`` sampled tokens each,
+at temperature 1; ``transformers`` ``model.generate`` runs the same prompts one
+after another as the baseline. vLLM needs a model directory with a tokenizer:
+the weights are saved with a byte-level tokenizer of 256 tokens (prompts are
+token ids, so the tokenizer only has to load).
+
+    python benchmarks/gpu/engines.py --out engines.json [--size half-b] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.bench_engine import closed_loop, prompts  # noqa: E402
+from benchmarks.gpu.common import device, machine, random_model, synchronize, write_result  # noqa: E402
+from online_sao.config import ServingConfig  # noqa: E402
+from serving.engine.torch_engine import TorchEngine  # noqa: E402
+
+
+def generate_rate(model, prompt_list: list[list[int]], new_tokens: int, where: torch.device) -> float:
+    """Tokens/s of sequential ``model.generate`` (batch 1, no early stop)."""
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                              temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompt_list[0]], device=where), generation_config=config)  # warm-up
+        synchronize(where)
+        start, produced = time.perf_counter(), 0
+        for p in prompt_list:
+            out = model.generate(torch.tensor([p], device=where), generation_config=config)
+            produced += out.shape[1] - len(p)
+        synchronize(where)
+    return produced / (time.perf_counter() - start)
+
+
+def engine_rates(engine, vocab: int, concurrency: list[int], new_tokens: int) -> dict[str, float]:
+    """Tokens/s of ``engine`` in closed loops of each concurrency (two rounds of requests per client)."""
+    rates = {}
+
+    async def main():
+        await engine.start()
+        await closed_loop(engine, prompts(2, vocab), 1, 8)  # warm-up
+        for c in concurrency:
+            rates[str(c)] = await closed_loop(engine, prompts(2 * c, vocab), c, new_tokens)
+        await engine.stop()
+
+    asyncio.run(main())
+    return rates
+
+
+def byte_tokenizer(out: Path) -> None:
+    """A 256-token byte-level tokenizer saved in ``out`` (what vLLM needs to load a model directory)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=sorted(alphabet)[0]).save_pretrained(out)
+
+
+def vllm_rates(model, args, concurrency: list[int]) -> dict:
+    """vLLM's rates on this device, or why it could not run."""
+    try:
+        import vllm
+    except Exception as exc:  # an absent or broken vLLM is a finding of the check, not a failure
+        return {"imported": False, "error": f"{type(exc).__name__}: {exc}"}
+    from serving.engine.vllm_engine import VLLMEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        byte_tokenizer(Path(tmp))
+        engine = VLLMEngine(tmp, ServingConfig(max_batch_size=max(concurrency)), dtype=args.dtype,
+                            max_model_len=256, seed=0)
+        rates = engine_rates(engine, model.config.vocab_size, concurrency, args.new_tokens)
+    return {"imported": True, "version": vllm.__version__, "tokens_per_s": rates}
+
+
+def run(args) -> dict:
+    where = device()
+    torch.manual_seed(0)
+    model = random_model(args.size, args.dtype, where).eval()
+    vocab = model.config.vocab_size
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    baseline = generate_rate(model, prompts(args.generate_prompts, vocab), args.new_tokens, where)
+    native = engine_rates(TorchEngine(model, cfg=ServingConfig(max_batch_size=max(concurrency))), vocab,
+                          concurrency, args.new_tokens)
+    return {"machine": machine(where), "size": args.size, "dtype": args.dtype,
+            "parameters": sum(p.numel() for p in model.parameters()), "new_tokens": args.new_tokens,
+            "generate_tokens_per_s": baseline, "torch_engine_tokens_per_s": native,
+            "vllm": vllm_rates(model, args, concurrency)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--size", choices=["half-b", "tiny"], default="half-b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts")
+    parser.add_argument("--generate-prompts", type=int, default=4, help="prompts of the generate baseline")
+    args = parser.parse_args(argv)
+    return write_result(args.out, "engines", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

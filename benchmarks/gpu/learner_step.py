@@ -1,0 +1,146 @@
+"""The SAO learner step on a random-weight model of the default architecture, under FSDP2.
+
+Run it under ``torchrun --nproc_per_node N`` (N GPUs; the check uses one). The
+process group is NCCL on CUDA and gloo on a CPU (the dry run). FSDP2 shards the
+policy and the critic as the learner does (``fully_shard`` on each decoder layer,
+then on the root), on one rank too, where ``trainer.distributed.shard_model``
+would leave the model whole: the check is that FSDP2's gathers and
+reduce-scatters run on NCCL and what they cost.
+
+The step is the learner's: critic updates (K of them) and one policy update on a
+batch of rollouts, each ``--prompt-tokens`` prompt tokens then ``--action-tokens``
+action tokens with a reward on the last one (no padding: every rollout has the
+same length). Floating-point work is counted once with torch's FlopCounterMode
+(matrix products and attention, forward and backward, as executed) on the
+unsharded models, which also warms them up; then the sharded models take
+``--steps`` timed steps after one warm-up. MFU = counted FLOPs / median step
+time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
+
+    torchrun --nproc_per_node 1 benchmarks/gpu/learner_step.py --out learner.json [--size half-b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.utils.flop_counter import FlopCounterMode
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu.common import device, machine, peak_tflops, random_model, synchronize, write_result  # noqa: E402
+from online_sao.algorithms import build_algorithm, build_optimizers  # noqa: E402
+from online_sao.batch import Rollout, collate  # noqa: E402
+from online_sao.config import AlgorithmConfig  # noqa: E402
+from online_sao.critic import ValueModel  # noqa: E402
+from online_sao.train_step import policy_logprobs  # noqa: E402
+from trainer.distributed import DistContext, decoder_layers, finite_vote  # noqa: E402
+
+
+def join_group(where: torch.device) -> DistContext:
+    """The torchrun group (NCCL on CUDA, gloo on CPU), joined even with one rank."""
+    if where.type == "cuda":
+        dist.init_process_group("nccl", device_id=where)
+    else:
+        dist.init_process_group("gloo")
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=where)
+
+
+def make_batch(policy, args, vocab: int, where: torch.device):
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    length = args.prompt_tokens + args.action_tokens
+    mask = [False] * args.prompt_tokens + [True] * args.action_tokens
+    rollouts = [Rollout(f"r{i}", torch.randint(3, vocab, (length,), generator=gen).tolist(), mask,
+                        [0.0] * length, [0] * length, {length - 1: float(torch.rand((), generator=gen))})
+                for i in range(args.rollouts)]
+    batch = collate(rollouts, pad_token_id=0, policy_version=1).to(where)
+    with torch.no_grad():  # behaviour log-probs: the policy's own, so importance ratios start at 1
+        batch.rollout_logprobs = policy_logprobs(policy, batch) * batch.action_mask
+    return batch
+
+
+def build(policy, critic, ctx: DistContext, cfg: AlgorithmConfig):
+    opts = build_optimizers(cfg, policy, critic)
+    return build_algorithm(cfg, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
+                           vote=finite_vote(ctx))
+
+
+def shard(model: torch.nn.Module) -> None:
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def run(args) -> dict:
+    where = device()
+    ctx = join_group(where)
+    cfg = AlgorithmConfig()
+    torch.manual_seed(0)
+    policy = random_model(args.size, args.dtype, where)
+    critic = ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
+    params = sum(p.numel() for p in policy.parameters())
+    batch = make_batch(policy, args, policy.config.vocab_size, where)
+
+    algorithm = build(policy, critic, ctx, cfg)
+    with FlopCounterMode(display=False) as counter:
+        algorithm.step(batch)
+    flops = counter.get_total_flops()
+    del algorithm  # its optimiser state held the unsharded parameters
+    shard(policy)
+    shard(critic)
+    algorithm = build(policy, critic, ctx, cfg)
+    algorithm.step(batch)  # warm-up of the sharded models: first all-gathers, optimiser state
+    synchronize(where)
+    if where.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(where)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        metrics = algorithm.step(batch)
+        synchronize(where)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    tokens = batch.input_ids.numel() * ctx.world_size
+    peak = peak_tflops(where)
+    achieved = flops * ctx.world_size / step_s / 1e12
+    result = {
+        "machine": machine(where), "backend": dist.get_backend(), "world_size": ctx.world_size,
+        "size": args.size, "dtype": args.dtype, "parameters": params,
+        "rollouts_per_rank": args.rollouts, "prompt_tokens": args.prompt_tokens, "action_tokens": args.action_tokens,
+        "critic_updates": cfg.critic_updates, "steps": args.steps, "step_s": times, "step_s_median": step_s,
+        "tokens_per_s": tokens / step_s, "action_tokens_per_s": float(batch.action_mask.sum()) * ctx.world_size
+        / step_s, "flops_per_step": flops * ctx.world_size, "achieved_tflops": achieved,
+        "peak_tflops": peak, "mfu": achieved / peak if peak else None,
+        "skipped_nonfinite": metrics.get("skipped_nonfinite", 0.0),
+        "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None,
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--size", choices=["half-b", "tiny"], default="half-b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--rollouts", type=int, default=32, help="per rank")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--action-tokens", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    args = parser.parse_args(argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        run(args)
+        return 0
+    return write_result(args.out, "learner_step", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

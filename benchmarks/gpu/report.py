@@ -1,0 +1,170 @@
+"""benchmarks/results/gpu.md from the sections benchmarks/gpu/check.sh ran.
+
+Reads ``<work>/<section>.status`` (exit status and seconds), ``<section>.log``,
+``<section>.json`` (the helpers' results) and, for the tests, ``gpu_tests.xml``
+(JUnit) or the collection listing of a dry run. Exit status 1 when a section failed.
+
+    python benchmarks/gpu/report.py --work DIR --out FILE --mode gpu|dry-run --command "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+SECTIONS = {"gpu_tests": "1. gpu-marked tests", "learner_step": "2. Learner step (SAO, FSDP2)",
+            "engines": "3. Serving engines", "transports": "4. Weight transports"}
+MFU_TARGET = 0.40
+"""The issue's target for the learner step on an H200."""
+
+
+def status_of(work: Path, name: str) -> tuple[int | None, int | None]:
+    path = work / f"{name}.status"
+    if not path.exists():
+        return None, None
+    code, seconds = path.read_text().split()
+    return int(code), int(seconds)
+
+
+def log_tail(work: Path, name: str, lines: int = 15) -> list[str]:
+    path = work / f"{name}.log"
+    text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no log)"]
+    return ["```", *text, "```"]
+
+
+def tests_section(work: Path, mode: str) -> tuple[bool, list[str]]:
+    code, _ = status_of(work, "gpu_tests")
+    log = (work / "gpu_tests.log").read_text(errors="replace") if (work / "gpu_tests.log").exists() else ""
+    if mode == "dry-run":
+        ids = [line for line in log.splitlines() if "::" in line]
+        return code == 0 and bool(ids), [f"Dry run: collected, not run ({len(ids)} tests):", "",
+                                         *[f"- `{i}`" for i in ids]]
+    xml = work / "gpu_tests.xml"
+    if not xml.exists():
+        return False, ["No test results (JUnit file missing).", "", *log_tail(work, "gpu_tests")]
+    cases = list(ET.parse(xml).getroot().iter("testcase"))
+    rows = []
+    for case in cases:
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        rows.append(f"| `{case.get('classname')}::{case.get('name')}` | {outcome} | {float(case.get('time', 0)):.2f} |")
+    failed = sum(r.split(" | ")[1] in ("failure", "error") for r in rows)
+    return code == 0 and bool(cases), [f"{len(cases)} tests, {failed} failed or errored.", "",
+                                       "| test | outcome | s |", "|---|---|---:|", *rows]
+
+
+def learner_section(r: dict, mode: str) -> list[str]:
+    mfu = "n/a (no GPU peak for this device)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    lines = [
+        f"- model: default architecture (qwen2) at size `{r['size']}`, {r['parameters'] / 1e6:.1f} M parameters, "
+        f"random weights, {r['dtype']}; critic: a copy with frozen attention, K = {r['critic_updates']} updates",
+        f"- FSDP2 (`fully_shard` per decoder layer and root) on {r['world_size']} rank(s), backend `{r['backend']}`",
+        f"- batch per rank: {r['rollouts_per_rank']} rollouts x ({r['prompt_tokens']} prompt + {r['action_tokens']} "
+        "action tokens), no padding", "",
+        "| step s (median) | tokens/s | action tokens/s | FLOPs/step (counted) | achieved TFLOP/s | peak TFLOP/s | "
+        "MFU | max GPU memory GiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {r['step_s_median']:.3f} | {r['tokens_per_s']:.0f} | {r['action_tokens_per_s']:.0f} | "
+        f"{r['flops_per_step']:.3e} | {r['achieved_tflops']:.1f} | {r['peak_tflops'] or 'n/a'} | {mfu} | "
+        f"{'n/a' if r['max_memory_gib'] is None else round(r['max_memory_gib'], 1)} |", "",
+        f"Step times (s): {', '.join(f'{t:.3f}' for t in r['step_s'])}. FLOPs are counted by torch's "
+        "FlopCounterMode over one step (matrix products and attention, forward and backward as executed); "
+        "MFU divides them by the median step time and the dense bf16 peak (989.4 TFLOP/s for the H200).",
+    ]
+    if r["mfu"] is not None:
+        verdict = "meets" if r["mfu"] >= MFU_TARGET else "is below"
+        lines += ["", f"MFU {100 * r['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target."]
+    return lines
+
+
+def engines_section(r: dict) -> list[str]:
+    vllm = r["vllm"]
+    concurrency = list(r["torch_engine_tokens_per_s"])
+    lines = [f"- model: default architecture at size `{r['size']}`, {r['parameters'] / 1e6:.1f} M parameters, "
+             f"{r['dtype']}; {r['new_tokens']} new tokens per request, temperature 1", "",
+             "| engine | " + " | ".join(f"c={c} tokens/s" for c in concurrency) + " |",
+             "|---|" + "---:|" * len(concurrency),
+             "| TorchEngine | " + " | ".join(f"{r['torch_engine_tokens_per_s'][c]:.0f}" for c in concurrency) + " |"]
+    if vllm["imported"]:
+        lines.append(f"| vLLM {vllm['version']} | " + " | ".join(f"{vllm['tokens_per_s'][c]:.0f}"
+                                                                   for c in concurrency) + " |")
+    lines += ["", f"`model.generate`, one request at a time: {r['generate_tokens_per_s']:.0f} tokens/s "
+              f"(TorchEngine at c={concurrency[0]}: {r['torch_engine_tokens_per_s'][concurrency[0]]:.0f})."]
+    if not vllm["imported"]:
+        lines += ["", f"vLLM did not import here: `{vllm['error']}`"]
+    return lines
+
+
+def transports_section(r: dict) -> list[str]:
+    lines = [f"- state dict: default architecture at size `{r['size']}` ({r['tensors']} tensors, {r['mib']:.1f} MiB, "
+             f"{r['dtype']}), saved by this process, loaded by a second one; median of {r['repeats']} after one "
+             "warm-up", "", "| transport | save ms | load ms (other process) | loaded onto |", "|---|---:|---:|---|"]
+    for name, m in r["medians"].items():
+        t = r["times"][name]
+        lines.append(f"| {name} | {m['save_ms']:.1f} (min {1e3 * min(t['save_s']):.1f}) | "
+                     f"{m['load_ms']:.1f} (min {1e3 * min(t['load_s']):.1f}) | {', '.join(m['loaded_on'])} |")
+    lines += [f"| {name} | not run: {why} | | |" for name, why in r["skipped"].items()]
+    return lines
+
+
+RENDER = {"learner_step": lambda r, mode: learner_section(r, mode), "engines": lambda r, mode: engines_section(r),
+          "transports": lambda r, mode: transports_section(r)}
+
+
+def helper_section(work: Path, name: str, mode: str) -> tuple[bool, list[str]]:
+    code, _ = status_of(work, name)
+    path = work / f"{name}.json"
+    if not path.exists():
+        why = "did not run" if code is None else ("ran out of time" if code in (124, 137) else f"exit status {code}")
+        return False, [f"No result ({why}).", "", *log_tail(work, name)]
+    result = json.loads(path.read_text())
+    if not result["ok"]:
+        return False, [f"Failed: `{result['error']}`", "", "```", result["traceback"], "```"]
+    return code == 0, RENDER[name](result, mode)
+
+
+def machine_line(work: Path) -> str:
+    for name in ("learner_step", "engines", "transports"):
+        path = work / f"{name}.json"
+        if path.exists() and "machine" in (result := json.loads(path.read_text())):
+            m = result["machine"]
+            gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB), CUDA {m['cuda']}" if "gpu" in m else "no GPU"
+            return (f"{m['platform']}, {m['cpus']} CPUs, {gpu}; Python {m['python']}, torch {m['torch']}")
+    return "unknown (no section reported it)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", choices=["gpu", "dry-run"], required=True)
+    parser.add_argument("--command", required=True)
+    args = parser.parse_args(argv)
+    title = "GPU checks" + (" (DRY RUN on a CPU: tiny model, gloo; no GPU numbers)" if args.mode == "dry-run" else "")
+    lines = [f"# {title}", "", f"- command: `{args.command}`", f"- machine: {machine_line(args.work)}",
+             f"- written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
+    if args.mode == "dry-run":
+        lines += ["- a dry run checks that every section starts and reports; its numbers say nothing about speed"]
+    seconds, failed = [], []
+    for name, heading in SECTIONS.items():
+        ok, body = tests_section(args.work, args.mode) if name == "gpu_tests" else \
+            helper_section(args.work, name, args.mode)
+        code, took = status_of(args.work, name)
+        seconds.append(took or 0)
+        state = "ok" if ok else "FAILED"
+        failed += [] if ok else [name]
+        lines += ["", f"## {heading}: {state} ({took if took is not None else '-'} s)", "", *body]
+    lines += ["", f"Sections: {len(SECTIONS) - len(failed)} ok, {len(failed)} failed"
+              f"{' (' + ', '.join(failed) + ')' if failed else ''}; {sum(seconds)} s in all "
+              f"(longest {max(seconds)} s, median {statistics.median(seconds):.0f} s).", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The GPU check script (benchmarks/gpu/check.sh): its dry run on this CPU, and its report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu import report
+
+REPO = Path(__file__).resolve().parents[2]
+DRY_RUN_TIMEOUT_S = 900
+"""Five processes that each import torch and transformers, on a shared 2-core machine."""
+
+
+def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
+    out = tmp_path / "gpu.md"
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "check.sh"), "--dry-run", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    text = out.read_text()
+    assert text.startswith("# GPU checks (DRY RUN")
+    for heading in ("## 1. gpu-marked tests: ok", "## 2. Learner step (SAO, FSDP2): ok", "## 3. Serving engines: ok",
+                    "## 4. Weight transports: ok"):
+        assert heading in text
+    # every gpu-marked test is found, the learner ran FSDP2 over a process group, each store round-tripped
+    assert "test_real_cuda_export_round_trips_in_the_publishing_process" in text
+    assert "on 1 rank(s), backend `gloo`" in text
+    assert "| TorchEngine |" in text
+    assert "| file |" in text and "| shm |" in text and "| cuda-ipc | not run: needs a CUDA device" in text
+    assert "Sections: 4 ok, 0 failed" in text
+
+
+def learner_result(mfu: float | None) -> dict:
+    return {"section": "learner_step", "ok": True, "machine": {"platform": "p", "cpus": 16, "python": "3.12",
+            "torch": "2.x", "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8, "cuda": "13.0"},
+            "backend": "nccl", "world_size": 1, "size": "half-b", "dtype": "bfloat16", "parameters": 494e6,
+            "rollouts_per_rank": 32, "prompt_tokens": 128, "action_tokens": 384, "critic_updates": 2,
+            "steps": 2, "step_s": [0.5, 0.5], "step_s_median": 0.5, "tokens_per_s": 32768.0,
+            "action_tokens_per_s": 24576.0, "flops_per_step": 1.5e14, "achieved_tflops": 300.0,
+            "peak_tflops": 989.4, "mfu": mfu, "skipped_nonfinite": 0.0, "max_memory_gib": 40.0}
+
+
+def write_section(work: Path, name: str, status: int, result: dict | None) -> None:
+    (work / f"{name}.status").write_text(f"{status} 7")
+    (work / f"{name}.log").write_text(f"log of {name}\nlast line of {name}\n")
+    if result is not None:
+        (work / f"{name}.json").write_text(json.dumps(result))
+
+
+def test_the_report_names_failed_sections_and_the_mfu_verdict(tmp_path):
+    write_section(tmp_path, "gpu_tests", 1, None)
+    (tmp_path / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="t" name="a" time="1.0"/>'
+        '<testcase classname="t" name="b" time="2.0"><failure message="boom"/></testcase></testsuite></testsuites>')
+    write_section(tmp_path, "learner_step", 0, learner_result(mfu=0.303))
+    write_section(tmp_path, "engines", 124, None)  # ran out of time: no result file
+    write_section(tmp_path, "transports", 1, {"section": "transports", "ok": False, "error": "OSError: no shm",
+                                              "traceback": "Traceback ...\nOSError: no shm"})
+    out = tmp_path / "gpu.md"
+    status = report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh"])
+    text = out.read_text()
+    assert status == 1
+    assert "2 tests, 1 failed or errored" in text and "| `t::b` | failure |" in text
+    assert "## 1. gpu-marked tests: FAILED" in text
+    assert "MFU 30.3% is below the 40% target." in text and "NVIDIA H200 (139.8 GiB)" in text
+    assert "## 3. Serving engines: FAILED" in text and "No result (ran out of time)" in text
+    assert "last line of engines" in text
+    assert "## 4. Weight transports: FAILED" in text and "OSError: no shm" in text
+    assert "Sections: 1 ok, 3 failed (gpu_tests, engines, transports)" in text
+
+    write_section(tmp_path, "learner_step", 0, learner_result(mfu=0.41))
+    report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh"])
+    assert "MFU 41.0% meets the 40% target." in out.read_text()

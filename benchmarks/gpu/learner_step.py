@@ -37,10 +37,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.common import device, machine, peak_tflops, random_model, synchronize, write_result  # noqa: E402
-from online_sao.algorithms import build_algorithm, build_optimizers  # noqa: E402
+from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
 from online_sao.batch import Rollout, collate  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
-from online_sao.critic import ValueModel  # noqa: E402
 from online_sao.train_step import policy_logprobs  # noqa: E402
 from trainer.distributed import DistContext, decoder_layers, finite_vote  # noqa: E402
 
@@ -85,7 +84,7 @@ def run(args) -> dict:
     cfg = AlgorithmConfig()
     torch.manual_seed(0)
     policy = random_model(args.size, args.dtype, where)
-    critic = ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
+    critic = build_critic(cfg, policy)  # as the learner builds it: SAO's frozen-attention copy
     params = sum(p.numel() for p in policy.parameters())
     batch = make_batch(policy, args, policy.config.vocab_size, where)
 

@@ -7,6 +7,11 @@ policy, ``rollout_logprobs[b, t]`` is the behaviour log-probability of ``x_t``
 given ``x_<t`` (0 where not an action), ``values[b, t]`` is the critic's value
 of the state just before ``x_t`` is emitted (computed from the hidden state at
 position ``t - 1``; see :func:`shift_to_tokens`). Position 0 is never an action.
+
+The models themselves run on packed rows, not on this padded layout
+(:class:`PackedLayout`): the forward helpers pack a batch's rollouts into as few
+rows as fit, run the model with per-rollout positions and a block-diagonal causal
+mask, and unpack the outputs into ``[B, T]`` again.
 """
 
 from __future__ import annotations
@@ -144,3 +149,92 @@ def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(per_position)
     out[:, 1:] = per_position[:, :-1]
     return out
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the rollouts of a right-padded ``[B, T]`` batch sit when packed into ``R`` rows of ``T`` tokens.
+
+    Rollouts are placed first-fit in order of decreasing length, each whole and
+    contiguous inside one row, so a row holds several short rollouts where the
+    padded batch held one. The rows keep the batch's length ``T`` (the longest
+    rollout): attention over a row then costs no more than over a padded one,
+    while the per-token work (projections, MLP, LM head) shrinks with the
+    padding. A model run on :meth:`pack`\ ed ids with :attr:`position_ids`
+    (each rollout counting from 0), no attention mask and no cache sees each
+    rollout alone: transformers builds the block-diagonal causal mask from the
+    restarts of the positions (its packed-sequence format).
+    """
+
+    rows: int
+    """R: packed rows."""
+    capacity: int
+    """T: tokens per row, the longest rollout."""
+    batch_index: torch.Tensor
+    """[N] long: the rollout of each real token (N real tokens in the batch)."""
+    token_index: torch.Tensor
+    """[N] long: its position in the rollout."""
+    packed_row: torch.Tensor
+    """[N] long: its packed row."""
+    packed_col: torch.Tensor
+    """[N] long: its position in that row."""
+    position_ids: torch.Tensor
+    """[R, T] long: each real token's position in its rollout; 0 on the padding that ends a row (each
+    padding token then forms a sequence of its own and attends only to itself)."""
+    batch_shape: tuple[int, int]
+    """(B, T) of the padded batch."""
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.batch_index.numel())
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the packed positions that hold no token."""
+        return 1.0 - self.real_tokens / (self.rows * self.capacity)
+
+    def pack(self, padded: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+        """``[B, T, ...]`` -> ``[R, T, ...]``: each real token's entry moved to its packed place, ``fill`` elsewhere."""
+        out = padded.new_full((self.rows, self.capacity, *padded.shape[2:]), fill)
+        out[self.packed_row, self.packed_col] = padded[self.batch_index, self.token_index]
+        return out
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[R, T, ...]`` -> ``[B, T, ...]``: each real token's entry back in its rollout, 0 on padding.
+        Differentiable: gradients flow to the packed entries of real tokens only."""
+        out = packed.new_zeros((*self.batch_shape, *packed.shape[2:]))
+        return out.index_put((self.batch_index, self.token_index), packed[self.packed_row, self.packed_col])
+
+
+def padded_share(attention_mask: torch.Tensor) -> float:
+    """Share of a ``[B, T]`` padded batch's positions that hold no token."""
+    return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1)
+
+
+def pack_layout(attention_mask: torch.Tensor) -> PackedLayout:
+    """The :class:`PackedLayout` of a right-padded batch (``attention_mask`` ``[B, T]`` bool, True on tokens).
+
+    Raises ValueError when a row is not right-padded (a gap or left padding): the
+    layout moves each rollout's tokens as one contiguous run."""
+    b, t = attention_mask.shape
+    device = attention_mask.device
+    lengths = attention_mask.sum(dim=1)
+    positions = torch.arange(t, device=device)
+    if not torch.equal(attention_mask.bool(), positions.unsqueeze(0) < lengths.unsqueeze(1)):
+        raise ValueError("pack_layout needs a right-padded batch (each row's tokens first, then padding)")
+    sizes = lengths.tolist()
+    free: list[int] = []  # tokens left in each packed row
+    row_of, offset_of = [0] * b, [0] * b
+    for i in sorted(range(b), key=lambda i: (-sizes[i], i)):
+        row = next((r for r, room in enumerate(free) if room >= sizes[i]), len(free))
+        if row == len(free):
+            free.append(t)
+        row_of[i], offset_of[i] = row, t - free[row]
+        free[row] -= sizes[i]
+    batch_index, token_index = attention_mask.nonzero(as_tuple=True)
+    packed_row = torch.tensor(row_of, dtype=torch.long, device=device)[batch_index]
+    packed_col = torch.tensor(offset_of, dtype=torch.long, device=device)[batch_index] + token_index
+    position_ids = torch.zeros((len(free), t), dtype=torch.long, device=device)
+    position_ids[packed_row, packed_col] = token_index
+    return PackedLayout(rows=len(free), capacity=t, batch_index=batch_index, token_index=token_index,
+                        packed_row=packed_row, packed_col=packed_col, position_ids=position_ids, batch_shape=(b, t))

@@ -17,7 +17,7 @@ import copy
 import torch
 from torch import nn
 
-from online_sao.batch import shift_to_tokens
+from online_sao.batch import pack_layout, shift_to_tokens
 
 FEED_FORWARD_MODULE_NAMES = frozenset({"mlp", "block_sparse_moe", "feed_forward"})
 """Names under which Qwen2/Qwen2-MoE/Llama/Mistral/Mixtral decoder layers hold
@@ -82,7 +82,16 @@ class ValueModel(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
-        per_position = self.head(hidden).squeeze(-1).float()  # value after reading x_0..x_t
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = True) -> torch.Tensor:
+        """``packed``: run the backbone on the right-padded batch packed without padding
+        (:class:`~online_sao.batch.PackedLayout`); the same values, to float rounding, as the
+        padded run (``packed=False``) wherever a value is defined (positions 1 .. length)."""
+        if packed:
+            layout = pack_layout(attention_mask)
+            hidden = self.backbone(input_ids=layout.pack(input_ids), position_ids=layout.position_ids,
+                                   use_cache=False).last_hidden_state
+            per_position = layout.unpack(self.head(hidden).squeeze(-1).float())  # 0 on padding
+        else:
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+            per_position = self.head(hidden).squeeze(-1).float()  # value after reading x_0..x_t
         return shift_to_tokens(per_position)

@@ -184,11 +184,15 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: t
     """Per-token log-probabilities under the sampling distribution.
 
     ``logits`` ``[B, T, V]`` from the model run on ``input_ids`` ``[B, T]``;
-    ``temperature`` ``[B]`` (one per rollout). Returns ``[B, T]``: position ``t``
-    holds ``log softmax(logits_{t-1} / temperature)[x_t]`` (the logits at ``t - 1``
-    predict ``x_t``), position 0 holds 0 (see :mod:`online_sao.batch`).
+    ``temperature`` ``[B]`` (one per rollout) or ``[B, T]`` (one per token: packed
+    rows hold several rollouts; the temperature at ``t - 1`` applies). Returns
+    ``[B, T]``: position ``t`` holds ``log softmax(logits_{t-1} / temperature)[x_t]``
+    (the logits at ``t - 1`` predict ``x_t``), position 0 holds 0 (see
+    :mod:`online_sao.batch`).
     """
-    scaled = logits[:, :-1].float() / temperature.to(logits.device, torch.float32).view(-1, 1, 1)
+    temperature = temperature.to(logits.device, torch.float32)
+    per_token = temperature[:, :-1, None] if temperature.dim() == 2 else temperature.view(-1, 1, 1)
+    scaled = logits[:, :-1].float() / per_token
     targets = input_ids[:, 1:]
     # cross_entropy is the fused log_softmax + gather: no [B, T, V] log-prob tensor is kept
     nll = F.cross_entropy(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1), reduction="none")

@@ -27,15 +27,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from online_sao.batch import RolloutBatch
+from online_sao.batch import RolloutBatch, pack_layout, padded_share
 from online_sao.losses import token_logprobs
 
 
-def policy_logprobs(policy: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:
     """``[B, T]`` log-probs of the batch's tokens under ``policy`` at each rollout's
-    sampling temperature (SAO.md section 1), aligned as in :mod:`online_sao.batch`."""
-    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-    return token_logprobs(logits, batch.input_ids, batch.temperatures)
+    sampling temperature (SAO.md section 1), aligned as in :mod:`online_sao.batch`;
+    0 on padding.
+
+    ``packed``: run the policy on the batch packed without padding
+    (:class:`~online_sao.batch.PackedLayout`); the same values, to float
+    rounding, as the padded run (``packed=False``) on every real token."""
+    if not packed:
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
+        return token_logprobs(logits, batch.input_ids, batch.temperatures) * batch.attention_mask
+    layout = pack_layout(batch.attention_mask)
+    ids = layout.pack(batch.input_ids)
+    logits = policy(input_ids=ids, position_ids=layout.position_ids, use_cache=False).logits
+    temperatures = layout.pack(batch.temperatures.to(ids.device)[:, None].expand(batch.input_ids.shape), fill=1.0)
+    # a rollout's first token has no prediction of its own in the row: its entry (the previous rollout's
+    # last logits scoring it) is zeroed, as position 0 of a padded row is
+    starts = layout.position_ids == 0
+    return layout.unpack(token_logprobs(logits, ids, temperatures).masked_fill(starts, 0.0))
 
 
 FiniteVote = Callable[[bool], bool]
@@ -122,11 +136,15 @@ def version_lag_metrics(batch: RolloutBatch) -> dict[str, float]:
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """Size, reward and lag of a batch."""
+    """Size, reward and lag of a batch, and the share of the model's positions that are padding:
+    ``padding_share`` as the forward passes run (packed rows), ``padding_share_unpacked`` as the
+    padded batch would have run."""
     return {
         "num_rollouts": float(batch.batch_size),
         "num_action_tokens": float(batch.action_mask.sum()),
         "reward_mean": float(batch.rewards.sum(dim=1).mean()),
+        "padding_share": pack_layout(batch.attention_mask).padding_share,
+        "padding_share_unpacked": padded_share(batch.attention_mask),
         **version_lag_metrics(batch),
     }
 

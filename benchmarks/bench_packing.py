@@ -1,0 +1,137 @@
+"""Learner model passes on packed rows against the padded batch, same rollouts (issue 17).
+
+Rollouts as the straggler benchmark draws them: a 16-token prompt, then a response
+whose length is lognormal (median ``--median``, ``--sigma``, capped at ``--max-tokens``);
+``--rollouts`` per batch. Model: the default architecture and size with random
+weights (speed does not depend on the weights). Timed: the model passes of one SAO
+step, the learner's work apart from optimiser steps and arithmetic: K critic
+updates' forward and backward, the critic's no-grad forward, the policy's forward
+and backward, with the project's losses. Packed and padded take turns on the same
+batches; each batch is timed once per layout after one warm-up batch.
+
+    .venv/bin/python benchmarks/bench_packing.py [--batches 6] [--out benchmarks/results/packing.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import random_default_model  # noqa: E402
+from apps.config import BaseModelConfig
+from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
+from online_sao.algorithms import build_critic
+from online_sao.batch import Rollout, collate, pack_layout, padded_share
+from online_sao.config import AlgorithmConfig
+from online_sao.losses import dis_policy_loss, value_loss
+from online_sao.train_step import policy_logprobs
+
+PROMPT_TOKENS = 16
+
+
+def draw_batch(rng: random.Random, args, vocab: int):
+    rollouts = []
+    for i in range(args.rollouts):
+        response = max(1, min(args.max_tokens, round(rng.lognormvariate(math.log(args.median), args.sigma))))
+        n = PROMPT_TOKENS + response
+        ids = [rng.randrange(3, vocab) for _ in range(n)]
+        mask = [t >= PROMPT_TOKENS for t in range(n)]
+        logprobs = [-1.0 if m else 0.0 for m in mask]
+        rollouts.append(Rollout(f"r{i}", ids, mask, logprobs, [0] * n, {n - 1: rng.random()}))
+    return collate(rollouts, pad_token_id=0, policy_version=1)
+
+
+def model_passes(policy, critic, batch, cfg: AlgorithmConfig, packed: bool) -> float:
+    """Seconds for the model passes of one SAO step (gradients computed, then dropped)."""
+    mask = batch.action_mask
+    start = time.perf_counter()
+    for _ in range(cfg.critic_updates):
+        values = critic(batch.input_ids, batch.attention_mask, packed=packed)
+        _, targets = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+        value_loss(values, targets, mask, None)[0].backward()
+    with torch.no_grad():
+        values = critic(batch.input_ids, batch.attention_mask, packed=packed)
+    advantages, _ = skip_observation_gae(batch.rewards, values, mask, cfg.gamma,
+                                         length_adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha))
+    logprobs = policy_logprobs(policy, batch, packed=packed)
+    loss, _ = dis_policy_loss(logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, None)
+    loss.backward()
+    seconds = time.perf_counter() - start
+    policy.zero_grad(set_to_none=True)
+    critic.zero_grad(set_to_none=True)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=16)
+    parser.add_argument("--median", type=int, default=32)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/packing.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    cfg = AlgorithmConfig()
+    base = BaseModelConfig()
+    policy = random_default_model(base)
+    critic = build_critic(cfg, policy)
+    rng = random.Random(0)
+    warm = draw_batch(rng, args, base.vocab_size)
+    model_passes(policy, critic, warm, cfg, True)
+    model_passes(policy, critic, warm, cfg, False)
+    times = {True: [], False: []}
+    shares = {"packed": [], "padded": []}
+    tokens = []
+    for k in range(args.batches):
+        batch = draw_batch(rng, args, base.vocab_size)
+        tokens.append(int(batch.attention_mask.sum()))
+        shares["packed"].append(pack_layout(batch.attention_mask).padding_share)
+        shares["padded"].append(padded_share(batch.attention_mask))
+        for packed in ((True, False) if k % 2 else (False, True)):  # alternate who goes first
+            times[packed].append(model_passes(policy, critic, batch, cfg, packed))
+    total = sum(tokens)
+    rate = {p: total / sum(t) for p, t in times.items()}
+    ratios = [pd / pk for pk, pd in zip(times[True], times[False])]
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_packing.py", *(argv or sys.argv[1:])])
+    lines = [
+        "# Learner model passes: packed rows against the padded batch (CPU)", "",
+        f"- command: `{command}`",
+        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared; 1-min load average {load:.1f} "
+        f"at start), torch {torch.__version__}, {args.threads} torch thread(s)",
+        f"- model: default architecture and size ({base.architecture}, hidden {base.hidden_size}, {base.num_layers} "
+        f"layers, vocab {base.vocab_size}), random weights; critic with frozen attention, K = {cfg.critic_updates}",
+        f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
+        f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {total} real tokens in all", "",
+        "| layout | padding share (mean over batches) | real tokens/s | seconds per batch (median) |",
+        "|---|---:|---:|---:|",
+        f"| padded | {100 * statistics.mean(shares['padded']):.1f}% | {rate[False]:.0f} | "
+        f"{statistics.median(times[False]):.3f} |",
+        f"| packed | {100 * statistics.mean(shares['packed']):.1f}% | {rate[True]:.0f} | "
+        f"{statistics.median(times[True]):.3f} |", "",
+        f"Packed / padded real tokens per second: {rate[True] / rate[False]:.2f}x over all batches; per batch "
+        f"{', '.join(f'{r:.2f}' for r in ratios)}.", "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

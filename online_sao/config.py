@@ -330,6 +330,41 @@ class MLflowConfig(Section):
     """A candidate becomes 'champion' unless its recent reward trails the champion's by more than this."""
 
 
+class DeployConfig(Section):
+    """The registry's promotion gate and the monitors that can roll a candidate back
+    (docs/DEPLOY.md, "The promotion gate")."""
+
+    window: int = Field(128, ge=1)
+    """Most recent trained rollouts (with their rewards and behaviour log-probs) kept as the
+    window on which candidate and champion are both scored; the checkpoint carries it."""
+    gate_min_rollouts: int = Field(32, ge=2)
+    """The gate decides only with at least this many rollouts in the window; fewer: it refuses."""
+    gate_min_ess: float = Field(8.0, gt=0)
+    """Smallest effective sample size, (sum w)^2 / sum w^2, of either version's importance
+    weights on the window; below it the estimate rests on a few rollouts and the gate refuses."""
+    gate_confidence: float = Field(0.9, gt=0, lt=1)
+    """Two-sided confidence of the normal interval on candidate minus champion."""
+    gate_margin: float = Field(0.05, ge=0)
+    """Non-inferiority margin, in reward units: promote when the interval's lower end is at least
+    ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
+    gate_weight_clip: float | None = Field(None, gt=1)
+    """Cap on each rollout's importance ratio pi/mu before self-normalising (None: no cap);
+    a cap trades bias for variance when one rollout would carry the whole estimate."""
+    gate_chunk: int = Field(16, ge=1)
+    """Rollouts scored per forward pass when the gate computes a version's log-probs."""
+    monitor_max_mean_length: float | None = Field(None, gt=0)
+    """Roll back a candidate whose recent answers average more action tokens than this
+    (None: off; a reward that pays for length shows here first)."""
+    monitor_max_repetition: float | None = Field(None, gt=0, le=1)
+    """Roll back a candidate whose recent answers repeat more than this share of their
+    ``monitor_ngram``-grams (None: off)."""
+    monitor_ngram: int = Field(3, ge=1)
+    """n of the n-grams the repetition monitor counts."""
+    monitor_max_dead_letter_share: float | None = Field(None, gt=0, le=1)
+    """Roll back when more than this share of the records read since the candidate was
+    registered went to the dead-letter topic (None: off)."""
+
+
 class Config(Section):
     paths: PathsConfig = PathsConfig()
     """Where local state lives."""
@@ -347,6 +382,8 @@ class Config(Section):
     """Learner loop."""
     mlflow: MLflowConfig = MLflowConfig()
     """Experiment tracking and registry."""
+    deploy: DeployConfig = DeployConfig()
+    """Promotion gate and monitors of the registry."""
 
     @property
     def data_dir(self) -> Path:

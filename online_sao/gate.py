@@ -1,0 +1,155 @@
+"""The registry's promotion gate: candidate and champion compared on the same logged window.
+
+Every logged rollout carries the behaviour log-probability ``log mu`` of each token it
+sampled. For a version ``pi`` the sequence log-ratio of rollout ``i`` is
+``l_i = sum over action tokens t of (log pi(x_t) - log mu(x_t))``; its importance weight
+is ``w_i = exp(l_i)``, optionally capped at ``clip``. The self-normalised estimate of
+the version's expected reward on the window is ``V = sum w_i r_i / sum w_i`` and its
+effective sample size ``ESS = (sum w_i)^2 / sum w_i^2`` (n when every weight is equal,
+1 when one rollout carries everything).
+
+Both versions are scored on the same rollouts, so their difference ``D = V_cand - V_champ``
+is paired. Its standard error is the delta-method (linearised) one of the two ratio
+estimators together: with normalised weights ``u_i = w_i / sum w``,
+``se^2 = sum_i (u^cand_i (r_i - V_cand) - u^champ_i (r_i - V_champ))^2``.
+The decision (:func:`decide`), a non-inferiority test with margin ``m`` on the two-sided
+interval ``D +- z se`` at the configured confidence:
+
+- refused: fewer than ``min_rollouts`` rollouts, or either version's ESS below ``min_ess``;
+- rolled_back: the whole interval lies below ``-m`` (the candidate is worse by more than m);
+- promoted: the interval's lower end is at least ``-m``;
+- undecided: the interval straddles ``-m``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Literal
+
+import torch
+
+GateDecision = Literal["promoted", "rolled_back", "undecided", "refused"]
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """The gate's part of the config (``deploy.gate_*``)."""
+
+    min_rollouts: int
+    min_ess: float
+    confidence: float
+    margin: float
+    weight_clip: float | None = None
+
+
+@dataclass(frozen=True)
+class GateEvidence:
+    """What one decision rested on; :meth:`tags` is what the registry records."""
+
+    decision: GateDecision
+    reason: str
+    n: int
+    candidate_value: float
+    champion_value: float
+    difference: float
+    low: float
+    high: float
+    candidate_ess: float
+    champion_ess: float
+    window: tuple[int, int] = (0, 0)
+    """Lowest and highest policy version that sampled a token in the window."""
+
+    def tags(self) -> dict[str, str]:
+        """``gate.*`` tags for the candidate's registry version."""
+        values = {"n": self.n, "candidate_value": self.candidate_value, "champion_value": self.champion_value,
+                  "difference": self.difference, "low": self.low, "high": self.high,
+                  "candidate_ess": self.candidate_ess, "champion_ess": self.champion_ess}
+        return {"gate.decision": self.decision, "gate.reason": self.reason,
+                "gate.window_versions": f"{self.window[0]}-{self.window[1]}",
+                **{f"gate.{k}": repr(float(v)) if isinstance(v, float) else str(v) for k, v in values.items()}}
+
+
+def sequence_log_ratio(target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                       action_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probs of a version and of the behaviour, ``[B, T]`` bool mask ->
+    ``[B]`` sum over action tokens of their difference."""
+    diff = (target_logprobs.float() - behaviour_logprobs.float()) * action_mask
+    return diff.sum(dim=1)
+
+
+def importance_weights(log_ratio: torch.Tensor, clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``[B]`` sequence log-ratios -> ``[B]`` weights ``exp(min(l, log clip))`` scaled by a
+    common factor (the largest weight is 1: self-normalised estimates do not see the scale,
+    and exp of a large log-ratio would overflow)."""
+    capped = log_ratio.double()
+    if clip is not None:
+        capped = capped.clamp(max=math.log(clip))
+    weights = torch.exp(capped - capped.max())
+    clipped = float((log_ratio.double() > capped).double().mean()) if clip is not None else 0.0
+    return weights, {"clipped_frac": clipped, "log_ratio_max": float(log_ratio.max()),
+                     "log_ratio_min": float(log_ratio.min())}
+
+
+def effective_sample_size(weights: torch.Tensor) -> float:
+    """``[B]`` non-negative weights -> ``(sum w)^2 / sum w^2``."""
+    return float(weights.sum() ** 2 / (weights ** 2).sum())
+
+
+def snis_estimate(rewards: torch.Tensor, log_ratio: torch.Tensor,
+                  clip: float | None = None) -> tuple[float, dict[str, float]]:
+    """Self-normalised importance-sampling estimate of a version's expected reward.
+    ``rewards`` ``[B]``, ``log_ratio`` ``[B]`` (:func:`sequence_log_ratio`).
+    Returns (estimate, metrics with ``ess`` and :func:`importance_weights`' metrics)."""
+    weights, metrics = importance_weights(log_ratio, clip)
+    value = float((weights * rewards.double()).sum() / weights.sum())
+    return value, {**metrics, "ess": effective_sample_size(weights)}
+
+
+def paired_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
+                      clip: float | None = None) -> tuple[float, float, dict[str, float]]:
+    """``V_cand - V_champ`` on one window and its standard error (module docstring).
+    All inputs ``[B]``. Returns (difference, standard error, metrics: both estimates and ESS)."""
+    r = rewards.double()
+    parts, metrics = [], {}
+    for name, log_ratio in (("candidate", log_ratio_candidate), ("champion", log_ratio_champion)):
+        weights, _ = importance_weights(log_ratio, clip)
+        u = weights / weights.sum()
+        value = float((u * r).sum())
+        parts.append(u * (r - value))
+        metrics[f"{name}_value"] = value
+        metrics[f"{name}_ess"] = effective_sample_size(weights)
+    se = float(((parts[0] - parts[1]) ** 2).sum().sqrt())
+    return metrics["candidate_value"] - metrics["champion_value"], se, metrics
+
+
+def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
+           settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
+    """The gate's decision on one window (module docstring). Inputs ``[B]``."""
+    n = int(rewards.shape[0])
+    if n == 0:
+        nan = math.nan
+        return GateEvidence("refused", f"empty window (need {settings.min_rollouts})", 0, nan, nan, nan, nan, nan,
+                            0.0, 0.0, window)
+    diff, se, m = paired_difference(rewards, log_ratio_candidate, log_ratio_champion, settings.weight_clip)
+    z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
+    low, high = diff - z * se, diff + z * se
+    decision, reason = verdict(n, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
+    return GateEvidence(decision, reason, n, m["candidate_value"], m["champion_value"], diff, low, high,
+                        m["candidate_ess"], m["champion_ess"], window)
+
+
+def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings) -> tuple[GateDecision, str]:
+    """The decision rule alone: window size ``n``, the smaller of the two ESS, the interval
+    ``[low, high]`` on candidate minus champion. Returns (decision, reason)."""
+    bound = -settings.margin
+    if n < settings.min_rollouts:
+        return "refused", f"n={n} < min_rollouts={settings.min_rollouts}"
+    if ess < settings.min_ess:
+        return "refused", f"ess={ess:.2f} < min_ess={settings.min_ess}"
+    if high < bound:
+        return "rolled_back", f"upper end {high:.4f} < -margin {bound}"
+    if low >= bound:
+        return "promoted", f"lower end {low:.4f} >= -margin {bound}"
+    return "undecided", f"interval [{low:.4f}, {high:.4f}] contains -margin {bound}"

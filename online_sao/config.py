@@ -325,9 +325,8 @@ class MLflowConfig(Section):
     registered_model: str = "online-sao-policy"
     """Name in the model registry."""
     register_every: int = Field(10, ge=1)
-    """Register every M-th published version as 'candidate'."""
-    promote_margin: float = Field(0.05, ge=0)
-    """A candidate becomes 'champion' unless its recent reward trails the champion's by more than this."""
+    """Register every M-th published version as 'candidate'; the previous candidate is decided on
+    first (``deploy``: the gate and the monitors)."""
 
 
 class DeployConfig(Section):

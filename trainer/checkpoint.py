@@ -17,7 +17,8 @@ Commit protocol (crash-safe at every point):
 2. all files are written into ``<root>/.tmp-<random>/`` and fsynced, then the
    directory is fsynced;
 3. ``rename`` to ``step-<n>`` (atomic) and the root is fsynced: this is the commit;
-4. checkpoints beyond the newest ``keep`` are deleted.
+4. checkpoints beyond the newest ``keep`` are deleted, except the first checkpoint of
+   each pinned version (the registry's candidate and champion, for a whole roll-back).
 :meth:`Checkpointer.resume` loads the newest committed checkpoint and truncates
 the ledger to the length that checkpoint recorded, so ledger lines of steps the
 checkpoint does not cover (a crash between 1 and 3) disappear with the steps
@@ -66,7 +67,8 @@ class LearnerState:
     counters: dict[str, float] = field(default_factory=dict)
     """Learner-level counts that must survive restarts (dead letters, invalid rollouts)."""
     candidate: dict[str, Any] = field(default_factory=dict)
-    """The registry candidate awaiting a decision and its reward so far."""
+    """The registry's evidence: the recent window the gate scores versions on and the read and
+    dead-letter counts at the candidate's registration (:class:`trainer.deploy.RecentWindow`)."""
     ledger_bytes: int = 0
     """Length of the ledger file this checkpoint covers (set by :meth:`Checkpointer.save`)."""
 
@@ -144,6 +146,9 @@ class Checkpointer:
             raise ValueError("keep at least one checkpoint")
         self.root = Path(root)
         self.keep = keep
+        self.pinned_versions: set[int] = set()
+        """Policy versions whose first checkpoint is never pruned (the registry's candidate and
+        champion: a roll-back restores the whole training state from it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._unsaved_ledger: list[str] = []
 
@@ -193,17 +198,38 @@ class Checkpointer:
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(self.root)
+        pinned = set(self._pinned().values())
         for _, old in self.checkpoints()[:-self.keep]:
-            shutil.rmtree(old)
+            if old not in pinned:
+                shutil.rmtree(old)
         return final
+
+    def _pinned(self) -> dict[int, Path]:
+        """The oldest checkpoint of each pinned version: the one taken right after it was published."""
+        found: dict[int, Path] = {}
+        for _, path in self.checkpoints():
+            version = _read_meta(path)["state"]["version"]
+            if version in self.pinned_versions and version not in found:
+                found[version] = path
+        return found
+
+    def checkpoint_of_version(self, version: int) -> Checkpoint | None:
+        """The oldest checkpoint whose policy is published ``version`` (None: none kept)."""
+        for _, path in self.checkpoints():
+            if _read_meta(path)["state"]["version"] == version:
+                return self.load(path)
+        return None
 
     def load_latest(self) -> Checkpoint | None:
         """The newest committed checkpoint, or None. Reads only; see :meth:`resume`."""
         found = self.checkpoints()
         if not found:
             return None
-        path = found[-1][1]
-        meta = json.loads((path / "meta.json").read_text())
+        return self.load(found[-1][1])
+
+    def load(self, path: Path) -> Checkpoint:
+        """The committed checkpoint in ``path``."""
+        meta = _read_meta(path)
         models = {name: load_file(str(path / f"{name}.safetensors")) for name in meta["models"]}
         optim_tensors = load_file(str(path / "optim.safetensors"))
         optimizers = unflatten_tensors(json.loads((path / "optim.json").read_text()), optim_tensors)
@@ -236,6 +262,10 @@ class Checkpointer:
             size = fh.tell()
         self._unsaved_ledger.clear()
         return size
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / "meta.json").read_text())
 
 
 def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:

@@ -20,8 +20,9 @@
 4. every ``publish_every`` steps the full policy is published (weight store +
    notice) if some step since the last publish changed it (a refused step
    publishes nothing); every ``mlflow.register_every`` versions it is registered as
-   candidate and promoted or rolled back (:func:`publish`,
-   :class:`trainer.publisher.Releases`);
+   candidate (and checkpointed) after the previous candidate was promoted or rolled back
+   on the gate's evidence; a roll-back restores the champion's whole training state
+   (:func:`publish`, :class:`trainer.publisher.Releases`);
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
    offsets it covers are committed to Kafka (:func:`checkpoint`); metrics go to
    MLflow (:meth:`trainer.rank_zero.RankZero.end_cycle`).
@@ -62,12 +63,13 @@ from online_sao.batch import Rollout, collate
 from online_sao.config import Config
 from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, global_token_normalizer,
-                                 init_distributed, reduce_metrics, shard_rollouts, shutdown_distributed)
+                                 init_distributed, load_full_state_dict, reduce_metrics, shard_rollouts,
+                                 shutdown_distributed)
 from trainer.feed import RolloutHook
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
-from trainer.state import Position, save_training_state
+from trainer.state import Position, restore_version, save_training_state
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             if at.step % tcfg.publish_every == 0 and at.changed_since_publish:
                 publish(models, at, rank0, metrics, ctx)                # 4: weights, notice, registry
             laps.lap("publish")
-            if at.step % tcfg.checkpoint_every == 0:
+            if at.step % tcfg.checkpoint_every == 0 and at.checkpointed_step < at.step:
                 checkpoint(models, at, rank0, ctx)                      # 5: checkpoint, then offsets
             laps.lap("checkpoint")
             if rank0 is not None:
@@ -182,13 +184,29 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
 
 def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics: dict[str, float],
             ctx: DistContext) -> None:
-    """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). Collective."""
+    """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). A version
+    the registry just made its candidate is checkpointed at once (kept while candidate or
+    champion); a roll-back restores the champion's whole training state from its checkpoint
+    (only its weights, from the store, when none is kept). Collective."""
     at.changed_since_publish = False
     at.version += 1
-    rolled_back = release_policy(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version,
-                                 at.step, {"reward_mean": metrics.get("reward_mean", math.nan)})
-    if rolled_back and rank0 is not None:
-        rank0.counters["rollbacks"] += 1
+    outcome = release_policy(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version,
+                             at.step, {"reward_mean": metrics.get("reward_mean", math.nan)},
+                             rank0.reads() if rank0 else (0.0, 0.0))
+    if rank0 is not None:
+        rank0.checkpointer.pinned_versions = rank0.releases.pinned_versions()
+    back = outcome.rolled_back_to
+    if back is not None:
+        if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
+            if rank0 is not None:
+                log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
+            store = rank0.releases.publisher.store if rank0 else None
+            load_full_state_dict(models.trainables.policy, store.load(back.location, back.checksum) if store else None,
+                                 ctx)
+        if rank0 is not None:
+            rank0.counters["rollbacks"] += 1
+    if outcome.registered:
+        checkpoint(models, at, rank0, ctx)
 
 
 def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext) -> None:

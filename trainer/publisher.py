@@ -9,12 +9,12 @@ an older, already stored version with ``action="rollback"``; serving obeys it
 even though the version is older than the one it runs.
 
 Registry cadence (:class:`Releases`): every ``mlflow.register_every``
-versions, the candidate registered last time is decided on first, by the reward
-of rollouts sampled by it or newer versions (:class:`CandidateWatch`):
-promoted, or rolled back (serving and the learner return to the champion).
-Unless it was rolled back, the new version is then registered as the next
-candidate. A decision stays pending while no rollout of the candidate has been
-trained on; a newer candidate then supersedes it.
+versions, the candidate registered last time is decided on first: the off-policy gate
+scores it and the champion on the same recent window (trainer.deploy, online_sao.gate) and
+the monitors read its recent answers; it is promoted, rolled back (serving and the learner
+return to the champion), or left pending (the gate refused or could not tell; the next
+registration supersedes it). Unless it was rolled back, the new version is then registered
+as the next candidate.
 """
 
 from __future__ import annotations
@@ -22,18 +22,20 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from online_sao.batch import Rollout
+from online_sao.config import DeployConfig
 from online_sao.schemas import WeightsNotice
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
 from streams.records import publish
 from trainer.broker_wait import until_broker_takes
-from trainer.distributed import DistContext, broadcast_json, full_state_dict, load_full_state_dict
-from trainer.tracking import RunTracker
+from trainer.deploy import OffPolicyGate, RecentWindow, read_monitors
+from trainer.distributed import DistContext, broadcast_json, full_state_dict
+from trainer.tracking import Decision, RunTracker
 
 log = logging.getLogger(__name__)
 
@@ -81,84 +83,92 @@ class Publisher:
         until_broker_takes(send, f"announcing v{ref.version}", self.stop)
 
 
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What a release did besides publishing."""
+
+    registered: bool = False
+    """This version became the registry's candidate (the learner checkpoints it now, so a later
+    roll-back to it restores the whole training state)."""
+    rolled_back_to: WeightsRef | None = None
+    """The champion's weights when the registry rolled the candidate back."""
+
+
 class Releases:
     """Rank 0's side of a new policy version: :class:`Publisher` puts it out; every
-    ``register_every`` versions the registry decides on the candidate first, then
-    (unless it rolled back) registers this version as the next candidate."""
+    ``register_every`` versions the registry decides on the candidate first (the off-policy
+    gate on the recent window, and the monitors), then, unless it rolled back, registers this
+    version as the next candidate."""
 
-    def __init__(self, publisher: Publisher, tracker: RunTracker, watch: CandidateWatch, register_every: int) -> None:
+    def __init__(self, publisher: Publisher, tracker: RunTracker, gate: OffPolicyGate, window: RecentWindow,
+                 cfg: DeployConfig, register_every: int) -> None:
         self.publisher = publisher
         self.tracker = tracker
-        self.watch = watch
+        self.gate = gate
+        self.window = window
+        self.cfg = cfg
         self.register_every = register_every
 
-    def release(self, state: dict[str, torch.Tensor], version: int, step: int,
-                metrics: dict[str, float]) -> WeightsRef | None:
-        """Publish ``state`` as ``version``; the champion's weights when the registry rolled back to them."""
+    def release(self, state: dict[str, torch.Tensor], version: int, step: int, metrics: dict[str, float],
+                reads: tuple[float, float]) -> ReleaseOutcome:
+        """Publish ``state`` as ``version``; ``reads``: (records read, dead letters) so far."""
         ref = self.publisher.publish(state, version, step, metrics)
         if version % self.register_every != 0:
-            return None
-        watch = self.watch
-        decision = self.tracker.evaluate_candidate(watch.reward) if watch.version is not None else "pending"
-        if decision == "rolled_back":
+            return ReleaseOutcome()
+        if self.decide(reads) == "rolled_back":
             champion_version, champion_ref = self.tracker.champion()
-            log.warning("candidate v%s (reward %.4f) rolled back to champion v%d",
-                        watch.version, watch.reward, champion_version)
+            log.warning("candidate rolled back to champion v%d", champion_version)
             self.publisher.rollback(champion_ref, step)
-            watch.start(None)
-            return champion_ref
-        self.tracker.register(ref, watch.reward)
+            return ReleaseOutcome(rolled_back_to=champion_ref)
+        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
         self.publisher.protect(version)
-        watch.start(version)
-        return None
+        self.window.since_registration = reads
+        return ReleaseOutcome(registered=True)
+
+    def decide(self, reads: tuple[float, float]) -> Decision:
+        """Decide on the registered candidate (if one awaits a decision) and record it with its evidence.
+        A tripped monitor rolls back whatever the gate says; without a champion the first
+        candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to)."""
+        candidate, champion = self.tracker.candidate(), self.tracker.champion()
+        if candidate is None or (champion is not None and champion[0] == candidate[0]):
+            return "pending"
+        monitors = read_monitors(self.cfg, self.window, candidate[0], *reads)
+        if champion is None:
+            decision: Decision = "pending" if monitors.tripped else "promoted"
+            evidence = {"gate.decision": "no_champion", **monitors.tags()}
+        else:
+            gate = self.gate.compare(candidate[1], champion[1], self.window)
+            decision = GATE_TO_REGISTRY[gate.decision]
+            if monitors.tripped:
+                decision = "rolled_back"
+            evidence = {**gate.tags(), **monitors.tags()}
+        log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
+                 ", ".join(f"{k}={v}" for k, v in evidence.items()))
+        self.tracker.record_decision(decision, evidence)
+        return decision
+
+    def pinned_versions(self) -> set[int]:
+        """Policy versions whose checkpoints must stay: the candidate's and the champion's."""
+        return {found[0] for found in (self.tracker.candidate(), self.tracker.champion()) if found is not None}
+
+
+GATE_TO_REGISTRY: dict[str, Decision] = {"promoted": "promoted", "rolled_back": "rolled_back",
+                                         "undecided": "pending", "refused": "pending"}
+"""What the registry does with each gate verdict: an undecided or refused gate moves no alias."""
 
 
 def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | None, version: int, step: int,
-                   metrics: dict[str, float]) -> bool:
+                   metrics: dict[str, float], reads: tuple[float, float] = (0.0, 0.0)) -> ReleaseOutcome:
     """Gather the full policy on rank 0 and release it there (see :class:`Releases`). Collective:
-    every rank calls it; ``releases`` is None on ranks other than 0. After a rollback every rank
-    trains on from the champion's weights. Returns whether it rolled back (on every rank)."""
+    every rank calls it; ``releases`` is None on ranks other than 0. Returns the outcome on
+    every rank (a roll-back target as location and checksum)."""
     state = full_state_dict(policy, ctx)
-    rollback_to = None
+    shared = None
     if ctx.is_main:
         if releases is None:
             raise ValueError("rank 0 needs its releases")
-        champion = releases.release(state, version, step, metrics)
-        rollback_to = None if champion is None else [champion.location, champion.checksum]
-    rollback_to = broadcast_json(rollback_to, ctx)
-    if rollback_to is not None:
-        load_full_state_dict(policy, releases.publisher.store.load(*rollback_to) if ctx.is_main else None, ctx)
-    return rollback_to is not None
-
-
-class CandidateWatch:
-    """The reward of the registered candidate, measured on rollouts it (or a newer
-    version) sampled: rollouts of older versions say nothing about it. NaN until
-    such a rollout was trained on (the registry then leaves the decision pending)."""
-
-    def __init__(self) -> None:
-        self.version: int | None = None
-        self.reward_sum = 0.0
-        self.count = 0
-
-    def start(self, version: int | None) -> None:
-        """Watch a newly registered candidate (None: no candidate awaits a decision)."""
-        self.version, self.reward_sum, self.count = version, 0.0, 0
-
-    def observe(self, rollouts: list[Rollout]) -> None:
-        if self.version is None:
-            return
-        for rollout in rollouts:
-            if max(rollout.versions, default=0) >= self.version:
-                self.reward_sum += rollout.total_reward
-                self.count += 1
-
-    @property
-    def reward(self) -> float:
-        return self.reward_sum / self.count if self.count else math.nan
-
-    def state_dict(self) -> dict[str, float | int | None]:
-        return {"version": self.version, "reward_sum": self.reward_sum, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, float | int | None]) -> None:
-        self.version, self.reward_sum, self.count = state["version"], state["reward_sum"], state["count"]
+        outcome = releases.release(state, version, step, metrics, reads)
+        back = outcome.rolled_back_to
+        shared = [outcome.registered, None if back is None else [back.version, back.location, back.checksum]]
+    registered, back = broadcast_json(shared, ctx)
+    return ReleaseOutcome(registered, None if back is None else WeightsRef(*back))

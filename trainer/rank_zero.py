@@ -23,7 +23,8 @@ from streams.base import Producer, StreamBackend
 from trainer.checkpoint import Checkpointer
 from trainer.feed import Feed
 from trainer.join import RewardJoiner
-from trainer.publisher import CandidateWatch, Publisher, Releases
+from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
+from trainer.publisher import Publisher, Releases
 from trainer.state import Position, Progress
 from trainer.tracking import RunTracker
 
@@ -71,7 +72,8 @@ class RankZero:
 
     @classmethod
     def open(cls, cfg: Config, backend: StreamBackend, checkpointer: Checkpointer, joiner: RewardJoiner,
-             progress: Progress, vocab_size: int, group_size: int, stop: threading.Event) -> RankZero:
+             progress: Progress, vocab_size: int, pad_token_id: int, group_size: int,
+             stop: threading.Event) -> RankZero:
         """Connect to the weight store, the broker and MLflow, carrying on from ``progress``."""
         counters = {**{name: 0.0 for name in COUNTERS}, **progress.counters}
         store = open_weight_store(cfg.weight_store_url)
@@ -79,25 +81,31 @@ class RankZero:
         producer = backend.producer()
         publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
                               cfg.trainer.keep_versions, set(progress.protected_versions), stop=stop)
-        watch = CandidateWatch()
-        if progress.candidate:
-            watch.load_state_dict(progress.candidate)
+        window = RecentWindow(cfg.deploy.window)
+        window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
                     group_size, stop)
-        releases = Releases(publisher, tracker, watch, cfg.mlflow.register_every)
+        scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
+        releases = Releases(publisher, tracker, OffPolicyGate(scorer, cfg.deploy), window, cfg.deploy,
+                            cfg.mlflow.register_every)
+        checkpointer.pinned_versions = releases.pinned_versions()
         return cls(checkpointer, feed, releases, tracker, producer, counters)
 
     def progress(self, at: Position) -> Progress:
         """What a checkpoint taken now carries besides tensors and the join buffer."""
         return Progress(at.step, at.version, self.feed.offsets, self.counters, self.tracker.run_id,
-                        sorted(self.releases.publisher.protected), self.releases.watch.state_dict())
+                        sorted(self.releases.publisher.protected), self.releases.window.state_dict())
+
+    def reads(self) -> tuple[float, float]:
+        """(records read, records dead-lettered) so far: the dead-letter monitor's counts."""
+        return float(sum(self.feed.offsets.values())), self.counters["dead_letters"]
 
     def record_step(self, step: int, rollouts: list[Rollout], metrics: dict[str, float], refused: bool) -> None:
         """The step's ids go to the ledger; a refused step is counted and named, an applied one
-        tells the candidate watch what its rollouts earned (refused data says nothing about it)."""
+        adds its rollouts to the registry's window (refused data trained nothing)."""
         self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
         if not refused:
-            self.releases.watch.observe(rollouts)
+            self.releases.window.observe(rollouts)
             return
         self.counters["skipped_nonfinite_steps"] += 1
         log.warning("step %d refused: non-finite %s; no weight changed, %d interactions not trained on "
@@ -117,11 +125,18 @@ class RankZero:
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
             "data_wait_share": laps.seconds["wait"] / cycle_s,
             "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
+            **self.monitor_metrics(),
         }, step=at.step)
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, %.2f s",
                  at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
                  metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan), laps.seconds["step"])
         self.feed.step_ended()
+
+    def monitor_metrics(self) -> dict[str, float]:
+        """The monitors on the whole window (every version in it), as ``monitor_*`` metrics."""
+        releases = self.releases
+        reading = read_monitors(releases.cfg, releases.window, 0, *self.reads())
+        return {f"monitor_{k}": v for k, v in reading.values.items()}
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
         self.feed.close()

@@ -61,7 +61,7 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     rank0, version = None, progress.version
     if ctx.is_main:
         rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
-                              models.trainables.algorithm.group_size, stop)
+                              models.pad_token_id, models.trainables.algorithm.group_size, stop)
         # never reuse a version number: the store may hold versions newer than the checkpoint
         version = max([version, *rank0.releases.publisher.store.versions()])
     version = broadcast_json(version, ctx)

@@ -70,13 +70,45 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
     joiner. Returns its progress: complete on rank 0, step and version elsewhere;
     a fresh :class:`Progress` when there is no checkpoint."""
     ckpt = checkpointer.resume() if ctx.is_main else None
+    shared = _shared(ckpt, ctx)
+    if shared is None:
+        return Progress()
+    load_trainables(ckpt, shared, trainables, ctx)
+    if ckpt is None:
+        return Progress(step=shared["step"], version=shared["version"])
+    joiner.load_state_dict(ckpt.state.joiner)
+    s = ckpt.state
+    return Progress(s.step, s.version, dict(s.offsets), dict(s.counters), s.mlflow_run_id,
+                    list(s.protected_versions), dict(s.candidate))
+
+
+def restore_version(checkpointer: Checkpointer | None, trainables: Trainables, version: int,
+                    ctx: DistContext) -> bool:
+    """A whole roll-back: policy, critic, optimisers, scheduler and algorithm state from the
+    checkpoint of published ``version`` (rank 0 finds it). The join buffer, offsets, counters
+    and ledger stay as they are: the learner goes on reading where it is. Returns False on
+    every rank, changing nothing, when no checkpoint of that version is kept."""
+    ckpt = checkpointer.checkpoint_of_version(version) if ctx.is_main else None
+    shared = _shared(ckpt, ctx)
+    if shared is None:
+        return False
+    load_trainables(ckpt, shared, trainables, ctx)
+    return True
+
+
+def _shared(ckpt: Checkpoint | None, ctx: DistContext) -> dict[str, Any] | None:
+    """Rank 0's checkpoint's small JSON values, on every rank (None: no checkpoint)."""
     shared = None
     if ckpt is not None:
         shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
                   "scheduler": ckpt.optimizers.get("critic_scheduler")}
-    shared = broadcast_json(shared, ctx)
-    if shared is None:
-        return Progress()
+    return broadcast_json(shared, ctx)
+
+
+def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables: Trainables,
+                    ctx: DistContext) -> None:
+    """Models and optimisers from ``ckpt`` (rank 0; None elsewhere), scheduler and algorithm
+    state from ``shared`` (:func:`_shared`). Collective."""
     t = trainables
     load_full_state_dict(t.policy, ckpt.models["policy"] if ckpt else None, ctx)
     load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx)
@@ -86,12 +118,6 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
     if t.optimizers.critic_scheduler is not None and shared["scheduler"] is not None:
         t.optimizers.critic_scheduler.load_state_dict(shared["scheduler"])
     t.algorithm.load_state_dict(shared["algorithm"])
-    if ckpt is None:
-        return Progress(step=shared["step"], version=shared["version"])
-    joiner.load_state_dict(ckpt.state.joiner)
-    s = ckpt.state
-    return Progress(s.step, s.version, dict(s.offsets), dict(s.counters), s.mlflow_run_id,
-                    list(s.protected_versions), dict(s.candidate))
 
 
 def save_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner | None,

@@ -12,18 +12,18 @@ artifacts under ``policy/v<version>``; the registry version's source is that
 artifact directory, so ``mlflow.artifacts.download_artifacts("models:/<name>@champion")``
 gives a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 Tags on the registry version record the policy version, checksum, weight-store
-location and the rewards the promotion decision used.
+location, and the evidence of the promotion decision.
 
-Promotion: a new registration takes the ``candidate`` alias. When the learner has
-measured the candidate's recent reward it calls :meth:`RunTracker.evaluate_candidate`:
-the candidate becomes ``champion`` unless its reward trails the champion's by more
-than ``mlflow.promote_margin``; otherwise ``candidate`` goes back to the
-champion's version (a roll-back the learner announces to serving).
+Promotion: a new registration takes the ``candidate`` alias. The learner decides on it
+(:class:`trainer.publisher.Releases`: the off-policy gate and the monitors) and calls
+:meth:`RunTracker.record_decision`, which writes the evidence as ``gate.*`` and
+``monitor.*`` tags on the candidate's version and moves the aliases: ``champion`` on a
+promotion, ``candidate`` back to the champion's version on a roll-back (which the learner
+announces to serving).
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -191,7 +191,7 @@ class RunTracker:
         """Register published weights as a new registry version with the ``candidate`` alias.
 
         ``recent_reward`` is the reward of the policy as known at registration (a tag);
-        the promotion decision uses the reward passed to :meth:`evaluate_candidate`.
+        the promotion decision rests on the evidence passed to :meth:`record_decision`.
         Returns the registry version number (a string, as MLflow numbers them).
         """
         artifact_path = f"policy/v{ref.version:08d}"
@@ -207,36 +207,34 @@ class RunTracker:
         self.client.set_registered_model_alias(self.model_name, CANDIDATE, version.version)
         return str(version.version)
 
-    def evaluate_candidate(self, recent_reward: float) -> Decision:
-        """Decide on the ``candidate`` given its recent reward.
+    def record_decision(self, decision: Decision, evidence: dict[str, str]) -> None:
+        """Write the decision on the ``candidate`` and its ``evidence`` (the gate's and the
+        monitors' tags) onto its registry version, then move the aliases: ``promoted`` makes
+        it ``champion``; ``rolled_back`` points ``candidate`` back at the champion's version;
+        ``pending`` moves nothing (a newer registration supersedes it)."""
+        candidate = self._alias(CANDIDATE)
+        if candidate is None:
+            raise ValueError("no candidate to decide on")
+        for key, value in {**evidence, "decision": decision}.items():
+            self.client.set_model_version_tag(self.model_name, candidate.version, key, value[:MAX_PARAM_LENGTH])
+        if decision == "promoted":
+            self.client.set_registered_model_alias(self.model_name, CHAMPION, candidate.version)
+        elif decision == "rolled_back":
+            champion = self._alias(CHAMPION)
+            if champion is None:
+                raise ValueError("cannot roll back without a champion")
+            self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
 
-        - ``pending``: no candidate awaits a decision (none registered, or it already
-          is the champion) or the reward is not a number yet;
-        - ``promoted``: no champion exists, or ``recent_reward >= champion_reward - margin``;
-          the candidate becomes ``champion``;
-        - ``rolled_back``: the candidate trails by more than the margin; ``candidate``
-          points back at the champion's version.
-        The champion's reward is the one recorded when it was promoted.
-        """
-        candidate, champion = self._alias(CANDIDATE), self._alias(CHAMPION)
-        if candidate is None or not math.isfinite(recent_reward):
-            return "pending"
-        if champion is not None and champion.version == candidate.version:
-            return "pending"
-        self.client.set_model_version_tag(self.model_name, candidate.version, "evaluated_reward", repr(recent_reward))
-        if champion is not None:
-            champion_reward = float(champion.tags["evaluated_reward"])
-            if recent_reward < champion_reward - self.cfg.mlflow.promote_margin:
-                self.client.set_model_version_tag(self.model_name, candidate.version, "decision", "rolled_back")
-                self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
-                return "rolled_back"
-        self.client.set_model_version_tag(self.model_name, candidate.version, "decision", "promoted")
-        self.client.set_registered_model_alias(self.model_name, CHAMPION, candidate.version)
-        return "promoted"
+    def candidate(self) -> tuple[int, WeightsRef] | None:
+        """(policy version, where its weights are published) of the candidate, if any."""
+        return self._policy(self._alias(CANDIDATE))
 
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
-        found = self._alias(CHAMPION)
+        return self._policy(self._alias(CHAMPION))
+
+    @staticmethod
+    def _policy(found) -> tuple[int, WeightsRef] | None:
         if found is None:
             return None
         version = int(found.tags["policy_version"])

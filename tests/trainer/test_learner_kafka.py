@@ -103,7 +103,7 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
         history = client.get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [1, 2, 3, 4], name
     assert [m.value for m in client.get_metric_history(run.info.run_id, "join_joined")] == [4, 8, 12, 16]
-    # v2 was the candidate; rollouts sampled by v2 and v3 measured it; with no champion yet it was promoted
+    # v2 was the candidate; with no champion yet it was promoted at v4 (no gate to run)
     model = cfg.mlflow.registered_model
     assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "2"
     assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "4"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mlflow import MlflowClient
 
@@ -12,7 +13,7 @@ from streams.memory import InMemoryBackend
 from streams.records import publish
 from tests.fixtures.models import tiny_config
 from tests.trainer.traffic import produce, sample_traffic
-from trainer.checkpoint import Checkpointer, read_ledger
+from trainer.checkpoint import Checkpointer, flatten_tensors, read_ledger
 from trainer.distributed import init_distributed
 from trainer.learner import RunUntil, train
 
@@ -115,21 +116,22 @@ def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path
     assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
 
 
-def test_registry_promotes_then_rolls_back_serving_and_learner_to_the_champion(tmp_path, tiny_model_dir):
-    # one partition: records are read in the order they were logged, so each step is one round
+def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_state(tmp_path, tiny_model_dir):
+    # one partition: records are read in the order they were logged, so each step is one round;
+    # round k is stamped as sampled by version k; round 2's answers are twice as long
     cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
-                                               "mlflow.promote_margin": 0.05})
+                                               "deploy.gate_min_rollouts": 4, "deploy.gate_min_ess": 1.0,
+                                               "deploy.monitor_max_mean_length": 9.0})
     topics = cfg.kafka.topics
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     producer = backend.producer()
     base = load_policy(tiny_model_dir)
-    # round k is sampled "by" version k; v1 earns 1.0 per rollout, v2 earns 0.0
-    for version, reward in ((0, 0.5), (1, 1.0), (2, 0.0)):
-        for interaction in sample_traffic(base, 4, prefix=f"v{version}"):
+    for version, length in ((0, 6), (1, 6), (2, 12), (3, 6)):
+        for interaction in sample_traffic(base, 4, prefix=f"v{version}", max_new_tokens=length):
             interaction = interaction.model_copy(update={"versions": [version] * len(interaction.versions)})
             publish(producer, topics.interactions, interaction)
-            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=reward))
+            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
 
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 
@@ -139,14 +141,36 @@ def test_registry_promotes_then_rolls_back_serving_and_learner_to_the_champion(t
                                                         ("rollback", 1)]
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
     model = cfg.mlflow.registered_model
+    tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{model}'")}
+    assert tags[1]["decision"] == "promoted" and tags[1]["gate.decision"] == "no_champion"
+    # v2 was decided on by the gate (both versions scored on the 12 trained rollouts), then vetoed by a monitor
+    assert tags[2]["decision"] == "rolled_back" and tags[2]["monitor.tripped"] == "mean_length"
+    assert tags[2]["gate.n"] == "12" and float(tags[2]["monitor.mean_length"]) == 12.0
+    assert {"gate.low", "gate.high", "gate.candidate_ess", "gate.champion_ess"} <= set(tags[2])
     assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "1"
     assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "1"
-    store = FileWeightStore(cfg.weight_store_url)
-    assert 1 in store.versions()  # registered, never pruned
-    champion = store.load(notices[-1].location, notices[-1].checksum)
-    ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
-    assert all(torch.equal(ckpt.models["policy"][k], v) for k, v in champion.items())  # the learner went back too
-    assert ckpt.state.counters["rollbacks"] == 1
+    run = client.get_run(result.run_id)
+    assert run.data.metrics["monitor_mean_length"] == pytest.approx((4 * 6 + 4 * 6 + 4 * 12) / 12)
+
+    # the whole state came back from v1's checkpoint (kept although older than the newest two)
+    checkpointer = Checkpointer(cfg.checkpoint_dir)
+    assert [step for step, _ in checkpointer.checkpoints()] == [1, 2, 3]
+    champion_ckpt, latest = checkpointer.checkpoint_of_version(1), checkpointer.load_latest()
+    assert champion_ckpt.state.step == 1 and latest.state.step == 3
+    for name in ("policy", "critic"):
+        assert all(torch.equal(latest.models[name][k], v) for k, v in champion_ckpt.models[name].items()), name
+    flat_then, flat_now = {}, {}
+    flatten_tensors(champion_ckpt.optimizers, flat_then)
+    flatten_tensors(latest.optimizers, flat_now)
+    assert flat_then.keys() == flat_now.keys() and all(torch.equal(flat_now[k], v) for k, v in flat_then.items())
+    assert latest.state.counters["rollbacks"] == 1
+
+    # the learner goes on from there: the next step trains from the restored state
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    assert again.version == 4
+    after = Checkpointer(cfg.checkpoint_dir).load_latest()
+    assert after.state.step == 4
+    assert any(not torch.equal(after.models["policy"][k], v) for k, v in champion_ckpt.models["policy"].items())
 
 
 def test_a_token_id_outside_the_vocabulary_is_left_out_and_training_goes_on(tmp_path, tiny_model_dir):

@@ -144,33 +144,33 @@ def test_register_refuses_weights_that_fail_their_checksum(cfg, store):
     assert tracker.registered_policy_versions() == set()
 
 
-def test_promotion_within_margin_and_roll_back_beyond_it(cfg, store):
-    tracker = RunTracker(cfg)  # promote_margin 0.05
-    assert tracker.champion() is None
-    assert tracker.evaluate_candidate(0.5) == "pending"  # nothing registered yet
+def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
+    tracker = RunTracker(cfg)
+    assert tracker.champion() is None and tracker.candidate() is None
+    with pytest.raises(ValueError, match="no candidate"):
+        tracker.record_decision("promoted", {})
 
     first = _publish(store, 1)
     tracker.register(first, recent_reward=0.0)
-    assert tracker.evaluate_candidate(math.nan) == "pending"  # no reward measured yet
-    assert tracker.evaluate_candidate(0.5) == "promoted"  # no champion: the first candidate wins
+    assert tracker.candidate() == (1, first)
+    tracker.record_decision("promoted", {"gate.decision": "no_champion"})
     assert tracker.champion() == (1, first)
-    assert tracker.evaluate_candidate(0.9) == "pending"  # the candidate already is the champion
 
     second = _publish(store, 2)
-    tracker.register(second, recent_reward=0.0)
-    assert tracker.evaluate_candidate(0.46) == "promoted"  # trails 0.5 by 0.04 <= margin
-    assert tracker.champion() == (2, second)
+    second_registry_version = tracker.register(second, recent_reward=0.0)
+    tracker.record_decision("pending", {"gate.decision": "refused", "gate.reason": "ess=1.20 < min_ess=8.0"})
+    assert tracker.champion() == (1, first) and tracker.candidate() == (2, second)  # nothing moved
 
     third = _publish(store, 3)
     third_registry_version = tracker.register(third, recent_reward=0.0)
-    assert tracker.evaluate_candidate(0.40) == "rolled_back"  # trails 0.46 by 0.06 > margin
-    assert tracker.champion() == (2, second)
+    tracker.record_decision("rolled_back", {"gate.decision": "rolled_back", "gate.difference": "-0.3"})
+    assert tracker.champion() == (1, first) and tracker.candidate() == (1, first)
     client = _client(cfg)
     name = cfg.mlflow.registered_model
-    assert client.get_model_version_by_alias(name, "candidate").tags["policy_version"] == "2"
     rejected = client.get_model_version(name, third_registry_version)
-    assert rejected.tags["decision"] == "rolled_back" and float(rejected.tags["evaluated_reward"]) == 0.40
-    assert tracker.evaluate_candidate(0.0) == "pending"  # rolled back: nothing awaits a decision
+    assert rejected.tags["decision"] == "rolled_back" and rejected.tags["gate.difference"] == "-0.3"
+    pending = client.get_model_version(name, second_registry_version)
+    assert pending.tags["decision"] == "pending" and pending.tags["gate.reason"].startswith("ess=1.20")
     assert tracker.registered_policy_versions() == {1, 2, 3}
 
 
@@ -178,6 +178,6 @@ def test_champion_survives_a_restart(cfg, store):
     first = RunTracker(cfg)
     ref = _publish(store, 4)
     first.register(ref, recent_reward=0.0)
-    first.evaluate_candidate(1.0)
+    first.record_decision("promoted", {})
     first.close()
     assert RunTracker(cfg, run_id=first.run_id).champion() == (4, ref)

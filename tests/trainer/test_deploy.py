@@ -1,0 +1,141 @@
+"""The registry's evidence: the window, the monitors, the scorer, and the gate inside
+Releases through a scripted preference switch (real MLflow registry, real weight store)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from online_sao.batch import Rollout
+from online_sao.config import load_config
+from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.schemas import WeightsNotice, decode
+from online_sao.weights import FileWeightStore, WeightsRef
+from streams.memory import InMemoryBackend
+from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
+from tests.trainer.traffic import sample_traffic
+from trainer.rollouts import interaction_to_rollout
+from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
+from trainer.publisher import Publisher, Releases
+from trainer.tracking import RunTracker
+
+STYLE_A, STYLE_B = 11, 22
+"""The last answer token marks a rollout's style in the scripted scenario."""
+
+
+def _rollout(iid: str, answer: list[int], version: int = 0, reward: float = 0.0, logprob: float = -1.0) -> Rollout:
+    n = len(answer) + 1
+    return Rollout(iid, [1, *answer], [False] + [True] * len(answer), [0.0] + [logprob] * len(answer),
+                   [0] + [version] * len(answer), {n - 1: reward})
+
+
+def test_window_keeps_the_newest_and_round_trips():
+    window = RecentWindow(3)
+    window.observe([_rollout(f"r{i}", [5, 6], version=i, reward=i) for i in range(5)])
+    assert [r.interaction_id for r in window.rollouts] == ["r2", "r3", "r4"]
+    assert window.versions() == (2, 4)
+    assert window.answers(min_version=4) == [[5, 6]]
+    window.since_registration = (10.0, 1.0)
+    again = RecentWindow(3)
+    again.load_state_dict(window.state_dict())
+    assert list(again.rollouts) == list(window.rollouts) and again.since_registration == (10.0, 1.0)
+
+
+def test_monitors_read_length_repetition_and_dead_letters_against_thresholds():
+    cfg = load_config(environ={}, overrides={"deploy.monitor_max_mean_length": 5, "deploy.monitor_max_repetition": 0.3,
+                                             "deploy.monitor_ngram": 2}).deploy
+    window = RecentWindow(10)
+    window.observe([_rollout("old", [1] * 20, version=1),  # sampled before the candidate: not its answers
+                    _rollout("a", [7, 8, 7, 8, 7, 8], version=3), _rollout("b", [1, 2], version=4)])
+    window.since_registration = (100.0, 2.0)
+    reading = read_monitors(cfg, window, since_version=3, records_read=200.0, dead_letters=7.0)
+    assert reading.values["mean_length"] == 4.0  # (6 + 2) / 2
+    # bigrams of "a": 78 87 78 87 78 -> 3 repeats; "b": 12 -> none; 3 of 6
+    assert reading.values["repetition"] == 0.5
+    assert reading.values["dead_letter_share"] == 0.05  # 5 of 100 since registration
+    assert reading.tripped == ["repetition"]  # length 4 <= 5; dead-letter monitor is off
+    assert reading.tags()["monitor.tripped"] == "repetition"
+    empty = read_monitors(cfg, RecentWindow(4), since_version=0, records_read=0.0, dead_letters=0.0)
+    assert all(math.isnan(v) for v in empty.values.values()) and empty.tripped == []
+
+
+def test_scorer_gives_zero_log_ratio_for_the_version_that_sampled(tmp_path, tiny_model_dir):
+    policy = load_policy(tiny_model_dir)
+    store = FileWeightStore(str(tmp_path / "weights"))
+    ref = store.save(1, policy.state_dict())
+    rollouts = [interaction_to_rollout(i, 0.5, {}, -1) for i in sample_traffic(policy, 5, prefix="s")]
+    scorer = StoredPolicyScorer(store, tiny_model_dir, "float32", load_tokenizer(tiny_model_dir).pad_token_id, chunk=2)
+    log_ratio = scorer.log_ratios(ref, rollouts)
+    assert log_ratio.shape == (5,)
+    assert log_ratio.abs().max() < 1e-4
+    with torch.no_grad():  # another version is another distribution
+        policy.lm_head.weight.mul_(1.5)
+    assert scorer.log_ratios(store.save(2, policy.state_dict()), rollouts).abs().max() > 1e-2
+
+
+class ScriptedScorer:
+    """Versions of two styles: a version samples its own style with probability 0.9."""
+
+    def __init__(self, style_of: dict[int, int]) -> None:
+        self.style_of = style_of
+
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        own = self.style_of[ref.version]
+        target = torch.tensor([math.log(0.9 if r.token_ids[-1] == own else 0.1) for r in window])
+        behaviour = torch.tensor([sum(lp for lp, a in zip(r.logprobs, r.action_mask) if a) for r in window])
+        return target - behaviour
+
+
+@pytest.fixture
+def registry_cfg(tmp_path, empty_store):  # noqa: F811
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                             "mlflow.tracking_uri": f"sqlite:///{db}", "deploy.window": 120})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    return cfg
+
+
+def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(registry_cfg):
+    """Rewards pay style A up to version 6, style B after; the learner's versions follow with a
+    lag (A up to 8, B from 9). Each version serves 40 rollouts, 36 of its own style; the window
+    holds three versions' traffic; the gate's floors are the defaults (32 rollouts, ESS 8)."""
+    cfg = registry_cfg
+    style_of = {v: STYLE_A if v <= 8 else STYLE_B for v in range(1, 17)}
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    store = FileWeightStore(cfg.weight_store_url)
+    publisher = Publisher(store, backend.producer(), cfg.kafka.topics.weights, "m", keep_versions=2)
+    tracker = RunTracker(cfg)
+    window = RecentWindow(cfg.deploy.window)
+    releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer(style_of), cfg.deploy), window, cfg.deploy,
+                        register_every=2)
+    champions = []
+    for version in range(1, 17):
+        outcome = releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        assert outcome.rolled_back_to is None, f"rolled back at v{version}"
+        found = tracker.champion()
+        champions.append(found[0] if found else None)
+        preferred = STYLE_A if version <= 6 else STYLE_B
+        for i in range(40):  # the traffic this version serves before the next one is out
+            style = style_of[version] if i % 10 else ({STYLE_A, STYLE_B} - {style_of[version]}).pop()
+            window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(style == preferred),
+                                     logprob=math.log(0.9 if style == style_of[version] else 0.1) / 2)])
+    notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
+    assert all(n.action == "publish" for n in notices if isinstance(n, WeightsNotice))
+    assert style_of[champions[-1]] == STYLE_B  # the re-aligned policy is champion at the end
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    versions = client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in versions}
+    switch = by_policy[10]  # the first B candidate, decided against an A champion on B-paying traffic
+    assert switch["decision"] == "promoted" and switch["gate.decision"] == "promoted"
+    assert float(switch["gate.champion_value"]) < 0.5 < float(switch["gate.candidate_value"])
+    assert switch["gate.window_versions"] == "9-11" and switch["gate.n"] == "120"
+    # the old champion samples B answers a tenth of the time: ESS = 120^2 / (12 * 9^2 + 108 / 9^2), about 14.8
+    assert float(switch["gate.champion_ess"]) == pytest.approx(120 ** 2 / (12 * 81 + 108 / 81))
+    assert switch["monitor.tripped"] == "none"

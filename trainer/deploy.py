@@ -1,0 +1,137 @@
+"""Rank 0's evidence for the registry: the recent window, the off-policy gate that scores
+candidate and champion on it, and the monitors (docs/DEPLOY.md, "The promotion gate").
+
+The window is the newest ``deploy.window`` rollouts the learner trained on, rewards and
+behaviour log-probs included; the checkpoint carries it, so a restarted learner decides on
+the same evidence. To score a version the gate loads its published weights from the weight
+store into one CPU copy of the policy (built on first use, reused) and runs the window
+through it in chunks of ``deploy.gate_chunk`` rollouts: on rank 0, outside training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_json
+from online_sao.config import DeployConfig
+from online_sao.gate import GateEvidence, GateSettings, decide, sequence_log_ratio
+from online_sao.modeling import load_policy
+from online_sao.monitors import dead_letter_share, mean_answer_length, repeated_ngram_share
+from online_sao.train_step import policy_logprobs
+from online_sao.weights import WeightsRef, WeightStore
+
+
+class RecentWindow:
+    """The newest ``size`` trained rollouts, plus the learner's read and dead-letter counts
+    when the current candidate was registered (the dead-letter monitor's baseline)."""
+
+    def __init__(self, size: int) -> None:
+        self.rollouts: deque[Rollout] = deque(maxlen=size)
+        self.since_registration: tuple[float, float] = (0.0, 0.0)
+        """(records read, dead letters) when the candidate was registered."""
+
+    def observe(self, rollouts: list[Rollout]) -> None:
+        self.rollouts.extend(rollouts)
+
+    def versions(self) -> tuple[int, int]:
+        """Lowest and highest version that sampled a token in the window ((0, 0) when empty)."""
+        sampled = [v for r in self.rollouts for v, a in zip(r.versions, r.action_mask) if a]
+        return (min(sampled), max(sampled)) if sampled else (0, 0)
+
+    def answers(self, min_version: int = 0) -> list[list[int]]:
+        """Action tokens of each rollout sampled (in part) by ``min_version`` or newer."""
+        return [[t for t, a in zip(r.token_ids, r.action_mask) if a] for r in self.rollouts
+                if max((v for v, a in zip(r.versions, r.action_mask) if a), default=-1) >= min_version]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollouts.clear()
+        self.rollouts.extend(rollouts_from_json(state.get("window", [])))
+        read, dead = state.get("since_registration", (0.0, 0.0))
+        self.since_registration = (float(read), float(dead))
+
+
+class VersionScorer(Protocol):
+    """Sequence log-ratios ``log pi_version - log mu`` of a window under a published version."""
+
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        """``[B]``, one per rollout of ``window``."""
+
+
+class StoredPolicyScorer:
+    """Scores a version by loading its published weights into a CPU copy of the policy."""
+
+    def __init__(self, store: WeightStore, model_dir: Path, dtype: str, pad_token_id: int, chunk: int) -> None:
+        self.store = store
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.pad_token_id = pad_token_id
+        self.chunk = chunk
+        self._model: nn.Module | None = None
+
+    def _load(self, ref: WeightsRef) -> nn.Module:
+        if self._model is None:
+            self._model = load_policy(self.model_dir, self.dtype).eval()
+        self._model.load_state_dict(self.store.load(ref.location, ref.checksum))
+        return self._model
+
+    @torch.no_grad()
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        model = self._load(ref)
+        out = []
+        for start in range(0, len(window), self.chunk):
+            batch = collate(window[start:start + self.chunk], self.pad_token_id)
+            out.append(sequence_log_ratio(policy_logprobs(model, batch), batch.rollout_logprobs, batch.action_mask))
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+class OffPolicyGate:
+    """Candidate and champion, each scored on the same window (:mod:`online_sao.gate`)."""
+
+    def __init__(self, scorer: VersionScorer, cfg: DeployConfig) -> None:
+        self.scorer = scorer
+        self.settings = GateSettings(cfg.gate_min_rollouts, cfg.gate_min_ess, cfg.gate_confidence, cfg.gate_margin,
+                                     cfg.gate_weight_clip)
+
+    def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow) -> GateEvidence:
+        rollouts = list(window.rollouts)
+        rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
+        return decide(rewards, self.scorer.log_ratios(candidate, rollouts), self.scorer.log_ratios(champion, rollouts),
+                      self.settings, window.versions())
+
+
+@dataclass(frozen=True)
+class MonitorReading:
+    """The monitors' values on the candidate's recent answers and which thresholds they passed."""
+
+    values: dict[str, float]
+    tripped: list[str]
+
+    def tags(self) -> dict[str, str]:
+        return {**{f"monitor.{k}": repr(v) for k, v in self.values.items()},
+                "monitor.tripped": ",".join(self.tripped) or "none"}
+
+
+def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, records_read: float,
+                  dead_letters: float) -> MonitorReading:
+    """Length and repetition of the answers sampled by ``since_version`` or newer, and the
+    dead-letter share since the candidate's registration, against ``deploy.monitor_*``."""
+    answers = window.answers(since_version)
+    read0, dead0 = window.since_registration
+    values = {"mean_length": mean_answer_length(answers),
+              "repetition": repeated_ngram_share(answers, cfg.monitor_ngram),
+              "dead_letter_share": dead_letter_share(dead_letters - dead0, records_read - read0)}
+    limits = {"mean_length": cfg.monitor_max_mean_length, "repetition": cfg.monitor_max_repetition,
+              "dead_letter_share": cfg.monitor_max_dead_letter_share}
+    tripped = [name for name, limit in limits.items()
+               if limit is not None and math.isfinite(values[name]) and values[name] > limit]
+    return MonitorReading(values, tripped)

@@ -48,7 +48,7 @@ from apps.config import AppConfig, load_app_config
 from online_sao.config import KafkaConfig
 from apps.default_model.corpus import iter_prompts
 from online_sao.schemas import Interaction
-from serving.interaction_log import InteractionLogger
+from serving.interaction_log import InteractionLogger, LogSettings
 from streams.kafka_backend import KafkaBackend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +119,9 @@ def logging_cpu_ms(cfg: AppConfig, kafka: KafkaConfig, spool_dir: Path, record: 
     submitted one by one at ``rate_hz`` (each waits for its receipt, as a request does), no engine running.
     The process figure includes building each record copy, as the request path does."""
     s = cfg.serving
-    logger = InteractionLogger(KafkaBackend(kafka).producer(), kafka.topics, spool_dir, window=s.log_window,
-                               stall_s=s.log_stall_s, retry_s=s.log_retry_s, ship_interval_s=ship_interval_s)
+    settings = LogSettings(window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
+                           ship_interval_s=ship_interval_s)
+    logger = InteractionLogger(KafkaBackend(kafka).producer(), kafka.topics, spool_dir, settings)
     logger.start()
     try:
         for i in range(20):  # warm-up: connection, metadata, first batch

@@ -41,7 +41,7 @@ from online_sao.modeling import load_tokenizer
 from online_sao.schemas import Interaction
 from serving.app import build_app
 from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
-from serving.interaction_log import InteractionLogger
+from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from serving.server import BackgroundServer
 from streams.memory import InMemoryBackend
@@ -115,14 +115,14 @@ def logger_level(cfg: AppConfig, workdir: Path, threads: int, seconds: float) ->
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(client, range(threads)))
     logger.close(10)
-    return latencies, len(latencies), logger.fsyncs
+    return latencies, len(latencies), logger.mode.fsyncs
 
 
 def server(cfg: AppConfig, tokenizer, mode: str, workdir: Path) -> BackgroundServer:
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"log_durability": mode})})
     script = list(tokenizer(ANSWER, add_special_tokens=False)["input_ids"])[:15] + [tokenizer.eos_token_id]
     logger = InteractionLogger(broker(cfg).producer(), cfg.kafka.topics, workdir / f"spool-{mode}",
-                               durability=mode)
+                               LogSettings(durability=mode))
     app = build_app(InstantEngine(script), logger, cfg, tokenizer, ServingMetrics(CollectorRegistry()),
                     stop_token_ids=frozenset({tokenizer.eos_token_id}), max_model_len=512)
     return BackgroundServer(app).start()

@@ -26,7 +26,7 @@ from online_sao.config import Config
 from serving.app import Follower, build_app
 from serving.auth import check_exposure
 from serving.engine.base import InferenceEngine
-from serving.interaction_log import InteractionLogger
+from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from streams.base import DeliveryReport, Producer, StreamBackend
 
@@ -83,12 +83,7 @@ def stop_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 
 def make_logger(cfg: Config, producer: Producer) -> InteractionLogger:
-    s = cfg.serving
-    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
-                             max_queue=s.log_queue_size,
-                             window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
-                             ship_interval_s=s.log_ship_interval_s,
-                             spool_max_bytes=s.spool_max_bytes)
+    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
 
 
 def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:

@@ -1,11 +1,14 @@
-"""Shipping spooled records to the broker: the sender half of :mod:`serving.interaction_log`.
+"""Shipping spooled records to the broker, shared by both modes of :mod:`serving.interaction_log`.
 
 :class:`SpoolSender` hands records to the producer (at most ``window`` at a
 time, never a record still with the producer, a failed one again after
 ``retry_s``), learns from delivery reports which ones the broker acknowledged,
-and advances the spool's watermark over every acknowledged prefix. Its state is
-guarded by one condition variable shared with the logger; ``_events`` counts
-changes a waiting thread may have to act on.
+and advances the spool's watermark over every acknowledged prefix. What a mode
+does about a refused send or a delivery report it says through two callbacks.
+
+All of a log's state is guarded by one lock, its :class:`Signal`: the sender,
+the log that owns it and every thread of that log take it; ``Signal.events``
+counts changes a waiting thread may have to act on.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from serving.receipt import Receipt
-from serving.spool import Spool, SpoolEntry
+from serving.spool import Spool
+from serving.spool_format import SpoolEntry
 from streams.base import Producer, StreamUnavailable
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
+class Pending:
+    """One record on its way to the broker, by its log's sequence number."""
+
     seq: int
     topic: str
     key: bytes | None
@@ -38,54 +43,96 @@ class _Pending:
         return SpoolEntry(self.seq, self.topic, self.key, self.value)
 
 
+class Signal:
+    """A log's one state lock, the condition its threads and ``flush`` wait on, and a change count."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        """Notified on submits (memory mode), delivery reports, progress and close."""
+        self.events = 0
+        """Counts changes a waiting thread may have to act on (appends, delivery reports)."""
+
+    def own_condition(self) -> threading.Condition:
+        """A condition on the same lock for one thread alone: a record then wakes only the thread
+        that has work for it (every needless wake-up takes the interpreter lock from the engine's
+        thread: benchmarks/results/serving.md)."""
+        return threading.Condition(self.lock)
+
+    def notify(self) -> None:
+        with self.changed:
+            self.events += 1
+            self.changed.notify_all()
+
+
+OnRefused = Callable[[StreamUnavailable], None]
+"""The producer refused a record outright; it stays where it was (the spool or the queue)."""
+OnDelivered = Callable[[Pending, "BaseException | None"], None]
+"""A delivery report from the producer's I/O thread, after the sender noted it (outside the lock)."""
+
+
 class SpoolSender:
-    def __init__(self, producer: Producer, spool: Spool, *, write_ahead: bool, window: int, stall_s: float,
-                 retry_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, producer: Producer, spool: Spool, signal: Signal, *, window: int, stall_s: float,
+                 retry_s: float, on_refused: OnRefused, on_delivered: OnDelivered,
+                 clock: Callable[[], float] = time.monotonic):
         self._producer = producer
         self._spool = spool
-        self._write_ahead = write_ahead
+        self._signal = signal
         self._window = window
         self._stall_s = stall_s
         self._retry_s = retry_s
+        self._on_refused = on_refused
+        self._on_delivered = on_delivered
         self._clock = clock
-        self._state_lock = threading.RLock()
-        self._cv = threading.Condition(self._state_lock)
-        """Guards the state below; waited on for appends, delivery reports and drain (flush)."""
-        self._events = 0
-        """Counts changes a waiting thread may have to act on (appends, delivery reports)."""
-        self._receipts: dict[int, Receipt] = {}
-        """write_ahead: receipts of records not yet durable, by sequence number (ascending)."""
-        self._with_producer: dict[int, _Pending] = {}
-        self._spooling = False
-        """memory: records go to the spool. write_ahead: the broker is unreachable."""
+        self._with_producer: dict[int, Pending] = {}
+        """Records handed to the producer and not yet dropped, by sequence number (guarded by the signal)."""
         self.acknowledged = 0
         self.delivery_failures = 0
 
-    def _notify(self) -> None:
-        with self._cv:
-            self._events += 1
-            self._cv.notify_all()
+    # ------------------------------------------------------------------ what is with the producer
 
-    def _stalled(self) -> bool:
+    @property
+    def in_flight(self) -> int:
+        """Records with the producer, acknowledged ones not yet dropped included."""
+        return len(self._with_producer)
+
+    def window_room(self) -> int:
+        """How many more records the producer may take now (caller holds the lock)."""
+        return self._window - len(self._with_producer)
+
+    def all_acknowledged(self) -> bool:
+        """Every record handed to the producer is acknowledged (caller holds the lock)."""
+        return all(p.state == "acked" for p in self._with_producer.values())
+
+    def unacknowledged_after(self, seq: int) -> list[Pending]:
+        """Records with the producer above ``seq`` and not acknowledged, oldest first (caller holds the lock)."""
+        waiting = [p for p in self._with_producer.values() if p.state != "acked" and p.seq > seq]
+        return sorted(waiting, key=lambda p: p.seq)
+
+    def stalled(self) -> bool:
+        """A record waits for its acknowledgement longer than ``stall_s``."""
         now = self._clock()
-        with self._cv:
+        with self._signal.lock:
             return any(p.state == "handed" and now - p.changed_at > self._stall_s
                        for p in self._with_producer.values())
 
-    def _set_reachable(self, reachable: bool, why: str) -> None:
-        """write_ahead: note whether the broker takes records (refusal() needs it when the disk is full)."""
-        with self._cv:
-            if self._spooling == (not reachable):
-                return
-            self._spooling = not reachable
-        if reachable:
-            log.info("broker reachable again: %d records waiting in the spool", self._spool.pending_records)
-        else:
-            log.warning("broker unreachable (%s): records wait in the spool %s", why, self._spool.directory)
+    def in_trouble(self) -> bool:
+        """A delivery failed, or a record waits longer than ``stall_s``: the broker is not keeping up."""
+        now = self._clock()
+        with self._signal.lock:
+            return any(p.state == "failed" or (p.state == "handed" and now - p.changed_at > self._stall_s)
+                       for p in self._with_producer.values())
 
-    def _hand(self, pending: _Pending) -> bool:
+    def drop_acknowledged(self) -> None:
+        with self._signal.lock:
+            for seq in [s for s, p in self._with_producer.items() if p.state == "acked"]:
+                del self._with_producer[seq]
+
+    # ------------------------------------------------------------------ sending
+
+    def hand(self, pending: Pending) -> bool:
         """Give one record to the producer; False when it cannot take it now."""
-        with self._cv:
+        with self._signal.lock:
             pending.state, pending.changed_at = "handed", self._clock()
             self._with_producer[pending.seq] = pending
         try:
@@ -93,55 +140,35 @@ class SpoolSender:
                                 on_delivery=functools.partial(self._delivered, pending))
             return True
         except StreamUnavailable as exc:
-            if self._write_ahead:
-                self._set_reachable(False, str(exc))
-            else:
-                (log.debug if self._spooling else log.warning)("broker unavailable, spooling: %s", exc)
-        with self._cv:  # never handed: the spool (or the queue) still holds it
+            self._on_refused(exc)
+        with self._signal.lock:  # never handed: the spool (or the queue) still holds it
             pending.state = "new"
             del self._with_producer[pending.seq]
         return False
 
-    def _delivered(self, pending: _Pending, error: BaseException | None) -> None:
+    def _delivered(self, pending: Pending, error: BaseException | None) -> None:
         """Delivery report from the producer's I/O thread."""
-        receipt = None
-        with self._cv:
+        with self._signal.changed:
             if error is None:
                 pending.state = "acked"
                 self.acknowledged += 1
-                receipt = self._receipts.pop(pending.seq, None)
             else:
                 pending.state = "failed"
                 self.delivery_failures += 1
                 log.warning("record %d to %s not delivered: %s", pending.seq, pending.topic, error)
             pending.changed_at = self._clock()
-            self._events += 1
-            self._cv.notify_all()
-        if self._write_ahead:
-            if receipt is not None:
-                receipt.resolve()  # the spool could not take it, the broker did: durable
-            self._set_reachable(error is None, "" if error is None else str(error))
+            self._signal.events += 1
+            self._signal.changed.notify_all()
+        self._on_delivered(pending, error)
 
-    def _drop_acknowledged(self) -> None:
-        with self._cv:
-            for seq in [s for s, p in self._with_producer.items() if p.state == "acked"]:
-                del self._with_producer[seq]
-
-    def _direct_in_trouble(self) -> bool:
-        now = self._clock()
-        with self._cv:
-            return any(p.state == "failed" or (p.state == "handed" and now - p.changed_at > self._stall_s)
-                       for p in self._with_producer.values())
-
-    def _replay(self) -> bool:
+    def replay(self) -> bool:
         """Hand the oldest spooled records to the producer and advance the acknowledged prefix."""
         progressed = False
-        entries = self._spool.read_pending(self._window)
         acked_prefix: SpoolEntry | None = None
         prefix_open = True
         now = self._clock()
-        for entry in entries:
-            with self._cv:
+        for entry in self._spool.read_pending(self._window):
+            with self._signal.lock:
                 pending = self._with_producer.get(entry.seq)
             if pending is not None and pending.state == "acked":
                 if prefix_open:
@@ -150,19 +177,13 @@ class SpoolSender:
             prefix_open = False
             if pending is not None and (pending.state == "handed" or now - pending.changed_at < self._retry_s):
                 continue
-            if not self._hand(pending or _Pending(entry.seq, entry.topic, entry.key, entry.value)):
+            if not self.hand(pending or Pending(entry.seq, entry.topic, entry.key, entry.value)):
                 break
             progressed = True
         if acked_prefix is not None:
             self._spool.ack_through(acked_prefix)
-            with self._cv:
+            with self._signal.lock:
                 for seq in [s for s in self._with_producer if s <= acked_prefix.seq]:
                     del self._with_producer[seq]
-            progressed = True
-        if self._spool.pending_records == 0 and not self._write_ahead:
-            with self._cv:
-                self._spooling = False
-                self._cv.notify_all()
-            log.info("spool replayed: logging directly to the broker again")
             progressed = True
         return progressed

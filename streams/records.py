@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from online_sao.config import TopicsConfig
 from online_sao.schemas import (DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode,
                                 encode)
 from streams.base import Producer, StreamMessage
@@ -29,6 +30,19 @@ def record_key(record: Record) -> bytes | None:
     if isinstance(record, WeightsNotice):
         return record.model.encode("utf-8")
     return None
+
+
+def record_topic(record: Record, topics: TopicsConfig) -> str:
+    """The topic ``record`` belongs on."""
+    if isinstance(record, Interaction):
+        return topics.interactions
+    if isinstance(record, Reward):
+        return topics.rewards
+    if isinstance(record, WeightsNotice):
+        return topics.weights
+    if isinstance(record, DeadLetter):
+        return topics.dead_letters
+    raise TypeError(f"no topic for a {type(record).__name__}")
 
 
 def publish(producer: Producer, topic: str, record: Record, key: bytes | None = None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ from online_sao.config import Config, load_config
 from apps.default_model.corpus import generate_corpus
 from online_sao.schemas import Interaction, Reward, decode
 from serving.app import build_app
-from serving.interaction_log import InteractionLogger
+from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from streams.base import Producer
 from streams.memory import InMemoryBackend
@@ -91,12 +91,10 @@ def make_harness(tmp_path, chat_tokenizer) -> Iterator:
         stop = chat_tokenizer.eos_token_id
         script = list(chat_tokenizer(script_text, add_special_tokens=False)["input_ids"]) + [stop]
         engine = FakeEngine(script, delay_s=delay_s)
-        s = cfg.serving
-        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, durability=s.log_durability,
-                                   max_queue=s.log_queue_size,
-                                   window=s.log_window, stall_s=s.log_stall_s, retry_s=s.log_retry_s,
-                                   ship_interval_s=s.log_ship_interval_s,
-                                   spool_max_bytes=spool_max_bytes or s.spool_max_bytes)
+        settings = LogSettings.from_config(cfg.serving)
+        if spool_max_bytes is not None:  # below the configuration's floor: a spool of a few records
+            settings = replace(settings, spool_max_bytes=spool_max_bytes)
+        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, settings)
         metrics = ServingMetrics(CollectorRegistry())
         app = build_app(engine, logger, cfg, chat_tokenizer, metrics, max_model_len=512)
         client = TestClient(app, raise_server_exceptions=False)

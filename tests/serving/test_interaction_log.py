@@ -11,7 +11,7 @@ import pytest
 
 from online_sao.config import TopicsConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, decode
-from serving.interaction_log import InteractionLogger
+from serving.interaction_log import InteractionLogger, LogSettings
 from serving.spool import Spool
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import FakeProducer
@@ -35,7 +35,7 @@ def make_logger(tmp_path):
 
     def make(producer, **kwargs) -> InteractionLogger:
         options = dict(stall_s=0.2, retry_s=0.05, window=4) | kwargs
-        logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", **options)
+        logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", LogSettings(**options))
         logger.start()
         loggers.append(logger)
         return logger
@@ -79,7 +79,8 @@ def test_records_reach_the_broker_in_order_keyed_by_id(make_logger, tmp_path, mo
 
 
 def test_memory_mode_acknowledges_at_once(tmp_path):
-    logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool", durability="memory")  # not started
+    logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool",
+                               LogSettings(durability="memory"))  # not started
     assert logger.submit(interaction(0)).durable
 
 
@@ -105,10 +106,10 @@ def test_concurrent_records_share_one_fsync(make_logger, monkeypatch):
     first = logger.submit(interaction(0))
     assert fsync.entered.wait(5)
     waiting = [logger.submit(interaction(i)) for i in range(1, 21)]  # arrive during the first fsync
-    appends_before = logger.fsyncs
+    appends_before = logger.mode.fsyncs
     fsync.release.set()
     assert first.wait(5) and all(r.wait(5) for r in waiting)
-    assert logger.fsyncs - appends_before == 2  # the first record's append, then one for all twenty
+    assert logger.mode.fsyncs - appends_before == 2  # the first record's append, then one for all twenty
     assert logger.flush(5.0)
 
 
@@ -137,7 +138,7 @@ def test_write_ahead_ships_in_cycles_records_are_durable_without_waiting_for_one
     assert logger.flush(5.0)
     elapsed = time.monotonic() - start
     assert delivered_ids(producer) == [f"id-{i:04d}" for i in range(20)]
-    assert logger.fsyncs >= 20 / 2  # durable record by record (group commit may pair a few)...
+    assert logger.mode.fsyncs >= 20 / 2  # durable record by record (group commit may pair a few)...
     assert len(reads) <= elapsed / interval + 2  # ...but shipped in cycles: one spool read serves many records
 
 
@@ -155,7 +156,7 @@ def test_close_does_not_wait_out_the_ship_interval(make_logger):
 
 def test_a_crash_loses_nothing_acknowledged_the_next_start_replays_it_in_order(tmp_path, make_logger):
     hung = HungProducer()
-    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", stall_s=0.2, retry_s=0.05)
+    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", LogSettings(stall_s=0.2, retry_s=0.05))
     crashed.start()
     try:
         receipts = [crashed.submit(interaction(i)) for i in range(6)]
@@ -226,7 +227,7 @@ def test_sends_refused_outright_are_spooled_and_replayed(make_logger, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_close_during_an_outage_leaves_the_spool_for_the_next_start(make_logger, tmp_path, mode):
     down = FakeProducer()
-    first = InteractionLogger(down, TOPICS, tmp_path / "spool", durability=mode, stall_s=0.2, retry_s=0.05)
+    first = InteractionLogger(down, TOPICS, tmp_path / "spool", LogSettings(durability=mode, stall_s=0.2, retry_s=0.05))
     first.start()
     down.go_down()
     for i in range(7):
@@ -243,7 +244,7 @@ def test_close_during_an_outage_leaves_the_spool_for_the_next_start(make_logger,
 @pytest.mark.parametrize("mode", MODES)
 def test_close_with_the_broker_up_delivers_everything(tmp_path, mode):
     producer = FakeProducer()
-    logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", durability=mode)
+    logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", LogSettings(durability=mode))
     logger.start()
     for i in range(50):
         logger.submit(interaction(i))
@@ -291,7 +292,7 @@ def test_write_ahead_on_a_full_disk_acknowledges_once_the_broker_has_the_record(
 
 
 def test_a_full_queue_refuses_new_work(tmp_path):
-    logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool", max_queue=3)  # not started
+    logger = InteractionLogger(FakeProducer(), TOPICS, tmp_path / "spool", LogSettings(max_queue=3))  # not started
     for i in range(3):
         logger.submit(interaction(i))
     assert "backlog is full" in logger.refusal()
@@ -312,7 +313,7 @@ def test_an_unexpected_producer_error_is_reported_not_hidden(make_logger, mode):
 def test_a_damaged_spool_entry_is_dead_lettered_and_the_records_after_it_still_reach_the_broker(
         tmp_path, make_logger):
     hung = HungProducer()
-    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", stall_s=0.2, retry_s=0.05)
+    crashed = InteractionLogger(hung, TOPICS, tmp_path / "spool", LogSettings(stall_s=0.2, retry_s=0.05))
     crashed.start()
     try:
         assert all(crashed.submit(interaction(i)).wait(5) for i in range(10))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from online_sao.config import KafkaConfig
-from online_sao.schemas import MAX_RECORD_BYTES, DeadLetter, Reward, WeightsNotice, decode, encode
+from online_sao.config import KafkaConfig, TopicsConfig
+from online_sao.schemas import MAX_RECORD_BYTES, DeadLetter, Interaction, Reward, WeightsNotice, decode, encode
 from streams.base import StreamMessage, TopicPartition
 from streams.memory import InMemoryBackend
-from streams.records import MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter, publish, record_key
+from streams.records import (MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter, publish, record_key,
+                             record_topic)
 from tests.fixtures.kafka import drain
 
 
@@ -21,6 +22,16 @@ def test_keys_are_interaction_ids_and_model_names():
     assert record_key(Reward(interaction_id="abc", value=1.0)) == b"abc"
     assert record_key(WeightsNotice(version=1, location="x", checksum="a" * 64, model="pol")) == b"pol"
     assert record_key(DeadLetter(raw=b"", source_topic="t", reason="r")) is None
+
+
+def test_each_kind_of_record_has_its_own_topic():
+    topics = TopicsConfig(interactions="i", rewards="r", weights="w", dead_letters="d")
+    interaction = Interaction(interaction_id="abc", model="m", prompt_ids=[1], response_ids=[2], action_mask=[True],
+                              logprobs=[-0.5], versions=[0])
+    assert record_topic(interaction, topics) == "i"
+    assert record_topic(Reward(interaction_id="abc", value=1.0), topics) == "r"
+    assert record_topic(WeightsNotice(version=1, location="x", checksum="a" * 64, model="pol"), topics) == "w"
+    assert record_topic(DeadLetter(raw=b"", source_topic="t", reason="r"), topics) == "d"
 
 
 def test_publish_encodes_and_keys_the_record():

@@ -75,15 +75,9 @@ class SpoolSender:
     def __init__(self, producer: Producer, spool: Spool, signal: Signal, *, window: int, stall_s: float,
                  retry_s: float, on_refused: OnRefused, on_delivered: OnDelivered,
                  clock: Callable[[], float] = time.monotonic):
-        self._producer = producer
-        self._spool = spool
-        self._signal = signal
-        self._window = window
-        self._stall_s = stall_s
-        self._retry_s = retry_s
-        self._on_refused = on_refused
-        self._on_delivered = on_delivered
-        self._clock = clock
+        self._producer, self._spool, self._signal, self._clock = producer, spool, signal, clock
+        self._window, self._stall_s, self._retry_s = window, stall_s, retry_s
+        self._on_refused, self._on_delivered = on_refused, on_delivered
         self._with_producer: dict[int, Pending] = {}
         """Records handed to the producer and not yet dropped, by sequence number (guarded by the signal)."""
         self.acknowledged = 0

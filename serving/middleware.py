@@ -1,0 +1,104 @@
+"""The app's ASGI middleware (body-size limit, request counts) and its error handlers.
+
+Every error is answered with an OpenAI-style body ``{"error": {message, type,
+param, code}}``: an :class:`~serving.protocol.APIError` as it says, an unknown
+route or method as FastAPI's status (404 ``not_found_error``, else
+``invalid_request_error``), anything unexpected as 500 ``server_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serving.metrics import ServingMetrics
+from serving.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+class HttpOnlyMiddleware:
+    """ASGI middleware that acts on HTTP requests; lifespan and websocket messages pass through."""
+
+    app: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        return await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class BodyLimitMiddleware(HttpOnlyMiddleware):
+    """413 for a body above ``max_bytes``: from Content-Length at once, else while it is read."""
+
+    app: ASGIApp
+    max_bytes: int
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        too_large = APIError(413, f"the request body exceeds {self.max_bytes} bytes (serving.max_request_bytes)",
+                             code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_large
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+@dataclass
+class RequestMetricsMiddleware(HttpOnlyMiddleware):
+    """Counts answered requests by route (``other`` for a path not in ``routes``) and status."""
+
+    app: ASGIApp
+    metrics: ServingMetrics
+    routes: frozenset[str]
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body(),
+                            status_code=500)

@@ -1,0 +1,137 @@
+"""The app's routes, one router per concern, each over the services it is given.
+
+The routes read and validate their bodies themselves (:func:`parse_body`), so
+every error keeps the OpenAI shape and the body-size limit applies while the
+body is read; :mod:`serving.openapi` documents the models FastAPI cannot see.
+Completion responses carry ``X-Interaction-Id``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from online_sao.schemas import has_lone_surrogate
+from serving.auth import ApiKeyAuth, AuthError
+from serving.engine.base import InferenceEngine
+from serving.feedback import FeedbackService
+from serving.interaction_log import InteractionLogger
+from serving.metrics import ServingMetrics
+from serving.openai_serving import OpenAIServing, Streamed
+from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, CompletionResponse,
+                              ChatCompletionResponse, FeedbackRequest, ModelCard, ModelList)
+
+INTERACTION_HEADER = "X-Interaction-Id"
+
+Authorize = Callable[[Request], None]
+"""Raises the 401/429 :class:`APIError` for a request its API key (or rate limit) does not admit."""
+
+
+@dataclass
+class ServerStatus:
+    model_name: str
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    ready: bool = False
+    """The engine runs: set and cleared by the app's lifespan."""
+
+
+def authorizer(auth: ApiKeyAuth) -> Authorize:
+    def authorize(request: Request) -> None:
+        try:
+            auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
+        except AuthError as exc:
+            headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else {}
+            kind = "rate_limit_error" if exc.status == 429 else "authentication_error"
+            raise APIError(exc.status, exc.message, type=kind, code=exc.code, headers=headers) from None
+
+    return authorize
+
+
+async def parse_body(request: Request, model: type[BaseModel], invalid_status: int) -> BaseModel:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if b"\\u" in body and has_lone_surrogate(data):  # a "\\ud800" escape is not text: tokenizer and log fail on it
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+                            "not text", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                             for e in exc.errors()[:5])
+        raise APIError(invalid_status, f"invalid request: {problems}", param=where, code="invalid_value") from None
+
+
+def answer(result: ChatCompletionResponse | CompletionResponse | Streamed) -> Response:
+    if isinstance(result, Streamed):
+        return StreamingResponse(result.events, media_type="text/event-stream",
+                                 headers={INTERACTION_HEADER: result.interaction_id, "Cache-Control": "no-cache"})
+    return JSONResponse(result.model_dump(), headers={INTERACTION_HEADER: result.interaction_id})
+
+
+def completion_routes(serving: OpenAIServing, authorize: Authorize) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        return answer(await serving.chat(await parse_body(request, ChatCompletionRequest, 400)))
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        return answer(await serving.completion(await parse_body(request, CompletionRequest, 400)))
+
+    return router
+
+
+def feedback_routes(feedback: FeedbackService, authorize: Authorize) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/feedback")
+    async def post_feedback(request: Request) -> JSONResponse:
+        authorize(request)
+        result = await feedback.submit(await parse_body(request, FeedbackRequest, 422))
+        return JSONResponse(result.model_dump())
+
+    return router
+
+
+def status_routes(status: ServerStatus, engine: InferenceEngine, logger: InteractionLogger, metrics: ServingMetrics,
+                  authorize: Authorize) -> APIRouter:
+    """The served model, liveness, readiness and Prometheus metrics."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        card = ModelCard(id=status.model_name, created=status.started_at, policy_version=engine.policy_version)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @router.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @router.get("/readyz")
+    async def readyz() -> JSONResponse:
+        reason = "the engine is not started" if not status.ready else logger.refusal()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "policy_version": engine.policy_version,
+                             "spooling": logger.spooling})
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=ServingMetrics.CONTENT_TYPE)
+
+    return router

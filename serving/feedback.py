@@ -14,7 +14,7 @@ from online_sao.config import RewardConfig
 from online_sao.schemas import Reward, TurnReward
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
-from serving.protocol import APIError, FeedbackRequest, FeedbackResponse
+from serving.protocol import APIError, FeedbackRequest, FeedbackResponse, logging_unavailable
 from serving.trajectories import TrajectoryCache
 
 
@@ -51,14 +51,12 @@ class FeedbackService:
                                    code="turn_out_of_range")
         reason = self.logger.refusal()
         if reason is not None:
-            raise APIError(503, reason, type="service_unavailable", code="logging_unavailable",
-                           headers={"Retry-After": "5"})
+            raise logging_unavailable(reason)
         receipt = self.logger.submit(Reward(interaction_id=request.interaction_id, value=request.reward,
                                             source=request.source,
                                             turn_rewards=[TurnReward(turn=t.turn, value=t.value)
                                                           for t in request.turn_rewards]))
         if not await receipt.wait_async(self.ack_timeout_s):
-            raise APIError(503, f"the reward could not be logged within {self.ack_timeout_s:g} s "
-                                f"(serving.log_ack_timeout_s): {self.logger.refusal() or 'the log is behind'}",
-                           type="service_unavailable", code="logging_unavailable", headers={"Retry-After": "5"})
+            raise logging_unavailable(f"the reward could not be logged within {self.ack_timeout_s:g} s "
+                                      f"(serving.log_ack_timeout_s): {self.logger.refusal() or 'the log is behind'}")
         return FeedbackResponse(interaction_id=request.interaction_id)

@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel
 
 from online_sao.config import ServingConfig
 from online_sao.schemas import MIN_TEMPERATURE, Interaction, SamplingParams
@@ -35,9 +37,10 @@ from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
-from serving.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                              ChatCompletionResponse, ChatResponseMessage, CompletionChoice, CompletionChunk,
-                              CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest)
+from serving.protocol import (Answer, APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, Chunk,
+                              ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage, CompletionChoice,
+                              CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage, SamplingRequest,
+                              UsageInfo, logging_unavailable)
 from serving.receipt import Receipt
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
@@ -213,8 +216,7 @@ class OpenAIServing:
                            code="context_length_exceeded")
         reason = self.logger.refusal()
         if reason is not None:
-            raise APIError(503, reason, type="service_unavailable", code="logging_unavailable",
-                           headers={"Retry-After": "5"})
+            raise logging_unavailable(reason)
         sampling = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                   top_p=1.0 if request.top_p is None else request.top_p,
                                   max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
@@ -313,9 +315,8 @@ class OpenAIServing:
         if turn.receipt is None or await turn.receipt.wait_async(timeout):
             return
         reason = self.logger.refusal() or "the interaction log is behind"
-        raise APIError(503, f"the answer was generated but its interaction could not be logged within {timeout:g} s "
-                            f"(serving.log_ack_timeout_s): {reason}", type="service_unavailable",
-                       code="logging_unavailable", headers={"Retry-After": "5"})
+        raise logging_unavailable(f"the answer was generated but its interaction could not be logged within "
+                                  f"{timeout:g} s (serving.log_ack_timeout_s): {reason}")
 
     # ------------------------------------------------------------------ endpoints
 
@@ -323,76 +324,75 @@ class OpenAIServing:
         self.check_request(request)
         prefix, messages = self._chat_prefix(request)
         turn = self._admit(request, "chat", prefix, template_messages=messages)
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return Streamed(turn.interaction_id, self._chat_events(turn, include_usage))
-        async for _ in self._pieces(turn):
-            pass
-        await self._acknowledge(turn)
-        return ChatCompletionResponse(
-            id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
-            choices=[ChatChoice(message=ChatResponseMessage(content=turn.text), finish_reason=turn.finish_reason)],
-            interaction_id=turn.interaction_id, policy_version=max(turn.versions),
-            policy_versions=turn.policy_versions)
-
-    async def _chat_events(self, turn: _Turn, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: DeltaMessage, finish: str | None = None, final: bool = False) -> str:
-            return sse(ChatCompletionChunk(
-                id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
-                policy_version=max(turn.versions) if final else None,
-                policy_versions=turn.policy_versions if final else None))
-
-        try:
-            yield chunk(DeltaMessage(role="assistant", content=""))
-            async with aclosing(self._pieces(turn)) as pieces:
-                async for piece in pieces:
-                    yield chunk(DeltaMessage(content=piece))
-            await self._acknowledge(turn)
-            yield chunk(DeltaMessage(), turn.finish_reason, final=True)
-            if include_usage:
-                yield sse(ChatCompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
-                                              usage=turn.usage(), interaction_id=turn.interaction_id))
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # headers are sent: the error travels as an SSE event
-            yield sse(stream_error(exc))
+        return await self._serve(request, turn, CHAT_FORMAT)
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse | Streamed:
         self.check_request(request)
         prefix, text = self._completion_prefix(request)
         turn = self._admit(request, "completions", prefix, prompt_text=text)
+        return await self._serve(request, turn, COMPLETION_FORMAT)
+
+    async def _serve(self, request: SamplingRequest, turn: _Turn, fmt: AnswerFormat) -> Answer | Streamed:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return Streamed(turn.interaction_id, self._completion_events(turn, include_usage))
+            return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt))
         async for _ in self._pieces(turn):
             pass
         await self._acknowledge(turn)
-        return CompletionResponse(
-            id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
-            choices=[CompletionChoice(text=turn.text, finish_reason=turn.finish_reason)],
-            interaction_id=turn.interaction_id, policy_version=max(turn.versions),
-            policy_versions=turn.policy_versions)
+        return fmt.answer(id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
+                          choices=[fmt.answer_choice(turn)], interaction_id=turn.interaction_id,
+                          policy_version=max(turn.versions), policy_versions=turn.policy_versions)
 
-    async def _completion_events(self, turn: _Turn, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(text: str, finish: str | None = None, final: bool = False) -> str:
-            return sse(CompletionChunk(
-                id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
-                choices=[CompletionChoice(text=text, finish_reason=finish)],
-                policy_version=max(turn.versions) if final else None,
-                policy_versions=turn.policy_versions if final else None))
+    async def _events(self, turn: _Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
+        def chunk(choice: BaseModel, final: bool = False) -> str:
+            return sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
+                                 choices=[choice], policy_version=max(turn.versions) if final else None,
+                                 policy_versions=turn.policy_versions if final else None))
 
         try:
+            if fmt.opening_choice is not None:
+                yield chunk(fmt.opening_choice())
             async with aclosing(self._pieces(turn)) as pieces:
                 async for piece in pieces:
-                    yield chunk(piece)
+                    yield chunk(fmt.piece_choice(piece))
             await self._acknowledge(turn)
-            yield chunk("", turn.finish_reason, final=True)
+            yield chunk(fmt.final_choice(turn.finish_reason), final=True)
             if include_usage:
-                yield sse(CompletionChunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
-                                          usage=turn.usage(), interaction_id=turn.interaction_id))
+                yield sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
+                                    usage=turn.usage(), interaction_id=turn.interaction_id))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: the error travels as an SSE event
             yield sse(stream_error(exc))
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """How one endpoint's answers look: its answer and chunk models and the choice each carries."""
+
+    answer: type[Answer]
+    chunk: type[Chunk]
+    answer_choice: Callable[[_Turn], BaseModel]
+    """The choice of a whole answer."""
+    piece_choice: Callable[[str], BaseModel]
+    """The choice of a chunk carrying a piece of text."""
+    final_choice: Callable[[str | None], BaseModel]
+    """The choice of the chunk carrying the finish reason."""
+    opening_choice: Callable[[], BaseModel] | None = None
+    """The choice of a chunk sent before any text, if the endpoint sends one."""
+
+
+CHAT_FORMAT = AnswerFormat(
+    ChatCompletionResponse, ChatCompletionChunk,
+    answer_choice=lambda turn: ChatChoice(message=ChatResponseMessage(content=turn.text),
+                                          finish_reason=turn.finish_reason),
+    piece_choice=lambda piece: ChatChunkChoice(delta=DeltaMessage(content=piece)),
+    final_choice=lambda finish: ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish),
+    opening_choice=lambda: ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+COMPLETION_FORMAT = AnswerFormat(
+    CompletionResponse, CompletionChunk,
+    answer_choice=lambda turn: CompletionChoice(text=turn.text, finish_reason=turn.finish_reason),
+    piece_choice=lambda piece: CompletionChoice(text=piece, finish_reason=None),
+    final_choice=lambda finish: CompletionChoice(text="", finish_reason=finish))
 
 
 def stream_error(exc: Exception) -> dict:

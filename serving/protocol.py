@@ -38,6 +38,16 @@ class APIError(Exception):
                                              code=self.code)).model_dump()
 
 
+LOGGING_RETRY_AFTER_S = 5
+"""Seconds a client is told to wait (Retry-After) when its record cannot be logged now."""
+
+
+def logging_unavailable(message: str) -> APIError:
+    """503 ``logging_unavailable``: the interaction log cannot take or secure a record now."""
+    return APIError(503, message, type="service_unavailable", code="logging_unavailable",
+                    headers={"Retry-After": str(LOGGING_RETRY_AFTER_S)})
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -155,10 +165,40 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+def _unix_now() -> int:
+    return int(time.time())
+
+
 class _Traced(BaseModel):
     interaction_id: str
     policy_version: int
     policy_versions: list[int]
+
+
+class Answer(_Traced):
+    """A whole completion answer; a subclass fixes ``object`` and the type of ``choices`` (the fields
+    keep this order on the wire)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_unix_now)
+    model: str
+    choices: list
+    usage: UsageInfo
+
+
+class Chunk(BaseModel):
+    """One streamed chunk; a subclass fixes ``object`` and the type of ``choices``."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_unix_now)
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+    interaction_id: str
+    policy_version: int | None = None
+    policy_versions: list[int] | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -173,13 +213,9 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionResponse(_Traced):
-    id: str
+class ChatCompletionResponse(Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo
 
 
 class DeltaMessage(BaseModel):
@@ -194,16 +230,9 @@ class ChatChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Chunk):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    interaction_id: str
-    policy_version: int | None = None
-    policy_versions: list[int] | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -213,25 +242,14 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class CompletionResponse(_Traced):
-    id: str
+class CompletionResponse(Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(Chunk):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    interaction_id: str
-    policy_version: int | None = None
-    policy_versions: list[int] | None = None
 
 
 class FeedbackResponse(BaseModel):

@@ -11,14 +11,22 @@ that sampled it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable, Generic, Protocol, TypeVar
 
 import torch
 
 from online_sao.schemas import SamplingParams
+from online_sao.weights import CorruptWeights
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+"""What an engine queues for its loop: its own record of one request."""
 
 
 @dataclass(frozen=True)
@@ -65,34 +73,141 @@ class LoopJob:
         start = time.perf_counter()
         try:
             self.apply()
-        except BaseException as exc:  # handed back to the thread waiting in run_between_steps, which raises it
+        except BaseException as exc:  # handed back to the thread waiting in EngineLoop.between_steps, which raises it
             self.error = exc
         self.seconds = time.perf_counter() - start
         self.done.set()
 
 
-def run_between_steps(apply: Callable[[], None], cond: threading.Condition, jobs: list[LoopJob],
-                      loop_alive: Callable[[], bool], run_here: Callable[[LoopJob], None]) -> LoopJob:
-    """Hand ``apply`` to the engine's loop thread and wait until it ran between two steps.
+class EngineStopped(RuntimeError):
+    """The engine stopped before the request finished."""
 
-    ``jobs`` is the loop's queue, guarded by ``cond`` (the loop drains it in place
-    under ``cond``); ``loop_alive`` is read under ``cond``. Without a running loop
-    the job runs on this thread through ``run_here`` (which takes the engine's own
-    lock). An exception raised by ``apply`` is raised here.
+
+class EngineLoop(Generic[W]):
+    """What an engine's loop thread shares with its callers, and the steps every engine's loop takes.
+
+    Callers queue requests (:meth:`submit`) and weight switches (:meth:`swap`);
+    the loop thread (``target`` of :meth:`start`) takes them with :meth:`next_round`
+    and runs the switches between two model steps. ``cond`` guards the queues and
+    flags; :attr:`version` is the policy version of the weights the loop uses.
     """
-    job = LoopJob(apply)
-    with cond:
-        queued = loop_alive()
+
+    def __init__(self, initial_version: int = 0):
+        self.cond = threading.Condition()
+        self.waiting: deque[W] = deque()
+        """Requests queued for the loop, oldest first."""
+        self.jobs: list[LoopJob] = []
+        """Weight switches waiting for the loop to run them between two steps."""
+        self.alive = False
+        """The loop thread runs and takes requests (read under ``cond``)."""
+        self.stopping = False
+        self.version = initial_version
+        self._swap_lock = threading.Lock()  # one swap at a time
+        self._thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, target: Callable[[], None], name: str) -> None:
+        """Run ``target`` (the engine's loop) on a daemon thread, unless one runs already."""
+        if self._thread is not None:
+            return
+        self.stopping, self.alive = False, True
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Tell the loop to stop and wait until it did (blocking)."""
+        if self._thread is None:
+            return
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    def submit(self, request: W) -> None:
+        """Queue a request for the loop; :class:`EngineStopped` if no loop takes requests."""
+        with self.cond:
+            if not self.alive or self.stopping:
+                raise EngineStopped("the engine is not running (call start())")
+            self.waiting.append(request)
+            self.cond.notify()
+
+    def next_round(self, busy: bool, room: int | None) -> tuple[list[LoopJob], list[W]]:
+        """(loop thread) Wait for work: a switch, a queued request, a stop, or none when ``busy`` (requests
+        in flight). Take every switch and up to ``room`` queued requests (all when None, none once
+        stopping); after a stop :attr:`alive` is False."""
+        with self.cond:
+            while not (self.stopping or self.jobs or self.waiting or busy):
+                self.cond.wait()
+            jobs = list(self.jobs)
+            self.jobs.clear()  # in place: a swap waiting in between_steps holds this list
+            if self.stopping:
+                self.alive = False
+                return jobs, []
+            count = len(self.waiting) if room is None else min(room, len(self.waiting))
+            return jobs, [self.waiting.popleft() for _ in range(count)]
+
+    def take_waiting(self) -> list[W]:
+        """(loop thread, stopped) The requests still queued; the queue is empty after."""
+        with self.cond:
+            leftovers = list(self.waiting)
+            self.waiting.clear()
+        return leftovers
+
+    def switch_pending(self) -> bool:
+        with self.cond:
+            return bool(self.jobs)
+
+    def between_steps(self, apply: Callable[[], None], run_here: Callable[[LoopJob], None]) -> LoopJob:
+        """Hand ``apply`` to the loop thread and wait until it ran between two steps.
+
+        Without a running loop the job runs on this thread through ``run_here`` (which
+        takes the engine's own lock if it has one). An exception raised by ``apply`` is
+        raised here.
+        """
+        job = LoopJob(apply)
+        with self.cond:
+            queued = self.alive
+            if queued:
+                self.jobs.append(job)
+                self.cond.notify()
         if queued:
-            jobs.append(job)
-            cond.notify()
-    if queued:
-        job.done.wait()
-    else:
-        run_here(job)
-    if job.error is not None:
-        raise job.error
-    return job
+            job.done.wait()
+        else:
+            run_here(job)
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def swap(self, version: int, force: bool, prepare: Callable[[], Callable[[], None]],
+             run_here: Callable[[LoopJob], None]) -> SwapResult:
+        """The weight swap of every engine (blocking, thread-safe): ignore a version not newer than the
+        serving one unless ``force`` (rollback); ``prepare()`` checks and loads the weights off the
+        request path (raising :class:`CorruptWeights` to refuse them) and returns the switch, which
+        runs between two steps and makes ``version`` the serving one."""
+        with self._swap_lock:
+            current = self.version
+            if version <= current and not force:
+                return SwapResult(version, False, 0.0, 0.0,
+                                  reason=f"ignored: version {version} is not newer than the serving version {current}")
+            start = time.perf_counter()
+            try:
+                switch = prepare()
+            except CorruptWeights as exc:
+                log.warning("refused weights version %d: %s", version, exc)
+                return SwapResult(version, False, time.perf_counter() - start, 0.0, reason=f"refused: {exc}")
+            load_s = time.perf_counter() - start
+
+            def apply() -> None:
+                switch()
+                self.version = version
+
+            stall_s = self.between_steps(apply, run_here).seconds
+            log.info("serving weights version %d (was %d): load %.3fs, stall %.4fs", version, current, load_s, stall_s)
+            return SwapResult(version, True, load_s, stall_s)
 
 
 class InferenceEngine(Protocol):

@@ -32,7 +32,6 @@ import inspect
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal
@@ -43,18 +42,13 @@ from transformers.cache_utils import DynamicCache
 
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy, load_tokenizer
-from online_sao.weights import CorruptWeights
-from serving.engine.base import (GenerationRequest, LoopJob, SwapResult, TokenEvent, check_prompt, relay_events,
-                                 run_between_steps)
+from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
+                                 check_prompt, relay_events)
 from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.sampling import sample_token
 from serving.engine.weights_check import complete_state_dict
 
 log = logging.getLogger(__name__)
-
-
-class EngineStopped(RuntimeError):
-    """The engine stopped before the request finished."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +82,7 @@ class TorchEngine:
         self.cfg = cfg or ServingConfig()
         self._model = model.eval()
         self._spare: nn.Module | None = None
-        self._version = initial_version
+        self._loop: EngineLoop[_Sequence] = EngineLoop(initial_version)
         self._on_step = on_step
         self._device = next(model.parameters()).device
         self._vocab = model.get_input_embeddings().num_embeddings
@@ -98,14 +92,7 @@ class TorchEngine:
         # transformers renamed ``past_key_values`` to ``cache``; the cache object is
         # updated in place either way, so only the argument name differs.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
-        self._switch_jobs: list[LoopJob] = []
-        self._loop_alive = False
-        self._stopping = False
-        self._swap_lock = threading.Lock()  # one swap at a time
         self._step_lock = threading.Lock()  # model use when no loop thread runs
-        self._thread: threading.Thread | None = None
         self._rows: list[_Sequence] = []  # owned by the loop thread
         self._batch = RaggedKVBatch()
 
@@ -116,7 +103,7 @@ class TorchEngine:
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._loop.version
 
     @property
     def running(self) -> int:
@@ -126,13 +113,12 @@ class TorchEngine:
     @property
     def waiting(self) -> int:
         """Requests queued for a free batch slot."""
-        return len(self._waiting)
+        return len(self._loop.waiting)
 
     @property
     def switch_pending(self) -> bool:
         """A swap has loaded its weights and waits for the loop to switch between two steps."""
-        with self._cond:
-            return bool(self._switch_jobs)
+        return self._loop.switch_pending()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -143,24 +129,15 @@ class TorchEngine:
         await asyncio.to_thread(self.stop_thread)
 
     def start_thread(self) -> None:
-        if self._thread is not None:
+        if self._loop.started:
             return
         if self.cfg.torch_threads is not None:
             torch.set_num_threads(self.cfg.torch_threads)
-        self._stopping = False
-        self._loop_alive = True
-        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
-        self._thread.start()
+        self._loop.start(self._run, "torch-engine")
 
     def stop_thread(self) -> None:
         """Stop the loop; unfinished requests end with :class:`EngineStopped`."""
-        if self._thread is None:
-            return
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-        self._thread = None
+        self._loop.stop()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -177,11 +154,7 @@ class TorchEngine:
                 seq.cancelled.set()
 
         seq.emit = emit
-        with self._cond:
-            if not self._loop_alive or self._stopping:
-                raise EngineStopped("the engine is not running (call start())")
-            self._waiting.append(seq)
-            self._cond.notify()
+        self._loop.submit(seq)
         async for event in relay_events(events, seq.cancelled):
             yield event
 
@@ -200,21 +173,14 @@ class TorchEngine:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         with torch.inference_mode():
             while True:
-                with self._cond:
-                    while not (self._stopping or self._switch_jobs or self._waiting or self._rows):
-                        self._cond.wait()
-                    jobs = list(self._switch_jobs)
-                    self._switch_jobs.clear()  # in place: run_between_steps holds this list
-                    if self._stopping:
-                        self._loop_alive = False
-                    slots = 0 if self._stopping else self.cfg.max_batch_size - len(self._rows)
-                    admitted = [self._waiting.popleft() for _ in range(min(slots, len(self._waiting)))]
+                jobs, admitted = self._loop.next_round(busy=bool(self._rows),
+                                                       room=self.cfg.max_batch_size - len(self._rows))
                 for job in jobs:
-                    self._run_between_steps(job)
-                if not self._loop_alive:
+                    self._run_switch(job)
+                if not self._loop.alive:
                     break
                 with self._step_lock:
                     self._drop_cancelled()
@@ -223,10 +189,7 @@ class TorchEngine:
                     if self._rows:
                         self._guarded(self._decode_step, list(self._rows))
         stopped = EngineStopped("the engine stopped")
-        with self._cond:
-            leftovers = list(self._waiting) + self._rows
-            self._waiting.clear()
-        for seq in leftovers:
+        for seq in self._loop.take_waiting() + self._rows:
             seq.emit(stopped)
         self._rows, self._batch = [], RaggedKVBatch()
 
@@ -243,7 +206,7 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _run_between_steps(self, job: LoopJob) -> None:
+    def _run_switch(self, job: LoopJob) -> None:
         job.run()
         self._report("switch", len(self._rows), job.seconds)
 
@@ -261,7 +224,7 @@ class TorchEngine:
         if seq.cancelled.is_set():
             return
         start = time.perf_counter()
-        model, version = self._model, self._version
+        model, version = self._model, self._loop.version
         ids = torch.tensor([seq.request.prompt_ids], dtype=torch.long, device=self._device)
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
@@ -273,7 +236,7 @@ class TorchEngine:
 
     def _decode_step(self) -> None:
         start = time.perf_counter()
-        model, version = self._model, self._version
+        model, version = self._model, self._loop.version
         rows = self._rows
         ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self._device)
         mask = self._batch.step_mask()
@@ -309,40 +272,22 @@ class TorchEngine:
         A version not newer than the serving one is ignored unless ``force``
         (rollback); refused weights leave the serving model untouched.
         """
-        with self._swap_lock:
-            current = self._version
-            if version <= current and not force:
-                return SwapResult(version, False, 0.0, 0.0,
-                                  reason=f"ignored: version {version} is not newer than the serving version {current}")
-            start = time.perf_counter()
-            try:
-                full = complete_state_dict(self._model, state_dict)
-            except CorruptWeights as exc:
-                log.warning("refused weights version %d: %s", version, exc)
-                return SwapResult(version, False, time.perf_counter() - start, 0.0, reason=f"refused: {exc}")
+        def prepare() -> Callable[[], None]:
+            full = complete_state_dict(self._model, state_dict)
             if self.cfg.swap_in_place:
-                load_s = time.perf_counter() - start
+                return lambda: self._model.load_state_dict(full, strict=True)
+            if self._spare is None:
+                self._spare = copy.deepcopy(self._model)
+            self._spare.load_state_dict(full, strict=True)
+            spare = self._spare
 
-                def switch() -> None:
-                    self._model.load_state_dict(full, strict=True)
-                    self._version = version
-            else:
-                if self._spare is None:
-                    self._spare = copy.deepcopy(self._model)
-                self._spare.load_state_dict(full, strict=True)
-                load_s = time.perf_counter() - start
-                spare = self._spare
+            def switch() -> None:
+                self._spare, self._model = self._model, spare
 
-                def switch() -> None:
-                    self._spare, self._model = self._model, spare
-                    self._version = version
-            stall_s = self._between_steps(switch)
-            log.info("serving weights version %d (was %d): load %.3fs, stall %.4fs", version, current, load_s, stall_s)
-            return SwapResult(version, True, load_s, stall_s)
+            return switch
 
-    def _between_steps(self, apply: Callable[[], None]) -> float:
         def run_here(job: LoopJob) -> None:
             with self._step_lock:
                 job.run()
 
-        return run_between_steps(apply, self._cond, self._switch_jobs, lambda: self._loop_alive, run_here).seconds
+        return self._loop.swap(version, force, prepare, run_here)

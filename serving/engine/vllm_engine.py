@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -39,9 +37,8 @@ from safetensors import safe_open
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
 from online_sao.weights import CorruptWeights, verify_state_dict
-from serving.engine.base import (GenerationRequest, LoopJob, SwapResult, TokenEvent, check_prompt, relay_events,
-                                 run_between_steps)
-from serving.engine.torch_engine import EngineStopped
+from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
+                                 check_prompt, relay_events)
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -106,45 +103,25 @@ class VLLMEngine:
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._shapes = checkpoint_shapes(self.model_dir)
-        self._version = initial_version
-        self._cond = threading.Condition()
-        self._waiting: deque[_Request] = deque()
-        self._jobs: list[LoopJob] = []
+        self._loop: EngineLoop[_Request] = EngineLoop(initial_version)
         self._live: dict[str, _Request] = {}  # owned by the loop thread
-        self._swap_lock = threading.Lock()
-        self._alive = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._loop.version
 
     async def start(self) -> None:
-        if self._thread is None:
-            self._stopping, self._alive = False, True
-            self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
-            self._thread.start()
+        self._loop.start(self._run, "vllm-engine")
 
     async def stop(self) -> None:
-        if self._thread is None:
-            return
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        await asyncio.to_thread(self._loop.stop)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         check_prompt(request.prompt_ids, self._vocab, self._max_len)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         live = _Request(request, emit=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-        with self._cond:
-            if not self._alive or self._stopping:
-                raise EngineStopped("the engine is not running (call start())")
-            self._waiting.append(live)
-            self._cond.notify()
+        self._loop.submit(live)
         async for event in relay_events(events, live.cancelled):
             yield event
 
@@ -162,21 +139,12 @@ class VLLMEngine:
                               logprobs=0, stop_token_ids=sorted(request.stop_token_ids), ignore_eos=True,
                               detokenize=False, output_kind=RequestOutputKind.DELTA)
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         while True:
-            with self._cond:
-                while not (self._stopping or self._jobs or self._waiting or self._live):
-                    self._cond.wait()
-                jobs = list(self._jobs)
-                self._jobs.clear()  # in place: run_between_steps holds this list
-                if self._stopping:
-                    self._alive = False
-                arrivals = [] if self._stopping else list(self._waiting)
-                if not self._stopping:
-                    self._waiting.clear()
+            jobs, arrivals = self._loop.next_round(busy=bool(self._live), room=None)
             for job in jobs:
                 job.run()
-            if not self._alive:
+            if not self._loop.alive:
                 break
             for live in arrivals:
                 self._llm.add_request(live.request.request_id, {"prompt_token_ids": live.request.prompt_ids},
@@ -190,9 +158,7 @@ class VLLMEngine:
             if self._live:
                 self._step()
         stopped = EngineStopped("the engine stopped")
-        with self._cond:
-            leftovers = list(self._waiting) + list(self._live.values())
-            self._waiting.clear()
+        leftovers = self._loop.take_waiting() + list(self._live.values())
         if self._live:
             self._llm.abort_request(list(self._live))
         self._live.clear()
@@ -200,7 +166,7 @@ class VLLMEngine:
             live.emit(stopped)
 
     def _step(self) -> None:
-        version = self._version
+        version = self._loop.version
         for out in self._llm.step():
             live = self._live.get(out.request_id)
             if live is None:
@@ -233,24 +199,16 @@ class VLLMEngine:
         return list(items.items())
 
     def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
-        with self._swap_lock:
-            current = self._version
-            if version <= current and not force:
-                return SwapResult(version, False, 0.0, 0.0,
-                                  reason=f"ignored: version {version} is not newer than the serving version {current}")
-            start = time.perf_counter()
-            try:
-                items = self._checked(state_dict)
-            except CorruptWeights as exc:
-                return SwapResult(version, False, time.perf_counter() - start, 0.0, reason=f"refused: {exc}")
-            load_s = time.perf_counter() - start
+        """Check, then reload in place between two steps (blocking, thread-safe); see ``EngineLoop.swap``."""
+        def prepare() -> Callable[[], None]:
+            items = self._checked(state_dict)
 
             def reload() -> None:
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
                                                                    "is_checkpoint_format": True})
                 if self._tied:
                     self._llm.collective_rpc(_refresh_tied_head)
-                self._version = version
 
-            job = run_between_steps(reload, self._cond, self._jobs, lambda: self._alive, LoopJob.run)
-            return SwapResult(version, True, load_s, job.seconds)
+            return reload
+
+        return self._loop.swap(version, force, prepare, LoopJob.run)

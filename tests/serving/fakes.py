@@ -10,7 +10,24 @@ from typing import AsyncIterator
 import torch
 
 from serving.engine.base import GenerationRequest, SwapResult, TokenEvent
+from serving.engine.torch_engine import StepStats
 from streams.base import DeliveryReport, Producer, StreamUnavailable
+
+
+class StepGate:
+    """A TorchEngine's ``on_step``: records every step in ``stats`` and holds the loop after decode step
+    ``hold_at`` (setting ``reached``) until the test sets ``resume``."""
+
+    def __init__(self, hold_at: int):
+        self.hold_at = hold_at
+        self.stats: list[StepStats] = []
+        self.reached, self.resume = threading.Event(), threading.Event()
+
+    def __call__(self, step: StepStats) -> None:
+        self.stats.append(step)
+        if step.kind == "decode" and sum(s.kind == "decode" for s in self.stats) == self.hold_at:
+            self.reached.set()
+            assert self.resume.wait(10), "the test never let the engine's loop go on"
 
 
 class FakeEngine:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
-from serving.engine.torch_engine import StepStats, TorchEngine
+from serving.engine.torch_engine import TorchEngine
 from tests.fixtures.engine_reference import collect, replay_logprobs
+from tests.serving.fakes import StepGate
 
 LOGPROB_TOL = 1e-4
 """float32 batched vs float64 one-at-a-time arithmetic differ by ~1e-6."""
@@ -25,13 +25,7 @@ TEMPERATURE, TOP_P = 0.9, 0.95
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [42], [7, 7, 7, 7], [100, 200, 300], [3, 1], [9] * 12, [11, 12]]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # Spinning OpenMP workers on a shared two-core machine slow tiny models 100x.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +55,8 @@ def request(i: int, prompt: list[int], max_tokens: int = 40, **sampling) -> Gene
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["spare-copy", "in-place"])
 def test_swap_while_eight_requests_stream(base_model, versions, in_place):
-    reached, resume = threading.Event(), threading.Event()
-    stats: list[StepStats] = []
-
-    def on_step(s: StepStats) -> None:
-        stats.append(s)
-        if s.kind == "decode" and sum(x.kind == "decode" for x in stats) == 10:
-            reached.set()
-            assert resume.wait(10)  # hold the loop until the swap is loaded and queued
-
+    on_step = StepGate(hold_at=10)  # holds the loop until the swap is loaded and queued
+    reached, resume, stats = on_step.reached, on_step.resume, on_step.stats
     engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig(max_batch_size=8, swap_in_place=in_place),
                          on_step=on_step)
     requests = [request(i, p) for i, p in enumerate(PROMPTS)]

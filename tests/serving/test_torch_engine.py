@@ -16,20 +16,14 @@ from serving.engine.base import GenerationRequest
 from serving.engine.sampling import nucleus_logprobs, sample_token
 from serving.engine.torch_engine import EngineStopped, StepStats, TorchEngine
 from tests.fixtures.engine_reference import collect, reference_logprob, replay_logprobs
+from tests.serving.fakes import StepGate
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [42], [7, 7, 7, 7], [100, 200, 300, 40, 10, 3]]
 LOGPROB_TOL = 1e-4
 """float32 batched vs float64 one-at-a-time arithmetic differ by ~1e-6."""
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # A tiny model gains nothing from intra-op threads, and spinning OpenMP
-    # workers on a shared two-core machine make each step up to 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # a tiny model gains nothing from intra-op threads
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +45,17 @@ async def run_alone(engine, requests):
 
 async def run_together(engine, requests):
     return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+
+def run_in_turn(engine, requests, *runs) -> list:
+    """Start ``engine``, serve ``requests`` with each of ``runs`` in turn, stop it: each run's results."""
+    async def main():
+        await engine.start()
+        results = [await run(engine, requests) for run in runs]
+        await engine.stop()
+        return results
+
+    return asyncio.run(main())
 
 
 def tokens(events):
@@ -82,30 +87,15 @@ def test_tiny_temperature_is_greedy_and_its_logprob_not_positive():
 def test_batched_decoding_matches_unbatched(model, sampling):
     engine = make_engine(model, max_batch_size=8)
     requests = [request(i, p, **sampling) for i, p in enumerate(PROMPTS)]
-
-    async def main():
-        await engine.start()
-        alone = await run_alone(engine, requests)
-        together = await run_together(engine, requests)
-        await engine.stop()
-        return alone, together
-
-    alone, together = asyncio.run(main())
+    alone, together = run_in_turn(engine, requests, run_alone, run_together)
     for a, b in zip(alone, together):
         assert len(a) == 16 and a[-1].finish_reason == "length"
         assert_same_samples(a, b)
 
 
 def test_request_joins_a_running_batch_at_the_next_step(model):
-    reached, resume = threading.Event(), threading.Event()
-    stats: list[StepStats] = []
-
-    def on_step(s: StepStats) -> None:
-        stats.append(s)
-        if s.kind == "decode" and sum(x.kind == "decode" for x in stats) == 5:
-            reached.set()
-            assert resume.wait(10)  # hold the loop until the second request is queued
-
+    on_step = StepGate(hold_at=5)  # holds the loop until the second request is queued
+    reached, resume, stats = on_step.reached, on_step.resume, on_step.stats
     engine = make_engine(model, on_step=on_step, max_batch_size=4)
     first = request(0, PROMPTS[1], temperature=0.8, seed=1, max_tokens=30)
     second = request(1, PROMPTS[0], temperature=0.8, seed=2, max_tokens=10)
@@ -210,15 +200,7 @@ def test_requests_beyond_max_batch_size_wait_their_turn(model):
     stats: list[StepStats] = []
     engine = make_engine(model, on_step=stats.append, max_batch_size=2)
     requests = [request(i, p, temperature=1.0, seed=i, max_tokens=8) for i, p in enumerate(PROMPTS)]
-
-    async def main():
-        await engine.start()
-        together = await run_together(engine, requests)
-        alone = await run_alone(engine, requests)
-        await engine.stop()
-        return together, alone
-
-    together, alone = asyncio.run(main())
+    together, alone = run_in_turn(engine, requests, run_together, run_alone)
     for a, b in zip(alone, together):
         assert_same_samples(a, b)
     decode_sizes = [s.batch_size for s in stats if s.kind == "decode"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -37,10 +37,9 @@ from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
-from serving.protocol import (Answer, APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, Chunk,
-                              ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage, CompletionChoice,
-                              CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage, SamplingRequest,
-                              UsageInfo, logging_unavailable)
+from serving.protocol import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, APIError,
+                              ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                              SamplingRequest, UsageInfo, logging_unavailable)
 from serving.receipt import Receipt
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
@@ -94,21 +93,22 @@ def sse(payload: object) -> str:
     return f"data: {data}\n\n"
 
 
+@dataclass
 class OpenAIServing:
-    def __init__(self, engine: InferenceEngine, logger: InteractionLogger, tokenizer, cfg: ServingConfig,
-                 signer: InteractionIdSigner, trajectories: TrajectoryCache, metrics: ServingMetrics,
-                 stop_token_ids: frozenset[int] | None = None, max_model_len: int | None = None,
-                 redactor: Redactor | None = None):
-        self.redactor = redactor
-        self.engine = engine
-        self.logger = logger
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        self.signer = signer
-        self.trajectories = trajectories
-        self.metrics = metrics
-        self.stop_token_ids = stop_token_ids or frozenset({tokenizer.eos_token_id})
-        self.max_model_len = max_model_len
+    engine: InferenceEngine
+    logger: InteractionLogger
+    tokenizer: object
+    cfg: ServingConfig
+    signer: InteractionIdSigner
+    trajectories: TrajectoryCache
+    metrics: ServingMetrics
+    stop_token_ids: frozenset[int] | None = None
+    """Token ids that end generation; the tokenizer's eos when not given."""
+    max_model_len: int | None = None
+    redactor: Redactor | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = self.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
 
     # ------------------------------------------------------------------ prompts
 
@@ -340,8 +340,9 @@ class OpenAIServing:
             pass
         await self._acknowledge(turn)
         return fmt.answer(id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
-                          choices=[fmt.answer_choice(turn)], interaction_id=turn.interaction_id,
-                          policy_version=max(turn.versions), policy_versions=turn.policy_versions)
+                          choices=[fmt.answer_choice(turn.text, turn.finish_reason)],
+                          interaction_id=turn.interaction_id, policy_version=max(turn.versions),
+                          policy_versions=turn.policy_versions)
 
     async def _events(self, turn: _Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
         def chunk(choice: BaseModel, final: bool = False) -> str:
@@ -363,36 +364,6 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: the error travels as an SSE event
             yield sse(stream_error(exc))
-
-
-@dataclass(frozen=True)
-class AnswerFormat:
-    """How one endpoint's answers look: its answer and chunk models and the choice each carries."""
-
-    answer: type[Answer]
-    chunk: type[Chunk]
-    answer_choice: Callable[[_Turn], BaseModel]
-    """The choice of a whole answer."""
-    piece_choice: Callable[[str], BaseModel]
-    """The choice of a chunk carrying a piece of text."""
-    final_choice: Callable[[str | None], BaseModel]
-    """The choice of the chunk carrying the finish reason."""
-    opening_choice: Callable[[], BaseModel] | None = None
-    """The choice of a chunk sent before any text, if the endpoint sends one."""
-
-
-CHAT_FORMAT = AnswerFormat(
-    ChatCompletionResponse, ChatCompletionChunk,
-    answer_choice=lambda turn: ChatChoice(message=ChatResponseMessage(content=turn.text),
-                                          finish_reason=turn.finish_reason),
-    piece_choice=lambda piece: ChatChunkChoice(delta=DeltaMessage(content=piece)),
-    final_choice=lambda finish: ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish),
-    opening_choice=lambda: ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
-COMPLETION_FORMAT = AnswerFormat(
-    CompletionResponse, CompletionChunk,
-    answer_choice=lambda turn: CompletionChoice(text=turn.text, finish_reason=turn.finish_reason),
-    piece_choice=lambda piece: CompletionChoice(text=piece, finish_reason=None),
-    final_choice=lambda finish: CompletionChoice(text="", finish_reason=finish))
 
 
 def stream_error(exc: Exception) -> dict:

@@ -12,6 +12,8 @@ sampled one, ascending).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -250,6 +252,35 @@ class CompletionResponse(Answer):
 class CompletionChunk(Chunk):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """How one endpoint's answers look: its answer and chunk models and the choice each carries."""
+
+    answer: type[Answer]
+    chunk: type[Chunk]
+    answer_choice: Callable[[str, str], BaseModel]
+    """The choice of a whole answer: (text, finish reason)."""
+    piece_choice: Callable[[str], BaseModel]
+    """The choice of a chunk carrying a piece of text."""
+    final_choice: Callable[[str | None], BaseModel]
+    """The choice of the chunk carrying the finish reason."""
+    opening_choice: Callable[[], BaseModel] | None = None
+    """The choice of a chunk sent before any text, if the endpoint sends one."""
+
+
+CHAT_FORMAT = AnswerFormat(
+    ChatCompletionResponse, ChatCompletionChunk,
+    answer_choice=lambda text, finish: ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish),
+    piece_choice=lambda piece: ChatChunkChoice(delta=DeltaMessage(content=piece)),
+    final_choice=lambda finish: ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish),
+    opening_choice=lambda: ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+COMPLETION_FORMAT = AnswerFormat(
+    CompletionResponse, CompletionChunk,
+    answer_choice=lambda text, finish: CompletionChoice(text=text, finish_reason=finish),
+    piece_choice=lambda piece: CompletionChoice(text=piece, finish_reason=None),
+    final_choice=lambda finish: CompletionChoice(text="", finish_reason=finish))
 
 
 class FeedbackResponse(BaseModel):

@@ -11,6 +11,7 @@ import pytest
 from streams.broker import LocalBroker
 from streams.kafka_backend import KafkaBackend
 from tests.fixtures.kafka import local_broker_config
+from tests.fixtures.models import TINY_MODEL_OVERRIDES
 from tests.serving.conftest import start_live_server, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -52,7 +53,7 @@ class Traffic:
 
 def test_stop_the_broker_while_requests_run_restart_it_every_interaction_exactly_once(
         tmp_path, kafka_lib_dir, tiny_model_dir, one_torch_thread):
-    overrides = {"serving.log_stall_s": 2.0, "serving.log_retry_s": 0.5,
+    overrides = {**TINY_MODEL_OVERRIDES, "serving.log_stall_s": 2.0, "serving.log_retry_s": 0.5,
                  "serving.rate_limit_per_minute": 100_000, "serving.rate_limit_burst": 1_000}
     cfg = local_broker_config(tmp_path / "broker", **overrides)
     broker = LocalBroker(cfg, lib_dir=kafka_lib_dir, stop_with_parent=True)

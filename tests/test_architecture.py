@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("online_sao", "streams", "serving", "trainer", "apps")
 
@@ -33,17 +35,14 @@ def copy_tree(dest: Path) -> Path:
     return dest
 
 
-def test_an_upward_import_from_core_breaks_the_contract(tmp_path):
+@pytest.mark.parametrize(("module", "source", "edge"), [
+    ("online_sao/upward.py", "from serving import app  # noqa: F401\n", "online_sao.upward -> serving.app"),
+    ("trainer/upward.py", "from apps import cli  # noqa: F401\n", "trainer.upward -> apps.cli"),
+    ("streams/upward.py", "from trainer import learner  # noqa: F401\n", "streams.upward -> trainer.learner"),
+], ids=["core-imports-serving", "trainer-imports-apps", "streams-imports-trainer"])
+def test_an_upward_import_breaks_the_contract(tmp_path, module, source, edge):
     root = copy_tree(tmp_path)
-    (root / "online_sao" / "upward.py").write_text("from serving import app  # noqa: F401\n")
+    (root / module).write_text(source)
     result = lint_imports(root)
     assert result.returncode != 0
-    assert "online_sao.upward -> serving.app" in result.stdout
-
-
-def test_a_component_importing_an_application_breaks_the_contract(tmp_path):
-    root = copy_tree(tmp_path)
-    (root / "trainer" / "upward.py").write_text("from apps import cli  # noqa: F401\n")
-    result = lint_imports(root)
-    assert result.returncode != 0
-    assert "trainer.upward -> apps.cli" in result.stdout
+    assert edge in result.stdout

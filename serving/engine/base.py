@@ -37,6 +37,9 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     """Token ids that end generation (the eos/end-of-turn ids); the stop token is
     sampled and logged as an action but not returned as text."""
+    top_logprobs: int = 0
+    """How many of the most likely tokens (under the sampling distribution) each
+    :class:`TokenEvent` lists beside the sampled one; 0 lists none."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class TokenEvent:
     version: int
     finish_reason: str | None = None
     """None while generating; 'stop' or 'length' on the last token."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The request's ``top_logprobs`` most likely tokens at this position as ``(token_id, logprob)``,
+    most likely first, under the same distribution as ``logprob``; tokens outside the top-p nucleus
+    (log-probability -inf) are left out, so there may be fewer."""
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,19 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> 
     return kept - torch.logsumexp(kept, dim=-1)
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
-                 generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from ``logits [V]``; returns ``(token_id, behaviour logprob)``."""
+def most_likely(logp: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]:
+    """The ``count`` most likely tokens of ``logp [V]`` as ``(token_id, logprob)``, most likely first;
+    tokens outside the nucleus (``-inf``) are left out, so there may be fewer."""
+    if count <= 0:
+        return ()
+    values, ids = torch.topk(logp, min(count, logp.shape[-1]))
+    return tuple((int(i), min(float(v), 0.0)) for v, i in zip(values, ids) if torch.isfinite(v))
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                 top_logprobs: int = 0) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """Draw one token from ``logits [V]``; returns ``(token_id, behaviour logprob, alternatives)`` where
+    ``alternatives`` are the ``top_logprobs`` most likely tokens (:func:`most_likely`)."""
     logp = nucleus_logprobs(logits, temperature, top_p)
     if temperature <= GREEDY_TEMPERATURE:
         token = int(torch.argmax(logp))
@@ -59,4 +69,4 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
         token = int(torch.multinomial(logp.exp(), 1, generator=generator))
     # Renormalising can round the log-probability of a near-certain token a hair
     # above 0; records refuse positive log-probabilities.
-    return token, min(float(logp[token]), 0.0)
+    return token, min(float(logp[token]), 0.0), most_likely(logp, top_logprobs)

@@ -253,7 +253,8 @@ class TorchEngine:
     def _take_token(self, seq: _Sequence, logits: torch.Tensor, version: int) -> bool:
         """Sample, emit; True when the sequence is finished (or its consumer went away)."""
         params = seq.request.sampling
-        token, logprob = sample_token(logits, params.temperature, params.top_p, seq.generator)
+        token, logprob, alternatives = sample_token(logits, params.temperature, params.top_p, seq.generator,
+                                                    seq.request.top_logprobs)
         seq.generated += 1
         seq.last_token = token
         finish = None
@@ -261,7 +262,7 @@ class TorchEngine:
             finish = "stop"
         elif seq.generated >= seq.max_new:
             finish = "length"
-        seq.emit(TokenEvent(token, logprob, version, finish))
+        seq.emit(TokenEvent(token, logprob, version, finish, alternatives))
         return finish is not None or seq.cancelled.is_set()
 
     # ---- hot-swap --------------------------------------------------------------------------

@@ -8,9 +8,9 @@ That is what makes the version of every token exact.
 
 - Behaviour log-probabilities: the engine is created with
   ``logprobs_mode="processed_logprobs"`` and every request asks for
-  ``logprobs=0`` (the sampled token's only), so the value is the token's
-  log-probability after temperature and top-p, i.e. under the distribution it
-  was sampled from.
+  ``logprobs=top_logprobs`` (0: the sampled token's only), so each value is a
+  log-probability after temperature and top-p, i.e. under the distribution the
+  token was sampled from; the alternatives come from the same output.
 - Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
   vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
   copy of the model, so this engine always swaps in place (``stall_s`` is the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,14 @@ def _refresh_tied_head(worker) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         dispatch_cpu_unquantized_gemm(worker.model_runner.get_model().lm_head, remove_weight=False)
+
+
+def _alternatives(logprobs: dict, count: int) -> tuple[tuple[int, float], ...]:
+    """The ``count`` most likely tokens of one position of vLLM's output (``{token_id: Logprob}``: the
+    top ``count`` plus the sampled token when it is not among them), leaving out tokens outside the
+    nucleus (-inf)."""
+    ranked = sorted(((int(t), float(lp.logprob)) for t, lp in logprobs.items()), key=lambda item: -item[1])
+    return tuple((t, min(lp, 0.0)) for t, lp in ranked[:count] if math.isfinite(lp))
 
 
 @dataclass
@@ -136,7 +145,7 @@ class VLLMEngine:
 
         s = request.sampling
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
-                              logprobs=0, stop_token_ids=sorted(request.stop_token_ids), ignore_eos=True,
+                              logprobs=request.top_logprobs, stop_token_ids=sorted(request.stop_token_ids), ignore_eos=True,
                               detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     def _run(self) -> None:
@@ -178,7 +187,8 @@ class VLLMEngine:
                 if finish not in (None, "stop", "length"):
                     live.emit(RuntimeError(f"vLLM ended request {out.request_id}: {finish}"))
                     break
-                live.emit(TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish))
+                live.emit(TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish,
+                                     _alternatives(logprobs, live.request.top_logprobs)))
             if out.finished:
                 del self._live[out.request_id]
         if self._live and not self._llm.has_unfinished_requests():

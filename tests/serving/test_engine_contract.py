@@ -24,7 +24,7 @@ from online_sao.config import ServingConfig
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.torch_engine import TorchEngine
-from tests.fixtures.engine_reference import collect, replay_logprobs
+from tests.fixtures.engine_reference import collect, reference_logprob, replay_logits, replay_logprobs
 
 LOGPROB_TOL = 2e-4
 """Float32 engine kernels (vLLM's CPU ones, or batched torch) vs a float64 one-at-a-time reference."""
@@ -115,6 +115,30 @@ def test_logprobs_are_the_processed_ones_under_the_sampling_distribution(engine,
     # the reference tells distributions apart: the same tokens at temperature 1 and no top-p disagree
     plain = [replay_logprobs({0: versions[0]}, r.prompt_ids, ev, 1.0, 1.0) for r, ev in zip(requests, results)]
     assert max(worst_error(ev, xs) for ev, xs in zip(results, plain)) > 100 * LOGPROB_TOL
+
+
+def test_top_logprobs_are_the_most_likely_tokens_under_the_sampling_distribution(engine, versions):
+    count = 5
+    req = GenerationRequest("top", PROMPTS[1], SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, seed=3,
+                                                              max_tokens=8), top_logprobs=count)
+
+    async def main():
+        await engine.start()
+        out = await collect(engine, req)
+        await engine.stop()
+        return out
+
+    events = asyncio.run(main())
+    logits = replay_logits({engine.policy_version: versions[0]}, req.prompt_ids, events)
+    for event, z in zip(events, logits):
+        reference = [reference_logprob(z, t, TEMPERATURE, TOP_P) for t in range(z.shape[0])]
+        finite = sorted((lp for lp in reference if lp > float("-inf")), reverse=True)
+        assert 1 <= len(event.top_logprobs) == min(count, len(finite))
+        assert [lp for _, lp in event.top_logprobs] == pytest.approx(finite[:count], abs=LOGPROB_TOL)
+        for token, logprob in event.top_logprobs:
+            assert abs(logprob - reference[token]) < LOGPROB_TOL
+        if event.token_id in dict(event.top_logprobs):
+            assert dict(event.top_logprobs)[event.token_id] == pytest.approx(event.logprob, abs=LOGPROB_TOL)
 
 
 def test_stop_token_ends_generation(engine):

@@ -79,8 +79,19 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
 
 def test_tiny_temperature_is_greedy_and_its_logprob_not_positive():
     generator = torch.Generator().manual_seed(0)
-    token, logprob = sample_token(torch.tensor([1.0, 3.0, 2.999]), 1e-4, 1.0, generator)
+    token, logprob, _ = sample_token(torch.tensor([1.0, 3.0, 2.999]), 1e-4, 1.0, generator)
     assert token == 1 and logprob <= 0.0
+
+
+def test_alternatives_are_the_most_likely_tokens_of_the_nucleus():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    # top_p 0.6 keeps 0.4 and 0.3 (0.4 alone is short of 0.6): renormalised 4/7 and 3/7
+    token, logprob, alternatives = sample_token(logits, 1.0, 0.6, generator, top_logprobs=3)
+    assert [t for t, _ in alternatives] == [3, 2]
+    assert [lp for _, lp in alternatives] == pytest.approx([math.log(4 / 7), math.log(3 / 7)], abs=1e-6)
+    assert dict(alternatives)[token] == pytest.approx(logprob)
+    assert sample_token(logits, 1.0, 0.6, generator)[2] == ()
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1e-4), dict(temperature=1.0, seed=7)])

@@ -263,6 +263,10 @@ class ServingConfig(Section):
     max_trajectories: int = Field(1024, ge=1)
     """Recent trajectories kept in memory so a request can continue one (parent_interaction_id);
     an older or evicted parent is refused with 404."""
+    tool_call_parser: Literal["hermes", "none"] = "hermes"
+    """How tool calls are read from a chat answer when the request has ``tools``: ``hermes`` is
+    ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen-family templates); ``none`` refuses
+    requests with tools (400)."""
 
 
 class TrainerConfig(Section):

@@ -31,21 +31,21 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from online_sao.config import ServingConfig
-from online_sao.schemas import MIN_TEMPERATURE, Interaction, SamplingParams
+from online_sao.schemas import Interaction, SamplingParams
 from serving.detokenize import IncrementalDecoder, StopStrings
 from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
+from serving.logprobs import TokenTexts
 from serving.metrics import ServingMetrics
 from serving.protocol import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, APIError,
                               ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              SamplingRequest, UsageInfo, logging_unavailable)
+                              Reply, SamplingRequest, TokenLogprob, UsageInfo, logging_unavailable, message_key)
 from serving.receipt import Receipt
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
+from serving.request_checks import check_chat, check_sampling
+from serving.tool_calls import TOOL_CALL_PARSERS, ParsedAnswer, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
-
-MAX_STOP_STRINGS = 16
-"""Stop strings per request: each costs a scan of the held-back text per token."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +67,40 @@ class _Turn:
     user: str | None
     session_id: str | None
     template_messages: list[dict] | None = None
+    message_keys: list[tuple] | None = None
+    tools: list[dict] | None = None
+    """Chat: the tools the template rendered; their calls are parsed from the answer."""
     prompt_text: str | None = None
+    top_logprobs: int | None = None
+    """Alternatives per token when the client asked for log-probs, else None."""
     created_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    alternatives: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    parsed: ParsedAnswer | None = None
+    """Chat with tools: the answer split into content and tool calls, once it ended."""
     receipt: Receipt | None = None
     """Set when the interaction was submitted to the logger."""
 
     @property
     def policy_versions(self) -> list[int]:
         return sorted(set(self.versions))
+
+    @property
+    def answer_finish_reason(self) -> str | None:
+        """The finish reason clients see: ``tool_calls`` when the model ended its turn after calling tools."""
+        if self.parsed is not None and self.parsed.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
+    @property
+    def content(self) -> str:
+        """The text clients see as the answer (without tool-call blocks)."""
+        return self.text if self.parsed is None else self.parsed.content
 
     def usage(self) -> UsageInfo:
         prompt = len(self.prefix.engine_prompt)
@@ -109,13 +129,17 @@ class OpenAIServing:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = self.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
+        self.token_texts = TokenTexts(self.tokenizer)
+        parser = TOOL_CALL_PARSERS.get(self.cfg.tool_call_parser)
+        self.tool_call_parser: ToolCallParser | None = None if parser is None else parser()
 
     # ------------------------------------------------------------------ prompts
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **extra)
         except Exception as exc:  # jinja templates raise their own errors for conversations they refuse
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
 
@@ -139,28 +163,33 @@ class OpenAIServing:
                            param="parent_interaction_id")
         return parent
 
-    def _chat_prefix(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict]]:
+    def _chat_prefix(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict], list[tuple]]:
+        """The prefix, the conversation as the template renders it and each message's key."""
         messages = [m.as_template_message() for m in request.messages]
+        keys = [m.key() for m in request.messages]
+        tools = request.active_tools()
+        render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
         if request.parent_interaction_id is None:
-            return TrajectoryPrefix(self._encode(self._render(messages, True))), messages
+            return TrajectoryPrefix(self._encode(render(messages, True))), messages, keys
         parent = self._parent(request.parent_interaction_id, "chat")
-        stored = list(parent.template_messages)
-        same = [(m["role"], m["content"]) for m in messages[:len(stored)]] == \
-               [(m["role"], m["content"]) for m in stored]
-        if not same or len(messages) <= len(stored):
+        stored, stored_keys = list(parent.template_messages), list(parent.message_keys)
+        if keys[:len(stored)] != stored_keys or len(messages) <= len(stored):
             raise APIError(400, f"messages must repeat the {len(stored)} messages of interaction "
                                 f"{parent.record.interaction_id} (its reply as returned) and add new ones",
                            param="messages")
         if messages[-1]["role"] == "assistant":
             raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
+        if _canonical(tools) != parent.tools:
+            raise APIError(400, f"tools must be the ones of interaction {parent.record.interaction_id}: they are "
+                                "part of the trajectory's prompt", param="tools")
         messages = stored + messages[len(stored):]
         last = parent.record.response_ids[-1] if parent.record.response_ids else None
         stop_text = self.tokenizer.decode([last]) if last in self.stop_token_ids else None
-        observation = chat_observation_text(self._render, stored, messages, stop_text)
+        observation = chat_observation_text(render, stored, messages, stop_text)
         if observation is None:
             raise APIError(400, "the chat template does not render this conversation as an extension of "
                                 f"interaction {parent.record.interaction_id}", param="messages")
-        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages
+        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages, keys
 
     def _completion_prefix(self, request: CompletionRequest) -> tuple[TrajectoryPrefix, str | None]:
         prompt = request.prompt
@@ -220,31 +249,24 @@ class OpenAIServing:
         sampling = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                   top_p=1.0 if request.top_p is None else request.top_p,
                                   max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
-        return _Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id, **extra)
+        return _Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
+                     top_logprobs=request.requested_top_logprobs(), **extra)
 
     def check_request(self, request: SamplingRequest) -> None:
-        """Checks that need no tokenizer: model, n, temperature, stop strings."""
+        """Checks that need no tokenizer: the model, then what the service does not do (:mod:`.request_checks`)."""
         if request.model != self.cfg.model_name:
             raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
                                 f"{self.cfg.model_name!r}", param="model", code="model_not_found")
-        if request.n != 1:
-            raise APIError(400, f"n={request.n} is not supported: each request samples one completion "
-                                "(send several requests)", param="n")
-        if request.temperature == 0:
-            raise APIError(400, "temperature 0 (greedy decoding) is not supported: online learning needs the "
-                                "sampling distribution; use a small positive temperature", param="temperature")
-        if request.temperature is not None and request.temperature < MIN_TEMPERATURE:
-            raise APIError(400, f"temperature {request.temperature:g} is below the smallest supported, "
-                                f"{MIN_TEMPERATURE:g}", param="temperature")
-        if len(request.stop_list()) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+        check_sampling(request)
+        if isinstance(request, ChatCompletionRequest):
+            check_chat(request, self.cfg.tool_call_parser)
 
     # ------------------------------------------------------------------ generation
 
     async def _pieces(self, turn: _Turn) -> AsyncIterator[str]:
         """Yield the response text as it becomes final; log the interaction when it ends."""
         request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
-                                    self.stop_token_ids)
+                                    self.stop_token_ids, top_logprobs=turn.top_logprobs or 0)
         decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids)
         stops = StopStrings(turn.sampling.stop)
         stream = self.engine.generate(request)
@@ -255,6 +277,7 @@ class OpenAIServing:
                 turn.token_ids.append(event.token_id)
                 turn.logprobs.append(event.logprob)
                 turn.versions.append(event.version)
+                turn.alternatives.append(event.top_logprobs)
                 piece = decoder.push(event.token_id)
                 if event.finish_reason is not None:
                     piece += decoder.finish()
@@ -300,8 +323,14 @@ class OpenAIServing:
                              session_id=turn.session_id, **fields, **texts)
         turn.receipt = self.logger.submit(record)
         if turn.template_messages is not None:
-            messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]
-            self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages)))
+            if turn.tools is not None:
+                turn.parsed = self.tool_call_parser.parse(turn.text)
+            calls = [(c.function.name, c.function.arguments) for c in turn.parsed.calls] if turn.parsed else []
+            messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]  # as sampled
+            keys = turn.message_keys + [message_key("assistant", turn.content, calls)]  # as returned
+            self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages),
+                                                                  message_keys=tuple(keys),
+                                                                  tools=_canonical(turn.tools)))
         else:
             visible = None if turn.prompt_text is None else turn.prompt_text + turn.text
             self.trajectories.put(turn.interaction_id, Trajectory(record, visible_text=visible))
@@ -322,8 +351,9 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Streamed:
         self.check_request(request)
-        prefix, messages = self._chat_prefix(request)
-        turn = self._admit(request, "chat", prefix, template_messages=messages)
+        prefix, messages, keys = self._chat_prefix(request)
+        turn = self._admit(request, "chat", prefix, template_messages=messages, message_keys=keys,
+                           tools=request.active_tools())
         return await self._serve(request, turn, CHAT_FORMAT)
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse | Streamed:
@@ -332,6 +362,14 @@ class OpenAIServing:
         turn = self._admit(request, "completions", prefix, prompt_text=text)
         return await self._serve(request, turn, COMPLETION_FORMAT)
 
+    def _logprobs(self, turn: _Turn, fmt: AnswerFormat, start: int, end: int | None = None) -> BaseModel | None:
+        """The endpoint's log-probs of the turn's tokens ``start:end`` when the client asked for them."""
+        if turn.top_logprobs is None:
+            return None
+        tokens = [self.token_texts.sampled(t, lp, alt) for t, lp, alt in
+                  zip(turn.token_ids[start:end], turn.logprobs[start:end], turn.alternatives[start:end])]
+        return fmt.logprobs(tokens, _text_length(turn, self.token_texts, start))
+
     async def _serve(self, request: SamplingRequest, turn: _Turn, fmt: AnswerFormat) -> Answer | Streamed:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -339,10 +377,11 @@ class OpenAIServing:
         async for _ in self._pieces(turn):
             pass
         await self._acknowledge(turn)
+        reply = Reply(turn.content, turn.answer_finish_reason, self._logprobs(turn, fmt, 0),
+                      turn.parsed.calls if turn.parsed else ())
         return fmt.answer(id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
-                          choices=[fmt.answer_choice(turn.text, turn.finish_reason)],
-                          interaction_id=turn.interaction_id, policy_version=max(turn.versions),
-                          policy_versions=turn.policy_versions)
+                          choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
+                          policy_version=max(turn.versions), policy_versions=turn.policy_versions)
 
     async def _events(self, turn: _Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
         def chunk(choice: BaseModel, final: bool = False) -> str:
@@ -350,20 +389,42 @@ class OpenAIServing:
                                  choices=[choice], policy_version=max(turn.versions) if final else None,
                                  policy_versions=turn.policy_versions if final else None))
 
+        sent_tokens, sent_text = 0, 0  # tokens whose log-probs went out; characters of turn.text that did
+        parser = self.tool_call_parser if turn.tools is not None else None
         try:
             if fmt.opening_choice is not None:
                 yield chunk(fmt.opening_choice())
             async with aclosing(self._pieces(turn)) as pieces:
-                async for piece in pieces:
-                    yield chunk(fmt.piece_choice(piece))
+                async for _ in pieces:
+                    # with tools, text that may be a tool call waits for the end of the answer
+                    ready = len(turn.text) if parser is None else parser.held_from(turn.text)
+                    if ready > sent_text:
+                        yield chunk(fmt.piece_choice(turn.text[sent_text:ready], self._logprobs(turn, fmt, sent_tokens)))
+                        sent_tokens, sent_text = len(turn.token_ids), ready
+            if turn.parsed is not None:
+                rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
+                if rest:
+                    yield chunk(fmt.piece_choice(rest, self._logprobs(turn, fmt, sent_tokens)))
+                    sent_tokens = len(turn.token_ids)
+                for index, call in enumerate(turn.parsed.calls):
+                    yield chunk(fmt.tool_call_choice(index, call))
             await self._acknowledge(turn)
-            yield chunk(fmt.final_choice(turn.finish_reason), final=True)
+            yield chunk(fmt.final_choice(turn.answer_finish_reason, self._logprobs(turn, fmt, sent_tokens)), final=True)
             if include_usage:
                 yield sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
                                     usage=turn.usage(), interaction_id=turn.interaction_id))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: the error travels as an SSE event
             yield sse(stream_error(exc))
+
+
+def _canonical(tools: list[dict] | None) -> str | None:
+    return None if tools is None else json.dumps(tools, sort_keys=True)
+
+
+def _text_length(turn: _Turn, texts: TokenTexts, end: int) -> int:
+    """Characters of the texts of the turn's first ``end`` tokens (the completions' ``text_offset``)."""
+    return sum(len(texts.top(t, 0.0).token) for t in turn.token_ids[:end])
 
 
 def stream_error(exc: Exception) -> dict:

@@ -1,8 +1,10 @@
 """Wire models of the OpenAI-compatible API, the feedback API and OpenAI-style errors.
 
-Requests accept (and ignore) OpenAI fields that do not change sampling here
-(``presence_penalty``, ``logit_bias``, ...), so the official client works
-unchanged. Two extensions arrive through the client's ``extra_body``:
+Requests accept (and ignore) OpenAI fields that change nothing here
+(``metadata``, ``store``, ...), so the official client works unchanged; fields
+that would change sampling in a way this service does not implement
+(penalties, ``logit_bias``, structured output) are declared so that the
+serving layer can refuse a non-default value by name. Two extensions arrive through the client's ``extra_body``:
 ``parent_interaction_id`` (continue an earlier interaction as one trajectory)
 and ``session_id``. Responses add ``interaction_id``, ``policy_version`` (the
 newest version that sampled a token) and ``policy_versions`` (every version that
@@ -11,12 +13,13 @@ sampled one, ascending).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from online_sao.schemas import FiniteFloat
 
@@ -78,11 +81,61 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str
+    """JSON text of the arguments."""
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def template_call(self) -> dict:
+        """The call as chat templates render it (Hugging Face's convention: arguments as an object when
+        they are JSON of one)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
+class FunctionSpec(_Request):
+    model_config = ConfigDict(extra="allow", strict=True)  # a tool's schema is the client's to define
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+    def template_tool(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: dict
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant message's tool calls, as this server returned them."""
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -99,7 +152,26 @@ class ChatMessage(_Request):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
         return message
+
+    def key(self) -> tuple:
+        """What identifies the message as a client sends it back: role, text and tool calls (name and
+        arguments, JSON normalised; call ids are not compared)."""
+        return message_key(self.role, self.text(), [(c.function.name, c.function.arguments)
+                                                    for c in self.tool_calls or []])
+
+
+def message_key(role: str, text: str, calls: list[tuple[str, str]]) -> tuple:
+    """See :meth:`ChatMessage.key`."""
+    def normal(arguments: str) -> str:
+        try:
+            return json.dumps(json.loads(arguments), sort_keys=True)
+        except ValueError:
+            return arguments
+
+    return role, text, tuple((name, normal(arguments)) for name, arguments in calls)
 
 
 class SamplingRequest(_Request):
@@ -117,6 +189,12 @@ class SamplingRequest(_Request):
     """Extension (``extra_body``): continue this earlier interaction as one trajectory."""
     session_id: str | None = Field(None, max_length=256)
     """Extension (``extra_body``): recorded on the interaction."""
+    presence_penalty: float | None = None
+    """Refused unless 0: a penalty changes the sampling distribution, which the learner must know."""
+    frequency_penalty: float | None = None
+    """Refused unless 0, like ``presence_penalty``."""
+    logit_bias: dict[str, float] | None = None
+    """Refused unless empty, like ``presence_penalty``."""
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -130,9 +208,29 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     """Newer name of ``max_tokens``; either may be sent."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """Needs ``logprobs``; how many alternatives each token lists."""
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """``auto`` (the default with tools) and ``none``; a forced call is refused (sampling is not constrained)."""
+    parallel_tool_calls: bool | None = None
+    """Accepted; the model may write several calls in one answer either way."""
+    response_format: ResponseFormat | None = None
+    """Only ``text``: structured output would constrain sampling."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_top_logprobs(self) -> int | None:
+        """Alternatives per token when log-probs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def active_tools(self) -> list[dict] | None:
+        """The tools the chat template renders: none when absent or ``tool_choice`` is ``none``."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.template_tool() for tool in self.tools]
 
 
 class CompletionRequest(SamplingRequest):
@@ -140,9 +238,14 @@ class CompletionRequest(SamplingRequest):
     """One prompt: text, a one-element list of text, or token ids."""
     max_tokens: int | None = Field(16, ge=1)
     """OpenAI's default for the completions endpoint is 16."""
+    logprobs: int | None = Field(None, ge=0, le=5)
+    """Log-probs of the sampled tokens and this many alternatives each."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TurnRewardIn(_Request):
@@ -203,16 +306,77 @@ class Chunk(BaseModel):
     policy_versions: list[int] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    """The token's UTF-8 bytes (a byte-level token may hold part of a character)."""
+
+
+class TokenLogprob(TopLogprob):
+    """One sampled token with its behaviour log-probability and the most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+    """Offset of each token in the completion text (the first chunk's first token at 0)."""
+
+
+def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """The completions endpoint's shape of ``tokens``; the first starts at ``offset`` in the text."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.token)
+    return CompletionLogprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                              top_logprobs=[{a.token: a.logprob for a in t.top_logprobs} for t in tokens],
+                              text_offset=offsets)
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text of the arguments, as the model wrote them (re-serialised when it wrote an object)."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _WithoutEmptyToolCalls(BaseModel):
+    """``tool_calls`` appears on the wire only when there are some."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_WithoutEmptyToolCalls):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(Answer):
@@ -220,16 +384,24 @@ class ChatCompletionResponse(Answer):
     choices: list[ChatChoice]
 
 
-class DeltaMessage(BaseModel):
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaMessage(_WithoutEmptyToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Chunk):
@@ -241,7 +413,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(Answer):
@@ -255,32 +427,58 @@ class CompletionChunk(Chunk):
 
 
 @dataclass(frozen=True)
+class Reply:
+    """What one choice of a whole answer says."""
+
+    text: str
+    finish_reason: str
+    logprobs: BaseModel | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+def _chat_answer(reply: Reply) -> ChatChoice:
+    calls = list(reply.tool_calls) or None
+    content = None if calls and not reply.text else reply.text
+    return ChatChoice(message=ChatResponseMessage(content=content, tool_calls=calls),
+                      finish_reason=reply.finish_reason, logprobs=reply.logprobs)
+
+
+@dataclass(frozen=True)
 class AnswerFormat:
     """How one endpoint's answers look: its answer and chunk models and the choice each carries."""
 
     answer: type[Answer]
     chunk: type[Chunk]
-    answer_choice: Callable[[str, str], BaseModel]
-    """The choice of a whole answer: (text, finish reason)."""
-    piece_choice: Callable[[str], BaseModel]
-    """The choice of a chunk carrying a piece of text."""
-    final_choice: Callable[[str | None], BaseModel]
-    """The choice of the chunk carrying the finish reason."""
+    answer_choice: Callable[[Reply], BaseModel]
+    """The choice of a whole answer."""
+    piece_choice: Callable[[str, BaseModel | None], BaseModel]
+    """The choice of a chunk carrying a piece of text (and the log-probs of its tokens)."""
+    final_choice: Callable[[str | None, BaseModel | None], BaseModel]
+    """The choice of the chunk carrying the finish reason (and the log-probs of tokens not sent yet)."""
+    logprobs: Callable[[list[TokenLogprob], int], BaseModel]
+    """The endpoint's log-probs of some tokens, the first at this offset in the text."""
     opening_choice: Callable[[], BaseModel] | None = None
     """The choice of a chunk sent before any text, if the endpoint sends one."""
+    tool_call_choice: Callable[[int, ToolCall], BaseModel] | None = None
+    """The choice of a chunk carrying one whole tool call (its index in the answer), if the endpoint has them."""
 
 
 CHAT_FORMAT = AnswerFormat(
     ChatCompletionResponse, ChatCompletionChunk,
-    answer_choice=lambda text, finish: ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish),
-    piece_choice=lambda piece: ChatChunkChoice(delta=DeltaMessage(content=piece)),
-    final_choice=lambda finish: ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish),
-    opening_choice=lambda: ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+    answer_choice=_chat_answer,
+    piece_choice=lambda piece, lp: ChatChunkChoice(delta=DeltaMessage(content=piece), logprobs=lp),
+    final_choice=lambda finish, lp: ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish, logprobs=lp),
+    logprobs=lambda tokens, _offset: ChatLogprobs(content=tokens),
+    opening_choice=lambda: ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")),
+    tool_call_choice=lambda index, call: ChatChunkChoice(delta=DeltaMessage(tool_calls=[ToolCallDelta(
+        index=index, id=call.id, function=call.function)])))
 COMPLETION_FORMAT = AnswerFormat(
     CompletionResponse, CompletionChunk,
-    answer_choice=lambda text, finish: CompletionChoice(text=text, finish_reason=finish),
-    piece_choice=lambda piece: CompletionChoice(text=piece, finish_reason=None),
-    final_choice=lambda finish: CompletionChoice(text="", finish_reason=finish))
+    answer_choice=lambda reply: CompletionChoice(text=reply.text, finish_reason=reply.finish_reason,
+                                                 logprobs=reply.logprobs),
+    piece_choice=lambda piece, lp: CompletionChoice(text=piece, finish_reason=None, logprobs=lp),
+    final_choice=lambda finish, lp: CompletionChoice(text="", finish_reason=finish, logprobs=lp),
+    logprobs=completion_logprobs)
 
 
 class FeedbackResponse(BaseModel):

@@ -31,6 +31,12 @@ class Trajectory:
     (as returned to the client) last."""
     visible_text: str | None = None
     """Completions with a text prompt: the prompt plus the text returned to the client."""
+    message_keys: tuple[tuple, ...] | None = None
+    """Chat: each message as the client sends it back (``protocol.message_key``); the reply's key
+    holds the content and tool calls as returned, while ``template_messages`` holds its text as
+    sampled."""
+    tools: str | None = None
+    """Chat: the tools the template rendered, as canonical JSON (a continuation must send the same)."""
 
     @property
     def token_ids(self) -> list[int]:

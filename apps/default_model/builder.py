@@ -31,20 +31,35 @@ from apps.default_model.corpus import CORPUS_VERSION, Example, generate_corpus, 
 
 RECORD_FILE = "online_sao_base_model.json"
 """Written last into a built model directory: the fingerprint it was built from and its stats."""
-BUILD_FORMAT = 2
+BUILD_FORMAT = 3
 """Bumped when this builder changes what it produces, so older cached builds are rebuilt."""
 
 END_OF_TEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, PAD)
 
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\nYou may call these tools:\\n<tools>\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool.function if tool.function is defined else tool) | tojson -}}"
+    "{{- '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\nTo call one, answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.'"
+    " + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{{- '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson)"
+    " + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 """ChatML: each turn is ``<|im_start|>role\\ncontent<|im_end|>\\n``; the generation prompt opens
-an assistant turn, which the model closes with ``<|im_end|>`` (its eos token)."""
+an assistant turn, which the model closes with ``<|im_end|>`` (its eos token). With ``tools`` a
+system turn lists them first; an assistant's tool calls follow its content as
+``<tool_call>{"name", "arguments"}</tool_call>`` (what ``serving.tool_call_parser: hermes`` reads);
+tool results are ``tool`` turns. Without tools the text is what the corpus was rendered as."""
 
 PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -107,6 +107,43 @@ def make_harness(tmp_path, chat_tokenizer) -> Iterator:
         client.__exit__(None, None, None)
 
 
+@dataclass
+class FakeHttpServer:
+    """The real app over a :class:`FakeEngine` and an InMemoryBackend, on uvicorn (real HTTP)."""
+
+    url: str
+    engine: FakeEngine
+    harness: Harness
+    """For ``records``/``interactions``; its ``client`` is None (the app is not under a TestClient)."""
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key="not-needed-on-loopback", max_retries=0)
+
+    def script(self, text: str) -> None:
+        """The fake engine's next answers: ``text`` then the stop token."""
+        tokenizer = self.harness.tokenizer
+        self.engine.script = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+
+@pytest.fixture
+def fake_http_server(tmp_path, chat_tokenizer) -> Iterator[FakeHttpServer]:
+    from serving.server import BackgroundServer
+
+    cfg = serving_config(tmp_path)
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    engine = FakeEngine([chat_tokenizer.eos_token_id])
+    logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
+    metrics = ServingMetrics(CollectorRegistry())
+    server = BackgroundServer(build_app(engine, logger, cfg, chat_tokenizer, metrics, max_model_len=512)).start()
+    yield FakeHttpServer(server.url, engine, Harness(None, engine, logger, cfg, producer, backend, metrics,
+                                                     chat_tokenizer))
+    server.stop()
+
+
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     """Poll ``predicate`` (for state owned by other threads) until true or timeout."""
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,137 @@
+"""Tool calling through the official openai client over real HTTP (the app over a scripted engine):
+a call, the tool's result, the answer, plain and streamed; the logged trajectory and its advantages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from online_sao.advantages import skip_observation_gae
+from online_sao.batch import collate
+from serving.tool_calls import HermesToolCallParser
+from trainer.rollouts import interaction_to_rollout
+
+MODEL = "online-sao"
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+QUESTION = [{"role": "user", "content": "What is 2 plus 3?"}]
+
+
+def test_hermes_parser_splits_content_and_calls_and_keeps_malformed_blocks():
+    parser = HermesToolCallParser()
+    parsed = parser.parse(f"Let me add.{CALL_TEXT}")
+    assert parsed.content == "Let me add."
+    [call] = parsed.calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    assert parser.parse(f"\n{CALL_TEXT}\n").content == ""
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parser.parse(broken).content == broken and parser.parse(broken).calls == ()
+    assert parser.parse("no calls").content == "no calls"
+    assert parser.held_from("plain text") == len("plain text")
+    assert parser.held_from("plain <tool") == len("plain ")
+    assert parser.held_from(f"ab{CALL_TEXT}") == 2
+
+
+def _streamed(client, **kwargs):
+    """(content, tool calls as {index: (id, name, arguments)}, finish reason, interaction id)."""
+    content, calls, finish, ids = "", {}, None, set()
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        ids.add(chunk.interaction_id)
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                calls[delta.index] = (delta.id, delta.function.name, delta.function.arguments)
+            finish = choice.finish_reason or finish
+    [interaction_id] = ids
+    return content, calls, finish, interaction_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip_logs_the_tool_result_as_observation(fake_http_server, stream):
+    server = fake_http_server
+    client = server.openai()
+    server.script(CALL_TEXT)
+    if stream:
+        content, calls, finish, first_id = _streamed(client, model=MODEL, messages=QUESTION, tools=TOOLS)
+        [(call_id, name, arguments)] = calls.values()
+        assistant = {"role": "assistant", "content": content or None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+    else:
+        first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+        finish, first_id, message = first.choices[0].finish_reason, first.interaction_id, first.choices[0].message
+        content, [call] = message.content, message.tool_calls
+        call_id, name, arguments = call.id, call.function.name, call.function.arguments
+        assistant = message.model_dump(exclude_none=True)
+    assert finish == "tool_calls" and not content
+    assert (name, json.loads(arguments)) == ("add", {"a": 2, "b": 3})
+    prompt = server.harness.tokenizer.decode(server.engine.requests[0].prompt_ids)
+    assert "<tools>" in prompt and '"name": "add"' in prompt  # the template rendered the tools
+
+    server.script("It is 5.")
+    follow_up = dict(model=MODEL, tools=TOOLS, extra_body={"parent_interaction_id": first_id},
+                     messages=QUESTION + [assistant, {"role": "tool", "tool_call_id": call_id, "content": "5"}])
+    if stream:
+        answer, calls, finish, second_id = _streamed(client, **follow_up)
+        assert calls == {}
+    else:
+        second = client.chat.completions.create(**follow_up)
+        answer, finish, second_id = second.choices[0].message.content, second.choices[0].finish_reason, \
+            second.interaction_id
+    assert (answer, finish) == ("It is 5.", "stop")
+
+    records = {r.interaction_id: r for r in server.harness.interactions()}
+    record = records[second_id]
+    assert record.parent_id == first_id
+    tokenizer = server.harness.tokenizer
+    call_ids = tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answer_ids = tokenizer("It is 5.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    observation = record.response_ids[len(call_ids):-len(answer_ids)]
+    assert record.response_ids == call_ids + observation + answer_ids
+    assert record.action_mask == [True] * len(call_ids) + [False] * len(observation) + [True] * len(answer_ids)
+    assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert record.turn_ends == [len(call_ids) - 1, len(record.response_ids) - 1]
+
+    # the learner's skip-observation GAE: with gamma = lambda = 1, values 0 on actions and a reward of 1
+    # at the end, every action token's advantage is 1 however large the values on the tool result are
+    rollout = interaction_to_rollout(record, reward=1.0)
+    batch = collate([rollout], pad_token_id=0)
+    values = torch.where(batch.action_mask, 0.0, 1000.0)
+    advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=1.0)
+    assert torch.equal(advantages[batch.action_mask], torch.ones(int(batch.action_mask.sum())))
+    assert torch.equal(advantages[~batch.action_mask], torch.zeros(int((~batch.action_mask).sum())))
+    tool_result = len(record.prompt_ids) + len(call_ids) + torch.arange(len(observation))
+    assert not batch.action_mask[0, tool_result].any()
+
+
+def test_a_continuation_with_other_tools_or_an_edited_call_is_refused(fake_http_server):
+    import openai
+
+    server = fake_http_server
+    client = server.openai()
+    server.script(CALL_TEXT)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    tool = {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "5"}
+    parent = {"parent_interaction_id": first.interaction_id}
+    with pytest.raises(openai.BadRequestError) as other_tools:
+        client.chat.completions.create(model=MODEL, messages=QUESTION + [assistant, tool], extra_body=parent,
+                                       tools=[{"type": "function", "function": {"name": "sub"}}])
+    assert other_tools.value.body["param"] == "tools"
+    edited = json.loads(json.dumps(assistant))
+    edited["tool_calls"][0]["function"]["arguments"] = '{"a": 2, "b": 4}'
+    with pytest.raises(openai.BadRequestError) as edited_call:
+        client.chat.completions.create(model=MODEL, messages=QUESTION + [edited, tool], extra_body=parent,
+                                       tools=TOOLS)
+    assert edited_call.value.body["param"] == "messages"
+
+
+def test_without_tools_a_tool_call_text_is_plain_content(fake_http_server):
+    server = fake_http_server
+    server.script(CALL_TEXT)
+    answer = server.openai().chat.completions.create(model=MODEL, messages=QUESTION)
+    assert answer.choices[0].message.content == CALL_TEXT and answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason == "stop"

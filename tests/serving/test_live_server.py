@@ -147,3 +147,28 @@ def test_a_published_version_is_served_and_counted(live_server):
     metrics = httpx.get(f"{live_server.base_url}/metrics").text
     assert 'sao_serving_weight_swaps_total{outcome="applied"} 1.0' in metrics
     assert "sao_serving_policy_version 1.0" in metrics
+
+
+def test_logprobs_from_the_torch_engine_equal_the_logged_behaviour_logprobs(live_server):
+    client = live_server.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about rivers."}],
+                                          max_tokens=12, temperature=0.8, top_p=0.9, logprobs=True, top_logprobs=4)
+    streamed, ids = [], set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi."}],
+                                                max_tokens=12, temperature=0.7, logprobs=True, top_logprobs=2,
+                                                stream=True):
+        ids.add(chunk.interaction_id)
+        streamed += [t for c in chunk.choices if c.logprobs for t in c.logprobs.content]
+    text = client.completions.create(model=MODEL, prompt="The river", max_tokens=10, top_p=0.8, logprobs=3)
+
+    records = {r.interaction_id: r for r in live_server.read(live_server.cfg.kafka.topics.interactions, count=3)}
+    answers = [(chat.interaction_id, chat.choices[0].logprobs.content, 4), (ids.pop(), streamed, 2)]
+    for interaction_id, tokens, count in answers:
+        assert [t.logprob for t in tokens] == records[interaction_id].logprobs
+        for token in tokens:
+            alternatives = [a.logprob for a in token.top_logprobs]
+            assert 1 <= len(alternatives) <= count and alternatives == sorted(alternatives, reverse=True)
+            assert token.logprob <= alternatives[0]  # the most likely token is listed first
+    lp = text.choices[0].logprobs
+    assert lp.token_logprobs == records[text.interaction_id].logprobs
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)

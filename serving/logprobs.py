@@ -9,7 +9,7 @@ the text leaves it out), so the list lines up with the record's log-probs of thi
 
 from __future__ import annotations
 
-from serving.protocol import TokenLogprob, TopLogprob
+from serving.answers import TokenLogprob, TopLogprob
 
 
 def _byte_level_alphabet() -> dict[str, int]:

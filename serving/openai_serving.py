@@ -26,7 +26,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -38,14 +38,15 @@ from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.logprobs import TokenTexts
 from serving.metrics import ServingMetrics
-from serving.protocol import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, APIError,
-                              ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              Reply, SamplingRequest, TokenLogprob, UsageInfo, logging_unavailable, message_key)
-from serving.receipt import Receipt
+from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, ChatCompletionResponse,
+                             CompletionResponse, Reply)
+from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
+                              logging_unavailable, message_key)
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_sampling
-from serving.tool_calls import TOOL_CALL_PARSERS, ParsedAnswer, ToolCallParser
+from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
+from serving.turn import Turn
 
 
 @dataclass(frozen=True)
@@ -54,58 +55,6 @@ class Streamed:
 
     interaction_id: str
     events: AsyncIterator[str]
-
-
-@dataclass
-class _Turn:
-    """One admitted request while it is served."""
-
-    interaction_id: str
-    route: str
-    prefix: TrajectoryPrefix
-    sampling: SamplingParams
-    user: str | None
-    session_id: str | None
-    template_messages: list[dict] | None = None
-    message_keys: list[tuple] | None = None
-    tools: list[dict] | None = None
-    """Chat: the tools the template rendered; their calls are parsed from the answer."""
-    prompt_text: str | None = None
-    top_logprobs: int | None = None
-    """Alternatives per token when the client asked for log-probs, else None."""
-    created_at: float = field(default_factory=time.time)
-    started: float = field(default_factory=time.perf_counter)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    alternatives: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    parsed: ParsedAnswer | None = None
-    """Chat with tools: the answer split into content and tool calls, once it ended."""
-    receipt: Receipt | None = None
-    """Set when the interaction was submitted to the logger."""
-
-    @property
-    def policy_versions(self) -> list[int]:
-        return sorted(set(self.versions))
-
-    @property
-    def answer_finish_reason(self) -> str | None:
-        """The finish reason clients see: ``tool_calls`` when the model ended its turn after calling tools."""
-        if self.parsed is not None and self.parsed.calls and self.finish_reason == "stop":
-            return "tool_calls"
-        return self.finish_reason
-
-    @property
-    def content(self) -> str:
-        """The text clients see as the answer (without tool-call blocks)."""
-        return self.text if self.parsed is None else self.parsed.content
-
-    def usage(self) -> UsageInfo:
-        prompt = len(self.prefix.engine_prompt)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=len(self.token_ids),
-                         total_tokens=prompt + len(self.token_ids))
 
 
 def sse(payload: object) -> str:
@@ -221,7 +170,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, request: SamplingRequest, route: str, prefix: TrajectoryPrefix, **extra) -> _Turn:
+    def _admit(self, request: SamplingRequest, route: str, prefix: TrajectoryPrefix, **extra) -> Turn:
         prompt_len = len(prefix.engine_prompt)
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt" if route == "completions" else "messages")
@@ -249,7 +198,7 @@ class OpenAIServing:
         sampling = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                   top_p=1.0 if request.top_p is None else request.top_p,
                                   max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
-        return _Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
+        return Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
                      top_logprobs=request.requested_top_logprobs(), **extra)
 
     def check_request(self, request: SamplingRequest) -> None:
@@ -263,7 +212,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ generation
 
-    async def _pieces(self, turn: _Turn) -> AsyncIterator[str]:
+    async def _pieces(self, turn: Turn) -> AsyncIterator[str]:
         """Yield the response text as it becomes final; log the interaction when it ends."""
         request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
                                     self.stop_token_ids, top_logprobs=turn.top_logprobs or 0)
@@ -303,13 +252,13 @@ class OpenAIServing:
             if turn.finish_reason is not None and turn.token_ids:
                 self._log(turn)
 
-    def _redacted(self, turn: _Turn, texts: dict[str, str]) -> dict[str, str]:
+    def _redacted(self, turn: Turn, texts: dict[str, str]) -> dict[str, str]:
         metadata = RequestMetadata(turn.interaction_id, turn.route, self.cfg.model_name, self.cfg.deployment_id,
                                    turn.user, turn.session_id)
         kept = apply_redactor(self.redactor, Texts(texts["prompt_text"], texts["response_text"]), metadata)
         return {} if kept is None else dict(prompt_text=kept.prompt, response_text=kept.response)
 
-    def _log(self, turn: _Turn) -> None:
+    def _log(self, turn: Turn) -> None:
         fields = turn.prefix.extended(turn.token_ids, turn.logprobs, turn.versions)
         texts = {}
         if not self.cfg.redact_text:
@@ -338,7 +287,7 @@ class OpenAIServing:
         self.metrics.completion_tokens.inc(len(turn.token_ids))
         self.metrics.request_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
 
-    async def _acknowledge(self, turn: _Turn) -> None:
+    async def _acknowledge(self, turn: Turn) -> None:
         """Return once the turn's interaction is durable; 503 when it cannot be made so in time."""
         timeout = self.cfg.log_ack_timeout_s
         if turn.receipt is None or await turn.receipt.wait_async(timeout):
@@ -362,7 +311,7 @@ class OpenAIServing:
         turn = self._admit(request, "completions", prefix, prompt_text=text)
         return await self._serve(request, turn, COMPLETION_FORMAT)
 
-    def _logprobs(self, turn: _Turn, fmt: AnswerFormat, start: int, end: int | None = None) -> BaseModel | None:
+    def _logprobs(self, turn: Turn, fmt: AnswerFormat, start: int, end: int | None = None) -> BaseModel | None:
         """The endpoint's log-probs of the turn's tokens ``start:end`` when the client asked for them."""
         if turn.top_logprobs is None:
             return None
@@ -370,7 +319,7 @@ class OpenAIServing:
                   zip(turn.token_ids[start:end], turn.logprobs[start:end], turn.alternatives[start:end])]
         return fmt.logprobs(tokens, _text_length(turn, self.token_texts, start))
 
-    async def _serve(self, request: SamplingRequest, turn: _Turn, fmt: AnswerFormat) -> Answer | Streamed:
+    async def _serve(self, request: SamplingRequest, turn: Turn, fmt: AnswerFormat) -> Answer | Streamed:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt))
@@ -383,7 +332,7 @@ class OpenAIServing:
                           choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
                           policy_version=max(turn.versions), policy_versions=turn.policy_versions)
 
-    async def _events(self, turn: _Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
+    async def _events(self, turn: Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
         def chunk(choice: BaseModel, final: bool = False) -> str:
             return sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
                                  choices=[choice], policy_version=max(turn.versions) if final else None,
@@ -422,7 +371,7 @@ def _canonical(tools: list[dict] | None) -> str | None:
     return None if tools is None else json.dumps(tools, sort_keys=True)
 
 
-def _text_length(turn: _Turn, texts: TokenTexts, end: int) -> int:
+def _text_length(turn: Turn, texts: TokenTexts, end: int) -> int:
     """Characters of the texts of the turn's first ``end`` tokens (the completions' ``text_offset``)."""
     return sum(len(texts.top(t, 0.0).token) for t in turn.token_ids[:end])
 

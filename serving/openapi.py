@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from online_sao.schemas import MIN_TEMPERATURE
-from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              ErrorResponse, FeedbackRequest, FeedbackResponse, ModelList, TurnRewardIn)
+from serving.answers import ChatCompletionResponse, CompletionResponse
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest,
+                              FeedbackResponse, ModelList, TurnRewardIn)
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 SECURITY_SCHEME = "apiKey"

@@ -24,8 +24,8 @@ from serving.feedback import FeedbackService
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
 from serving.openai_serving import OpenAIServing, Streamed
-from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, CompletionResponse,
-                              ChatCompletionResponse, FeedbackRequest, ModelCard, ModelList)
+from serving.answers import ChatCompletionResponse, CompletionResponse
+from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
 
 INTERACTION_HEADER = "X-Interaction-Id"
 

@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
-from serving.protocol import FunctionCall, ToolCall
+from serving.answers import FunctionCall, ToolCall
 
 
 @dataclass(frozen=True)

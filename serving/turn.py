@@ -1,0 +1,64 @@
+"""One admitted completion request while it is served: what it asked for and what was sampled."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from online_sao.schemas import SamplingParams
+from serving.answers import UsageInfo
+from serving.receipt import Receipt
+from serving.tool_calls import ParsedAnswer
+from serving.trajectories import TrajectoryPrefix
+
+
+@dataclass
+class Turn:
+    """One admitted request while it is served."""
+
+    interaction_id: str
+    route: str
+    prefix: TrajectoryPrefix
+    sampling: SamplingParams
+    user: str | None
+    session_id: str | None
+    template_messages: list[dict] | None = None
+    message_keys: list[tuple] | None = None
+    tools: list[dict] | None = None
+    """Chat: the tools the template rendered; their calls are parsed from the answer."""
+    prompt_text: str | None = None
+    top_logprobs: int | None = None
+    """Alternatives per token when the client asked for log-probs, else None."""
+    created_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    alternatives: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    parsed: ParsedAnswer | None = None
+    """Chat with tools: the answer split into content and tool calls, once it ended."""
+    receipt: Receipt | None = None
+    """Set when the interaction was submitted to the logger."""
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return sorted(set(self.versions))
+
+    @property
+    def answer_finish_reason(self) -> str | None:
+        """The finish reason clients see: ``tool_calls`` when the model ended its turn after calling tools."""
+        if self.parsed is not None and self.parsed.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
+    @property
+    def content(self) -> str:
+        """The text clients see as the answer (without tool-call blocks)."""
+        return self.text if self.parsed is None else self.parsed.content
+
+    def usage(self) -> UsageInfo:
+        prompt = len(self.prefix.engine_prompt)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=len(self.token_ids),
+                         total_tokens=prompt + len(self.token_ids))

@@ -43,7 +43,7 @@ from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerForma
 from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                               logging_unavailable, message_key)
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
-from serving.request_checks import check_chat, check_sampling
+from serving.request_checks import check_chat, check_completion, check_sampling
 from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
 from serving.turn import Turn
@@ -209,6 +209,8 @@ class OpenAIServing:
         check_sampling(request)
         if isinstance(request, ChatCompletionRequest):
             check_chat(request, self.cfg.tool_call_parser)
+        elif isinstance(request, CompletionRequest):
+            check_completion(request)
 
     # ------------------------------------------------------------------ generation
 

@@ -214,6 +214,16 @@ class ChatCompletionRequest(SamplingRequest):
     """Accepted; the model may write several calls in one answer either way."""
     response_format: ResponseFormat | None = None
     """Only ``text``: structured output would constrain sampling."""
+    modalities: list[str] | None = None
+    """Only ``["text"]``."""
+    audio: dict | None = None
+    """Refused: no audio output."""
+    functions: list[dict] | None = None
+    """Refused (OpenAI's older tool calling): send ``tools``."""
+    function_call: str | dict | None = None
+    """Refused unless ``none`` or ``auto``, like ``functions``."""
+    web_search_options: dict | None = None
+    """Refused: the model has no web search."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -236,6 +246,12 @@ class CompletionRequest(SamplingRequest):
     """OpenAI's default for the completions endpoint is 16."""
     logprobs: int | None = Field(None, ge=0, le=5)
     """Log-probs of the sampled tokens and this many alternatives each."""
+    best_of: int | None = None
+    """Only 1, like ``n``."""
+    echo: bool = False
+    """Refused when true: the answer is the completion only."""
+    suffix: str | None = None
+    """Refused unless empty: no fill-in-the-middle."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

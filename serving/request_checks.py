@@ -11,7 +11,7 @@ no distribution to learn from.
 from __future__ import annotations
 
 from online_sao.schemas import MIN_TEMPERATURE
-from serving.protocol import APIError, ChatCompletionRequest, SamplingRequest
+from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request: each costs a scan of the held-back text per token."""
@@ -56,3 +56,24 @@ def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
     if request.tool_choice is not None and request.tool_choice not in ("auto", "none"):
         raise _refuse("tool_choice", "forcing a tool call would constrain sampling, which "
                                      f"{_CHANGES_DISTRIBUTION}; send 'auto' or 'none'")
+    if request.functions:
+        raise _refuse("functions", "send the functions as tools")
+    if request.function_call is not None and request.function_call not in ("auto", "none"):
+        raise _refuse("function_call", "send tools (a forced call would constrain sampling)")
+    if request.modalities is not None and set(request.modalities) != {"text"}:
+        raise _refuse("modalities", "this service answers with text only")
+    if request.audio is not None:
+        raise _refuse("audio", "this service answers with text only")
+    if request.web_search_options is not None:
+        raise _refuse("web_search_options", "the model has no web search")
+
+
+def check_completion(request: CompletionRequest) -> None:
+    """The completions-only fields."""
+    if request.best_of not in (None, 1):
+        raise _refuse("best_of", "each request samples one completion, logged as one interaction (send several "
+                                 "requests and keep the best)")
+    if request.echo:
+        raise _refuse("echo", "the answer is the completion only")
+    if request.suffix:
+        raise _refuse("suffix", "there is no fill-in-the-middle")

@@ -68,7 +68,9 @@ def test_completion_logprobs_plain_and_streamed_are_the_logged_ones(fake_http_se
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {"name": "add"}}),
-    ("top_logprobs", 3), ("n", 2),
+    ("top_logprobs", 3), ("n", 2), ("functions", [{"name": "add"}]), ("function_call", {"name": "add"}),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("web_search_options", {}),
 ])
 def test_a_field_the_service_cannot_honour_is_a_400_naming_it(fake_http_server, field, value):
     client = fake_http_server.openai()
@@ -79,7 +81,8 @@ def test_a_field_the_service_cannot_honour_is_a_400_naming_it(fake_http_server, 
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", 0.1),
-                                          ("logit_bias", {"7": -100})])
+                                          ("logit_bias", {"7": -100}), ("best_of", 2), ("echo", True),
+                                          ("suffix", " and more"), ("n", 2)])
 def test_completions_refuse_the_same_sampling_fields(fake_http_server, field, value):
     with pytest.raises(openai.BadRequestError) as refused:
         fake_http_server.openai().completions.create(model=MODEL, prompt="Tea", **{field: value})
@@ -90,8 +93,15 @@ def test_default_values_of_those_fields_are_accepted(fake_http_server):
     fake_http_server.script(ANSWER)
     answer = fake_http_server.openai().chat.completions.create(
         model=MODEL, messages=MESSAGES, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
-        response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=True,
+        response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=True, modalities=["text"],
         tools=[{"type": "function", "function": {"name": "add"}}])
     assert answer.choices[0].message.content == ANSWER
     prompt = fake_http_server.harness.tokenizer.decode(fake_http_server.engine.requests[0].prompt_ids)
     assert "<tools>" not in prompt  # tool_choice none: the tools are not offered
+
+
+def test_default_values_of_the_completion_fields_are_accepted(fake_http_server):
+    fake_http_server.script(ANSWER)
+    answer = fake_http_server.openai().completions.create(model=MODEL, prompt="Tea", max_tokens=50, best_of=1,
+                                                          echo=False, suffix="", presence_penalty=0, n=1)
+    assert answer.choices[0].text == ANSWER

@@ -1,20 +1,17 @@
 """LangChain's ``ChatOpenAI`` bound to a tool, over real HTTP (the app over a scripted engine): the call,
 the tool's result as a ToolMessage, the answer, as one logged trajectory.
 
-``langchain-openai`` is in the test extras (pinned in constraints.txt); an environment built
-before it was added skips this module until the extras are installed again.
+``langchain-openai`` is in the test extras (pinned in constraints.txt); ``make test`` installs it.
 """
 
 from __future__ import annotations
 
 import json
 
+import langchain_openai
 import pytest
-
-langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai (test extras) is not installed")
-
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
 
 CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 

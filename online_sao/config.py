@@ -142,6 +142,35 @@ class AlgorithmConfig(Section):
     """Gradient clipping of both models."""
     normalize_advantages: bool = False
     """Whiten advantages per step (the paper does not; off by default)."""
+    critic_order: Literal["fit_then_judge", "judge_then_fit", "replay_then_judge"] = "fit_then_judge"
+    """Where SAO's K critic updates run relative to the values its advantages use (SAO.md
+    section 3). ``fit_then_judge``: K updates on the step's rollouts, then values and advantages
+    (the literal reading; the batch's own returns leak into its baseline and shrink its
+    advantages). ``judge_then_fit``: values and advantages from the critic as it stands, then K
+    updates on the step's rollouts. ``replay_then_judge``: K updates on the last
+    ``critic_replay_rollouts`` already-trained rollouts (not this step's), then values and
+    advantages, then the step's rollouts join that window."""
+    critic_replay_rollouts: int = Field(16, ge=1)
+    """Size, in rollouts, of the window of recent already-trained rollouts that
+    ``critic_order: replay_then_judge`` fits the critic on (each update is one full-batch
+    update on the whole window, so critic compute per step grows with it)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to a reference policy (SAO.md section 3b; not in the paper, 0 turns
+    it off): the k3 estimate exp(d) - 1 - d, d = log pi_ref - log pi_theta, per action token,
+    averaged like the DIS loss. Keeps the policy near the reference, so a style it stopped
+    preferring is still sampled now and then. Costs one more model copy in the learner (the
+    reference) and a forward pass of it per step."""
+    kl_reference: Literal["initial", "ema"] = "initial"
+    """The reference of the KL penalty: ``initial`` = the policy the learner started from (the
+    model directory's weights), ``ema`` = a slow exponential moving average of the policy
+    (``kl_ema_rate``), which follows lasting change but not one phase's swing."""
+    kl_ema_rate: float = Field(0.01, gt=0, le=1)
+    """With ``kl_reference: ema``: after every applied policy update the reference moves this
+    share of the way to the policy (reference = (1 - rate) reference + rate policy)."""
+    entropy_alpha: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus alpha * H(pi_theta) over action tokens (SAO.md section 3b; not
+    in the paper, 0 turns it off), averaged like the DIS loss: pushes against one answer mode
+    taking all the probability."""
     running_mean_window: int = Field(128, ge=1)
     """W of the running_mean baseline."""
     group_size: int = Field(4, ge=2)

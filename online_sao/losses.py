@@ -21,7 +21,9 @@ MIN_NORMALIZER = 1.0
 """Floor of N: a batch without action tokens gives loss 0 instead of 0/0."""
 
 
-def _normalizer(action_mask: torch.Tensor, normalizer: float | None) -> torch.Tensor | float:
+def loss_normalizer(action_mask: torch.Tensor, normalizer: float | None) -> torch.Tensor | float:
+    """N of the token-mean losses (module docstring): ``normalizer`` when given, else the
+    action-token count of ``action_mask`` (at least MIN_NORMALIZER)."""
     if normalizer is not None:
         if not normalizer > 0:
             raise ValueError(f"normalizer must be positive, got {normalizer}")
@@ -34,7 +36,8 @@ def _fraction(flags: torch.Tensor, action_mask: torch.Tensor) -> float:
     return float((flags & action_mask).sum()) / count if count else 0.0
 
 
-def _masked_mean(x: torch.Tensor, action_mask: torch.Tensor) -> float:
+def masked_mean(x: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """Mean of ``x`` over the action tokens as a float (0.0 when there are none); a metric, no grad."""
     count = int(action_mask.sum())
     return float(torch.where(action_mask, x, torch.zeros_like(x)).sum()) / count if count else 0.0
 
@@ -45,8 +48,8 @@ def _ratio_metrics(log_ratio: torch.Tensor, action_mask: torch.Tensor) -> dict[s
         log_ratio = torch.where(action_mask, log_ratio, torch.zeros_like(log_ratio))
         ratio = log_ratio.exp()
         return {
-            "ratio_mean": _masked_mean(ratio, action_mask),
-            "approx_kl": _masked_mean((ratio - 1) - log_ratio, action_mask),
+            "ratio_mean": masked_mean(ratio, action_mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, action_mask),
         }
 
 
@@ -90,7 +93,7 @@ def dis_policy_loss(
     zeros = torch.zeros_like(log_ratio)
     ratio = torch.where(kept, log_ratio, zeros).exp()
     surrogate = torch.where(kept, ratio * advantages.detach(), zeros)
-    loss = -surrogate.sum() / _normalizer(action_mask, normalizer)
+    loss = -surrogate.sum() / loss_normalizer(action_mask, normalizer)
 
     with torch.no_grad():
         raw_ratio = log_ratio.detach().exp()
@@ -141,7 +144,7 @@ def clipped_surrogate_loss(
             raise ValueError("the DIS mask needs eps_low and eps_high")
         keep = dis_band_mask(logprobs - rollout_logprobs.detach(), action_mask, eps_low, eps_high)
         metrics["kept_frac"] = _fraction(keep, action_mask)
-    loss = -torch.where(keep, surrogate, zeros).sum() / _normalizer(action_mask, normalizer)
+    loss = -torch.where(keep, surrogate, zeros).sum() / loss_normalizer(action_mask, normalizer)
     with torch.no_grad():
         metrics["clip_frac"] = _fraction(clipped_term < unclipped_term, action_mask)
         metrics.update(_ratio_metrics(log_ratio.detach(), action_mask))
@@ -158,11 +161,11 @@ def value_loss(
     """
     target = returns.detach()
     err = torch.where(action_mask, values - target, torch.zeros_like(values))
-    loss = err.pow(2).sum() / _normalizer(action_mask, normalizer)
+    loss = err.pow(2).sum() / loss_normalizer(action_mask, normalizer)
     with torch.no_grad():
         metrics = {
-            "value_mean": _masked_mean(values.detach(), action_mask),
-            "return_mean": _masked_mean(target, action_mask),
+            "value_mean": masked_mean(values.detach(), action_mask),
+            "return_mean": masked_mean(target, action_mask),
             "explained_variance": explained_variance(values.detach(), target, action_mask),
         }
     return loss, metrics

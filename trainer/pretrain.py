@@ -103,12 +103,18 @@ def pretrain_critic(
     max_epochs: int = 20,
     patience: int = 2,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, float]:
     """Fit ``critic`` (a :class:`~online_sao.critic.ValueModel`) to the value targets
     of ``rollouts`` until held-out explained variance stops improving.
 
     Updates use the value loss with ``cfg.max_grad_norm`` clipping; a non-finite
-    update is refused and counted. Returns metrics (the caller prefixes them): explained
+    update is refused and counted. ``scheduler`` is the critic's learning-rate schedule
+    (its warm-up): stepped after every applied update, so pre-training runs at the
+    configured rate once the warm-up is done, and the online steps continue the schedule
+    where pre-training left it. (Without it the optimiser keeps whatever rate it has: a
+    warm-up scheduler that is never stepped holds it at 1/warm-up of the configured rate.)
+    Returns metrics (the caller prefixes them): explained
     variance before and after (the best epoch, whose weights the critic keeps),
     epochs run, best epoch, whether patience stopped it, the last training value
     loss, skipped updates and the rollout counts.
@@ -141,7 +147,7 @@ def pretrain_critic(
             batch = train_batches[index]
             values = critic(batch.input_ids, batch.attention_mask)
             loss, _ = value_loss(values, _targets(batch, values, cfg), batch.action_mask)
-            result = guarded_update(loss, critic_optimizer, cfg.max_grad_norm)
+            result = guarded_update(loss, critic_optimizer, cfg.max_grad_norm, scheduler)
             skipped += not result.stepped
             last_loss = float(loss.detach())
         critic.eval()
@@ -169,4 +175,5 @@ def pretrain_critic(
         "train_rollouts": float(len(training)),
         "held_out_rollouts": float(len(held_out)),
         "ev_on_training_data": float(on_training_data),
+        "lr_last": float(critic_optimizer.param_groups[0]["lr"]),
     }

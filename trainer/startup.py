@@ -86,7 +86,8 @@ def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModel
             log.warning("value pre-training skipped: %d logged rollouts of version %d", len(logged), version)
         return
     critic, optimizers = models.trainables.critic, models.trainables.optimizers
-    fit = fit_critic(critic, optimizers.critic, logged, cfg.algorithm, models.pad_token_id)
+    fit = fit_critic(critic, optimizers.critic, logged, cfg.algorithm, models.pad_token_id,
+                     scheduler=optimizers.critic_scheduler)
     if ctx.is_main:
         log.info("value pre-training on %d rollouts: %s", len(logged), fit)
         rank0.tracker.log_metrics({f"pretrain_{k}": float(v) for k, v in fit.items()}, step=0)

@@ -101,7 +101,8 @@ def test_few_ready_rollouts_train_after_max_wait_then_idle_stop(tmp_path, tiny_m
 
 
 def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 10, "trainer.max_rollouts_per_step": 10})
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 10, "trainer.max_rollouts_per_step": 10,
+                                               "algorithm.critic_warmup_steps": 2})
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 10, prefix="p"))
@@ -112,6 +113,8 @@ def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path
     run = client.get_run(result.run_id)
     assert run.data.metrics["pretrain_train_rollouts"] + run.data.metrics["pretrain_held_out_rollouts"] == 10
     assert run.data.metrics["pretrain_epochs"] >= 1
+    # the warm-up (2 updates) ran during pre-training: it ended at the configured rate, not half of it
+    assert run.data.metrics["pretrain_lr_last"] == cfg.algorithm.critic_lr
     assert [m.step for m in client.get_metric_history(result.run_id, "pretrain_ev_after")] == [0]
     assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
 

@@ -74,6 +74,23 @@ def test_no_improvement_stops_after_patience_epochs_and_changes_nothing():
     assert all(torch.equal(before[k], v) for k, v in critic.state_dict().items())
 
 
+def test_pretraining_steps_the_warm_up_so_it_trains_at_the_configured_rate():
+    cfg = AlgorithmConfig(critic_lr=1e-3, critic_warmup_steps=4)
+    policy = tiny_policy(0)
+    critic = ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
+    opts = build_optimizers(cfg, policy, critic)
+    rates = []
+    opts.critic.register_step_pre_hook(lambda opt, args, kwargs: rates.append(opt.param_groups[0]["lr"]))
+    metrics = pretrain_critic(critic, opts.critic, _rollouts(20), cfg, PAD_ID, max_epochs=2, patience=2,
+                              batch_size=4, scheduler=opts.critic_scheduler)
+    # 16 training rollouts in batches of 4: 4 updates per epoch; the warm-up ramps over the first 4
+    assert metrics["skipped_updates"] == 0.0 and len(rates) == 4 * metrics["epochs"]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert rates[4:] == pytest.approx([1e-3] * (len(rates) - 4))
+    # the online steps that follow continue at the configured rate
+    assert metrics["lr_last"] == opts.critic.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
 def test_pretraining_needs_action_tokens():
     critic, optimizer, cfg = _critic_and_optimizer(critic_lr=3e-3)
     no_actions = Rollout("x", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})

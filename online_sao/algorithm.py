@@ -19,6 +19,7 @@ from torch import nn
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
+from online_sao.regularizers import PolicyRegularizer
 from online_sao.train_step import FiniteVote, local_vote
 
 
@@ -52,12 +53,15 @@ class PolicyOnly(Algorithm):
     needs_critic = False
 
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
-                 vote: FiniteVote = local_vote) -> None:
-        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
+                 vote: FiniteVote = local_vote, regularizer: PolicyRegularizer | None = None) -> None:
+        """``vote`` agrees on each finiteness check across ranks (the identity in one process);
+        ``regularizer`` adds the KL / entropy terms to every policy loss (None: one from ``cfg``,
+        which then must not ask for the KL penalty: it has no reference policy)."""
         self.policy = policy
         self.policy_optimizer = policy_optimizer
         self.cfg = cfg
         self.vote = vote
+        self.regularizer = regularizer or PolicyRegularizer(cfg)
 
 
 class ActorCritic(Algorithm):
@@ -74,8 +78,9 @@ class ActorCritic(Algorithm):
         cfg: AlgorithmConfig,
         critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         vote: FiniteVote = local_vote,
+        regularizer: PolicyRegularizer | None = None,
     ) -> None:
-        """``vote`` agrees on each finiteness check across ranks (the identity in one process)."""
+        """``vote`` and ``regularizer``: as in :class:`PolicyOnly`."""
         self.vote = vote
         self.policy = policy
         self.critic = critic
@@ -83,3 +88,4 @@ class ActorCritic(Algorithm):
         self.critic_optimizer = critic_optimizer
         self.critic_scheduler = critic_scheduler
         self.cfg = cfg
+        self.regularizer = regularizer or PolicyRegularizer(cfg)

@@ -12,6 +12,7 @@ from online_sao.algorithm import Algorithm
 from online_sao.baselines import GRPO, PPO, RunningMean
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
+from online_sao.regularizers import PolicyRegularizer
 from online_sao.sao import SAO
 from online_sao.train_step import FiniteVote, local_vote
 
@@ -79,13 +80,17 @@ def build_algorithm(
     critic_optimizer: torch.optim.Optimizer | None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     vote: FiniteVote = local_vote,
+    reference: nn.Module | None = None,
 ) -> Algorithm:
     """The rule ``cfg.name`` names. Rules with ``needs_critic`` require a critic and its optimiser.
     ``vote`` agrees on the rule's finiteness checks across ranks (the learner passes
-    :func:`trainer.distributed.finite_vote`; one process keeps its own result)."""
+    :func:`trainer.distributed.finite_vote`; one process keeps its own result). ``reference``
+    is the KL penalty's reference policy (:func:`online_sao.regularizers.build_reference`),
+    required when ``cfg.kl_beta > 0``."""
     rule = algorithm_class(cfg.name)
+    regularizer = PolicyRegularizer(cfg, reference)
     if not rule.needs_critic:
-        return rule(policy, policy_optimizer, cfg, vote)
+        return rule(policy, policy_optimizer, cfg, vote, regularizer)
     if critic is None or critic_optimizer is None:
         raise ValueError(f"algorithm {cfg.name!r} needs a critic and a critic optimizer")
-    return rule(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote)
+    return rule(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote, regularizer)

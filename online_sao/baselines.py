@@ -4,8 +4,10 @@
 - :class:`GRPO`: group-normalised advantages, PPO clip against pi_old, DIS optional.
 - :class:`PPO`: critic + GAE with a fixed lambda + PPO clip against pi_old, no DIS.
 
-A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO,
-each refuses a batch with non-finite inputs, losses or gradient norms
+A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO, each
+adds the KL / entropy terms of its :class:`~online_sao.regularizers.PolicyRegularizer`
+(none unless configured) to every policy loss, and
+refuses a batch with non-finite inputs, losses or gradient norms
 (``skipped_nonfinite = 1``) before any optimiser step of the failing update, each
 check agreed across ranks through the ``vote`` they are given (see
 :mod:`online_sao.train_step`).
@@ -28,8 +30,9 @@ from online_sao.algorithm import ActorCritic, PolicyOnly
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
+from online_sao.regularizers import PolicyRegularizer
 from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
-                                   policy_logprobs)
+                                   policy_forward)
 
 GROUP_STD_EPS = 1e-6
 """Added to a group's reward standard deviation: a group of equal rewards has
@@ -82,8 +85,8 @@ class RunningMean(PolicyOnly):
     """
 
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
-                 vote: FiniteVote = local_vote) -> None:
-        super().__init__(policy, policy_optimizer, cfg, vote)
+                 vote: FiniteVote = local_vote, regularizer: PolicyRegularizer | None = None) -> None:
+        super().__init__(policy, policy_optimizer, cfg, vote, regularizer)
         self.window: deque[float] = deque(maxlen=cfg.running_mean_window)
 
     def baseline(self, rewards: torch.Tensor) -> float:
@@ -99,13 +102,17 @@ class RunningMean(PolicyOnly):
         rewards = batch.rewards.sum(dim=1)
         baseline = self.baseline(rewards)
         advantages = _token_advantages(rewards - baseline, mask)
-        logprobs = policy_logprobs(self.policy, batch)
+        logprobs, entropy = policy_forward(self.policy, batch, with_entropy=self.regularizer.needs_entropy)
         loss, dis_metrics = dis_policy_loss(
             logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_normalizer)
+        extra, extra_metrics = self.regularizer.loss(batch, logprobs, entropy)
+        loss = loss + extra
         result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
         if result.stepped:
             self.window.extend(rewards.tolist())
-        return {**metrics, **dis_metrics, "policy_loss": loss.item(), "policy_grad_norm": result.grad_norm,
+            self.regularizer.after_policy_update(self.policy)
+        return {**metrics, **dis_metrics, **extra_metrics, "policy_loss": loss.item(),
+                "policy_grad_norm": result.grad_norm,
                 "baseline": baseline, "adv_mean": float(rewards.mean()) - baseline,
                 "skipped_nonfinite": 0.0 if result.stepped else 1.0}
 
@@ -118,23 +125,27 @@ class RunningMean(PolicyOnly):
 
 def _clipped_updates(
     policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-    cfg: AlgorithmConfig, use_dis: bool, vote: FiniteVote, after_update=None,
+    cfg: AlgorithmConfig, use_dis: bool, vote: FiniteVote, regularizer: PolicyRegularizer, after_update=None,
 ) -> dict[str, float]:
-    """``cfg.ppo_epochs`` clipped-surrogate updates against the step-start pi_old.
-    ``after_update`` (optional) runs after each applied policy update and returns
-    False to refuse the rest of the step (it must decide the same on every rank)."""
+    """``cfg.ppo_epochs`` clipped-surrogate updates (plus ``regularizer``'s terms) against the
+    step-start pi_old. ``after_update`` (optional) runs after each applied policy update and
+    returns False to refuse the rest of the step (it must decide the same on every rank)."""
     old_logprobs = None
     metrics: dict[str, float] = {}
     for epoch in range(cfg.ppo_epochs):
-        logprobs = policy_logprobs(policy, batch)
+        logprobs, entropy = policy_forward(policy, batch, with_entropy=regularizer.needs_entropy)
         if old_logprobs is None:
             old_logprobs = logprobs.detach()
         loss, loss_metrics = clipped_surrogate_loss(
             logprobs, old_logprobs, advantages, batch.action_mask, cfg.clip_low, cfg.clip_high,
             rollout_logprobs=batch.rollout_logprobs if use_dis else None,
             eps_low=cfg.eps_low, eps_high=cfg.eps_high, normalizer=batch.token_normalizer)
+        extra, extra_metrics = regularizer.loss(batch, logprobs, entropy)
+        loss = loss + extra
         result = guarded_update(loss, optimizer, cfg.max_grad_norm, vote=vote)
-        metrics.update(loss_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
+        if result.stepped:
+            regularizer.after_policy_update(policy)
+        metrics.update(loss_metrics, **extra_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
                        policy_updates_done=float(epoch + result.stepped))
         if not result.stepped or (after_update is not None and not after_update(metrics)):
             return {**metrics, **REFUSED}
@@ -149,8 +160,8 @@ class GRPO(PolicyOnly):
     """
 
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
-                 vote: FiniteVote = local_vote) -> None:
-        super().__init__(policy, policy_optimizer, cfg, vote)
+                 vote: FiniteVote = local_vote, regularizer: PolicyRegularizer | None = None) -> None:
+        super().__init__(policy, policy_optimizer, cfg, vote, regularizer)
         self.group_size = cfg.group_size
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -162,7 +173,7 @@ class GRPO(PolicyOnly):
         row_adv, group_metrics = group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
         advantages = _token_advantages(row_adv, batch.action_mask)
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, self.cfg,
-                                          use_dis=self.cfg.use_dis, vote=self.vote)
+                                          use_dis=self.cfg.use_dis, vote=self.vote, regularizer=self.regularizer)
         return {**metrics, **group_metrics, **update_metrics}
 
 
@@ -198,5 +209,6 @@ class PPO(ActorCritic):
             return result.stepped
 
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, cfg,
-                                          use_dis=False, vote=self.vote, after_update=critic_update)
+                                          use_dis=False, vote=self.vote, regularizer=self.regularizer,
+                                          after_update=critic_update)
         return {**metrics, **update_metrics}

@@ -183,6 +183,25 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask:
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
+def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` entropy of the sampling distribution of each action token, 0 elsewhere.
+
+    Aligned as :func:`token_logprobs` (``temperature`` ``[B]`` or ``[B, T]`` likewise): position
+    ``t`` holds ``H(softmax(logits_{t-1} / temperature))``, the distribution ``x_t`` was drawn
+    from. Only action positions are gathered before the softmax, so the float32
+    log-probabilities take ``[action tokens, V]``, not ``[B, T, V]``. Differentiable in ``logits``.
+    """
+    temperature = temperature.to(logits.device, torch.float32)
+    predicting = action_mask[:, 1:]  # logits at t - 1 predict token t
+    per_token = temperature[:, :-1] if temperature.dim() == 2 else temperature.view(-1, 1).expand(predicting.shape)
+    picked = logits[:, :-1][predicting].float() / per_token[predicting].unsqueeze(-1)  # [n, V]
+    logp = F.log_softmax(picked, dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    rows, cols = predicting.nonzero(as_tuple=True)
+    out = torch.zeros(action_mask.shape, dtype=entropy.dtype, device=logits.device)
+    return out.index_put((rows, cols + 1), entropy)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """Per-token log-probabilities under the sampling distribution.
 

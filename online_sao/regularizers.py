@@ -12,16 +12,23 @@ probability, or the next preferred mode is never sampled and gives no signal:
 
 Both are token sums divided by ``N`` exactly like the DIS loss (the batch's action-token count,
 or the ``normalizer`` data-parallel ranks pass), and both return ``(loss, metrics)``. Tensors are
-``[B, T]`` in the alignment of :mod:`online_sao.batch`; logits are ``[B, T, V]``.
+``[B, T]`` in the alignment of :mod:`online_sao.batch`; the entropy per action token comes from
+:func:`online_sao.losses.action_entropy` (in :func:`online_sao.train_step.policy_forward`).
+:class:`PolicyRegularizer` adds the configured terms to a rule's policy loss.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+import copy
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from online_sao.batch import RolloutBatch
+from online_sao.config import AlgorithmConfig
 from online_sao.losses import loss_normalizer, masked_mean
+from online_sao.train_step import policy_logprobs
 
 
 def kl_penalty(
@@ -45,29 +52,11 @@ def kl_penalty(
     return loss, {"kl_ref": masked_mean(k3.detach(), action_mask), "kl_loss": float(loss.detach())}
 
 
-def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` entropy of the sampling distribution of each action token, 0 elsewhere.
-
-    Position ``t`` holds ``H(softmax(logits_{t-1} / temperature))`` (the distribution ``x_t`` was
-    drawn from, as in :func:`online_sao.losses.token_logprobs`); ``temperature`` is ``[B]``.
-    Only action positions are gathered before the softmax, so the float32 log-probabilities
-    take ``[action tokens, V]``, not ``[B, T, V]``. Differentiable in ``logits``.
-    """
-    predicting = action_mask[:, 1:]  # logits at t - 1 predict token t
-    scaled = logits[:, :-1].float() / temperature.to(logits.device, torch.float32).view(-1, 1, 1)
-    picked = scaled[predicting]  # [n, V]
-    logp = F.log_softmax(picked, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    rows, cols = predicting.nonzero(as_tuple=True)
-    out = torch.zeros(action_mask.shape, dtype=entropy.dtype, device=logits.device)
-    return out.index_put((rows, cols + 1), entropy)
-
-
 def entropy_bonus(
     entropy: torch.Tensor, action_mask: torch.Tensor, alpha: float, normalizer: float | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``L = -(alpha / N) sum_t H_t`` over action tokens (``entropy`` ``[B, T]`` from
-    :func:`action_entropy`). Metrics: ``entropy`` (mean H over action tokens, whatever alpha
+    :func:`~online_sao.losses.action_entropy`). Metrics: ``entropy`` (mean H over action tokens, whatever alpha
     is) and ``entropy_loss`` (the weighted term, <= 0)."""
     kept = torch.where(action_mask, entropy, torch.zeros_like(entropy))
     loss = -alpha * kept.sum() / loss_normalizer(action_mask, normalizer)
@@ -82,8 +71,64 @@ def ema_update_(reference: nn.Module, policy: nn.Module, rate: float) -> None:
     are sharded alike, so each rank updates its own shards)."""
     if not 0 < rate <= 1:
         raise ValueError(f"rate must be in (0, 1], got {rate}")
+    for module in (reference, policy):
+        if isinstance(module, FSDPModule):  # a forward may leave the root's parameters gathered
+            module.reshard()
     ref_params, params = list(reference.parameters()), list(policy.parameters())
     if len(ref_params) != len(params):
         raise ValueError(f"reference has {len(ref_params)} parameters, policy {len(params)}")
     for ref, cur in zip(ref_params, params):
         ref.lerp_(cur.detach(), rate)
+
+
+def build_reference(cfg: AlgorithmConfig, policy: nn.Module) -> nn.Module | None:
+    """A frozen copy of ``policy`` (in eval mode) when the KL penalty is on, else None. Call it
+    before the policy is sharded or trained: the copy is the starting policy. It costs one more
+    model copy of memory (and a forward pass per step): fine for small models, to plan for big ones."""
+    if cfg.kl_beta == 0:
+        return None
+    reference = copy.deepcopy(policy).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+class PolicyRegularizer:
+    """The configured section-3b terms of a policy loss; adds nothing when both weights are 0.
+
+    ``reference`` (from :func:`build_reference`) is required when ``cfg.kl_beta > 0``.
+    """
+
+    def __init__(self, cfg: AlgorithmConfig, reference: nn.Module | None = None) -> None:
+        if cfg.kl_beta > 0 and reference is None:
+            raise ValueError("algorithm.kl_beta > 0 needs a reference policy")
+        self.cfg = cfg
+        self.reference = reference
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether :meth:`loss` needs the policy's entropy per action token."""
+        return self.cfg.entropy_alpha > 0
+
+    def loss(self, batch: RolloutBatch, logprobs: torch.Tensor,
+             entropy: torch.Tensor | None) -> tuple[torch.Tensor | float, dict[str, float]]:
+        """The terms for the policy's token ``logprobs`` ``[B, T]`` on ``batch`` and its ``entropy``
+        ``[B, T]`` per action token (None unless :attr:`needs_entropy`), both from one forward
+        pass, with gradient. Metrics: kl_ref and kl_loss with the KL penalty, entropy and
+        entropy_loss with the bonus."""
+        total: torch.Tensor | float = 0.0
+        metrics: dict[str, float] = {}
+        normalizer = batch.token_normalizer
+        if self.cfg.kl_beta > 0:
+            with torch.no_grad():
+                ref_logprobs = policy_logprobs(self.reference, batch)
+            kl, kl_metrics = kl_penalty(logprobs, ref_logprobs, batch.action_mask, self.cfg.kl_beta, normalizer)
+            total, metrics = total + kl, {**metrics, **kl_metrics}
+        if self.cfg.entropy_alpha > 0:
+            bonus, bonus_metrics = entropy_bonus(entropy, batch.action_mask, self.cfg.entropy_alpha, normalizer)
+            total, metrics = total + bonus, {**metrics, **bonus_metrics}
+        return total, metrics
+
+    def after_policy_update(self, policy: nn.Module) -> None:
+        """Call after every applied policy update: moves an EMA reference toward ``policy``."""
+        if self.cfg.kl_beta > 0 and self.cfg.kl_reference == "ema":
+            ema_update_(self.reference, policy, self.cfg.kl_ema_rate)

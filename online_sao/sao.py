@@ -1,11 +1,14 @@
-"""SAO: one learner step on a batch of single rollouts (SAO.md sections 1-3).
+"""SAO: one learner step on a batch of single rollouts (SAO.md sections 1-3b).
 
-1. K critic updates (``cfg.critic_updates``) toward Monte-Carlo returns
-   (GAE with ``lambda_critic``; the targets use the critic's values of that update,
-   which cancel out when ``lambda_critic = 1``);
-2. values from the updated critic, advantages by skip-observation GAE with the
+1. K critic updates (``cfg.critic_updates``) toward Monte-Carlo returns (GAE with
+   ``lambda_critic``; the targets use the critic's values of that update, which cancel out
+   when ``lambda_critic = 1``), placed by ``cfg.critic_order`` (:mod:`online_sao.critic_order`):
+   on the step's rollouts before its values are taken (``fit_then_judge``), after
+   (``judge_then_fit``), or on a window of earlier rollouts instead (``replay_then_judge``);
+2. advantages by skip-observation GAE from the values the order gives, with the
    length-adaptive ``lambda_policy`` of each rollout (optionally whitened);
-3. one DIS policy update against the engine's behaviour log-probs.
+3. one DIS policy update against the engine's behaviour log-probs, plus the KL and entropy
+   terms of :class:`~online_sao.regularizers.PolicyRegularizer` when configured.
 
 A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch holds
 a non-finite reward or action-token behaviour log-prob, or when the first
@@ -19,81 +22,134 @@ The learning rule as this project implements it: docs/ALGORITHM.md.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae, whiten
 from online_sao.algorithm import ActorCritic
 from online_sao.batch import RolloutBatch
+from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
 from online_sao.losses import dis_policy_loss, value_loss
-from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_logprobs
+from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward
 
 
 class SAO(ActorCritic):
     """Single-rollout Asynchronous Optimization. Metrics: see :meth:`step`."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The arguments of :class:`~online_sao.algorithm.ActorCritic`."""
+        super().__init__(*args, **kwargs)
+        self.window = ReplayWindow(self.cfg.critic_replay_rollouts)
+
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """Metrics: policy_loss, value_loss and explained_variance (critic before this
-        step's updates, against its targets), value_loss_after and
-        explained_variance_after (updated critic), critic_grad_norm (mean over the K
-        updates), policy_grad_norm (before clipping), the DIS metrics, lambda_mean,
-        adv_mean, reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
-        skipped_nonfinite, and time_<phase>_s for the phases critic_forward,
-        critic_backward, critic_optimizer, policy_forward, policy_backward,
-        policy_optimizer, arithmetic (GAE, lambda, losses, metrics)."""
-        cfg, mask, norm = self.cfg, batch.action_mask, batch.token_normalizer
+        """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
+        explained_variance and value_mean (critic before any update of this step, on this
+        batch: out-of-sample whatever the order), value_loss_used and
+        explained_variance_used (the values the advantages use), value_loss_after and
+        explained_variance_after (critic after this step's updates), critic_fit_loss (first
+        update's loss on the data it fit), critic_grad_norm (mean over the K updates),
+        critic_updates_done, critic_lr, replay_window (rollouts in it), policy_grad_norm
+        (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
+        reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
+        skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,
+        critic_optimizer, policy_forward, policy_backward, policy_optimizer, arithmetic (GAE,
+        lambda, losses, metrics)."""
         timer = PhaseTimer()
         metrics = batch_metrics(batch)
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}
+        window = self.window.batch() if self.cfg.critic_order == "replay_then_judge" else None
+        judged = order_critic_updates(self.cfg.critic_order, batch, lambda b: self._fit(b, timer),
+                                      lambda b: self._values(b, timer), window)
+        with timer.phase("arithmetic"):
+            metrics.update(self._critic_metrics(batch, judged))
+        if judged.used is None:
+            return {**metrics, **timer.metrics(), "skipped_nonfinite": 1.0}
+        with timer.phase("arithmetic"):
+            advantages = self._advantages(batch, judged.used, metrics)
+        update = self._policy_update(batch, advantages, timer)
+        if not update["skipped_nonfinite"]:
+            self.regularizer.after_policy_update(self.policy)
+            if self.cfg.critic_order == "replay_then_judge":
+                self.window.add(batch)
+        return {**metrics, **update, **timer.metrics(), "replay_window": float(len(self.window))}
 
-        critic_norms = []
+    def _values(self, batch: RolloutBatch, timer: PhaseTimer) -> torch.Tensor:
+        with torch.no_grad(), timer.phase("critic_forward"):
+            return self.critic(batch.input_ids, batch.attention_mask)
+
+    def _fit(self, batch: RolloutBatch, timer: PhaseTimer) -> FitOutcome:
+        """``cfg.critic_updates`` guarded value-loss updates toward ``batch``'s targets."""
+        cfg, norms, first_loss = self.cfg, [], math.nan
         for update in range(cfg.critic_updates):
             with timer.phase("critic_forward"):
                 values = self.critic(batch.input_ids, batch.attention_mask)
             with timer.phase("arithmetic"):
-                _, targets = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.lambda_critic)
-                critic_loss, critic_metrics = value_loss(values, targets, mask, norm)
-            if update == 0:
-                metrics["value_loss"] = critic_loss.item()
-                metrics["explained_variance"] = critic_metrics["explained_variance"]
-                metrics["value_mean"] = critic_metrics["value_mean"]
-            result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler,
-                                    self.vote)
+                _, targets = skip_observation_gae(batch.rewards, values, batch.action_mask, cfg.gamma,
+                                                  cfg.lambda_critic)
+                loss, _ = value_loss(values, targets, batch.action_mask, batch.token_normalizer)
+            first_loss = loss.item() if update == 0 else first_loss
+            result = guarded_update(loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler, self.vote)
             timer.add("critic_backward", result.backward_s)
             timer.add("critic_optimizer", result.step_s)
-            critic_norms.append(result.grad_norm)
+            norms.append(result.grad_norm)
             if not result.stepped:
-                return {**metrics, **timer.metrics(), "critic_grad_norm": result.grad_norm,
-                        "skipped_nonfinite": 1.0, "critic_updates_done": float(update)}
-        metrics["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
-        metrics["critic_lr"] = float(self.critic_optimizer.param_groups[0]["lr"])
+                return FitOutcome(False, update, {"critic_grad_norm": result.grad_norm,
+                                                  "critic_fit_loss": first_loss})
+        return FitOutcome(True, cfg.critic_updates, {"critic_grad_norm": sum(norms) / len(norms),
+                                                     "critic_fit_loss": first_loss})
 
-        with torch.no_grad(), timer.phase("critic_forward"):
-            values = self.critic(batch.input_ids, batch.attention_mask)
-        with timer.phase("arithmetic"):
-            lam = length_adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha)
-            advantages, _ = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, lam)
-            loss_after, after = value_loss(values, targets, mask, norm)
-            metrics["value_loss_after"] = float(loss_after)
-            metrics["explained_variance_after"] = after["explained_variance"]
-            if cfg.normalize_advantages:
-                advantages = whiten(advantages, mask)
-            metrics["lambda_mean"] = float(lam.mean())
-            metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
+    def _critic_metrics(self, batch: RolloutBatch, judged: CriticPass) -> dict[str, float]:
+        """Value loss and explained variance of each set of values against this batch's targets."""
+        cfg, mask = self.cfg, batch.action_mask
+        out: dict[str, float] = {"critic_lr": float(self.critic_optimizer.param_groups[0]["lr"]),
+                                 "critic_updates_done": float(judged.fit.updates_done) if judged.fit else 0.0}
+        if judged.fit is not None:
+            out.update(judged.fit.metrics)
+        for suffix, values in (("", judged.before), ("_used", judged.used), ("_after", judged.after)):
+            if values is None:
+                continue
+            _, targets = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.lambda_critic)
+            loss, critic_metrics = value_loss(values, targets, mask, batch.token_normalizer)
+            out[f"value_loss{suffix}"] = float(loss)
+            out[f"explained_variance{suffix}"] = critic_metrics["explained_variance"]
+            if suffix == "":
+                out["value_mean"] = critic_metrics["value_mean"]
+        return out
 
+    def _advantages(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        cfg, mask = self.cfg, batch.action_mask
+        lam = length_adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha)
+        advantages, _ = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, lam)
+        if cfg.normalize_advantages:
+            advantages = whiten(advantages, mask)
+        metrics["lambda_mean"] = float(lam.mean())
+        metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
+        return advantages
+
+    def _policy_update(self, batch: RolloutBatch, advantages: torch.Tensor, timer: PhaseTimer) -> dict[str, float]:
+        cfg = self.cfg
         with timer.phase("policy_forward"):
-            logprobs = policy_logprobs(self.policy, batch)
+            logprobs, entropy = policy_forward(self.policy, batch, with_entropy=self.regularizer.needs_entropy)
         with timer.phase("arithmetic"):
-            policy_loss, dis_metrics = dis_policy_loss(
-                logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, norm)
-        result = guarded_update(policy_loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
+            dis_loss, dis_metrics = dis_policy_loss(logprobs, batch.rollout_logprobs, advantages, batch.action_mask,
+                                                    cfg.eps_low, cfg.eps_high, batch.token_normalizer)
+        with timer.phase("policy_forward"):  # the reference's forward, when the KL penalty is on
+            extra, extra_metrics = self.regularizer.loss(batch, logprobs, entropy)
+        loss = dis_loss + extra
+        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
         timer.add("policy_backward", result.backward_s)
         timer.add("policy_optimizer", result.step_s)
-        return {
-            **metrics,
-            **dis_metrics,
-            **timer.metrics(),
-            "policy_loss": policy_loss.item(),
-            "policy_grad_norm": result.grad_norm,
-            "skipped_nonfinite": 0.0 if result.stepped else 1.0,
-        }
+        return {**dis_metrics, **extra_metrics, "policy_loss": loss.item(), "policy_grad_norm": result.grad_norm,
+                "skipped_nonfinite": 0.0 if result.stepped else 1.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replay_window": self.window.state_dict()} if self.cfg.critic_order == "replay_then_judge" else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "replay_window" in state:
+            device = next(self.critic.parameters()).device
+            self.window.load_state_dict(state["replay_window"], device)
+

@@ -28,20 +28,25 @@ import torch
 from torch import nn
 
 from online_sao.batch import RolloutBatch, pack_layout, padded_share
-from online_sao.losses import token_logprobs
+from online_sao.losses import action_entropy, token_logprobs
 
 
-def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:
-    """``[B, T]`` log-probs of the batch's tokens under ``policy`` at each rollout's
-    sampling temperature (SAO.md section 1), aligned as in :mod:`online_sao.batch`;
-    0 on padding.
+def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass of ``policy`` on the batch: ``(log-probs [B, T], entropy [B, T] or None)``.
+
+    The log-probs are those of the batch's tokens at each rollout's sampling temperature
+    (SAO.md section 1), aligned as in :mod:`online_sao.batch`, 0 on padding. With
+    ``with_entropy`` the entropy of each action token's sampling distribution comes from the
+    same logits (:func:`~online_sao.losses.action_entropy`; 0 off action tokens).
 
     ``packed``: run the policy on the batch packed without padding
     (:class:`~online_sao.batch.PackedLayout`); the same values, to float
     rounding, as the padded run (``packed=False``) on every real token."""
     if not packed:
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        return token_logprobs(logits, batch.input_ids, batch.temperatures) * batch.attention_mask
+        logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures) * batch.attention_mask
+        return logprobs, action_entropy(logits, batch.action_mask, batch.temperatures) if with_entropy else None
     layout = pack_layout(batch.attention_mask)
     ids = layout.pack(batch.input_ids)
     logits = policy(input_ids=ids, position_ids=layout.position_ids, use_cache=False).logits
@@ -49,7 +54,17 @@ def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True)
     # a rollout's first token has no prediction of its own in the row: its entry (the previous rollout's
     # last logits scoring it) is zeroed, as position 0 of a padded row is
     starts = layout.position_ids == 0
-    return layout.unpack(token_logprobs(logits, ids, temperatures).masked_fill(starts, 0.0))
+    logprobs = layout.unpack(token_logprobs(logits, ids, temperatures).masked_fill(starts, 0.0))
+    if not with_entropy:
+        return logprobs, None
+    # an action token is never a rollout's first: the logits before it are its own rollout's
+    actions = layout.pack(batch.action_mask, fill=False)
+    return logprobs, layout.unpack(action_entropy(logits, actions, temperatures))
+
+
+def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:
+    """``[B, T]`` log-probs of :func:`policy_forward`."""
+    return policy_forward(policy, batch, packed)[0]
 
 
 FiniteVote = Callable[[bool], bool]

@@ -127,9 +127,10 @@ class RankZero:
             "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
             **self.monitor_metrics(),
         }, step=at.step)
-        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, %.2f s",
+        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s",
                  at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
-                 metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan), laps.seconds["step"])
+                 metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan),
+                 metrics.get("explained_variance", math.nan), laps.seconds["step"])
         self.feed.step_ended()
 
     def monitor_metrics(self) -> dict[str, float]:

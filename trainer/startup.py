@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import Config
 from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.regularizers import build_reference
 from streams.base import StreamBackend
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, shard_model
@@ -37,18 +38,21 @@ class LearnerModels:
 
 def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     """The policy from ``cfg.model_dir``, a critic when the rule needs one (the algorithm
-    registry says), both sharded, their optimisers and the learning rule."""
+    registry says), the KL penalty's reference policy when it is on, all sharded, the
+    optimisers and the learning rule."""
     policy = load_policy(cfg.model_dir, cfg.model.dtype)
     vocab_size = policy.get_input_embeddings().num_embeddings
     pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
     critic = build_critic(cfg.algorithm, policy)
-    shard_model(policy, ctx)
-    if critic is not None:
-        shard_model(critic, ctx)
+    reference = build_reference(cfg.algorithm, policy)  # the starting policy, before any update
+    for model in (policy, critic, reference):
+        if model is not None:
+            shard_model(model, ctx)
     opts = build_optimizers(cfg.algorithm, policy, critic)
     algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
-                                vote=finite_vote(ctx))
-    return LearnerModels(Trainables(policy, critic, opts, algorithm), pad_token_id, vocab_size)
+                                vote=finite_vote(ctx), reference=reference)
+    ema_reference = reference if cfg.algorithm.kl_reference == "ema" else None  # trains along: checkpointed
+    return LearnerModels(Trainables(policy, critic, opts, algorithm, ema_reference), pad_token_id, vocab_size)
 
 
 def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: DistContext,

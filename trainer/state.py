@@ -31,6 +31,9 @@ class Trainables:
     critic: nn.Module | None
     optimizers: Optimizers
     algorithm: Algorithm
+    ema_reference: nn.Module | None = None
+    """The KL penalty's reference when it is an EMA of the policy (it changes with training and is
+    checkpointed); None when there is none or it is the fixed starting policy."""
 
 
 @dataclass
@@ -115,6 +118,8 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
     if t.critic is not None:
         load_full_state_dict(t.critic, ckpt.models["critic"] if ckpt else None, ctx)
         load_optimizer_state(t.critic, t.optimizers.critic, ckpt.optimizers["critic"] if ckpt else None, ctx)
+    if t.ema_reference is not None:
+        load_full_state_dict(t.ema_reference, ckpt.models["reference"] if ckpt else None, ctx)
     if t.optimizers.critic_scheduler is not None and shared["scheduler"] is not None:
         t.optimizers.critic_scheduler.load_state_dict(shared["scheduler"])
     t.algorithm.load_state_dict(shared["algorithm"])
@@ -130,6 +135,8 @@ def save_training_state(checkpointer: Checkpointer | None, trainables: Trainable
     if t.critic is not None:
         models["critic"] = full_state_dict(t.critic, ctx)
         optimizers["critic"] = optimizer_state(t.critic, t.optimizers.critic, ctx)
+    if t.ema_reference is not None:
+        models["reference"] = full_state_dict(t.ema_reference, ctx)
     if not ctx.is_main:
         return
     if t.optimizers.critic_scheduler is not None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from online_sao.regularizers import action_entropy, ema_update_, entropy_bonus, kl_penalty
+from online_sao.losses import action_entropy
+from online_sao.regularizers import ema_update_, entropy_bonus, kl_penalty
 
 # d = ref - logp on the two action tokens: 0.5 and -0.25
 # k3(0.5)   = e^0.5 - 1 - 0.5    = 1.6487212707 - 1.5  = 0.1487212707
@@ -101,3 +102,9 @@ def test_ema_update_moves_the_reference_a_share_of_the_way():
 def test_ema_update_refuses_a_rate_outside_zero_one():
     with pytest.raises(ValueError, match="rate"):
         ema_update_(nn.Linear(2, 1), nn.Linear(2, 1), rate=0.0)
+
+
+def test_action_entropy_takes_a_temperature_per_token_like_token_logprobs():
+    # one packed row: the temperature at t - 1 applies; 2 there reproduces the per-rollout case
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), torch.tensor([[2.0, 2.0, 7.0]]))
+    torch.testing.assert_close(entropy, torch.tensor([[0.0, 1.3862943611, 0.5623351446]]), rtol=1e-6, atol=1e-7)

@@ -194,3 +194,33 @@ def test_a_token_id_outside_the_vocabulary_is_left_out_and_training_goes_on(tmp_
     trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
     assert sorted(trained) == sorted(i.interaction_id for i in traffic)
     assert Checkpointer(cfg.checkpoint_dir).load_latest().state.counters["invalid_rollouts"] == 1
+
+
+def test_ema_reference_and_replay_window_are_checkpointed_and_resumed(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, **{"algorithm.kl_beta": 0.1, "algorithm.kl_reference": "ema",
+                                               "algorithm.kl_ema_rate": 0.5,
+                                               "algorithm.critic_order": "replay_then_judge"})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(tiny_model_dir)
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 8, prefix="e"))
+
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=2))
+
+    ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
+    reference, policy = ckpt.models["reference"], ckpt.models["policy"]
+    assert reference.keys() == policy.keys()
+    moved = [k for k, v in base.state_dict().items() if not torch.equal(v, reference[k])]
+    assert moved and any(not torch.equal(reference[k], policy[k]) for k in moved)  # between start and policy
+    assert len(ckpt.state.algorithm["replay_window"]["rows"]) == 8
+
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 4, prefix="f"))
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    assert again.steps == 1
+    resumed = Checkpointer(cfg.checkpoint_dir).load_latest()
+    assert len(resumed.state.algorithm["replay_window"]["rows"]) == 12
+    # the resumed reference went on from the checkpointed one: half way to the new policy
+    for key in moved:
+        torch.testing.assert_close(resumed.models["reference"][key],
+                                   0.5 * reference[key] + 0.5 * resumed.models["policy"][key])

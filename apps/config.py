@@ -58,6 +58,11 @@ class AppModelConfig(ModelConfig):
     """How the default model is built."""
 
 
+PRETRAIN_ARM = "pretrain-data"
+"""Names the topics, spool and logs of the pass that collects value pre-training data
+(apps/experiments/pretrain_data.py); no arm may take it."""
+
+
 class PreferencePhase(Section):
     """From rollout ``from_rollout`` on, simulated users prefer ``style``."""
 
@@ -142,6 +147,10 @@ class ExperimentConfig(Section):
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
     """Collapse: the moving answer quality stays below this share of its first window's level
     until the end of the run."""
+    pretrain_rollouts: int = Field(64, ge=0)
+    """Rollouts of the starting policy, answered through serving and scored under the first
+    phase's preference before the arms run, on which every arm with a critic pre-trains its
+    value model (``learn --pretrain-critic``; SAO.md section 3). 0: no value pre-training."""
     judge_group: str = Field("sao-judge", min_length=1)
     """Kafka consumer group of the judge."""
     results_dir: Path | None = None
@@ -169,6 +178,8 @@ class ExperimentConfig(Section):
         names = [arm.name for arm in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names must be unique, got {names}")
+        if PRETRAIN_ARM in names:
+            raise ValueError(f"arm name {PRETRAIN_ARM!r} is reserved for the value pre-training data")
         return self
 
     def preferred_style(self, rollout: int) -> str:

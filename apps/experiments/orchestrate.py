@@ -63,8 +63,10 @@ def _write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = print) -> dict:
-    """Run one arm end to end on the already running broker; returns its summary."""
+def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = print,
+            pretrain_file: Path | None = None) -> dict:
+    """Run one arm end to end on the already running broker; returns its summary. An arm with a
+    critic pre-trains it on ``pretrain_file`` (apps/experiments/pretrain_data.py) when given."""
     from apps.experiments.simulate import drive_arm
     from apps.experiments.style import load_or_train
     from streams.kafka_backend import KafkaBackend
@@ -73,6 +75,10 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     port = free_port()
     acfg = arm_config(cfg, arm)
     acfg = acfg.model_copy(update={"serving": acfg.serving.model_copy(update={"port": port})})
+    learn = ["learn"]
+    if pretrain_file is not None and needs_critic(acfg):
+        acfg = acfg.model_copy(update={"trainer": acfg.trainer.model_copy(update={"pretrain_file": pretrain_file})})
+        learn.append("--pretrain-critic")
     out = results_dir(cfg)
     arm_dir = out / "arms" / arm.name
     config_path = arm_dir / "config.yaml"
@@ -88,7 +94,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         server = stack.start("serving", ["serve"])
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
-        stack.start("learner", ["learn"], env=_threads_env(learner_threads(acfg)))
+        stack.start("learner", learn, env=_threads_env(learner_threads(acfg)))
         stack.start("judge", ["judge", "--arm", arm.name], env=_threads_env(1))
         classifier = load_or_train(acfg, progress)
         waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
@@ -103,6 +109,13 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     (out / f"{arm.name}.run.json").write_text(json.dumps(summary, indent=2))
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary['wall_s']} s")
     return summary
+
+
+def needs_critic(acfg: AppConfig) -> bool:
+    """Whether the arm's learning rule trains a critic (and so gets value pre-training)."""
+    from online_sao.algorithms import RULES_WITH_CRITIC
+
+    return acfg.algorithm.name in RULES_WITH_CRITIC
 
 
 def learner_threads(acfg: AppConfig) -> int:
@@ -193,6 +206,7 @@ def _wait_for_rewards(stack: Stack, results_path: Path, answered: int, progress:
 def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Callable[[str], None] = print) -> Path:
     """All arms (or the named ones), then the report; returns the report's path."""
     from apps.default_model.builder import build_base_model
+    from apps.experiments.pretrain_data import collect_pretrain_rollouts
     from apps.experiments.report import write_report
     from apps.experiments.style import load_or_train
 
@@ -208,10 +222,15 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     with Stack(resolved, {}, out / "broker", progress=progress) as base:
         base.start_broker()
         progress(f"model: {build_base_model(cfg, progress=progress)}")
-        load_or_train(cfg, progress)
+        classifier = load_or_train(cfg, progress)
+        pretrain_file = None
+        if cfg.experiment.pretrain_rollouts and any(needs_critic(arm_config(cfg, a)) for a in cfg.experiment.arms
+                                                    if a.name in names):
+            progress(f"=== value pre-training data: {cfg.experiment.pretrain_rollouts} rollouts ===")
+            pretrain_file = collect_pretrain_rollouts(cfg, classifier, progress)
         for i, name in enumerate(names, 1):
             progress(f"=== arm {i}/{len(names)}: {name} ===")
-            run_arm(cfg, name, progress)
+            run_arm(cfg, name, progress, pretrain_file)
     report = write_report(out, out / "report", mlflow_uri=cfg.mlflow_uri)
     progress(f"report: {report}")
     return report

@@ -1,0 +1,31 @@
+"""The value pre-training data: scored as the judge service scores, read back by the learner."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.config import ArmConfig, ExperimentConfig, load_app_config
+from apps.experiments.judge import QualityStyleJudge
+from apps.experiments.pretrain_data import judge_rewards, write_records
+from tests.apps.experiments.test_judge_service import ANSWERS, SCHEDULE, chat_interaction
+from trainer.history import rollouts_from_file
+
+
+def test_records_are_scored_under_the_preference_and_read_back_by_the_learner(style_classifier, tmp_path):
+    interactions = [chat_interaction(prompt, answer) for prompt, answer in ANSWERS[:4]]
+    judge = QualityStyleJudge(style_classifier)
+    rewards = judge_rewards(interactions, judge, "formal")
+
+    assert [r.interaction_id for r in rewards] == [i.interaction_id for i in interactions]
+    assert [r.value for r in rewards] == [judge.score(p, a, "formal").value for p, a in ANSWERS[:4]]
+    archaic, formal = rewards[0].value, rewards[1].value  # same advice, two styles
+    assert formal > 0.5 > archaic
+
+    path = write_records(tmp_path / "arms" / "pretrain-data" / "records.jsonl", interactions, rewards)
+    rollouts = rollouts_from_file(path, load_app_config(environ={}), version=3)  # the records' newest version
+    assert {r.interaction_id: r.total_reward for r in rollouts} == {r.interaction_id: r.value for r in rewards}
+
+
+def test_no_arm_may_take_the_pre_training_pass_name():
+    with pytest.raises(ValueError, match="reserved"):
+        ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, arms=[ArmConfig(name="pretrain-data")])

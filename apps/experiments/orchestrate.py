@@ -113,9 +113,9 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
 
 def needs_critic(acfg: AppConfig) -> bool:
     """Whether the arm's learning rule trains a critic (and so gets value pre-training)."""
-    from online_sao.algorithms import RULES_WITH_CRITIC
+    from online_sao.algorithms import algorithm_class
 
-    return acfg.algorithm.name in RULES_WITH_CRITIC
+    return algorithm_class(acfg.algorithm.name).needs_critic
 
 
 def learner_threads(acfg: AppConfig) -> int:

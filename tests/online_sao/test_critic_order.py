@@ -12,6 +12,7 @@ import torch
 
 from online_sao.advantages import skip_observation_gae
 from online_sao.batch import Rollout, collate
+from online_sao.config import AlgorithmConfig
 from online_sao.critic_order import FitOutcome, ReplayWindow, order_critic_updates
 
 PRIOR_VALUE = 0.25
@@ -137,3 +138,11 @@ def test_replay_window_keeps_the_newest_rows_trimmed_and_round_trips_through_jso
     again = restored.batch()
     for name in ("input_ids", "attention_mask", "action_mask", "rewards"):
         assert torch.equal(getattr(again, name), getattr(batch, name)), name
+
+
+def test_the_default_order_does_not_judge_a_batch_with_values_fit_on_it():
+    batch, critic = _batch(1), MemorisingCritic()
+    window = ReplayWindow(capacity=8)
+    window.add(_batch(30))
+    result = order_critic_updates(AlgorithmConfig().critic_order, batch, critic.fit, critic.evaluate, window.batch())
+    torch.testing.assert_close(_advantages(batch, result.used), torch.tensor([0.75, 0.75, -1.25, -1.25]))

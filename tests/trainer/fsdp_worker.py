@@ -6,7 +6,9 @@ reference. Either way it trains a tiny Qwen2 policy and its critic with SAO for
 a few steps on fixed rollouts, then checks the state round trip a learner
 checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
 
-- ``policy.safetensors``, ``critic.safetensors``: weights after training;
+- ``policy.safetensors``, ``critic.safetensors``, ``reference.safetensors``: weights after
+  training (SAO with the KL penalty to an EMA reference and the entropy bonus on, so their
+  sharded paths run too);
 - ``policy_optim.safetensors``: the policy's full AdamW state;
 - ``roundtrip_policy.safetensors``, ``roundtrip_critic.safetensors``: those
   weights loaded into freshly built (differently initialised) sharded models
@@ -34,6 +36,7 @@ from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
+from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_logprobs
 from trainer.distributed import (
     DistContext,
@@ -57,6 +60,8 @@ VOCAB = 64
 PAD_ID = 0
 ROLLOUTS_PER_STEP = 6
 MODEL_SEED = 0
+REGULARIZED = {"kl_beta": 0.1, "kl_reference": "ema", "kl_ema_rate": 0.5, "entropy_alpha": 0.01}
+"""The section-3b terms, on: the reference is sharded, run and moved like the policy."""
 
 
 def tiny_policy(seed: int) -> Qwen2ForCausalLM:
@@ -110,18 +115,19 @@ def make_rollouts(policy: torch.nn.Module, steps: int, seed: int) -> list[list[R
 
 
 class Learner:
-    """Policy, critic, optimisers and SAO, sharded for ``ctx``."""
+    """Policy, critic, EMA reference, optimisers and SAO, sharded for ``ctx``."""
 
     def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int) -> None:
         self.ctx = ctx
         self.policy = tiny_policy(seed)
         self.critic = ValueModel.from_policy(self.policy, freeze_attention=cfg.freeze_critic_attention)
-        shard_model(self.policy, ctx)
-        shard_model(self.critic, ctx)
+        self.reference = build_reference(cfg, self.policy)
+        for model in (self.policy, self.critic, self.reference):
+            shard_model(model, ctx)
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
         self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
                                          self.optimizers.critic, self.optimizers.critic_scheduler,
-                                         vote=finite_vote(ctx))  # as the learner builds it
+                                         vote=finite_vote(ctx), reference=self.reference)  # as the learner builds it
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         batch = collate(shard_rollouts(rollouts, self.ctx), PAD_ID, policy_version=version).to(self.ctx.device)
@@ -133,6 +139,7 @@ class Learner:
         return {
             "policy": full_state_dict(self.policy, self.ctx),
             "critic": full_state_dict(self.critic, self.ctx),
+            "reference": full_state_dict(self.reference, self.ctx),
             "policy_optim": optimizer_state(self.policy, opts.policy, self.ctx),
             "critic_optim": optimizer_state(self.critic, opts.critic, self.ctx),
             "critic_schedule": opts.critic_scheduler.state_dict(),
@@ -142,6 +149,7 @@ class Learner:
         opts, main = self.optimizers, self.ctx.is_main
         load_full_state_dict(self.policy, state["policy"] if main else None, self.ctx)
         load_full_state_dict(self.critic, state["critic"] if main else None, self.ctx)
+        load_full_state_dict(self.reference, state["reference"] if main else None, self.ctx)
         load_optimizer_state(self.policy, opts.policy, state["policy_optim"] if main else None, self.ctx)
         load_optimizer_state(self.critic, opts.critic, state["critic_optim"] if main else None, self.ctx)
         opts.critic_scheduler.load_state_dict(state["critic_schedule"])
@@ -156,7 +164,7 @@ def flat_optimizer_state(state: dict) -> dict[str, torch.Tensor]:
 def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
     ctx = init_distributed()
     torch.manual_seed(seed)  # identical on every rank and in the single-process reference
-    cfg = AlgorithmConfig()
+    cfg = AlgorithmConfig(**REGULARIZED)
     learner = Learner(cfg, ctx, MODEL_SEED)
     # Rank 0 makes the data (as it reads the stream) with its still-unsharded copy of
     # the initial policy; the other ranks receive it through broadcast_rollouts.
@@ -193,10 +201,11 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_file(trained["policy"], out / "policy.safetensors")
         save_file(trained["critic"], out / "critic.safetensors")
+        save_file(trained["reference"], out / "reference.safetensors")
         save_file(flat_optimizer_state(trained["policy_optim"]), out / "policy_optim.safetensors")
         for prefix, state in (("roundtrip", roundtrip), ("continued", continued), ("restored", restored)):
-            save_file(state["policy"], out / f"{prefix}_policy.safetensors")
-            save_file(state["critic"], out / f"{prefix}_critic.safetensors")
+            for model in ("policy", "critic", "reference"):
+                save_file(state[model], out / f"{prefix}_{model}.safetensors")
         save_file(pretrained, out / "pretrained_critic.safetensors")
         report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares}
         (out / "metrics.json").write_text(json.dumps(report))

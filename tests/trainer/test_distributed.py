@@ -129,7 +129,7 @@ def _load(directory: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
-    for model in ("policy", "critic"):
+    for model in ("policy", "critic", "reference"):
         _assert_states_close(_load(two_ranks, model), _load(one_process, model), WEIGHT_RTOL, WEIGHT_ATOL, model)
     initial = fsdp_worker.tiny_policy(fsdp_worker.MODEL_SEED).state_dict()
     trained = _load(one_process, "policy")
@@ -153,7 +153,8 @@ def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
         assert got["skipped_nonfinite"] == want["skipped_nonfinite"] == 0.0
         assert got["num_rollouts"] == want["num_rollouts"] and got["num_action_tokens"] == want["num_action_tokens"]
         # per-rank losses divide by N_global / 2, so their mean over ranks is the global loss
-        for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "value_loss_after"):
+        for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "value_loss_after",
+                    "kl_ref", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=STATE_RTOL), key
 
 
@@ -175,7 +176,7 @@ def test_gathered_state_round_trips_through_fresh_models(world, request):
     (differently initialised) models gives back the same weights, and the next step
     from there is bit-identical to the next step of the models that never stopped."""
     out = request.getfixturevalue(world)
-    for model in ("policy", "critic"):
+    for model in ("policy", "critic", "reference"):
         _assert_states_close(_load(out, f"roundtrip_{model}"), _load(out, model), 0.0, 0.0, f"round trip {model}")
         continued = _load(out, f"continued_{model}")
         assert any(not torch.equal(v, _load(out, model)[k]) for k, v in continued.items()), "the extra step trained"

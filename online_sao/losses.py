@@ -19,6 +19,10 @@ import torch.nn.functional as F
 
 MIN_NORMALIZER = 1.0
 """Floor of N: a batch without action tokens gives loss 0 instead of 0/0."""
+MIN_EXPLAINABLE_VARIANCE = 1e-6
+"""Variance of the returns at or below which explained variance is undefined (NaN). Returns that
+agree to about 1e-3 (a step whose rollouts all scored near 0) leave nothing to explain, and
+dividing by their variance gave per-step values like -4e7 that swamp any summary of a run."""
 
 
 def loss_normalizer(action_mask: torch.Tensor, normalizer: float | None) -> torch.Tensor | float:
@@ -172,13 +176,14 @@ def value_loss(
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
-    """``1 - Var(G - V) / Var(G)`` over action tokens; NaN when Var(G) is 0 (undefined)."""
+    """``1 - Var(G - V) / Var(G)`` over action tokens; NaN when there are fewer than 2 tokens or
+    Var(G) is at most MIN_EXPLAINABLE_VARIANCE (undefined)."""
     v = values[action_mask].double()
     g = returns[action_mask].double()
     if g.numel() < 2:
         return float("nan")
     var_g = g.var(unbiased=False)
-    if var_g == 0:
+    if var_g <= MIN_EXPLAINABLE_VARIANCE:
         return float("nan")
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 

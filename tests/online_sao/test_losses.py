@@ -171,3 +171,6 @@ def test_value_loss_literal_and_explained_variance():
     assert metrics["explained_variance"] == pytest.approx(12 / 19)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert math.isnan(explained_variance(values.detach(), torch.ones(1, 4), mask))
+    # returns that differ by 1e-4 (variance 2.5e-9 < MIN_EXPLAINABLE_VARIANCE): nothing to explain
+    nearly_equal = torch.tensor([[0.0, 1e-4, 0.0, 1e-4]])
+    assert math.isnan(explained_variance(torch.full((1, 4), 0.2), nearly_equal, torch.ones(1, 4, dtype=torch.bool)))

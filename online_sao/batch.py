@@ -31,7 +31,9 @@ class Rollout:
     ``logprobs``/``versions`` meaningful only where ``action_mask`` is True.
     ``rewards`` places each reward on a token index (the final reward on the
     last token); GAE credits a reward on a non-action token to the last action
-    token before it.
+    token before it. ``temperatures`` and ``top_ps`` are the sampling settings of
+    each token (turns of one trajectory may differ), 1.0 off actions; left empty
+    they mean 1.0 everywhere.
     """
 
     interaction_id: str
@@ -40,19 +42,25 @@ class Rollout:
     logprobs: list[float]
     versions: list[int]
     rewards: dict[int, float]
-    temperature: float = 1.0
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
     group_id: int = -1
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        if not (len(self.action_mask) == len(self.logprobs) == len(self.versions) == n):
+        self.temperatures = self.temperatures or [1.0] * n
+        self.top_ps = self.top_ps or [1.0] * n
+        if not (len(self.action_mask) == len(self.logprobs) == len(self.versions) == len(self.temperatures)
+                == len(self.top_ps) == n):
             raise ValueError(f"rollout {self.interaction_id}: per-token lists disagree in length")
         if n and self.action_mask[0]:
             raise ValueError(f"rollout {self.interaction_id}: token 0 cannot be an action")
         if any(not 0 <= i < n for i in self.rewards):
             raise ValueError(f"rollout {self.interaction_id}: reward index outside the trajectory")
-        if self.temperature <= 0:
+        if any(not temperature > 0 for temperature in self.temperatures):
             raise ValueError(f"rollout {self.interaction_id}: temperature must be positive")
+        if any(not 0 < top_p <= 1 for top_p in self.top_ps):
+            raise ValueError(f"rollout {self.interaction_id}: top_p must be in (0, 1]")
 
     @property
     def num_action_tokens(self) -> int:
@@ -83,7 +91,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor  # [B, T] float, behaviour log-probs (0 off actions)
     rewards: torch.Tensor  # [B, T] float, reward placed on tokens (0 elsewhere)
     versions: torch.Tensor  # [B, T] long, policy version that sampled each action token
-    temperatures: torch.Tensor  # [B] float, sampling temperature of each rollout
+    temperatures: torch.Tensor  # [B, T] float, sampling temperature of each token (1 off actions and padding)
+    top_ps: torch.Tensor  # [B, T] float, sampling top_p of each token (1 off actions and padding)
     group_ids: torch.Tensor  # [B] long, prompt group for grpo (-1 when ungrouped)
     interaction_ids: list[str] = field(default_factory=list)
     policy_version: int = 0
@@ -120,6 +129,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int, policy_version: int = 0)
     logprobs = torch.zeros((b, t), dtype=torch.float32)
     rewards = torch.zeros((b, t), dtype=torch.float32)
     versions = torch.zeros((b, t), dtype=torch.long)
+    temperatures = torch.ones((b, t), dtype=torch.float32)
+    top_ps = torch.ones((b, t), dtype=torch.float32)
     for i, r in enumerate(rollouts):
         n = len(r.token_ids)
         input_ids[i, :n] = torch.tensor(r.token_ids, dtype=torch.long)
@@ -127,6 +138,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int, policy_version: int = 0)
         actions[i, :n] = torch.tensor(r.action_mask, dtype=torch.bool)
         logprobs[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32) * actions[i, :n]
         versions[i, :n] = torch.tensor(r.versions, dtype=torch.long) * actions[i, :n]
+        temperatures[i, :n] = torch.where(actions[i, :n], torch.tensor(r.temperatures, dtype=torch.float32), 1.0)
+        top_ps[i, :n] = torch.where(actions[i, :n], torch.tensor(r.top_ps, dtype=torch.float32), 1.0)
         for pos, value in r.rewards.items():
             rewards[i, pos] += value
     return RolloutBatch(
@@ -136,7 +149,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int, policy_version: int = 0)
         rollout_logprobs=logprobs,
         rewards=rewards,
         versions=versions,
-        temperatures=torch.tensor([r.temperature for r in rollouts], dtype=torch.float32),
+        temperatures=temperatures,
+        top_ps=top_ps,
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
         interaction_ids=[r.interaction_id for r in rollouts],
         policy_version=policy_version,

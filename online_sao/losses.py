@@ -9,13 +9,22 @@ The token mean divides by ``N``: the number of action tokens of the batch, or th
 ``normalizer`` the caller passes (data-parallel ranks pass the global count, see
 :attr:`online_sao.batch.RolloutBatch.token_normalizer`). Masked tokens stay in N.
 
+Outside the nucleus. With ``top_p < 1`` the current policy's log-probability of a
+token is ``-inf`` when its nucleus no longer holds that token (see
+:mod:`online_sao.sampling`). Its ratio is 0: every loss masks it out (DIS because 0
+is below the band; the clipped surrogate explicitly, since ``-inf - -inf`` against
+pi_old is not a number) and reports the share as ``outside_nucleus_frac``; the
+ratio metrics (``ratio_mean``, ``approx_kl``) average over the other action tokens.
+No gradient reaches it: its log-ratio is replaced by a constant before ``exp``.
+
 The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from online_sao.sampling import nucleus_logprobs, sampled_logprobs
 
 MIN_NORMALIZER = 1.0
 """Floor of N: a batch without action tokens gives loss 0 instead of 0/0."""
@@ -46,14 +55,17 @@ def masked_mean(x: torch.Tensor, action_mask: torch.Tensor) -> float:
     return float(torch.where(action_mask, x, torch.zeros_like(x)).sum()) / count if count else 0.0
 
 
-def _ratio_metrics(log_ratio: torch.Tensor, action_mask: torch.Tensor) -> dict[str, float]:
-    """Mean ratio and approx KL, mean of (r - 1) - log r, over all action tokens."""
+def _ratio_metrics(log_ratio: torch.Tensor, logprobs: torch.Tensor, action_mask: torch.Tensor) -> dict[str, float]:
+    """Mean ratio and approx KL, mean of (r - 1) - log r, over the action tokens whose
+    log-ratio is finite, and the share of action tokens outside the current nucleus."""
     with torch.no_grad():
-        log_ratio = torch.where(action_mask, log_ratio, torch.zeros_like(log_ratio))
+        inside = action_mask & torch.isfinite(log_ratio)
+        log_ratio = torch.where(inside, log_ratio, torch.zeros_like(log_ratio))
         ratio = log_ratio.exp()
         return {
-            "ratio_mean": masked_mean(ratio, action_mask),
-            "approx_kl": masked_mean((ratio - 1) - log_ratio, action_mask),
+            "ratio_mean": masked_mean(ratio, inside),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, inside),
+            "outside_nucleus_frac": _fraction(torch.isneginf(logprobs), action_mask),
         }
 
 
@@ -88,9 +100,10 @@ def dis_policy_loss(
     is replaced by a constant before ``exp``, so not even ``0 * inf`` can leak).
 
     Shapes: all ``[B, T]``; ``advantages`` and ``rollout_logprobs`` carry no grad.
-    Metrics: kept_frac, masked_below_frac (r <= 1 - eps_low), masked_above_frac
-    (r >= 1 + eps_high), masked_nan_frac (r not a number), ratio_mean and
-    approx_kl over all action tokens.
+    Metrics: kept_frac, masked_below_frac (r <= 1 - eps_low, tokens outside the
+    current nucleus included), masked_above_frac (r >= 1 + eps_high),
+    masked_nan_frac (r not a number), outside_nucleus_frac, ratio_mean and approx_kl
+    (see the module docstring).
     """
     log_ratio = logprobs - rollout_logprobs.detach()
     kept = dis_band_mask(log_ratio, action_mask, eps_low, eps_high)
@@ -106,7 +119,7 @@ def dis_policy_loss(
             "masked_below_frac": _fraction(raw_ratio <= 1.0 - eps_low, action_mask),
             "masked_above_frac": _fraction(raw_ratio >= 1.0 + eps_high, action_mask),
             "masked_nan_frac": _fraction(torch.isnan(raw_ratio), action_mask),
-            **_ratio_metrics(log_ratio.detach(), action_mask),
+            **_ratio_metrics(log_ratio.detach(), logprobs.detach(), action_mask),
         }
     return loss, metrics
 
@@ -129,29 +142,31 @@ def clipped_surrogate_loss(
     ``L = -(1/N) sum_t d_t min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)``.
     ``d_t`` is 1 unless ``rollout_logprobs`` is given: then it is the DIS band mask
     of ``exp(logprobs_t - rollout_logprobs_t)`` with ``eps_low``/``eps_high`` ("GRPO
-    with DIS"). Shapes: all ``[B, T]``.
-    Metrics: clip_frac (tokens where the clipped branch is taken), ratio_mean and
-    approx_kl against pi_old; with DIS also kept_frac.
+    with DIS"). A token outside the current or pi_old's nucleus (log-prob ``-inf``)
+    is masked out (module docstring). Shapes: all ``[B, T]``.
+    Metrics: clip_frac (tokens where the clipped branch is taken), ratio_mean,
+    approx_kl against pi_old and outside_nucleus_frac; with DIS also kept_frac.
     """
     old = old_logprobs.detach()
     adv = advantages.detach()
     log_ratio = logprobs - old
     zeros = torch.zeros_like(log_ratio)
-    ratio = torch.where(action_mask, log_ratio, zeros).exp()
+    inside = action_mask & torch.isfinite(logprobs.detach()) & torch.isfinite(old)
+    ratio = torch.where(inside, log_ratio, zeros).exp()
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     unclipped_term, clipped_term = ratio * adv, clipped * adv
     surrogate = torch.minimum(unclipped_term, clipped_term)
-    keep = action_mask
+    keep = inside
     metrics: dict[str, float] = {}
     if rollout_logprobs is not None:
         if eps_low is None or eps_high is None:
             raise ValueError("the DIS mask needs eps_low and eps_high")
-        keep = dis_band_mask(logprobs - rollout_logprobs.detach(), action_mask, eps_low, eps_high)
+        keep = inside & dis_band_mask(logprobs - rollout_logprobs.detach(), action_mask, eps_low, eps_high)
         metrics["kept_frac"] = _fraction(keep, action_mask)
     loss = -torch.where(keep, surrogate, zeros).sum() / loss_normalizer(action_mask, normalizer)
     with torch.no_grad():
-        metrics["clip_frac"] = _fraction(clipped_term < unclipped_term, action_mask)
-        metrics.update(_ratio_metrics(log_ratio.detach(), action_mask))
+        metrics["clip_frac"] = _fraction((clipped_term < unclipped_term) & inside, action_mask)
+        metrics.update(_ratio_metrics(log_ratio.detach(), logprobs.detach(), action_mask))
     return loss, metrics
 
 
@@ -188,40 +203,39 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask:
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
-def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` entropy of the sampling distribution of each action token, 0 elsewhere.
 
-    Aligned as :func:`token_logprobs` (``temperature`` ``[B]`` or ``[B, T]`` likewise): position
-    ``t`` holds ``H(softmax(logits_{t-1} / temperature))``, the distribution ``x_t`` was drawn
-    from. Only action positions are gathered before the softmax, so the float32
-    log-probabilities take ``[action tokens, V]``, not ``[B, T, V]``. Differentiable in ``logits``.
+    Aligned as :func:`token_logprobs` (``temperature`` and ``top_p`` ``[B, T]`` likewise): position
+    ``t`` holds the entropy of :func:`online_sao.sampling.nucleus_logprobs` of ``logits_{t-1}``, the
+    distribution ``x_t`` was drawn from (over the nucleus when ``top_p < 1``). Only action positions
+    are gathered before the softmax, so the float32 log-probabilities take ``[action tokens, V]``,
+    not ``[B, T, V]``. Differentiable in ``logits``.
     """
-    temperature = temperature.to(logits.device, torch.float32)
     predicting = action_mask[:, 1:]  # logits at t - 1 predict token t
-    per_token = temperature[:, :-1] if temperature.dim() == 2 else temperature.view(-1, 1).expand(predicting.shape)
-    picked = logits[:, :-1][predicting].float() / per_token[predicting].unsqueeze(-1)  # [n, V]
-    logp = F.log_softmax(picked, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
+    picked = logits[:, :-1][predicting]  # [n, V]
+    logp = nucleus_logprobs(picked, temperature[:, 1:][predicting].to(logits.device),
+                            top_p[:, 1:][predicting].to(logits.device))
+    # outside the nucleus p = 0: its term is 0, and -inf must not meet 0 (0 * -inf is not a number)
+    entropy = -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(dim=-1)
     rows, cols = predicting.nonzero(as_tuple=True)
     out = torch.zeros(action_mask.shape, dtype=entropy.dtype, device=logits.device)
     return out.index_put((rows, cols + 1), entropy)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Per-token log-probabilities under the sampling distribution.
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probabilities under the distribution each token was sampled from.
 
     ``logits`` ``[B, T, V]`` from the model run on ``input_ids`` ``[B, T]``;
-    ``temperature`` ``[B]`` (one per rollout) or ``[B, T]`` (one per token: packed
-    rows hold several rollouts; the temperature at ``t - 1`` applies). Returns
-    ``[B, T]``: position ``t`` holds ``log softmax(logits_{t-1} / temperature)[x_t]``
-    (the logits at ``t - 1`` predict ``x_t``), position 0 holds 0 (see
-    :mod:`online_sao.batch`).
+    ``temperature`` and ``top_p`` ``[B, T]``: the sampling settings of token ``x_t``
+    at position ``t`` (meaningful on action tokens; in packed rows, which hold several
+    rollouts, each token keeps its own). Returns ``[B, T]``: position ``t``
+    holds :func:`online_sao.sampling.nucleus_logprobs` of ``logits_{t-1}`` at ``x_t``
+    (the logits at ``t - 1`` predict ``x_t``), the engine's own definition, so ``-inf``
+    for a token outside the nucleus; position 0 holds 0 (see :mod:`online_sao.batch`).
     """
-    temperature = temperature.to(logits.device, torch.float32)
-    per_token = temperature[:, :-1, None] if temperature.dim() == 2 else temperature.view(-1, 1, 1)
-    scaled = logits[:, :-1].float() / per_token
-    targets = input_ids[:, 1:]
-    # cross_entropy is the fused log_softmax + gather: no [B, T, V] log-prob tensor is kept
-    nll = F.cross_entropy(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1), reduction="none")
+    shifted = sampled_logprobs(logits[:, :-1], input_ids[:, 1:], temperature[:, 1:], top_p[:, 1:])
     first = torch.zeros((input_ids.shape[0], 1), dtype=torch.float32, device=logits.device)
-    return torch.cat([first, -nll.view(targets.shape)], dim=1)
+    return torch.cat([first, shifted], dim=1)

@@ -41,15 +41,18 @@ def kl_penalty(
     """``L = (beta / N) sum_t k3_t`` over action tokens, ``k3_t = exp(d_t) - 1 - d_t``,
     ``d_t = ref_logprobs_t - logprobs_t``. ``ref_logprobs`` carry no gradient.
 
-    Off action tokens ``d`` is replaced by 0 before ``exp`` (k3 = 0 there, no gradient, and no
-    overflow from padding). Metrics: ``kl_ref`` (mean k3 over action tokens, the estimate of
-    KL(pi_theta || pi_ref) whatever beta is) and ``kl_loss`` (the weighted term).
+    Off action tokens, and on a token outside the top-p nucleus of either policy (log-prob
+    ``-inf``, see :mod:`online_sao.sampling`), ``d`` is replaced by 0 before ``exp`` (k3 = 0
+    there, no gradient, and no overflow from padding or ``inf - inf``). Metrics: ``kl_ref`` (mean
+    k3 over the other action tokens, the estimate of KL(pi_theta || pi_ref) whatever beta is) and
+    ``kl_loss`` (the weighted term).
     """
-    d = ref_logprobs.detach() - logprobs
-    d = torch.where(action_mask, d, torch.zeros_like(d))
+    ref = ref_logprobs.detach()
+    counted = action_mask & torch.isfinite(logprobs.detach()) & torch.isfinite(ref)
+    d = torch.where(counted, ref - logprobs, torch.zeros_like(logprobs))
     k3 = d.exp() - 1.0 - d
     loss = beta * k3.sum() / loss_normalizer(action_mask, normalizer)
-    return loss, {"kl_ref": masked_mean(k3.detach(), action_mask), "kl_loss": float(loss.detach())}
+    return loss, {"kl_ref": masked_mean(k3.detach(), counted), "kl_loss": float(loss.detach())}
 
 
 def entropy_bonus(

@@ -90,6 +90,16 @@ class SamplingParams(BaseModel):
     stop: list[str] = []
 
 
+class TurnOrigin(BaseModel):
+    """Which request sampled one assistant turn, and from which distribution."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    interaction_id: str = Field(min_length=1, max_length=256)
+    """The interaction whose request sampled the turn (the record's own id for its newest turn)."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
 class Interaction(Record):
     """One completed trajectory sampled by the serving engine.
 
@@ -100,7 +110,10 @@ class Interaction(Record):
     ``versions`` have one entry per action token: the behaviour log-probability
     under the exact sampling distribution and the policy version that sampled it.
     ``turn_ends`` lists, for each assistant turn, the index in ``response_ids`` of
-    its last token (per-turn rewards are credited there).
+    its last token (per-turn rewards are credited there). ``turn_origins`` has one
+    entry per turn: the interaction that sampled it and its temperature and top_p
+    (a continuation repeats its parent's turns). Records written before that field
+    carry none: every turn then counts as this record's own, sampled with ``sampling``.
     """
 
     kind: Literal["interaction"] = "interaction"
@@ -115,6 +128,7 @@ class Interaction(Record):
     logprobs: list[FiniteFloat]
     versions: list[Version]
     turn_ends: list[Annotated[int, Field(ge=0)]] = []
+    turn_origins: list[TurnOrigin] = []
     sampling: SamplingParams = SamplingParams()
     finish_reason: str = "stop"
     parent_id: str | None = None
@@ -139,6 +153,8 @@ class Interaction(Record):
             raise ValueError("a log-probability is above 0")
         if any(not 0 <= e < n for e in self.turn_ends):
             raise ValueError("turn_ends points outside response_ids")
+        if self.turn_origins and len(self.turn_origins) != len(self.turn_ends):
+            raise ValueError(f"turn_origins has {len(self.turn_origins)} entries for {len(self.turn_ends)} turns")
         return self
 
     @property

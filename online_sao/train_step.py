@@ -35,8 +35,9 @@ def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass of ``policy`` on the batch: ``(log-probs [B, T], entropy [B, T] or None)``.
 
-    The log-probs are those of the batch's tokens at each rollout's sampling temperature
-    (SAO.md section 1), aligned as in :mod:`online_sao.batch`, 0 on padding. With
+    The log-probs are those of the batch's tokens, each under the distribution its token was
+    sampled from (temperature and top-p nucleus, as the engine defines it; SAO.md section 1),
+    aligned as in :mod:`online_sao.batch`, 0 on padding. With
     ``with_entropy`` the entropy of each action token's sampling distribution comes from the
     same logits (:func:`~online_sao.losses.action_entropy`; 0 off action tokens).
 
@@ -45,21 +46,23 @@ def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
     rounding, as the padded run (``packed=False``) on every real token."""
     if not packed:
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures) * batch.attention_mask
-        return logprobs, action_entropy(logits, batch.action_mask, batch.temperatures) if with_entropy else None
+        logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures, batch.top_ps) * batch.attention_mask
+        entropy = action_entropy(logits, batch.action_mask, batch.temperatures, batch.top_ps) if with_entropy else None
+        return logprobs, entropy
     layout = pack_layout(batch.attention_mask)
     ids = layout.pack(batch.input_ids)
     logits = policy(input_ids=ids, position_ids=layout.position_ids, use_cache=False).logits
-    temperatures = layout.pack(batch.temperatures.to(ids.device)[:, None].expand(batch.input_ids.shape), fill=1.0)
+    temperatures = layout.pack(batch.temperatures.to(ids.device), fill=1.0)
+    top_ps = layout.pack(batch.top_ps.to(ids.device), fill=1.0)
     # a rollout's first token has no prediction of its own in the row: its entry (the previous rollout's
     # last logits scoring it) is zeroed, as position 0 of a padded row is
     starts = layout.position_ids == 0
-    logprobs = layout.unpack(token_logprobs(logits, ids, temperatures).masked_fill(starts, 0.0))
+    logprobs = layout.unpack(token_logprobs(logits, ids, temperatures, top_ps).masked_fill(starts, 0.0))
     if not with_entropy:
         return logprobs, None
     # an action token is never a rollout's first: the logits before it are its own rollout's
     actions = layout.pack(batch.action_mask, fill=False)
-    return logprobs, layout.unpack(action_entropy(logits, actions, temperatures))
+    return logprobs, layout.unpack(action_entropy(logits, actions, temperatures, top_ps))
 
 
 def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:

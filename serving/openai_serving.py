@@ -261,7 +261,8 @@ class OpenAIServing:
         return {} if kept is None else dict(prompt_text=kept.prompt, response_text=kept.response)
 
     def _log(self, turn: Turn) -> None:
-        fields = turn.prefix.extended(turn.token_ids, turn.logprobs, turn.versions)
+        fields = turn.prefix.extended(turn.interaction_id, turn.sampling, turn.token_ids, turn.logprobs,
+                                      turn.versions)
         texts = {}
         if not self.cfg.redact_text:
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731

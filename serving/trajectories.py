@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from online_sao.schemas import Interaction
+from online_sao.schemas import Interaction, SamplingParams, TurnOrigin
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class TrajectoryPrefix:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
+    turn_origins: list[TurnOrigin] = field(default_factory=list)
     parent_id: str | None = None
 
     @classmethod
@@ -84,21 +85,25 @@ class TrajectoryPrefix:
                    response_ids=list(parent.response_ids) + list(observation_ids),
                    action_mask=list(parent.action_mask) + [False] * len(observation_ids),
                    logprobs=list(parent.logprobs), versions=list(parent.versions),
-                   turn_ends=list(parent.turn_ends), parent_id=parent.interaction_id)
+                   turn_ends=list(parent.turn_ends), turn_origins=list(parent.turn_origins),
+                   parent_id=parent.interaction_id)
 
     @property
     def engine_prompt(self) -> list[int]:
         """The tokens the engine conditions on."""
         return self.prompt_ids + self.response_ids
 
-    def extended(self, sampled: list[int], logprobs: list[float], versions: list[int]) -> dict:
-        """The trajectory fields of the record once ``sampled`` (this turn's tokens) are appended."""
+    def extended(self, interaction_id: str, sampling: SamplingParams, sampled: list[int], logprobs: list[float],
+                 versions: list[int]) -> dict:
+        """The trajectory fields of record ``interaction_id`` once ``sampled`` (this turn's
+        tokens, drawn with ``sampling``) are appended."""
         response = self.response_ids + sampled
-        turn_ends = self.turn_ends + ([len(response) - 1] if sampled else [])
+        turn = [TurnOrigin(interaction_id=interaction_id, temperature=sampling.temperature, top_p=sampling.top_p)]
         return dict(prompt_ids=self.prompt_ids, response_ids=response,
                     action_mask=self.action_mask + [True] * len(sampled),
                     logprobs=self.logprobs + logprobs, versions=self.versions + versions,
-                    turn_ends=turn_ends, parent_id=self.parent_id)
+                    turn_ends=self.turn_ends + ([len(response) - 1] if sampled else []),
+                    turn_origins=self.turn_origins + (turn if sampled else []), parent_id=self.parent_id)
 
 
 def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text: str | None) -> str | None:

@@ -4,7 +4,14 @@ Layout (the token alignment of :mod:`online_sao.batch`): the trajectory is
 ``prompt_ids + response_ids``; the action mask is False over the prompt and the
 interaction's own mask over the response; behaviour log-probs and versions,
 which the record holds for action tokens only, are spread onto the action
-positions (0 elsewhere).
+positions (0 elsewhere). Each action token carries the temperature and top_p of
+the turn that sampled it (``turn_origins``; the record's ``sampling`` for a record
+without them), so the learner recomputes its log-probability under the
+distribution it really came from.
+
+Turns already trained as part of an earlier rollout (``observed_turns``, decided
+by the join: docs/ALGORITHM.md, "Multi-turn trajectories") stay in the trajectory
+as observations: their tokens are context, not actions, and train nothing again.
 
 Reward placement (SAO.md section 2): the final reward sits on the last token of
 the trajectory, each per-turn reward on the last token of its turn
@@ -15,32 +22,64 @@ Two rewards on one token add up.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from online_sao.batch import Rollout
-from online_sao.schemas import Interaction
+from online_sao.schemas import Interaction, TurnOrigin
 
 
 class RolloutError(ValueError):
     """A joined interaction that cannot become a rollout; the message says why."""
 
 
-def interaction_to_rollout(interaction: Interaction, reward: float,
-                           turn_rewards: Mapping[int, float] | None = None, group_id: int = -1) -> Rollout:
-    """The rollout of ``interaction`` with its final ``reward`` and ``turn_rewards``
-    (assistant turn index -> value). Raises RolloutError for a turn the
+def turn_origins(interaction: Interaction) -> list[TurnOrigin]:
+    """The origin of each assistant turn; a record written before ``turn_origins``
+    existed: every turn is its own, sampled with its ``sampling``."""
+    if interaction.turn_origins:
+        return list(interaction.turn_origins)
+    own = TurnOrigin(interaction_id=interaction.interaction_id, temperature=interaction.sampling.temperature,
+                     top_p=interaction.sampling.top_p)
+    return [own] * len(interaction.turn_ends)
+
+
+def response_turns(interaction: Interaction) -> list[int | None]:
+    """For each response token, the index of the assistant turn it belongs to (turn k
+    spans the tokens after turn k - 1's last one up to its own last one); None after
+    the last turn."""
+    turns: list[int | None] = []
+    start = 0
+    for turn, end in enumerate(interaction.turn_ends):
+        turns.extend([turn] * (end + 1 - start))
+        start = end + 1
+    return turns + [None] * (len(interaction.response_ids) - start)
+
+
+def interaction_to_rollout(interaction: Interaction, reward: float | None,
+                           turn_rewards: Mapping[int, float] | None = None, group_id: int = -1,
+                           observed_turns: Collection[int] = ()) -> Rollout:
+    """The rollout of ``interaction`` with its final ``reward`` (None: no reward on the
+    last token) and ``turn_rewards`` (assistant turn index -> value); the action tokens
+    of ``observed_turns`` become observations. Raises RolloutError for a turn the
     interaction does not have."""
     prompt_len = len(interaction.prompt_ids)
     token_ids = list(interaction.prompt_ids) + list(interaction.response_ids)
-    action_mask = [False] * prompt_len + list(interaction.action_mask)
-    logprobs = [0.0] * len(token_ids)
-    versions = [0] * len(token_ids)
-    actions = (i for i, is_action in enumerate(action_mask) if is_action)
-    for position, logprob, version in zip(actions, interaction.logprobs, interaction.versions, strict=True):
-        logprobs[position] = logprob
-        versions[position] = version
+    n = len(token_ids)
+    action_mask, logprobs, versions = [False] * n, [0.0] * n, [0] * n
+    temperatures, top_ps = [1.0] * n, [1.0] * n
+    origins = turn_origins(interaction)
+    own = interaction.sampling
+    actions = (i for i, is_action in enumerate(interaction.action_mask) if is_action)
+    turns = response_turns(interaction)
+    for index, logprob, version in zip(actions, interaction.logprobs, interaction.versions, strict=True):
+        turn = turns[index]
+        if turn in observed_turns:
+            continue
+        position = prompt_len + index
+        action_mask[position], logprobs[position], versions[position] = True, logprob, version
+        setting = origins[turn] if turn is not None else own
+        temperatures[position], top_ps[position] = setting.temperature, setting.top_p
 
-    rewards: dict[int, float] = {len(token_ids) - 1: float(reward)}
+    rewards: dict[int, float] = {} if reward is None else {n - 1: float(reward)}
     for turn, value in (turn_rewards or {}).items():
         if not 0 <= turn < len(interaction.turn_ends):
             raise RolloutError(f"interaction {interaction.interaction_id}: reward for turn {turn}, "
@@ -48,13 +87,6 @@ def interaction_to_rollout(interaction: Interaction, reward: float,
         position = prompt_len + interaction.turn_ends[turn]
         rewards[position] = rewards.get(position, 0.0) + float(value)
 
-    return Rollout(
-        interaction_id=interaction.interaction_id,
-        token_ids=token_ids,
-        action_mask=action_mask,
-        logprobs=logprobs,
-        versions=versions,
-        rewards=rewards,
-        temperature=interaction.sampling.temperature,
-        group_id=group_id,
-    )
+    return Rollout(interaction_id=interaction.interaction_id, token_ids=token_ids, action_mask=action_mask,
+                   logprobs=logprobs, versions=versions, rewards=rewards, temperatures=temperatures,
+                   top_ps=top_ps, group_id=group_id)

@@ -1,10 +1,9 @@
-"""The engine's sampling distribution and the behaviour log-probability of a sample.
+"""Drawing a token from the engine's sampling distribution.
 
-The distribution a token is drawn from is ``softmax(logits / temperature)``
-restricted to the nucleus (the smallest set of most likely tokens whose mass
-reaches ``top_p``) and renormalised. The behaviour log-probability logged with a
-token is its log-probability under exactly that distribution, so a learner's
-importance ratio compares against what really sampled it.
+The distribution itself, and the behaviour log-probability logged with each
+token, is :func:`online_sao.sampling.nucleus_logprobs`: the learner recomputes
+the same function under the current policy, so its importance ratio compares
+against what really sampled the token.
 
 ``SamplingParams`` requires ``temperature > 0``. At or below
 :data:`GREEDY_TEMPERATURE` the engine takes the arg-max instead of drawing (the
@@ -18,35 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from online_sao.sampling import nucleus_logprobs
+
+__all__ = ["GREEDY_TEMPERATURE", "most_likely", "nucleus_logprobs", "sample_token"]
+
 GREEDY_TEMPERATURE = 1e-4
 """Temperatures at or below this decode greedily (see the module docstring)."""
-
-
-def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Log-probabilities of the sampling distribution of one position.
-
-    Args:
-        logits: ``[V]`` raw logits of the model.
-        temperature: > 0.
-        top_p: in (0, 1]; 1 keeps every token.
-
-    Returns:
-        ``[V]`` float32 log-probabilities, ``-inf`` outside the nucleus; they
-        sum (in probability) to 1 over the nucleus.
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return logp
-    sorted_logp, order = torch.sort(logp, descending=True)
-    probs = sorted_logp.exp()
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    # Keep a token while the mass of the more likely tokens is still short of
-    # top_p; the most likely token is always kept.
-    keep_sorted = mass_before < top_p
-    keep_sorted[0] = True
-    keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
-    kept = logp.masked_fill(~keep, float("-inf"))
-    return kept - torch.logsumexp(kept, dim=-1)
 
 
 def most_likely(logp: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]:

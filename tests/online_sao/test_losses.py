@@ -93,7 +93,7 @@ def test_dis_gradient_matches_closed_form_on_kept_tokens():
     mask = torch.rand(b, t) < 0.7
     mask[:, 0] = False
     advantages = torch.randn(b, t)
-    logp = token_logprobs(logits, input_ids, temperature)
+    logp = token_logprobs(logits, input_ids, temperature.view(b, 1).expand(b, t), torch.ones(b, t))
     # behaviour log-probs shifted by noise wide enough that some tokens leave the band (0.7, 1.5)
     rollout = (logp.detach() + 0.6 * torch.randn(b, t)) * mask
     loss, metrics = dis_policy_loss(logp, rollout, advantages, mask, eps_low=0.3, eps_high=0.5)
@@ -119,7 +119,7 @@ def test_token_logprobs_alignment_and_temperature():
     # vocabulary of 2; the logits at position 0 ([0, ln 3]) predict token 1
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]] * 2)
     input_ids = torch.tensor([[0, 1]] * 2)
-    out = token_logprobs(logits, input_ids, torch.tensor([1.0, 2.0]))
+    out = token_logprobs(logits, input_ids, torch.tensor([[1.0, 1.0], [1.0, 2.0]]), torch.ones(2, 2))
     assert out[:, 0].tolist() == [0.0, 0.0]
     # temperature 1: p(1) = 3 / (1 + 3) = 0.75
     assert out[0, 1].item() == pytest.approx(math.log(0.75))
@@ -174,3 +174,35 @@ def test_value_loss_literal_and_explained_variance():
     # returns that differ by 1e-4 (variance 2.5e-9 < MIN_EXPLAINABLE_VARIANCE): nothing to explain
     nearly_equal = torch.tensor([[0.0, 1e-4, 0.0, 1e-4]])
     assert math.isnan(explained_variance(torch.full((1, 4), 0.2), nearly_equal, torch.ones(1, 4, dtype=torch.bool)))
+
+
+def _outside_nucleus_case():
+    # vocabulary [0.6, 0.3, 0.1]; top_p 0.5 keeps token 0 only. Row tokens: prompt, then 0 (kept) and 2
+    # (outside the current nucleus: log-prob -inf although the engine sampled it from an older policy)
+    logits = torch.tensor([[0.6, 0.3, 0.1]] * 3).log().unsqueeze(0).requires_grad_()
+    input_ids = torch.tensor([[1, 0, 2]])
+    logprobs = token_logprobs(logits, input_ids, torch.ones(1, 3), torch.full((1, 3), 0.5))
+    assert logprobs[0, 1].item() == 0.0 and logprobs[0, 2].item() == -math.inf
+    return logits, logprobs, torch.tensor([[False, True, True]])
+
+
+def test_token_outside_the_current_nucleus_is_masked_out_of_dis_and_counted():
+    logits, logprobs, mask = _outside_nucleus_case()
+    rollout = torch.tensor([[0.0, -0.1, -2.0]])
+    loss, metrics = dis_policy_loss(logprobs, rollout, torch.tensor([[0.0, 1.0, 1.0]]), mask, 0.2, 0.3)
+    loss.backward()
+    assert metrics["outside_nucleus_frac"] == 0.5 and metrics["kept_frac"] == 0.5
+    assert metrics["masked_below_frac"] == 0.5  # ratio 0
+    assert math.isfinite(metrics["approx_kl"]) and math.isfinite(loss.item())
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 1].abs().sum() == 0  # the token outside the nucleus trains nothing
+
+
+def test_token_outside_the_nucleus_of_pi_and_pi_old_is_masked_out_of_the_clipped_surrogate():
+    logits, logprobs, mask = _outside_nucleus_case()
+    loss, metrics = clipped_surrogate_loss(logprobs, logprobs.detach(), torch.tensor([[0.0, 1.0, 1.0]]), mask,
+                                           0.2, 0.2)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logits.grad).all()  # -inf - -inf is not a number
+    assert metrics["outside_nucleus_frac"] == 0.5 and metrics["ratio_mean"] == 1.0
+    assert logits.grad[0, 1].abs().sum() == 0

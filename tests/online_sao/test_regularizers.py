@@ -59,19 +59,19 @@ def _entropy_logits() -> torch.Tensor:
 
 
 def test_action_entropy_at_the_sampling_temperature():
-    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), torch.tensor([2.0]))
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), torch.full((1, 3), 2.0), torch.ones(1, 3))
     torch.testing.assert_close(entropy, torch.tensor([[0.0, 1.3862943611, 0.5623351446]]), rtol=1e-6, atol=1e-7)
 
 
 def test_action_entropy_is_zero_off_action_tokens():
-    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, False, True]]), torch.tensor([2.0]))
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, False, True]]), torch.full((1, 3), 2.0), torch.ones(1, 3))
     torch.testing.assert_close(entropy, torch.tensor([[0.0, 0.0, 0.5623351446]]), rtol=1e-6, atol=1e-7)
 
 
 def test_entropy_bonus_is_minus_alpha_times_the_mean_entropy_and_raises_entropy():
     logits = _entropy_logits().requires_grad_(True)
     mask = torch.tensor([[False, True, True]])
-    entropy = action_entropy(logits, mask, torch.tensor([2.0]))
+    entropy = action_entropy(logits, mask, torch.full((1, 3), 2.0), torch.ones(1, 3))
     loss, metrics = entropy_bonus(entropy, mask, alpha=0.01)
     mean_h = (1.3862943611 + 0.5623351446) / 2
     assert loss.item() == pytest.approx(-0.01 * mean_h, rel=1e-6)
@@ -83,7 +83,7 @@ def test_entropy_bonus_is_minus_alpha_times_the_mean_entropy_and_raises_entropy(
     # a step against the gradient moves the peaked distribution toward uniform
     with torch.no_grad():
         stepped = logits - 10.0 * logits.grad
-    assert float(action_entropy(stepped, mask, torch.tensor([2.0]))[0, 2]) > 0.5623351446
+    assert float(action_entropy(stepped, mask, torch.full((1, 3), 2.0), torch.ones(1, 3))[0, 2]) > 0.5623351446
 
 
 def test_ema_update_moves_the_reference_a_share_of_the_way():
@@ -104,7 +104,28 @@ def test_ema_update_refuses_a_rate_outside_zero_one():
         ema_update_(nn.Linear(2, 1), nn.Linear(2, 1), rate=0.0)
 
 
-def test_action_entropy_takes_a_temperature_per_token_like_token_logprobs():
-    # one packed row: the temperature at t - 1 applies; 2 there reproduces the per-rollout case
-    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), torch.tensor([[2.0, 2.0, 7.0]]))
+def test_action_entropy_takes_each_tokens_own_temperature_like_token_logprobs():
+    # position t holds token t's settings (a packed row mixes rollouts); position 0's are never used
+    temperature = torch.tensor([[7.0, 2.0, 2.0]])
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), temperature, torch.ones(1, 3))
     torch.testing.assert_close(entropy, torch.tensor([[0.0, 1.3862943611, 0.5623351446]]), rtol=1e-6, atol=1e-7)
+
+
+def test_action_entropy_is_the_nucleus_distributions():
+    # top_p 0.5: the uniform four keep their two lowest ids (H = ln 2); [3/4, 1/4, 0, 0] keeps one token (H = 0)
+    mask = torch.tensor([[False, True, True]])
+    logits = _entropy_logits().requires_grad_(True)
+    entropy = action_entropy(logits, mask, torch.full((1, 3), 2.0), torch.full((1, 3), 0.5))
+    torch.testing.assert_close(entropy, torch.tensor([[0.0, math.log(2.0), 0.0]]), rtol=1e-6, atol=1e-6)
+    entropy.sum().backward()  # tokens outside the nucleus: no 0 * -inf in the gradient
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_kl_penalty_leaves_out_tokens_outside_either_nucleus():
+    logprobs = torch.tensor([[0.0, -1.0, float("-inf"), -0.5]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.2, float("-inf"), float("-inf")]])
+    loss, metrics = kl_penalty(logprobs, ref, torch.tensor([[False, True, True, True]]), beta=1.0)
+    loss.backward()
+    k3 = math.exp(-0.2) - 1.0 + 0.2  # the one token inside both nuclei
+    assert loss.item() == pytest.approx(k3 / 3, rel=1e-6) and metrics["kl_ref"] == pytest.approx(k3, rel=1e-6)
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 2:].abs().sum() == 0

@@ -22,7 +22,7 @@ def make_batch(policy, rewards=(1.0, -1.0), temperature=1.0, versions=(5, 5), po
         ids = PROMPT + tokens
         mask = [False] * len(PROMPT) + [True] * len(tokens)
         rollouts.append(Rollout(f"r{i}", ids, mask, [0.0] * len(ids), [version] * len(ids),
-                                {len(ids) - 1: reward}, temperature=temperature))
+                                {len(ids) - 1: reward}, temperatures=[temperature] * len(ids)))
     batch = collate(rollouts, pad_token_id=0, policy_version=policy_version)
     with torch.no_grad():
         batch.rollout_logprobs = policy_logprobs(policy, batch) * batch.action_mask

@@ -31,7 +31,7 @@ def test_sao_policy_loss_is_dis_plus_kl_plus_entropy_terms(tiny_qwen):
     batch = make_batch(tiny_qwen)
     with torch.no_grad():  # the padded forward, by hand: the step runs the packed one
         logits = tiny_qwen(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        entropy = action_entropy(logits, batch.action_mask, batch.temperatures)
+        entropy = action_entropy(logits, batch.action_mask, batch.temperatures, batch.top_ps)
         expected_entropy = float(entropy[batch.action_mask].mean())
     metrics = algo.step(batch)
     # the policy is still its reference at the first step: k3 = 0 on every token

@@ -3,8 +3,9 @@
 The native engine runs in the default run; the vLLM engine only in the vLLM lane
 (``make test-vllm``, marker ``vllm``), where a vLLM that does not import is an
 error, not a skip. The promises: behaviour log-probs under the exact sampling
-distribution (temperature and top-p), stop tokens, and a hot-swap with requests
-in flight that stamps every token with the version that sampled it.
+distribution (temperature and top-p), equal to the learner's own log-probs of the
+logged record at the same weights, stop tokens, and a hot-swap with requests in
+flight that stamps every token with the version that sampled it.
 
 vLLM's CPU attention kernels need a head size of at least 32, so the model is a
 random-weight Qwen2 of that shape with the tiny fixture's tokenizer.
@@ -24,7 +25,9 @@ from online_sao.config import ServingConfig
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.torch_engine import TorchEngine
-from tests.fixtures.engine_reference import collect, reference_logprob, replay_logits, replay_logprobs
+from serving.trajectories import TrajectoryPrefix
+from tests.fixtures.engine_reference import (collect, learner_logprobs, record_of, reference_logprob, replay_logits,
+                                             replay_logprobs)
 
 LOGPROB_TOL = 2e-4
 """Float32 engine kernels (vLLM's CPU ones, or batched torch) vs a float64 one-at-a-time reference."""
@@ -139,6 +142,31 @@ def test_top_logprobs_are_the_most_likely_tokens_under_the_sampling_distribution
             assert abs(logprob - reference[token]) < LOGPROB_TOL
         if event.token_id in dict(event.top_logprobs):
             assert dict(event.top_logprobs)[event.token_id] == pytest.approx(event.logprob, abs=LOGPROB_TOL)
+
+
+def test_the_learners_logprobs_of_the_logged_record_are_the_engines(engine, versions):
+    """The learner's own path (record -> rollout -> batch -> policy_logprobs) at the serving
+    weights gives back the engine's behaviour log-probs, so the importance ratio is 1 at zero lag,
+    for every temperature and top-p: the nucleus the learner cuts is the one the engine drew from."""
+    settings = [(t, p) for t in (0.7, 1.0, 1.3) for p in (1.0, 0.9, 0.5)]
+    cases = [(t, p, prompt) for t, p in settings for prompt in PROMPTS]
+    requests = [request(100 + k, prompt, temperature=t, top_p=p) for k, (t, p, prompt) in enumerate(cases)]
+
+    async def main():
+        await engine.start()
+        out = await asyncio.gather(*(collect(engine, r) for r in requests))
+        await engine.stop()
+        return out
+
+    policy = versions[engine.policy_version]
+    worst: dict[tuple[float, float], float] = {}
+    for req, events in zip(requests, asyncio.run(main())):
+        record = record_of(TrajectoryPrefix(list(req.prompt_ids)), req, events)
+        learned = learner_logprobs(policy, record)
+        key = (req.sampling.temperature, req.sampling.top_p)
+        worst[key] = max(worst.get(key, 0.0), worst_error(events, learned))
+    assert set(worst) == set(settings)
+    assert max(worst.values()) < LOGPROB_TOL, worst
 
 
 def test_stop_token_ends_generation(engine):

@@ -20,7 +20,7 @@ def test_single_turn_layout():
     assert r.logprobs == [0.0, 0.0, -0.1, -0.2, -0.3]
     assert r.versions == [0, 0, 7, 7, 7]
     assert r.rewards == {4: 2.5}
-    assert r.temperature == 0.7
+    assert r.temperatures == [1.0, 1.0, 0.7, 0.7, 0.7] and r.top_ps == [1.0] * 5
     assert r.interaction_id == "a"
 
 

@@ -27,117 +27,64 @@ newer records arrive (a quiet stream keeps its last interactions waiting), and
 if one partition is read far ahead of another a window may close before a
 reward of the lagging partition is read (the reward then counts as late).
 
+Trajectories (multi-turn and agent use; docs/ALGORITHM.md "Multi-turn trajectories").
+A continuation's record repeats every earlier turn of its conversation, and
+``turn_origins`` names the interaction that sampled each turn (its *origin*):
+
+* **each turn is trained once.** When a rollout is taken, every turn whose origin
+  was already trained (alone or inside another rollout) becomes an observation
+  in it: context, not action. Its other turns are trained now and their origins
+  count as trained;
+* **a continuation supersedes the ancestors that still wait for a reward.** When
+  it arrives, each earlier origin that is waiting (and each not read yet, when it
+  comes) is absorbed: it is not trained alone; its rewards join the continuation,
+  its final reward on its last turn, its per-turn rewards on those turns. An
+  ancestor already rewarded (ready) stays ready and trains alone, unless the
+  continuation is taken first: then it is absorbed at that moment;
+* a reward sent to an absorbed id joins the continuation (within the
+  continuation's window) but does not make it ready: a continuation is ready at
+  once only on a reward for its own id. When its window closes without one it
+  gets the default reward (``on_missing=default``), or trains with its
+  ancestors' rewards alone, or, with none at all, is dropped;
+* a reward for a turn trained earlier is counted (``trained_turn_rewards``) and
+  not applied.
+
+Exactly once, with finite memory: finished ids are remembered in an
+:class:`~trainer.id_memory.IdMemory` by creation time for ``reward.memory_s``;
+an interaction created before the memory's floor is refused and counted
+(``expired_interactions``), so no copy, however late, is trained twice.
+
 Memory is bounded by ``max_pending`` per kind of held item (waiting
 interactions, held rewards, remembered finished ids); past it the oldest is
-given up and counted. Ready interactions are not capped here: the learner
-stops polling while enough are ready. The full state round-trips through
-:meth:`state_dict` / :meth:`load_state_dict` as JSON-serialisable data.
+given up and counted (for finished ids: the memory's floor rises). Ready
+interactions are not capped here: the learner stops polling while enough are
+ready. The full state round-trips through :meth:`state_dict` /
+:meth:`load_state_dict` as JSON-serialisable data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from typing import Any
 
-from online_sao.batch import Rollout
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
-from trainer.rollouts import interaction_to_rollout
+from trainer.id_memory import IdMemory, anchor_time
+from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
+                                combine_rewards, complete_groups, contribution_from, contribution_state,
+                                last_turns, prompt_group_key)
+from trainer.rollouts import turn_origins
+
+__all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
 log = logging.getLogger(__name__)
 
-FINISHED_MEMORY_WINDOWS = 2.0
-"""Finished ids are remembered this many windows past their interaction, so a
-reward arriving after the window (a late one) is recognised as late rather than
-held as a reward whose interaction is yet to come."""
-
-
-@dataclass
-class JoinCounters:
-    """How records fared in the join, since the learner's first start."""
-
-    interactions: int = 0
-    rewards: int = 0
-    joined: int = 0
-    """Interactions that became ready with at least one reward."""
-    defaulted: int = 0
-    """Windows that closed without a reward and got the default reward."""
-    dropped_no_reward: int = 0
-    """Windows that closed without a reward and were dropped."""
-    late_rewards: int = 0
-    """Rewards for an interaction already trained on, dropped, or past its window (not applied)."""
-    early_rewards: int = 0
-    """Rewards read before their interaction (held, applied when it arrives)."""
-    expired_rewards: int = 0
-    """Held rewards whose interaction never arrived within the window."""
-    duplicate_interactions: int = 0
-    """Interaction ids seen a second time (ignored)."""
-    evicted: int = 0
-    """Waiting interactions or held rewards given up because the buffer was full."""
-    stale: int = 0
-    """Ready interactions dropped for sampling versions older than the allowed lag."""
-
-    def metrics(self) -> dict[str, float]:
-        return {f"join_{k}": float(v) for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True)
-class _Contribution:
-    value: float
-    turns: dict[int, float]
-    ts: float
-
-
-@dataclass
-class _Entry:
-    interaction: Interaction
-    ts: float
-    contributions: list[_Contribution] = field(default_factory=list)
-    defaulted: bool = False
-
-
-@dataclass
-class JoinedInteraction:
-    """An interaction ready to train on, with its combined rewards."""
-
-    interaction: Interaction
-    reward: float
-    turn_rewards: dict[int, float]
-    rewarded: bool
-    """False when the reward is the default one (window closed without a reward)."""
-    timestamp: float
-    group_id: int = -1
-
-    @property
-    def num_action_tokens(self) -> int:
-        return len(self.interaction.logprobs)
-
-    def to_rollout(self) -> Rollout:
-        return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id)
-
-
-def aggregate(values: list[float], mode: str) -> float:
-    """Combine several rewards for one target (``values`` in arrival order)."""
-    if not values:
-        raise ValueError("no rewards to aggregate")
-    if mode == "first":
-        return values[0]
-    if mode == "last":
-        return values[-1]
-    if mode == "sum":
-        return float(sum(values))
-    if mode == "mean":
-        return float(sum(values) / len(values))
-    raise ValueError(f"unknown reward aggregation {mode!r}")
-
-
-def prompt_group_key(interaction: Interaction) -> str:
-    """Rollouts of the same prompt form a grpo group."""
-    return hashlib.sha256(",".join(map(str, interaction.prompt_ids)).encode()).hexdigest()
+LEGACY_FINISHED_MEMORY_WINDOWS = 2.0
+"""Checkpoints written before the id memory remembered finished ids until ``ts + 2 windows``;
+loading one recovers the anchor as that time minus two windows."""
 
 
 class RewardJoiner:
@@ -148,28 +95,35 @@ class RewardJoiner:
         self.max_pending = max_pending
         self.watermark: float | None = None
         self.counters = JoinCounters()
-        self._waiting: dict[str, _Entry] = {}
-        self._ready: OrderedDict[str, _Entry] = OrderedDict()
-        self._held: OrderedDict[str, list[_Contribution]] = OrderedDict()
-        self._finished: OrderedDict[str, float] = OrderedDict()  # id -> forget-after time
+        self.memory = IdMemory(cfg.id_memory_s, max_pending)
+        self._waiting: dict[str, Entry] = {}
+        self._ready: OrderedDict[str, Entry] = OrderedDict()
+        self._held: OrderedDict[str, list[Contribution]] = OrderedDict()
+        self._claims: dict[str, str] = {}  # ancestor id -> id of the pending continuation holding it
         self._deadlines: list[tuple[float, str]] = []  # heap over waiting windows (lazy deletion)
 
     # -- input ---------------------------------------------------------------------------
     def add_interaction(self, interaction: Interaction, ts: float) -> None:
         self.advance(ts)
         iid = interaction.interaction_id
+        anchor = anchor_time(interaction.created_at, ts)
         self.counters.interactions += 1
-        if iid in self._waiting or iid in self._ready or iid in self._finished:
+        known = self.memory.get(iid)
+        if self._pending(iid) is not None or (known is not None and known.seen):
             self.counters.duplicate_interactions += 1
             return
-        entry = _Entry(interaction, ts)
+        if known is not None or iid in self._claims:  # its turns are (or were) in a continuation
+            self._arrived_superseded(iid, anchor)
+            return
+        if self.memory.forgotten(anchor):
+            self.counters.expired_interactions += 1
+            log.info("interaction %s created before the id memory's floor: refused", iid)
+            return
+        entry = Entry(interaction, ts, anchor)
         for contribution in self._held.pop(iid, []):
-            if contribution.ts > self._window_end(entry):
-                self.counters.late_rewards += 1
-                log.info("late reward for interaction %s (held, past the window) not applied", iid)
-            else:
-                entry.contributions.append(contribution)
-        if entry.contributions:
+            self._join_own(entry, contribution)
+        self._claim_ancestors(entry)
+        if entry.own_rewarded:
             self._make_ready(entry)
             return
         if self._window_end(entry) < self.watermark:  # read after its window already closed
@@ -184,12 +138,17 @@ class RewardJoiner:
         self.advance(ts)
         iid = reward.interaction_id
         self.counters.rewards += 1
-        contribution = _Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts)
-        entry = self._waiting.get(iid) or self._ready.get(iid)
-        if iid in self._finished or (entry is not None and ts > self._window_end(entry)):
-            self.counters.late_rewards += 1
-            log.info("late reward for interaction %s (value %s, source %s) not applied",
-                     iid, reward.value, reward.source)
+        contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts)
+        entry = self._pending(iid)
+        if entry is None and iid in self._claims:  # absorbed: the reward joins its continuation
+            owner = self._pending(self._claims[iid])
+            if ts > self._window_end(owner):
+                self._late(iid, reward)
+            else:
+                self._join_routed(owner, contribution, iid)
+            return
+        if iid in self.memory or (entry is not None and ts > self._window_end(entry)):
+            self._late(iid, reward)
             return
         if entry is None:
             self.counters.early_rewards += 1
@@ -219,8 +178,7 @@ class RewardJoiner:
                 break
             self._held.popitem(last=False)
             self.counters.expired_rewards += len(contributions)
-        while self._finished and next(iter(self._finished.values())) < ts:
-            self._finished.popitem(last=False)
+        self.memory.advance(ts)
 
     # -- output --------------------------------------------------------------------------
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
@@ -234,12 +192,14 @@ class RewardJoiner:
         ``group_size > 1``). Taken ids count as finished: later rewards are late."""
         taken: list[JoinedInteraction] = []
         tokens = 0
-        groups = self._groups(group_size) if group_size > 1 else [[e] for e in self._ready.values()]
+        groups = complete_groups(self._ready.values(), group_size) if group_size > 1 else [[e] for e in self._ready.values()]
         for group_id, group in enumerate(groups):
             if taken and (len(taken) + len(group) > max_rollouts or tokens >= token_budget):
                 break
             for entry in group:
-                taken.append(self._finish(entry, group_id if group_size > 1 else -1))
+                if entry.iid not in self._ready:
+                    continue  # absorbed by a continuation taken before it in this pass
+                taken.append(self._take(entry, group_id if group_size > 1 else -1))
                 tokens += len(entry.interaction.logprobs)
         return taken
 
@@ -248,8 +208,8 @@ class RewardJoiner:
         (counted as stale; later rewards for them are late). Returns how many."""
         stale = [e for e in self._ready.values() if e.interaction.policy_version < min_version]
         for entry in stale:
-            del self._ready[entry.interaction.interaction_id]
-            self._remember_finished(entry)
+            del self._ready[entry.iid]
+            self._finish_untrained(entry)
         self.counters.stale += len(stale)
         return len(stale)
 
@@ -263,52 +223,132 @@ class RewardJoiner:
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        def entry_state(e: _Entry) -> dict[str, Any]:
-            return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts,
-                    "contributions": [_contribution_state(c) for c in e.contributions], "defaulted": e.defaulted}
+        def entry_state(e: Entry) -> dict[str, Any]:
+            return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts, "anchor": e.anchor,
+                    "contributions": [contribution_state(c) for c in e.contributions], "defaulted": e.defaulted,
+                    "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()]}
 
         return {
             "watermark": self.watermark,
             "waiting": [entry_state(e) for e in self._waiting.values()],
             "ready": [entry_state(e) for e in self._ready.values()],
-            "held": [[iid, [_contribution_state(c) for c in cs]] for iid, cs in self._held.items()],
-            "finished": [[iid, t] for iid, t in self._finished.items()],
+            "held": [[iid, [contribution_state(c) for c in cs]] for iid, cs in self._held.items()],
+            "memory": self.memory.state_dict(),
             "counters": asdict(self.counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        def entry_from(s: dict[str, Any]) -> _Entry:
-            return _Entry(Interaction.model_validate(s["interaction"]), s["ts"],
-                          [_contribution_from(c) for c in s["contributions"]], s["defaulted"])
+        """Restore :meth:`state_dict`; also reads checkpoints written before trajectories and the
+        id memory (their finished ids count as trained, their entries as claiming nothing)."""
+        def entry_from(s: dict[str, Any]) -> Entry:
+            interaction = Interaction.model_validate(s["interaction"])
+            return Entry(interaction, s["ts"], s.get("anchor", anchor_time(interaction.created_at, s["ts"])),
+                          [contribution_from(c) for c in s["contributions"]], s["defaulted"],
+                          {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])})
 
         self.watermark = state["watermark"]
-        self._waiting = {e.interaction.interaction_id: e for e in map(entry_from, state["waiting"])}
-        self._ready = OrderedDict((e.interaction.interaction_id, e) for e in map(entry_from, state["ready"]))
-        self._held = OrderedDict((iid, [_contribution_from(c) for c in cs]) for iid, cs in state["held"])
-        self._finished = OrderedDict((iid, t) for iid, t in state["finished"])
+        self._waiting = {e.iid: e for e in map(entry_from, state["waiting"])}
+        self._ready = OrderedDict((e.iid, e) for e in map(entry_from, state["ready"]))
+        self._held = OrderedDict((iid, [contribution_from(c) for c in cs]) for iid, cs in state["held"])
+        self._claims = {a: e.iid for e in [*self._waiting.values(), *self._ready.values()] for a in e.claimed}
         self._deadlines = [(self._window_end(e), iid) for iid, e in self._waiting.items()]
         heapq.heapify(self._deadlines)
+        self.memory = IdMemory(self.cfg.id_memory_s, self.max_pending)
+        if "memory" in state:
+            self.memory.load_state_dict(state["memory"])
+        for iid, forget_after in state.get("finished", []):
+            self.memory.remember(iid, forget_after - LEGACY_FINISHED_MEMORY_WINDOWS * self.cfg.window_s,
+                                 trained=True, seen=True)
         known = {f.name for f in fields(JoinCounters)}
         self.counters = JoinCounters(**{k: v for k, v in state["counters"].items() if k in known})
 
-    # -- internals -----------------------------------------------------------------------
-    def _window_end(self, entry: _Entry) -> float:
+    # -- internals: arrivals -------------------------------------------------------------
+    def _pending(self, iid: str) -> Entry | None:
+        return self._waiting.get(iid) or self._ready.get(iid)
+
+    def _window_end(self, entry: Entry) -> float:
         return entry.ts + self.cfg.window_s
 
-    def _make_ready(self, entry: _Entry) -> None:
+    def _late(self, iid: str, reward: Reward) -> None:
+        self.counters.late_rewards += 1
+        log.info("late reward for interaction %s (value %s, source %s) not applied", iid, reward.value, reward.source)
+
+    def _join_own(self, entry: Entry, contribution: Contribution) -> None:
+        if contribution.ts > self._window_end(entry):
+            self.counters.late_rewards += 1
+            log.info("late reward for interaction %s (held, past the window) not applied", entry.iid)
+            return
+        entry.contributions.append(contribution)
+
+    def _join_routed(self, owner: Entry, contribution: Contribution, origin: str) -> None:
+        """A reward for absorbed interaction ``origin`` joins continuation ``owner``."""
+        last = last_turns(owner.interaction).get(origin)
+        if last is None or any(turn > last for turn in contribution.turns):
+            self.counters.misdirected_rewards += 1
+            log.info("reward for %s names a turn it does not have in continuation %s: not applied",
+                     origin, owner.iid)
+            return
+        owner.contributions.append(Contribution(contribution.value, contribution.turns, contribution.ts, origin))
+
+    def _arrived_superseded(self, iid: str, anchor: float) -> None:
+        """The record of an interaction whose turns a continuation holds (pending) or trained."""
+        self.counters.superseded += 1
+        held = self._held.pop(iid, [])
+        owner_id = self._claims.get(iid)
+        if owner_id is None:  # the continuation was trained already: so were these turns
+            self.memory.remember(iid, anchor, trained=True, seen=True)
+            self.counters.late_rewards += len(held)
+            return
+        owner = self._pending(owner_id)
+        owner.claimed[iid] = Claim(anchor, seen=True)
+        for contribution in held:
+            if contribution.ts > self._window_end(owner):
+                self.counters.late_rewards += 1
+            else:
+                self._join_routed(owner, contribution, iid)
+
+    def _claim_ancestors(self, entry: Entry) -> None:
+        """A continuation arrived: absorb its waiting ancestors and claim those not read yet."""
+        for origin in last_turns(entry.interaction):
+            if origin in self._claims or origin in self.memory or origin in self._ready:
+                continue  # held by another continuation, finished, or rewarded and training alone
+            ancestor = self._waiting.pop(origin, None)
+            if ancestor is not None:
+                self.counters.superseded += 1
+                self._absorb(entry, ancestor)
+                continue
+            entry.claimed[origin] = Claim(entry.anchor, seen=False)
+            self._claims[origin] = entry.iid
+            for contribution in self._held.pop(origin, []):
+                self._join_routed(entry, contribution, origin)
+
+    def _absorb(self, entry: Entry, ancestor: Entry) -> None:
+        """``ancestor`` (no longer pending) joins continuation ``entry`` with its rewards and claims."""
+        entry.claimed[ancestor.iid] = Claim(ancestor.anchor, seen=True)
+        for iid, claim in ancestor.claimed.items():
+            entry.claimed[iid] = claim
+        for iid in entry.claimed:
+            self._claims[iid] = entry.iid
+        for contribution in ancestor.contributions:
+            self._join_routed(entry, contribution, contribution.origin or ancestor.iid)
+
+    # -- internals: ends -----------------------------------------------------------------
+    def _make_ready(self, entry: Entry) -> None:
         if not entry.defaulted:
             self.counters.joined += 1
-        self._ready[entry.interaction.interaction_id] = entry
+        self._ready[entry.iid] = entry
 
-    def _close(self, entry: _Entry) -> None:
-        """The window of an interaction without rewards ended."""
+    def _close(self, entry: Entry) -> None:
+        """The window of an interaction without rewards of its own ended."""
         if self.cfg.on_missing == "default":
             self.counters.defaulted += 1
             entry.defaulted = True
             self._make_ready(entry)
+        elif entry.contributions:  # its ancestors' rewards: they train it
+            self._make_ready(entry)
         else:
             self.counters.dropped_no_reward += 1
-            self._remember_finished(entry)
+            self._finish_untrained(entry)
 
     def _evict_oldest_waiting(self) -> None:
         while self._deadlines:
@@ -316,52 +356,54 @@ class RewardJoiner:
             entry = self._waiting.pop(iid, None)
             if entry is not None:
                 self.counters.evicted += 1
-                self._remember_finished(entry)
+                self._finish_untrained(entry)
                 return
 
-    def _remember_finished(self, entry: _Entry) -> None:
-        if len(self._finished) >= self.max_pending:
-            self._finished.popitem(last=False)
-        self._finished[entry.interaction.interaction_id] = entry.ts + FINISHED_MEMORY_WINDOWS * self.cfg.window_s
+    def _finish_untrained(self, entry: Entry) -> None:
+        """Dropped, stale or evicted: nothing of it trained. Absorbed ancestors share its fate;
+        ancestors it only claimed are released (read later, they join as if new)."""
+        self.memory.remember(entry.iid, entry.anchor, trained=False, seen=True)
+        for iid, claim in entry.claimed.items():
+            del self._claims[iid]
+            if claim.seen:
+                self.memory.remember(iid, claim.anchor, trained=False, seen=True)
 
-    def _finish(self, entry: _Entry, group_id: int) -> JoinedInteraction:
-        del self._ready[entry.interaction.interaction_id]
-        self._remember_finished(entry)
-        if entry.defaulted:
-            reward, turns = self.cfg.default_value, {}
-        else:
-            mode = self.cfg.aggregation
-            reward = aggregate([c.value for c in entry.contributions], mode)
-            per_turn: dict[int, list[float]] = {}
-            for c in entry.contributions:
-                for turn, value in c.turns.items():
-                    per_turn.setdefault(turn, []).append(value)
-            turns = {turn: aggregate(values, mode) for turn, values in sorted(per_turn.items())}
-        return JoinedInteraction(entry.interaction, reward, turns, not entry.defaulted, entry.ts, group_id)
+    def _take(self, entry: Entry, group_id: int) -> JoinedInteraction:
+        """Hand ``entry`` to a step: turns trained earlier become observations, the rest and
+        every origin in them count as trained from now on."""
+        del self._ready[entry.iid]
+        observed = set()
+        for turn, origin in enumerate(turn_origins(entry.interaction)):
+            oid = origin.interaction_id
+            known = self.memory.get(oid)
+            if oid == entry.iid:
+                continue
+            if known is not None and known.trained:
+                observed.add(turn)
+            elif oid in self._ready:  # rewarded but not taken yet: its turns train here
+                self.counters.superseded += 1
+                self._absorb(entry, self._ready.pop(oid))
+        for oid, turn in last_turns(entry.interaction).items():
+            if turn not in observed:
+                claim = entry.claimed.get(oid) or self._claim_of(oid)
+                self.memory.remember(oid, claim.anchor if claim else entry.anchor, trained=True,
+                                     seen=bool(claim and claim.seen))
+        for iid, claim in entry.claimed.items():
+            del self._claims[iid]
+            self.memory.remember(iid, claim.anchor, trained=True, seen=claim.seen)
+        self.memory.remember(entry.iid, entry.anchor, trained=True, seen=True)
+        reward, turns, dropped = combine_rewards(entry, observed, self.cfg)
+        self.counters.trained_turn_rewards += dropped
+        return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
+                                 frozenset(observed))
 
-    def _groups(self, group_size: int) -> list[list[_Entry]]:
-        """Complete groups of ``group_size`` ready rollouts of one prompt, in order of
-        their oldest member; an incomplete group keeps waiting."""
-        by_prompt: dict[str, list[tuple[int, _Entry]]] = {}
-        complete: list[list[tuple[int, _Entry]]] = []
-        for position, entry in enumerate(self._ready.values()):
-            members = by_prompt.setdefault(prompt_group_key(entry.interaction), [])
-            members.append((position, entry))
-            if len(members) == group_size:
-                complete.append(list(members))
-                members.clear()
-        complete.sort(key=lambda group: group[0][0])
-        return [[entry for _, entry in group] for group in complete]
+    def _claim_of(self, iid: str) -> Claim | None:
+        owner = self._claims.get(iid)
+        return None if owner is None else self._pending(owner).claimed[iid]
 
-    def _poppable(self, group_size: int) -> list[_Entry]:
+    def _poppable(self, group_size: int) -> list[Entry]:
         if group_size <= 1:
             return list(self._ready.values())
-        return [e for group in self._groups(group_size) for e in group]
+        return [e for group in complete_groups(self._ready.values(), group_size) for e in group]
 
 
-def _contribution_state(c: _Contribution) -> dict[str, Any]:
-    return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts}
-
-
-def _contribution_from(s: dict[str, Any]) -> _Contribution:
-    return _Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"])

@@ -182,3 +182,51 @@ def test_drop_stale_counts_and_later_rewards_are_late():
     assert [x.interaction.interaction_id for x in take_all(j)] == ["new"]
     j.add_reward(make_reward("old", 1.0), ts=1.0)
     assert j.counters.late_rewards == 1
+
+
+def train_once(j: RewardJoiner, iid: str, ts: float, created_at: float) -> list:
+    j.add_interaction(make_interaction(iid, created_at=created_at), ts=ts)
+    j.add_reward(make_reward(iid, 1.0), ts=ts)
+    return take_all(j)
+
+
+def test_a_copy_replayed_many_windows_later_is_still_recognised():
+    j = joiner()  # memory_s: one day by default
+    assert len(train_once(j, "a", ts=0.0, created_at=0.0)) == 1
+    j.advance(500.0)  # 50 reward windows of other traffic
+    assert train_once(j, "a", ts=1_000.0, created_at=0.0) == []  # the spool replayed it after a long outage
+    assert j.counters.duplicate_interactions == 1
+
+
+def test_a_copy_older_than_the_memory_is_refused_not_trained():
+    j = joiner(memory_s=100.0)
+    assert len(train_once(j, "a", ts=0.0, created_at=0.0)) == 1
+    assert train_once(j, "a", ts=1_000.0, created_at=0.0) == []
+    assert train_once(j, "b", ts=1_001.0, created_at=1.0) == []  # never seen, but it could be a copy: refused
+    assert j.counters.expired_interactions == 2 and j.counters.duplicate_interactions == 0
+    assert len(train_once(j, "c", ts=1_002.0, created_at=990.0)) == 1  # within the memory: trained
+
+
+def test_a_full_memory_raises_its_floor_and_refuses_what_it_forgot():
+    j = joiner(max_pending=2)
+    for i, iid in enumerate(["a", "b", "c"]):
+        assert len(train_once(j, iid, ts=float(i), created_at=float(i))) == 1
+    assert j.memory.floor == 0.0 and "a" not in j.memory  # a was given up to hold c
+    assert train_once(j, "a", ts=3.0, created_at=0.0) == []
+    assert j.counters.expired_interactions == 1
+
+
+def test_memory_must_cover_two_reward_windows():
+    with pytest.raises(ValueError, match="two reward windows"):
+        RewardConfig(window_s=60.0, memory_s=100.0)
+    assert RewardConfig(window_s=60.0).id_memory_s == 86_400.0
+    assert RewardConfig(window_s=100_000.0).id_memory_s == 200_000.0
+
+
+def test_a_checkpoint_from_before_the_id_memory_loads():
+    j = joiner()
+    old = {"watermark": 5.0, "waiting": [], "ready": [], "held": [], "counters": {"interactions": 1},
+           "finished": [["a", 25.0]]}  # remembered until ts + 2 windows: trained at ts 5
+    j.load_state_dict(old)
+    assert j.memory.get("a").anchor == 5.0 and j.memory.get("a").trained
+    assert train_once(j, "a", ts=6.0, created_at=5.0) == [] and j.counters.duplicate_interactions == 1

@@ -1,0 +1,165 @@
+"""Multi-turn conversations in the join: every sampled turn trained once, rewards on their turns."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from online_sao.config import RewardConfig
+from tests.trainer.records import conversation, make_reward
+from trainer.join import RewardJoiner
+
+WINDOW_S = 10.0
+
+
+def joiner(**kw) -> RewardJoiner:
+    return RewardJoiner(RewardConfig(window_s=WINDOW_S, **kw), max_pending=100)
+
+
+def take_all(j: RewardJoiner, group_size: int = 1):
+    return j.pop_ready(max_rollouts=1000, token_budget=10**9, group_size=group_size)
+
+
+def trained_tokens(taken) -> Counter:
+    """How often each sampled token id was an action of a taken rollout (conversation() gives
+    every sampled token its own id)."""
+    counts: Counter = Counter()
+    for joined in taken:
+        rollout = joined.to_rollout()
+        counts.update(t for t, is_action in zip(rollout.token_ids, rollout.action_mask) if is_action)
+    return counts
+
+
+def rewards_by_token(joined) -> dict[int, float]:
+    rollout = joined.to_rollout()
+    return {rollout.token_ids[i]: v for i, v in rollout.rewards.items()}
+
+
+def test_a_client_rating_every_message_trains_each_turn_once():
+    p, c, d = conversation(["p", "c", "d"])
+    j, taken = joiner(), []
+    for ts, (record, value) in enumerate([(p, 1.0), (c, 0.5), (d, -1.0)]):
+        j.add_interaction(record, ts=3.0 * ts)
+        j.add_reward(make_reward(record.interaction_id, value), ts=3.0 * ts + 1)
+        taken += take_all(j)  # the learner takes each rated turn before the next one arrives
+    assert [x.interaction.interaction_id for x in taken] == ["p", "c", "d"]
+    assert trained_tokens(taken) == Counter({100: 1, 101: 1, 200: 1, 201: 1, 300: 1, 301: 1})
+    assert taken[1].observed_turns == {0} and taken[2].observed_turns == {0, 1}
+    assert rewards_by_token(taken[2]) == {301: -1.0}  # each rollout its own reward, on its own last token
+
+
+def test_with_default_rewards_a_continuation_supersedes_its_waiting_parent():
+    p, c = conversation(["p", "c"])
+    j = joiner(on_missing="default", default_value=0.0)
+    j.add_interaction(p, ts=0.0)
+    j.add_interaction(c, ts=5.0)  # the user answered: p's window is still open
+    j.add_reward(make_reward("c", 2.0), ts=6.0)
+    j.advance(100.0)  # every window closed: p must not train again on its own with the default reward
+    taken = take_all(j)
+    assert [x.interaction.interaction_id for x in taken] == ["c"]
+    assert trained_tokens(taken) == Counter({100: 1, 101: 1, 200: 1, 201: 1})
+    assert j.counters.superseded == 1 and j.counters.defaulted == 0
+
+
+def test_a_reward_for_an_absorbed_parent_lands_on_its_turn_and_waits_for_the_continuations_own():
+    p, c = conversation(["p", "c"])
+    j = joiner(aggregation="sum")
+    j.add_interaction(p, ts=0.0)
+    j.add_interaction(c, ts=1.0)
+    j.add_reward(make_reward("p", 0.75), ts=2.0)  # rated after the conversation went on
+    assert j.ready_stats() == (0, 0)  # c is ready on a reward for its own id only
+    j.add_reward(make_reward("c", 1.0, turns={0: 0.5}), ts=3.0)
+    (joined,) = take_all(j)
+    assert rewards_by_token(joined) == {101: 0.75 + 0.5, 201: 1.0}  # p's last token: its final + turn 0's
+
+
+def test_a_continuation_with_only_its_parents_reward_trains_when_its_window_closes():
+    p, c = conversation(["p", "c"])
+    j = joiner(on_missing="drop")
+    j.add_interaction(p, ts=0.0)
+    j.add_reward(make_reward("p", 1.0), ts=0.5)  # p is ready (rated) ...
+    j.add_interaction(c, ts=1.0)  # ... so it stays ready and trains alone
+    (alone,) = take_all(j)
+    assert alone.interaction.interaction_id == "p"
+    j.advance(100.0)  # c never rated: dropped
+    assert take_all(j) == [] and j.counters.dropped_no_reward == 1
+
+    q, d = conversation(["q", "d"])
+    j.add_interaction(q, ts=101.0)
+    j.add_interaction(d, ts=102.0)
+    j.add_reward(make_reward("q", 1.0), ts=103.0)  # only the absorbed parent was rated
+    j.advance(200.0)
+    (joined,) = take_all(j)
+    assert joined.interaction.interaction_id == "d" and joined.reward is None
+    assert rewards_by_token(joined) == {101: 1.0} and trained_tokens([joined]) == Counter({100: 1, 101: 1,
+                                                                                            200: 1, 201: 1})
+
+
+def test_a_continuation_read_before_its_parent_absorbs_it_when_it_comes():
+    p, c = conversation(["p", "c"])
+    j = joiner()
+    j.add_reward(make_reward("p", 0.25), ts=0.0)  # another partition: p's reward and c come first
+    j.add_interaction(c, ts=1.0)
+    j.add_interaction(p, ts=2.0)
+    j.add_reward(make_reward("c", 1.0), ts=3.0)
+    (joined,) = take_all(j)
+    assert joined.interaction.interaction_id == "c" and rewards_by_token(joined) == {101: 0.25, 201: 1.0}
+    assert j.counters.superseded == 1 and j.counters.duplicate_interactions == 0
+    j.add_interaction(p, ts=4.0)  # a replayed copy of p
+    assert j.counters.duplicate_interactions == 1 and take_all(j) == []
+
+
+def test_a_parent_read_after_its_trained_continuation_trains_nothing():
+    p, c = conversation(["p", "c"])
+    j = joiner()
+    j.add_interaction(c, ts=0.0)
+    j.add_reward(make_reward("c", 1.0), ts=0.5)
+    first = take_all(j)
+    j.add_interaction(p, ts=1.0)
+    j.add_reward(make_reward("p", 1.0), ts=1.5)
+    assert take_all(j) == [] and trained_tokens(first) == Counter({100: 1, 101: 1, 200: 1, 201: 1})
+    assert j.counters.superseded == 1 and j.counters.late_rewards == 1
+
+
+def test_two_continuations_of_one_parent_train_its_turn_once():
+    p, c1 = conversation(["p", "c1"])
+    _, c2 = conversation(["p", "c2"])  # a regenerated answer: same parent, another continuation
+    j = joiner()
+    j.add_interaction(p, ts=0.0)
+    j.add_interaction(c1, ts=1.0)
+    j.add_interaction(c2, ts=2.0)
+    j.add_reward(make_reward("c2", 1.0), ts=3.0)
+    j.add_reward(make_reward("c1", 1.0), ts=4.0)
+    taken = take_all(j)
+    assert [x.interaction.interaction_id for x in taken] == ["c2", "c1"]
+    assert trained_tokens(taken) == Counter({100: 1, 101: 1, 200: 2, 201: 2})  # c1's and c2's turns share ids
+    assert taken[1].observed_turns == {0}
+
+
+def test_a_turn_reward_for_a_turn_trained_earlier_is_counted_not_applied():
+    p, c = conversation(["p", "c"])
+    j = joiner()
+    j.add_interaction(p, ts=0.0)
+    j.add_reward(make_reward("p", 1.0), ts=0.5)
+    take_all(j)
+    j.add_interaction(c, ts=1.0)
+    j.add_reward(make_reward("c", 1.0, turns={0: 3.0, 1: 0.5}), ts=1.5)
+    (joined,) = take_all(j)
+    assert rewards_by_token(joined) == {201: 1.5} and j.counters.trained_turn_rewards == 1
+
+
+def test_trajectory_state_round_trips_through_json():
+    import json
+
+    p, c, d = conversation(["p", "c", "d"])
+    original = joiner()
+    original.add_interaction(d, ts=0.0)  # claims p and c before they are read
+    original.add_interaction(p, ts=1.0)
+    restored = joiner()
+    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    assert restored.state_dict() == original.state_dict()
+    for j in (original, restored):
+        j.add_interaction(c, ts=2.0)
+        j.add_reward(make_reward("c", 0.5), ts=2.5)
+        j.add_reward(make_reward("d", 1.0), ts=3.0)
+    assert [rewards_by_token(x) for x in take_all(restored)] == [rewards_by_token(x) for x in take_all(original)]
+    assert restored.counters == original.counters and original.counters.superseded == 2

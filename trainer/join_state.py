@@ -1,0 +1,187 @@
+"""The data of the reward join (:mod:`trainer.join`): its counters, what an interaction
+waiting in it holds, what it hands to a step, and the pure rules that combine rewards and
+form grpo groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from online_sao.batch import Rollout
+from online_sao.config import RewardConfig
+from online_sao.schemas import Interaction
+from trainer.rollouts import interaction_to_rollout, turn_origins
+
+
+@dataclass
+class JoinCounters:
+    """How records fared in the join, since the learner's first start."""
+
+    interactions: int = 0
+    rewards: int = 0
+    joined: int = 0
+    """Interactions that became ready with at least one reward."""
+    defaulted: int = 0
+    """Windows that closed without a reward and got the default reward."""
+    dropped_no_reward: int = 0
+    """Windows that closed without a reward and were dropped."""
+    late_rewards: int = 0
+    """Rewards for an interaction already trained on, dropped, or past its window (not applied)."""
+    early_rewards: int = 0
+    """Rewards read before their interaction (held, applied when it arrives)."""
+    expired_rewards: int = 0
+    """Held rewards whose interaction never arrived within the window."""
+    duplicate_interactions: int = 0
+    """Interaction ids seen a second time (ignored)."""
+    evicted: int = 0
+    """Waiting interactions or held rewards given up because the buffer was full."""
+    stale: int = 0
+    """Ready interactions dropped for sampling versions older than the allowed lag."""
+    superseded: int = 0
+    """Interactions whose turns joined a continuation instead of training alone."""
+    trained_turn_rewards: int = 0
+    """Reward values for a turn already trained (not applied)."""
+    misdirected_rewards: int = 0
+    """Rewards sent to an absorbed interaction for a turn it does not have (not applied)."""
+    expired_interactions: int = 0
+    """Interactions created before the id memory's floor (refused: they could be copies)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {f"join_{k}": float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Contribution:
+    value: float
+    turns: dict[int, float]
+    ts: float
+    origin: str | None = None
+    """None: a reward for the entry's own id; else the absorbed interaction it was sent to."""
+
+
+@dataclass
+class Claim:
+    """An ancestor whose turns a pending continuation holds."""
+
+    anchor: float
+    seen: bool
+    """Its own record was read."""
+
+
+@dataclass
+class Entry:
+    interaction: Interaction
+    ts: float
+    anchor: float
+    contributions: list[Contribution] = field(default_factory=list)
+    defaulted: bool = False
+    claimed: dict[str, Claim] = field(default_factory=dict)
+
+    @property
+    def iid(self) -> str:
+        return self.interaction.interaction_id
+
+    @property
+    def own_rewarded(self) -> bool:
+        return any(c.origin is None for c in self.contributions)
+
+
+@dataclass
+class JoinedInteraction:
+    """An interaction ready to train on, with its combined rewards."""
+
+    interaction: Interaction
+    reward: float | None
+    """Final reward on the last token; None: none of its own (it trains on its ancestors' rewards)."""
+    turn_rewards: dict[int, float]
+    rewarded: bool
+    """False when no reward for its own id arrived (the default one, or ancestors' only)."""
+    timestamp: float
+    group_id: int = -1
+    observed_turns: frozenset[int] = frozenset()
+    """Turns trained earlier: observations in this rollout."""
+
+    @property
+    def num_action_tokens(self) -> int:
+        return len(self.interaction.logprobs)
+
+    def to_rollout(self) -> Rollout:
+        return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id,
+                                      self.observed_turns)
+
+
+def aggregate(values: list[float], mode: str) -> float:
+    """Combine several rewards for one target (``values`` in arrival order)."""
+    if not values:
+        raise ValueError("no rewards to aggregate")
+    if mode == "first":
+        return values[0]
+    if mode == "last":
+        return values[-1]
+    if mode == "sum":
+        return float(sum(values))
+    if mode == "mean":
+        return float(sum(values) / len(values))
+    raise ValueError(f"unknown reward aggregation {mode!r}")
+
+
+def prompt_group_key(interaction: Interaction) -> str:
+    """Rollouts of the same prompt form a grpo group."""
+    return hashlib.sha256(",".join(map(str, interaction.prompt_ids)).encode()).hexdigest()
+
+
+def last_turns(interaction: Interaction) -> dict[str, int]:
+    """Origin id -> index of the last turn it sampled, for the record's other origins."""
+    own = interaction.interaction_id
+    return {o.interaction_id: k for k, o in enumerate(turn_origins(interaction)) if o.interaction_id != own}
+
+
+
+
+def contribution_state(c: Contribution) -> dict[str, Any]:
+    return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin}
+
+
+def contribution_from(s: dict[str, Any]) -> Contribution:
+    return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"))
+
+
+def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tuple[float | None, dict[int, float], int]:
+    """The rewards of a taken entry: the final reward (its own rewards aggregated by
+    ``cfg.aggregation``, or the default, or None), each turn's reward (its per-turn rewards
+    aggregated, plus the aggregated final reward of the absorbed interaction whose last turn it
+    is), and how many turn values fell on ``observed`` turns (trained earlier: not applied)."""
+    mode = cfg.aggregation
+    own = [c.value for c in entry.contributions if c.origin is None]
+    reward = aggregate(own, mode) if own else (cfg.default_value if entry.defaulted else None)
+    per_turn: dict[int, list[float]] = {}
+    finals: dict[str, list[float]] = {}
+    for c in entry.contributions:
+        for turn, value in c.turns.items():
+            per_turn.setdefault(turn, []).append(value)
+        if c.origin is not None:
+            finals.setdefault(c.origin, []).append(c.value)
+    turns = {turn: aggregate(values, mode) for turn, values in per_turn.items()}
+    last = last_turns(entry.interaction)
+    for origin, values in finals.items():
+        turns[last[origin]] = turns.get(last[origin], 0.0) + aggregate(values, mode)
+    applied = {turn: value for turn, value in sorted(turns.items()) if turn not in observed}
+    return reward, applied, len(turns) - len(applied)
+
+
+def complete_groups(ready: Iterable[Entry], group_size: int) -> list[list[Entry]]:
+    """Complete groups of ``group_size`` ready rollouts of one prompt, in order of their
+    oldest member; an incomplete group keeps waiting."""
+    by_prompt: dict[str, list[tuple[int, Entry]]] = {}
+    complete: list[list[tuple[int, Entry]]] = []
+    for position, entry in enumerate(ready):
+        members = by_prompt.setdefault(prompt_group_key(entry.interaction), [])
+        members.append((position, entry))
+        if len(members) == group_size:
+            complete.append(list(members))
+            members.clear()
+    complete.sort(key=lambda group: group[0][0])
+    return [[entry for _, entry in group] for group in complete]

@@ -13,7 +13,7 @@ from typing import Any
 from online_sao.batch import Rollout
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction
-from trainer.rollouts import interaction_to_rollout, turn_origins
+from trainer.rollouts import interaction_to_rollout, response_turns, turn_origins
 
 
 @dataclass
@@ -106,7 +106,12 @@ class JoinedInteraction:
 
     @property
     def num_action_tokens(self) -> int:
-        return len(self.interaction.logprobs)
+        """Action tokens it trains (those of observed turns are not)."""
+        if not self.observed_turns:
+            return len(self.interaction.logprobs)
+        turns = response_turns(self.interaction)
+        return sum(1 for index, is_action in enumerate(self.interaction.action_mask)
+                   if is_action and turns[index] not in self.observed_turns)
 
     def to_rollout(self) -> Rollout:
         return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id,

@@ -44,6 +44,7 @@ def test_a_client_rating_every_message_trains_each_turn_once():
     assert [x.interaction.interaction_id for x in taken] == ["p", "c", "d"]
     assert trained_tokens(taken) == Counter({100: 1, 101: 1, 200: 1, 201: 1, 300: 1, 301: 1})
     assert taken[1].observed_turns == {0} and taken[2].observed_turns == {0, 1}
+    assert [x.num_action_tokens for x in taken] == [2, 2, 2]
     assert rewards_by_token(taken[2]) == {301: -1.0}  # each rollout its own reward, on its own last token
 
 

@@ -77,11 +77,14 @@ def group_normalized_advantages(
 
 
 class RunningMean(PolicyOnly):
-    """A = reward - mean of the last W rewards seen before this batch; DIS; no critic.
+    """A = reward - mean of the last W rewards seen before this step; DIS; no critic.
 
-    The baseline excludes the batch's own rewards so a rollout never baselines
-    against itself. The first batch, with no history, uses its own mean. The
-    window advances only on steps that were applied.
+    The baseline excludes the step's own rewards so a rollout never baselines
+    against itself. The first step, with no history, uses its own mean. The
+    window advances only on steps that were applied. Under several ranks the
+    window and the first step's mean follow the whole step
+    (``batch.step_rewards``), not the rank's share, so every rank keeps the one
+    window a single process would.
     """
 
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
@@ -89,10 +92,16 @@ class RunningMean(PolicyOnly):
         super().__init__(policy, policy_optimizer, cfg, vote, regularizer)
         self.window: deque[float] = deque(maxlen=cfg.running_mean_window)
 
-    def baseline(self, rewards: torch.Tensor) -> float:
-        if self.window:
-            return sum(self.window) / len(self.window)
-        return float(rewards.mean())
+    def baseline(self, step_rewards: list[float]) -> float:
+        """Mean of the window; before any history, of the step's own rewards."""
+        history = self.window or step_rewards
+        return sum(history) / len(history)
+
+    def row_advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
+        """``[B]`` advantage of each rollout (reward - baseline) and the baseline."""
+        whole_step = batch.step_rewards if batch.step_rewards is not None else batch.rewards.sum(dim=1).tolist()
+        baseline = self.baseline(whole_step)
+        return batch.rewards.sum(dim=1) - baseline, baseline
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask
@@ -100,8 +109,8 @@ class RunningMean(PolicyOnly):
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         rewards = batch.rewards.sum(dim=1)
-        baseline = self.baseline(rewards)
-        advantages = _token_advantages(rewards - baseline, mask)
+        row_adv, baseline = self.row_advantages(batch)
+        advantages = _token_advantages(row_adv, mask)
         logprobs, entropy = policy_forward(self.policy, batch, with_entropy=self.regularizer.needs_entropy)
         loss, dis_metrics = dis_policy_loss(
             logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_normalizer)
@@ -109,7 +118,7 @@ class RunningMean(PolicyOnly):
         loss = loss + extra
         result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
         if result.stepped:
-            self.window.extend(rewards.tolist())
+            self.window.extend(batch.step_rewards if batch.step_rewards is not None else rewards.tolist())
             self.regularizer.after_policy_update(self.policy)
         return {**metrics, **dis_metrics, **extra_metrics, "policy_loss": loss.item(),
                 "policy_grad_norm": result.grad_norm,
@@ -157,6 +166,9 @@ class GRPO(PolicyOnly):
     the DIS mask against the engine's log-probs when ``cfg.use_dis``; no critic.
 
     Rows are grouped by ``batch.group_ids``; an ungrouped row (id < 0) is an error.
+    Under several ranks each group lies whole on one rank
+    (:func:`trainer.distributed.shard_rollouts`), so its statistics are the
+    single process's.
     """
 
     def __init__(self, policy: nn.Module, policy_optimizer: torch.optim.Optimizer, cfg: AlgorithmConfig,
@@ -164,13 +176,17 @@ class GRPO(PolicyOnly):
         super().__init__(policy, policy_optimizer, cfg, vote, regularizer)
         self.group_size = cfg.group_size
 
+    def row_advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``[B]`` group-normalised advantage of each rollout, and the group metrics."""
+        return group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
+
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         metrics = batch_metrics(batch)
         if bool((batch.group_ids < 0).any()):
             raise ValueError("grpo needs grouped rollouts: every group_id must be >= 0")
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
-        row_adv, group_metrics = group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
+        row_adv, group_metrics = self.row_advantages(batch)
         advantages = _token_advantages(row_adv, batch.action_mask)
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, self.cfg,
                                           use_dis=self.cfg.use_dis, vote=self.vote, regularizer=self.regularizer)

@@ -100,6 +100,10 @@ class RolloutBatch:
     token_normalizer: float | None = None
     """Denominator N of the token-mean losses. None: this batch's action-token count.
     Data-parallel ranks set it so that the mean over ranks equals the global mean."""
+    step_rewards: list[float] | None = None
+    """Total reward of every rollout of the step, in the order rank 0 took them, when this batch
+    is one rank's share of the step (None: the batch is the whole step). Rules whose state follows
+    the whole step (running_mean's reward window) read it, so every rank keeps the same state."""
 
     @property
     def batch_size(self) -> int:
@@ -155,6 +159,11 @@ def collate(rollouts: list[Rollout], pad_token_id: int, policy_version: int = 0)
         interaction_ids=[r.interaction_id for r in rollouts],
         policy_version=policy_version,
     )
+
+
+def step_rewards(rollouts: list[Rollout]) -> list[float]:
+    """Total reward of each rollout (float32 sums, as ``RolloutBatch.rewards.sum(dim=1)`` adds them)."""
+    return [float(torch.tensor(list(r.rewards.values()), dtype=torch.float32).sum()) for r in rollouts]
 
 
 def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:

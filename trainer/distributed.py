@@ -10,10 +10,13 @@ and optimiser state.
 
 Equivalence with one process (tested in tests/trainer/test_distributed.py):
 rank 0 reads the step's rollouts and broadcasts them, every rank takes a
-deterministic share (:func:`shard_rollouts`), and each rank's token-mean loss
-divides by ``N_global / world_size`` (:func:`global_token_normalizer`). FSDP
-averages gradients over ranks in its reduce-scatter, so the averaged gradient
-is ``sum over all tokens / N_global``: the single-process token mean.
+deterministic share (:func:`shard_rollouts`) that keeps every grpo group whole,
+so group statistics are the single process's, and each rank's batch carries
+the whole step's rewards (:func:`local_batch`), so running_mean keeps one
+window on every rank. Each rank's token-mean loss divides by
+``N_global / world_size`` (:func:`global_token_normalizer`). FSDP averages
+gradients over ranks in its reduce-scatter, so the averaged gradient is
+``sum over all tokens / N_global``: the single-process token mean.
 
 Full state dicts (for publishing weights and checkpoints) are keyed by the
 unsharded parameter names, so a checkpoint written by two ranks loads into one
@@ -44,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from online_sao.batch import Rollout, RolloutBatch, rollouts_from_json, rollouts_to_json
+from online_sao.batch import Rollout, RolloutBatch, collate, rollouts_from_json, rollouts_to_json, step_rewards
 from online_sao.train_step import FiniteVote, local_vote
 
 MIN_TOKEN_NORMALIZER = 1.0
@@ -290,29 +293,51 @@ def broadcast_rollouts(rollouts: list[Rollout] | None, ctx: DistContext) -> list
     return rollouts if ctx.is_main else rollouts_from_json(payload)
 
 
+def shard_units(rollouts: list[Rollout]) -> list[list[int]]:
+    """The indivisible parts of a step, as lists of indices in list order: each grpo group
+    (``group_id >= 0``) whole, each ungrouped rollout alone; ordered by first member."""
+    units: dict[tuple[bool, int], list[int]] = {}
+    for i, rollout in enumerate(rollouts):
+        key = (True, rollout.group_id) if rollout.group_id >= 0 else (False, i)
+        units.setdefault(key, []).append(i)
+    return sorted(units.values(), key=lambda unit: unit[0])
+
+
 def shard_rollouts(rollouts: list[Rollout], ctx: DistContext) -> list[Rollout]:
     """This rank's share of the step's rollouts (identical input on every rank).
 
-    Balanced by action tokens: rollouts in decreasing token count (ties: list
-    order) go to the least-loaded rank (ties: lowest rank); each share keeps list
-    order. Every rank must get at least one rollout, because FSDP's collectives
-    need every rank in every forward and backward: a step needs at least
-    ``world_size`` rollouts, else ValueError.
+    The parts of :func:`shard_units` (a grpo group never spans two ranks, so its
+    statistics are computed on one), balanced by action tokens: parts in
+    decreasing token count (ties: list order) go to the least-loaded rank (ties:
+    lowest rank); each share keeps list order. Every rank must get at least one
+    part, because FSDP's collectives need every rank in every forward and
+    backward: a step needs at least ``world_size`` parts, else ValueError.
     """
     if not ctx.is_distributed:
         return list(rollouts)
-    if len(rollouts) < ctx.world_size:
-        raise ValueError(f"{len(rollouts)} rollouts cannot be shared by {ctx.world_size} ranks; "
-                         f"a step needs at least world_size rollouts")
-    order = sorted(range(len(rollouts)), key=lambda i: (-rollouts[i].num_action_tokens, i))
+    units = shard_units(rollouts)
+    if len(units) < ctx.world_size:
+        raise ValueError(f"{len(units)} rollouts or groups cannot be shared by {ctx.world_size} ranks; "
+                         f"a step needs at least world_size of them")
+    tokens_of = [sum(rollouts[i].num_action_tokens for i in unit) for unit in units]
+    order = sorted(range(len(units)), key=lambda u: (-tokens_of[u], units[u][0]))
     load = [(0, rank) for rank in range(ctx.world_size)]
     mine: list[int] = []
-    for i in order:
+    for u in order:
         tokens, rank = heapq.heappop(load)
         if rank == ctx.rank:
-            mine.append(i)
-        heapq.heappush(load, (tokens + rollouts[i].num_action_tokens, rank))
+            mine.extend(units[u])
+        heapq.heappush(load, (tokens + tokens_of[u], rank))
     return [rollouts[i] for i in sorted(mine)]
+
+
+def local_batch(rollouts: list[Rollout], ctx: DistContext, pad_token_id: int, policy_version: int) -> RolloutBatch:
+    """This rank's batch of the step's ``rollouts`` (the same list on every rank): its share
+    collated, with the whole step's rewards and the global token normaliser. Collective."""
+    batch = collate(shard_rollouts(rollouts, ctx), pad_token_id, policy_version=policy_version)
+    batch.step_rewards = step_rewards(rollouts)
+    batch.token_normalizer = global_token_normalizer(batch, ctx)
+    return batch
 
 
 def global_token_normalizer(local_batch: RolloutBatch, ctx: DistContext) -> float:

@@ -30,6 +30,7 @@ from online_sao.schemas import Interaction, Reward
 from streams.base import Consumer, Producer, StreamBackend, TopicPartition
 from streams.records import decode_or_dead_letter
 from trainer.broker_wait import until_broker_takes
+from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.rollouts import RolloutError
 
@@ -118,22 +119,23 @@ class Feed:
 
     def take(self, world_size: int, before_step: RolloutHook | None = None) -> list[Rollout] | None:
         """The rollouts of the next step, or None while too few are ready (or too few
-        usable ones were taken for every rank to get one: FSDP needs every rank in every step)."""
+        usable ones were taken for every rank to get one, a grpo group counting as one:
+        FSDP needs every rank in every step)."""
         tcfg = self.tcfg
         ready, ready_tokens = self.joiner.ready_stats(self.group_size)
         now = time.monotonic()
         self.ready_since = (self.ready_since or now) if ready else None
         waited_long = self.ready_since is not None and tcfg.max_wait_s is not None and (
             now - self.ready_since >= tcfg.max_wait_s)
-        if ready < world_size or not (ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget
-                                      or waited_long):
+        if ready < world_size * self.group_size or not (ready >= tcfg.min_rollouts
+                                                        or ready_tokens >= tcfg.token_budget or waited_long):
             return None
         self.ready_since = None
         taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size)
         rollouts = to_rollouts(taken, self.counters, self.vocab_size)
         if before_step is not None:
             rollouts = before_step(rollouts)
-        if len(rollouts) < world_size:
+        if len(shard_units(rollouts)) < world_size:  # a grpo group goes whole to one rank
             self.counters["too_few_for_ranks"] += len(rollouts)
             return None
         return rollouts

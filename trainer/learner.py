@@ -59,12 +59,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from online_sao.batch import Rollout, collate
+from online_sao.batch import Rollout
 from online_sao.config import Config
 from streams.base import StreamBackend
-from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, global_token_normalizer,
-                                 init_distributed, load_full_state_dict, reduce_metrics, shard_rollouts,
-                                 shutdown_distributed)
+from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed, load_full_state_dict,
+                                 local_batch, reduce_metrics, shutdown_distributed)
 from trainer.feed import RolloutHook
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero
@@ -171,8 +170,7 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     """One step of the learning rule on every rank's share of rank 0's rollouts. Collective.
     Returns the step's metrics, reduced over ranks."""
     rollouts = broadcast_rollouts(taken.rollouts, ctx)
-    batch = collate(shard_rollouts(rollouts, ctx), models.pad_token_id, policy_version=at.version)
-    batch.token_normalizer = global_token_normalizer(batch, ctx)
+    batch = local_batch(rollouts, ctx, models.pad_token_id, at.version)
     metrics = reduce_metrics(models.trainables.algorithm.step(batch.to(ctx.device)), ctx)
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on

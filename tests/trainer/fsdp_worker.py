@@ -18,7 +18,9 @@ checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
 - ``pretrained_critic.safetensors``: the restored critic after value pre-training
   on all the rollouts (every rank passing all of them, as the learner must);
 - ``metrics.json``: the step metrics reduced over ranks, the pre-training metrics,
-  and whether pre-training refused per-rank shares (it must, in two ranks).
+  and whether pre-training refused per-rank shares (it must, in two ranks);
+- ``baselines.json``: for ``grpo`` and ``running_mean``, the advantage each rank's rule
+  gave every rollout of each step (grouped rollouts, gathered in the step's order).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -43,8 +47,8 @@ from trainer.distributed import (
     broadcast_rollouts,
     finite_vote,
     full_state_dict,
-    global_token_normalizer,
     init_distributed,
+    local_batch,
     load_full_state_dict,
     load_optimizer_state,
     optimizer_state,
@@ -130,9 +134,22 @@ class Learner:
                                          vote=finite_vote(ctx), reference=self.reference)  # as the learner builds it
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
-        batch = collate(shard_rollouts(rollouts, self.ctx), PAD_ID, policy_version=version).to(self.ctx.device)
-        batch.token_normalizer = global_token_normalizer(batch, self.ctx)
+        batch = local_batch(rollouts, self.ctx, PAD_ID, version).to(self.ctx.device)  # as the learner does
         return reduce_metrics(self.algorithm.step(batch), self.ctx)
+
+    def advantages_then_step(self, rollouts: list[Rollout], version: int) -> list[float]:
+        """The advantage this rank's rule gives each rollout of the step (0 for the other ranks'
+        rollouts, summed over ranks: every rollout is on exactly one), then the step itself."""
+        batch = local_batch(rollouts, self.ctx, PAD_ID, version).to(self.ctx.device)
+        row_advantages = self.algorithm.row_advantages(batch)[0]
+        position = {r.interaction_id: i for i, r in enumerate(rollouts)}
+        gathered = torch.zeros(len(rollouts), dtype=torch.float64)
+        for iid, value in zip(batch.interaction_ids, row_advantages.tolist()):
+            gathered[position[iid]] = value
+        if self.ctx.is_distributed:
+            dist.all_reduce(gathered, op=dist.ReduceOp.SUM)
+        reduce_metrics(self.algorithm.step(batch), self.ctx)
+        return gathered.tolist()
 
     def gather(self) -> dict[str, dict]:
         opts = self.optimizers
@@ -159,6 +176,25 @@ def flat_optimizer_state(state: dict) -> dict[str, torch.Tensor]:
     """Tensors of a full optimiser state dict under ``<param>.<slot>`` names."""
     return {f"{name}.{slot}": torch.as_tensor(value).clone() for name, slots in state["state"].items()
             for slot, value in slots.items()}
+
+
+GROUP_SIZE = 3
+"""grpo groups of the baseline steps: the six rollouts of a step form two groups."""
+
+
+def baseline_advantages(ctx: DistContext, data: list[list[Rollout]] | None, steps: int) -> dict[str, list]:
+    """Per step, the advantages grpo and running_mean give the step's rollouts (grouped as the
+    join groups them: consecutive members, group ids by order)."""
+    report = {}
+    for name in ("grpo", "running_mean"):
+        learner = Learner(AlgorithmConfig(name=name, group_size=GROUP_SIZE, running_mean_window=8), ctx, MODEL_SEED)
+        per_step = []
+        for step in range(steps):
+            grouped = None if data is None else [replace(r, group_id=i // GROUP_SIZE)
+                                                 for i, r in enumerate(data[step])]
+            per_step.append(learner.advantages_then_step(broadcast_rollouts(grouped, ctx), version=step))
+        report[name] = per_step
+    return report
 
 
 def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
@@ -196,6 +232,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
             refused_shares = True
     pretrain = pretrain_critic(fresh.critic, fresh.optimizers.critic, logged, cfg, PAD_ID, max_epochs=3, patience=1)
     pretrained = full_state_dict(fresh.critic, ctx)
+    baselines = baseline_advantages(ctx, data if ctx.is_main else None, steps)
 
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +246,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
         save_file(pretrained, out / "pretrained_critic.safetensors")
         report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares}
         (out / "metrics.json").write_text(json.dumps(report))
+        (out / "baselines.json").write_text(json.dumps(baselines))
     shutdown_distributed(ctx)
 
 

@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from online_sao.batch import Rollout, collate
+from online_sao.baselines import RunningMean
+from online_sao.batch import Rollout, collate, step_rewards
+from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from tests.conftest import _free_port
 from tests.trainer import fsdp_worker
@@ -27,6 +29,7 @@ from trainer.distributed import (
     global_token_normalizer,
     reduce_metrics,
     shard_rollouts,
+    shard_units,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,10 +55,11 @@ def _ctx(rank: int, world_size: int) -> DistContext:
     return DistContext(rank=rank, world_size=world_size, device=torch.device("cpu"))
 
 
-def _rollout(iid: str, actions: int, prompt: int = 2) -> Rollout:
+def _rollout(iid: str, actions: int, prompt: int = 2, group_id: int = -1, reward: float = 1.0) -> Rollout:
     n = prompt + actions
     mask = [False] * prompt + [True] * actions
-    return Rollout(iid, list(range(1, n + 1)), mask, [-0.5 if m else 0.0 for m in mask], [3] * n, {n - 1: 1.0})
+    return Rollout(iid, list(range(1, n + 1)), mask, [-0.5 if m else 0.0 for m in mask], [3] * n, {n - 1: reward},
+                   group_id=group_id)
 
 
 def test_shard_rollouts_gives_each_rollout_to_one_rank_balanced_by_tokens():
@@ -74,6 +78,35 @@ def test_shard_rollouts_needs_a_rollout_per_rank():
     with pytest.raises(ValueError, match="at least world_size"):
         shard_rollouts([_rollout("a", 2)], _ctx(0, 2))
     assert shard_rollouts([_rollout("a", 2)], _ctx(0, 1))[0].interaction_id == "a"
+    with pytest.raises(ValueError, match="at least world_size"):  # one group: one rank would have nothing
+        shard_rollouts([_rollout("a", 2, group_id=0), _rollout("b", 2, group_id=0)], _ctx(0, 2))
+
+
+def test_shard_rollouts_keeps_every_grpo_group_on_one_rank():
+    # token balancing alone would give g0's 9-token member to one rank and its 1-token members to the other
+    sizes = {"a0": (9, 0), "a1": (1, 0), "a2": (1, 0), "b0": (4, 1), "b1": (4, 1), "b2": (1, 1), "c0": (2, 2)}
+    rollouts = [_rollout(iid, actions, group_id=group) for iid, (actions, group) in sizes.items()]
+    shares = [[r.interaction_id for r in shard_rollouts(rollouts, _ctx(rank, 2))] for rank in range(2)]
+    # whole groups, largest first: g0 (11) -> 0, g1 (9) -> 1, g2 (2) -> 1
+    assert shares == [["a0", "a1", "a2"], ["b0", "b1", "b2", "c0"]]
+    assert shard_units(rollouts) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_running_mean_on_rank_shares_gives_the_advantages_of_the_whole_step():
+    cfg = AlgorithmConfig(name="running_mean", running_mean_window=3)
+    steps = [[_rollout(f"s{s}r{i}", 2 + i, reward=float(10 * s + i)) for i in range(4)] for s in range(3)]
+    whole = RunningMean(nn.Linear(1, 1), None, cfg)
+    ranks = [RunningMean(nn.Linear(1, 1), None, cfg) for _ in range(2)]
+    for rollouts in steps:
+        expected = whole.row_advantages(collate(rollouts, 0))[0].tolist()
+        got = {}
+        for rank, rule in enumerate(ranks):
+            batch = collate(shard_rollouts(rollouts, _ctx(rank, 2)), 0)
+            batch.step_rewards = step_rewards(rollouts)  # as local_batch sets it
+            got.update(zip(batch.interaction_ids, rule.row_advantages(batch)[0].tolist()))
+            rule.window.extend(batch.step_rewards)  # what an applied step does
+        whole.window.extend(collate(rollouts, 0).rewards.sum(dim=1).tolist())
+        assert [got[r.interaction_id] for r in rollouts] == pytest.approx(expected, abs=1e-6)
 
 
 def test_single_process_normalizer_and_metrics_are_local():
@@ -168,6 +201,17 @@ def test_value_pretraining_under_two_ranks_matches_one_process(two_ranks, one_pr
     assert report_one["pretrain"]["ev_after"] > report_one["pretrain"]["ev_before"]
     _assert_states_close(_load(two_ranks, "pretrained_critic"), _load(one_process, "pretrained_critic"),
                          WEIGHT_RTOL, WEIGHT_ATOL, "pretrained critic")
+
+
+@pytest.mark.parametrize("rule", ["grpo", "running_mean"])
+def test_baselines_under_two_ranks_give_the_advantages_of_one_process(two_ranks, one_process, rule):
+    """grpo's groups and running_mean's window are the whole step's on every rank."""
+    got = json.loads((two_ranks / "baselines.json").read_text())[rule]
+    want = json.loads((one_process / "baselines.json").read_text())[rule]
+    assert len(got) == len(want) == 3
+    for step_got, step_want in zip(got, want):
+        assert step_got == pytest.approx(step_want, abs=1e-6)
+    assert any(abs(a) > 0.1 for step in want for a in step)  # advantages that could differ
 
 
 @pytest.mark.parametrize("world", ["one_process", "two_ranks"])

@@ -58,7 +58,7 @@ def llama(seed: int) -> torch.nn.Module:
                                         tie_word_embeddings=True))
 
 
-def ragged_batch(policy: torch.nn.Module, lengths: list[int], seed: int = 0):
+def ragged_batch(policy: torch.nn.Module, lengths: list[int], seed: int = 0, top_ps: tuple[float, ...] = (1.0,)):
     """Rollouts of the given lengths (prompt of 2, then actions; one with an observation between two
     action runs), two temperatures, rewards mid-way and at the end; behaviour log-probs near the policy's."""
     gen = torch.Generator().manual_seed(seed)
@@ -71,7 +71,10 @@ def ragged_batch(policy: torch.nn.Module, lengths: list[int], seed: int = 0):
         rewards = {n - 1: float(torch.randn((), generator=gen))}
         if n > 8:
             rewards[6] = 0.5
-        rollouts.append(Rollout(f"r{i}", ids, mask, [0.0] * n, [0] * n, rewards, temperature=0.7 if i % 2 else 1.0))
+        temperature = 0.7 if i % 2 else 1.0
+        top_p = top_ps[i % len(top_ps)]
+        rollouts.append(Rollout(f"r{i}", ids, mask, [0.0] * n, [0] * n, rewards, temperatures=[temperature] * n,
+                                top_ps=[top_p] * n))
     batch = collate(rollouts, pad_token_id=0, policy_version=1)
     with torch.no_grad():
         noise = 0.3 * torch.randn(batch.input_ids.shape, generator=gen)
@@ -149,3 +152,17 @@ def test_a_step_reports_its_padding_share():
     assert metrics["padding_share_unpacked"] == pytest.approx(1 - 67 / 136)
     assert metrics["padding_share"] == pytest.approx(1 - 67 / 68)
     assert metrics["skipped_nonfinite"] == 0.0
+
+
+def test_packed_and_padded_logprobs_agree_under_top_p():
+    """Each token keeps its own top-p in packed rows: the nucleus log-probs (and which tokens fall
+    outside the nucleus, -inf) are the padded path's."""
+    policy = qwen2(0)
+    batch = ragged_batch(policy, [3, 17, 6, 11, 4, 9, 2, 15], top_ps=(1.0, 0.9, 0.5))
+    with torch.no_grad():
+        padded = policy_logprobs(policy, batch, packed=False)
+        packed = policy_logprobs(policy, batch, packed=True)
+    outside = torch.isneginf(padded)
+    assert outside.any() and (~outside & batch.action_mask).any()
+    assert torch.equal(torch.isneginf(packed), outside)
+    torch.testing.assert_close(packed[~outside], padded[~outside], atol=ATOL, rtol=RTOL)

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 from online_sao.schemas import Interaction, Reward, SamplingParams, TurnReward
 from serving.trajectories import TrajectoryPrefix
 
 
 def make_interaction(iid: str, prompt=(5, 6, 7), response=(8, 9, 10), mask=None, logprobs=None,
                      version: int = 0, turn_ends=(), temperature: float = 1.0,
-                     created_at: float | None = None) -> Interaction:
-    """A single record; ``created_at`` defaults to now, so a join's anchor is the record timestamp."""
+                     created_at: float = 0.0) -> Interaction:
     mask = [True] * len(response) if mask is None else list(mask)
     actions = sum(mask)
     logprobs = [-0.5 - 0.1 * i for i in range(actions)] if logprobs is None else list(logprobs)
-    created = time.time() if created_at is None else created_at
     return Interaction(
         interaction_id=iid, model="tiny", prompt_ids=list(prompt), response_ids=list(response),
         action_mask=mask, logprobs=logprobs, versions=[version] * actions, turn_ends=list(turn_ends),
-        sampling=SamplingParams(temperature=temperature), created_at=created, completed_at=created,
+        sampling=SamplingParams(temperature=temperature), created_at=created_at, completed_at=created_at,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from online_sao.config import load_config
 from online_sao.schemas import encode
 from streams.memory import InMemoryBackend
@@ -31,7 +33,7 @@ def test_topic_history_reads_everything_retained_without_committing(tmp_path):
     producer = backend.producer()
     topics = cfg.kafka.topics
     for i in range(5):
-        publish(producer, topics.interactions, make_interaction(f"i{i}"))
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=time.time()))
         publish(producer, topics.rewards, make_reward(f"i{i}", float(i)))
     producer.send(topics.rewards, b"garbage", key=b"i0")
     rollouts = rollouts_from_topics(backend, cfg, version=0)

@@ -16,7 +16,11 @@ record is durable. How a record becomes durable is the logger's
     when the broker cannot be reached do they go to the spool, to be replayed in
     order. A crash loses what was still only in memory.
 
-Both ship the spool with :class:`~serving.spool_sender.SpoolSender`.
+Both ship the spool with :class:`~serving.spool_sender.SpoolSender`. After a
+crash, a record the broker took before its acknowledgement reached the spool is
+found on its topic by the restarted sender's read back (``readback``) and not
+sent again, so the topic holds every acknowledged record once
+(:mod:`serving.spool_readback`).
 
 Admission: the backlog is bounded by refusing new work (:meth:`InteractionLogger.refusal`),
 never by dropping a record of work already admitted. When the spool cannot be
@@ -38,6 +42,7 @@ from online_sao.schemas import Interaction, Reward, encode
 from serving.log_state import Durability, LogSettings, LogState
 from serving.memory_log import MemoryMode
 from serving.receipt import Receipt
+from serving.spool_readback import TopicTail
 from serving.spool_sender import Pending, SpoolSender
 from serving.write_ahead_log import WriteAheadMode
 from streams.base import Producer
@@ -99,10 +104,13 @@ MODES: dict[str, Callable[[LogState, Producer], DurabilityMode]] = {
 
 class InteractionLogger:
     def __init__(self, producer: Producer, topics: TopicsConfig, spool_dir: Path,
-                 settings: LogSettings = LogSettings(), clock: Callable[[], float] = time.monotonic):
+                 settings: LogSettings = LogSettings(), clock: Callable[[], float] = time.monotonic,
+                 readback: TopicTail | None = None):
+        """``readback``: how to read the topics back after a restart, so that records the broker took
+        just before a crash are not sent again (:mod:`serving.spool_readback`; None: they are)."""
         if settings.durability not in MODES:
             raise ValueError(f"unknown log durability {settings.durability!r}")
-        self._state = LogState(spool_dir, topics, settings, clock)
+        self._state = LogState(spool_dir, topics, settings, clock, readback)
         self._mode = MODES[settings.durability](self._state, producer)
         self._threads = self._mode.threads()
         self._topics = topics
@@ -160,6 +168,11 @@ class InteractionLogger:
     def spooling(self) -> bool:
         """memory: records go to the spool; write_ahead: the broker is unreachable (records wait there)."""
         return self._mode.spooling
+
+    @property
+    def found_on_topic(self) -> int:
+        """Records of a restarted spool that the broker already held and were not sent again."""
+        return self._mode.sender.found_on_topic
 
     @property
     def acknowledged(self) -> int:

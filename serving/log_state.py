@@ -19,6 +19,7 @@ from typing import Callable, Literal
 
 from online_sao.config import ServingConfig, TopicsConfig
 from serving.spool import Spool
+from serving.spool_readback import TopicTail
 from serving.spool_sender import OnDelivered, OnRefused, Pending, Signal, SpoolSender
 from streams.base import Producer
 
@@ -55,8 +56,10 @@ class LogSettings:
 
 class LogState:
     def __init__(self, spool_dir: Path, topics: TopicsConfig, settings: LogSettings,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None):
+        """``readback``: how the sender reads the topics back after a restart (serving.spool_readback)."""
         self.settings = settings
+        self.readback = readback
         self.clock = clock
         self.spool = Spool(spool_dir, settings.spool_max_bytes, dead_letter_topic=topics.dead_letters)
         self.signal = Signal()
@@ -72,7 +75,8 @@ class LogState:
         """A sender over this log's spool and lock, as the settings say."""
         s = self.settings
         return SpoolSender(producer, self.spool, self.signal, window=s.window, stall_s=s.stall_s, retry_s=s.retry_s,
-                           on_refused=on_refused, on_delivered=on_delivered, clock=self.clock)
+                           on_refused=on_refused, on_delivered=on_delivered, clock=self.clock,
+                           readback=self.readback)
 
     def thread(self, body: Callable[[], None], name: str) -> threading.Thread:
         """A daemon thread running ``body``; if it raises, :attr:`crashed` says why (and refusal() reports it)."""

@@ -29,8 +29,13 @@ from serving.engine.base import InferenceEngine
 from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from streams.base import DeliveryReport, Producer, StreamBackend
+from streams.tail import records_since
 
 log = logging.getLogger(__name__)
+
+READBACK_TIMEOUT_S = 30.0
+"""Longest read back of the topics after a restart (serving.spool_readback); a read back that
+times out is tried again, and nothing is sent meanwhile."""
 
 
 class LazyProducer(Producer):
@@ -82,8 +87,14 @@ def stop_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def make_logger(cfg: Config, producer: Producer) -> InteractionLogger:
-    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
+def make_logger(cfg: Config, producer: Producer, backend: StreamBackend | None = None) -> InteractionLogger:
+    """The interaction log; with ``backend`` a restarted spool is read back from its topics first."""
+
+    def readback(topics: list[str], since_s: float):
+        return records_since(backend, topics, int(since_s * 1000), timeout_s=READBACK_TIMEOUT_S)
+
+    return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving),
+                             readback=readback if backend is not None else None)
 
 
 def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
@@ -107,7 +118,7 @@ def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: In
     engine = engine if engine is not None else make_engine(cfg, model_dir, tokenizer)
     max_model_len = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
     producer = LazyProducer(backend)
-    logger = make_logger(cfg, producer)
+    logger = make_logger(cfg, producer, backend)
     metrics = ServingMetrics(CollectorRegistry())
     follower = follower_factory(engine, metrics) if follower_factory is not None else None
     app = build_app(engine, logger, cfg, tokenizer, metrics, follower,

@@ -41,8 +41,8 @@ logger's group commit) ends with ``fsync`` of the log (and of the directory
 when the log was created), and every acknowledgement watermark is fsynced
 before the rename, so an entry reported written survives a power loss. An entry that
 was acknowledged by the broker but whose watermark was not yet written (a crash
-in between, or a watermark write that failed on a full disk) is sent again after
-a restart: at-least-once across crashes; ids let consumers drop the copy.
+in between) is pending again after a restart; the sender's read back of the
+topics (:mod:`serving.spool_readback`) finds it there and does not send it again.
 
 Writes that fail (disk full, quota ``max_bytes`` reached, I/O error) never
 raise: the entries are kept in memory, in order, after everything on disk,

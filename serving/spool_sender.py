@@ -9,6 +9,11 @@ does about a refused send or a delivery report it says through two callbacks.
 All of a log's state is guarded by one lock, its :class:`Signal`: the sender,
 the log that owns it and every thread of that log take it; ``Signal.events``
 counts changes a waiting thread may have to act on.
+
+A restarted spool is read back first (:mod:`serving.spool_readback`): pending
+records the broker took before the crash count as acknowledged and are not sent
+again, so the topic holds every acknowledged record once. Until the read back
+succeeds (the broker reachable) nothing is sent.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Callable
 
 from serving.spool import Spool
 from serving.spool_format import SpoolEntry
+from serving.spool_readback import TopicTail, already_on_topic
 from streams.base import Producer, StreamUnavailable
 
 log = logging.getLogger(__name__)
@@ -74,7 +80,9 @@ OnDelivered = Callable[[Pending, "BaseException | None"], None]
 class SpoolSender:
     def __init__(self, producer: Producer, spool: Spool, signal: Signal, *, window: int, stall_s: float,
                  retry_s: float, on_refused: OnRefused, on_delivered: OnDelivered,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None):
+        """``readback``: how to read the topics back after a restart (None: no read back, and a record
+        the broker took just before a crash is sent again)."""
         self._producer, self._spool, self._signal, self._clock = producer, spool, signal, clock
         self._window, self._stall_s, self._retry_s = window, stall_s, retry_s
         self._on_refused, self._on_delivered = on_refused, on_delivered
@@ -82,6 +90,12 @@ class SpoolSender:
         """Records handed to the producer and not yet dropped, by sequence number (guarded by the signal)."""
         self.acknowledged = 0
         self.delivery_failures = 0
+        self._readback = readback
+        self._restart_seq = spool.last_seq
+        """Records up to this sequence number were spooled by an earlier process."""
+        self._readback_due = readback is not None and spool.pending_records > 0
+        self.found_on_topic = 0
+        """Pending records of the restarted spool that the broker already held (not sent again)."""
 
     # ------------------------------------------------------------------ what is with the producer
 
@@ -155,8 +169,33 @@ class SpoolSender:
             self._signal.changed.notify_all()
         self._on_delivered(pending, error)
 
+    def _read_back(self) -> bool:
+        """Restarted spool: mark the pending records the broker already holds as acknowledged.
+        False while the broker cannot be read (nothing may be sent until it can)."""
+        candidates = [e for e in self._spool.read_pending(self._window) if e.seq <= self._restart_seq]
+        try:
+            found = already_on_topic(candidates, self._readback)
+        except StreamUnavailable as exc:
+            self._on_refused(exc)
+            return False
+        now = self._clock()
+        with self._signal.lock:
+            for entry in candidates:
+                if entry.seq in found:
+                    self._with_producer[entry.seq] = Pending(entry.seq, entry.topic, entry.key, entry.value,
+                                                             state="acked", changed_at=now)
+            self.found_on_topic = len(found)
+            self._readback_due = False
+        # a warning when it found some: it happens only after a crash, and says what the crash cost
+        (log.warning if found else log.info)(
+            "spool read back: %d of the %d records that may have been sent before the restart are on the "
+            "topics already and are not sent again", len(found), len(candidates))
+        return True
+
     def replay(self) -> bool:
         """Hand the oldest spooled records to the producer and advance the acknowledged prefix."""
+        if self._readback_due and not self._read_back():
+            return False
         progressed = False
         acked_prefix: SpoolEntry | None = None
         prefix_open = True

@@ -83,6 +83,15 @@ class Consumer(ABC):
     def assignment(self) -> set[TopicPartition]: ...
 
     @abstractmethod
+    def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
+        """For each assigned partition, the offset of its first record stamped at or after
+        ``time_ms`` (None: no such record yet)."""
+
+    @abstractmethod
+    def end_offsets(self) -> dict[TopicPartition, int]:
+        """For each assigned partition, the offset its next record will get."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 

@@ -253,6 +253,16 @@ class KafkaStreamConsumer(Consumer):
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
+    def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
+        with _mapped("looking up offsets by time", self._bootstrap):
+            found = self._consumer.offsets_for_times({tp: time_ms for tp in self._consumer.assignment()})
+        return {TopicPartition(tp.topic, tp.partition): None if at is None else at.offset for tp, at in found.items()}
+
+    def end_offsets(self) -> dict[TopicPartition, int]:
+        with _mapped("looking up end offsets", self._bootstrap):
+            ends = self._consumer.end_offsets(list(self._consumer.assignment()))
+        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
+
     def close(self) -> None:
         self._consumer.close(autocommit=False)
         if self._leave_group is not None:

@@ -243,6 +243,17 @@ class InMemoryConsumer(Consumer):
             self._rebalance()
             return set(self._positions)
 
+    def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
+        with self._backend._lock:
+            self._rebalance()
+            logs = {tp: self._backend._partition_log(tp) for tp in self._positions}
+            return {tp: next((m.offset for m in log if m.timestamp_ms >= time_ms), None) for tp, log in logs.items()}
+
+    def end_offsets(self) -> dict[TopicPartition, int]:
+        with self._backend._lock:
+            self._rebalance()
+            return {tp: len(self._backend._partition_log(tp)) for tp in self._positions}
+
     def close(self) -> None:
         with self._backend._lock:
             self._closed = True

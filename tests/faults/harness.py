@@ -67,9 +67,11 @@ from safetensors.torch import load_file
 
 from apps.config import load_app_config
 from apps.stack import Component, Stack, free_port, tail
+from online_sao.schemas import decode
 from online_sao.weights import open_weight_store
 from streams.broker import LocalBroker
 from streams.kafka_backend import KafkaBackend
+from streams.tail import records_since
 from tests.fixtures.kafka import local_broker_config
 from tests.faults.traffic import CLIENT_TIMEOUT_S, POLL_S, Traffic
 from tests.fixtures.models import TINY_MODEL_OVERRIDES
@@ -144,6 +146,23 @@ def assert_recovered(stack: "LiveStack", traffic: Traffic, timeout_s: float) -> 
     versions = stack.assert_published_weights_finite()
     assert versions > 0 and traffic.unrewarded == []
     return Recovered(figures, versions, train_s)
+
+
+TOPIC_READ_S = 60.0
+"""Longest read of a whole topic of a fault scenario (a few hundred records)."""
+
+
+@dataclass(frozen=True)
+class TopicCopies:
+    interactions: Counter
+    """Interaction id -> records with that id on the interactions topic."""
+    rewards: Counter
+    """Reward record bytes -> copies on the rewards topic."""
+
+    @property
+    def duplicates(self) -> int:
+        """Copies beyond the first, of interactions and rewards."""
+        return sum(n - 1 for counts in (self.interactions, self.rewards) for n in counts.values())
 
 
 class LiveStack:
@@ -295,6 +314,14 @@ class LiveStack:
         if not found:
             return {}
         return json.loads(found[-1].read_text())["state"]["joiner"]["counters"]
+
+    def copies_on_topics(self) -> "TopicCopies":
+        """How often each interaction id and each reward (its exact bytes) is on the topics."""
+        t, backend = self.cfg.kafka.topics, KafkaBackend(self.cfg.kafka)
+        interactions = Counter(decode(m.value).interaction_id
+                               for m in records_since(backend, [t.interactions], 0, TOPIC_READ_S))
+        rewards = Counter(m.value for m in records_since(backend, [t.rewards], 0, TOPIC_READ_S))
+        return TopicCopies(interactions, rewards)
 
     def weight_versions(self) -> list[int]:
         return open_weight_store(self.cfg.weight_store_url).versions()

@@ -3,9 +3,10 @@
 To be sure the kill lands on interactions that were acknowledged but not yet on
 the broker, the broker is paused (SIGSTOP) a moment before the kill and resumed
 after it: everything serving acknowledged in between exists only in its spool.
-The restarted server replays the spool; every acknowledged interaction must be
-trained exactly once (copies the broker had already taken are sent again and
-dropped by the learner), and every published weight version must be finite.
+The restarted server reads back what the broker took before the kill and replays
+the rest of the spool: every acknowledged interaction and reward must be on its
+topic exactly once (0 duplicates for every consumer of the topics, not only the
+learner), trained exactly once, and every published weight version must be finite.
 
 A second, fast test checks the learner's side of the at-least-once replay: a
 copy of an interaction trained before a learner restart is still dropped.
@@ -54,12 +55,18 @@ def test_serving_sigkill_loses_no_acknowledged_interaction(live_stack):
     assert in_spool >= acked_at_kill - paused_at >= ACKED_WHILE_PAUSED  # the kill hit acknowledged, unsent ones
     recovered = assert_recovered(stack, traffic, TRAIN_TIMEOUT_S)
     figures, versions, train_s = recovered.figures, recovered.versions, recovered.train_s
+    copies = stack.copies_on_topics()
+    read_back = [line for line in stack.log_tail("serving", 10_000).splitlines() if "spool read back" in line]
+    assert set(traffic.acked) <= set(copies.interactions)
+    assert copies.duplicates == 0, (f"on the topics twice: {[i for i, n in copies.interactions.items() if n > 1]} "
+                                    f"and {sum(n > 1 for n in copies.rewards.values())} rewards")
     print(f"\nserving SIGKILL: acked {figures.acked} (at the kill {acked_at_kill}, {acked_at_kill - paused_at} while "
           f"the broker hung), in the spool at the kill {in_spool}, trained {figures.trained} "
-          f"(unacked but trained {figures.unacked_trained}), duplicates dropped by the learner "
-          f"{stack.join_counters().get('duplicate_interactions')}, statuses {dict(traffic.statuses)}, "
+          f"(unacked but trained {figures.unacked_trained}), on the topics {len(copies.interactions)} interactions "
+          f"and {len(copies.rewards)} rewards, duplicates on the topics {copies.duplicates}, dropped by the "
+          f"learner {stack.join_counters().get('duplicate_interactions')}, statuses {dict(traffic.statuses)}, "
           f"kill -> first 200 {first_answer - killed_at:.1f} s, last acked -> trained {train_s:.1f} s, "
-          f"weight versions checked {versions}")
+          f"weight versions checked {versions}; {read_back[-1].split('spool read back: ')[-1] if read_back else ''}")
 
 
 def _interaction(iid: str) -> Interaction:

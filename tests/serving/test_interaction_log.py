@@ -13,6 +13,7 @@ from online_sao.config import TopicsConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, decode
 from serving.interaction_log import InteractionLogger, LogSettings
 from serving.spool import Spool
+from streams.base import StreamMessage, StreamUnavailable
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import FakeProducer
 
@@ -33,9 +34,9 @@ def delivered_ids(producer: FakeProducer) -> list[str]:
 def make_logger(tmp_path):
     loggers = []
 
-    def make(producer, **kwargs) -> InteractionLogger:
+    def make(producer, readback=None, **kwargs) -> InteractionLogger:
         options = dict(stall_s=0.2, retry_s=0.05, window=4) | kwargs
-        logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", LogSettings(**options))
+        logger = InteractionLogger(producer, TOPICS, tmp_path / "spool", LogSettings(**options), readback=readback)
         logger.start()
         loggers.append(logger)
         return logger
@@ -169,6 +170,53 @@ def test_a_crash_loses_nothing_acknowledged_the_next_start_replays_it_in_order(t
         assert delivered_ids(up) == [f"id-{i:04d}" for i in range(7)]  # the spool first, then the new record
     finally:
         hung.unblock.set()
+
+
+class TakesSilently(FakeProducer):
+    """The broker writes every record, but the process dies before any delivery report reaches it."""
+
+    def send(self, topic, value, key=None, on_delivery=None):
+        with self.lock:
+            self.delivered.append((topic, key, value))
+
+
+def reading_back(broker: FakeProducer, failures: int = 0):
+    """A read back of the fake broker's log (every record stamped now); the first ``failures`` calls
+    find the broker unreachable."""
+    calls = []
+
+    def tail(topics, since_s):
+        calls.append(since_s)
+        if len(calls) <= failures:
+            raise StreamUnavailable("fake broker: unreachable")
+        with broker.lock:
+            return [StreamMessage(t, 0, i, k, v, int(time.time() * 1000))
+                    for i, (t, k, v) in enumerate(broker.delivered) if t in topics]
+
+    return tail, calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_the_broker_took_before_a_crash_are_not_sent_again(tmp_path, make_logger, mode):
+    silent = TakesSilently()
+    crashed = InteractionLogger(silent, TOPICS, tmp_path / "spool",
+                                LogSettings(durability=mode, window=4, stall_s=60.0, retry_s=0.05))
+    crashed.start()
+    receipts = [crashed.submit(interaction(i)) for i in range(6)]
+    assert all(r.wait(5) for r in receipts)
+    if mode == "memory":  # acknowledged at once in memory; spooled on the way out, as a stalled broker makes it
+        assert wait_until(lambda: len(silent.delivered) == 4)
+        crashed.close(timeout_s=0.2)
+    assert wait_until(lambda: len(silent.delivered) == 4)  # the window: four on the broker, none reported
+    # the process dies: the spool holds all six above its watermark
+    up = FakeProducer(delivered=silent.delivered)  # the same broker, reachable again
+    tail, calls = reading_back(up, failures=2)
+    restarted = make_logger(up, durability=mode, readback=tail)
+    restarted.submit(interaction(6))
+    assert restarted.flush(10.0)
+    assert delivered_ids(up) == [f"id-{i:04d}" for i in range(7)]  # each once on the topic, in order
+    assert restarted.found_on_topic == 4 and len(calls) == 3  # nothing was sent while it could not read back
+    assert calls[-1] <= min(decode(v).created_at for _, _, v in silent.delivered[:4])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -6,6 +6,8 @@ broker (the ``kafka`` parameter, marked ``kafka``).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from online_sao.config import KafkaConfig
@@ -14,6 +16,7 @@ from streams.base import StreamBackend, TopicPartition
 from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend, partition_for_key
 from streams.records import decode_or_dead_letter, publish
+from streams.tail import records_since
 from tests.fixtures.kafka import TEST_PARTITIONS, drain
 
 
@@ -205,3 +208,23 @@ def test_delivery_reports_say_each_record_was_acknowledged(backend):
     producer.flush(10)
     producer.close()
     assert reports == [None, None, None]
+
+
+def test_records_since_reads_a_time_range_to_its_end(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    before = [f"before-{i}".encode() for i in range(3)]
+    after = [f"after-{i}".encode() for i in range(5)]
+    for value in before:
+        producer.send(t.rewards, value, key=value)
+    producer.flush(10)
+    time.sleep(0.05)  # record timestamps are in milliseconds
+    since_ms = int(time.time() * 1000)
+    time.sleep(0.05)
+    for value in after:
+        producer.send(t.rewards, value, key=value)
+    producer.flush(10)
+    producer.close()
+    got = [m.value for m in records_since(backend, [t.rewards], since_ms, timeout_s=30)]
+    assert set(after) <= set(got) and not set(before) & set(got)
+    assert records_since(backend, [t.rewards], int(time.time() * 1000) + 60_000, timeout_s=30) == []

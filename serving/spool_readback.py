@@ -1,0 +1,56 @@
+"""After a crash: which spooled records the broker took already.
+
+The spool's acknowledgement watermark is written after the broker acknowledges a
+record, so a crash between the two leaves records on the topic that the spool
+still holds as pending. Sending them again would put a second copy on the topic
+for every consumer of it. Before the first replay of a restarted spool, the sender
+reads back what its topics received since the oldest record that may have been
+sent (:data:`TopicTail`) and treats every pending record whose exact bytes are
+there as acknowledged.
+
+Which records may have been sent: the sender hands the producer only records among
+the first ``window`` pending ones, and the watermark only moves forward, so every
+record the broker may hold without a watermark is among the first ``window``
+pending records of the restarted spool. The read starts at the oldest of their
+creation times (every record carries ``created_at``; the producer stamps a record
+when it sends it, with the same clock, so any copy on the topic is stamped later),
+less :data:`READBACK_MARGIN_S`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+
+from serving.spool_format import SpoolEntry
+from streams.base import StreamMessage
+
+TopicTail = Callable[[list[str], float], list[StreamMessage]]
+"""``(topics, since_s)`` -> every record of those topics stamped at or after ``since_s``
+(seconds since the epoch), to the partitions' current end; StreamUnavailable when the
+broker cannot be read."""
+
+READBACK_MARGIN_S = 60.0
+"""Read this much earlier than the oldest candidate's creation time: a topic stamping
+records with the broker's clock (LogAppendTime) may run a little behind serving's."""
+
+
+def created_at(entry: SpoolEntry) -> float:
+    """The creation time every record type carries (0: read the whole topic, for an entry whose
+    bytes do not say)."""
+    try:
+        value = json.loads(entry.value).get("created_at")
+    except (ValueError, AttributeError):
+        return 0.0
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def already_on_topic(candidates: list[SpoolEntry], tail: TopicTail) -> set[int]:
+    """Sequence numbers of the candidates whose exact bytes their topic already holds."""
+    if not candidates:
+        return set()
+    since = min(map(created_at, candidates)) - READBACK_MARGIN_S
+    topics = sorted({entry.topic for entry in candidates})
+    on_topic = {(m.topic, hashlib.sha256(m.value).digest()) for m in tail(topics, since)}
+    return {e.seq for e in candidates if (e.topic, hashlib.sha256(e.value).digest()) in on_topic}

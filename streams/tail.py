@@ -1,0 +1,46 @@
+"""Reading back what a topic received since a moment: the records of a time range, to their end.
+
+Serving uses it after a crash to find which of its spooled records the broker took before the
+crash (their acknowledgement watermark was not written yet), so it does not send them again.
+"""
+
+from __future__ import annotations
+
+import time
+
+from streams.base import StreamBackend, StreamMessage, StreamUnavailable
+
+TAIL_POLL_S = 0.5
+"""Wait of one poll while reading the range."""
+
+
+def records_since(backend: StreamBackend, topics: list[str], since_ms: int, timeout_s: float) -> list[StreamMessage]:
+    """Every record of ``topics`` stamped at or after ``since_ms``, up to the end each partition
+    had when the call began. StreamUnavailable when the broker cannot be reached or the range
+    is not read within ``timeout_s``."""
+    consumer = backend.consumer(topics, group_id=None, start="latest")
+    try:
+        ends = consumer.end_offsets()
+        starts = consumer.offsets_for_time(since_ms)
+        remaining: dict = {}
+        for tp, end in ends.items():
+            start = starts.get(tp)
+            if start is not None and start < end:
+                consumer.seek(tp, start)
+                remaining[tp] = end
+        found: list[StreamMessage] = []
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            if time.monotonic() > deadline:
+                raise StreamUnavailable(f"reading back {sorted(t.topic for t in remaining)} did not reach the end "
+                                        f"within {timeout_s:g} s")
+            for msg in consumer.poll(timeout_s=TAIL_POLL_S):
+                end = remaining.get(msg.tp)
+                if end is None or msg.offset >= end:
+                    continue
+                found.append(msg)
+                if msg.offset + 1 >= end:
+                    del remaining[msg.tp]
+        return found
+    finally:
+        consumer.close()

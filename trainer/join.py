@@ -27,27 +27,17 @@ newer records arrive (a quiet stream keeps its last interactions waiting), and
 if one partition is read far ahead of another a window may close before a
 reward of the lagging partition is read (the reward then counts as late).
 
-Trajectories (multi-turn and agent use; docs/ALGORITHM.md "Multi-turn trajectories").
-A continuation's record repeats every earlier turn of its conversation, and
-``turn_origins`` names the interaction that sampled each turn (its *origin*):
-
-* **each turn is trained once.** When a rollout is taken, every turn whose origin
-  was already trained (alone or inside another rollout) becomes an observation
-  in it: context, not action. Its other turns are trained now and their origins
-  count as trained;
-* **a continuation supersedes the ancestors that still wait for a reward.** When
-  it arrives, each earlier origin that is waiting (and each not read yet, when it
-  comes) is absorbed: it is not trained alone; its rewards join the continuation,
-  its final reward on its last turn, its per-turn rewards on those turns. An
-  ancestor already rewarded (ready) stays ready and trains alone, unless the
-  continuation is taken first: then it is absorbed at that moment;
-* a reward sent to an absorbed id joins the continuation (within the
-  continuation's window) but does not make it ready: a continuation is ready at
-  once only on a reward for its own id. When its window closes without one it
-  gets the default reward (``on_missing=default``), or trains with its
-  ancestors' rewards alone, or, with none at all, is dropped;
-* a reward for a turn trained earlier is counted (``trained_turn_rewards``) and
-  not applied.
+Trajectories (multi-turn and agent use; the rules in docs/ALGORITHM.md, "Multi-turn
+trajectories"). A continuation repeats every earlier turn; ``turn_origins`` names
+the interaction that sampled each. Each turn is trained once: when a rollout is
+taken, turns whose origin was trained already become observations, the others
+train and their origins count as trained. A continuation absorbs the ancestors
+still waiting for a reward (and those not read yet, when they come): their
+rewards join it, on their turns, without making it ready (only a reward for its
+own id does; at its window's end it trains on the default reward, on its
+ancestors' rewards alone, or is dropped with none). Rewarded ancestors train
+alone unless the continuation is taken first. Rewards for a turn trained
+earlier are counted (``trained_turn_rewards``), not applied.
 
 Exactly once, with finite memory: finished ids are remembered in an
 :class:`~trainer.id_memory.IdMemory` by creation time for ``reward.memory_s``;
@@ -192,7 +182,8 @@ class RewardJoiner:
         ``group_size > 1``). Taken ids count as finished: later rewards are late."""
         taken: list[JoinedInteraction] = []
         tokens = 0
-        groups = complete_groups(self._ready.values(), group_size) if group_size > 1 else [[e] for e in self._ready.values()]
+        ready = list(self._ready.values())
+        groups = complete_groups(ready, group_size) if group_size > 1 else [[e] for e in ready]
         for group_id, group in enumerate(groups):
             if taken and (len(taken) + len(group) > max_rollouts or tokens >= token_budget):
                 break

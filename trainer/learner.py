@@ -62,8 +62,8 @@ import torch
 from online_sao.batch import Rollout
 from online_sao.config import Config
 from streams.base import StreamBackend
-from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed, load_full_state_dict,
-                                 local_batch, reduce_metrics, shutdown_distributed)
+from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed,
+                                 load_full_state_dict, local_batch, reduce_metrics, shutdown_distributed)
 from trainer.feed import RolloutHook
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero

@@ -112,8 +112,10 @@ class Interaction(Record):
     ``turn_ends`` lists, for each assistant turn, the index in ``response_ids`` of
     its last token (per-turn rewards are credited there). ``turn_origins`` has one
     entry per turn: the interaction that sampled it and its temperature and top_p
-    (a continuation repeats its parent's turns). Records written before that field
-    carry none: every turn then counts as this record's own, sampled with ``sampling``.
+    (a continuation repeats its parent's turns); it is left out (None) when every turn
+    is this record's own, sampled with ``sampling`` (a single-turn record, and every
+    record written before the field existed; such a record encodes as before): see
+    :meth:`origins`.
     """
 
     kind: Literal["interaction"] = "interaction"
@@ -128,7 +130,7 @@ class Interaction(Record):
     logprobs: list[FiniteFloat]
     versions: list[Version]
     turn_ends: list[Annotated[int, Field(ge=0)]] = []
-    turn_origins: list[TurnOrigin] = []
+    turn_origins: list[TurnOrigin] | None = None
     sampling: SamplingParams = SamplingParams()
     finish_reason: str = "stop"
     parent_id: str | None = None
@@ -153,9 +155,18 @@ class Interaction(Record):
             raise ValueError("a log-probability is above 0")
         if any(not 0 <= e < n for e in self.turn_ends):
             raise ValueError("turn_ends points outside response_ids")
-        if self.turn_origins and len(self.turn_origins) != len(self.turn_ends):
+        if self.turn_origins is not None and len(self.turn_origins) != len(self.turn_ends):
             raise ValueError(f"turn_origins has {len(self.turn_origins)} entries for {len(self.turn_ends)} turns")
         return self
+
+    def origins(self) -> list[TurnOrigin]:
+        """The origin of each assistant turn: ``turn_origins`` or, when left out, this record with
+        its ``sampling`` for every turn."""
+        if self.turn_origins is not None:
+            return list(self.turn_origins)
+        own = TurnOrigin(interaction_id=self.interaction_id, temperature=self.sampling.temperature,
+                         top_p=self.sampling.top_p)
+        return [own] * len(self.turn_ends)
 
     @property
     def policy_version(self) -> int:

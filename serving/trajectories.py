@@ -85,7 +85,7 @@ class TrajectoryPrefix:
                    response_ids=list(parent.response_ids) + list(observation_ids),
                    action_mask=list(parent.action_mask) + [False] * len(observation_ids),
                    logprobs=list(parent.logprobs), versions=list(parent.versions),
-                   turn_ends=list(parent.turn_ends), turn_origins=list(parent.turn_origins),
+                   turn_ends=list(parent.turn_ends), turn_origins=parent.origins(),
                    parent_id=parent.interaction_id)
 
     @property
@@ -98,12 +98,15 @@ class TrajectoryPrefix:
         """The trajectory fields of record ``interaction_id`` once ``sampled`` (this turn's
         tokens, drawn with ``sampling``) are appended."""
         response = self.response_ids + sampled
-        turn = [TurnOrigin(interaction_id=interaction_id, temperature=sampling.temperature, top_p=sampling.top_p)]
+        own = TurnOrigin(interaction_id=interaction_id, temperature=sampling.temperature, top_p=sampling.top_p)
+        origins: list[TurnOrigin] | None = self.turn_origins + ([own] if sampled else [])
+        if all(origin == own for origin in origins):
+            origins = None  # every turn is the record's own: its sampling says it (Interaction.origins)
         return dict(prompt_ids=self.prompt_ids, response_ids=response,
                     action_mask=self.action_mask + [True] * len(sampled),
                     logprobs=self.logprobs + logprobs, versions=self.versions + versions,
                     turn_ends=self.turn_ends + ([len(response) - 1] if sampled else []),
-                    turn_origins=self.turn_origins + (turn if sampled else []), parent_id=self.parent_id)
+                    turn_origins=origins, parent_id=self.parent_id)
 
 
 def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text: str | None) -> str | None:

@@ -66,7 +66,6 @@ from trainer.id_memory import IdMemory, anchor_time
 from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
                                 combine_rewards, complete_groups, contribution_from, contribution_state,
                                 last_turns, prompt_group_key)
-from trainer.rollouts import turn_origins
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
@@ -364,7 +363,7 @@ class RewardJoiner:
         every origin in them count as trained from now on."""
         del self._ready[entry.iid]
         observed = set()
-        for turn, origin in enumerate(turn_origins(entry.interaction)):
+        for turn, origin in enumerate(entry.interaction.origins()):
             oid = origin.interaction_id
             known = self.memory.get(oid)
             if oid == entry.iid:

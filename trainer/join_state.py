@@ -13,7 +13,7 @@ from typing import Any
 from online_sao.batch import Rollout
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction
-from trainer.rollouts import interaction_to_rollout, response_turns, turn_origins
+from trainer.rollouts import interaction_to_rollout, response_turns
 
 
 @dataclass
@@ -141,7 +141,7 @@ def prompt_group_key(interaction: Interaction) -> str:
 def last_turns(interaction: Interaction) -> dict[str, int]:
     """Origin id -> index of the last turn it sampled, for the record's other origins."""
     own = interaction.interaction_id
-    return {o.interaction_id: k for k, o in enumerate(turn_origins(interaction)) if o.interaction_id != own}
+    return {o.interaction_id: k for k, o in enumerate(interaction.origins()) if o.interaction_id != own}
 
 
 

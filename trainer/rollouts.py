@@ -5,8 +5,7 @@ Layout (the token alignment of :mod:`online_sao.batch`): the trajectory is
 interaction's own mask over the response; behaviour log-probs and versions,
 which the record holds for action tokens only, are spread onto the action
 positions (0 elsewhere). Each action token carries the temperature and top_p of
-the turn that sampled it (``turn_origins``; the record's ``sampling`` for a record
-without them), so the learner recomputes its log-probability under the
+the turn that sampled it (:meth:`~online_sao.schemas.Interaction.origins`), so the learner recomputes its log-probability under the
 distribution it really came from.
 
 Turns already trained as part of an earlier rollout (``observed_turns``, decided
@@ -25,21 +24,11 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from online_sao.batch import Rollout
-from online_sao.schemas import Interaction, TurnOrigin
+from online_sao.schemas import Interaction
 
 
 class RolloutError(ValueError):
     """A joined interaction that cannot become a rollout; the message says why."""
-
-
-def turn_origins(interaction: Interaction) -> list[TurnOrigin]:
-    """The origin of each assistant turn; a record written before ``turn_origins``
-    existed: every turn is its own, sampled with its ``sampling``."""
-    if interaction.turn_origins:
-        return list(interaction.turn_origins)
-    own = TurnOrigin(interaction_id=interaction.interaction_id, temperature=interaction.sampling.temperature,
-                     top_p=interaction.sampling.top_p)
-    return [own] * len(interaction.turn_ends)
 
 
 def response_turns(interaction: Interaction) -> list[int | None]:
@@ -66,7 +55,7 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
     n = len(token_ids)
     action_mask, logprobs, versions = [False] * n, [0.0] * n, [0] * n
     temperatures, top_ps = [1.0] * n, [1.0] * n
-    origins = turn_origins(interaction)
+    origins = interaction.origins()
     own = interaction.sampling
     actions = (i for i, is_action in enumerate(interaction.action_mask) if is_action)
     turns = response_turns(interaction)

@@ -23,6 +23,9 @@ def interaction(**overrides) -> Interaction:
 
 RECORDS = [
     interaction(),
+    interaction(interaction_id="i-2", sampling={"temperature": 1.3, "top_p": 0.9},
+                turn_origins=[{"interaction_id": "i-1", "temperature": 0.7, "top_p": 0.5},
+                              {"interaction_id": "i-2", "temperature": 1.3, "top_p": 0.9}]),
     Reward(interaction_id="i-1", value=-0.5, source="judge", created_at=3.0,
            turn_rewards=[{"turn": 0, "value": 1.0}, {"turn": 1, "value": -1.0}]),
     WeightsNotice(version=4, location="s3://bucket/w/4", checksum="0f" * 32, step=12, created_at=4.0,
@@ -163,3 +166,13 @@ def test_mutated_valid_records_raise_only_record_error(record, data):
     except RecordError:
         return
     assert encode(decoded)  # whatever is accepted is a valid, encodable record
+
+
+def test_turn_origins_are_left_out_when_every_turn_is_the_records_own():
+    single = interaction()
+    assert b"turn_origins" not in encode(single)  # encodes as before the field existed
+    assert [(o.interaction_id, o.temperature, o.top_p) for o in single.origins()] == [("i-1", 1.0, 1.0)] * 2
+    continued = RECORDS[1]
+    assert [o.interaction_id for o in continued.origins()] == ["i-1", "i-2"]
+    with pytest.raises(RecordError, match="turn_origins has 1 entries for 2 turns"):
+        decode(encode(single)[:-1] + b',"turn_origins":[{"interaction_id":"x"}]}')

@@ -12,8 +12,8 @@ write and produce request serve many records (benchmarks/results/serving.md
 measures what this saves). A crash or SIGKILL therefore loses nothing a client
 was told about: the next start replays everything above the watermark, in
 order. A record the broker acknowledged just before a crash, before its
-watermark was written, is sent again (at-least-once across crashes); the learner
-drops the second copy by interaction id. When the spool cannot be written (disk
+watermark was written, is found on its topic by the next start's read back
+(:mod:`serving.spool_readback`) and not sent again. When the spool cannot be written (disk
 full, ``spool_max_bytes``), records are held in memory in order and become
 durable when the broker acknowledges them; new work is refused only when the
 broker is unreachable too.

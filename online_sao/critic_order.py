@@ -117,7 +117,7 @@ class ReplayWindow:
 
     def batch(self) -> RolloutBatch | None:
         """The window right-padded into one batch (None when empty). Only the fields the critic
-        reads are real: behaviour log-probs and versions are 0, temperatures 1, groups -1;
+        reads are real: behaviour log-probs and versions are 0, temperatures and top-p 1, groups -1;
         ``token_normalizer`` None (the window's own action-token count)."""
         if not self.rows:
             return None
@@ -134,7 +134,7 @@ class ReplayWindow:
         return RolloutBatch(input_ids=input_ids, attention_mask=attention, action_mask=actions,
                             rollout_logprobs=torch.zeros((b, t), device=device), rewards=rewards,
                             versions=torch.zeros((b, t), dtype=torch.long, device=device),
-                            temperatures=torch.ones(b, device=device),
+                            temperatures=torch.ones((b, t), device=device), top_ps=torch.ones((b, t), device=device),
                             group_ids=torch.full((b,), -1, dtype=torch.long, device=device))
 
     def state_dict(self) -> dict[str, Any]:

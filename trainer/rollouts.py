@@ -5,8 +5,9 @@ Layout (the token alignment of :mod:`online_sao.batch`): the trajectory is
 interaction's own mask over the response; behaviour log-probs and versions,
 which the record holds for action tokens only, are spread onto the action
 positions (0 elsewhere). Each action token carries the temperature and top_p of
-the turn that sampled it (:meth:`~online_sao.schemas.Interaction.origins`), so the learner recomputes its log-probability under the
-distribution it really came from.
+the turn that sampled it (:meth:`~online_sao.schemas.Interaction.origins`), so
+the learner recomputes its log-probability under the distribution it really
+came from.
 
 Turns already trained as part of an earlier rollout (``observed_turns``, decided
 by the join: docs/ALGORITHM.md, "Multi-turn trajectories") stay in the trajectory

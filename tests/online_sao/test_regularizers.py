@@ -58,13 +58,17 @@ def _entropy_logits() -> torch.Tensor:
     return logits
 
 
+AT_TWO = (torch.full((1, 3), 2.0), torch.ones(1, 3))
+"""Every token sampled at temperature 2 without a nucleus (top_p 1)."""
+
+
 def test_action_entropy_at_the_sampling_temperature():
-    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), torch.full((1, 3), 2.0), torch.ones(1, 3))
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, True, True]]), *AT_TWO)
     torch.testing.assert_close(entropy, torch.tensor([[0.0, 1.3862943611, 0.5623351446]]), rtol=1e-6, atol=1e-7)
 
 
 def test_action_entropy_is_zero_off_action_tokens():
-    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, False, True]]), torch.full((1, 3), 2.0), torch.ones(1, 3))
+    entropy = action_entropy(_entropy_logits(), torch.tensor([[False, False, True]]), *AT_TWO)
     torch.testing.assert_close(entropy, torch.tensor([[0.0, 0.0, 0.5623351446]]), rtol=1e-6, atol=1e-7)
 
 

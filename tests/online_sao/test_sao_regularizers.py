@@ -86,9 +86,11 @@ def test_packed_forward_gives_the_padded_forwards_entropy(tiny_qwen):
     from online_sao.batch import Rollout, collate
     from online_sao.train_step import policy_forward
 
-    shapes = [(9, 5, 0.7), (4, 2, 1.3), (5, 3, 1.0)]  # (tokens, actions, temperature): two short ones share a row
+    # (tokens, actions, temperature, top_p): two short ones share a row
+    shapes = [(9, 5, 0.7, 1.0), (4, 2, 1.3, 0.9), (5, 3, 1.0, 1.0)]
     rollouts = [Rollout(f"p{i}", [(7 * i + j) % 60 + 1 for j in range(n)], [False] * (n - a) + [True] * a,
-                        [0.0] * n, [0] * n, {n - 1: 1.0}, temperature=temp) for i, (n, a, temp) in enumerate(shapes)]
+                        [0.0] * n, [0] * n, {n - 1: 1.0}, temperatures=[temp] * n, top_ps=[top_p] * n)
+                for i, (n, a, temp, top_p) in enumerate(shapes)]
     batch = collate(rollouts, pad_token_id=0)
     with torch.no_grad():
         packed_logprobs, packed = policy_forward(tiny_qwen, batch, packed=True, with_entropy=True)

@@ -127,7 +127,8 @@ class Learner:
         self.critic = ValueModel.from_policy(self.policy, freeze_attention=cfg.freeze_critic_attention)
         self.reference = build_reference(cfg, self.policy)
         for model in (self.policy, self.critic, self.reference):
-            shard_model(model, ctx)
+            if model is not None:  # no reference without the KL penalty (the baselines' runs)
+                shard_model(model, ctx)
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
         self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
                                          self.optimizers.critic, self.optimizers.critic_scheduler,

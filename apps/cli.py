@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="run a drifting-preference scenario through the real service")
     simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")
     simulate.add_argument("--arm", action="append", help="run only this arm (repeatable)")
+    simulate.add_argument("--seeds", type=int, metavar="N",
+                          help="shortcut for --set experiment.seeds=N: run the scenario with N seeds")
+    simulate.add_argument("--driver", choices=["live", "inprocess"],
+                          help="shortcut for --set experiment.driver=...: live processes on Kafka (the "
+                               "reference) or everything in one process in rollout time (fast sweeps)")
     simulate.set_defaults(run=_simulate)
 
     judge = sub.add_parser("judge", help="the reward service: scores interactions from Kafka, produces rewards")
@@ -144,6 +149,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out[key] = yaml.safe_load(value)
     if getattr(args, "port", None) is not None:
         out["serving.port"] = args.port
+    if getattr(args, "seeds", None) is not None:
+        out["experiment.seeds"] = args.seeds
+    if getattr(args, "driver", None) is not None:
+        out["experiment.driver"] = args.driver
     return out
 
 

@@ -143,7 +143,24 @@ class ExperimentConfig(Section):
     eval_session_id: str = Field("sao-eval", min_length=1)
     """session_id of evaluation requests; the judge skips those interactions (no reward, not counted)."""
     metrics_window: int = Field(32, ge=1)
-    """Moving-average window (rollouts) of the adaptation lag, level and collapse metrics."""
+    """Moving-average window (rollouts) of the re-alignment lag, the reward plots and the collapse check."""
+    realign_threshold: float = Field(0.5, gt=0, le=1)
+    """Moving reward (the last ``metrics_window`` rollouts, all inside the phase) at which an arm
+    counts as aligned with a phase's preference; the re-alignment lag counts the rollouts until it
+    is reached. Absolute and the same for every arm, so arms compare on one scale."""
+    reference_arm: str | None = "sao"
+    """Arm the report compares every other arm with (post-switch mean reward and whether the
+    across-seed intervals are apart); None, or an arm the run does not have, leaves it out."""
+    driver: Literal["live", "inprocess"] = "live"
+    """How ``simulate`` runs an arm. ``live``: serving, learner and judge as their own processes on
+    the Kafka broker, simulated users over HTTP at ``requests_per_second`` (the reference).
+    ``inprocess``: the same engine, request path, reward join, learner step and judge in one
+    process, stepped in rollout time without HTTP, Kafka or real-time pacing (multi-seed sweeps;
+    apps/experiments/inprocess.py)."""
+    seeds: int = Field(1, ge=1)
+    """Seeds the scenario runs with: seed k adds k to ``seed``, ``prompt_seed`` and ``trainer.seed``;
+    with more than one, each seed's results go to ``seed-<k>/`` and the report gives every measure
+    as its mean over seeds with a 95% bootstrap interval."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
     """Collapse: the moving answer quality stays below this share of its first window's level
     until the end of the run."""

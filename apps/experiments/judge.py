@@ -62,6 +62,8 @@ class JudgeScore:
     value: float
     quality: float
     style: float
+    sampled_style: str | None = None
+    """The style the classifier finds most likely in the answer (the style-share plots count these)."""
 
 
 class Judge(Protocol):
@@ -131,5 +133,7 @@ class QualityStyleJudge:
         if preferred_style not in self.classifier.styles:
             raise ValueError(f"style {preferred_style!r} is not one the classifier knows: {self.classifier.styles}")
         quality = self.topics.topicality(prompt, answer) * form_quality(answer)
-        style = float(self.classifier.probs([answer])[0, self.classifier.styles.index(preferred_style)])
-        return JudgeScore(value=quality * style, quality=quality, style=style)
+        probs = self.classifier.probs([answer])[0]
+        style = float(probs[self.classifier.styles.index(preferred_style)])
+        sampled = self.classifier.styles[int(probs.argmax())]
+        return JudgeScore(value=quality * style, quality=quality, style=style, sampled_style=sampled)

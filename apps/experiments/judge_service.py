@@ -92,6 +92,43 @@ class _Pending:
     reward: Reward = field(compare=False)
 
 
+class ScheduleJudge:
+    """The judge's work that needs no broker: the schedule's clock (rollouts judged so far), the
+    seeded drops, the results file and the memory of what was judged. :class:`JudgeService` runs
+    it on Kafka; the in-process driver (experiments/inprocess.py) calls it directly, so both
+    score, drop and record alike."""
+
+    def __init__(self, cfg: AppConfig, judge: Judge, tokenizer: Detokenizer | None = None,
+                 results_path: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.exp = cfg.experiment
+        self.judge = judge
+        self.tokenizer = tokenizer
+        self.results_path = results_path
+        self.clock = clock
+        rows = read_reward_rows(results_path) if results_path is not None else []
+        self.rollout = len(rows)
+        self.judged: dict[str, RewardRow] = {r.interaction_id: r for r in rows if r.interaction_id is not None}
+        """Every interaction judged so far, by id: its row says what was decided."""
+        self._rng = random.Random(self.exp.seed)
+        for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
+            self._rng.random()
+
+    def score(self, interaction: Interaction) -> RewardRow:
+        """Judge an interaction not judged before: its row (recorded), the next rollout index."""
+        preferred = self.exp.preferred_style(self.rollout)
+        prompt, answer = interaction_texts(interaction, self.tokenizer)
+        score = self.judge.score(prompt, answer, preferred)
+        deliver = self._rng.random() >= self.exp.drop_rate
+        row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
+                        quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
+                        interaction_id=interaction.interaction_id, sampled_style=score.sampled_style)
+        if self.results_path is not None:
+            append_row(self.results_path, row)
+        self.judged[interaction.interaction_id] = row
+        self.rollout += 1
+        return row
+
+
 class JudgeService:
     """The loop of ``run_judge``; one ``step`` polls once, scores, sends due rewards, commits."""
 
@@ -100,26 +137,22 @@ class JudgeService:
         self.cfg = cfg
         self.exp = cfg.experiment
         self.topics = cfg.kafka.topics
-        self.judge = judge
-        self.tokenizer = tokenizer
-        self.results_path = results_path
         self.clock = clock
+        self.scorer = ScheduleJudge(cfg, judge, tokenizer, results_path, clock)
         self.counters = JudgeCounters()
-        rows = read_reward_rows(results_path) if results_path is not None else []
-        self.rollout = len(rows)
-        self._judged: dict[str, RewardRow] = {r.interaction_id: r for r in rows if r.interaction_id is not None}
-        """Every interaction judged so far, by id: its row says what was decided."""
         self._rewarded: set[str] = set()
         """Interactions whose reward this process has scheduled (sent or pending)."""
-        self._rng = random.Random(self.exp.seed)
-        for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
-            self._rng.random()
         self._pending: list[_Pending] = []
         self._seq = 0
         self._read: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self.consumer = backend.consumer([self.topics.interactions], group_id=self.exp.judge_group, start="earliest")
         self.producer = backend.producer()
+
+    @property
+    def rollout(self) -> int:
+        """Rollouts judged so far (the schedule's clock)."""
+        return self.scorer.rollout
 
     def step(self) -> None:
         now = self.clock()
@@ -131,28 +164,19 @@ class JudgeService:
                 self.counters.dead_letters += 1
             elif interaction.session_id == self.exp.eval_session_id:
                 self.counters.skipped += 1
-            elif interaction.interaction_id in self._judged:
+            elif interaction.interaction_id in self.scorer.judged:
                 self.counters.resumed += 1
-                self._schedule(self._judged[interaction.interaction_id], interaction, message.tp, message.offset)
+                self._schedule(self.scorer.judged[interaction.interaction_id], interaction, message.tp,
+                               message.offset)
             else:
                 self._score(interaction, message.tp, message.offset)
         self._send_due()
         self._commit()
 
     def _score(self, interaction: Interaction, tp: TopicPartition, offset: int) -> None:
-        preferred = self.exp.preferred_style(self.rollout)
-        prompt, answer = interaction_texts(interaction, self.tokenizer)
-        score = self.judge.score(prompt, answer, preferred)
-        deliver = self._rng.random() >= self.exp.drop_rate
-        row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
-                        quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
-                        interaction_id=interaction.interaction_id)
-        if self.results_path is not None:
-            append_row(self.results_path, row)
-        self._judged[interaction.interaction_id] = row
-        self.rollout += 1
+        row = self.scorer.score(interaction)
         self.counters.scored += 1
-        if not deliver:
+        if not row.delivered:
             self.counters.dropped += 1
         self._schedule(row, interaction, tp, offset)
 

@@ -1,16 +1,21 @@
 """Metrics of the drifting-preference experiment: pure functions of per-rollout series.
 
 Series are indexed by rollout (0-based, dense). ``window`` is the moving-average
-window W (``experiment.metrics_window``). A switch at rollout s starts a segment that
-ends at the next switch (or the end of the run), exclusive.
+window W (``experiment.metrics_window``). The schedule cuts a run into phases: phase
+k runs from its first rollout to the next phase's first rollout (or the end of the
+run), exclusive. Every measure below compares arms on the same absolute scale, so an
+arm that never learned the previous style gets no credit for "recovering" to its own
+low level (the issue with a lag relative to the pre-switch level):
 
-* pre-switch level: mean reward of the W rollouts before s (fewer if s < W).
-* adaptation lag: rollouts after s until the moving reward -- the mean of the last W
-  rollouts, all of them after s -- first reaches ``recover`` (90%) of the pre-switch
-  level: the smallest t - s + 1 (t in the segment, t >= s + W - 1) with
-  mean(r[t-W+1 .. t]) >= recover x pre. At least W; None when the segment ends first.
-  A pre-switch level of 0 or below is recovered by any full window.
-* level reached: mean reward of the segment's last W rollouts (all of it if shorter).
+* level: mean reward of the phase's last quarter (LEVEL_SHARE of its rollouts, at
+  least one): where the arm stands when the preference is about to move again.
+* re-alignment lag: rollouts from the phase's start until the moving reward -- the
+  mean of the last W rollouts, all of them inside the phase -- first reaches an
+  absolute ``threshold`` (``experiment.realign_threshold``): the smallest
+  t - start + 1 (t in the phase, t >= start + W - 1) with mean(r[t-W+1 .. t]) >=
+  threshold. At least W; None when the phase ends first.
+* area: the area under the phase's reward curve per rollout (rectangle rule), that is
+  the phase's mean reward: how much reward the arm earned while it re-aligned.
 * collapse: the answers themselves degrade -- not the reward, which a style switch
   legitimately drops while the policy re-aligns. A run collapses at rollout t0 when
   the moving quality (judge quality, trailing W) stays below ``fraction`` of its
@@ -24,8 +29,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-RECOVER_SHARE = 0.9
-"""The lag counts rollouts until the moving reward is back at this share of its pre-switch level."""
+LEVEL_SHARE = 0.25
+"""A phase's level is the mean reward of this share of its rollouts, its last ones: late enough to
+show where the arm got to, long enough (25 of 100 rollouts) that one lucky answer does not decide it."""
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -45,52 +51,62 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def pre_switch_level(rewards: Sequence[float], switch: int, window: int) -> float:
-    """Mean reward of the ``window`` rollouts before ``switch``."""
-    if not 0 < switch <= len(rewards):
-        raise ValueError(f"switch {switch} outside 1..{len(rewards)}")
-    return _mean(rewards[max(0, switch - window):switch])
+def phase_bounds(starts: Sequence[int], length: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each phase from the phases' first rollouts; phases that begin at or
+    after ``length`` (the rollouts there are) are cut to empty ranges ``(length, length)``."""
+    if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"phase starts must begin at 0 and increase, got {list(starts)}")
+    ends = list(starts[1:]) + [length]
+    return [(min(s, length), min(e, length)) for s, e in zip(starts, ends)]
 
 
-def adaptation_lag(rewards: Sequence[float], switch: int, window: int, end: int | None = None,
-                   recover: float = RECOVER_SHARE) -> int | None:
-    """Rollouts after ``switch`` until the post-switch moving reward recovers; None if not before ``end``."""
-    end = len(rewards) if end is None else min(end, len(rewards))
-    target = recover * pre_switch_level(rewards, switch, window)
-    for t in range(switch + window - 1, end):
-        if _mean(rewards[t - window + 1:t + 1]) >= target:
-            return t - switch + 1
+def phase_level(rewards: Sequence[float], start: int, end: int, share: float = LEVEL_SHARE) -> float | None:
+    """Mean reward of the last ``share`` of the rollouts in ``[start, end)`` (at least one); None if empty."""
+    end = min(end, len(rewards))
+    if end <= start:
+        return None
+    tail = max(1, math.ceil(share * (end - start)))
+    return _mean(rewards[end - tail:end])
+
+
+def realign_lag(rewards: Sequence[float], start: int, end: int, window: int, threshold: float) -> int | None:
+    """Rollouts from ``start`` until the in-phase moving reward reaches ``threshold``; None if not before ``end``."""
+    end = min(end, len(rewards))
+    for t in range(start + window - 1, end):
+        if _mean(rewards[t - window + 1:t + 1]) >= threshold:
+            return t - start + 1
     return None
 
 
-def level_reached(rewards: Sequence[float], switch: int, window: int, end: int | None = None) -> float | None:
-    """Mean reward of the last ``window`` rollouts of the segment [switch, end); None if it is empty."""
-    end = len(rewards) if end is None else min(end, len(rewards))
-    if end <= switch:
-        return None
-    return _mean(rewards[max(switch, end - window):end])
+def phase_area(rewards: Sequence[float], start: int, end: int) -> float | None:
+    """Area under the reward curve of ``[start, end)`` per rollout (the phase's mean reward); None if empty."""
+    end = min(end, len(rewards))
+    return _mean(rewards[start:end]) if end > start else None
 
 
 @dataclass(frozen=True)
-class SwitchMetrics:
-    switch: int
-    pre_level: float
-    lag: int | None
+class PhaseMetrics:
+    start: int
+    end: int
+    style: str
     level: float | None
+    lag: int | None
+    area: float | None
 
 
-def switch_metrics(rewards: Sequence[float], switches: Sequence[int], window: int) -> list[SwitchMetrics]:
-    """Pre-switch level, adaptation lag and level reached for each switch (segments end at the next one)."""
-    ends = list(switches[1:]) + [len(rewards)]
-    out = []
-    for switch, end in zip(switches, ends):
-        if switch >= len(rewards):
-            out.append(SwitchMetrics(switch, math.nan, None, None))
-            continue
-        out.append(SwitchMetrics(switch, pre_switch_level(rewards, switch, window),
-                                 adaptation_lag(rewards, switch, window, end),
-                                 level_reached(rewards, switch, window, end)))
-    return out
+def phase_metrics(rewards: Sequence[float], starts: Sequence[int], styles: Sequence[str], window: int,
+                  threshold: float) -> list[PhaseMetrics]:
+    """Level, re-alignment lag and area of every phase (see the module docstring)."""
+    if len(starts) != len(styles):
+        raise ValueError(f"{len(starts)} phase starts but {len(styles)} styles")
+    return [PhaseMetrics(start, end, style, phase_level(rewards, start, end),
+                         realign_lag(rewards, start, end, window, threshold), phase_area(rewards, start, end))
+            for (start, end), style in zip(phase_bounds(starts, len(rewards)), styles)]
+
+
+def post_switch_mean(rewards: Sequence[float], first_switch: int) -> float | None:
+    """Mean reward from the first preference switch to the end (None if the run ends before it)."""
+    return _mean(rewards[first_switch:]) if len(rewards) > first_switch else None
 
 
 @dataclass(frozen=True)
@@ -121,3 +137,15 @@ def detect_collapse(rewards: Sequence[float], quality: Sequence[float], window: 
         return Collapse(True, start, f"moving quality below {fraction:.0%} of its first window "
                                      f"({floor:.3f}) from rollout {start} to the end")
     return Collapse(False, None, "no collapse")
+
+
+def style_shares(sampled: Sequence[str | None], styles: Sequence[str], block: int) -> list[dict[str, float]]:
+    """Share of each style among the sampled answers of consecutive blocks of ``block`` rollouts
+    (the last block may be shorter); answers without a known style count in no share."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
+    out = []
+    for i in range(0, len(sampled), block):
+        chunk = sampled[i:i + block]
+        out.append({s: sum(1 for x in chunk if x == s) / len(chunk) for s in styles})
+    return out

@@ -1,4 +1,11 @@
-"""``online-sao simulate``: run every arm of a scenario through the real service.
+"""``online-sao simulate``: run every arm of a scenario, for every seed, then write the report.
+
+``experiment.driver`` chooses how an arm runs: ``live`` (below, the reference) or
+``inprocess`` (experiments/inprocess.py: the same parts in one process, in rollout
+time). ``experiment.seeds`` > 1 repeats the scenario with shifted seeds, one results
+directory per seed (``seed-<k>/``); the report aggregates them.
+
+The live driver:
 
 For each arm, one after the other with the same seeds and traffic: the arm's
 resolved configuration (own topics, consumer groups, weights, checkpoints) is
@@ -27,7 +34,6 @@ learner keeps up on a small CPU machine (docs/EXPERIMENTS.md).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -35,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
 from online_sao.config import dump_config
-from apps.experiments.results import count_reward_rows, write_scenario
+from apps.experiments.results import ArmSummary, count_reward_rows, write_scenario, write_summary
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port
 
@@ -64,9 +70,9 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = print,
-            pretrain_file: Path | None = None) -> dict:
-    """Run one arm end to end on the already running broker; returns its summary. An arm with a
-    critic pre-trains it on ``pretrain_file`` (apps/experiments/pretrain_data.py) when given."""
+            pretrain_file: Path | None = None) -> ArmSummary:
+    """Run one arm end to end on the already running broker; writes and returns its summary. An
+    arm with a critic pre-trains it on ``pretrain_file`` (apps/experiments/pretrain_data.py) when given."""
     from apps.experiments.simulate import drive_arm
     from apps.experiments.style import load_or_train
     from streams.kafka_backend import KafkaBackend
@@ -102,12 +108,19 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         progress(f"learner and judge hold their partitions after {waited:.1f} s; traffic starts")
         stats = asyncio.run(drive_arm(acfg, f"{base_url}/v1", None, classifier, results_path, progress=progress))
         _wait_for_rewards(stack, results_path, stats.answered, progress)
-        learner_log = stack.run_dir / "logs" / "learner.log"
-    summary = {"arm": arm.name, "answered": stats.answered, "failed": stats.failed,
-               "wall_s": round(time.monotonic() - started, 1), "traffic_s": round(stats.wall_s, 1),
-               "learner_log": str(learner_log)}
-    (out / f"{arm.name}.run.json").write_text(json.dumps(summary, indent=2))
-    progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary['wall_s']} s")
+    learner = learner_counters(acfg)  # the learner has stopped: its last metrics are in MLflow
+    grouped = acfg.algorithm.name == "grpo"
+    groups = learner.get("join_complete_groups", 0.0) + learner.get("join_incomplete_groups", 0.0)
+    summary = ArmSummary(
+        name=arm.name, driver="live", answered=stats.answered, failed=stats.failed,
+        wall_s=round(time.monotonic() - started, 1), traffic_s=round(stats.wall_s, 1),
+        learner_steps=int(learner["steps"]) if "steps" in learner else None,
+        complete_groups=int(learner["join_complete_groups"]) if grouped and "join_complete_groups" in learner else None,
+        incomplete_groups=(int(learner["join_incomplete_groups"])
+                           if grouped and "join_incomplete_groups" in learner else None),
+        group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None)
+    write_summary(out, summary)
+    progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary.wall_s} s")
     return summary
 
 
@@ -116,6 +129,25 @@ def needs_critic(acfg: AppConfig) -> bool:
     from online_sao.algorithms import algorithm_class
 
     return algorithm_class(acfg.algorithm.name).needs_critic
+
+
+def learner_counters(acfg: AppConfig) -> dict[str, float]:
+    """The last value of every metric of the arm's newest learner run in MLflow (found by its
+    consumer group, which names the arm), plus ``steps``; empty when there is no such run."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=acfg.mlflow_uri)
+    experiment = client.get_experiment_by_name(acfg.mlflow.experiment)
+    if experiment is None:
+        return {}
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return {}
+    run = runs[0]
+    steps = len(client.get_metric_history(run.info.run_id, "step_time_s"))
+    return {**run.data.metrics, "steps": float(steps)}
 
 
 def learner_threads(acfg: AppConfig) -> int:
@@ -203,8 +235,33 @@ def _wait_for_rewards(stack: Stack, results_path: Path, answered: int, progress:
     progress(f"judge scored {count_reward_rows(results_path)} of {answered} answers before the drain timeout")
 
 
+def pretrains(cfg: AppConfig, names: list[str]) -> bool:
+    """Whether value pre-training data is needed: pre-training is on and a named arm has a critic."""
+    return bool(cfg.experiment.pretrain_rollouts) and any(
+        needs_critic(arm_config(cfg, a)) for a in cfg.experiment.arms if a.name in names)
+
+
+def seed_config(cfg: AppConfig, k: int, out: Path) -> AppConfig:
+    """``cfg`` for seed ``k`` of the scenario: ``k`` added to the traffic, prompt and learner seeds,
+    results in ``out``."""
+    exp = cfg.experiment
+    return cfg.model_copy(update={
+        "experiment": exp.model_copy(update={"seed": exp.seed + k, "prompt_seed": exp.prompt_seed + k,
+                                             "results_dir": out}),
+        "trainer": cfg.trainer.model_copy(update={"seed": cfg.trainer.seed + k})})
+
+
+def seed_runs(cfg: AppConfig) -> list[AppConfig]:
+    """One configuration per seed; a single seed keeps the scenario's own results directory."""
+    out = results_dir(cfg)
+    if cfg.experiment.seeds == 1:
+        return [cfg]
+    return [seed_config(cfg, k, out / f"seed-{k}") for k in range(cfg.experiment.seeds)]
+
+
 def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Callable[[str], None] = print) -> Path:
-    """All arms (or the named ones), then the report; returns the report's path."""
+    """All arms (or the named ones) for every seed, with the configured driver, then the report;
+    returns the report's path."""
     from apps.default_model.builder import build_base_model
     from apps.experiments.pretrain_data import collect_pretrain_rollouts
     from apps.experiments.report import write_report
@@ -217,20 +274,34 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
-    resolved = out / "config.yaml"
-    _write_private(resolved, dump_config(cfg, reveal_secrets=True))
-    with Stack(resolved, {}, out / "broker", progress=progress) as base:
-        base.start_broker()
+    runs = seed_runs(cfg)
+    for run in runs:
+        write_scenario(results_dir(run), run.experiment)
+    if cfg.experiment.driver == "inprocess":
+        from apps.experiments.inprocess import run_arm_inprocess
+
         progress(f"model: {build_base_model(cfg, progress=progress)}")
         classifier = load_or_train(cfg, progress)
-        pretrain_file = None
-        if cfg.experiment.pretrain_rollouts and any(needs_critic(arm_config(cfg, a)) for a in cfg.experiment.arms
-                                                    if a.name in names):
-            progress(f"=== value pre-training data: {cfg.experiment.pretrain_rollouts} rollouts ===")
-            pretrain_file = collect_pretrain_rollouts(cfg, classifier, progress)
-        for i, name in enumerate(names, 1):
-            progress(f"=== arm {i}/{len(names)}: {name} ===")
-            run_arm(cfg, name, progress, pretrain_file)
+        for k, run in enumerate(runs):
+            for i, name in enumerate(names, 1):
+                progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} (in process) ===")
+                write_summary(results_dir(run), run_arm_inprocess(run, name, classifier, results_dir(run), progress))
+    else:
+        resolved = out / "config.yaml"
+        _write_private(resolved, dump_config(cfg, reveal_secrets=True))
+        with Stack(resolved, {}, out / "broker", progress=progress) as base:
+            base.start_broker()
+            progress(f"model: {build_base_model(cfg, progress=progress)}")
+            classifier = load_or_train(cfg, progress)
+            for k, run in enumerate(runs):
+                pretrain_file = None
+                if pretrains(run, names):
+                    progress(f"=== seed {k + 1}/{len(runs)}: value pre-training data, "
+                             f"{run.experiment.pretrain_rollouts} rollouts ===")
+                    pretrain_file = collect_pretrain_rollouts(run, classifier, progress)
+                for i, name in enumerate(names, 1):
+                    progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} ===")
+                    run_arm(run, name, progress, pretrain_file)
     report = write_report(out, out / "report", mlflow_uri=cfg.mlflow_uri)
     progress(f"report: {report}")
     return report

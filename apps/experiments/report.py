@@ -1,154 +1,120 @@
 """``online-sao report``: the experiment's Markdown report, PNG plots and MLflow artifacts.
 
-Reads a results directory (experiments/results.py), computes the metrics of
-experiments/metrics.py per arm and writes ``report.md``, ``report.json`` and three
-plots into ``out_dir``: every arm's reward (raw and moving average), the arms'
-moving rewards on one chart, and held-out style accuracy; switch points are
-marked on each. Plots use matplotlib's object API (no pyplot, no global backend).
+Reads a results directory -- one run, or one run per seed (experiments/aggregate.py) --
+and writes ``report.md``, ``report.json`` and the plots (experiments/plots.py) into
+``out_dir``. Every measure is given as its mean over seeds with a 95% bootstrap
+interval in brackets (no interval with one seed).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from apps.config import AppConfig, ExperimentConfig
-from apps.experiments.metrics import Collapse, SwitchMetrics, detect_collapse, moving_average, switch_metrics
-from apps.experiments.results import ArmResults, read_arm, read_scenario
+from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, summarize
+from apps.experiments.intervals import Interval
+from apps.experiments.metrics import LEVEL_SHARE
+from apps.experiments.plots import PLOTS, write_plots
 
 REPORT_FILE, JSON_FILE = "report.md", "report.json"
-REWARDS_PNG, COMPARISON_PNG, STYLE_PNG = "rewards_per_arm.png", "rewards_moving.png", "style_accuracy.png"
 
 
-@dataclass(frozen=True)
-class ArmReport:
-    name: str
-    rollouts: int
-    mean_reward: float | None
-    switches: list[SwitchMetrics]
-    collapse: Collapse
-    final_style_accuracy: float | None
-    group_wait_s: float | None
-
-
-def arm_report(arm: ArmResults, scenario: ExperimentConfig) -> ArmReport:
-    rewards = [r.reward for r in arm.rewards]
-    quality = [r.quality for r in arm.rewards]
-    w = scenario.metrics_window
-    switches = switch_metrics(rewards, scenario.switch_rollouts, w) if rewards else []
-    collapse = detect_collapse(rewards, quality, w, scenario.collapse_fraction)
-    return ArmReport(
-        name=arm.name, rollouts=len(rewards), mean_reward=sum(rewards) / len(rewards) if rewards else None,
-        switches=switches, collapse=collapse,
-        final_style_accuracy=arm.evals[-1].style_accuracy if arm.evals else None,
-        group_wait_s=arm.summary.group_wait_s if arm.summary else None)
-
-
-def _mark_switches(ax, scenario: ExperimentConfig) -> None:
-    for phase in scenario.schedule[1:]:
-        ax.axvline(phase.from_rollout, color="grey", linestyle="--", linewidth=1)
-        ax.text(phase.from_rollout, 1.0, f" {phase.style}", transform=ax.get_xaxis_transform(),
-                va="top", fontsize=8, color="grey")
-
-
-def plot_rewards_per_arm(arms: list[ArmResults], scenario: ExperimentConfig, path: Path) -> None:
-    fig = Figure(figsize=(9, 2.4 * len(arms)), layout="constrained")
-    axes = fig.subplots(len(arms), 1, squeeze=False)[:, 0]
-    for ax, arm in zip(axes, arms):
-        rewards = [r.reward for r in arm.rewards]
-        ax.scatter(range(len(rewards)), rewards, s=3, alpha=0.3, label="reward")
-        ax.plot(moving_average(rewards, scenario.metrics_window), color="C1",
-                label=f"moving mean (W={scenario.metrics_window})")
-        _mark_switches(ax, scenario)
-        ax.set_title(arm.name, fontsize=10)
-        ax.set_ylabel("reward")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(loc="lower right", fontsize=7)
-    axes[-1].set_xlabel("rollout")
-    fig.savefig(path, dpi=100)
-
-
-def plot_comparison(arms: list[ArmResults], scenario: ExperimentConfig, path: Path) -> None:
-    fig = Figure(figsize=(9, 4), layout="constrained")
-    ax = fig.subplots()
-    for arm in arms:
-        ax.plot(moving_average([r.reward for r in arm.rewards], scenario.metrics_window), label=arm.name)
-    _mark_switches(ax, scenario)
-    ax.set(xlabel="rollout", ylabel=f"moving reward (W={scenario.metrics_window})", ylim=(-0.05, 1.05))
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-
-
-def plot_style_accuracy(arms: list[ArmResults], scenario: ExperimentConfig, path: Path) -> None:
-    fig = Figure(figsize=(9, 4), layout="constrained")
-    ax = fig.subplots()
-    for arm in arms:
-        ax.plot([e.rollout for e in arm.evals], [e.style_accuracy for e in arm.evals], marker="o", label=arm.name)
-    _mark_switches(ax, scenario)
-    ax.set(xlabel="rollout", ylabel="held-out answers in the preferred style", ylim=(-0.05, 1.05))
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-
-
-def _num(value: float | int | None, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def cell(value: Interval | None, digits: int = 3) -> str:
+    """``mean [low, high]``; the mean alone for one seed; '-' for no value."""
+    if value is None or math.isnan(value.mean):
         return "-"
-    return str(value) if isinstance(value, int) else f"{value:.{digits}f}"
+    if value.n == 1:
+        return f"{value.mean:.{digits}f}"
+    return f"{value.mean:.{digits}f} [{value.low:.{digits}f}, {value.high:.{digits}f}]"
 
 
-def markdown(reports: list[ArmReport], scenario: ExperimentConfig) -> str:
-    switches = scenario.switch_rollouts
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _phase_heads(arms: list[ArmSummaryAcrossSeeds]) -> list[str]:
+    return [f"{p.style} {p.start}-{p.end - 1}" for p in arms[0].phases]
+
+
+def _intro(scenario: ExperimentConfig, runs: list[Run], seeds: int) -> list[str]:
     schedule = ", ".join(f"{p.style} from rollout {p.from_rollout}" for p in scenario.schedule)
-    head = ["arm", "rollouts", "mean reward"]
-    for s in switches:
-        head += [f"lag @{s}", f"level @{s}"]
-    head += ["collapse", "final style acc.", "group wait (s)"]
-    lines = [f"# Drifting style preferences: {scenario.name}", "",
-             f"Schedule: {schedule}. Seed {scenario.seed}, {scenario.rollouts_per_arm} rollouts per arm, "
-             f"{scenario.requests_per_second} requests/s, concurrency {scenario.concurrency}, "
-             f"reward delay {scenario.reward_delay_s} s, drop rate {scenario.drop_rate}.", "",
-             f"Lag: rollouts after a switch until the moving reward (W={scenario.metrics_window}, post-switch "
-             f"rollouts only) is back at 90% of its level before the switch ('-': not within the phase). "
-             f"Level: mean reward of the phase's last {scenario.metrics_window} rollouts. Collapse: the moving "
-             f"answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end "
-             f"(or a non-finite reward).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in reports:
-        by_switch = {m.switch: m for m in r.switches}
-        row = [r.name, str(r.rollouts), _num(r.mean_reward)]
-        for s in switches:
-            m = by_switch.get(s)
-            row += [_num(m.lag if m else None), _num(m.level if m else None)]
-        collapse = f"yes (rollout {r.collapse.at_rollout})" if r.collapse.collapsed else "no"
-        row += [collapse, _num(r.final_style_accuracy), _num(r.group_wait_s, 1)]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", f"![rewards per arm]({REWARDS_PNG})", "", f"![moving rewards]({COMPARISON_PNG})", "",
-              f"![held-out style accuracy]({STYLE_PNG})", ""]
+    used = ", ".join(str(run.scenario.seed) for run in runs)
+    return [
+        f"# Drifting style preferences: {scenario.name}", "",
+        f"Schedule: {schedule}. {scenario.rollouts_per_arm} rollouts per arm, {scenario.requests_per_second} "
+        f"requests/s, concurrency {scenario.concurrency}, reward delay {scenario.reward_delay_s} s, drop rate "
+        f"{scenario.drop_rate}. Driver: {scenario.driver}. Seeds: {seeds} (experiment.seed {used}; "
+        f"prompt and learner seeds shifted alike).", "",
+        "Each number is the mean over seeds" + (", with its 95% percentile-bootstrap interval over seeds in "
+                                                "brackets" if seeds > 1 else "") + ". "
+        f"Level: mean reward of the phase's last {LEVEL_SHARE:.0%}. Lag: rollouts from the phase's start until "
+        f"the moving reward (W={scenario.metrics_window}, rollouts of the phase only) first reaches "
+        f"{scenario.realign_threshold} -- the same absolute threshold for every arm; the mean is over the seeds "
+        f"that reached it (how many in parentheses). Area: the area under the phase's reward curve per rollout "
+        f"(its mean reward). Post-switch mean: mean reward from the first switch to the end. Collapse: the "
+        f"moving answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end.", "",
+        "Held-out style accuracy and the style shares are measured with the judge's own style classifier, the "
+        "one that makes the reward: they show what the reward sees, not an independent judgement of style.", ""]
+
+
+def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
+    scenario = runs[0].scenario
+    seeds = max(a.seeds for a in arms)
+    lines = _intro(scenario, runs, seeds)
+    lines += ["## Summary", ""] + _table(
+        ["arm", "seeds", "rollouts", "mean reward", "post-switch mean", "collapsed", "final held-out style acc.",
+         "group wait (s)", "incomplete groups"],
+        [[a.name, str(a.seeds), str(a.rollouts), cell(a.mean_reward), cell(a.post_switch_mean),
+          f"{a.collapsed}/{a.seeds}", cell(a.final_style_accuracy), cell(a.group_wait_s, 1),
+          cell(a.incomplete_groups, 1)] for a in arms])
+    heads = _phase_heads(arms)
+    for title, render in (("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level)),
+                          (f"Re-alignment lag (rollouts to a moving reward of {scenario.realign_threshold})",
+                           lambda a, p: f"{cell(p.lag, 0)} ({p.lag_reached}/{a.seeds})"),
+                          ("Area (mean reward over each phase)", lambda a, p: cell(p.area))):
+        lines += ["", f"## {title}", ""] + _table(["arm", *heads],
+                                                 [[a.name, *(render(a, p) for p in a.phases)] for a in arms])
+    lines += _comparison(arms, scenario.reference_arm)
+    lines += [""] + [f"![{title}]({name})\n" for name, title in PLOTS.items()]
     return "\n".join(lines)
 
 
-def log_to_mlflow(out_dir: Path, reports: list[ArmReport], uri: str, experiment: str, run_name: str) -> str:
-    """One MLflow run holding the report directory as artifacts and each arm's metrics; returns its id."""
+def _comparison(arms: list[ArmSummaryAcrossSeeds], reference: str | None) -> list[str]:
+    ref = next((a for a in arms if a.name == reference), None)
+    if ref is None or ref.post_switch_mean is None or len(arms) < 2:
+        return []
+    rows = []
+    for a in arms:
+        if a is ref or a.post_switch_mean is None:
+            continue
+        diff = ref.post_switch_mean.mean - a.post_switch_mean.mean
+        apart = ref.post_switch_mean.apart_from(a.post_switch_mean)
+        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", "yes" if apart else "no"])
+    return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean)})", "",
+            *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart"], rows)]
+
+
+def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str) -> str:
+    """One MLflow run holding the report directory as artifacts and each arm's mean measures; returns its id."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-    run = client.create_run(experiment_id, run_name=run_name)
-    run_id = run.info.run_id
-    for r in reports:
-        if r.mean_reward is not None:
-            client.log_metric(run_id, f"{r.name}.mean_reward", r.mean_reward)
-        client.log_metric(run_id, f"{r.name}.collapsed", float(r.collapse.collapsed))
-        for m in r.switches:
-            if m.lag is not None:
-                client.log_metric(run_id, f"{r.name}.lag_at_{m.switch}", m.lag)
-            if m.level is not None:
-                client.log_metric(run_id, f"{r.name}.level_at_{m.switch}", m.level)
+    run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+    for a in arms:
+        values = {"mean_reward": a.mean_reward, "post_switch_mean": a.post_switch_mean}
+        for p in a.phases:
+            values[f"level_{p.start}"] = p.level
+            values[f"area_{p.start}"] = p.area
+            values[f"lag_{p.start}"] = p.lag
+        for key, value in values.items():
+            if value is not None:
+                client.log_metric(run_id, f"{a.name}.{key}", value.mean)
+        client.log_metric(run_id, f"{a.name}.collapsed_seeds", float(a.collapsed))
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")
     client.set_terminated(run_id)
     return run_id
@@ -157,22 +123,15 @@ def log_to_mlflow(out_dir: Path, reports: list[ArmReport], uri: str, experiment:
 def write_report(results_dir: Path, out_dir: Path, mlflow_uri: str | None = None,
                  mlflow_experiment: str = "online-sao") -> Path:
     """Write the report of ``results_dir`` into ``out_dir`` (and MLflow when a URI is given)."""
-    scenario = read_scenario(results_dir)
-    arms = [read_arm(p) for p in sorted(results_dir.glob("*.jsonl"))]
-    if not arms:
-        raise FileNotFoundError(f"no per-arm results (*.jsonl) in {results_dir}")
-    order = {a.name: i for i, a in enumerate(scenario.arms)}
-    arms.sort(key=lambda a: (order.get(a.name, len(order)), a.name))
+    runs = load_runs(results_dir)
+    arms = summarize(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reports = [arm_report(a, scenario) for a in arms]
-    plot_rewards_per_arm(arms, scenario, out_dir / REWARDS_PNG)
-    plot_comparison(arms, scenario, out_dir / COMPARISON_PNG)
-    plot_style_accuracy(arms, scenario, out_dir / STYLE_PNG)
-    (out_dir / JSON_FILE).write_text(json.dumps([asdict(r) for r in reports], indent=2) + "\n")
+    write_plots(runs, [a.name for a in arms], out_dir)
+    (out_dir / JSON_FILE).write_text(json.dumps([asdict(a) for a in arms], indent=2) + "\n")
     path = out_dir / REPORT_FILE
-    path.write_text(markdown(reports, scenario))
+    path.write_text(markdown(arms, runs))
     if mlflow_uri is not None:
-        log_to_mlflow(out_dir, reports, mlflow_uri, mlflow_experiment, f"{scenario.name}-report")
+        log_to_mlflow(out_dir, arms, mlflow_uri, mlflow_experiment, f"{runs[0].scenario.name}-report")
     return path
 
 

@@ -4,9 +4,13 @@ Layout of a results directory:
 
 * ``scenario.json`` -- the ExperimentConfig the run used (schedule, window, seeds).
 * ``<arm>.jsonl`` -- one JSON object per line: a :class:`RewardRow` for every judged
-  rollout and an :class:`EvalRow` for every held-out style measurement.
-* ``<arm>.summary.json`` (optional) -- an :class:`ArmSummary` the orchestration writes
-  when an arm ends (e.g. grpo's time spent waiting for groups, from the learner).
+  rollout, an :class:`EvalRow` for every held-out style measurement and (in-process
+  driver) a :class:`StepRow` for every learner step.
+* ``<arm>.summary.json`` -- an :class:`ArmSummary` either driver writes when an arm ends
+  (traffic counts, learner steps, grpo's group counters from the reward join).
+
+A run of several seeds (``online-sao simulate --seeds N``) keeps one such directory per
+seed, ``seed-<k>/``, under the scenario's results directory.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class RewardRow(_Row):
     delivered: bool = True
     """False when the judge dropped the reward (experiment.drop_rate)."""
     interaction_id: str | None = None
+    sampled_style: str | None = None
+    """The style the judge's classifier finds most likely in the answer (None in older files)."""
 
 
 class EvalRow(_Row):
@@ -58,26 +64,60 @@ class EvalRow(_Row):
     prompts: int = Field(ge=1)
 
 
-ResultRow = Annotated[Union[RewardRow, EvalRow], Field(discriminator="kind")]
+class StepRow(_Row):
+    """One learner step of the in-process driver."""
+
+    kind: Literal["step"] = "step"
+    step: int = Field(ge=1)
+    rollout: int = Field(ge=0)
+    """Rollouts judged when the step ran."""
+    version: int = Field(ge=0)
+    """Policy version after the step."""
+    metrics: dict[str, float]
+    """What the learning rule returned (value loss, explained variance, kept share, ...)."""
+
+
+ResultRow = Annotated[Union[RewardRow, EvalRow, StepRow], Field(discriminator="kind")]
 _ROW = TypeAdapter(ResultRow)
 
 
 class ArmSummary(_Row):
     name: str
-    algorithm: dict = {}
+    driver: Literal["live", "inprocess"]
+    answered: int
+    failed: int = 0
+    wall_s: float
+    """Seconds the arm took, start-up included."""
+    traffic_s: float
+    """Seconds from the first to the last simulated request's answer."""
+    learner_steps: int | None = None
+    """Steps the learner ran (None: the live learner's MLflow run was not found)."""
+    complete_groups: int | None = None
+    """grpo: groups trained on with all their members (reward join counters)."""
+    incomplete_groups: int | None = None
+    """grpo: groups trained on short of members after ``reward.group_timeout_s``."""
     group_wait_s: float | None = None
-    """Seconds the learner spent waiting for groups to complete (grpo only)."""
-    wall_s: float | None = None
+    """grpo: mean record-time seconds from a group's first member being ready to the group being
+    handed to a step (complete or timed out)."""
 
 
 class ArmResults(BaseModel):
     name: str
     rewards: list[RewardRow]
     evals: list[EvalRow]
+    steps: list[StepRow] = []
     summary: ArmSummary | None = None
 
 
-def append_row(path: Path, row: RewardRow | EvalRow) -> None:
+def summary_path(results_dir: Path, arm: str) -> Path:
+    return results_dir / f"{arm}.summary.json"
+
+
+def write_summary(results_dir: Path, summary: ArmSummary) -> None:
+    summary_path(results_dir, summary.name).write_text(summary.model_dump_json(indent=2) + "\n")
+
+
+def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:
     with path.open("a") as f:
         f.write(row.model_dump_json() + "\n")
 
@@ -102,22 +142,26 @@ def read_arm(path: Path) -> ArmResults:
     """
     rewards: dict[int, RewardRow] = {}
     evals: list[EvalRow] = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    steps: list[StepRow] = []
+    for line in path.read_text().splitlines():
         if not line.strip():
             continue
         row = _ROW.validate_json(line)
         if isinstance(row, RewardRow):
             rewards[row.rollout] = row
-        else:
+        elif isinstance(row, EvalRow):
             evals.append(row)
+        else:
+            steps.append(row)
     missing = sorted(set(range(len(rewards))) ^ set(rewards))
     if missing:
         raise ValueError(f"{path}: reward rows are not dense in rollout (first gap near {missing[0]})")
     name = path.name.removesuffix(".jsonl")
-    summary_path = path.with_name(f"{name}.summary.json")
-    summary = ArmSummary.model_validate_json(summary_path.read_text()) if summary_path.is_file() else None
+    summary_file = summary_path(path.parent, name)
+    summary = ArmSummary.model_validate_json(summary_file.read_text()) if summary_file.is_file() else None
     return ArmResults(name=name, rewards=[rewards[i] for i in range(len(rewards))],
-                      evals=sorted(evals, key=lambda e: e.rollout), summary=summary)
+                      evals=sorted(evals, key=lambda e: e.rollout), steps=sorted(steps, key=lambda s: s.step),
+                      summary=summary)
 
 
 def write_scenario(results_dir: Path, scenario: ExperimentConfig) -> None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from apps.experiments.metrics import (SwitchMetrics, adaptation_lag, detect_collapse, level_reached,
-                                            moving_average, pre_switch_level, switch_metrics)
+from apps.experiments.metrics import (PhaseMetrics, detect_collapse, moving_average, phase_area, phase_bounds,
+                                      phase_level, phase_metrics, post_switch_mean, realign_lag, style_shares)
 
 
 def test_moving_average_is_trailing_and_partial_at_the_start():
@@ -18,38 +18,61 @@ def test_moving_average_is_trailing_and_partial_at_the_start():
         moving_average([1.0], 0)
 
 
-REWARDS = [1, 1, 1, 1, 0, 0, 0.5, 1, 1, 1]
-
-
-def test_lag_counts_rollouts_until_a_full_post_switch_window_recovers():
-    # pre = mean(1, 1) = 1, target 0.9; post-switch windows of 2 end at rollouts 5, 6, 7, 8
-    # with means 0, 0.25, 0.75, 1 -> recovered at rollout 8: 8 - 4 + 1 = 5 rollouts.
-    assert pre_switch_level(REWARDS, 4, 2) == 1
-    assert adaptation_lag(REWARDS, 4, 2) == 5
-    assert adaptation_lag(REWARDS, 4, 2, recover=0.7) == 4  # 0.75 >= 0.7 at rollout 7
-    assert adaptation_lag(REWARDS, 4, 2, end=8) is None  # the phase ends first
-    assert level_reached(REWARDS, 4, 2) == 1
-    assert level_reached(REWARDS, 4, 2, end=8) == 0.75
-    assert level_reached(REWARDS, 4, 2, end=4) is None
-
-
-def test_pre_switch_level_uses_what_there_is_and_checks_the_switch():
-    assert pre_switch_level([0.2, 0.4, 1.0], 2, 5) == pytest.approx(0.3)
+def test_phase_bounds_cut_at_the_next_phase_and_the_end():
+    assert phase_bounds([0, 4, 8], 12) == [(0, 4), (4, 8), (8, 12)]
+    assert phase_bounds([0, 4, 8], 6) == [(0, 4), (4, 6), (6, 6)]
     with pytest.raises(ValueError):
-        pre_switch_level([0.2, 0.4], 0, 2)
+        phase_bounds([1, 4], 10)
 
 
-def test_a_level_of_zero_is_recovered_by_any_full_window():
-    assert adaptation_lag([0, 0, 0.1, 0.1], 2, 1) == 1
+def test_level_is_the_mean_of_the_phases_last_quarter():
+    rewards = [0.0] * 6 + [0.2, 0.4] + [1.0] * 4
+    assert phase_level(rewards, 0, 8) == pytest.approx(0.3)  # last 2 of 8: 0.2, 0.4
+    assert phase_level(rewards, 8, 12) == 1.0  # last 1 of 4
+    assert phase_level(rewards, 0, 3) == 0.0  # at least one rollout
+    assert phase_level(rewards, 3, 8) == pytest.approx(0.3)  # a quarter of 5 rounds up to 2: 0.2, 0.4
+    assert phase_level(rewards, 12, 20) is None
 
 
-def test_switch_metrics_end_each_phase_at_the_next_switch():
-    rewards = [0.8] * 4 + [0.0, 0.4, 0.8, 0.8] + [0.2] * 4
-    # Switch 4: windows 0.2, 0.6, 0.8 -> lag 4, level mean(0.8, 0.8). Switch 8: pre 0.8, never back.
-    assert switch_metrics(rewards, [4, 8], 2) == [SwitchMetrics(4, pytest.approx(0.8), 4, pytest.approx(0.8)),
-                                                  SwitchMetrics(8, pytest.approx(0.8), None, pytest.approx(0.2))]
-    beyond = switch_metrics(rewards, [4, 20], 2)[1]
-    assert beyond.lag is None and beyond.level is None and math.isnan(beyond.pre_level)
+def test_realign_lag_counts_to_an_absolute_threshold_with_in_phase_windows():
+    # phase [4, 10); windows of 2 end at 5..9 with means 0.1, 0.3, 0.45, 0.6, 0.9 -> 0.5 first at rollout 8.
+    rewards = [0.9] * 4 + [0.0, 0.2, 0.4, 0.5, 0.7, 1.0]
+    assert realign_lag(rewards, 4, 10, window=2, threshold=0.5) == 5  # 8 - 4 + 1
+    assert realign_lag(rewards, 4, 10, window=2, threshold=0.95) is None
+    assert realign_lag(rewards, 4, 8, window=2, threshold=0.5) is None  # the phase ends first
+    # The pre-switch rollouts (0.9) never count: the first window is all inside the phase.
+    assert realign_lag(rewards, 4, 10, window=1, threshold=0.15) == 2
+
+
+def test_an_arm_that_never_learned_does_not_realign_by_default():
+    """The old lag compared with the arm's own pre-switch level; a flat low arm "recovered" at once."""
+    flat = [0.1] * 20
+    assert realign_lag(flat, 10, 20, window=4, threshold=0.5) is None
+
+
+def test_area_is_the_phases_mean_reward_and_post_switch_mean_starts_at_the_first_switch():
+    rewards = [0.0, 1.0, 0.5, 0.5, 1.0, 1.0]
+    assert phase_area(rewards, 0, 2) == 0.5 and phase_area(rewards, 2, 6) == 0.75
+    assert phase_area(rewards, 6, 9) is None
+    assert post_switch_mean(rewards, 2) == 0.75 and post_switch_mean(rewards, 6) is None
+
+
+def test_phase_metrics_of_every_phase():
+    rewards = [0.0, 0.0, 1.0, 1.0] + [0.0, 0.0, 0.0, 0.0] + [1.0, 1.0]
+    assert phase_metrics(rewards, [0, 4, 8], ["cute", "archaic", "formal"], 2, 0.5) == [
+        PhaseMetrics(0, 4, "cute", 1.0, 3, 0.5), PhaseMetrics(4, 8, "archaic", 0.0, None, 0.0),
+        PhaseMetrics(8, 10, "formal", 1.0, 2, 1.0)]
+    with pytest.raises(ValueError):
+        phase_metrics(rewards, [0, 4], ["cute"], 2, 0.5)
+
+
+def test_style_shares_per_block():
+    sampled = ["cute", "cute", "formal", None, "cute"]
+    assert style_shares(sampled, ["cute", "formal"], 2) == [{"cute": 1.0, "formal": 0.0},
+                                                            {"cute": 0.0, "formal": 0.5},
+                                                            {"cute": 1.0, "formal": 0.0}]
+    with pytest.raises(ValueError):
+        style_shares(sampled, ["cute"], 0)
 
 
 def test_collapse_when_quality_stays_low_to_the_end():

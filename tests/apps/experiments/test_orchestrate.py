@@ -86,3 +86,23 @@ def test_learner_threads_leave_cores_to_serving_and_the_judge(monkeypatch):
     assert learner_threads(cfg) == 14
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"torch_threads": 8})})
     assert learner_threads(cfg) == 7
+
+
+def test_learner_counters_come_from_the_arms_newest_learner_run(tmp_path):
+    from apps.experiments.orchestrate import learner_counters
+    from trainer.tracking import RunTracker
+
+    def arm_cfg(group: str) -> AppConfig:
+        cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+        return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"consumer_group": group})})
+
+    assert learner_counters(arm_cfg("sao-learner.drift.grpo")) == {}  # no MLflow experiment yet
+    for group, incomplete in (("sao-learner.drift.grpo", 1.0), ("sao-learner.drift.sao", 7.0),
+                              ("sao-learner.drift.grpo", 3.0)):  # a rerun of the grpo arm: the newest counts
+        tracker = RunTracker(arm_cfg(group))
+        for step in (1, 2):
+            tracker.log_metrics({"join_incomplete_groups": incomplete, "step_time_s": 0.1}, step=step)
+        tracker.close("FINISHED")
+    counters = learner_counters(arm_cfg("sao-learner.drift.grpo"))
+    assert counters["join_incomplete_groups"] == 3.0 and counters["steps"] == 2.0
+    assert learner_counters(arm_cfg("sao-learner.drift.nobody")) == {}

@@ -1,0 +1,186 @@
+"""The report's numbers: each arm's measures per seed, and their mean and 95% bootstrap interval
+over seeds (experiments/intervals.py). Pure functions of the results files' contents.
+
+A results directory holds one run (``<arm>.jsonl`` files beside ``scenario.json``) or, after
+``simulate --seeds N``, one run per ``seed-<k>/`` directory: :func:`load_runs` reads either.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from apps.config import ExperimentConfig
+from apps.experiments.intervals import Interval, bootstrap_band, interval
+from apps.experiments.metrics import (Collapse, PhaseMetrics, detect_collapse, moving_average, phase_metrics,
+                                      post_switch_mean, style_shares)
+from apps.experiments.results import SCENARIO_FILE, ArmResults, read_arm, read_scenario
+
+_SEED_DIR = re.compile(r"^seed-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One seed of the scenario: its scenario (seeds resolved) and its arms' results."""
+
+    directory: Path
+    scenario: ExperimentConfig
+    arms: dict[str, ArmResults]
+
+
+def _read_run(directory: Path) -> Run:
+    arms = {a.name: a for a in (read_arm(p) for p in sorted(directory.glob("*.jsonl")))}
+    return Run(directory, read_scenario(directory), arms)
+
+
+def load_runs(results_dir: Path) -> list[Run]:
+    """The runs of ``results_dir``: its ``seed-<k>/`` directories in seed order, or itself."""
+    seeded = sorted((p for p in results_dir.iterdir() if p.is_dir() and _SEED_DIR.match(p.name)
+                     and (p / SCENARIO_FILE).is_file()), key=lambda p: int(_SEED_DIR.match(p.name).group(1)))
+    runs = [_read_run(p) for p in seeded] if seeded else [_read_run(results_dir)]
+    if not any(run.arms for run in runs):
+        raise FileNotFoundError(f"no per-arm results (*.jsonl) in {results_dir}")
+    return runs
+
+
+@dataclass(frozen=True)
+class SeedMetrics:
+    """One arm's measures in one seed."""
+
+    rollouts: int
+    mean_reward: float | None
+    post_switch_mean: float | None
+    phases: list[PhaseMetrics]
+    collapse: Collapse
+    final_style_accuracy: float | None
+    group_wait_s: float | None
+    incomplete_groups: int | None
+
+
+def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
+    rewards = [r.reward for r in arm.rewards]
+    starts = [p.from_rollout for p in scenario.schedule]
+    summary = arm.summary
+    return SeedMetrics(
+        rollouts=len(rewards), mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        post_switch_mean=post_switch_mean(rewards, scenario.switch_rollouts[0]),
+        phases=phase_metrics(rewards, starts, [p.style for p in scenario.schedule], scenario.metrics_window,
+                             scenario.realign_threshold),
+        collapse=detect_collapse(rewards, [r.quality for r in arm.rewards], scenario.metrics_window,
+                                 scenario.collapse_fraction),
+        final_style_accuracy=arm.evals[-1].style_accuracy if arm.evals else None,
+        group_wait_s=summary.group_wait_s if summary else None,
+        incomplete_groups=summary.incomplete_groups if summary else None)
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    style: str
+    start: int
+    end: int
+    level: Interval | None
+    lag: Interval | None
+    """Over the seeds that reached the threshold within the phase (``lag_reached`` of ``seeds``)."""
+    lag_reached: int
+    area: Interval | None
+
+
+@dataclass(frozen=True)
+class ArmSummaryAcrossSeeds:
+    name: str
+    seeds: int
+    rollouts: int
+    mean_reward: Interval | None
+    post_switch_mean: Interval | None
+    phases: list[PhaseSummary]
+    collapsed: int
+    """Seeds in which the arm collapsed."""
+    final_style_accuracy: Interval | None
+    group_wait_s: Interval | None
+    incomplete_groups: Interval | None
+    per_seed: list[SeedMetrics]
+
+
+def summarize_arm(name: str, per_seed: list[SeedMetrics], scenario: ExperimentConfig) -> ArmSummaryAcrossSeeds:
+    """Mean and bootstrap interval over seeds of every measure of one arm."""
+    phases = []
+    for k, phase in enumerate(scenario.schedule):
+        cells = [m.phases[k] for m in per_seed]
+        lags = [c.lag for c in cells if c.lag is not None]
+        phases.append(PhaseSummary(phase.style, cells[0].start, cells[0].end, interval([c.level for c in cells]),
+                                   interval(lags), len(lags), interval([c.area for c in cells])))
+    return ArmSummaryAcrossSeeds(
+        name=name, seeds=len(per_seed), rollouts=min(m.rollouts for m in per_seed),
+        mean_reward=interval([m.mean_reward for m in per_seed]),
+        post_switch_mean=interval([m.post_switch_mean for m in per_seed]), phases=phases,
+        collapsed=sum(m.collapse.collapsed for m in per_seed),
+        final_style_accuracy=interval([m.final_style_accuracy for m in per_seed]),
+        group_wait_s=interval([m.group_wait_s for m in per_seed]),
+        incomplete_groups=interval([m.incomplete_groups for m in per_seed]), per_seed=per_seed)
+
+
+def arm_names(runs: list[Run], scenario: ExperimentConfig) -> list[str]:
+    """Arms present in any run: the scenario's order first, then others by name."""
+    order = {a.name: i for i, a in enumerate(scenario.arms)}
+    return sorted({name for run in runs for name in run.arms}, key=lambda n: (order.get(n, len(order)), n))
+
+
+def summarize(runs: list[Run]) -> list[ArmSummaryAcrossSeeds]:
+    """Every arm's summary over the runs that have it."""
+    scenario = runs[0].scenario
+    return [summarize_arm(name, [seed_metrics(run.arms[name], run.scenario) for run in runs if name in run.arms],
+                          scenario) for name in arm_names(runs, scenario)]
+
+
+def _stack_curves(curves: list[list[float]]) -> np.ndarray:
+    """``[seeds, T]`` over the common length (seeds' runs can differ by a few rollouts)."""
+    length = min(len(c) for c in curves)
+    return np.array([c[:length] for c in curves], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Band:
+    """A curve's mean over seeds and its pointwise 95% bootstrap band (``x`` rollouts)."""
+
+    x: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    seeds: np.ndarray
+    """``[seeds, T]``: each seed's curve."""
+
+
+def band(curves: list[list[float]], x: list[int] | None = None) -> Band | None:
+    curves = [c for c in curves if c]
+    if not curves:
+        return None
+    values = _stack_curves(curves)
+    low, high = bootstrap_band(values)
+    xs = np.arange(values.shape[1]) if x is None else np.asarray(x[:values.shape[1]])
+    return Band(xs, values.mean(axis=0), low, high, values)
+
+
+def moving_reward_band(runs: list[Run], arm: str, window: int) -> Band | None:
+    return band([moving_average([r.reward for r in run.arms[arm].rewards], window)
+                 for run in runs if arm in run.arms])
+
+
+def style_accuracy_band(runs: list[Run], arm: str) -> Band | None:
+    evals = [run.arms[arm].evals for run in runs if arm in run.arms and run.arms[arm].evals]
+    if not evals:
+        return None
+    shortest = min(evals, key=len)
+    return band([[e.style_accuracy for e in ev] for ev in evals], [e.rollout for e in shortest])
+
+
+def style_share_curves(runs: list[Run], arm: str, styles: list[str], block: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(block start rollouts, style -> share among the block's sampled answers, mean over seeds)."""
+    per_seed = [style_shares([r.sampled_style for r in run.arms[arm].rewards], styles, block)
+                for run in runs if arm in run.arms]
+    blocks = min(len(s) for s in per_seed) if per_seed else 0
+    shares = {s: np.array([[seed[b][s] for b in range(blocks)] for seed in per_seed]).mean(axis=0)
+              if blocks else np.zeros(0) for s in styles}
+    return np.arange(blocks) * block, shares

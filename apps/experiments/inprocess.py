@@ -1,0 +1,326 @@
+"""``online-sao simulate --driver inprocess``: one arm in one process, stepped in rollout time.
+
+The live driver (experiments/orchestrate.py) is the reference: serving, the learner
+and the judge as their own processes on Kafka, simulated users over HTTP at a fixed
+rate in real time. That pacing makes a sweep of several seeds take hours on a small
+machine. This driver runs the same parts without the transport and the clock:
+
+* the request path is serving's own: :class:`~serving.openai_serving.OpenAIServing`
+  over the :class:`~serving.engine.torch_engine.TorchEngine` (chat template, sampling,
+  behaviour log-probs, the logged :class:`~online_sao.schemas.Interaction`), called
+  directly instead of over HTTP; its log keeps records in memory instead of Kafka;
+* the judge is :class:`~apps.experiments.judge_service.ScheduleJudge`, the scoring,
+  seeded drops and results file of the judge service;
+* the learner is the live learner's rule: interactions and rewards go through
+  :class:`~trainer.join.RewardJoiner`; a step starts on ``trainer.min_rollouts``,
+  ``trainer.token_budget`` or ``trainer.max_wait_s`` exactly as in trainer/learner.py,
+  runs the configured learning rule (``Algorithm.step``) and hands the new weights to
+  the engine's hot-swap (what the weights follower does after a publish).
+
+Time is virtual. Request i arrives at the i-th arrival of the same seeded Poisson
+process the live users draw (rate ``requests_per_second``); an answer's record time is
+its request's arrival, its reward's is that plus ``reward_delay_s``, and a reward
+reaches the join once the virtual clock (the newest answered arrival) passes it. The
+learner step runs while the engine keeps decoding the requests in flight (at most
+``concurrency``), so later answers are sampled by the version they would be live, give
+or take the learner's speed: live, the learner keeps up with 3 requests/s
+(docs/EXPERIMENTS.md), here it always does. What differs from live: no HTTP, no Kafka,
+no MLflow, no weight store, no checkpoints, and per-request sampling seeds (derived
+from ``experiment.seed``) where live users send none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from apps.config import AppConfig
+from apps.experiments.judge import QualityStyleJudge
+from apps.experiments.judge_service import ScheduleJudge
+from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
+from apps.experiments.scenario import eval_prompts, prompt_pool, prompt_repeats
+from apps.experiments.style import StyleClassifier
+from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
+from online_sao.batch import Rollout, collate
+from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.schemas import Interaction, Reward
+from serving.engine.torch_engine import TorchEngine
+from serving.ids import InteractionIdSigner
+from serving.metrics import ServingMetrics
+from serving.openai_serving import OpenAIServing
+from serving.protocol import ChatCompletionRequest
+from serving.receipt import Receipt
+from serving.trajectories import TrajectoryCache
+from trainer.join import RewardJoiner
+from trainer.rollouts import RolloutError
+
+REQUEST_SEED_STRIDE = 1_000_000
+"""Request i of scenario seed s samples with seed s * stride + i: distinct across seeds and arms' requests."""
+
+
+class MemoryInteractionLog:
+    """Stands in for serving's InteractionLogger: keeps each submitted record, durable at once."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, Interaction] = {}
+
+    def submit(self, record: Interaction) -> Receipt:
+        self._records[record.interaction_id] = record
+        return Receipt(durable=True)
+
+    def refusal(self) -> str | None:
+        return None
+
+    def take(self, interaction_id: str) -> Interaction:
+        return self._records.pop(interaction_id)
+
+
+class InProcessServing:
+    """Serving's request path (chat template, engine, logged record) without HTTP."""
+
+    def __init__(self, cfg: AppConfig, engine: TorchEngine, tokenizer) -> None:
+        from serving.server import stop_token_ids
+        from transformers import AutoConfig
+
+        s = cfg.serving
+        self.cfg = cfg
+        self.engine = engine
+        self.log = MemoryInteractionLog()
+        signer = InteractionIdSigner(s.feedback_secret.get_secret_value().encode("utf-8"), s.deployment_id,
+                                     cfg.reward.window_s)
+        max_len = getattr(AutoConfig.from_pretrained(cfg.model_dir), "max_position_embeddings", None)
+        self.api = OpenAIServing(engine, self.log, tokenizer, s, signer, TrajectoryCache(s.max_trajectories),
+                                 ServingMetrics(CollectorRegistry()), stop_token_ids=stop_token_ids(cfg.model_dir, tokenizer),
+                                 max_model_len=max_len)
+
+    async def chat(self, prompt: str, seed: int, session_id: str | None = None) -> tuple[str, Interaction]:
+        """(answer text, logged interaction) of one chat request."""
+        exp = self.cfg.experiment
+        request = ChatCompletionRequest(model=self.cfg.serving.model_name, messages=[{"role": "user", "content": prompt}],
+                                        max_tokens=exp.max_tokens, temperature=exp.temperature, seed=seed,
+                                        session_id=session_id)
+        response = await self.api.chat(request)
+        return response.choices[0].message.content or "", self.log.take(response.interaction_id)
+
+
+@dataclass
+class StepRule:
+    """When the live learner starts a step (trainer/learner.py), on the virtual clock."""
+
+    min_rollouts: int
+    token_budget: int
+    max_wait_s: float | None
+    ready_since: float | None = None
+
+    def due(self, ready: int, ready_tokens: int, now: float) -> bool:
+        self.ready_since = (self.ready_since if self.ready_since is not None else now) if ready else None
+        waited = self.ready_since is not None and self.max_wait_s is not None and now - self.ready_since >= self.max_wait_s
+        return ready > 0 and (ready >= self.min_rollouts or ready_tokens >= self.token_budget or waited)
+
+
+@dataclass
+class LearnerCounts:
+    steps: int = 0
+    refused: int = 0
+    invalid_rollouts: int = 0
+    empty_rollouts: int = 0
+
+
+class InProcessLearner:
+    """The learner's join, step rule and step over one process's policy; new versions go to ``engine``."""
+
+    def __init__(self, cfg: AppConfig, engine: TorchEngine) -> None:
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg = cfg
+        self.engine = engine
+        self.policy = load_policy(cfg.model_dir, cfg.model.dtype)
+        self.pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
+        self.critic = build_critic(cfg.algorithm, self.policy)
+        opts = build_optimizers(cfg.algorithm, self.policy, self.critic)
+        self.optimizers = opts
+        self.algorithm = build_algorithm(cfg.algorithm, self.policy, self.critic, opts.policy, opts.critic,
+                                         opts.critic_scheduler)
+        self.joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+        t = cfg.trainer
+        self.rule = StepRule(t.min_rollouts, t.token_budget, t.max_wait_s)
+        self.version = engine.policy_version
+        self.counts = LearnerCounts()
+
+    def step_if_due(self, now: float) -> dict[str, float] | None:
+        """One step when the learner's rule says so; returns its metrics (None: no step)."""
+        t = self.cfg.trainer
+        if t.max_version_lag is not None:
+            self.joiner.drop_stale(min_version=self.version - t.max_version_lag)
+        ready, tokens = self.joiner.ready_stats(self.algorithm.group_size)
+        if not self.rule.due(ready, tokens, now):
+            return None
+        self.rule.ready_since = None
+        rollouts = self._rollouts(self.joiner.pop_ready(t.max_rollouts_per_step, t.token_budget,
+                                                        self.algorithm.group_size))
+        if not rollouts:
+            return None
+        metrics = self.algorithm.step(collate(rollouts, self.pad_token_id, policy_version=self.version))
+        self.counts.steps += 1
+        if metrics.get("skipped_nonfinite", 0.0) > 0:
+            self.counts.refused += 1
+            return metrics
+        self.version += 1
+        self.engine.swap_weights(self.version, {k: v.detach() for k, v in self.policy.state_dict().items()})
+        return metrics
+
+    def _rollouts(self, taken) -> list[Rollout]:
+        out = []
+        for joined in taken:
+            try:
+                rollout = joined.to_rollout()
+            except RolloutError:
+                self.counts.invalid_rollouts += 1
+                continue
+            if rollout.num_action_tokens == 0:
+                self.counts.empty_rollouts += 1
+                continue
+            out.append(rollout)
+        return out
+
+
+def arrival_times(exp_seed: int, rate: float) -> Iterator[float]:
+    """The live users' seeded Poisson arrivals (experiments/simulate.py draws the same sequence)."""
+    rng, t = random.Random(exp_seed), 0.0
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
+def prompt_order(prompts: list[str], seed: int, repeats: int) -> Iterator[str]:
+    """Endless prompts: a seeded shuffle of the pool per pass, each prompt ``repeats`` times."""
+    rng = random.Random(seed)
+    while True:
+        for prompt in rng.sample(prompts, len(prompts)):
+            for _ in range(repeats):
+                yield prompt
+
+
+@dataclass(order=True)
+class _DueReward:
+    due: float
+    seq: int
+    reward: Reward = field(compare=False)
+
+
+class InProcessArm:
+    """One arm: traffic, judge, learner and held-out evaluation on the virtual clock."""
+
+    def __init__(self, cfg: AppConfig, classifier: StyleClassifier, results_path: Path,
+                 progress: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.exp = cfg.experiment
+        self.classifier = classifier
+        self.results_path = results_path
+        self.progress = progress
+        tokenizer = load_tokenizer(cfg.model_dir)
+        self.engine = TorchEngine(load_policy(cfg.model_dir, cfg.model.dtype), tokenizer, cfg.serving)
+        self.serving = InProcessServing(cfg, self.engine, tokenizer)
+        self.learner = InProcessLearner(cfg, self.engine)
+        self.judge = ScheduleJudge(cfg, QualityStyleJudge(classifier), results_path=results_path,
+                                   clock=lambda: self.now)
+        self.now = 0.0
+        self._rewards: list[_DueReward] = []
+        self._seq = 0
+
+    def answered(self, interaction: Interaction, arrived_at: float) -> None:
+        """Judge an answer, let due rewards reach the join, and step the learner while its rule says so."""
+        self.now = max(self.now, arrived_at)
+        judged = self.judge.score(interaction)
+        self.learner.joiner.add_interaction(interaction, arrived_at)
+        if judged.reward is not None:
+            heapq.heappush(self._rewards, _DueReward(arrived_at + self.exp.reward_delay_s, self._seq, judged.reward))
+            self._seq += 1
+        while self._rewards and self._rewards[0].due <= self.now:
+            due = heapq.heappop(self._rewards)
+            self.learner.joiner.add_reward(due.reward, due.due)
+        self.learner.joiner.advance(self.now)
+        while (metrics := self.learner.step_if_due(self.now)) is not None:
+            append_row(self.results_path, StepRow(step=self.learner.counts.steps, rollout=self.judge.rollout,
+                                                  version=self.learner.version, metrics=_finite(metrics)))
+
+    async def evaluate(self, rollout: int) -> None:
+        evals = eval_prompts(self.exp, self.cfg.model.base.seed)
+        preferred = self.exp.preferred_style(rollout)
+        answers = await asyncio.gather(*(self.serving.chat(p, self._eval_seed(rollout, i), self.exp.eval_session_id)
+                                         for i, p in enumerate(evals)))
+        accuracy = self.classifier.accuracy([text for text, _ in answers], [preferred] * len(answers))
+        version = max(record.policy_version for _, record in answers)
+        append_row(self.results_path, EvalRow(rollout=rollout, t=self.now, version=version, style_accuracy=accuracy,
+                                              preferred=preferred, prompts=len(evals)))
+        self.progress(f"rollout {rollout}/{self.exp.rollouts_per_arm}: {accuracy:.0%} of held-out answers "
+                      f"{preferred} (policy v{version})")
+
+    def _eval_seed(self, rollout: int, i: int) -> int:
+        return -(self.exp.seed * REQUEST_SEED_STRIDE + rollout * 1000 + i) - 1  # never a traffic seed
+
+    async def run(self) -> int:
+        """Send ``rollouts_per_arm`` requests (``concurrency`` in flight); returns how many were answered."""
+        exp = self.exp
+        arrivals = arrival_times(exp.seed, exp.requests_per_second)
+        prompts = prompt_order(prompt_pool(exp, self.cfg.model.base.seed), exp.prompt_seed, prompt_repeats(self.cfg))
+        in_flight: dict[asyncio.Task, tuple[int, float]] = {}
+        sent = answered = 0
+        await self.evaluate(0)
+        while answered < exp.rollouts_per_arm:
+            while len(in_flight) < exp.concurrency and sent < exp.rollouts_per_arm:
+                task = asyncio.create_task(self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + sent))
+                in_flight[task] = (sent, next(arrivals))
+                sent += 1
+            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda d: in_flight[d][0]):
+                _, arrived_at = in_flight.pop(task)
+                _, interaction = task.result()
+                self.answered(interaction, arrived_at)
+                answered += 1
+                if answered % exp.eval_every == 0 or answered == exp.rollouts_per_arm:
+                    await self.evaluate(answered)
+        return answered
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """Step metrics as JSON can hold them (a NaN metric, e.g. explained variance of one token, is left out)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier, out: Path,
+                      progress: Callable[[str], None] = print) -> ArmSummary:
+    """Run one arm of ``cfg``'s scenario in this process; results go to ``out/<arm>.jsonl``."""
+    from apps.experiments.scenario import arm_config
+
+    arm = next(a for a in cfg.experiment.arms if a.name == arm_name)
+    acfg = arm_config(cfg, arm)
+    results_path = out / f"{arm.name}.jsonl"
+    results_path.unlink(missing_ok=True)
+    started = time.monotonic()
+    runner = InProcessArm(acfg, classifier, results_path, progress)
+    runner.engine.start_thread()
+    try:
+        answered = asyncio.run(runner.run())
+    finally:
+        runner.engine.stop_thread()
+    wall = round(time.monotonic() - started, 1)
+    c = runner.learner.joiner.counters
+    groups = c.complete_groups + c.incomplete_groups
+    grouped = acfg.algorithm.name == "grpo"
+    summary = ArmSummary(name=arm.name, driver="inprocess", answered=answered, wall_s=wall, traffic_s=wall,
+                         learner_steps=runner.learner.counts.steps,
+                         complete_groups=c.complete_groups if grouped else None,
+                         incomplete_groups=c.incomplete_groups if grouped else None,
+                         group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None)
+    progress(f"arm {arm.name}: {answered} answered, {runner.learner.counts.steps} learner steps, "
+             f"policy v{runner.learner.version}, {wall} s")
+    return summary

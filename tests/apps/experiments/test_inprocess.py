@@ -1,0 +1,93 @@
+"""The in-process driver: a real arm (tiny model, serving's request path, judge, join, learner
+step) in rollout time, its results files, and the report read from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.config import ExperimentConfig
+from apps.experiments.inprocess import StepRule, run_arm_inprocess
+from apps.experiments.plots import STYLE_SHARE_PNG
+from apps.experiments.report import write_report
+from apps.experiments.results import read_arm, summary_path, write_scenario, write_summary
+from tests.fixtures.models import tiny_config
+
+ROLLOUTS = 24
+
+
+def scenario(**fields) -> dict:
+    return {"experiment.name": "tiny", "experiment.rollouts_per_arm": ROLLOUTS, "experiment.concurrency": 2,
+            "experiment.max_tokens": 8, "experiment.eval_every": 12, "experiment.eval_prompts": 2,
+            "experiment.prompt_pool_size": 6, "experiment.metrics_window": 4,
+            "experiment.requests_per_second": 10.0, "experiment.reward_delay_s": 0.2,
+            "experiment.schedule": [{"from_rollout": 0, "style": "cute"}, {"from_rollout": 8, "style": "archaic"},
+                                    {"from_rollout": 16, "style": "formal"}],
+            "algorithm.policy_lr": 1e-3, "trainer.min_rollouts": 2, **fields}
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    from apps.default_model.corpus import STYLES
+    from apps.experiments.style import train_classifier
+
+    return train_classifier(STYLES, seed=0)
+
+
+def run_arm(tmp_path, tiny_model_dir, classifier, arm: dict, **fields):
+    cfg = tiny_config(tmp_path / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": [arm],
+                                            **scenario(**fields)})
+    out = tmp_path / "results"
+    write_scenario(out, cfg.experiment)
+    summary = run_arm_inprocess(cfg, arm["name"], classifier, out, progress=lambda _: None)
+    write_summary(out, summary)
+    return cfg, out, summary
+
+
+def test_a_sao_arm_runs_every_rollout_and_trains(tmp_path, tiny_model_dir, classifier):
+    cfg, out, summary = run_arm(tmp_path, tiny_model_dir, classifier, {"name": "sao"})
+    arm = read_arm(out / "sao.jsonl")
+    assert [r.rollout for r in arm.rewards] == list(range(ROLLOUTS))
+    assert [r.preferred for r in arm.rewards] == [cfg.experiment.preferred_style(i) for i in range(ROLLOUTS)]
+    assert all(r.sampled_style in cfg.experiment.styles for r in arm.rewards)
+    assert [e.rollout for e in arm.evals] == [0, 12, 24] and arm.evals[0].version == 0
+    assert summary.answered == ROLLOUTS and summary.learner_steps == len(arm.steps) > 0
+    versions = [s.version for s in arm.steps]
+    assert versions == sorted(versions) and versions[-1] >= 1
+    assert all("value_loss" in s.metrics for s in arm.steps)  # sao's critic trained in each step
+    assert max(r.version for r in arm.rewards) >= 1  # later answers came from a trained version
+    assert summary.group_wait_s is None and summary.incomplete_groups is None  # not a grouped rule
+
+
+def test_grpo_group_counters_reach_the_report_from_a_real_arm(tmp_path, tiny_model_dir, classifier):
+    arm = {"name": "grpo_g2", "algorithm": {"name": "grpo", "group_size": 2, "ppo_epochs": 1}}
+    cfg, out, summary = run_arm(tmp_path, tiny_model_dir, classifier, arm, **{
+        "experiment.drop_rate": 0.5, "reward.group_timeout_s": 0.5})
+    rows = read_arm(out / "grpo_g2.jsonl").rewards
+    dropped = sum(not r.delivered for r in rows)
+    assert 0 < dropped < ROLLOUTS
+    # Every prompt is asked twice in a row: a dropped reward leaves its group one short, and the
+    # group goes to a step as it is once its member has waited 0.5 s (five arrivals at 10/s).
+    assert summary.incomplete_groups >= 1
+    assert 2 * summary.complete_groups + summary.incomplete_groups <= ROLLOUTS - dropped
+    assert summary.group_wait_s >= 0.5 * summary.incomplete_groups / (summary.complete_groups + summary.incomplete_groups)
+    saved = summary_path(out, "grpo_g2").read_text()
+    assert f'"incomplete_groups": {summary.incomplete_groups}' in saved
+
+    text = write_report(out, tmp_path / "report").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| grpo_g2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[7] == f"{summary.group_wait_s:.1f}" and cells[8] == f"{summary.incomplete_groups:.1f}"
+    assert (tmp_path / "report" / STYLE_SHARE_PNG).is_file()
+
+
+def test_the_step_rule_is_the_learners_on_the_virtual_clock():
+    rule = StepRule(min_rollouts=4, token_budget=100, max_wait_s=2.0)
+    assert not rule.due(0, 0, now=0.0)
+    assert not rule.due(3, 30, now=1.0)  # ready since 1.0
+    assert rule.due(4, 40, now=1.5)  # min_rollouts
+    rule.ready_since = None  # a step took them
+    assert rule.due(1, 100, now=2.0)  # token budget
+    rule.ready_since = None
+    assert not rule.due(1, 10, now=3.0) and not rule.due(1, 10, now=4.9)
+    assert rule.due(1, 10, now=5.0)  # ready for max_wait_s
+    assert StepRule(4, 100, None).due(3, 30, now=1e9) is False

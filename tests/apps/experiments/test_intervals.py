@@ -1,0 +1,44 @@
+"""Across-seed intervals on numbers worked out by hand (the exact bootstrap of the mean)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from apps.experiments.intervals import Interval, bootstrap_band, interval
+
+
+def test_five_seeds_with_one_success():
+    # Resampled means of [0, 0, 0, 0, 1]: k successes of 5 draws with p = 1/5.
+    # P(0) = 0.8^5 = 0.328 >= 0.025 -> low 0. P(k >= 4) = 5 * 0.2^4 * 0.8 + 0.2^5 = 0.00672 < 0.025 but
+    # P(k >= 3) = 0.05792 >= 0.025 -> high 3/5.
+    assert interval([0, 0, 0, 0, 1]) == Interval(mean=0.2, low=0.0, high=pytest.approx(0.6), n=5)
+
+
+def test_small_cases():
+    assert interval([0, 1]) == Interval(0.5, 0.0, 1.0, 2)  # means 0, .5, .5, 1
+    # [1, 2, 3]: each extreme mean has probability 1/27 = 0.037 >= 0.025, so the interval spans them.
+    assert interval([1, 2, 3]) == Interval(2.0, 1.0, 3.0, 3)
+    assert interval([0.4]) == Interval(0.4, 0.4, 0.4, 1)
+    assert interval([0.3, 0.3, 0.3]) == Interval(pytest.approx(0.3), pytest.approx(0.3), pytest.approx(0.3), 3)
+
+
+def test_missing_values_are_left_out_and_counted():
+    assert interval([None, 2.0, float("nan")]) == Interval(2.0, 2.0, 2.0, 1)
+    assert interval([None, None]) is None
+
+
+def test_many_seeds_are_drawn_and_stay_inside_the_data():
+    values = list(range(8))  # 8^8 resamples: drawn, seeded
+    first, again = interval(values), interval(values)
+    assert first == again and first.mean == 3.5
+    assert 0 < first.low < 3.5 < first.high < 7
+
+
+def test_pointwise_band_and_apart():
+    low, high = bootstrap_band(np.array([[0.0, 1.0], [1.0, 1.0]]))
+    assert low.tolist() == [0.0, 1.0] and high.tolist() == [1.0, 1.0]
+    assert Interval(0.6, 0.5, 0.7, 5).apart_from(Interval(0.3, 0.2, 0.4, 5))
+    assert not Interval(0.6, 0.35, 0.7, 5).apart_from(Interval(0.3, 0.2, 0.4, 5))
+    with pytest.raises(ValueError):
+        bootstrap_band(np.zeros((0, 3)))

@@ -34,9 +34,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from apps.config import AppConfig
 from apps.experiments.judge import QualityStyleJudge
 from apps.experiments.judge_service import ScheduleJudge
 from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
-from apps.experiments.scenario import eval_prompts, prompt_pool, prompt_repeats
+from apps.experiments.scenario import arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats
 from apps.experiments.style import StyleClassifier
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.batch import Rollout, collate
@@ -192,23 +191,6 @@ class InProcessLearner:
         return out
 
 
-def arrival_times(exp_seed: int, rate: float) -> Iterator[float]:
-    """The live users' seeded Poisson arrivals (experiments/simulate.py draws the same sequence)."""
-    rng, t = random.Random(exp_seed), 0.0
-    while True:
-        t += rng.expovariate(rate)
-        yield t
-
-
-def prompt_order(prompts: list[str], seed: int, repeats: int) -> Iterator[str]:
-    """Endless prompts: a seeded shuffle of the pool per pass, each prompt ``repeats`` times."""
-    rng = random.Random(seed)
-    while True:
-        for prompt in rng.sample(prompts, len(prompts)):
-            for _ in range(repeats):
-                yield prompt
-
-
 @dataclass(order=True)
 class _DueReward:
     due: float
@@ -270,7 +252,8 @@ class InProcessArm:
     async def run(self) -> int:
         """Send ``rollouts_per_arm`` requests (``concurrency`` in flight); returns how many were answered."""
         exp = self.exp
-        arrivals = arrival_times(exp.seed, exp.requests_per_second)
+        gaps = arrival_gaps(exp.seed, exp.requests_per_second)
+        arrived_at = 0.0
         prompts = prompt_order(prompt_pool(exp, self.cfg.model.base.seed), exp.prompt_seed, prompt_repeats(self.cfg))
         in_flight: dict[asyncio.Task, tuple[int, float]] = {}
         sent = answered = 0
@@ -278,7 +261,8 @@ class InProcessArm:
         while answered < exp.rollouts_per_arm:
             while len(in_flight) < exp.concurrency and sent < exp.rollouts_per_arm:
                 task = asyncio.create_task(self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + sent))
-                in_flight[task] = (sent, next(arrivals))
+                arrived_at += next(gaps)
+                in_flight[task] = (sent, arrived_at)
                 sent += 1
             done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda d: in_flight[d][0]):

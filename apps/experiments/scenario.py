@@ -9,6 +9,7 @@ the base model split them (apps/default_model/builder.py: HELDOUT_FRACTION and
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from apps.config import AppConfig, ArmConfig, ExperimentConfig
@@ -37,6 +38,23 @@ def eval_prompts(exp: ExperimentConfig, split_seed: int) -> list[str]:
     """``exp.eval_prompts`` held-out prompts (all of them if fewer), the same at every measurement."""
     prompts = heldout_prompts(split_seed)
     return random.Random(exp.prompt_seed).sample(prompts, min(exp.eval_prompts, len(prompts)))
+
+
+def prompt_order(prompts: list[str], seed: int, repeats: int) -> Iterator[str]:
+    """Endless prompts of simulated users: a seeded shuffle of the pool per pass, each prompt
+    ``repeats`` times in a row."""
+    rng = random.Random(seed)
+    while True:
+        for prompt in rng.sample(prompts, len(prompts)):
+            for _ in range(repeats):
+                yield prompt
+
+
+def arrival_gaps(seed: int, rate: float) -> Iterator[float]:
+    """Seconds between two simulated requests: a seeded Poisson process of ``rate`` per second."""
+    rng = random.Random(seed)
+    while True:
+        yield rng.expovariate(rate)
 
 
 def prompt_repeats(cfg: AppConfig) -> int:

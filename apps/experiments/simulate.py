@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from openai import AsyncOpenAI
 
 from apps.config import AppConfig, ExperimentConfig
 from apps.experiments.results import EvalRow, append_row
-from apps.experiments.scenario import eval_prompts, prompt_pool, prompt_repeats
+from apps.experiments.scenario import arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats
 from apps.experiments.style import StyleClassifier
 
 MAX_CONSECUTIVE_FAILURES = 20
@@ -96,11 +95,7 @@ class SimulatedUsers:
 
     def prompt_order(self) -> Iterator[str]:
         """Endless prompts: a seeded shuffle of the pool per pass, each prompt ``repeats`` times."""
-        rng = random.Random(self.scenario.prompt_seed)
-        while True:
-            for prompt in rng.sample(self.prompts, len(self.prompts)):
-                for _ in range(self.repeats):
-                    yield prompt
+        return prompt_order(self.prompts, self.scenario.prompt_seed, self.repeats)
 
     async def run(self, total: int | None = None) -> SimStats:
         """Send requests until ``total`` (default ``rollouts_per_arm``) were answered.
@@ -109,7 +104,7 @@ class SimulatedUsers:
         replaced; MAX_CONSECUTIVE_FAILURES in a row raise. Errors of ``on_response`` raise.
         """
         total = self.scenario.rollouts_per_arm if total is None else total
-        arrivals = random.Random(self.scenario.seed)
+        gaps = arrival_gaps(self.scenario.seed, self.scenario.requests_per_second)
         prompts = self.prompt_order()
         tasks: set[asyncio.Task] = set()
         failures_in_row = 0
@@ -143,7 +138,7 @@ class SimulatedUsers:
                 if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
                     raise RuntimeError(f"{failures_in_row} requests failed in a row; last error: {last_error}")
                 if self.stats.answered + len(tasks) < total and len(tasks) < self.scenario.concurrency:
-                    await asyncio.sleep(arrivals.expovariate(self.scenario.requests_per_second))
+                    await asyncio.sleep(next(gaps))
                     tasks.add(asyncio.create_task(one(self.stats.sent, next(prompts))))
                     self.stats.sent += 1
                     continue

@@ -58,6 +58,14 @@ def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.experiments.sweep import run_lr_sweep
+
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    run_lr_sweep(cfg, rates, arms=args.arm or None, progress=lambda line: print(line, flush=True))
+    return 0
+
+
 def _judge(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.judge_service import run_judge_cli
 
@@ -118,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="shortcut for --set experiment.driver=...: live processes on Kafka (the "
                                "reference) or everything in one process in rollout time (fast sweeps)")
     simulate.set_defaults(run=_simulate)
+
+    sweep = sub.add_parser("lr-sweep", help="run every arm of a scenario once per policy learning rate; "
+                                            "report, and the best rate per arm")
+    sweep.add_argument("--scenario", help="scenario YAML (same as --config)")
+    sweep.add_argument("--rates", required=True, help="comma-separated policy learning rates, e.g. 1e-4,3e-4,1e-3")
+    sweep.add_argument("--arm", action="append", help="sweep only this arm (repeatable)")
+    sweep.add_argument("--seeds", type=int, metavar="N", help="shortcut for --set experiment.seeds=N")
+    sweep.add_argument("--driver", choices=["live", "inprocess"], help="shortcut for --set experiment.driver=...")
+    sweep.set_defaults(run=_lr_sweep)
 
     judge = sub.add_parser("judge", help="the reward service: scores interactions from Kafka, produces rewards")
     judge.add_argument("--arm", help="experiment arm whose results file the scores go to")

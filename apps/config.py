@@ -95,7 +95,8 @@ def _default_arms() -> list[ArmConfig]:
         ArmConfig(name="sao", algorithm={"name": "sao"}),
         ArmConfig(name="running_mean_w8", algorithm={"name": "running_mean", "running_mean_window": 8}),
         ArmConfig(name="running_mean_w128", algorithm={"name": "running_mean", "running_mean_window": 128}),
-        ArmConfig(name="grpo_dis_g4", algorithm={"name": "grpo", "use_dis": True, "group_size": 4}),
+        # one policy update per batch, like every other arm (ppo_epochs defaults to 2)
+        ArmConfig(name="grpo_dis_g4", algorithm={"name": "grpo", "use_dis": True, "group_size": 4, "ppo_epochs": 1}),
         ArmConfig(name="sao_k1", algorithm={"name": "sao", "critic_updates": 1}),
         ArmConfig(name="sao_unfrozen_attention", algorithm={"name": "sao", "freeze_critic_attention": False}),
     ]

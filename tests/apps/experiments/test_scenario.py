@@ -56,6 +56,16 @@ def test_run_files_describe_the_experiment(name):
     assert {"sao", "running_mean_w128", "grpo_dis_g4"} <= {a.name for a in exp.arms}
 
 
+@pytest.mark.parametrize("name", ["drift.yaml", "drift-short.yaml", None])
+def test_every_arm_makes_one_policy_update_per_batch(name):
+    """Equal baselines: grpo's (and ppo's) clipped epochs default to 2, SAO and running_mean make one."""
+    cfg = load_app_config(CONFIGS / name if name else None, environ={})
+    for arm in cfg.experiment.arms:
+        algorithm = arm.algorithm_config(cfg.algorithm)
+        if algorithm.name in ("grpo", "ppo"):
+            assert algorithm.ppo_epochs == 1, arm.name
+
+
 def test_short_run_is_smaller_than_the_full_one():
     full = load_app_config(CONFIGS / "drift.yaml", environ={}).experiment
     short = load_app_config(CONFIGS / "drift-short.yaml", environ={}).experiment

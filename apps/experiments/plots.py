@@ -92,7 +92,7 @@ def plot_style_share(runs: list[Run], arms: list[str], path: Path) -> None:
         _mark_switches(ax, scenario)
         ax.set_title(f"{arm} (preferred: " + ", ".join(p.style for p in scenario.schedule) + ")", fontsize=10)
         ax.set(ylabel="share of answers", ylim=(0, 1))
-        ax.legend(loc="lower right", fontsize=7, ncols=len(styles))
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     axes[-1].set_xlabel("rollout")
     fig.savefig(path, dpi=100)
 

@@ -58,6 +58,7 @@ class SeedMetrics:
     final_style_accuracy: float | None
     group_wait_s: float | None
     incomplete_groups: int | None
+    rollbacks: int | None
 
 
 def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
@@ -73,7 +74,8 @@ def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
                                  scenario.collapse_fraction),
         final_style_accuracy=arm.evals[-1].style_accuracy if arm.evals else None,
         group_wait_s=summary.group_wait_s if summary else None,
-        incomplete_groups=summary.incomplete_groups if summary else None)
+        incomplete_groups=summary.incomplete_groups if summary else None,
+        rollbacks=summary.rollbacks if summary else None)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class ArmSummaryAcrossSeeds:
     final_style_accuracy: Interval | None
     group_wait_s: Interval | None
     incomplete_groups: Interval | None
+    rollbacks: Interval | None
     per_seed: list[SeedMetrics]
 
 
@@ -119,7 +122,8 @@ def summarize_arm(name: str, per_seed: list[SeedMetrics], scenario: ExperimentCo
         collapsed=sum(m.collapse.collapsed for m in per_seed),
         final_style_accuracy=interval([m.final_style_accuracy for m in per_seed]),
         group_wait_s=interval([m.group_wait_s for m in per_seed]),
-        incomplete_groups=interval([m.incomplete_groups for m in per_seed]), per_seed=per_seed)
+        incomplete_groups=interval([m.incomplete_groups for m in per_seed]),
+        rollbacks=interval([m.rollbacks for m in per_seed]), per_seed=per_seed)
 
 
 def arm_names(runs: list[Run], scenario: ExperimentConfig) -> list[str]:

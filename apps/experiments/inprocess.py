@@ -11,11 +11,13 @@ machine. This driver runs the same parts without the transport and the clock:
   directly instead of over HTTP; its log keeps records in memory instead of Kafka;
 * the judge is :class:`~apps.experiments.judge_service.ScheduleJudge`, the scoring,
   seeded drops and results file of the judge service;
-* the learner is the live learner's rule: interactions and rewards go through
-  :class:`~trainer.join.RewardJoiner`; a step starts on ``trainer.min_rollouts``,
-  ``trainer.token_budget`` or ``trainer.max_wait_s`` exactly as in trainer/learner.py,
-  runs the configured learning rule (``Algorithm.step``) and hands the new weights to
-  the engine's hot-swap (what the weights follower does after a publish).
+* the learner is the live learner's: its models and learning rule from
+  :func:`trainer.startup.build_models`, interactions and rewards through
+  :class:`~trainer.join.RewardJoiner`, a step when ``trainer.min_rollouts``,
+  ``trainer.token_budget`` or ``trainer.max_wait_s`` say so (trainer/feed.py's rule),
+  the joined rollouts converted by :func:`trainer.feed.to_rollouts`, one
+  ``Algorithm.step``, and the new weights handed to the engine's hot-swap (what the
+  weights follower does after a publish).
 
 Time is virtual. Request i arrives at the i-th arrival of the same seeded Poisson
 process the live users draw (rate ``requests_per_second``); an answer's record time is
@@ -25,7 +27,8 @@ learner step runs while the engine keeps decoding the requests in flight (at mos
 ``concurrency``), so later answers are sampled by the version they would be live, give
 or take the learner's speed: live, the learner keeps up with 3 requests/s
 (docs/EXPERIMENTS.md), here it always does. What differs from live: no HTTP, no Kafka,
-no MLflow, no weight store, no checkpoints, and per-request sampling seeds (derived
+no MLflow, no weight store, no checkpoints, no registry (so no promotion gate and no
+roll-back: every applied step is served), and per-request sampling seeds (derived
 from ``experiment.seed``) where live users send none.
 """
 
@@ -44,12 +47,11 @@ from prometheus_client import CollectorRegistry
 
 from apps.config import AppConfig
 from apps.experiments.judge import QualityStyleJudge
-from apps.experiments.judge_service import ScheduleJudge
+from apps.experiments.judge_service import SOURCE, ScheduleJudge
 from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
 from apps.experiments.scenario import arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats
 from apps.experiments.style import StyleClassifier
-from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
-from online_sao.batch import Rollout, collate
+from online_sao.batch import collate
 from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.schemas import Interaction, Reward
 from serving.engine.torch_engine import TorchEngine
@@ -59,8 +61,10 @@ from serving.openai_serving import OpenAIServing
 from serving.protocol import ChatCompletionRequest
 from serving.receipt import Receipt
 from serving.trajectories import TrajectoryCache
+from trainer.distributed import DistContext
+from trainer.feed import to_rollouts
 from trainer.join import RewardJoiner
-from trainer.rollouts import RolloutError
+from trainer.startup import build_models
 
 REQUEST_SEED_STRIDE = 1_000_000
 """Request i of scenario seed s samples with seed s * stride + i: distinct across seeds and arms' requests."""
@@ -126,33 +130,26 @@ class StepRule:
         return ready > 0 and (ready >= self.min_rollouts or ready_tokens >= self.token_budget or waited)
 
 
-@dataclass
-class LearnerCounts:
-    steps: int = 0
-    refused: int = 0
-    invalid_rollouts: int = 0
-    empty_rollouts: int = 0
-
-
 class InProcessLearner:
-    """The learner's join, step rule and step over one process's policy; new versions go to ``engine``."""
+    """The live learner's models (trainer/startup.py), join, step rule and step in one process;
+    each applied step's weights go to ``engine`` as the next version."""
 
     def __init__(self, cfg: AppConfig, engine: TorchEngine) -> None:
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg
         self.engine = engine
-        self.policy = load_policy(cfg.model_dir, cfg.model.dtype)
-        self.pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
-        self.critic = build_critic(cfg.algorithm, self.policy)
-        opts = build_optimizers(cfg.algorithm, self.policy, self.critic)
-        self.optimizers = opts
-        self.algorithm = build_algorithm(cfg.algorithm, self.policy, self.critic, opts.policy, opts.critic,
-                                         opts.critic_scheduler)
+        self.ctx = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+        self.models = build_models(cfg, self.ctx)
         self.joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
         t = cfg.trainer
         self.rule = StepRule(t.min_rollouts, t.token_budget, t.max_wait_s)
         self.version = engine.policy_version
-        self.counts = LearnerCounts()
+        self.steps = 0
+        self.counters: dict[str, float] = {"invalid_rollouts": 0.0, "empty_rollouts": 0.0, "refused_steps": 0.0}
+
+    @property
+    def algorithm(self):
+        return self.models.trainables.algorithm
 
     def step_if_due(self, now: float) -> dict[str, float] | None:
         """One step when the learner's rule says so; returns its metrics (None: no step)."""
@@ -163,32 +160,20 @@ class InProcessLearner:
         if not self.rule.due(ready, tokens, now):
             return None
         self.rule.ready_since = None
-        rollouts = self._rollouts(self.joiner.pop_ready(t.max_rollouts_per_step, t.token_budget,
-                                                        self.algorithm.group_size))
+        taken = self.joiner.pop_ready(t.max_rollouts_per_step, t.token_budget, self.algorithm.group_size)
+        rollouts = to_rollouts(taken, self.counters, self.models.vocab_size)
         if not rollouts:
             return None
-        metrics = self.algorithm.step(collate(rollouts, self.pad_token_id, policy_version=self.version))
-        self.counts.steps += 1
+        batch = collate(rollouts, self.models.pad_token_id, policy_version=self.version)
+        metrics = self.algorithm.step(batch)
+        self.steps += 1
         if metrics.get("skipped_nonfinite", 0.0) > 0:
-            self.counts.refused += 1
+            self.counters["refused_steps"] += 1
             return metrics
         self.version += 1
-        self.engine.swap_weights(self.version, {k: v.detach() for k, v in self.policy.state_dict().items()})
+        policy = self.models.trainables.policy
+        self.engine.swap_weights(self.version, {k: v.detach() for k, v in policy.state_dict().items()})
         return metrics
-
-    def _rollouts(self, taken) -> list[Rollout]:
-        out = []
-        for joined in taken:
-            try:
-                rollout = joined.to_rollout()
-            except RolloutError:
-                self.counts.invalid_rollouts += 1
-                continue
-            if rollout.num_action_tokens == 0:
-                self.counts.empty_rollouts += 1
-                continue
-            out.append(rollout)
-        return out
 
 
 @dataclass(order=True)
@@ -221,17 +206,18 @@ class InProcessArm:
     def answered(self, interaction: Interaction, arrived_at: float) -> None:
         """Judge an answer, let due rewards reach the join, and step the learner while its rule says so."""
         self.now = max(self.now, arrived_at)
-        judged = self.judge.score(interaction)
+        row = self.judge.score(interaction)
         self.learner.joiner.add_interaction(interaction, arrived_at)
-        if judged.reward is not None:
-            heapq.heappush(self._rewards, _DueReward(arrived_at + self.exp.reward_delay_s, self._seq, judged.reward))
+        if row.delivered:
+            reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE)
+            heapq.heappush(self._rewards, _DueReward(arrived_at + self.exp.reward_delay_s, self._seq, reward))
             self._seq += 1
         while self._rewards and self._rewards[0].due <= self.now:
             due = heapq.heappop(self._rewards)
             self.learner.joiner.add_reward(due.reward, due.due)
         self.learner.joiner.advance(self.now)
         while (metrics := self.learner.step_if_due(self.now)) is not None:
-            append_row(self.results_path, StepRow(step=self.learner.counts.steps, rollout=self.judge.rollout,
+            append_row(self.results_path, StepRow(step=self.learner.steps, rollout=self.judge.rollout,
                                                   version=self.learner.version, metrics=_finite(metrics)))
 
     async def evaluate(self, rollout: int) -> None:
@@ -301,10 +287,10 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
     groups = c.complete_groups + c.incomplete_groups
     grouped = acfg.algorithm.name == "grpo"
     summary = ArmSummary(name=arm.name, driver="inprocess", answered=answered, wall_s=wall, traffic_s=wall,
-                         learner_steps=runner.learner.counts.steps,
+                         learner_steps=runner.learner.steps,
                          complete_groups=c.complete_groups if grouped else None,
                          incomplete_groups=c.incomplete_groups if grouped else None,
                          group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None)
-    progress(f"arm {arm.name}: {answered} answered, {runner.learner.counts.steps} learner steps, "
+    progress(f"arm {arm.name}: {answered} answered, {runner.learner.steps} learner steps, "
              f"policy v{runner.learner.version}, {wall} s")
     return summary

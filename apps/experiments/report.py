@@ -66,10 +66,10 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
     lines = _intro(scenario, runs, seeds)
     lines += ["## Summary", ""] + _table(
         ["arm", "seeds", "rollouts", "mean reward", "post-switch mean", "collapsed", "final held-out style acc.",
-         "group wait (s)", "incomplete groups"],
+         "group wait (s)", "incomplete groups", "roll-backs"],
         [[a.name, str(a.seeds), str(a.rollouts), cell(a.mean_reward), cell(a.post_switch_mean),
           f"{a.collapsed}/{a.seeds}", cell(a.final_style_accuracy), cell(a.group_wait_s, 1),
-          cell(a.incomplete_groups, 1)] for a in arms])
+          cell(a.incomplete_groups, 1), cell(a.rollbacks, 1)] for a in arms])
     heads = _phase_heads(arms)
     for title, render in (("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level)),
                           (f"Re-alignment lag (rollouts to a moving reward of {scenario.realign_threshold})",

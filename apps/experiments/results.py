@@ -99,6 +99,9 @@ class ArmSummary(_Row):
     group_wait_s: float | None = None
     """grpo: mean record-time seconds from a group's first member being ready to the group being
     handed to a step (complete or timed out)."""
+    rollbacks: int | None = None
+    """Candidates the registry's gate or monitors rolled back (live learner; the in-process driver
+    has no registry)."""
 
 
 class ArmResults(BaseModel):

@@ -20,13 +20,15 @@ machine. This driver runs the same parts without the transport and the clock:
   weights follower does after a publish).
 
 Time is virtual. Request i arrives at the i-th arrival of the same seeded Poisson
-process the live users draw (rate ``requests_per_second``); an answer's record time is
-its request's arrival, its reward's is that plus ``reward_delay_s``, and a reward
-reaches the join once the virtual clock (the newest answered arrival) passes it. The
-learner step runs while the engine keeps decoding the requests in flight (at most
-``concurrency``), so later answers are sampled by the version they would be live, give
-or take the learner's speed: live, the learner keeps up with 3 requests/s
-(docs/EXPERIMENTS.md), here it always does. What differs from live: no HTTP, no Kafka,
+process the live users draw (rate ``requests_per_second``). At its arrival, first the
+rewards due by then reach the join (a reward is due ``reward_delay_s`` after its
+answer's arrival) and the learner takes every step its rule allows, each step's weights
+served at once; then the request is answered by the version served at that moment, with
+its arrival as the record time. Answers take no virtual time: live, at 3 requests/s, a
+request is answered in a fraction of a second, mostly alone, and the learner keeps up
+(docs/EXPERIMENTS.md); here it always does, and ``concurrency`` plays no part. Measured on
+drift-short, seed 0-2, the versions a trained rollout lags behind its step are then close
+to live's (docs/EXPERIMENTS.md, section 7). What differs from live: no HTTP, no Kafka,
 no MLflow, no weight store, no checkpoints, no registry (so no promotion gate and no
 roll-back: every applied step is served), and per-request sampling seeds (derived
 from ``experiment.seed``) where live users send none.
@@ -203,19 +205,29 @@ class InProcessArm:
         self._rewards: list[_DueReward] = []
         self._seq = 0
 
+    def arrive(self, at: float) -> None:
+        """Move the virtual clock to a request's arrival: rewards due by then reach the join in
+        record-time order, each followed by as many learner steps as the rule asks for (the live
+        learner checks its rule after every poll, so a step takes about ``min_rollouts``)."""
+        while self._rewards and self._rewards[0].due <= at:
+            due = heapq.heappop(self._rewards)
+            self.now = max(self.now, due.due)
+            self.learner.joiner.add_reward(due.reward, due.due)
+            self._train()
+        self.now = max(self.now, at)
+        self._train()
+
     def answered(self, interaction: Interaction, arrived_at: float) -> None:
-        """Judge an answer, let due rewards reach the join, and step the learner while its rule says so."""
-        self.now = max(self.now, arrived_at)
+        """Judge an answer, schedule its reward, and let the interaction reach the join."""
         row = self.judge.score(interaction)
-        self.learner.joiner.add_interaction(interaction, arrived_at)
         if row.delivered:
             reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE)
             heapq.heappush(self._rewards, _DueReward(arrived_at + self.exp.reward_delay_s, self._seq, reward))
             self._seq += 1
-        while self._rewards and self._rewards[0].due <= self.now:
-            due = heapq.heappop(self._rewards)
-            self.learner.joiner.add_reward(due.reward, due.due)
-        self.learner.joiner.advance(self.now)
+        self.learner.joiner.add_interaction(interaction, arrived_at)
+        self._train()
+
+    def _train(self) -> None:
         while (metrics := self.learner.step_if_due(self.now)) is not None:
             append_row(self.results_path, StepRow(step=self.learner.steps, rollout=self.judge.rollout,
                                                   version=self.learner.version, metrics=_finite(metrics)))
@@ -236,29 +248,20 @@ class InProcessArm:
         return -(self.exp.seed * REQUEST_SEED_STRIDE + rollout * 1000 + i) - 1  # never a traffic seed
 
     async def run(self) -> int:
-        """Send ``rollouts_per_arm`` requests (``concurrency`` in flight); returns how many were answered."""
+        """Answer ``rollouts_per_arm`` requests, each at its arrival; returns how many were answered."""
         exp = self.exp
         gaps = arrival_gaps(exp.seed, exp.requests_per_second)
-        arrived_at = 0.0
         prompts = prompt_order(prompt_pool(exp, self.cfg.model.base.seed), exp.prompt_seed, prompt_repeats(self.cfg))
-        in_flight: dict[asyncio.Task, tuple[int, float]] = {}
-        sent = answered = 0
+        arrived_at = 0.0
         await self.evaluate(0)
-        while answered < exp.rollouts_per_arm:
-            while len(in_flight) < exp.concurrency and sent < exp.rollouts_per_arm:
-                task = asyncio.create_task(self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + sent))
-                arrived_at += next(gaps)
-                in_flight[task] = (sent, arrived_at)
-                sent += 1
-            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda d: in_flight[d][0]):
-                _, arrived_at = in_flight.pop(task)
-                _, interaction = task.result()
-                self.answered(interaction, arrived_at)
-                answered += 1
-                if answered % exp.eval_every == 0 or answered == exp.rollouts_per_arm:
-                    await self.evaluate(answered)
-        return answered
+        for index in range(exp.rollouts_per_arm):
+            arrived_at += next(gaps)
+            self.arrive(arrived_at)
+            _, interaction = await self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + index)
+            self.answered(interaction, arrived_at)
+            if (index + 1) % exp.eval_every == 0 or index + 1 == exp.rollouts_per_arm:
+                await self.evaluate(index + 1)
+        return exp.rollouts_per_arm
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -269,9 +269,59 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
+                               progress: Callable[[str], None] = print) -> Path:
+    """The live pre-training pass (experiments/pretrain_data.py) in this process: the starting
+    policy answers ``experiment.pretrain_rollouts`` pool prompts, in the order the live pass's
+    users send them, scored under the first phase's preference; the records go to the same file."""
+    from apps.config import PRETRAIN_ARM
+    from apps.experiments.pretrain_data import PRETRAIN_FILE, judge_rewards, write_records
+    from apps.experiments.scenario import results_dir
+
+    exp = cfg.experiment
+    tokenizer = load_tokenizer(cfg.model_dir)
+    engine = TorchEngine(load_policy(cfg.model_dir, cfg.model.dtype), tokenizer, cfg.serving)
+    serving = InProcessServing(cfg, engine, tokenizer)
+    prompts = prompt_order(prompt_pool(exp, cfg.model.base.seed), exp.prompt_seed, 1)
+
+    async def answer_all() -> list[Interaction]:
+        slots = asyncio.Semaphore(exp.concurrency)
+
+        async def one(index: int, prompt: str) -> Interaction:
+            async with slots:
+                return (await serving.chat(prompt, -(exp.seed * REQUEST_SEED_STRIDE + index) - 1))[1]
+
+        return await asyncio.gather(*(one(i, next(prompts)) for i in range(exp.pretrain_rollouts)))
+
+    engine.start_thread()
+    try:
+        interactions = asyncio.run(answer_all())
+    finally:
+        engine.stop_thread()
+    rewards = judge_rewards(interactions, QualityStyleJudge(classifier), exp.preferred_style(0))
+    path = write_records(results_dir(cfg) / "arms" / PRETRAIN_ARM / PRETRAIN_FILE, interactions, rewards)
+    progress(f"value pre-training data: {len(rewards)} rollouts of the starting policy, mean reward "
+             f"{sum(r.value for r in rewards) / len(rewards):.3f} in {path}")
+    return path
+
+
+def pretrain_critic(learner: InProcessLearner, pretrain_file: Path) -> dict[str, float]:
+    """What ``learn --pretrain-critic`` does before the loop (trainer/startup.py, one rank)."""
+    from trainer.history import rollouts_from_file
+    from trainer.pretrain import pretrain_critic as fit_critic
+
+    logged = rollouts_from_file(pretrain_file, learner.cfg, learner.version)
+    if not logged:
+        return {}
+    trainables = learner.models.trainables
+    return fit_critic(trainables.critic, trainables.optimizers.critic, logged, learner.cfg.algorithm,
+                      learner.models.pad_token_id, scheduler=trainables.optimizers.critic_scheduler)
+
+
 def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier, out: Path,
-                      progress: Callable[[str], None] = print) -> ArmSummary:
-    """Run one arm of ``cfg``'s scenario in this process; results go to ``out/<arm>.jsonl``."""
+                      progress: Callable[[str], None] = print, pretrain_file: Path | None = None) -> ArmSummary:
+    """Run one arm of ``cfg``'s scenario in this process; results go to ``out/<arm>.jsonl``. An
+    arm with a critic pre-trains it on ``pretrain_file`` first when given (as live)."""
     from apps.experiments.scenario import arm_config
 
     arm = next(a for a in cfg.experiment.arms if a.name == arm_name)
@@ -280,6 +330,10 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
     results_path.unlink(missing_ok=True)
     started = time.monotonic()
     runner = InProcessArm(acfg, classifier, results_path, progress)
+    fit = {}
+    if pretrain_file is not None and runner.learner.models.trainables.critic is not None:
+        fit = _finite(pretrain_critic(runner.learner, pretrain_file))
+        progress(f"value pre-training: {fit}")
     runner.engine.start_thread()
     try:
         answered = asyncio.run(runner.run())
@@ -293,7 +347,8 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
                          learner_steps=runner.learner.steps,
                          complete_groups=c.complete_groups if grouped else None,
                          incomplete_groups=c.incomplete_groups if grouped else None,
-                         group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None)
+                         group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None,
+                         value_pretraining=fit)
     progress(f"arm {arm.name}: {answered} answered, {runner.learner.steps} learner steps, "
              f"policy v{runner.learner.version}, {wall} s")
     return summary

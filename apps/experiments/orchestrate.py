@@ -279,14 +279,16 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     for run in runs:
         write_scenario(results_dir(run), run.experiment)
     if cfg.experiment.driver == "inprocess":
-        from apps.experiments.inprocess import run_arm_inprocess
+        from apps.experiments.inprocess import collect_pretrain_inprocess, run_arm_inprocess
 
         progress(f"model: {build_base_model(cfg, progress=progress)}")
         classifier = load_or_train(cfg, progress)
         for k, run in enumerate(runs):
+            pretrain_file = collect_pretrain_inprocess(run, classifier, progress) if pretrains(run, names) else None
             for i, name in enumerate(names, 1):
                 progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} (in process) ===")
-                write_summary(results_dir(run), run_arm_inprocess(run, name, classifier, results_dir(run), progress))
+                write_summary(results_dir(run), run_arm_inprocess(run, name, classifier, results_dir(run), progress,
+                                                                  pretrain_file))
     else:
         resolved = out / "config.yaml"
         _write_private(resolved, dump_config(cfg, reveal_secrets=True))

@@ -102,6 +102,9 @@ class ArmSummary(_Row):
     rollbacks: int | None = None
     """Candidates the registry's gate or monitors rolled back (live learner; the in-process driver
     has no registry)."""
+    value_pretraining: dict[str, float] = {}
+    """What value pre-training of the critic reported (explained variance before and after, ...);
+    empty without pre-training (the live learner's are in MLflow as ``pretrain_*``)."""
 
 
 class ArmResults(BaseModel):

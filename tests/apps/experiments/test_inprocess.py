@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from apps.config import ExperimentConfig
-from apps.experiments.inprocess import StepRule, run_arm_inprocess
+from apps.experiments.inprocess import StepRule, collect_pretrain_inprocess, run_arm_inprocess
 from apps.experiments.plots import STYLE_SHARE_PNG
 from apps.experiments.report import write_report
 from apps.experiments.results import read_arm, summary_path, write_scenario, write_summary
@@ -33,18 +33,24 @@ def classifier():
     return train_classifier(STYLES, seed=0)
 
 
-def run_arm(tmp_path, tiny_model_dir, classifier, arm: dict, **fields):
+def run_arm(tmp_path, tiny_model_dir, classifier, arm: dict, pretrain: bool = False, **fields):
     cfg = tiny_config(tmp_path / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": [arm],
-                                            **scenario(**fields)})
+                                            "experiment.results_dir": str(tmp_path / "results"), **scenario(**fields)})
     out = tmp_path / "results"
     write_scenario(out, cfg.experiment)
-    summary = run_arm_inprocess(cfg, arm["name"], classifier, out, progress=lambda _: None)
+    pretrain_file = collect_pretrain_inprocess(cfg, classifier, progress=lambda _: None) if pretrain else None
+    summary = run_arm_inprocess(cfg, arm["name"], classifier, out, progress=lambda _: None,
+                                pretrain_file=pretrain_file)
     write_summary(out, summary)
     return cfg, out, summary
 
 
-def test_a_sao_arm_runs_every_rollout_and_trains(tmp_path, tiny_model_dir, classifier):
-    cfg, out, summary = run_arm(tmp_path, tiny_model_dir, classifier, {"name": "sao"})
+def test_a_sao_arm_pretrains_its_critic_runs_every_rollout_and_trains(tmp_path, tiny_model_dir, classifier):
+    cfg, out, summary = run_arm(tmp_path, tiny_model_dir, classifier, {"name": "sao"}, pretrain=True,
+                                **{"experiment.pretrain_rollouts": 10})
+    records = (out / "arms" / "pretrain-data" / "records.jsonl").read_text().splitlines()
+    assert len(records) == 20  # 10 interactions of the starting policy and their rewards
+    assert summary.value_pretraining["train_rollouts"] + summary.value_pretraining["held_out_rollouts"] == 10
     arm = read_arm(out / "sao.jsonl")
     assert [r.rollout for r in arm.rewards] == list(range(ROLLOUTS))
     assert [r.preferred for r in arm.rewards] == [cfg.experiment.preferred_style(i) for i in range(ROLLOUTS)]

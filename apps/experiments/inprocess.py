@@ -31,7 +31,9 @@ drift-short, seed 0-2, the versions a trained rollout lags behind its step are t
 to live's (docs/EXPERIMENTS.md, section 7). What differs from live: no HTTP, no Kafka,
 no MLflow, no weight store, no checkpoints, no registry (so no promotion gate and no
 roll-back: every applied step is served), and per-request sampling seeds (derived
-from ``experiment.seed``) where live users send none.
+from ``experiment.seed``) where live users send none. With those seeds, and every weight
+swap between two requests, a run is reproducible: the same configuration gives the same
+results file (a live run is not: its timing decides which version samples what).
 """
 
 from __future__ import annotations

@@ -207,6 +207,10 @@ class RewardConfig(Section):
     """What happens to an interaction whose window closes without a reward."""
     default_value: float = 0.0
     """Reward given when on_missing is 'default'."""
+    group_timeout_s: float | None = Field(30.0, gt=0)
+    """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
+    rest; then the group is trained on as it is and counted (``join_incomplete_groups``). A group
+    whose member lost its reward would otherwise never complete. None waits forever."""
     memory_s: float | None = Field(None, gt=0)
     """How long after its creation the learner remembers an interaction id (trainer/id_memory.py).
     An interaction first read later than that is refused (counted as join_expired_interactions), so

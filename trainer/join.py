@@ -16,7 +16,12 @@ until the other arrives:
   another partition or consumer) and joins when the interaction arrives; held
   rewards expire ``window_s`` after their own timestamp (counted);
 * a reward for an interaction already taken for training, dropped or closed is
-  counted and logged as late and never applied.
+  counted and logged as late and never applied;
+* grpo (``group_size > 1``): ready rollouts of one prompt are handed out in groups of
+  ``group_size``; a group still incomplete ``reward.group_timeout_s`` after its oldest
+  member became ready (a member's reward was dropped, say) is handed out as it is and
+  counted; the record time from a group's first member being ready to its handing out is
+  summed (``group_wait_s``).
 
 Clock: windows are measured on *record timestamps*, never on the wall clock.
 The joiner's clock (the watermark) is the largest timestamp of any record it was
@@ -58,7 +63,7 @@ import heapq
 import logging
 from collections import OrderedDict
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
@@ -182,10 +187,12 @@ class RewardJoiner:
         taken: list[JoinedInteraction] = []
         tokens = 0
         ready = list(self._ready.values())
-        groups = complete_groups(ready, group_size) if group_size > 1 else [[e] for e in ready]
+        groups = self._groups(ready, group_size) if group_size > 1 else [[e] for e in ready]
         for group_id, group in enumerate(groups):
             if taken and (len(taken) + len(group) > max_rollouts or tokens >= token_budget):
                 break
+            if group_size > 1:
+                self._count_group(group, group_size)
             for entry in group:
                 if entry.iid not in self._ready:
                     continue  # absorbed by a continuation taken before it in this pass
@@ -216,7 +223,7 @@ class RewardJoiner:
         def entry_state(e: Entry) -> dict[str, Any]:
             return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts, "anchor": e.anchor,
                     "contributions": [contribution_state(c) for c in e.contributions], "defaulted": e.defaulted,
-                    "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()]}
+                    "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()], "ready_at": e.ready_at}
 
         return {
             "watermark": self.watermark,
@@ -234,7 +241,8 @@ class RewardJoiner:
             interaction = Interaction.model_validate(s["interaction"])
             return Entry(interaction, s["ts"], s.get("anchor", anchor_time(interaction.created_at, s["ts"])),
                           [contribution_from(c) for c in s["contributions"]], s["defaulted"],
-                          {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])})
+                          {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])},
+                          s.get("ready_at", s["ts"]))  # older checkpoints: the interaction's time
 
         self.watermark = state["watermark"]
         self._waiting = {e.iid: e for e in map(entry_from, state["waiting"])}
@@ -326,7 +334,20 @@ class RewardJoiner:
     def _make_ready(self, entry: Entry) -> None:
         if not entry.defaulted:
             self.counters.joined += 1
+        entry.ready_at = max(entry.ts, self.watermark if self.watermark is not None else entry.ts)
         self._ready[entry.iid] = entry
+
+    def _groups(self, ready: Iterable[Entry], group_size: int) -> list[list[Entry]]:
+        return complete_groups(ready, group_size, self.watermark, self.cfg.group_timeout_s)
+
+    def _count_group(self, group: list[Entry], group_size: int) -> None:
+        first = min(e.ready_at for e in group)
+        if len(group) == group_size:
+            self.counters.complete_groups += 1
+            self.counters.group_wait_s += max(e.ready_at for e in group) - first
+        else:
+            self.counters.incomplete_groups += 1
+            self.counters.group_wait_s += self.cfg.group_timeout_s or 0.0
 
     def _close(self, entry: Entry) -> None:
         """The window of an interaction without rewards of its own ended."""
@@ -394,6 +415,6 @@ class RewardJoiner:
     def _poppable(self, group_size: int) -> list[Entry]:
         if group_size <= 1:
             return list(self._ready.values())
-        return [e for group in complete_groups(self._ready.values(), group_size) for e in group]
+        return [e for group in self._groups(self._ready.values(), group_size) for e in group]
 
 

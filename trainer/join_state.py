@@ -48,6 +48,13 @@ class JoinCounters:
     """Rewards sent to an absorbed interaction for a turn it does not have (not applied)."""
     expired_interactions: int = 0
     """Interactions created before the id memory's floor (refused: they could be copies)."""
+    complete_groups: int = 0
+    """grpo groups handed out with all their members."""
+    incomplete_groups: int = 0
+    """grpo groups handed out short of members after ``reward.group_timeout_s``."""
+    group_wait_s: float = 0.0
+    """Record time summed over handed-out groups, from the first member being ready to the
+    group being complete (or timed out)."""
 
     def metrics(self) -> dict[str, float]:
         return {f"join_{k}": float(v) for k, v in asdict(self).items()}
@@ -79,6 +86,8 @@ class Entry:
     contributions: list[Contribution] = field(default_factory=list)
     defaulted: bool = False
     claimed: dict[str, Claim] = field(default_factory=dict)
+    ready_at: float = 0.0
+    """The watermark when the entry became ready (grpo's group wait and timeout)."""
 
     @property
     def iid(self) -> str:
@@ -177,16 +186,21 @@ def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tupl
     return reward, applied, len(turns) - len(applied)
 
 
-def complete_groups(ready: Iterable[Entry], group_size: int) -> list[list[Entry]]:
-    """Complete groups of ``group_size`` ready rollouts of one prompt, in order of their
-    oldest member; an incomplete group keeps waiting."""
+def complete_groups(ready: Iterable[Entry], group_size: int, watermark: float | None = None,
+                    timeout_s: float | None = None) -> list[list[Entry]]:
+    """Groups of ``group_size`` ready rollouts of one prompt, and incomplete groups whose oldest
+    member has waited past ``timeout_s`` (record time, up to ``watermark``), in order of their
+    oldest member; other incomplete groups keep waiting."""
     by_prompt: dict[str, list[tuple[int, Entry]]] = {}
-    complete: list[list[tuple[int, Entry]]] = []
+    groups: list[list[tuple[int, Entry]]] = []
     for position, entry in enumerate(ready):
         members = by_prompt.setdefault(prompt_group_key(entry.interaction), [])
         members.append((position, entry))
         if len(members) == group_size:
-            complete.append(list(members))
+            groups.append(list(members))
             members.clear()
-    complete.sort(key=lambda group: group[0][0])
-    return [[entry for _, entry in group] for group in complete]
+    if timeout_s is not None and watermark is not None:
+        groups += [members for members in by_prompt.values()
+                   if members and watermark - min(e.ready_at for _, e in members) > timeout_s]
+    groups.sort(key=lambda group: group[0][0])
+    return [[entry for _, entry in group] for group in groups]

@@ -136,6 +136,50 @@ def test_grpo_groups_wait_until_complete():
     assert j.ready_stats(group_size=2) == (0, 0) and j.ready_stats() == (1, 3)
 
 
+def _ready(j: RewardJoiner, iid: str, prompt: tuple[int, ...], ts: float, reward: float | None = 1.0) -> None:
+    j.add_interaction(make_interaction(iid, prompt=prompt), ts=ts)
+    if reward is not None:
+        j.add_reward(make_reward(iid, reward), ts=ts)
+
+
+def test_an_incomplete_grpo_group_is_handed_out_after_the_timeout_and_counted():
+    j = joiner(group_timeout_s=5.0)
+    _ready(j, "a1", (1,), 0.0)
+    _ready(j, "b1", (2,), 1.0)
+    _ready(j, "b2", (2,), 1.5, reward=None)  # its reward was dropped: b's group never completes
+    _ready(j, "a2", (1,), 2.0)
+    assert [x.interaction.interaction_id for x in take_all(j, group_size=2)] == ["a1", "a2"]
+    _ready(j, "c1", (3,), 6.0)  # b1, ready at 1.0, has waited 5.0 s: not past the timeout
+    assert j.ready_stats(group_size=2) == (0, 0)
+    _ready(j, "c2", (3,), 6.5, reward=None)  # 5.5 s: b1 goes alone; c1 (0.5 s) keeps waiting
+    assert j.ready_stats(group_size=2) == (1, 3)
+    assert [(x.interaction.interaction_id, x.group_id) for x in take_all(j, group_size=2)] == [("b1", 0)]
+    assert (j.counters.complete_groups, j.counters.incomplete_groups) == (1, 1)
+    assert j.counters.group_wait_s == pytest.approx(2.0 + 5.0)  # a: ready 0.0 -> complete 2.0; b: the timeout
+    metrics = j.counters.metrics()
+    assert metrics["join_incomplete_groups"] == 1.0 and metrics["join_group_wait_s"] == pytest.approx(7.0)
+
+
+def test_without_a_group_timeout_an_incomplete_group_waits_forever():
+    j = joiner(group_timeout_s=None)
+    _ready(j, "b1", (2,), 1.0)
+    _ready(j, "z", (9,), 9.0)
+    assert j.ready_stats(group_size=2) == (0, 0) and j.counters.incomplete_groups == 0
+
+
+def test_group_wait_state_survives_a_checkpoint():
+    j = joiner(group_timeout_s=5.0)
+    j.add_interaction(make_interaction("b1", prompt=(2,)), ts=0.0)
+    j.add_reward(make_reward("b1", 1.0), ts=2.0)  # ready at 2.0, not at its interaction's 0.0
+    _ready(j, "z", (9,), 3.0)
+    restored = joiner(group_timeout_s=5.0)
+    restored.load_state_dict(json.loads(json.dumps(j.state_dict())))
+    _ready(restored, "y", (8,), 6.5)  # b1 has waited 4.5 s
+    assert restored.ready_stats(group_size=2) == (0, 0)
+    _ready(restored, "x", (7,), 7.5)  # 5.5 s
+    assert [x.interaction.interaction_id for x in take_all(restored, group_size=2)] == ["b1"]
+
+
 def test_bounded_memory_evicts_oldest_waiting():
     j = joiner(max_pending=2)
     for i in range(3):

@@ -72,6 +72,45 @@ class PreferencePhase(Section):
     """Preferred writing style during the phase (one of ``experiment.styles``)."""
 
 
+def schedule_problems(schedule: list[PreferencePhase], styles: list[str], rollouts: int, min_phases: int,
+                      what: str) -> list[str]:
+    """What is wrong with a preference schedule (empty: valid): its first phase starts at rollout 0,
+    phases start at increasing rollouts before ``rollouts``, each switches to a different style of
+    ``styles``, at least ``min_phases`` of them. ``what`` names the schedule in the messages."""
+    if len(schedule) < min_phases:
+        switches = {1: "one switch", 2: "two switches"}.get(min_phases - 1, f"{min_phases - 1} switches")
+        return [f"{what} needs at least {switches} ({min_phases} phases)"]
+    problems = []
+    if schedule[0].from_rollout != 0:
+        problems.append(f"the first phase of {what} must start at rollout 0")
+    for before, after in zip(schedule, schedule[1:]):
+        if after.from_rollout <= before.from_rollout:
+            problems.append(f"{what}: phases must start at increasing rollouts")
+        if after.style == before.style:
+            problems.append(f"{what}: phase at rollout {after.from_rollout} does not switch style")
+    problems += [f"{what}: style {p.style!r} is not in styles {styles}" for p in schedule if p.style not in styles]
+    if len(schedule) > 1 and schedule[-1].from_rollout >= rollouts:
+        problems.append(f"{what}: the last switch must happen before rollouts_per_arm")
+    return problems
+
+
+SHARE_TOLERANCE = 1e-6
+"""Segment shares are written as decimals in YAML (0.3 + 0.7 is not exactly 1 in binary)."""
+
+
+class UserSegment(Section):
+    """A group of simulated users with a preference schedule of its own."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the group: sent as the OpenAI ``user`` field of its requests, and in results and report."""
+    share: float = Field(gt=0, le=1)
+    """Probability that a simulated request comes from this group (the shares sum to 1)."""
+    schedule: list[PreferencePhase] = Field(min_length=1)
+    """The group's preference schedule, in the same format and rollout clock as
+    ``experiment.schedule`` (rollouts of the whole arm, every group's counted together); one
+    phase (no switch) is allowed, a group whose preference holds."""
+
+
 class ArmConfig(Section):
     """One arm of the experiment: a name and the algorithm fields it changes."""
 
@@ -173,36 +212,59 @@ class ExperimentConfig(Section):
     """Kafka consumer group of the judge."""
     results_dir: Path | None = None
     """Per-arm results (JSONL) and the report (default data_dir/experiments/<name>)."""
+    segments: list[UserSegment] = []
+    """User groups with preference schedules of their own (empty: one group that follows
+    ``schedule``). Each simulated request draws its group (seeded by ``seed``, weighted by the
+    shares) and sends the group's name as the OpenAI ``user`` field; the judge scores it against
+    that group's schedule at that rollout, and the report adds per-group reward curves and phase
+    levels. ``schedule`` still cuts the overall tables into phases and sets the preference of the
+    held-out evaluation and of value pre-training. The policy never sees the group: the chat
+    template leaves ``user`` out, as for a real service's users."""
 
     @model_validator(mode="after")
     def _schedule_valid(self) -> "ExperimentConfig":
         unknown = set(self.styles) - set(STYLES)
         if unknown or len(set(self.styles)) < 2:
             raise ValueError(f"styles must be at least two of {list(STYLES)}, got {self.styles}")
-        if len(self.schedule) < 3:
-            raise ValueError("schedule needs at least two switches (three phases)")
-        if self.schedule[0].from_rollout != 0:
-            raise ValueError("the first phase of the schedule must start at rollout 0")
-        for before, after in zip(self.schedule, self.schedule[1:]):
-            if after.from_rollout <= before.from_rollout:
-                raise ValueError("schedule phases must start at increasing rollouts")
-            if after.style == before.style:
-                raise ValueError(f"phase at rollout {after.from_rollout} does not switch style")
-        for phase in self.schedule:
-            if phase.style not in self.styles:
-                raise ValueError(f"schedule style {phase.style!r} is not in styles {self.styles}")
-        if self.schedule[-1].from_rollout >= self.rollouts_per_arm:
-            raise ValueError("the last switch must happen before rollouts_per_arm")
+        problems = schedule_problems(self.schedule, self.styles, self.rollouts_per_arm, 3, "the schedule")
+        if problems:
+            raise ValueError("; ".join(problems))
         names = [arm.name for arm in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names must be unique, got {names}")
         if PRETRAIN_ARM in names:
             raise ValueError(f"arm name {PRETRAIN_ARM!r} is reserved for the value pre-training data")
+        self._segments_valid()
         return self
 
-    def preferred_style(self, rollout: int) -> str:
-        """The style preferred at ``rollout`` (0-based)."""
-        return [p.style for p in self.schedule if p.from_rollout <= rollout][-1]
+    def _segments_valid(self) -> None:
+        if not self.segments:
+            return
+        names = [s.name for s in self.segments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"segment names must be unique, got {names}")
+        total = sum(s.share for s in self.segments)
+        if abs(total - 1.0) > SHARE_TOLERANCE:
+            raise ValueError(f"segment shares must sum to 1, got {total:g} ({names})")
+        problems = [p for s in self.segments
+                    for p in schedule_problems(s.schedule, self.styles, self.rollouts_per_arm, 1,
+                                               f"the schedule of segment {s.name!r}")]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def preferred_style(self, rollout: int, segment: str | None = None) -> str:
+        """The style preferred at ``rollout`` (0-based): by ``segment``'s users when named, else
+        by ``schedule``'s."""
+        return [p.style for p in self.segment_schedule(segment) if p.from_rollout <= rollout][-1]
+
+    def segment_schedule(self, segment: str | None) -> list[PreferencePhase]:
+        """The schedule of the named segment (``schedule`` for None); an unknown name raises."""
+        if segment is None:
+            return self.schedule
+        for s in self.segments:
+            if s.name == segment:
+                return s.schedule
+        raise ValueError(f"unknown user segment {segment!r}; the scenario has {[s.name for s in self.segments]}")
 
     @property
     def switch_rollouts(self) -> list[int]:

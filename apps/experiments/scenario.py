@@ -57,6 +57,20 @@ def arrival_gaps(seed: int, rate: float) -> Iterator[float]:
         yield rng.expovariate(rate)
 
 
+def segment_draws(exp: ExperimentConfig) -> Iterator[str | None]:
+    """The user segment of each simulated request in send order: drawn with the segments' shares
+    from a generator seeded by ``exp.seed`` (its own stream, so adding segments leaves the
+    traffic's timing and prompts as they were); None for every request without segments."""
+    if not exp.segments:
+        while True:
+            yield None
+    rng = random.Random(f"segments-{exp.seed}")
+    names = [s.name for s in exp.segments]
+    weights = [s.share for s in exp.segments]
+    while True:
+        yield rng.choices(names, weights)[0]
+
+
 def prompt_repeats(cfg: AppConfig) -> int:
     """How often simulated users send each drawn prompt in a row: grpo learns from groups of
     ``group_size`` answers to one prompt (trainer/join.py groups rollouts by prompt)."""

@@ -33,7 +33,10 @@ no MLflow, no weight store, no checkpoints, no registry (so no promotion gate an
 roll-back: every applied step is served), and per-request sampling seeds (derived
 from ``experiment.seed``) where live users send none. With those seeds, and every weight
 swap between two requests, a run is reproducible: the same configuration gives the same
-results file (a live run is not: its timing decides which version samples what).
+results file (a live run is not: its timing decides which version samples what). With
+``experiment.segments`` each request draws its user segment as the live users do
+(scenario.segment_draws) and carries it in the request's ``user`` field, so the logged
+record's ``user_id`` names it for the judge.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from apps.config import AppConfig
 from apps.experiments.judge import QualityStyleJudge
 from apps.experiments.judge_service import SOURCE, ScheduleJudge
 from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
-from apps.experiments.scenario import arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats
+from apps.experiments.scenario import (arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats,
+                                      segment_draws)
 from apps.experiments.style import StyleClassifier
 from online_sao.batch import collate
 from online_sao.modeling import load_policy, load_tokenizer
@@ -109,12 +113,13 @@ class InProcessServing:
                                  ServingMetrics(CollectorRegistry()), stop_token_ids=stop_token_ids(cfg.model_dir, tokenizer),
                                  max_model_len=max_len)
 
-    async def chat(self, prompt: str, seed: int, session_id: str | None = None) -> tuple[str, Interaction]:
-        """(answer text, logged interaction) of one chat request."""
+    async def chat(self, prompt: str, seed: int, session_id: str | None = None,
+                   user: str | None = None) -> tuple[str, Interaction]:
+        """(answer text, logged interaction) of one chat request; ``user`` is the OpenAI ``user`` field."""
         exp = self.cfg.experiment
         request = ChatCompletionRequest(model=self.cfg.serving.model_name, messages=[{"role": "user", "content": prompt}],
                                         max_tokens=exp.max_tokens, temperature=exp.temperature, seed=seed,
-                                        session_id=session_id)
+                                        session_id=session_id, user=user)
         response = await self.api.chat(request)
         return response.choices[0].message.content or "", self.log.take(response.interaction_id)
 
@@ -254,12 +259,14 @@ class InProcessArm:
         exp = self.exp
         gaps = arrival_gaps(exp.seed, exp.requests_per_second)
         prompts = prompt_order(prompt_pool(exp, self.cfg.model.base.seed), exp.prompt_seed, prompt_repeats(self.cfg))
+        segments = segment_draws(exp)
         arrived_at = 0.0
         await self.evaluate(0)
         for index in range(exp.rollouts_per_arm):
             arrived_at += next(gaps)
             self.arrive(arrived_at)
-            _, interaction = await self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + index)
+            _, interaction = await self.serving.chat(next(prompts), exp.seed * REQUEST_SEED_STRIDE + index,
+                                                     user=next(segments))
             self.answered(interaction, arrived_at)
             if (index + 1) % exp.eval_every == 0 or index + 1 == exp.rollouts_per_arm:
                 await self.evaluate(index + 1)

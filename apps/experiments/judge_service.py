@@ -3,7 +3,8 @@
 It consumes the interactions topic in consumer group ``experiment.judge_group``,
 skips evaluation requests (``session_id == experiment.eval_session_id``), scores
 each answer with a :class:`~apps.experiments.judge.Judge` against the style
-the schedule prefers, and sends a Reward (source ``judge``) to the rewards topic
+the schedule prefers (with ``experiment.segments``: the schedule of the segment named by the
+record's ``user_id``, the OpenAI ``user`` field the simulated users send), and sends a Reward (source ``judge``) to the rewards topic
 ``experiment.reward_delay_s`` after the interaction completed; a seeded share
 ``experiment.drop_rate`` of rewards is withheld. Unreadable records go to the dead
 letter topic.
@@ -113,15 +114,28 @@ class ScheduleJudge:
         for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
             self._rng.random()
 
+    def segment_of(self, interaction: Interaction) -> str | None:
+        """The user segment of ``interaction``: its ``user_id`` when the scenario has segments
+        (a record without one, or with a name the scenario lacks, raises: the simulated users
+        always send one), else None."""
+        if not self.exp.segments:
+            return None
+        if interaction.user_id is None:
+            raise ValueError(f"interaction {interaction.interaction_id} names no user segment (user_id is empty)")
+        self.exp.segment_schedule(interaction.user_id)  # raises for a name the scenario lacks
+        return interaction.user_id
+
     def score(self, interaction: Interaction) -> RewardRow:
         """Judge an interaction not judged before: its row (recorded), the next rollout index."""
-        preferred = self.exp.preferred_style(self.rollout)
+        segment = self.segment_of(interaction)
+        preferred = self.exp.preferred_style(self.rollout, segment)
         prompt, answer = interaction_texts(interaction, self.tokenizer)
         score = self.judge.score(prompt, answer, preferred)
         deliver = self._rng.random() >= self.exp.drop_rate
         row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=score.value,
                         quality=score.quality, style=score.style, preferred=preferred, delivered=deliver,
-                        interaction_id=interaction.interaction_id, sampled_style=score.sampled_style)
+                        interaction_id=interaction.interaction_id, sampled_style=score.sampled_style,
+                        segment=segment)
         if self.results_path is not None:
             append_row(self.results_path, row)
         self.judged[interaction.interaction_id] = row

@@ -49,6 +49,8 @@ class RewardRow(_Row):
     interaction_id: str | None = None
     sampled_style: str | None = None
     """The style the judge's classifier finds most likely in the answer (None in older files)."""
+    segment: str | None = None
+    """The user segment the request came from (experiment.segments; None without segments)."""
 
 
 class EvalRow(_Row):

@@ -4,7 +4,9 @@
 HTTP). Requests start as a Poisson process of rate ``experiment.requests_per_second``
 (seeded by ``experiment.seed``) with at most ``experiment.concurrency`` in flight;
 prompts are drawn from the pool in an order seeded by ``experiment.prompt_seed``,
-each sent ``repeats`` times in a row (grpo's groups). The endpoint's extension field
+each sent ``repeats`` times in a row (grpo's groups); with ``experiment.segments`` each
+request draws its user segment (scenario.segment_draws) and sends it as the OpenAI ``user``
+field. The endpoint's extension field
 ``interaction_id`` is read from the response; every answer is handed to
 ``on_response``. :func:`measure_style_accuracy` answers held-out prompts with
 ``session_id = experiment.eval_session_id`` (the judge skips those) and classifies them;
@@ -25,7 +27,8 @@ from openai import AsyncOpenAI
 
 from apps.config import AppConfig, ExperimentConfig
 from apps.experiments.results import EvalRow, append_row
-from apps.experiments.scenario import arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats
+from apps.experiments.scenario import (arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats,
+                                      segment_draws)
 from apps.experiments.style import StyleClassifier
 
 MAX_CONSECUTIVE_FAILURES = 20
@@ -44,6 +47,8 @@ class SimResponse:
     policy_version: int | None
     finish_reason: str | None
     latency_s: float
+    segment: str | None = None
+    """The user segment the request was sent as (None without segments)."""
 
 
 @dataclass
@@ -63,12 +68,14 @@ def _extension(response: object, name: str) -> object:
 
 
 async def chat_once(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, temperature: float,
-                    session_id: str | None = None) -> tuple[str, str, int | None, str | None]:
-    """(answer text, interaction id, policy version, finish reason) of one chat request."""
+                    session_id: str | None = None, user: str | None = None) -> tuple[str, str, int | None, str | None]:
+    """(answer text, interaction id, policy version, finish reason) of one chat request; ``user``
+    goes in the OpenAI ``user`` field when given."""
     extra = {"session_id": session_id} if session_id is not None else None
+    optional = {"user": user} if user is not None else {}
     response = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=temperature, extra_body=extra)
+        temperature=temperature, extra_body=extra, **optional)
     interaction_id = _extension(response, "interaction_id")
     if not isinstance(interaction_id, str) or not interaction_id:
         raise ValueError(f"the endpoint's response carries no interaction_id: {response!r}")
@@ -106,17 +113,19 @@ class SimulatedUsers:
         total = self.scenario.rollouts_per_arm if total is None else total
         gaps = arrival_gaps(self.scenario.seed, self.scenario.requests_per_second)
         prompts = self.prompt_order()
+        segments = segment_draws(self.scenario)
         tasks: set[asyncio.Task] = set()
         failures_in_row = 0
         last_error: openai.APIError | None = None
         started = time.monotonic()
 
-        async def one(index: int, prompt: str) -> None:
+        async def one(index: int, prompt: str, segment: str | None) -> None:
             nonlocal failures_in_row, last_error
             t0 = time.monotonic()
             try:
                 text, iid, version, finish = await chat_once(self.client, self.model, prompt,
-                                                             self.scenario.max_tokens, self.scenario.temperature)
+                                                             self.scenario.max_tokens, self.scenario.temperature,
+                                                             user=segment)
             except openai.APIError as exc:
                 self.stats.failed += 1
                 failures_in_row += 1
@@ -126,7 +135,7 @@ class SimulatedUsers:
             failures_in_row = 0
             if self.on_response is not None:
                 result = self.on_response(SimResponse(index, prompt, text, iid, version, finish,
-                                                      time.monotonic() - t0))
+                                                      time.monotonic() - t0, segment))
                 if inspect.isawaitable(result):
                     await result
 
@@ -139,7 +148,7 @@ class SimulatedUsers:
                     raise RuntimeError(f"{failures_in_row} requests failed in a row; last error: {last_error}")
                 if self.stats.answered + len(tasks) < total and len(tasks) < self.scenario.concurrency:
                     await asyncio.sleep(next(gaps))
-                    tasks.add(asyncio.create_task(one(self.stats.sent, next(prompts))))
+                    tasks.add(asyncio.create_task(one(self.stats.sent, next(prompts), next(segments))))
                     self.stats.sent += 1
                     continue
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -149,3 +149,51 @@ def style_shares(sampled: Sequence[str | None], styles: Sequence[str], block: in
         chunk = sampled[i:i + block]
         out.append({s: sum(1 for x in chunk if x == s) / len(chunk) for s in styles})
     return out
+
+
+def segment_moving_average(values: Sequence[float], segments: Sequence[str | None], segment: str,
+                           window: int) -> list[float | None]:
+    """At each rollout t, the mean of ``segment``'s last ``window`` values among rollouts 0..t (fewer
+    at the start); None before its first rollout. One point per rollout of the whole run, so the
+    segments' curves (and several seeds' draws) share one axis."""
+    if len(values) != len(segments):
+        raise ValueError(f"{len(values)} values but {len(segments)} segments")
+    own = [v for v, s in zip(values, segments) if s == segment]
+    moving = moving_average(own, window)
+    out: list[float | None] = []
+    seen = 0
+    for s in segments:
+        seen += s == segment
+        out.append(moving[seen - 1] if seen else None)
+    return out
+
+
+@dataclass(frozen=True)
+class SegmentPhase:
+    """One phase of a segment's own schedule: its rollouts of the run in ``[start, end)``."""
+
+    start: int
+    end: int
+    style: str
+    rollouts: int
+    """The segment's rollouts in the phase."""
+    level: float | None
+    """Mean value of the last LEVEL_SHARE of those rollouts (at least one); None without any."""
+    area: float | None
+    """Mean value of all of them (the area under the segment's curve per rollout)."""
+
+
+def segment_phase_metrics(values: Sequence[float], segments: Sequence[str | None], segment: str,
+                          starts: Sequence[int], styles: Sequence[str]) -> list[SegmentPhase]:
+    """Level and area of ``segment``'s rollouts in each phase of its schedule (``starts``, ``styles``:
+    the phases' first rollouts and styles, in the run's rollouts)."""
+    if len(values) != len(segments):
+        raise ValueError(f"{len(values)} values but {len(segments)} segments")
+    if len(starts) != len(styles):
+        raise ValueError(f"{len(starts)} phase starts but {len(styles)} styles")
+    out = []
+    for (start, end), style in zip(phase_bounds(starts, len(values)), styles):
+        own = [v for v, s in zip(values[start:end], segments[start:end]) if s == segment]
+        out.append(SegmentPhase(start, end, style, len(own), phase_level(own, 0, len(own)),
+                                phase_area(own, 0, len(own))))
+    return out

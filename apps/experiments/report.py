@@ -18,6 +18,7 @@ from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, su
 from apps.experiments.intervals import Interval
 from apps.experiments.metrics import LEVEL_SHARE
 from apps.experiments.plots import PLOTS, write_plots
+from apps.experiments.segments import write_segment_report
 
 REPORT_FILE, JSON_FILE = "report.md", "report.json"
 
@@ -129,7 +130,7 @@ def write_report(results_dir: Path, out_dir: Path, mlflow_uri: str | None = None
     write_plots(runs, [a.name for a in arms], out_dir)
     (out_dir / JSON_FILE).write_text(json.dumps([asdict(a) for a in arms], indent=2) + "\n")
     path = out_dir / REPORT_FILE
-    path.write_text(markdown(arms, runs))
+    path.write_text(markdown(arms, runs) + "\n".join(write_segment_report(runs, [a.name for a in arms], out_dir)))
     if mlflow_uri is not None:
         log_to_mlflow(out_dir, arms, mlflow_uri, mlflow_experiment, f"{runs[0].scenario.name}-report")
     return path

@@ -109,3 +109,42 @@ def test_the_same_seeds_give_the_same_run(tmp_path, tiny_model_dir, classifier):
     assert [(r.reward, r.version, r.sampled_style) for r in rows[0]] == [(r.reward, r.version, r.sampled_style)
                                                                          for r in rows[1]]
     assert rows[0][-1].version > 0  # the policy changed along the way
+
+
+def test_a_run_with_user_segments_scores_each_by_its_schedule_and_the_report_shows_them(tmp_path, tiny_model_dir,
+                                                                                          classifier):
+    import json
+    import math
+    from itertools import islice
+
+    from apps.experiments.scenario import segment_draws
+    from apps.experiments.segments import SEGMENTS_JSON, SEGMENTS_PNG
+
+    groups = [{"name": "early", "share": 0.5, "schedule": [{"from_rollout": 0, "style": "cute"},
+                                                          {"from_rollout": 8, "style": "archaic"}]},
+              {"name": "late", "share": 0.5, "schedule": [{"from_rollout": 0, "style": "cute"},
+                                                         {"from_rollout": 16, "style": "archaic"}]}]
+    cfg, out, _ = run_arm(tmp_path, tiny_model_dir, classifier, {"name": "sao"}, **{"experiment.segments": groups})
+    exp = cfg.experiment
+    rows = read_arm(out / "sao.jsonl").rewards
+    # One request at a time in rollout order: rollout i is request i, with the i-th drawn segment.
+    assert [r.segment for r in rows] == list(islice(segment_draws(exp), ROLLOUTS))
+    assert {r.segment for r in rows} == {"early", "late"}
+    assert [r.preferred for r in rows] == [exp.preferred_style(r.rollout, r.segment) for r in rows]
+    assert any(r.preferred == "cute" and r.segment == "late" for r in rows[8:16])  # the groups disagree there
+    assert any(r.preferred == "archaic" and r.segment == "early" for r in rows[8:16])
+
+    report = tmp_path / "report"
+    text = write_report(out, report).read_text()
+    assert (report / SEGMENTS_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s["segment"] for s in json.loads((report / SEGMENTS_JSON).read_text())] == ["early", "late"]
+    for group in groups:
+        name, starts = group["name"], [p["from_rollout"] for p in group["schedule"]]
+        table = text.split(f"### Segment {name}:", 1)[1].split("\n\n", 2)[1]
+        assert table.splitlines()[0] == "| arm | cute 0-%d | archaic %d-%d |" % (starts[1] - 1, starts[1], ROLLOUTS - 1)
+        cells = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+        assert cells[0] == "sao"
+        for cell, start, end in zip(cells[1:], starts, starts[1:] + [ROLLOUTS]):
+            own = [r.reward for r in rows if r.segment == name and start <= r.rollout < end]
+            last = own[-max(1, math.ceil(len(own) / 4)):]
+            assert cell == f"{sum(last) / len(last):.3f} / {sum(own) / len(own):.3f} / {len(own)}"

@@ -175,3 +175,23 @@ def test_drive_arm_sends_the_run_and_measures_style_accuracy_on_schedule(endpoin
     traffic = [r["messages"][-1]["content"] for r in fake.requests if "session_id" not in r]
     assert len(eval_requests) == 4 * 3 and len(traffic) == 10
     assert sorted(traffic) == sorted(traffic[::2] * 2)  # grpo: every prompt sent twice
+
+
+def test_users_of_segments_send_their_drawn_segment_as_the_openai_user_field(endpoint):
+    from itertools import islice
+
+    from apps.experiments.scenario import segment_draws
+
+    fake, url = endpoint
+    groups = [{"name": "early", "share": 0.5, "schedule": SCHEDULE[:2]},
+              {"name": "late", "share": 0.5, "schedule": SCHEDULE[:1]}]
+    seen: list[SimResponse] = []
+    exp = scenario(concurrency=1, segments=groups)
+    stats = asyncio.run(SimulatedUsers(url, None, exp, POOL, on_response=seen.append).run())
+    assert stats.answered == 12
+    drawn = list(islice(segment_draws(exp), 12))
+    assert set(drawn) == {"early", "late"}
+    # One request at a time: the endpoint sees them in send order, each with its drawn segment.
+    assert [r["user"] for r in fake.requests] == drawn == [r.segment for r in sorted(seen, key=lambda r: r.index)]
+    asyncio.run(SimulatedUsers(url, None, scenario(concurrency=1), POOL).run(total=2))
+    assert all("user" not in r for r in fake.requests[12:])  # no segments: no user field

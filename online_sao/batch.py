@@ -45,6 +45,8 @@ class Rollout:
     temperatures: list[float] = field(default_factory=list)
     top_ps: list[float] = field(default_factory=list)
     group_id: int = -1
+    segment: str | None = None
+    """The segment key of the interaction (:mod:`online_sao.segments`); books only, no training input."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -16,7 +16,9 @@ import time
 from typing import Annotated, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter,
-                      ValidationError, model_validator)
+                      ValidationError, field_validator, model_validator)
+
+from online_sao.segments import SEGMENT_MAX_CHARS, segment_problem
 
 SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 1_000_000
@@ -136,8 +138,20 @@ class Interaction(Record):
     parent_id: str | None = None
     user_id: str | None = None
     session_id: str | None = None
+    segment: str | None = Field(None, max_length=SEGMENT_MAX_CHARS)
+    """The request's segment key (the OpenAI ``user`` or ``serving.segment_field`` of its
+    metadata; :mod:`online_sao.segments`); None when it had none, and in records written before
+    the field existed."""
     prompt_text: str | None = None
     response_text: str | None = None
+
+    @field_validator("segment")
+    @classmethod
+    def _segment_is_a_key(cls, value: str | None) -> str | None:
+        problem = None if value is None else segment_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> "Interaction":

@@ -176,3 +176,20 @@ def test_turn_origins_are_left_out_when_every_turn_is_the_records_own():
     assert [o.interaction_id for o in continued.origins()] == ["i-1", "i-2"]
     with pytest.raises(RecordError, match="turn_origins has 1 entries for 2 turns"):
         decode(encode(single)[:-1] + b',"turn_origins":[{"interaction_id":"x"}]}')
+
+
+def test_segment_round_trips_and_older_records_without_it_still_read():
+    record = interaction(segment="team-red")
+    assert decode(encode(record)) == record and b'"segment":"team-red"' in encode(record)
+    older = json.loads(encode(interaction()))
+    assert "segment" not in older  # a record without a segment encodes as before the field existed
+    assert decode(json.dumps(older).encode()).segment is None
+
+
+@pytest.mark.parametrize("segment, message", [("", "1 to 256"), ("x" * 257, "at most 256"),
+                                              ("tab\there", "printable")])
+def test_segment_keys_are_bounded_and_printable(segment, message):
+    data = json.loads(encode(interaction()))
+    data["segment"] = segment
+    with pytest.raises(RecordError, match=message):
+        decode(json.dumps(data).encode())

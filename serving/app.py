@@ -31,6 +31,7 @@ from serving.feedback import FeedbackService
 from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
+from serving.monitoring import ServingMonitors
 from serving.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, install_error_handlers
 from serving.openai_serving import OpenAIServing
 from serving.openapi import ApiLimits, install as install_openapi
@@ -84,11 +85,14 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     auth = ApiKeyAuth([k.get_secret_value() for k in s.api_keys], s.rate_limit_per_minute, s.rate_limit_burst)
     trajectories = TrajectoryCache(s.max_trajectories)
     redactor = load_redactor(s.redact_hook) if s.redact_hook and not s.redact_text else None
+    monitors = ServingMonitors(cfg.deploy.segments_top_n, s.monitor_window, cfg.deploy.monitor_ngram)
     serving = OpenAIServing(engine, logger, tokenizer, s, signer, trajectories, metrics,
-                            stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor)
+                            stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor,
+                            monitors=monitors)
     feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s)
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
+    metrics.watch_monitors(monitors)
     status = ServerStatus(s.model_name)
 
     app = FastAPI(title="online-sao serving", lifespan=_lifespan(engine, logger, follower, status,

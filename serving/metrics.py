@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from serving.engine.base import SwapResult
+from serving.monitoring import ServingMonitors
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -62,5 +66,32 @@ class ServingMetrics:
         self.spool_records.set_function(spool_records)
         self.policy_version.set_function(policy_version)
 
+    def watch_monitors(self, monitors: ServingMonitors) -> None:
+        """Expose ``monitors`` at scrape time: requests per segment label and the answer monitors."""
+        self.registry.register(SegmentRequests(monitors))
+        Gauge("sao_serving_monitor_mean_length", "Mean sampled tokens per answer over the newest "
+              "serving.monitor_window answers (NaN before the first)",
+              registry=self.registry).set_function(monitors.mean_length)
+        Gauge("sao_serving_monitor_repetition", "Share of repeated deploy.monitor_ngram-grams in the newest "
+              "serving.monitor_window answers (NaN without any)",
+              registry=self.registry).set_function(monitors.repetition)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SegmentRequests(Collector):
+    """``sao_serving_segment_requests{segment}``: interactions logged since start per segment label,
+    the top ``deploy.segments_top_n`` by traffic and ``other`` (a gauge: a segment that enters the
+    top N takes its count out of ``other``)."""
+
+    def __init__(self, monitors: ServingMonitors) -> None:
+        self.monitors = monitors
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("sao_serving_segment_requests",
+                                   "Interactions logged since start, by segment (top N by traffic, then other)",
+                                   labels=["segment"])
+        for label, count in self.monitors.segment_requests().items():
+            family.add_metric([label], float(count))
+        yield family

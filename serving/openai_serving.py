@@ -38,6 +38,7 @@ from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.logprobs import TokenTexts
 from serving.metrics import ServingMetrics
+from serving.monitoring import ServingMonitors, request_segment
 from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, ChatCompletionResponse,
                              CompletionResponse, Reply)
 from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
@@ -75,6 +76,8 @@ class OpenAIServing:
     """Token ids that end generation; the tokenizer's eos when not given."""
     max_model_len: int | None = None
     redactor: Redactor | None = None
+    monitors: ServingMonitors | None = None
+    """Books of segments and recent answers for ``/metrics`` (None: not kept)."""
 
     def __post_init__(self) -> None:
         self.stop_token_ids = self.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
@@ -199,7 +202,8 @@ class OpenAIServing:
                                   top_p=1.0 if request.top_p is None else request.top_p,
                                   max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
         return Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
-                     top_logprobs=request.requested_top_logprobs(), **extra)
+                    segment=request_segment(request, self.cfg.segment_field),
+                    top_logprobs=request.requested_top_logprobs(), **extra)
 
     def check_request(self, request: SamplingRequest) -> None:
         """Checks that need no tokenizer: the model, then what the service does not do (:mod:`.request_checks`)."""
@@ -207,6 +211,7 @@ class OpenAIServing:
             raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
                                 f"{self.cfg.model_name!r}", param="model", code="model_not_found")
         check_sampling(request)
+        request_segment(request, self.cfg.segment_field)  # a key the record cannot hold is refused here
         if isinstance(request, ChatCompletionRequest):
             check_chat(request, self.cfg.tool_call_parser)
         elif isinstance(request, CompletionRequest):
@@ -272,8 +277,10 @@ class OpenAIServing:
         record = Interaction(interaction_id=turn.interaction_id, created_at=turn.created_at,
                              model=self.cfg.model_name, deployment_id=self.cfg.deployment_id,
                              sampling=turn.sampling, finish_reason=turn.finish_reason, user_id=turn.user,
-                             session_id=turn.session_id, **fields, **texts)
+                             session_id=turn.session_id, segment=turn.segment, **fields, **texts)
         turn.receipt = self.logger.submit(record)
+        if self.monitors is not None:
+            self.monitors.observe(turn.segment, turn.token_ids)
         if turn.template_messages is not None:
             if turn.tools is not None:
                 turn.parsed = self.tool_call_parser.parse(turn.text)

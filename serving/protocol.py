@@ -13,7 +13,7 @@ are in :mod:`serving.answers`.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -181,6 +181,10 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
+    """OpenAI's string map (at most 16 pairs); ``serving.segment_field`` may name the key that
+    holds the request's segment; otherwise unused."""
     parent_interaction_id: str | None = Field(None, max_length=256)
     """Extension (``extra_body``): continue this earlier interaction as one trajectory."""
     session_id: str | None = Field(None, max_length=256)

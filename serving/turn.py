@@ -22,6 +22,8 @@ class Turn:
     sampling: SamplingParams
     user: str | None
     session_id: str | None
+    segment: str | None = None
+    """The request's segment key (:func:`serving.monitoring.request_segment`)."""
     template_messages: list[dict] | None = None
     message_keys: list[tuple] | None = None
     tools: list[dict] | None = None

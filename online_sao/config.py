@@ -321,6 +321,14 @@ class ServingConfig(Section):
     """How tool calls are read from a chat answer when the request has ``tools``: ``hermes`` is
     ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen-family templates); ``none`` refuses
     requests with tools (400)."""
+    segment_field: str | None = Field(None, min_length=1, max_length=64)
+    """Where a request's segment key comes from (docs/DEPLOY.md, "Segments"): None, the OpenAI
+    ``user`` field; otherwise this key of the request's ``metadata`` (OpenAI's string map). The key
+    is logged on the interaction (``segment``); a request without it has no segment, one whose
+    value is not 1-256 printable characters is refused (400)."""
+    monitor_window: int = Field(256, ge=1)
+    """Newest answers over which serving computes its monitor gauges (mean length, repetition of
+    ``deploy.monitor_ngram``-grams) for ``/metrics``."""
 
 
 class TrainerConfig(Section):
@@ -420,6 +428,16 @@ class DeployConfig(Section):
     monitor_max_dead_letter_share: float | None = Field(None, gt=0, le=1)
     """Roll back when more than this share of the records read since the candidate was
     registered went to the dead-letter topic (None: off)."""
+    monitor_max_kl: float | None = Field(None, gt=0)
+    """Roll back a candidate whose KL from the starting policy (the weights in ``model_dir``),
+    estimated on its recent answers as the mean over their action tokens of
+    ``k3 = exp(d) - 1 - d``, ``d = log pi_ref - log pi_candidate``, exceeds this (nats per token;
+    None: off). On, rank 0 holds one more CPU copy of the policy for the reference."""
+    segments_top_n: int = Field(8, ge=1)
+    """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
+    largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""
+    segments_window: int = Field(128, ge=1)
+    """Newest rewards per segment over which the learner's ``segment.<name>.reward`` is the mean."""
 
 
 class Config(Section):

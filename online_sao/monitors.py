@@ -1,10 +1,13 @@
 """Monitors of a policy's recent answers that do not trust the reward: length, repetition,
-and the share of records the learner could not use. Pure functions over token lists; the
-registry's rollback rule and thresholds live in trainer.deploy (``deploy.monitor_*``)."""
+distance from the reference policy, and the share of records the learner could not use. Pure
+functions over token lists and log-prob tensors; the registry's rollback rule and thresholds
+live in trainer.deploy (``deploy.monitor_*``)."""
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 
 def mean_answer_length(answers: list[list[int]]) -> float:
@@ -30,3 +33,22 @@ def repeated_ngram_share(answers: list[list[int]], n: int) -> float:
 def dead_letter_share(dead_letters: float, records_read: float) -> float:
     """Dead-lettered records per record read over the same stretch; NaN when none was read."""
     return dead_letters / records_read if records_read > 0 else math.nan
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                 action_mask: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """KL(pi || pi_ref) per action token, estimated on tokens sampled from (about) ``pi``.
+
+    ``logprobs`` and ``ref_logprobs`` ``[B, T]``: each token's log-probability under the policy
+    and the reference; ``action_mask`` ``[B, T]`` bool. With ``d = log pi_ref - log pi`` the value
+    is the mean over action tokens of ``k3 = exp(d) - 1 - d`` (non-negative, unbiased when the
+    tokens come from ``pi``, lower variance than ``-d``). A token either policy gives log-prob
+    ``-inf`` (outside its top-p nucleus) is left out. Returns (k3 mean, metrics: ``kl_k1`` the
+    plain mean of ``-d``, ``kl_tokens`` the tokens counted); NaN with no token."""
+    counted = action_mask.bool() & torch.isfinite(logprobs) & torch.isfinite(ref_logprobs)
+    n = int(counted.sum())
+    if n == 0:
+        return math.nan, {"kl_k1": math.nan, "kl_tokens": 0.0}
+    d = (ref_logprobs.double() - logprobs.double())[counted]
+    k3 = float((d.exp() - 1.0 - d).sum()) / n
+    return k3, {"kl_k1": float(-d.sum()) / n, "kl_tokens": float(n)}

@@ -5,7 +5,10 @@ The window is the newest ``deploy.window`` rollouts the learner trained on, rewa
 behaviour log-probs included; the checkpoint carries it, so a restarted learner decides on
 the same evidence. To score a version the gate loads its published weights from the weight
 store into one CPU copy of the policy (built on first use, reused) and runs the window
-through it in chunks of ``deploy.gate_chunk`` rollouts: on rank 0, outside training.
+through it in chunks of ``deploy.gate_chunk`` rollouts: on rank 0, outside training. The KL
+monitor (``deploy.monitor_max_kl``) runs the candidate's recent answers through that copy and
+through a second one holding the starting policy (``model_dir``; loaded on first use, never
+changed), whatever the training rule's own reference is (sharded, perhaps an EMA).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_j
 from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence, GateSettings, decide, sequence_log_ratio
 from online_sao.modeling import load_policy
-from online_sao.monitors import dead_letter_share, mean_answer_length, repeated_ngram_share
+from online_sao.monitors import dead_letter_share, mean_answer_length, reference_kl, repeated_ngram_share
 from online_sao.train_step import policy_logprobs
 from online_sao.weights import WeightsRef, WeightStore
 
@@ -45,10 +48,14 @@ class RecentWindow:
         sampled = [v for r in self.rollouts for v, a in zip(r.versions, r.action_mask) if a]
         return (min(sampled), max(sampled)) if sampled else (0, 0)
 
+    def since(self, min_version: int = 0) -> list[Rollout]:
+        """The rollouts sampled (in part) by ``min_version`` or newer."""
+        return [r for r in self.rollouts
+                if max((v for v, a in zip(r.versions, r.action_mask) if a), default=-1) >= min_version]
+
     def answers(self, min_version: int = 0) -> list[list[int]]:
         """Action tokens of each rollout sampled (in part) by ``min_version`` or newer."""
-        return [[t for t, a in zip(r.token_ids, r.action_mask) if a] for r in self.rollouts
-                if max((v for v, a in zip(r.versions, r.action_mask) if a), default=-1) >= min_version]
+        return [[t for t, a in zip(r.token_ids, r.action_mask) if a] for r in self.since(min_version)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration)}
@@ -67,6 +74,13 @@ class VersionScorer(Protocol):
         """``[B]``, one per rollout of ``window``."""
 
 
+class ReferenceScorer(Protocol):
+    """KL of a published version from the reference policy on some rollouts."""
+
+    def reference_kl(self, ref: WeightsRef, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
+        """(k3 mean over the rollouts' action tokens, metrics): :func:`online_sao.monitors.reference_kl`."""
+
+
 class StoredPolicyScorer:
     """Scores a version by loading its published weights into a CPU copy of the policy."""
 
@@ -77,6 +91,7 @@ class StoredPolicyScorer:
         self.pad_token_id = pad_token_id
         self.chunk = chunk
         self._model: nn.Module | None = None
+        self._reference: nn.Module | None = None
 
     def _load(self, ref: WeightsRef) -> nn.Module:
         if self._model is None:
@@ -92,6 +107,25 @@ class StoredPolicyScorer:
             batch = collate(window[start:start + self.chunk], self.pad_token_id)
             out.append(sequence_log_ratio(policy_logprobs(model, batch), batch.rollout_logprobs, batch.action_mask))
         return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def reference_kl(self, ref: WeightsRef, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
+        """KL of version ``ref`` from the starting policy (the weights in ``model_dir``) on ``rollouts``."""
+        model = self._load(ref)
+        if self._reference is None:
+            self._reference = load_policy(self.model_dir, self.dtype).eval()
+        weighted_k3 = weighted_k1 = tokens = 0.0
+        for start in range(0, len(rollouts), self.chunk):
+            batch = collate(rollouts[start:start + self.chunk], self.pad_token_id)
+            k3, metrics = reference_kl(policy_logprobs(model, batch), policy_logprobs(self._reference, batch),
+                                       batch.action_mask)
+            if metrics["kl_tokens"]:
+                weighted_k3 += k3 * metrics["kl_tokens"]
+                weighted_k1 += metrics["kl_k1"] * metrics["kl_tokens"]
+                tokens += metrics["kl_tokens"]
+        if not tokens:
+            return math.nan, {"kl_k1": math.nan, "kl_tokens": 0.0}
+        return weighted_k3 / tokens, {"kl_k1": weighted_k1 / tokens, "kl_tokens": tokens}
 
 
 class OffPolicyGate:
@@ -122,16 +156,30 @@ class MonitorReading:
 
 
 def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, records_read: float,
-                  dead_letters: float) -> MonitorReading:
-    """Length and repetition of the answers sampled by ``since_version`` or newer, and the
-    dead-letter share since the candidate's registration, against ``deploy.monitor_*``."""
+                  dead_letters: float, kl: float | None = None) -> MonitorReading:
+    """Length and repetition of the answers sampled by ``since_version`` or newer, the
+    dead-letter share since the candidate's registration and, when given, ``kl`` (the
+    candidate's KL from the reference on those answers, :func:`candidate_kl`), against
+    ``deploy.monitor_*``."""
     answers = window.answers(since_version)
     read0, dead0 = window.since_registration
     values = {"mean_length": mean_answer_length(answers),
               "repetition": repeated_ngram_share(answers, cfg.monitor_ngram),
               "dead_letter_share": dead_letter_share(dead_letters - dead0, records_read - read0)}
     limits = {"mean_length": cfg.monitor_max_mean_length, "repetition": cfg.monitor_max_repetition,
-              "dead_letter_share": cfg.monitor_max_dead_letter_share}
+              "dead_letter_share": cfg.monitor_max_dead_letter_share, "kl": cfg.monitor_max_kl}
+    if kl is not None:
+        values["kl"] = kl
+    else:
+        del limits["kl"]
     tripped = [name for name, limit in limits.items()
                if limit is not None and math.isfinite(values[name]) and values[name] > limit]
     return MonitorReading(values, tripped)
+
+
+def candidate_kl(scorer: ReferenceScorer, candidate: tuple[int, WeightsRef], window: RecentWindow) -> float:
+    """The KL monitor's value: KL of the candidate from the reference on the window's answers
+    sampled by the candidate's version or newer (NaN when there are none)."""
+    version, ref = candidate
+    rollouts = window.since(version)
+    return scorer.reference_kl(ref, rollouts)[0] if rollouts else math.nan

@@ -33,7 +33,7 @@ from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
 from streams.records import publish
 from trainer.broker_wait import until_broker_takes
-from trainer.deploy import OffPolicyGate, RecentWindow, read_monitors
+from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json, full_state_dict
 from trainer.tracking import Decision, RunTracker
 
@@ -101,7 +101,11 @@ class Releases:
     version as the next candidate."""
 
     def __init__(self, publisher: Publisher, tracker: RunTracker, gate: OffPolicyGate, window: RecentWindow,
-                 cfg: DeployConfig, register_every: int) -> None:
+                 cfg: DeployConfig, register_every: int, reference: ReferenceScorer | None = None) -> None:
+        if cfg.monitor_max_kl is not None and reference is None:
+            raise ValueError("deploy.monitor_max_kl needs a reference scorer")
+        self.reference = reference
+        """Scores the KL monitor (None: the monitor is off)."""
         self.publisher = publisher
         self.tracker = tracker
         self.gate = gate
@@ -115,7 +119,7 @@ class Releases:
         ref = self.publisher.publish(state, version, step, metrics)
         if version % self.register_every != 0:
             return ReleaseOutcome()
-        if self.decide(reads) == "rolled_back":
+        if self.decide(reads, step) == "rolled_back":
             champion_version, champion_ref = self.tracker.champion()
             log.warning("candidate rolled back to champion v%d", champion_version)
             self.publisher.rollback(champion_ref, step)
@@ -125,14 +129,17 @@ class Releases:
         self.window.since_registration = reads
         return ReleaseOutcome(registered=True)
 
-    def decide(self, reads: tuple[float, float]) -> Decision:
+    def decide(self, reads: tuple[float, float], step: int = 0) -> Decision:
         """Decide on the registered candidate (if one awaits a decision) and record it with its evidence.
         A tripped monitor rolls back whatever the gate says; without a champion the first
-        candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to)."""
+        candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to).
+        The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``."""
         candidate, champion = self.tracker.candidate(), self.tracker.champion()
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending"
-        monitors = read_monitors(self.cfg, self.window, candidate[0], *reads)
+        kl = None if self.reference is None else candidate_kl(self.reference, candidate, self.window)
+        monitors = read_monitors(self.cfg, self.window, candidate[0], *reads, kl=kl)
+        self.tracker.log_metrics({f"registry_monitor_{k}": v for k, v in monitors.values.items()}, step)
         if champion is None:
             decision: Decision = "pending" if monitors.tripped else "promoted"
             evidence = {"gate.decision": "no_champion", **monitors.tags()}

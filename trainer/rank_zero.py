@@ -18,6 +18,7 @@ from typing import Literal
 
 from online_sao.batch import Rollout
 from online_sao.config import Config
+from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
 from trainer.checkpoint import Checkpointer
@@ -69,6 +70,9 @@ class RankZero:
     producer: Producer
     counters: dict[str, float]
     """Named by :data:`COUNTERS`; the feed counts into the same dict."""
+    segments: SegmentRewards
+    """Rewards per segment of the rollouts taken (top ``deploy.segments_top_n`` plus ``other``);
+    not checkpointed: a restarted learner starts them afresh."""
 
     @classmethod
     def open(cls, cfg: Config, backend: StreamBackend, checkpointer: Checkpointer, joiner: RewardJoiner,
@@ -87,9 +91,11 @@ class RankZero:
                     group_size, stop)
         scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
         releases = Releases(publisher, tracker, OffPolicyGate(scorer, cfg.deploy), window, cfg.deploy,
-                            cfg.mlflow.register_every)
+                            cfg.mlflow.register_every,
+                            reference=scorer if cfg.deploy.monitor_max_kl is not None else None)
         checkpointer.pinned_versions = releases.pinned_versions()
-        return cls(checkpointer, feed, releases, tracker, producer, counters)
+        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
+        return cls(checkpointer, feed, releases, tracker, producer, counters, segments)
 
     def progress(self, at: Position) -> Progress:
         """What a checkpoint taken now carries besides tensors and the join buffer."""
@@ -104,6 +110,8 @@ class RankZero:
         """The step's ids go to the ledger; a refused step is counted and named, an applied one
         adds its rollouts to the registry's window (refused data trained nothing)."""
         self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
+        for rollout in rollouts:  # what users paid, whether or not the step could train on it
+            self.segments.observe(rollout.segment, rollout.total_reward)
         if not refused:
             self.releases.window.observe(rollouts)
             return
@@ -125,13 +133,18 @@ class RankZero:
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
             "data_wait_share": laps.seconds["wait"] / cycle_s,
             "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
-            **self.monitor_metrics(),
+            **self.monitor_metrics(), **self.segments.metrics(),
         }, step=at.step)
-        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s",
-                 at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
+        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
+                 "segments %s", at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
                  metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan),
-                 metrics.get("explained_variance", math.nan), laps.seconds["step"])
+                 metrics.get("explained_variance", math.nan), laps.seconds["step"], self.segment_summary())
         self.feed.step_ended()
+
+    def segment_summary(self) -> str:
+        """Each segment label's recent mean reward and count, for the log line."""
+        stats = self.segments.stats()
+        return " ".join(f"{label}={stat.reward:.3f}({stat.count})" for label, stat in stats.items()) or "-"
 
     def monitor_metrics(self) -> dict[str, float]:
         """The monitors on the whole window (every version in it), as ``monitor_*`` metrics."""

@@ -19,7 +19,7 @@ from streams.memory import InMemoryBackend
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from tests.trainer.traffic import sample_traffic
 from trainer.rollouts import interaction_to_rollout
-from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
+from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, candidate_kl, read_monitors
 from trainer.publisher import Publisher, Releases
 from trainer.tracking import RunTracker
 
@@ -139,3 +139,76 @@ def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(re
     # the old champion samples B answers a tenth of the time: ESS = 120^2 / (12 * 9^2 + 108 / 9^2), about 14.8
     assert float(switch["gate.champion_ess"]) == pytest.approx(120 ** 2 / (12 * 81 + 108 / 81))
     assert switch["monitor.tripped"] == "none"
+
+
+def test_kl_monitor_trips_only_above_its_threshold():
+    cfg = load_config(environ={}, overrides={"deploy.monitor_max_kl": 0.25}).deploy
+    window = RecentWindow(4)
+    window.observe([_rollout("a", [1, 2], version=1)])
+    at_edge = read_monitors(cfg, window, since_version=1, records_read=0.0, dead_letters=0.0, kl=0.25)
+    assert at_edge.values["kl"] == 0.25 and at_edge.tripped == []
+    above = read_monitors(cfg, window, since_version=1, records_read=0.0, dead_letters=0.0, kl=0.2500001)
+    assert above.tripped == ["kl"] and above.tags()["monitor.kl"] == "0.2500001"
+    unread = read_monitors(cfg, window, since_version=1, records_read=0.0, dead_letters=0.0)
+    assert "kl" not in unread.values and unread.tripped == []
+    nan = read_monitors(cfg, window, since_version=1, records_read=0.0, dead_letters=0.0, kl=math.nan)
+    assert nan.tripped == []  # no answer of the candidate yet: nothing to judge
+
+
+def test_scorer_kl_from_the_starting_policy(tmp_path, tiny_model_dir):
+    policy = load_policy(tiny_model_dir)
+    store = FileWeightStore(str(tmp_path / "weights"))
+    rollouts = [interaction_to_rollout(i, 0.5, {}, -1) for i in sample_traffic(policy, 4, prefix="k")]
+    scorer = StoredPolicyScorer(store, tiny_model_dir, "float32", load_tokenizer(tiny_model_dir).pad_token_id, chunk=3)
+    same, metrics = scorer.reference_kl(store.save(1, policy.state_dict()), rollouts)
+    assert abs(same) < 1e-6 and metrics["kl_tokens"] == sum(r.num_action_tokens for r in rollouts)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(1.5)
+    moved, metrics = scorer.reference_kl(store.save(2, policy.state_dict()), rollouts)
+    assert moved > 1e-3 and metrics["kl_tokens"] > 0
+    window = RecentWindow(8)
+    window.observe(rollouts)  # every rollout sampled by version 0
+    assert candidate_kl(scorer, (0, store.save(3, policy.state_dict())), window) == pytest.approx(moved)
+    # a candidate (version 1) none of whose answers is in the window: nothing to score
+    assert math.isnan(candidate_kl(scorer, (1, WeightsRef(1, "unused", "0" * 64)), window))
+
+
+class FixedKL:
+    """The KL of each version, as the monitor would read it."""
+
+    def __init__(self, kl_of: dict[int, float]) -> None:
+        self.kl_of = kl_of
+        self.asked: list[tuple[int, int]] = []
+
+    def reference_kl(self, ref: WeightsRef, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
+        self.asked.append((ref.version, len(rollouts)))
+        return self.kl_of[ref.version], {}
+
+
+def test_kl_monitor_rolls_the_candidate_back_and_goes_to_mlflow(registry_cfg):
+    cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"monitor_max_kl": 0.5})})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
+                          keep_versions=2)
+    tracker = RunTracker(cfg)
+    window = RecentWindow(cfg.deploy.window)
+    reference = FixedKL({2: 0.1, 4: 0.9})
+    with pytest.raises(ValueError, match="monitor_max_kl"):
+        Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), cfg.deploy), window, cfg.deploy, 2)
+    releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({v: STYLE_A for v in range(1, 7)}),
+                                                          cfg.deploy), window, cfg.deploy, 2, reference=reference)
+    outcomes = []
+    for version in range(1, 7):
+        outcomes.append(releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0)))
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+    # v2 registered, decided at v4 (KL 0.1: promoted); v4 registered, decided at v6 (KL 0.9: rolled back)
+    assert reference.asked == [(2, 80), (4, 80)]  # the candidate's and newer answers only
+    assert outcomes[5].rolled_back_to is not None and outcomes[5].rolled_back_to.version == 2
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri)
+    history = [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "registry_monitor_kl")]
+    assert history == [(4, 0.1), (6, 0.9)]
+    by_policy = {int(v.tags["policy_version"]): v.tags
+                 for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
+    assert by_policy[4]["decision"] == "rolled_back" and by_policy[4]["monitor.tripped"] == "kl"

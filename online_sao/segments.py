@@ -86,7 +86,8 @@ class SegmentCounter:
     def labelled_counts(self) -> dict[str, int]:
         """Requests per label: the top N and :data:`OTHER` (the rest; 0 when there is none)."""
         top = {key: self.counts[key] for key in self.top()}
-        return {**top, OTHER: self.total - sum(top.values())}
+        rest = self.total - sum(top.values())
+        return {**top, OTHER: top.get(OTHER, 0) + rest}  # a key spelled "other" adds to the bucket
 
 
 @dataclass(frozen=True)

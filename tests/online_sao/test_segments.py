@@ -50,6 +50,13 @@ def test_exact_counts_while_few_segments_and_requests_without_one():
     assert counter.label(None) == NO_SEGMENT
 
 
+def test_a_key_spelled_like_the_bucket_shares_it_and_nothing_is_lost():
+    counter = SegmentCounter(top_n=1)
+    for key in ["other", "other", "x"]:
+        counter.observe(key)
+    assert counter.labelled_counts() == {OTHER: 3}
+
+
 def test_reward_per_segment_is_the_mean_over_its_window():
     books = SegmentRewards(top_n=2, window=3)
     for segment, reward in [("a", 1.0), ("a", 0.0), ("b", -1.0), ("a", 0.5), ("a", 0.25), ("b", -0.5)]:

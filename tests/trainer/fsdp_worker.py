@@ -20,7 +20,9 @@ checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
 - ``metrics.json``: the step metrics reduced over ranks, the pre-training metrics,
   and whether pre-training refused per-rank shares (it must, in two ranks);
 - ``baselines.json``: for ``grpo`` and ``running_mean``, the advantage each rank's rule
-  gave every rollout of each step (grouped rollouts, gathered in the step's order).
+  gave every rollout of each step (grouped rollouts, gathered in the step's order);
+- ``whitened_policy.safetensors`` and ``whitened`` in ``metrics.json``: the policy and the
+  step metrics of SAO with ``normalize_advantages`` on, trained from fresh models.
 """
 
 from __future__ import annotations
@@ -198,6 +200,18 @@ def baseline_advantages(ctx: DistContext, data: list[list[Rollout]] | None, step
     return report
 
 
+WHITENED_STEPS = 2
+
+
+def whitened_training(ctx: DistContext, data: list[list[Rollout]] | None) -> tuple[dict | None, list[dict]]:
+    """SAO with whitened advantages for WHITENED_STEPS steps from fresh models: the gathered
+    policy (rank 0; None elsewhere) and the reduced step metrics."""
+    learner = Learner(AlgorithmConfig(normalize_advantages=True), ctx, MODEL_SEED)
+    metrics = [learner.step(broadcast_rollouts(data[step] if data is not None else None, ctx), version=step)
+               for step in range(WHITENED_STEPS)]
+    return full_state_dict(learner.policy, ctx), metrics
+
+
 def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
     ctx = init_distributed()
     torch.manual_seed(seed)  # identical on every rank and in the single-process reference
@@ -234,6 +248,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
     pretrain = pretrain_critic(fresh.critic, fresh.optimizers.critic, logged, cfg, PAD_ID, max_epochs=3, patience=1)
     pretrained = full_state_dict(fresh.critic, ctx)
     baselines = baseline_advantages(ctx, data if ctx.is_main else None, steps)
+    whitened_policy, whitened = whitened_training(ctx, data if ctx.is_main else None)
 
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +260,9 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
             for model in ("policy", "critic", "reference"):
                 save_file(state[model], out / f"{prefix}_{model}.safetensors")
         save_file(pretrained, out / "pretrained_critic.safetensors")
-        report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares}
+        save_file(whitened_policy, out / "whitened_policy.safetensors")
+        report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
+                  "whitened": whitened}
         (out / "metrics.json").write_text(json.dumps(report))
         (out / "baselines.json").write_text(json.dumps(baselines))
     shutdown_distributed(ctx)

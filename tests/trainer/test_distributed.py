@@ -214,6 +214,20 @@ def test_baselines_under_two_ranks_give_the_advantages_of_one_process(two_ranks,
     assert any(abs(a) > 0.1 for step in want for a in step)  # advantages that could differ
 
 
+def test_whitened_advantages_under_two_ranks_match_one_process(two_ranks, one_process):
+    """normalize_advantages whitens with the moments of the whole step's action tokens, not
+    of each rank's share: loss and trained policy are the single process's."""
+    steps_two = json.loads((two_ranks / "metrics.json").read_text())["whitened"]
+    steps_one = json.loads((one_process / "metrics.json").read_text())["whitened"]
+    assert len(steps_two) == len(steps_one) == fsdp_worker.WHITENED_STEPS
+    for got, want in zip(steps_two, steps_one):
+        assert got["skipped_nonfinite"] == want["skipped_nonfinite"] == 0.0
+        for key in ("policy_loss", "policy_grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=STATE_RTOL), key
+    _assert_states_close(_load(two_ranks, "whitened_policy"), _load(one_process, "whitened_policy"),
+                         WEIGHT_RTOL, WEIGHT_ATOL, "whitened policy")
+
+
 @pytest.mark.parametrize("world", ["one_process", "two_ranks"])
 def test_gathered_state_round_trips_through_fresh_models(world, request):
     """Loading the gathered weights, optimisers and schedule into freshly built

@@ -6,10 +6,17 @@ runs over the action tokens of each row only: they are packed to the left of a
 solved there, and the result is scattered back. Inputs are treated as
 constants (no gradient flows through advantages or returns).
 
+Whitening is the one step-wide statistic here: under FSDP each rank holds a share of the
+step, so :func:`whiten` takes a :data:`SumOverRanks` (all-reduced by
+:func:`trainer.distributed.rank_sum`) to use the moments of the whole step.
+
 The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +33,16 @@ from later tokens, so such rollouts fall back to one-step TD (lambda = 0)."""
 WHITEN_EPS = 1e-8
 """Added to the standard deviation when whitening, so a batch of equal advantages
 divides by a small number instead of zero."""
+
+
+SumOverRanks = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a float64 tensor elementwise over the learner's ranks: every rank calls it at the same
+point with a tensor of the same shape and gets back the sum of all ranks' tensors."""
+
+
+def local_sum(values: torch.Tensor) -> torch.Tensor:
+    """The :data:`SumOverRanks` of a single process: its own values."""
+    return values
 
 
 def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float = 1.5) -> torch.Tensor:
@@ -116,10 +133,25 @@ def skip_observation_gae(
     return advantages, returns
 
 
-def whiten(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """Zero-mean, unit-variance advantages over the batch's action tokens (optional in SAO)."""
-    selected = advantages[action_mask]
-    if selected.numel() < 2:
+def whiten(advantages: torch.Tensor, action_mask: torch.Tensor,
+           sum_over_ranks: SumOverRanks = local_sum) -> torch.Tensor:
+    """Zero-mean, unit-variance advantages over the step's action tokens (optional in SAO).
+
+    ``advantages`` ``[B, T]``, ``action_mask`` ``[B, T]`` bool -> ``[B, T]``, zero on
+    non-action tokens. Mean and population std are those of every rank's action tokens:
+    this share's count, sum and sum of squares (float64) go through ``sum_over_ranks``
+    (collective under FSDP: every rank calls it, even with no action tokens), so the
+    result does not depend on how the step was shared out. With fewer than 2 action
+    tokens in the whole step the advantages are returned unscaled.
+    """
+    selected = advantages.detach()[action_mask].to(torch.float64)
+    moments = torch.stack([selected.new_tensor(float(selected.numel())), selected.sum(), selected.square().sum()])
+    count, total, squares = sum_over_ranks(moments).tolist()
+    if count < 2:
         return torch.where(action_mask, advantages, torch.zeros_like(advantages))
-    scaled = (advantages - selected.mean()) / (selected.std(unbiased=False) + WHITEN_EPS)
+    mean = total / count
+    # E[x^2] - mean^2 in float64 loses about eps64 * (mean / std)^2 relative; rounding can make it
+    # slightly negative when all values are equal, hence the floor at 0
+    std = math.sqrt(max(squares / count - mean * mean, 0.0))
+    scaled = (advantages - mean) / (std + WHITEN_EPS)
     return torch.where(action_mask, scaled, torch.zeros_like(scaled))

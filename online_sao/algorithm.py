@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from online_sao.advantages import SumOverRanks, local_sum
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
@@ -79,9 +80,12 @@ class ActorCritic(Algorithm):
         critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         vote: FiniteVote = local_vote,
         regularizer: PolicyRegularizer | None = None,
+        sum_over_ranks: SumOverRanks = local_sum,
     ) -> None:
-        """``vote`` and ``regularizer``: as in :class:`PolicyOnly`."""
+        """``vote`` and ``regularizer``: as in :class:`PolicyOnly`. ``sum_over_ranks`` gives
+        whitening the whole step's moments across ranks (the identity in one process)."""
         self.vote = vote
+        self.sum_over_ranks = sum_over_ranks
         self.policy = policy
         self.critic = critic
         self.policy_optimizer = policy_optimizer

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from online_sao.advantages import SumOverRanks, local_sum
 from online_sao.algorithm import Algorithm
 from online_sao.baselines import GRPO, PPO, RunningMean
 from online_sao.config import AlgorithmConfig
@@ -81,16 +82,20 @@ def build_algorithm(
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     vote: FiniteVote = local_vote,
     reference: nn.Module | None = None,
+    sum_over_ranks: SumOverRanks = local_sum,
 ) -> Algorithm:
     """The rule ``cfg.name`` names. Rules with ``needs_critic`` require a critic and its optimiser.
     ``vote`` agrees on the rule's finiteness checks across ranks (the learner passes
     :func:`trainer.distributed.finite_vote`; one process keeps its own result). ``reference``
     is the KL penalty's reference policy (:func:`online_sao.regularizers.build_reference`),
-    required when ``cfg.kl_beta > 0``."""
+    required when ``cfg.kl_beta > 0``. ``sum_over_ranks`` sums whitening's moments over ranks
+    for the rules with a critic (the learner passes :func:`trainer.distributed.rank_sum`; the
+    policy-only rules do not whiten)."""
     rule = algorithm_class(cfg.name)
     regularizer = PolicyRegularizer(cfg, reference)
     if not rule.needs_critic:
         return rule(policy, policy_optimizer, cfg, vote, regularizer)
     if critic is None or critic_optimizer is None:
         raise ValueError(f"algorithm {cfg.name!r} needs a critic and a critic optimizer")
-    return rule(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote, regularizer)
+    return rule(policy, critic, policy_optimizer, critic_optimizer, cfg, critic_scheduler, vote, regularizer,
+                sum_over_ranks)

@@ -213,7 +213,7 @@ class PPO(ActorCritic):
         metrics["explained_variance"] = explained_variance(values, returns, mask)
         metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
         if cfg.normalize_advantages:
-            advantages = whiten(advantages, mask)
+            advantages = whiten(advantages, mask, self.sum_over_ranks)
 
         def critic_update(step_metrics: dict[str, float]) -> bool:
             critic_loss, _ = value_loss(self.critic(batch.input_ids, batch.attention_mask), returns, mask,

@@ -124,7 +124,7 @@ class SAO(ActorCritic):
         lam = length_adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha)
         advantages, _ = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, lam)
         if cfg.normalize_advantages:
-            advantages = whiten(advantages, mask)
+            advantages = whiten(advantages, mask, self.sum_over_ranks)
         metrics["lambda_mean"] = float(lam.mean())
         metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
         return advantages

@@ -16,7 +16,8 @@ the whole step's rewards (:func:`local_batch`), so running_mean keeps one
 window on every rank. Each rank's token-mean loss divides by
 ``N_global / world_size`` (:func:`global_token_normalizer`). FSDP averages
 gradients over ranks in its reduce-scatter, so the averaged gradient is
-``sum over all tokens / N_global``: the single-process token mean.
+``sum over all tokens / N_global``: the single-process token mean. Whitened
+advantages use the moments of every rank's action tokens (:func:`rank_sum`).
 
 Full state dicts (for publishing weights and checkpoints) are keyed by the
 unsharded parameter names, so a checkpoint written by two ranks loads into one
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from online_sao.advantages import SumOverRanks, local_sum
 from online_sao.batch import Rollout, RolloutBatch, collate, rollouts_from_json, rollouts_to_json, step_rewards
 from online_sao.train_step import FiniteVote, local_vote
 
@@ -258,6 +260,21 @@ def finite_vote(ctx: DistContext) -> FiniteVote:
         return bool(flag.item())
 
     return vote
+
+
+def rank_sum(ctx: DistContext) -> SumOverRanks:
+    """The learning rules' sum over ranks (whitening's moments of the whole step): a float64
+    all-reduce on ``ctx.device``. Collective: every rank calls it at the same point. One
+    process gets its own values back."""
+    if not ctx.is_distributed:
+        return local_sum
+
+    def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+        total = values.to(device=ctx.device, dtype=torch.float64, copy=True)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.to(values.device)
+
+    return sum_over_ranks
 
 
 def broadcast_json(value: Any, ctx: DistContext) -> Any:

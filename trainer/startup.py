@@ -16,7 +16,7 @@ from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
 from streams.base import StreamBackend
 from trainer.checkpoint import Checkpointer
-from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, shard_model
+from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, rank_sum, shard_model
 from trainer.history import rollouts_from_file, rollouts_from_topics
 from trainer.join import RewardJoiner
 from trainer.pretrain import pretrain_critic as fit_critic
@@ -50,7 +50,7 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
             shard_model(model, ctx)
     opts = build_optimizers(cfg.algorithm, policy, critic)
     algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
-                                vote=finite_vote(ctx), reference=reference)
+                                vote=finite_vote(ctx), reference=reference, sum_over_ranks=rank_sum(ctx))
     ema_reference = reference if cfg.algorithm.kl_reference == "ema" else None  # trains along: checkpointed
     return LearnerModels(Trainables(policy, critic, opts, algorithm, ema_reference), pad_token_id, vocab_size)
 

@@ -41,7 +41,7 @@ from online_sao.algorithms import build_algorithm, build_critic, build_optimizer
 from online_sao.batch import Rollout, collate  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
 from online_sao.train_step import policy_logprobs  # noqa: E402
-from trainer.distributed import DistContext, decoder_layers, finite_vote  # noqa: E402
+from trainer.distributed import DistContext, decoder_layers, finite_vote, rank_sum  # noqa: E402
 
 
 def join_group(where: torch.device) -> DistContext:
@@ -69,7 +69,7 @@ def make_batch(policy, args, vocab: int, where: torch.device):
 def build(policy, critic, ctx: DistContext, cfg: AlgorithmConfig):
     opts = build_optimizers(cfg, policy, critic)
     return build_algorithm(cfg, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
-                           vote=finite_vote(ctx))
+                           vote=finite_vote(ctx), sum_over_ranks=rank_sum(ctx))
 
 
 def shard(model: torch.nn.Module) -> None:

@@ -140,3 +140,59 @@ def test_whiten_over_action_tokens_only():
     expected = torch.tensor([-1.0, 0.0, 1.0]) / (2 / 3) ** 0.5
     torch.testing.assert_close(out[mask], expected)
     assert out[~mask].tolist() == [0.0, 0.0, 0.0]
+
+
+def _recording(into: list):
+    """A SumOverRanks of one process that keeps what it was given (a rank's own moments)."""
+    def sum_over_ranks(moments: torch.Tensor) -> torch.Tensor:
+        into.append(moments.clone())
+        return moments
+    return sum_over_ranks
+
+
+def _with_other_rank(other: torch.Tensor):
+    """A SumOverRanks of two ranks whose peer contributed ``other``."""
+    return lambda moments: moments + other
+
+
+def test_whiten_with_a_second_rank_equals_whitening_the_concatenation():
+    generator = torch.Generator().manual_seed(0)
+    adv_a = torch.randn(2, 5, generator=generator) * 3 + 1
+    mask_a = torch.tensor([[False, True, True, True, False], [True, True, False, True, True]])
+    adv_b = torch.randn(3, 4, generator=generator) * 0.5 - 2  # other moments, other padding
+    mask_b = torch.tensor([[True, True, False, False], [False, True, True, True], [True, False, False, True]])
+    seen_a, seen_b = [], []
+    whiten(adv_a, mask_a, _recording(seen_a))
+    whiten(adv_b, mask_b, _recording(seen_b))
+    assert len(seen_a) == len(seen_b) == 1
+    got_a = whiten(adv_a, mask_a, _with_other_rank(seen_b[0]))
+    got_b = whiten(adv_b, mask_b, _with_other_rank(seen_a[0]))
+
+    step = torch.cat([adv_a[mask_a], adv_b[mask_b]]).to(torch.float64)
+    mean, std = step.mean(), step.std(unbiased=False)
+    torch.testing.assert_close(got_a[mask_a], ((adv_a[mask_a] - mean) / std).float())
+    torch.testing.assert_close(got_b[mask_b], ((adv_b[mask_b] - mean) / std).float())
+    assert got_a[~mask_a].abs().sum() == 0 and got_b[~mask_b].abs().sum() == 0
+    # each share whitened alone would give other numbers: the defect two ranks had
+    assert (whiten(adv_a, mask_a) - got_a).abs().max() > 0.1
+
+
+def test_whiten_counts_action_tokens_of_all_ranks():
+    # one action token per rank: alone neither is whitened, together they are [3, 5] -> [-1, 1]
+    one = torch.tensor([[True]])
+    seen_a, seen_b = [], []
+    assert whiten(torch.tensor([[3.0]]), one, _recording(seen_a)).tolist() == [[3.0]]
+    assert whiten(torch.tensor([[5.0]]), one, _recording(seen_b)).tolist() == [[5.0]]
+    assert whiten(torch.tensor([[3.0]]), one, _with_other_rank(seen_b[0])).item() == pytest.approx(-1.0)
+    assert whiten(torch.tensor([[5.0]]), one, _with_other_rank(seen_a[0])).item() == pytest.approx(1.0)
+
+
+def test_a_rank_without_action_tokens_still_takes_part():
+    # it must call the collective (its peers wait in it) and contribute nothing to the moments
+    none = torch.zeros(1, 3, dtype=torch.bool)
+    seen_empty, seen_a = [], []
+    out = whiten(torch.tensor([[7.0, 8.0, 9.0]]), none, _recording(seen_empty))
+    assert len(seen_empty) == 1 and out.tolist() == [[0.0, 0.0, 0.0]]
+    adv_a, mask_a = torch.tensor([[1.0, 2.0, 4.0]]), torch.ones(1, 3, dtype=torch.bool)
+    whiten(adv_a, mask_a, _recording(seen_a))
+    torch.testing.assert_close(whiten(adv_a, mask_a, _with_other_rank(seen_empty[0])), whiten(adv_a, mask_a))

@@ -131,6 +131,20 @@ def test_build_algorithm_and_optimizers(tiny_qwen):
         build_algorithm(cfg, tiny_qwen, None, opt.policy, None)
 
 
+@pytest.mark.parametrize("name", ["sao", "ppo"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_rules_that_whiten_take_the_moments_through_the_sum_over_ranks(tiny_qwen, name, normalize):
+    """The learner's collective reaches whitening (once per step), and nothing else calls it."""
+    cfg = AlgorithmConfig(name=name, normalize_advantages=normalize)
+    critic = build_critic(cfg, tiny_qwen)
+    opt = build_optimizers(cfg, tiny_qwen, critic)
+    calls = []
+    algo = build_algorithm(cfg, tiny_qwen, critic, opt.policy, opt.critic, opt.critic_scheduler,
+                           sum_over_ranks=lambda moments: calls.append(moments) or moments)
+    assert algo.step(make_batch(tiny_qwen, [1.0, -1.0]))["skipped_nonfinite"] == 0.0
+    assert len(calls) == (1 if normalize else 0)
+
+
 def test_registry_holds_every_configurable_rule_and_nothing_else():
     configurable = set(get_args(AlgorithmConfig.model_fields["name"].annotation))
     assert set(ALGORITHMS) == configurable == {"sao", "running_mean", "grpo", "ppo"}

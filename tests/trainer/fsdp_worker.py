@@ -54,6 +54,7 @@ from trainer.distributed import (
     load_full_state_dict,
     load_optimizer_state,
     optimizer_state,
+    rank_sum,
     reduce_metrics,
     shard_model,
     shard_rollouts,
@@ -134,7 +135,8 @@ class Learner:
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
         self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
                                          self.optimizers.critic, self.optimizers.critic_scheduler,
-                                         vote=finite_vote(ctx), reference=self.reference)  # as the learner builds it
+                                         vote=finite_vote(ctx), reference=self.reference,
+                                         sum_over_ranks=rank_sum(ctx))  # as the learner builds it
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         batch = local_batch(rollouts, self.ctx, PAD_ID, version).to(self.ctx.device)  # as the learner does

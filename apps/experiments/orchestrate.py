@@ -91,6 +91,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     _write_private(config_path, dump_config(acfg, reveal_secrets=True))
     backend = KafkaBackend(acfg.kafka)
     _reset_arm(acfg, backend, arm_dir, progress)
+    reset_registry(acfg, progress)
     backend.ensure_topics()
     results_path = out / f"{arm.name}.jsonl"
     results_path.unlink(missing_ok=True)
@@ -192,6 +193,24 @@ def _reset_arm(acfg: AppConfig, backend: KafkaBackend, arm_dir: Path, progress: 
             raise TimeoutError(f"topics {sorted(arm_topics)} still exist {TOPIC_DELETE_TIMEOUT_S:.0f} s after deletion")
         time.sleep(GROUP_POLL_S)
     progress(f"deleted the earlier run's topics {old_topics} and consumer groups {old_groups}")
+
+
+def reset_registry(acfg: AppConfig, progress: Callable[[str], None]) -> None:
+    """Delete the arm's registered model left by an earlier run: its ``candidate`` and
+    ``champion`` aliases point at weights :func:`_reset_arm` deleted, and the new learner would
+    decide its first candidate against them. The earlier learner runs stay in MLflow."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+
+    client = MlflowClient(tracking_uri=acfg.mlflow_uri, registry_uri=acfg.mlflow_uri)
+    try:
+        client.delete_registered_model(acfg.mlflow.registered_model)
+    except MlflowException as exc:
+        if exc.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+        return
+    progress(f"deleted the earlier run's registered model {acfg.mlflow.registered_model}")
 
 
 def groups_ready(backend: KafkaBackend, group_ids: list[str]) -> bool:

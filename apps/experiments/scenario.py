@@ -83,9 +83,9 @@ def results_dir(cfg: AppConfig) -> Path:
 
 
 def arm_config(cfg: AppConfig, arm: ArmConfig) -> AppConfig:
-    """``cfg`` for one arm: its algorithm overrides, and topics, consumer groups and state
-    directories of its own, so arms that run one after the other never read each other's
-    records, weights or checkpoints."""
+    """``cfg`` for one arm: its algorithm overrides, and topics, consumer groups, state
+    directories and registered model of its own, so arms that run one after the other never
+    read each other's records, weights or checkpoints, nor decide against each other's champion."""
     suffix = f"{cfg.experiment.name}.{arm.name}"
     topics = cfg.kafka.topics.model_copy(update={
         "interactions": f"{cfg.kafka.topics.interactions}.{suffix}",
@@ -101,4 +101,5 @@ def arm_config(cfg: AppConfig, arm: ArmConfig) -> AppConfig:
             "weight_store": str(arm_dir / "weights"), "checkpoint_dir": arm_dir / "checkpoints"}),
         "serving": cfg.serving.model_copy(update={"spool_dir": arm_dir / "spool"}),
         "experiment": cfg.experiment.model_copy(update={"judge_group": f"{cfg.experiment.judge_group}.{suffix}"}),
+        "mlflow": cfg.mlflow.model_copy(update={"registered_model": f"{cfg.mlflow.registered_model}.{suffix}"}),
     })

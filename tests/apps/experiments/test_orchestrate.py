@@ -106,3 +106,21 @@ def test_learner_counters_come_from_the_arms_newest_learner_run(tmp_path):
     counters = learner_counters(arm_cfg("sao-learner.drift.grpo"))
     assert counters["join_incomplete_groups"] == 3.0 and counters["steps"] == 2.0
     assert learner_counters(arm_cfg("sao-learner.drift.nobody")) == {}
+
+
+def test_reset_registry_deletes_the_arms_registered_model_only(tmp_path):
+    from mlflow import MlflowClient
+
+    from apps.experiments.orchestrate import reset_registry
+    from apps.experiments.scenario import arm_config
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    arm, other = (arm_config(cfg, a) for a in cfg.experiment.arms[:2])
+    for acfg in (arm, other):
+        client.create_registered_model(acfg.mlflow.registered_model)
+    lines: list[str] = []
+    reset_registry(arm, lines.append)
+    reset_registry(arm, lines.append)  # nothing left: says nothing
+    assert [m.name for m in client.search_registered_models()] == [other.mlflow.registered_model]
+    assert lines == [f"deleted the earlier run's registered model {arm.mlflow.registered_model}"]

@@ -89,6 +89,7 @@ def test_arm_config_applies_overrides_and_separates_state(tmp_path):
     assert len({a.trainer.consumer_group for a in arms.values()}) == len(arms)
     assert len({a.experiment.judge_group for a in arms.values()}) == len(arms)
     assert len({a.checkpoint_dir for a in arms.values()}) == len(arms)
+    assert len({a.mlflow.registered_model for a in arms.values()}) == len(arms)
     assert sao.weight_store_url.startswith(str(results_dir(cfg)))
     assert cfg.algorithm.name == "sao" and cfg.kafka.topics.interactions == "sao.interactions"  # untouched
 

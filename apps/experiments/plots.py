@@ -25,7 +25,7 @@ PLOTS = {
 """File name -> title of every plot the report shows."""
 
 
-def _mark_switches(ax, scenario: ExperimentConfig) -> None:
+def mark_switches(ax, scenario: ExperimentConfig) -> None:
     for phase in scenario.schedule[1:]:
         ax.axvline(phase.from_rollout, color="grey", linestyle="--", linewidth=1)
         ax.text(phase.from_rollout, 1.0, f" {phase.style}", transform=ax.get_xaxis_transform(),
@@ -55,7 +55,7 @@ def plot_rewards_per_arm(runs: list[Run], arms: list[str], path: Path) -> None:
                 ax.plot(b.x, curve, color="grey", linewidth=0.5, alpha=0.5)
         _draw_band(ax, b, f"moving mean (W={w})" + (f", mean of {b.seeds.shape[0]} seeds" if b.seeds.shape[0] > 1
                                                    else ""), color="C1")
-        _mark_switches(ax, scenario)
+        mark_switches(ax, scenario)
         ax.set_title(arm, fontsize=10)
         ax.set(ylabel="reward", ylim=(-0.05, 1.05))
         ax.legend(loc="lower right", fontsize=7)
@@ -71,7 +71,7 @@ def plot_comparison(runs: list[Run], arms: list[str], path: Path) -> None:
         b = moving_reward_band(runs, arm, scenario.metrics_window)
         if b is not None:
             _draw_band(ax, b, arm)
-    _mark_switches(ax, scenario)
+    mark_switches(ax, scenario)
     ax.axhline(scenario.realign_threshold, color="black", linestyle=":", linewidth=1)
     ax.set(xlabel="rollout", ylabel=f"moving reward (W={scenario.metrics_window})", ylim=(-0.05, 1.05))
     ax.legend(fontsize=8)
@@ -89,7 +89,7 @@ def plot_style_share(runs: list[Run], arms: list[str], path: Path) -> None:
         x, shares = style_share_curves(runs, arm, styles, scenario.metrics_window)
         if len(x):
             ax.stackplot(x, *(shares[s] for s in styles), labels=styles, step="post", alpha=0.85)
-        _mark_switches(ax, scenario)
+        mark_switches(ax, scenario)
         ax.set_title(f"{arm} (preferred: " + ", ".join(p.style for p in scenario.schedule) + ")", fontsize=10)
         ax.set(ylabel="share of answers", ylim=(0, 1))
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
@@ -105,7 +105,7 @@ def plot_style_accuracy(runs: list[Run], arms: list[str], path: Path) -> None:
         b = style_accuracy_band(runs, arm)
         if b is not None:
             _draw_band(ax, b, arm, marker="o")
-    _mark_switches(ax, scenario)
+    mark_switches(ax, scenario)
     ax.set(xlabel="rollout", ylabel="held-out answers in the preferred style", ylim=(-0.05, 1.05))
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)

@@ -2,8 +2,9 @@
 
 Reads a results directory -- one run, or one run per seed (experiments/aggregate.py) --
 and writes ``report.md``, ``report.json`` and the plots (experiments/plots.py) into
-``out_dir``. Every measure is given as its mean over seeds with a 95% bootstrap
-interval in brackets (no interval with one seed).
+``out_dir``, with the registry's decisions of live arms from MLflow (experiments/gate_report.py).
+Every measure is given as its mean over seeds with a 95% bootstrap interval in brackets (no
+interval with one seed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
 from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, summarize
+from apps.experiments.gate_report import write_gate_report
 from apps.experiments.intervals import Interval
 from apps.experiments.metrics import LEVEL_SHARE
 from apps.experiments.plots import PLOTS, write_plots
@@ -130,7 +132,9 @@ def write_report(results_dir: Path, out_dir: Path, mlflow_uri: str | None = None
     write_plots(runs, [a.name for a in arms], out_dir)
     (out_dir / JSON_FILE).write_text(json.dumps([asdict(a) for a in arms], indent=2) + "\n")
     path = out_dir / REPORT_FILE
-    path.write_text(markdown(arms, runs) + "\n".join(write_segment_report(runs, [a.name for a in arms], out_dir)))
+    names = [a.name for a in arms]
+    sections = write_segment_report(runs, names, out_dir) + write_gate_report(runs, names, out_dir)
+    path.write_text(markdown(arms, runs) + "\n".join(sections))
     if mlflow_uri is not None:
         log_to_mlflow(out_dir, arms, mlflow_uri, mlflow_experiment, f"{runs[0].scenario.name}-report")
     return path

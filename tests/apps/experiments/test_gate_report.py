@@ -1,0 +1,96 @@
+"""The registry's decisions in the report, read from a real MLflow SQLite store that the
+learner's own Releases filled (real weight store, scripted scorer as in tests/trainer/test_deploy.py)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import torch
+from matplotlib.image import imread
+from mlflow import MlflowClient
+
+from apps.config import load_app_config
+from apps.experiments.gate_report import GATE_PNG
+from apps.experiments.report import write_report
+from online_sao.config import dump_config
+from online_sao.weights import FileWeightStore
+from streams.memory import InMemoryBackend
+from tests.apps.experiments.test_report import section, synthetic_rewards, write_run
+from tests.trainer.test_deploy import STYLE_A, ScriptedScorer, _rollout
+from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
+from trainer.deploy import OffPolicyGate, RecentWindow
+from trainer.publisher import Publisher, Releases
+from trainer.tracking import RunTracker
+
+REGISTER_EVERY = 2
+LONG_FROM_VERSION = 6
+"""Versions from here on answer with 10 tokens, over the length monitor's 5: candidate v6 trips it."""
+
+
+def _fill_registry(cfg) -> None:
+    """Versions 1-8 released as the learner does: candidates v2 and v4 pass (same answers as the
+    champion, no monitor over), v6's long answers trip the length monitor at v8's release."""
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
+                          keep_versions=2)
+    window = RecentWindow(cfg.deploy.window)
+    releases = Releases(publisher, RunTracker(cfg), OffPolicyGate(ScriptedScorer(dict.fromkeys(range(1, 9), STYLE_A)),
+                                                                  cfg.deploy), window, cfg.deploy, REGISTER_EVERY)
+    for version in range(1, 9):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        answer = [5] * (8 if version >= LONG_FROM_VERSION else 0) + [5, STYLE_A]
+        window.observe([_rollout(f"v{version}-{i}", answer, version, 1.0, logprob=math.log(0.9) / len(answer))
+                        for i in range(40)])
+
+
+def _learner_cfg(data_dir, db, group: str):
+    cfg = load_app_config(environ={}, overrides={
+        "paths.data_dir": str(data_dir), "mlflow.tracking_uri": f"sqlite:///{db}",
+        "mlflow.register_every": REGISTER_EVERY, "trainer.consumer_group": group,
+        "deploy.window": 80, "deploy.monitor_max_mean_length": 5})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    return cfg
+
+
+def test_report_shows_each_decision_of_the_arms_learner_from_mlflow(tmp_path, empty_store):  # noqa: F811
+    results = tmp_path / "results"
+    write_run(results, {"sao": synthetic_rewards(3, 0), "running_mean_w8": synthetic_rewards(12, 1)})
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
+    (results / "arms" / "sao").mkdir(parents=True)
+    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    _fill_registry(cfg)
+
+    report = write_report(results, tmp_path / "report").read_text()
+
+    text = section(report, "Registry decisions (promotion gate and monitors)")
+    assert "### running_mean_w8" not in text  # no live learner config: no registry to read
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| registry")]
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    tags = {str(v.version): v.tags for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
+    # candidate, decided at the next registration, its first rollout (rows of version v start at 4v),
+    # seconds from the first (t = 1000 + rollout), decision, the gate's verdict
+    assert [r[1:7] for r in rows] == [["v2", "v4", "16", "16", "promoted", "no_champion"],
+                                      ["v4", "v6", "24", "24", "promoted", "promoted"],
+                                      ["v6", "v8", "32", "32", "rolled back", "promoted"]]
+    assert rows[0][7] == "-" and rows[0][-1] == "none"
+    assert float(rows[1][7]) == round(float(tags[rows[1][0]]["gate.candidate_value"]), 3)
+    assert rows[2][-1] == "mean_length" and tags[rows[2][0]]["decision"] == "rolled_back"
+    assert float(rows[1][8]) == round(float(tags[rows[1][0]]["gate.champion_value"]), 3)
+    assert rows[1][9] == f"[{float(tags[rows[1][0]]['gate.low']):.3f}, {float(tags[rows[1][0]]['gate.high']):.3f}]"
+    assert float(rows[1][10]) == round(float(tags[rows[1][0]]["gate.candidate_ess"]), 1)
+    assert f"![registry decisions over the run]({GATE_PNG})" in report
+    assert imread(tmp_path / "report" / GATE_PNG).shape[0] > 100
+
+
+def test_report_without_live_arms_has_no_registry_section(tmp_path):
+    results = tmp_path / "results"
+    write_run(results, {"sao": synthetic_rewards(3, 0)})
+    report = write_report(results, tmp_path / "report").read_text()
+    assert "Registry decisions" not in report
+    assert not (tmp_path / "report" / GATE_PNG).exists()

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from apps.config import AppConfig, load_app_config
 from apps.experiments.aggregate import Run, moving_reward_band
+from apps.experiments.orchestrate import learner_run
 from apps.experiments.plots import mark_switches
 from apps.experiments.results import RewardRow
 
@@ -67,20 +68,6 @@ def _label(tags: dict[str, str]) -> str:
     return "refused" if tags.get("gate.decision") == "refused" else "kept"
 
 
-def learner_run_id(acfg: AppConfig) -> str | None:
-    """The arm's newest learner run in MLflow, found by its consumer group (None: no such run)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=acfg.mlflow_uri)
-    experiment = client.get_experiment_by_name(acfg.mlflow.experiment)
-    if experiment is None:
-        return None
-    runs = client.search_runs([experiment.experiment_id],
-                              filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0].info.run_id if runs else None
-
-
 def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> list[RegistryDecision]:
     """The decided registry versions of learner run ``run_id``, oldest first, each placed on the
     arm's rollout clock by ``rewards``."""
@@ -116,8 +103,8 @@ def arm_decisions(run: Run, arm: str) -> list[RegistryDecision] | None:
     if not config.is_file() or arm not in run.arms:
         return None
     acfg = load_app_config(config, environ={})
-    run_id = learner_run_id(acfg)
-    return None if run_id is None else read_decisions(acfg, run_id, run.arms[arm].rewards)
+    learner = learner_run(acfg)
+    return None if learner is None else read_decisions(acfg, learner.info.run_id, run.arms[arm].rewards)
 
 
 def _fmt(value: float, digits: int = 3) -> str:

@@ -133,22 +133,30 @@ def needs_critic(acfg: AppConfig) -> bool:
     return algorithm_class(acfg.algorithm.name).needs_critic
 
 
-def learner_counters(acfg: AppConfig) -> dict[str, float]:
-    """The last value of every metric of the arm's newest learner run in MLflow (found by its
-    consumer group, which names the arm), plus ``steps``; empty when there is no such run."""
+def learner_run(acfg: AppConfig):
+    """The arm's newest learner run in MLflow (an ``mlflow.entities.Run``), found by its consumer
+    group, which names the arm; None when there is none."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=acfg.mlflow_uri)
     experiment = client.get_experiment_by_name(acfg.mlflow.experiment)
     if experiment is None:
-        return {}
+        return None
     runs = client.search_runs([experiment.experiment_id],
                               filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}'",
                               order_by=["attributes.start_time DESC"], max_results=1)
-    if not runs:
+    return runs[0] if runs else None
+
+
+def learner_counters(acfg: AppConfig) -> dict[str, float]:
+    """The last value of every metric of the arm's newest learner run in MLflow
+    (:func:`learner_run`), plus ``steps``; empty when there is no such run."""
+    from mlflow import MlflowClient
+
+    run = learner_run(acfg)
+    if run is None:
         return {}
-    run = runs[0]
-    steps = len(client.get_metric_history(run.info.run_id, "step_time_s"))
+    steps = len(MlflowClient(tracking_uri=acfg.mlflow_uri).get_metric_history(run.info.run_id, "step_time_s"))
     return {**run.data.metrics, "steps": float(steps)}
 
 

@@ -221,7 +221,8 @@ def test_repetition_regression_is_rolled_back_and_the_learner_goes_on_from_the_c
     assert not learner.is_alive()
 
     rollbacks = [(i, n) for i, n in enumerate(notices) if n.action == "rollback"]
-    assert len(rollbacks) == 1, f"expected one roll-back within {MAX_ROUNDS} versions, got {[(n.action, n.version) for n in notices][-4:]}"
+    newest = [(n.action, n.version) for n in notices][-4:]
+    assert len(rollbacks) == 1, f"expected one roll-back within {MAX_ROUNDS} versions; the newest notices: {newest}"
     at, back = rollbacks[0]
     decided_at = notices[at - 1]
     assert decided_at.action == "publish" and decided_at.step == back.step  # announced at the deciding release

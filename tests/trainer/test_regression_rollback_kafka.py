@@ -59,7 +59,11 @@ MAX_REPETITION = 0.5
 sampled answer of a 512-token model repeats a few percent; one phrase over and over, nearly all."""
 NGRAM = 2
 ANSWER_TOKENS = 16
+"""The tiny model never ends an answer early: every answer has 16 tokens, 15 bigrams."""
 POLICY_LR = 1e-2
+"""High, so the gamed reward collapses the tiny model's answers within :data:`MAX_ROUNDS` (about
+30 versions after the injection here); at 3e-2 the stable phase itself degraded and the gate
+rolled that candidate back first."""
 MAX_ROUNDS = 60
 """Rounds (one step, one version each) the test waits for the roll-back before it fails."""
 STEP_TIMEOUT_S = 240.0

@@ -1,5 +1,7 @@
 """Build the project's default policy: a small Qwen2/Llama model trained from scratch on
-the style corpus (apps/default_model/corpus.py), with its own byte-level BPE tokenizer.
+the style corpus (apps/default_model/corpus.py) and a small tool-use part
+(apps/default_model/tool_corpus.py: calculator calls, rendered with the model's own chat
+template), with its own byte-level BPE tokenizer.
 
 Nothing is downloaded. The result is a standard Hugging Face directory (config.json,
 model.safetensors, tokenizer files with a ChatML chat template, generation_config.json)
@@ -28,10 +30,12 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
 
 from apps.config import AppConfig, BaseModelConfig
 from apps.default_model.corpus import CORPUS_VERSION, Example, generate_corpus, split_heldout
+from apps.default_model.tool_corpus import (TOOLS, ToolTask, generate_tool_corpus, tool_call_text,
+                                            tool_corpus_size)
 
 RECORD_FILE = "online_sao_base_model.json"
 """Written last into a built model directory: the fingerprint it was built from and its stats."""
-BUILD_FORMAT = 3
+BUILD_FORMAT = 4
 """Bumped when this builder changes what it produces, so older cached builds are rebuilt."""
 
 END_OF_TEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -79,6 +83,10 @@ MAX_NEW_TOKENS = 64
 """Default generation length: corpus answers are under 60 tokens."""
 
 Progress = Callable[[str], None]
+Segments = list[tuple[str, bool]]
+"""A training text in pieces, each with whether the model learns it (assistant turns) or only reads it."""
+Row = tuple[list[int], list[int]]
+"""(input_ids, labels) of one training sequence."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class BuildStats:
 
     train_examples: int
     heldout_examples: int
+    tool_examples: int
+    """Of ``train_examples``, the tool-use trajectories (apps/default_model/tool_corpus.py)."""
     parameters: int
     final_train_loss: float
     heldout_loss: float
@@ -120,8 +130,31 @@ def chat_text(prompt: str, answer: str | None = None) -> str:
     return text if answer is None else f"{text}{answer}{IM_END}\n"
 
 
-def train_tokenizer(examples: list[Example], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on the corpus, wrapped with the chat template.
+def tools_system_text(tools: list[dict]) -> str:
+    """The system turn :data:`CHAT_TEMPLATE` opens a conversation with when ``tools`` are offered."""
+    listed = "".join(json.dumps(tool.get("function", tool), ensure_ascii=False) + "\n" for tool in tools)
+    return (f"{IM_START}system\nYou may call these tools:\n<tools>\n{listed}</tools>\n"
+            f'To call one, answer with <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>.{IM_END}\n')
+
+
+def example_segments(example: Example) -> Segments:
+    """A style pair: the prompt is read, the answer learned."""
+    return [(chat_text(example.prompt), False), (example.answer + IM_END, True)]
+
+
+def task_segments(task: ToolTask) -> Segments:
+    """A tool-use trajectory rendered as :data:`CHAT_TEMPLATE` renders it with the calculator offered:
+    the call and the final answer are learned; the system turn, question and tool result are read.
+    The pieces are tokenised apart, as serving tokenises a continuation's observation apart from
+    the sampled tokens."""
+    return [(tools_system_text(TOOLS) + chat_text(task.question), False),
+            (tool_call_text(task.expression) + IM_END, True),
+            (f"\n{IM_START}tool\n{task.result}{IM_END}\n{IM_START}assistant\n", False),
+            (task.answer + IM_END, True)]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts`` (rendered conversations), wrapped with the chat template.
 
     Normaliser and pre-tokeniser are the ones transformers' Qwen2Tokenizer imposes on
     load (NFC, :data:`PRETOKENIZE_REGEX` split, byte-level), so the saved tokenizer
@@ -136,8 +169,7 @@ def train_tokenizer(examples: list[Example], vocab_size: int, max_length: int) -
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = sorted({chat_text(e.prompt, e.answer) for e in examples})
-    bpe.train_from_iterator(texts, trainer)
+    bpe.train_from_iterator(sorted(set(texts)), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD, unk_token=None, bos_token=None,
         additional_special_tokens=[END_OF_TEXT, IM_START], chat_template=CHAT_TEMPLATE,
@@ -157,19 +189,28 @@ def model_config(base: BaseModelConfig, tokenizer: PreTrainedTokenizerFast) -> P
     )
 
 
-def encode_examples(tokenizer: PreTrainedTokenizerFast, examples: list[Example],
-                    max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) per example; labels ignore the prompt so only the answer is learned."""
-    prompts = tokenizer([chat_text(e.prompt) for e in examples], add_special_tokens=False)["input_ids"]
-    answers = tokenizer([e.answer + IM_END for e in examples], add_special_tokens=False)["input_ids"]
+def encode_segments(tokenizer: PreTrainedTokenizerFast, rows: list[Segments], max_length: int) -> list[Row]:
+    """(input_ids, labels) per row; labels ignore every piece that is only read."""
+    texts = [text for row in rows for text, _ in row]
+    ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
     out = []
-    for p, a in zip(prompts, answers):
-        ids = (p + a)[:max_length]
-        out.append((ids, ([IGNORE_INDEX] * len(p) + a)[:max_length]))
+    for row in rows:
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for _, learned in row:
+            piece = next(ids)
+            input_ids += piece
+            labels += piece if learned else [IGNORE_INDEX] * len(piece)
+        out.append((input_ids[:max_length], labels[:max_length]))
     return out
 
 
-def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def encode_examples(tokenizer: PreTrainedTokenizerFast, examples: list[Example], max_length: int) -> list[Row]:
+    """(input_ids, labels) per style example; labels ignore the prompt so only the answer is learned."""
+    return encode_segments(tokenizer, [example_segments(e) for e in examples], max_length)
+
+
+def collate_sequences(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row: input_ids, attention_mask, labels, each [B, T]."""
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -182,9 +223,24 @@ def collate_sequences(rows: list[tuple[list[int], list[int]]], pad_id: int) -> d
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
-def pretrain(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], base: BaseModelConfig,
+def epoch_batches(pool_sizes: list[int], batch_size: int, generator: torch.Generator) -> list[tuple[int, list[int]]]:
+    """One pass over every pool in shuffled batches of one pool each: (pool, row indices) per batch.
+
+    A batch pads to its longest row, so batches never mix pools of different lengths (a tool-use
+    trajectory is about 145 tokens, a style pair 44: mixed batches would cost 2.4 times the
+    padded tokens of a style-only build, pools apart cost 1.2 times); shuffling the batches of
+    all pools together keeps each pool's share of the steps equal to its share of the rows.
+    """
+    batches = []
+    for pool, size in enumerate(pool_sizes):
+        order = torch.randperm(size, generator=generator).tolist()
+        batches += [(pool, order[start:start + batch_size]) for start in range(0, size, batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def pretrain(model: PreTrainedModel, pools: list[list[Row]], base: BaseModelConfig,
              pad_id: int, generator: torch.Generator, progress: Progress) -> float:
-    """Supervised training on ``rows`` for ``base.train_steps`` AdamW steps (cosine schedule).
+    """Supervised training on the rows of ``pools`` for ``base.train_steps`` AdamW steps (cosine schedule).
 
     Returns the mean loss of the last logging window.
     """
@@ -192,14 +248,14 @@ def pretrain(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], ba
     optimizer = torch.optim.AdamW(model.parameters(), lr=base.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = get_cosine_schedule_with_warmup(optimizer, math.ceil(WARMUP_FRACTION * base.train_steps),
                                                base.train_steps)
-    order: list[int] = []
+    batches: list[tuple[int, list[int]]] = []
     window: list[float] = []
     started = time.monotonic()
     for step in range(1, base.train_steps + 1):
-        if len(order) < base.batch_size:
-            order += torch.randperm(len(rows), generator=generator).tolist()
-        batch = collate_sequences([rows[i] for i in order[:base.batch_size]], pad_id)
-        del order[:base.batch_size]
+        if not batches:
+            batches = epoch_batches([len(rows) for rows in pools], base.batch_size, generator)
+        pool, indices = batches.pop()
+        batch = collate_sequences([pools[pool][i] for i in indices], pad_id)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -216,7 +272,7 @@ def pretrain(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], ba
 
 
 @torch.no_grad()
-def mean_loss(model: PreTrainedModel, rows: list[tuple[list[int], list[int]]], pad_id: int,
+def mean_loss(model: PreTrainedModel, rows: list[Row], pad_id: int,
               batch_size: int = 64) -> float:
     """Token-weighted mean answer loss of ``rows``."""
     total, tokens = 0.0, 0
@@ -239,8 +295,12 @@ def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progres
     started = time.monotonic()
     generator = torch.Generator().manual_seed(base.seed)
     train, heldout = split_heldout(generate_corpus(base.seed), HELDOUT_FRACTION, base.seed)
-    progress(f"corpus: {len(train)} training and {len(heldout)} held-out answers")
-    trained = train_tokenizer(train, base.vocab_size, base.max_position_embeddings)
+    tasks = generate_tool_corpus(base.seed, tool_corpus_size(len(train)))
+    progress(f"corpus: {len(train)} training and {len(heldout)} held-out answers, {len(tasks)} tool-use trajectories")
+    style_segments = [example_segments(e) for e in train]
+    tool_segments = [task_segments(t) for t in tasks]
+    texts = ["".join(text for text, _ in row) for row in style_segments + tool_segments]
+    trained = train_tokenizer(texts, base.vocab_size, base.max_position_embeddings)
     config = model_config(base, trained)
     trained.save_pretrained(directory)
     config.save_pretrained(directory)
@@ -251,8 +311,8 @@ def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progres
     n_params = sum(p.numel() for p in model.parameters())
     progress(f"tokenizer: {len(tokenizer)} tokens; model: {base.architecture}, {n_params:,} parameters")
     pad_id = tokenizer.pad_token_id
-    train_rows = encode_examples(tokenizer, train, base.max_position_embeddings)
-    final_loss = pretrain(model, train_rows, base, pad_id, generator, progress)
+    pools = [encode_segments(tokenizer, rows, base.max_position_embeddings) for rows in (style_segments, tool_segments)]
+    final_loss = pretrain(model, pools, base, pad_id, generator, progress)
     heldout_loss = mean_loss(model, encode_examples(tokenizer, heldout, base.max_position_embeddings), pad_id)
     progress(f"held-out loss {heldout_loss:.4f}")
     model.generation_config = GenerationConfig(
@@ -261,7 +321,8 @@ def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progres
         pad_token_id=pad_id,
     )
     model.save_pretrained(directory)
-    return BuildStats(len(train), len(heldout), n_params, final_loss, heldout_loss, time.monotonic() - started)
+    return BuildStats(len(train) + len(tasks), len(heldout), len(tasks), n_params, final_loss, heldout_loss,
+                      time.monotonic() - started)
 
 
 def _make_readable(directory: Path) -> None:

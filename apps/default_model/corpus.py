@@ -23,8 +23,9 @@ from apps.default_model.corpus_content import TOPICS, Subject, Topic
 STYLES: tuple[str, ...] = ("formal", "cute", "archaic", "terse")
 """Writing styles of the corpus, in a fixed order."""
 
-CORPUS_VERSION = 1
-"""Bumped whenever generated text changes, so cached models built on older text are rebuilt."""
+CORPUS_VERSION = 2
+"""Bumped whenever generated text changes (of this style corpus or of the tool-use part,
+apps/default_model/tool_corpus.py), so cached models built on older text are rebuilt."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from apps.default_model.builder import train_tokenizer
+from apps.default_model.builder import chat_text, train_tokenizer
 from online_sao.config import Config, load_config
 from apps.default_model.corpus import generate_corpus
 from online_sao.schemas import Interaction, Reward, decode
@@ -40,7 +40,8 @@ ANSWER = "Hello, wörld! 🙂 ok"
 
 @pytest.fixture(scope="session")
 def chat_tokenizer():
-    return train_tokenizer(generate_corpus(seed=0)[:300], vocab_size=400, max_length=512)
+    texts = [chat_text(e.prompt, e.answer) for e in generate_corpus(seed=0)[:300]]
+    return train_tokenizer(texts, vocab_size=400, max_length=512)
 
 
 def serving_config(tmp_path: Path, **overrides) -> Config:

@@ -15,9 +15,11 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from apps.default_model.builder import (IGNORE_INDEX, IM_END, RECORD_FILE, build_base_model, chat_text,
-                                   encode_examples, is_built, run_base_model)
+                                        encode_examples, encode_segments, epoch_batches, is_built, run_base_model,
+                                        task_segments)
 from apps.config import load_app_config
 from apps.default_model.corpus import STYLES, Example, StyleClassifier, generate_corpus, split_heldout
+from apps.default_model.tool_corpus import TOOLS, ToolTask, task_messages
 
 WORD = re.compile(r"[a-z']+")
 
@@ -166,6 +168,34 @@ def test_loss_is_on_the_answer_only(small_model):
     assert tokenizer.decode(learned) == "Rinse the grains." + IM_END
     assert labels[: len(ids) - len(learned)] == [IGNORE_INDEX] * (len(ids) - len(learned))
     assert tokenizer.decode(ids) == chat_text(example.prompt, example.answer).rstrip("\n")
+
+
+TASK = ToolTask(question="What is 17 plus 25?", expression="17 + 25", result="42", answer="17 plus 25 is 42.")
+
+
+def test_tool_use_trajectory_is_rendered_like_the_chat_template(small_model):
+    tokenizer = AutoTokenizer.from_pretrained(small_model[1])
+    rendered = tokenizer.apply_chat_template(task_messages(TASK), tools=TOOLS, tokenize=False)
+    assert rendered == "".join(text for text, _ in task_segments(TASK)) + "\n"
+    assert '<tool_call>{"name": "calculator", "arguments": {"expression": "17 + 25"}}</tool_call>' in rendered
+
+
+def test_tool_use_loss_is_on_the_call_and_the_final_answer_only(small_model):
+    tokenizer = AutoTokenizer.from_pretrained(small_model[1])
+    [(ids, labels)] = encode_segments(tokenizer, [task_segments(TASK)], max_length=1024)
+    learned = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+    assert learned == ('<tool_call>{"name": "calculator", "arguments": {"expression": "17 + 25"}}</tool_call>'
+                       + IM_END + "17 plus 25 is 42." + IM_END)
+    read = tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE_INDEX])
+    assert "What is 17 plus 25?" in read and "tool\n42" in read and "</tools>" in read
+
+
+def test_epoch_batches_keep_pools_apart_and_cover_every_row():
+    batches = epoch_batches([70, 9], batch_size=8, generator=torch.Generator().manual_seed(0))
+    assert sorted(i for pool, rows in batches if pool == 0 for i in rows) == list(range(70))
+    assert sorted(i for pool, rows in batches if pool == 1 for i in rows) == list(range(9))
+    assert [len(rows) for pool, rows in batches].count(8) == 9
+    assert [pool for pool, _ in batches] != sorted(pool for pool, _ in batches)  # shuffled across pools
 
 
 def test_sampled_answers_cover_several_styles(small_model, judge):

@@ -96,7 +96,8 @@ def tool_call_text(expression: str) -> str:
 def task_messages(task: ToolTask) -> list[dict]:
     """The whole trajectory as chat messages (OpenAI shape; the call's arguments as an object,
     which is how the chat template renders them)."""
-    call = {"type": "function", "function": {"name": CALCULATOR_TOOL["function"]["name"], "arguments": {"expression": task.expression}}}
+    call = {"type": "function",
+            "function": {"name": CALCULATOR_TOOL["function"]["name"], "arguments": {"expression": task.expression}}}
     return [{"role": "user", "content": task.question},
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": task.result},

@@ -1,9 +1,17 @@
-"""Drawing a token from the engine's sampling distribution.
+"""Drawing tokens from the engine's sampling distribution, a whole decode batch at a time.
 
 The distribution itself, and the behaviour log-probability logged with each
 token, is :func:`online_sao.sampling.nucleus_logprobs`: the learner recomputes
 the same function under the current policy, so its importance ratio compares
 against what really sampled the token.
+
+A row is drawn by inverting its cumulative distribution at one uniform number
+taken from the row's own generator (float64 throughout). This is an exact draw
+from the row's distribution, costs one random number per token (not one per
+vocabulary entry, as ``torch.multinomial``'s exponential race does), runs as one
+tensor op for the batch, and keeps a seeded request reproducible and independent
+of which other requests share its batch: its generator is consumed only by its
+own rows.
 
 ``SamplingParams`` requires ``temperature > 0``. At or below
 :data:`GREEDY_TEMPERATURE` the engine takes the arg-max instead of drawing (the
@@ -15,14 +23,31 @@ distribution (about 0).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from online_sao.sampling import nucleus_logprobs
 
-__all__ = ["GREEDY_TEMPERATURE", "most_likely", "nucleus_logprobs", "sample_token"]
+__all__ = ["GREEDY_TEMPERATURE", "RowSampling", "most_likely", "nucleus_logprobs", "sample_token", "sample_tokens"]
 
 GREEDY_TEMPERATURE = 1e-4
 """Temperatures at or below this decode greedily (see the module docstring)."""
+
+Sampled = tuple[int, float, tuple[tuple[int, float], ...]]
+"""``(token_id, behaviour logprob, alternatives)`` of one row."""
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row of a batch is sampled."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+    """The request's own random stream (seeded or not)."""
+    top_logprobs: int = 0
+    """How many of the most likely tokens to return beside the sampled one."""
 
 
 def most_likely(logp: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]:
@@ -34,15 +59,51 @@ def most_likely(logp: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]
     return tuple((int(i), min(float(v), 0.0)) for v, i in zip(values, ids) if torch.isfinite(v))
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-                 top_logprobs: int = 0) -> tuple[int, float, tuple[tuple[int, float], ...]]:
-    """Draw one token from ``logits [V]``; returns ``(token_id, behaviour logprob, alternatives)`` where
-    ``alternatives`` are the ``top_logprobs`` most likely tokens (:func:`most_likely`)."""
+def inverse_cdf_draw(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn from ``logp [N, V]`` (``-inf`` = never) at ``uniforms [N]`` in [0, 1) -> ``[N]`` long.
+
+    Token ``i`` owns the interval ``[cdf[i-1], cdf[i])`` of the float64 running sum, so a token of
+    probability 0 owns an empty interval and is never drawn. A uniform that rounds to the total
+    mass (the interval end) falls to the last token with positive probability.
+    """
+    probs = logp.double().exp()
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
+    last_possible = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # argmax: the first column reaching the count
+    return torch.minimum(picked, last_possible)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled]:
+    """Draw one token for each row of ``logits [B, V]`` under that row's settings (``len(rows) == B``).
+
+    One log-softmax (and one nucleus sort if some row has ``top_p < 1``) for the
+    batch, one uniform number per stochastic row, one host transfer at the end.
+    """
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
     logp = nucleus_logprobs(logits, temperature, top_p)
-    if temperature <= GREEDY_TEMPERATURE:
-        token = int(torch.argmax(logp))
-    else:
-        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    tokens = torch.argmax(logp, dim=-1)
+    stochastic = [i for i, r in enumerate(rows) if r.temperature > GREEDY_TEMPERATURE]
+    if stochastic:
+        uniforms = torch.cat([torch.rand(1, generator=rows[i].generator, dtype=torch.float64, device=device)
+                              for i in stochastic])
+        if len(stochastic) == len(rows):
+            tokens = inverse_cdf_draw(logp, uniforms)
+        else:
+            index = torch.tensor(stochastic, dtype=torch.long, device=device)
+            tokens[index] = inverse_cdf_draw(logp[index], uniforms)
+    picked_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     # Renormalising can round the log-probability of a near-certain token a hair
     # above 0; records refuse positive log-probabilities.
-    return token, min(float(logp[token]), 0.0), most_likely(logp, top_logprobs)
+    return [(token, min(lp, 0.0), most_likely(logp[i], r.top_logprobs))
+            for i, (token, lp, r) in enumerate(zip(tokens.tolist(), picked_logp.tolist(), rows))]
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                 top_logprobs: int = 0) -> Sampled:
+    """Draw one token from ``logits [V]`` (:func:`sample_tokens` for one row); returns ``(token_id,
+    behaviour logprob, alternatives)`` where ``alternatives`` are the ``top_logprobs`` most likely
+    tokens (:func:`most_likely`)."""
+    return sample_tokens(logits.unsqueeze(0), [RowSampling(temperature, top_p, generator, top_logprobs)])[0]

@@ -10,8 +10,10 @@ on the asyncio event loop):
    left-padded batched cache); finished and cancelled sequences leave.
 
 Every sampled token carries its behaviour log-probability under the exact
-sampling distribution (:mod:`.sampling`) and the version of the weights whose
-forward pass produced its logits.
+sampling distribution (:mod:`.sampling`, drawn for the whole batch at once) and
+the version of the weights whose forward pass produced its logits. The events of
+one round go to each consumer's event loop in one hand-over (one wake-up of that
+loop per round, not one per token).
 
 Hot-swap: :meth:`TorchEngine.swap_weights` checks the state dict, loads it into a
 spare copy of the model (made once with ``copy.deepcopy``) on the caller's
@@ -45,7 +47,7 @@ from online_sao.modeling import load_policy, load_tokenizer
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.kv_batch import RaggedKVBatch
-from serving.engine.sampling import sample_token
+from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
 
 log = logging.getLogger(__name__)
@@ -65,12 +67,49 @@ class StepStats:
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    emit: Callable[[TokenEvent | BaseException], None]
+    sampling: RowSampling
     max_new: int
-    generator: torch.Generator
+    loop: asyncio.AbstractEventLoop | None = None
+    """The consumer's event loop (set by ``generate`` before the request is queued)."""
+    events: "asyncio.Queue[TokenEvent | BaseException] | None" = None
+    """The consumer's queue, read on ``loop``."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: int = 0
     last_token: int = -1
+
+
+Delivery = tuple[_Sequence, "TokenEvent | BaseException"]
+
+
+def _put_all(items: list[Delivery]) -> None:
+    """(consumer's event loop) Queue each event for its sequence's consumer."""
+    for seq, event in items:
+        seq.events.put_nowait(event)
+
+
+class _Outbox:
+    """(loop thread) The events of one round, handed to each consumer event loop in one call.
+
+    ``call_soon_threadsafe`` wakes the event loop through a socket write; one per
+    token made the engine thread and the event loop trade the GIL 16 times per
+    decode step of a full batch. Events of one sequence keep their order.
+    """
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+
+    def put(self, seq: _Sequence, event: TokenEvent | BaseException) -> None:
+        assert seq.loop is not None, "a sequence reaches the loop only through generate()"
+        self._by_loop.setdefault(seq.loop, []).append((seq, event))
+
+    def flush(self) -> None:
+        for loop, items in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumers' event loop is closed: nobody listens any more
+                for seq, _ in items:
+                    seq.cancelled.set()
+        self._by_loop.clear()
 
 
 class TorchEngine:
@@ -94,6 +133,7 @@ class TorchEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._step_lock = threading.Lock()  # model use when no loop thread runs
         self._rows: list[_Sequence] = []  # owned by the loop thread
+        self._outbox = _Outbox()  # owned by the loop thread
         self._batch = RaggedKVBatch()
 
     @classmethod
@@ -144,18 +184,9 @@ class TorchEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the sampled tokens of one request; the last event has a finish_reason."""
         seq = self._admissible(request)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-
-        def emit(event: TokenEvent | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the caller's event loop is closed: nobody listens any more
-                seq.cancelled.set()
-
-        seq.emit = emit
+        seq.loop, seq.events = asyncio.get_running_loop(), asyncio.Queue()
         self._loop.submit(seq)
-        async for event in relay_events(events, seq.cancelled):
+        async for event in relay_events(seq.events, seq.cancelled):
             yield event
 
     def _admissible(self, request: GenerationRequest) -> _Sequence:
@@ -169,7 +200,8 @@ class TorchEngine:
             generator.seed()
         else:
             generator.manual_seed(request.sampling.seed)
-        return _Sequence(request, emit=lambda _: None, max_new=room, generator=generator)
+        sampling = RowSampling(request.sampling.temperature, request.sampling.top_p, generator, request.top_logprobs)
+        return _Sequence(request, sampling, max_new=room)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -188,9 +220,11 @@ class TorchEngine:
                         self._guarded(self._prefill, [seq], seq)
                     if self._rows:
                         self._guarded(self._decode_step, list(self._rows))
+                self._outbox.flush()
         stopped = EngineStopped("the engine stopped")
         for seq in self._loop.take_waiting() + self._rows:
-            seq.emit(stopped)
+            self._outbox.put(seq, stopped)
+        self._outbox.flush()
         self._rows, self._batch = [], RaggedKVBatch()
 
     def _guarded(self, work: Callable, affected: list[_Sequence], *args) -> None:
@@ -200,7 +234,7 @@ class TorchEngine:
         except Exception as exc:
             log.exception("engine step failed; failing %d request(s)", len(affected))
             for seq in affected:
-                seq.emit(exc)
+                self._outbox.put(seq, exc)
             failed = {id(s) for s in affected}
             keep = [i for i, s in enumerate(self._rows) if id(s) not in failed]
             self._batch.select(keep)
@@ -229,7 +263,7 @@ class TorchEngine:
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
         out = model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **extra)
-        if not self._take_token(seq, out.logits[0, -1], version):
+        if not self._advance(seq, sample_tokens(out.logits[:, -1], [seq.sampling])[0], version):
             self._batch.append(cache, ids.shape[1])
             self._rows.append(seq)
         self._report("prefill", 1, time.perf_counter() - start)
@@ -243,18 +277,17 @@ class TorchEngine:
         out = model(input_ids=ids, attention_mask=mask, position_ids=self._batch.positions(),
                     use_cache=True, **{self._cache_arg: self._batch.cache})
         self._batch.commit_step(mask)
-        logits = out.logits[:, -1]
-        keep = [i for i, seq in enumerate(rows) if not self._take_token(seq, logits[i], version)]
+        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in rows])
+        keep = [i for i, (seq, draw) in enumerate(zip(rows, sampled)) if not self._advance(seq, draw, version)]
         if len(keep) < len(rows):
             self._batch.select(keep)
             self._rows = [rows[i] for i in keep]
         self._report("decode", len(rows), time.perf_counter() - start)
 
-    def _take_token(self, seq: _Sequence, logits: torch.Tensor, version: int) -> bool:
-        """Sample, emit; True when the sequence is finished (or its consumer went away)."""
-        params = seq.request.sampling
-        token, logprob, alternatives = sample_token(logits, params.temperature, params.top_p, seq.generator,
-                                                    seq.request.top_logprobs)
+    def _advance(self, seq: _Sequence, sampled: Sampled, version: int) -> bool:
+        """Record and emit the token drawn for ``seq``; True when the sequence is finished (or its
+        consumer went away)."""
+        token, logprob, alternatives = sampled
         seq.generated += 1
         seq.last_token = token
         finish = None
@@ -262,7 +295,7 @@ class TorchEngine:
             finish = "stop"
         elif seq.generated >= seq.max_new:
             finish = "length"
-        seq.emit(TokenEvent(token, logprob, version, finish, alternatives))
+        self._outbox.put(seq, TokenEvent(token, logprob, version, finish, alternatives))
         return finish is not None or seq.cancelled.is_set()
 
     # ---- hot-swap --------------------------------------------------------------------------

@@ -12,8 +12,11 @@ of any row.
   by padding the shorter side on the left and concatenating along the batch.
 - A finished sequence leaves by ``index_select`` on the batch; columns that
   became padding in every remaining row are then cut from the left.
-- A decode step appends one column to every row (the model concatenates its new
-  keys/values; we extend the mask).
+- A decode step appends one column to every row (the model hands its new
+  keys/values to the cache layer; we extend the mask). The batch's layers are
+  :class:`GrowingLayer` s: the column is written in place into a buffer with room
+  to spare, where ``DynamicLayer`` would concatenate and so copy the whole cache
+  at every step.
 
 Only full-attention layers (``DynamicLayer``) are supported: a sliding-window
 layer drops old columns on its own, which would break the alignment of mask and
@@ -34,9 +37,76 @@ def _check_layers(cache: DynamicCache) -> None:
                                       "supports full-attention DynamicLayer caches only")
 
 
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Pad ``[B, H, L, D]`` with ``n`` zero columns before position 0."""
-    return F.pad(t, (0, 0, n, 0)) if n else t
+MIN_HEADROOM = 64
+"""Free columns a layer's buffer gets at least when it is (re)built: decode steps before it grows."""
+GROWTH = 0.5
+"""A rebuilt buffer gets room for this share of its length more (geometric growth: the copies
+cost O(1) per decode step on average, the spare memory is at most this share)."""
+
+
+def _capacity(length: int) -> int:
+    return length + max(MIN_HEADROOM, int(length * GROWTH))
+
+
+def _left_padded(parts: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Stack ``[b_i, H, l_i, D]`` parts along the batch into a buffer ``[sum b_i, H, capacity, D]``
+    whose first ``length`` columns hold each part right-aligned after zero columns (the padding is
+    masked, but must be finite: attention multiplies it by a zero weight)."""
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    buffer = first.new_empty(rows, first.shape[1], _capacity(length), first.shape[3])
+    row = 0
+    for part in parts:
+        pad = length - part.shape[2]
+        buffer[row:row + part.shape[0], :, :pad] = 0
+        buffer[row:row + part.shape[0], :, pad:length] = part
+        row += part.shape[0]
+    return buffer
+
+
+def _regrown(cached: torch.Tensor, needed: int) -> torch.Tensor:
+    """A buffer ``[B, H, capacity, D]`` with room for ``needed`` columns (and :func:`_capacity`'s
+    headroom beyond), holding ``cached [B, H, L, D]`` in its first ``L`` columns."""
+    buffer = cached.new_empty(cached.shape[0], cached.shape[1], _capacity(needed), cached.shape[3])
+    buffer[:, :, :cached.shape[2]] = cached
+    return buffer
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose ``keys``/``values`` ``[B, H, L, D]`` are the first ``L``
+    columns of larger buffers: :meth:`update` writes new columns in place and rebuilds the buffers
+    (with :func:`_capacity` room) only when they are full.
+
+    Only :class:`RaggedKVBatch` changes its rows (it builds new layers); DynamicLayer's own
+    reshaping methods (crop, batch selection) are not used on it.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        """``keys``/``values``: buffers ``[B, H, capacity >= length, D]`` whose first ``length`` columns are the cache."""
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self._key_buffer, self._value_buffer = keys, values
+        self._expose(length)
+
+    def _expose(self, length: int) -> None:
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self.keys.shape[2]
+        end = start + key_states.shape[2]
+        if end > self._key_buffer.shape[2]:
+            self._key_buffer, self._value_buffer = _regrown(self.keys, end), _regrown(self.values, end)
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self._expose(end)
+        return self.keys, self.values
+
+    def selected(self, index: torch.Tensor, first: int) -> "GrowingLayer":
+        """A layer of the rows at ``index`` without the columns before ``first``."""
+        length = self.keys.shape[2]
+        return GrowingLayer(self._key_buffer.index_select(0, index)[:, :, first:],
+                            self._value_buffer.index_select(0, index)[:, :, first:], length - first)
 
 
 class RaggedKVBatch:
@@ -66,12 +136,15 @@ class RaggedKVBatch:
         row_mask = torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device)
         if self.cache is None:
             self.cache, self.mask = cache, row_mask
+            cache.layers = [GrowingLayer(_left_padded([layer.keys], length), _left_padded([layer.values], length),
+                                         length) for layer in cache.layers]
             return
         target = max(self.length, length)
         grow_old, grow_new = target - self.length, target - length
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, grow_old), _pad_left(theirs.keys, grow_new)])
-            mine.values = torch.cat([_pad_left(mine.values, grow_old), _pad_left(theirs.values, grow_new)])
+        self.cache.layers = [
+            GrowingLayer(_left_padded([mine.keys, theirs.keys], target),
+                         _left_padded([mine.values, theirs.values], target), target)
+            for mine, theirs in zip(self.cache.layers, cache.layers)]
         self.mask = torch.cat([F.pad(self.mask, (grow_old, 0)), F.pad(row_mask, (grow_new, 0))])
 
     def select(self, keep: list[int]) -> None:
@@ -83,9 +156,7 @@ class RaggedKVBatch:
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(dim=0).long().argmax())  # first column some row still uses
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        self.cache.layers = [layer.selected(index, first) for layer in self.cache.layers]
         self.mask = mask[:, first:]
 
     def step_mask(self) -> torch.Tensor:

@@ -3,10 +3,10 @@
 Starts ``--batch`` requests of ``--new-tokens`` tokens together on a TorchEngine
 whose ``max_batch_size`` is the batch, so after the prefills every round is one
 decode step of the full batch. Measured over those rounds only: process CPU
-seconds per round (the engine thread's model call, sampling, cache bookkeeping
+seconds of the median round (the engine thread's model call, sampling, cache bookkeeping
 and hand-over of the events, plus the asyncio consumers that read them) and wall
-seconds per round. Process CPU time is what a loaded machine disturbs least;
-``--repeats`` runs give a median.
+seconds of the median round. Process CPU time is what a loaded machine disturbs
+least; ``--repeats`` runs give a median of those.
 
 Only the engine's public API is used, so the same file measures an older tree
 for a before/after comparison (run it with that tree on ``PYTHONPATH``).
@@ -48,7 +48,7 @@ def load_model() -> torch.nn.Module:
 
 
 def one_run(model: torch.nn.Module, batch: int, new_tokens: int, top_p: float, seed: int) -> tuple[float, float]:
-    """(process CPU s, wall s) per full-batch round, over one run."""
+    """(process CPU s, wall s) of the median full-batch round of one run."""
     marks: list[tuple[float, float]] = []  # (process CPU, wall) at the end of each full-batch decode step
 
     def on_step(s: StepStats) -> None:
@@ -77,10 +77,12 @@ def one_run(model: torch.nn.Module, batch: int, new_tokens: int, top_p: float, s
     window = marks[WARMUP_ROUNDS:]
     cut = next((i for i, (c, _) in enumerate(window) if c != c), len(window))  # up to the first NaN
     window = window[:cut]
-    rounds = len(window) - 1
-    if rounds < 10:
-        raise RuntimeError(f"only {rounds} full-batch rounds measured; raise --new-tokens")
-    return (window[-1][0] - window[0][0]) / rounds, (window[-1][1] - window[0][1]) / rounds
+    if len(window) < 11:
+        raise RuntimeError(f"only {len(window) - 1} full-batch rounds measured; raise --new-tokens")
+    # the median round: a round another job's burst slowed down moves a mean, not the median
+    cpu = statistics.median(b[0] - a[0] for a, b in zip(window, window[1:]))
+    wall = statistics.median(b[1] - a[1] for a, b in zip(window, window[1:]))
+    return cpu, wall
 
 
 def main() -> int:

@@ -84,16 +84,15 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled
     temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
     logp = nucleus_logprobs(logits, temperature, top_p)
-    tokens = torch.argmax(logp, dim=-1)
     stochastic = [i for i, r in enumerate(rows) if r.temperature > GREEDY_TEMPERATURE]
-    if stochastic:
-        uniforms = torch.cat([torch.rand(1, generator=rows[i].generator, dtype=torch.float64, device=device)
-                              for i in stochastic])
-        if len(stochastic) == len(rows):
-            tokens = inverse_cdf_draw(logp, uniforms)
-        else:
+    uniforms = [torch.rand(1, generator=rows[i].generator, dtype=torch.float64, device=device) for i in stochastic]
+    if len(stochastic) == len(rows):
+        tokens = inverse_cdf_draw(logp, torch.cat(uniforms))
+    else:
+        tokens = torch.argmax(logp, dim=-1)
+        if stochastic:
             index = torch.tensor(stochastic, dtype=torch.long, device=device)
-            tokens[index] = inverse_cdf_draw(logp[index], uniforms)
+            tokens[index] = inverse_cdf_draw(logp[index], torch.cat(uniforms))
     picked_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     # Renormalising can round the log-probability of a near-certain token a hair
     # above 0; records refuse positive log-probabilities.

@@ -54,7 +54,9 @@ def test_a_rows_tokens_do_not_depend_on_its_batch():
     for _ in range(20):
         rows = [RowSampling(1.3, 1.0, streams[0]), RowSampling(0.9, 0.95, streams[1]),
                 RowSampling(1e-4, 1.0, streams[2])]
-        batched.append(sample_tokens(logits, rows)[1])
+        drawn = sample_tokens(logits, rows)
+        assert drawn[2][0] == int(logits[2].argmax())  # the greedy row beside two drawn ones
+        batched.append(drawn[1])
         alone.append(sample_token(logits[1], 0.9, 0.95, solo))
     assert batched == alone
     assert len({t for t, _, _ in alone}) > 1  # it really draws

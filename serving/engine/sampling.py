@@ -29,7 +29,8 @@ import torch
 
 from online_sao.sampling import nucleus_logprobs
 
-__all__ = ["GREEDY_TEMPERATURE", "RowSampling", "most_likely", "nucleus_logprobs", "sample_token", "sample_tokens"]
+__all__ = ["GREEDY_TEMPERATURE", "RowSampling", "inverse_cdf_draw", "most_likely", "nucleus_logprobs", "sample_token",
+           "sample_tokens"]
 
 GREEDY_TEMPERATURE = 1e-4
 """Temperatures at or below this decode greedily (see the module docstring)."""

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class Stack:
     progress: Callable[[str], None] = print
     components: list[Component] = field(default_factory=list)
     broker: Any = None
+    _previous_sigterm: Any = None
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,10 +135,19 @@ class Stack:
             self.broker = None
 
     def __enter__(self) -> "Stack":
+        # A SIGTERM (an operator's kill, a CI timeout) would end this process without running
+        # __exit__ and leave serving, learner and judge running; as SystemExit it unwinds here.
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_all()
+        try:
+            self.stop_all()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -144,6 +155,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _terminate(proc: subprocess.Popen) -> None:

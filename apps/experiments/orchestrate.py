@@ -107,7 +107,8 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
                                     stack.check_alive, CONSUMERS_READY_TIMEOUT_S)
         progress(f"learner and judge hold their partitions after {waited:.1f} s; traffic starts")
-        stats = asyncio.run(drive_arm(acfg, f"{base_url}/v1", None, classifier, results_path, progress=progress))
+        stats = asyncio.run(drive_arm(acfg, f"{base_url}/v1", None, classifier, results_path, progress=progress,
+                                    check_alive=stack.check_alive))
         _wait_for_rewards(stack, results_path, stats.answered, progress)
     learner = learner_counters(acfg)  # the learner has stopped: its last metrics are in MLflow
     grouped = acfg.algorithm.name == "grpo"

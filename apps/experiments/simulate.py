@@ -185,9 +185,12 @@ async def measure_style_accuracy(client: AsyncOpenAI, model: str, prompts: list[
 
 
 async def drive_arm(cfg: AppConfig, base_url: str, api_key: str | None, classifier: StyleClassifier,
-                    results_path: Path, progress: Callable[[str], None] = print) -> SimStats:
+                    results_path: Path, progress: Callable[[str], None] = print,
+                    check_alive: Callable[[], None] | None = None) -> SimStats:
     """The client side of one arm: ``rollouts_per_arm`` simulated requests, and held-out style
     accuracy (EvalRow in ``results_path``) before the first and after every ``eval_every`` answers.
+    ``check_alive`` runs after every answer and raises when a process of the stack has exited
+    (traffic to a policy whose learner is gone measures nothing).
 
     ``cfg`` is the arm's configuration (scenario.arm_config); grpo arms repeat prompts in groups.
     """
@@ -207,6 +210,8 @@ async def drive_arm(cfg: AppConfig, base_url: str, api_key: str | None, classifi
     async def on_response(response: SimResponse) -> None:
         nonlocal answered
         answered += 1
+        if check_alive is not None:
+            check_alive()
         if answered % exp.eval_every == 0 or answered == exp.rollouts_per_arm:
             await measure(answered)
 

@@ -195,3 +195,26 @@ def test_users_of_segments_send_their_drawn_segment_as_the_openai_user_field(end
     assert [r["user"] for r in fake.requests] == drawn == [r.segment for r in sorted(seen, key=lambda r: r.index)]
     asyncio.run(SimulatedUsers(url, None, scenario(concurrency=1), POOL).run(total=2))
     assert all("user" not in r for r in fake.requests[12:])  # no segments: no user field
+
+
+def test_drive_arm_stops_the_traffic_when_a_process_of_the_stack_has_exited(endpoint, style_classifier, tmp_path):
+    from apps.config import load_app_config
+    from apps.experiments.simulate import drive_arm
+    from apps.stack import StackError
+
+    fake, url = endpoint
+    cfg = load_app_config(environ={}, overrides={
+        "experiment": {**scenario(concurrency=1).model_dump(mode="json"), "rollouts_per_arm": 20, "eval_every": 50,
+                       "eval_prompts": 2, "prompt_pool_size": 4}})
+    checks = []
+
+    def learner_gone_after_three_answers() -> None:
+        checks.append(1)
+        if len(checks) == 3:
+            raise StackError("learner exited with 1")
+
+    with pytest.raises(StackError, match="learner exited"):
+        asyncio.run(drive_arm(cfg, url, None, style_classifier, tmp_path / "arm.jsonl", lambda _: None,
+                              check_alive=learner_gone_after_three_answers))
+    traffic = [r for r in fake.requests if "session_id" not in r]
+    assert len(checks) == 3 and len(traffic) < 20

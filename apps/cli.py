@@ -66,6 +66,13 @@ def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.agent.run import run_agent
+
+    print(run_agent(cfg, progress=lambda line: print(line, flush=True)), flush=True)
+    return 0
+
+
 def _judge(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.judge_service import run_judge_cli
 
@@ -135,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seeds", type=int, metavar="N", help="shortcut for --set experiment.seeds=N")
     sweep.add_argument("--driver", choices=["live", "inprocess"], help="shortcut for --set experiment.driver=...")
     sweep.set_defaults(run=_lr_sweep)
+
+    agent = sub.add_parser("agent", help="the simulated agent scenario: calculator tasks through the live stack, "
+                                         "judged on the final answer; success rate over time (JSON + PNG)")
+    agent.set_defaults(run=_agent)
 
     judge = sub.add_parser("judge", help="the reward service: scores interactions from Kafka, produces rewards")
     judge.add_argument("--arm", help="experiment arm whose results file the scores go to")

@@ -272,6 +272,34 @@ class ExperimentConfig(Section):
         return [p.from_rollout for p in self.schedule[1:]]
 
 
+class AgentConfig(Section):
+    """The simulated agent scenario (``online-sao agent``): arithmetic tasks solved with the calculator
+    tool through the live stack, judged on the final answer, the reward sent as feedback."""
+
+    name: str = Field("agent", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the run: results directory, topics, consumer group."""
+    tasks: int = Field(240, ge=1)
+    """Tasks (agent episodes) the run sends."""
+    requests_per_second: float = Field(1.5, gt=0)
+    """Mean rate at which tasks start (seeded Poisson arrivals); each task sends one request per turn."""
+    concurrency: int = Field(4, ge=1)
+    """Tasks in flight at most."""
+    window: int = Field(40, ge=1)
+    """Rolling window (tasks, in the order they finished) of the success rate over time."""
+    progress_every: int = Field(20, ge=1)
+    """A progress line every this many finished tasks."""
+    max_tokens: int = Field(48, ge=1)
+    """max_tokens of each request (a call is about 25 tokens, a final answer under 15)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of each request."""
+    max_tool_rounds: int = Field(2, ge=1)
+    """Tool results the agent sends back at most per task; an answer still calling after them is final."""
+    seed: int = 0
+    """Seed of the tasks (another stream than the corpus's) and of the arrival times."""
+    results_dir: Path | None = None
+    """Results (per-task JSONL, summary JSON, plot) and the run's state (default data_dir/agent/<name>)."""
+
+
 class AppConfig(Config):
     """The core tree plus the applications' sections."""
 
@@ -279,6 +307,8 @@ class AppConfig(Config):
     """Which model is served and trained, and how the default one is built."""
     experiment: ExperimentConfig = ExperimentConfig()
     """The drifting-preference experiment (simulated users, judge, report)."""
+    agent: AgentConfig = AgentConfig()
+    """The simulated agent scenario (tool use through the live stack)."""
 
 
 def load_app_config(path=None, environ=None, overrides=None) -> AppConfig:

@@ -1,0 +1,69 @@
+"""The agent's tools and the judge of an episode: 1 when the calculator was called right and the
+final answer states the result, else 0."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from apps.default_model.calculator import CALCULATOR_TOOL, run_calculator
+from apps.default_model.tool_corpus import ToolTask
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+RESULT_TOLERANCE = 1e-6
+"""A stated number counts as the result when it is this close (``42.0`` states ``42``)."""
+CALCULATOR = CALCULATOR_TOOL["function"]["name"]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """One call the model made and what the agent answered it."""
+
+    name: str
+    arguments: str
+    """As the model wrote them (JSON text)."""
+    result: str
+
+
+def execute_call(name: str, arguments: str) -> str:
+    """The tool result for one call: the calculator's answer, or an ``error: ...`` the model reads."""
+    if name != CALCULATOR:
+        return f"error: unknown tool {name!r}"
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return "error: the arguments are not JSON"
+    if not isinstance(parsed, dict):
+        return "error: the arguments must be a JSON object"
+    return run_calculator(parsed)
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text``, or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1]) if found else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    called: bool
+    """The model called a tool in a form the server parsed."""
+    call_correct: bool
+    """The last call's result is the task's result."""
+    answer_correct: bool
+    """The final answer's last number is the task's result."""
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.called and self.call_correct and self.answer_correct else 0.0
+
+
+def judge_episode(task: ToolTask, uses: list[ToolUse], final_answer: str) -> Verdict:
+    """Judge one episode; an absent, malformed or wrong call gives reward 0 whatever the answer says."""
+    expected = float(task.result)
+    stated = last_number(final_answer)
+    call_correct = bool(uses) and uses[-1].result == task.result
+    answer_correct = stated is not None and math.isclose(stated, expected, rel_tol=0.0, abs_tol=RESULT_TOLERANCE)
+    return Verdict(called=bool(uses), call_correct=call_correct, answer_correct=answer_correct)

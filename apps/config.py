@@ -36,7 +36,7 @@ class BaseModelConfig(Section):
     max_position_embeddings: int = Field(512, ge=64)
     """Longest sequence the model handles."""
     train_steps: int = Field(500, ge=1)
-    """Optimizer steps of supervised pre-training on the style corpus."""
+    """Optimizer steps of supervised pre-training on the corpus (style pairs and 12% tool-use trajectories)."""
     batch_size: int = Field(32, ge=1)
     """Sequences per pre-training step."""
     learning_rate: float = Field(3e-3, gt=0)

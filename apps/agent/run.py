@@ -68,10 +68,11 @@ def agent_config(cfg: AppConfig, port: int) -> AppConfig:
     })
 
 
-async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path,
-                progress: Progress) -> tuple[list[Episode], int]:
+async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progress: Progress,
+                check_alive: Callable[[], None] = lambda: None) -> tuple[list[Episode], int]:
     """Run every task (seeded Poisson starts, at most ``concurrency`` in flight); returns the
-    episodes and the count of tasks that failed with an API error."""
+    episodes and the count of tasks that failed with an API error. ``check_alive`` raises when a
+    process of the stack has exited (no task starts then)."""
     from apps.experiments.scenario import arrival_gaps
 
     episodes: list[Episode] = []
@@ -104,6 +105,7 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path,
     for index, task in enumerate(agent_tasks(settings.seed, settings.tasks)):
         await asyncio.sleep(next(gaps))
         await slots.acquire()
+        check_alive()
         for started in running:
             if started.done():
                 started.result()  # an error other than the API's (a bug, a refused reward) ends the run
@@ -174,7 +176,8 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
                                         LEARNER_READY_TIMEOUT_S)
             progress(f"the learner holds its partitions after {waited:.1f} s; {settings.tasks} tasks start")
             api_key = acfg.serving.api_keys[0].get_secret_value() if acfg.serving.api_keys else None
-            episodes, failed = asyncio.run(_drive_with(base_url, acfg, api_key, out / EPISODES_FILE, progress))
+            episodes, failed = asyncio.run(_drive_with(base_url, acfg, api_key, out / EPISODES_FILE, progress,
+                                                       stack.check_alive))
             evidence = _wait_for_training(acfg, episodes, stack.check_alive)
     summary = write_results(episodes, settings.window, failed, out, extra={
         "learner": {**evidence, "steps": learner_counters(acfg).get("steps")},
@@ -188,9 +191,9 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
 
 
 async def _drive_with(base_url: str, cfg: AppConfig, api_key: str | None, episodes_path: Path,
-                      progress: Progress) -> tuple[list[Episode], int]:
+                      progress: Progress, check_alive: Callable[[], None]) -> tuple[list[Episode], int]:
     agent = Agent(base_url, cfg.serving.model_name, cfg.agent, api_key)
     try:
-        return await drive(agent, cfg.agent, episodes_path, progress)
+        return await drive(agent, cfg.agent, episodes_path, progress, check_alive)
     finally:
         await agent.close()

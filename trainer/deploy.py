@@ -43,9 +43,10 @@ class RecentWindow:
     def observe(self, rollouts: list[Rollout]) -> None:
         self.rollouts.extend(rollouts)
 
-    def versions(self) -> tuple[int, int]:
-        """Lowest and highest version that sampled a token in the window ((0, 0) when empty)."""
-        sampled = [v for r in self.rollouts for v, a in zip(r.versions, r.action_mask) if a]
+    def versions(self, min_version: int = 0) -> tuple[int, int]:
+        """Lowest and highest version that sampled a token of the rollouts :meth:`since`
+        ``min_version`` ((0, 0) when there are none)."""
+        sampled = [v for r in self.since(min_version) for v, a in zip(r.versions, r.action_mask) if a]
         return (min(sampled), max(sampled)) if sampled else (0, 0)
 
     def since(self, min_version: int = 0) -> list[Rollout]:
@@ -129,7 +130,13 @@ class StoredPolicyScorer:
 
 
 class OffPolicyGate:
-    """Candidate and champion, each scored on the same window (:mod:`online_sao.gate`)."""
+    """Candidate and champion, each scored on the same rollouts (:mod:`online_sao.gate`): those
+    of the window sampled (in part) by the candidate's version or a newer one. Neither version
+    was trained on them (the candidate was published before they were sampled, the champion
+    earlier still); on the rollouts it was trained on, a candidate's log-ratio is many nats
+    above the rest (its update pushed their rewarded answers up), so its self-normalised
+    estimate would rest on a few of them and be biased towards its own training sample
+    (docs/DEPLOY.md, "Measured on the drift scenario")."""
 
     def __init__(self, scorer: VersionScorer, cfg: DeployConfig) -> None:
         self.scorer = scorer
@@ -137,10 +144,12 @@ class OffPolicyGate:
                                      cfg.gate_weight_clip)
 
     def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow) -> GateEvidence:
-        rollouts = list(window.rollouts)
+        """The decision on ``window.since(candidate.version)``; its evidence's ``n`` and window
+        versions describe those rollouts (fewer than ``gate_min_rollouts``: refused)."""
+        rollouts = window.since(candidate.version)
         rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
         return decide(rewards, self.scorer.log_ratios(candidate, rollouts), self.scorer.log_ratios(champion, rollouts),
-                      self.settings, window.versions())
+                      self.settings, window.versions(candidate.version))
 
 
 @dataclass(frozen=True)

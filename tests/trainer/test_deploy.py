@@ -37,7 +37,8 @@ def test_window_keeps_the_newest_and_round_trips():
     window = RecentWindow(3)
     window.observe([_rollout(f"r{i}", [5, 6], version=i, reward=i) for i in range(5)])
     assert [r.interaction_id for r in window.rollouts] == ["r2", "r3", "r4"]
-    assert window.versions() == (2, 4)
+    assert window.versions() == (2, 4) and window.versions(min_version=3) == (3, 4)
+    assert window.versions(min_version=5) == (0, 0) and window.since(5) == []
     assert window.answers(min_version=4) == [[5, 6]]
     window.since_registration = (10.0, 1.0)
     again = RecentWindow(3)
@@ -104,7 +105,8 @@ def registry_cfg(tmp_path, empty_store):  # noqa: F811
 def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(registry_cfg):
     """Rewards pay style A up to version 6, style B after; the learner's versions follow with a
     lag (A up to 8, B from 9). Each version serves 40 rollouts, 36 of its own style; the window
-    holds three versions' traffic; the gate's floors are the defaults (32 rollouts, ESS 8)."""
+    holds three versions' traffic, of which the gate scores the candidate's and its successor's
+    (those sampled since the candidate); the gate's floors are the defaults (32 rollouts, ESS 8)."""
     cfg = registry_cfg
     style_of = {v: STYLE_A if v <= 8 else STYLE_B for v in range(1, 17)}
     backend = InMemoryBackend(cfg.kafka)
@@ -135,10 +137,42 @@ def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(re
     switch = by_policy[10]  # the first B candidate, decided against an A champion on B-paying traffic
     assert switch["decision"] == "promoted" and switch["gate.decision"] == "promoted"
     assert float(switch["gate.champion_value"]) < 0.5 < float(switch["gate.candidate_value"])
-    assert switch["gate.window_versions"] == "9-11" and switch["gate.n"] == "120"
-    # the old champion samples B answers a tenth of the time: ESS = 120^2 / (12 * 9^2 + 108 / 9^2), about 14.8
-    assert float(switch["gate.champion_ess"]) == pytest.approx(120 ** 2 / (12 * 81 + 108 / 81))
+    # decided when v12 is published: the window holds v9-v11's traffic; scored: v10's and v11's 80
+    assert switch["gate.window_versions"] == "10-11" and switch["gate.n"] == "80"
+    # on those 80 (72 B answers, 8 A) the old champion v8 (A) has weight 0.1/0.9 = 1/9 on a B answer
+    # and 0.9/0.1 = 9 on an A one: ESS = (72/9 + 8*9)^2 / (72/9^2 + 8*9^2) = 80^2 / (72/81 + 8*81), about 9.9
+    assert float(switch["gate.champion_ess"]) == pytest.approx(80 ** 2 / (72 / 81 + 8 * 81))
+    assert float(switch["gate.candidate_ess"]) == pytest.approx(80.0)  # it sampled them all itself
     assert switch["monitor.tripped"] == "none"
+
+
+class TrainedOnScorer:
+    """A version rates each rollout sampled before it (the learner trained it on those) many
+    nats above the behaviour, by a different amount for each, as a training step that pushed
+    rewarded answers up does; the rollouts sampled by it or later it rates as the behaviour did."""
+
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        return torch.tensor([13.0 + k if max(r.versions) < ref.version else 0.0 for k, r in enumerate(window)])
+
+
+def test_gate_scores_neither_version_on_the_candidates_training_rollouts():
+    """Window: 40 rollouts each of v3, v4, v5; candidate v4 (trained on v3's), champion v2."""
+    window = RecentWindow(120)
+    for version in (3, 4, 5):
+        window.observe([_rollout(f"v{version}-{i}", [5, 6], version, float(i % 2)) for i in range(40)])
+    cfg = load_config(environ={}, overrides={}).deploy
+    candidate, champion = WeightsRef(4, "c", "0" * 64), WeightsRef(2, "h", "0" * 64)
+    evidence = OffPolicyGate(TrainedOnScorer(), cfg).compare(candidate, champion, window)
+    # scored: v4's and v5's 80 rollouts only; both versions rate them as the behaviour did (weights
+    # all equal: ESS 80, each value the mean reward 1/2); on all 120 the candidate's ESS would be
+    # about (1/(1 - e^-1))^2 / (1/(1 - e^-2)), 2.2, and the gate would refuse
+    assert (evidence.decision, evidence.n, evidence.window) == ("promoted", 80, (4, 5))
+    assert evidence.candidate_ess == pytest.approx(80.0) and evidence.champion_ess == pytest.approx(80.0)
+    assert evidence.candidate_value == pytest.approx(0.5) and evidence.difference == pytest.approx(0.0)
+    strict = load_config(environ={}, overrides={"deploy.gate_min_rollouts": 50}).deploy
+    newest = OffPolicyGate(TrainedOnScorer(), strict).compare(WeightsRef(5, "c", "0" * 64), champion, window)
+    assert (newest.decision, newest.reason, newest.window) == ("refused", "n=40 < min_rollouts=50", (5, 5))
+    assert newest.tags()["gate.n"] == "40" and newest.tags()["gate.window_versions"] == "5-5"
 
 
 def test_kl_monitor_trips_only_above_its_threshold():

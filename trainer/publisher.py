@@ -11,8 +11,8 @@ even though the version is older than the one it runs.
 Registry cadence (:class:`Releases`): every ``mlflow.register_every``
 versions, the candidate registered last time is decided on first: the off-policy gate
 scores it and the champion on the same recent rollouts, those sampled since the candidate was
-published (trainer.deploy, online_sao.gate), and the monitors read its recent answers; it is promoted, rolled back (serving and the learner
-return to the champion), or left pending (the gate refused or could not tell; the next
+published (trainer.deploy, online_sao.gate), and the monitors read its recent answers; it is
+promoted, rolled back (serving and the learner return to the champion), or left pending (the gate refused or could not tell; the next
 registration supersedes it). Unless it was rolled back, the new version is then registered
 as the next candidate.
 """
@@ -97,8 +97,8 @@ class ReleaseOutcome:
 class Releases:
     """Rank 0's side of a new policy version: :class:`Publisher` puts it out; every
     ``register_every`` versions the registry decides on the candidate first (the off-policy
-    gate on the window's rollouts sampled since the candidate, and the monitors), then, unless it rolled back, registers this
-    version as the next candidate."""
+    gate on the window's rollouts sampled since the candidate, and the monitors), then, unless
+    it rolled back, registers this version as the next candidate."""
 
     def __init__(self, publisher: Publisher, tracker: RunTracker, gate: OffPolicyGate, window: RecentWindow,
                  cfg: DeployConfig, register_every: int, reference: ReferenceScorer | None = None) -> None:

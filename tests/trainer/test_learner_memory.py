@@ -149,7 +149,8 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
     # v2 was decided on by the gate (both versions scored on the 4 rollouts stamped v2, the only ones
     # of the 12 trained that v2 was not trained on), then vetoed by a monitor
     assert tags[2]["decision"] == "rolled_back" and tags[2]["monitor.tripped"] == "mean_length"
-    assert tags[2]["gate.n"] == "4" and tags[2]["gate.window_versions"] == "2-2" and float(tags[2]["monitor.mean_length"]) == 12.0
+    assert tags[2]["gate.n"] == "4" and tags[2]["gate.window_versions"] == "2-2"
+    assert float(tags[2]["monitor.mean_length"]) == 12.0
     assert {"gate.low", "gate.high", "gate.candidate_ess", "gate.champion_ess"} <= set(tags[2])
     assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "1"
     assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "1"

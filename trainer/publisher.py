@@ -12,9 +12,9 @@ Registry cadence (:class:`Releases`): every ``mlflow.register_every``
 versions, the candidate registered last time is decided on first: the off-policy gate
 scores it and the champion on the same recent rollouts, those sampled since the candidate was
 published (trainer.deploy, online_sao.gate), and the monitors read its recent answers; it is
-promoted, rolled back (serving and the learner return to the champion), or left pending (the gate refused or could not tell; the next
-registration supersedes it). Unless it was rolled back, the new version is then registered
-as the next candidate.
+promoted, rolled back (serving and the learner return to the champion), or left pending (the
+gate refused or could not tell; the next registration supersedes it). Unless it was rolled
+back, the new version is then registered as the next candidate.
 """
 
 from __future__ import annotations

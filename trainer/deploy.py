@@ -9,7 +9,8 @@ published weights from the weight store into one CPU copy of the policy (built o
 reused) and runs those rollouts through it in chunks of ``deploy.gate_chunk`` rollouts: on
 rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
 recent answers through that copy and through a second one holding the starting policy
-(``model_dir``; loaded on first use, never changed), whatever the training rule's own reference is (sharded, perhaps an EMA).
+(``model_dir``; loaded on first use, never changed), whatever the training rule's own
+reference is (sharded, perhaps an EMA).
 """
 
 from __future__ import annotations

@@ -400,10 +400,12 @@ class DeployConfig(Section):
     (docs/DEPLOY.md, "The promotion gate")."""
 
     window: int = Field(128, ge=1)
-    """Most recent trained rollouts (with their rewards and behaviour log-probs) kept as the
-    window on which candidate and champion are both scored; the checkpoint carries it."""
+    """Most recent trained rollouts (with their rewards and behaviour log-probs) kept; candidate
+    and champion are both scored on those of them sampled by the candidate's version or newer
+    (neither version was trained on those). The checkpoint carries it."""
     gate_min_rollouts: int = Field(32, ge=2)
-    """The gate decides only with at least this many rollouts in the window; fewer: it refuses."""
+    """The gate decides only with at least this many rollouts sampled since the candidate in the
+    window; fewer: it refuses."""
     gate_min_ess: float = Field(8.0, gt=0)
     """Smallest effective sample size, (sum w)^2 / sum w^2, of either version's importance
     weights on the window; below it the estimate rests on a few rollouts and the gate refuses."""

@@ -23,7 +23,7 @@ import time
 import torch
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
-from online_sao.batch import collate
+from online_sao.batch import collate, pack_layout
 from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.schemas import Interaction
 from online_sao.weights import FileWeightStore
@@ -124,8 +124,14 @@ class Learner:
         self.steps.append(StepRecord(
             start=start, end=time.perf_counter(), indices=tuple(f.index for f in taken),
             produced_tokens=tuple(r.num_action_tokens for r in rollouts),
-            padded_slots=batch.attention_mask.numel(), real_tokens=int(batch.attention_mask.sum()),
+            padded_slots=batch.attention_mask.numel(), packed_slots=_packed_slots(batch.attention_mask),
+            real_tokens=int(batch.attention_mask.sum()),
             version_lag_mean=float(metrics["version_lag_mean"]), cpu_s=time.process_time() - cpu_start))
+
+
+def _packed_slots(attention_mask: torch.Tensor) -> int:
+    layout = pack_layout(attention_mask)
+    return layout.rows * layout.capacity
 
 
 def run_learner(loop: int, spec: LoopSpec, ch: Channels) -> LearnerReport:

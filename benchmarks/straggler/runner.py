@@ -114,7 +114,13 @@ class LoopResult:
 
     @property
     def padding_share(self) -> float:
-        """Share of the learner's B x T batch slots that were padding."""
+        """Share of the packed positions the learner's forward passes ran on that held no token."""
+        slots = sum(s.packed_slots for s in self.learner.steps)
+        return 1.0 - sum(s.real_tokens for s in self.learner.steps) / slots if slots else 0.0
+
+    @property
+    def padding_share_unpacked(self) -> float:
+        """Share of the collated B x T slots that were padding (what a padded learner would run on)."""
         slots = sum(s.padded_slots for s in self.learner.steps)
         return 1.0 - sum(s.real_tokens for s in self.learner.steps) / slots if slots else 0.0
 

@@ -129,6 +129,8 @@ class StepRecord:
     """Mean over action tokens of (learner version - sampling version)."""
     cpu_s: float
     """CPU seconds the learner process used during the step (``time.process_time``)."""
+    packed_slots: int
+    """Rows x capacity of the packed layout the forward passes run on (online_sao.batch.pack_layout)."""
 
 
 @dataclass

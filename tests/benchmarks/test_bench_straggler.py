@@ -54,8 +54,8 @@ def test_take_stops_at_max_rollouts_or_once_the_token_budget_is_reached():
 
 
 def test_accounting_clips_to_the_loop_and_weights_by_time():
-    steps = [StepRecord(10.0, 12.0, (0, 1), (5, 5), 20, 14, 0.0, cpu_s=1.0),
-             StepRecord(15.0, 18.0, (2,), (10,), 12, 12, 2.0, cpu_s=3.0)]
+    steps = [StepRecord(10.0, 12.0, (0, 1), (5, 5), 20, 14, 0.0, cpu_s=1.0, packed_slots=16),
+             StepRecord(15.0, 18.0, (2,), (10,), 12, 12, 2.0, cpu_s=3.0, packed_slots=12)]
     engine = [EngineStep(8.0, 11.0, "decode", 4),  # 1 s inside the loop
               EngineStep(11.0, 12.0, "switch", 0),  # a weight switch is not decoding
               EngineStep(12.0, 14.0, "decode", 2), EngineStep(14.0, 14.5, "prefill", 1),
@@ -67,7 +67,8 @@ def test_accounting_clips_to_the_loop_and_weights_by_time():
     assert result.generator_idle_share == pytest.approx(1 - 4.5 / 10)  # 1 + 2 + 0.5 + 1
     assert result.mean_decode_batch == pytest.approx((4 * 1 + 2 * 2 + 8 * 1) / 4)
     assert result.generated_tokens_per_s == pytest.approx((4 + 2 + 1) / 10)  # steps ending inside the loop
-    assert result.padding_share == pytest.approx(1 - 26 / 32)
+    assert result.padding_share == pytest.approx(1 - 26 / 28)  # packed positions
+    assert result.padding_share_unpacked == pytest.approx(1 - 26 / 32)  # B x T
     assert result.version_lag_mean == pytest.approx(2.0 * 10 / 20)
     assert result.learner_cpu_per_rollout == pytest.approx(4 / 3)
     assert result.learner_cpu_share == pytest.approx(4 / 5) and result.generator_cpu_share == pytest.approx(0.5)
@@ -75,7 +76,8 @@ def test_accounting_clips_to_the_loop_and_weights_by_time():
 
 
 def run(mode: str, rollouts: int, learner_cpu_s: float = 1.0, generator_cpu_s: float = 0.0) -> LoopResult:
-    step = StepRecord(0.0, 1.0, tuple(range(rollouts)), (1,) * rollouts, rollouts, rollouts, 0.0, learner_cpu_s)
+    step = StepRecord(0.0, 1.0, tuple(range(rollouts)), (1,) * rollouts, rollouts, rollouts, 0.0, learner_cpu_s,
+                      packed_slots=rollouts)
     generated = {i: (1, 1) for i in range(rollouts)}
     return LoopResult(spec(mode=mode), GeneratorReport([], generated, 0, generator_cpu_s, 10.0),
                       LearnerReport(0.0, 10.0, [step], {}))

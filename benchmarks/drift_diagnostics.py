@@ -1,0 +1,109 @@
+"""Why an arm does or does not re-align: diagnostics of a drift run's results directory.
+
+Reads what ``online-sao simulate`` wrote (one seed, or ``seed-<k>/`` directories) and prints
+Markdown tables, each cell the mean over seeds with its 95% bootstrap interval:
+
+* the share of each phase's preferred style among the arm's *sampled* answers (the judge's
+  classifier's style of every rollout): in the ``BEFORE`` rollouts before the phase starts
+  (is the next style still being sampled?), in the phase's first quarter and in its last
+  quarter;
+* per phase, the median over the learner's steps (in-process driver: ``StepRow`` metrics) of
+  the critic's explained variance before the step's updates, the approximate KL of the
+  step's policy update and the policy gradient norm; the median of each seed first, then
+  the mean over seeds;
+* value pre-training's held-out explained variance (the arm summaries).
+
+    .venv/bin/python benchmarks/drift_diagnostics.py RESULTS_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apps.experiments.aggregate import Run, arm_names, load_runs  # noqa: E402
+from apps.experiments.intervals import interval  # noqa: E402
+from apps.experiments.report import cell  # noqa: E402
+from apps.experiments.results import StepRow  # noqa: E402
+
+BEFORE = 50
+"""Rollouts before a switch over which the next style's share is measured: a third of drift.yaml's phase."""
+STEP_METRICS = ("explained_variance", "approx_kl", "policy_grad_norm")
+
+
+def share_of(styles: Sequence[str | None], style: str) -> float | None:
+    """Share of ``styles`` equal to ``style``; None for no rollouts."""
+    return sum(s == style for s in styles) / len(styles) if styles else None
+
+
+def phase_windows(start: int, end: int, first: bool) -> list[tuple[str, int, int]]:
+    """(label, from, to) of the measured windows of the phase ``[start, end)``."""
+    quarter = max(1, (end - start) // 4)
+    windows = [] if first else [(f"{BEFORE} before", max(0, start - BEFORE), start)]
+    return windows + [("first quarter", start, start + quarter), ("last quarter", end - quarter, end)]
+
+
+def step_median(steps: Sequence[StepRow], key: str, start: int, end: int) -> float | None:
+    """Median of a step metric over the steps taken while rollouts ``[start, end)`` were judged."""
+    values = [s.metrics[key] for s in steps if start <= s.rollout < end and key in s.metrics
+              and math.isfinite(s.metrics[key])]
+    return statistics.median(values) if values else None
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _over_seeds(values: list[float | None]) -> str:
+    return cell(interval([v for v in values if v is not None]))
+
+
+def report(runs: list[Run]) -> str:
+    scenario = runs[0].scenario
+    starts = [p.from_rollout for p in scenario.schedule] + [scenario.rollouts_per_arm]
+    arms = arm_names(runs, scenario)
+    phases = [(p.style, starts[k], starts[k + 1], k == 0) for k, p in enumerate(scenario.schedule)]
+    windows = [(style, label, a, b) for style, s, e, first in phases for label, a, b in phase_windows(s, e, first)]
+    head = ["arm", *(f"{style}: {label} ({a}-{b - 1})" for style, label, a, b in windows)]
+    lines = [f"Seeds: {len(runs)}. Each cell: mean over seeds [95% bootstrap interval].", "",
+             "Share of the phase's preferred style among sampled answers", "", _row(head),
+             "|" + "---|" * len(head)]
+    for arm in arms:
+        present = [run for run in runs if arm in run.arms]
+        lines.append(_row([arm, *(_over_seeds([share_of([r.sampled_style for r in run.arms[arm].rewards[a:b]], style)
+                                               for run in present]) for style, _, a, b in windows)]))
+    head = ["arm", "measure", *(f"{style} ({s}-{e - 1})" for style, s, e, _ in phases)]
+    lines += ["", "Learner steps: per-seed median over the phase's steps, mean over seeds", "", _row(head),
+              "|" + "---|" * len(head)]
+    for arm in arms:
+        present = [run.arms[arm] for run in runs if arm in run.arms]
+        for key in STEP_METRICS:
+            cells = [_over_seeds([step_median(a.steps, key, s, e) for a in present]) for _, s, e, _ in phases]
+            if any(c != "-" for c in cells):
+                lines.append(_row([arm, key, *cells]))
+    lines += ["", "Value pre-training (held-out explained variance after; seeds that kept the initial critic)", ""]
+    for arm in arms:
+        pre = [run.arms[arm].summary.value_pretraining for run in runs
+               if arm in run.arms and run.arms[arm].summary and run.arms[arm].summary.value_pretraining]
+        if pre:
+            kept = sum(p.get("best_epoch", 1.0) == 0.0 for p in pre)
+            lines.append(f"- {arm}: {_over_seeds([p.get('ev_after') for p in pre])}; kept initial: {kept}/{len(pre)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results_dir", type=Path)
+    args = parser.parse_args(argv)
+    print(report(load_runs(args.results_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The drift diagnostics' measures on hand-built rollouts and steps."""
+
+from __future__ import annotations
+
+import math
+
+from apps.experiments.results import StepRow
+from benchmarks.drift_diagnostics import phase_windows, share_of, step_median
+
+
+def _step(rollout: int, **metrics: float) -> StepRow:
+    return StepRow(step=rollout + 1, rollout=rollout, version=rollout + 1, metrics=metrics)
+
+
+def test_share_of_counts_the_style_among_sampled_answers():
+    assert share_of(["cute", "formal", None, "cute"], "cute") == 0.5
+    assert share_of(["terse"], "cute") == 0.0
+    assert share_of([], "cute") is None
+
+
+def test_windows_of_a_later_phase_start_before_its_switch():
+    assert phase_windows(0, 100, first=True) == [("first quarter", 0, 25), ("last quarter", 75, 100)]
+    assert phase_windows(150, 300, first=False) == [("50 before", 100, 150), ("first quarter", 150, 187),
+                                                    ("last quarter", 263, 300)]
+
+
+def test_step_median_keeps_the_phase_and_skips_undefined_values():
+    steps = [_step(3, explained_variance=0.9), _step(10, explained_variance=0.1), _step(12, explained_variance=0.3),
+             _step(14, explained_variance=math.nan), _step(20, explained_variance=-1.0), _step(11, approx_kl=0.2)]
+    assert step_median(steps, "explained_variance", 10, 20) == 0.2
+    assert step_median(steps, "approx_kl", 0, 10) is None

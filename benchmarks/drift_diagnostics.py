@@ -87,13 +87,14 @@ def report(runs: list[Run]) -> str:
             cells = [_over_seeds([step_median(a.steps, key, s, e) for a in present]) for _, s, e, _ in phases]
             if any(c != "-" for c in cells):
                 lines.append(_row([arm, key, *cells]))
-    lines += ["", "Value pre-training (held-out explained variance after; seeds that kept the initial critic)", ""]
+    lines += ["", "Value pre-training: held-out explained variance after it", ""]
     for arm in arms:
         pre = [run.arms[arm].summary.value_pretraining for run in runs
                if arm in run.arms and run.arms[arm].summary and run.arms[arm].summary.value_pretraining]
         if pre:
-            kept = sum(p.get("best_epoch", 1.0) == 0.0 for p in pre)
-            lines.append(f"- {arm}: {_over_seeds([p.get('ev_after') for p in pre])}; kept initial: {kept}/{len(pre)}")
+            after = [p["ev_after"] for p in pre if "ev_after" in p]
+            lines.append(f"- {arm}: {_over_seeds(after)} in the {len(after)} of {len(pre)} seeds that kept a "
+                         f"pre-trained critic (the others: no epoch improved the held-out loss)")
     return "\n".join(lines)
 
 

@@ -60,6 +60,10 @@ from trainer.checkpoint import read_ledger
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "learner.md"
 WAIT_S = 900.0
+SETTLE_S = 20.0
+"""No new rollout trained for this long (ten times max_wait_s): the learner has trained all it will.
+An interaction read after its reward window closed (the backlog took longer than reward.window_s to
+make on a busy machine) or with an empty answer is not trained; the report counts those."""
 """Longest wait for the learner to catch up with what was logged."""
 
 
@@ -105,6 +109,20 @@ class Traffic:
                                                      / max(len(events), 1)))
         self.producer.flush()
         self.rewarded_at[iid] = time.time()
+
+
+def wait_until_trained(ids: set[str], trained, learner: subprocess.Popen) -> None:
+    """Until every id in ``ids`` is trained, or nothing new was trained for SETTLE_S seconds."""
+    last, changed = -1, time.monotonic()
+
+    def settled() -> bool:
+        nonlocal last, changed
+        done = trained()
+        if len(done) != last:
+            last, changed = len(done), time.monotonic()
+        return ids <= done or time.monotonic() - changed > SETTLE_S
+
+    wait_until(settled, WAIT_S, learner)
 
 
 def wait_until(predicate, timeout_s: float, learner: subprocess.Popen) -> None:
@@ -195,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         return {iid for _, iid in read_ledger(ledger)}
 
     try:
-        wait_until(lambda: backlog_ids <= trained(), WAIT_S, learner)
+        wait_until_trained(backlog_ids, trained, learner)
         live_start = time.time()
         while time.time() - live_start < args.duration:
             started = time.monotonic()
             traffic.one()
             time.sleep(max(0.0, 1.0 / args.rate - (time.monotonic() - started)))
         live_s = time.time() - live_start
-        wait_until(lambda: set(traffic.rewarded_at) <= trained(), WAIT_S, learner)
+        wait_until_trained(set(traffic.rewarded_at), trained, learner)
         time.sleep(3.0)  # the last notice reaches serving
     finally:
         learner.send_signal(signal.SIGTERM)
@@ -257,7 +275,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
     live_steps = sorted(s for s, ids in steps.items() if not set(ids) & backlog_ids)
     step_of = {iid: s for s, ids in steps.items() for iid in ids}
     to_publish, to_serve = [], []
-    for iid in set(traffic.rewarded_at) - backlog_ids:
+    untrained = sorted(set(traffic.rewarded_at) - set(step_of))
+    for iid in set(traffic.rewarded_at) - backlog_ids - set(untrained):
         notice = notices[step_of[iid]]
         to_publish.append(notice.created_at - traffic.rewarded_at[iid])
         served = [t for v, t in swaps.items() if v >= notice.version]
@@ -290,7 +309,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"max_rollouts_per_step {t.max_rollouts_per_step}, publish and checkpoint every step, MLflow on SQLite; "
         f"serving: TorchEngine + WeightsFollower in the benchmark process; broker: local single node",
         f"- traffic: {args.backlog} backlog interactions, then {len(traffic.rewarded_at) - args.backlog} live ones "
-        f"over {live_s:.0f} s (at most {args.rate}/s, one at a time, up to {args.max_new_tokens} new tokens each)",
+        f"over {live_s:.0f} s (at most {args.rate}/s, one at a time, up to {args.max_new_tokens} new tokens each); "
+        f"not trained: {len(untrained)} (read after their reward window closed, or empty answers)",
         "",
         "| phase | steps | rollouts | action tokens | rollouts/s | tokens/s | waiting for data | step s (p50) | "
         "publish s (p50) | checkpoint s (p50) |",

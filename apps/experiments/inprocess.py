@@ -26,9 +26,10 @@ answer's arrival) and the learner takes every step its rule allows, each step's 
 served at once; then the request is answered by the version served at that moment, with
 its arrival as the record time. Answers take no virtual time: live, at 3 requests/s, a
 request is answered in a fraction of a second, mostly alone, and the learner keeps up
-(docs/EXPERIMENTS.md); here it always does, and ``concurrency`` plays no part. Measured on
-drift-short, seed 0-2, the versions a trained rollout lags behind its step are then close
-to live's (docs/EXPERIMENTS.md, section 7). What differs from live: no HTTP, no Kafka,
+(docs/EXPERIMENTS.md); here it always does, and ``concurrency`` plays no part. On a busy
+machine the live learner falls behind instead: on drift-short, seeds 0-2, live rollouts lagged
+about twice as many versions as here and the two drivers' rewards disagreed
+(docs/EXPERIMENTS.md, section 7), so the live stack stays the reference. What differs from live: no HTTP, no Kafka,
 no MLflow, no weight store, no checkpoints, no registry (so no promotion gate and no
 roll-back: every applied step is served), and per-request sampling seeds (derived
 from ``experiment.seed``) where live users send none. With those seeds, and every weight

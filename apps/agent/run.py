@@ -139,7 +139,7 @@ def _wait_for_training(cfg: AppConfig, episodes: list[Episode], check_alive: Cal
         time.sleep(DRAIN_POLL_S)
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """The run's config holds secrets: readable by this user only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -149,7 +149,7 @@ def _write_private(path: Path, text: str) -> None:
 def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
     """The whole scenario; returns the path of ``summary.json``."""
     from apps.default_model.builder import build_base_model
-    from apps.experiments.orchestrate import _reset_arm, learner_counters, learner_threads, wait_for_consumers
+    from apps.experiments.orchestrate import reset_arm, learner_counters, learner_threads, wait_for_consumers
     from apps.stack import Stack, free_port
     from streams.kafka_backend import KafkaBackend
 
@@ -157,13 +157,13 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     acfg = agent_config(cfg, free_port())
     config_path = out / "config.yaml"
-    _write_private(config_path, dump_config(acfg, reveal_secrets=True))
+    write_private(config_path, dump_config(acfg, reveal_secrets=True))
     settings, started = acfg.agent, time.monotonic()
     with Stack(config_path, {}, out / "broker", progress=progress) as base:
         base.start_broker()
         progress(f"model: {build_base_model(acfg, progress=progress)}")
         backend = KafkaBackend(acfg.kafka)
-        _reset_arm(acfg, backend, out / "run", progress)  # an earlier run's topics, group, weights, checkpoints
+        reset_arm(acfg, backend, out / "run", progress)  # an earlier run's topics, group, weights, checkpoints
         backend.ensure_topics()
         (out / EPISODES_FILE).unlink(missing_ok=True)
         with Stack(config_path, {}, out / "run", progress=progress) as stack:

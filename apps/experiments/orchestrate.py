@@ -61,7 +61,7 @@ REWARD_DRAIN_S = 60.0
 """After the last answer, how long to wait for the judge to score the arm's remaining rollouts."""
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """The arm's config holds secrets: readable by this user only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -88,9 +88,9 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     out = results_dir(cfg)
     arm_dir = out / "arms" / arm.name
     config_path = arm_dir / "config.yaml"
-    _write_private(config_path, dump_config(acfg, reveal_secrets=True))
+    write_private(config_path, dump_config(acfg, reveal_secrets=True))
     backend = KafkaBackend(acfg.kafka)
-    _reset_arm(acfg, backend, arm_dir, progress)
+    reset_arm(acfg, backend, arm_dir, progress)
     reset_registry(acfg, progress)
     backend.ensure_topics()
     results_path = out / f"{arm.name}.jsonl"
@@ -178,7 +178,7 @@ ARM_STATE_DIRS = ("weights", "checkpoints", "spool", "logs")
 """Directories under an arm's results directory that an earlier run of the arm leaves behind."""
 
 
-def _reset_arm(acfg: AppConfig, backend: KafkaBackend, arm_dir: Path, progress: Callable[[str], None]) -> None:
+def reset_arm(acfg: AppConfig, backend: KafkaBackend, arm_dir: Path, progress: Callable[[str], None]) -> None:
     """Delete what an earlier run of this arm left: its state directories, topics and consumer groups."""
     import shutil
 
@@ -206,7 +206,7 @@ def _reset_arm(acfg: AppConfig, backend: KafkaBackend, arm_dir: Path, progress: 
 
 def reset_registry(acfg: AppConfig, progress: Callable[[str], None]) -> None:
     """Delete the arm's registered model left by an earlier run: its ``candidate`` and
-    ``champion`` aliases point at weights :func:`_reset_arm` deleted, and the new learner would
+    ``champion`` aliases point at weights :func:`reset_arm` deleted, and the new learner would
     decide its first candidate against them. The earlier learner runs stay in MLflow."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -319,7 +319,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
                                                                   pretrain_file))
     else:
         resolved = out / "config.yaml"
-        _write_private(resolved, dump_config(cfg, reveal_secrets=True))
+        write_private(resolved, dump_config(cfg, reveal_secrets=True))
         with Stack(resolved, {}, out / "broker", progress=progress) as base:
             base.start_broker()
             progress(f"model: {build_base_model(cfg, progress=progress)}")

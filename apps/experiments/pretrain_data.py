@@ -20,7 +20,7 @@ from typing import Callable
 from apps.config import PRETRAIN_ARM, AppConfig, ArmConfig
 from apps.experiments.judge import Judge, QualityStyleJudge
 from apps.experiments.judge_service import SOURCE, interaction_texts
-from apps.experiments.orchestrate import READY_TIMEOUT_S, _reset_arm, _write_private
+from apps.experiments.orchestrate import READY_TIMEOUT_S, reset_arm, write_private
 from apps.experiments.scenario import arm_config, prompt_pool, results_dir
 from apps.experiments.simulate import SimulatedUsers
 from apps.experiments.style import StyleClassifier
@@ -49,9 +49,9 @@ def collect_pretrain_rollouts(cfg: AppConfig, classifier: StyleClassifier,
     acfg = acfg.model_copy(update={"serving": acfg.serving.model_copy(update={"port": port})})
     arm_dir = results_dir(cfg) / "arms" / PRETRAIN_ARM
     config_path = arm_dir / "config.yaml"
-    _write_private(config_path, dump_config(acfg, reveal_secrets=True))
+    write_private(config_path, dump_config(acfg, reveal_secrets=True))
     backend = KafkaBackend(acfg.kafka)
-    _reset_arm(acfg, backend, arm_dir, progress)
+    reset_arm(acfg, backend, arm_dir, progress)
     backend.ensure_topics()
 
     fast = exp.model_copy(update={"requests_per_second": FAST_REQUESTS_PER_SECOND})

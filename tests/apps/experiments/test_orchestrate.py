@@ -7,7 +7,7 @@ import pytest
 
 from apps.config import AppConfig, load_app_config
 from apps.experiments import orchestrate
-from apps.experiments.orchestrate import _reset_arm, groups_ready, learner_threads, wait_for_consumers
+from apps.experiments.orchestrate import reset_arm, groups_ready, learner_threads, wait_for_consumers
 from streams.kafka_backend import KafkaBackend
 
 
@@ -64,7 +64,7 @@ def test_reset_arm_deletes_the_earlier_runs_topics_groups_and_state(kafka_config
         (tmp_path / name / "left-over").write_text("x")
     lines: list[str] = []
 
-    _reset_arm(cfg, backend, tmp_path, lines.append)
+    reset_arm(cfg, backend, tmp_path, lines.append)
 
     topics = kafka_config.topics
     assert not {topics.interactions, topics.rewards, topics.weights} & set(backend.list_topics())

@@ -150,6 +150,19 @@ class Stack:
                 self._previous_sigterm = None
 
 
+def threads_env(threads: int) -> dict[str, str]:
+    """Environment that caps a process's OpenMP/MKL (and so torch's) threads at ``threads``."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a run's config, which holds secrets: readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now (the OS picks it), for a process of the stack."""
     with socket.socket() as s:

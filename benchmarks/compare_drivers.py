@@ -19,8 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apps.experiments.aggregate import Run, load_runs, seed_metrics  # noqa: E402
-from apps.experiments.intervals import interval  # noqa: E402
-from apps.experiments.report import cell  # noqa: E402
+from apps.experiments.intervals import cell, interval  # noqa: E402
 
 
 def runs_by_seed(directories: list[str]) -> dict[int, Run]:

@@ -28,8 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apps.experiments.aggregate import Run, arm_names, load_runs  # noqa: E402
-from apps.experiments.intervals import interval  # noqa: E402
-from apps.experiments.report import cell  # noqa: E402
+from apps.experiments.intervals import cell, interval  # noqa: E402
 from apps.experiments.results import StepRow  # noqa: E402
 
 BEFORE = 50

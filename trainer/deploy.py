@@ -117,18 +117,13 @@ class StoredPolicyScorer:
         model = self._load(ref)
         if self._reference is None:
             self._reference = load_policy(self.model_dir, self.dtype).eval()
-        weighted_k3 = weighted_k1 = tokens = 0.0
+        own, reference = [], []  # the action tokens' log-probs of every chunk, flattened
         for start in range(0, len(rollouts), self.chunk):
             batch = collate(rollouts[start:start + self.chunk], self.pad_token_id)
-            k3, metrics = reference_kl(policy_logprobs(model, batch), policy_logprobs(self._reference, batch),
-                                       batch.action_mask)
-            if metrics["kl_tokens"]:
-                weighted_k3 += k3 * metrics["kl_tokens"]
-                weighted_k1 += metrics["kl_k1"] * metrics["kl_tokens"]
-                tokens += metrics["kl_tokens"]
-        if not tokens:
-            return math.nan, {"kl_k1": math.nan, "kl_tokens": 0.0}
-        return weighted_k3 / tokens, {"kl_k1": weighted_k1 / tokens, "kl_tokens": tokens}
+            own.append(policy_logprobs(model, batch)[batch.action_mask])
+            reference.append(policy_logprobs(self._reference, batch)[batch.action_mask])
+        own_all, reference_all = torch.cat(own or [torch.zeros(0)]), torch.cat(reference or [torch.zeros(0)])
+        return reference_kl(own_all[None], reference_all[None], torch.ones_like(own_all, dtype=torch.bool)[None])
 
 
 class OffPolicyGate:
@@ -178,11 +173,9 @@ def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, r
               "repetition": repeated_ngram_share(answers, cfg.monitor_ngram),
               "dead_letter_share": dead_letter_share(dead_letters - dead0, records_read - read0)}
     limits = {"mean_length": cfg.monitor_max_mean_length, "repetition": cfg.monitor_max_repetition,
-              "dead_letter_share": cfg.monitor_max_dead_letter_share, "kl": cfg.monitor_max_kl}
+              "dead_letter_share": cfg.monitor_max_dead_letter_share}
     if kl is not None:
-        values["kl"] = kl
-    else:
-        del limits["kl"]
+        values["kl"], limits["kl"] = kl, cfg.monitor_max_kl
     tripped = [name for name, limit in limits.items()
                if limit is not None and math.isfinite(values[name]) and values[name] > limit]
     return MonitorReading(values, tripped)

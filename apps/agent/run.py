@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -139,18 +138,11 @@ def _wait_for_training(cfg: AppConfig, episodes: list[Episode], check_alive: Cal
         time.sleep(DRAIN_POLL_S)
 
 
-def write_private(path: Path, text: str) -> None:
-    """The run's config holds secrets: readable by this user only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-
-
 def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
     """The whole scenario; returns the path of ``summary.json``."""
     from apps.default_model.builder import build_base_model
     from apps.experiments.orchestrate import reset_arm, learner_counters, learner_threads, wait_for_consumers
-    from apps.stack import Stack, free_port
+    from apps.stack import Stack, free_port, threads_env, write_private
     from streams.kafka_backend import KafkaBackend
 
     out = results_dir(cfg)
@@ -170,8 +162,7 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
             server = stack.start("serving", ["serve"])
             base_url = f"http://127.0.0.1:{acfg.serving.port}"
             stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
-            threads = str(learner_threads(acfg))
-            stack.start("learner", ["learn"], env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+            stack.start("learner", ["learn"], env=threads_env(learner_threads(acfg)))
             waited = wait_for_consumers(backend, [acfg.trainer.consumer_group], stack.check_alive,
                                         LEARNER_READY_TIMEOUT_S)
             progress(f"the learner holds its partitions after {waited:.1f} s; {settings.tasks} tasks start")

@@ -69,3 +69,12 @@ def interval(values: Sequence[float | None], confidence: float = CONFIDENCE, see
         return None
     low, high = bootstrap_band(np.array(kept)[:, None], confidence, seed)
     return Interval(mean=sum(kept) / len(kept), low=float(low[0]), high=float(high[0]), n=len(kept))
+
+
+def cell(value: Interval | None, digits: int = 3) -> str:
+    """``mean [low, high]`` for a report's table; the mean alone for one seed; '-' for no value."""
+    if value is None or math.isnan(value.mean):
+        return "-"
+    if value.n == 1:
+        return f"{value.mean:.{digits}f}"
+    return f"{value.mean:.{digits}f} [{value.low:.{digits}f}, {value.high:.{digits}f}]"

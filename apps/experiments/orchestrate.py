@@ -43,7 +43,7 @@ from apps.config import AppConfig
 from online_sao.config import dump_config
 from apps.experiments.results import ArmSummary, count_reward_rows, write_scenario, write_summary
 from apps.experiments.scenario import arm_config, results_dir
-from apps.stack import Stack, free_port
+from apps.stack import Stack, free_port, threads_env, write_private
 
 if TYPE_CHECKING:
     from streams.kafka_backend import KafkaBackend
@@ -59,14 +59,6 @@ TOPIC_DELETE_TIMEOUT_S = 60.0
 """How long deleted topics of an earlier run may take to disappear before they are recreated."""
 REWARD_DRAIN_S = 60.0
 """After the last answer, how long to wait for the judge to score the arm's remaining rollouts."""
-
-
-def write_private(path: Path, text: str) -> None:
-    """The arm's config holds secrets: readable by this user only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
 
 
 def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = print,
@@ -101,8 +93,8 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         server = stack.start("serving", ["serve"])
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
-        stack.start("learner", learn, env=_threads_env(learner_threads(acfg)))
-        stack.start("judge", ["judge", "--arm", arm.name], env=_threads_env(1))
+        stack.start("learner", learn, env=threads_env(learner_threads(acfg)))
+        stack.start("judge", ["judge", "--arm", arm.name], env=threads_env(1))
         classifier = load_or_train(acfg, progress)
         waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
                                     stack.check_alive, CONSUMERS_READY_TIMEOUT_S)
@@ -168,10 +160,6 @@ def learner_threads(acfg: AppConfig) -> int:
     on 2 cores a learner step took 7 s (p50) uncapped and 0.15-0.3 s capped (docs/EXPERIMENTS.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - (acfg.serving.torch_threads or 1) - 1)
-
-
-def _threads_env(threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 ARM_STATE_DIRS = ("weights", "checkpoints", "spool", "logs")

@@ -32,7 +32,7 @@ def mark_switches(ax, scenario: ExperimentConfig) -> None:
                 va="top", fontsize=8, color="grey")
 
 
-def _draw_band(ax, b: Band, label: str, color: str | None = None, marker: str | None = None) -> None:
+def draw_band(ax, b: Band, label: str, color: str | None = None, marker: str | None = None) -> None:
     line, = ax.plot(b.x, b.mean, label=label, color=color, marker=marker)
     if b.seeds.shape[0] > 1:
         ax.fill_between(b.x, b.low, b.high, color=line.get_color(), alpha=0.2, linewidth=0)
@@ -53,7 +53,7 @@ def plot_rewards_per_arm(runs: list[Run], arms: list[str], path: Path) -> None:
         else:
             for curve in b.seeds:
                 ax.plot(b.x, curve, color="grey", linewidth=0.5, alpha=0.5)
-        _draw_band(ax, b, f"moving mean (W={w})" + (f", mean of {b.seeds.shape[0]} seeds" if b.seeds.shape[0] > 1
+        draw_band(ax, b, f"moving mean (W={w})" + (f", mean of {b.seeds.shape[0]} seeds" if b.seeds.shape[0] > 1
                                                    else ""), color="C1")
         mark_switches(ax, scenario)
         ax.set_title(arm, fontsize=10)
@@ -70,7 +70,7 @@ def plot_comparison(runs: list[Run], arms: list[str], path: Path) -> None:
     for arm in arms:
         b = moving_reward_band(runs, arm, scenario.metrics_window)
         if b is not None:
-            _draw_band(ax, b, arm)
+            draw_band(ax, b, arm)
     mark_switches(ax, scenario)
     ax.axhline(scenario.realign_threshold, color="black", linestyle=":", linewidth=1)
     ax.set(xlabel="rollout", ylabel=f"moving reward (W={scenario.metrics_window})", ylim=(-0.05, 1.05))
@@ -104,7 +104,7 @@ def plot_style_accuracy(runs: list[Run], arms: list[str], path: Path) -> None:
     for arm in arms:
         b = style_accuracy_band(runs, arm)
         if b is not None:
-            _draw_band(ax, b, arm, marker="o")
+            draw_band(ax, b, arm, marker="o")
     mark_switches(ax, scenario)
     ax.set(xlabel="rollout", ylabel="held-out answers in the preferred style", ylim=(-0.05, 1.05))
     ax.legend(fontsize=8)

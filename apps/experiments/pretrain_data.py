@@ -20,11 +20,11 @@ from typing import Callable
 from apps.config import PRETRAIN_ARM, AppConfig, ArmConfig
 from apps.experiments.judge import Judge, QualityStyleJudge
 from apps.experiments.judge_service import SOURCE, interaction_texts
-from apps.experiments.orchestrate import READY_TIMEOUT_S, reset_arm, write_private
+from apps.experiments.orchestrate import READY_TIMEOUT_S, reset_arm
 from apps.experiments.scenario import arm_config, prompt_pool, results_dir
 from apps.experiments.simulate import SimulatedUsers
 from apps.experiments.style import StyleClassifier
-from apps.stack import Stack, free_port
+from apps.stack import Stack, free_port, write_private
 from online_sao.config import dump_config
 from online_sao.schemas import Interaction, Reward, decode, encode
 

@@ -10,28 +10,18 @@ interval with one seed).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
 from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, summarize
 from apps.experiments.gate_report import write_gate_report
-from apps.experiments.intervals import Interval
+from apps.experiments.intervals import cell
 from apps.experiments.metrics import LEVEL_SHARE
 from apps.experiments.plots import PLOTS, write_plots
 from apps.experiments.segments import write_segment_report
 
 REPORT_FILE, JSON_FILE = "report.md", "report.json"
-
-
-def cell(value: Interval | None, digits: int = 3) -> str:
-    """``mean [low, high]``; the mean alone for one seed; '-' for no value."""
-    if value is None or math.isnan(value.mean):
-        return "-"
-    if value.n == 1:
-        return f"{value.mean:.{digits}f}"
-    return f"{value.mean:.{digits}f} [{value.low:.{digits}f}, {value.high:.{digits}f}]"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:

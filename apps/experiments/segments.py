@@ -19,9 +19,10 @@ from matplotlib.figure import Figure
 
 from apps.config import ExperimentConfig, UserSegment
 from apps.experiments.aggregate import Band, Run, band
-from apps.experiments.intervals import Interval
+from apps.experiments.intervals import Interval, cell
 from apps.experiments.intervals import interval as across_seeds
 from apps.experiments.metrics import LEVEL_SHARE, SegmentPhase, segment_moving_average, segment_phase_metrics
+from apps.experiments.plots import draw_band
 
 SEGMENTS_PNG = "rewards_per_segment.png"
 SEGMENTS_JSON = "segments.json"
@@ -87,12 +88,6 @@ def segment_reward_band(runs: list[Run], arm: str, segment: str, window: int) ->
     return band([c[first:length] for c in curves], list(range(first, length)))
 
 
-def _cell(value: Interval | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value.mean:.3f}" if value.n == 1 else f"{value.mean:.3f} [{value.low:.3f}, {value.high:.3f}]"
-
-
 def segment_markdown(summaries: list[SegmentSummary], scenario: ExperimentConfig) -> list[str]:
     """The report's per-segment section (no lines without segments)."""
     if not summaries:
@@ -112,7 +107,7 @@ def segment_markdown(summaries: list[SegmentSummary], scenario: ExperimentConfig
         heads = [f"{p.style} {p.start}-{p.end - 1}" for p in rows[0].phases]
         lines += ["", f"### Segment {segment.name}: level / mean / rollouts per phase", "",
                   "| arm | " + " | ".join(heads) + " |", "|" + "---|" * (len(heads) + 1)]
-        lines += ["| " + " | ".join([s.arm, *(f"{_cell(p.level)} / {_cell(p.area)} / {p.rollouts:.0f}"
+        lines += ["| " + " | ".join([s.arm, *(f"{cell(p.level)} / {cell(p.area)} / {p.rollouts:.0f}"
                                               for p in s.phases)]) + " |" for s in rows]
     lines += ["", f"![moving reward per user segment]({SEGMENTS_PNG})", ""]
     return lines
@@ -130,9 +125,7 @@ def plot_rewards_per_segment(runs: list[Run], arms: list[str], path: Path) -> No
             color = f"C{k}"
             b = segment_reward_band(runs, arm, segment.name, w)
             if b is not None:
-                line, = ax.plot(b.x, b.mean, color=color, label=f"{segment.name}\n(moving mean of its\nlast {w} rollouts)")
-                if b.seeds.shape[0] > 1:
-                    ax.fill_between(b.x, b.low, b.high, color=color, alpha=0.2, linewidth=0)
+                draw_band(ax, b, f"{segment.name}\n(moving mean of its\nlast {w} rollouts)", color=color)
             for phase in segment.schedule[1:]:
                 ax.axvline(phase.from_rollout, color=color, linestyle="--", linewidth=1)
                 ax.text(phase.from_rollout, 1.0 - 0.08 * k, f" {segment.name}: {phase.style}", color=color,

@@ -155,7 +155,7 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
     from apps.default_model.builder import build_base_model
     from apps.experiments.orchestrate import learner_threads, wait_for_consumers
     from apps.load.gen import run_load
-    from apps.stack import Stack, free_port
+    from apps.stack import Stack, free_port, threads_env
     from streams.kafka_backend import KafkaBackend
 
     port = free_port()
@@ -164,8 +164,8 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
         cfg = stack.cfg
         progress(f"model: {build_base_model(cfg, progress=progress)}")
         started = time.monotonic()
-        server = stack.start("serving", ["serve"], env=_threads_env(cfg.serving.torch_threads or 1))
-        stack.start("learner", ["learn"], env=_threads_env(learner_threads(cfg)))  # both load at once
+        server = stack.start("serving", ["serve"], env=threads_env(cfg.serving.torch_threads or 1))
+        stack.start("learner", ["learn"], env=threads_env(learner_threads(cfg)))  # both load at once
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", SERVING_READY_TIMEOUT_S)
         backend = KafkaBackend(cfg.kafka)
@@ -178,10 +178,6 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
         progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
         logged = check_logged(backend, cfg.kafka.topics.interactions, acked)
     return LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir)
-
-
-def _threads_env(threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def describe(report: LoadRunReport) -> list[str]:

@@ -47,6 +47,10 @@ class Algorithm(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def forget(self) -> None:
+        """Drop statistics of rewards gathered before a detected preference change
+        (trainer/plasticity.py); rules that keep none have nothing to drop."""
+
 
 class PolicyOnly(Algorithm):
     """A rule that trains the policy alone (no critic)."""

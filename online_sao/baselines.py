@@ -131,6 +131,10 @@ class RunningMean(PolicyOnly):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window = deque(state["reward_window"], maxlen=self.cfg.running_mean_window)
 
+    def forget(self) -> None:
+        """The baseline restarts from the next step's own rewards."""
+        self.window.clear()
+
 
 def _clipped_updates(
     policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,

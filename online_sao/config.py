@@ -442,6 +442,33 @@ class DeployConfig(Section):
     """Newest rewards per segment over which the learner's ``segment.<name>.reward`` is the mean."""
 
 
+class DriftConfig(Section):
+    """Following a preference switch: a detector on the trained rewards and what the learner
+    does when it fires (online_sao/drift.py, trainer/plasticity.py; docs/EXPERIMENTS.md)."""
+
+    enabled: bool = False
+    """Watch the rewards for a sustained drop (off: the paper's learner, which never restarts)."""
+    recent: int = Field(16, ge=2)
+    """Newest trained rewards whose mean is compared with the ``reference`` rewards before them."""
+    reference: int = Field(48, ge=2)
+    """Rewards before the ``recent`` ones: the level the drop is measured from."""
+    min_drop: float = Field(0.2, gt=0)
+    """Smallest fall of the mean reward, in reward units, that counts as a drift."""
+    z_threshold: float = Field(3.0, gt=0)
+    """...and the fall in standard errors (Welch): at 3, one test on a stable reward stream
+    alarms with probability about 1e-3 under a normal approximation. Calibrated by replaying
+    40 logged drift runs without restarts (docs/EXPERIMENTS.md section 10)."""
+    policy_shrink: float = Field(0.0, ge=0, le=1)
+    """On an alarm the policy becomes ``start + policy_shrink * (policy - start)``, ``start`` the
+    weights in ``model_dir``: 0 restarts from them (every style sampled at its starting share
+    again), 1 keeps the policy (shrink-and-perturb without the perturbation; Ash & Adams 2020)."""
+    reset_critic: bool = True
+    """On an alarm the critic returns to its initial weights: values fitted under the old
+    preference mis-rank the new one's answers (explained variance about -2 after a switch)."""
+    reset_optimizers: bool = True
+    """On an alarm the optimisers' moment estimates are cleared (they point the old way)."""
+
+
 class Config(Section):
     paths: PathsConfig = PathsConfig()
     """Where local state lives."""
@@ -461,6 +488,8 @@ class Config(Section):
     """Experiment tracking and registry."""
     deploy: DeployConfig = DeployConfig()
     """Promotion gate and monitors of the registry."""
+    drift: DriftConfig = DriftConfig()
+    """Detecting a preference switch and restarting the learner's exploration."""
 
     @property
     def data_dir(self) -> Path:

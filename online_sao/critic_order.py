@@ -137,6 +137,9 @@ class ReplayWindow:
                             temperatures=torch.ones((b, t), device=device), top_ps=torch.ones((b, t), device=device),
                             group_ids=torch.full((b,), -1, dtype=torch.long, device=device))
 
+    def clear(self) -> None:
+        self.rows.clear()
+
     def state_dict(self) -> dict[str, Any]:
         """Plain lists (JSON): the learner checkpoints algorithm state as JSON."""
         return {"rows": [{"input_ids": r.input_ids.tolist(), "action_mask": r.action_mask.tolist(),

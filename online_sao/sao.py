@@ -148,6 +148,10 @@ class SAO(ActorCritic):
     def state_dict(self) -> dict[str, Any]:
         return {"replay_window": self.window.state_dict()} if self.cfg.critic_order == "replay_then_judge" else {}
 
+    def forget(self) -> None:
+        """The replay window's returns were earned under the old preference."""
+        self.window.clear()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "replay_window" in state:
             device = next(self.critic.parameters()).device

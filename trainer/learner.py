@@ -12,7 +12,8 @@
    rank 0 takes them, drops any older than ``trainer.max_version_lag`` (counted)
    and every rank learns the decision (:func:`next_rollouts`);
 3. every rank trains on its share: ``Algorithm.step`` (SAO: K critic updates,
-   GAE, one DIS policy update). A step whose inputs, loss or gradients are not
+   GAE, one DIS policy update); with ``drift.enabled`` a sustained drop of the
+   step rewards restarts the policy's exploration (trainer/plasticity.py). A step whose inputs, loss or gradients are not
    finite is refused by every rank together (the rule's finiteness checks are
    all-reduced, :func:`trainer.distributed.finite_vote`): no weight changes, its
    ids go to the ledger marked refused, ``skipped_nonfinite_steps`` counts it and
@@ -174,6 +175,8 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     metrics = reduce_metrics(models.trainables.algorithm.step(batch.to(ctx.device)), ctx)
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
+    if models.drift is not None and not refused:  # every rank has the step's rollouts: all agree
+        metrics.update(models.drift.after_step([r.total_reward for r in rollouts]))
     at.changed_since_publish = at.changed_since_publish or not refused
     if rank0 is not None:
         rank0.record_step(at.step, rollouts, metrics, refused)

@@ -19,6 +19,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, rank_sum, shard_model
 from trainer.history import rollouts_from_file, rollouts_from_topics
 from trainer.join import RewardJoiner
+from trainer.plasticity import DriftResponse
 from trainer.pretrain import pretrain_critic as fit_critic
 from trainer.rank_zero import RankZero
 from trainer.state import Position, Trainables, restore_training_state
@@ -34,6 +35,8 @@ class LearnerModels:
     pad_token_id: int
     vocab_size: int
     """Token ids at or past it are not the model's (such rollouts are left out)."""
+    drift: DriftResponse | None = None
+    """The restart on a detected preference change (``drift.enabled``), else None."""
 
 
 def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
@@ -52,7 +55,9 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
                                 vote=finite_vote(ctx), reference=reference, sum_over_ranks=rank_sum(ctx))
     ema_reference = reference if cfg.algorithm.kl_reference == "ema" else None  # trains along: checkpointed
-    return LearnerModels(Trainables(policy, critic, opts, algorithm, ema_reference), pad_token_id, vocab_size)
+    trainables = Trainables(policy, critic, opts, algorithm, ema_reference)
+    drift = DriftResponse(cfg.drift, trainables) if cfg.drift.enabled else None  # remembers these starting weights
+    return LearnerModels(trainables, pad_token_id, vocab_size, drift)
 
 
 def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: DistContext,

@@ -180,6 +180,8 @@ class InProcessLearner:
         if metrics.get("skipped_nonfinite", 0.0) > 0:
             self.counters["refused_steps"] += 1
             return metrics
+        if self.models.drift is not None:  # as trainer/learner.py's learn
+            metrics.update(self.models.drift.after_step([r.total_reward for r in rollouts]))
         self.version += 1
         policy = self.models.trainables.policy
         self.engine.swap_weights(self.version, {k: v.detach() for k, v in policy.state_dict().items()})

@@ -152,3 +152,11 @@ def test_registry_holds_every_configurable_rule_and_nothing_else():
         "sao": True, "ppo": True, "running_mean": False, "grpo": False}
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         algorithm_class("nope")
+
+
+def test_running_mean_forget_restarts_the_baseline(tiny_qwen):
+    algo = build("running_mean", tiny_qwen, running_mean_window=3)
+    algo.step(make_batch(tiny_qwen, [1.0, 1.0]))
+    algo.forget()
+    # an empty window again: the batch baselines against its own mean (0 + 4) / 2 = 2, not the old 1
+    assert algo.step(make_batch(tiny_qwen, [0.0, 4.0]))["baseline"] == 2.0

@@ -1,0 +1,81 @@
+import torch
+from torch import nn
+
+from online_sao.algorithm import Algorithm
+from online_sao.algorithms import Optimizers
+from online_sao.config import DriftConfig
+from trainer.plasticity import DriftResponse, shrink_towards
+from trainer.state import Trainables
+
+
+class ForgetfulRule(Algorithm):
+    """Counts forget() calls; never trained here."""
+
+    needs_critic = True
+
+    def __init__(self) -> None:
+        self.forgotten = 0
+
+    def step(self, batch):
+        raise AssertionError("not trained in these tests")
+
+    def forget(self) -> None:
+        self.forgotten += 1
+
+
+def constant_linear(value: float) -> nn.Linear:
+    layer = nn.Linear(2, 1)
+    with torch.no_grad():
+        layer.weight.fill_(value)
+        layer.bias.fill_(value)
+    return layer
+
+
+def trainables() -> Trainables:
+    policy, critic = constant_linear(1.0), constant_linear(-1.0)
+    opts = Optimizers(torch.optim.AdamW(policy.parameters(), lr=0.1), torch.optim.AdamW(critic.parameters(), lr=0.1))
+    return Trainables(policy, critic, opts, ForgetfulRule())
+
+
+def move(t: Trainables, to: float) -> None:
+    """One optimiser step each (so their moments exist), then every weight set to ``to``."""
+    for model, opt in ((t.policy, t.optimizers.policy), (t.critic, t.optimizers.critic)):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(to)
+
+
+def test_shrink_towards_literal():
+    model, start = constant_linear(3.0), [torch.full((1, 2), 1.0), torch.full((1,), 1.0)]
+    shrink_towards(model, start, keep=0.25)  # 1 + 0.25 * (3 - 1) = 1.5
+    assert torch.equal(model.weight, torch.full((1, 2), 1.5)) and torch.equal(model.bias, torch.full((1,), 1.5))
+
+
+def settings(**overrides) -> DriftConfig:
+    return DriftConfig(enabled=True, recent=2, reference=2, min_drop=0.5, z_threshold=4.0, **overrides)
+
+
+def test_an_alarm_restarts_policy_critic_optimisers_and_the_rule():
+    t = trainables()
+    response = DriftResponse(settings(policy_shrink=0.5), t)
+    move(t, 5.0)
+    assert response.after_step([0.8, 0.6])["drift_alarm"] == 0.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 5.0))  # no alarm: nothing touched
+    metrics = response.after_step([0.2, 0.0])
+    assert metrics["drift_alarm"] == 1.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 3.0))  # 1 + 0.5 * (5 - 1)
+    assert torch.equal(t.critic.weight, torch.full((1, 2), -1.0))  # its initial weights
+    assert not t.optimizers.policy.state and not t.optimizers.critic.state
+    assert t.algorithm.forgotten == 1
+
+
+def test_critic_and_optimisers_kept_when_configured():
+    t = trainables()
+    response = DriftResponse(settings(reset_critic=False, reset_optimizers=False), t)
+    move(t, 5.0)
+    assert response.after_step([1.0, 1.0, 0.0, 0.0])["drift_alarm"] == 1.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0))  # policy_shrink 0: the start
+    assert torch.equal(t.critic.weight, torch.full((1, 2), 5.0))
+    assert t.optimizers.policy.state and t.optimizers.critic.state

@@ -23,7 +23,8 @@
    publishes nothing); every ``mlflow.register_every`` versions it is registered as
    candidate (and checkpointed) after the previous candidate was promoted or rolled back
    on the gate's evidence; a roll-back restores the champion's whole training state
-   (:func:`publish`, :class:`trainer.publisher.Releases`);
+   (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart is
+   published at once and becomes the champion;
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
    offsets it covers are committed to Kafka (:func:`checkpoint`); metrics go to
    MLflow (:meth:`trainer.rank_zero.RankZero.end_cycle`).
@@ -134,8 +135,9 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             laps.lap("wait")
             metrics = learn(models, taken, at, rank0, ctx)              # 3: every rank on its share
             laps.lap("step")
-            if at.step % tcfg.publish_every == 0 and at.changed_since_publish:
-                publish(models, at, rank0, metrics, ctx)                # 4: weights, notice, registry
+            restarted = metrics.get("drift_alarm", 0.0) > 0                # out at once, as the new champion
+            if (at.step % tcfg.publish_every == 0 and at.changed_since_publish) or restarted:
+                publish(models, at, rank0, metrics, ctx, restarted)     # 4: weights, notice, registry
             laps.lap("publish")
             if at.step % tcfg.checkpoint_every == 0 and at.checkpointed_step < at.step:
                 checkpoint(models, at, rank0, ctx)                      # 5: checkpoint, then offsets
@@ -184,16 +186,19 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
 
 
 def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics: dict[str, float],
-            ctx: DistContext) -> None:
+            ctx: DistContext, restarted: bool = False) -> None:
     """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). A version
     the registry just made its candidate is checkpointed at once (kept while candidate or
     champion); a roll-back restores the champion's whole training state from its checkpoint
-    (only its weights, from the store, when none is kept). Collective."""
+    (only its weights, from the store, when none is kept). ``restarted``: the step restarted the
+    policy after a detected preference change; the registry makes this version its champion
+    (:meth:`trainer.publisher.Releases.rebase`). Collective."""
     at.changed_since_publish = False
     at.version += 1
+    drift = {k: v for k, v in metrics.items() if k.startswith("drift_")} if restarted else None
     outcome = release_policy(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version,
                              at.step, {"reward_mean": metrics.get("reward_mean", math.nan)},
-                             rank0.reads() if rank0 else (0.0, 0.0))
+                             rank0.reads() if rank0 else (0.0, 0.0), drift)
     if rank0 is not None:
         rank0.checkpointer.pinned_versions = rank0.releases.pinned_versions()
     back = outcome.rolled_back_to

@@ -114,9 +114,13 @@ class Releases:
         self.register_every = register_every
 
     def release(self, state: dict[str, torch.Tensor], version: int, step: int, metrics: dict[str, float],
-                reads: tuple[float, float]) -> ReleaseOutcome:
-        """Publish ``state`` as ``version``; ``reads``: (records read, dead letters) so far."""
+                reads: tuple[float, float], drift: dict[str, float] | None = None) -> ReleaseOutcome:
+        """Publish ``state`` as ``version``; ``reads``: (records read, dead letters) so far;
+        ``drift``: the detector's metrics when this version is a restart after a detected
+        preference change (:meth:`rebase`)."""
         ref = self.publisher.publish(state, version, step, metrics)
+        if drift is not None:
+            return self.rebase(ref, metrics, reads, drift)
         if version % self.register_every != 0:
             return ReleaseOutcome()
         if self.decide(reads, step) == "rolled_back":
@@ -127,6 +131,29 @@ class Releases:
         self.tracker.register(ref, metrics.get("reward_mean", math.nan))
         self.publisher.protect(version)
         self.window.since_registration = reads
+        return ReleaseOutcome(registered=True)
+
+    def rebase(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float],
+               drift: dict[str, float]) -> ReleaseOutcome:
+        """A restart after a detected preference change (trainer/plasticity.py) becomes the champion.
+
+        The champion was chosen on rewards of the old preference, and the detector has just shown
+        that the serving policy's reward fell under the new one. Scored on the new traffic, an old
+        champion concentrated on the old answers rarely samples what the restarted policy samples:
+        its effective sample size stays under the floor and the gate would refuse every candidate
+        for the rest of the phase (docs/DEPLOY.md, "After a preference change"). The restart point
+        is the starting policy, so from here on candidates are compared with it on the same
+        traffic, and a roll-back returns to it, never to the old preference's policy. A candidate
+        still pending is superseded. The detector's evidence goes onto the registry version."""
+        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
+        self.publisher.protect(ref.version)
+        self.window.since_registration = reads
+        evidence = {"gate.decision": "drift_restart",
+                    "gate.reason": (f"reward fell by {drift.get('drift_drop', math.nan):.4f} "
+                                    f"(z={drift.get('drift_z', math.nan):.2f}): policy restarted, champion rebased"),
+                    **{f"drift.{k.removeprefix('drift_')}": repr(float(v)) for k, v in drift.items()}}
+        log.warning("registry: restart v%d is champion after a detected preference change", ref.version)
+        self.tracker.record_decision("promoted", evidence)
         return ReleaseOutcome(registered=True)
 
     def decide(self, reads: tuple[float, float], step: int = 0) -> Decision:
@@ -165,7 +192,8 @@ GATE_TO_REGISTRY: dict[str, Decision] = {"promoted": "promoted", "rolled_back": 
 
 
 def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | None, version: int, step: int,
-                   metrics: dict[str, float], reads: tuple[float, float] = (0.0, 0.0)) -> ReleaseOutcome:
+                   metrics: dict[str, float], reads: tuple[float, float] = (0.0, 0.0),
+                   drift: dict[str, float] | None = None) -> ReleaseOutcome:
     """Gather the full policy on rank 0 and release it there (see :class:`Releases`). Collective:
     every rank calls it; ``releases`` is None on ranks other than 0. Returns the outcome on
     every rank (a roll-back target as location and checksum)."""
@@ -174,7 +202,7 @@ def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | Non
     if ctx.is_main:
         if releases is None:
             raise ValueError("rank 0 needs its releases")
-        outcome = releases.release(state, version, step, metrics, reads)
+        outcome = releases.release(state, version, step, metrics, reads, drift)
         back = outcome.rolled_back_to
         shared = [outcome.registered, None if back is None else [back.version, back.location, back.checksum]]
     registered, back = broadcast_json(shared, ctx)

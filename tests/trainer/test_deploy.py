@@ -246,3 +246,60 @@ def test_kl_monitor_rolls_the_candidate_back_and_goes_to_mlflow(registry_cfg):
     by_policy = {int(v.tags["policy_version"]): v.tags
                  for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
     assert by_policy[4]["decision"] == "rolled_back" and by_policy[4]["monitor.tripped"] == "kl"
+
+
+class MixtureScorer:
+    """Each version samples style B with its own probability (the restart point: one half)."""
+
+    def __init__(self, prob_b: dict[int, float]) -> None:
+        self.prob_b = prob_b
+
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        p = self.prob_b[ref.version]
+        target = torch.tensor([math.log(p if r.token_ids[-1] == STYLE_B else 1 - p) for r in window])
+        behaviour = torch.tensor([sum(lp for lp, a in zip(r.logprobs, r.action_mask) if a) for r in window])
+        return target - behaviour
+
+
+def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_cfg):
+    """A-concentrated versions 1-8 (B with probability 0.01); the preference is B from v7's
+    traffic on; the learner detects the drop and restarts: v9 samples B with probability one half,
+    then v10-16 learn B. The restart is champion at once, with the detector's evidence; every later
+    candidate is compared with it or a successor on the same traffic; nothing rolls back."""
+    cfg = registry_cfg
+    prob_b = {v: 0.01 for v in range(1, 9)} | {9: 0.5} | {v: min(0.5 + 0.1 * (v - 9), 0.95) for v in range(10, 17)}
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
+                          keep_versions=2)
+    tracker = RunTracker(cfg)
+    window = RecentWindow(cfg.deploy.window)
+    releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy), window, cfg.deploy,
+                        register_every=2)
+    drift = {"drift_alarm": 1.0, "drift_drop": 0.61, "drift_z": 5.2}
+    champions = []
+    for version in range(1, 17):
+        outcome = releases.release({"w": torch.full((2,), float(version))}, version, version, {"reward_mean": 0.1},
+                                   (0.0, 0.0), drift if version == 9 else None)
+        assert outcome.rolled_back_to is None, f"rolled back at v{version}"
+        assert outcome.registered == (version == 9 or version % 2 == 0)
+        found = tracker.champion()
+        champions.append(found[0] if found else None)
+        for i in range(40):  # B on every i < 40 * p_B, A otherwise: the version's own mixture, exactly
+            style = STYLE_B if i < round(40 * prob_b[version]) else STYLE_A
+            p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
+            preferred = STYLE_B if version >= 7 else STYLE_A
+            window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(style == preferred),
+                                     logprob=math.log(p) / 2)])
+    assert champions[8] == 9  # the restart, as soon as it is published
+    assert champions[-1] >= 12 and all(c >= 9 for c in champions[8:])  # the gate promoted past it; never back to A
+    notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
+    assert all(n.action == "publish" for n in notices if isinstance(n, WeightsNotice))
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    by_policy = {int(v.tags["policy_version"]): v.tags
+                 for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
+    restart = by_policy[9]
+    assert restart["decision"] == "promoted" and restart["gate.decision"] == "drift_restart"
+    assert float(restart["drift.z"]) == 5.2 and float(restart["drift.drop"]) == 0.61
+    first_after = by_policy[10]  # decided at v12 against the restart, on v10's and v11's traffic
+    assert first_after["decision"] == "promoted" and first_after["gate.window_versions"] == "10-11"

@@ -226,3 +226,35 @@ def test_ema_reference_and_replay_window_are_checkpointed_and_resumed(tmp_path, 
     for key in moved:
         torch.testing.assert_close(resumed.models["reference"][key],
                                    0.5 * reference[key] + 0.5 * resumed.models["policy"][key])
+
+
+def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_path, tiny_model_dir):
+    # one partition, 4 rollouts per step: rewards 1.0 for two steps, then 0.0 for two. With windows of
+    # 8 and 4 the test first runs on step 3 (reference 1,...,1 | recent 0,0,0,0: drop 1, se 0 -> alarm)
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 100,
+                                               "drift.enabled": True, "drift.reference": 8, "drift.recent": 4})
+    topics = cfg.kafka.topics
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    base = load_policy(tiny_model_dir)
+    for i, interaction in enumerate(sample_traffic(base, 16, prefix="d")):
+        publish(producer, topics.interactions, interaction)
+        publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=float(i < 8)))
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+
+    # publish_every 1: v1, v2 after steps 1-2, v3 the restart after step 3, v4 after step 4
+    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices] == [("publish", v) for v in (1, 2, 3, 4)]
+    store = FileWeightStore(cfg.weight_store_url)
+    restart = store.load(notices[2].location, notices[2].checksum)
+    assert all(torch.equal(restart[k], v) for k, v in base.state_dict().items())  # the starting weights
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    champion = client.get_model_version_by_alias(cfg.mlflow.registered_model, "champion")
+    assert champion.tags["policy_version"] == "3" and champion.tags["gate.decision"] == "drift_restart"
+    assert float(champion.tags["drift.drop"]) == 1.0
+    run = client.get_run(result.run_id)
+    assert run.data.metrics["drift_alarm"] == 0.0  # the last step's; the restart step logged 1.0
+    history = client.get_metric_history(result.run_id, "drift_alarm")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0.0, 0.0, 1.0, 0.0]

@@ -11,7 +11,10 @@ Markdown tables, each cell the mean over seeds with its 95% bootstrap interval:
   the critic's explained variance before the step's updates, the approximate KL of the
   step's policy update and the policy gradient norm; the median of each seed first, then
   the mean over seeds;
-* value pre-training's held-out explained variance (the arm summaries).
+* value pre-training's held-out explained variance (the arm summaries);
+* the drift detector's restarts (steps with ``drift_alarm``): per seed the rollouts at which
+  they came, restarts before the first switch (false alarms), and each switch's detection
+  delay (rollouts from the switch to the first restart after it, before the next switch).
 
     .venv/bin/python benchmarks/drift_diagnostics.py RESULTS_DIR
 """
@@ -55,6 +58,16 @@ def step_median(steps: Sequence[StepRow], key: str, start: int, end: int) -> flo
     return statistics.median(values) if values else None
 
 
+def restarts(steps: Sequence[StepRow]) -> list[int]:
+    """Rollout index of every step that restarted the learner after a drift alarm."""
+    return [s.rollout for s in steps if s.metrics.get("drift_alarm", 0.0) > 0]
+
+
+def detection_delay(alarms: Sequence[int], start: int, end: int) -> int | None:
+    """Rollouts from a switch at ``start`` to the first restart in ``[start, end)``; None: none."""
+    return next((a - start for a in alarms if start <= a < end), None)
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -86,6 +99,20 @@ def report(runs: list[Run]) -> str:
             cells = [_over_seeds([step_median(a.steps, key, s, e) for a in present]) for _, s, e, _ in phases]
             if any(c != "-" for c in cells):
                 lines.append(_row([arm, key, *cells]))
+    head = ["arm", "restarts at rollout (per seed)", "before the first switch",
+            *(f"delay after the switch to {style}" for style, _, _, first in phases if not first)]
+    lines += ["", "Drift restarts (seeds in order; a delay is the mean over the seeds with a restart in that "
+              "phase, how many in parentheses)", "", _row(head), "|" + "---|" * len(head)]
+    for arm in arms:
+        alarms = [restarts(run.arms[arm].steps) for run in runs if arm in run.arms]
+        delays = []
+        for _, s, e, first in phases:
+            if not first:
+                found = [d for d in (detection_delay(a, s, e) for a in alarms) if d is not None]
+                delays.append(f"{statistics.mean(found):.1f} ({len(found)}/{len(alarms)})" if found
+                              else f"- (0/{len(alarms)})")
+        early = sum(1 for a in alarms for x in a if x < phases[1][1]) if len(phases) > 1 else 0
+        lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
     lines += ["", "Value pre-training: held-out explained variance after it", ""]
     for arm in arms:
         pre = [run.arms[arm].summary.value_pretraining for run in runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from apps.experiments.results import StepRow
-from benchmarks.drift_diagnostics import phase_windows, share_of, step_median
+from benchmarks.drift_diagnostics import detection_delay, phase_windows, restarts, share_of, step_median
 
 
 def _step(rollout: int, **metrics: float) -> StepRow:
@@ -29,3 +29,12 @@ def test_step_median_keeps_the_phase_and_skips_undefined_values():
              _step(14, explained_variance=math.nan), _step(20, explained_variance=-1.0), _step(11, approx_kl=0.2)]
     assert step_median(steps, "explained_variance", 10, 20) == 0.2
     assert step_median(steps, "approx_kl", 0, 10) is None
+
+
+def test_restarts_and_the_delay_after_each_switch():
+    steps = [_step(5, drift_alarm=0.0), _step(118, drift_alarm=1.0), _step(130), _step(170, drift_alarm=1.0)]
+    alarms = restarts(steps)
+    assert alarms == [118, 170]
+    assert detection_delay(alarms, 100, 150) == 18  # the first restart of the phase [100, 150)
+    assert detection_delay(alarms, 150, 200) == 20
+    assert detection_delay(alarms, 200, 300) is None

@@ -4,7 +4,8 @@ a reward-over-time plot (docs/DEPLOY.md, "Reading the evidence in MLflow").
 
 A live arm's learner registers every ``mlflow.register_every``-th published version as the
 candidate and decides on it when it publishes the next multiple, ``register_every`` versions
-later (trainer/publisher.py). The arm's resolved configuration
+later (trainer/publisher.py); a restart after a detected preference change is registered and made
+champion when it is published. The arm's resolved configuration
 (``<run>/arms/<arm>/config.yaml``) names the MLflow store, the registered model and the
 learner's consumer group, which identifies the arm's learner run; the registry versions that
 run created are the arm's. Arms of the in-process driver have no registry and are left out.
@@ -56,6 +57,10 @@ class RegistryDecision:
     """That rollout's judging time from the arm's first judged rollout."""
 
 
+DRIFT_RESTART = "drift_restart"
+"""``gate.decision`` of a restart after a detected preference change (trainer/publisher.py)."""
+
+
 def _number(tags: dict[str, str], key: str) -> float:
     return float(tags[key]) if key in tags else math.nan
 
@@ -86,7 +91,8 @@ def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> li
     for version in sorted(found, key=lambda v: int(v.tags["policy_version"])):
         tags = version.tags
         policy = int(tags["policy_version"])
-        decided_at = policy + acfg.mlflow.register_every
+        # a drift restart is champion as soon as it is published (Releases.rebase)
+        decided_at = policy if tags.get("gate.decision") == DRIFT_RESTART else policy + acfg.mlflow.register_every
         row = next((r for r in rewards if r.version >= decided_at), None)
         out.append(RegistryDecision(
             str(version.version), policy, decided_at, _label(tags), tags.get("gate.decision", "-"),
@@ -154,7 +160,7 @@ def write_gate_report(runs: list[Run], arms: list[str], out_dir: Path) -> list[s
     lines = ["", "## Registry decisions (promotion gate and monitors)", "",
              f"Read from MLflow: every decided candidate of each arm's learner run"
              + (f" (seed directory {run.directory.name})" if len(runs) > 1 else "") + ". The release of version "
-             "\"decided at\" (the candidate plus `mlflow.register_every`) decided; rollout and s: the first judged "
+             "\"decided at\" (the candidate plus `mlflow.register_every`; a drift restart: itself) decided; rollout and s: the first judged "
              "rollout that version answered, and its time from the arm's first. V: the gate's self-normalised "
              "estimate of each version's reward on the same window; interval: its confidence interval on "
              "candidate minus champion. Refused: too few rollouts or an ESS under `deploy.gate_min_ess`; kept: the "

@@ -94,3 +94,30 @@ def test_report_without_live_arms_has_no_registry_section(tmp_path):
     report = write_report(results, tmp_path / "report").read_text()
     assert "Registry decisions" not in report
     assert not (tmp_path / "report" / GATE_PNG).exists()
+
+
+def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_store):  # noqa: F811
+    results = tmp_path / "results"
+    write_run(results, {"sao": synthetic_rewards(3, 0)})
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
+    (results / "arms" / "sao").mkdir(parents=True)
+    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
+                          keep_versions=2)
+    releases = Releases(publisher, RunTracker(cfg), OffPolicyGate(ScriptedScorer(dict.fromkeys(range(1, 5), STYLE_A)),
+                                                                  cfg.deploy), RecentWindow(80), cfg.deploy,
+                        REGISTER_EVERY)
+    for version in range(1, 5):  # v2 registered, then superseded by the restart v3 before any decision
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0),
+                         {"drift_alarm": 1.0, "drift_drop": 0.5, "drift_z": 4.0} if version == 3 else None)
+
+    text = section(write_report(results, tmp_path / "report").read_text(),
+                   "Registry decisions (promotion gate and monitors)")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| registry")]
+    # decided at its own release: the first rollout of v3 is 4 * 3
+    assert [r[1:7] for r in rows] == [["v3", "v3", "12", "12", "promoted", "drift_restart"]]

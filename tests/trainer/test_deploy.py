@@ -102,6 +102,15 @@ def registry_cfg(tmp_path, empty_store):  # noqa: F811
     return cfg
 
 
+def _registry_parts(cfg):
+    """The broker (in memory), a publisher on a real weight store, the MLflow tracker and the window."""
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
+                          keep_versions=2)
+    return backend, publisher, RunTracker(cfg), RecentWindow(cfg.deploy.window)
+
+
 def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(registry_cfg):
     """Rewards pay style A up to version 6, style B after; the learner's versions follow with a
     lag (A up to 8, B from 9). Each version serves 40 rollouts, 36 of its own style; the window
@@ -109,12 +118,7 @@ def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(re
     (those sampled since the candidate); the gate's floors are the defaults (32 rollouts, ESS 8)."""
     cfg = registry_cfg
     style_of = {v: STYLE_A if v <= 8 else STYLE_B for v in range(1, 17)}
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    store = FileWeightStore(cfg.weight_store_url)
-    publisher = Publisher(store, backend.producer(), cfg.kafka.topics.weights, "m", keep_versions=2)
-    tracker = RunTracker(cfg)
-    window = RecentWindow(cfg.deploy.window)
+    backend, publisher, tracker, window = _registry_parts(cfg)
     releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer(style_of), cfg.deploy), window, cfg.deploy,
                         register_every=2)
     champions = []
@@ -221,12 +225,7 @@ class FixedKL:
 
 def test_kl_monitor_rolls_the_candidate_back_and_goes_to_mlflow(registry_cfg):
     cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"monitor_max_kl": 0.5})})
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
-                          keep_versions=2)
-    tracker = RunTracker(cfg)
-    window = RecentWindow(cfg.deploy.window)
+    backend, publisher, tracker, window = _registry_parts(cfg)
     reference = FixedKL({2: 0.1, 4: 0.9})
     with pytest.raises(ValueError, match="monitor_max_kl"):
         Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), cfg.deploy), window, cfg.deploy, 2)
@@ -268,12 +267,7 @@ def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_
     candidate is compared with it or a successor on the same traffic; nothing rolls back."""
     cfg = registry_cfg
     prob_b = {v: 0.01 for v in range(1, 9)} | {9: 0.5} | {v: min(0.5 + 0.1 * (v - 9), 0.95) for v in range(10, 17)}
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
-                          keep_versions=2)
-    tracker = RunTracker(cfg)
-    window = RecentWindow(cfg.deploy.window)
+    backend, publisher, tracker, window = _registry_parts(cfg)
     releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy), window, cfg.deploy,
                         register_every=2)
     drift = {"drift_alarm": 1.0, "drift_drop": 0.61, "drift_z": 5.2}

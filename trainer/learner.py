@@ -13,9 +13,10 @@
    and every rank learns the decision (:func:`next_rollouts`);
 3. every rank trains on its share: ``Algorithm.step`` (SAO: K critic updates,
    GAE, one DIS policy update); with ``drift.enabled`` a sustained drop of the
-   step rewards restarts the policy's exploration (trainer/plasticity.py). A step whose inputs, loss or gradients are not
-   finite is refused by every rank together (the rule's finiteness checks are
-   all-reduced, :func:`trainer.distributed.finite_vote`): no weight changes, its
+   step rewards restarts the policy's exploration (trainer/plasticity.py). A
+   step whose inputs, loss or gradients are not finite is refused by every rank
+   together (the rule's finiteness checks are all-reduced,
+   :func:`trainer.distributed.finite_vote`): no weight changes, its
    ids go to the ledger marked refused, ``skipped_nonfinite_steps`` counts it and
    a warning names it (:func:`learn`);
 4. every ``publish_every`` steps the full policy is published (weight store +

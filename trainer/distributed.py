@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from online_sao.advantages import SumOverRanks, local_sum
@@ -149,6 +149,16 @@ def shard_model(model: nn.Module, ctx: DistContext) -> nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's shards of ``model``'s parameters, in ``parameters()`` order (all of them in one
+    process). Every FSDP2 module is resharded first: after a forward without a backward (a
+    ``no_grad`` pass) it keeps its unsharded plain tensors registered in place of its DTensor shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return list(model.parameters())
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ from torch import nn
 
 from online_sao.config import DriftConfig
 from online_sao.drift import DriftSettings, RewardDropDetector
+from trainer.distributed import sharded_parameters
 from trainer.state import Trainables
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,13 @@ log = logging.getLogger(__name__)
 
 def snapshot(model: nn.Module | None) -> list[torch.Tensor] | None:
     """Detached copies of ``model``'s parameters (this rank's shards), in ``parameters()`` order."""
-    return None if model is None else [p.detach().clone() for p in model.parameters()]
+    return None if model is None else [p.detach().clone() for p in sharded_parameters(model)]
 
 
 @torch.no_grad()
 def shrink_towards(model: nn.Module, start: list[torch.Tensor], keep: float) -> None:
     """Every parameter ``p`` becomes ``start + keep * (p - start)`` in place (``keep`` in [0, 1])."""
-    for p, p0 in zip(model.parameters(), start, strict=True):
+    for p, p0 in zip(sharded_parameters(model), start, strict=True):
         p.mul_(keep).add_(p0, alpha=1.0 - keep)
 
 

@@ -22,7 +22,10 @@ checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
 - ``baselines.json``: for ``grpo`` and ``running_mean``, the advantage each rank's rule
   gave every rollout of each step (grouped rollouts, gathered in the step's order);
 - ``whitened_policy.safetensors`` and ``whitened`` in ``metrics.json``: the policy and the
-  step metrics of SAO with ``normalize_advantages`` on, trained from fresh models.
+  step metrics of SAO with ``normalize_advantages`` on, trained from fresh models;
+- ``restarted_policy.safetensors``, ``restarted_critic.safetensors`` and ``restart`` in
+  ``metrics.json``: fresh models trained two steps, then restarted by the drift response
+  (trainer/plasticity.py) on the sharded parameters; whether the optimisers' state was cleared.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
-from online_sao.config import AlgorithmConfig
+from online_sao.config import AlgorithmConfig, DriftConfig
 from online_sao.critic import ValueModel
 from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_logprobs
@@ -60,7 +63,9 @@ from trainer.distributed import (
     shard_rollouts,
     shutdown_distributed,
 )
+from trainer.plasticity import DriftResponse
 from trainer.pretrain import pretrain_critic
+from trainer.state import Trainables
 
 
 VOCAB = 64
@@ -214,6 +219,22 @@ def whitened_training(ctx: DistContext, data: list[list[Rollout]] | None) -> tup
     return full_state_dict(learner.policy, ctx), metrics
 
 
+RESTART_STEPS = 2
+
+
+def restarted_training(ctx: DistContext, data: list[list[Rollout]] | None) -> tuple[dict, bool]:
+    """Fresh models trained RESTART_STEPS steps, then restarted: their gathered weights (rank 0)
+    and whether both optimisers' state is empty on this rank."""
+    learner = Learner(AlgorithmConfig(), ctx, MODEL_SEED)
+    trainables = Trainables(learner.policy, learner.critic, learner.optimizers, learner.algorithm)
+    response = DriftResponse(DriftConfig(enabled=True), trainables)  # remembers the starting shards
+    for step in range(RESTART_STEPS):
+        learner.step(broadcast_rollouts(data[step] if data is not None else None, ctx), version=step)
+    response.restart()
+    cleared = not learner.optimizers.policy.state and not learner.optimizers.critic.state
+    return {"policy": full_state_dict(learner.policy, ctx), "critic": full_state_dict(learner.critic, ctx)}, cleared
+
+
 def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
     ctx = init_distributed()
     torch.manual_seed(seed)  # identical on every rank and in the single-process reference
@@ -251,6 +272,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
     pretrained = full_state_dict(fresh.critic, ctx)
     baselines = baseline_advantages(ctx, data if ctx.is_main else None, steps)
     whitened_policy, whitened = whitened_training(ctx, data if ctx.is_main else None)
+    restarted, cleared = restarted_training(ctx, data if ctx.is_main else None)
 
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -263,8 +285,10 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
                 save_file(state[model], out / f"{prefix}_{model}.safetensors")
         save_file(pretrained, out / "pretrained_critic.safetensors")
         save_file(whitened_policy, out / "whitened_policy.safetensors")
+        save_file(restarted["policy"], out / "restarted_policy.safetensors")
+        save_file(restarted["critic"], out / "restarted_critic.safetensors")
         report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
-                  "whitened": whitened}
+                  "whitened": whitened, "restart": {"optimizers_cleared": cleared}}
         (out / "metrics.json").write_text(json.dumps(report))
         (out / "baselines.json").write_text(json.dumps(baselines))
     shutdown_distributed(ctx)

@@ -239,3 +239,15 @@ def test_gathered_state_round_trips_through_fresh_models(world, request):
         continued = _load(out, f"continued_{model}")
         assert any(not torch.equal(v, _load(out, model)[k]) for k, v in continued.items()), "the extra step trained"
         _assert_states_close(_load(out, f"restored_{model}"), continued, 0.0, 0.0, f"restored {model}")
+
+
+def test_a_drift_restart_under_two_ranks_returns_every_shard_to_its_start(two_ranks, one_process):
+    """Trained two steps, then restarted on the sharded parameters: the policy is the initial one
+    exactly, the critic its initial weights (as in one process), the optimisers' moments gone."""
+    initial = fsdp_worker.tiny_policy(fsdp_worker.MODEL_SEED).state_dict()
+    for out in (two_ranks, one_process):
+        policy = _load(out, "restarted_policy")
+        assert policy.keys() == initial.keys() and all(torch.equal(policy[k], initial[k]) for k in initial)
+        assert json.loads((out / "metrics.json").read_text())["restart"]["optimizers_cleared"] is True
+    critic_two, critic_one = _load(two_ranks, "restarted_critic"), _load(one_process, "restarted_critic")
+    assert critic_two.keys() == critic_one.keys() and all(torch.equal(critic_two[k], v) for k, v in critic_one.items())

@@ -212,6 +212,8 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
                                  ctx)
         if rank0 is not None:
             rank0.counters["rollbacks"] += 1
+    if restarted and rank0 is not None:
+        rank0.counters["drift_restarts"] += 1
     if outcome.registered:
         checkpoint(models, at, rank0, ctx)
 

@@ -256,5 +256,6 @@ def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_pa
     assert float(champion.tags["drift.drop"]) == 1.0
     run = client.get_run(result.run_id)
     assert run.data.metrics["drift_alarm"] == 0.0  # the last step's; the restart step logged 1.0
+    assert run.data.metrics["drift_restarts"] == 1.0
     history = client.get_metric_history(result.run_id, "drift_alarm")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0.0, 0.0, 1.0, 0.0]

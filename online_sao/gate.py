@@ -19,6 +19,13 @@ interval ``D +- z se`` at the configured confidence:
 - rolled_back: the whole interval lies below ``-m`` (the candidate is worse by more than m);
 - promoted: the interval's lower end is at least ``-m``;
 - undecided: the interval straddles ``-m``.
+
+With a canary (``deploy.canary_share``: a share of requests answered by the champion at the
+same time, :func:`decide_canary`) the champion needs no importance weights: its value is the
+plain mean ``C`` of its own ``k`` canary answers, the candidate's the estimate ``V_cand`` above
+on the other answers, and the two samples are independent:
+``se^2 = sum_i (u^cand_i (r_i - V_cand))^2 + sum_j (c_j - C)^2 / k^2`` (the same plug-in form,
+with every canary weight ``1/k``). The champion's ESS is ``k``; the rule is the same.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class GateEvidence:
     champion_ess: float
     window: tuple[int, int] = (0, 0)
     """Lowest and highest policy version that sampled a token in the window."""
+    canary_n: int = 0
+    """How many of the ``n`` rollouts the champion sampled itself (a canary's answers)."""
 
     def tags(self) -> dict[str, str]:
         """``gate.*`` tags for the candidate's registry version."""
@@ -67,7 +76,7 @@ class GateEvidence:
                   "difference": self.difference, "low": self.low, "high": self.high,
                   "candidate_ess": self.candidate_ess, "champion_ess": self.champion_ess}
         return {"gate.decision": self.decision, "gate.reason": self.reason,
-                "gate.window_versions": f"{self.window[0]}-{self.window[1]}",
+                "gate.window_versions": f"{self.window[0]}-{self.window[1]}", "gate.canary_n": str(self.canary_n),
                 **{f"gate.{k}": repr(float(v)) if isinstance(v, float) else str(v) for k, v in values.items()}}
 
 
@@ -138,6 +147,41 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
     decision, reason = verdict(n, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
     return GateEvidence(decision, reason, n, m["candidate_value"], m["champion_value"], diff, low, high,
                         m["candidate_ess"], m["champion_ess"], window)
+
+
+def canary_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, canary_rewards: torch.Tensor,
+                      clip: float | None = None) -> tuple[float, float, dict[str, float]]:
+    """``V_cand - C`` and its standard error (module docstring). ``rewards`` and
+    ``log_ratio_candidate`` ``[B]``: the answers sampled since the candidate; ``canary_rewards``
+    ``[K]``, K >= 1: the champion's own answers. Returns (difference, standard error, metrics:
+    both values and ESS)."""
+    weights, _ = importance_weights(log_ratio_candidate, clip)
+    u = weights / weights.sum()
+    r, c = rewards.double(), canary_rewards.double()
+    candidate = float((u * r).sum())
+    champion = float(c.mean())
+    se = float(((u * (r - candidate)) ** 2).sum() + ((c - champion) ** 2).sum() / c.numel() ** 2) ** 0.5
+    return candidate - champion, se, {"candidate_value": candidate, "champion_value": champion,
+                                      "candidate_ess": effective_sample_size(weights),
+                                      "champion_ess": float(c.numel())}
+
+
+def decide_canary(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, canary_rewards: torch.Tensor,
+                  settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
+    """The gate's decision with a canary (module docstring): ``rewards``, ``log_ratio_candidate``
+    ``[B]`` on the answers sampled since the candidate, ``canary_rewards`` ``[K]`` the champion's.
+    ``n`` is B + K; without answers on either side it refuses."""
+    n, k = int(rewards.shape[0]), int(canary_rewards.shape[0])
+    if n == 0 or k == 0:
+        nan = math.nan
+        reason = f"no {'canary answers of the champion' if k == 0 else 'answers since the candidate'} in the window"
+        return GateEvidence("refused", reason, n + k, nan, nan, nan, nan, nan, 0.0, float(k), window, k)
+    diff, se, m = canary_difference(rewards, log_ratio_candidate, canary_rewards, settings.weight_clip)
+    z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
+    low, high = diff - z * se, diff + z * se
+    decision, reason = verdict(n + k, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
+    return GateEvidence(decision, reason, n + k, m["candidate_value"], m["champion_value"], diff, low, high,
+                        m["candidate_ess"], m["champion_ess"], window, k)
 
 
 def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings) -> tuple[GateDecision, str]:

@@ -206,10 +206,11 @@ class Reward(Record):
 
 
 class WeightsNotice(Record):
-    """A new policy version in the weight store, or a rollback to an older one."""
+    """A new policy version in the weight store, a rollback to an older one, or the registry's
+    new champion (``champion``: what serving's canary answers with; it moves no serving version)."""
 
     kind: Literal["weights"] = "weights"
-    action: Literal["publish", "rollback"] = "publish"
+    action: Literal["publish", "rollback", "champion"] = "publish"
     version: Version
     location: str = Field(min_length=1)
     checksum: str = Field(pattern=r"^[0-9a-f]{64}$")

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from online_sao.config import Config
 from serving.auth import ApiKeyAuth
 from serving.engine.base import InferenceEngine
+from serving.engine.canary import CanaryEngine
 from serving.feedback import FeedbackService
 from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
@@ -93,6 +94,9 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
     metrics.watch_monitors(monitors)
+    if isinstance(engine, CanaryEngine):
+        metrics.watch_canary(lambda: -1 if engine.champion_version is None else engine.champion_version,
+                             lambda: engine.routed["champion"])
     status = ServerStatus(s.model_name)
 
     app = FastAPI(title="online-sao serving", lifespan=_lifespan(engine, logger, follower, status,

@@ -66,6 +66,15 @@ class ServingMetrics:
         self.spool_records.set_function(spool_records)
         self.policy_version.set_function(policy_version)
 
+    def watch_canary(self, champion_version: Callable[[], float], routed: Callable[[], float]) -> None:
+        """Expose the canary at scrape time: the champion it answers with (-1 before the first)
+        and the requests routed to it."""
+        Gauge("sao_serving_canary_champion_version", "Champion version answering the canary share "
+              "(deploy.canary_share; -1 before the first champion notice)",
+              registry=self.registry).set_function(champion_version)
+        Gauge("sao_serving_canary_requests", "Requests answered by the canary's champion so far",
+              registry=self.registry).set_function(routed)
+
     def watch_monitors(self, monitors: ServingMonitors) -> None:
         """Expose ``monitors`` at scrape time: requests per segment label and the answer monitors."""
         self.registry.register(SegmentRequests(monitors))

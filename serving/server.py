@@ -98,7 +98,18 @@ def make_logger(cfg: Config, producer: Producer, backend: StreamBackend | None =
 
 
 def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
-    """The configured engine over ``model_dir``."""
+    """The configured engine over ``model_dir``; with ``deploy.canary_share`` above 0, two of
+    them behind a :class:`~serving.engine.canary.CanaryEngine` (the second answers with the champion)."""
+    if cfg.deploy.canary_share > 0:
+        from serving.engine.canary import CanaryEngine
+
+        return CanaryEngine(one_engine(cfg, model_dir, tokenizer), one_engine(cfg, model_dir, tokenizer),
+                            cfg.deploy.canary_share)
+    return one_engine(cfg, model_dir, tokenizer)
+
+
+def one_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
+    """One engine of the configured kind over ``model_dir``."""
     if cfg.serving.engine == "vllm":
         from serving.engine.vllm_engine import VLLMEngine  # optional extra: imported only when chosen
 

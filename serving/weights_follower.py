@@ -13,6 +13,10 @@ loaded (file missing, checksum or finiteness failed, refused by the engine),
 the next one back is tried, which is where processing the notices one by one
 would also have ended. Every attempt is reported to ``on_result`` and logged;
 the serving weights stay until a version is applied.
+
+``champion`` notices (the registry's new champion) move no serving version: with a canary
+(:class:`~serving.engine.canary.CanaryEngine`) the newest of a poll is loaded into its champion
+engine; without one they are ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Callable
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from online_sao.weights import CorruptWeights, WeightStore
 from serving.engine.base import InferenceEngine, SwapResult
+from serving.engine.canary import ChampionServing
 from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable
 from streams.records import decode_or_dead_letter
 
@@ -64,6 +69,8 @@ class WeightsFollower:
         self.consumed = 0
         """Records read from the topic so far (readable or not)."""
         self.last_result: SwapResult | None = None
+        self.last_champion_result: SwapResult | None = None
+        """The canary's last champion load (None: no champion notice was acted on)."""
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +138,12 @@ class WeightsFollower:
         return notice
 
     def _apply(self, notices: list[WeightsNotice]) -> None:
+        champions = [n for n in notices if n.action == "champion"]
+        if champions:
+            self._apply_champion(champions[-1])
+        notices = [n for n in notices if n.action != "champion"]
+        if not notices:
+            return
         chain = plan(notices, self.engine.policy_version)
         if not chain:
             log.info("weights notices for versions %s ignored: serving version %d is newer",
@@ -144,6 +157,23 @@ class WeightsFollower:
                 self.on_result(result)
             if result.applied:
                 return
+
+    def _apply_champion(self, notice: WeightsNotice) -> None:
+        """Load the newest champion into the canary's champion engine (if the engine has one)."""
+        if not isinstance(self.engine, ChampionServing) or self.engine.champion_version == notice.version:
+            return
+        start = time.perf_counter()
+        try:
+            state = self.store.load(notice.location, notice.checksum)
+        except (FileNotFoundError, CorruptWeights, OSError) as exc:
+            log.error("cannot load champion v%d from %s: %s; the canary keeps v%s", notice.version,
+                      notice.location, exc, self.engine.champion_version)
+            return
+        result = self.engine.swap_champion(notice.version, state)
+        if not result.applied:
+            log.warning("champion v%d refused: %s", notice.version, result.reason)
+        self.last_champion_result = SwapResult(result.version, result.applied,
+                                               time.perf_counter() - start, result.stall_s, result.reason)
 
     def _try(self, notice: WeightsNotice, force: bool) -> SwapResult:
         start = time.perf_counter()

@@ -3,7 +3,7 @@ dead-letter on the way out.
 
 Keys (see docs/RECORDS.md): interactions and rewards by interaction id (so they are
 co-partitioned), weights notices by model name (the compacted topic keeps the newest
-notice per model), dead letters by the key of the record that failed.
+notice per model; champion notices under the name plus ``#champion``), dead letters by the key of the record that failed.
 """
 
 from __future__ import annotations
@@ -24,11 +24,17 @@ MAX_REASON_CHARS = 2_000
 """Longest reason kept (validation messages of huge records can be long)."""
 
 
+CHAMPION_KEY_SUFFIX = "#champion"
+"""Key suffix of champion notices on the compacted weights topic (a key of their own, so
+compaction never drops the newest publish or rollback for them)."""
+
+
 def record_key(record: Record) -> bytes | None:
     if isinstance(record, (Interaction, Reward)):
         return record.interaction_id.encode("utf-8")
-    if isinstance(record, WeightsNotice):
-        return record.model.encode("utf-8")
+    if isinstance(record, WeightsNotice):  # compaction keeps the newest serving notice and the newest champion
+        suffix = CHAMPION_KEY_SUFFIX if record.action == "champion" else ""
+        return (record.model + suffix).encode("utf-8")
     return None
 
 

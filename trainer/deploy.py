@@ -4,7 +4,9 @@ candidate and champion on it, and the monitors (docs/DEPLOY.md, "The promotion g
 The window is the newest ``deploy.window`` rollouts the learner trained on, rewards and
 behaviour log-probs included; the checkpoint carries it, so a restarted learner decides on
 the same evidence. The gate scores only the part of it sampled by the candidate's version or
-a newer one, rollouts neither version was trained on. To score a version the gate loads its
+a newer one, rollouts neither version was trained on; with a canary (``deploy.canary_share``)
+it compares them with the champion's own answers observed since the candidate was registered,
+whose mean reward needs no importance weights. To score a version the gate loads its
 published weights from the weight store into one CPU copy of the policy (built on first use,
 reused) and runs those rollouts through it in chunks of ``deploy.gate_chunk`` rollouts: on
 rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
@@ -26,7 +28,7 @@ from torch import nn
 
 from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_json
 from online_sao.config import DeployConfig
-from online_sao.gate import GateEvidence, GateSettings, decide, sequence_log_ratio
+from online_sao.gate import GateEvidence, GateSettings, decide, decide_canary, sequence_log_ratio
 from online_sao.modeling import load_policy
 from online_sao.monitors import dead_letter_share, mean_answer_length, reference_kl, repeated_ngram_share
 from online_sao.train_step import policy_logprobs
@@ -41,15 +43,31 @@ class RecentWindow:
         self.rollouts: deque[Rollout] = deque(maxlen=size)
         self.since_registration: tuple[float, float] = (0.0, 0.0)
         """(records read, dead letters) when the candidate was registered."""
+        self.observed = 0
+        """Rollouts observed so far (the window keeps the newest of them)."""
+        self.registered_at = 0
+        """:attr:`observed` when the candidate was registered."""
 
     def observe(self, rollouts: list[Rollout]) -> None:
         self.rollouts.extend(rollouts)
+        self.observed += len(rollouts)
+
+    def mark_registration(self, reads: tuple[float, float]) -> None:
+        """A candidate was registered now; ``reads``: (records read, dead letters) so far."""
+        self.since_registration = reads
+        self.registered_at = self.observed
+
+    def canary(self, champion_version: int) -> list[Rollout]:
+        """The rollouts observed since the candidate's registration whose every action token the
+        champion's version sampled: the canary's answers (``deploy.canary_share``)."""
+        newer = min(self.observed - self.registered_at, len(self.rollouts))
+        recent = list(self.rollouts)[len(self.rollouts) - newer:]
+        return [r for r in recent if {v for v, a in zip(r.versions, r.action_mask) if a} == {champion_version}]
 
     def versions(self, min_version: int = 0) -> tuple[int, int]:
         """Lowest and highest version that sampled a token of the rollouts :meth:`since`
         ``min_version`` ((0, 0) when there are none)."""
-        sampled = [v for r in self.since(min_version) for v, a in zip(r.versions, r.action_mask) if a]
-        return (min(sampled), max(sampled)) if sampled else (0, 0)
+        return versions_of(self.since(min_version))
 
     def since(self, min_version: int = 0) -> list[Rollout]:
         """The rollouts sampled (in part) by ``min_version`` or newer."""
@@ -61,13 +79,23 @@ class RecentWindow:
         return [[t for t, a in zip(r.token_ids, r.action_mask) if a] for r in self.since(min_version)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration)}
+        return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration),
+                "observed": self.observed, "registered_at": self.registered_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollouts.clear()
         self.rollouts.extend(rollouts_from_json(state.get("window", [])))
         read, dead = state.get("since_registration", (0.0, 0.0))
         self.since_registration = (float(read), float(dead))
+        # a checkpoint from before the canary: every kept rollout counts as observed since registration
+        self.observed = int(state.get("observed", len(self.rollouts)))
+        self.registered_at = int(state.get("registered_at", 0))
+
+
+def versions_of(rollouts: list[Rollout]) -> tuple[int, int]:
+    """Lowest and highest version that sampled an action token of ``rollouts`` ((0, 0) for none)."""
+    sampled = [v for r in rollouts for v, a in zip(r.versions, r.action_mask) if a]
+    return (min(sampled), max(sampled)) if sampled else (0, 0)
 
 
 class VersionScorer(Protocol):
@@ -139,14 +167,24 @@ class OffPolicyGate:
         self.scorer = scorer
         self.settings = GateSettings(cfg.gate_min_rollouts, cfg.gate_min_ess, cfg.gate_confidence, cfg.gate_margin,
                                      cfg.gate_weight_clip)
+        self.canary = cfg.canary_share > 0
+        """Serving answers a share with the champion: compare with those answers."""
 
     def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow) -> GateEvidence:
-        """The decision on ``window.since(candidate.version)``; its evidence's ``n`` and window
-        versions describe those rollouts (fewer than ``gate_min_rollouts``: refused)."""
-        rollouts = window.since(candidate.version)
-        rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
-        return decide(rewards, self.scorer.log_ratios(candidate, rollouts), self.scorer.log_ratios(champion, rollouts),
-                      self.settings, window.versions(candidate.version))
+        """The decision on ``window.since(candidate.version)``; with a canary, against the champion's
+        own answers since the candidate's registration (:meth:`RecentWindow.canary`,
+        :func:`~online_sao.gate.decide_canary`: the champion's weights are not loaded). The
+        evidence's ``n`` and window versions describe the rollouts used (fewer than
+        ``gate_min_rollouts``: refused), ``canary_n`` how many of them the champion sampled."""
+        newest = window.since(candidate.version)
+        rewards = torch.tensor([r.total_reward for r in newest], dtype=torch.float64)
+        if self.canary:
+            canary = window.canary(champion.version)
+            canary_rewards = torch.tensor([r.total_reward for r in canary], dtype=torch.float64)
+            return decide_canary(rewards, self.scorer.log_ratios(candidate, newest), canary_rewards, self.settings,
+                                 versions_of(newest + canary))
+        return decide(rewards, self.scorer.log_ratios(candidate, newest), self.scorer.log_ratios(champion, newest),
+                      self.settings, versions_of(newest))
 
 
 @dataclass(frozen=True)

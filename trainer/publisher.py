@@ -14,7 +14,9 @@ scores it and the champion on the same recent rollouts, those sampled since the 
 published (trainer.deploy, online_sao.gate), and the monitors read its recent answers; it is
 promoted, rolled back (serving and the learner return to the champion), or left pending (the
 gate refused or could not tell; the next registration supersedes it). Unless it was rolled
-back, the new version is then registered as the next candidate.
+back, the new version is then registered as the next candidate. With a canary
+(``deploy.canary_share``) every new champion is also announced (``action="champion"``), and
+serving answers the canary share with it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class Publisher:
         """Tell serving to return to ``ref`` (a stored, older version)."""
         self._announce(ref, "rollback", step, None)
 
+    def announce_champion(self, ref: WeightsRef, step: int) -> None:
+        """Tell serving's canary to answer with ``ref``, the registry's new champion."""
+        self._announce(ref, "champion", step, None)
+
     def protect(self, version: int) -> None:
         """Never prune ``version`` (it is registered in the model registry)."""
         self.protected.add(version)
@@ -120,7 +126,7 @@ class Releases:
         preference change (:meth:`rebase`)."""
         ref = self.publisher.publish(state, version, step, metrics)
         if drift is not None:
-            return self.rebase(ref, metrics, reads, drift)
+            return self.rebase(ref, metrics, reads, drift, step)
         if version % self.register_every != 0:
             return ReleaseOutcome()
         if self.decide(reads, step) == "rolled_back":
@@ -128,13 +134,22 @@ class Releases:
             log.warning("candidate rolled back to champion v%d", champion_version)
             self.publisher.rollback(champion_ref, step)
             return ReleaseOutcome(rolled_back_to=champion_ref)
-        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
-        self.publisher.protect(version)
-        self.window.since_registration = reads
+        self._register(ref, metrics, reads)
         return ReleaseOutcome(registered=True)
 
+    def _register(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float]) -> None:
+        """``ref`` becomes the registry's candidate; the window marks where its evidence starts."""
+        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
+        self.publisher.protect(ref.version)
+        self.window.mark_registration(reads)
+
+    def _new_champion(self, ref: WeightsRef, step: int) -> None:
+        """With a canary, serving answers its share with the new champion from now on."""
+        if self.cfg.canary_share > 0:
+            self.publisher.announce_champion(ref, step)
+
     def rebase(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float],
-               drift: dict[str, float]) -> ReleaseOutcome:
+               drift: dict[str, float], step: int = 0) -> ReleaseOutcome:
         """A restart after a detected preference change (trainer/plasticity.py) becomes the champion.
 
         The champion was chosen on rewards of the old preference, and the detector has just shown
@@ -145,15 +160,14 @@ class Releases:
         is the starting policy, so from here on candidates are compared with it on the same
         traffic, and a roll-back returns to it, never to the old preference's policy. A candidate
         still pending is superseded. The detector's evidence goes onto the registry version."""
-        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
-        self.publisher.protect(ref.version)
-        self.window.since_registration = reads
+        self._register(ref, metrics, reads)
         evidence = {"gate.decision": "drift_restart",
                     "gate.reason": (f"reward fell by {drift.get('drift_drop', math.nan):.4f} "
                                     f"(z={drift.get('drift_z', math.nan):.2f}): policy restarted, champion rebased"),
                     **{f"drift.{k.removeprefix('drift_')}": repr(float(v)) for k, v in drift.items()}}
         log.warning("registry: restart v%d is champion after a detected preference change", ref.version)
         self.tracker.record_decision("promoted", evidence)
+        self._new_champion(ref, step)
         return ReleaseOutcome(registered=True)
 
     def decide(self, reads: tuple[float, float], step: int = 0) -> Decision:
@@ -179,6 +193,8 @@ class Releases:
         log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
                  ", ".join(f"{k}={v}" for k, v in evidence.items()))
         self.tracker.record_decision(decision, evidence)
+        if decision == "promoted":
+            self._new_champion(candidate[1], step)
         return decision
 
     def pinned_versions(self) -> set[int]:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from online_sao.gate import (GateSettings, decide, effective_sample_size, importance_weights, paired_difference,
-                             sequence_log_ratio, snis_estimate, verdict)
+from online_sao.gate import (GateSettings, canary_difference, decide, decide_canary, effective_sample_size,
+                             importance_weights, paired_difference, sequence_log_ratio, snis_estimate, verdict)
 
 SETTINGS = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
 
@@ -100,3 +100,36 @@ def test_decide_refuses_below_the_ess_floor_and_on_an_empty_window():
 ])
 def test_verdict_at_its_edges(n, ess, low, high, expected):
     assert verdict(n, ess, low, high, SETTINGS)[0] == expected
+
+
+def test_canary_difference_and_its_standard_error_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    log_ratio = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])  # weights 1, 1, 2, 2: u = 1/6, 1/6, 1/3, 1/3
+    canary = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    diff, se, m = canary_difference(rewards, log_ratio, canary)
+    assert m["candidate_value"] == pytest.approx(5 / 6)  # 1/6 + 1/3 + 1/3
+    assert m["champion_value"] == pytest.approx(0.25)  # the plain mean of its own answers
+    assert m["candidate_ess"] == pytest.approx(9 / 2.5) and m["champion_ess"] == 4.0  # (1+1+2+2)^2 / (1+1+4+4)
+    assert diff == pytest.approx(7 / 12)
+    # candidate: (u (r - 5/6))^2 = (1/36)^2 + (5/36)^2 + (1/18)^2 + (1/18)^2 = 34/1296;
+    # canary: ((3 * 0.25^2 + 0.75^2) / 4^2 = 0.75 / 16 = 60.75/1296
+    assert se == pytest.approx(math.sqrt(94.75) / 36)
+
+
+def test_decide_canary_on_the_hand_case_and_at_its_floors():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    log_ratio = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])
+    canary = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    settings = GateSettings(min_rollouts=4, min_ess=3.0, confidence=0.9, margin=0.05)
+    evidence = decide_canary(rewards, log_ratio, canary, settings, window=(3, 7))
+    low = 7 / 12 - 1.6448536269514722 * math.sqrt(94.75) / 36  # about 0.139 >= -0.05
+    assert (evidence.decision, evidence.n, evidence.canary_n, evidence.window) == ("promoted", 8, 4, (3, 7))
+    assert evidence.low == pytest.approx(low) and evidence.champion_ess == 4.0
+    assert evidence.tags()["gate.canary_n"] == "4"
+    strict = GateSettings(min_rollouts=4, min_ess=4.0, confidence=0.9, margin=0.05)
+    refused = decide_canary(rewards, log_ratio, canary, strict)
+    assert (refused.decision, refused.reason) == ("refused", "ess=3.60 < min_ess=4.0")  # the candidate's 3.6
+    none = decide_canary(rewards, log_ratio, torch.zeros(0), settings)
+    assert (none.decision, none.reason, none.n) == ("refused", "no canary answers of the champion in the window", 4)
+    few = decide_canary(rewards[:1], log_ratio[:1], canary[:2], settings)
+    assert (few.decision, few.reason) == ("refused", "n=3 < min_rollouts=4")

@@ -172,3 +172,47 @@ def test_logprobs_from_the_torch_engine_equal_the_logged_behaviour_logprobs(live
     lp = text.choices[0].logprobs
     assert lp.token_logprobs == records[text.interaction_id].logprobs
     assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+
+
+def test_a_canary_answers_its_share_with_the_champion(tmp_path, tiny_model_dir, kafka_config, one_torch_thread):
+    """deploy.canary_share 0.5: after a publish of v2 and a champion notice for v1 on the real
+    broker, answers come from both versions, each record says which, and /metrics shows the canary."""
+    from online_sao.modeling import load_policy
+    from online_sao.schemas import WeightsNotice
+    from online_sao.weights import open_weight_store
+    from serving.engine.canary import CanaryEngine
+    from streams.kafka_backend import KafkaBackend
+    from streams.records import publish
+    from tests.fixtures.models import tiny_config
+    from tests.serving.conftest import start_live_server
+
+    base = tiny_config(tmp_path)
+    cfg = base.model_copy(update={"kafka": kafka_config,
+                                  "deploy": base.deploy.model_copy(update={"canary_share": 0.5})})
+    live = start_live_server(cfg, tiny_model_dir)
+    try:
+        engine = live.stack.engine
+        assert isinstance(engine, CanaryEngine)
+        store = open_weight_store(cfg.weight_store_url)
+        state = load_policy(tiny_model_dir).state_dict()
+        refs = {v: store.save(v, {k: t + 0.01 * v if t.is_floating_point() else t for k, t in state.items()})
+                for v in (1, 2)}
+        producer = KafkaBackend(cfg.kafka).producer()
+        for action, version in (("publish", 2), ("champion", 1)):
+            publish(producer, cfg.kafka.topics.weights,
+                    WeightsNotice(action=action, version=version, location=refs[version].location,
+                                  checksum=refs[version].checksum))
+        producer.flush(10)
+        producer.close()
+        assert live.stack.follower.wait_for(lambda: engine.policy_version == 2 and engine.champion_version == 1,
+                                            timeout_s=30)
+        client = live.openai()
+        served = [client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+                  .policy_versions for _ in range(24)]
+        assert set(map(tuple, served)) == {(1,), (2,)}  # each answer wholly from one engine
+        assert served.count([1]) == engine.routed["champion"]  # 24 draws at one half: both appear (p 1 - 2^-23)
+        metrics = httpx.get(f"{live.base_url}/metrics").text
+        assert "sao_serving_canary_champion_version 1.0" in metrics and "sao_serving_policy_version 2.0" in metrics
+        assert f"sao_serving_canary_requests {float(engine.routed['champion'])}" in metrics
+    finally:
+        live.server.stop()

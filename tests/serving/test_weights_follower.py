@@ -12,6 +12,7 @@ from online_sao.config import KafkaConfig
 from online_sao.modeling import load_policy
 from online_sao.schemas import DeadLetter, WeightsNotice, decode, encode
 from online_sao.weights import FileWeightStore, InProcessWeightStore, sha256_hex
+from serving.engine.canary import CanaryEngine
 from serving.engine.torch_engine import TorchEngine
 from serving.weights_follower import WeightsFollower, plan
 from streams.memory import InMemoryBackend
@@ -189,3 +190,51 @@ def test_stop_joins_the_thread(backend, base_model):
     thread = f.follower._thread
     f.close()
     assert thread is not None and not thread.is_alive()
+
+
+class Canary:
+    """A canary engine (newest and champion TorchEngines) with a running follower."""
+
+    def __init__(self, backend, store, base_model):
+        self.engine = CanaryEngine(TorchEngine(copy.deepcopy(base_model)), TorchEngine(copy.deepcopy(base_model)),
+                                   share=0.5, seed=0)
+        self.follower = WeightsFollower(backend, TOPIC, store, self.engine)
+        self.follower.start()
+
+    def caught_up(self, n_records: int) -> None:
+        assert self.follower.wait_for(lambda: self.follower.consumed >= n_records, WAIT_S)
+
+
+def test_champion_notices_load_the_canary_and_move_no_serving_version(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4)}
+    c = Canary(backend, store, base_model)
+    try:
+        send(backend, notice(refs[2]), notice(refs[1], "champion"), notice(refs[3]))
+        c.caught_up(3)
+        assert c.engine.policy_version == 3 and served(c.engine.newest) == 3.0
+        assert c.engine.champion_version == 1 and served(c.engine.champion) == 1.0
+        # the newest champion of a poll wins; a champion newer than the serving version moves nothing else
+        send(backend, notice(refs[2], "champion"), notice(refs[4], "champion"))
+        c.caught_up(5)
+        assert c.engine.champion_version == 4 and served(c.engine.champion) == 4.0
+        assert c.engine.policy_version == 3 and served(c.engine.newest) == 3.0
+        missing = WeightsNotice(action="champion", version=5, location="mem://999", checksum="0" * 64)
+        send(backend, missing)  # cannot be loaded: the canary keeps its champion
+        c.caught_up(6)
+        assert c.engine.champion_version == 4 and c.follower.last_champion_result.version == 4
+    finally:
+        c.follower.stop()
+
+
+def test_champion_notices_are_ignored_without_a_canary(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2)}
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, notice(refs[1]), notice(refs[2], "champion"))
+        f.caught_up(2)
+        assert f.engine.policy_version == 1 and served(f.engine) == 1.0
+        assert [(r.version, r.applied) for r in f.results] == [(1, True)]
+    finally:
+        f.close()

@@ -21,6 +21,11 @@ def _backend() -> tuple[InMemoryBackend, KafkaConfig]:
 def test_keys_are_interaction_ids_and_model_names():
     assert record_key(Reward(interaction_id="abc", value=1.0)) == b"abc"
     assert record_key(WeightsNotice(version=1, location="x", checksum="a" * 64, model="pol")) == b"pol"
+    assert record_key(WeightsNotice(action="rollback", version=1, location="x", checksum="a" * 64,
+                                    model="pol")) == b"pol"
+    # compaction keeps the newest champion beside the newest serving notice
+    assert record_key(WeightsNotice(action="champion", version=1, location="x", checksum="a" * 64,
+                                    model="pol")) == b"pol#champion"
     assert record_key(DeadLetter(raw=b"", source_topic="t", reason="r")) is None
 
 

@@ -297,3 +297,73 @@ def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_
     assert float(restart["drift.z"]) == 5.2 and float(restart["drift.drop"]) == 0.61
     first_after = by_policy[10]  # decided at v12 against the restart, on v10's and v11's traffic
     assert first_after["decision"] == "promoted" and first_after["gate.window_versions"] == "10-11"
+
+
+def test_window_canary_holds_the_champions_answers_since_registration():
+    window = RecentWindow(6)
+    window.observe([_rollout("before", [5, 6], version=2)])  # the champion's, before the candidate: not evidence
+    window.mark_registration((5.0, 0.0))
+    window.observe([_rollout("c1", [5, 6], version=2), _rollout("n1", [5, 6], version=4),
+                    _rollout("mixed", [5, 6], version=2)])
+    window.rollouts[-1].versions[-1] = 4  # straddled the swap to v4: not the champion's alone
+    assert [r.interaction_id for r in window.canary(2)] == ["c1"]
+    window.observe([_rollout(f"c{i}", [5, 6], version=2) for i in range(2, 6)])  # the window drops "before", "c1"
+    assert [r.interaction_id for r in window.canary(2)] == ["c2", "c3", "c4", "c5"]
+    again = RecentWindow(6)
+    again.load_state_dict(window.state_dict())
+    assert (again.observed, again.registered_at, again.since_registration) == (8, 1, (5.0, 0.0))
+    assert again.canary(2) == window.canary(2)
+
+
+def _stale_champion_scenario(cfg):
+    """Rewards pay style B throughout; versions 1-5 sample B with probability 0.001, versions 6-12
+    with 0.95. Each version's 40 requests: with a canary, every fifth is answered by the champion.
+    Answer i of a server with probability p is B when (i + 0.5) / 40 < p (exact shares)."""
+    prob_b = {v: 0.001 if v <= 5 else 0.95 for v in range(1, 13)}
+    backend, publisher, tracker, window = _registry_parts(cfg)
+    releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy), window, cfg.deploy,
+                        register_every=2)
+    champions = []
+    for version in range(1, 13):
+        assert releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0)) \
+            .rolled_back_to is None
+        found = tracker.champion()
+        champions.append(found[0] if found else None)
+        for i in range(40):
+            server = found[0] if cfg.deploy.canary_share > 0 and found and i % 5 == 0 else version
+            style = STYLE_B if (i + 0.5) / 40 < prob_b[server] else STYLE_A
+            p = prob_b[server] if style == STYLE_B else 1 - prob_b[server]
+            window.observe([_rollout(f"v{version}-{i}", [5, style], server, float(style == STYLE_B),
+                                     logprob=math.log(p) / 2)])
+    messages = backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)
+    notices = [decode(m.value) for m in messages]
+    assert all(m.key == (b"m#champion" if n.action == "champion" else b"m") for m, n in zip(messages, notices))
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in
+                 MlflowClient(tracking_uri=cfg.mlflow_uri).search_model_versions(
+                     f"name = '{cfg.mlflow.registered_model}'")}
+    return champions, notices, by_policy
+
+
+def test_without_a_canary_a_stale_champion_stops_the_gate(registry_cfg):
+    champions, notices, by_policy = _stale_champion_scenario(registry_cfg)
+    assert champions[-1] == 4  # promoted at v6 on A traffic, never replaced
+    # v6 against v4 on v6's and v7's 80 answers (76 B, 4 A): v4's weights are 0.999/0.05 on an A answer
+    # and 0.001/0.95 on a B one: ESS = (4 * 19.98 + 76 * 0.00105)^2 / (4 * 19.98^2 + 76 * 0.00105^2), about 4.0
+    assert by_policy[6]["gate.decision"] == "refused" and by_policy[6]["gate.reason"].startswith("ess=4.0")
+    assert all(by_policy[v]["gate.decision"] == "refused" for v in (6, 8, 10))
+    assert all(n.action == "publish" for n in notices)  # no canary: no champion notices
+
+
+def test_with_a_canary_the_gate_compares_with_the_champions_own_answers(registry_cfg):
+    cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"canary_share": 0.2})})
+    champions, notices, by_policy = _stale_champion_scenario(cfg)
+    assert champions[5] == 4 and champions[7] == 6  # the B candidate replaces the A champion at once
+    assert all(c is None or c >= 6 for c in champions[7:])  # and never goes back
+    decided = by_policy[6]  # at v8: v6's and v7's own 64 answers (60 B) against v4's 16 canary answers (all A)
+    assert decided["gate.decision"] == "promoted" and decided["gate.n"] == "80" and decided["gate.canary_n"] == "16"
+    assert float(decided["gate.champion_value"]) == 0.0 and float(decided["gate.champion_ess"]) == 16.0
+    assert float(decided["gate.candidate_value"]) == pytest.approx(60 / 64)
+    assert decided["gate.window_versions"] == "4-7"
+    champion_notices = [n for n in notices if n.action == "champion"]
+    assert [n.version for n in champion_notices][:3] == [2, 4, 6]  # every promotion, in order
+    assert not any(n.action == "rollback" for n in notices)

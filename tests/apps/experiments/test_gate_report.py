@@ -84,6 +84,7 @@ def test_report_shows_each_decision_of_the_arms_learner_from_mlflow(tmp_path, em
     assert float(rows[1][8]) == round(float(tags[rows[1][0]]["gate.champion_value"]), 3)
     assert rows[1][9] == f"[{float(tags[rows[1][0]]['gate.low']):.3f}, {float(tags[rows[1][0]]['gate.high']):.3f}]"
     assert float(rows[1][10]) == round(float(tags[rows[1][0]]["gate.candidate_ess"]), 1)
+    assert rows[0][12] == "-" and rows[1][12] == "0"  # no gate for the first; no canary: 0 champion answers
     assert f"![registry decisions over the run]({GATE_PNG})" in report
     assert imread(tmp_path / "report" / GATE_PNG).shape[0] > 100
 

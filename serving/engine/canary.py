@@ -1,0 +1,91 @@
+"""The canary: a share of requests answered by the registry's champion instead of the newest version.
+
+The promotion gate (``trainer/deploy.py``) compares a candidate with the champion on the same
+recent traffic. Without a canary every answer comes from the newest versions and the champion's
+reward is an importance-sampling estimate from them; once the candidate has moved far from the
+champion those weights concentrate on a few answers and the gate refuses to decide. With a
+canary, ``deploy.canary_share`` of the requests are answered by the champion, held in an engine
+of its own, so the champion's estimate rests on answers it sampled itself, at the same time and
+for the same users as the candidate's. Every token still carries the version that sampled it;
+nothing else in the record changes.
+
+:class:`CanaryEngine` is an ``InferenceEngine`` over two engines of any kind: ``newest`` follows
+the published versions (``swap_weights``, what the weights follower calls for ``publish`` and
+``rollback`` notices) and ``champion`` takes ``champion`` notices (:meth:`swap_champion`). Until
+the first champion is loaded every request goes to ``newest``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+import torch
+
+from serving.engine.base import GenerationRequest, InferenceEngine, SwapResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ChampionServing(Protocol):
+    """An engine that also answers with the registry's champion (the weights follower's view)."""
+
+    @property
+    def champion_version(self) -> int | None: ...
+
+    def swap_champion(self, version: int, state_dict: dict[str, torch.Tensor]) -> SwapResult: ...
+
+
+class CanaryEngine:
+    """Routes each request to the champion with probability ``share``, otherwise to the newest version."""
+
+    def __init__(self, newest: InferenceEngine, champion: InferenceEngine, share: float,
+                 seed: int | None = None) -> None:
+        if not 0 <= share < 1:
+            raise ValueError(f"canary share {share} is not in [0, 1)")
+        self.newest = newest
+        self.champion = champion
+        self.share = share
+        self._rng = random.Random(seed)  # drawn on the event loop only: one thread
+        self._champion_version: int | None = None
+        self.routed = {"newest": 0, "champion": 0}
+        """Requests sent to each engine so far."""
+
+    @property
+    def policy_version(self) -> int:
+        """The newest version (what serving reports and the follower compares notices with)."""
+        return self.newest.policy_version
+
+    @property
+    def champion_version(self) -> int | None:
+        """The champion being served to the canary share (None until one is loaded)."""
+        return self._champion_version
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        to_champion = self._champion_version is not None and self._rng.random() < self.share
+        engine = self.champion if to_champion else self.newest
+        self.routed["champion" if to_champion else "newest"] += 1
+        async for event in engine.generate(request):
+            yield event
+
+    def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
+        return self.newest.swap_weights(version, state_dict, force)
+
+    def swap_champion(self, version: int, state_dict: dict[str, torch.Tensor]) -> SwapResult:
+        """Load ``version`` as the champion (forced: a restart's champion can be any version).
+        Refused weights leave the previous champion (or none) in place."""
+        result = self.champion.swap_weights(version, state_dict, force=True)
+        if result.applied:
+            self._champion_version = version
+            log.info("canary: champion v%d answers %.0f%% of requests", version, 100 * self.share)
+        return result
+
+    async def start(self) -> None:
+        await self.newest.start()
+        await self.champion.start()
+
+    async def stop(self) -> None:
+        await self.newest.stop()
+        await self.champion.stop()

@@ -11,6 +11,15 @@ Markdown tables, each cell the mean over seeds with its 95% bootstrap interval:
   the critic's explained variance before the step's updates, the approximate KL of the
   step's policy update and the policy gradient norm; the median of each seed first, then
   the mean over seeds;
+* per phase, the critic against a running mean as a predictor of the reward: the critic's
+  squared error (the mean over the phase's steps of ``value_loss``, before the step's updates:
+  token-mean ``(V_t - G_t)^2`` with ``G_t`` the answer's reward, as ``gamma`` and
+  ``lambda_critic`` are 1) beside the squared error of the mean of the ``RUNNING_WINDOW`` rewards
+  delivered before each of the phase's delivered rewards, in judging order (the
+  running_mean_w128 baseline's prediction), and their ratio per seed (below 1: the critic
+  predicts better than the running mean, and its advantages can carry more than the mean's);
+  the per-step explained variance above is on a step's four or so rollouts, where one rollout
+  more or less swings it, so this is the pooled view;
 * value pre-training's held-out explained variance (the arm summaries);
 * the drift detector's restarts (steps with ``drift_alarm``): per seed the rollouts at which
   they came, restarts before the first switch (false alarms), and each switch's detection
@@ -32,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apps.experiments.aggregate import Run, arm_names, load_runs  # noqa: E402
 from apps.experiments.intervals import cell, interval  # noqa: E402
-from apps.experiments.results import StepRow  # noqa: E402
+from apps.experiments.results import ArmResults, RewardRow, StepRow  # noqa: E402
 
 BEFORE = 50
 """Rollouts before a switch over which the next style's share is measured: a third of drift.yaml's phase."""
 STEP_METRICS = ("explained_variance", "approx_kl", "policy_grad_norm")
+RUNNING_WINDOW = 128
+"""Rewards in the running mean the critic is compared with (the running_mean_w128 arm's W)."""
 
 
 def share_of(styles: Sequence[str | None], style: str) -> float | None:
@@ -56,6 +67,38 @@ def step_median(steps: Sequence[StepRow], key: str, start: int, end: int) -> flo
     values = [s.metrics[key] for s in steps if start <= s.rollout < end and key in s.metrics
               and math.isfinite(s.metrics[key])]
     return statistics.median(values) if values else None
+
+
+def critic_squared_error(steps: Sequence[StepRow], start: int, end: int) -> float | None:
+    """Mean ``value_loss`` (before the step's updates) over the steps taken while rollouts
+    ``[start, end)`` were judged; None without any."""
+    values = [s.metrics["value_loss"] for s in steps if start <= s.rollout < end and "value_loss" in s.metrics
+              and math.isfinite(s.metrics["value_loss"])]
+    return statistics.fmean(values) if values else None
+
+
+def running_mean_squared_error(rewards: Sequence[RewardRow], start: int, end: int,
+                               window: int = RUNNING_WINDOW) -> float | None:
+    """Mean over the delivered rewards of rollouts ``[start, end)`` of ``(r - m)^2``, ``m`` the mean of
+    the ``window`` delivered rewards before it in judging order (from the arm's first; a reward with
+    none before it is left out). None when no reward is left."""
+    delivered = [(row.rollout, row.reward) for row in rewards if row.delivered]
+    errors = []
+    for i, (rollout, reward) in enumerate(delivered):
+        if start <= rollout < end and i > 0:
+            before = [r for _, r in delivered[max(0, i - window):i]]
+            errors.append((reward - statistics.fmean(before)) ** 2)
+    return statistics.fmean(errors) if errors else None
+
+
+def critic_vs_running_mean(arm: ArmResults, start: int, end: int) -> tuple[float, float, float] | None:
+    """(critic's squared error, running mean's, their ratio) over phase ``[start, end)``; None
+    when the arm has no critic steps or no rewards there."""
+    critic = critic_squared_error(arm.steps, start, end)
+    mean = running_mean_squared_error(arm.rewards, start, end)
+    if critic is None or mean is None or mean == 0:
+        return None
+    return critic, mean, critic / mean
 
 
 def restarts(steps: Sequence[StepRow]) -> list[int]:
@@ -113,6 +156,19 @@ def report(runs: list[Run]) -> str:
                               else f"- (0/{len(alarms)})")
         early = sum(1 for a in alarms for x in a if x < phases[1][1]) if len(phases) > 1 else 0
         lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
+    head = ["arm", "measure", *(f"{style} ({s}-{e - 1})" for style, s, e, _ in phases)]
+    lines += ["", f"The critic against a running mean of {RUNNING_WINDOW} rewards as a predictor of the reward "
+              "(squared errors per phase, mean over seeds; the critic's a mean over answer tokens before each step's updates, "
+              "the running mean's over delivered rewards; the ratio is per seed: below 1 the critic predicts better)",
+              "", _row(head), "|" + "---|" * len(head)]
+    for arm in arms:
+        present = [run.arms[arm] for run in runs if arm in run.arms]
+        found = [[critic_vs_running_mean(a, s, e) for a in present] for _, s, e, _ in phases]
+        if not any(f is not None for cells in found for f in cells):
+            continue
+        for index, label in enumerate(("critic squared error", "running-mean squared error", "ratio critic / mean")):
+            lines.append(_row([arm, label, *(_over_seeds([None if f is None else f[index] for f in cells])
+                                             for cells in found)]))
     lines += ["", "Value pre-training: held-out explained variance after it", ""]
     for arm in arms:
         pre = [run.arms[arm].summary.value_pretraining for run in runs

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
-from apps.experiments.results import StepRow
-from benchmarks.drift_diagnostics import detection_delay, phase_windows, restarts, share_of, step_median
+import pytest
+
+from apps.experiments.results import RewardRow, StepRow
+from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, restarts,
+                                          running_mean_squared_error, share_of, step_median)
 
 
 def _step(rollout: int, **metrics: float) -> StepRow:
@@ -38,3 +41,24 @@ def test_restarts_and_the_delay_after_each_switch():
     assert detection_delay(alarms, 100, 150) == 18  # the first restart of the phase [100, 150)
     assert detection_delay(alarms, 150, 200) == 20
     assert detection_delay(alarms, 200, 300) is None
+
+
+def _reward(rollout: int, reward: float, delivered: bool = True) -> RewardRow:
+    return RewardRow(rollout=rollout, t=float(rollout), version=0, reward=reward, quality=0.0, style=0.0,
+                     preferred="cute", delivered=delivered)
+
+
+def test_running_mean_error_uses_the_delivered_rewards_before_each():
+    rewards = [_reward(0, 1.0), _reward(1, 0.0), _reward(2, 5.0, delivered=False), _reward(3, 1.0), _reward(4, 0.0)]
+    # window 2 over the delivered 1, 0, 1, 0: rollout 1 -> (0 - 1)^2 = 1; 3 -> (1 - 0.5)^2 = 0.25;
+    # 4 -> (0 - 0.5)^2 = 0.25 (the mean of 0 and 1); rollout 0 has none before it; 2 was not delivered
+    assert running_mean_squared_error(rewards, 0, 5, window=2) == pytest.approx(1.5 / 3)
+    assert running_mean_squared_error(rewards, 3, 5, window=2) == pytest.approx(0.25)
+    assert running_mean_squared_error(rewards, 3, 4, window=1) == pytest.approx(1.0)  # (1 - 0)^2
+    assert running_mean_squared_error(rewards, 0, 1, window=2) is None
+
+
+def test_critic_error_is_the_mean_value_loss_of_the_phase_steps():
+    steps = [_step(2, value_loss=0.5), _step(4, value_loss=0.1), _step(6, value_loss=math.nan), _step(9, approx_kl=1.0)]
+    assert critic_squared_error(steps, 0, 10) == pytest.approx(0.3)
+    assert critic_squared_error(steps, 5, 10) is None

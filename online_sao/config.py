@@ -422,10 +422,10 @@ class DeployConfig(Section):
     canary_share: float = Field(0.0, ge=0, lt=1)
     """Share of requests serving answers with the champion instead of the newest version (0: no
     canary). On, the learner announces every new champion on the weights topic, serving holds it
-    in a second engine, and the gate compares the candidate's estimate with the mean reward of
-    the champion's own answers since the candidate was registered, at the same time and from the
-    same users: no importance weights for the champion, however far the candidate has moved
-    (docs/DEPLOY.md, "Canary")."""
+    in a second engine, and the gate adds the champion's own answers since the candidate was
+    registered to its window, weighing every answer against the traffic's mixture of serving
+    version and champion: the champion's weights stay under 1/share, however far the candidate
+    has moved (docs/DEPLOY.md, "Canary")."""
     monitor_max_mean_length: float | None = Field(None, gt=0)
     """Roll back a candidate whose recent answers average more action tokens than this
     (None: off; a reward that pays for length shows here first)."""

@@ -20,12 +20,16 @@ interval ``D +- z se`` at the configured confidence:
 - promoted: the interval's lower end is at least ``-m``;
 - undecided: the interval straddles ``-m``.
 
-With a canary (``deploy.canary_share``: a share of requests answered by the champion at the
-same time, :func:`decide_canary`) the champion needs no importance weights: its value is the
-plain mean ``C`` of its own ``k`` canary answers, the candidate's the estimate ``V_cand`` above
-on the other answers, and the two samples are independent:
-``se^2 = sum_i (u^cand_i (r_i - V_cand))^2 + sum_j (c_j - C)^2 / k^2`` (the same plug-in form,
-with every canary weight ``1/k``). The champion's ESS is ``k``; the rule is the same.
+With a canary (``deploy.canary_share`` ``s``: that share of requests is answered by the
+champion itself) every answer in the window was drawn from the mixture
+``q = (1 - s) pi_serving + s pi_champ``, ``pi_serving`` the newest version then. Both estimates
+then weigh each answer against ``q`` instead of the version that sampled it (the balance
+heuristic of multiple importance sampling, :func:`mixture_log_ratios`): ``w_i = pi(x_i) / q(x_i)``.
+The champion's weights are at most ``1/s`` and the candidate's at most ``1/(1 - s)``, however
+far apart the two are, so neither ESS collapses: where the champion hardly samples what the
+serving versions sample, its estimate rests on its own canary answers; where the two agree, on
+all of them. ``pi_serving`` of a canary answer is not known (the newest version when it was
+answered); the candidate stands in for it. With ``s = 0`` the weights are those above.
 """
 
 from __future__ import annotations
@@ -149,39 +153,18 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
                         m["candidate_ess"], m["champion_ess"], window)
 
 
-def canary_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, canary_rewards: torch.Tensor,
-                      clip: float | None = None) -> tuple[float, float, dict[str, float]]:
-    """``V_cand - C`` and its standard error (module docstring). ``rewards`` and
-    ``log_ratio_candidate`` ``[B]``: the answers sampled since the candidate; ``canary_rewards``
-    ``[K]``, K >= 1: the champion's own answers. Returns (difference, standard error, metrics:
-    both values and ESS)."""
-    weights, _ = importance_weights(log_ratio_candidate, clip)
-    u = weights / weights.sum()
-    r, c = rewards.double(), canary_rewards.double()
-    candidate = float((u * r).sum())
-    champion = float(c.mean())
-    se = float(((u * (r - candidate)) ** 2).sum() + ((c - champion) ** 2).sum() / c.numel() ** 2) ** 0.5
-    return candidate - champion, se, {"candidate_value": candidate, "champion_value": champion,
-                                      "candidate_ess": effective_sample_size(weights),
-                                      "champion_ess": float(c.numel())}
-
-
-def decide_canary(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, canary_rewards: torch.Tensor,
-                  settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
-    """The gate's decision with a canary (module docstring): ``rewards``, ``log_ratio_candidate``
-    ``[B]`` on the answers sampled since the candidate, ``canary_rewards`` ``[K]`` the champion's.
-    ``n`` is B + K; without answers on either side it refuses."""
-    n, k = int(rewards.shape[0]), int(canary_rewards.shape[0])
-    if n == 0 or k == 0:
-        nan = math.nan
-        reason = f"no {'canary answers of the champion' if k == 0 else 'answers since the candidate'} in the window"
-        return GateEvidence("refused", reason, n + k, nan, nan, nan, nan, nan, 0.0, float(k), window, k)
-    diff, se, m = canary_difference(rewards, log_ratio_candidate, canary_rewards, settings.weight_clip)
-    z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
-    low, high = diff - z * se, diff + z * se
-    decision, reason = verdict(n + k, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
-    return GateEvidence(decision, reason, n + k, m["candidate_value"], m["champion_value"], diff, low, high,
-                        m["candidate_ess"], m["champion_ess"], window, k)
+def mixture_log_ratios(log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
+                       from_canary: torch.Tensor, canary_share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-ratios against the traffic's mixture when a canary answers ``canary_share`` ``s`` of the
+    requests with the champion (module docstring, "With a canary"). All ``[B]``; ``from_canary``
+    bool: the champion answered. Returns ``(log pi_cand / q, log pi_champ / q)`` per answer."""
+    if canary_share == 0:
+        return log_ratio_candidate, log_ratio_champion
+    l_cand, l_champ = log_ratio_candidate.double(), log_ratio_champion.double()
+    # log(pi_serving / mu): 0 where the serving version sampled; the candidate stands in for it on a canary answer
+    l_serving = torch.where(from_canary, l_cand, torch.zeros_like(l_cand))
+    log_q = torch.logaddexp(math.log(1 - canary_share) + l_serving, math.log(canary_share) + l_champ)
+    return l_cand - log_q, l_champ - log_q
 
 
 def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings) -> tuple[GateDecision, str]:

@@ -5,8 +5,8 @@ The window is the newest ``deploy.window`` rollouts the learner trained on, rewa
 behaviour log-probs included; the checkpoint carries it, so a restarted learner decides on
 the same evidence. The gate scores only the part of it sampled by the candidate's version or
 a newer one, rollouts neither version was trained on; with a canary (``deploy.canary_share``)
-it compares them with the champion's own answers observed since the candidate was registered,
-whose mean reward needs no importance weights. To score a version the gate loads its
+also the champion's own answers observed since the candidate was registered, every answer
+weighed against the traffic's mixture of serving versions and champion. To score a version the gate loads its
 published weights from the weight store into one CPU copy of the policy (built on first use,
 reused) and runs those rollouts through it in chunks of ``deploy.gate_chunk`` rollouts: on
 rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_json
 from online_sao.config import DeployConfig
-from online_sao.gate import GateEvidence, GateSettings, decide, decide_canary, sequence_log_ratio
+from online_sao.gate import GateEvidence, GateSettings, decide, mixture_log_ratios, sequence_log_ratio
 from online_sao.modeling import load_policy
 from online_sao.monitors import dead_letter_share, mean_answer_length, reference_kl, repeated_ngram_share
 from online_sao.train_step import policy_logprobs
@@ -167,24 +167,26 @@ class OffPolicyGate:
         self.scorer = scorer
         self.settings = GateSettings(cfg.gate_min_rollouts, cfg.gate_min_ess, cfg.gate_confidence, cfg.gate_margin,
                                      cfg.gate_weight_clip)
-        self.canary = cfg.canary_share > 0
-        """Serving answers a share with the champion: compare with those answers."""
+        self.canary_share = cfg.canary_share
+        """The share of requests serving answers with the champion (0: no canary)."""
 
     def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow) -> GateEvidence:
-        """The decision on ``window.since(candidate.version)``; with a canary, against the champion's
-        own answers since the candidate's registration (:meth:`RecentWindow.canary`,
-        :func:`~online_sao.gate.decide_canary`: the champion's weights are not loaded). The
-        evidence's ``n`` and window versions describe the rollouts used (fewer than
-        ``gate_min_rollouts``: refused), ``canary_n`` how many of them the champion sampled."""
+        """The decision on ``window.since(candidate.version)`` and, with a canary, the champion's
+        own answers observed since the candidate's registration (:meth:`RecentWindow.canary`),
+        every answer weighed against the traffic's mixture
+        (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
+        describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
+        many of them the champion sampled."""
         newest = window.since(candidate.version)
-        rewards = torch.tensor([r.total_reward for r in newest], dtype=torch.float64)
-        if self.canary:
-            canary = window.canary(champion.version)
-            canary_rewards = torch.tensor([r.total_reward for r in canary], dtype=torch.float64)
-            return decide_canary(rewards, self.scorer.log_ratios(candidate, newest), canary_rewards, self.settings,
-                                 versions_of(newest + canary))
-        return decide(rewards, self.scorer.log_ratios(candidate, newest), self.scorer.log_ratios(champion, newest),
-                      self.settings, versions_of(newest))
+        canary = window.canary(champion.version) if self.canary_share > 0 else []
+        rollouts = newest + canary
+        rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
+        from_canary = torch.tensor([False] * len(newest) + [True] * len(canary))
+        log_cand, log_champ = mixture_log_ratios(self.scorer.log_ratios(candidate, rollouts),
+                                                 self.scorer.log_ratios(champion, rollouts), from_canary,
+                                                 self.canary_share)
+        evidence = decide(rewards, log_cand, log_champ, self.settings, versions_of(rollouts))
+        return replace(evidence, canary_n=len(canary))
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from online_sao.gate import (GateSettings, canary_difference, decide, decide_canary, effective_sample_size,
-                             importance_weights, paired_difference, sequence_log_ratio, snis_estimate, verdict)
+from online_sao.gate import (GateSettings, decide, effective_sample_size, importance_weights, mixture_log_ratios,
+                             paired_difference, sequence_log_ratio, snis_estimate, verdict)
 
 SETTINGS = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
 
@@ -102,34 +102,24 @@ def test_verdict_at_its_edges(n, ess, low, high, expected):
     assert verdict(n, ess, low, high, SETTINGS)[0] == expected
 
 
-def test_canary_difference_and_its_standard_error_by_hand():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    log_ratio = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])  # weights 1, 1, 2, 2: u = 1/6, 1/6, 1/3, 1/3
-    canary = torch.tensor([0.0, 1.0, 0.0, 0.0])
-    diff, se, m = canary_difference(rewards, log_ratio, canary)
-    assert m["candidate_value"] == pytest.approx(5 / 6)  # 1/6 + 1/3 + 1/3
-    assert m["champion_value"] == pytest.approx(0.25)  # the plain mean of its own answers
-    assert m["candidate_ess"] == pytest.approx(9 / 2.5) and m["champion_ess"] == 4.0  # (1+1+2+2)^2 / (1+1+4+4)
-    assert diff == pytest.approx(7 / 12)
-    # candidate: (u (r - 5/6))^2 = (1/36)^2 + (5/36)^2 + (1/18)^2 + (1/18)^2 = 34/1296;
-    # canary: ((3 * 0.25^2 + 0.75^2) / 4^2 = 0.75 / 16 = 60.75/1296
-    assert se == pytest.approx(math.sqrt(94.75) / 36)
+def test_mixture_log_ratios_by_hand():
+    l_cand = torch.tensor([0.0, math.log(0.5)])
+    l_champ = torch.tensor([math.log(3.0), 0.0])
+    from_canary = torch.tensor([False, True])
+    cand, champ = mixture_log_ratios(l_cand, l_champ, from_canary, canary_share=0.25)
+    # answer 0, the serving version's: q / mu = 0.75 * 1 + 0.25 * 3 = 1.5 -> 1 / 1.5 and 3 / 1.5
+    # answer 1, the champion's (mu = pi_champ): q / mu = 0.75 * 0.5 + 0.25 * 1 = 0.625 -> 0.5 / 0.625 and 1 / 0.625
+    assert torch.exp(cand).tolist() == pytest.approx([1 / 1.5, 0.8])
+    assert torch.exp(champ).tolist() == pytest.approx([2.0, 1.6])
+    same = mixture_log_ratios(l_cand, l_champ, torch.tensor([False, False]), canary_share=0.0)
+    assert same[0] is l_cand and same[1] is l_champ  # no canary: the behaviour's own weights
 
 
-def test_decide_canary_on_the_hand_case_and_at_its_floors():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    log_ratio = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])
-    canary = torch.tensor([0.0, 1.0, 0.0, 0.0])
-    settings = GateSettings(min_rollouts=4, min_ess=3.0, confidence=0.9, margin=0.05)
-    evidence = decide_canary(rewards, log_ratio, canary, settings, window=(3, 7))
-    low = 7 / 12 - 1.6448536269514722 * math.sqrt(94.75) / 36  # about 0.139 >= -0.05
-    assert (evidence.decision, evidence.n, evidence.canary_n, evidence.window) == ("promoted", 8, 4, (3, 7))
-    assert evidence.low == pytest.approx(low) and evidence.champion_ess == 4.0
-    assert evidence.tags()["gate.canary_n"] == "4"
-    strict = GateSettings(min_rollouts=4, min_ess=4.0, confidence=0.9, margin=0.05)
-    refused = decide_canary(rewards, log_ratio, canary, strict)
-    assert (refused.decision, refused.reason) == ("refused", "ess=3.60 < min_ess=4.0")  # the candidate's 3.6
-    none = decide_canary(rewards, log_ratio, torch.zeros(0), settings)
-    assert (none.decision, none.reason, none.n) == ("refused", "no canary answers of the champion in the window", 4)
-    few = decide_canary(rewards[:1], log_ratio[:1], canary[:2], settings)
-    assert (few.decision, few.reason) == ("refused", "n=3 < min_rollouts=4")
+def test_mixture_weights_stay_under_one_over_the_share():
+    """However far apart the two versions are, the champion's weight is at most 1/s and the
+    candidate's at most 1/(1 - s): the ESS cannot collapse onto one answer."""
+    l_cand = torch.tensor([0.0, 0.0, -30.0, -25.0])
+    l_champ = torch.tensor([-40.0, 20.0, 0.0, 0.0])
+    cand, champ = mixture_log_ratios(l_cand, l_champ, torch.tensor([False, False, True, True]), canary_share=0.2)
+    assert torch.exp(champ).max() <= 1 / 0.2 + 1e-9 and torch.exp(cand).max() <= 1 / 0.8 + 1e-9
+    assert torch.exp(champ)[1:].tolist() == pytest.approx([5.0, 5.0, 5.0], rel=1e-6)  # 20 nats over: about 1/s

@@ -359,11 +359,22 @@ def test_with_a_canary_the_gate_compares_with_the_champions_own_answers(registry
     champions, notices, by_policy = _stale_champion_scenario(cfg)
     assert champions[5] == 4 and champions[7] == 6  # the B candidate replaces the A champion at once
     assert all(c is None or c >= 6 for c in champions[7:])  # and never goes back
-    decided = by_policy[6]  # at v8: v6's and v7's own 64 answers (60 B) against v4's 16 canary answers (all A)
+    decided = by_policy[6]  # at v8: v6's and v7's 64 answers (60 B, 4 A) and v4's 16 canary answers (all A)
     assert decided["gate.decision"] == "promoted" and decided["gate.n"] == "80" and decided["gate.canary_n"] == "16"
-    assert float(decided["gate.champion_value"]) == 0.0 and float(decided["gate.champion_ess"]) == 16.0
-    assert float(decided["gate.candidate_value"]) == pytest.approx(60 / 64)
     assert decided["gate.window_versions"] == "4-7"
+    # weights against q = 0.8 pi_serving + 0.2 pi_champ, per answer divided by the behaviour mu:
+    # a B answer of v6/v7: q/mu = 0.8 + 0.2 * 0.001/0.95; an A answer of v6/v7: 0.8 + 0.2 * 0.999/0.05;
+    # a canary A answer (mu = v4's 0.999; v6 stands in for the serving version): 0.8 * 0.05/0.999 + 0.2
+    b_cand = 1 / (0.8 + 0.2 * 0.001 / 0.95)
+    a_cand = 1 / (0.8 + 0.2 * 0.999 / 0.05)
+    k_cand = (0.05 / 0.999) / (0.8 * 0.05 / 0.999 + 0.2)
+    b_champ, a_champ, k_champ = 0.001 / 0.95 * b_cand, 0.999 / 0.05 * a_cand, 1 / (0.8 * 0.05 / 0.999 + 0.2)
+    champ_sum = 60 * b_champ + 4 * a_champ + 16 * k_champ
+    assert float(decided["gate.champion_ess"]) == pytest.approx(
+        champ_sum ** 2 / (60 * b_champ ** 2 + 4 * a_champ ** 2 + 16 * k_champ ** 2))  # about 20; 4.0 without
+    assert float(decided["gate.champion_value"]) == pytest.approx(60 * b_champ / champ_sum)  # about 0.001
+    assert float(decided["gate.candidate_value"]) == pytest.approx(
+        60 * b_cand / (60 * b_cand + 4 * a_cand + 16 * k_cand))  # about 0.95
     champion_notices = [n for n in notices if n.action == "champion"]
     assert [n.version for n in champion_notices][:3] == [2, 4, 6]  # every promotion, in order
     assert not any(n.action == "rollback" for n in notices)

@@ -158,8 +158,9 @@ def report(runs: list[Run]) -> str:
         lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
     head = ["arm", "measure", *(f"{style} ({s}-{e - 1})" for style, s, e, _ in phases)]
     lines += ["", f"The critic against a running mean of {RUNNING_WINDOW} rewards as a predictor of the reward "
-              "(squared errors per phase, mean over seeds; the critic's a mean over answer tokens before each step's updates, "
-              "the running mean's over delivered rewards; the ratio is per seed: below 1 the critic predicts better)",
+              "(squared errors per phase, mean over seeds; the critic's a mean over answer tokens before each "
+              "step's updates, the running mean's over delivered rewards; the ratio is per seed: below 1 the "
+              "critic predicts better)",
               "", _row(head), "|" + "---|" * len(head)]
     for arm in arms:
         present = [run.arms[arm] for run in runs if arm in run.arms]

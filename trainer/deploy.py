@@ -6,10 +6,10 @@ behaviour log-probs included; the checkpoint carries it, so a restarted learner 
 the same evidence. The gate scores only the part of it sampled by the candidate's version or
 a newer one, rollouts neither version was trained on; with a canary (``deploy.canary_share``)
 also the champion's own answers observed since the candidate was registered, every answer
-weighed against the traffic's mixture of serving versions and champion. To score a version the gate loads its
-published weights from the weight store into one CPU copy of the policy (built on first use,
-reused) and runs those rollouts through it in chunks of ``deploy.gate_chunk`` rollouts: on
-rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
+weighed against the traffic's mixture of serving versions and champion. To score a version
+the gate loads its published weights from the weight store into one CPU copy of the policy
+(built on first use, reused) and runs those rollouts through it in chunks of
+``deploy.gate_chunk`` rollouts: on rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
 recent answers through that copy and through a second one holding the starting policy
 (``model_dir``; loaded on first use, never changed), whatever the training rule's own
 reference is (sharded, perhaps an EMA).

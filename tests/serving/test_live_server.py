@@ -207,8 +207,9 @@ def test_a_canary_answers_its_share_with_the_champion(tmp_path, tiny_model_dir, 
         assert live.stack.follower.wait_for(lambda: engine.policy_version == 2 and engine.champion_version == 1,
                                             timeout_s=30)
         client = live.openai()
-        served = [client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
-                  .policy_versions for _ in range(24)]
+        hi = [{"role": "user", "content": "hi"}]
+        served = [client.chat.completions.create(model=MODEL, max_tokens=3, messages=hi).policy_versions
+                  for _ in range(24)]
         assert set(map(tuple, served)) == {(1,), (2,)}  # each answer wholly from one engine
         assert served.count([1]) == engine.routed["champion"]  # 24 draws at one half: both appear (p 1 - 2^-23)
         metrics = httpx.get(f"{live.base_url}/metrics").text

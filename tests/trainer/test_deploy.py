@@ -378,3 +378,17 @@ def test_with_a_canary_the_gate_compares_with_the_champions_own_answers(registry
     champion_notices = [n for n in notices if n.action == "champion"]
     assert [n.version for n in champion_notices][:3] == [2, 4, 6]  # every promotion, in order
     assert not any(n.action == "rollback" for n in notices)
+
+
+def test_with_a_canary_a_drift_restart_is_announced_as_champion(registry_cfg):
+    cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"canary_share": 0.25})})
+    backend, publisher, tracker, window = _registry_parts(cfg)
+    releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), cfg.deploy), window, cfg.deploy,
+                        register_every=10)
+    for version in (1, 2):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+    releases.release({"w": torch.full((2,), 3.0)}, 3, 7, {}, (0.0, 0.0), {"drift_alarm": 1.0, "drift_drop": 0.5})
+    notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
+    assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
+                                                         ("champion", 3)]
+    assert notices[-1].step == 7 and tracker.champion()[0] == 3

@@ -62,18 +62,22 @@ def phase_windows(start: int, end: int, first: bool) -> list[tuple[str, int, int
     return windows + [("first quarter", start, start + quarter), ("last quarter", end - quarter, end)]
 
 
+def phase_values(steps: Sequence[StepRow], key: str, start: int, end: int) -> list[float]:
+    """The finite values of a step metric over the steps taken while rollouts ``[start, end)`` were judged."""
+    return [s.metrics[key] for s in steps if start <= s.rollout < end and key in s.metrics
+            and math.isfinite(s.metrics[key])]
+
+
 def step_median(steps: Sequence[StepRow], key: str, start: int, end: int) -> float | None:
     """Median of a step metric over the steps taken while rollouts ``[start, end)`` were judged."""
-    values = [s.metrics[key] for s in steps if start <= s.rollout < end and key in s.metrics
-              and math.isfinite(s.metrics[key])]
+    values = phase_values(steps, key, start, end)
     return statistics.median(values) if values else None
 
 
 def critic_squared_error(steps: Sequence[StepRow], start: int, end: int) -> float | None:
     """Mean ``value_loss`` (before the step's updates) over the steps taken while rollouts
     ``[start, end)`` were judged; None without any."""
-    values = [s.metrics["value_loss"] for s in steps if start <= s.rollout < end and "value_loss" in s.metrics
-              and math.isfinite(s.metrics["value_loss"])]
+    values = phase_values(steps, "value_loss", start, end)
     return statistics.fmean(values) if values else None
 
 

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
+LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError)
+"""What a weight store raises for a version it cannot give: reported, and the engine keeps its weights."""
 
 
 def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
@@ -165,7 +167,7 @@ class WeightsFollower:
         start = time.perf_counter()
         try:
             state = self.store.load(notice.location, notice.checksum)
-        except (FileNotFoundError, CorruptWeights, OSError) as exc:
+        except LOAD_ERRORS as exc:
             log.error("cannot load champion v%d from %s: %s; the canary keeps v%s", notice.version,
                       notice.location, exc, self.engine.champion_version)
             return
@@ -179,7 +181,7 @@ class WeightsFollower:
         start = time.perf_counter()
         try:
             state = self.store.load(notice.location, notice.checksum)
-        except (FileNotFoundError, CorruptWeights, OSError) as exc:
+        except LOAD_ERRORS as exc:
             reason = f"cannot load version {notice.version} from {notice.location}: {exc}"
             log.error("%s; keeping version %d", reason, self.engine.policy_version)
             return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)

@@ -84,8 +84,11 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], reference: str | None) -> lis
         if a is ref or a.post_switch_mean is None:
             continue
         diff = ref.post_switch_mean.mean - a.post_switch_mean.mean
-        apart = ref.post_switch_mean.apart_from(a.post_switch_mean)
-        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", "yes" if apart else "no"])
+        if min(ref.post_switch_mean.n, a.post_switch_mean.n) < 2:
+            apart = "- (one seed: no interval)"  # a single seed's "interval" is a point: any difference would look apart
+        else:
+            apart = "yes" if ref.post_switch_mean.apart_from(a.post_switch_mean) else "no"
+        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart])
     return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean)})", "",
             *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart"], rows)]
 

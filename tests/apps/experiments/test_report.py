@@ -93,6 +93,8 @@ def test_report_of_one_seed_files_plots_and_tables(results, tmp_path):
     lag = lambda arm: int(table_row(section(text, "Re-alignment lag"), arm)[2].split()[0])  # noqa: E731
     assert lag("sao") < lag("running_mean_w8")
     assert "the one that makes the reward" in text  # held-out accuracy is not an independent judge
+    # one seed has no interval to compare: the comparison claims nothing
+    assert table_row(section(text, "sao against each arm"), "running_mean_w8")[3] == "- (one seed: no interval)"
     data = json.loads((out / "report.json").read_text())
     assert [d["name"] for d in data] == ["sao", "running_mean_w8"]  # the scenario's arm order
 

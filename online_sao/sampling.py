@@ -65,7 +65,12 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor,
     if bool(top_p >= 1.0) if not torch.is_tensor(top_p) else bool((top_p >= 1.0).all()):
         return logp  # no nucleus anywhere: skip the sort
     kept = logp.masked_fill(~nucleus_mask(logp, top_p), float("-inf"))
-    return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+    norm = torch.logsumexp(kept, dim=-1, keepdim=True)
+    if torch.is_tensor(top_p):
+        # a distribution without a nucleus keeps log_softmax's values as they are, exactly as it
+        # does alone (its logsumexp is 0 only up to rounding: one ulp apart on some CPUs)
+        norm = torch.where((top_p >= 1.0).unsqueeze(-1), torch.zeros_like(norm), norm)
+    return kept - norm
 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,

@@ -47,6 +47,9 @@ class Rollout:
     group_id: int = -1
     segment: str | None = None
     """The segment key of the interaction (:mod:`online_sao.segments`); books only, no training input."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Named scores its rewards carried (``Reward.scores``, e.g. a judge's ``quality``), combined
+    like the reward; books for the monitors and per-segment metrics only, no training input."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from online_sao.schemas import MAX_ABS_REWARD
+from online_sao.schemas import MAX_ABS_REWARD, MAX_SCORES_PER_REWARD, ScoreName
 
 ENV_PREFIX = "ONLINE_SAO__"
 
@@ -442,6 +442,12 @@ class DeployConfig(Section):
     estimated on its recent answers as the mean over their action tokens of
     ``k3 = exp(d) - 1 - d``, ``d = log pi_ref - log pi_candidate``, exceeds this (nats per token;
     None: off). On, rank 0 holds one more CPU copy of the policy for the reference."""
+    monitor_min_scores: dict[ScoreName, float] = Field({}, max_length=MAX_SCORES_PER_REWARD)
+    """Roll back a candidate when the mean of a named score (``Reward.scores``: what the reward's
+    source measured besides the reward, e.g. the judge's ``quality``) over its recent answers falls
+    below the floor given here, name -> floor (empty: off). Answers whose rewards carried no such
+    score do not count; with none, the monitor has no value and cannot trip. Every score the window's
+    rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
     segments_top_n: int = Field(8, ge=1)
     """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""

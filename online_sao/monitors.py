@@ -1,5 +1,6 @@
 """Monitors of a policy's recent answers that do not trust the reward: length, repetition,
-distance from the reference policy, and the share of records the learner could not use. Pure
+distance from the reference policy, the named scores behind the reward (a judge's quality), and
+the share of records the learner could not use. Pure
 functions over token lists and log-prob tensors; the registry's rollback rule and thresholds
 live in trainer.deploy (``deploy.monitor_*``)."""
 
@@ -28,6 +29,16 @@ def repeated_ngram_share(answers: list[list[int]], n: int) -> float:
             seen.add(gram)
             total += 1
     return repeated / total if total else math.nan
+
+
+def mean_scores(scores: list[dict[str, float]]) -> dict[str, float]:
+    """Per score name, the mean over the answers whose rewards carried that score (each answer's
+    ``Rollout.scores``); a name no answer carries is absent."""
+    values: dict[str, list[float]] = {}
+    for answer_scores in scores:
+        for name, value in answer_scores.items():
+            values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def dead_letter_share(dead_letters: float, records_read: float) -> float:

@@ -76,6 +76,12 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Version = Annotated[int, Field(ge=0, lt=2**63)]
 """A policy version: the learner puts versions into int64 tensors (a larger one would crash it)."""
 RewardValue = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
+MAX_SCORES_PER_REWARD = 16
+"""Most named scores one reward record may carry: they become per-rollout books, monitor values
+and per-segment metrics, so their number must stay small."""
+ScoreName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+"""A score's name: lower-case letters, digits and ``_``, at most 32 characters (it becomes part
+of metric names such as ``monitor_score_<name>``)."""
 
 
 class Record(BaseModel):
@@ -203,6 +209,11 @@ class Reward(Record):
     source: str = Field("user", min_length=1, max_length=128)
     created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
     turn_rewards: list[TurnReward] = []
+    scores: dict[ScoreName, RewardValue] | None = Field(None, max_length=MAX_SCORES_PER_REWARD)
+    """Named measurements behind the reward, where its source gives them (a judge's ``quality``
+    and ``style``, say): books for the monitors and per-segment metrics (docs/DEPLOY.md,
+    "Monitors"), never a training input. None (left out of the encoding) when there are none,
+    and in records written before the field existed."""
 
 
 class WeightsNotice(Record):

@@ -13,7 +13,8 @@ least counted one and inherits its count (an overestimate by at most that count)
 key whose share of the traffic exceeds ``1 / (TRACKED_PER_LABEL * top_n)`` is held, and the
 held counts sum to the total, so :data:`OTHER` = total - the top ``top_n`` counts.
 
-:class:`SegmentRewards` adds each segment's recent rewards (the learner's side).
+:class:`SegmentRewards` adds each segment's recent rewards and the named scores behind them
+(``Reward.scores``, a judge's quality say: the learner's side).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import hashlib
 import math
 import re
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 OTHER = "other"
 """The label of every segment outside the top N."""
@@ -34,6 +36,9 @@ SEGMENT_MAX_CHARS = 256
 TRACKED_PER_LABEL = 4
 """Keys the space-saving counter holds per label: a segment with more than
 1 / (4 * top_n) of the traffic is never lost among the rarer ones."""
+SCORE_NAMES_TRACKED = 16
+"""Distinct score names a segment keeps (the first seen): each is a metric per label, so a source
+that sent a new name with every reward must not grow the metrics without bound."""
 METRIC_NAME_CHARS = 64
 """Longest segment part of an MLflow metric name (MLflow keys have at most 250 characters)."""
 
@@ -98,6 +103,8 @@ class SegmentStat:
     """Mean of the label's rewards in the window (NaN without any)."""
     count: int
     """Rewards in the window."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Mean of each named score over the label's newest ``window`` rewards that carried it."""
 
 
 class SegmentRewards:
@@ -109,27 +116,38 @@ class SegmentRewards:
         self.counter = SegmentCounter(top_n)
         self.window = window
         self.rewards: dict[str, deque[float]] = {}
+        self.scores: dict[str, dict[str, deque[float]]] = {}
+        """label -> score name -> the newest ``window`` values."""
 
-    def observe(self, segment: str | None, reward: float) -> None:
+    def observe(self, segment: str | None, reward: float, scores: Mapping[str, float] | None = None) -> None:
+        """One reward of ``segment`` and the named scores it carried."""
         self.counter.observe(segment)
         label = self.counter.label(segment)
         self.rewards.setdefault(label, deque(maxlen=self.window)).append(float(reward))
+        label_scores = self.scores.setdefault(label, {})
+        for name, value in (scores or {}).items():
+            if name in label_scores or len(label_scores) < SCORE_NAMES_TRACKED:
+                label_scores.setdefault(name, deque(maxlen=self.window)).append(float(value))
         kept = set(self.counter.top()) | {OTHER}
         for gone in [name for name in self.rewards if name not in kept]:
             del self.rewards[gone]
+            self.scores.pop(gone, None)
 
     def stats(self) -> dict[str, SegmentStat]:
         """Each label's :class:`SegmentStat` (labels with rewards in the window only)."""
-        return {label: SegmentStat(sum(values) / len(values) if values else math.nan, len(values))
+        return {label: SegmentStat(sum(values) / len(values) if values else math.nan, len(values),
+                                   {name: sum(v) / len(v) for name, v in sorted(self.scores.get(label, {}).items())})
                 for label, values in self.rewards.items()}
 
     def metrics(self) -> dict[str, float]:
-        """``segment.<name>.reward`` and ``segment.<name>.count`` per label (:func:`metric_name`)."""
+        """``segment.<name>.reward``, ``segment.<name>.count`` and ``segment.<name>.score_<score>``
+        per label (:func:`metric_name`)."""
         out: dict[str, float] = {}
         for label, stat in self.stats().items():
             name = metric_name(label)
             out[f"segment.{name}.reward"] = stat.reward
             out[f"segment.{name}.count"] = float(stat.count)
+            out.update({f"segment.{name}.score_{score}": value for score, value in stat.scores.items()})
         return out
 
 

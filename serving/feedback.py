@@ -55,7 +55,8 @@ class FeedbackService:
         receipt = self.logger.submit(Reward(interaction_id=request.interaction_id, value=request.reward,
                                             source=request.source,
                                             turn_rewards=[TurnReward(turn=t.turn, value=t.value)
-                                                          for t in request.turn_rewards]))
+                                                          for t in request.turn_rewards],
+                                            scores=request.scores))
         if not await receipt.wait_async(self.ack_timeout_s):
             raise logging_unavailable(f"the reward could not be logged within {self.ack_timeout_s:g} s "
                                       f"(serving.log_ack_timeout_s): {self.logger.refusal() or 'the log is behind'}")

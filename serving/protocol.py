@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from online_sao.schemas import FiniteFloat
+from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName
 
 
 class APIError(Exception):
@@ -276,6 +276,9 @@ class FeedbackRequest(BaseModel):
     reward: FiniteFloat
     source: str = Field("user", min_length=1, max_length=128)
     turn_rewards: list[TurnRewardIn] = []
+    scores: dict[ScoreName, RewardValue] | None = Field(None, max_length=MAX_SCORES_PER_REWARD)
+    """Named measurements behind the reward (``quality``, say), kept on the reward record for the
+    learner's monitors and per-segment metrics; names of lower-case letters, digits and ``_``."""
 
 
 # ----------------------------------------------------------------------------- other answers

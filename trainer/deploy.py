@@ -30,7 +30,8 @@ from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_j
 from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence, GateSettings, decide, mixture_log_ratios, sequence_log_ratio
 from online_sao.modeling import load_policy
-from online_sao.monitors import dead_letter_share, mean_answer_length, reference_kl, repeated_ngram_share
+from online_sao.monitors import (dead_letter_share, mean_answer_length, mean_scores, reference_kl,
+                                 repeated_ngram_share)
 from online_sao.train_step import policy_logprobs
 from online_sao.weights import WeightsRef, WeightStore
 
@@ -203,21 +204,27 @@ class MonitorReading:
 
 def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, records_read: float,
                   dead_letters: float, kl: float | None = None) -> MonitorReading:
-    """Length and repetition of the answers sampled by ``since_version`` or newer, the
-    dead-letter share since the candidate's registration and, when given, ``kl`` (the
-    candidate's KL from the reference on those answers, :func:`candidate_kl`), against
-    ``deploy.monitor_*``."""
+    """Length and repetition of the answers sampled by ``since_version`` or newer, the mean of
+    each named score their rewards carried (``score_<name>``), the dead-letter share since the
+    candidate's registration and, when given, ``kl`` (the candidate's KL from the reference on
+    those answers, :func:`candidate_kl`), against ``deploy.monitor_*``: a ceiling for each
+    ``monitor_max_*``, a floor for each score of ``monitor_min_scores``. A monitor without a
+    value (NaN: no answer to measure) does not trip."""
     answers = window.answers(since_version)
     read0, dead0 = window.since_registration
     values = {"mean_length": mean_answer_length(answers),
               "repetition": repeated_ngram_share(answers, cfg.monitor_ngram),
               "dead_letter_share": dead_letter_share(dead_letters - dead0, records_read - read0)}
-    limits = {"mean_length": cfg.monitor_max_mean_length, "repetition": cfg.monitor_max_repetition,
-              "dead_letter_share": cfg.monitor_max_dead_letter_share}
+    ceilings = {"mean_length": cfg.monitor_max_mean_length, "repetition": cfg.monitor_max_repetition,
+                "dead_letter_share": cfg.monitor_max_dead_letter_share}
     if kl is not None:
-        values["kl"], limits["kl"] = kl, cfg.monitor_max_kl
-    tripped = [name for name, limit in limits.items()
+        values["kl"], ceilings["kl"] = kl, cfg.monitor_max_kl
+    scores = mean_scores([r.scores for r in window.since(since_version)])
+    values.update({f"score_{name}": scores.get(name, math.nan) for name in sorted({*scores, *cfg.monitor_min_scores})})
+    floors = {f"score_{name}": floor for name, floor in cfg.monitor_min_scores.items()}
+    tripped = [name for name, limit in ceilings.items()
                if limit is not None and math.isfinite(values[name]) and values[name] > limit]
+    tripped += [name for name, floor in floors.items() if math.isfinite(values[name]) and values[name] < floor]
     return MonitorReading(values, tripped)
 
 

@@ -62,15 +62,15 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
 from trainer.id_memory import IdMemory, anchor_time
 from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
-                                combine_rewards, complete_groups, contribution_from, contribution_state,
-                                last_turns, prompt_group_key)
+                                combine_rewards, combine_scores, complete_groups, contribution_from,
+                                contribution_state, last_turns, prompt_group_key)
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
@@ -132,7 +132,8 @@ class RewardJoiner:
         self.advance(ts)
         iid = reward.interaction_id
         self.counters.rewards += 1
-        contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts)
+        contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts,
+                                    scores=dict(reward.scores or {}))
         entry = self._pending(iid)
         if entry is None and iid in self._claims:  # absorbed: the reward joins its continuation
             owner = self._pending(self._claims[iid])
@@ -286,7 +287,7 @@ class RewardJoiner:
             log.info("reward for %s names a turn it does not have in continuation %s: not applied",
                      origin, owner.iid)
             return
-        owner.contributions.append(Contribution(contribution.value, contribution.turns, contribution.ts, origin))
+        owner.contributions.append(replace(contribution, origin=origin))
 
     def _arrived_superseded(self, iid: str, anchor: float) -> None:
         """The record of an interaction whose turns a continuation holds (pending) or trained."""
@@ -406,7 +407,7 @@ class RewardJoiner:
         reward, turns, dropped = combine_rewards(entry, observed, self.cfg)
         self.counters.trained_turn_rewards += dropped
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
-                                 frozenset(observed))
+                                 frozenset(observed), combine_scores(entry, self.cfg))
 
     def _claim_of(self, iid: str) -> Claim | None:
         owner = self._claims.get(iid)

@@ -67,6 +67,8 @@ class Contribution:
     ts: float
     origin: str | None = None
     """None: a reward for the entry's own id; else the absorbed interaction it was sent to."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """The reward record's named scores (``Reward.scores``)."""
 
 
 @dataclass
@@ -112,6 +114,8 @@ class JoinedInteraction:
     group_id: int = -1
     observed_turns: frozenset[int] = frozenset()
     """Turns trained earlier: observations in this rollout."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Its own rewards' named scores, combined (:func:`combine_scores`); books only."""
 
     @property
     def num_action_tokens(self) -> int:
@@ -124,7 +128,7 @@ class JoinedInteraction:
 
     def to_rollout(self) -> Rollout:
         return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id,
-                                      self.observed_turns)
+                                      self.observed_turns, self.scores)
 
 
 def aggregate(values: list[float], mode: str) -> float:
@@ -156,11 +160,27 @@ def last_turns(interaction: Interaction) -> dict[str, int]:
 
 
 def contribution_state(c: Contribution) -> dict[str, Any]:
-    return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin}
+    return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin,
+            "scores": dict(c.scores)}
 
 
 def contribution_from(s: dict[str, Any]) -> Contribution:
-    return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"))
+    """A :func:`contribution_state`; checkpoints from before named scores have none."""
+    return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"),
+                        dict(s.get("scores", {})))
+
+
+def combine_scores(entry: Entry, cfg: RewardConfig) -> dict[str, float]:
+    """The named scores of a taken entry: for each name, the values its own rewards carried,
+    combined by ``cfg.aggregation`` except that ``sum`` takes the mean (a score measures the
+    answer, like a judge's quality in [0, 1]; two judges' readings do not add up)."""
+    mode = "mean" if cfg.aggregation == "sum" else cfg.aggregation
+    by_name: dict[str, list[float]] = {}
+    for c in entry.contributions:
+        if c.origin is None:
+            for name, value in c.scores.items():
+                by_name.setdefault(name, []).append(value)
+    return {name: aggregate(values, mode) for name, values in sorted(by_name.items())}
 
 
 def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tuple[float | None, dict[int, float], int]:

@@ -111,7 +111,7 @@ class RankZero:
         adds its rollouts to the registry's window (refused data trained nothing)."""
         self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
         for rollout in rollouts:  # what users paid, whether or not the step could train on it
-            self.segments.observe(rollout.segment, rollout.total_reward)
+            self.segments.observe(rollout.segment, rollout.total_reward, rollout.scores)
         if not refused:
             self.releases.window.observe(rollouts)
             return

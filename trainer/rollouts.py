@@ -46,11 +46,12 @@ def response_turns(interaction: Interaction) -> list[int | None]:
 
 def interaction_to_rollout(interaction: Interaction, reward: float | None,
                            turn_rewards: Mapping[int, float] | None = None, group_id: int = -1,
-                           observed_turns: Collection[int] = ()) -> Rollout:
+                           observed_turns: Collection[int] = (),
+                           scores: Mapping[str, float] | None = None) -> Rollout:
     """The rollout of ``interaction`` with its final ``reward`` (None: no reward on the
     last token) and ``turn_rewards`` (assistant turn index -> value); the action tokens
-    of ``observed_turns`` become observations. Raises RolloutError for a turn the
-    interaction does not have."""
+    of ``observed_turns`` become observations; ``scores`` are its rewards' named scores
+    (books). Raises RolloutError for a turn the interaction does not have."""
     prompt_len = len(interaction.prompt_ids)
     token_ids = list(interaction.prompt_ids) + list(interaction.response_ids)
     n = len(token_ids)
@@ -79,4 +80,5 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
 
     return Rollout(interaction_id=interaction.interaction_id, token_ids=token_ids, action_mask=action_mask,
                    logprobs=logprobs, versions=versions, rewards=rewards, temperatures=temperatures,
-                   top_ps=top_ps, group_id=group_id, segment=interaction.segment)
+                   top_ps=top_ps, group_id=group_id, segment=interaction.segment,
+                   scores=dict(scores or {}))

@@ -231,7 +231,8 @@ class InProcessArm:
         """Judge an answer, schedule its reward, and let the interaction reach the join."""
         row = self.judge.score(interaction)
         if row.delivered:
-            reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE)
+            reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE,
+                            scores=row.scores())
             heapq.heappush(self._rewards, _DueReward(arrived_at + self.exp.reward_delay_s, self._seq, reward))
             self._seq += 1
         self.learner.joiner.add_interaction(interaction, arrived_at)

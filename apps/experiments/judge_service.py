@@ -199,7 +199,8 @@ class JudgeService:
         if not row.delivered or interaction.interaction_id in self._rewarded:
             return
         self._rewarded.add(interaction.interaction_id)
-        reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE)
+        reward = Reward(interaction_id=interaction.interaction_id, value=row.reward, source=SOURCE,
+                            scores=row.scores())
         due = interaction.completed_at + self.exp.reward_delay_s
         heapq.heappush(self._pending, _Pending(due, self._seq, tp, offset, reward))
         self._seq += 1

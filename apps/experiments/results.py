@@ -52,6 +52,11 @@ class RewardRow(_Row):
     segment: str | None = None
     """The user segment the request came from (experiment.segments; None without segments)."""
 
+    def scores(self) -> dict[str, float]:
+        """What the reward record carries besides its value (``Reward.scores``): the judge's
+        quality and style, for the learner's quality monitor and per-segment books."""
+        return {"quality": self.quality, "style": self.style}
+
 
 class EvalRow(_Row):
     """Held-out style accuracy measured at a rollout count."""

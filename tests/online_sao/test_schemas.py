@@ -193,3 +193,22 @@ def test_segment_keys_are_bounded_and_printable(segment, message):
     data["segment"] = segment
     with pytest.raises(RecordError, match=message):
         decode(json.dumps(data).encode())
+
+
+def test_reward_scores_round_trip_and_a_reward_without_them_encodes_as_before():
+    scored = Reward(interaction_id="i-1", value=0.4, created_at=1.0, scores={"quality": 0.5, "style": 0.8})
+    assert decode(encode(scored)) == scored and b'"scores":{"quality":0.5,"style":0.8}' in encode(scored)
+    plain = Reward(interaction_id="i-1", value=0.4, created_at=1.0)
+    assert encode(plain) == (b'{"schema_version":1,"kind":"reward","interaction_id":"i-1","value":0.4,'
+                             b'"source":"user","created_at":1.0,"turn_rewards":[]}')
+    assert decode(encode(plain)).scores is None
+
+
+@pytest.mark.parametrize("scores, message", [({"Quality": 0.5}, "pattern"), ({"q" * 33: 0.5}, "pattern"),
+                                             ({f"s{i}": 0.0 for i in range(17)}, "at most 16"),
+                                             ({"quality": 2e6}, "less than or equal to 1000000")])
+def test_reward_scores_are_few_named_and_bounded(scores, message):
+    data = json.loads(encode(Reward(interaction_id="i-1", value=0.4, created_at=1.0)))
+    data["scores"] = scores
+    with pytest.raises(RecordError, match=message):
+        decode(json.dumps(data).encode())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from online_sao.segments import (NO_SEGMENT, OTHER, SEGMENT_MAX_CHARS, SegmentCounter, SegmentRewards, metric_name,
-                                 segment_problem)
+from online_sao.segments import (NO_SEGMENT, OTHER, SCORE_NAMES_TRACKED, SEGMENT_MAX_CHARS, SegmentCounter,
+                                 SegmentRewards, metric_name, segment_problem)
 
 
 def test_many_distinct_users_give_at_most_n_plus_one_labels_and_bounded_memory():
@@ -81,6 +81,22 @@ def test_a_segment_that_leaves_the_top_loses_its_label_and_rewards():
     assert {k: v.reward for k, v in books.stats().items()} == {"b": 0.0, OTHER: 0.5}  # a's reward went with it
     books.observe("a", 1.0)  # 2 each: the tie puts a back on top, with only its new reward
     assert {k: (v.reward, v.count) for k, v in books.stats().items()} == {"a": (1.0, 1), OTHER: (0.5, 1)}
+
+
+def test_scores_per_segment_are_means_over_the_window_and_their_names_are_bounded():
+    books = SegmentRewards(top_n=2, window=2)
+    books.observe("a", 1.0, {"quality": 0.25})
+    books.observe("a", 0.0, {"quality": 0.5, "style": 1.0})
+    books.observe("a", 0.0, {"quality": 1.0})  # the window of 2 drops the first reading
+    books.observe("b", 0.5)  # a reward without scores
+    stats = books.stats()
+    assert stats["a"].scores == {"quality": 0.75, "style": 1.0} and stats["b"].scores == {}
+    metrics = books.metrics()
+    assert metrics["segment.a.score_quality"] == 0.75 and metrics["segment.a.score_style"] == 1.0
+    assert not any(name.startswith("segment.b.score_") for name in metrics)
+    for k in range(SCORE_NAMES_TRACKED + 5):  # a source that names a new score every time
+        books.observe("a", 0.0, {f"s{k}": 1.0})
+    assert len(books.stats()["a"].scores) == SCORE_NAMES_TRACKED
 
 
 def test_metric_names_are_safe_and_distinct():

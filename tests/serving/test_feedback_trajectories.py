@@ -28,6 +28,22 @@ def test_feedback_is_logged_as_a_reward(make_harness):
     [reward] = h.rewards()
     assert (reward.interaction_id, reward.value, reward.source) == (iid, 0.75, "thumbs")
     assert [(t.turn, t.value) for t in reward.turn_rewards] == [(0, 1.0)]
+    assert reward.scores is None
+
+
+def test_feedback_scores_go_on_the_reward_record_and_bad_ones_are_refused(make_harness):
+    h = make_harness()
+    iid = ask(h, [{"role": "user", "content": "hi"}])["interaction_id"]
+    for scores, field in [({"Quality": 0.5}, "Quality"), ({f"s{i}": 0.0 for i in range(17)}, "scores"),
+                          ({"quality": "high"}, "quality")]:
+        r = h.client.post("/v1/feedback", json={"interaction_id": iid, "reward": 0.5, "scores": scores})
+        assert_openai_error(r, 422)
+        assert field in r.text
+    assert h.rewards() == []
+    r = h.client.post("/v1/feedback", json={"interaction_id": iid, "reward": 0.5, "scores": {"quality": 0.25}})
+    assert r.status_code == 200, r.text
+    [reward] = h.rewards()
+    assert reward.scores == {"quality": 0.25}
 
 
 def test_refused_feedback_logs_nothing(make_harness):

@@ -118,9 +118,12 @@ def test_interactions_in_rewards_out_with_schedule_and_dead_letters(kafka_broker
     assert letters[0].source_topic == kafka.topics.interactions and letters[0].raw.startswith(b'{"kind"')
 
 
+FIXED_QUALITY, FIXED_STYLE = 0.625, 0.8
+
+
 class FixedJudge:
     def score(self, prompt: str, answer: str, preferred_style: str) -> JudgeScore:
-        return JudgeScore(value=0.5, quality=1.0, style=0.5)
+        return JudgeScore(value=0.5, quality=FIXED_QUALITY, style=FIXED_STYLE)
 
 
 def memory_setup(**experiment):
@@ -162,6 +165,7 @@ def test_rewards_wait_for_the_delay_and_a_restarted_judge_sends_pending_ones_wit
     [reward] = drain_memory(backend, cfg.kafka.topics.rewards)
     assert reward.interaction_id == interaction.interaction_id and reward.created_at == 1030.0
     assert reward.value == 0.5
+    assert reward.scores == {"quality": FIXED_QUALITY, "style": FIXED_STYLE}  # the judge's reading, for the monitors
     restarted.close()
     assert len(results.read_text().splitlines()) == 1  # one row per judged interaction
 

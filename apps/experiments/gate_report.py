@@ -57,6 +57,9 @@ class RegistryDecision:
     """First judged rollout answered by ``decided_at_version`` or newer (None: not in the results)."""
     seconds: float | None = None
     """That rollout's judging time from the arm's first judged rollout."""
+    quality: float = math.nan
+    """The quality monitor's reading on the candidate's answers (``monitor.score_quality``: the
+    judge's mean answer quality; NaN when the rewards carried none)."""
 
 
 DRIFT_RESTART = "drift_restart"
@@ -101,7 +104,8 @@ def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> li
             tags.get("gate.reason", ""), _number(tags, "gate.candidate_value"), _number(tags, "gate.champion_value"),
             _number(tags, "gate.low"), _number(tags, "gate.high"), _number(tags, "gate.candidate_ess"),
             _number(tags, "gate.champion_ess"), tags.get("monitor.tripped", "-"),
-            int(tags["gate.canary_n"]) if "gate.canary_n" in tags else None, None if row is None else row.rollout, None if row is None else round(row.t - start, 1)))
+            int(tags["gate.canary_n"]) if "gate.canary_n" in tags else None, None if row is None else row.rollout,
+            None if row is None else round(row.t - start, 1), _number(tags, "monitor.score_quality")))
     return out
 
 
@@ -121,13 +125,14 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 def decision_table(decisions: list[RegistryDecision]) -> list[str]:
     head = ["registry version", "candidate", "decided at", "rollout", "s", "decision", "gate", "V candidate",
-            "V champion", "interval (cand. - champ.)", "ESS cand.", "ESS champ.", "canary n", "monitors tripped"]
+            "V champion", "interval (cand. - champ.)", "ESS cand.", "ESS champ.", "canary n", "quality",
+            "monitors tripped"]
     rows = [[d.registry_version, f"v{d.policy_version}", f"v{d.decided_at_version}",
              "-" if d.rollout is None else str(d.rollout), "-" if d.seconds is None else f"{d.seconds:.0f}",
              d.decision, d.gate, _fmt(d.candidate_value), _fmt(d.champion_value),
              "-" if math.isnan(d.low) else f"[{d.low:.3f}, {d.high:.3f}]",
              _fmt(d.candidate_ess, 1), _fmt(d.champion_ess, 1), "-" if d.canary_n is None else str(d.canary_n),
-             d.tripped] for d in decisions]
+             _fmt(d.quality), d.tripped] for d in decisions]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
@@ -163,12 +168,15 @@ def write_gate_report(runs: list[Run], arms: list[str], out_dir: Path) -> list[s
     lines = ["", "## Registry decisions (promotion gate and monitors)", "",
              f"Read from MLflow: every decided candidate of each arm's learner run"
              + (f" (seed directory {run.directory.name})" if len(runs) > 1 else "") + ". The release of version "
-             "\"decided at\" (the candidate plus `mlflow.register_every`; a drift restart: itself) decided; rollout and s: the first judged "
-             "rollout that version answered, and its time from the arm's first. V: the gate's self-normalised "
+             "\"decided at\" (the candidate plus `mlflow.register_every`; a drift restart: itself) decided; "
+             "rollout and s: the first judged rollout that version answered, and its time from the arm's first. V: the gate's self-normalised "
              "estimate of each version's reward on the same window (with a canary, `deploy.canary_share`, the window "
              "includes the champion's own \"canary n\" answers since the candidate's registration, and every answer "
-             "is weighed against the mixture of serving version and champion); interval: its confidence interval on candidate minus champion. Refused: too few rollouts or an ESS under `deploy.gate_min_ess`; kept: the "
-             "interval contained the margin, so the champion stayed (docs/DEPLOY.md).", ""]
+             "is weighed against the mixture of serving version and champion); interval: its confidence interval on "
+             "candidate minus champion; quality: the judge's mean answer quality on the candidate's answers (the "
+             "quality monitor, `deploy.monitor_min_scores`). Refused: too few rollouts or an ESS under "
+             "`deploy.gate_min_ess`; kept: the interval contained the margin, so the champion stayed "
+             "(docs/DEPLOY.md).", ""]
     for arm, decisions in decided.items():
         lines += [f"### {arm}", ""]
         lines += decision_table(decisions) if decisions else ["No candidate was decided."]

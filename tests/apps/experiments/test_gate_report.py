@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 
 import torch
 from matplotlib.image import imread
@@ -30,7 +31,8 @@ LONG_FROM_VERSION = 6
 
 def _fill_registry(cfg) -> None:
     """Versions 1-8 released as the learner does: candidates v2 and v4 pass (same answers as the
-    champion, no monitor over), v6's long answers trip the length monitor at v8's release."""
+    champion, no monitor over), v6's long answers trip the length monitor at v8's release. The
+    judge's quality of version v's answers is v / 8."""
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
@@ -41,8 +43,8 @@ def _fill_registry(cfg) -> None:
     for version in range(1, 9):
         releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
         answer = [5] * (8 if version >= LONG_FROM_VERSION else 0) + [5, STYLE_A]
-        window.observe([_rollout(f"v{version}-{i}", answer, version, 1.0, logprob=math.log(0.9) / len(answer))
-                        for i in range(40)])
+        window.observe([replace(_rollout(f"v{version}-{i}", answer, version, 1.0, logprob=math.log(0.9) / len(answer)),
+                                scores={"quality": version / 8}) for i in range(40)])
 
 
 def _learner_cfg(data_dir, db, group: str):
@@ -85,6 +87,8 @@ def test_report_shows_each_decision_of_the_arms_learner_from_mlflow(tmp_path, em
     assert rows[1][9] == f"[{float(tags[rows[1][0]]['gate.low']):.3f}, {float(tags[rows[1][0]]['gate.high']):.3f}]"
     assert float(rows[1][10]) == round(float(tags[rows[1][0]]["gate.candidate_ess"]), 1)
     assert rows[0][12] == "-" and rows[1][12] == "0"  # no gate for the first; no canary: 0 champion answers
+    # quality on the answers of the candidate and its successor (40 each): v2 -> (2/8 + 3/8) / 2
+    assert [r[13] for r in rows] == ["0.312", "0.562", "0.812"]
     assert f"![registry decisions over the run]({GATE_PNG})" in report
     assert imread(tmp_path / "report" / GATE_PNG).shape[0] > 100
 

@@ -172,10 +172,11 @@ def write_gate_report(runs: list[Run], arms: list[str], out_dir: Path) -> list[s
              "rollout and s: the first judged rollout that version answered, and its time from the arm's first. "
              "V: the gate's self-normalised estimate of each version's reward on the same window (with a "
              "canary, `deploy.canary_share`, the window includes the champion's own \"canary n\" answers since "
-             "the candidate's registration, and every answer is weighed against the mixture of serving version and champion); interval: its confidence interval on "
-             "candidate minus champion; quality: the judge's mean answer quality on the candidate's answers (the "
-             "quality monitor, `deploy.monitor_min_scores`). Refused: too few rollouts or an ESS under "
-             "`deploy.gate_min_ess`; kept: the interval contained the margin, so the champion stayed "
+             "the candidate's registration, and every answer is weighed against the mixture of serving version "
+             "and champion); interval: its confidence interval on candidate minus champion; quality: the "
+             "judge's mean answer quality on the candidate's answers (the quality monitor, "
+             "`deploy.monitor_min_scores`). Refused: too few rollouts or an ESS under `deploy.gate_min_ess`; "
+             "kept: the interval contained the margin, so the champion stayed "
              "(docs/DEPLOY.md).", ""]
     for arm, decisions in decided.items():
         lines += [f"### {arm}", ""]

@@ -90,11 +90,13 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
 
     started = time.monotonic()
     with Stack(config_path, {}, arm_dir, progress=progress) as stack:
+        # the three start together: none needs another to start (each talks to the broker only),
+        # and each spends its first seconds importing torch and loading the model
         server = stack.start("serving", ["serve"])
-        base_url = f"http://127.0.0.1:{port}"
-        stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
         stack.start("learner", learn, env=threads_env(learner_threads(acfg)))
         stack.start("judge", ["judge", "--arm", arm.name], env=threads_env(1))
+        base_url = f"http://127.0.0.1:{port}"
+        stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)
         classifier = load_or_train(acfg, progress)
         waited = wait_for_consumers(backend, [acfg.trainer.consumer_group, acfg.experiment.judge_group],
                                     stack.check_alive, CONSUMERS_READY_TIMEOUT_S)

@@ -22,11 +22,16 @@ from serving.weights_follower import WeightsFollower
 from streams.kafka_backend import KafkaBackend
 from tests.fixtures.kafka import drain
 from tests.fixtures.models import tiny_config
-from tests.trainer.traffic import PROMPTS, engine_interaction, produce
+from tests.trainer.traffic import PROMPTS, engine_interaction, produce, reward_of
 from trainer.distributed import init_distributed
 from trainer.learner import RunUntil, train
 
 ROUNDS = 4
+
+
+def judge_scores(interaction) -> dict[str, float]:
+    """A judge's named scores on the reward record: a quality that differs between answers."""
+    return {"quality": 0.25 + 0.5 * reward_of(interaction)}
 NOTICE_TIMEOUT_S = 240.0
 """First notice: the learner loads the model and joins its consumer group on two shared cores."""
 
@@ -69,13 +74,15 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
     follower.start()
     producer = backend.producer()
     served = [engine.policy_version]
+    sent = []
     learner.start()
     try:
         for round_ in range(ROUNDS):
             batch = [engine_interaction(engine, PROMPTS[i % 2], f"r{round_}-{i}", seed=10 * round_ + i)
                      for i in range(4)]
             assert {v for i in batch for v in i.versions} == {engine.policy_version}
-            produce(producer, topics, batch)
+            produce(producer, topics, batch, scores=judge_scores)
+            sent += batch
             _wait_for_version(engine, follower, round_ + 1, learner)
             served.append(engine.policy_version)
     finally:
@@ -103,6 +110,16 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
         history = client.get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [1, 2, 3, 4], name
     assert [m.value for m in client.get_metric_history(run.info.run_id, "join_joined")] == [4, 8, 12, 16]
+    # the judge's scores went through the broker and the join to the monitors: every step the
+    # quality over the whole window (all rollouts so far), and at the decision on v2 (at v4) over
+    # the answers of v2 and v3, the rounds 2 and 3
+    quality = [judge_scores(i)["quality"] for i in sent]
+    monitor = [m.value for m in client.get_metric_history(run.info.run_id, "monitor_score_quality")]
+    assert monitor == pytest.approx([sum(quality[:4 * k]) / (4 * k) for k in range(1, 5)])
+    segment = client.get_metric_history(run.info.run_id, "segment.none.score_quality")
+    assert segment[-1].value == pytest.approx(sum(quality) / len(quality))
+    decision = client.get_metric_history(run.info.run_id, "registry_monitor_score_quality")
+    assert [(m.step, m.value) for m in decision] == [(4, pytest.approx(sum(quality[8:]) / 8))]
     # v2 was the candidate; with no champion yet it was promoted at v4 (no gate to run)
     model = cfg.mlflow.registered_model
     assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "2"

@@ -3,6 +3,8 @@ log-probs are what an engine would log, and rewards from a simple rule."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,13 +46,16 @@ def sample_traffic(policy: nn.Module, count: int, prefix: str = "i", max_new_tok
             for i in range(count)]
 
 
-def produce(producer: Producer, topics, interactions: list[Interaction], rewarded: bool = True) -> None:
-    """Log each interaction, then (optionally) its reward; flush."""
+def produce(producer: Producer, topics, interactions: list[Interaction], rewarded: bool = True,
+            scores: Callable[[Interaction], dict[str, float]] | None = None) -> None:
+    """Log each interaction, then (optionally) its reward, carrying ``scores(interaction)`` when
+    given; flush."""
     for interaction in interactions:
         publish(producer, topics.interactions, interaction)
         if rewarded:
             publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id,
-                                                    value=reward_of(interaction), source="test"))
+                                                    value=reward_of(interaction), source="test",
+                                                    scores=None if scores is None else scores(interaction)))
     producer.flush()
 
 

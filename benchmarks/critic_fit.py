@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from online_sao.batch import Rollout, RolloutBatch, collate  # noqa: E402
+from online_sao.critic_order import CRITIC_ORDERS  # noqa: E402
 from online_sao.losses import explained_variance  # noqa: E402
 
 PRETRAIN_MAX_EPOCHS = 40
@@ -54,6 +55,23 @@ class FitSpec:
         if attention not in ("frozen", "trained"):
             raise argparse.ArgumentTypeError(f"attention must be 'frozen' or 'trained', got {attention!r}")
         return cls(int(n), float(lr), attention == "frozen")
+
+
+@dataclass(frozen=True)
+class OnlineSpec:
+    """One online fit: the scenario's own SAO learner steps (``critic_order``, ``critic_lr``,
+    K, warm-up as configured) over the first ``n`` rollouts in arrival order, ``per_step`` a step."""
+
+    n: int
+    order: str
+    per_step: int
+
+    @classmethod
+    def parse(cls, text: str) -> OnlineSpec:
+        n, order, per_step = text.split(":")
+        if order not in CRITIC_ORDERS:
+            raise argparse.ArgumentTypeError(f"order must be one of {CRITIC_ORDERS}, got {order!r}")
+        return cls(int(n), order, int(per_step))
 
 
 def action_positions(action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default="data", help="paths.data_dir (the default model is built there)")
     parser.add_argument("--rollouts", type=int, default=640)
     parser.add_argument("--test", type=int, default=128, help="the last rollouts, held out as the test set")
-    parser.add_argument("--fit", type=FitSpec.parse, action="append", required=True, help="n:lr:frozen|trained")
+    parser.add_argument("--fit", type=FitSpec.parse, action="append", default=[], help="n:lr:frozen|trained")
+    parser.add_argument("--online", type=OnlineSpec.parse, action="append", default=[],
+                        help="n:critic_order:rollouts_per_step (the learner's own SAO steps, in arrival order)")
     args = parser.parse_args(argv)
 
     from online_sao.critic import ValueModel
@@ -113,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     rewards = torch.tensor([r.total_reward for r in rollouts])
     print(f"{len(rollouts)} rollouts of the starting policy ({time.time() - started:.0f} s), reward mean "
           f"{rewards.mean():.3f}, variance {rewards.var():.4f}; test set: the last {len(test)}\n")
-    print("| training rollouts | lr | attention | epochs | EV on its split | test EV, all tokens "
-          "| test EV, first token | test EV, last token | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|")
     policy = load_policy(cfg.model_dir, cfg.model.dtype)
     pad = load_tokenizer(cfg.model_dir).pad_token_id
     test_batch = collate(test, pad)
     test_rewards = torch.tensor([r.total_reward for r in test])
+    for spec in args.online:
+        _print_online(spec, cfg, policy, pool, pad, test_batch, test_rewards)
+    print("| training rollouts | lr | attention | epochs | EV on its split | test EV, all tokens "
+          "| test EV, first token | test EV, last token | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for spec in args.fit:
         if spec.n > len(pool):
             raise SystemExit(f"--fit {spec.n}: only {len(pool)} training rollouts")
@@ -135,6 +157,48 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {spec.n} | {spec.lr:g} | {'frozen' if spec.frozen else 'trained'} | {fit['epochs']:.0f} "
               f"| {fit['ev_after']:.3f} | {ev['all_tokens']:.3f} | {ev['first_token']:.3f} "
               f"| {ev['last_token']:.3f} | {time.time() - t:.0f} |", flush=True)
+
+
+def fit_online(spec: OnlineSpec, algorithm_cfg, policy, rollouts: list[Rollout], pad: int,
+               checkpoints: list[int]) -> list[tuple[int, object]]:
+    """SAO learner steps of ``spec.per_step`` rollouts over ``rollouts`` in order, from a fresh
+    copy of ``policy`` and a fresh critic (as a learner without value pre-training starts):
+    after each of ``checkpoints`` rollouts, ``(count, critic)``, the critic as it then stands
+    (the same object: evaluate it before going on)."""
+    import copy
+
+    from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
+
+    cfg = algorithm_cfg.model_copy(update={"name": "sao", "critic_order": spec.order})
+    torch.manual_seed(0)
+    student = copy.deepcopy(policy)
+    critic = build_critic(cfg, student)
+    opt = build_optimizers(cfg, student, critic)
+    rule = build_algorithm(cfg, student, critic, opt.policy, opt.critic, opt.critic_scheduler)
+    for start in range(0, spec.n, spec.per_step):
+        rule.step(collate(rollouts[start:start + spec.per_step], pad))
+        done = min(start + spec.per_step, spec.n)
+        if done in checkpoints:
+            yield done, critic
+
+
+def _print_online(spec: OnlineSpec, cfg, policy, pool: list[Rollout], pad: int, test_batch: RolloutBatch,
+                  test_rewards: torch.Tensor) -> None:
+    if spec.n > len(pool):
+        raise SystemExit(f"--online {spec.n}: only {len(pool)} training rollouts")
+    print(f"\nOnline: SAO learner steps of {spec.per_step} rollouts, critic_order {spec.order}, "
+          f"critic_lr {cfg.algorithm.critic_lr:g}, K {cfg.algorithm.critic_updates}, no value pre-training\n")
+    print("| rollouts seen | test EV, all tokens | test EV, first token | test EV, last token | seconds |")
+    print("|---|---|---|---|---|")
+    checkpoints = sorted({n for n in (16, 32, 64, 128, 256, 512, spec.n) if n <= spec.n and n % spec.per_step == 0})
+    t = time.time()
+    for done, critic in fit_online(spec, cfg.algorithm, policy, pool, pad, checkpoints):
+        with torch.no_grad():
+            ev = explained_variance_on_test(critic(test_batch.input_ids, test_batch.attention_mask), test_batch,
+                                            test_rewards)
+        print(f"| {done} | {ev['all_tokens']:.3f} | {ev['first_token']:.3f} | {ev['last_token']:.3f} "
+              f"| {time.time() - t:.0f} |", flush=True)
+    print()
 
 
 if __name__ == "__main__":

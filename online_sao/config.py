@@ -157,6 +157,12 @@ class AlgorithmConfig(Section):
     """Size, in rollouts, of the window of recent already-trained rollouts that
     ``critic_order: replay_then_judge`` fits the critic on (each update is one full-batch
     update on the whole window, so critic compute per step grows with it)."""
+    value_shrinkage_window: int = Field(0, ge=0)
+    """SAO: shrink the critic's values toward the mean reward of the last this many rollouts, by
+    the slope of their returns on their out-of-sample values (online_sao/value_shrinkage.py; not
+    in the paper, 0 turns it off). Where the critic predicts new answers no better than a
+    constant, the advantages fall back to a running-mean baseline instead of carrying its
+    errors; where it predicts them, its values stay."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a reference policy (SAO.md section 3b; not in the paper, 0 turns
     it off): the k3 estimate exp(d) - 1 - d, d = log pi_ref - log pi_theta, per action token,

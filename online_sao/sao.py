@@ -33,6 +33,7 @@ from online_sao.batch import RolloutBatch
 from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
 from online_sao.losses import dis_policy_loss, value_loss
 from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward
+from online_sao.value_shrinkage import ShrinkageWindow, rollout_sums, shrink
 
 
 class SAO(ActorCritic):
@@ -42,6 +43,8 @@ class SAO(ActorCritic):
         """The arguments of :class:`~online_sao.algorithm.ActorCritic`."""
         super().__init__(*args, **kwargs)
         self.window = ReplayWindow(self.cfg.critic_replay_rollouts)
+        shrinkage = self.cfg.value_shrinkage_window
+        self.shrinkage = ShrinkageWindow(shrinkage, self.sum_over_ranks) if shrinkage else None
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
@@ -68,13 +71,27 @@ class SAO(ActorCritic):
         if judged.used is None:
             return {**metrics, **timer.metrics(), "skipped_nonfinite": 1.0}
         with timer.phase("arithmetic"):
-            advantages = self._advantages(batch, judged.used, metrics)
+            used = self._shrunk(batch, judged.used, metrics)
+            advantages = self._advantages(batch, used, metrics)
         update = self._policy_update(batch, advantages, timer)
         if not update["skipped_nonfinite"]:
             self.regularizer.after_policy_update(self.policy)
             if self.cfg.critic_order == "replay_then_judge":
                 self.window.add(batch)
+            if self.shrinkage is not None:
+                _, targets = skip_observation_gae(batch.rewards, judged.before, batch.action_mask, self.cfg.gamma,
+                                                  self.cfg.lambda_critic)
+                self.shrinkage.add(rollout_sums(judged.before, targets, batch.rewards, batch.action_mask))
         return {**metrics, **update, **timer.metrics(), "replay_window": float(len(self.window))}
+
+    def _shrunk(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """``values`` shrunk toward the running mean (``value_shrinkage_window``), or as they are."""
+        if self.shrinkage is None:
+            return values
+        estimate = self.shrinkage.estimate(batch.rewards)
+        metrics.update({"shrinkage_alpha": estimate.alpha, "shrinkage_mean": estimate.mean,
+                        "shrinkage_rollouts": float(estimate.rollouts)})
+        return shrink(values, estimate.mean, estimate.alpha)
 
     def _values(self, batch: RolloutBatch, timer: PhaseTimer) -> torch.Tensor:
         with torch.no_grad(), timer.phase("critic_forward"):
@@ -146,14 +163,23 @@ class SAO(ActorCritic):
                 "skipped_nonfinite": 0.0 if result.stepped else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"replay_window": self.window.state_dict()} if self.cfg.critic_order == "replay_then_judge" else {}
+        state: dict[str, Any] = {}
+        if self.cfg.critic_order == "replay_then_judge":
+            state["replay_window"] = self.window.state_dict()
+        if self.shrinkage is not None:
+            state["shrinkage_window"] = self.shrinkage.state_dict()
+        return state
 
     def forget(self) -> None:
-        """The replay window's returns were earned under the old preference."""
+        """The replay window's returns and the shrinkage's rewards were earned under the old preference."""
         self.window.clear()
+        if self.shrinkage is not None:
+            self.shrinkage.clear()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "replay_window" in state:
             device = next(self.critic.parameters()).device
             self.window.load_state_dict(state["replay_window"], device)
+        if self.shrinkage is not None and "shrinkage_window" in state:
+            self.shrinkage.load_state_dict(state["shrinkage_window"])
 

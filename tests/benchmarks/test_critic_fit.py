@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.critic_fit import FitSpec, action_positions, explained_variance_on_test as measure
+from benchmarks.critic_fit import FitSpec, OnlineSpec, action_positions, explained_variance_on_test as measure
 
 
 class _Batch:
@@ -52,3 +52,9 @@ def test_fit_specs_parse_and_refuse_an_unknown_attention_setting():
     assert FitSpec.parse("500:5e-4:trained") == FitSpec(500, 5e-4, False)
     with pytest.raises(argparse.ArgumentTypeError):
         FitSpec.parse("64:1e-3:thawed")
+
+
+def test_online_specs_parse_and_refuse_an_unknown_order():
+    assert OnlineSpec.parse("512:judge_then_fit:4") == OnlineSpec(512, "judge_then_fit", 4)
+    with pytest.raises(argparse.ArgumentTypeError):
+        OnlineSpec.parse("512:judge_first:4")

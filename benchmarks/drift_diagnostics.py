@@ -45,7 +45,12 @@ from apps.experiments.results import ArmResults, RewardRow, StepRow  # noqa: E40
 
 BEFORE = 50
 """Rollouts before a switch over which the next style's share is measured: a third of drift.yaml's phase."""
-STEP_METRICS = ("explained_variance", "approx_kl", "policy_grad_norm")
+STEP_METRICS = ("explained_variance", "value_loss", "critic_fit_loss", "shrinkage_alpha", "approx_kl",
+                "policy_grad_norm")
+"""value_loss: the critic's squared error on the step's new answers before its updates;
+critic_fit_loss: on the data its first update fits (the step's answers under judge_then_fit, the
+replay window under replay_then_judge), so the two apart show how the critic generalises to the
+answers it judges; shrinkage_alpha: with value_shrinkage_window (absent otherwise, row left out)."""
 RUNNING_WINDOW = 128
 """Rewards in the running mean the critic is compared with (the running_mean_w128 arm's W)."""
 

@@ -5,7 +5,8 @@
    when ``lambda_critic = 1``), placed by ``cfg.critic_order`` (:mod:`online_sao.critic_order`):
    on the step's rollouts before its values are taken (``fit_then_judge``), after
    (``judge_then_fit``), or on a window of earlier rollouts instead (``replay_then_judge``);
-2. advantages by skip-observation GAE from the values the order gives, with the
+2. advantages by skip-observation GAE from the values the order gives (shrunk toward a running
+   mean of rewards when ``cfg.value_shrinkage_window`` is set, :mod:`online_sao.value_shrinkage`), with the
    length-adaptive ``lambda_policy`` of each rollout (optionally whitened);
 3. one DIS policy update against the engine's behaviour log-probs, plus the KL and entropy
    terms of :class:`~online_sao.regularizers.PolicyRegularizer` when configured.
@@ -53,7 +54,8 @@ class SAO(ActorCritic):
         explained_variance_used (the values the advantages use), value_loss_after and
         explained_variance_after (critic after this step's updates), critic_fit_loss (first
         update's loss on the data it fit), critic_grad_norm (mean over the K updates),
-        critic_updates_done, critic_lr, replay_window (rollouts in it), policy_grad_norm
+        critic_updates_done, critic_lr, replay_window (rollouts in it), shrinkage_alpha,
+        shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), policy_grad_norm
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
         skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,

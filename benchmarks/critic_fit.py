@@ -14,6 +14,11 @@ explained variance of the values against the answers' rewards (``gamma`` and ``l
 are 1, so every action token's target is the reward) over all action tokens, at each answer's
 first action token (the prompt alone: a running mean's information) and at its last.
 
+``--online n:order:per_step`` instead runs the scenario's own SAO learner steps (critic order,
+rate, K and warm-up as configured, no value pre-training) over the first ``n`` training rollouts
+in arrival order, ``per_step`` a step, and measures the critic on the same test set as it goes:
+the online schedule on data that do not move, against which a drift run's critic can be read.
+
     .venv/bin/python benchmarks/critic_fit.py configs/drift.yaml --rollouts 640 \
         --fit 16:1.5e-3:frozen --fit 64:1.5e-3:frozen --fit 256:1.5e-3:frozen --fit 512:1.5e-3:frozen
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from online_sao.batch import Rollout, RolloutBatch, collate  # noqa: E402
+from online_sao.config import AlgorithmConfig  # noqa: E402
+from online_sao.critic import ValueModel  # noqa: E402
 from online_sao.critic_order import CRITIC_ORDERS  # noqa: E402
 from online_sao.losses import explained_variance  # noqa: E402
 
@@ -120,7 +128,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="n:critic_order:rollouts_per_step (the learner's own SAO steps, in arrival order)")
     args = parser.parse_args(argv)
 
-    from online_sao.critic import ValueModel
     from online_sao.modeling import load_policy, load_tokenizer
     from trainer.pretrain import pretrain_critic
 
@@ -159,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
               f"| {ev['last_token']:.3f} | {time.time() - t:.0f} |", flush=True)
 
 
-def fit_online(spec: OnlineSpec, algorithm_cfg, policy, rollouts: list[Rollout], pad: int,
-               checkpoints: list[int]) -> list[tuple[int, object]]:
+def fit_online(spec: OnlineSpec, algorithm_cfg: AlgorithmConfig, policy: torch.nn.Module, rollouts: list[Rollout],
+               pad: int, checkpoints: list[int]) -> Iterator[tuple[int, ValueModel]]:
     """SAO learner steps of ``spec.per_step`` rollouts over ``rollouts`` in order, from a fresh
     copy of ``policy`` and a fresh critic (as a learner without value pre-training starts):
     after each of ``checkpoints`` rollouts, ``(count, critic)``, the critic as it then stands

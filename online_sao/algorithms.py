@@ -54,7 +54,8 @@ def build_critic(cfg: AlgorithmConfig, policy: nn.Module) -> ValueModel | None:
     """A critic copied from ``policy`` when rule ``cfg.name`` uses one, else None."""
     if not algorithm_class(cfg.name).needs_critic:
         return None
-    return ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
+    return ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention,
+                                  trainable_layers=cfg.critic_trainable_layers)
 
 
 def build_optimizers(cfg: AlgorithmConfig, policy: nn.Module, critic: nn.Module | None) -> Optimizers:

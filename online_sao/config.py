@@ -130,6 +130,11 @@ class AlgorithmConfig(Section):
     """Critic updates per policy step (K)."""
     freeze_critic_attention: bool = True
     """Freeze every attention parameter of the critic."""
+    critic_trainable_layers: int | None = Field(None, ge=1)
+    """With frozen attention, train the feed-forward blocks of only the last this many decoder
+    layers (and the head); None trains those of every layer (the paper's critic). Not in the
+    paper: fewer trained parameters memorise fewer particular answers (docs/EXPERIMENTS.md
+    section 11)."""
     policy_lr: float = Field(1e-5, gt=0)
     """AdamW learning rate of the policy."""
     critic_lr: float = Field(5e-5, gt=0)

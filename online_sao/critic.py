@@ -13,6 +13,7 @@ The learning rule as this project implements it: docs/ALGORITHM.md.
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch import nn
@@ -31,6 +32,15 @@ def _path_parts(name: str) -> set[str]:
     return set(name.split("."))
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name sits in (``layers.<i>.``), or None."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
 class ValueModel(nn.Module):
     """``forward(input_ids, attention_mask)`` -> values ``[B, T]``.
 
@@ -41,7 +51,10 @@ class ValueModel(nn.Module):
     :mod:`online_sao.batch`, so values line up with action masks and rewards.
     """
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, freeze_attention: bool = True) -> None:
+    def __init__(self, backbone: nn.Module, hidden_size: int, freeze_attention: bool = True,
+                 trainable_layers: int | None = None) -> None:
+        """``trainable_layers``: with ``freeze_attention``, only the feed-forward blocks of the
+        last this many decoder layers train (None: of every layer)."""
         super().__init__()
         self.backbone = backbone
         dtype = next(backbone.parameters()).dtype
@@ -51,23 +64,34 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         self.freeze_attention = freeze_attention
+        if trainable_layers is not None and not freeze_attention:
+            raise ValueError("trainable_layers needs freeze_attention (it narrows the trained feed-forward blocks)")
         if freeze_attention:
-            self._freeze_all_but_feed_forward()
+            self._freeze_all_but_feed_forward(trainable_layers)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module, freeze_attention: bool = True) -> "ValueModel":
+    def from_policy(cls, policy: nn.Module, freeze_attention: bool = True,
+                    trainable_layers: int | None = None) -> "ValueModel":
         """A critic whose backbone is a deep copy of the policy's (``policy.base_model``).
 
         ``policy`` is a Hugging Face causal LM (e.g. ``Qwen2ForCausalLM``); its LM head
         is not copied. The policy itself is not modified.
         """
         backbone = copy.deepcopy(policy.base_model)
-        return cls(backbone, hidden_size=policy.config.hidden_size, freeze_attention=freeze_attention)
+        return cls(backbone, hidden_size=policy.config.hidden_size, freeze_attention=freeze_attention,
+                   trainable_layers=trainable_layers)
 
-    def _freeze_all_but_feed_forward(self) -> None:
+    def _freeze_all_but_feed_forward(self, trainable_layers: int | None = None) -> None:
+        first = 0
+        if trainable_layers is not None:
+            indices = {_layer_index(n) for n, _ in self.backbone.named_parameters()} - {None}
+            if not indices:
+                raise ValueError("trainable_layers: no parameter sits under a 'layers.<i>' module")
+            first = max(indices) + 1 - trainable_layers
         trainable = 0
         for name, param in self.backbone.named_parameters():
-            keep = bool(_path_parts(name) & FEED_FORWARD_MODULE_NAMES)
+            layer = _layer_index(name)
+            keep = bool(_path_parts(name) & FEED_FORWARD_MODULE_NAMES) and (layer is None or layer >= first)
             param.requires_grad_(keep)
             trainable += keep
         if trainable == 0:

@@ -39,6 +39,31 @@ def test_unfrozen_critic_trains_everything(tiny_qwen):
     assert all(p.requires_grad for p in critic.parameters())
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen", "tiny_llama"])
+def test_trainable_layers_keeps_only_the_last_feed_forward_blocks(model_fixture, request):
+    critic = ValueModel.from_policy(request.getfixturevalue(model_fixture), trainable_layers=1)
+    trainable = sorted(n for n, p in critic.named_parameters() if p.requires_grad)
+    assert trainable and all(n.startswith(("backbone.layers.1.mlp.", "head.")) for n in trainable)
+    assert {"head.weight", "head.bias"} <= set(trainable)
+    every_layer = ValueModel.from_policy(request.getfixturevalue(model_fixture), trainable_layers=2)
+    assert {n for n, p in every_layer.named_parameters() if p.requires_grad} == \
+        {n for n, p in ValueModel.from_policy(request.getfixturevalue(model_fixture)).named_parameters()
+         if p.requires_grad}  # both of the fixture's two layers: the paper's critic
+
+
+def test_trainable_layers_needs_frozen_attention_and_numbered_layers(tiny_qwen):
+    with pytest.raises(ValueError, match="freeze_attention"):
+        ValueModel.from_policy(tiny_qwen, freeze_attention=False, trainable_layers=1)
+
+    class FlatMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="layers"):
+        ValueModel(FlatMlp(), hidden_size=4, trainable_layers=1)
+
+
 def test_architecture_without_feed_forward_modules_is_refused():
     class NoMlp(nn.Module):
         def __init__(self):
@@ -97,3 +122,11 @@ def test_short_fit_to_toy_target_lowers_loss_and_leaves_attention_alone(tiny_qwe
     assert losses[-1] < 0.5 * losses[0]
     for name, param in critic.attention_parameters():
         assert torch.equal(param, attention_before[name]), name
+
+
+def test_build_critic_passes_trainable_layers(tiny_qwen):
+    from online_sao.algorithms import build_critic
+    from online_sao.config import AlgorithmConfig
+
+    critic = build_critic(AlgorithmConfig(name="sao", critic_trainable_layers=1), tiny_qwen)
+    assert not any(p.requires_grad for n, p in critic.named_parameters() if n.startswith("backbone.layers.0."))

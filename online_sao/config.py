@@ -199,6 +199,13 @@ class AlgorithmConfig(Section):
     """Full-batch policy updates per step of the grpo and ppo baselines, all against
     the pi_old of the step's start (with 1 the clip never acts: pi_old is the policy)."""
 
+    @model_validator(mode="after")
+    def _critic_layers_need_frozen_attention(self) -> "AlgorithmConfig":
+        if self.critic_trainable_layers is not None and not self.freeze_critic_attention:
+            raise ValueError("critic_trainable_layers needs freeze_critic_attention: true "
+                             "(it narrows the trained feed-forward blocks)")
+        return self
+
 
 DEFAULT_ID_MEMORY_S = 86_400.0
 """Default of reward.memory_s: a day covers any broker or serving outage an operator lets run

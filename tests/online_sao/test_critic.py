@@ -130,3 +130,12 @@ def test_build_critic_passes_trainable_layers(tiny_qwen):
 
     critic = build_critic(AlgorithmConfig(name="sao", critic_trainable_layers=1), tiny_qwen)
     assert not any(p.requires_grad for n, p in critic.named_parameters() if n.startswith("backbone.layers.0."))
+
+
+def test_config_refuses_trainable_layers_with_trained_attention():
+    from pydantic import ValidationError
+
+    from online_sao.config import AlgorithmConfig
+
+    with pytest.raises(ValidationError, match="critic_trainable_layers needs freeze_critic_attention"):
+        AlgorithmConfig(critic_trainable_layers=1, freeze_critic_attention=False)

@@ -104,6 +104,13 @@ def explained_variance_on_test(values: torch.Tensor, batch: RolloutBatch, reward
             "last_token": explained_variance(values[rows, last], rewards, every)}
 
 
+@torch.no_grad()
+def _critic_on_test(critic: ValueModel, test_batch: RolloutBatch, test_rewards: torch.Tensor) -> dict[str, float]:
+    """:func:`explained_variance_on_test` of ``critic``'s values on the test set."""
+    return explained_variance_on_test(critic(test_batch.input_ids, test_batch.attention_mask), test_batch,
+                                      test_rewards)
+
+
 def _collect(scenario: str, data_dir: str, rollouts: int) -> tuple[object, list[Rollout]]:
     from apps.config import load_app_config
     from apps.experiments.inprocess import collect_pretrain_inprocess
@@ -158,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         t = time.time()
         fit = pretrain_critic(critic, optimizer, pool[:spec.n], cfg.algorithm, pad,
                               max_epochs=PRETRAIN_MAX_EPOCHS, patience=PRETRAIN_PATIENCE)
-        with torch.no_grad():
-            ev = explained_variance_on_test(critic(test_batch.input_ids, test_batch.attention_mask), test_batch,
-                                         test_rewards)
+        ev = _critic_on_test(critic, test_batch, test_rewards)
         print(f"| {spec.n} | {spec.lr:g} | {'frozen' if spec.frozen else 'trained'} | {fit['epochs']:.0f} "
               f"| {fit['ev_after']:.3f} | {ev['all_tokens']:.3f} | {ev['first_token']:.3f} "
               f"| {ev['last_token']:.3f} | {time.time() - t:.0f} |", flush=True)
@@ -183,8 +188,8 @@ def fit_online(spec: OnlineSpec, algorithm_cfg: AlgorithmConfig, policy: torch.n
     opt = build_optimizers(cfg, student, critic)
     rule = build_algorithm(cfg, student, critic, opt.policy, opt.critic, opt.critic_scheduler)
     for start in range(0, spec.n, spec.per_step):
-        rule.step(collate(rollouts[start:start + spec.per_step], pad))
         done = min(start + spec.per_step, spec.n)
+        rule.step(collate(rollouts[start:done], pad))
         if done in checkpoints:
             yield done, critic
 
@@ -200,9 +205,7 @@ def _print_online(spec: OnlineSpec, cfg, policy, pool: list[Rollout], pad: int, 
     checkpoints = sorted({n for n in (16, 32, 64, 128, 256, 512, spec.n) if n <= spec.n and n % spec.per_step == 0})
     t = time.time()
     for done, critic in fit_online(spec, cfg.algorithm, policy, pool, pad, checkpoints):
-        with torch.no_grad():
-            ev = explained_variance_on_test(critic(test_batch.input_ids, test_batch.attention_mask), test_batch,
-                                            test_rewards)
+        ev = _critic_on_test(critic, test_batch, test_rewards)
         print(f"| {done} | {ev['all_tokens']:.3f} | {ev['first_token']:.3f} | {ev['last_token']:.3f} "
               f"| {time.time() - t:.0f} |", flush=True)
     print()

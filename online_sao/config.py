@@ -435,6 +435,12 @@ class DeployConfig(Section):
     gate_weight_clip: float | None = Field(None, gt=1)
     """Cap on each rollout's importance ratio pi/mu before self-normalising (None: no cap);
     a cap trades bias for variance when one rollout would carry the whole estimate."""
+    gate_champion_record: bool = True
+    """When the champion's ESS on the window is under ``gate_min_ess`` (it is many versions behind
+    and no canary answers with it), compare the candidate with the champion's record instead: its
+    expected reward as last measured on traffic it could be scored on. A record never rolls a
+    candidate back, and a drift restart starts without one (online_sao/gate_record.py;
+    docs/DEPLOY.md, "The champion's record"). False: such decisions are refused."""
     gate_chunk: int = Field(16, ge=1)
     """Rollouts scored per forward pass when the gate computes a version's log-probs."""
     canary_share: float = Field(0.0, ge=0, lt=1)

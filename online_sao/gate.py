@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 
 GateDecision = Literal["promoted", "rolled_back", "undecided", "refused"]
+GateBasis = Literal["window", "record"]
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,28 @@ class GateEvidence:
     """Lowest and highest policy version that sampled a token in the window."""
     canary_n: int = 0
     """How many of the ``n`` rollouts the champion sampled itself (a canary's answers)."""
+    candidate_se: float = math.nan
+    """Standard error of ``candidate_value`` alone (:func:`snis_standard_error`)."""
+    champion_se: float = math.nan
+    """Standard error of ``champion_value`` alone (on a record: the record's)."""
+    basis: GateBasis = "window"
+    """``window``: both versions scored on these rollouts; ``record``: the champion could not be
+    (its ESS under the floor) and ``champion_*`` are its record (online_sao/gate_record.py)."""
+    record_window: tuple[int, int] | None = None
+    """With ``basis`` ``record``: the versions whose rollouts the record was measured on."""
 
     def tags(self) -> dict[str, str]:
         """``gate.*`` tags for the candidate's registry version."""
         values = {"n": self.n, "candidate_value": self.candidate_value, "champion_value": self.champion_value,
                   "difference": self.difference, "low": self.low, "high": self.high,
-                  "candidate_ess": self.candidate_ess, "champion_ess": self.champion_ess}
-        return {"gate.decision": self.decision, "gate.reason": self.reason,
+                  "candidate_ess": self.candidate_ess, "champion_ess": self.champion_ess,
+                  "candidate_se": self.candidate_se, "champion_se": self.champion_se}
+        record = {} if self.record_window is None else {
+            "gate.record_window_versions": f"{self.record_window[0]}-{self.record_window[1]}"}
+        return {"gate.decision": self.decision, "gate.reason": self.reason, "gate.basis": self.basis,
                 "gate.window_versions": f"{self.window[0]}-{self.window[1]}", "gate.canary_n": str(self.canary_n),
-                **{f"gate.{k}": repr(float(v)) if isinstance(v, float) else str(v) for k, v in values.items()}}
+                **{f"gate.{k}": repr(float(v)) if isinstance(v, float) else str(v) for k, v in values.items()},
+                **record}
 
 
 def sequence_log_ratio(target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -120,6 +134,15 @@ def snis_estimate(rewards: torch.Tensor, log_ratio: torch.Tensor,
     return value, {**metrics, "ess": effective_sample_size(weights)}
 
 
+def snis_standard_error(rewards: torch.Tensor, log_ratio: torch.Tensor, clip: float | None = None) -> float:
+    """Linearised standard error of :func:`snis_estimate` alone: ``sqrt(sum_i u_i^2 (r_i - V)^2)``
+    with ``u = w / sum w``. ``rewards``, ``log_ratio`` ``[B]``."""
+    weights, _ = importance_weights(log_ratio, clip)
+    u = weights / weights.sum()
+    r = rewards.double()
+    return float((u * (r - (u * r).sum())).pow(2).sum().sqrt())
+
+
 def paired_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
                       clip: float | None = None) -> tuple[float, float, dict[str, float]]:
     """``V_cand - V_champ`` on one window and its standard error (module docstring).
@@ -133,6 +156,7 @@ def paired_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, 
         parts.append(u * (r - value))
         metrics[f"{name}_value"] = value
         metrics[f"{name}_ess"] = effective_sample_size(weights)
+        metrics[f"{name}_se"] = float(parts[-1].pow(2).sum().sqrt())
     se = float(((parts[0] - parts[1]) ** 2).sum().sqrt())
     return metrics["candidate_value"] - metrics["champion_value"], se, metrics
 
@@ -150,7 +174,8 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
     low, high = diff - z * se, diff + z * se
     decision, reason = verdict(n, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
     return GateEvidence(decision, reason, n, m["candidate_value"], m["champion_value"], diff, low, high,
-                        m["candidate_ess"], m["champion_ess"], window)
+                        m["candidate_ess"], m["champion_ess"], window, candidate_se=m["candidate_se"],
+                        champion_se=m["champion_se"])
 
 
 def mixture_log_ratios(log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
@@ -167,14 +192,19 @@ def mixture_log_ratios(log_ratio_candidate: torch.Tensor, log_ratio_champion: to
     return l_cand - log_q, l_champ - log_q
 
 
-def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings) -> tuple[GateDecision, str]:
+def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings,
+            may_roll_back: bool = True) -> tuple[GateDecision, str]:
     """The decision rule alone: window size ``n``, the smaller of the two ESS, the interval
-    ``[low, high]`` on candidate minus champion. Returns (decision, reason)."""
+    ``[low, high]`` on candidate minus champion. ``may_roll_back`` False turns a roll-back into
+    undecided (a champion's record may predate a preference change: online_sao/gate_record.py).
+    Returns (decision, reason)."""
     bound = -settings.margin
     if n < settings.min_rollouts:
         return "refused", f"n={n} < min_rollouts={settings.min_rollouts}"
     if ess < settings.min_ess:
         return "refused", f"ess={ess:.2f} < min_ess={settings.min_ess}"
+    if high < bound and not may_roll_back:
+        return "undecided", f"upper end {high:.4f} < -margin {bound}, but a record cannot roll back"
     if high < bound:
         return "rolled_back", f"upper end {high:.4f} < -margin {bound}"
     if low >= bound:

@@ -28,7 +28,9 @@ from torch import nn
 
 from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_json
 from online_sao.config import DeployConfig
-from online_sao.gate import GateEvidence, GateSettings, decide, mixture_log_ratios, sequence_log_ratio
+from online_sao.gate import (GateEvidence, GateSettings, decide, mixture_log_ratios, sequence_log_ratio,
+                             snis_estimate, snis_standard_error)
+from online_sao.gate_record import ValueRecord, champion_unscorable, decide_against_record
 from online_sao.modeling import load_policy
 from online_sao.monitors import (dead_letter_share, mean_answer_length, mean_scores, reference_kl,
                                  repeated_ngram_share)
@@ -170,14 +172,19 @@ class OffPolicyGate:
                                      cfg.gate_weight_clip)
         self.canary_share = cfg.canary_share
         """The share of requests serving answers with the champion (0: no canary)."""
+        self.use_records = cfg.gate_champion_record
+        """Decide against the champion's record when the champion itself cannot be scored."""
 
-    def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow) -> GateEvidence:
+    def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow,
+                record: ValueRecord | None = None) -> GateEvidence:
         """The decision on ``window.since(candidate.version)`` and, with a canary, the champion's
         own answers observed since the candidate's registration (:meth:`RecentWindow.canary`),
         every answer weighed against the traffic's mixture
         (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
         describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
-        many of them the champion sampled."""
+        many of them the champion sampled. When only the champion's ESS stood in the way and it
+        has a ``record`` (``deploy.gate_champion_record``), the candidate is decided against the
+        record instead (online_sao/gate_record.py: it never rolls back)."""
         newest = window.since(candidate.version)
         canary = window.canary(champion.version) if self.canary_share > 0 else []
         rollouts = newest + canary
@@ -187,7 +194,23 @@ class OffPolicyGate:
                                                  self.scorer.log_ratios(champion, rollouts), from_canary,
                                                  self.canary_share)
         evidence = decide(rewards, log_cand, log_champ, self.settings, versions_of(rollouts))
+        if record is not None and self.use_records and champion_unscorable(evidence, self.settings):
+            evidence = decide_against_record(rewards, log_cand, record, self.settings, versions_of(rollouts))
         return replace(evidence, canary_n=len(canary))
+
+    def record_of(self, candidate: WeightsRef, window: RecentWindow) -> ValueRecord | None:
+        """The first candidate's record (there is no champion to compare it with): its estimate on
+        ``window.since(candidate.version)``, None when that is under the gate's floors."""
+        rollouts = window.since(candidate.version)
+        if len(rollouts) < self.settings.min_rollouts:
+            return None
+        rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
+        log_ratio = self.scorer.log_ratios(candidate, rollouts)
+        value, metrics = snis_estimate(rewards, log_ratio, self.settings.weight_clip)
+        if metrics["ess"] < self.settings.min_ess:
+            return None
+        return ValueRecord(value, snis_standard_error(rewards, log_ratio, self.settings.weight_clip), len(rollouts),
+                           metrics["ess"], versions_of(rollouts))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from online_sao.config import DeployConfig
+from online_sao.gate import GateEvidence
+from online_sao.gate_record import candidate_record, champion_record
 from online_sao.schemas import WeightsNotice
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
@@ -183,19 +185,31 @@ class Releases:
         self.tracker.log_metrics({f"registry_monitor_{k}": v for k, v in monitors.values.items()}, step)
         if champion is None:
             decision: Decision = "pending" if monitors.tripped else "promoted"
-            evidence = {"gate.decision": "no_champion", **monitors.tags()}
+            record = self.gate.record_of(candidate[1], self.window)
+            evidence = {"gate.decision": "no_champion", **monitors.tags(), **(record.tags() if record else {})}
         else:
-            gate = self.gate.compare(candidate[1], champion[1], self.window)
+            gate = self.gate.compare(candidate[1], champion[1], self.window, self.tracker.champion_record())
             decision = GATE_TO_REGISTRY[gate.decision]
             if monitors.tripped:
                 decision = "rolled_back"
             evidence = {**gate.tags(), **monitors.tags()}
+            self._keep_records(gate, decision, evidence)
         log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
                  ", ".join(f"{k}={v}" for k, v in evidence.items()))
         self.tracker.record_decision(decision, evidence)
         if decision == "promoted":
             self._new_champion(candidate[1], step)
         return decision
+
+    def _keep_records(self, gate: GateEvidence, decision: Decision, evidence: dict[str, str]) -> None:
+        """A candidate promoted takes its side of the decision as its record (into ``evidence``,
+        written onto it); otherwise a champion scored well enough on this window has its record
+        refreshed (online_sao/gate_record.py)."""
+        if decision == "promoted":
+            record = candidate_record(gate, self.gate.settings)
+            evidence.update(record.tags() if record else {})
+        elif (fresh := champion_record(gate, self.gate.settings)) is not None:
+            self.tracker.tag_champion(fresh.tags())
 
     def pinned_versions(self) -> set[int]:
         """Policy versions whose checkpoints must stay: the candidate's and the champion's."""

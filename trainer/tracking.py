@@ -41,6 +41,7 @@ from mlflow.protos.databricks_pb2 import (
 )
 
 from online_sao.config import Config, dump_config
+from online_sao.gate_record import ValueRecord
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 
 CANDIDATE = "candidate"
@@ -232,6 +233,19 @@ class RunTracker:
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
         return self._policy(self._alias(CHAMPION))
+
+    def champion_record(self) -> ValueRecord | None:
+        """The champion's record (``record.*`` tags: online_sao/gate_record.py), if it has one."""
+        found = self._alias(CHAMPION)
+        return None if found is None else ValueRecord.from_tags(found.tags)
+
+    def tag_champion(self, tags: dict[str, str]) -> None:
+        """Write ``tags`` onto the champion's registry version (its refreshed record)."""
+        champion = self._alias(CHAMPION)
+        if champion is None:
+            raise ValueError("no champion to tag")
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.model_name, champion.version, key, value[:MAX_PARAM_LENGTH])
 
     @staticmethod
     def _policy(found) -> tuple[int, WeightsRef] | None:

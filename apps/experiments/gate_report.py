@@ -41,7 +41,8 @@ class RegistryDecision:
     decision: str
     """promoted, rolled back, kept (the gate could not tell) or refused (too little evidence)."""
     gate: str
-    """The gate's own verdict (``gate.decision``): no_champion for the first candidate."""
+    """The gate's own verdict (``gate.decision``): no_champion for the first candidate; "on record"
+    added when the champion could not be scored and its record stood in (``gate.basis``)."""
     reason: str
     candidate_value: float
     champion_value: float
@@ -78,6 +79,11 @@ def _label(tags: dict[str, str]) -> str:
     return "refused" if tags.get("gate.decision") == "refused" else "kept"
 
 
+def _gate(tags: dict[str, str]) -> str:
+    on_record = " on record" if tags.get("gate.basis") == "record" else ""
+    return tags.get("gate.decision", "-") + on_record
+
+
 def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> list[RegistryDecision]:
     """The decided registry versions of learner run ``run_id``, oldest first, each placed on the
     arm's rollout clock by ``rewards``."""
@@ -100,7 +106,7 @@ def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> li
         decided_at = policy if tags.get("gate.decision") == DRIFT_RESTART else policy + acfg.mlflow.register_every
         row = next((r for r in rewards if r.version >= decided_at), None)
         out.append(RegistryDecision(
-            str(version.version), policy, decided_at, _label(tags), tags.get("gate.decision", "-"),
+            str(version.version), policy, decided_at, _label(tags), _gate(tags),
             tags.get("gate.reason", ""), _number(tags, "gate.candidate_value"), _number(tags, "gate.champion_value"),
             _number(tags, "gate.low"), _number(tags, "gate.high"), _number(tags, "gate.candidate_ess"),
             _number(tags, "gate.champion_ess"), tags.get("monitor.tripped", "-"),

@@ -295,6 +295,7 @@ def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_
     restart = by_policy[9]
     assert restart["decision"] == "promoted" and restart["gate.decision"] == "drift_restart"
     assert float(restart["drift.z"]) == 5.2 and float(restart["drift.drop"]) == 0.61
+    assert not any(k.startswith("record.") for k in restart)  # no record crosses a detected change
     first_after = by_policy[10]  # decided at v12 against the restart, on v10's and v11's traffic
     assert first_after["decision"] == "promoted" and first_after["gate.window_versions"] == "10-11"
 
@@ -315,11 +316,12 @@ def test_window_canary_holds_the_champions_answers_since_registration():
     assert again.canary(2) == window.canary(2)
 
 
-def _stale_champion_scenario(cfg):
+def _stale_champion_scenario(cfg, prob_b: dict[int, float] | None = None):
     """Rewards pay style B throughout; versions 1-5 sample B with probability 0.001, versions 6-12
-    with 0.95. Each version's 40 requests: with a canary, every fifth is answered by the champion.
-    Answer i of a server with probability p is B when (i + 0.5) / 40 < p (exact shares)."""
-    prob_b = {v: 0.001 if v <= 5 else 0.95 for v in range(1, 13)}
+    with 0.95 (or as ``prob_b`` says). Each version's 40 requests: with a canary, every fifth is
+    answered by the champion. Answer i of a server with probability p is B when (i + 0.5) / 40 < p
+    (exact shares)."""
+    prob_b = prob_b or {v: 0.001 if v <= 5 else 0.95 for v in range(1, 13)}
     backend, publisher, tracker, window = _registry_parts(cfg)
     releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy), window, cfg.deploy,
                         register_every=2)
@@ -344,8 +346,10 @@ def _stale_champion_scenario(cfg):
     return champions, notices, by_policy
 
 
-def test_without_a_canary_a_stale_champion_stops_the_gate(registry_cfg):
-    champions, notices, by_policy = _stale_champion_scenario(registry_cfg)
+def test_without_a_canary_or_records_a_stale_champion_stops_the_gate(registry_cfg):
+    cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(
+        update={"gate_champion_record": False})})
+    champions, notices, by_policy = _stale_champion_scenario(cfg)
     assert champions[-1] == 4  # promoted at v6 on A traffic, never replaced
     # v6 against v4 on v6's and v7's 80 answers (76 B, 4 A): v4's weights are 0.999/0.05 on an A answer
     # and 0.001/0.95 on a B one: ESS = (4 * 19.98 + 76 * 0.00105)^2 / (4 * 19.98^2 + 76 * 0.00105^2), about 4.0

@@ -1,0 +1,111 @@
+"""When the champion cannot be scored on current traffic: the candidate against the champion's record.
+
+Without a canary, every answer in the gate's window was sampled by the versions after the
+candidate. A champion many versions behind rarely samples those answers, so its importance
+weights collapse onto one or two of them and its effective sample size falls under
+``deploy.gate_min_ess``: the gate refuses, the champion never changes, and it falls further
+behind with every version, so the gate refuses for the rest of the phase (docs/DEPLOY.md,
+"Measured on the drift scenario").
+
+A **record** is a version's expected reward as last measured on traffic it could be scored on:
+its candidate-side estimate at the decision that promoted it, refreshed whenever a later
+decision scores the champion with an ESS above the floor. It lives on the champion's registry
+version as ``record.*`` tags. A drift restart becomes champion without one, so a record never
+crosses a detected preference change.
+
+When the champion's ESS is under the floor and it has a record, the candidate is compared
+with the record instead: ``D = V_cand - V_record``, two estimates on disjoint rollouts, so
+``se^2 = se_cand^2 + se_record^2``, and the same non-inferiority rule
+(:func:`online_sao.gate.verdict`) **except that it never rolls back**: a record was measured
+under the rewards of its time, and a candidate falling short of it is exactly what a
+preference change looks like before the detector has seen it. Rolling back on a record would
+return to the old preference's policy, the failure the gate must not have. A candidate that
+is worse by the current rewards is left undecided (serving keeps the champion as its
+roll-back target) and the monitors, which need no champion, can still roll it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import torch
+
+from online_sao.gate import GateEvidence, GateSettings, snis_estimate, snis_standard_error, verdict
+
+RECORD_PREFIX = "record."
+"""Registry tags of a version's record."""
+
+
+@dataclass(frozen=True)
+class ValueRecord:
+    """A version's expected reward measured on one window of rollouts."""
+
+    value: float
+    se: float
+    """Standard error of ``value`` (:func:`online_sao.gate.snis_standard_error`)."""
+    n: int
+    ess: float
+    window: tuple[int, int]
+    """Lowest and highest policy version that sampled the rollouts it was measured on."""
+
+    def tags(self) -> dict[str, str]:
+        return {"record.value": repr(self.value), "record.se": repr(self.se), "record.n": str(self.n),
+                "record.ess": repr(self.ess), "record.window_versions": f"{self.window[0]}-{self.window[1]}"}
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> ValueRecord | None:
+        """The record in a registry version's tags, None if it has none."""
+        if "record.value" not in tags:
+            return None
+        low, high = tags["record.window_versions"].split("-")
+        return cls(float(tags["record.value"]), float(tags["record.se"]), int(tags["record.n"]),
+                   float(tags["record.ess"]), (int(low), int(high)))
+
+
+def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
+    """The candidate's side of a decision as a record, if it was measured well enough to decide on
+    (``n`` and its ESS at the floors)."""
+    if evidence.n < settings.min_rollouts or not evidence.candidate_ess >= settings.min_ess:
+        return None
+    return ValueRecord(evidence.candidate_value, evidence.candidate_se, evidence.n, evidence.candidate_ess,
+                       evidence.window)
+
+
+def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
+    """The champion's side of a same-window decision as its refreshed record, if measured well
+    enough to decide on; None for a decision on a record (nothing new was measured)."""
+    if evidence.basis != "window" or evidence.n < settings.min_rollouts \
+            or not evidence.champion_ess >= settings.min_ess:
+        return None
+    return ValueRecord(evidence.champion_value, evidence.champion_se, evidence.n, evidence.champion_ess,
+                       evidence.window)
+
+
+def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
+    """The gate refused only because of the champion's ESS: enough rollouts, the candidate's ESS at
+    the floor, the champion's under it."""
+    return (evidence.decision == "refused" and evidence.n >= settings.min_rollouts
+            and evidence.candidate_ess >= settings.min_ess and evidence.champion_ess < settings.min_ess)
+
+
+def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, record: ValueRecord,
+                          settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
+    """The candidate's estimate on the window (``[B]`` rewards and sequence log-ratios) against the
+    champion's ``record`` (module docstring); never ``rolled_back``."""
+    n = int(rewards.shape[0])
+    if n == 0:
+        nan = math.nan
+        return GateEvidence("refused", f"empty window (need {settings.min_rollouts})", 0, nan, record.value, nan,
+                            nan, nan, 0.0, record.ess, window, champion_se=record.se, basis="record",
+                            record_window=record.window)
+    value, metrics = snis_estimate(rewards, log_ratio_candidate, settings.weight_clip)
+    se_candidate = snis_standard_error(rewards, log_ratio_candidate, settings.weight_clip)
+    diff = value - record.value
+    half = NormalDist().inv_cdf((1 + settings.confidence) / 2) * math.hypot(se_candidate, record.se)
+    decision, reason = verdict(n, metrics["ess"], diff - half, diff + half, settings, may_roll_back=False)
+    return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff, diff - half,
+                        diff + half, metrics["ess"], record.ess, window, candidate_se=se_candidate,
+                        champion_se=record.se, basis="record", record_window=record.window)

@@ -198,14 +198,15 @@ class OffPolicyGate:
             evidence = decide_against_record(rewards, log_cand, record, self.settings, versions_of(rollouts))
         return replace(evidence, canary_n=len(canary))
 
-    def record_of(self, candidate: WeightsRef, window: RecentWindow) -> ValueRecord | None:
-        """The first candidate's record (there is no champion to compare it with): its estimate on
-        ``window.since(candidate.version)``, None when that is under the gate's floors."""
-        rollouts = window.since(candidate.version)
+    def record_of(self, version: WeightsRef, window: RecentWindow) -> ValueRecord | None:
+        """A record for a version that has none (the first candidate, a drift restart): its estimate
+        on ``window.since(version.version)``, rollouts it was not trained on; None when that is
+        under the gate's floors."""
+        rollouts = window.since(version.version)
         if len(rollouts) < self.settings.min_rollouts:
             return None
         rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
-        log_ratio = self.scorer.log_ratios(candidate, rollouts)
+        log_ratio = self.scorer.log_ratios(version, rollouts)
         value, metrics = snis_estimate(rewards, log_ratio, self.settings.weight_clip)
         if metrics["ess"] < self.settings.min_ess:
             return None

@@ -31,7 +31,7 @@ from torch import nn
 
 from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence
-from online_sao.gate_record import candidate_record, champion_record
+from online_sao.gate_record import ValueRecord, candidate_record, champion_record
 from online_sao.schemas import WeightsNotice
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
@@ -188,7 +188,7 @@ class Releases:
             record = self.gate.record_of(candidate[1], self.window)
             evidence = {"gate.decision": "no_champion", **monitors.tags(), **(record.tags() if record else {})}
         else:
-            gate = self.gate.compare(candidate[1], champion[1], self.window, self.tracker.champion_record())
+            gate = self.gate.compare(candidate[1], champion[1], self.window, self._champion_record(champion[1]))
             decision = GATE_TO_REGISTRY[gate.decision]
             if monitors.tripped:
                 decision = "rolled_back"
@@ -200,6 +200,15 @@ class Releases:
         if decision == "promoted":
             self._new_champion(candidate[1], step)
         return decision
+
+    def _champion_record(self, champion: WeightsRef) -> ValueRecord | None:
+        """The champion's record; a drift restart, which has none, gets one measured on the window's
+        rollouts sampled since it (traffic of the new preference it was not trained on), once that
+        meets the gate's floors (online_sao/gate_record.py)."""
+        record = self.tracker.champion_record()
+        if record is None and (record := self.gate.record_of(champion, self.window)) is not None:
+            self.tracker.tag_champion(record.tags())
+        return record
 
     def _keep_records(self, gate: GateEvidence, decision: Decision, evidence: dict[str, str]) -> None:
         """A candidate promoted takes its side of the decision as its record (into ``evidence``,

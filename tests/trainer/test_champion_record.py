@@ -92,3 +92,42 @@ def test_a_champion_scored_on_the_window_gets_its_record_refreshed(registry_cfg)
     assert float(record["record.se"]) == pytest.approx(float(last["gate.champion_se"]))
     notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
     assert all(n.action == "publish" for n in notices if isinstance(n, WeightsNotice))
+
+
+def test_a_drift_restart_is_judged_on_the_traffic_since_it(registry_cfg):
+    """A-concentrated versions 1-8 (B with probability 0.01); B pays from v7's traffic on; the
+    restart v9 samples B with probability 0.2 (8 of its 40 answers), v10-12 with 0.95 (38 of 40).
+    At v12 candidate v10 is scored on v10's and v11's 80 answers, where the restart's weights are
+    0.2/0.95 on a B answer and 0.8/0.05 = 16 on an A one: ESS (76 * 0.2/0.95 + 4 * 16)^2 /
+    (76 * (0.2/0.95)^2 + 4 * 16^2), about 6.2 < 8. So the restart gets its record from the window's
+    120 answers since it: its own 40 (weight 1 each) and those 80."""
+    cfg = registry_cfg
+    prob_b = {v: 0.01 for v in range(1, 9)} | {9: 0.2} | {v: 0.95 for v in range(10, 13)}
+    backend, publisher, tracker, window = _registry_parts(cfg)
+    releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy), window, cfg.deploy,
+                        register_every=2)
+    for version in range(1, 13):
+        drift = {"drift_alarm": 1.0, "drift_drop": 0.6, "drift_z": 4.0} if version == 9 else None
+        assert releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0),
+                                drift).rolled_back_to is None
+        for i in range(40):
+            style = STYLE_B if (i + 0.5) / 40 < prob_b[version] else STYLE_A
+            p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
+            paid = style == (STYLE_B if version >= 7 else STYLE_A)
+            window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(paid), logprob=math.log(p) / 2)])
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in
+                 MlflowClient(tracking_uri=cfg.mlflow_uri).search_model_versions(
+                     f"name = '{cfg.mlflow.registered_model}'")}
+    b, a = 0.2 / 0.95, 0.8 / 0.05  # the restart's weights on the successors' B and A answers
+    total = 40 + 76 * b + 4 * a
+    value = (8 + 76 * b) / total  # its own 8 B answers and the successors' 76, all paid
+    se = math.sqrt(8 * (1 - value) ** 2 + 32 * value ** 2 + 76 * (b * (1 - value)) ** 2 + 4 * (a * value) ** 2) / total
+    restart = by_policy[9]
+    assert restart["gate.decision"] == "drift_restart" and restart["record.window_versions"] == "9-11"
+    assert float(restart["record.value"]) == pytest.approx(value)  # 0.2
+    assert float(restart["record.se"]) == pytest.approx(se)
+    assert float(restart["record.ess"]) == pytest.approx(total ** 2 / (40 + 76 * b ** 2 + 4 * a ** 2))
+    first = by_policy[10]
+    assert first["decision"] == "promoted" and first["gate.basis"] == "record"
+    assert first["gate.record_window_versions"] == "9-11" and float(first["gate.champion_value"]) == pytest.approx(0.2)
+    assert tracker.champion()[0] == 10

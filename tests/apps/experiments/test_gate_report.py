@@ -18,7 +18,7 @@ from online_sao.config import dump_config
 from online_sao.weights import FileWeightStore
 from streams.memory import InMemoryBackend
 from tests.apps.experiments.test_report import section, synthetic_rewards, write_run
-from tests.trainer.test_deploy import STYLE_A, ScriptedScorer, _rollout
+from tests.trainer.test_deploy import STYLE_A, ScriptedScorer, _rollout, _stale_champion_scenario
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from trainer.deploy import OffPolicyGate, RecentWindow
 from trainer.publisher import Publisher, Releases
@@ -126,3 +126,22 @@ def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_
             if line.startswith("| ") and not line.startswith("| registry")]
     # decided at its own release: the first rollout of v3 is 4 * 3
     assert [r[1:7] for r in rows] == [["v3", "v3", "12", "12", "promoted", "drift_restart"]]
+
+
+def test_a_decision_on_the_champions_record_says_so(tmp_path, empty_store):  # noqa: F811
+    """The stale-champion scenario of tests/trainer/test_deploy.py: v6 is decided against v4's record."""
+    results = tmp_path / "results"
+    write_run(results, {"sao": synthetic_rewards(3, 0)})
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
+    (results / "arms" / "sao").mkdir(parents=True)
+    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    _stale_champion_scenario(cfg)
+
+    text = section(write_report(results, tmp_path / "report").read_text(),
+                   "Registry decisions (promotion gate and monitors)")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| registry")]
+    gates = {r[1]: (r[5], r[6]) for r in rows}
+    assert gates["v6"] == ("promoted", "promoted on record") and gates["v4"] == ("promoted", "promoted")

@@ -10,9 +10,9 @@ weighed against the traffic's mixture of serving versions and champion. To score
 the gate loads its published weights from the weight store into one CPU copy of the policy
 (built on first use, reused) and runs those rollouts through it in chunks of
 ``deploy.gate_chunk`` rollouts: on rank 0, outside training. The KL monitor (``deploy.monitor_max_kl``) runs the candidate's
-recent answers through that copy and through a second one holding the starting policy
-(``model_dir``; loaded on first use, never changed), whatever the training rule's own
-reference is (sharded, perhaps an EMA).
+recent answers through that copy (the gate reuses those log-probs) and through a second one
+holding the starting policy (``model_dir``; loaded on first use, never changed), whatever the
+training rule's own reference is (sharded, perhaps an EMA).
 """
 
 from __future__ import annotations
@@ -116,7 +116,11 @@ class ReferenceScorer(Protocol):
 
 
 class StoredPolicyScorer:
-    """Scores a version by loading its published weights into a CPU copy of the policy."""
+    """Scores a version by loading its published weights into a CPU copy of the policy.
+
+    The action tokens' log-probs of the last version scored are kept per rollout: at a decision
+    the KL monitor and the gate score the candidate on the same answers (those sampled since it),
+    and the second asks for nothing new. Scoring another version replaces them."""
 
     def __init__(self, store: WeightStore, model_dir: Path, dtype: str, pad_token_id: int, chunk: int) -> None:
         self.store = store
@@ -126,33 +130,52 @@ class StoredPolicyScorer:
         self.chunk = chunk
         self._model: nn.Module | None = None
         self._reference: nn.Module | None = None
+        self._loaded: WeightsRef | None = None
+        self._cached: dict[str, torch.Tensor] = {}
+        """interaction id -> ``[A]`` log-probs of its action tokens under ``_loaded``."""
+        self.forwarded = 0
+        """Rollouts run through a loaded version so far (the reference's not counted)."""
 
     def _load(self, ref: WeightsRef) -> nn.Module:
         if self._model is None:
             self._model = load_policy(self.model_dir, self.dtype).eval()
-        self._model.load_state_dict(self.store.load(ref.location, ref.checksum))
+        if self._loaded != ref:
+            self._model.load_state_dict(self.store.load(ref.location, ref.checksum))
+            self._loaded, self._cached = ref, {}
         return self._model
 
-    @torch.no_grad()
-    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
-        model = self._load(ref)
+    def _action_logprobs(self, model: nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Each rollout's ``[A]`` action-token log-probs under ``model``, in chunks."""
         out = []
-        for start in range(0, len(window), self.chunk):
-            batch = collate(window[start:start + self.chunk], self.pad_token_id)
-            out.append(sequence_log_ratio(policy_logprobs(model, batch), batch.rollout_logprobs, batch.action_mask))
-        return torch.cat(out) if out else torch.zeros(0)
+        for start in range(0, len(rollouts), self.chunk):
+            batch = collate(rollouts[start:start + self.chunk], self.pad_token_id)
+            logprobs = policy_logprobs(model, batch)
+            out += [logprobs[i][batch.action_mask[i]] for i in range(logprobs.shape[0])]
+        return out
+
+    @torch.no_grad()
+    def version_logprobs(self, ref: WeightsRef, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Each rollout's ``[A]`` action-token log-probs under version ``ref`` (kept, see above)."""
+        model = self._load(ref)
+        missing = [r for r in rollouts if r.interaction_id not in self._cached]
+        self._cached.update(zip((r.interaction_id for r in missing), self._action_logprobs(model, missing)))
+        self.forwarded += len(missing)
+        return [self._cached[r.interaction_id] for r in rollouts]
+
+    def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
+        behaviour = [torch.tensor([lp for lp, a in zip(r.logprobs, r.action_mask) if a]) for r in window]
+        own = self.version_logprobs(ref, window)
+        ratios = [sequence_log_ratio(o[None], b[None], torch.ones_like(o, dtype=torch.bool)[None])
+                  for o, b in zip(own, behaviour)]
+        return torch.cat(ratios) if ratios else torch.zeros(0)
 
     @torch.no_grad()
     def reference_kl(self, ref: WeightsRef, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
         """KL of version ``ref`` from the starting policy (the weights in ``model_dir``) on ``rollouts``."""
-        model = self._load(ref)
+        own = self.version_logprobs(ref, rollouts)
         if self._reference is None:
             self._reference = load_policy(self.model_dir, self.dtype).eval()
-        own, reference = [], []  # the action tokens' log-probs of every chunk, flattened
-        for start in range(0, len(rollouts), self.chunk):
-            batch = collate(rollouts[start:start + self.chunk], self.pad_token_id)
-            own.append(policy_logprobs(model, batch)[batch.action_mask])
-            reference.append(policy_logprobs(self._reference, batch)[batch.action_mask])
+        reference = self._action_logprobs(self._reference, rollouts)
         own_all, reference_all = torch.cat(own or [torch.zeros(0)]), torch.cat(reference or [torch.zeros(0)])
         return reference_kl(own_all[None], reference_all[None], torch.ones_like(own_all, dtype=torch.bool)[None])
 

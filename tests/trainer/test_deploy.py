@@ -1,4 +1,4 @@
-"""The registry's evidence: the window, the monitors, the scorer, and the gate inside
+"""The registry's evidence: the window, the monitors, and the gate inside
 Releases through a scripted preference switch (real MLflow registry, real weight store)."""
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ from mlflow import MlflowClient
 
 from online_sao.batch import Rollout
 from online_sao.config import load_config
-from online_sao.modeling import load_policy, load_tokenizer
 from online_sao.schemas import WeightsNotice, decode
 from online_sao.weights import FileWeightStore, WeightsRef
 from streams.memory import InMemoryBackend
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
-from tests.trainer.traffic import sample_traffic
-from trainer.rollouts import interaction_to_rollout
-from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, candidate_kl, read_monitors
+from trainer.deploy import OffPolicyGate, RecentWindow, read_monitors
 from trainer.publisher import Publisher, Releases
 from trainer.tracking import RunTracker
 
@@ -62,20 +59,6 @@ def test_monitors_read_length_repetition_and_dead_letters_against_thresholds():
     assert reading.tags()["monitor.tripped"] == "repetition"
     empty = read_monitors(cfg, RecentWindow(4), since_version=0, records_read=0.0, dead_letters=0.0)
     assert all(math.isnan(v) for v in empty.values.values()) and empty.tripped == []
-
-
-def test_scorer_gives_zero_log_ratio_for_the_version_that_sampled(tmp_path, tiny_model_dir):
-    policy = load_policy(tiny_model_dir)
-    store = FileWeightStore(str(tmp_path / "weights"))
-    ref = store.save(1, policy.state_dict())
-    rollouts = [interaction_to_rollout(i, 0.5, {}, -1) for i in sample_traffic(policy, 5, prefix="s")]
-    scorer = StoredPolicyScorer(store, tiny_model_dir, "float32", load_tokenizer(tiny_model_dir).pad_token_id, chunk=2)
-    log_ratio = scorer.log_ratios(ref, rollouts)
-    assert log_ratio.shape == (5,)
-    assert log_ratio.abs().max() < 1e-4
-    with torch.no_grad():  # another version is another distribution
-        policy.lm_head.weight.mul_(1.5)
-    assert scorer.log_ratios(store.save(2, policy.state_dict()), rollouts).abs().max() > 1e-2
 
 
 class ScriptedScorer:
@@ -191,24 +174,6 @@ def test_kl_monitor_trips_only_above_its_threshold():
     assert "kl" not in unread.values and unread.tripped == []
     nan = read_monitors(cfg, window, since_version=1, records_read=0.0, dead_letters=0.0, kl=math.nan)
     assert nan.tripped == []  # no answer of the candidate yet: nothing to judge
-
-
-def test_scorer_kl_from_the_starting_policy(tmp_path, tiny_model_dir):
-    policy = load_policy(tiny_model_dir)
-    store = FileWeightStore(str(tmp_path / "weights"))
-    rollouts = [interaction_to_rollout(i, 0.5, {}, -1) for i in sample_traffic(policy, 4, prefix="k")]
-    scorer = StoredPolicyScorer(store, tiny_model_dir, "float32", load_tokenizer(tiny_model_dir).pad_token_id, chunk=3)
-    same, metrics = scorer.reference_kl(store.save(1, policy.state_dict()), rollouts)
-    assert abs(same) < 1e-6 and metrics["kl_tokens"] == sum(r.num_action_tokens for r in rollouts)
-    with torch.no_grad():
-        policy.lm_head.weight.mul_(1.5)
-    moved, metrics = scorer.reference_kl(store.save(2, policy.state_dict()), rollouts)
-    assert moved > 1e-3 and metrics["kl_tokens"] > 0
-    window = RecentWindow(8)
-    window.observe(rollouts)  # every rollout sampled by version 0
-    assert candidate_kl(scorer, (0, store.save(3, policy.state_dict())), window) == pytest.approx(moved)
-    # a candidate (version 1) none of whose answers is in the window: nothing to score
-    assert math.isnan(candidate_kl(scorer, (1, WeightsRef(1, "unused", "0" * 64)), window))
 
 
 class FixedKL:

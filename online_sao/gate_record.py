@@ -11,9 +11,9 @@ A **record** is a version's expected reward as last measured on traffic it could
 its candidate-side estimate at the decision that promoted it, refreshed whenever a later
 decision scores the champion with an ESS above the floor. It lives on the champion's registry
 version as ``record.*`` tags. A drift restart becomes champion without one, so a record never
-crosses a detected preference change; at the first decision after it, the restart's record is
-measured on the window's rollouts sampled since it (the new preference's traffic, on which it
-was not trained; trainer/publisher.py).
+crosses a detected preference change; at a decision where the restart cannot be scored and
+has none, its record is measured on the window's rollouts sampled since it (the new
+preference's traffic, on which it was not trained; trainer/publisher.py).
 
 When the champion's ESS is under the floor and it has a record, the candidate is compared
 with the record instead: ``D = V_cand - V_record``, two estimates on disjoint rollouts, so

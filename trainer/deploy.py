@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -199,15 +200,16 @@ class OffPolicyGate:
         """Decide against the champion's record when the champion itself cannot be scored."""
 
     def compare(self, candidate: WeightsRef, champion: WeightsRef, window: RecentWindow,
-                record: ValueRecord | None = None) -> GateEvidence:
+                record: Callable[[], ValueRecord | None] | None = None) -> GateEvidence:
         """The decision on ``window.since(candidate.version)`` and, with a canary, the champion's
         own answers observed since the candidate's registration (:meth:`RecentWindow.canary`),
         every answer weighed against the traffic's mixture
         (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
         describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
-        many of them the champion sampled. When only the champion's ESS stood in the way and it
-        has a ``record`` (``deploy.gate_champion_record``), the candidate is decided against the
-        record instead (online_sao/gate_record.py: it never rolls back)."""
+        many of them the champion sampled. When only the champion's ESS stood in the way
+        (``deploy.gate_champion_record`` on), ``record`` is asked for the champion's record (called
+        only then: finding one may cost a pass over the window) and, if there is one, the candidate
+        is decided against it instead (online_sao/gate_record.py: it never rolls back)."""
         newest = window.since(candidate.version)
         canary = window.canary(champion.version) if self.canary_share > 0 else []
         rollouts = newest + canary
@@ -217,8 +219,9 @@ class OffPolicyGate:
                                                  self.scorer.log_ratios(champion, rollouts), from_canary,
                                                  self.canary_share)
         evidence = decide(rewards, log_cand, log_champ, self.settings, versions_of(rollouts))
-        if record is not None and self.use_records and champion_unscorable(evidence, self.settings):
-            evidence = decide_against_record(rewards, log_cand, record, self.settings, versions_of(rollouts))
+        if record is not None and self.use_records and champion_unscorable(evidence, self.settings) \
+                and (found := record()) is not None:
+            evidence = decide_against_record(rewards, log_cand, found, self.settings, versions_of(rollouts))
         return replace(evidence, canary_n=len(canary))
 
     def record_of(self, version: WeightsRef, window: RecentWindow) -> ValueRecord | None:

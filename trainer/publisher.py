@@ -188,7 +188,8 @@ class Releases:
             record = self.gate.record_of(candidate[1], self.window)
             evidence = {"gate.decision": "no_champion", **monitors.tags(), **(record.tags() if record else {})}
         else:
-            gate = self.gate.compare(candidate[1], champion[1], self.window, self._champion_record(champion[1]))
+            gate = self.gate.compare(candidate[1], champion[1], self.window,
+                                     lambda: self._champion_record(champion[1]))
             decision = GATE_TO_REGISTRY[gate.decision]
             if monitors.tripped:
                 decision = "rolled_back"
@@ -202,9 +203,10 @@ class Releases:
         return decision
 
     def _champion_record(self, champion: WeightsRef) -> ValueRecord | None:
-        """The champion's record; a drift restart, which has none, gets one measured on the window's
-        rollouts sampled since it (traffic of the new preference it was not trained on), once that
-        meets the gate's floors (online_sao/gate_record.py)."""
+        """The champion's record, asked for by the gate when it cannot score the champion; a drift
+        restart, which has none, gets one measured on the window's rollouts sampled since it
+        (traffic of the new preference it was not trained on), once that meets the gate's floors
+        (online_sao/gate_record.py)."""
         record = self.tracker.champion_record()
         if record is None and (record := self.gate.record_of(champion, self.window)) is not None:
             self.tracker.tag_champion(record.tags())

@@ -260,8 +260,9 @@ def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_
     restart = by_policy[9]
     assert restart["decision"] == "promoted" and restart["gate.decision"] == "drift_restart"
     assert float(restart["drift.z"]) == 5.2 and float(restart["drift.drop"]) == 0.61
-    # no record crosses a detected change: the restart's is measured on the traffic since it
-    assert int(restart["record.window_versions"].split("-")[0]) >= 9
+    # no record crosses a detected change; scored on the same window at once, the restart never needed
+    # one (tests/trainer/test_champion_record.py has a restart that does)
+    assert not any(k.startswith("record.") for k in restart)
     first_after = by_policy[10]  # decided at v12 against the restart, on v10's and v11's traffic
     assert first_after["decision"] == "promoted" and first_after["gate.window_versions"] == "10-11"
 

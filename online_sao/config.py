@@ -395,6 +395,12 @@ class TrainerConfig(Section):
     idle_timeout_s: float | None = Field(None, gt=0)
     """Stop when no record arrived and no step ran for this long (tests, benchmarks);
     None waits for data forever."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve rank 0's Prometheus metrics (the registry's monitors over the learner's window and at
+    each decision, the learner's counters; trainer/exporter.py) on this port at ``/metrics``
+    (None: off; 0: any free port)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the learner's metrics listen on (``0.0.0.0`` to be scraped from another machine)."""
     pretrain_file: Path | None = None
     """JSON-lines file of encoded interaction and reward records for
     ``learn --pretrain-critic`` (joined on the records' own times, in any line order);

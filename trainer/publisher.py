@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,8 @@ class Releases:
         self.window = window
         self.cfg = cfg
         self.register_every = register_every
+        self.on_decision: Callable[[dict[str, float], list[str]], None] | None = None
+        """Told the monitors' values and the tripped ones at each decision (the learner's exporter)."""
 
     def release(self, state: dict[str, torch.Tensor], version: int, step: int, metrics: dict[str, float],
                 reads: tuple[float, float], drift: dict[str, float] | None = None) -> ReleaseOutcome:
@@ -183,6 +186,8 @@ class Releases:
         kl = None if self.reference is None else candidate_kl(self.reference, candidate, self.window)
         monitors = read_monitors(self.cfg, self.window, candidate[0], *reads, kl=kl)
         self.tracker.log_metrics({f"registry_monitor_{k}": v for k, v in monitors.values.items()}, step)
+        if self.on_decision is not None:
+            self.on_decision(monitors.values, monitors.tripped)
         if champion is None:
             decision: Decision = "pending" if monitors.tripped else "promoted"
             record = self.gate.record_of(candidate[1], self.window)

@@ -25,6 +25,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.feed import Feed
 from trainer.join import RewardJoiner
 from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
+from trainer.exporter import LearnerExporter
 from trainer.publisher import Publisher, Releases
 from trainer.state import Position, Progress
 from trainer.tracking import RunTracker
@@ -73,6 +74,8 @@ class RankZero:
     segments: SegmentRewards
     """Rewards per segment of the rollouts taken (top ``deploy.segments_top_n`` plus ``other``);
     not checkpointed: a restarted learner starts them afresh."""
+    exporter: LearnerExporter | None = None
+    """Serves the monitors and counters to Prometheus (``trainer.metrics_port``; None: off)."""
 
     @classmethod
     def open(cls, cfg: Config, backend: StreamBackend, checkpointer: Checkpointer, joiner: RewardJoiner,
@@ -95,7 +98,12 @@ class RankZero:
                             reference=scorer if cfg.deploy.monitor_max_kl is not None else None)
         checkpointer.pinned_versions = releases.pinned_versions()
         segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
-        return cls(checkpointer, feed, releases, tracker, producer, counters, segments)
+        port = cfg.trainer.metrics_port
+        exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
+        if exporter is not None:
+            log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
+            releases.on_decision = exporter.decision
+        return cls(checkpointer, feed, releases, tracker, producer, counters, segments, exporter)
 
     def progress(self, at: Position) -> Progress:
         """What a checkpoint taken now carries besides tensors and the join buffer."""
@@ -126,6 +134,10 @@ class RankZero:
         joiner = self.feed.joiner
         cycle_s = laps.total
         tokens = sum(r.num_action_tokens for r in rollouts)
+        monitors = self.monitor_metrics()
+        if self.exporter is not None:
+            self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
+                               {k.removeprefix("monitor_"): v for k, v in monitors.items()}, self.counters)
         self.tracker.log_metrics({
             **metrics, **joiner.counters.metrics(), **self.counters,
             "policy_version": float(at.version), "step_time_s": laps.seconds["step"],
@@ -133,7 +145,7 @@ class RankZero:
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
             "data_wait_share": laps.seconds["wait"] / cycle_s,
             "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
-            **self.monitor_metrics(), **self.segments.metrics(),
+            **monitors, **self.segments.metrics(),
         }, step=at.step)
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
                  "segments %s", at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
@@ -153,6 +165,8 @@ class RankZero:
         return {f"monitor_{k}": v for k, v in reading.values.items()}
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         self.feed.close()
         self.producer.close()
         self.tracker.close(status)

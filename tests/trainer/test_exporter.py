@@ -1,0 +1,107 @@
+"""The learner's Prometheus metrics: the exporter over real HTTP, and the learner loop serving it."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from online_sao.modeling import load_policy
+from online_sao.schemas import Reward
+from streams.memory import InMemoryBackend
+from streams.records import publish
+from tests.trainer.test_learner_memory import _config
+from tests.trainer.traffic import sample_traffic
+from trainer.distributed import init_distributed
+from trainer.exporter import LearnerExporter
+from trainer.learner import RunUntil, train
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_exporter_serves_the_newest_step_and_decision(free_port):
+    exporter = LearnerExporter("127.0.0.1", free_port)
+    try:
+        assert exporter.port == free_port
+        exporter.step(7, 9, 0.25, {"mean_length": 12.5, "kl": math.nan}, {"dead_letters": 3.0, "rollbacks": 1.0})
+        exporter.decision({"repetition": 0.6, "score_quality": 0.3}, ["repetition"])
+        found = _scrape(free_port)
+        assert found[("sao_learner_step", ())] == 7 and found[("sao_learner_policy_version", ())] == 9
+        assert found[("sao_learner_reward_mean", ())] == 0.25
+        assert found[("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "window")))] == 12.5
+        assert ("sao_learner_monitor", (("monitor", "kl"), ("scope", "window"))) not in found  # NaN: not measured
+        assert found[("sao_learner_monitor", (("monitor", "repetition"), ("scope", "candidate")))] == 0.6
+        assert found[("sao_learner_monitor_tripped", (("monitor", "repetition"),))] == 1.0
+        assert found[("sao_learner_monitor_tripped", (("monitor", "score_quality"),))] == 0.0
+        assert found[("sao_learner_count", (("name", "dead_letters"),))] == 3.0
+        exporter.step(8, 10, math.nan, {"mean_length": 11.0}, {})
+        again = _scrape(free_port)
+        assert again[("sao_learner_step", ())] == 8 and ("sao_learner_reward_mean", ()) not in again
+    finally:
+        exporter.close()
+    with pytest.raises(OSError):
+        _scrape(free_port)  # closed: nothing listens
+
+
+def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_dir, free_port):
+    """The registry scenario of test_learner_memory.py (one version per step, the length monitor at 9):
+    while train() runs, /metrics shows the window's monitors each step and the decision's."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
+                                               "deploy.gate_min_rollouts": 4, "deploy.gate_min_ess": 1.0,
+                                               "deploy.monitor_max_mean_length": 9.0,
+                                               "trainer.metrics_port": free_port})
+    topics = cfg.kafka.topics
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    base = load_policy(tiny_model_dir)
+    for version, length in ((0, 6), (1, 6), (2, 12), (3, 6)):
+        for interaction in sample_traffic(base, 4, prefix=f"v{version}", max_new_tokens=length):
+            interaction = interaction.model_copy(update={"versions": [version] * len(interaction.versions)})
+            publish(producer, topics.interactions, interaction)
+            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
+    scrapes: list[dict] = []
+    step2_seen = threading.Event()
+    taken = []
+
+    def before_step(rollouts):  # step 3 waits until a scrape has seen the end of step 2
+        taken.append(len(rollouts))
+        if len(taken) == 3:
+            step2_seen.wait(timeout=30)
+        return rollouts
+
+    def watch() -> None:
+        while not step2_seen.is_set():
+            try:
+                found = _scrape(free_port)
+            except OSError:  # not listening yet
+                time.sleep(0.02)
+                continue
+            scrapes.append(found)
+            if found.get(("sao_learner_step", ()), 0) >= 2:
+                step2_seen.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3), before_step=before_step)
+    step2_seen.set()
+    watcher.join(timeout=10)
+    assert result.version == 3
+    seen = next(s for s in scrapes if s.get(("sao_learner_step", ())) == 2)
+    # after step 2 the window holds rounds 0 and 1 (6 tokens each): the whole-window length is 6
+    assert seen[("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "window")))] == pytest.approx(6.0)
+    assert seen[("sao_learner_policy_version", ())] == 2
+    # v1 was decided at v2's release (no champion): its monitors are the candidate's
+    assert ("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "candidate"))) in seen
+    assert seen[("sao_learner_count", (("name", "rollbacks"),))] == 0.0
+    with pytest.raises(OSError):
+        _scrape(free_port)  # train() closed it

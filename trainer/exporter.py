@@ -1,0 +1,92 @@
+"""Rank 0's Prometheus metrics (``trainer.metrics_port``): what only the learner knows.
+
+Serving's ``/metrics`` shows what every replica answers now (length and repetition of its own
+recent answers). The registry's monitors that need the learner (the KL from the reference, the
+dead-letter share, the scores that rewards carry, each over the learner's window) and the
+learner's own counters are served here, on a port of rank 0, for the same Prometheus:
+
+- ``sao_learner_monitor{monitor, scope="window"}``: each monitor over the whole recent window,
+  every step (the ``monitor_*`` MLflow metrics);
+- ``sao_learner_monitor{monitor, scope="candidate"}``: each monitor over the last decided
+  candidate's answers, at its decision (``registry_monitor_*``), and
+  ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
+- ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
+  ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``).
+
+A value the learner has not measured yet (NaN) is left out rather than exported as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class LearnerExporter(Collector):
+    """The values of the newest step and decision, served over HTTP until :meth:`close`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._lock = threading.Lock()
+        self._window: dict[str, float] = {}
+        self._candidate: dict[str, float] = {}
+        self._tripped: dict[str, float] = {}
+        self._learner: dict[str, float] = {}
+        self._counts: dict[str, float] = {}
+        registry = CollectorRegistry()
+        registry.register(self)
+        self._server, self._thread = start_http_server(port, host, registry)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_port
+
+    def step(self, step: int, version: int, reward_mean: float, window_monitors: Mapping[str, float],
+             counts: Mapping[str, float]) -> None:
+        """The values at the end of a learner step."""
+        with self._lock:
+            self._learner = {"step": float(step), "policy_version": float(version), "reward_mean": reward_mean}
+            self._window = dict(window_monitors)
+            self._counts = dict(counts)
+
+    def decision(self, monitors: Mapping[str, float], tripped: list[str]) -> None:
+        """The monitors read at a registry decision, and those over their thresholds."""
+        with self._lock:
+            self._candidate = dict(monitors)
+            self._tripped = {name: float(name in tripped) for name in monitors}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            learner, window, candidate = dict(self._learner), dict(self._window), dict(self._candidate)
+            tripped, counts = dict(self._tripped), dict(self._counts)
+        for name, value in learner.items():
+            if math.isfinite(value):
+                yield GaugeMetricFamily(f"sao_learner_{name}", f"the learner's {name.replace('_', ' ')}",
+                                        value=value)
+        monitor = GaugeMetricFamily("sao_learner_monitor", "registry monitors (scope: the learner's whole "
+                                    "window each step, or the last decided candidate's answers)",
+                                    labels=["monitor", "scope"])
+        for scope, values in (("window", window), ("candidate", candidate)):
+            for name, value in sorted(values.items()):
+                if math.isfinite(value):
+                    monitor.add_metric([name, scope], value)
+        yield monitor
+        flags = GaugeMetricFamily("sao_learner_monitor_tripped", "1 if the monitor tripped at the last decision",
+                                  labels=["monitor"])
+        for name, value in sorted(tripped.items()):
+            flags.add_metric([name], value)
+        yield flags
+        count = GaugeMetricFamily("sao_learner_count", "the learner's counters (they survive restarts)",
+                                  labels=["name"])
+        for name, value in sorted(counts.items()):
+            count.add_metric([name], value)
+        yield count
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

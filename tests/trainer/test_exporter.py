@@ -10,12 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from online_sao.modeling import load_policy
-from online_sao.schemas import Reward
-from streams.memory import InMemoryBackend
-from streams.records import publish
-from tests.trainer.test_learner_memory import _config
-from tests.trainer.traffic import sample_traffic
+from tests.trainer.test_learner_memory import _registry_rounds
 from trainer.distributed import init_distributed
 from trainer.exporter import LearnerExporter
 from trainer.learner import RunUntil, train
@@ -55,20 +50,7 @@ def test_exporter_serves_the_newest_step_and_decision(free_port):
 def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_dir, free_port):
     """The registry scenario of test_learner_memory.py (one version per step, the length monitor at 9):
     while train() runs, /metrics shows the window's monitors each step and the decision's."""
-    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
-                                               "deploy.gate_min_rollouts": 4, "deploy.gate_min_ess": 1.0,
-                                               "deploy.monitor_max_mean_length": 9.0,
-                                               "trainer.metrics_port": free_port})
-    topics = cfg.kafka.topics
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    producer = backend.producer()
-    base = load_policy(tiny_model_dir)
-    for version, length in ((0, 6), (1, 6), (2, 12), (3, 6)):
-        for interaction in sample_traffic(base, 4, prefix=f"v{version}", max_new_tokens=length):
-            interaction = interaction.model_copy(update={"versions": [version] * len(interaction.versions)})
-            publish(producer, topics.interactions, interaction)
-            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir, **{"trainer.metrics_port": free_port})
     scrapes: list[dict] = []
     step2_seen = threading.Event()
     taken = []

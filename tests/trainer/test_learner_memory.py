@@ -119,22 +119,30 @@ def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path
     assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
 
 
-def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_state(tmp_path, tiny_model_dir):
-    # one partition: records are read in the order they were logged, so each step is one round;
-    # round k is stamped as sampled by version k; round 2's answers are twice as long
-    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
-                                               "deploy.gate_min_rollouts": 4, "deploy.gate_min_ess": 1.0,
-                                               "deploy.monitor_max_mean_length": 9.0})
-    topics = cfg.kafka.topics
+def _registry_rounds(tmp_path, model_dir, **overrides):
+    """One partition, one version per step, the length monitor at 9: four rounds of 4 rewarded
+    rollouts on the broker, round k stamped as sampled by version k, round 2's answers twice as long.
+    Returns (config, backend)."""
+    cfg = _config(tmp_path, model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
+                                          "deploy.gate_min_rollouts": 4, "deploy.gate_min_ess": 1.0,
+                                          "deploy.monitor_max_mean_length": 9.0, **overrides})
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     producer = backend.producer()
-    base = load_policy(tiny_model_dir)
+    base = load_policy(model_dir)
     for version, length in ((0, 6), (1, 6), (2, 12), (3, 6)):
         for interaction in sample_traffic(base, 4, prefix=f"v{version}", max_new_tokens=length):
             interaction = interaction.model_copy(update={"versions": [version] * len(interaction.versions)})
-            publish(producer, topics.interactions, interaction)
-            publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
+            publish(producer, cfg.kafka.topics.interactions, interaction)
+            publish(producer, cfg.kafka.topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
+    return cfg, backend
+
+
+def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_state(tmp_path, tiny_model_dir):
+    # one partition: records are read in the order they were logged, so each step is one round;
+    # round k is stamped as sampled by version k; round 2's answers are twice as long
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir)
+    topics = cfg.kafka.topics
 
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 

@@ -57,6 +57,26 @@ def _learner_cfg(data_dir, db, group: str):
     return cfg
 
 
+def _live_sao_arm(tmp_path, store):
+    """A run directory (synthetic rewards) whose arm sao has a live learner's config, on a copy of
+    the template MLflow store; returns (run directory, that config)."""
+    results = tmp_path / "results"
+    write_run(results, {"sao": synthetic_rewards(3, 0)})
+    db = tmp_path / "mlflow.db"
+    shutil.copy(store, db)
+    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
+    (results / "arms" / "sao").mkdir(parents=True)
+    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    return results, cfg
+
+
+def _sao_rows(results, report_dir) -> list[list[str]]:
+    """The cells of each row of arm sao's registry table in the report written now."""
+    text = section(write_report(results, report_dir).read_text(), "Registry decisions (promotion gate and monitors)")
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| registry")]
+
+
 def test_report_shows_each_decision_of_the_arms_learner_from_mlflow(tmp_path, empty_store):  # noqa: F811
     results = tmp_path / "results"
     write_run(results, {"sao": synthetic_rewards(3, 0), "running_mean_w8": synthetic_rewards(12, 1)})
@@ -102,13 +122,7 @@ def test_report_without_live_arms_has_no_registry_section(tmp_path):
 
 
 def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_store):  # noqa: F811
-    results = tmp_path / "results"
-    write_run(results, {"sao": synthetic_rewards(3, 0)})
-    db = tmp_path / "mlflow.db"
-    shutil.copy(empty_store, db)
-    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
-    (results / "arms" / "sao").mkdir(parents=True)
-    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    results, cfg = _live_sao_arm(tmp_path, empty_store)
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
@@ -120,28 +134,16 @@ def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_
         releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0),
                          {"drift_alarm": 1.0, "drift_drop": 0.5, "drift_z": 4.0} if version == 3 else None)
 
-    text = section(write_report(results, tmp_path / "report").read_text(),
-                   "Registry decisions (promotion gate and monitors)")
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
-            if line.startswith("| ") and not line.startswith("| registry")]
+    rows = _sao_rows(results, tmp_path / "report")
     # decided at its own release: the first rollout of v3 is 4 * 3
     assert [r[1:7] for r in rows] == [["v3", "v3", "12", "12", "promoted", "drift_restart"]]
 
 
 def test_a_decision_on_the_champions_record_says_so(tmp_path, empty_store):  # noqa: F811
     """The stale-champion scenario of tests/trainer/test_deploy.py: v6 is decided against v4's record."""
-    results = tmp_path / "results"
-    write_run(results, {"sao": synthetic_rewards(3, 0)})
-    db = tmp_path / "mlflow.db"
-    shutil.copy(empty_store, db)
-    cfg = _learner_cfg(tmp_path / "data", db, "learner.synthetic.sao")
-    (results / "arms" / "sao").mkdir(parents=True)
-    (results / "arms" / "sao" / "config.yaml").write_text(dump_config(cfg))
+    results, cfg = _live_sao_arm(tmp_path, empty_store)
     _stale_champion_scenario(cfg)
 
-    text = section(write_report(results, tmp_path / "report").read_text(),
-                   "Registry decisions (promotion gate and monitors)")
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.split("### sao", 1)[1].splitlines()
-            if line.startswith("| ") and not line.startswith("| registry")]
+    rows = _sao_rows(results, tmp_path / "report")
     gates = {r[1]: (r[5], r[6]) for r in rows}
     assert gates["v6"] == ("promoted", "promoted on record") and gates["v4"] == ("promoted", "promoted")

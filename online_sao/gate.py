@@ -128,19 +128,20 @@ def snis_estimate(rewards: torch.Tensor, log_ratio: torch.Tensor,
                   clip: float | None = None) -> tuple[float, dict[str, float]]:
     """Self-normalised importance-sampling estimate of a version's expected reward.
     ``rewards`` ``[B]``, ``log_ratio`` ``[B]`` (:func:`sequence_log_ratio`).
-    Returns (estimate, metrics with ``ess`` and :func:`importance_weights`' metrics)."""
+    Returns (estimate, metrics with ``ess``, ``se`` (:func:`snis_standard_error`) and
+    :func:`importance_weights`' metrics)."""
     weights, metrics = importance_weights(log_ratio, clip)
-    value = float((weights * rewards.double()).sum() / weights.sum())
-    return value, {**metrics, "ess": effective_sample_size(weights)}
+    u = weights / weights.sum()
+    r = rewards.double()
+    value = float((u * r).sum())
+    se = float((u * (r - value)).pow(2).sum().sqrt())
+    return value, {**metrics, "ess": effective_sample_size(weights), "se": se}
 
 
 def snis_standard_error(rewards: torch.Tensor, log_ratio: torch.Tensor, clip: float | None = None) -> float:
     """Linearised standard error of :func:`snis_estimate` alone: ``sqrt(sum_i u_i^2 (r_i - V)^2)``
     with ``u = w / sum w``. ``rewards``, ``log_ratio`` ``[B]``."""
-    weights, _ = importance_weights(log_ratio, clip)
-    u = weights / weights.sum()
-    r = rewards.double()
-    return float((u * (r - (u * r).sum())).pow(2).sum().sqrt())
+    return snis_estimate(rewards, log_ratio, clip)[1]["se"]
 
 
 def paired_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,

@@ -35,7 +35,7 @@ from statistics import NormalDist
 
 import torch
 
-from online_sao.gate import GateEvidence, GateSettings, snis_estimate, snis_standard_error, verdict
+from online_sao.gate import GateEvidence, GateSettings, snis_estimate, verdict
 
 RECORD_PREFIX = "record."
 """Registry tags of a version's record."""
@@ -67,10 +67,28 @@ class ValueRecord:
                    float(tags["record.ess"]), (int(low), int(high)))
 
 
+def _meets_floors(n: int, ess: float, settings: GateSettings) -> bool:
+    """Measured well enough to decide on: ``n`` and the ESS at the gate's floors (NaN fails)."""
+    return n >= settings.min_rollouts and ess >= settings.min_ess
+
+
+def measure(rewards: torch.Tensor, log_ratio: torch.Tensor, settings: GateSettings,
+            window: tuple[int, int]) -> ValueRecord | None:
+    """A version's record measured on rollouts it was not trained on (``[B]`` rewards and its
+    sequence log-ratios), None when under the gate's floors."""
+    n = int(rewards.shape[0])
+    if n < settings.min_rollouts:
+        return None
+    value, metrics = snis_estimate(rewards, log_ratio, settings.weight_clip)
+    if not _meets_floors(n, metrics["ess"], settings):
+        return None
+    return ValueRecord(value, metrics["se"], n, metrics["ess"], window)
+
+
 def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
     """The candidate's side of a decision as a record, if it was measured well enough to decide on
     (``n`` and its ESS at the floors)."""
-    if evidence.n < settings.min_rollouts or not evidence.candidate_ess >= settings.min_ess:
+    if not _meets_floors(evidence.n, evidence.candidate_ess, settings):
         return None
     return ValueRecord(evidence.candidate_value, evidence.candidate_se, evidence.n, evidence.candidate_ess,
                        evidence.window)
@@ -79,8 +97,7 @@ def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRec
 def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
     """The champion's side of a same-window decision as its refreshed record, if measured well
     enough to decide on; None for a decision on a record (nothing new was measured)."""
-    if evidence.basis != "window" or evidence.n < settings.min_rollouts \
-            or not evidence.champion_ess >= settings.min_ess:
+    if evidence.basis != "window" or not _meets_floors(evidence.n, evidence.champion_ess, settings):
         return None
     return ValueRecord(evidence.champion_value, evidence.champion_se, evidence.n, evidence.champion_ess,
                        evidence.window)
@@ -104,7 +121,7 @@ def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tens
                             nan, nan, 0.0, record.ess, window, champion_se=record.se, basis="record",
                             record_window=record.window)
     value, metrics = snis_estimate(rewards, log_ratio_candidate, settings.weight_clip)
-    se_candidate = snis_standard_error(rewards, log_ratio_candidate, settings.weight_clip)
+    se_candidate = metrics["se"]
     diff = value - record.value
     half = NormalDist().inv_cdf((1 + settings.confidence) / 2) * math.hypot(se_candidate, record.se)
     decision, reason = verdict(n, metrics["ess"], diff - half, diff + half, settings, may_roll_back=False)

@@ -29,9 +29,8 @@ from torch import nn
 
 from online_sao.batch import Rollout, collate, rollouts_from_json, rollouts_to_json
 from online_sao.config import DeployConfig
-from online_sao.gate import (GateEvidence, GateSettings, decide, mixture_log_ratios, sequence_log_ratio,
-                             snis_estimate, snis_standard_error)
-from online_sao.gate_record import ValueRecord, champion_unscorable, decide_against_record
+from online_sao.gate import GateEvidence, GateSettings, decide, mixture_log_ratios
+from online_sao.gate_record import ValueRecord, champion_unscorable, decide_against_record, measure
 from online_sao.modeling import load_policy
 from online_sao.monitors import (dead_letter_share, mean_answer_length, mean_scores, reference_kl,
                                  repeated_ngram_share)
@@ -164,11 +163,11 @@ class StoredPolicyScorer:
         return [self._cached[r.interaction_id] for r in rollouts]
 
     def log_ratios(self, ref: WeightsRef, window: list[Rollout]) -> torch.Tensor:
-        behaviour = [torch.tensor([lp for lp, a in zip(r.logprobs, r.action_mask) if a]) for r in window]
+        """``[B]`` sum over each rollout's action tokens of ``log pi_ref - log mu``
+        (:func:`online_sao.gate.sequence_log_ratio`, one rollout at a time)."""
         own = self.version_logprobs(ref, window)
-        ratios = [sequence_log_ratio(o[None], b[None], torch.ones_like(o, dtype=torch.bool)[None])
-                  for o, b in zip(own, behaviour)]
-        return torch.cat(ratios) if ratios else torch.zeros(0)
+        behaviour = [torch.tensor([lp for lp, a in zip(r.logprobs, r.action_mask) if a]) for r in window]
+        return torch.tensor([float((o.float() - b).sum()) for o, b in zip(own, behaviour)])
 
     @torch.no_grad()
     def reference_kl(self, ref: WeightsRef, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
@@ -232,12 +231,7 @@ class OffPolicyGate:
         if len(rollouts) < self.settings.min_rollouts:
             return None
         rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
-        log_ratio = self.scorer.log_ratios(version, rollouts)
-        value, metrics = snis_estimate(rewards, log_ratio, self.settings.weight_clip)
-        if metrics["ess"] < self.settings.min_ess:
-            return None
-        return ValueRecord(value, snis_standard_error(rewards, log_ratio, self.settings.weight_clip), len(rollouts),
-                           metrics["ess"], versions_of(rollouts))
+        return measure(rewards, self.scorer.log_ratios(version, rollouts), self.settings, versions_of(rollouts))
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ class Releases:
     it rolled back, registers this version as the next candidate."""
 
     def __init__(self, publisher: Publisher, tracker: RunTracker, gate: OffPolicyGate, window: RecentWindow,
-                 cfg: DeployConfig, register_every: int, reference: ReferenceScorer | None = None) -> None:
+                 cfg: DeployConfig, register_every: int, reference: ReferenceScorer | None = None,
+                 on_decision: Callable[[dict[str, float], list[str]], None] | None = None) -> None:
         if cfg.monitor_max_kl is not None and reference is None:
             raise ValueError("deploy.monitor_max_kl needs a reference scorer")
         self.reference = reference
@@ -121,7 +122,7 @@ class Releases:
         self.window = window
         self.cfg = cfg
         self.register_every = register_every
-        self.on_decision: Callable[[dict[str, float], list[str]], None] | None = None
+        self.on_decision = on_decision
         """Told the monitors' values and the tripped ones at each decision (the learner's exporter)."""
 
     def release(self, state: dict[str, torch.Tensor], version: int, step: int, metrics: dict[str, float],

@@ -92,17 +92,17 @@ class RankZero:
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
                     group_size, stop)
-        scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-        releases = Releases(publisher, tracker, OffPolicyGate(scorer, cfg.deploy), window, cfg.deploy,
-                            cfg.mlflow.register_every,
-                            reference=scorer if cfg.deploy.monitor_max_kl is not None else None)
-        checkpointer.pinned_versions = releases.pinned_versions()
-        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
         port = cfg.trainer.metrics_port
         exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
         if exporter is not None:
             log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
-            releases.on_decision = exporter.decision
+        scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
+        releases = Releases(publisher, tracker, OffPolicyGate(scorer, cfg.deploy), window, cfg.deploy,
+                            cfg.mlflow.register_every,
+                            reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
+                            on_decision=None if exporter is None else exporter.decision)
+        checkpointer.pinned_versions = releases.pinned_versions()
+        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
         return cls(checkpointer, feed, releases, tracker, producer, counters, segments, exporter)
 
     def progress(self, at: Position) -> Progress:

@@ -158,6 +158,11 @@ class AlgorithmConfig(Section):
     drifting-style scenario (8 seeds, docs/EXPERIMENTS.md section 6) no order changed the reward
     measurably, and ``judge_then_fit`` kept advantages 1.5x larger than ``fit_then_judge`` at no
     extra cost (``replay_then_judge`` costs K updates on the whole window per step)."""
+    critic_after_metrics: bool = False
+    """Under ``critic_order: judge_then_fit``, also report ``value_loss_after`` and
+    ``explained_variance_after`` (the critic on the step's rollouts after its K updates): one more
+    critic forward per step, which the step's own values do not need (a quarter of the critic's
+    forward work at K = 2). The other orders report them always: their advantages use those values."""
     critic_replay_rollouts: int = Field(16, ge=1)
     """Size, in rollouts, of the window of recent already-trained rollouts that
     ``critic_order: replay_then_judge`` fits the critic on (each update is one full-batch

@@ -11,6 +11,11 @@ targets) fit their own outcomes and shrink their advantages toward zero. Three o
   step's), then the batch's values; the caller adds the batch to the window once its step
   is applied (:meth:`ReplayWindow.add`). An empty window (the first step) updates nothing.
 
+Where the K updates fit the step's own batch, their first forward runs on that batch with the
+critic as it stands: its values (``FitOutcome.first_values``) are the batch's values before the
+step, so no separate forward computes them. The values after the updates cost one more forward;
+``judge_then_fit`` uses them only for metrics and computes them when ``measure_after`` asks.
+
 :func:`order_critic_updates` is the order alone: the K updates and the critic's forward are
 passed in, so the order can be checked with any critic.
 """
@@ -44,6 +49,9 @@ class FitOutcome:
     """Updates applied."""
     metrics: dict[str, float]
     """The fitter's own metrics (loss of the first update on the data it fit, gradient norms)."""
+    first_values: torch.Tensor
+    """``[B, T]`` values of the fitted batch from the first update's forward, i.e. from the critic
+    before any update, detached (given even when that update was refused)."""
 
 
 @dataclass
@@ -67,19 +75,22 @@ Evaluate = Callable[[RolloutBatch], torch.Tensor]
 
 
 def order_critic_updates(order: CriticOrder, batch: RolloutBatch, fit: Fit, evaluate: Evaluate,
-                         window: RolloutBatch | None = None) -> CriticPass:
+                         window: RolloutBatch | None = None, measure_after: bool = True) -> CriticPass:
     """Run ``fit`` and ``evaluate`` in ``order``; ``window`` is replay_then_judge's data
-    (None or ignored otherwise). A refused fit leaves ``used`` and ``after`` None."""
-    before = evaluate(batch)
+    (None or ignored otherwise). A refused fit leaves ``used`` and ``after`` None.
+    ``measure_after``: under ``judge_then_fit``, evaluate the batch after the updates for
+    ``after`` (metrics only; None otherwise). The other orders always do: their ``used`` is it."""
     if order == "judge_then_fit":
         outcome = fit(batch)
-        after = evaluate(batch) if outcome.stepped else None
+        before = outcome.first_values
+        after = evaluate(batch) if outcome.stepped and measure_after else None
         return CriticPass(before, before if outcome.stepped else None, after, outcome)
     if order == "fit_then_judge":
         outcome = fit(batch)
         after = evaluate(batch) if outcome.stepped else None
-        return CriticPass(before, after, after, outcome)
+        return CriticPass(outcome.first_values, after, after, outcome)
     if order == "replay_then_judge":
+        before = evaluate(batch)
         if window is None:
             return CriticPass(before, before, before, None)
         outcome = fit(window)

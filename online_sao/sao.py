@@ -52,7 +52,8 @@ class SAO(ActorCritic):
         explained_variance and value_mean (critic before any update of this step, on this
         batch: out-of-sample whatever the order), value_loss_used and
         explained_variance_used (the values the advantages use), value_loss_after and
-        explained_variance_after (critic after this step's updates), critic_fit_loss (first
+        explained_variance_after (critic after this step's updates; under ``judge_then_fit`` only
+        with ``critic_after_metrics``), critic_fit_loss (first
         update's loss on the data it fit), critic_grad_norm (mean over the K updates),
         critic_updates_done, critic_lr, replay_window (rollouts in it), shrinkage_alpha,
         shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), policy_grad_norm
@@ -67,7 +68,7 @@ class SAO(ActorCritic):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}
         window = self.window.batch() if self.cfg.critic_order == "replay_then_judge" else None
         judged = order_critic_updates(self.cfg.critic_order, batch, lambda b: self._fit(b, timer),
-                                      lambda b: self._values(b, timer), window)
+                                      lambda b: self._values(b, timer), window, self.cfg.critic_after_metrics)
         with timer.phase("arithmetic"):
             metrics.update(self._critic_metrics(batch, judged))
         if judged.used is None:
@@ -101,10 +102,11 @@ class SAO(ActorCritic):
 
     def _fit(self, batch: RolloutBatch, timer: PhaseTimer) -> FitOutcome:
         """``cfg.critic_updates`` guarded value-loss updates toward ``batch``'s targets."""
-        cfg, norms, first_loss = self.cfg, [], math.nan
+        cfg, norms, first_loss, first_values = self.cfg, [], math.nan, None
         for update in range(cfg.critic_updates):
             with timer.phase("critic_forward"):
                 values = self.critic(batch.input_ids, batch.attention_mask)
+            first_values = values.detach() if update == 0 else first_values
             with timer.phase("arithmetic"):
                 _, targets = skip_observation_gae(batch.rewards, values, batch.action_mask, cfg.gamma,
                                                   cfg.lambda_critic)
@@ -116,9 +118,9 @@ class SAO(ActorCritic):
             norms.append(result.grad_norm)
             if not result.stepped:
                 return FitOutcome(False, update, {"critic_grad_norm": result.grad_norm,
-                                                  "critic_fit_loss": first_loss})
+                                                  "critic_fit_loss": first_loss}, first_values)
         return FitOutcome(True, cfg.critic_updates, {"critic_grad_norm": sum(norms) / len(norms),
-                                                     "critic_fit_loss": first_loss})
+                                                     "critic_fit_loss": first_loss}, first_values)
 
     def _critic_metrics(self, batch: RolloutBatch, judged: CriticPass) -> dict[str, float]:
         """Value loss and explained variance of each set of values against this batch's targets."""

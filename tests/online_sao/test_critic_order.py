@@ -48,14 +48,15 @@ class MemorisingCritic:
         return tuple(batch.input_ids[b][batch.attention_mask[b]].tolist())
 
     def fit(self, batch) -> FitOutcome:
+        first_values = self.evaluate(batch)  # what the first update's forward sees
         if self.refuse:
-            return FitOutcome(stepped=False, updates_done=0, metrics={})
+            return FitOutcome(stepped=False, updates_done=0, metrics={}, first_values=first_values)
         returns = _returns(batch)
         keys = [self._key(batch, b) for b in range(batch.batch_size)]
         for b, key in enumerate(keys):
             self.memory[key] = returns[b]
         self.fitted.append(keys)
-        return FitOutcome(stepped=True, updates_done=2, metrics={})
+        return FitOutcome(stepped=True, updates_done=2, metrics={}, first_values=first_values)
 
     def evaluate(self, batch) -> torch.Tensor:
         rows = [self.memory.get(self._key(batch, b), PRIOR_VALUE * batch.action_mask[b].float())
@@ -84,6 +85,16 @@ def test_judge_then_fit_judges_with_the_critic_as_it_stood():
                                torch.tensor([0.75, 0.75, -1.25, -1.25]))
     assert critic.fitted == [[MemorisingCritic._key(batch, 0), MemorisingCritic._key(batch, 1)]]
     torch.testing.assert_close(result.after, _returns(batch))  # the fit happened, after the judging
+
+
+def test_judge_then_fit_needs_no_forward_of_its_own_without_the_after_metrics():
+    batch, critic = _batch(1), MemorisingCritic()
+    evaluated = []
+    evaluate = lambda b: evaluated.append(b) or critic.evaluate(b)  # noqa: E731
+    result = order_critic_updates("judge_then_fit", batch, critic.fit, evaluate, measure_after=False)
+    assert evaluated == [] and result.after is None
+    # the values judged are the fit's first forward's: the critic before its updates
+    torch.testing.assert_close(_advantages(batch, result.used), torch.tensor([0.75, 0.75, -1.25, -1.25]))
 
 
 def test_replay_then_judge_fits_the_window_not_the_batch():

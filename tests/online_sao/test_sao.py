@@ -60,7 +60,7 @@ def test_one_step_raises_the_probability_of_the_rewarded_continuation(tiny_qwen)
 
 
 def test_step_metrics(tiny_qwen):
-    algo = make_sao(tiny_qwen)
+    algo = make_sao(tiny_qwen, critic_after_metrics=True)
     batch = make_batch(tiny_qwen, temperature=0.7, versions=(3, 5), policy_version=5)
     metrics = algo.step(batch)
     expected = {"policy_loss", "value_loss", "value_loss_after", "explained_variance", "kept_frac",

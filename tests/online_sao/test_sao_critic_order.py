@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
+from online_sao.losses import value_loss
 from tests.online_sao.test_sao import make_batch, make_sao
 
 
@@ -14,6 +15,10 @@ def _adv_mean(critic, batch, cfg):
     """Mean advantage over action tokens from ``critic``'s values, computed here from scratch."""
     with torch.no_grad():
         values = critic(batch.input_ids, batch.attention_mask)
+    return _adv_mean_of(values, batch, cfg)
+
+
+def _adv_mean_of(values, batch, cfg):
     lam = length_adaptive_lambda(batch.action_mask.sum(dim=1), cfg.lambda_alpha)
     advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, cfg.gamma, lam)
     return float(advantages[batch.action_mask].mean())
@@ -32,7 +37,7 @@ def _rewarded_batch(policy):
 
 
 def test_judge_then_fit_judges_with_the_critic_before_its_updates(tiny_qwen):
-    algo = make_sao(tiny_qwen, critic_order="judge_then_fit")
+    algo = make_sao(tiny_qwen, critic_order="judge_then_fit", critic_after_metrics=True)
     batch = _rewarded_batch(tiny_qwen)
     critic_before = copy.deepcopy(algo.critic)
     metrics = algo.step(batch)
@@ -86,9 +91,43 @@ def test_a_refused_step_does_not_join_the_replay_window(tiny_qwen):
 
 @pytest.mark.parametrize("order", ["fit_then_judge", "judge_then_fit", "replay_then_judge"])
 def test_every_order_reports_the_critic_before_used_and_after(tiny_qwen, order):
-    algo = make_sao(tiny_qwen, critic_order=order)
+    algo = make_sao(tiny_qwen, critic_order=order, critic_after_metrics=True)
     algo.step(_rewarded_batch(tiny_qwen))  # gives replay_then_judge something to replay
     metrics = algo.step(make_batch(tiny_qwen, rewards=(0.5, -0.5)))
     for name in ("value_loss", "value_loss_used", "value_loss_after", "explained_variance",
                  "explained_variance_used", "explained_variance_after", "critic_fit_loss", "critic_grad_norm"):
         assert isinstance(metrics[name], float), name
+
+
+def _counting_forwards(critic):
+    calls = []
+    critic.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize(("order", "after_metrics", "forwards"), [
+    ("judge_then_fit", False, 2),  # K = 2 updates; the first one's forward gives the values judged
+    ("judge_then_fit", True, 3),  # ... and one more for the metrics after the updates
+    ("fit_then_judge", False, 3),  # the values used are those after the updates: always measured
+])
+def test_the_step_runs_the_critic_only_as_often_as_its_order_needs(tiny_qwen, order, after_metrics, forwards):
+    algo = make_sao(tiny_qwen, critic_order=order, critic_after_metrics=after_metrics)
+    calls = _counting_forwards(algo.critic)
+    metrics = algo.step(_rewarded_batch(tiny_qwen))
+    assert len(calls) == forwards
+    assert ("value_loss_after" in metrics) == (after_metrics or order != "judge_then_fit")
+
+
+def test_the_values_judged_are_the_critics_before_the_step_without_a_forward_of_their_own(tiny_qwen):
+    """judge_then_fit takes the batch's values from the first update's forward: they must be what a
+    separate no-grad forward of the critic before the step gives."""
+    algo = make_sao(tiny_qwen, critic_order="judge_then_fit")
+    batch = _rewarded_batch(tiny_qwen)
+    with torch.no_grad():
+        before = algo.critic(batch.input_ids, batch.attention_mask)
+    mask = batch.action_mask
+    _, targets = skip_observation_gae(batch.rewards, before, mask, algo.cfg.gamma, algo.cfg.lambda_critic)
+    expected, _ = value_loss(before, targets, mask, batch.token_normalizer)
+    metrics = algo.step(batch)
+    assert metrics["value_loss"] == pytest.approx(float(expected), rel=1e-6)
+    assert metrics["adv_mean"] == pytest.approx(_adv_mean_of(before, batch, algo.cfg), abs=1e-6)

@@ -72,8 +72,10 @@ VOCAB = 64
 PAD_ID = 0
 ROLLOUTS_PER_STEP = 6
 MODEL_SEED = 0
-REGULARIZED = {"kl_beta": 0.1, "kl_reference": "ema", "kl_ema_rate": 0.5, "entropy_alpha": 0.01}
-"""The section-3b terms, on: the reference is sharded, run and moved like the policy."""
+REGULARIZED = {"kl_beta": 0.1, "kl_reference": "ema", "kl_ema_rate": 0.5, "entropy_alpha": 0.01,
+               "critic_after_metrics": True}
+"""The section-3b terms, on: the reference is sharded, run and moved like the policy; and the critic's
+values after its updates, so the updated critic's loss is compared across ranks too."""
 
 
 def tiny_policy(seed: int) -> Qwen2ForCausalLM:

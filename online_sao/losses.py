@@ -203,22 +203,26 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask:
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
+def nucleus_entropy(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[n]`` entropy of the sampling distribution of each of ``[n, V]`` logits (temperature and
+    top-p ``[n]``; over the nucleus when ``top_p < 1``). Differentiable in ``logits``."""
+    logp = nucleus_logprobs(logits, temperature.to(logits.device), top_p.to(logits.device))
+    # outside the nucleus p = 0: its term is 0, and -inf must not meet 0 (0 * -inf is not a number)
+    return -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(dim=-1)
+
+
 def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` entropy of the sampling distribution of each action token, 0 elsewhere.
 
     Aligned as :func:`token_logprobs` (``temperature`` and ``top_p`` ``[B, T]`` likewise): position
-    ``t`` holds the entropy of :func:`online_sao.sampling.nucleus_logprobs` of ``logits_{t-1}``, the
-    distribution ``x_t`` was drawn from (over the nucleus when ``top_p < 1``). Only action positions
-    are gathered before the softmax, so the float32 log-probabilities take ``[action tokens, V]``,
-    not ``[B, T, V]``. Differentiable in ``logits``.
+    ``t`` holds :func:`nucleus_entropy` of ``logits_{t-1}``, the distribution ``x_t`` was drawn
+    from. Only action positions are gathered before the softmax, so the float32
+    log-probabilities take ``[action tokens, V]``, not ``[B, T, V]``. Differentiable in ``logits``.
     """
     predicting = action_mask[:, 1:]  # logits at t - 1 predict token t
-    picked = logits[:, :-1][predicting]  # [n, V]
-    logp = nucleus_logprobs(picked, temperature[:, 1:][predicting].to(logits.device),
-                            top_p[:, 1:][predicting].to(logits.device))
-    # outside the nucleus p = 0: its term is 0, and -inf must not meet 0 (0 * -inf is not a number)
-    entropy = -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(dim=-1)
+    entropy = nucleus_entropy(logits[:, :-1][predicting], temperature[:, 1:][predicting],
+                              top_p[:, 1:][predicting])
     rows, cols = predicting.nonzero(as_tuple=True)
     out = torch.zeros(action_mask.shape, dtype=entropy.dtype, device=logits.device)
     return out.index_put((rows, cols + 1), entropy)

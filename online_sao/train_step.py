@@ -26,43 +26,70 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from online_sao.batch import RolloutBatch, pack_layout, padded_share
-from online_sao.losses import action_entropy, token_logprobs
+from online_sao.losses import action_entropy, nucleus_entropy, token_logprobs
+from online_sao.sampling import sampled_logprobs
+
+
+PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral"})
+"""``config.model_type`` of the causal LMs whose logits are exactly ``lm_head(last hidden state)``
+(no soft-capping or scaling after the head): for these the head runs only where an action token
+is predicted (:func:`policy_forward`)."""
 
 
 def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass of ``policy`` on the batch: ``(log-probs [B, T], entropy [B, T] or None)``.
 
-    The log-probs are those of the batch's tokens, each under the distribution its token was
-    sampled from (temperature and top-p nucleus, as the engine defines it; SAO.md section 1),
-    aligned as in :mod:`online_sao.batch`, 0 on padding. With
-    ``with_entropy`` the entropy of each action token's sampling distribution comes from the
-    same logits (:func:`~online_sao.losses.action_entropy`; 0 off action tokens).
+    The log-probs are those of the batch's action tokens, each under the distribution its token
+    was sampled from (temperature and top-p nucleus, as the engine defines it; SAO.md section 1),
+    aligned as in :mod:`online_sao.batch`, 0 off action tokens. With ``with_entropy`` the
+    entropy of each action token's sampling distribution comes from the same logits
+    (:func:`~online_sao.losses.nucleus_entropy`; 0 off action tokens).
 
     ``packed``: run the policy on the batch packed without padding
-    (:class:`~online_sao.batch.PackedLayout`); the same values, to float
-    rounding, as the padded run (``packed=False``) on every real token."""
+    (:class:`~online_sao.batch.PackedLayout`), the LM head only at the positions that predict an
+    action token where :func:`_predicting_logits` can; the same values, to float rounding, as
+    the padded run (``packed=False``)."""
     if not packed:
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures, batch.top_ps) * batch.attention_mask
+        logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures, batch.top_ps) * batch.action_mask
         entropy = action_entropy(logits, batch.action_mask, batch.temperatures, batch.top_ps) if with_entropy else None
         return logprobs, entropy
     layout = pack_layout(batch.attention_mask)
     ids = layout.pack(batch.input_ids)
-    logits = policy(input_ids=ids, position_ids=layout.position_ids, use_cache=False).logits
-    temperatures = layout.pack(batch.temperatures.to(ids.device), fill=1.0)
-    top_ps = layout.pack(batch.top_ps.to(ids.device), fill=1.0)
-    # a rollout's first token has no prediction of its own in the row: its entry (the previous rollout's
-    # last logits scoring it) is zeroed, as position 0 of a padded row is
+    # the logits at t - 1 predict token t; a rollout's first token has no prediction of its own in
+    # the row (the previous rollout's last logits sit before it), so it gets none, as in a padded row
     starts = layout.position_ids == 0
-    logprobs = layout.unpack(token_logprobs(logits, ids, temperatures, top_ps).masked_fill(starts, 0.0))
-    if not with_entropy:
-        return logprobs, None
-    # an action token is never a rollout's first: the logits before it are its own rollout's
-    actions = layout.pack(batch.action_mask, fill=False)
-    return logprobs, layout.unpack(action_entropy(logits, actions, temperatures, top_ps))
+    predicting = (layout.pack(batch.action_mask, fill=False) & ~starts)[:, 1:]
+    logits = _predicting_logits(policy, ids, layout.position_ids, predicting)  # [n, V]
+    temperatures = layout.pack(batch.temperatures.to(ids.device), fill=1.0)[:, 1:][predicting]
+    top_ps = layout.pack(batch.top_ps.to(ids.device), fill=1.0)[:, 1:][predicting]
+    rows, cols = predicting.nonzero(as_tuple=True)
+
+    def placed(values: torch.Tensor) -> torch.Tensor:  # [n] -> [B, T], 0 elsewhere
+        zeros = torch.zeros(ids.shape, dtype=values.dtype, device=ids.device)
+        return layout.unpack(zeros.index_put((rows, cols + 1), values))
+
+    logprobs = placed(sampled_logprobs(logits, ids[:, 1:][predicting], temperatures, top_ps))
+    return logprobs, placed(nucleus_entropy(logits, temperatures, top_ps)) if with_entropy else None
+
+
+def _predicting_logits(policy: nn.Module, ids: torch.Tensor, position_ids: torch.Tensor,
+                       predicting: torch.Tensor) -> torch.Tensor:
+    """``[n, V]`` logits at the packed positions ``predicting`` ``[R, C - 1]`` marks.
+
+    A policy of a family in :data:`PLAIN_HEAD_MODEL_TYPES` held by one process runs its LM head
+    on those positions only (prompts' logits are never made: less work, and no ``[R, C, V]``
+    tensor, which for a large vocabulary is most of the step's memory). A model sharded with
+    FSDP2 runs whole: its head's weights are gathered by the root module's forward, which a call
+    of its parts would bypass; so does any other family (its forward may change the logits)."""
+    if isinstance(policy, FSDPModule) or getattr(policy.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return policy(input_ids=ids, position_ids=position_ids, use_cache=False).logits[:, :-1][predicting]
+    hidden = policy.base_model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    return policy.get_output_embeddings()(hidden[:, :-1][predicting])
 
 
 def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:

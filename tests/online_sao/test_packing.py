@@ -13,7 +13,8 @@ from online_sao.batch import Rollout, collate, pack_layout, padded_share
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.losses import dis_policy_loss, value_loss
-from online_sao.train_step import policy_logprobs
+from online_sao import train_step
+from online_sao.train_step import policy_forward, policy_logprobs
 
 VOCAB = 97
 LENGTHS = [5, 2, 3, 7, 1]
@@ -166,3 +167,34 @@ def test_packed_and_padded_logprobs_agree_under_top_p():
     assert outside.any() and (~outside & batch.action_mask).any()
     assert torch.equal(torch.isneginf(packed), outside)
     torch.testing.assert_close(packed[~outside], padded[~outside], atol=ATOL, rtol=RTOL)
+
+
+def test_the_lm_head_runs_only_where_an_action_token_is_predicted(monkeypatch):
+    """The plain-head path gives the whole model's log-probs, entropies and gradients, with the head
+    run on one position per action token; a family outside PLAIN_HEAD_MODEL_TYPES runs whole."""
+    policy = qwen2(3)
+    batch = ragged_batch(policy, [3, 17, 6, 11, 4, 9, 2, 15], top_ps=(1.0, 0.8))
+    head_rows = []
+    policy.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+
+    def run():
+        logprobs, entropy = policy_forward(policy, batch, with_entropy=True)
+        finite = torch.where(torch.isfinite(logprobs), logprobs, 0.0)
+        grads = torch.autograd.grad(finite.sum() + entropy.sum(), list(policy.parameters()))
+        return logprobs.detach(), entropy.detach(), grads
+
+    selective = run()
+    assert head_rows == [int(batch.action_mask.sum())]
+    monkeypatch.setattr(train_step, "PLAIN_HEAD_MODEL_TYPES", frozenset())
+    head_rows.clear()
+    whole = run()
+    layout = pack_layout(batch.attention_mask)
+    assert head_rows == [layout.rows * layout.capacity]
+    assert torch.equal(torch.isneginf(selective[0]), torch.isneginf(whole[0]))
+    assert (selective[0][~batch.action_mask] == 0).all() and (selective[1][~batch.action_mask] == 0).all()
+    kept = torch.isfinite(whole[0])
+    torch.testing.assert_close(selective[0][kept], whole[0][kept], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(selective[1], whole[1], atol=ATOL, rtol=RTOL)
+    for got, want in zip(selective[2], whole[2]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -121,12 +121,12 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     torch.manual_seed(tcfg.seed)
     models = build_models(cfg, ctx)                              # policy, critic, optimisers, learning rule
     at, rank0 = resume(cfg, backend, models, ctx, until.stop)    # newest checkpoint; rank 0's outside world
-    if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
-        pretrain_on_logged(cfg, backend, models, at.version, rank0, ctx)
-    if rank0 is not None:
-        rank0.feed.start(backend)                                # join the consumer group at the offsets
     status, laps = "FAILED", Laps()
-    try:
+    try:  # from here on a failure still ends the MLflow run and frees the consumers and the metrics port
+        if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
+            pretrain_on_logged(cfg, backend, models, at.version, rank0, ctx)
+        if rank0 is not None:
+            rank0.feed.start(backend)                            # join the consumer group at the offsets
         while True:
             taken = next_rollouts(rank0, at, until, ctx, before_step)   # 1-2: read, join, decide
             if taken.stop:

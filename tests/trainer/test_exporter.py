@@ -8,11 +8,13 @@ import time
 import urllib.request
 
 import pytest
+from mlflow import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.trainer.test_learner_memory import _registry_rounds
 from trainer.distributed import init_distributed
 from trainer.exporter import LearnerExporter
+from trainer import learner
 from trainer.learner import RunUntil, train
 
 
@@ -87,3 +89,23 @@ def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_di
     assert seen[("sao_learner_count", (("name", "rollbacks"),))] == 0.0
     with pytest.raises(OSError):
         _scrape(free_port)  # train() closed it
+
+
+def test_a_failing_value_pretraining_still_ends_the_run_and_frees_the_port(tmp_path, tiny_model_dir, free_port,
+                                                                          monkeypatch):
+    """Pre-training runs inside the loop's cleanup: its error propagates, and the MLflow run is marked
+    FAILED and the metrics port closed, as for a failure in a step."""
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir, **{"trainer.metrics_port": free_port})
+
+    def broken(*args, **kwargs):
+        _scrape(free_port)  # the exporter is up by now (nothing trained yet)
+        raise RuntimeError("logged rollouts unreadable")
+
+    monkeypatch.setattr(learner, "pretrain_on_logged", broken)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        train(cfg, backend, init_distributed(), RunUntil(max_steps=3), pretrain_critic=True)
+    with pytest.raises(OSError):
+        _scrape(free_port)
+    client = MlflowClient(cfg.mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]

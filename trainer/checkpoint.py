@@ -201,7 +201,7 @@ class Checkpointer:
         pinned = set(self._pinned().values())
         for _, old in self.checkpoints()[:-self.keep]:
             if old not in pinned:
-                shutil.rmtree(old)
+                _remove(old, self.root)
         return final
 
     def _pinned(self) -> dict[int, Path]:
@@ -262,6 +262,17 @@ class Checkpointer:
             size = fh.tell()
         self._unsaved_ledger.clear()
         return size
+
+
+def _remove(checkpoint: Path, root: Path) -> None:
+    """Delete a committed checkpoint so that a kill at any moment leaves it whole or gone: renamed
+    out of the ``step-*`` names first (atomic), then deleted; :meth:`Checkpointer.resume` removes
+    a ``.tmp-*`` directory left behind. Deleting it in place could leave a ``step-*`` directory
+    without its meta.json, which the next start would read as a checkpoint."""
+    doomed = root / f".tmp-{uuid.uuid4().hex}"
+    os.rename(checkpoint, doomed)
+    fsync_dir(root)
+    shutil.rmtree(doomed)
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

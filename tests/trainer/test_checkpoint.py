@@ -132,3 +132,29 @@ def test_flatten_keeps_int_keys_and_refuses_objects():
     assert back["state"][0]["step"].item() == 3.0 and back["groups"][0]["betas"] == [0.9, 0.99]
     with pytest.raises(TypeError, match="object"):
         flatten_tensors({"x": object()}, {})
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """Pruning renames a checkpoint out of the step-* names before deleting it: killed mid-delete
+    (here: rmtree removes meta.json, then the process dies), the next start finds whole checkpoints
+    only, and saves and prunes on."""
+    import trainer.checkpoint as checkpoint_module
+
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save(Checkpoint(_state(step), models={"policy": {"w": torch.full((2,), float(step))}}, optimizers={}))
+
+    def killed_mid_delete(path):
+        (path / "meta.json").unlink()
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_mid_delete)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(Checkpoint(_state(3), models={"policy": {"w": torch.full((2,), 3.0)}}, optimizers={}))
+    monkeypatch.undo()
+
+    again = Checkpointer(tmp_path)
+    assert again.resume().state.step == 3
+    assert [s for s, _ in again.checkpoints()] == [2, 3] and not list(tmp_path.glob(".tmp-*"))
+    again.save(Checkpoint(_state(4), models={"policy": {"w": torch.full((2,), 4.0)}}, optimizers={}))
+    assert [s for s, _ in again.checkpoints()] == [3, 4]

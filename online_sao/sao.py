@@ -106,7 +106,8 @@ class SAO(ActorCritic):
         for update in range(cfg.critic_updates):
             with timer.phase("critic_forward"):
                 values = self.critic(batch.input_ids, batch.attention_mask)
-            first_values = values.detach() if update == 0 else first_values
+            if update == 0:  # the critic as it stands: the batch's values before the step
+                first_values = values.detach()
             with timer.phase("arithmetic"):
                 _, targets = skip_observation_gae(batch.rewards, values, batch.action_mask, cfg.gamma,
                                                   cfg.lambda_critic)

@@ -47,6 +47,8 @@ from streams.base import TopicPartition
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
 LEDGER_FILE = "ledger.jsonl"
+SCRATCH_PREFIX = ".tmp-"
+"""Names of directories a checkpoint is written in or deleted from; resume removes any left behind."""
 _TENSOR_TAG = "__tensor__"
 _MAP_TAG = "__map__"
 
@@ -180,7 +182,7 @@ class Checkpointer:
         if final.exists():
             raise FileExistsError(f"{final} already exists: steps must increase across checkpoints")
         ckpt.state.ledger_bytes = self._append_ledger()
-        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp = _scratch(self.root)
         tmp.mkdir()
         written = []
         for name, state in ckpt.models.items():
@@ -238,7 +240,7 @@ class Checkpointer:
     def resume(self) -> Checkpoint | None:
         """Load the newest checkpoint and make the ledger agree with it: lines written
         after it (by steps it does not cover) are cut off, unfinished temp dirs removed."""
-        for path in self.root.glob(".tmp-*"):
+        for path in self.root.glob(f"{SCRATCH_PREFIX}*"):
             shutil.rmtree(path)
         self._unsaved_ledger.clear()
         ckpt = self.load_latest()
@@ -264,12 +266,16 @@ class Checkpointer:
         return size
 
 
+def _scratch(root: Path) -> Path:
+    return root / f"{SCRATCH_PREFIX}{uuid.uuid4().hex}"
+
+
 def _remove(checkpoint: Path, root: Path) -> None:
     """Delete a committed checkpoint so that a kill at any moment leaves it whole or gone: renamed
     out of the ``step-*`` names first (atomic), then deleted; :meth:`Checkpointer.resume` removes
     a ``.tmp-*`` directory left behind. Deleting it in place could leave a ``step-*`` directory
     without its meta.json, which the next start would read as a checkpoint."""
-    doomed = root / f".tmp-{uuid.uuid4().hex}"
+    doomed = _scratch(root)
     os.rename(checkpoint, doomed)
     fsync_dir(root)
     shutil.rmtree(doomed)

@@ -16,6 +16,7 @@ mask, and unpack the outputs into ``[B, T]`` again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -181,14 +182,14 @@ def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Where the rollouts of a right-padded ``[B, T]`` batch sit when packed into ``R`` rows of ``T`` tokens.
+    """Where the rollouts of a right-padded ``[B, T]`` batch sit when packed into ``R`` rows of ``C`` tokens.
 
     Rollouts are placed first-fit in order of decreasing length, each whole and
     contiguous inside one row, so a row holds several short rollouts where the
-    padded batch held one. The rows keep the batch's length ``T`` (the longest
-    rollout): attention over a row then costs no more than over a padded one,
-    while the per-token work (projections, MLP, LM head) shrinks with the
-    padding. A model run on :meth:`pack`\ ed ids with :attr:`position_ids`
+    padded batch held one. The rows are as long as the longest rollout, or a
+    little longer where that saves whole rows without more attention work
+    (:func:`row_capacity`), so the per-token work (projections, MLP, LM head)
+    shrinks with the padding and attention costs no more. A model run on :meth:`pack`\ ed ids with :attr:`position_ids`
     (each rollout counting from 0), no attention mask and no cache sees each
     rollout alone: transformers builds the block-diagonal causal mask from the
     restarts of the positions (its packed-sequence format).
@@ -197,7 +198,7 @@ class PackedLayout:
     rows: int
     """R: packed rows."""
     capacity: int
-    """T: tokens per row, the longest rollout."""
+    """C: tokens per row, at least the longest rollout (:func:`row_capacity`)."""
     batch_index: torch.Tensor
     """[N] long: the rollout of each real token (N real tokens in the batch)."""
     token_index: torch.Tensor
@@ -207,7 +208,7 @@ class PackedLayout:
     packed_col: torch.Tensor
     """[N] long: its position in that row."""
     position_ids: torch.Tensor
-    """[R, T] long: each real token's position in its rollout; 0 on the padding that ends a row (each
+    """[R, C] long: each real token's position in its rollout; 0 on the padding that ends a row (each
     padding token then forms a sequence of its own and attends only to itself)."""
     batch_shape: tuple[int, int]
     """(B, T) of the padded batch."""
@@ -222,13 +223,13 @@ class PackedLayout:
         return 1.0 - self.real_tokens / (self.rows * self.capacity)
 
     def pack(self, padded: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
-        """``[B, T, ...]`` -> ``[R, T, ...]``: each real token's entry moved to its packed place, ``fill`` elsewhere."""
+        """``[B, T, ...]`` -> ``[R, C, ...]``: each real token's entry moved to its packed place, ``fill`` elsewhere."""
         out = padded.new_full((self.rows, self.capacity, *padded.shape[2:]), fill)
         out[self.packed_row, self.packed_col] = padded[self.batch_index, self.token_index]
         return out
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """``[R, T, ...]`` -> ``[B, T, ...]``: each real token's entry back in its rollout, 0 on padding.
+        """``[R, C, ...]`` -> ``[B, T, ...]``: each real token's entry back in its rollout, 0 on padding.
         Differentiable: gradients flow to the packed entries of real tokens only."""
         out = packed.new_zeros((*self.batch_shape, *packed.shape[2:]))
         return out.index_put((self.batch_index, self.token_index), packed[self.packed_row, self.packed_col])
@@ -239,8 +240,62 @@ def padded_share(attention_mask: torch.Tensor) -> float:
     return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1)
 
 
+ATTENTION_BUDGET_TRIALS = 48
+"""First-fit passes the row-length search may spend per batch. It runs in Python on every step;
+for the 16-64 rollouts of a step it needs a handful, and on a batch so large that it would need
+more, the layout at the longest rollout's length stands."""
+
+
+def _first_fit(sizes: list[int], capacity: int) -> tuple[int, list[int], list[int]]:
+    """First-fit by decreasing length into rows of ``capacity`` tokens: (rows, row of each, offset in its row)."""
+    free: list[int] = []  # tokens left in each packed row
+    row_of, offset_of = [0] * len(sizes), [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        row = next((r for r, room in enumerate(free) if room >= sizes[i]), len(free))
+        if row == len(free):
+            free.append(capacity)
+        row_of[i], offset_of[i] = row, capacity - free[row]
+        free[row] -= sizes[i]
+    return len(free), row_of, offset_of
+
+
+def row_capacity(sizes: list[int]) -> int:
+    """Row length for packing rollouts of these lengths: the one with the fewest packed slots
+    (rows x length) among lengths whose attention work (rows x length^2) is no more than that of
+    rows as long as the longest rollout.
+
+    Rows exactly as long as the longest rollout leave the last rows' slack as padding (about 10%
+    of the slots at lognormal sigma 1); a slightly longer row often saves a whole row. Under that
+    budget neither the per-token work (projections, MLP, head: ~ slots) nor the attention grows,
+    so a longer row chosen here is never more work for the model."""
+    longest, total = max(sizes), sum(sizes)
+    rows = _first_fit(sizes, longest)[0]
+    best_slots, best = rows * longest, longest
+    trials = 0
+    for fewer in range(rows - 1, 0, -1):
+        low = max(longest, -(-total // fewer))  # fewer rows need at least this many tokens each
+        high = math.isqrt(rows * longest * longest // fewer)  # the attention budget at this many rows
+        if low > high:
+            break  # low grows faster than high as the rows get fewer: no later count fits either
+        fits = None
+        while low <= high and trials < ATTENTION_BUDGET_TRIALS:  # smallest length that fits in `fewer` rows
+            middle = (low + high) // 2
+            used = _first_fit(sizes, middle)[0]
+            trials += 1
+            if used <= fewer:
+                fits, high = (used, middle), middle - 1
+            else:
+                low = middle + 1
+        if fits is not None and fits[0] * fits[1] < best_slots:
+            best_slots, best = fits[0] * fits[1], fits[1]
+        if trials >= ATTENTION_BUDGET_TRIALS:
+            break
+    return best
+
+
 def pack_layout(attention_mask: torch.Tensor) -> PackedLayout:
-    """The :class:`PackedLayout` of a right-padded batch (``attention_mask`` ``[B, T]`` bool, True on tokens).
+    """The :class:`PackedLayout` of a right-padded batch (``attention_mask`` ``[B, T]`` bool, True on tokens),
+    in rows of :func:`row_capacity` tokens.
 
     Raises ValueError when a row is not right-padded (a gap or left padding): the
     layout moves each rollout's tokens as one contiguous run."""
@@ -251,18 +306,12 @@ def pack_layout(attention_mask: torch.Tensor) -> PackedLayout:
     if not torch.equal(attention_mask.bool(), positions.unsqueeze(0) < lengths.unsqueeze(1)):
         raise ValueError("pack_layout needs a right-padded batch (each row's tokens first, then padding)")
     sizes = lengths.tolist()
-    free: list[int] = []  # tokens left in each packed row
-    row_of, offset_of = [0] * b, [0] * b
-    for i in sorted(range(b), key=lambda i: (-sizes[i], i)):
-        row = next((r for r, room in enumerate(free) if room >= sizes[i]), len(free))
-        if row == len(free):
-            free.append(t)
-        row_of[i], offset_of[i] = row, t - free[row]
-        free[row] -= sizes[i]
+    capacity = row_capacity(sizes) if b and max(sizes) else t
+    rows, row_of, offset_of = _first_fit(sizes, capacity)
     batch_index, token_index = attention_mask.nonzero(as_tuple=True)
     packed_row = torch.tensor(row_of, dtype=torch.long, device=device)[batch_index]
     packed_col = torch.tensor(offset_of, dtype=torch.long, device=device)[batch_index] + token_index
-    position_ids = torch.zeros((len(free), t), dtype=torch.long, device=device)
+    position_ids = torch.zeros((rows, capacity), dtype=torch.long, device=device)
     position_ids[packed_row, packed_col] = token_index
-    return PackedLayout(rows=len(free), capacity=t, batch_index=batch_index, token_index=token_index,
+    return PackedLayout(rows=rows, capacity=capacity, batch_index=batch_index, token_index=token_index,
                         packed_row=packed_row, packed_col=packed_col, position_ids=position_ids, batch_shape=(b, t))

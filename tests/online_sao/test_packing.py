@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
-from online_sao.batch import Rollout, collate, pack_layout, padded_share
+from online_sao.batch import Rollout, collate, pack_layout, padded_share, row_capacity
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.losses import dis_policy_loss, value_loss
@@ -36,6 +36,24 @@ def test_rollouts_are_packed_first_fit_by_decreasing_length():
     assert torch.equal(layout.unpack(packed), ids)
     features = torch.randn(5, 7, 3) * mask[..., None]
     assert torch.equal(layout.unpack(layout.pack(features)), features)
+
+
+def test_a_longer_row_is_chosen_where_it_saves_a_row_within_the_attention_budget():
+    # rows of 6 (the longest): 6 | 5 | 2 -> 3 rows, 18 slots, attention 3 x 36 = 108;
+    # rows of 7: 6 | 5 2 -> 2 rows, 14 slots, attention 2 x 49 = 98 <= 108
+    assert row_capacity([2, 5, 6]) == 7
+    layout = pack_layout(torch.tensor([[i < n for i in range(6)] for n in (2, 5, 6)]))
+    assert (layout.rows, layout.capacity) == (2, 7)
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 4, 0, 1]]
+    assert layout.padding_share == pytest.approx(1 / 14)
+    # 5 3 3 3 3 at 5: every 3 opens a row (5 rows, 25 slots, attention 125); at 6: 5 | 3 3 | 3 3
+    # (18 slots, attention 108); two rows need 9 tokens each, over the budget (2 x 81 > 125)
+    assert row_capacity([3, 3, 3, 3, 5]) == 6
+    # 7 | 1 1 at 7 (14 slots, attention 98); one row of 9 holds all (9 slots, attention 81)
+    assert row_capacity([1, 1, 7]) == 9
+    # 4 | 3 at 4 (8 slots, attention 32); one row of 7 would be 7 slots but 49 of attention
+    assert row_capacity([3, 4]) == 4
+    assert row_capacity([4]) == 4
 
 
 def test_a_batch_that_is_not_right_padded_is_refused():
@@ -97,16 +115,19 @@ def sao_losses(policy, critic, batch, packed: bool, cfg: AlgorithmConfig):
     return values, logprobs, critic_loss, policy_loss
 
 
+@pytest.mark.parametrize("lengths", [[3, 17, 6, 11, 4, 9, 2, 15], [12, 10, 4]], ids=["rows-of-longest", "longer-rows"])
 @pytest.mark.parametrize("make_policy", [qwen2, llama], ids=["qwen2", "llama"])
-def test_packed_and_padded_paths_agree_on_losses_and_gradients(make_policy):
+def test_packed_and_padded_paths_agree_on_losses_and_gradients(make_policy, lengths):
     cfg = AlgorithmConfig()
     policy = make_policy(0)
     critic = ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention)
     with torch.no_grad():  # a non-zero head, so values (and their gradients) are not trivially 0
         critic.head.weight.normal_(0, 0.5)
-    lengths = [3, 17, 6, 11, 4, 9, 2, 15]
     batch = ragged_batch(policy, lengths)
-    assert pack_layout(batch.attention_mask).rows < len(lengths)  # several rollouts share a row
+    layout = pack_layout(batch.attention_mask)
+    assert layout.rows < len(lengths)  # several rollouts share a row
+    # 12 | 10 | 4 in rows of 12 against 12 | 10 4 in rows of 14: rows longer than the padded batch's
+    assert layout.capacity == {17: 17, 12: 14}[max(lengths)]
 
     results = {}
     for packed in (False, True):

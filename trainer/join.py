@@ -70,7 +70,7 @@ from online_sao.schemas import Interaction, Reward
 from trainer.id_memory import IdMemory, anchor_time
 from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
                                 combine_rewards, combine_scores, complete_groups, contribution_from,
-                                contribution_state, last_turns, prompt_group_key)
+                                contribution_state, entry_from, entry_state, last_turns, prompt_group_key)
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
@@ -221,11 +221,6 @@ class RewardJoiner:
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        def entry_state(e: Entry) -> dict[str, Any]:
-            return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts, "anchor": e.anchor,
-                    "contributions": [contribution_state(c) for c in e.contributions], "defaulted": e.defaulted,
-                    "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()], "ready_at": e.ready_at}
-
         return {
             "watermark": self.watermark,
             "waiting": [entry_state(e) for e in self._waiting.values()],
@@ -238,13 +233,6 @@ class RewardJoiner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; also reads checkpoints written before trajectories and the
         id memory (their finished ids count as trained, their entries as claiming nothing)."""
-        def entry_from(s: dict[str, Any]) -> Entry:
-            interaction = Interaction.model_validate(s["interaction"])
-            return Entry(interaction, s["ts"], s.get("anchor", anchor_time(interaction.created_at, s["ts"])),
-                          [contribution_from(c) for c in s["contributions"]], s["defaulted"],
-                          {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])},
-                          s.get("ready_at", s["ts"]))  # older checkpoints: the interaction's time
-
         self.watermark = state["watermark"]
         self._waiting = {e.iid: e for e in map(entry_from, state["waiting"])}
         self._ready = OrderedDict((e.iid, e) for e in map(entry_from, state["ready"]))

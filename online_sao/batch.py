@@ -189,7 +189,8 @@ class PackedLayout:
     padded batch held one. The rows are as long as the longest rollout, or a
     little longer where that saves whole rows without more attention work
     (:func:`row_capacity`), so the per-token work (projections, MLP, LM head)
-    shrinks with the padding and attention costs no more. A model run on :meth:`pack`\ ed ids with :attr:`position_ids`
+    shrinks with the padding and attention costs no more. A model run on
+    :meth:`pack`\ ed ids with :attr:`position_ids`
     (each rollout counting from 0), no attention mask and no cache sees each
     rollout alone: transformers builds the block-diagonal causal mask from the
     restarts of the positions (its packed-sequence format).
@@ -242,8 +243,8 @@ def padded_share(attention_mask: torch.Tensor) -> float:
 
 ATTENTION_BUDGET_TRIALS = 48
 """First-fit passes the row-length search may spend per batch. It runs in Python on every step;
-for the 16-64 rollouts of a step it needs a handful, and on a batch so large that it would need
-more, the layout at the longest rollout's length stands."""
+for the 16-64 rollouts of a step it needs a handful; on a batch so large that it would need
+more, the best length found within them stands (at worst the longest rollout's)."""
 
 
 def _first_fit(sizes: list[int], capacity: int) -> tuple[int, list[int], list[int]]:

@@ -173,6 +173,13 @@ class AlgorithmConfig(Section):
     in the paper, 0 turns it off). Where the critic predicts new answers no better than a
     constant, the advantages fall back to a running-mean baseline instead of carrying its
     errors; where it predicts them, its values stay."""
+    value_level_window: int = Field(0, ge=0)
+    """SAO: take the level of the critic's values from the mean reward of the last this many
+    rollouts and only their course along each answer from the critic: V'_t = m + V_t - V_first,
+    with V_first the critic's value at the rollout's first action token, its estimate of the
+    prompt's value (online_sao/value_shrinkage.py; not in the paper, 0 turns it off). For
+    traffic whose prompts do not predict the reward, where a critic's level chases its last few
+    batches; it discards what the critic knows about one prompt against another."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a reference policy (SAO.md section 3b; not in the paper, 0 turns
     it off): the k3 estimate exp(d) - 1 - d, d = log pi_ref - log pi_theta, per action token,
@@ -209,6 +216,9 @@ class AlgorithmConfig(Section):
         if self.critic_trainable_layers is not None and not self.freeze_critic_attention:
             raise ValueError("critic_trainable_layers needs freeze_critic_attention: true "
                              "(it narrows the trained feed-forward blocks)")
+        if self.value_shrinkage_window and self.value_level_window:
+            raise ValueError("value_shrinkage_window and value_level_window are two ways to bring the "
+                             "critic's values toward a running mean: set one of them")
         return self
 
 

@@ -6,7 +6,8 @@
    on the step's rollouts before its values are taken (``fit_then_judge``), after
    (``judge_then_fit``), or on a window of earlier rollouts instead (``replay_then_judge``);
 2. advantages by skip-observation GAE from the values the order gives (shrunk toward a running
-   mean of rewards when ``cfg.value_shrinkage_window`` is set, :mod:`online_sao.value_shrinkage`), with the
+   mean of rewards when ``cfg.value_shrinkage_window`` is set, levelled at it with
+   ``cfg.value_level_window``, :mod:`online_sao.value_shrinkage`), with the
    length-adaptive ``lambda_policy`` of each rollout (optionally whitened);
 3. one DIS policy update against the engine's behaviour log-probs, plus the KL and entropy
    terms of :class:`~online_sao.regularizers.PolicyRegularizer` when configured.
@@ -34,7 +35,7 @@ from online_sao.batch import RolloutBatch
 from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
 from online_sao.losses import dis_policy_loss, value_loss
 from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward
-from online_sao.value_shrinkage import ShrinkageWindow, rollout_sums, shrink
+from online_sao.value_shrinkage import ShrinkageWindow, anchor_level, rollout_sums, shrink
 
 
 class SAO(ActorCritic):
@@ -44,8 +45,8 @@ class SAO(ActorCritic):
         """The arguments of :class:`~online_sao.algorithm.ActorCritic`."""
         super().__init__(*args, **kwargs)
         self.window = ReplayWindow(self.cfg.critic_replay_rollouts)
-        shrinkage = self.cfg.value_shrinkage_window
-        self.shrinkage = ShrinkageWindow(shrinkage, self.sum_over_ranks) if shrinkage else None
+        window = self.cfg.value_shrinkage_window or self.cfg.value_level_window  # at most one is set
+        self.shrinkage = ShrinkageWindow(window, self.sum_over_ranks) if window else None
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
@@ -56,7 +57,8 @@ class SAO(ActorCritic):
         with ``critic_after_metrics``), critic_fit_loss (first
         update's loss on the data it fit), critic_grad_norm (mean over the K updates),
         critic_updates_done, critic_lr, replay_window (rollouts in it), shrinkage_alpha,
-        shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), policy_grad_norm
+        shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), level_mean and
+        level_rollouts (with ``value_level_window``), policy_grad_norm
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
         skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,
@@ -88,10 +90,14 @@ class SAO(ActorCritic):
         return {**metrics, **update, **timer.metrics(), "replay_window": float(len(self.window))}
 
     def _shrunk(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
-        """``values`` shrunk toward the running mean (``value_shrinkage_window``), or as they are."""
+        """``values`` shrunk toward the running mean (``value_shrinkage_window``), levelled at it
+        (``value_level_window``), or as they are."""
         if self.shrinkage is None:
             return values
         estimate = self.shrinkage.estimate(batch.rewards)
+        if self.cfg.value_level_window:
+            metrics.update({"level_mean": estimate.mean, "level_rollouts": float(estimate.rollouts)})
+            return anchor_level(values, batch.action_mask, estimate.mean)
         metrics.update({"shrinkage_alpha": estimate.alpha, "shrinkage_mean": estimate.mean,
                         "shrinkage_rollouts": float(estimate.rollouts)})
         return shrink(values, estimate.mean, estimate.alpha)

@@ -1,4 +1,5 @@
-"""The critic's values shrunk toward a running mean of rewards (our addition, not in the paper).
+"""The critic's values shrunk toward, or levelled at, a running mean of rewards (our additions,
+not in the paper).
 
 Online, on the drifting-style scenario, the critic's values on a step's *new* answers, taken
 before its updates, predicted their returns no better than a constant (docs/EXPERIMENTS.md
@@ -18,7 +19,17 @@ clamped to [0, 1]:
 ``alpha = 1`` keeps the critic's values; ``alpha = 0`` is the running-mean baseline (the
 advantages still come from GAE with the length-adaptive lambda). Fewer than
 :data:`MIN_ROLLOUTS` rollouts in the window give ``alpha = 0`` and, with an empty window,
-``m`` = the step's own mean reward. Under data parallelism every rank keeps its own rollouts'
+``m`` = the step's own mean reward.
+
+Levelling (``value_level_window``) keeps the critic's course along each answer and takes its
+level from the same ``m``: ``V'_t = m + V_t - V_first`` (:func:`anchor_level`), ``V_first``
+the value at the answer's first action token. With ``lambda = 1`` the first token's advantage
+is then the running-mean one, ``R - m``, and a later token's ``R - m - (V_t - V_first)``: the
+part of the reward the answer's earlier tokens already predicted is taken off. A critic whose
+level follows its last few batches (seen in drift.yaml: its mean value moved by up to 0.2 from
+one step to the next) no longer passes that movement to the advantages.
+
+Under data parallelism every rank keeps its own rollouts'
 sums; :meth:`ShrinkageWindow.estimate` adds them over ranks, so every rank uses one ``m`` and
 one ``alpha``.
 """
@@ -73,6 +84,14 @@ def shrinkage_factor(totals: torch.Tensor) -> tuple[float, float]:
 def shrink(values: torch.Tensor, mean: float, alpha: float) -> torch.Tensor:
     """``m + alpha (V - m)`` elementwise, any shape."""
     return mean + alpha * (values - mean)
+
+
+def anchor_level(values: torch.Tensor, action_mask: torch.Tensor, mean: float) -> torch.Tensor:
+    """``values`` ``[B, T]`` with each rollout's level moved to ``mean``: ``m + V_t - V_first``,
+    ``V_first`` the value at the rollout's first action token (bool ``action_mask`` ``[B, T]``;
+    a rollout without one keeps its values shifted by its position 0's)."""
+    first = action_mask.to(torch.int8).argmax(dim=1, keepdim=True)  # the first True of each row
+    return mean + values - values.gather(1, first)
 
 
 @dataclass(frozen=True)

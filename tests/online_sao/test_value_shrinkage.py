@@ -1,4 +1,5 @@
-"""The critic's values shrunk toward a running mean: the slope by hand, the window, SAO's use of it."""
+"""The critic's values shrunk toward, or levelled at, a running mean: the slope and the level by hand,
+the window, SAO's use of them."""
 
 import math
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
-from online_sao.value_shrinkage import MIN_ROLLOUTS, ShrinkageWindow, rollout_sums, shrink, shrinkage_factor
+from online_sao.config import AlgorithmConfig
+from online_sao.value_shrinkage import (MIN_ROLLOUTS, ShrinkageWindow, anchor_level, rollout_sums, shrink,
+                                       shrinkage_factor)
 from tests.online_sao.test_sao import make_batch, make_sao
 
 
@@ -115,5 +118,38 @@ def test_sao_forgets_and_checkpoints_the_window(tiny_qwen):
     resumed = make_sao(tiny_qwen, value_shrinkage_window=16)
     resumed.load_state_dict(state)
     assert resumed.shrinkage.state_dict() == state["shrinkage_window"]
+    algo.forget()
+    assert len(algo.shrinkage) == 0
+
+
+def test_anchor_level_literal():
+    values = torch.tensor([[0.3, 0.5, 0.9, 0.0], [0.1, 0.2, -0.4, 0.6]])
+    mask = torch.tensor([[False, True, True, False], [False, False, True, True]])
+    # row 0: first action at 1 (0.5): 0.2 + (V - 0.5); row 1: first action at 2 (-0.4): 0.2 + (V + 0.4)
+    torch.testing.assert_close(anchor_level(values, mask, 0.2),
+                               torch.tensor([[0.0, 0.2, 0.6, -0.3], [0.7, 0.8, 0.2, 1.2]]))
+
+
+def test_shrinkage_and_levelling_are_not_set_together():
+    with pytest.raises(ValueError, match="set one of them"):
+        AlgorithmConfig(value_shrinkage_window=16, value_level_window=16)
+
+
+def test_sao_levelled_takes_the_level_of_earlier_rewards_and_the_critics_course(tiny_qwen):
+    algo = make_sao(tiny_qwen, value_level_window=16)
+    first = algo.step(make_batch(tiny_qwen, rewards=(1.0, 0.5)))
+    assert (first["level_mean"], first["level_rollouts"]) == (0.75, 0.0)  # the step's own mean
+    assert "shrinkage_alpha" not in first
+    batch = make_batch(tiny_qwen, rewards=(0.0, 0.2))
+    with torch.no_grad():
+        values = algo.critic(batch.input_ids, batch.attention_mask)  # the critic before the step (judge_then_fit)
+    second = algo.step(batch)
+    assert (second["level_mean"], second["level_rollouts"]) == (0.75, 2.0)
+    # levelled by hand: each rollout's values minus its first action token's, plus 0.75
+    first_action = [int(row.nonzero()[0]) for row in batch.action_mask]
+    levelled = torch.stack([0.75 + values[i] - values[i, t] for i, t in enumerate(first_action)])
+    lam = length_adaptive_lambda(batch.action_mask.sum(dim=1), algo.cfg.lambda_alpha)
+    expected, _ = skip_observation_gae(batch.rewards, levelled, batch.action_mask, algo.cfg.gamma, lam)
+    assert second["adv_mean"] == pytest.approx(float(expected[batch.action_mask].mean()), abs=1e-6)
     algo.forget()
     assert len(algo.shrinkage) == 0

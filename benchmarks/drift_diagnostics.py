@@ -53,6 +53,12 @@ replay window under replay_then_judge), so the two apart show how the critic gen
 answers it judges; shrinkage_alpha: with value_shrinkage_window (absent otherwise, row left out)."""
 RUNNING_WINDOW = 128
 """Rewards in the running mean the critic is compared with (the running_mean_w128 arm's W)."""
+CRITIC_ROWS = (
+    ("value_loss", ((0, "critic squared error"), (1, "running-mean squared error"), (2, "ratio critic / mean"))),
+    ("value_loss_adjusted", ((0, "adjusted values' squared error"), (2, "ratio adjusted / mean"))),
+)
+"""Rows of the critic-against-the-running-mean table: the critic's own values, then (with
+``value_shrinkage_window`` or ``value_level_window``) the values the advantages took."""
 
 
 def share_of(styles: Sequence[str | None], style: str) -> float | None:
@@ -79,10 +85,11 @@ def step_median(steps: Sequence[StepRow], key: str, start: int, end: int) -> flo
     return statistics.median(values) if values else None
 
 
-def critic_squared_error(steps: Sequence[StepRow], start: int, end: int) -> float | None:
-    """Mean ``value_loss`` (before the step's updates) over the steps taken while rollouts
-    ``[start, end)`` were judged; None without any."""
-    values = phase_values(steps, "value_loss", start, end)
+def critic_squared_error(steps: Sequence[StepRow], start: int, end: int, key: str = "value_loss") -> float | None:
+    """Mean ``key`` (``value_loss``: the critic's, before the step's updates;
+    ``value_loss_adjusted``: of the values the advantages took, shrunk or levelled) over the steps
+    taken while rollouts ``[start, end)`` were judged; None without any."""
+    values = phase_values(steps, key, start, end)
     return statistics.fmean(values) if values else None
 
 
@@ -100,10 +107,12 @@ def running_mean_squared_error(rewards: Sequence[RewardRow], start: int, end: in
     return statistics.fmean(errors) if errors else None
 
 
-def critic_vs_running_mean(arm: ArmResults, start: int, end: int) -> tuple[float, float, float] | None:
-    """(critic's squared error, running mean's, their ratio) over phase ``[start, end)``; None
-    when the arm has no critic steps or no rewards there."""
-    critic = critic_squared_error(arm.steps, start, end)
+def critic_vs_running_mean(arm: ArmResults, start: int, end: int,
+                           key: str = "value_loss") -> tuple[float, float, float] | None:
+    """(critic's squared error, running mean's, their ratio) over phase ``[start, end)``, the
+    critic's from step metric ``key`` (:func:`critic_squared_error`); None when the arm has no
+    such steps or no rewards there."""
+    critic = critic_squared_error(arm.steps, start, end, key)
     mean = running_mean_squared_error(arm.rewards, start, end)
     if critic is None or mean is None or mean == 0:
         return None
@@ -173,12 +182,13 @@ def report(runs: list[Run]) -> str:
               "", _row(head), "|" + "---|" * len(head)]
     for arm in arms:
         present = [run.arms[arm] for run in runs if arm in run.arms]
-        found = [[critic_vs_running_mean(a, s, e) for a in present] for _, s, e, _ in phases]
-        if not any(f is not None for cells in found for f in cells):
-            continue
-        for index, label in enumerate(("critic squared error", "running-mean squared error", "ratio critic / mean")):
-            lines.append(_row([arm, label, *(_over_seeds([None if f is None else f[index] for f in cells])
-                                             for cells in found)]))
+        for key, labels in CRITIC_ROWS:
+            found = [[critic_vs_running_mean(a, s, e, key) for a in present] for _, s, e, _ in phases]
+            if not any(f is not None for cells in found for f in cells):
+                continue
+            for index, label in labels:
+                lines.append(_row([arm, label, *(_over_seeds([None if f is None else f[index] for f in cells])
+                                                 for cells in found)]))
     lines += ["", "Value pre-training: held-out explained variance after it", ""]
     for arm in arms:
         pre = [run.arms[arm].summary.value_pretraining for run in runs

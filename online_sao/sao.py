@@ -58,7 +58,8 @@ class SAO(ActorCritic):
         update's loss on the data it fit), critic_grad_norm (mean over the K updates),
         critic_updates_done, critic_lr, replay_window (rollouts in it), shrinkage_alpha,
         shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), level_mean and
-        level_rollouts (with ``value_level_window``), policy_grad_norm
+        level_rollouts (with ``value_level_window``), value_loss_adjusted and
+        explained_variance_adjusted (the values the advantages take, after either), policy_grad_norm
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
         skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,
@@ -77,6 +78,8 @@ class SAO(ActorCritic):
             return {**metrics, **timer.metrics(), "skipped_nonfinite": 1.0}
         with timer.phase("arithmetic"):
             used = self._shrunk(batch, judged.used, metrics)
+            if self.shrinkage is not None:  # the values the advantages take, beside the critic's own
+                metrics.update(self._fit_metrics(batch, used, "_adjusted"))
             advantages = self._advantages(batch, used, metrics)
         update = self._policy_update(batch, advantages, timer)
         if not update["skipped_nonfinite"]:
@@ -131,20 +134,24 @@ class SAO(ActorCritic):
 
     def _critic_metrics(self, batch: RolloutBatch, judged: CriticPass) -> dict[str, float]:
         """Value loss and explained variance of each set of values against this batch's targets."""
-        cfg, mask = self.cfg, batch.action_mask
         out: dict[str, float] = {"critic_lr": float(self.critic_optimizer.param_groups[0]["lr"]),
                                  "critic_updates_done": float(judged.fit.updates_done) if judged.fit else 0.0}
         if judged.fit is not None:
             out.update(judged.fit.metrics)
         for suffix, values in (("", judged.before), ("_used", judged.used), ("_after", judged.after)):
-            if values is None:
-                continue
-            _, targets = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.lambda_critic)
-            loss, critic_metrics = value_loss(values, targets, mask, batch.token_normalizer)
-            out[f"value_loss{suffix}"] = float(loss)
-            out[f"explained_variance{suffix}"] = critic_metrics["explained_variance"]
-            if suffix == "":
-                out["value_mean"] = critic_metrics["value_mean"]
+            if values is not None:
+                out.update(self._fit_metrics(batch, values, suffix))
+        return out
+
+    def _fit_metrics(self, batch: RolloutBatch, values: torch.Tensor, suffix: str) -> dict[str, float]:
+        """``value_loss<suffix>`` and ``explained_variance<suffix>`` of ``values`` against the
+        batch's targets (and ``value_mean`` for the critic's own values, ``suffix`` "")."""
+        mask = batch.action_mask
+        _, targets = skip_observation_gae(batch.rewards, values, mask, self.cfg.gamma, self.cfg.lambda_critic)
+        loss, critic_metrics = value_loss(values, targets, mask, batch.token_normalizer)
+        out = {f"value_loss{suffix}": float(loss), f"explained_variance{suffix}": critic_metrics["explained_variance"]}
+        if suffix == "":
+            out["value_mean"] = critic_metrics["value_mean"]
         return out
 
     def _advantages(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:

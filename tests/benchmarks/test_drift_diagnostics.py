@@ -6,9 +6,11 @@ import math
 
 import pytest
 
-from apps.experiments.results import RewardRow, StepRow
+from apps.config import ExperimentConfig
+from apps.experiments.aggregate import Run
+from apps.experiments.results import ArmResults, RewardRow, StepRow
 from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, restarts,
-                                          running_mean_squared_error, share_of, step_median)
+                                          report, running_mean_squared_error, share_of, step_median)
 
 
 def _step(rollout: int, **metrics: float) -> StepRow:
@@ -62,3 +64,23 @@ def test_critic_error_is_the_mean_value_loss_of_the_phase_steps():
     steps = [_step(2, value_loss=0.5), _step(4, value_loss=0.1), _step(6, value_loss=math.nan), _step(9, approx_kl=1.0)]
     assert critic_squared_error(steps, 0, 10) == pytest.approx(0.3)
     assert critic_squared_error(steps, 5, 10) is None
+
+
+def test_the_adjusted_values_error_is_read_from_its_own_metric():
+    steps = [_step(2, value_loss=0.5, value_loss_adjusted=0.2), _step(4, value_loss=0.1, value_loss_adjusted=0.4)]
+    assert critic_squared_error(steps, 0, 10, "value_loss_adjusted") == pytest.approx(0.3)
+    assert critic_squared_error([_step(2, value_loss=0.5)], 0, 10, "value_loss_adjusted") is None
+
+
+def test_the_report_adds_the_adjusted_rows_only_for_an_arm_that_has_them(tmp_path):
+    schedule = [{"from_rollout": 0, "style": "cute"}, {"from_rollout": 4, "style": "archaic"},
+                {"from_rollout": 8, "style": "formal"}]
+    scenario = ExperimentConfig(schedule=schedule, rollouts_per_arm=12, arms=[{"name": "plain"}, {"name": "levelled"}])
+    rewards = [_reward(k, float(k % 2)) for k in range(12)]
+    plain = ArmResults(name="plain", rewards=rewards, evals=[], steps=[_step(3, value_loss=0.2)])
+    levelled = ArmResults(name="levelled", rewards=rewards, evals=[],
+                          steps=[_step(3, value_loss=0.2, value_loss_adjusted=0.1)])
+    text = report([Run(tmp_path, scenario, {"plain": plain, "levelled": levelled})])
+    assert "| levelled | adjusted values' squared error |" in text
+    assert "| plain | adjusted values' squared error |" not in text
+    assert text.count("running-mean squared error") == 2  # once per arm, from the critic's rows

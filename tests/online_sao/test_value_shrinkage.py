@@ -93,7 +93,8 @@ def test_the_window_round_trips_and_clears():
 def test_sao_without_a_window_uses_the_critic_as_it_is(tiny_qwen):
     algo = make_sao(tiny_qwen)
     assert algo.shrinkage is None
-    assert "shrinkage_alpha" not in algo.step(make_batch(tiny_qwen, rewards=(1.0, 0.5)))
+    metrics = algo.step(make_batch(tiny_qwen, rewards=(1.0, 0.5)))
+    assert "shrinkage_alpha" not in metrics and "value_loss_adjusted" not in metrics
 
 
 def test_sao_with_alpha_zero_baselines_on_the_mean_of_earlier_rewards(tiny_qwen):
@@ -151,5 +152,11 @@ def test_sao_levelled_takes_the_level_of_earlier_rewards_and_the_critics_course(
     lam = length_adaptive_lambda(batch.action_mask.sum(dim=1), algo.cfg.lambda_alpha)
     expected, _ = skip_observation_gae(batch.rewards, levelled, batch.action_mask, algo.cfg.gamma, lam)
     assert second["adv_mean"] == pytest.approx(float(expected[batch.action_mask].mean()), abs=1e-6)
+    # the levelled values' squared error against the returns (gamma = lambda_critic = 1: the
+    # rollout's reward, which batch.rewards holds at its last action token)
+    errors = [(levelled[i, batch.action_mask[i]] - batch.rewards[i].sum()).pow(2) for i in range(2)]
+    mse = float(torch.cat(errors).sum()) / int(batch.action_mask.sum())
+    assert second["value_loss_adjusted"] == pytest.approx(mse, abs=1e-6)
+    assert second["value_loss_adjusted"] != pytest.approx(second["value_loss"], abs=1e-6)
     algo.forget()
     assert len(algo.shrinkage) == 0

@@ -167,6 +167,15 @@ class AlgorithmConfig(Section):
     """Size, in rollouts, of the window of recent already-trained rollouts that
     ``critic_order: replay_then_judge`` fits the critic on (each update is one full-batch
     update on the whole window, so critic compute per step grows with it)."""
+    critic_rewarm_rollouts: int = Field(0, ge=0)
+    """SAO: after the learner forgets what it learned under an old preference (a drift restart,
+    trainer/plasticity.py, which puts the critic back to its freshly built weights), the critic
+    re-warms over the next this many rollouts: each step's K updates fit every rollout since the
+    restart, and meanwhile the policy's advantages take the mean reward of those rollouts as
+    their baseline instead of the cold critic's values (not in the paper, 0 turns it off). Before
+    its traffic the learner pre-trains the critic on 64 rollouts (``learn --pretrain-critic``);
+    after a restart no such rollouts exist, so the critic learns from the traffic while a
+    running mean stands in for it (SAO.md: a cold critic is the main cause of early instability)."""
     value_shrinkage_window: int = Field(0, ge=0)
     """SAO: shrink the critic's values toward the mean reward of the last this many rollouts, by
     the slope of their returns on their out-of-sample values (online_sao/value_shrinkage.py; not

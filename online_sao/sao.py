@@ -47,6 +47,10 @@ class SAO(ActorCritic):
         self.window = ReplayWindow(self.cfg.critic_replay_rollouts)
         window = self.cfg.value_shrinkage_window or self.cfg.value_level_window  # at most one is set
         self.shrinkage = ShrinkageWindow(window, self.sum_over_ranks) if window else None
+        rewarm = self.cfg.critic_rewarm_rollouts
+        self.rewarm_window = ReplayWindow(rewarm) if rewarm else None
+        self.rewarm_left = 0
+        """Rollouts (over all ranks) the critic still trains on alone after a restart."""
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
@@ -69,6 +73,9 @@ class SAO(ActorCritic):
         metrics = batch_metrics(batch)
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}
+        if self.rewarm_left > 0:
+            rewarm = self._rewarm(batch, timer, metrics)  # adds the advantages' metrics to ``metrics``
+            return {**metrics, **rewarm, **timer.metrics()}
         window = self.window.batch() if self.cfg.critic_order == "replay_then_judge" else None
         judged = order_critic_updates(self.cfg.critic_order, batch, lambda b: self._fit(b, timer),
                                       lambda b: self._values(b, timer), window, self.cfg.critic_after_metrics)
@@ -104,6 +111,32 @@ class SAO(ActorCritic):
         metrics.update({"shrinkage_alpha": estimate.alpha, "shrinkage_mean": estimate.mean,
                         "shrinkage_rollouts": float(estimate.rollouts)})
         return shrink(values, estimate.mean, estimate.alpha)
+
+    def _rewarm(self, batch: RolloutBatch, timer: PhaseTimer, metrics: dict[str, float]) -> dict[str, float]:
+        """A step while the critic re-warms after a restart (``critic_rewarm_rollouts``): the step's
+        rollouts join those since the restart and the K critic updates fit all of them; the
+        policy's advantages take, instead of the cold critic's values, the constant mean reward of
+        the rollouts since the restart before this step (the step's own mean for the first)."""
+        window = self.rewarm_window
+        earlier = window.batch()
+        if earlier is None:
+            earlier = batch
+        mean_of = self.sum_over_ranks(torch.tensor([float(earlier.rewards.sum()), float(earlier.batch_size)],
+                                                   dtype=torch.float64)).tolist()
+        level = mean_of[0] / mean_of[1]
+        window.add(batch)
+        fit = self._fit(window.batch(), timer)
+        if not fit.stepped:
+            return {**fit.metrics, "skipped_nonfinite": 1.0}
+        with timer.phase("arithmetic"):
+            advantages = self._advantages(batch, torch.full_like(batch.rewards, level), metrics)
+        update = self._policy_update(batch, advantages, timer)
+        taken = self.sum_over_ranks(torch.tensor([float(batch.batch_size)], dtype=torch.float64))
+        self.rewarm_left = max(0, self.rewarm_left - round(float(taken[0])))
+        if self.rewarm_left == 0:
+            window.clear()
+        return {**fit.metrics, **update, "critic_updates_done": float(fit.updates_done), "critic_rewarm": 1.0,
+                "rewarm_level": level, "rewarm_left": float(self.rewarm_left)}
 
     def _values(self, batch: RolloutBatch, timer: PhaseTimer) -> torch.Tensor:
         with torch.no_grad(), timer.phase("critic_forward"):
@@ -186,13 +219,19 @@ class SAO(ActorCritic):
             state["replay_window"] = self.window.state_dict()
         if self.shrinkage is not None:
             state["shrinkage_window"] = self.shrinkage.state_dict()
+        if self.rewarm_window is not None:
+            state["rewarm"] = {"left": self.rewarm_left, "window": self.rewarm_window.state_dict()}
         return state
 
     def forget(self) -> None:
-        """The replay window's returns and the shrinkage's rewards were earned under the old preference."""
+        """The replay window's returns and the shrinkage's rewards were earned under the old
+        preference; with ``critic_rewarm_rollouts`` the critic (just reset) re-warms first."""
         self.window.clear()
         if self.shrinkage is not None:
             self.shrinkage.clear()
+        if self.rewarm_window is not None:
+            self.rewarm_window.clear()
+            self.rewarm_left = self.cfg.critic_rewarm_rollouts
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "replay_window" in state:
@@ -200,4 +239,7 @@ class SAO(ActorCritic):
             self.window.load_state_dict(state["replay_window"], device)
         if self.shrinkage is not None and "shrinkage_window" in state:
             self.shrinkage.load_state_dict(state["shrinkage_window"])
+        if self.rewarm_window is not None and "rewarm" in state:
+            self.rewarm_left = int(state["rewarm"]["left"])
+            self.rewarm_window.load_state_dict(state["rewarm"]["window"], next(self.critic.parameters()).device)
 

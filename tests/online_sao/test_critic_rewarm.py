@@ -1,0 +1,81 @@
+"""SAO's critic re-warm after a restart (``critic_rewarm_rollouts``): the critic fits every rollout
+since the restart while a running mean is the policy's baseline, then the critic judges again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
+from tests.online_sao.test_sao import make_batch, make_sao
+
+
+def _params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _same(before: list[torch.Tensor], module: torch.nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_off_by_default_a_forget_leaves_the_critic_judging(tiny_qwen):
+    algo = make_sao(tiny_qwen)
+    algo.forget()
+    assert algo.rewarm_window is None
+    assert "critic_rewarm" not in algo.step(make_batch(tiny_qwen))
+
+
+def _constant_baseline_adv_mean(algo, batch, level: float) -> float:
+    """Mean advantage over action tokens of GAE with every value ``level``, from scratch."""
+    lam = length_adaptive_lambda(batch.action_mask.sum(dim=1), algo.cfg.lambda_alpha)
+    expected, _ = skip_observation_gae(batch.rewards, torch.full_like(batch.rewards, level), batch.action_mask,
+                                       algo.cfg.gamma, lam)
+    return float(expected[batch.action_mask].mean())
+
+
+def test_after_a_forget_a_running_mean_stands_in_for_the_critic_for_that_many_rollouts(tiny_qwen):
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=3)
+    algo.step(make_batch(tiny_qwen))  # before any restart: a normal step
+    assert algo.rewarm_left == 0
+    algo.forget()
+    assert algo.rewarm_left == 3
+    # batches of two rollouts: 3 -> 1 -> 0; the first step's level is its own mean (0.5 + 0.0) / 2,
+    # the second's the mean of the rollouts before it (the same two rewards)
+    for rewards, level, left in (((0.5, 0.0), 0.25, 1), ((1.0, 0.0), 0.25, 0)):
+        batch = make_batch(tiny_qwen, rewards=rewards)
+        policy, critic = _params(algo.policy), _params(algo.critic)
+        metrics = algo.step(batch)
+        assert (metrics["critic_rewarm"], metrics["rewarm_left"], metrics["skipped_nonfinite"]) == (1.0, left, 0.0)
+        assert metrics["rewarm_level"] == pytest.approx(level)
+        assert metrics["adv_mean"] == pytest.approx(_constant_baseline_adv_mean(algo, batch, level), abs=1e-6)
+        assert metrics["critic_updates_done"] == 2.0  # K as configured
+        assert not _same(policy, algo.policy) and not _same(critic, algo.critic)
+    assert len(algo.rewarm_window) == 0  # the re-warm is over: its rollouts are let go
+    assert "critic_rewarm" not in algo.step(make_batch(tiny_qwen))
+
+
+def test_each_rewarm_step_fits_every_rollout_since_the_restart(tiny_qwen):
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=8)
+    algo.forget()
+    first, second = make_batch(tiny_qwen, rewards=(1.0, 0.0)), make_batch(tiny_qwen, rewards=(0.2, 0.6))
+    algo.step(first)
+    with torch.no_grad():  # the critic before the second step, on the four rollouts so far
+        errors = [torch.cat([(algo.critic(b.input_ids, b.attention_mask)[i, b.action_mask[i]] - b.rewards[i].sum())
+                             .pow(2) for i in range(2)]) for b in (first, second)]
+    # gamma = lambda_critic = 1: every action token's target is its rollout's reward; the first
+    # update's loss is the token mean over both batches' action tokens
+    expected = float(torch.cat(errors).mean())
+    metrics = algo.step(second)
+    assert abs(metrics["critic_fit_loss"] - expected) < 1e-5
+    assert len(algo.rewarm_window) == 4
+
+
+def test_a_checkpoint_mid_rewarm_resumes_it(tiny_qwen):
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=6)
+    algo.forget()
+    algo.step(make_batch(tiny_qwen))
+    state = algo.state_dict()
+    resumed = make_sao(tiny_qwen, critic_rewarm_rollouts=6)
+    resumed.load_state_dict(state)
+    assert resumed.rewarm_left == 4 and len(resumed.rewarm_window) == 2
+    assert resumed.state_dict()["rewarm"] == state["rewarm"]

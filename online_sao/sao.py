@@ -12,6 +12,10 @@
 3. one DIS policy update against the engine's behaviour log-probs, plus the KL and entropy
    terms of :class:`~online_sao.regularizers.PolicyRegularizer` when configured.
 
+With ``cfg.critic_rewarm_rollouts``, for that many rollouts after :meth:`SAO.forget` (a drift
+restart, which also resets the critic) the K updates fit every rollout since the restart and
+the advantages take their mean reward as a constant baseline instead of the critic's values.
+
 A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch holds
 a non-finite reward or action-token behaviour log-prob, or when the first
 non-finite loss or gradient norm appears. Refusal happens before any optimiser
@@ -50,7 +54,7 @@ class SAO(ActorCritic):
         rewarm = self.cfg.critic_rewarm_rollouts
         self.rewarm_window = ReplayWindow(rewarm) if rewarm else None
         self.rewarm_left = 0
-        """Rollouts (over all ranks) the critic still trains on alone after a restart."""
+        """Rollouts (over all ranks) left in the critic's re-warm after a restart (0: none)."""
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
@@ -63,7 +67,8 @@ class SAO(ActorCritic):
         critic_updates_done, critic_lr, replay_window (rollouts in it), shrinkage_alpha,
         shrinkage_mean and shrinkage_rollouts (with ``value_shrinkage_window``), level_mean and
         level_rollouts (with ``value_level_window``), value_loss_adjusted and
-        explained_variance_adjusted (the values the advantages take, after either), policy_grad_norm
+        explained_variance_adjusted (the values the advantages take, after either), critic_rewarm,
+        rewarm_level and rewarm_left (on a re-warm step, ``critic_rewarm_rollouts``), policy_grad_norm
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
         skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,

@@ -123,12 +123,12 @@ class SAO(ActorCritic):
         policy's advantages take, instead of the cold critic's values, the constant mean reward of
         the rollouts since the restart before this step (the step's own mean for the first)."""
         window = self.rewarm_window
-        earlier = window.batch()
-        if earlier is None:
-            earlier = batch
-        mean_of = self.sum_over_ranks(torch.tensor([float(earlier.rewards.sum()), float(earlier.batch_size)],
-                                                   dtype=torch.float64)).tolist()
-        level = mean_of[0] / mean_of[1]
+        earlier = window.batch() or batch
+        # one collective: the earlier rollouts' reward sum and count, and this step's rollout count
+        reward_sum, count, taken = self.sum_over_ranks(torch.tensor(
+            [float(earlier.rewards.sum()), float(earlier.batch_size), float(batch.batch_size)],
+            dtype=torch.float64)).tolist()
+        level = reward_sum / count
         window.add(batch)
         fit = self._fit(window.batch(), timer)
         if not fit.stepped:
@@ -136,8 +136,7 @@ class SAO(ActorCritic):
         with timer.phase("arithmetic"):
             advantages = self._advantages(batch, torch.full_like(batch.rewards, level), metrics)
         update = self._policy_update(batch, advantages, timer)
-        taken = self.sum_over_ranks(torch.tensor([float(batch.batch_size)], dtype=torch.float64))
-        self.rewarm_left = max(0, self.rewarm_left - round(float(taken[0])))
+        self.rewarm_left = max(0, self.rewarm_left - round(taken))
         if self.rewarm_left == 0:
             window.clear()
         return {**fit.metrics, **update, "critic_updates_done": float(fit.updates_done), "critic_rewarm": 1.0,

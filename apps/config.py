@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from apps.default_model.corpus import STYLES
+from apps.default_model.corpus_content import TOPICS
 from online_sao.config import AlgorithmConfig, Config, ModelConfig, Section, load_config
 
 
@@ -95,6 +96,9 @@ def schedule_problems(schedule: list[PreferencePhase], styles: list[str], rollou
 
 
 SHARE_TOLERANCE = 1e-6
+MAX_RATER_SCALE = 10.0
+"""Largest factor a topic's raters may put on the judge's value: keeps every reward within a
+small multiple of the judge's [0, 1], far inside the records' bound."""
 """Segment shares are written as decimals in YAML (0.3 + 0.7 is not exactly 1 in binary)."""
 
 
@@ -220,6 +224,14 @@ class ExperimentConfig(Section):
     levels. ``schedule`` still cuts the overall tables into phases and sets the preference of the
     held-out evaluation and of value pre-training. The policy never sees the group: the chat
     template leaves ``user`` out, as for a real service's users."""
+    rater_scale: dict[str, float] = {}
+    """Users who rate on a scale of their own, by the prompt's topic (a corpus topic's name ->
+    factor): the reward the learner receives is the judge's value times the factor of the topic
+    the prompt asks about (1 for a topic not named). Real feedback carries such offsets (some users
+    rate everything high); a baseline that sees the prompt can learn them, a running mean cannot.
+    The report's levels, lags and areas stay on the judge's own value (``RewardRow.judge_value``),
+    so they measure alignment with the preference, not the raters' generosity. Empty: every
+    reward is the judge's value (docs/EXPERIMENTS.md section 13)."""
 
     @model_validator(mode="after")
     def _schedule_valid(self) -> "ExperimentConfig":
@@ -235,7 +247,17 @@ class ExperimentConfig(Section):
         if PRETRAIN_ARM in names:
             raise ValueError(f"arm name {PRETRAIN_ARM!r} is reserved for the value pre-training data")
         self._segments_valid()
+        self._rater_scale_valid()
         return self
+
+    def _rater_scale_valid(self) -> None:
+        topics = [t.name for t in TOPICS]
+        unknown = sorted(set(self.rater_scale) - set(topics))
+        if unknown:
+            raise ValueError(f"rater_scale names topics the corpus lacks: {unknown}; its topics are {topics}")
+        bad = {name: f for name, f in self.rater_scale.items() if not 0 < f <= MAX_RATER_SCALE}
+        if bad:
+            raise ValueError(f"rater_scale factors must be in (0, {MAX_RATER_SCALE:g}], got {bad}")
 
     def _segments_valid(self) -> None:
         if not self.segments:

@@ -62,7 +62,7 @@ class SeedMetrics:
 
 
 def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
-    rewards = [r.reward for r in arm.rewards]
+    rewards = [r.judge_value for r in arm.rewards]
     starts = [p.from_rollout for p in scenario.schedule]
     summary = arm.summary
     return SeedMetrics(
@@ -168,7 +168,7 @@ def band(curves: list[list[float]], x: list[int] | None = None) -> Band | None:
 
 
 def moving_reward_band(runs: list[Run], arm: str, window: int) -> Band | None:
-    return band([moving_average([r.reward for r in run.arms[arm].rewards], window)
+    return band([moving_average([r.judge_value for r in run.arms[arm].rewards], window)
                  for run in runs if arm in run.arms])
 
 

@@ -80,6 +80,12 @@ class TopicIndex:
                                      for text in (*s.tips, s.reason)) for s in subjects}
         self._by_prompt = {prompt.strip().lower(): subject for _, subject, prompt in iter_prompts()}
         self._by_name = sorted(subjects, key=lambda s: -len(s.name))
+        self._topic = {s.name: topic.name for topic in TOPICS for s in topic.subjects}
+
+    def topic_of(self, prompt: str) -> str | None:
+        """The corpus topic ``prompt`` asks about (via its subject); None when no subject is found."""
+        subject = self.subject_of(prompt)
+        return self._topic[subject.name] if subject is not None else None
 
     def subject_of(self, prompt: str) -> Subject | None:
         key = prompt.strip().lower()
@@ -137,3 +143,18 @@ class QualityStyleJudge:
         style = float(probs[self.classifier.styles.index(preferred_style)])
         sampled = self.classifier.styles[int(probs.argmax())]
         return JudgeScore(value=quality * style, quality=quality, style=style, sampled_style=sampled)
+
+
+class RaterScale:
+    """The factor a prompt's raters put on the judge's value (``experiment.rater_scale``, by the
+    prompt's topic; 1 for a topic not named and for a prompt of no known topic)."""
+
+    def __init__(self, factors: dict[str, float], topics: TopicIndex | None = None) -> None:
+        self.factors = dict(factors)
+        self.topics = topics or TopicIndex()
+
+    def of(self, prompt: str) -> float:
+        if not self.factors:
+            return 1.0
+        topic = self.topics.topic_of(prompt)
+        return self.factors.get(topic, 1.0) if topic is not None else 1.0

@@ -48,7 +48,7 @@ def plot_rewards_per_arm(runs: list[Run], arms: list[str], path: Path) -> None:
         if b is None:
             continue
         if b.seeds.shape[0] == 1:
-            rewards = [r.reward for run in runs if arm in run.arms for r in run.arms[arm].rewards]
+            rewards = [r.judge_value for run in runs if arm in run.arms for r in run.arms[arm].rewards]
             ax.scatter(range(len(rewards)), rewards, s=3, alpha=0.3, label="reward")
         else:
             for curve in b.seeds:

@@ -50,7 +50,17 @@ def _intro(scenario: ExperimentConfig, runs: list[Run], seeds: int) -> list[str]
         f"(its mean reward). Post-switch mean: mean reward from the first switch to the end. Collapse: the "
         f"moving answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end.", "",
         "Held-out style accuracy and the style shares are measured with the judge's own style classifier, the "
-        "one that makes the reward: they show what the reward sees, not an independent judgement of style.", ""]
+        "one that makes the reward: they show what the reward sees, not an independent judgement of style.", "",
+        *_raters(scenario)]
+
+
+def _raters(scenario: ExperimentConfig) -> list[str]:
+    if not scenario.rater_scale:
+        return []
+    factors = ", ".join(f"{topic} {factor:g}" for topic, factor in scenario.rater_scale.items())
+    return ["Raters rate on scales of their own: the learners received the judge's value times the factor of "
+            f"the prompt's topic ({factors}; 1 for any other). Every reward figure here is the judge's own "
+            "value (quality x style), before that factor.", ""]
 
 
 def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:

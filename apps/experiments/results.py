@@ -41,9 +41,13 @@ class RewardRow(_Row):
     version: int = Field(ge=0)
     """Newest policy version that sampled the answer."""
     reward: float
+    """What the learner receives: the judge's value times ``rater_scale``."""
     quality: float
     style: float
     preferred: str
+    rater_scale: float = Field(1.0, gt=0)
+    """The factor the prompt's raters put on the judge's value (``experiment.rater_scale``; 1 in
+    older files)."""
     delivered: bool = True
     """False when the judge dropped the reward (experiment.drop_rate)."""
     interaction_id: str | None = None
@@ -51,6 +55,12 @@ class RewardRow(_Row):
     """The style the judge's classifier finds most likely in the answer (None in older files)."""
     segment: str | None = None
     """The user segment the request came from (experiment.segments; None without segments)."""
+
+    @property
+    def judge_value(self) -> float:
+        """The judge's own value (quality x style), before the raters' scale: what the report's
+        levels, lags and areas measure."""
+        return self.reward / self.rater_scale
 
     def scores(self) -> dict[str, float]:
         """What the reward record carries besides its value (``Reward.scores``): the judge's

@@ -51,7 +51,7 @@ class SegmentSummary:
 
 def _series(run: Run, arm: str) -> tuple[list[float], list[str | None]]:
     rows = run.arms[arm].rewards
-    return [r.reward for r in rows], [r.segment for r in rows]
+    return [r.judge_value for r in rows], [r.segment for r in rows]
 
 
 def summarize_segment(runs: list[Run], arm: str, segment: UserSegment) -> SegmentSummary:

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from apps.default_model.corpus import STYLES
-from apps.experiments.judge import QualityStyleJudge, TopicIndex, form_quality
+from apps.experiments.judge import QualityStyleJudge, RaterScale, TopicIndex, form_quality
 
 RICE = "How do I make rice?"
 ARCHAIC_RICE = "Hark! Thou shouldst rinse the grains until the water runs clear. Fare thee well."
@@ -84,6 +84,19 @@ def test_topic_index_finds_the_subject():
     assert topics.topicality("Explain photosynthesis briefly", "Photosynthesis turns light into sugar.") \
         == pytest.approx(1 / 3 / 0.75)  # 1 of explain, photosynthesis, briefly
     assert topics.topicality("Explain photosynthesis briefly", "Bake bread.") == 0.0
+
+
+def test_the_raters_scale_follows_the_prompts_topic():
+    topics = TopicIndex()
+    assert topics.topic_of(RICE) == "cooking"
+    assert topics.topic_of("How do I get better at tennis?") == "sports"
+    assert topics.topic_of("What is the meaning of life?") is None
+    scale = RaterScale({"cooking": 1.5, "sports": 0.5}, topics)
+    assert scale.of(RICE) == 1.5
+    assert scale.of("How do I get better at tennis?") == 0.5
+    assert scale.of("How do I fix a slow laptop?") == 1.0  # tech: not named
+    assert scale.of("What is the meaning of life?") == 1.0  # no topic found
+    assert RaterScale({}, topics).of(RICE) == 1.0
 
 
 def test_unknown_style_is_an_error(judge):

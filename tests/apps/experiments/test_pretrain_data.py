@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from apps.config import ArmConfig, ExperimentConfig, load_app_config
-from apps.experiments.judge import QualityStyleJudge
+from apps.experiments.judge import QualityStyleJudge, RaterScale
 from apps.experiments.pretrain_data import judge_rewards, write_records
-from tests.apps.experiments.test_judge_service import ANSWERS, SCHEDULE, chat_interaction
+from tests.apps.experiments.test_judge_service import ANSWERS, SCHEDULE, FixedJudge, chat_interaction
 from trainer.history import rollouts_from_file
 
 
@@ -24,6 +24,13 @@ def test_records_are_scored_under_the_preference_and_read_back_by_the_learner(st
     path = write_records(tmp_path / "arms" / "pretrain-data" / "records.jsonl", interactions, rewards)
     rollouts = rollouts_from_file(path, load_app_config(environ={}), version=3)  # the records' newest version
     assert {r.interaction_id: r.total_reward for r in rollouts} == {r.interaction_id: r.value for r in rewards}
+
+
+def test_records_carry_the_raters_scale_as_the_judge_service_sends_it():
+    rice, tennis = (chat_interaction(*ANSWERS[0]),
+                    chat_interaction("How do I get better at tennis?", "Watch the ball onto the strings."))
+    rewards = judge_rewards([rice, tennis], FixedJudge(), "formal", RaterScale({"cooking": 1.5, "sports": 0.5}))
+    assert [r.value for r in rewards] == [0.75, 0.25]  # the fixed judge's 0.5 times each topic's factor
 
 
 def test_no_arm_may_take_the_pre_training_pass_name():

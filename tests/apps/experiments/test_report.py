@@ -122,6 +122,24 @@ def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
     assert row[3] == "yes"  # 3 against 15 low rollouts after each switch: far apart in every seed
 
 
+def test_levels_are_on_the_judges_value_when_raters_scale_the_reward(tmp_path):
+    directory = tmp_path / "results"
+    write_run(directory, {"running_mean_w8": synthetic_rewards(12, 1)})
+    write_scenario(directory, SCENARIO.model_copy(update={"rater_scale": {"cooking": 1.5, "weather": 0.5}}))
+    values = synthetic_rewards(3, 0)
+    for i, value in enumerate(values):  # generous and harsh raters by turns: reward 1.5x or 0.5x the value
+        scale = 1.5 if i % 2 else 0.5
+        append_row(directory / "sao.jsonl", RewardRow(rollout=i, t=1000.0 + i, version=i // 4, reward=value * scale,
+                                                      rater_scale=scale, quality=1.0, style=value,
+                                                      preferred=SCENARIO.preferred_style(i)))
+    text = write_report(directory, tmp_path / "report").read_text()
+    assert "(cooking 1.5, weather 0.5; 1 for any other)" in text
+    phases = phase_metrics(values, STARTS, STYLES, 4, 0.5)
+    assert table_row(section(text, "Summary"), "sao")[3:5] == [f"{sum(values) / 60:.3f}",
+                                                               f"{post_switch_mean(values, 20):.3f}"]
+    assert table_row(section(text, "Level"), "sao")[1:] == [f"{p.level:.3f}" for p in phases]
+
+
 def test_report_is_logged_to_mlflow(results, tmp_path):
     directory, series = results
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

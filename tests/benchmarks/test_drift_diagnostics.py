@@ -60,6 +60,16 @@ def test_running_mean_error_uses_the_delivered_rewards_before_each():
     assert running_mean_squared_error(rewards, 0, 1, window=2) is None
 
 
+def test_the_per_rater_running_mean_uses_only_the_same_raters_rewards():
+    rows = [RewardRow(rollout=i, t=float(i), version=0, reward=r * g, rater_scale=g, quality=0.0, style=0.0,
+                      preferred="cute") for i, (r, g) in enumerate([(1.0, 1.5), (1.0, 0.5), (1.0, 1.5), (0.0, 0.5)])]
+    # rewards 1.5, 0.5, 1.5, 0.0. Per rater: rollout 2 -> (1.5 - 1.5)^2 = 0, rollout 3 -> (0 - 0.5)^2 = 0.25;
+    # rollouts 0 and 1 have no earlier reward of their raters.
+    assert running_mean_squared_error(rows, 0, 4, by_rater=True) == pytest.approx(0.125)
+    # all together: rollout 1 -> (0.5 - 1.5)^2 = 1, 2 -> (1.5 - 1)^2 = 0.25, 3 -> (0 - 3.5 / 3)^2
+    assert running_mean_squared_error(rows, 0, 4) == pytest.approx((1 + 0.25 + (3.5 / 3) ** 2) / 3)
+
+
 def test_critic_error_is_the_mean_value_loss_of_the_phase_steps():
     steps = [_step(2, value_loss=0.5), _step(4, value_loss=0.1), _step(6, value_loss=math.nan), _step(9, approx_kl=1.0)]
     assert critic_squared_error(steps, 0, 10) == pytest.approx(0.3)

@@ -97,8 +97,9 @@ def schedule_problems(schedule: list[PreferencePhase], styles: list[str], rollou
 
 SHARE_TOLERANCE = 1e-6
 MAX_RATER_SCALE = 10.0
-"""Largest factor a topic's raters may put on the judge's value: keeps every reward within a
-small multiple of the judge's [0, 1], far inside the records' bound."""
+"""Largest factor a topic's raters may put on the judge's value, and largest shift they may add
+(either sign): keeps every reward within a few units of the judge's [0, 1], far inside the
+records' bound."""
 """Segment shares are written as decimals in YAML (0.3 + 0.7 is not exactly 1 in binary)."""
 
 
@@ -232,6 +233,11 @@ class ExperimentConfig(Section):
     The report's levels, lags and areas stay on the judge's own value (``RewardRow.judge_value``),
     so they measure alignment with the preference, not the raters' generosity. Empty: every
     reward is the judge's value (docs/EXPERIMENTS.md section 13)."""
+    rater_offset: dict[str, float] = {}
+    """Raters who shift every rating, by the prompt's topic (a corpus topic's name -> shift added
+    after ``rater_scale``): reward = value x scale + shift, 0 for a topic not named. A shift moves
+    the reward's level per prompt whatever the answer, so it is the part of the reward a
+    per-prompt baseline can remove entirely (docs/EXPERIMENTS.md section 14)."""
 
     @model_validator(mode="after")
     def _schedule_valid(self) -> "ExperimentConfig":
@@ -252,12 +258,16 @@ class ExperimentConfig(Section):
 
     def _rater_scale_valid(self) -> None:
         topics = [t.name for t in TOPICS]
-        unknown = sorted(set(self.rater_scale) - set(topics))
-        if unknown:
-            raise ValueError(f"rater_scale names topics the corpus lacks: {unknown}; its topics are {topics}")
+        for key, given in (("rater_scale", self.rater_scale), ("rater_offset", self.rater_offset)):
+            unknown = sorted(set(given) - set(topics))
+            if unknown:
+                raise ValueError(f"{key} names topics the corpus lacks: {unknown}; its topics are {topics}")
         bad = {name: f for name, f in self.rater_scale.items() if not 0 < f <= MAX_RATER_SCALE}
         if bad:
             raise ValueError(f"rater_scale factors must be in (0, {MAX_RATER_SCALE:g}], got {bad}")
+        bad = {name: f for name, f in self.rater_offset.items() if not abs(f) <= MAX_RATER_SCALE}
+        if bad:
+            raise ValueError(f"rater_offset shifts must be within +-{MAX_RATER_SCALE:g}, got {bad}")
 
     def _segments_valid(self) -> None:
         if not self.segments:

@@ -20,8 +20,8 @@ Markdown tables, each cell the mean over seeds with its 95% bootstrap interval:
   predicts better than the running mean, and its advantages can carry more than the mean's);
   the per-step explained variance above is on a step's four or so rollouts, where one rollout
   more or less swings it, so this is the pooled view;
-* with raters who rate on scales of their own (``experiment.rater_scale``), the same running mean
-  taken over the rewards of the same raters' scale only, against the running mean of all: how much
+* with raters who rate on scales of their own (``experiment.rater_scale`` / ``rater_offset``), the
+  same running mean taken over the rewards of the same raters only, against the running mean of all: how much
   of the reward's error a baseline that knows who rates could remove;
 * value pre-training's held-out explained variance (the arm summaries);
 * the drift detector's restarts (steps with ``drift_alarm``): per seed the rollouts at which
@@ -101,17 +101,21 @@ def running_mean_squared_error(rewards: Sequence[RewardRow], start: int, end: in
     """Mean over the delivered rewards of rollouts ``[start, end)`` of ``(r - m)^2``, ``m`` the mean of
     the ``window`` delivered rewards before it in judging order (from the arm's first; a reward with
     none before it is left out). None when no reward is left. ``by_rater``: ``m`` over the rewards of
-    the same raters' scale only (``RewardRow.rater_scale``): a baseline that knows who rates, the
+    the same raters only (the same ``RewardRow.rater_scale`` and ``rater_offset``): a baseline that knows who rates, the
     most a per-prompt baseline could take from the raters' scales."""
     delivered = [row for row in rewards if row.delivered]
     errors = []
     for i, row in enumerate(delivered):
         if not start <= row.rollout < end:
             continue
-        peers = [r.reward for r in delivered[:i] if not by_rater or r.rater_scale == row.rater_scale][-window:]
+        peers = [r.reward for r in delivered[:i] if not by_rater or _raters(r) == _raters(row)][-window:]
         if peers:
             errors.append((row.reward - statistics.fmean(peers)) ** 2)
     return statistics.fmean(errors) if errors else None
+
+
+def _raters(row: RewardRow) -> tuple[float, float]:
+    return row.rater_scale, row.rater_offset
 
 
 def critic_vs_running_mean(arm: ArmResults, start: int, end: int,
@@ -196,9 +200,9 @@ def report(runs: list[Run]) -> str:
             for index, label in labels:
                 lines.append(_row([arm, label, *(_over_seeds([None if f is None else f[index] for f in cells])
                                                  for cells in found)]))
-    if any(row.rater_scale != 1.0 for run in runs for a in run.arms.values() for row in a.rewards):
+    if any(_raters(row) != (1.0, 0.0) for run in runs for a in run.arms.values() for row in a.rewards):
         lines += ["", f"Raters with scales of their own: a running mean of the last {RUNNING_WINDOW} rewards of "
-                  "the same raters' scale (a baseline that knows who rates) against the running mean of all "
+                  "the same raters (a baseline that knows who rates) against the running mean of all "
                   "(squared errors per phase; the ratio per seed)", "", _row(head), "|" + "---|" * len(head)]
         for arm in arms:
             present = [run.arms[arm] for run in runs if arm in run.arms]

@@ -54,7 +54,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from apps.config import AppConfig
-from apps.experiments.judge import QualityStyleJudge, RaterScale
+from apps.experiments.judge import QualityStyleJudge, Raters
 from apps.experiments.judge_service import SOURCE, ScheduleJudge
 from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
 from apps.experiments.scenario import (arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats,
@@ -312,7 +312,7 @@ def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
     finally:
         engine.stop_thread()
     rewards = judge_rewards(interactions, QualityStyleJudge(classifier), exp.preferred_style(0),
-                            RaterScale(exp.rater_scale))
+                            Raters(exp.rater_scale, exp.rater_offset))
     path = write_records(results_dir(cfg) / "arms" / PRETRAIN_ARM / PRETRAIN_FILE, interactions, rewards)
     progress(f"value pre-training data: {len(rewards)} rollouts of the starting policy, mean reward "
              f"{sum(r.value for r in rewards) / len(rewards):.3f} in {path}")

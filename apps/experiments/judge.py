@@ -145,16 +145,30 @@ class QualityStyleJudge:
         return JudgeScore(value=quality * style, quality=quality, style=style, sampled_style=sampled)
 
 
-class RaterScale:
-    """The factor a prompt's raters put on the judge's value (``experiment.rater_scale``, by the
-    prompt's topic; 1 for a topic not named and for a prompt of no known topic)."""
 
-    def __init__(self, factors: dict[str, float], topics: TopicIndex | None = None) -> None:
-        self.factors = dict(factors)
+@dataclass(frozen=True)
+class Rating:
+    """What a prompt's raters give for a judged answer: ``reward`` = value x ``scale`` + ``offset``."""
+
+    reward: float
+    scale: float = 1.0
+    offset: float = 0.0
+
+
+class Raters:
+    """Raters who rate on scales of their own, by the prompt's topic (``experiment.rater_scale``
+    and ``rater_offset``): a topic not named, or a prompt of no known topic, gets scale 1 and
+    shift 0, the judge's value itself."""
+
+    def __init__(self, scale: dict[str, float] | None = None, offset: dict[str, float] | None = None,
+                 topics: TopicIndex | None = None) -> None:
+        self.scale = dict(scale or {})
+        self.offset = dict(offset or {})
         self.topics = topics or TopicIndex()
 
-    def of(self, prompt: str) -> float:
-        if not self.factors:
-            return 1.0
+    def rate(self, prompt: str, value: float) -> Rating:
+        if not self.scale and not self.offset:
+            return Rating(value)
         topic = self.topics.topic_of(prompt)
-        return self.factors.get(topic, 1.0) if topic is not None else 1.0
+        scale, offset = self.scale.get(topic, 1.0), self.offset.get(topic, 0.0)
+        return Rating(value * scale + offset, scale, offset)

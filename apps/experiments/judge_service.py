@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from apps.config import AppConfig
-from apps.experiments.judge import Judge, QualityStyleJudge, RaterScale
+from apps.experiments.judge import Judge, QualityStyleJudge, Raters
 from apps.experiments.results import RewardRow, append_row, read_reward_rows
 from online_sao.schemas import Interaction, Reward
 from streams.base import StreamBackend, StreamUnavailable, TopicPartition
@@ -106,7 +106,7 @@ class ScheduleJudge:
         self.tokenizer = tokenizer
         self.results_path = results_path
         self.clock = clock
-        self.rater_scale = RaterScale(self.exp.rater_scale)
+        self.raters = Raters(self.exp.rater_scale, self.exp.rater_offset)
         rows = read_reward_rows(results_path) if results_path is not None else []
         self.rollout = len(rows)
         self.judged: dict[str, RewardRow] = {r.interaction_id: r for r in rows if r.interaction_id is not None}
@@ -132,10 +132,10 @@ class ScheduleJudge:
         preferred = self.exp.preferred_style(self.rollout, segment)
         prompt, answer = interaction_texts(interaction, self.tokenizer)
         score = self.judge.score(prompt, answer, preferred)
-        scale = self.rater_scale.of(prompt)
+        rating = self.raters.rate(prompt, score.value)
         deliver = self._rng.random() >= self.exp.drop_rate
-        row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version,
-                        reward=score.value * scale, rater_scale=scale, quality=score.quality, style=score.style,
+        row = RewardRow(rollout=self.rollout, t=self.clock(), version=interaction.policy_version, reward=rating.reward,
+                        rater_scale=rating.scale, rater_offset=rating.offset, quality=score.quality, style=score.style,
                         preferred=preferred, delivered=deliver, interaction_id=interaction.interaction_id,
                         sampled_style=score.sampled_style, segment=segment)
         if self.results_path is not None:

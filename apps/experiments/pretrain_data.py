@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from apps.config import PRETRAIN_ARM, AppConfig, ArmConfig
-from apps.experiments.judge import Judge, QualityStyleJudge, RaterScale
+from apps.experiments.judge import Judge, QualityStyleJudge, Raters
 from apps.experiments.judge_service import SOURCE, interaction_texts
 from apps.experiments.orchestrate import READY_TIMEOUT_S, reset_arm
 from apps.experiments.scenario import arm_config, prompt_pool, results_dir
@@ -64,7 +64,8 @@ def collect_pretrain_rollouts(cfg: AppConfig, classifier: StyleClassifier,
         interactions = _read_interactions(backend, acfg, exp.pretrain_rollouts)
 
     preferred = exp.preferred_style(0)
-    rewards = judge_rewards(interactions, QualityStyleJudge(classifier), preferred, RaterScale(exp.rater_scale))
+    rewards = judge_rewards(interactions, QualityStyleJudge(classifier), preferred,
+                            Raters(exp.rater_scale, exp.rater_offset))
     path = write_records(arm_dir / PRETRAIN_FILE, interactions, rewards)
     mean = sum(r.value for r in rewards) / len(rewards)
     progress(f"value pre-training data: {len(rewards)} rollouts of the starting policy, mean reward {mean:.3f} "
@@ -73,15 +74,15 @@ def collect_pretrain_rollouts(cfg: AppConfig, classifier: StyleClassifier,
 
 
 def judge_rewards(interactions: list[Interaction], judge: Judge, preferred: str,
-                  rater_scale: RaterScale | None = None) -> list[Reward]:
+                  raters: Raters | None = None) -> list[Reward]:
     """A reward per interaction, scored as the judge service scores it (same texts, same judge, the
-    same raters' scale)."""
-    scale = rater_scale or RaterScale({})
+    same raters)."""
+    raters = raters or Raters()
     rewards = []
     for interaction in interactions:
         prompt, answer = interaction_texts(interaction, None)
         score = judge.score(prompt, answer, preferred)
-        rewards.append(Reward(interaction_id=interaction.interaction_id, value=score.value * scale.of(prompt),
+        rewards.append(Reward(interaction_id=interaction.interaction_id, value=raters.rate(prompt, score.value).reward,
                               source=SOURCE))
     return rewards
 

@@ -55,12 +55,14 @@ def _intro(scenario: ExperimentConfig, runs: list[Run], seeds: int) -> list[str]
 
 
 def _raters(scenario: ExperimentConfig) -> list[str]:
-    if not scenario.rater_scale:
+    if not scenario.rater_scale and not scenario.rater_offset:
         return []
-    factors = ", ".join(f"{topic} {factor:g}" for topic, factor in scenario.rater_scale.items())
+    factors = ", ".join(f"{topic} {factor:g}" for topic, factor in scenario.rater_scale.items()) or "none"
+    shifts = ", ".join(f"{topic} {shift:+g}" for topic, shift in scenario.rater_offset.items()) or "none"
     return ["Raters rate on scales of their own: the learners received the judge's value times the factor of "
-            f"the prompt's topic ({factors}; 1 for any other). Every reward figure here is the judge's own "
-            "value (quality x style), before that factor.", ""]
+            f"the prompt's topic, plus its shift (factors: {factors}; shifts: {shifts}; 1 and 0 for any other "
+            "topic). Every reward figure here is the judge's own value (quality x style), before factor and "
+            "shift.", ""]
 
 
 def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:

@@ -41,13 +41,16 @@ class RewardRow(_Row):
     version: int = Field(ge=0)
     """Newest policy version that sampled the answer."""
     reward: float
-    """What the learner receives: the judge's value times ``rater_scale``."""
+    """What the learner receives: the judge's value times ``rater_scale`` plus ``rater_offset``."""
     quality: float
     style: float
     preferred: str
     rater_scale: float = Field(1.0, gt=0)
     """The factor the prompt's raters put on the judge's value (``experiment.rater_scale``; 1 in
     older files)."""
+    rater_offset: float = 0.0
+    """The shift the prompt's raters add after the factor (``experiment.rater_offset``; 0 in older
+    files)."""
     delivered: bool = True
     """False when the judge dropped the reward (experiment.drop_rate)."""
     interaction_id: str | None = None
@@ -58,9 +61,9 @@ class RewardRow(_Row):
 
     @property
     def judge_value(self) -> float:
-        """The judge's own value (quality x style), before the raters' scale: what the report's
+        """The judge's own value (quality x style), before the raters' scale and shift: what the report's
         levels, lags and areas measure."""
-        return self.reward / self.rater_scale
+        return (self.reward - self.rater_offset) / self.rater_scale
 
     def scores(self) -> dict[str, float]:
         """What the reward record carries besides its value (``Reward.scores``): the judge's

@@ -70,6 +70,15 @@ def test_the_per_rater_running_mean_uses_only_the_same_raters_rewards():
     assert running_mean_squared_error(rows, 0, 4) == pytest.approx((1 + 0.25 + (3.5 / 3) ** 2) / 3)
 
 
+def test_the_per_rater_running_mean_tells_shifted_raters_apart():
+    rows = [RewardRow(rollout=i, t=float(i), version=0, reward=r + b, rater_offset=b, quality=0.0, style=0.0,
+                      preferred="cute") for i, (r, b) in enumerate([(0.5, 0.5), (0.5, -0.5), (0.5, 0.5), (0.5, -0.5)])]
+    # every value 0.5: per rater the mean is exact after each group's first reward
+    assert running_mean_squared_error(rows, 0, 4, by_rater=True) == pytest.approx(0.0)
+    # all together: rollout 1 -> (0 - 1)^2 = 1, 2 -> (1 - 0.5)^2 = 0.25, 3 -> (0 - 2 / 3)^2
+    assert running_mean_squared_error(rows, 0, 4) == pytest.approx((1 + 0.25 + (2 / 3) ** 2) / 3)
+
+
 def test_critic_error_is_the_mean_value_loss_of_the_phase_steps():
     steps = [_step(2, value_loss=0.5), _step(4, value_loss=0.1), _step(6, value_loss=math.nan), _step(9, approx_kl=1.0)]
     assert critic_squared_error(steps, 0, 10) == pytest.approx(0.3)

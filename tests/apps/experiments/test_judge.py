@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from apps.default_model.corpus import STYLES
-from apps.experiments.judge import QualityStyleJudge, RaterScale, TopicIndex, form_quality
+from apps.experiments.judge import QualityStyleJudge, Raters, Rating, TopicIndex, form_quality
 
 RICE = "How do I make rice?"
 ARCHAIC_RICE = "Hark! Thou shouldst rinse the grains until the water runs clear. Fare thee well."
@@ -86,17 +86,18 @@ def test_topic_index_finds_the_subject():
     assert topics.topicality("Explain photosynthesis briefly", "Bake bread.") == 0.0
 
 
-def test_the_raters_scale_follows_the_prompts_topic():
+def test_the_raters_follow_the_prompts_topic():
     topics = TopicIndex()
     assert topics.topic_of(RICE) == "cooking"
     assert topics.topic_of("How do I get better at tennis?") == "sports"
     assert topics.topic_of("What is the meaning of life?") is None
-    scale = RaterScale({"cooking": 1.5, "sports": 0.5}, topics)
-    assert scale.of(RICE) == 1.5
-    assert scale.of("How do I get better at tennis?") == 0.5
-    assert scale.of("How do I fix a slow laptop?") == 1.0  # tech: not named
-    assert scale.of("What is the meaning of life?") == 1.0  # no topic found
-    assert RaterScale({}, topics).of(RICE) == 1.0
+    raters = Raters({"cooking": 1.5, "sports": 0.5}, {"cooking": -0.25, "tech": 0.5}, topics)
+    assert raters.rate(RICE, 0.5) == Rating(0.5, 1.5, -0.25)  # 0.5 x 1.5 - 0.25
+    assert raters.rate("How do I get better at tennis?", 0.5) == Rating(0.25, 0.5, 0.0)
+    assert raters.rate("How do I fix a slow laptop?", 0.5) == Rating(1.0, 1.0, 0.5)  # tech: shifted only
+    assert raters.rate("How do I keep my plants alive?", 0.5) == Rating(0.5)  # gardening: not named
+    assert raters.rate("What is the meaning of life?", 0.5) == Rating(0.5)  # no topic found
+    assert Raters(topics=topics).rate(RICE, 0.5) == Rating(0.5)
 
 
 def test_unknown_style_is_an_error(judge):

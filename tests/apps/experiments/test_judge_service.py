@@ -240,8 +240,8 @@ def test_drops_are_seeded_and_recorded(tmp_path):
     assert outcomes[0] == outcomes[1] and 10 < sum(outcomes[0]) < 30
 
 
-def test_the_raters_scale_multiplies_the_reward_sent_and_the_row_keeps_the_judges_value(tmp_path):
-    backend, cfg, producer = memory_setup(rater_scale={"cooking": 1.5, "sports": 0.5})
+def test_the_raters_scale_and_shift_the_reward_sent_and_the_row_keeps_the_judges_value(tmp_path):
+    backend, cfg, producer = memory_setup(rater_scale={"cooking": 1.5, "sports": 0.5}, rater_offset={"tech": -0.25})
     rice = chat_interaction(*ANSWERS[0])  # cooking
     tennis = chat_interaction("How do I get better at tennis?", "Watch the ball onto the strings.")  # sports
     laptop = chat_interaction("How do I fix a slow laptop?", "Close programs you are not using.")  # tech: not named
@@ -252,10 +252,10 @@ def test_the_raters_scale_multiplies_the_reward_sent_and_the_row_keeps_the_judge
     service.step()
     service.close()
     sent = {r.interaction_id: r.value for r in drain_memory(backend, cfg.kafka.topics.rewards)}
-    assert sent == {rice.interaction_id: 0.75, tennis.interaction_id: 0.25, laptop.interaction_id: 0.5}
+    assert sent == {rice.interaction_id: 0.75, tennis.interaction_id: 0.25, laptop.interaction_id: 0.25}
     rows = read_arm(results).rewards
-    assert [(r.reward, r.rater_scale, r.judge_value) for r in rows] == [(0.75, 1.5, 0.5), (0.25, 0.5, 0.5),
-                                                                      (0.5, 1.0, 0.5)]
+    assert [(r.reward, r.rater_scale, r.rater_offset, r.judge_value) for r in rows] == [
+        (0.75, 1.5, 0.0, 0.5), (0.25, 0.5, 0.0, 0.5), (0.25, 1.0, -0.25, 0.5)]
 
 
 def test_the_raters_scale_is_validated():
@@ -263,6 +263,10 @@ def test_the_raters_scale_is_validated():
         ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_scale={"astrology": 2.0})
     with pytest.raises(ValueError, match="factors must be in"):
         ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_scale={"cooking": 0.0})
+    with pytest.raises(ValueError, match="rater_offset names topics the corpus lacks"):
+        ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_offset={"astrology": 0.5})
+    with pytest.raises(ValueError, match="shifts must be within"):
+        ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_offset={"cooking": -11.0})
 
 
 class FlakyBackend:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from apps.config import ArmConfig, ExperimentConfig, load_app_config
-from apps.experiments.judge import QualityStyleJudge, RaterScale
+from apps.experiments.judge import QualityStyleJudge, Raters
 from apps.experiments.pretrain_data import judge_rewards, write_records
 from tests.apps.experiments.test_judge_service import ANSWERS, SCHEDULE, FixedJudge, chat_interaction
 from trainer.history import rollouts_from_file
@@ -29,8 +29,8 @@ def test_records_are_scored_under_the_preference_and_read_back_by_the_learner(st
 def test_records_carry_the_raters_scale_as_the_judge_service_sends_it():
     rice, tennis = (chat_interaction(*ANSWERS[0]),
                     chat_interaction("How do I get better at tennis?", "Watch the ball onto the strings."))
-    rewards = judge_rewards([rice, tennis], FixedJudge(), "formal", RaterScale({"cooking": 1.5, "sports": 0.5}))
-    assert [r.value for r in rewards] == [0.75, 0.25]  # the fixed judge's 0.5 times each topic's factor
+    rewards = judge_rewards([rice, tennis], FixedJudge(), "formal", Raters({"cooking": 1.5}, {"sports": -0.5}))
+    assert [r.value for r in rewards] == [0.75, 0.0]  # the fixed judge's 0.5: x 1.5 (cooking), - 0.5 (sports)
 
 
 def test_no_arm_may_take_the_pre_training_pass_name():

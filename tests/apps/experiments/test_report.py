@@ -125,15 +125,17 @@ def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
 def test_levels_are_on_the_judges_value_when_raters_scale_the_reward(tmp_path):
     directory = tmp_path / "results"
     write_run(directory, {"running_mean_w8": synthetic_rewards(12, 1)})
-    write_scenario(directory, SCENARIO.model_copy(update={"rater_scale": {"cooking": 1.5, "weather": 0.5}}))
+    write_scenario(directory, SCENARIO.model_copy(update={"rater_scale": {"cooking": 1.5, "weather": 0.5},
+                                                          "rater_offset": {"pets": -0.25}}))
     values = synthetic_rewards(3, 0)
-    for i, value in enumerate(values):  # generous and harsh raters by turns: reward 1.5x or 0.5x the value
-        scale = 1.5 if i % 2 else 0.5
-        append_row(directory / "sao.jsonl", RewardRow(rollout=i, t=1000.0 + i, version=i // 4, reward=value * scale,
-                                                      rater_scale=scale, quality=1.0, style=value,
+    for i, value in enumerate(values):  # generous and harsh raters by turns: 1.5x + 0.25 or 0.5x - 0.25
+        scale, shift = (1.5, 0.25) if i % 2 else (0.5, -0.25)
+        append_row(directory / "sao.jsonl", RewardRow(rollout=i, t=1000.0 + i, version=i // 4,
+                                                      reward=value * scale + shift,
+                                                      rater_scale=scale, rater_offset=shift, quality=1.0, style=value,
                                                       preferred=SCENARIO.preferred_style(i)))
     text = write_report(directory, tmp_path / "report").read_text()
-    assert "(cooking 1.5, weather 0.5; 1 for any other)" in text
+    assert "(factors: cooking 1.5, weather 0.5; shifts: pets -0.25; 1 and 0 for any other topic)" in text
     phases = phase_metrics(values, STARTS, STYLES, 4, 0.5)
     assert table_row(section(text, "Summary"), "sao")[3:5] == [f"{sum(values) / 60:.3f}",
                                                                f"{post_switch_mean(values, 20):.3f}"]

@@ -96,11 +96,11 @@ def schedule_problems(schedule: list[PreferencePhase], styles: list[str], rollou
 
 
 SHARE_TOLERANCE = 1e-6
+"""Segment shares are written as decimals in YAML (0.3 + 0.7 is not exactly 1 in binary)."""
 MAX_RATER_SCALE = 10.0
 """Largest factor a topic's raters may put on the judge's value, and largest shift they may add
 (either sign): keeps every reward within a few units of the judge's [0, 1], far inside the
 records' bound."""
-"""Segment shares are written as decimals in YAML (0.3 + 0.7 is not exactly 1 in binary)."""
 
 
 class UserSegment(Section):

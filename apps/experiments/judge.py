@@ -145,7 +145,6 @@ class QualityStyleJudge:
         return JudgeScore(value=quality * style, quality=quality, style=style, sampled_style=sampled)
 
 
-
 @dataclass(frozen=True)
 class Rating:
     """What a prompt's raters give for a judged answer: ``reward`` = value x ``scale`` + ``offset``."""

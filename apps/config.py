@@ -253,10 +253,10 @@ class ExperimentConfig(Section):
         if PRETRAIN_ARM in names:
             raise ValueError(f"arm name {PRETRAIN_ARM!r} is reserved for the value pre-training data")
         self._segments_valid()
-        self._rater_scale_valid()
+        self._raters_valid()
         return self
 
-    def _rater_scale_valid(self) -> None:
+    def _raters_valid(self) -> None:
         topics = [t.name for t in TOPICS]
         for key, given in (("rater_scale", self.rater_scale), ("rater_offset", self.rater_offset)):
             unknown = sorted(set(given) - set(topics))

@@ -37,6 +37,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -103,14 +104,15 @@ def running_mean_squared_error(rewards: Sequence[RewardRow], start: int, end: in
     none before it is left out). None when no reward is left. ``by_rater``: ``m`` over the rewards of
     the same raters only (the same ``RewardRow.rater_scale`` and ``rater_offset``): a baseline that knows who rates, the
     most a per-prompt baseline could take from the raters' scales."""
-    delivered = [row for row in rewards if row.delivered]
+    recent: dict[tuple[float, float] | None, deque[float]] = defaultdict(lambda: deque(maxlen=window))
     errors = []
-    for i, row in enumerate(delivered):
-        if not start <= row.rollout < end:
+    for row in rewards:
+        if not row.delivered:
             continue
-        peers = [r.reward for r in delivered[:i] if not by_rater or _raters(r) == _raters(row)][-window:]
-        if peers:
+        peers = recent[_raters(row) if by_rater else None]
+        if start <= row.rollout < end and peers:
             errors.append((row.reward - statistics.fmean(peers)) ** 2)
+        peers.append(row.reward)
     return statistics.fmean(errors) if errors else None
 
 

@@ -174,8 +174,8 @@ class AlgorithmConfig(Section):
     restart, and meanwhile the policy's advantages take the mean reward of those rollouts as
     their baseline instead of the cold critic's values (not in the paper, 0 turns it off). Before
     its traffic the learner can pre-train the critic on logged rollouts (``learn
-    --pretrain-critic``; 64 in the drift experiments); after a restart no such rollouts exist, so the critic learns from the traffic while a
-    running mean stands in for it (SAO.md: a cold critic is the main cause of early instability)."""
+    --pretrain-critic``; 64 in the drift experiments); after a restart no such rollouts exist, so
+    the critic learns from the traffic while a running mean stands in for it (SAO.md: a cold critic is the main cause of early instability)."""
     value_shrinkage_window: int = Field(0, ge=0)
     """SAO: shrink the critic's values toward the mean reward of the last this many rollouts, by
     the slope of their returns on their out-of-sample values (online_sao/value_shrinkage.py; not

@@ -163,10 +163,11 @@ class Raters:
                  topics: TopicIndex | None = None) -> None:
         self.scale = dict(scale or {})
         self.offset = dict(offset or {})
-        self.topics = topics or TopicIndex()
+        # The index reads the whole corpus: built only where some topic's raters differ.
+        self.topics = topics or (TopicIndex() if self.scale or self.offset else None)
 
     def rate(self, prompt: str, value: float) -> Rating:
-        if not self.scale and not self.offset:
+        if self.topics is None:  # no topic's raters differ
             return Rating(value)
         topic = self.topics.topic_of(prompt)
         scale, offset = self.scale.get(topic, 1.0), self.offset.get(topic, 0.0)

@@ -388,10 +388,13 @@ class TrainerConfig(Section):
     """... or once they hold this many action tokens, whichever comes first."""
     max_rollouts_per_step: int = Field(32, ge=1)
     """Upper bound on a step's batch."""
-    max_wait_s: float | None = Field(2.0, gt=0)
+    max_wait_s: float | None = Field(0.5, gt=0)
     """A step also starts, with fewer than min_rollouts, once rollouts have been
-    ready this long (wall clock): light traffic must not leave them untrained. None
-    waits for min_rollouts or token_budget however long it takes."""
+    ready this long (wall clock): light traffic must not leave them untrained, and a
+    reward should reach serving within about a second (issue 17: freshness p50 was
+    1.08 s with 2.0 at 2 requests/s, the wait for four rollouts;
+    benchmarks/results/learner.md). Under load the batch fills before the deadline. None waits for
+    min_rollouts or token_budget however long it takes."""
     max_version_lag: int | None = None
     """Drop rollouts sampled more than this many versions ago (None keeps all)."""
     publish_every: int = Field(1, ge=1)

@@ -393,8 +393,8 @@ class TrainerConfig(Section):
     ready this long (wall clock): light traffic must not leave them untrained, and a
     reward should reach serving within about a second (issue 17: freshness p50 was
     1.08 s with 2.0 at 2 requests/s, the wait for four rollouts;
-    benchmarks/results/learner.md). Under load the batch fills before the deadline. None waits for
-    min_rollouts or token_budget however long it takes."""
+    benchmarks/results/learner.md). Under load the batch fills before the deadline.
+    None waits for min_rollouts or token_budget however long it takes."""
     max_version_lag: int | None = None
     """Drop rollouts sampled more than this many versions ago (None keeps all)."""
     publish_every: int = Field(1, ge=1)

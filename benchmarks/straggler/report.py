@@ -39,7 +39,8 @@ def _row(i: int, r: LoopResult) -> str:
 
 
 def _diagnostics(i: int, r: LoopResult) -> str:
-    return (f"| {r.spec.mode} | {i} | {r.mean_decode_batch:.1f} | {r.generated_tokens_per_s:.0f} | "
+    return (f"| {r.spec.mode} | {i} | {r.mean_decode_batch:.1f} | {r.prefill_share:.1%} | "
+            f"{r.generated_tokens_per_s:.0f} | "
             f"{len(r.learner.steps)} | {r.trained / len(r.learner.steps):.1f} | {r.padding_share:.1%} | "
             f"{r.padding_share_unpacked:.1%} | "
             f"{r.version_lag_mean:.2f} | {r.generator.swaps} | {r.learner_cpu_per_rollout:.3f} | "
@@ -120,16 +121,17 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         f"**{estimate['stream'] / estimate['sync']:.2f}x**. Sync adds the generator's and the learner's CPU time "
         "per rollout (they take turns); streaming is bounded by the larger of the two.", "",
         "Diagnostics of the same runs:", "",
-        "| loop | run | mean decode batch | generated tokens/s | learner steps | rollouts/step | padding | "
+        "| loop | run | mean decode batch | prefill share | generated tokens/s | learner steps | rollouts/step | padding | "
         "padding if padded | "
         "version lag | swaps | learner CPU s / rollout | generator CPU s / rollout | learner CPU share in steps | "
         "generator CPU share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *[_diagnostics(i, r) for i, r in enumerate(results, 1)], "",
         "Definitions: a loop's time runs from its common start to the end of the learner step that reached the "
         "rollout count. *learner idle*: share of that time outside learner steps (collate + SAO step + publish). "
         "*generator idle*: share with no engine prefill or decode step running (zero sequences decoding; weight "
         "loading and switching count as idle). *mean decode batch*: sequences per decode step, time-weighted. "
+        "*prefill share*: share of the engine's prefill and decode time spent in prefills (one request each). "
         "*padding*: share of the packed positions the learner's forward passes ran on that hold no token; "
         "*padding if padded*: the same share of the collated B x T batch (what a padded learner runs on). *version lag*: learner version minus "
         "sampling version, mean over trained tokens. *learner CPU s / rollout*: CPU time of the learner process in "

@@ -77,6 +77,15 @@ class LoopResult:
         return 1.0 - busy / self.elapsed_s
 
     @property
+    def prefill_share(self) -> float:
+        """Share of the engine's busy time inside the loop spent in prefills (the engine prefills each
+        new request alone, so this is the per-request cost that batching does not spread)."""
+        busy = {kind: sum(self._window(s.start, s.end) for s in self.generator.engine_steps if s.kind == kind)
+                for kind in ("prefill", "decode")}
+        total = busy["prefill"] + busy["decode"]
+        return busy["prefill"] / total if total else 0.0
+
+    @property
     def mean_decode_batch(self) -> float:
         """Sequences per decode step, weighted by the step's time."""
         decode = [(s.batch_size, self._window(s.start, s.end)) for s in self.generator.engine_steps

@@ -66,6 +66,7 @@ def test_accounting_clips_to_the_loop_and_weights_by_time():
     assert result.learner_idle_share == pytest.approx(0.5)  # 5 of 10 s in steps
     assert result.generator_idle_share == pytest.approx(1 - 4.5 / 10)  # 1 + 2 + 0.5 + 1
     assert result.mean_decode_batch == pytest.approx((4 * 1 + 2 * 2 + 8 * 1) / 4)
+    assert result.prefill_share == pytest.approx(0.5 / 4.5)  # of 1 + 2 + 0.5 + 1 s in prefill or decode
     assert result.generated_tokens_per_s == pytest.approx((4 + 2 + 1) / 10)  # steps ending inside the loop
     assert result.padding_share == pytest.approx(1 - 26 / 28)  # packed positions
     assert result.padding_share_unpacked == pytest.approx(1 - 26 / 32)  # B x T

@@ -8,8 +8,9 @@ model gets explicit ``position_ids`` (the count of a row's real tokens), the
 padding changes neither the rotary positions nor (being masked) the attention
 of any row.
 
-- A new sequence is prefilled alone (batch 1, no padding) and its cache joins
-  by padding the shorter side on the left and concatenating along the batch.
+- New sequences are prefilled together (their prompts left-padded to the longest,
+  with a mask) and their cache joins by padding the shorter side on the left and
+  concatenating along the batch; the padding columns are zeroed first.
 - A finished sequence leaves by ``index_select`` on the batch; columns that
   became padding in every remaining row are then cut from the left.
 - A decode step appends one column to every row (the model hands its new
@@ -130,22 +131,26 @@ class RaggedKVBatch:
         assert self.mask is not None
         return self.mask.sum(dim=1, keepdim=True)
 
-    def append(self, cache: DynamicCache, length: int) -> None:
-        """Add the cache of one sequence prefilled alone (``length`` tokens, no padding)."""
+    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add the rows of a prefill: ``cache`` of ``[k, H, L, D]`` per layer and ``mask`` ``[k, L]``, 1 at each
+        row's real (right-aligned) prompt positions. Padding columns are zeroed: their keys and values
+        came from padding tokens and must stay finite under a zero attention weight."""
         _check_layers(cache)
-        row_mask = torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device)
+        length = mask.shape[1]
+        padding = (mask == 0)[:, None, :, None]
+        parts = [(layer.keys.masked_fill(padding, 0), layer.values.masked_fill(padding, 0))
+                 for layer in cache.layers]
         if self.cache is None:
-            self.cache, self.mask = cache, row_mask
-            cache.layers = [GrowingLayer(_left_padded([layer.keys], length), _left_padded([layer.values], length),
-                                         length) for layer in cache.layers]
+            self.cache, self.mask = cache, mask
+            cache.layers = [GrowingLayer(_left_padded([keys], length), _left_padded([values], length), length)
+                            for keys, values in parts]
             return
         target = max(self.length, length)
         grow_old, grow_new = target - self.length, target - length
         self.cache.layers = [
-            GrowingLayer(_left_padded([mine.keys, theirs.keys], target),
-                         _left_padded([mine.values, theirs.values], target), target)
-            for mine, theirs in zip(self.cache.layers, cache.layers)]
-        self.mask = torch.cat([F.pad(self.mask, (grow_old, 0)), F.pad(row_mask, (grow_new, 0))])
+            GrowingLayer(_left_padded([mine.keys, keys], target), _left_padded([mine.values, values], target), target)
+            for mine, (keys, values) in zip(self.cache.layers, parts)]
+        self.mask = torch.cat([F.pad(self.mask, (grow_old, 0)), F.pad(mask, (grow_new, 0))])
 
     def select(self, keep: list[int]) -> None:
         """Keep only the rows at ``keep`` (in that order) and drop all-padding columns."""

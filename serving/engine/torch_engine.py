@@ -4,8 +4,9 @@ One background thread owns the model and runs the loop (model calls never run
 on the asyncio event loop):
 
 1. apply a pending weight switch (between two steps, nowhere else);
-2. admit waiting requests while fewer than ``max_batch_size`` run: each is
-   prefilled alone, samples its first token and joins the running batch;
+2. admit waiting requests while fewer than ``max_batch_size`` run: those admitted
+   in one round are prefilled together (one forward, prompts left-padded), each
+   samples its first token and joins the running batch;
 3. one decode step for every running sequence (see :mod:`.kv_batch` for the
    left-padded batched cache); finished and cancelled sequences leave.
 
@@ -51,6 +52,10 @@ from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
 
 log = logging.getLogger(__name__)
+
+PAD_TOKEN_ID = 0
+"""Fills the left of a shorter prompt in a batched prefill. Any id in the vocabulary serves: its
+positions are masked out of every attention and their cached keys and values are zeroed."""
 
 
 @dataclass(frozen=True)
@@ -216,8 +221,8 @@ class TorchEngine:
                     break
                 with self._step_lock:
                     self._drop_cancelled()
-                    for seq in admitted:
-                        self._guarded(self._prefill, [seq], seq)
+                    if admitted:
+                        self._guarded(self._prefill, admitted, admitted)
                     if self._rows:
                         self._guarded(self._decode_step, list(self._rows))
                 self._outbox.flush()
@@ -254,19 +259,33 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _prefill(self, seq: _Sequence) -> None:
-        if seq.cancelled.is_set():
+    def _prefill(self, admitted: list[_Sequence]) -> None:
+        """One forward over the prompts admitted in this round, left-padded to the longest: each
+        samples its first token, and those not finished by it join the running batch."""
+        seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
+        if not seqs:
             return
         start = time.perf_counter()
         model, version = self._model, self._loop.version
-        ids = torch.tensor([seq.request.prompt_ids], dtype=torch.long, device=self._device)
+        length = max(len(seq.request.prompt_ids) for seq in seqs)
+        pads = [length - len(seq.request.prompt_ids) for seq in seqs]
+        ids = torch.tensor([[PAD_TOKEN_ID] * pad + seq.request.prompt_ids for seq, pad in zip(seqs, pads)],
+                           dtype=torch.long, device=self._device)
+        mask = torch.tensor([[0] * pad + [1] * (length - pad) for pad in pads], dtype=torch.long, device=self._device)
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
-        out = model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **extra)
-        if not self._advance(seq, sample_tokens(out.logits[:, -1], [seq.sampling])[0], version):
-            self._batch.append(cache, ids.shape[1])
-            self._rows.append(seq)
-        self._report("prefill", 1, time.perf_counter() - start)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+                    use_cache=True, **{self._cache_arg: cache}, **extra)
+        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in seqs])
+        finished = [self._advance(seq, draw, version) for seq, draw in zip(seqs, sampled)]
+        self._batch.append(cache, mask)
+        self._rows.extend(seqs)
+        if any(finished):  # ended at their first token: they leave at once
+            joined = len(self._rows) - len(seqs)
+            keep = list(range(joined)) + [joined + i for i, done in enumerate(finished) if not done]
+            self._batch.select(keep)
+            self._rows = [self._rows[i] for i in keep]
+        self._report("prefill", len(seqs), time.perf_counter() - start)
 
     def _decode_step(self) -> None:
         start = time.perf_counter()

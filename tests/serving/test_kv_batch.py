@@ -10,15 +10,21 @@ from serving.engine.kv_batch import MIN_HEADROOM, GrowingLayer, RaggedKVBatch
 HEADS, DIM, LAYERS = 2, 4, 3
 
 
-def prefilled(length: int, seed: int) -> tuple[DynamicCache, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A cache as a prefill of ``length`` tokens leaves it, and its per-layer (keys, values) ``[1, H, length, D]``."""
+def prefilled(lengths: list[int], seed: int) -> tuple[DynamicCache, torch.Tensor, list[list[torch.Tensor]]]:
+    """A cache as a prefill of prompts of ``lengths`` left-padded to the longest leaves it (NaN in the padding
+    columns, which the batch must not keep), its ``[k, L]`` mask, and per row its real keys ``[H, length, D]``
+    per layer."""
     g = torch.Generator().manual_seed(seed)
-    cache, kv = DynamicCache(), []
+    longest = max(lengths)
+    mask = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths])
+    cache, keys = DynamicCache(), [[] for _ in lengths]
     for layer in range(LAYERS):
-        k, v = torch.randn(1, HEADS, length, DIM, generator=g), torch.randn(1, HEADS, length, DIM, generator=g)
-        cache.update(k, v, layer)
-        kv.append((k, v))
-    return cache, kv
+        k, v = torch.randn(len(lengths), HEADS, longest, DIM, generator=g), torch.randn(len(lengths), HEADS, longest, DIM, generator=g)
+        padding = (mask == 0)[:, None, :, None]
+        cache.update(k.masked_fill(padding, float("nan")), v.masked_fill(padding, float("nan")), layer)
+        for row, n in enumerate(lengths):
+            keys[row].append(k[row, :, longest - n:])
+    return cache, mask, keys
 
 
 def test_a_growing_layer_holds_what_concatenation_would_across_its_growths():
@@ -39,11 +45,12 @@ def test_rows_keep_their_own_keys_right_aligned_through_joins_steps_and_leaves()
     order: list[str] = []
     g = torch.Generator().manual_seed(1)
 
-    def join(name: str, length: int) -> None:
-        cache, kv = prefilled(length, seed=len(rows))
-        batch.append(cache, length)
-        rows[name] = [[k[0]] for k, _ in kv]
-        order.append(name)
+    def join(names: list[str], lengths: list[int]) -> None:
+        cache, mask, keys = prefilled(lengths, seed=len(rows))
+        batch.append(cache, mask)
+        for name, row_keys in zip(names, keys):
+            rows[name] = [[k] for k in row_keys]
+            order.append(name)
 
     def step() -> None:
         mask = batch.step_mask()
@@ -66,18 +73,18 @@ def test_rows_keep_their_own_keys_right_aligned_through_joins_steps_and_leaves()
                 assert torch.equal(keys[:, batch.length - real:], want)
                 assert not keys[:, :batch.length - real].any()  # padding is zero (finite)
 
-    join("a", 5)
+    join(["a"], [5])
     step()
-    join("b", 9)  # longer than the batch: the old row gets padding
+    join(["b"], [9])  # longer than the batch: the old row gets padding
     for _ in range(MIN_HEADROOM + 3):  # past a growth
         step()
-    join("c", 2)
+    join(["c", "d", "e"], [2, 6, 1])  # prefilled together, left-padded among themselves
     step()
     check()
-    batch.select([2, 0])  # b leaves; the columns only b used are cut
-    order[:] = ["c", "a"]
+    batch.select([2, 0, 4])  # b and d leave; the columns only b used are cut
+    order[:] = ["c", "a", "e"]
     step()
     check()
-    assert batch.length == max(int(batch.mask[i].sum()) for i in range(2))
+    assert batch.length == max(int(batch.mask[i].sum()) for i in range(3))
     batch.select([])
     assert len(batch) == 0 and batch.cache is None

@@ -133,6 +133,37 @@ def test_request_joins_a_running_batch_at_the_next_step(model):
     assert kinds[6] == ("prefill", 1) and kinds[7] == ("decode", 2)
 
 
+def test_requests_queued_together_are_prefilled_in_one_step_as_if_alone(model):
+    on_step = StepGate(hold_at=2)  # holds the loop while the next three requests queue
+    engine = make_engine(model, on_step=on_step, max_batch_size=4)
+    first = request(0, PROMPTS[1], temperature=0.8, seed=1, max_tokens=20)
+    # prompts of 3, 6 and 1 tokens (left-padded in the prefill); the last ends at its first token
+    queued = [request(1, PROMPTS[0], temperature=0.8, seed=2, max_tokens=12),
+              request(2, PROMPTS[4], temperature=1.2, top_p=0.9, seed=3, max_tokens=12),
+              request(3, PROMPTS[2], temperature=0.8, seed=4, max_tokens=1)]
+
+    async def main():
+        await engine.start()
+        task_first = asyncio.ensure_future(collect(engine, first))
+        await asyncio.to_thread(on_step.reached.wait, 10)
+        tasks = [asyncio.ensure_future(collect(engine, r)) for r in queued]
+        await asyncio.sleep(0.05)  # lets the tasks queue their requests
+        assert engine.waiting == 3
+        on_step.resume.set()
+        together = await asyncio.gather(task_first, *tasks)
+        alone = await run_alone(engine, [first, *queued])
+        await engine.stop()
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    for a, b in zip(alone, together):
+        assert_same_samples(a, b)
+    assert [len(events) for events in together] == [20, 12, 12, 1]
+    kinds = [(s.kind, s.batch_size) for s in on_step.stats]
+    assert kinds[:4] == [("prefill", 1), ("decode", 1), ("decode", 1), ("prefill", 3)]
+    assert kinds[4] == ("decode", 3)  # the one that ended at its first token never decoded
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.5)])
 def test_logprobs_match_a_recomputation_under_the_sampling_distribution(model, temperature, top_p):
     engine = make_engine(model, max_batch_size=8)

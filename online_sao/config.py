@@ -297,6 +297,10 @@ class ServingConfig(Section):
     (token-bucket size)."""
     max_batch_size: int = Field(16, ge=1)
     """Sequences decoded together (continuous batching)."""
+    max_prefill_tokens: int = Field(8192, ge=1)
+    """Torch engine: padded prompt positions (requests x longest prompt) one prefill forward may
+    hold. Requests admitted in the same round are prefilled together up to this bound, in order;
+    a prompt longer than it is prefilled alone. Bounds the activation memory of a burst."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

@@ -131,7 +131,7 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         "rollout count. *learner idle*: share of that time outside learner steps (collate + SAO step + publish). "
         "*generator idle*: share with no engine prefill or decode step running (zero sequences decoding; weight "
         "loading and switching count as idle). *mean decode batch*: sequences per decode step, time-weighted. "
-        "*prefill share*: share of the engine's prefill and decode time spent in prefills (one request each). "
+        "*prefill share*: share of the engine's prefill and decode time spent in prefills. "
         "*padding*: share of the packed positions the learner's forward passes ran on that hold no token; "
         "*padding if padded*: the same share of the collated B x T batch (what a padded learner runs on). *version lag*: learner version minus "
         "sampling version, mean over trained tokens. *learner CPU s / rollout*: CPU time of the learner process in "

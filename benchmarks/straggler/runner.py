@@ -78,8 +78,8 @@ class LoopResult:
 
     @property
     def prefill_share(self) -> float:
-        """Share of the engine's busy time inside the loop spent in prefills (the engine prefills each
-        new request alone, so this is the per-request cost that batching does not spread)."""
+        """Share of the engine's busy time inside the loop spent in prefills (the engine prefills the
+        requests admitted in one round together; streaming mostly admits one at a time)."""
         busy = {kind: sum(self._window(s.start, s.end) for s in self.generator.engine_steps if s.kind == kind)
                 for kind in ("prefill", "decode")}
         total = busy["prefill"] + busy["decode"]

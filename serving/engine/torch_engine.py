@@ -5,8 +5,9 @@ on the asyncio event loop):
 
 1. apply a pending weight switch (between two steps, nowhere else);
 2. admit waiting requests while fewer than ``max_batch_size`` run: those admitted
-   in one round are prefilled together (one forward, prompts left-padded), each
-   samples its first token and joins the running batch;
+   in one round are prefilled together (one forward, prompts left-padded, up to
+   ``max_prefill_tokens`` padded positions), each samples its first token and joins
+   the running batch;
 3. one decode step for every running sequence (see :mod:`.kv_batch` for the
    left-padded batched cache); finished and cancelled sequences leave.
 
@@ -221,8 +222,8 @@ class TorchEngine:
                     break
                 with self._step_lock:
                     self._drop_cancelled()
-                    if admitted:
-                        self._guarded(self._prefill, admitted, admitted)
+                    for group in self._prefill_groups(admitted):
+                        self._guarded(self._prefill, group, group)
                     if self._rows:
                         self._guarded(self._decode_step, list(self._rows))
                 self._outbox.flush()
@@ -258,6 +259,20 @@ class TorchEngine:
         if len(keep) < len(self._rows):
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
+
+    def _prefill_groups(self, admitted: list[_Sequence]) -> list[list[_Sequence]]:
+        """``admitted`` in order, cut into groups whose padded prompts fit ``max_prefill_tokens``."""
+        groups: list[list[_Sequence]] = []
+        longest = 0
+        for seq in admitted:
+            length = max(longest, len(seq.request.prompt_ids))
+            if groups and length * (len(groups[-1]) + 1) <= self.cfg.max_prefill_tokens:
+                groups[-1].append(seq)
+                longest = length
+            else:
+                groups.append([seq])
+                longest = len(seq.request.prompt_ids)
+        return groups
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
         """One forward over the prompts admitted in this round, left-padded to the longest: each

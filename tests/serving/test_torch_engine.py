@@ -133,9 +133,14 @@ def test_request_joins_a_running_batch_at_the_next_step(model):
     assert kinds[6] == ("prefill", 1) and kinds[7] == ("decode", 2)
 
 
-def test_requests_queued_together_are_prefilled_in_one_step_as_if_alone(model):
+@pytest.mark.parametrize("max_prefill_tokens,prefills", [
+    (8192, [3]),  # all three in one forward
+    (12, [2, 1]),  # 3 and 6 tokens padded to 2 x 6 fit, a third row (3 x 6) does not
+    (1, [1, 1, 1]),  # every prompt is longer than the bound: each alone
+])
+def test_requests_queued_together_are_prefilled_together_as_if_alone(model, max_prefill_tokens, prefills):
     on_step = StepGate(hold_at=2)  # holds the loop while the next three requests queue
-    engine = make_engine(model, on_step=on_step, max_batch_size=4)
+    engine = make_engine(model, on_step=on_step, max_batch_size=4, max_prefill_tokens=max_prefill_tokens)
     first = request(0, PROMPTS[1], temperature=0.8, seed=1, max_tokens=20)
     # prompts of 3, 6 and 1 tokens (left-padded in the prefill); the last ends at its first token
     queued = [request(1, PROMPTS[0], temperature=0.8, seed=2, max_tokens=12),
@@ -160,8 +165,9 @@ def test_requests_queued_together_are_prefilled_in_one_step_as_if_alone(model):
         assert_same_samples(a, b)
     assert [len(events) for events in together] == [20, 12, 12, 1]
     kinds = [(s.kind, s.batch_size) for s in on_step.stats]
-    assert kinds[:4] == [("prefill", 1), ("decode", 1), ("decode", 1), ("prefill", 3)]
-    assert kinds[4] == ("decode", 3)  # the one that ended at its first token never decoded
+    after = len(prefills)
+    assert kinds[:3 + after] == [("prefill", 1), ("decode", 1), ("decode", 1)] + [("prefill", n) for n in prefills]
+    assert kinds[3 + after] == ("decode", 3)  # the one that ended at its first token never decoded
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.5)])

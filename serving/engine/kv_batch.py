@@ -133,12 +133,13 @@ class RaggedKVBatch:
 
     def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add the rows of a prefill: ``cache`` of ``[k, H, L, D]`` per layer and ``mask`` ``[k, L]``, 1 at each
-        row's real (right-aligned) prompt positions. Padding columns are zeroed: their keys and values
-        came from padding tokens and must stay finite under a zero attention weight."""
+        row's real (right-aligned) prompt positions. Padding columns are zeroed in place (the cache is
+        handed over): their keys and values came from padding tokens and must stay finite under a zero
+        attention weight."""
         _check_layers(cache)
         length = mask.shape[1]
         padding = (mask == 0)[:, None, :, None]
-        parts = [(layer.keys.masked_fill(padding, 0), layer.values.masked_fill(padding, 0))
+        parts = [(layer.keys.masked_fill_(padding, 0), layer.values.masked_fill_(padding, 0))
                  for layer in cache.layers]
         if self.cache is None:
             self.cache, self.mask = cache, mask

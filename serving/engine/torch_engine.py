@@ -275,8 +275,8 @@ class TorchEngine:
         return groups
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
-        """One forward over the prompts admitted in this round, left-padded to the longest: each
-        samples its first token, and those not finished by it join the running batch."""
+        """One forward over a group of this round's admitted prompts (:meth:`_prefill_groups`), left-padded
+        to the longest: each samples its first token, and those not finished by it join the running batch."""
         seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
         if not seqs:
             return

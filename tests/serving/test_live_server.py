@@ -60,7 +60,13 @@ def test_openai_client_plain_and_streaming_then_records_on_the_broker(live_serve
     assert logged.prompt_ids and all(logged.action_mask) and logged.turn_ends == [len(logged.response_ids) - 1]
     assert all(lp <= 0 for lp in logged.logprobs) and set(logged.versions) == {0}
     assert logged.sampling.temperature == 0.8 and logged.sampling.seed == 1
-    assert "".join(pieces) in by_id[streamed_id].response_text
+    # the stream carries text only: special tokens (which a sampling model may emit mid-reply) and the
+    # stop token are logged as ids and in response_text, never streamed as content
+    streamed = by_id[streamed_id]
+    tokenizer = live_server.stack.tokenizer
+    text_ids = [t for t in streamed.response_ids if t not in tokenizer.all_special_ids]
+    assert "".join(pieces) == tokenizer.decode(text_ids, clean_up_tokenization_spaces=False)
+    assert streamed.response_text == tokenizer.decode(streamed.response_ids, skip_special_tokens=False)
     [reward] = live_server.read(topics.rewards, count=1)
     assert isinstance(reward, Reward) and (reward.interaction_id, reward.value) == (streamed_id, 0.5)
 

@@ -407,6 +407,10 @@ class TrainerConfig(Section):
     """Weight versions kept in the store (registered ones are always kept)."""
     checkpoint_every: int = Field(1, ge=1)
     """Checkpoint every N steps (offsets are committed only after a checkpoint)."""
+    checkpoint_in_background: bool = True
+    """Write checkpoints on a thread of their own while the learner trains on (the state is
+    copied first; the offsets are committed after the write): a step no longer waits for the
+    previous step's checkpoint to reach the disk. False writes each one before the next step."""
     weight_store: str | None = None
     """Directory or fsspec URL of published weights (default data_dir/weights);
     ``shm://<name>`` (host shared memory) or ``cuda-ipc://<name>`` (GPU memory)

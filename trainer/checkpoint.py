@@ -72,7 +72,7 @@ class LearnerState:
     """The registry's evidence: the recent window the gate scores versions on and the read and
     dead-letter counts at the candidate's registration (:class:`trainer.deploy.RecentWindow`)."""
     ledger_bytes: int = 0
-    """Length of the ledger file this checkpoint covers (set by :meth:`Checkpointer.save`)."""
+    """Length of the ledger file this checkpoint covers (set by :meth:`Checkpointer.stage`)."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,6 +92,24 @@ class Checkpoint:
     """"policy" and optionally "critic": full state dicts."""
     optimizers: dict[str, Any]
     """Optimiser and scheduler state dicts by name ("policy", "critic", "critic_scheduler")."""
+
+
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """A checkpoint ready to write (:meth:`Checkpointer.stage`): nothing in it is shared with the
+    learner's live state."""
+
+    directory: Path
+    """Where the commit renames it to (``<root>/step-<n>``)."""
+    ledger: bytes
+    """Ledger lines of the steps since the previous checkpoint, newline-terminated."""
+    models: dict[str, dict[str, torch.Tensor]]
+    optim_tensors: dict[str, torch.Tensor]
+    optim_json: str
+    meta_json: str
+    """meta.json's text; its ``ledger_bytes`` counts :attr:`ledger` in."""
+    pinned_versions: frozenset[int]
+    """:attr:`Checkpointer.pinned_versions` when it was staged."""
 
 
 def flatten_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
@@ -177,41 +195,59 @@ class Checkpointer:
         return sorted(found)
 
     def save(self, ckpt: Checkpoint) -> Path:
-        """Commit ``ckpt`` (see the module docstring); returns its directory."""
+        """Commit ``ckpt`` now (see the module docstring); returns its directory."""
+        return self.write(self.stage(ckpt))
+
+    def stage(self, ckpt: Checkpoint) -> "StagedCheckpoint":
+        """Everything :meth:`write` needs, as private copies (tensors cloned, JSON rendered, the
+        ledger lines of the steps since the last stage taken over): the learner may train on while
+        the copy is written. Call it only when no write of this checkpointer is running (the ledger
+        length it records counts on the file staying as it is until this write appends to it)."""
         final = self.root / f"step-{ckpt.state.step:08d}"
         if final.exists():
             raise FileExistsError(f"{final} already exists: steps must increase across checkpoints")
-        ckpt.state.ledger_bytes = self._append_ledger()
+        lines, self._unsaved_ledger = self._unsaved_ledger, []
+        appended = b"".join(line.encode() + b"\n" for line in lines)
+        size = self.ledger_path.stat().st_size if self.ledger_path.exists() else 0
+        ckpt.state.ledger_bytes = size + len(appended)
+        optim_tensors: dict[str, torch.Tensor] = {}
+        optim_tree = flatten_tensors(ckpt.optimizers, optim_tensors)
+        meta = {"state": ckpt.state.to_json(), "models": sorted(ckpt.models)}
+        return StagedCheckpoint(final, appended, {name: _plain(state) for name, state in ckpt.models.items()},
+                                optim_tensors, json.dumps(optim_tree), json.dumps(meta),
+                                frozenset(self.pinned_versions))
+
+    def write(self, staged: "StagedCheckpoint") -> Path:
+        """Commit a staged checkpoint (steps 1-4 of the module docstring); returns its directory.
+        It reads nothing the learner changes, so it may run on another thread, one write at a time."""
+        self._append_ledger(staged.ledger)
         tmp = _scratch(self.root)
         tmp.mkdir()
         written = []
-        for name, state in ckpt.models.items():
-            save_file(_plain(state), str(tmp / f"{name}.safetensors"))
+        for name, state in staged.models.items():
+            save_file(state, str(tmp / f"{name}.safetensors"))
             written.append(tmp / f"{name}.safetensors")
-        optim_tensors: dict[str, torch.Tensor] = {}
-        optim_tree = flatten_tensors(ckpt.optimizers, optim_tensors)
-        save_file(optim_tensors, str(tmp / "optim.safetensors"))
-        (tmp / "optim.json").write_text(json.dumps(optim_tree))
-        meta = {"state": ckpt.state.to_json(), "models": sorted(ckpt.models)}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        save_file(staged.optim_tensors, str(tmp / "optim.safetensors"))
+        (tmp / "optim.json").write_text(staged.optim_json)
+        (tmp / "meta.json").write_text(staged.meta_json)
         written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json"]
         for path in written:
             _fsync_file(path)
         fsync_dir(tmp)
-        os.rename(tmp, final)
+        os.rename(tmp, staged.directory)
         fsync_dir(self.root)
-        pinned = set(self._pinned().values())
+        pinned = set(self._pinned(staged.pinned_versions).values())
         for _, old in self.checkpoints()[:-self.keep]:
             if old not in pinned:
                 _remove(old, self.root)
-        return final
+        return staged.directory
 
-    def _pinned(self) -> dict[int, Path]:
-        """The oldest checkpoint of each pinned version: the one taken right after it was published."""
+    def _pinned(self, versions: frozenset[int]) -> dict[int, Path]:
+        """The oldest checkpoint of each of ``versions``: the one taken right after it was published."""
         found: dict[int, Path] = {}
         for _, path in self.checkpoints():
             version = _read_meta(path)["state"]["version"]
-            if version in self.pinned_versions and version not in found:
+            if version in versions and version not in found:
                 found[version] = path
         return found
 
@@ -255,15 +291,11 @@ class Checkpointer:
                 os.fsync(fh.fileno())
         return ckpt
 
-    def _append_ledger(self) -> int:
+    def _append_ledger(self, lines: bytes) -> None:
         with open(self.ledger_path, "ab") as fh:
-            for line in self._unsaved_ledger:
-                fh.write(line.encode() + b"\n")
+            fh.write(lines)
             fh.flush()
             os.fsync(fh.fileno())
-            size = fh.tell()
-        self._unsaved_ledger.clear()
-        return size
 
 
 def _scratch(root: Path) -> Path:

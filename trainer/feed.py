@@ -140,11 +140,11 @@ class Feed:
             return None
         return rollouts
 
-    def commit(self) -> None:
+    def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit
-        their offsets to Kafka; both wait out a broker outage."""
+        ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage."""
         until_broker_takes(self.producer.flush, "flushing dead letters", self.stop)
-        until_broker_takes(lambda: self.consumer.commit(dict(self.offsets)), "committing offsets", self.stop)
+        until_broker_takes(lambda: self.consumer.commit(dict(offsets)), "committing offsets", self.stop)
 
     def close(self) -> None:
         if self.consumer is not None:

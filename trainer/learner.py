@@ -27,8 +27,11 @@
    (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart is
    published at once and becomes the champion;
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
-   offsets it covers are committed to Kafka (:func:`checkpoint`); metrics go to
-   MLflow (:meth:`trainer.rank_zero.RankZero.end_cycle`).
+   offsets it covers are committed to Kafka (:func:`checkpoint`); with
+   ``trainer.checkpoint_in_background`` the state is copied and written on a thread
+   of its own while the loop goes on, and the offsets follow at the first pass of
+   the loop after the write (:class:`trainer.checkpoint_writer.CheckpointWriter`);
+   metrics go to MLflow (:meth:`trainer.rank_zero.RankZero.end_cycle`).
 
 Before the loop, :mod:`trainer.startup` builds the models and the rule and
 restores the newest checkpoint; :class:`trainer.rank_zero.RankZero` is what only
@@ -71,7 +74,7 @@ from trainer.feed import RolloutHook
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
-from trainer.state import Position, restore_version, save_training_state
+from trainer.state import Position, gather_training_state, restore_version
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,8 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
         if rank0 is not None:
             rank0.feed.start(backend)                            # join the consumer group at the offsets
         while True:
+            if rank0 is not None:
+                rank0.writer.poll()                                     # a background checkpoint done: its offsets
             taken = next_rollouts(rank0, at, until, ctx, before_step)   # 1-2: read, join, decide
             if taken.stop:
                 break
@@ -148,6 +153,8 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             laps = Laps()
         if at.step > at.checkpointed_step:  # a graceful stop keeps every step it trained
             checkpoint(models, at, rank0, ctx)
+        if rank0 is not None:
+            rank0.writer.wait()
         status = "FINISHED"
     finally:
         if rank0 is not None:
@@ -204,6 +211,8 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
         rank0.checkpointer.pinned_versions = rank0.releases.pinned_versions()
     back = outcome.rolled_back_to
     if back is not None:
+        if rank0 is not None:  # the champion's checkpoint may be the one being written
+            rank0.writer.wait()
         if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
             if rank0 is not None:
                 log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
@@ -219,12 +228,13 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
 
 
 def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext) -> None:
-    """Commit a checkpoint, then (rank 0) the consumer offsets it covers. Collective."""
-    if rank0 is None:
-        save_training_state(None, models.trainables, None, None, ctx)
-    else:
-        save_training_state(rank0.checkpointer, models.trainables, rank0.feed.joiner, rank0.progress(at), ctx)
-        rank0.feed.commit()
+    """Take a checkpoint of the state as it is now and commit it, then (rank 0) the consumer
+    offsets it covers; in the background with ``trainer.checkpoint_in_background``. Collective."""
+    ckpt = gather_training_state(models.trainables, rank0.feed.joiner if rank0 else None,
+                                 rank0.progress(at) if rank0 else None, ctx)
+    if rank0 is not None:
+        feed, offsets = rank0.feed, dict(ckpt.state.offsets)
+        rank0.writer.save(ckpt, after_commit=lambda: feed.commit(offsets))
     at.checkpointed_step = at.step
 
 

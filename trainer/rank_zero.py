@@ -22,6 +22,7 @@ from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
 from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_writer import CheckpointWriter
 from trainer.feed import Feed
 from trainer.join import RewardJoiner
 from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
@@ -74,6 +75,9 @@ class RankZero:
     segments: SegmentRewards
     """Rewards per segment of the rollouts taken (top ``deploy.segments_top_n`` plus ``other``);
     not checkpointed: a restarted learner starts them afresh."""
+    writer: CheckpointWriter
+    """Commits ``checkpointer``'s checkpoints (in the background with
+    ``trainer.checkpoint_in_background``)."""
     exporter: LearnerExporter | None = None
     """Serves the monitors and counters to Prometheus (``trainer.metrics_port``; None: off)."""
 
@@ -103,7 +107,8 @@ class RankZero:
                             on_decision=None if exporter is None else exporter.decision)
         checkpointer.pinned_versions = releases.pinned_versions()
         segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
-        return cls(checkpointer, feed, releases, tracker, producer, counters, segments, exporter)
+        writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
+        return cls(checkpointer, feed, releases, tracker, producer, counters, segments, writer, exporter)
 
     def progress(self, at: Position) -> Progress:
         """What a checkpoint taken now carries besides tensors and the join buffer."""
@@ -165,6 +170,7 @@ class RankZero:
         return {f"monitor_{k}": v for k, v in reading.values.items()}
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
+        self.writer.close()
         if self.exporter is not None:
             self.exporter.close()
         self.feed.close()

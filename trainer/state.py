@@ -125,10 +125,11 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
     t.algorithm.load_state_dict(shared["algorithm"])
 
 
-def save_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner | None,
-                        progress: Progress | None, ctx: DistContext) -> None:
-    """Gather everything on rank 0 and commit one checkpoint there (see trainer.checkpoint);
-    ``checkpointer``, ``joiner`` and ``progress`` are None on the other ranks."""
+def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, progress: Progress | None,
+                          ctx: DistContext) -> Checkpoint | None:
+    """Gather everything for one checkpoint on rank 0 (collective); the other ranks, which pass
+    ``joiner`` and ``progress`` None, get None. The tensors are the live ones: stage them
+    (:meth:`trainer.checkpoint.Checkpointer.stage`) before training on."""
     t = trainables
     models = {"policy": full_state_dict(t.policy, ctx)}
     optimizers: dict[str, Any] = {"policy": optimizer_state(t.policy, t.optimizers.policy, ctx)}
@@ -138,7 +139,7 @@ def save_training_state(checkpointer: Checkpointer | None, trainables: Trainable
     if t.ema_reference is not None:
         models["reference"] = full_state_dict(t.ema_reference, ctx)
     if not ctx.is_main:
-        return
+        return None
     if t.optimizers.critic_scheduler is not None:
         optimizers["critic_scheduler"] = t.optimizers.critic_scheduler.state_dict()
     p = progress
@@ -146,4 +147,4 @@ def save_training_state(checkpointer: Checkpointer | None, trainables: Trainable
                          algorithm=t.algorithm.state_dict(), mlflow_run_id=p.mlflow_run_id,
                          protected_versions=sorted(p.protected_versions), counters=dict(p.counters),
                          candidate=dict(p.candidate))
-    checkpointer.save(Checkpoint(state, models, optimizers))
+    return Checkpoint(state, models, optimizers)

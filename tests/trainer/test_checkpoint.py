@@ -92,14 +92,21 @@ def test_keeps_the_last_two_and_resume_picks_newest(tmp_path):
         ckpt.save(Checkpoint(_state(3), models={}, optimizers={}))
 
 
-def test_ledger_lines_of_uncommitted_steps_are_cut_on_resume(tmp_path):
+def test_ledger_lines_of_uncommitted_steps_are_cut_on_resume(tmp_path, monkeypatch):
     ckpt = Checkpointer(tmp_path)
     ckpt.record_trained(1, ["a", "b"])
     ckpt.save(Checkpoint(_state(1), models={}, optimizers={}))
     ckpt.record_trained(2, ["c"])
-    # a crash after the ledger append, before the rename: the commit never happened
-    ckpt._append_ledger()
-    (tmp_path / ".tmp-deadbeef").mkdir()
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed before the rename")
+
+    # a crash after the ledger append and the files, before the rename: the commit never happened
+    monkeypatch.setattr("trainer.checkpoint.os.rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(Checkpoint(_state(2), models={}, optimizers={}))
+    monkeypatch.undo()
+    assert list(tmp_path.glob(".tmp-*"))
     assert [i for _, i in read_ledger(ckpt.ledger_path)] == ["a", "b", "c"]
 
     loaded = Checkpointer(tmp_path).resume()
@@ -108,10 +115,14 @@ def test_ledger_lines_of_uncommitted_steps_are_cut_on_resume(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_resume_without_checkpoint_empties_the_ledger(tmp_path):
+def test_resume_without_checkpoint_empties_the_ledger(tmp_path, monkeypatch):
     ckpt = Checkpointer(tmp_path)
     ckpt.record_trained(1, ["a"])
-    ckpt._append_ledger()
+    monkeypatch.setattr("trainer.checkpoint.save_file", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):  # the first checkpoint fails after its ledger lines were appended
+        ckpt.save(Checkpoint(_state(1), models={"policy": {}}, optimizers={}))
+    monkeypatch.undo()
+    assert read_ledger(tmp_path / "ledger.jsonl") == [(1, "a")]
     assert Checkpointer(tmp_path).resume() is None
     assert read_ledger(tmp_path / "ledger.jsonl") == []
 

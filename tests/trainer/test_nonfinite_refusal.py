@@ -27,7 +27,7 @@ from streams.memory import InMemoryBackend
 from tests.fixtures.models import tiny_config
 from tests.online_sao.conftest import make_tiny_qwen
 from tests.trainer.traffic import produce, sample_traffic
-from trainer.checkpoint import Checkpointer, read_ledger
+from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState, read_ledger
 from trainer.distributed import init_distributed
 from trainer.learner import RunUntil, is_refused, train
 
@@ -175,7 +175,7 @@ def test_ledger_marks_refused_steps(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.record_trained(1, ["a", "b"])
     ckpt.record_trained(2, ["c"], refused=True)
-    ckpt._append_ledger()
+    ckpt.save(Checkpoint(LearnerState(step=2, version=1, offsets={}, joiner={}), models={}, optimizers={}))
     assert read_ledger(ckpt.ledger_path) == [(1, "a"), (1, "b"), (2, "c")]
     assert read_ledger(ckpt.ledger_path, refused=False) == [(1, "a"), (1, "b")]
     assert read_ledger(ckpt.ledger_path, refused=True) == [(2, "c")]

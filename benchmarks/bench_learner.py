@@ -306,7 +306,9 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"vocab {mc.vocab_size}); algorithm {cfg.algorithm.name}, K = {cfg.algorithm.critic_updates}",
         f"- learner: its own process; min_rollouts {t.min_rollouts}, max_wait_s {t.max_wait_s}, "
         f"token_budget {t.token_budget}, "
-        f"max_rollouts_per_step {t.max_rollouts_per_step}, publish and checkpoint every step, MLflow on SQLite; "
+        f"max_rollouts_per_step {t.max_rollouts_per_step}, publish every {t.publish_every} step(s), checkpoint every "
+        f"{t.checkpoint_every} step(s) {'in the background' if t.checkpoint_in_background else 'before the next step'}, "
+        f"MLflow on SQLite; "
         f"serving: TorchEngine + WeightsFollower in the benchmark process; broker: local single node",
         f"- traffic: {args.backlog} backlog interactions, then {len(traffic.rewarded_at) - args.backlog} live ones "
         f"over {live_s:.0f} s (at most {args.rate}/s, one at a time, up to {args.max_new_tokens} new tokens each); "
@@ -326,7 +328,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"| serving switched to those weights | {dist(to_serve)} |",
         "",
         f"Target (issue 17): p50 under 1 s to serving on a quiet machine. Rates are per cycle: waiting for data + training + publishing + "
-        f"checkpointing (MLflow logging between cycles is not counted).",
+        f"checkpointing (MLflow logging between cycles is not counted). *checkpoint s*: what the learner's loop spends "
+        f"on a checkpoint (in the background: copying the state and waiting for the previous write, if any).",
     ]
 
 

@@ -17,7 +17,7 @@ mask, and unpack the outputs into ``[B, T]`` again.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -78,8 +78,20 @@ class Rollout:
 
 
 def rollouts_to_json(rollouts: list[Rollout]) -> list[dict[str, Any]]:
-    """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs)."""
-    return [{**asdict(r), "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
+    """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs). The per-token
+    lists are copied as lists: ``dataclasses.asdict`` copies every number on its own, which made
+    a checkpoint of the registry's window of recent rollouts cost 0.1-0.15 s of each learner cycle."""
+    return [{**{f.name: _copied(getattr(r, f.name)) for f in fields(r)},
+             "rewards": [[int(k), float(v)] for k, v in r.rewards.items()]} for r in rollouts]
+
+
+def _copied(value: Any) -> Any:
+    """A list or dict of plain values copied (its items are immutable), anything else as it is."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
 
 
 def rollouts_from_json(payload: list[dict[str, Any]]) -> list[Rollout]:

@@ -253,7 +253,7 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
                for name in ("num_rollouts", "num_action_tokens", "step_time_s", "publish_time_s",
-                            "checkpoint_time_s", "data_wait_share", "rollouts_per_s", "tokens_per_s")}
+                            "checkpoint_time_s", "checkpoint_write_s", "data_wait_share", "rollouts_per_s", "tokens_per_s")}
 
     def phase(step_numbers: list[int]) -> dict[str, float]:
         cycle = [history["num_rollouts"][s] / history["rollouts_per_s"][s] for s in step_numbers]
@@ -269,6 +269,7 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
             "step_p50": statistics.median(history["step_time_s"][s] for s in step_numbers),
             "publish_p50": statistics.median(history["publish_time_s"][s] for s in step_numbers),
             "checkpoint_p50": statistics.median(history["checkpoint_time_s"][s] for s in step_numbers),
+            "write_p50": statistics.median(history["checkpoint_write_s"][s] for s in step_numbers),
         }
 
     backlog_steps = sorted(s for s, ids in steps.items() if set(ids) <= backlog_ids)
@@ -288,7 +289,7 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
     def row(name, p):
         return (f"| {name} | {p['steps']} | {p['rollouts']:.0f} | {p['tokens']:.0f} | {p['rollouts_per_s']:.2f} | "
                 f"{p['tokens_per_s']:.1f} | {100 * p['wait_share']:.1f}% | {p['step_p50']:.3f} | "
-                f"{p['publish_p50']:.3f} | {p['checkpoint_p50']:.3f} |")
+                f"{p['publish_p50']:.3f} | {p['checkpoint_p50']:.3f} | {p['write_p50']:.3f} |")
 
     def dist(values):
         return (f"{percentile(values, 0.5):.2f} | {percentile(values, 0.9):.2f} | {max(values):.2f} | {len(values)}"
@@ -315,8 +316,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"not trained: {len(untrained)} (read after their reward window closed, or empty answers)",
         "",
         "| phase | steps | rollouts | action tokens | rollouts/s | tokens/s | waiting for data | step s (p50) | "
-        "publish s (p50) | checkpoint s (p50) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "publish s (p50) | checkpoint s (p50) | checkpoint write s (p50) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         row("backlog (capacity)", b),
         row("live", live),
         "",
@@ -329,7 +330,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         "",
         f"Target (issue 17): p50 under 1 s to serving on a quiet machine. Rates are per cycle: waiting for data + training + publishing + "
         f"checkpointing (MLflow logging between cycles is not counted). *checkpoint s*: what the learner's loop spends "
-        f"on a checkpoint (in the background: copying the state and waiting for the previous write, if any).",
+        f"on a checkpoint (in the background: copying the state and waiting for the previous write, if any); "
+        f"*checkpoint write s*: the write itself (on its own thread in the background).",
     ]
 
 

@@ -18,11 +18,12 @@ twice, exactly as when a crash hits a synchronous write.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from trainer.checkpoint import Checkpoint, Checkpointer
+from trainer.checkpoint import Checkpoint, Checkpointer, StagedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class CheckpointWriter:
         self.background = background
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: tuple[Future[Path], AfterCommit] | None = None
+        self.write_s = 0.0
+        """Seconds the last committed write took (on its own thread in background mode)."""
+        self.blocked_s = 0.0
+        """Seconds the last :meth:`save` waited for the write before it to finish."""
 
     @property
     def busy(self) -> bool:
@@ -48,15 +53,23 @@ class CheckpointWriter:
         """Stage ``ckpt`` now and commit it; ``after_commit`` runs on this thread once it is
         committed (here, in background mode at a later :meth:`poll` or :meth:`wait`). Waits for a
         write in flight first."""
+        start = time.perf_counter()
         self.wait()
+        self.blocked_s = time.perf_counter() - start
         staged = self.checkpointer.stage(ckpt)
         if not self.background:
-            self.checkpointer.write(staged)
+            self._timed_write(staged)
             after_commit()
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._in_flight = (self._executor.submit(self.checkpointer.write, staged), after_commit)
+        self._in_flight = (self._executor.submit(self._timed_write, staged), after_commit)
+
+    def _timed_write(self, staged: StagedCheckpoint) -> Path:
+        start = time.perf_counter()
+        directory = self.checkpointer.write(staged)
+        self.write_s = time.perf_counter() - start
+        return directory
 
     def poll(self) -> None:
         """If the write in flight is done, finish it (its error, if any, is raised here)."""

@@ -147,6 +147,7 @@ class RankZero:
             **metrics, **joiner.counters.metrics(), **self.counters,
             "policy_version": float(at.version), "step_time_s": laps.seconds["step"],
             "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],
+            "checkpoint_write_s": self.writer.write_s, "checkpoint_blocked_s": self.writer.blocked_s,
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
             "data_wait_share": laps.seconds["wait"] / cycle_s,
             "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),

@@ -101,12 +101,18 @@ def test_the_next_save_waits_for_the_write_in_flight_and_the_ledger_stays_in_ste
     assert first == len(first_line) and second == len(first_line) + len(b'{"step":2,"ids":["c"]}\n')
 
 
-def test_a_failed_write_raises_at_wait_and_commits_no_offsets(tmp_path, trained):
+def _first_save(checkpointer: Checkpointer, trained, background: bool = True) -> tuple[CheckpointWriter, list[int]]:
+    """A writer over ``checkpointer`` that has saved step 1; the list collects its after-commit calls."""
     model, optimizer = trained
-    checkpointer = GatedCheckpointer(tmp_path, fail=True)
-    commits = []
-    writer = CheckpointWriter(checkpointer, background=True)
+    commits: list[int] = []
+    writer = CheckpointWriter(checkpointer, background=background)
     writer.save(_checkpoint(model, optimizer, step=1), after_commit=lambda: commits.append(1))
+    return writer, commits
+
+
+def test_a_failed_write_raises_at_wait_and_commits_no_offsets(tmp_path, trained):
+    checkpointer = GatedCheckpointer(tmp_path, fail=True)
+    writer, commits = _first_save(checkpointer, trained)
     checkpointer.gate.set()
     with pytest.raises(OSError, match="disk full"):
         writer.wait()
@@ -114,20 +120,14 @@ def test_a_failed_write_raises_at_wait_and_commits_no_offsets(tmp_path, trained)
 
 
 def test_in_the_foreground_the_commit_and_its_offsets_happen_inside_save(tmp_path, trained):
-    model, optimizer = trained
     checkpointer = Checkpointer(tmp_path)
-    commits = []
-    writer = CheckpointWriter(checkpointer, background=False)
-    writer.save(_checkpoint(model, optimizer, step=1), after_commit=lambda: commits.append(1))
+    writer, commits = _first_save(checkpointer, trained, background=False)
     assert commits == [1] and not writer.busy and [s for s, _ in checkpointer.checkpoints()] == [1]
 
 
 def test_close_lets_the_write_finish_but_runs_nothing_after_it(tmp_path, trained):
-    model, optimizer = trained
     checkpointer = GatedCheckpointer(tmp_path)
-    commits = []
-    writer = CheckpointWriter(checkpointer, background=True)
-    writer.save(_checkpoint(model, optimizer, step=1), after_commit=lambda: commits.append(1))
+    writer, commits = _first_save(checkpointer, trained)
     checkpointer.gate.set()
     writer.close()
     assert commits == [] and [s for s, _ in checkpointer.checkpoints()] == [1]

@@ -51,8 +51,8 @@ class CheckpointWriter:
 
     def save(self, ckpt: Checkpoint, after_commit: AfterCommit) -> None:
         """Stage ``ckpt`` now and commit it; ``after_commit`` runs on this thread once it is
-        committed (here, in background mode at a later :meth:`poll` or :meth:`wait`). Waits for a
-        write in flight first."""
+        committed: inside this call in the foreground, at a later :meth:`poll` or :meth:`wait` in
+        the background. Waits for a write in flight first."""
         start = time.perf_counter()
         self.wait()
         self.blocked_s = time.perf_counter() - start

@@ -253,7 +253,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
                for name in ("num_rollouts", "num_action_tokens", "step_time_s", "publish_time_s",
-                            "checkpoint_time_s", "checkpoint_write_s", "data_wait_share", "rollouts_per_s", "tokens_per_s")}
+                            "checkpoint_time_s", "checkpoint_write_s", "data_wait_share", "rollouts_per_s",
+                            "tokens_per_s")}
 
     def phase(step_numbers: list[int]) -> dict[str, float]:
         cycle = [history["num_rollouts"][s] / history["rollouts_per_s"][s] for s in step_numbers]
@@ -307,8 +308,9 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"vocab {mc.vocab_size}); algorithm {cfg.algorithm.name}, K = {cfg.algorithm.critic_updates}",
         f"- learner: its own process; min_rollouts {t.min_rollouts}, max_wait_s {t.max_wait_s}, "
         f"token_budget {t.token_budget}, "
-        f"max_rollouts_per_step {t.max_rollouts_per_step}, publish every {t.publish_every} step(s), checkpoint every "
-        f"{t.checkpoint_every} step(s) {'in the background' if t.checkpoint_in_background else 'before the next step'}, "
+        f"max_rollouts_per_step {t.max_rollouts_per_step}, publish every {t.publish_every} step(s), "
+        f"checkpoint every {t.checkpoint_every} step(s) "
+        f"{'in the background' if t.checkpoint_in_background else 'before the next step'}, "
         f"MLflow on SQLite; "
         f"serving: TorchEngine + WeightsFollower in the benchmark process; broker: local single node",
         f"- traffic: {args.backlog} backlog interactions, then {len(traffic.rewarded_at) - args.backlog} live ones "

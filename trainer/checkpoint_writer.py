@@ -93,7 +93,7 @@ class CheckpointWriter:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._in_flight is not None and self._in_flight[0].exception() is not None:
-            log.error("the checkpoint being written when the learner stopped failed: %s",
-                      self._in_flight[0].exception())
+        failure = self._in_flight[0].exception() if self._in_flight is not None else None
+        if failure is not None:
+            log.error("the checkpoint being written when the learner stopped failed: %s", failure)
         self._in_flight = None

@@ -128,8 +128,10 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
 def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, progress: Progress | None,
                           ctx: DistContext) -> Checkpoint | None:
     """Gather everything for one checkpoint on rank 0 (collective); the other ranks, which pass
-    ``joiner`` and ``progress`` None, get None. The tensors are the live ones: stage them
-    (:meth:`trainer.checkpoint.Checkpointer.stage`) before training on."""
+    ``joiner`` and ``progress`` None, get None. Its tensors do not alias the models' or the
+    optimisers' (:func:`full_state_dict`, :func:`optimizer_state`); its JSON parts may alias the
+    join buffer and the algorithm's state, which :meth:`trainer.checkpoint.Checkpointer.stage`
+    renders before the learner trains on."""
     t = trainables
     models = {"policy": full_state_dict(t.policy, ctx)}
     optimizers: dict[str, Any] = {"policy": optimizer_state(t.policy, t.optimizers.policy, ctx)}

@@ -65,7 +65,8 @@ def build_optimizers(cfg: AlgorithmConfig, policy: nn.Module, critic: nn.Module 
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel[cfg.optimizer_kernel])
 
     policy_optimizer = adamw(policy, cfg.policy_lr)
     if critic is None:

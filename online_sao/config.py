@@ -143,6 +143,12 @@ class AlgorithmConfig(Section):
     """Linear warm-up of the critic learning rate, in critic updates."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay of both optimisers."""
+    optimizer_kernel: Literal["fused", "foreach", "for_loop"] = "fused"
+    """How AdamW updates the parameters: ``fused`` (one kernel for all parameters; on CPU the
+    optimiser's time in a SAO step of the default model 2.5x less than with ``foreach``, the
+    whole step's gain inside the VM's noise: benchmarks/results/learner_optimizer.md),
+    ``foreach`` (torch's default: a kernel per operation over all parameters) or ``for_loop``
+    (a kernel per operation per parameter). The same update up to float rounding."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping of both models."""
     normalize_advantages: bool = False

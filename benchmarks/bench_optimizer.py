@@ -1,0 +1,105 @@
+"""A whole SAO step with each AdamW kernel (``algorithm.optimizer_kernel``), same batches, one run.
+
+Batches as the straggler benchmark's streaming learner sees them: ``--rollouts``
+rollouts of a 16-token prompt and a lognormal response (bench_packing's draw). The
+default architecture and size with random weights; the behaviour log-probs are the
+policy's own, so the step trains on every action token. The kernels take turns on
+each batch (the order alternates), each from its own copy of the same models and
+optimiser state, after one warm-up step each.
+
+    .venv/bin/python benchmarks/bench_optimizer.py [--batches 12] [--out benchmarks/results/learner_optimizer.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_packing import draw_batch  # noqa: E402
+from benchmarks.common import random_default_model  # noqa: E402
+from apps.config import BaseModelConfig  # noqa: E402
+from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
+from online_sao.config import AlgorithmConfig  # noqa: E402
+from online_sao.train_step import policy_logprobs  # noqa: E402
+
+KERNELS = ("foreach", "fused")
+OPTIMIZER_PHASES = ("time_policy_optimizer_s", "time_critic_optimizer_s")
+
+
+def learner(kernel: str, policy: torch.nn.Module):
+    cfg = AlgorithmConfig(optimizer_kernel=kernel)
+    policy = copy.deepcopy(policy)
+    critic = build_critic(cfg, policy)
+    opts = build_optimizers(cfg, policy, critic)
+    return build_algorithm(cfg, policy, critic, opts.policy, opts.critic, opts.critic_scheduler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=6, help="rollouts per step (streaming's steps take 5-7)")
+    parser.add_argument("--median", type=int, default=32)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/learner_optimizer.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    base = BaseModelConfig()
+    policy = random_default_model(base)
+    rng = random.Random(0)
+    batches = [draw_batch(rng, args, base.vocab_size) for _ in range(args.batches + 1)]
+    with torch.no_grad():
+        for batch in batches:
+            batch.rollout_logprobs = policy_logprobs(policy, batch) * batch.action_mask
+    algos = {kernel: learner(kernel, policy) for kernel in KERNELS}
+    step_s: dict[str, list[float]] = {k: [] for k in KERNELS}
+    optimizer_s: dict[str, list[float]] = {k: [] for k in KERNELS}
+    for algo in algos.values():
+        algo.step(batches[0])  # warm-up: first-call allocations and optimiser state
+    for i, batch in enumerate(batches[1:]):
+        for kernel in (KERNELS if i % 2 else KERNELS[::-1]):
+            start = time.perf_counter()
+            metrics = algos[kernel].step(batch)
+            step_s[kernel].append(time.perf_counter() - start)
+            optimizer_s[kernel].append(sum(metrics[p] for p in OPTIMIZER_PHASES))
+    tokens = sum(int(b.attention_mask.sum()) for b in batches[1:])
+    ratio = sum(step_s["foreach"]) / sum(step_s["fused"])
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_optimizer.py", *(argv or sys.argv[1:])])
+    lines = [
+        "# A SAO step with each AdamW kernel (CPU)", "",
+        f"- command: `{command}`",
+        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared; 1-min load average {load:.1f} "
+        f"at start), torch {torch.__version__}, {args.threads} torch thread(s)",
+        f"- model: default architecture and size ({base.architecture}, hidden {base.hidden_size}, {base.num_layers} "
+        f"layers, vocab {base.vocab_size}), random weights; sao, K = {AlgorithmConfig().critic_updates}",
+        f"- batches: {args.batches} of {args.rollouts} rollouts, 16-token prompt + lognormal response "
+        f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {tokens} tokens in all", "",
+        "| optimizer_kernel | step s (median) | optimizer steps s per SAO step (median) | tokens/s |",
+        "|---|---:|---:|---:|",
+        *[f"| {k} | {statistics.median(step_s[k]):.4f} | {statistics.median(optimizer_s[k]):.4f} | "
+          f"{tokens / sum(step_s[k]):.0f} |" for k in KERNELS], "",
+        f"foreach / fused step time over all batches: {ratio:.2f}x.", "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_packing import draw_batch  # noqa: E402
+from benchmarks.bench_packing import add_batch_arguments, draw_batch  # noqa: E402
 from benchmarks.common import random_default_model  # noqa: E402
 from apps.config import BaseModelConfig  # noqa: E402
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
@@ -49,12 +49,7 @@ def learner(kernel: str, policy: torch.nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=6, help="rollouts per step (streaming's steps take 5-7)")
-    parser.add_argument("--median", type=int, default=32)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--batches", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=1)
+    add_batch_arguments(parser, rollouts=6, batches=12)  # 6: streaming's learner steps take 5-7 rollouts
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/learner_optimizer.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

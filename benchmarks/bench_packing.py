@@ -54,6 +54,17 @@ def draw_batch(rng: random.Random, args, vocab: int):
     return collate(rollouts, pad_token_id=0, policy_version=1)
 
 
+def add_batch_arguments(parser: argparse.ArgumentParser, rollouts: int, batches: int) -> None:
+    """The options of :func:`draw_batch` (rollouts per batch, response lengths), of how many
+    batches are timed and of torch's threads."""
+    parser.add_argument("--rollouts", type=int, default=rollouts, help="rollouts per batch")
+    parser.add_argument("--median", type=int, default=32, help="median response length")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
+    parser.add_argument("--max-tokens", type=int, default=256, help="cap on a response's length")
+    parser.add_argument("--batches", type=int, default=batches, help="timed batches")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
 def model_passes(policy, critic, batch, cfg: AlgorithmConfig, packed: bool) -> float:
     """Seconds for the model passes of one SAO step (gradients computed, then dropped)."""
     mask = batch.action_mask
@@ -77,12 +88,7 @@ def model_passes(policy, critic, batch, cfg: AlgorithmConfig, packed: bool) -> f
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=16)
-    parser.add_argument("--median", type=int, default=32)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=1)
+    add_batch_arguments(parser, rollouts=16, batches=6)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/packing.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

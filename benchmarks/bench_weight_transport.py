@@ -14,7 +14,8 @@ is ``store.load`` (read, checksum, parse, finiteness), what serving runs for
 every swap. Each transport and size is timed ``--repeats`` times, transports
 interleaved so the noise of a shared machine spreads over all of them; the
 table gives the median and the minimum. ``sha256`` is hashing the same number of
-bytes once: both sides of every transport pay it.
+bytes once, ``finiteness`` the finiteness check once: both sides of every
+transport pay each.
 
     .venv/bin/python benchmarks/bench_weight_transport.py [--repeats 7] [--out benchmarks/results/weight_transport.md]
 """
@@ -43,6 +44,7 @@ from apps.default_model.builder import is_built
 from apps.config import BaseModelConfig, load_app_config
 from online_sao.weights import FileWeightStore, WeightStore
 from online_sao.weights.shm import DEFAULT_SHM_ROOT, ShmWeightStore
+from online_sao.weights.store import verify_state_dict
 
 SCALE = 10
 """The larger state dict is this many times the default model."""
@@ -103,8 +105,14 @@ def bench(stores: dict[str, WeightStore], state: dict[str, torch.Tensor], repeat
         start = time.perf_counter()
         hashlib.sha256(data).hexdigest()
         hashes.append(time.perf_counter() - start)
+    checks = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        verify_state_dict(state)
+        checks.append(time.perf_counter() - start)
     out = {name: {"save": [s for s, _ in t], "load": [ld for _, ld in t]} for name, t in times.items()}
     out["sha256"] = {"save": hashes, "load": hashes}
+    out["finiteness"] = {"save": checks, "load": checks}
     return out
 
 
@@ -149,7 +157,9 @@ def write_report(args, which, sizes, results, load_at_start, disk_fs) -> None:
         f"- state dicts: {which}; the larger one is {SCALE} copies of every tensor with random values",
         f"- file store directory: {disk_fs}; `file (/dev/shm)`: the same store in tmpfs",
         f"- milliseconds, median (minimum) of {args.repeats} repeats after one warm-up; `sha256` is hashing the "
-        "state's bytes once, which every transport does on save and again on load", "",
+        "state's bytes once and `finiteness` the check that no floating-point value is NaN or infinite "
+        "(online_sao.weights.store.verify_state_dict), each of which every transport does on save and again "
+        "on load", "",
         "Where the time goes: every transport checks finiteness and hashes the bytes on save and again on load; "
         "those four passes are most of the `shm://` time. What `shm://` skips is the rest of the file path: on "
         "save the clone and the safetensors serialisation before the write, on load the read into private "
@@ -163,8 +173,8 @@ def write_report(args, which, sizes, results, load_at_start, disk_fs) -> None:
         lines += [f"## {label}: {len(sd)} tensors, {nbytes(sd) / 2**20:.1f} MiB", "",
                   "| transport | save ms | load ms | save + load ms (medians) |", "|---|---:|---:|---:|"]
         for name, r in res.items():
-            if name == "sha256":
-                lines.append(f"| sha256 alone | {ms(r['save'])} | {ms(r['load'])} | "
+            if name in ("sha256", "finiteness"):  # one pass, paid on save and again on load
+                lines.append(f"| {name} alone | {ms(r['save'])} | {ms(r['load'])} | "
                              f"{2 * statistics.median(r['save']) * 1e3:.1f} |")
                 continue
             total = (statistics.median(r["save"]) + statistics.median(r["load"])) * 1e3

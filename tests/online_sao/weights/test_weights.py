@@ -42,12 +42,24 @@ def test_wrong_checksum_is_refused(store):
         store.load(ref.location, "0" * 64)
 
 
-def test_non_finite_weights_are_never_saved(store):
-    bad = _state()
-    bad["layer.bias"][0] = float("nan")
+@pytest.mark.parametrize("values", [[float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_weights_are_never_saved(store, values, dtype):
+    bad = {k: v.to(dtype) for k, v in _state().items()}
+    bad["layer.bias"][:len(values)] = torch.tensor(values, dtype=dtype)
     with pytest.raises(CorruptWeights, match="layer.bias"):
         store.save(1, bad)
     assert store.versions() == []
+
+
+def test_large_finite_weights_and_integer_tensors_are_saved(store):
+    state = _state()
+    state["layer.weight"].fill_(torch.finfo(torch.float32).max)  # 12 of them: their sum overflows float32
+    state["huge"] = torch.full((3,), 1e308, dtype=torch.float64)  # finite, but its float64 sum is not
+    state["step"] = torch.tensor([7], dtype=torch.int64)
+    ref = store.save(1, state)
+    loaded = store.load(ref.location, ref.checksum)
+    assert loaded["layer.weight"].max() == torch.finfo(torch.float32).max and loaded["huge"][0] == 1e308
 
 
 def test_missing_location_raises_file_not_found(store):

@@ -58,6 +58,10 @@ def build_critic(cfg: AlgorithmConfig, policy: nn.Module) -> ValueModel | None:
                                   trainable_layers=cfg.critic_trainable_layers)
 
 
+ADAMW_KERNEL_ARGUMENTS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+"""``torch.optim.AdamW``'s arguments for each ``AlgorithmConfig.optimizer_kernel``."""
+
+
 def build_optimizers(cfg: AlgorithmConfig, policy: nn.Module, critic: nn.Module | None) -> Optimizers:
     """AdamW over the trainable parameters of each model (a frozen-attention
     critic's attention is left out), with ``cfg.policy_lr`` / ``cfg.critic_lr``."""
@@ -65,8 +69,8 @@ def build_optimizers(cfg: AlgorithmConfig, policy: nn.Module, critic: nn.Module 
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
-        kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel[cfg.optimizer_kernel])
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay,
+                                 **ADAMW_KERNEL_ARGUMENTS[cfg.optimizer_kernel])
 
     policy_optimizer = adamw(policy, cfg.policy_lr)
     if critic is None:

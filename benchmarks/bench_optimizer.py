@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -28,8 +26,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_packing import add_batch_arguments, draw_batch  # noqa: E402
-from benchmarks.common import random_default_model  # noqa: E402
+from benchmarks.bench_packing import add_batch_arguments, draw_batch, report_header  # noqa: E402
+from benchmarks.common import random_default_model, write_report  # noqa: E402
 from apps.config import BaseModelConfig  # noqa: E402
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
@@ -74,14 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             optimizer_s[kernel].append(sum(metrics[p] for p in OPTIMIZER_PHASES))
     tokens = sum(int(b.attention_mask.sum()) for b in batches[1:])
     ratio = sum(step_s["foreach"]) / sum(step_s["fused"])
-    command = shlex.join([".venv/bin/python", "benchmarks/bench_optimizer.py", *(argv or sys.argv[1:])])
     lines = [
-        "# A SAO step with each AdamW kernel (CPU)", "",
-        f"- command: `{command}`",
-        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared; 1-min load average {load:.1f} "
-        f"at start), torch {torch.__version__}, {args.threads} torch thread(s)",
-        f"- model: default architecture and size ({base.architecture}, hidden {base.hidden_size}, {base.num_layers} "
-        f"layers, vocab {base.vocab_size}), random weights; sao, K = {AlgorithmConfig().critic_updates}",
+        *report_header("A SAO step with each AdamW kernel (CPU)", "bench_optimizer.py", argv, args.threads, load,
+                       base, f"sao, K = {AlgorithmConfig().critic_updates}"),
         f"- batches: {args.batches} of {args.rollouts} rollouts, 16-token prompt + lognormal response "
         f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {tokens} tokens in all", "",
         "| optimizer_kernel | step s (median) | optimizer steps s per SAO step (median) | tokens/s |",
@@ -90,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{tokens / sum(step_s[k]):.0f} |" for k in KERNELS], "",
         f"foreach / fused step time over all batches: {ratio:.2f}x.", "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

@@ -30,7 +30,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import random_default_model  # noqa: E402
+from benchmarks.common import random_default_model, write_report  # noqa: E402
 from apps.config import BaseModelConfig
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
 from online_sao.algorithms import build_critic
@@ -63,6 +63,20 @@ def add_batch_arguments(parser: argparse.ArgumentParser, rollouts: int, batches:
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on a response's length")
     parser.add_argument("--batches", type=int, default=batches, help="timed batches")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
+def report_header(title: str, script: str, argv: list[str] | None, threads: int, load: float,
+                  base: BaseModelConfig, learner: str) -> list[str]:
+    """The first lines of a learner benchmark's report: title, command, machine, model."""
+    command = shlex.join([".venv/bin/python", f"benchmarks/{script}", *(argv or sys.argv[1:])])
+    return [
+        f"# {title}", "",
+        f"- command: `{command}`",
+        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared; 1-min load average {load:.1f} "
+        f"at start), torch {torch.__version__}, {threads} torch thread(s)",
+        f"- model: default architecture and size ({base.architecture}, hidden {base.hidden_size}, {base.num_layers} "
+        f"layers, vocab {base.vocab_size}), random weights; {learner}",
+    ]
 
 
 def model_passes(policy, critic, batch, cfg: AlgorithmConfig, packed: bool) -> float:
@@ -114,14 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(tokens)
     rate = {p: total / sum(t) for p, t in times.items()}
     ratios = [pd / pk for pk, pd in zip(times[True], times[False])]
-    command = shlex.join([".venv/bin/python", "benchmarks/bench_packing.py", *(argv or sys.argv[1:])])
     lines = [
-        "# Learner model passes: packed rows against the padded batch (CPU)", "",
-        f"- command: `{command}`",
-        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared; 1-min load average {load:.1f} "
-        f"at start), torch {torch.__version__}, {args.threads} torch thread(s)",
-        f"- model: default architecture and size ({base.architecture}, hidden {base.hidden_size}, {base.num_layers} "
-        f"layers, vocab {base.vocab_size}), random weights; critic with frozen attention, K = {cfg.critic_updates}",
+        *report_header("Learner model passes: packed rows against the padded batch (CPU)", "bench_packing.py", argv,
+                       args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}"),
         f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
         f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {total} real tokens in all", "",
         "| layout | padding share (mean over batches) | real tokens/s | seconds per batch (median) |",
@@ -133,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Packed / padded real tokens per second: {rate[True] / rate[False]:.2f}x over all batches; per batch "
         f"{', '.join(f'{r:.2f}' for r in ratios)}.", "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

@@ -37,3 +37,11 @@ def random_default_model(base: BaseModelConfig) -> torch.nn.Module:
                           max_position_embeddings=base.max_position_embeddings, tie_word_embeddings=True)
     torch.manual_seed(0)
     return model_class(config)
+
+
+def write_report(path: Path, lines: list[str]) -> None:
+    """Write a benchmark's Markdown report to ``path`` (creating its directory) and print it."""
+    text = "\n".join(lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)

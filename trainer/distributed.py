@@ -240,13 +240,23 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     return _containers_copied(state, _live_storages(model, optimizer)) if ctx.is_main else {}
 
 
+KERNEL_FLAGS = ("fused", "foreach")
+"""Param-group settings of torch's optimisers that choose the implementation, not the update."""
+
+
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None,
                          ctx: DistContext) -> None:
     """Restore what :func:`optimizer_state` returned; rank 0's copy is broadcast. Collective."""
     if ctx.is_main and not state:
         raise ValueError("rank 0 needs the optimizer state to load")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.is_distributed)
+    # loading takes every param-group setting from the checkpoint, the kernel flags too: keep
+    # this process's (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes
+    # on the configured one
+    kernels = [{flag: group.get(flag) for flag in KERNEL_FLAGS} for group in optimizer.param_groups]
     set_optimizer_state_dict(model, optimizer, _containers_copied(state) if ctx.is_main else {}, options=options)
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
     # Optimizer.load_state_dict keeps tensors that already have the right device and
     # dtype (the CPU step counters, a world-1 state): give the optimiser its own.
     given = _tree_storages(state) if ctx.is_main else set()

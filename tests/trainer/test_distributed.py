@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from online_sao.algorithms import build_optimizers
 from online_sao.baselines import RunningMean
 from online_sao.batch import Rollout, collate, step_rewards
 from online_sao.config import AlgorithmConfig
@@ -24,9 +25,12 @@ from online_sao.critic import ValueModel
 from tests.conftest import _free_port
 from tests.trainer import fsdp_worker
 from trainer.distributed import (
+    KERNEL_FLAGS,
     DistContext,
     decoder_layers,
     global_token_normalizer,
+    load_optimizer_state,
+    optimizer_state,
     reduce_metrics,
     shard_rollouts,
     shard_units,
@@ -251,3 +255,23 @@ def test_a_drift_restart_under_two_ranks_returns_every_shard_to_its_start(two_ra
         assert json.loads((out / "metrics.json").read_text())["restart"]["optimizers_cleared"] is True
     critic_two, critic_one = _load(two_ranks, "restarted_critic"), _load(one_process, "restarted_critic")
     assert critic_two.keys() == critic_one.keys() and all(torch.equal(critic_two[k], v) for k, v in critic_one.items())
+
+
+@pytest.mark.parametrize("saved, configured", [("foreach", "fused"), ("fused", "foreach")])
+def test_a_restored_optimizer_keeps_its_configured_kernel_and_the_saved_moments(saved, configured):
+    def optimizer(model: nn.Module, kernel: str) -> torch.optim.AdamW:
+        return build_optimizers(AlgorithmConfig(optimizer_kernel=kernel, policy_lr=0.1), model, None).policy
+
+    model = nn.Linear(2, 1, bias=False)
+    first = optimizer(model, saved)
+    model(torch.ones(1, 2)).sum().backward()
+    first.step()
+    model.zero_grad(set_to_none=True)  # as after a restart: no gradients yet
+    restored = optimizer(model, configured)
+    load_optimizer_state(model, restored, optimizer_state(model, first, _ctx(0, 1)), _ctx(0, 1))
+    fresh = optimizer(nn.Linear(2, 1, bias=False), configured)
+    assert [restored.param_groups[0][flag] for flag in KERNEL_FLAGS] == [fresh.param_groups[0][flag]
+                                                                        for flag in KERNEL_FLAGS]
+    assert restored.param_groups[0]["fused" if configured == "fused" else "foreach"] is True
+    torch.testing.assert_close(restored.state[model.weight]["exp_avg"], first.state[model.weight]["exp_avg"])
+    restored.step()  # the configured kernel runs on the restored state

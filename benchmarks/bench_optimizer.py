@@ -26,7 +26,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_packing import add_batch_arguments, draw_batch, report_header  # noqa: E402
+from benchmarks.bench_packing import PROMPT_TOKENS, add_batch_arguments, draw_batch, report_header  # noqa: E402
 from benchmarks.common import random_default_model, write_report  # noqa: E402
 from apps.config import BaseModelConfig  # noqa: E402
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         *report_header("A SAO step with each AdamW kernel (CPU)", "bench_optimizer.py", argv, args.threads, load,
                        base, f"sao, K = {AlgorithmConfig().critic_updates}"),
-        f"- batches: {args.batches} of {args.rollouts} rollouts, 16-token prompt + lognormal response "
+        f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
         f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {tokens} tokens in all", "",
         "| optimizer_kernel | step s (median) | optimizer steps s per SAO step (median) | tokens/s |",
         "|---|---:|---:|---:|",

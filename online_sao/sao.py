@@ -42,6 +42,12 @@ from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, non
 from online_sao.value_shrinkage import ShrinkageWindow, anchor_level, rollout_sums, shrink
 
 
+def _suffixed(metrics: dict[str, float], suffix: str) -> dict[str, float]:
+    """:meth:`SAO._fit_metrics` under names ending in ``suffix``; ``value_mean`` only for the
+    critic's own values (no suffix)."""
+    return {f"{name}{suffix}": value for name, value in metrics.items() if suffix == "" or name != "value_mean"}
+
+
 class SAO(ActorCritic):
     """Single-rollout Asynchronous Optimization. Metrics: see :meth:`step`."""
 
@@ -91,7 +97,7 @@ class SAO(ActorCritic):
         with timer.phase("arithmetic"):
             used = self._shrunk(batch, judged.used, metrics)
             if self.shrinkage is not None:  # the values the advantages take, beside the critic's own
-                metrics.update(self._fit_metrics(batch, used, "_adjusted"))
+                metrics.update(_suffixed(self._fit_metrics(batch, used), "_adjusted"))
             advantages = self._advantages(batch, used, metrics)
         update = self._policy_update(batch, advantages, timer)
         if not update["skipped_nonfinite"]:
@@ -175,21 +181,26 @@ class SAO(ActorCritic):
                                  "critic_updates_done": float(judged.fit.updates_done) if judged.fit else 0.0}
         if judged.fit is not None:
             out.update(judged.fit.metrics)
+        measured: list[tuple[torch.Tensor, dict[str, float]]] = []
         for suffix, values in (("", judged.before), ("_used", judged.used), ("_after", judged.after)):
-            if values is not None:
-                out.update(self._fit_metrics(batch, values, suffix))
+            if values is None:
+                continue
+            # the orders hand one tensor under two names (judge_then_fit: used is before; the
+            # others: used is after): its targets and loss are computed once
+            same = next((m for v, m in measured if v is values), None)
+            if same is None:
+                same = self._fit_metrics(batch, values)
+                measured.append((values, same))
+            out.update(_suffixed(same, suffix))
         return out
 
-    def _fit_metrics(self, batch: RolloutBatch, values: torch.Tensor, suffix: str) -> dict[str, float]:
-        """``value_loss<suffix>`` and ``explained_variance<suffix>`` of ``values`` against the
-        batch's targets (and ``value_mean`` for the critic's own values, ``suffix`` "")."""
+    def _fit_metrics(self, batch: RolloutBatch, values: torch.Tensor) -> dict[str, float]:
+        """``value_loss``, ``explained_variance`` and ``value_mean`` of ``values`` against the batch's targets."""
         mask = batch.action_mask
         _, targets = skip_observation_gae(batch.rewards, values, mask, self.cfg.gamma, self.cfg.lambda_critic)
         loss, critic_metrics = value_loss(values, targets, mask, batch.token_normalizer)
-        out = {f"value_loss{suffix}": float(loss), f"explained_variance{suffix}": critic_metrics["explained_variance"]}
-        if suffix == "":
-            out["value_mean"] = critic_metrics["value_mean"]
-        return out
+        return {"value_loss": float(loss), "explained_variance": critic_metrics["explained_variance"],
+                "value_mean": critic_metrics["value_mean"]}
 
     def _advantages(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         cfg, mask = self.cfg, batch.action_mask

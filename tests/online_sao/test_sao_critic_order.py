@@ -48,6 +48,18 @@ def test_judge_then_fit_judges_with_the_critic_before_its_updates(tiny_qwen):
     assert metrics["value_loss_after"] < metrics["value_loss"]
 
 
+def test_values_used_are_measured_against_the_batch_targets_once_and_named_twice(tiny_qwen):
+    algo = make_sao(tiny_qwen, critic_order="judge_then_fit")
+    batch = _rewarded_batch(tiny_qwen)
+    with torch.no_grad():
+        values = copy.deepcopy(algo.critic)(batch.input_ids, batch.attention_mask)
+    _, targets = skip_observation_gae(batch.rewards, values, batch.action_mask, algo.cfg.gamma, algo.cfg.lambda_critic)
+    expected, _ = value_loss(values, targets, batch.action_mask, batch.token_normalizer)
+    metrics = algo.step(batch)
+    assert metrics["value_loss"] == metrics["value_loss_used"] == pytest.approx(float(expected), rel=1e-6)
+    assert "value_mean" in metrics and "value_mean_used" not in metrics and "value_loss_after" not in metrics
+
+
 def test_fit_then_judge_judges_with_the_critic_after_fitting_the_batch(tiny_qwen):
     algo = make_sao(tiny_qwen, critic_order="fit_then_judge")
     batch = _rewarded_batch(tiny_qwen)

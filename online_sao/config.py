@@ -307,6 +307,15 @@ class ServingConfig(Section):
     """Torch engine: padded prompt positions (requests x longest prompt) one prefill forward may
     hold. Requests admitted in the same round are prefilled together up to this bound, in order;
     a prompt longer than it is prefilled alone. Bounds the activation memory of a burst."""
+    kv_layout: Literal["padded", "flat"] = "padded"
+    """Torch engine: how the running batch's cache is laid out. ``padded``: a row per sequence,
+    left-padded to the longest, prompts prefilled in forwards of their own (serving/engine/kv_batch.py).
+    ``flat``: every sequence's columns in one row with a mask per query, the round's new prompts
+    prefilled inside its decode forward (serving/engine/flat_kv.py); ``max_prefill_tokens`` then
+    bounds the prompt tokens one forward takes on. ``flat`` is faster where a forward's fixed cost
+    dominates (small models and batches on a CPU: benchmarks/results/kv_layout.md); its attention
+    reads every running sequence's cache, so with large batches of long contexts ``padded`` is
+    cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

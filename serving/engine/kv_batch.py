@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
-def _check_layers(cache: DynamicCache) -> None:
+def check_layers(cache: DynamicCache) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer or getattr(layer, "is_sliding", False):
             raise NotImplementedError(f"cache layer {i} is a {type(layer).__name__}; continuous batching "
@@ -49,7 +49,7 @@ def _capacity(length: int) -> int:
     return length + max(MIN_HEADROOM, int(length * GROWTH))
 
 
-def _left_padded(parts: list[torch.Tensor], length: int) -> torch.Tensor:
+def left_padded(parts: list[torch.Tensor], length: int) -> torch.Tensor:
     """Stack ``[b_i, H, l_i, D]`` parts along the batch into a buffer ``[sum b_i, H, capacity, D]``
     whose first ``length`` columns hold each part right-aligned after zero columns (the padding is
     masked, but must be finite: attention multiplies it by a zero weight)."""
@@ -87,9 +87,9 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self.device, self.is_initialized = keys.device, True
         self._key_buffer, self._value_buffer = keys, values
-        self._expose(length)
+        self.expose(length)
 
-    def _expose(self, length: int) -> None:
+    def expose(self, length: int) -> None:
         self.keys = self._key_buffer[:, :, :length]
         self.values = self._value_buffer[:, :, :length]
 
@@ -100,8 +100,16 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer, self._value_buffer = _regrown(self.keys, end), _regrown(self.values, end)
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
-        self._expose(end)
+        self.expose(end)
         return self.keys, self.values
+
+    def columns(self, index: torch.Tensor) -> "GrowingLayer":
+        """A layer holding only the columns at ``index`` (in that order), every row."""
+        n = index.numel()
+        keys, values = _regrown(self.keys[:, :, :0], n), _regrown(self.values[:, :, :0], n)
+        keys[:, :, :n] = self.keys.index_select(2, index)
+        values[:, :, :n] = self.values.index_select(2, index)
+        return GrowingLayer(keys, values, n)
 
     def selected(self, index: torch.Tensor, first: int) -> "GrowingLayer":
         """A layer of the rows at ``index`` without the columns before ``first``."""
@@ -136,20 +144,20 @@ class RaggedKVBatch:
         row's real (right-aligned) prompt positions. Padding columns are zeroed in place (the cache is
         handed over): their keys and values came from padding tokens and must stay finite under a zero
         attention weight."""
-        _check_layers(cache)
+        check_layers(cache)
         length = mask.shape[1]
         padding = (mask == 0)[:, None, :, None]
         parts = [(layer.keys.masked_fill_(padding, 0), layer.values.masked_fill_(padding, 0))
                  for layer in cache.layers]
         if self.cache is None:
             self.cache, self.mask = cache, mask
-            cache.layers = [GrowingLayer(_left_padded([keys], length), _left_padded([values], length), length)
+            cache.layers = [GrowingLayer(left_padded([keys], length), left_padded([values], length), length)
                             for keys, values in parts]
             return
         target = max(self.length, length)
         grow_old, grow_new = target - self.length, target - length
         self.cache.layers = [
-            GrowingLayer(_left_padded([mine.keys, keys], target), _left_padded([mine.values, values], target), target)
+            GrowingLayer(left_padded([mine.keys, keys], target), left_padded([mine.values, values], target), target)
             for mine, (keys, values) in zip(self.cache.layers, parts)]
         self.mask = torch.cat([F.pad(self.mask, (grow_old, 0)), F.pad(mask, (grow_new, 0))])
 

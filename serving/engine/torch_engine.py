@@ -11,6 +11,12 @@ on the asyncio event loop):
 3. one decode step for every running sequence (see :mod:`.kv_batch` for the
    left-padded batched cache); finished and cancelled sequences leave.
 
+With ``ServingConfig.kv_layout = "flat"`` steps 2 and 3 are one forward: the admitted
+prompts ride in the running batch's decode step, every sequence's cache in one row
+(:mod:`.flat_kv`). The engine then switches its model from transformers' ``sdpa``
+attention to :mod:`.grouped_attention`'s (the same arithmetic, without copying grouped
+key/value heads), on the model object it is given.
+
 Every sampled token carries its behaviour log-probability under the exact
 sampling distribution (:mod:`.sampling`, drawn for the whole batch at once) and
 the version of the weights whose forward pass produced its logits. The events of
@@ -48,6 +54,8 @@ from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy, load_tokenizer
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
+from serving.engine.flat_kv import FlatKVBatch
+from serving.engine.grouped_attention import use_grouped_sdpa
 from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
@@ -140,7 +148,11 @@ class TorchEngine:
         self._step_lock = threading.Lock()  # model use when no loop thread runs
         self._rows: list[_Sequence] = []  # owned by the loop thread
         self._outbox = _Outbox()  # owned by the loop thread
-        self._batch = RaggedKVBatch()
+        self._flat = self.cfg.kv_layout == "flat"
+        if self._flat:  # its masked multi-token queries would copy grouped key/value heads in sdpa
+            use_grouped_sdpa(model)
+        self._dtype = next(model.parameters()).dtype
+        self._batch = self._new_batch()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: ServingConfig | None = None, dtype: str = "float32",
@@ -222,16 +234,24 @@ class TorchEngine:
                     break
                 with self._step_lock:
                     self._drop_cancelled()
-                    for group in self._prefill_groups(admitted):
-                        self._guarded(self._prefill, group, group)
-                    if self._rows:
-                        self._guarded(self._decode_step, list(self._rows))
+                    if self._flat:
+                        for group in self._prefill_groups(admitted) or [[]]:
+                            if group or self._rows:
+                                self._guarded(self._flat_step, list(self._rows) + group, group)
+                    else:
+                        for group in self._prefill_groups(admitted):
+                            self._guarded(self._prefill, group, group)
+                        if self._rows:
+                            self._guarded(self._decode_step, list(self._rows))
                 self._outbox.flush()
         stopped = EngineStopped("the engine stopped")
         for seq in self._loop.take_waiting() + self._rows:
             self._outbox.put(seq, stopped)
         self._outbox.flush()
-        self._rows, self._batch = [], RaggedKVBatch()
+        self._rows, self._batch = [], self._new_batch()
+
+    def _new_batch(self) -> RaggedKVBatch | FlatKVBatch:
+        return FlatKVBatch() if self._flat else RaggedKVBatch()
 
     def _guarded(self, work: Callable, affected: list[_Sequence], *args) -> None:
         """Run one model call; if it raises, the sequences it served fail and the engine goes on."""
@@ -261,17 +281,20 @@ class TorchEngine:
             self._rows = [self._rows[i] for i in keep]
 
     def _prefill_groups(self, admitted: list[_Sequence]) -> list[list[_Sequence]]:
-        """``admitted`` in order, cut into groups whose padded prompts fit ``max_prefill_tokens``."""
+        """``admitted`` in order, cut into groups whose prompts fit ``max_prefill_tokens`` (padded to the
+        group's longest; in the flat layout, unpadded)."""
         groups: list[list[_Sequence]] = []
-        longest = 0
+        longest = total = 0
         for seq in admitted:
-            length = max(longest, len(seq.request.prompt_ids))
-            if groups and length * (len(groups[-1]) + 1) <= self.cfg.max_prefill_tokens:
+            prompt = len(seq.request.prompt_ids)
+            length = max(longest, prompt)
+            size = total + prompt if self._flat else length * (len(groups[-1]) + 1 if groups else 1)
+            if groups and size <= self.cfg.max_prefill_tokens:
                 groups[-1].append(seq)
-                longest = length
+                longest, total = length, size
             else:
                 groups.append([seq])
-                longest = len(seq.request.prompt_ids)
+                longest = total = prompt
         return groups
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
@@ -317,6 +340,35 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [rows[i] for i in keep]
         self._report("decode", len(rows), time.perf_counter() - start)
+
+    def _flat_step(self, admitted: list[_Sequence]) -> None:
+        """(flat layout) One forward for the round: every running row's next token and the prompts of
+        ``admitted``, each of which samples its first token and joins the batch (:mod:`.flat_kv`)."""
+        start = time.perf_counter()
+        model, version = self._model, self._loop.version
+        seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
+        rows = self._rows
+        batch = self._batch
+        step = batch.step([s.last_token for s in rows], [s.request.prompt_ids for s in seqs], self._dtype, self._device)
+        cache = batch.cache if batch.cache is not None else DynamicCache()
+        extra = {"logits_to_keep": step.last} if self._keep_last_logits else {}
+        try:
+            out = model(input_ids=step.input_ids, attention_mask=step.mask, position_ids=step.position_ids,
+                        use_cache=True, **{self._cache_arg: cache}, **extra)
+        except Exception:
+            batch.discard()
+            raise
+        batch.commit(step, cache)
+        everyone = rows + seqs
+        self._rows = everyone
+        logits = out.logits[0] if self._keep_last_logits else out.logits[0, step.last]
+        sampled = sample_tokens(logits, [seq.sampling for seq in everyone])
+        keep = [i for i, (seq, draw) in enumerate(zip(everyone, sampled)) if not self._advance(seq, draw, version)]
+        if len(keep) < len(everyone):
+            batch.select(keep)
+            self._rows = [everyone[i] for i in keep]
+        # a round with running rows is a decode step (new prompts ride in it); one without, a prefill
+        self._report("decode" if rows else "prefill", len(everyone), time.perf_counter() - start)
 
     def _advance(self, seq: _Sequence, sampled: Sampled, version: int) -> bool:
         """Record and emit the token drawn for ``seq``; True when the sequence is finished (or its

@@ -53,12 +53,13 @@ def request(i: int, prompt: list[int], max_tokens: int = 40, **sampling) -> Gene
     return GenerationRequest(f"r{i}", prompt, SamplingParams(**params))
 
 
+@pytest.mark.parametrize("kv_layout", ["padded", "flat"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["spare-copy", "in-place"])
-def test_swap_while_eight_requests_stream(base_model, versions, in_place):
+def test_swap_while_eight_requests_stream(base_model, versions, in_place, kv_layout):
     on_step = StepGate(hold_at=10)  # holds the loop until the swap is loaded and queued
     reached, resume, stats = on_step.reached, on_step.resume, on_step.stats
-    engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig(max_batch_size=8, swap_in_place=in_place),
-                         on_step=on_step)
+    engine = TorchEngine(copy.deepcopy(base_model), on_step=on_step,
+                         cfg=ServingConfig(max_batch_size=8, swap_in_place=in_place, kv_layout=kv_layout))
     requests = [request(i, p) for i, p in enumerate(PROMPTS)]
 
     async def main():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import threading
 
@@ -31,8 +32,20 @@ def model(tiny_model_dir):
     return load_policy(tiny_model_dir).eval()
 
 
-def make_engine(model, on_step=None, **cfg) -> TorchEngine:
-    return TorchEngine(model, cfg=ServingConfig(**cfg), on_step=on_step)
+@pytest.fixture(params=["padded", "flat"])
+def kv_layout(request) -> str:
+    """Every engine test runs with both cache layouts (serving/engine/kv_batch.py, flat_kv.py)."""
+    return request.param
+
+
+@pytest.fixture
+def make_engine(kv_layout):
+    def make(model, on_step=None, **cfg) -> TorchEngine:
+        if kv_layout == "flat":  # it switches its model's attention function (grouped_attention.py)
+            model = copy.deepcopy(model)
+        return TorchEngine(model, cfg=ServingConfig(kv_layout=kv_layout, **cfg), on_step=on_step)
+
+    return make
 
 
 def request(i: int, prompt: list[int], **sampling) -> GenerationRequest:
@@ -95,7 +108,7 @@ def test_alternatives_are_the_most_likely_tokens_of_the_nucleus():
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1e-4), dict(temperature=1.0, seed=7)])
-def test_batched_decoding_matches_unbatched(model, sampling):
+def test_batched_decoding_matches_unbatched(model, sampling, make_engine):
     engine = make_engine(model, max_batch_size=8)
     requests = [request(i, p, **sampling) for i, p in enumerate(PROMPTS)]
     alone, together = run_in_turn(engine, requests, run_alone, run_together)
@@ -104,7 +117,7 @@ def test_batched_decoding_matches_unbatched(model, sampling):
         assert_same_samples(a, b)
 
 
-def test_request_joins_a_running_batch_at_the_next_step(model):
+def test_request_joins_a_running_batch_at_the_next_step(model, make_engine, kv_layout):
     on_step = StepGate(hold_at=5)  # holds the loop until the second request is queued
     reached, resume, stats = on_step.reached, on_step.resume, on_step.stats
     engine = make_engine(model, on_step=on_step, max_batch_size=4)
@@ -130,15 +143,20 @@ def test_request_joins_a_running_batch_at_the_next_step(model):
     kinds = [(s.kind, s.batch_size) for s in stats[: 5 + 1 + 1 + 1 + 2]]
     # prefill of the first, 5 steps alone, prefill of the second, then steps of both
     assert kinds[:6] == [("prefill", 1)] + [("decode", 1)] * 5
-    assert kinds[6] == ("prefill", 1) and kinds[7] == ("decode", 2)
+    if kv_layout == "padded":
+        assert kinds[6] == ("prefill", 1) and kinds[7] == ("decode", 2)
+    else:  # the second's prompt rides in the next decode step's forward
+        assert kinds[6] == ("decode", 2) and kinds[7] == ("decode", 2)
 
 
-@pytest.mark.parametrize("max_prefill_tokens,prefills", [
-    (8192, [3]),  # all three in one forward
-    (12, [2, 1]),  # 3 and 6 tokens padded to 2 x 6 fit, a third row (3 x 6) does not
-    (1, [1, 1, 1]),  # every prompt is longer than the bound: each alone
+@pytest.mark.parametrize("max_prefill_tokens,prefills,flat_forwards", [
+    (8192, [3], [4]),  # all three in one forward (flat: with the running one)
+    (12, [2, 1], [4]),  # padded: 3 and 6 tokens padded to 2 x 6 fit, a third row (3 x 6) does not;
+    # flat: 3 + 6 + 1 = 10 prompt tokens fit
+    (1, [1, 1, 1], [2, 3, 4]),  # every prompt is longer than the bound: each alone
 ])
-def test_requests_queued_together_are_prefilled_together_as_if_alone(model, max_prefill_tokens, prefills):
+def test_requests_queued_together_are_prefilled_together_as_if_alone(model, max_prefill_tokens, prefills, flat_forwards,
+                                                                      make_engine, kv_layout):
     on_step = StepGate(hold_at=2)  # holds the loop while the next three requests queue
     engine = make_engine(model, on_step=on_step, max_batch_size=4, max_prefill_tokens=max_prefill_tokens)
     first = request(0, PROMPTS[1], temperature=0.8, seed=1, max_tokens=20)
@@ -165,13 +183,13 @@ def test_requests_queued_together_are_prefilled_together_as_if_alone(model, max_
         assert_same_samples(a, b)
     assert [len(events) for events in together] == [20, 12, 12, 1]
     kinds = [(s.kind, s.batch_size) for s in on_step.stats]
-    after = len(prefills)
-    assert kinds[:3 + after] == [("prefill", 1), ("decode", 1), ("decode", 1)] + [("prefill", n) for n in prefills]
-    assert kinds[3 + after] == ("decode", 3)  # the one that ended at its first token never decoded
+    rounds = [("prefill", n) for n in prefills] if kv_layout == "padded" else [("decode", n) for n in flat_forwards]
+    assert kinds[:3 + len(rounds)] == [("prefill", 1), ("decode", 1), ("decode", 1)] + rounds
+    assert kinds[3 + len(rounds)] == ("decode", 3)  # the one that ended at its first token never decoded
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 0.5)])
-def test_logprobs_match_a_recomputation_under_the_sampling_distribution(model, temperature, top_p):
+def test_logprobs_match_a_recomputation_under_the_sampling_distribution(model, temperature, top_p, make_engine):
     engine = make_engine(model, max_batch_size=8)
     requests = [request(i, p, temperature=temperature, top_p=top_p, seed=i) for i, p in enumerate(PROMPTS)]
 
@@ -188,7 +206,7 @@ def test_logprobs_match_a_recomputation_under_the_sampling_distribution(model, t
         assert max(abs(e.logprob - x) for e, x in zip(events, expected)) < LOGPROB_TOL
 
 
-def test_full_recomputation_agrees_with_the_incremental_reference(model):
+def test_full_recomputation_agrees_with_the_incremental_reference(model, make_engine):
     prompt = PROMPTS[3]
     engine = make_engine(model)
 
@@ -205,7 +223,7 @@ def test_full_recomputation_agrees_with_the_incremental_reference(model):
     assert max(abs(e.logprob - x) for e, x in zip(events, full)) < LOGPROB_TOL
 
 
-def test_seeds_are_reproducible_and_distinct(model):
+def test_seeds_are_reproducible_and_distinct(model, make_engine):
     engine = make_engine(model)
     same = [request(i, PROMPTS[0], temperature=1.5, seed=11, max_tokens=24) for i in range(2)]
     other = request(2, PROMPTS[0], temperature=1.5, seed=12, max_tokens=24)
@@ -221,7 +239,7 @@ def test_seeds_are_reproducible_and_distinct(model):
     assert tokens(a) != tokens(c)
 
 
-def test_stop_token_ends_generation_and_max_tokens_caps_it(model):
+def test_stop_token_ends_generation_and_max_tokens_caps_it(model, make_engine):
     engine = make_engine(model)
     base = dict(temperature=1.2, seed=5, max_tokens=20)
 
@@ -244,7 +262,7 @@ def test_stop_token_ends_generation_and_max_tokens_caps_it(model):
     assert len(free) == 20 and free[-1].finish_reason == "length"
 
 
-def test_requests_beyond_max_batch_size_wait_their_turn(model):
+def test_requests_beyond_max_batch_size_wait_their_turn(model, make_engine):
     stats: list[StepStats] = []
     engine = make_engine(model, on_step=stats.append, max_batch_size=2)
     requests = [request(i, p, temperature=1.0, seed=i, max_tokens=8) for i, p in enumerate(PROMPTS)]
@@ -256,7 +274,7 @@ def test_requests_beyond_max_batch_size_wait_their_turn(model):
     assert engine.running == 0 and engine.waiting == 0
 
 
-def test_a_consumer_that_leaves_frees_its_slot(model):
+def test_a_consumer_that_leaves_frees_its_slot(model, make_engine):
     engine = make_engine(model, max_batch_size=2)
 
     async def main():
@@ -274,7 +292,7 @@ def test_a_consumer_that_leaves_frees_its_slot(model):
     assert engine.running == 0
 
 
-def test_bad_prompts_are_refused_and_the_context_limit_ends_generation(model):
+def test_bad_prompts_are_refused_and_the_context_limit_ends_generation(model, make_engine):
     engine = make_engine(model)
     vocab = model.get_input_embeddings().num_embeddings
 
@@ -296,7 +314,7 @@ def test_bad_prompts_are_refused_and_the_context_limit_ends_generation(model):
     assert len(near_end) == 2 and near_end[-1].finish_reason == "length"
 
 
-def test_stop_ends_running_and_waiting_requests(model):
+def test_stop_ends_running_and_waiting_requests(model, make_engine):
     reached, resume = threading.Event(), threading.Event()
 
     def on_step(s: StepStats) -> None:

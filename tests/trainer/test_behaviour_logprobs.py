@@ -9,6 +9,7 @@ at every setting, against both engines: tests/serving/test_engine_contract.py.)
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import pytest
@@ -40,8 +41,8 @@ def policy(tiny_model_dir):
     return load_policy(tiny_model_dir).eval()
 
 
-def sample(policy, requests: list[GenerationRequest]):
-    engine = TorchEngine(policy, cfg=ServingConfig(max_batch_size=16))
+def sample(policy, requests: list[GenerationRequest], kv_layout: str):
+    engine = TorchEngine(copy.deepcopy(policy), cfg=ServingConfig(max_batch_size=16, kv_layout=kv_layout))
 
     async def main():
         await engine.start()
@@ -52,14 +53,15 @@ def sample(policy, requests: list[GenerationRequest]):
     return asyncio.run(main())
 
 
-def test_each_turn_keeps_the_distribution_it_was_sampled_from(policy):
+@pytest.mark.parametrize("kv_layout", ["padded", "flat"])
+def test_each_turn_keeps_the_distribution_it_was_sampled_from(policy, kv_layout):
     first = GenerationRequest("turn-0", PROMPTS[1], SamplingParams(temperature=0.7, top_p=0.5, max_tokens=8, seed=1))
-    (events,) = sample(policy, [first])
+    (events,) = sample(policy, [first], kv_layout)
     parent = record_of(TrajectoryPrefix(list(first.prompt_ids)), first, events)
     prefix = TrajectoryPrefix.continuing(parent, [7, 8, 9])  # user tokens between the turns
     second = GenerationRequest("turn-1", prefix.engine_prompt,
                                SamplingParams(temperature=1.3, top_p=0.9, max_tokens=8, seed=2))
-    (events,) = sample(policy, [second])
+    (events,) = sample(policy, [second], kv_layout)
     record = record_of(prefix, second, events)
     assert [(o.temperature, o.top_p) for o in record.turn_origins] == [(0.7, 0.5), (1.3, 0.9)]
     learned = learner_logprobs(policy, record)

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "unless --duration-s is given)")
     p.add_argument("--duration-s", type=float, default=None, help="end a loop after this many seconds")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the generator and of the learner each")
+    p.add_argument("--kv-layout", choices=["padded", "flat"], default=None,
+                   help="the torch engine's cache layout in both loops (default: the config's serving.kv_layout)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs of each loop, alternating which goes first")
     p.add_argument("--model-dir", default=None, help="model directory (default: the default model, built if absent)")
@@ -88,6 +90,7 @@ def loop_specs(args: argparse.Namespace, model_dir: str, weights_root: Path) -> 
                      group_size=args.group_size, groups_per_batch=args.groups_per_batch, concurrency=concurrency,
                      rollouts=args.rollouts, duration_s=args.duration_s, seed=args.seed,
                      max_untrained=MAX_UNTRAINED_STEPS * cfg.trainer.max_rollouts_per_step,
+                     kv_layout=args.kv_layout or cfg.serving.kv_layout,
                      algorithm=cfg.algorithm, trainer=cfg.trainer)
             for i, mode in enumerate(order)]
 

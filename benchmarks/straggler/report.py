@@ -102,7 +102,7 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         f"max {max(lengths)} over {len(lengths)}",
         f"- sync: batches of {spec.groups_per_batch} groups x G = {spec.group_size} ({spec.batch_requests} requests), "
         f"trained when all are done; stream: {spec.concurrency} requests in flight, at most {spec.max_untrained} "
-        f"untrained; engine max_batch_size {spec.max_batch_size} in both",
+        f"untrained; engine max_batch_size {spec.max_batch_size}, KV layout {spec.kv_layout}, in both",
         f"- learner: {spec.algorithm.name}, K = {spec.algorithm.critic_updates}; min_rollouts {t.min_rollouts}, "
         f"token_budget {t.token_budget}, max_rollouts_per_step {t.max_rollouts_per_step}, max_wait_s {t.max_wait_s}; "
         f"every step publishes to a FileWeightStore and the engine hot-swaps",
@@ -131,7 +131,8 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         "rollout count. *learner idle*: share of that time outside learner steps (collate + SAO step + publish). "
         "*generator idle*: share with no engine prefill or decode step running (zero sequences decoding; weight "
         "loading and switching count as idle). *mean decode batch*: sequences per decode step, time-weighted. "
-        "*prefill share*: share of the engine's prefill and decode time spent in prefills. "
+        "*prefill share*: share of the engine's prefill and decode time spent in prefills (in the flat KV layout a "
+        "prompt that joins a running batch is prefilled inside a decode step and counts as decode time). "
         "*padding*: share of the packed positions the learner's forward passes ran on that hold no token; "
         "*padding if padded*: the same share of the collated B x T batch (what a padded learner runs on). *version lag*: learner version minus "
         "sampling version, mean over trained tokens. *learner CPU s / rollout*: CPU time of the learner process in "

@@ -56,6 +56,8 @@ class LoopSpec:
     max_untrained: int
     """Streaming backpressure: the generator starts no request while this many
     submitted rollouts are not trained yet (the learner's READY_BACKLOG_STEPS idea)."""
+    kv_layout: Literal["padded", "flat"] = "padded"
+    """The torch engine's cache layout (ServingConfig.kv_layout), the same in both loops."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The learning rule and its hyper-parameters (SAO by default)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -3,7 +3,7 @@
 #   1. the gpu-marked tests (cuda-ipc weights, in one process and across two);
 #   2. the SAO learner step on a ~0.5B random-weight model of the default architecture (qwen2), bf16,
 #      FSDP2 on NCCL: tokens/s and MFU against the GPU's dense bf16 peak (learner_step.py);
-#   3. the native engine's throughput against transformers' generate, and vLLM's where it imports (engines.py);
+#   3. the native engine's throughput (both KV layouts) against transformers' generate, and vLLM's where it imports (engines.py);
 #   4. publish-to-serve time of one version through the file, shm:// and cuda-ipc:// stores (transports.py).
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
 # is reported as such and the others still run. Exit status 1 when any section failed.
@@ -84,7 +84,7 @@ else
 fi
 section learner_step 180 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/gpu/learner_step.py --out "$WORK/learner_step.json" "${MODEL[@]}" "${LEARNER[@]}"
-section engines 150 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
+section engines 180 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
 section transports 120 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
 
 COMMAND="benchmarks/gpu/check.sh"

@@ -1,4 +1,4 @@
-"""Serving throughput on the device: the native engine against ``generate``, and vLLM where it imports.
+"""Serving throughput on the device: the native engine (both KV layouts) against ``generate``, and vLLM where it imports.
 
 Model: the default architecture at ``--size`` with random weights in ``--dtype``
 (speed does not depend on the weights). Each engine answers closed loops of
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import sys
 import tempfile
 import time
@@ -101,9 +102,14 @@ def run(args) -> dict:
     baseline = generate_rate(model, prompts(args.generate_prompts, vocab), args.new_tokens, where)
     native = engine_rates(TorchEngine(model, cfg=ServingConfig(max_batch_size=max(concurrency))), vocab,
                           concurrency, args.new_tokens)
+    # the flat KV layout switches its model's attention function: a copy of its own
+    flat = engine_rates(TorchEngine(copy.deepcopy(model), cfg=ServingConfig(max_batch_size=max(concurrency),
+                                                                           kv_layout="flat")),
+                        vocab, concurrency, args.new_tokens)
     return {"machine": machine(where), "size": args.size, "dtype": args.dtype,
             "parameters": sum(p.numel() for p in model.parameters()), "new_tokens": args.new_tokens,
             "generate_tokens_per_s": baseline, "torch_engine_tokens_per_s": native,
+            "torch_engine_flat_tokens_per_s": flat,
             "vllm": vllm_rates(model, args, concurrency)}
 
 

@@ -89,6 +89,9 @@ def engines_section(r: dict) -> list[str]:
              "| engine | " + " | ".join(f"c={c} tokens/s" for c in concurrency) + " |",
              "|---|" + "---:|" * len(concurrency),
              "| TorchEngine | " + " | ".join(f"{r['torch_engine_tokens_per_s'][c]:.0f}" for c in concurrency) + " |"]
+    if "torch_engine_flat_tokens_per_s" in r:
+        lines.append("| TorchEngine, `kv_layout: flat` | "
+                     + " | ".join(f"{r['torch_engine_flat_tokens_per_s'][c]:.0f}" for c in concurrency) + " |")
     if vllm["imported"]:
         lines.append(f"| vLLM {vllm['version']} | " + " | ".join(f"{vllm['tokens_per_s'][c]:.0f}"
                                                                    for c in concurrency) + " |")

@@ -29,7 +29,7 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     # every gpu-marked test is found, the learner ran FSDP2 over a process group, each store round-tripped
     assert "test_real_cuda_export_round_trips_in_the_publishing_process" in text
     assert "on 1 rank(s), backend `gloo`" in text
-    assert "| TorchEngine |" in text
+    assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
     assert "| file |" in text and "| shm |" in text and "| cuda-ipc | not run: needs a CUDA device" in text
     assert "Sections: 4 ok, 0 failed" in text
 

@@ -63,6 +63,9 @@ class FlatKVBatch:
     """The cache, its columns' owners and positions, and the running rows in row order."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.cache: DynamicCache | None = None
         self._owners = torch.empty(0, dtype=torch.long)
         self._positions = torch.empty(0, dtype=torch.long)
@@ -129,7 +132,7 @@ class FlatKVBatch:
     def select(self, keep: list[int]) -> None:
         """Keep only the rows at ``keep`` (in that order); the others' columns die."""
         if not keep:
-            self.__init__()
+            self._reset()
             return
         kept = set(keep)
         leaving = [self.rows[i] for i in range(len(self.rows)) if i not in kept]

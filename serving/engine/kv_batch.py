@@ -78,8 +78,9 @@ class GrowingLayer(DynamicLayer):
     columns of larger buffers: :meth:`update` writes new columns in place and rebuilds the buffers
     (with :func:`_capacity` room) only when they are full.
 
-    Only :class:`RaggedKVBatch` changes its rows (it builds new layers); DynamicLayer's own
-    reshaping methods (crop, batch selection) are not used on it.
+    Only the batches (:class:`RaggedKVBatch`, :class:`.flat_kv.FlatKVBatch`) change its rows and
+    columns (they build new layers); DynamicLayer's own reshaping methods (crop, batch selection)
+    are not used on it.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):

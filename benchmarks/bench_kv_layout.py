@@ -2,7 +2,7 @@
 
 ``--concurrency`` clients each send their next request when the last one ends, until
 ``--requests`` are answered; request ``i`` generates exactly ``lognormal(log median, sigma)``
-tokens (capped, no stop token: the straggler benchmark's lengths) after a corpus prompt in the
+tokens (capped, no stop token: the straggler benchmark's draw of seed 0) after a corpus prompt in the
 chat template. Each run is one layout on a fresh engine; runs alternate layouts (``--repeats``
 pairs), so the two see the same machine. Reported per run: wall seconds, generated tokens per
 second, process CPU seconds per request, and the engine's time in prefill and decode steps.
@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_report  # noqa: E402
 from benchmarks.straggler.generator import chat_prompts  # noqa: E402
+from benchmarks.straggler.spec import lognormal_length  # noqa: E402
 from online_sao.config import ServingConfig  # noqa: E402
 from online_sao.modeling import load_policy, load_tokenizer  # noqa: E402
 from online_sao.schemas import SamplingParams  # noqa: E402
@@ -51,12 +52,6 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
-
-
-def lengths(n: int, median: int, sigma: float, cap: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * sigma) * median
-    return [max(1, min(cap, round(float(x)))) for x in draws]
 
 
 def one_run(model, prompts: list[list[int]], plan: list[int], layout: str, concurrency: int) -> Run:
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = load_policy(args.model_dir).eval()
     prompts = chat_prompts(load_tokenizer(args.model_dir))
-    plan = lengths(args.requests, args.median_tokens, args.sigma, args.max_tokens, seed=0)
+    plan = [lognormal_length(0, i, args.median_tokens, args.sigma, args.max_tokens) for i in range(args.requests)]
     load_before = os.getloadavg()[0]
     one_run(model, prompts, plan[:args.concurrency], "padded", args.concurrency)  # warm-up
     runs: list[Run] = []

@@ -82,10 +82,15 @@ class LoopSpec:
         return max(self.batch_requests, self.concurrency)
 
 
+def lognormal_length(seed: int, index: int, median: int, sigma: float, cap: int) -> int:
+    """Tokens request ``index`` of ``seed`` generates: lognormal(log(median), sigma), rounded, in [1, cap]."""
+    draw = random.Random(seed * SEED_STRIDE + index).lognormvariate(math.log(median), sigma)
+    return max(1, min(cap, round(draw)))
+
+
 def response_length(spec: LoopSpec, index: int) -> int:
-    """Tokens request ``index`` generates: lognormal(log(median), sigma), rounded, in [1, max_tokens]."""
-    draw = random.Random(spec.seed * SEED_STRIDE + index).lognormvariate(math.log(spec.median_tokens), spec.sigma)
-    return max(1, min(spec.max_tokens, round(draw)))
+    """:func:`lognormal_length` with the loop's seed, median, sigma and cap."""
+    return lognormal_length(spec.seed, index, spec.median_tokens, spec.sigma, spec.max_tokens)
 
 
 def request_seed(spec: LoopSpec, index: int) -> int:

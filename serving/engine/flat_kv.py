@@ -52,7 +52,9 @@ class FlatStep:
     """``[R + P]`` long: the query whose logits sample each row's next token (running rows first,
     then the new prompts in order)."""
     owners: torch.Tensor
-    """``[Q]`` owner of each query's column."""
+    """``[Q]`` owner of each query's column (on the host)."""
+    positions: torch.Tensor
+    """``[Q]`` position of each query's column (on the host; ``position_ids`` is its copy on the device)."""
     new_rows: list[int]
     """Owner ids given to the new prompts."""
     new_lengths: list[int]
@@ -107,7 +109,7 @@ class FlatKVBatch:
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return FlatStep(torch.tensor([ids], dtype=torch.long, device=device), position_q[None].to(device),
                         mask[None, None].to(device), torch.tensor(last, dtype=torch.long, device=device),
-                        owner_q, new_rows, [len(p) for p in prompts])
+                        owner_q, position_q, new_rows, [len(p) for p in prompts])
 
     def commit(self, step: FlatStep, cache: DynamicCache) -> None:
         """Record that the forward of ``step`` appended its columns to ``cache`` (the batch's own, or a
@@ -118,7 +120,7 @@ class FlatKVBatch:
             cache.layers = [GrowingLayer(left_padded([layer.keys], queries), left_padded([layer.values], queries),
                                          queries) for layer in cache.layers]
             self.cache = cache
-        self._append(step.owners, step.position_ids[0].cpu())
+        self._append(step.owners, step.positions)
         self.lengths = [n + 1 for n in self.lengths] + step.new_lengths
         self.rows = self.rows + step.new_rows
         self._next_owner += len(step.new_rows)

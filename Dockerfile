@@ -58,9 +58,11 @@ CMD ["server", "--host", "0.0.0.0", "--port", "5000"]
 # The service (default target).
 FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=10001
-# /models, /weights and /data exist owned by the service user, so named volumes mounted there
-# start writable by it.
-RUN useradd --create-home --uid "${UID}" --user-group sao \
+# gcc, g++: with trainer.compile, torch.compile builds its kernels with a compiler (the CPU backend's
+# C++ kernels, Triton's launchers on a GPU). /models, /weights and /data exist owned by the service
+# user, so named volumes mounted there start writable by it.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid "${UID}" --user-group sao \
  && mkdir -p /data/models /models /weights \
  && chown sao:sao /data /data/models /models /weights
 COPY --from=build /opt/venv /opt/venv

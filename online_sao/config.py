@@ -455,6 +455,13 @@ class TrainerConfig(Section):
     """JSON-lines file of encoded interaction and reward records for
     ``learn --pretrain-critic`` (joined on the records' own times, in any line order);
     None reads the retained history of the topics."""
+    compile: bool = False
+    """Compile the transformer bodies of the policy, the critic and the KL reference with
+    ``torch.compile`` (dynamic shapes, in place: parameter names and checkpoints unchanged). On
+    the CPU, SAO's model passes on the default model run 1.27x faster
+    (benchmarks/results/compile.md); the first steps wait for the compilation (about a minute on
+    2 cores, seconds from inductor's on-disk cache), which needs a C++ compiler (the service image
+    has one). False runs eagerly."""
 
 
 class MLflowConfig(Section):

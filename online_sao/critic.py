@@ -99,6 +99,11 @@ class ValueModel(nn.Module):
             raise ValueError(f"no feed-forward parameters found under modules named {names}; "
                              "cannot freeze attention for this architecture")
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The transformer body (as Hugging Face models name theirs)."""
+        return self.backbone
+
     def attention_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter below a module named in ATTENTION_MODULE_NAMES."""
         return [(n, p) for n, p in self.backbone.named_parameters() if _path_parts(n) & ATTENTION_MODULE_NAMES]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import Config
-from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
 from streams.base import StreamBackend
 from trainer.checkpoint import Checkpointer
@@ -41,8 +41,8 @@ class LearnerModels:
 
 def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     """The policy from ``cfg.model_dir``, a critic when the rule needs one (the algorithm
-    registry says), the KL penalty's reference policy when it is on, all sharded, the
-    optimisers and the learning rule."""
+    registry says), the KL penalty's reference policy when it is on, all sharded (and their
+    bodies compiled with ``trainer.compile``), the optimisers and the learning rule."""
     policy = load_policy(cfg.model_dir, cfg.model.dtype)
     vocab_size = policy.get_input_embeddings().num_embeddings
     pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
@@ -51,6 +51,8 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     for model in (policy, critic, reference):
         if model is not None:
             shard_model(model, ctx)
+            if cfg.trainer.compile:
+                compile_body(model)
     opts = build_optimizers(cfg.algorithm, policy, critic)
     algorithm = build_algorithm(cfg.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler,
                                 vote=finite_vote(ctx), reference=reference, sum_over_ranks=rank_sum(ctx))

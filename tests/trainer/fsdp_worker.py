@@ -17,7 +17,8 @@ checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
   and by the restored ones (weights, both optimisers, the critic schedule);
 - ``pretrained_critic.safetensors``: the restored critic after value pre-training
   on all the rollouts (every rank passing all of them, as the learner must);
-- ``metrics.json``: the step metrics reduced over ranks, the pre-training metrics,
+- ``metrics.json``: the step metrics reduced over ranks, whether the trained learner's policy,
+  critic and reference bodies are compiled (``--compile``), the pre-training metrics,
   and whether pre-training refused per-rank shares (it must, in two ranks);
 - ``baselines.json``: for ``grpo`` and ``running_mean``, the advantage each rank's rule
   gave every rollout of each step (grouped rollouts, gathered in the step's order);
@@ -45,6 +46,7 @@ from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig, DriftConfig
 from online_sao.critic import ValueModel
+from online_sao.modeling import compile_body
 from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_logprobs
 from trainer.distributed import (
@@ -129,9 +131,10 @@ def make_rollouts(policy: torch.nn.Module, steps: int, seed: int) -> list[list[R
 
 
 class Learner:
-    """Policy, critic, EMA reference, optimisers and SAO, sharded for ``ctx``."""
+    """Policy, critic, EMA reference, optimisers and SAO, sharded for ``ctx`` (their bodies
+    compiled after sharding with ``compile``, as the learner does with ``trainer.compile``)."""
 
-    def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int) -> None:
+    def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int, compile: bool = False) -> None:
         self.ctx = ctx
         self.policy = tiny_policy(seed)
         self.critic = ValueModel.from_policy(self.policy, freeze_attention=cfg.freeze_critic_attention)
@@ -139,6 +142,8 @@ class Learner:
         for model in (self.policy, self.critic, self.reference):
             if model is not None:  # no reference without the KL penalty (the baselines' runs)
                 shard_model(model, ctx)
+                if compile:
+                    compile_body(model)
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
         self.algorithm = build_algorithm(cfg, self.policy, self.critic, self.optimizers.policy,
                                          self.optimizers.critic, self.optimizers.critic_scheduler,
@@ -237,11 +242,13 @@ def restarted_training(ctx: DistContext, data: list[list[Rollout]] | None) -> tu
     return {"policy": full_state_dict(learner.policy, ctx), "critic": full_state_dict(learner.critic, ctx)}, cleared
 
 
-def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
+def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False) -> None:
+    """Everything the module docstring lists; with ``compile`` the trained and the restored
+    learners' bodies are compiled (the baselines', whitened and restarted runs stay eager)."""
     ctx = init_distributed()
     torch.manual_seed(seed)  # identical on every rank and in the single-process reference
     cfg = AlgorithmConfig(**REGULARIZED)
-    learner = Learner(cfg, ctx, MODEL_SEED)
+    learner = Learner(cfg, ctx, MODEL_SEED, compile)
     # Rank 0 makes the data (as it reads the stream) with its still-unsharded copy of
     # the initial policy; the other ranks receive it through broadcast_rollouts.
     data = make_rollouts(tiny_policy(MODEL_SEED), steps + 1, seed) if ctx.is_main else None
@@ -254,7 +261,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
         metrics.append(learner.step(rollouts, version=step))
 
     trained = learner.gather()
-    fresh = Learner(cfg, ctx, MODEL_SEED + 1)
+    fresh = Learner(cfg, ctx, MODEL_SEED + 1, compile)
     fresh.restore(trained)
     roundtrip = fresh.gather()
     learner.step(final, version=steps)
@@ -289,7 +296,9 @@ def run_training(out: Path, steps: int = 3, seed: int = 1) -> None:
         save_file(whitened_policy, out / "whitened_policy.safetensors")
         save_file(restarted["policy"], out / "restarted_policy.safetensors")
         save_file(restarted["critic"], out / "restarted_critic.safetensors")
-        report = {"steps": metrics, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
+        compiled = [getattr(model.base_model, "_compiled_call_impl", None) is not None
+                    for model in (learner.policy, learner.critic, learner.reference)]
+        report = {"steps": metrics, "compiled": compiled, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
                   "whitened": whitened, "restart": {"optimizers_cleared": cleared}}
         (out / "metrics.json").write_text(json.dumps(report))
         (out / "baselines.json").write_text(json.dumps(baselines))
@@ -300,9 +309,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile the learners' bodies (trainer.compile)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two ranks share two cores
-    run_training(args.out, args.steps)
+    run_training(args.out, args.steps, compile=args.compile)
 
 
 if __name__ == "__main__":

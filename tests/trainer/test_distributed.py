@@ -55,6 +55,7 @@ STATE_RTOL = 1e-4
 the same ~1e-6 relative rounding; 1e-4 relative to each tensor's largest entry."""
 
 
+
 def _ctx(rank: int, world_size: int) -> DistContext:
     return DistContext(rank=rank, world_size=world_size, device=torch.device("cpu"))
 
@@ -130,10 +131,10 @@ def test_decoder_layers_of_policy_and_critic():
         decoder_layers(nn.Linear(2, 2))
 
 
-def _run_two_ranks(out: Path, port: int) -> None:
+def _run_two_ranks(out: Path, port: int, *options: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), "--out", str(out)]
+           "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), "--out", str(out), *options]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
 
@@ -193,6 +194,26 @@ def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
         for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "value_loss_after",
                     "kl_ref", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=STATE_RTOL), key
+
+
+@pytest.mark.slow
+def test_two_ranks_with_compiled_bodies_match_one_eager_process(tmp_path, one_process):
+    """``trainer.compile`` under FSDP2: the bodies compiled after sharding train as the eager
+    single process does, to the tolerances of the eager two ranks (measured: they hold)."""
+    _run_two_ranks(tmp_path, _free_port(), "--compile")
+    steps_two = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    steps_one = json.loads((one_process / "metrics.json").read_text())["steps"]
+    assert json.loads((tmp_path / "metrics.json").read_text())["compiled"] == [True, True, True]
+    assert json.loads((one_process / "metrics.json").read_text())["compiled"] == [False, False, False]
+    assert len(steps_two) == len(steps_one) == 3
+    for got, want in zip(steps_two, steps_one):
+        assert got["skipped_nonfinite"] == want["skipped_nonfinite"] == 0.0
+        for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "kl_ref", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=STATE_RTOL), key
+    for prefix in ("", "restored_"):  # trained, and restored into fresh compiled models then stepped
+        for model in ("policy", "critic", "reference"):
+            _assert_states_close(_load(tmp_path, prefix + model), _load(one_process, prefix + model),
+                                 WEIGHT_RTOL, WEIGHT_ATOL, prefix + model)
 
 
 def test_value_pretraining_under_two_ranks_matches_one_process(two_ranks, one_process):

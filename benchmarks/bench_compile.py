@@ -1,0 +1,91 @@
+"""Learner model passes with compiled bodies against eager ones, same packed rollouts (``trainer.compile``).
+
+The workload, model and timed work of bench_packing.py (the model passes of one SAO step on
+packed rows: K critic updates' forward and backward, the critic's no-grad forward, the policy's
+forward and backward), once with the bodies of policy and critic compiled in place
+(:func:`online_sao.modeling.compile_body`) and once eagerly: the same modules, run eagerly
+under ``torch.compiler.set_stance("force_eager")``. The two take turns on the same batches.
+The compilation (the first batch of the compiled run, and any later recompilation the timed
+batches needed) is reported apart.
+
+    .venv/bin/python benchmarks/bench_compile.py [--batches 24] [--out benchmarks/results/compile.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_packing import PROMPT_TOKENS, add_batch_arguments, draw_batch, model_passes, report_header  # noqa: E402
+from benchmarks.common import random_default_model, write_report  # noqa: E402
+from apps.config import BaseModelConfig  # noqa: E402
+from online_sao.algorithms import build_critic  # noqa: E402
+from online_sao.config import AlgorithmConfig  # noqa: E402
+from online_sao.modeling import compile_body  # noqa: E402
+
+
+def timed(policy, critic, batch, cfg: AlgorithmConfig, compiled: bool) -> float:
+    with nullcontext() if compiled else torch.compiler.set_stance("force_eager"):
+        return model_passes(policy, critic, batch, cfg, packed=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_arguments(parser, rollouts=16, batches=24)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compile.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    cfg = AlgorithmConfig()
+    base = BaseModelConfig()
+    policy = random_default_model(base)
+    critic = build_critic(cfg, policy)
+    compile_body(policy)
+    compile_body(critic)
+    rng = random.Random(0)
+    warm = draw_batch(rng, args, base.vocab_size)
+    compile_s = timed(policy, critic, warm, cfg, compiled=True)
+    timed(policy, critic, warm, cfg, compiled=False)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    tokens = []
+    for k in range(args.batches):
+        batch = draw_batch(rng, args, base.vocab_size)
+        tokens.append(int(batch.attention_mask.sum()))
+        for compiled in ((True, False) if k % 2 else (False, True)):  # alternate who goes first
+            times[compiled].append(timed(policy, critic, batch, cfg, compiled))
+    total = sum(tokens)
+    rate = {c: total / sum(t) for c, t in times.items()}
+    ratios = [e / c for c, e in zip(times[True], times[False])]
+    lowest = min(range(args.batches), key=ratios.__getitem__)
+    lines = [
+        *report_header("Learner model passes: compiled bodies against eager ones (CPU)", "bench_compile.py", argv,
+                       args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}, "
+                       "rollouts packed"),
+        f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
+        f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {total} real tokens in all",
+        f"- compilation: {compile_s:.1f} s for the first batch of the compiled run (inductor's on-disk cache, "
+        "when it holds this graph, shortens it); the timed batches include any recompilation", "",
+        "| bodies | real tokens/s | seconds per batch (median) |",
+        "|---|---:|---:|",
+        f"| eager | {rate[False]:.0f} | {statistics.median(times[False]):.3f} |",
+        f"| compiled | {rate[True]:.0f} | {statistics.median(times[True]):.3f} |", "",
+        f"Compiled / eager real tokens per second: {rate[True] / rate[False]:.2f}x over all batches; per batch "
+        f"{', '.join(f'{r:.2f}' for r in ratios)} (lowest: batch {lowest + 1}).", "",
+    ]
+    write_report(args.out, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

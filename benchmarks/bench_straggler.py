@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the generator and of the learner each")
     p.add_argument("--kv-layout", choices=["padded", "flat"], default=None,
                    help="the torch engine's cache layout in both loops (default: the config's serving.kv_layout)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the learner's bodies in both loops (trainer.compile; compiled before the first loop)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs of each loop, alternating which goes first")
     p.add_argument("--model-dir", default=None, help="model directory (default: the default model, built if absent)")
@@ -91,7 +93,7 @@ def loop_specs(args: argparse.Namespace, model_dir: str, weights_root: Path) -> 
                      rollouts=args.rollouts, duration_s=args.duration_s, seed=args.seed,
                      max_untrained=MAX_UNTRAINED_STEPS * cfg.trainer.max_rollouts_per_step,
                      kv_layout=args.kv_layout or cfg.serving.kv_layout,
-                     algorithm=cfg.algorithm, trainer=cfg.trainer)
+                     algorithm=cfg.algorithm, trainer=cfg.trainer.model_copy(update={"compile": args.compile}))
             for i, mode in enumerate(order)]
 
 

@@ -19,12 +19,13 @@ learner then sets ``stop``.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
-from online_sao.batch import collate, pack_layout
-from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.batch import Rollout, collate, pack_layout
+from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.schemas import Interaction
 from online_sao.weights import FileWeightStore
 from trainer.rollouts import interaction_to_rollout
@@ -34,6 +35,10 @@ from benchmarks.straggler.spec import Finished, LearnerReport, LoopSpec, Publish
 
 KEEP_VERSIONS = 3
 """Versions left in the weight store (the generator loads only the newest)."""
+
+WARM_UP_LENGTHS = ((40,), (60, 12, 7, 30, 5, 25))
+"""Rollout lengths of the untimed steps that compile the bodies (``trainer.compile``): a batch of one
+packed row, then one of several (a one-row batch gets a graph of its own)."""
 
 
 def reward_of(interaction: Interaction) -> float:
@@ -59,12 +64,8 @@ class Learner:
     def __init__(self, loop: int, spec: LoopSpec, ch: Channels):
         self.loop, self.spec, self.ch = loop, spec, ch
         torch.manual_seed(spec.seed)
-        self.policy = load_policy(spec.model_dir)
+        self.policy, self.algorithm = build_learner(spec)
         self.pad_token_id = load_tokenizer(spec.model_dir).pad_token_id
-        critic = build_critic(spec.algorithm, self.policy)
-        opts = build_optimizers(spec.algorithm, self.policy, critic)
-        self.algorithm = build_algorithm(spec.algorithm, self.policy, critic, opts.policy, opts.critic,
-                                         opts.critic_scheduler)
         self.store = FileWeightStore(spec.weights_dir)
         self.version = 0
         self.trained = 0
@@ -134,9 +135,37 @@ def _packed_slots(attention_mask: torch.Tensor) -> int:
     return layout.rows * layout.capacity
 
 
+def build_learner(spec: LoopSpec):
+    """The policy and the learning rule as trainer/startup.py builds them, the bodies compiled
+    with ``spec.trainer.compile``."""
+    policy = load_policy(spec.model_dir)
+    critic = build_critic(spec.algorithm, policy)
+    if spec.trainer.compile:
+        for model in (policy, critic):
+            if model is not None:
+                compile_body(model)
+    opts = build_optimizers(spec.algorithm, policy, critic)
+    return policy, build_algorithm(spec.algorithm, policy, critic, opts.policy, opts.critic, opts.critic_scheduler)
+
+
+def compile_before_timing(spec: LoopSpec) -> float:
+    """Seconds of untimed steps on a throwaway learner that compile the bodies; later learners
+    of this process reuse the compiled graphs (they are cached by code, not by module)."""
+    start = time.perf_counter()
+    _, algorithm = build_learner(spec)
+    pad_token_id = load_tokenizer(spec.model_dir).pad_token_id
+    for lengths in WARM_UP_LENGTHS:
+        rollouts = [Rollout(f"warm-{i}", [3 + (i + t) % 50 for t in range(n)], [t >= 4 for t in range(n)],
+                            [-1.0 if t >= 4 else 0.0 for t in range(n)], [0] * n, {n - 1: 1.0})
+                    for i, n in enumerate(lengths)]
+        algorithm.step(collate(rollouts, pad_token_id, policy_version=0))
+    return time.perf_counter() - start
+
+
 def run_learner(loop: int, spec: LoopSpec, ch: Channels) -> LearnerReport:
+    compile_s = compile_before_timing(spec) if spec.trainer.compile and loop == 0 else 0.0
     learner = Learner(loop, spec, ch)
     ch.results.put(("ready", "learner", loop, None))
     start = ch.go("learner").get()
     time.sleep(max(0.0, start - time.perf_counter()))
-    return learner.run(start)
+    return replace(learner.run(start), compile_s=compile_s)

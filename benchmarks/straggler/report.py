@@ -105,7 +105,9 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         f"untrained; engine max_batch_size {spec.max_batch_size}, KV layout {spec.kv_layout}, in both",
         f"- learner: {spec.algorithm.name}, K = {spec.algorithm.critic_updates}; min_rollouts {t.min_rollouts}, "
         f"token_budget {t.token_budget}, max_rollouts_per_step {t.max_rollouts_per_step}, max_wait_s {t.max_wait_s}; "
-        f"every step publishes to a FileWeightStore and the engine hot-swaps",
+        f"every step publishes to a FileWeightStore and the engine hot-swaps"
+        + (f"; bodies compiled (trainer.compile), {sum(r.learner.compile_s for r in results):.0f} s of untimed "
+           "compiling steps before the first loop" if t.compile else ""),
         f"- each loop ends after {end}; seed {spec.seed}", "",
         "| loop | run | rollouts trained | seconds | rollouts/s | learner idle | generator idle |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -148,6 +148,9 @@ class LearnerReport:
     steps: list[StepRecord]
     planned_tokens: dict[int, int]
     """Request index -> the length the generator was asked for, per trained rollout."""
+    compile_s: float = 0.0
+    """Seconds of untimed steps that compiled the bodies before this loop (``trainer.compile``;
+    the first loop of the learner process only)."""
 
     @property
     def trained(self) -> int:

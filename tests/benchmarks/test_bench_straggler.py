@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench_straggler import parse_args, run_benchmark
+from benchmarks.bench_straggler import loop_specs, parse_args, run_benchmark
 from benchmarks.straggler.learner import take
 from benchmarks.straggler.report import contention_free_estimate, pair_ratios, write_plot, write_report
 from benchmarks.straggler.runner import LoopResult, Mailbox
@@ -139,3 +139,19 @@ def test_both_loops_train_every_rollout_they_count_with_the_drawn_lengths(tiny_m
     assert plot.stat().st_size > 0
     report = (tmp_path / "s.md").read_text()
     assert "Streaming / sync rollouts/s" in report and "per back-to-back pair" in report
+
+
+def test_compile_reaches_the_learner_of_every_loop(tmp_path):
+    specs = loop_specs(parse_args(["--repeats", "2", "--compile"]), "unused", tmp_path)
+    assert len(specs) == 4 and all(s.trainer.compile for s in specs)
+    assert not any(s.trainer.compile for s in loop_specs(parse_args(["--repeats", "1"]), "unused", tmp_path))
+
+
+@pytest.mark.slow
+def test_compiled_learners_compile_before_the_first_loop_and_train_every_rollout(tiny_model_dir, tmp_path):
+    args = parse_args(["--median-tokens", "4", "--max-tokens", "24", "--group-size", "2", "--groups-per-batch", "2",
+                       "--rollouts", "8", "--repeats", "1", "--model-dir", str(tiny_model_dir), "--compile",
+                       "--out", str(tmp_path / "s.md")])
+    results = run_benchmark(args, progress=lambda *_: None)
+    assert [r.learner.compile_s > 0 for r in results] == [True, False]  # once, in the learner process
+    assert all(r.trained >= 8 for r in results)

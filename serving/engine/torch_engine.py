@@ -21,7 +21,7 @@ Every sampled token carries its behaviour log-probability under the exact
 sampling distribution (:mod:`.sampling`, drawn for the whole batch at once) and
 the version of the weights whose forward pass produced its logits. The events of
 one round go to each consumer's event loop in one hand-over (one wake-up of that
-loop per round, not one per token).
+loop per round, not one per token; :mod:`.outbox`).
 
 Hot-swap: :meth:`TorchEngine.swap_weights` checks the state dict, loads it into a
 spare copy of the model (made once with ``copy.deepcopy``) on the caller's
@@ -42,7 +42,7 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal
 
@@ -57,6 +57,7 @@ from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, L
 from serving.engine.flat_kv import FlatKVBatch
 from serving.engine.grouped_attention import use_grouped_sdpa
 from serving.engine.kv_batch import RaggedKVBatch
+from serving.engine.outbox import EngineSequence, Outbox
 from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
 
@@ -78,54 +79,6 @@ class StepStats:
     """``time.perf_counter()`` when it ended."""
 
 
-@dataclass
-class _Sequence:
-    request: GenerationRequest
-    sampling: RowSampling
-    max_new: int
-    loop: asyncio.AbstractEventLoop | None = None
-    """The consumer's event loop (set by ``generate`` before the request is queued)."""
-    events: "asyncio.Queue[TokenEvent | BaseException] | None" = None
-    """The consumer's queue, read on ``loop``."""
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0
-    last_token: int = -1
-
-
-Delivery = tuple[_Sequence, "TokenEvent | BaseException"]
-
-
-def _put_all(items: list[Delivery]) -> None:
-    """(consumer's event loop) Queue each event for its sequence's consumer."""
-    for seq, event in items:
-        seq.events.put_nowait(event)
-
-
-class _Outbox:
-    """(loop thread) The events of one round, handed to each consumer event loop in one call.
-
-    ``call_soon_threadsafe`` wakes the event loop through a socket write; one per
-    token made the engine thread and the event loop trade the GIL 16 times per
-    decode step of a full batch. Events of one sequence keep their order.
-    """
-
-    def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
-
-    def put(self, seq: _Sequence, event: TokenEvent | BaseException) -> None:
-        assert seq.loop is not None, "a sequence reaches the loop only through generate()"
-        self._by_loop.setdefault(seq.loop, []).append((seq, event))
-
-    def flush(self) -> None:
-        for loop, items in self._by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the consumers' event loop is closed: nobody listens any more
-                for seq, _ in items:
-                    seq.cancelled.set()
-        self._by_loop.clear()
-
-
 class TorchEngine:
     """Continuous-batching engine over a causal LM (implements ``InferenceEngine``)."""
 
@@ -135,7 +88,7 @@ class TorchEngine:
         self.cfg = cfg or ServingConfig()
         self._model = model.eval()
         self._spare: nn.Module | None = None
-        self._loop: EngineLoop[_Sequence] = EngineLoop(initial_version)
+        self._loop: EngineLoop[EngineSequence] = EngineLoop(initial_version)
         self._on_step = on_step
         self._device = next(model.parameters()).device
         self._vocab = model.get_input_embeddings().num_embeddings
@@ -146,8 +99,8 @@ class TorchEngine:
         # updated in place either way, so only the argument name differs.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._step_lock = threading.Lock()  # model use when no loop thread runs
-        self._rows: list[_Sequence] = []  # owned by the loop thread
-        self._outbox = _Outbox()  # owned by the loop thread
+        self._rows: list[EngineSequence] = []  # owned by the loop thread
+        self._outbox = Outbox()  # owned by the loop thread
         self._flat = self.cfg.kv_layout == "flat"
         if self._flat:  # its masked multi-token queries would copy grouped key/value heads in sdpa
             use_grouped_sdpa(model)
@@ -207,7 +160,7 @@ class TorchEngine:
         async for event in relay_events(seq.events, seq.cancelled):
             yield event
 
-    def _admissible(self, request: GenerationRequest) -> _Sequence:
+    def _admissible(self, request: GenerationRequest) -> EngineSequence:
         prompt = request.prompt_ids
         check_prompt(prompt, self._vocab, self._max_positions)
         room = request.sampling.max_tokens
@@ -219,7 +172,7 @@ class TorchEngine:
         else:
             generator.manual_seed(request.sampling.seed)
         sampling = RowSampling(request.sampling.temperature, request.sampling.top_p, generator, request.top_logprobs)
-        return _Sequence(request, sampling, max_new=room)
+        return EngineSequence(request, sampling, max_new=room)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -253,7 +206,7 @@ class TorchEngine:
     def _new_batch(self) -> RaggedKVBatch | FlatKVBatch:
         return FlatKVBatch() if self._flat else RaggedKVBatch()
 
-    def _guarded(self, work: Callable, affected: list[_Sequence], *args) -> None:
+    def _guarded(self, work: Callable, affected: list[EngineSequence], *args) -> None:
         """Run one model call; if it raises, the sequences it served fail and the engine goes on."""
         try:
             work(*args)
@@ -280,10 +233,10 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _prefill_groups(self, admitted: list[_Sequence]) -> list[list[_Sequence]]:
+    def _prefill_groups(self, admitted: list[EngineSequence]) -> list[list[EngineSequence]]:
         """``admitted`` in order, cut into groups whose prompts fit ``max_prefill_tokens`` (padded to the
         group's longest; in the flat layout, unpadded)."""
-        groups: list[list[_Sequence]] = []
+        groups: list[list[EngineSequence]] = []
         longest = total = 0
         for seq in admitted:
             prompt = len(seq.request.prompt_ids)
@@ -297,7 +250,7 @@ class TorchEngine:
                 longest = total = prompt
         return groups
 
-    def _prefill(self, admitted: list[_Sequence]) -> None:
+    def _prefill(self, admitted: list[EngineSequence]) -> None:
         """One forward over a group of this round's admitted prompts (:meth:`_prefill_groups`), left-padded
         to the longest: each samples its first token, and those not finished by it join the running batch."""
         seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
@@ -341,7 +294,7 @@ class TorchEngine:
             self._rows = [rows[i] for i in keep]
         self._report("decode", len(rows), time.perf_counter() - start)
 
-    def _flat_step(self, admitted: list[_Sequence]) -> None:
+    def _flat_step(self, admitted: list[EngineSequence]) -> None:
         """(flat layout) One forward for the round: every running row's next token and the prompts of
         ``admitted``, each of which samples its first token and joins the batch (:mod:`.flat_kv`)."""
         start = time.perf_counter()
@@ -370,7 +323,7 @@ class TorchEngine:
         # a round with running rows is a decode step (new prompts ride in it); one without, a prefill
         self._report("decode" if rows else "prefill", len(everyone), time.perf_counter() - start)
 
-    def _advance(self, seq: _Sequence, sampled: Sampled, version: int) -> bool:
+    def _advance(self, seq: EngineSequence, sampled: Sampled, version: int) -> bool:
         """Record and emit the token drawn for ``seq``; True when the sequence is finished (or its
         consumer went away)."""
         token, logprob, alternatives = sampled

@@ -14,11 +14,8 @@ batches needed) is reported apart.
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import statistics
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,10 +24,9 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository's `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_packing import PROMPT_TOKENS, add_batch_arguments, draw_batch, model_passes, report_header  # noqa: E402
-from benchmarks.common import random_default_model, write_report  # noqa: E402
-from apps.config import BaseModelConfig  # noqa: E402
-from online_sao.algorithms import build_critic  # noqa: E402
+from benchmarks.bench_packing import (add_batch_arguments, alternate, batches_line, learner_bench,  # noqa: E402
+                                     model_passes, report_header)
+from benchmarks.common import write_report  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
 from online_sao.modeling import compile_body  # noqa: E402
 
@@ -44,26 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(parser, rollouts=16, batches=24)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compile.md"))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    cfg = AlgorithmConfig()
-    base = BaseModelConfig()
-    policy = random_default_model(base)
-    critic = build_critic(cfg, policy)
-    compile_body(policy)
-    compile_body(critic)
-    rng = random.Random(0)
-    warm = draw_batch(rng, args, base.vocab_size)
-    compile_s = timed(policy, critic, warm, cfg, compiled=True)
-    timed(policy, critic, warm, cfg, compiled=False)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    tokens = []
-    for k in range(args.batches):
-        batch = draw_batch(rng, args, base.vocab_size)
-        tokens.append(int(batch.attention_mask.sum()))
-        for compiled in ((True, False) if k % 2 else (False, True)):  # alternate who goes first
-            times[compiled].append(timed(policy, critic, batch, cfg, compiled))
+    bench = learner_bench(parser, argv)
+    args, cfg, base, load = bench.args, bench.cfg, bench.base, bench.load
+    compile_body(bench.policy)
+    compile_body(bench.critic)
+    warm_up, times, batches = alternate(bench, lambda batch, compiled: timed(bench.policy, bench.critic, batch, cfg,
+                                                                             compiled))
+    compile_s = warm_up[True]
+    tokens = [int(batch.attention_mask.sum()) for batch in batches]
     total = sum(tokens)
     rate = {c: total / sum(t) for c, t in times.items()}
     ratios = [e / c for c, e in zip(times[True], times[False])]
@@ -72,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         *report_header("Learner model passes: compiled bodies against eager ones (CPU)", "bench_compile.py", argv,
                        args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}, "
                        "rollouts packed"),
-        f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
-        f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {total} real tokens in all",
+        batches_line(args, total),
         f"- compilation: {compile_s:.1f} s for the first batch of the compiled run (inductor's on-disk cache, "
         "when it holds this graph, shortens it); the timed batches include any recompilation", "",
         "| bodies | real tokens/s | seconds per batch (median) |",

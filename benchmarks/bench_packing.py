@@ -23,6 +23,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +36,7 @@ from benchmarks.common import random_default_model, write_report  # noqa: E402
 from apps.config import BaseModelConfig
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
 from online_sao.algorithms import build_critic
-from online_sao.batch import Rollout, collate, pack_layout, padded_share
+from online_sao.batch import Rollout, RolloutBatch, collate, pack_layout, padded_share
 from online_sao.config import AlgorithmConfig
 from online_sao.losses import dis_policy_loss, value_loss
 from online_sao.train_step import policy_logprobs
@@ -63,6 +65,12 @@ def add_batch_arguments(parser: argparse.ArgumentParser, rollouts: int, batches:
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on a response's length")
     parser.add_argument("--batches", type=int, default=batches, help="timed batches")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
+def batches_line(args: argparse.Namespace, real_tokens: int) -> str:
+    """The report's line on the batches :func:`draw_batch` drew with ``args``."""
+    return (f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
+            f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {real_tokens} real tokens in all")
 
 
 def report_header(title: str, script: str, argv: list[str] | None, threads: int, load: float,
@@ -100,39 +108,64 @@ def model_passes(policy, critic, batch, cfg: AlgorithmConfig, packed: bool) -> f
     return seconds
 
 
+@dataclass
+class LearnerBench:
+    """What a learner benchmark of this family runs on: its options, the machine's load when it
+    started, the default model with random weights and its critic, and the batches' random draw."""
+
+    args: argparse.Namespace
+    load: float
+    cfg: AlgorithmConfig
+    base: BaseModelConfig
+    policy: torch.nn.Module
+    critic: torch.nn.Module
+    rng: random.Random
+
+
+def learner_bench(parser: argparse.ArgumentParser, argv: list[str] | None) -> LearnerBench:
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg, base = AlgorithmConfig(), BaseModelConfig()
+    policy = random_default_model(base)
+    return LearnerBench(args, os.getloadavg()[0], cfg, base, policy, build_critic(cfg, policy), random.Random(0))
+
+
+def alternate(bench: LearnerBench, run: Callable[[RolloutBatch, bool], float]
+              ) -> tuple[dict[bool, float], dict[bool, list[float]], list[RolloutBatch]]:
+    """``run(batch, arm)`` for both arms (True, False) on one warm-up batch, then on each of
+    ``args.batches`` drawn batches, alternating which arm goes first. Returns the warm-up seconds
+    and the timed seconds of each arm, and the timed batches."""
+    vocab = bench.base.vocab_size
+    warm = draw_batch(bench.rng, bench.args, vocab)
+    warm_up = {arm: run(warm, arm) for arm in (True, False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    batches = []
+    for k in range(bench.args.batches):
+        batch = draw_batch(bench.rng, bench.args, vocab)
+        batches.append(batch)
+        for arm in ((True, False) if k % 2 else (False, True)):
+            times[arm].append(run(batch, arm))
+    return warm_up, times, batches
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(parser, rollouts=16, batches=6)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/packing.md"))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    cfg = AlgorithmConfig()
-    base = BaseModelConfig()
-    policy = random_default_model(base)
-    critic = build_critic(cfg, policy)
-    rng = random.Random(0)
-    warm = draw_batch(rng, args, base.vocab_size)
-    model_passes(policy, critic, warm, cfg, True)
-    model_passes(policy, critic, warm, cfg, False)
-    times = {True: [], False: []}
-    shares = {"packed": [], "padded": []}
-    tokens = []
-    for k in range(args.batches):
-        batch = draw_batch(rng, args, base.vocab_size)
-        tokens.append(int(batch.attention_mask.sum()))
-        shares["packed"].append(pack_layout(batch.attention_mask).padding_share)
-        shares["padded"].append(padded_share(batch.attention_mask))
-        for packed in ((True, False) if k % 2 else (False, True)):  # alternate who goes first
-            times[packed].append(model_passes(policy, critic, batch, cfg, packed))
+    bench = learner_bench(parser, argv)
+    args, cfg, base, load = bench.args, bench.cfg, bench.base, bench.load
+    _, times, batches = alternate(bench, lambda batch, packed: model_passes(bench.policy, bench.critic, batch, cfg,
+                                                                            packed))
+    tokens = [int(batch.attention_mask.sum()) for batch in batches]
+    shares = {"packed": [pack_layout(batch.attention_mask).padding_share for batch in batches],
+              "padded": [padded_share(batch.attention_mask) for batch in batches]}
     total = sum(tokens)
     rate = {p: total / sum(t) for p, t in times.items()}
     ratios = [pd / pk for pk, pd in zip(times[True], times[False])]
     lines = [
         *report_header("Learner model passes: packed rows against the padded batch (CPU)", "bench_packing.py", argv,
                        args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}"),
-        f"- batches: {args.batches} of {args.rollouts} rollouts, {PROMPT_TOKENS}-token prompt + lognormal response "
-        f"(median {args.median}, sigma {args.sigma}, at most {args.max_tokens}); {total} real tokens in all", "",
+        batches_line(args, total), "",
         "| layout | padding share (mean over batches) | real tokens/s | seconds per batch (median) |",
         "|---|---:|---:|---:|",
         f"| padded | {100 * statistics.mean(shares['padded']):.1f}% | {rate[False]:.0f} | "

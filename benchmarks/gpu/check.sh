@@ -2,7 +2,8 @@
 # Every check that needs a GPU, in one run (under 10 minutes on one H200), written to one report:
 #   1. the gpu-marked tests (cuda-ipc weights, in one process and across two);
 #   2. the SAO learner step on a ~0.5B random-weight model of the default architecture (qwen2), bf16,
-#      FSDP2 on NCCL: tokens/s and MFU against the GPU's dense bf16 peak (learner_step.py);
+#      FSDP2 on NCCL: tokens/s and MFU against the GPU's dense bf16 peak, eager and then with the
+#      bodies compiled as trainer.compile does (learner_step.py --compile);
 #   3. the native engine's throughput (both KV layouts) against transformers' generate, and vLLM's where it imports (engines.py);
 #   4. publish-to-serve time of one version through the file, shm:// and cuda-ipc:// stores (transports.py).
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
@@ -52,13 +53,13 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 if [ "$DRY_RUN" = 1 ]; then
     MODE=dry-run
     MODEL=(--size tiny --dtype float32)
-    LEARNER=(--rollouts 4 --prompt-tokens 8 --action-tokens 24 --steps 2)
+    LEARNER=(--rollouts 4 --prompt-tokens 8 --action-tokens 24 --steps 2 --compile)
     ENGINES=(--new-tokens 8 --concurrency 1,4 --generate-prompts 2)
     TRANSPORTS=(--repeats 2)
 else
     MODE=gpu
     MODEL=(--size half-b --dtype bfloat16)
-    LEARNER=(--rollouts 32 --prompt-tokens 128 --action-tokens 384 --steps 5)
+    LEARNER=(--rollouts 32 --prompt-tokens 128 --action-tokens 384 --steps 5 --compile)
     ENGINES=(--new-tokens 128 --concurrency 1,16,64 --generate-prompts 4)
     TRANSPORTS=(--repeats 5)
 fi
@@ -78,14 +79,14 @@ section() {
 
 GPU_TESTS=$(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)
 if [ "$DRY_RUN" = 1 ]; then
-    section gpu_tests 120 "$PYTHON" -m pytest -p no:cacheprovider --collect-only -q -m gpu $GPU_TESTS
+    section gpu_tests 90 "$PYTHON" -m pytest -p no:cacheprovider --collect-only -q -m gpu $GPU_TESTS
 else
-    section gpu_tests 120 "$PYTHON" -m pytest -p no:cacheprovider -q -rA -m gpu --junitxml "$WORK/gpu_tests.xml" $GPU_TESTS
+    section gpu_tests 90 "$PYTHON" -m pytest -p no:cacheprovider -q -rA -m gpu --junitxml "$WORK/gpu_tests.xml" $GPU_TESTS
 fi
-section learner_step 180 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
+section learner_step 240 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/gpu/learner_step.py --out "$WORK/learner_step.json" "${MODEL[@]}" "${LEARNER[@]}"
 section engines 180 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
-section transports 120 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
+section transports 90 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
 
 COMMAND="benchmarks/gpu/check.sh"
 [ "$DRY_RUN" = 1 ] && COMMAND="$COMMAND --dry-run"

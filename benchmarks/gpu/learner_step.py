@@ -16,6 +16,10 @@ unsharded models, which also warms them up; then the sharded models take
 ``--steps`` timed steps after one warm-up. MFU = counted FLOPs / median step
 time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
 
+With ``--compile`` the same sharded models are then compiled as ``trainer.compile`` does
+(:func:`online_sao.modeling.compile_body`) and timed again after one compiling step; the eager
+result is written first, so a section that runs out of time while compiling still reports it.
+
     torchrun --nproc_per_node 1 benchmarks/gpu/learner_step.py --out learner.json [--size half-b]
 """
 
@@ -40,6 +44,7 @@ from benchmarks.gpu.common import device, machine, peak_tflops, random_model, sy
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
 from online_sao.batch import Rollout, collate  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
+from online_sao.modeling import compile_body  # noqa: E402
 from online_sao.train_step import policy_logprobs  # noqa: E402
 from trainer.distributed import DistContext, decoder_layers, finite_vote, rank_sum  # noqa: E402
 
@@ -100,12 +105,7 @@ def run(args) -> dict:
     synchronize(where)
     if where.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        metrics = algorithm.step(batch)
-        synchronize(where)
-        times.append(time.perf_counter() - start)
+    times, metrics = timed_steps(algorithm, batch, args.steps, where)
     step_s = statistics.median(times)
     tokens = batch.input_ids.numel() * ctx.world_size
     peak = peak_tflops(where)
@@ -121,8 +121,45 @@ def run(args) -> dict:
         "skipped_nonfinite": metrics.get("skipped_nonfinite", 0.0),
         "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None,
     }
+    if args.compile:
+        if ctx.is_main:  # what is known so far, should the section's time run out while compiling
+            write_result(args.out, "learner_step", lambda: {**result, "compiled": {"error": "did not finish"}})
+        result["compiled"] = compiled_steps(policy, critic, algorithm, batch, args.steps, where,
+                                            flops * ctx.world_size, peak)
     dist.destroy_process_group()
     return result
+
+
+def timed_steps(algorithm, batch, steps: int, where: torch.device) -> tuple[list[float], dict[str, float]]:
+    """Seconds of each of ``steps`` learner steps on ``batch``, and the last step's metrics."""
+    times, metrics = [], {}
+    for _ in range(steps):
+        start = time.perf_counter()
+        metrics = algorithm.step(batch)
+        synchronize(where)
+        times.append(time.perf_counter() - start)
+    return times, metrics
+
+
+def compiled_steps(policy, critic, algorithm, batch, steps: int, where: torch.device, flops: float,
+                   peak: float | None) -> dict:
+    """The bodies compiled in place (``trainer.compile``), one compiling step, then ``steps`` timed ones.
+    A failure to compile is reported, not raised: the eager numbers stand."""
+    try:
+        compile_body(policy)
+        compile_body(critic)
+        start = time.perf_counter()
+        algorithm.step(batch)
+        synchronize(where)
+        compile_s = time.perf_counter() - start
+        times, _ = timed_steps(algorithm, batch, steps, where)
+    except Exception as exc:  # torch.compile's own errors: say which, keep the eager result
+        return {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    step_s = statistics.median(times)
+    achieved = flops / step_s / 1e12
+    return {"compile_s": compile_s, "step_s": times, "step_s_median": step_s,
+            "tokens_per_s": batch.input_ids.numel() * dist.get_world_size() / step_s, "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--action-tokens", type=int, default=384)
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    parser.add_argument("--compile", action="store_true",
+                        help="then compile the bodies (trainer.compile) and time the same steps again")
     args = parser.parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:
         run(args)

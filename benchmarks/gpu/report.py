@@ -78,6 +78,22 @@ def learner_section(r: dict, mode: str) -> list[str]:
     if r["mfu"] is not None:
         verdict = "meets" if r["mfu"] >= MFU_TARGET else "is below"
         lines += ["", f"MFU {100 * r['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target."]
+    if "compiled" in r:
+        lines += ["", *compiled_lines(r["compiled"])]
+    return lines
+
+
+def compiled_lines(c: dict) -> list[str]:
+    """The same steps with the bodies compiled (``trainer.compile``; learner_step.py ``--compile``)."""
+    if "error" in c:
+        return [f"With the bodies compiled (`trainer.compile`): no result, `{c['error']}`."]
+    mfu = "n/a" if c["mfu"] is None else f"{100 * c['mfu']:.1f}%"
+    lines = [f"With the bodies compiled (`trainer.compile`), after {c['compile_s']:.1f} s of compiling step: "
+             f"median step {c['step_s_median']:.3f} s, {c['tokens_per_s']:.0f} tokens/s, "
+             f"{c['achieved_tflops']:.1f} TFLOP/s, MFU {mfu} (steps: {', '.join(f'{t:.3f}' for t in c['step_s'])})."]
+    if c["mfu"] is not None:
+        verdict = "meets" if c["mfu"] >= MFU_TARGET else "is below"
+        lines.append(f"Compiled, MFU {100 * c['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target.")
     return lines
 
 

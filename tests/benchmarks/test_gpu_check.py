@@ -29,6 +29,7 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     # every gpu-marked test is found, the learner ran FSDP2 over a process group, each store round-tripped
     assert "test_real_cuda_export_round_trips_in_the_publishing_process" in text
     assert "on 1 rank(s), backend `gloo`" in text
+    assert "With the bodies compiled (`trainer.compile`), after " in text  # the compiled steps ran under FSDP2
     assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
     assert "| file |" in text and "| shm |" in text and "| cuda-ipc | not run: needs a CUDA device" in text
     assert "Sections: 4 ok, 0 failed" in text
@@ -75,3 +76,23 @@ def test_the_report_names_failed_sections_and_the_mfu_verdict(tmp_path):
     write_section(tmp_path, "learner_step", 0, learner_result(mfu=0.41))
     report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh"])
     assert "MFU 41.0% meets the 40% target." in out.read_text()
+
+
+def test_the_report_gives_the_compiled_steps_or_why_there_are_none(tmp_path):
+    for name in ("gpu_tests", "engines", "transports"):
+        write_section(tmp_path, name, 124, None)
+    out = tmp_path / "gpu.md"
+    compiled = {"compile_s": 61.2, "step_s": [0.3, 0.3], "step_s_median": 0.3, "tokens_per_s": 54613.0,
+                "achieved_tflops": 500.0, "mfu": 0.505}
+    write_section(tmp_path, "learner_step", 0, {**learner_result(mfu=0.303), "compiled": compiled})
+    report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh"])
+    text = out.read_text()
+    assert "MFU 30.3% is below the 40% target." in text
+    assert "after 61.2 s of compiling step: median step 0.300 s, 54613 tokens/s, 500.0 TFLOP/s, MFU 50.5%" in text
+    assert "Compiled, MFU 50.5% meets the 40% target." in text
+
+    write_section(tmp_path, "learner_step", 124, {**learner_result(mfu=0.303), "compiled": {"error": "did not finish"}})
+    report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh"])
+    text = out.read_text()
+    assert "MFU 30.3% is below the 40% target." in text  # the eager result written before compiling
+    assert "With the bodies compiled (`trainer.compile`): no result, `did not finish`." in text

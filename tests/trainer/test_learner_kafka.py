@@ -47,9 +47,11 @@ def _wait_for_version(engine: TorchEngine, follower: WeightsFollower, version: i
 
 
 @pytest.mark.kafka
-def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, tiny_model_dir):
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, tiny_model_dir, compile):
+    """``compiled``: the same loop with ``trainer.compile`` (slow: the learner compiles its bodies first)."""
     cfg = tiny_config(tmp_path, **{
-        "model.path": str(tiny_model_dir), "kafka": kafka_config.model_dump(),
+        "model.path": str(tiny_model_dir), "kafka": kafka_config.model_dump(), "trainer.compile": compile,
         "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4, "trainer.max_wait_s": None,
         "trainer.poll_timeout_s": 0.1,
         "trainer.consumer_group": f"learner-{tmp_path.name}", "algorithm.policy_lr": 1e-3,
@@ -104,6 +106,7 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     assert run.data.params["trainer.min_rollouts"] == "4"
+    assert run.data.params["trainer.compile"] == str(compile)
     for name in ("reward_mean", "value_loss", "explained_variance", "kept_frac", "masked_below_frac",
                  "masked_above_frac", "approx_kl", "version_lag_mean", "rollouts_per_s", "tokens_per_s",
                  "step_time_s", "data_wait_share", "join_joined", "policy_version"):

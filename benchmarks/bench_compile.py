@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_packing import (add_batch_arguments, alternate, batches_line, learner_bench,  # noqa: E402
-                                     model_passes, report_header)
+                                     model_passes, report_header, speed)
 from benchmarks.common import write_report  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
 from online_sao.modeling import compile_body  # noqa: E402
@@ -47,24 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     warm_up, times, batches = alternate(bench, lambda batch, compiled: timed(bench.policy, bench.critic, batch, cfg,
                                                                              compiled))
     compile_s = warm_up[True]
-    tokens = [int(batch.attention_mask.sum()) for batch in batches]
-    total = sum(tokens)
-    rate = {c: total / sum(t) for c, t in times.items()}
-    ratios = [e / c for c, e in zip(times[True], times[False])]
-    lowest = min(range(args.batches), key=ratios.__getitem__)
+    measured = speed(times, batches)
+    rate = measured.rate
+    lowest = min(range(args.batches), key=measured.ratios.__getitem__)
     lines = [
         *report_header("Learner model passes: compiled bodies against eager ones (CPU)", "bench_compile.py", argv,
                        args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}, "
                        "rollouts packed"),
-        batches_line(args, total),
+        batches_line(args, measured.real_tokens),
         f"- compilation: {compile_s:.1f} s for the first batch of the compiled run (inductor's on-disk cache, "
         "when it holds this graph, shortens it); the timed batches include any recompilation", "",
         "| bodies | real tokens/s | seconds per batch (median) |",
         "|---|---:|---:|",
         f"| eager | {rate[False]:.0f} | {statistics.median(times[False]):.3f} |",
         f"| compiled | {rate[True]:.0f} | {statistics.median(times[True]):.3f} |", "",
-        f"Compiled / eager real tokens per second: {rate[True] / rate[False]:.2f}x over all batches; per batch "
-        f"{', '.join(f'{r:.2f}' for r in ratios)} (lowest: batch {lowest + 1}).", "",
+        measured.line("Compiled / eager real tokens per second") + f" (lowest: batch {lowest + 1}).", "",
     ]
     write_report(args.out, lines)
     return 0

@@ -148,6 +148,29 @@ def alternate(bench: LearnerBench, run: Callable[[RolloutBatch, bool], float]
     return warm_up, times, batches
 
 
+@dataclass
+class Speed:
+    """The two arms of :func:`alternate` on the same batches, in real tokens per second."""
+
+    real_tokens: int
+    """Real tokens of the timed batches."""
+    rate: dict[bool, float]
+    """Each arm's real tokens per second over all the batches."""
+    ratios: list[float]
+    """Per batch, the True arm's speed over the False arm's."""
+
+    def line(self, label: str) -> str:
+        """``label: <x>x over all batches; per batch <ratios>``."""
+        return (f"{label}: {self.rate[True] / self.rate[False]:.2f}x over all batches; per batch "
+                f"{', '.join(f'{r:.2f}' for r in self.ratios)}")
+
+
+def speed(times: dict[bool, list[float]], batches: list[RolloutBatch]) -> Speed:
+    total = sum(int(batch.attention_mask.sum()) for batch in batches)
+    return Speed(total, {arm: total / sum(t) for arm, t in times.items()},
+                 [slow / fast for fast, slow in zip(times[True], times[False])])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(parser, rollouts=16, batches=6)
@@ -156,24 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     args, cfg, base, load = bench.args, bench.cfg, bench.base, bench.load
     _, times, batches = alternate(bench, lambda batch, packed: model_passes(bench.policy, bench.critic, batch, cfg,
                                                                             packed))
-    tokens = [int(batch.attention_mask.sum()) for batch in batches]
     shares = {"packed": [pack_layout(batch.attention_mask).padding_share for batch in batches],
               "padded": [padded_share(batch.attention_mask) for batch in batches]}
-    total = sum(tokens)
-    rate = {p: total / sum(t) for p, t in times.items()}
-    ratios = [pd / pk for pk, pd in zip(times[True], times[False])]
+    measured = speed(times, batches)
+    rate = measured.rate
     lines = [
         *report_header("Learner model passes: packed rows against the padded batch (CPU)", "bench_packing.py", argv,
                        args.threads, load, base, f"critic with frozen attention, K = {cfg.critic_updates}"),
-        batches_line(args, total), "",
+        batches_line(args, measured.real_tokens), "",
         "| layout | padding share (mean over batches) | real tokens/s | seconds per batch (median) |",
         "|---|---:|---:|---:|",
         f"| padded | {100 * statistics.mean(shares['padded']):.1f}% | {rate[False]:.0f} | "
         f"{statistics.median(times[False]):.3f} |",
         f"| packed | {100 * statistics.mean(shares['packed']):.1f}% | {rate[True]:.0f} | "
         f"{statistics.median(times[True]):.3f} |", "",
-        f"Packed / padded real tokens per second: {rate[True] / rate[False]:.2f}x over all batches; per batch "
-        f"{', '.join(f'{r:.2f}' for r in ratios)}.", "",
+        measured.line("Packed / padded real tokens per second") + ".", "",
     ]
     write_report(args.out, lines)
     return 0

@@ -17,11 +17,14 @@ thread per process by default (see benchmarks/straggler/).
   token_budget ready), never waiting for a group or a batch.
 
 Measured per loop, over the same number of trained rollouts (``--rollouts``) or
-the same wall time (``--duration-s``): rollouts trained per second, the share of
-time the learner is not in a step, the share of time the engine runs no prefill
-or decode step, and the ratio streaming / sync of rollouts/s.
+the same wall time (``--duration-s``): rollouts and action tokens trained per
+second, the mean length of the trained rollouts, the share of time the learner is
+not in a step, the share of time the engine runs no prefill or decode step, and
+the ratio streaming / sync of trained tokens/s (streaming trains rollouts in the
+order they finish, so over a short loop its rollouts are the shorter ones and its
+rollouts/s overstates it).
 
-    .venv/bin/python benchmarks/bench_straggler.py [--sigma 1] [--rollouts 96] [--repeats 2] [--out FILE.md]
+    .venv/bin/python benchmarks/bench_straggler.py [--sigma 1] [--rollouts 384] [--repeats 2] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from benchmarks.straggler.spec import LoopSpec, Mode  # noqa: E402
 from apps.config import load_app_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_ROLLOUTS = 96
-"""Rollouts trained per loop when neither --rollouts nor --duration-s is given."""
+DEFAULT_ROLLOUTS = 384
+"""Rollouts trained per loop when neither --rollouts nor --duration-s is given: 24 synchronous batches,
+long enough that the rollouts still in flight when a streaming loop ends (at most --concurrency, the
+long ones) change its trained lengths little (see the report's *mean length* column)."""
 MAX_UNTRAINED_STEPS = 4
 """Streaming backpressure in learner steps of ``max_rollouts_per_step`` (trainer/feed.py's
 READY_BACKLOG_STEPS): the generator holds new requests while that many rollouts wait."""

@@ -65,6 +65,22 @@ class LoopResult:
         return overlap(a, b, self.learner.start, self.learner.end)
 
     @property
+    def trained_tokens(self) -> int:
+        """Action tokens of the trained rollouts."""
+        return sum(sum(s.produced_tokens) for s in self.learner.steps)
+
+    @property
+    def trained_tokens_per_s(self) -> float:
+        """Action tokens trained per second of the loop. Unlike rollouts/s it does not favour a loop that
+        trained its shorter rollouts first (streaming trains rollouts in the order they finish)."""
+        return self.trained_tokens / self.elapsed_s
+
+    @property
+    def mean_trained_length(self) -> float:
+        """Mean action tokens of a trained rollout."""
+        return self.trained_tokens / self.trained if self.trained else 0.0
+
+    @property
     def learner_idle_share(self) -> float:
         """Share of the loop the learner was not in a step (collate, SAO step, publish)."""
         busy = sum(self._window(s.start, s.end) for s in self.learner.steps)
@@ -110,6 +126,18 @@ class LoopResult:
         """CPU seconds per wall second inside learner steps: 1.0 = a whole core while training."""
         wall = sum(s.end - s.start for s in self.learner.steps)
         return sum(s.cpu_s for s in self.learner.steps) / wall if wall else 0.0
+
+    @property
+    def learner_cpu_per_token(self) -> float:
+        """CPU seconds of learner steps per trained action token."""
+        return sum(s.cpu_s for s in self.learner.steps) / self.trained_tokens if self.trained_tokens else 0.0
+
+    @property
+    def generator_cpu_per_token(self) -> float:
+        """CPU seconds of the generator process per token its engine sampled over the same span
+        (every prefill or decode step samples one token per sequence)."""
+        sampled = sum(s.batch_size for s in self.generator.engine_steps if s.kind != "switch")
+        return self.generator.cpu_s / sampled if sampled else 0.0
 
     @property
     def generator_cpu_per_rollout(self) -> float:

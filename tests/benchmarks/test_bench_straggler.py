@@ -11,7 +11,8 @@ import pytest
 
 from benchmarks.bench_straggler import loop_specs, parse_args, run_benchmark
 from benchmarks.straggler.learner import take
-from benchmarks.straggler.report import contention_free_estimate, pair_ratios, write_plot, write_report
+from benchmarks.straggler.report import (contention_free_estimate, pair_ratios, population_mean_length, write_plot,
+                                         write_report)
 from benchmarks.straggler.runner import LoopResult, Mailbox
 from benchmarks.straggler.spec import (EngineStep, Finished, GeneratorReport, LearnerReport, LoopSpec, StepRecord,
                                        response_length)
@@ -35,6 +36,9 @@ def test_lengths_are_seeded_lognormal_draws_within_the_cap():
     capped = [response_length(spec(max_tokens=40), i) for i in range(500)]
     assert max(capped) == 40 and min(capped) >= 1
     assert {response_length(spec(sigma=0.0), i) for i in range(50)} == {32}
+    assert population_mean_length(spec(sigma=0.0), draws=10) == 32
+    assert population_mean_length(spec(max_tokens=40), draws=3) == pytest.approx(
+        sum(response_length(spec(max_tokens=40), i) for i in range(3)) / 3)
 
 
 def finished(index: int, tokens: int) -> Finished:
@@ -72,15 +76,23 @@ def test_accounting_clips_to_the_loop_and_weights_by_time():
     assert result.padding_share_unpacked == pytest.approx(1 - 26 / 32)  # B x T
     assert result.version_lag_mean == pytest.approx(2.0 * 10 / 20)
     assert result.learner_cpu_per_rollout == pytest.approx(4 / 3)
+    assert result.trained_tokens == 20 and result.trained_tokens_per_s == pytest.approx(2.0)
+    assert result.mean_trained_length == pytest.approx(20 / 3)
+    assert result.learner_cpu_per_token == pytest.approx(4 / 20)
+    assert result.generator_cpu_per_token == pytest.approx(5.0 / (4 + 2 + 1 + 8))  # every step's samples, no switch
     assert result.learner_cpu_share == pytest.approx(4 / 5) and result.generator_cpu_share == pytest.approx(0.5)
     assert result.timeline() == [(0.0, 0), (2.0, 2), (8.0, 3)]
 
 
-def run(mode: str, rollouts: int, learner_cpu_s: float = 1.0, generator_cpu_s: float = 0.0) -> LoopResult:
-    step = StepRecord(0.0, 1.0, tuple(range(rollouts)), (1,) * rollouts, rollouts, rollouts, 0.0, learner_cpu_s,
-                      packed_slots=rollouts)
-    generated = {i: (1, 1) for i in range(rollouts)}
-    return LoopResult(spec(mode=mode), GeneratorReport([], generated, 0, generator_cpu_s, 10.0),
+def run(mode: str, rollouts: int, learner_cpu_s: float = 1.0, generator_cpu_s: float = 0.0,
+        length: int = 1) -> LoopResult:
+    """A 10 s loop that trained ``rollouts`` of ``length`` tokens each in one step; its engine sampled
+    as many tokens in one decode step."""
+    step = StepRecord(0.0, 1.0, tuple(range(rollouts)), (length,) * rollouts, rollouts * length, rollouts * length,
+                      0.0, learner_cpu_s, packed_slots=rollouts * length)
+    generated = {i: (length, length) for i in range(rollouts)}
+    engine = [EngineStep(0.0, 1.0, "decode", rollouts * length)]
+    return LoopResult(spec(mode=mode), GeneratorReport(engine, generated, 0, generator_cpu_s, 10.0),
                       LearnerReport(0.0, 10.0, [step], {}))
 
 
@@ -88,11 +100,18 @@ def test_pair_ratios_divide_stream_by_sync_whichever_ran_first():
     assert pair_ratios([run("sync", 10), run("stream", 30), run("stream", 20), run("sync", 40)]) == [3.0, 0.5]
 
 
-def test_contention_free_estimate_adds_cpu_times_for_sync_and_takes_the_larger_for_stream():
-    estimate = contention_free_estimate([run("sync", 10, 1.0, 0.5), run("stream", 10, 0.8, 0.3)])
-    assert estimate["sync"] == pytest.approx(1 / 0.15) and estimate["stream"] == pytest.approx(1 / 0.08)
-    estimate = contention_free_estimate([run("sync", 10, 1.0, 0.5), run("stream", 10, 0.2, 0.9)])
-    assert estimate["stream"] == pytest.approx(1 / 0.09)
+def test_pair_ratios_count_tokens_unless_asked_for_rollouts():
+    short_stream = [run("sync", 10, length=4), run("stream", 30, length=2)]  # 40 tokens against 60
+    assert pair_ratios(short_stream) == [1.5]
+    assert pair_ratios(short_stream, "rollouts_per_s") == [3.0]
+
+
+def test_contention_free_estimate_adds_cpu_times_per_token_for_sync_and_takes_the_larger_for_stream():
+    # 10 rollouts of 2 tokens: learner 1.0 s / 20 tokens = 0.05 s per token, generator 0.5 s / 20 = 0.025
+    estimate = contention_free_estimate([run("sync", 10, 1.0, 0.5, length=2), run("stream", 10, 0.8, 0.3, length=2)])
+    assert estimate["sync"] == pytest.approx(1 / 0.075) and estimate["stream"] == pytest.approx(1 / 0.04)
+    estimate = contention_free_estimate([run("sync", 10, 1.0, 0.5, length=2), run("stream", 10, 0.2, 0.9, length=2)])
+    assert estimate["stream"] == pytest.approx(1 / 0.045)
 
 
 def test_mailbox_keeps_a_worker_s_next_loop_message_until_it_is_asked_for():
@@ -138,7 +157,8 @@ def test_both_loops_train_every_rollout_they_count_with_the_drawn_lengths(tiny_m
     write_report(args, ["--rollouts", "8"], results, plot, 0.0, 0.0)
     assert plot.stat().st_size > 0
     report = (tmp_path / "s.md").read_text()
-    assert "Streaming / sync rollouts/s" in report and "per back-to-back pair" in report
+    assert "Streaming / sync trained tokens/s" in report and "per back-to-back pair" in report
+    assert f"draws' mean ({population_mean_length(results[0].spec):.1f} tokens" in report
 
 
 def test_compile_reaches_the_learner_of_every_loop(tmp_path):

@@ -91,14 +91,18 @@ class GrowingLayer(DynamicLayer):
         self.expose(length)
 
     def expose(self, length: int) -> None:
+        self._length = length
         self.keys = self._key_buffer[:, :, :length]
         self.values = self._value_buffer[:, :, :length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        start = self.keys.shape[2]
+        # reads only the buffers, never the exposed views: a compiled body (torch.compile) would
+        # otherwise take a buffer and a view of it as two inputs, one of them written in place
+        start = self._length
         end = start + key_states.shape[2]
-        if end > self._key_buffer.shape[2]:
-            self._key_buffer, self._value_buffer = _regrown(self.keys, end), _regrown(self.values, end)
+        if end >= self._key_buffer.shape[2]:  # never full after an update: one case fewer to compile
+            self._key_buffer = _regrown(self._key_buffer[:, :, :start], end)
+            self._value_buffer = _regrown(self._value_buffer[:, :, :start], end)
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
         self.expose(end)

@@ -54,13 +54,16 @@ class Run:
         return self.tokens / self.wall_s
 
 
-def one_run(model, prompts: list[list[int]], plan: list[int], layout: str, concurrency: int) -> Run:
+def one_run(model, prompts: list[list[int]], plan: list[int], layout: str, concurrency: int,
+            compile: bool = False) -> Run:
+    """One closed-loop run on a fresh engine over ``model`` (its start, and so a compiling engine's
+    warm-up, is not timed)."""
     steps: list[StepStats] = []
-    engine = TorchEngine(model, cfg=ServingConfig(max_batch_size=concurrency, kv_layout=layout), on_step=steps.append)
+    cfg = ServingConfig(max_batch_size=concurrency, kv_layout=layout, compile=compile)
+    engine = TorchEngine(model, cfg=cfg, on_step=steps.append)
     produced = 0
 
-    async def main() -> float:
-        nonlocal produced
+    async def main() -> tuple[float, float]:
         await engine.start()
         queue = list(enumerate(plan))
 
@@ -72,15 +75,16 @@ def one_run(model, prompts: list[list[int]], plan: list[int], layout: str, concu
                 async for _ in engine.generate(request):
                     produced += 1
 
+        steps.clear()  # a compiling engine's warm-up steps
+        cpu = time.process_time()
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu
         await engine.stop()
-        return wall
+        return wall, cpu
 
-    cpu = time.process_time()
-    wall = asyncio.run(main())
-    cpu = time.process_time() - cpu
+    wall, cpu = asyncio.run(main())
     return Run(layout, wall, produced, cpu, sum(s.seconds for s in steps if s.kind == "prefill"),
                sum(s.seconds for s in steps if s.kind == "decode"))
 

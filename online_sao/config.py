@@ -316,6 +316,14 @@ class ServingConfig(Section):
     dominates (small models and batches on a CPU: benchmarks/results/kv_layout.md); its attention
     reads every running sequence's cache, so with large batches of long contexts ``padded`` is
     cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py."""
+    compile: bool = False
+    """Torch engine: compile the model's transformer body with ``torch.compile`` (dynamic shapes)
+    when the engine is built; the hot-swap's spare copy is compiled too and shares the graphs. The
+    engine compiles while it starts, before the server reports ready (tens of seconds on 2 CPU
+    cores, less from inductor's on-disk cache; a C++ compiler is needed, the service image has
+    one); a batch shape it has not met yet may still compile later, stalling decoding once. Needs
+    ``kv_layout: flat`` (with the padded layout inductor fails on its cache in torch 2.15).
+    Measured in benchmarks/results/engine_compile.md. False runs eagerly."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the
@@ -390,6 +398,15 @@ class ServingConfig(Section):
     monitor_window: int = Field(256, ge=1)
     """Newest answers over which serving computes its monitor gauges (mean length, repetition of
     ``deploy.monitor_ngram``-grams) for ``/metrics``."""
+
+    @model_validator(mode="after")
+    def _compile_fits_the_engine(self) -> "ServingConfig":
+        if self.compile and self.engine != "torch":
+            raise ValueError("serving.compile applies to the torch engine (vLLM compiles its own graphs)")
+        if self.compile and self.kv_layout != "flat":
+            raise ValueError("serving.compile needs serving.kv_layout: flat (torch.compile's inductor fails on "
+                             "the padded layout's cache)")
+        return self
 
 
 class TrainerConfig(Section):

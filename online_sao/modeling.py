@@ -40,3 +40,9 @@ def compile_body(model: nn.Module) -> nn.Module:
     body = model.base_model
     body.compile(dynamic=True)
     return body
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s body runs compiled (:func:`compile_body`). A deep copy of a compiled
+    module does not: ``copy.deepcopy`` leaves the copy eager."""
+    return model.base_model._compiled_call_impl is not None

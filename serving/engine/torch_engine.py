@@ -32,6 +32,11 @@ log-probability is the one the engine actually sampled from. With
 ``ServingConfig.swap_in_place`` there is no spare copy: the checked weights are
 copied into the serving model between two steps (half the memory, a longer
 stall).
+
+With ``ServingConfig.compile`` the engine compiles the body of the model it is given
+(in place) and of its spare copy (a deep copy of a compiled module runs eagerly);
+:meth:`TorchEngine.start` runs warm-up requests so that the compilation happens
+before traffic. Both copies share the compiled graphs.
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from online_sao.config import ServingConfig
-from online_sao.modeling import load_policy, load_tokenizer
+from online_sao.modeling import compile_body, is_compiled, load_policy, load_tokenizer
+from online_sao.schemas import SamplingParams
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.flat_kv import FlatKVBatch
 from serving.engine.grouped_attention import use_grouped_sdpa
-from serving.engine.kv_batch import RaggedKVBatch
+from serving.engine.kv_batch import MIN_HEADROOM, RaggedKVBatch
 from serving.engine.outbox import EngineSequence, Outbox
 from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
@@ -66,6 +72,11 @@ log = logging.getLogger(__name__)
 PAD_TOKEN_ID = 0
 """Fills the left of a shorter prompt in a batched prefill. Any id in the vocabulary serves: its
 positions are masked out of every attention and their cached keys and values are zeroed."""
+WARM_UP_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
+"""Token ids of a compiling engine's warm-up requests (any vocabulary's; their text does not matter)."""
+WARM_UP_TOGETHER = 3
+"""Warm-up requests run together after one alone: dynamic shapes specialise sizes 0 and 1, so a
+batch of one sequence and a batch of several get graphs of their own."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ class TorchEngine:
         self._flat = self.cfg.kv_layout == "flat"
         if self._flat:  # its masked multi-token queries would copy grouped key/value heads in sdpa
             use_grouped_sdpa(model)
+        if self.cfg.compile:
+            compile_body(model)
         self._dtype = next(model.parameters()).dtype
         self._batch = self._new_batch()
 
@@ -115,6 +128,11 @@ class TorchEngine:
     @property
     def policy_version(self) -> int:
         return self._loop.version
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every copy of the model the engine holds (serving, spare) runs compiled."""
+        return all(is_compiled(m) for m in (self._model, self._spare) if m is not None)
 
     @property
     def running(self) -> int:
@@ -134,7 +152,36 @@ class TorchEngine:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start the loop; with ``compile``, warm it up and make the spare copy before returning."""
         self.start_thread()
+        if self.cfg.compile:
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """Compile before traffic: warm-up requests (one alone, then several together), then the
+        spare copy, so that the first swap builds nothing (its calls reuse the graphs: they are
+        keyed by code, not by module)."""
+        prompt = [t % self._vocab for t in WARM_UP_PROMPT]
+        # enough tokens that the cache outgrows its first buffer: a step that regrows it is a graph of its own
+        tokens = MIN_HEADROOM + len(prompt)
+        if self._max_positions is not None:
+            tokens = min(tokens, self._max_positions - len(prompt))
+
+        async def one(i: int) -> None:
+            request = GenerationRequest(f"warm-up-{i}", prompt, SamplingParams(max_tokens=tokens, seed=i))
+            [_ async for _ in self.generate(request)]
+
+        await one(0)
+        await asyncio.gather(*(one(i) for i in range(1, 1 + min(WARM_UP_TOGETHER, self.cfg.max_batch_size))))
+        if not self.cfg.swap_in_place:
+            await asyncio.to_thread(self._make_spare)
+
+    def _make_spare(self) -> None:
+        """The hot-swap's second copy of the model, compiled like the first when ``compile``."""
+        if self._spare is None:
+            self._spare = copy.deepcopy(self._model)
+            if self.cfg.compile:
+                compile_body(self._spare)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_thread)
@@ -349,8 +396,7 @@ class TorchEngine:
             full = complete_state_dict(self._model, state_dict)
             if self.cfg.swap_in_place:
                 return lambda: self._model.load_state_dict(full, strict=True)
-            if self._spare is None:
-                self._spare = copy.deepcopy(self._model)
+            self._make_spare()
             self._spare.load_state_dict(full, strict=True)
             spare = self._spare
 

@@ -92,3 +92,12 @@ def test_dump_with_revealed_secrets_reloads_identically(tmp_path):
     assert again.serving.feedback_secret.get_secret_value() == "s3cret"
     assert [k.get_secret_value() for k in again.serving.api_keys] == ["k1"]
     assert again.model_dump(mode="json") == cfg.model_dump(mode="json")
+
+
+def test_serving_compile_needs_the_flat_layout_of_the_torch_engine():
+    flat = {"serving.compile": True, "serving.kv_layout": "flat"}
+    assert load_config(environ={}, overrides=flat).serving.compile
+    with pytest.raises(ConfigError, match="kv_layout: flat"):
+        load_config(environ={}, overrides={"serving.compile": True})  # the padded layout is the default
+    with pytest.raises(ConfigError, match="torch engine"):
+        load_config(environ={}, overrides={**flat, "serving.engine": "vllm"})

@@ -16,16 +16,23 @@ from streams.base import DeliveryReport, Producer, StreamUnavailable
 
 class StepGate:
     """A TorchEngine's ``on_step``: records every step in ``stats`` and holds the loop after decode step
-    ``hold_at`` (setting ``reached``) until the test sets ``resume``."""
+    ``hold_at`` (setting ``reached``) until the test sets ``resume``. Unless ``armed``, it counts decode
+    steps only from :meth:`arm` on (an engine that warms up before traffic)."""
 
-    def __init__(self, hold_at: int):
+    def __init__(self, hold_at: int, armed: bool = True):
         self.hold_at = hold_at
         self.stats: list[StepStats] = []
         self.reached, self.resume = threading.Event(), threading.Event()
+        self._armed_at: int | None = 0 if armed else None
+
+    def arm(self) -> None:
+        self._armed_at = len(self.stats)
 
     def __call__(self, step: StepStats) -> None:
         self.stats.append(step)
-        if step.kind == "decode" and sum(s.kind == "decode" for s in self.stats) == self.hold_at:
+        if self._armed_at is None or step.kind != "decode":
+            return
+        if sum(s.kind == "decode" for s in self.stats[self._armed_at:]) == self.hold_at:
             self.reached.set()
             assert self.resume.wait(10), "the test never let the engine's loop go on"
 

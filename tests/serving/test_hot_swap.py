@@ -53,17 +53,22 @@ def request(i: int, prompt: list[int], max_tokens: int = 40, **sampling) -> Gene
     return GenerationRequest(f"r{i}", prompt, SamplingParams(**params))
 
 
-@pytest.mark.parametrize("kv_layout", ["padded", "flat"])
+@pytest.mark.parametrize("kv_layout,compiled", [("padded", False), ("flat", False), ("flat", True)],
+                         ids=["padded", "flat", "flat-compiled"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["spare-copy", "in-place"])
-def test_swap_while_eight_requests_stream(base_model, versions, in_place, kv_layout):
-    on_step = StepGate(hold_at=10)  # holds the loop until the swap is loaded and queued
+def test_swap_while_eight_requests_stream(base_model, versions, in_place, kv_layout, compiled):
+    on_step = StepGate(hold_at=10, armed=not compiled)  # holds the loop until the swap is loaded and queued
     reached, resume, stats = on_step.reached, on_step.resume, on_step.stats
     engine = TorchEngine(copy.deepcopy(base_model), on_step=on_step,
-                         cfg=ServingConfig(max_batch_size=8, swap_in_place=in_place, kv_layout=kv_layout))
+                         cfg=ServingConfig(max_batch_size=8, swap_in_place=in_place, kv_layout=kv_layout,
+                                           compile=compiled))
     requests = [request(i, p) for i, p in enumerate(PROMPTS)]
+    warm_up: list = []
 
     async def main():
         await engine.start()
+        warm_up.extend(stats)  # steps the engine ran before any request: its warm-up when compiled
+        on_step.arm()
         streams = [asyncio.ensure_future(collect(engine, r)) for r in requests]
         await asyncio.to_thread(reached.wait, 10)
         swap = asyncio.ensure_future(asyncio.to_thread(engine.swap_weights, 1, state_of(versions[1])))
@@ -76,7 +81,9 @@ def test_swap_while_eight_requests_stream(base_model, versions, in_place, kv_lay
         return results, result
 
     results, swap = asyncio.run(main())
+    assert bool(warm_up) == compiled
     assert swap.applied and swap.version == 1 and engine.policy_version == 1
+    assert engine.compiled == compiled  # with a spare, both copies: the swap did not switch to an eager one
     assert swap.load_s > 0 and swap.stall_s >= 0
     switches = [s for s in stats if s.kind == "switch"]
     assert len(switches) == 1

@@ -336,3 +336,30 @@ def test_stop_ends_running_and_waiting_requests(model, make_engine):
 
     running, waiting = asyncio.run(main())
     assert isinstance(running, EngineStopped) and isinstance(waiting, EngineStopped)
+
+
+def test_a_compiled_engine_compiles_while_it_starts_and_answers_as_the_eager_one(model):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # graphs other tests compiled for this model would hide what the warm-up builds
+    eager = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout="flat", max_batch_size=8))
+    compiled = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout="flat", max_batch_size=8, compile=True))
+    # one alone, then several of different lengths together: the cache grows, rows leave, rows join
+    alone = [request(0, PROMPTS[1], max_tokens=90, seed=0)]
+    together = [request(i, p, max_tokens=20 + 25 * i, seed=i) for i, p in enumerate(PROMPTS)]
+    graphs: dict[str, int] = {}
+
+    async def main(engine):
+        await engine.start()
+        graphs["started"] = counters["stats"]["unique_graphs"]
+        out = [await run_alone(engine, alone), await run_together(engine, together)]
+        graphs["served"] = counters["stats"]["unique_graphs"]
+        await engine.stop()
+        return out
+
+    served = asyncio.run(main(compiled))
+    assert graphs["started"] > 0 and graphs["served"] == graphs["started"]  # no compiling while serving
+    assert compiled.compiled
+    for got, want in zip(served, asyncio.run(main(eager))):
+        for a, b in zip(got, want):
+            assert_same_samples(a, b)

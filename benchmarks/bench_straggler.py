@@ -70,11 +70,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the torch engine's cache layout in both loops (default: the config's serving.kv_layout)")
     p.add_argument("--compile", action="store_true",
                    help="compile the learner's bodies in both loops (trainer.compile; compiled before the first loop)")
+    p.add_argument("--engine-compile", action="store_true",
+                   help="compile the torch engine's body in both loops (serving.compile; needs --kv-layout flat)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs of each loop, alternating which goes first")
     p.add_argument("--model-dir", default=None, help="model directory (default: the default model, built if absent)")
     p.add_argument("--out", type=Path, default=RESULTS / "straggler.md", help="report; the plot goes beside it (.png)")
     args = p.parse_args(argv)
+    if args.engine_compile and args.kv_layout != "flat":
+        p.error("--engine-compile needs --kv-layout flat (serving.compile)")
     if args.rollouts is None and args.duration_s is None:
         args.rollouts = DEFAULT_ROLLOUTS
     return args
@@ -97,7 +101,7 @@ def loop_specs(args: argparse.Namespace, model_dir: str, weights_root: Path) -> 
                      group_size=args.group_size, groups_per_batch=args.groups_per_batch, concurrency=concurrency,
                      rollouts=args.rollouts, duration_s=args.duration_s, seed=args.seed,
                      max_untrained=MAX_UNTRAINED_STEPS * cfg.trainer.max_rollouts_per_step,
-                     kv_layout=args.kv_layout or cfg.serving.kv_layout,
+                     kv_layout=args.kv_layout or cfg.serving.kv_layout, engine_compile=args.engine_compile,
                      algorithm=cfg.algorithm, trainer=cfg.trainer.model_copy(update={"compile": args.compile}))
             for i, mode in enumerate(order)]
 

@@ -170,7 +170,8 @@ async def serve(loop: int, spec: LoopSpec, ch: Channels) -> GeneratorReport:
     def on_step(s: StepStats) -> None:
         steps.append(EngineStep(s.ended_at - s.seconds, s.ended_at, s.kind, s.batch_size))
 
-    engine = TorchEngine(model, cfg=ServingConfig(max_batch_size=spec.max_batch_size, kv_layout=spec.kv_layout), on_step=on_step)
+    serving = ServingConfig(max_batch_size=spec.max_batch_size, kv_layout=spec.kv_layout, compile=spec.engine_compile)
+    engine = TorchEngine(model, cfg=serving, on_step=on_step)
     await engine.start()
     try:
         warmup = GenerationRequest("warm-up", prompts[0], SamplingParams(max_tokens=WARMUP_TOKENS, seed=0))

@@ -112,7 +112,8 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         f"max {max(lengths)} over {len(lengths)}",
         f"- sync: batches of {spec.groups_per_batch} groups x G = {spec.group_size} ({spec.batch_requests} requests), "
         f"trained when all are done; stream: {spec.concurrency} requests in flight, at most {spec.max_untrained} "
-        f"untrained; engine max_batch_size {spec.max_batch_size}, KV layout {spec.kv_layout}, in both",
+        f"untrained; engine max_batch_size {spec.max_batch_size}, KV layout {spec.kv_layout}"
+        f"{', body compiled (serving.compile)' if spec.engine_compile else ''}, in both",
         f"- learner: {spec.algorithm.name}, K = {spec.algorithm.critic_updates}; min_rollouts {t.min_rollouts}, "
         f"token_budget {t.token_budget}, max_rollouts_per_step {t.max_rollouts_per_step}, max_wait_s {t.max_wait_s}; "
         f"every step publishes to a FileWeightStore and the engine hot-swaps"

@@ -58,6 +58,9 @@ class LoopSpec:
     submitted rollouts are not trained yet (the learner's READY_BACKLOG_STEPS idea)."""
     kv_layout: Literal["padded", "flat"] = "padded"
     """The torch engine's cache layout (ServingConfig.kv_layout), the same in both loops."""
+    engine_compile: bool = False
+    """Compile the torch engine's body (ServingConfig.compile; flat layout only) in both loops; its
+    warm-up runs before the loop's clock starts."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The learning rule and its hyper-parameters (SAO by default)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

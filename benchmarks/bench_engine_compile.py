@@ -13,12 +13,9 @@ engine's time in decode steps.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -29,10 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_kv_layout import Run, one_run  # noqa: E402
+from benchmarks.bench_kv_layout import Run, header_lines, one_run, workload_parser, workload_plan  # noqa: E402
 from benchmarks.common import write_report  # noqa: E402
 from benchmarks.straggler.generator import chat_prompts  # noqa: E402
-from benchmarks.straggler.spec import lognormal_length  # noqa: E402
 from online_sao.config import ServingConfig  # noqa: E402
 from online_sao.modeling import load_policy, load_tokenizer  # noqa: E402
 from serving.engine.torch_engine import TorchEngine  # noqa: E402
@@ -55,22 +51,12 @@ def warm_up_seconds(model, concurrency: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", required=True, help="a Hugging Face model directory (e.g. the default model)")
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--median-tokens", type=int, default=32)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3, help="pairs of runs, the first arm alternating")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "engine_compile.md")
-    args = p.parse_args(argv)
+    args = workload_parser(__doc__.splitlines()[0], "engine_compile.md").parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {"eager": load_policy(args.model_dir).eval()}
     models["compiled"] = copy.deepcopy(models["eager"])
     prompts = chat_prompts(load_tokenizer(args.model_dir))
-    plan = [lognormal_length(0, i, args.median_tokens, args.sigma, args.max_tokens) for i in range(args.requests)]
+    plan = workload_plan(args)
     load_before = os.getloadavg()[0]
     warm_up_s = warm_up_seconds(models["compiled"], args.concurrency)
     one_run(models["eager"], prompts, plan[:args.concurrency], "flat", args.concurrency)  # the eager arm's warm-up
@@ -84,16 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [dict(pair)["compiled"].tokens_per_s / dict(pair)["eager"].tokens_per_s
              for pair in zip(runs[::2], runs[1::2])]
     lines = [
-        "# The torch engine eager against compiled (flat KV layout)", "",
-        f"- command: `{shlex.join(['python'] + [str(a) for a in (argv if argv is not None else sys.argv)])}`",
-        f"- date: {time.strftime('%Y-%m-%dT%H:%M%z')}",
-        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs, no GPU; 1-min load average "
-        f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the end; torch {torch.__version__}, "
-        f"{args.threads} thread(s)",
-        f"- model: {args.model_dir}",
-        f"- workload: {args.requests} requests, {args.concurrency} clients in a closed loop (engine max_batch_size "
-        f"{args.concurrency}); corpus prompts in the chat template; lengths lognormal(log {args.median_tokens}, "
-        f"{args.sigma}) capped at {args.max_tokens} ({sum(plan)} tokens, longest {max(plan)}), no stop token",
+        *header_lines("The torch engine eager against compiled (flat KV layout)", args, argv, plan, load_before),
         f"- the first compiling engine's start (warm-up and compilation): {warm_up_s:.1f} s", "",
         "| run | engine | seconds | tokens/s | CPU s / request | decode s |",
         "|---:|---|---:|---:|---:|---:|",

@@ -89,22 +89,50 @@ def one_run(model, prompts: list[list[int]], plan: list[int], layout: str, concu
                sum(s.seconds for s in steps if s.kind == "decode"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The closed-loop workload's arguments (this benchmark's and bench_engine_compile's); ``out``:
+    the default report under benchmarks/results/."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-dir", required=True, help="a Hugging Face model directory (e.g. the default model)")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--median-tokens", type=int, default=32)
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3, help="pairs of runs, the first layout alternating")
+    p.add_argument("--repeats", type=int, default=3, help="pairs of runs, the first arm alternating")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_layout.md")
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / out)
+    return p
+
+
+def workload_plan(args: argparse.Namespace) -> list[int]:
+    """Tokens each request generates: the straggler benchmark's draws of seed 0."""
+    return [lognormal_length(0, i, args.median_tokens, args.sigma, args.max_tokens) for i in range(args.requests)]
+
+
+def header_lines(title: str, args: argparse.Namespace, argv: list[str] | None, plan: list[int],
+                 load_before: float) -> list[str]:
+    """The report's title, command, date, machine, model and workload lines."""
+    return [
+        f"# {title}", "",
+        f"- command: `{shlex.join(['python'] + [str(a) for a in (argv if argv is not None else sys.argv)])}`",
+        f"- date: {time.strftime('%Y-%m-%dT%H:%M%z')}",
+        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs, no GPU; 1-min load average "
+        f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the end; torch {torch.__version__}, "
+        f"{args.threads} thread(s)",
+        f"- model: {args.model_dir}",
+        f"- workload: {args.requests} requests, {args.concurrency} clients in a closed loop (engine max_batch_size "
+        f"{args.concurrency}); corpus prompts in the chat template; lengths lognormal(log {args.median_tokens}, "
+        f"{args.sigma}) capped at {args.max_tokens} ({sum(plan)} tokens, longest {max(plan)}), no stop token",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = workload_parser(__doc__.splitlines()[0], "kv_layout.md").parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_policy(args.model_dir).eval()
     prompts = chat_prompts(load_tokenizer(args.model_dir))
-    plan = [lognormal_length(0, i, args.median_tokens, args.sigma, args.max_tokens) for i in range(args.requests)]
+    plan = workload_plan(args)
     load_before = os.getloadavg()[0]
     one_run(model, prompts, plan[:args.concurrency], "padded", args.concurrency)  # warm-up
     runs: list[Run] = []
@@ -117,16 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [b.tokens_per_s / a.tokens_per_s if a.layout == "padded" else a.tokens_per_s / b.tokens_per_s
              for a, b in zip(runs[::2], runs[1::2])]
     lines = [
-        "# The torch engine's KV layouts: padded against flat", "",
-        f"- command: `{shlex.join(['python'] + [str(a) for a in (argv if argv is not None else sys.argv)])}`",
-        f"- date: {time.strftime('%Y-%m-%dT%H:%M%z')}",
-        f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs, no GPU; 1-min load average "
-        f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the end; torch {torch.__version__}, "
-        f"{args.threads} thread(s)",
-        f"- model: {args.model_dir}",
-        f"- workload: {args.requests} requests, {args.concurrency} clients in a closed loop (engine max_batch_size "
-        f"{args.concurrency}); corpus prompts in the chat template; lengths lognormal(log {args.median_tokens}, "
-        f"{args.sigma}) capped at {args.max_tokens} ({sum(plan)} tokens, longest {max(plan)}), no stop token", "",
+        *header_lines("The torch engine's KV layouts: padded against flat", args, argv, plan, load_before), "",
         "| run | layout | seconds | tokens/s | CPU s / request | prefill s | decode s |",
         "|---:|---|---:|---:|---:|---:|---:|",
         *[f"| {i + 1} | {r.layout} | {r.wall_s:.2f} | {r.tokens_per_s:.0f} | {r.cpu_s / args.requests:.4f} | "

@@ -11,7 +11,7 @@ import torch
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import AlgorithmConfig
-from online_sao.modeling import compile_body
+from online_sao.modeling import compile_body, is_compiled
 from tests.online_sao.test_packing import qwen2, ragged_batch, sao_losses
 
 COMPILED_ATOL, COMPILED_RTOL = 1e-5, 1e-4
@@ -23,10 +23,6 @@ BATCHES = ([3, 17, 6, 11, 4, 9, 2, 15], [12, 10, 4], [5])
 must serve them all."""
 
 
-def is_compiled(module: torch.nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
-
-
 def test_a_compiled_body_gives_the_eager_losses_and_gradients():
     cfg = AlgorithmConfig()
     eager_policy = qwen2(0)
@@ -35,7 +31,7 @@ def test_a_compiled_body_gives_the_eager_losses_and_gradients():
         eager_critic.head.weight.normal_(0, 0.5)
     policy, critic = copy.deepcopy(eager_policy), copy.deepcopy(eager_critic)
     assert compile_body(policy) is policy.model and compile_body(critic) is critic.backbone
-    assert is_compiled(policy.model) and is_compiled(critic.backbone) and not is_compiled(eager_policy.model)
+    assert is_compiled(policy) and is_compiled(critic) and not is_compiled(eager_policy)
     for lengths in BATCHES:
         batch = ragged_batch(eager_policy, lengths)
         outputs = {}

@@ -46,7 +46,7 @@ from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig, DriftConfig
 from online_sao.critic import ValueModel
-from online_sao.modeling import compile_body
+from online_sao.modeling import compile_body, is_compiled
 from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_logprobs
 from trainer.distributed import (
@@ -296,8 +296,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
         save_file(whitened_policy, out / "whitened_policy.safetensors")
         save_file(restarted["policy"], out / "restarted_policy.safetensors")
         save_file(restarted["critic"], out / "restarted_critic.safetensors")
-        compiled = [getattr(model.base_model, "_compiled_call_impl", None) is not None
-                    for model in (learner.policy, learner.critic, learner.reference)]
+        compiled = [is_compiled(model) for model in (learner.policy, learner.critic, learner.reference)]
         report = {"steps": metrics, "compiled": compiled, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
                   "whitened": whitened, "restart": {"optimizers_cleared": cleared}}
         (out / "metrics.json").write_text(json.dumps(report))

@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from online_sao.modeling import is_compiled
 from tests.fixtures.models import tiny_config
 from trainer.distributed import DistContext
 from trainer.startup import build_models
-
-
-def compiled(module: torch.nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -21,7 +18,6 @@ def test_the_learner_compiles_its_models_bodies_when_configured(tmp_path, tiny_m
                                    "algorithm.kl_beta": 0.1, "algorithm.kl_reference": "ema"})
     models = build_models(cfg, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     trainables = models.trainables
-    bodies = [trainables.policy.base_model, trainables.critic.base_model, trainables.ema_reference.base_model]
-    assert [compiled(body) for body in bodies] == [compile] * 3
+    assert [is_compiled(m) for m in (trainables.policy, trainables.critic, trainables.ema_reference)] == [compile] * 3
     # in place: the names a checkpoint and the published weights carry stay the eager model's
     assert all("_orig_mod" not in name for name in trainables.policy.state_dict())

@@ -1,4 +1,4 @@
-"""The torch engine eager against compiled (ServingConfig.compile), flat KV layout, one workload.
+"""The torch engine eager against compiled (ServingConfig.compile), one KV layout, one workload.
 
 bench_kv_layout's closed loop: ``--concurrency`` clients each send their next request when the
 last one ends, until ``--requests`` are answered, request ``i`` generating exactly its lognormal
@@ -8,7 +8,8 @@ the first of them, whose start (the warm-up that compiles) is timed on its own; 
 starts after its engine has started. Reported per run: tokens/s, CPU seconds per request, the
 engine's time in decode steps.
 
-    .venv/bin/python benchmarks/bench_engine_compile.py --model-dir DIR [--requests 96] [--repeats 3] [--out FILE]
+    .venv/bin/python benchmarks/bench_engine_compile.py --model-dir DIR [--kv-layout flat|padded] [--requests 96]
+        [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from serving.engine.torch_engine import TorchEngine  # noqa: E402
 ARMS = ("eager", "compiled")
 
 
-def warm_up_seconds(model, concurrency: int) -> float:
+def warm_up_seconds(model, concurrency: int, kv_layout: str) -> float:
     """Seconds a compiling engine over ``model`` takes to start (its warm-up compiles ``model`` in place)."""
-    engine = TorchEngine(model, cfg=ServingConfig(max_batch_size=concurrency, kv_layout="flat", compile=True))
+    engine = TorchEngine(model, cfg=ServingConfig(max_batch_size=concurrency, kv_layout=kv_layout, compile=True))
 
     async def start_and_stop() -> float:
         start = time.perf_counter()
@@ -51,26 +52,29 @@ def warm_up_seconds(model, concurrency: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = workload_parser(__doc__.splitlines()[0], "engine_compile.md").parse_args(argv)
+    parser = workload_parser(__doc__.splitlines()[0], "engine_compile.md")
+    parser.add_argument("--kv-layout", choices=["flat", "padded"], default="flat", help="the engines' KV layout")
+    args = parser.parse_args(argv)
+    layout = args.kv_layout
     torch.set_num_threads(args.threads)
     models = {"eager": load_policy(args.model_dir).eval()}
     models["compiled"] = copy.deepcopy(models["eager"])
     prompts = chat_prompts(load_tokenizer(args.model_dir))
     plan = workload_plan(args)
     load_before = os.getloadavg()[0]
-    warm_up_s = warm_up_seconds(models["compiled"], args.concurrency)
-    one_run(models["eager"], prompts, plan[:args.concurrency], "flat", args.concurrency)  # the eager arm's warm-up
+    warm_up_s = warm_up_seconds(models["compiled"], args.concurrency, layout)
+    one_run(models["eager"], prompts, plan[:args.concurrency], layout, args.concurrency)  # the eager arm's warm-up
     runs: list[tuple[str, Run]] = []
     for repeat in range(args.repeats):
         for arm in (ARMS if repeat % 2 == 0 else ARMS[::-1]):
-            run = one_run(models[arm], prompts, plan, "flat", args.concurrency, compile=arm == "compiled")
+            run = one_run(models[arm], prompts, plan, layout, args.concurrency, compile=arm == "compiled")
             runs.append((arm, run))
             print(f"{arm}: {run.tokens_per_s:.0f} tokens/s ({run.wall_s:.2f} s)", flush=True)
     mean = {arm: statistics.mean(r.tokens_per_s for a, r in runs if a == arm) for arm in ARMS}
     pairs = [dict(pair)["compiled"].tokens_per_s / dict(pair)["eager"].tokens_per_s
              for pair in zip(runs[::2], runs[1::2])]
     lines = [
-        *header_lines("The torch engine eager against compiled (flat KV layout)", args, argv, plan, load_before),
+        *header_lines(f"The torch engine eager against compiled ({layout} KV layout)", args, argv, plan, load_before),
         f"- the first compiling engine's start (warm-up and compilation): {warm_up_s:.1f} s", "",
         "| run | engine | seconds | tokens/s | CPU s / request | decode s |",
         "|---:|---|---:|---:|---:|---:|",

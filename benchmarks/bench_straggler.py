@@ -71,14 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="compile the learner's bodies in both loops (trainer.compile; compiled before the first loop)")
     p.add_argument("--engine-compile", action="store_true",
-                   help="compile the torch engine's body in both loops (serving.compile; needs --kv-layout flat)")
+                   help="compile the torch engine's body in both loops (serving.compile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs of each loop, alternating which goes first")
     p.add_argument("--model-dir", default=None, help="model directory (default: the default model, built if absent)")
     p.add_argument("--out", type=Path, default=RESULTS / "straggler.md", help="report; the plot goes beside it (.png)")
     args = p.parse_args(argv)
-    if args.engine_compile and args.kv_layout != "flat":
-        p.error("--engine-compile needs --kv-layout flat (serving.compile)")
     if args.rollouts is None and args.duration_s is None:
         args.rollouts = DEFAULT_ROLLOUTS
     return args

@@ -321,9 +321,8 @@ class ServingConfig(Section):
     when the engine is built; the hot-swap's spare copy is compiled too and shares the graphs. The
     engine compiles while it starts, before the server reports ready (tens of seconds on 2 CPU
     cores, less from inductor's on-disk cache; a C++ compiler is needed, the service image has
-    one); a batch shape it has not met yet may still compile later, stalling decoding once. Needs
-    ``kv_layout: flat`` (with the padded layout inductor fails on its cache in torch 2.15).
-    Measured in benchmarks/results/engine_compile.md. False runs eagerly."""
+    one); a batch shape it has not met yet may still compile later, stalling decoding once. Either
+    ``kv_layout``. Measured in benchmarks/results/engine_compile.md. False runs eagerly."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the
@@ -403,9 +402,6 @@ class ServingConfig(Section):
     def _compile_fits_the_engine(self) -> "ServingConfig":
         if self.compile and self.engine != "torch":
             raise ValueError("serving.compile applies to the torch engine (vLLM compiles its own graphs)")
-        if self.compile and self.kv_layout != "flat":
-            raise ValueError("serving.compile needs serving.kv_layout: flat (torch.compile's inductor fails on "
-                             "the padded layout's cache)")
         return self
 
 

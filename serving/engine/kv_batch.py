@@ -108,6 +108,15 @@ class GrowingLayer(DynamicLayer):
         self.expose(end)
         return self.keys, self.values
 
+    def get_seq_length(self) -> int:
+        # the int, not ``self.keys.shape``: transformers' mask builder asks for the length inside the
+        # model's forward, and a compiled body that read the exposed view would take it as an input
+        # aliasing the buffer that update() writes (inductor fails on that)
+        return self._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._length + query_length, 0
+
     def columns(self, index: torch.Tensor) -> "GrowingLayer":
         """A layer holding only the columns at ``index`` (in that order), every row."""
         n = index.numel()
@@ -118,9 +127,10 @@ class GrowingLayer(DynamicLayer):
 
     def selected(self, index: torch.Tensor, first: int) -> "GrowingLayer":
         """A layer of the rows at ``index`` without the columns before ``first``."""
-        length = self.keys.shape[2]
-        return GrowingLayer(self._key_buffer.index_select(0, index)[:, :, first:],
-                            self._value_buffer.index_select(0, index)[:, :, first:], length - first)
+        # selecting from the column slice gives contiguous buffers (a slice of the selection would
+        # keep the old buffer's strides, and a compiled body compiles again for each new stride)
+        return GrowingLayer(self._key_buffer[:, :, first:].index_select(0, index),
+                            self._value_buffer[:, :, first:].index_select(0, index), self._length - first)
 
 
 class RaggedKVBatch:

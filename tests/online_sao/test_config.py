@@ -94,10 +94,9 @@ def test_dump_with_revealed_secrets_reloads_identically(tmp_path):
     assert again.model_dump(mode="json") == cfg.model_dump(mode="json")
 
 
-def test_serving_compile_needs_the_flat_layout_of_the_torch_engine():
-    flat = {"serving.compile": True, "serving.kv_layout": "flat"}
-    assert load_config(environ={}, overrides=flat).serving.compile
-    with pytest.raises(ConfigError, match="kv_layout: flat"):
-        load_config(environ={}, overrides={"serving.compile": True})  # the padded layout is the default
+@pytest.mark.parametrize("kv_layout", ["padded", "flat"])
+def test_serving_compile_is_for_the_torch_engine_in_either_layout(kv_layout):
+    compiled = {"serving.compile": True, "serving.kv_layout": kv_layout}
+    assert load_config(environ={}, overrides=compiled).serving.compile
     with pytest.raises(ConfigError, match="torch engine"):
-        load_config(environ={}, overrides={**flat, "serving.engine": "vllm"})
+        load_config(environ={}, overrides={**compiled, "serving.engine": "vllm"})

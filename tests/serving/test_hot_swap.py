@@ -53,8 +53,8 @@ def request(i: int, prompt: list[int], max_tokens: int = 40, **sampling) -> Gene
     return GenerationRequest(f"r{i}", prompt, SamplingParams(**params))
 
 
-@pytest.mark.parametrize("kv_layout,compiled", [("padded", False), ("flat", False), ("flat", True)],
-                         ids=["padded", "flat", "flat-compiled"])
+@pytest.mark.parametrize("kv_layout,compiled", [("padded", False), ("flat", False), ("padded", True), ("flat", True)],
+                         ids=["padded", "flat", "padded-compiled", "flat-compiled"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["spare-copy", "in-place"])
 def test_swap_while_eight_requests_stream(base_model, versions, in_place, kv_layout, compiled):
     on_step = StepGate(hold_at=10, armed=not compiled)  # holds the loop until the swap is loaded and queued

@@ -338,12 +338,13 @@ def test_stop_ends_running_and_waiting_requests(model, make_engine):
     assert isinstance(running, EngineStopped) and isinstance(waiting, EngineStopped)
 
 
-def test_a_compiled_engine_compiles_while_it_starts_and_answers_as_the_eager_one(model):
+def test_a_compiled_engine_compiles_while_it_starts_and_answers_as_the_eager_one(model, kv_layout):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # graphs other tests compiled for this model would hide what the warm-up builds
-    eager = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout="flat", max_batch_size=8))
-    compiled = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout="flat", max_batch_size=8, compile=True))
+    eager = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout=kv_layout, max_batch_size=8))
+    compiled = TorchEngine(copy.deepcopy(model), cfg=ServingConfig(kv_layout=kv_layout, max_batch_size=8,
+                                                                   compile=True))
     # one alone, then several of different lengths together: the cache grows, rows leave, rows join
     alone = [request(0, PROMPTS[1], max_tokens=90, seed=0)]
     together = [request(i, p, max_tokens=20 + 25 * i, seed=i) for i, p in enumerate(PROMPTS)]

@@ -51,8 +51,8 @@ def _diagnostics(i: int, r: LoopResult) -> str:
             f"{r.generated_tokens_per_s:.0f} | "
             f"{len(r.learner.steps)} | {r.trained / len(r.learner.steps):.1f} | {r.padding_share:.1%} | "
             f"{r.padding_share_unpacked:.1%} | "
-            f"{r.version_lag_mean:.2f} | {r.generator.swaps} | {r.learner_cpu_per_rollout:.3f} | "
-            f"{r.generator_cpu_per_rollout:.3f} | "
+            f"{r.version_lag_mean:.2f} | {r.generator.swaps} | {1000 * r.learner_cpu_per_token:.3f} | "
+            f"{1000 * r.generator_cpu_per_token:.3f} | "
             f"{r.learner_cpu_share:.2f} | {r.generator_cpu_share:.2f} |")
 
 
@@ -86,6 +86,17 @@ def contention_free_estimate(results: list[LoopResult]) -> dict[str, float]:
     sync = mean("sync", "learner_cpu_per_token") + mean("sync", "generator_cpu_per_token")
     stream = max(mean("stream", "learner_cpu_per_token"), mean("stream", "generator_cpu_per_token"))
     return {"sync": 1.0 / sync, "stream": 1.0 / stream}
+
+
+def balanced_ceiling(results: list[LoopResult]) -> float:
+    """The most streaming could gain over the synchronous loop, whatever the learner costs per
+    token (l, the same in both loops): 1 + g_sync / g_stream, the generators' CPU per token (means
+    over runs). The ratio (g_sync + l) / max(g_stream, l) rises with l while the generator bounds
+    streaming and falls once the learner does; it peaks where l = g_stream."""
+    def mean(mode: str) -> float:
+        return statistics.mean(r.generator_cpu_per_token for r in results if r.spec.mode == mode)
+
+    return 1.0 + mean("sync") / mean("stream")
 
 
 def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, load_before: float,
@@ -139,11 +150,14 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         f"Estimate without other work on the machine (a core per process; from CPU seconds per token, means over "
         f"runs): sync {estimate['sync']:.0f} trained tokens/s, stream {estimate['stream']:.0f}, "
         f"**{estimate['stream'] / estimate['sync']:.2f}x**. Sync adds the generator's and the learner's CPU time "
-        "per token (they take turns); streaming is bounded by the larger of the two.", "",
+        "per token (they take turns); streaming is bounded by the larger of the two. Whatever the learner costs, "
+        f"the ratio is at most **{balanced_ceiling(results):.2f}x** = 1 + the synchronous generator's CPU per token "
+        "over the streaming one's (reached when the learner costs as much per token as the streaming generator).",
+        "",
         "Diagnostics of the same runs:", "",
         "| loop | run | mean decode batch | prefill share | generated tokens/s | learner steps | rollouts/step | padding | "
         "padding if padded | "
-        "version lag | swaps | learner CPU s / rollout | generator CPU s / rollout | learner CPU share in steps | "
+        "version lag | swaps | learner CPU ms / token | generator CPU ms / token | learner CPU share in steps | "
         "generator CPU share |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *[_diagnostics(i, r) for i, r in enumerate(results, 1)], "",
@@ -155,9 +169,10 @@ def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, l
         "prompt that joins a running batch is prefilled inside a decode step and counts as decode time). "
         "*padding*: share of the packed positions the learner's forward passes ran on that hold no token; "
         "*padding if padded*: the same share of the collated B x T batch (what a padded learner runs on). *version lag*: learner version minus "
-        "sampling version, mean over trained tokens. *learner CPU s / rollout*: CPU time of the learner process in "
-        "steps per trained rollout (the work, little affected by other jobs); *generator CPU s / rollout*: CPU time "
-        "of the generator process per completed request (the estimate above uses both per token instead). *CPU share*: CPU seconds per wall "
+        "sampling version, mean over trained tokens. *learner CPU ms / token*: CPU time of the learner process in "
+        "steps per trained action token (the work, little affected by other jobs); *generator CPU ms / token*: CPU "
+        "time of the generator process per token its engine sampled (both as the estimate above uses them). "
+        "*CPU share*: CPU seconds per wall "
         "second (learner: inside its steps; generator: over the loop, all its threads); below 1 means the process "
         "waited for a core.", "",
         f"![rollouts trained over time]({plot.name})", "",

@@ -117,11 +117,6 @@ class LoopResult:
         return tokens / self.elapsed_s
 
     @property
-    def learner_cpu_per_rollout(self) -> float:
-        """CPU seconds of learner steps per trained rollout (little affected by other work on the machine)."""
-        return sum(s.cpu_s for s in self.learner.steps) / self.trained
-
-    @property
     def learner_cpu_share(self) -> float:
         """CPU seconds per wall second inside learner steps: 1.0 = a whole core while training."""
         wall = sum(s.end - s.start for s in self.learner.steps)
@@ -129,7 +124,7 @@ class LoopResult:
 
     @property
     def learner_cpu_per_token(self) -> float:
-        """CPU seconds of learner steps per trained action token."""
+        """CPU seconds of learner steps per trained action token (little affected by other work on the machine)."""
         return sum(s.cpu_s for s in self.learner.steps) / self.trained_tokens if self.trained_tokens else 0.0
 
     @property
@@ -138,11 +133,6 @@ class LoopResult:
         (every prefill or decode step samples one token per sequence)."""
         sampled = sum(s.batch_size for s in self.generator.engine_steps if s.kind != "switch")
         return self.generator.cpu_s / sampled if sampled else 0.0
-
-    @property
-    def generator_cpu_per_rollout(self) -> float:
-        """CPU seconds of the generator process per request it completed."""
-        return self.generator.cpu_s / len(self.generator.generated) if self.generator.generated else 0.0
 
     @property
     def generator_cpu_share(self) -> float:

@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks.bench_straggler import loop_specs, parse_args, run_benchmark
 from benchmarks.straggler.learner import take
-from benchmarks.straggler.report import (contention_free_estimate, pair_ratios, population_mean_length, write_plot,
-                                         write_report)
+from benchmarks.straggler.report import (balanced_ceiling, contention_free_estimate, pair_ratios, population_mean_length,
+                                         write_plot, write_report)
 from benchmarks.straggler.runner import LoopResult, Mailbox
 from benchmarks.straggler.spec import (EngineStep, Finished, GeneratorReport, LearnerReport, LoopSpec, StepRecord,
                                        response_length)
@@ -75,7 +75,6 @@ def test_accounting_clips_to_the_loop_and_weights_by_time():
     assert result.padding_share == pytest.approx(1 - 26 / 28)  # packed positions
     assert result.padding_share_unpacked == pytest.approx(1 - 26 / 32)  # B x T
     assert result.version_lag_mean == pytest.approx(2.0 * 10 / 20)
-    assert result.learner_cpu_per_rollout == pytest.approx(4 / 3)
     assert result.trained_tokens == 20 and result.trained_tokens_per_s == pytest.approx(2.0)
     assert result.mean_trained_length == pytest.approx(20 / 3)
     assert result.learner_cpu_per_token == pytest.approx(4 / 20)
@@ -112,6 +111,20 @@ def test_contention_free_estimate_adds_cpu_times_per_token_for_sync_and_takes_th
     assert estimate["sync"] == pytest.approx(1 / 0.075) and estimate["stream"] == pytest.approx(1 / 0.04)
     estimate = contention_free_estimate([run("sync", 10, 1.0, 0.5, length=2), run("stream", 10, 0.2, 0.9, length=2)])
     assert estimate["stream"] == pytest.approx(1 / 0.045)
+
+
+def test_balanced_ceiling_is_one_plus_the_generators_cost_ratio_and_bounds_every_learner_cost():
+    # generator CPU per token: sync 0.6 s / 20 tokens = 0.03, stream 0.3 s / 20 = 0.015 -> 1 + 2 = 3
+    def pair(learner_cpu_s: float) -> list[LoopResult]:
+        return [run("sync", 10, learner_cpu_s, 0.6, length=2), run("stream", 10, learner_cpu_s, 0.3, length=2)]
+
+    assert balanced_ceiling(pair(1.0)) == pytest.approx(3.0)
+    ratios = {}
+    for learner_cpu_s in (0.1, 0.2, 0.3, 0.5, 1.0):  # the learner cheaper than, as cheap as, dearer than the generator
+        estimate = contention_free_estimate(pair(learner_cpu_s))
+        ratios[learner_cpu_s] = estimate["stream"] / estimate["sync"]
+    assert ratios[0.3] == pytest.approx(3.0)  # l = g_stream = 0.015 s per token: (0.03 + 0.015) / 0.015
+    assert max(ratios.values()) == pytest.approx(3.0) and ratios[0.1] < ratios[0.3] > ratios[1.0]
 
 
 def test_mailbox_keeps_a_worker_s_next_loop_message_until_it_is_asked_for():

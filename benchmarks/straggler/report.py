@@ -76,12 +76,16 @@ def pair_ratios(results: list[LoopResult], metric: str = "trained_tokens_per_s")
             / getattr(next(r for r in pair if r.spec.mode == "sync"), metric) for pair in pairs]
 
 
+def _mode_mean(results: list[LoopResult], mode: str, metric: str) -> float:
+    return statistics.mean(getattr(r, metric) for r in results if r.spec.mode == mode)
+
+
 def contention_free_estimate(results: list[LoopResult]) -> dict[str, float]:
     """Trained tokens/s each loop would reach with a core of its own per process, from CPU
     time per token (mean over runs): sync runs generator and learner one after the
     other (their times add up), streaming runs them side by side (the slower bounds)."""
     def mean(mode: str, metric: str) -> float:
-        return statistics.mean(getattr(r, metric) for r in results if r.spec.mode == mode)
+        return _mode_mean(results, mode, metric)
 
     sync = mean("sync", "learner_cpu_per_token") + mean("sync", "generator_cpu_per_token")
     stream = max(mean("stream", "learner_cpu_per_token"), mean("stream", "generator_cpu_per_token"))
@@ -93,10 +97,8 @@ def balanced_ceiling(results: list[LoopResult]) -> float:
     token (l, the same in both loops): 1 + g_sync / g_stream, the generators' CPU per token (means
     over runs). The ratio (g_sync + l) / max(g_stream, l) rises with l while the generator bounds
     streaming and falls once the learner does; it peaks where l = g_stream."""
-    def mean(mode: str) -> float:
-        return statistics.mean(r.generator_cpu_per_token for r in results if r.spec.mode == mode)
-
-    return 1.0 + mean("sync") / mean("stream")
+    return 1.0 + (_mode_mean(results, "sync", "generator_cpu_per_token")
+                  / _mode_mean(results, "stream", "generator_cpu_per_token"))
 
 
 def write_report(args, argv: list[str], results: list[LoopResult], plot: Path, load_before: float,

@@ -322,7 +322,8 @@ class ServingConfig(Section):
     engine compiles while it starts, before the server reports ready (tens of seconds on 2 CPU
     cores, less from inductor's on-disk cache; a C++ compiler is needed, the service image has
     one); a batch shape it has not met yet may still compile later, stalling decoding once. Either
-    ``kv_layout``. Measured in benchmarks/results/engine_compile.md. False runs eagerly."""
+    ``kv_layout``. Measured in benchmarks/results/engine_compile.md (flat) and
+    engine_compile_padded.md. False runs eagerly."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

@@ -59,7 +59,7 @@ class LoopSpec:
     kv_layout: Literal["padded", "flat"] = "padded"
     """The torch engine's cache layout (ServingConfig.kv_layout), the same in both loops."""
     engine_compile: bool = False
-    """Compile the torch engine's body (ServingConfig.compile; flat layout only) in both loops; its
+    """Compile the torch engine's body (ServingConfig.compile) in both loops; its
     warm-up runs before the loop's clock starts."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The learning rule and its hyper-parameters (SAO by default)."""

@@ -60,9 +60,13 @@ RUNNING_WINDOW = 128
 CRITIC_ROWS = (
     ("value_loss", ((0, "critic squared error"), (1, "running-mean squared error"), (2, "ratio critic / mean"))),
     ("value_loss_adjusted", ((0, "adjusted values' squared error"), (2, "ratio adjusted / mean"))),
+    ("value_loss_first", ((0, "critic squared error, first answer token"), (2, "ratio first token / mean"))),
+    ("value_loss_last", ((0, "critic squared error, last answer token"), (2, "ratio last token / mean"))),
 )
 """Rows of the critic-against-the-running-mean table: the critic's own values, then (with
-``value_shrinkage_window`` or ``value_level_window``) the values the advantages took."""
+``value_shrinkage_window`` or ``value_level_window``) the values the advantages took, then the
+critic's at each answer's first token (from the prompt alone) and its last (having read the
+whole answer): what it reads from the answer, which token-level credit needs."""
 
 
 def share_of(styles: Sequence[str | None], style: str) -> float | None:

@@ -190,6 +190,28 @@ def value_loss(
     return loss, metrics
 
 
+def endpoint_squared_errors(values: torch.Tensor, returns: torch.Tensor,
+                            action_mask: torch.Tensor) -> dict[str, float]:
+    """The critic's squared error at each rollout's first and at its last action token.
+
+    Shapes ``[B, T]``. Metrics ``value_loss_first`` and ``value_loss_last``: the mean over rows
+    with action tokens of ``(V - G)^2`` at the row's first / last action token (NaN when no row has
+    one). The first is the critic's prediction from the prompt alone, the last after reading the
+    whole answer: apart, they show how much of the reward the critic reads from the answer
+    itself, which is what token-level credit (small GAE lambda) needs.
+    """
+    rows = action_mask.any(dim=1)
+    if not bool(rows.any()):
+        return {"value_loss_first": float("nan"), "value_loss_last": float("nan")}
+    positions = torch.arange(action_mask.shape[1], device=action_mask.device).expand_as(action_mask)
+    first = torch.where(action_mask, positions, action_mask.shape[1]).min(dim=1).values[rows]
+    last = torch.where(action_mask, positions, -1).max(dim=1).values[rows]
+    err = (values.detach() - returns.detach()).double()[rows]
+    picked = torch.arange(err.shape[0], device=err.device)
+    return {"value_loss_first": float(err[picked, first].square().mean()),
+            "value_loss_last": float(err[picked, last].square().mean())}
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
     """``1 - Var(G - V) / Var(G)`` over action tokens; NaN when there are fewer than 2 tokens or
     Var(G) is at most MIN_EXPLAINABLE_VARIANCE (undefined)."""

@@ -37,7 +37,7 @@ from online_sao.advantages import length_adaptive_lambda, skip_observation_gae, 
 from online_sao.algorithm import ActorCritic
 from online_sao.batch import RolloutBatch
 from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
-from online_sao.losses import dis_policy_loss, value_loss
+from online_sao.losses import dis_policy_loss, endpoint_squared_errors, value_loss
 from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward
 from online_sao.value_shrinkage import ShrinkageWindow, anchor_level, rollout_sums, shrink
 
@@ -65,7 +65,8 @@ class SAO(ActorCritic):
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
         explained_variance and value_mean (critic before any update of this step, on this
-        batch: out-of-sample whatever the order), value_loss_used and
+        batch: out-of-sample whatever the order), value_loss_first and value_loss_last (its
+        squared error at each rollout's first and last action token, this rank's rollouts), value_loss_used and
         explained_variance_used (the values the advantages use), value_loss_after and
         explained_variance_after (critic after this step's updates; under ``judge_then_fit`` only
         with ``critic_after_metrics``), critic_fit_loss (first
@@ -200,7 +201,7 @@ class SAO(ActorCritic):
         _, targets = skip_observation_gae(batch.rewards, values, mask, self.cfg.gamma, self.cfg.lambda_critic)
         loss, critic_metrics = value_loss(values, targets, mask, batch.token_normalizer)
         return {"value_loss": float(loss), "explained_variance": critic_metrics["explained_variance"],
-                "value_mean": critic_metrics["value_mean"]}
+                "value_mean": critic_metrics["value_mean"], **endpoint_squared_errors(values, targets, mask)}
 
     def _advantages(self, batch: RolloutBatch, values: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         cfg, mask = self.cfg, batch.action_mask

@@ -103,3 +103,20 @@ def test_the_report_adds_the_adjusted_rows_only_for_an_arm_that_has_them(tmp_pat
     assert "| levelled | adjusted values' squared error |" in text
     assert "| plain | adjusted values' squared error |" not in text
     assert text.count("running-mean squared error") == 2  # once per arm, from the critic's rows
+
+
+def test_the_report_sets_the_first_and_last_token_errors_against_the_running_mean(tmp_path):
+    schedule = [{"from_rollout": 0, "style": "cute"}, {"from_rollout": 4, "style": "archaic"},
+                {"from_rollout": 8, "style": "formal"}]
+    scenario = ExperimentConfig(schedule=schedule, rollouts_per_arm=12, arms=[{"name": "sao"}])
+    # rewards 0, 1, 0, 1, ... delivered in order: in the second phase (rollouts 4-7) the means before
+    # rollouts 4, 5, 6, 7 are 1/2, 2/5, 1/2, 3/7, so the running mean's squared errors are
+    # (0 - 1/2)^2, (1 - 2/5)^2, (0 - 1/2)^2, (1 - 3/7)^2 = 1/4, 9/25, 1/4, 16/49
+    rewards = [_reward(k, float(k % 2)) for k in range(12)]
+    steps = [_step(5, value_loss=0.2, value_loss_first=0.25, value_loss_last=0.05)]
+    text = report([Run(tmp_path, scenario, {"sao": ArmResults(name="sao", rewards=rewards, evals=[], steps=steps)})])
+    mean_error = (1 / 4 + 9 / 25 + 1 / 4 + 16 / 49) / 4
+    last = next(line for line in text.splitlines() if "ratio last token / mean" in line).split("|")
+    assert last[4].strip().startswith(f"{0.05 / mean_error:.3f}")  # the archaic phase's cell
+    first = next(line for line in text.splitlines() if "critic squared error, first answer token" in line)
+    assert first.split("|")[4].strip().startswith("0.250")

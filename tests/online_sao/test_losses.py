@@ -6,6 +6,7 @@ import torch
 from online_sao.losses import (
     clipped_surrogate_loss,
     dis_policy_loss,
+    endpoint_squared_errors,
     explained_variance,
     token_logprobs,
     value_loss,
@@ -184,6 +185,22 @@ def _outside_nucleus_case():
     logprobs = token_logprobs(logits, input_ids, torch.ones(1, 3), torch.full((1, 3), 0.5))
     assert logprobs[0, 1].item() == 0.0 and logprobs[0, 2].item() == -math.inf
     return logits, logprobs, torch.tensor([[False, True, True]])
+
+
+def test_endpoint_squared_errors_take_each_rows_first_and_last_action_token():
+    # row 0: actions at 1, 2, 3 (prompt at 0); row 1: one action at 2 (first = last); row 2: none
+    values = torch.tensor([[9.0, 0.5, 0.7, 0.9], [9.0, 9.0, 0.2, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    returns = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.6, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[False, True, True, True], [False, False, True, False], [False, False, False, False]])
+    metrics = endpoint_squared_errors(values, returns, mask)
+    # first: ((0.5 - 1)^2 + (0.2 - 0.6)^2) / 2 = (0.25 + 0.16) / 2; last: ((0.9 - 1)^2 + 0.16) / 2
+    assert metrics["value_loss_first"] == pytest.approx(0.205)
+    assert metrics["value_loss_last"] == pytest.approx(0.085)
+
+
+def test_endpoint_squared_errors_without_action_tokens_are_nan():
+    metrics = endpoint_squared_errors(torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    assert math.isnan(metrics["value_loss_first"]) and math.isnan(metrics["value_loss_last"])
 
 
 def test_token_outside_the_current_nucleus_is_masked_out_of_dis_and_counted():

@@ -26,7 +26,10 @@ Markdown tables, each cell the mean over seeds with its 95% bootstrap interval:
 * value pre-training's held-out explained variance (the arm summaries);
 * the drift detector's restarts (steps with ``drift_alarm``): per seed the rollouts at which
   they came, restarts before the first switch (false alarms), and each switch's detection
-  delay (rollouts from the switch to the first restart after it, before the next switch).
+  delay (rollouts from the switch to the first restart after it, before the next switch);
+  for each restart inside a phase, what fell before it: the reward, the judge's quality, or the
+  share of answers in the preferred style (a quality drop with the style kept is the learner's
+  own answers getting worse, not the users changing).
 
     .venv/bin/python benchmarks/drift_diagnostics.py RESULTS_DIR
 """
@@ -141,6 +144,33 @@ def restarts(steps: Sequence[StepRow]) -> list[int]:
     return [s.rollout for s in steps if s.metrics.get("drift_alarm", 0.0) > 0]
 
 
+CONTEXT_RECENT, CONTEXT_REFERENCE = 16, 48
+"""Rollouts before a restart read as the detector's two windows (drift.recent, drift.reference
+defaults): what the answers were like in the reference window and in the recent one."""
+SWITCH_HORIZON = 60
+"""A restart more than this many rollouts after the last switch is "inside a phase": the longest
+detection delay seen after a switch in the replay calibration was 47 (docs/EXPERIMENTS.md section 10)."""
+
+
+def window_means(rewards: Sequence[RewardRow], start: int, end: int) -> tuple[float, float, float] | None:
+    """Delivered rollouts in ``[start, end)`` -> (mean reward, mean quality, share of answers in
+    the style preferred at the time); None when there are none."""
+    rows = [r for r in rewards if r.delivered and start <= r.rollout < end]
+    if not rows:
+        return None
+    n = len(rows)
+    return (sum(r.reward for r in rows) / n, sum(r.quality for r in rows) / n,
+            sum(r.sampled_style == r.preferred for r in rows) / n)
+
+
+def restart_context(rewards: Sequence[RewardRow], at: int) -> tuple[tuple[float, float, float], ...] | None:
+    """:func:`window_means` of the reference window and of the recent window before a restart at
+    rollout ``at``; None when either is empty."""
+    before = window_means(rewards, at - CONTEXT_RECENT - CONTEXT_REFERENCE, at - CONTEXT_RECENT)
+    recent = window_means(rewards, at - CONTEXT_RECENT, at + 1)
+    return None if before is None or recent is None else (before, recent)
+
+
 def detection_delay(alarms: Sequence[int], start: int, end: int) -> int | None:
     """Rollouts from a switch at ``start`` to the first restart in ``[start, end)``; None: none."""
     return next((a - start for a in alarms if start <= a < end), None)
@@ -191,6 +221,23 @@ def report(runs: list[Run]) -> str:
                               else f"- (0/{len(alarms)})")
         early = sum(1 for a in alarms for x in a if x < phases[1][1]) if len(phases) > 1 else 0
         lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
+    lines += ["", f"Restarts inside a phase (more than {SWITCH_HORIZON} rollouts after the last switch): the "
+              f"delivered answers' mean reward, quality and share in the preferred style, {CONTEXT_REFERENCE} "
+              f"rollouts before the last {CONTEXT_RECENT} -> those {CONTEXT_RECENT}", "",
+              _row(["arm", "seed", "rollout", "reward", "quality", "preferred-style share"]), "|---|---|---|---|---|---|"]
+    for arm in arms:
+        for k, run in enumerate(runs):
+            if arm not in run.arms:
+                continue
+            for at in restarts(run.arms[arm].steps):
+                switch = max(s for _, s, _, _ in phases if s <= at)
+                if switch > 0 and at - switch <= SWITCH_HORIZON:
+                    continue
+                context = restart_context(run.arms[arm].rewards, at)
+                if context is not None:
+                    (b_r, b_q, b_s), (r_r, r_q, r_s) = context
+                    lines.append(_row([arm, str(k), str(at), f"{b_r:.2f} -> {r_r:.2f}", f"{b_q:.2f} -> {r_q:.2f}",
+                                       f"{b_s:.2f} -> {r_s:.2f}"]))
     head = ["arm", "measure", *(f"{style} ({s}-{e - 1})" for style, s, e, _ in phases)]
     lines += ["", f"The critic against a running mean of {RUNNING_WINDOW} rewards as a predictor of the reward "
               "(squared errors per phase, mean over seeds; the critic's a mean over answer tokens before each "

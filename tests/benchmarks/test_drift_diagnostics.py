@@ -9,8 +9,9 @@ import pytest
 from apps.config import ExperimentConfig
 from apps.experiments.aggregate import Run
 from apps.experiments.results import ArmResults, RewardRow, StepRow
-from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, restarts,
-                                          report, running_mean_squared_error, share_of, step_median)
+from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, report,
+                                          restart_context, restarts, running_mean_squared_error, share_of,
+                                          step_median)
 
 
 def _step(rollout: int, **metrics: float) -> StepRow:
@@ -120,3 +121,20 @@ def test_the_report_sets_the_first_and_last_token_errors_against_the_running_mea
     assert last[4].strip().startswith(f"{0.05 / mean_error:.3f}")  # the archaic phase's cell
     first = next(line for line in text.splitlines() if "critic squared error, first answer token" in line)
     assert first.split("|")[4].strip().startswith("0.250")
+
+
+def _answer(rollout: int, reward: float, quality: float, sampled: str, delivered: bool = True) -> RewardRow:
+    return RewardRow(rollout=rollout, t=float(rollout), version=0, reward=reward, quality=quality, style=0.0,
+                     preferred="cute", sampled_style=sampled, delivered=delivered)
+
+
+def test_restart_context_reads_the_reference_and_recent_windows():
+    # reference window [100 - 64, 100 - 16) = [36, 84), recent [84, 100]
+    rewards = [_answer(40, 0.8, 1.0, "cute"), _answer(60, 0.6, 0.8, "formal"),
+               _answer(50, 9.0, 9.0, "cute", delivered=False),  # not delivered: left out
+               _answer(10, 9.0, 9.0, "cute"),                    # before the reference window
+               _answer(90, 0.1, 0.2, "cute"), _answer(100, 0.3, 0.4, "cute"), _answer(101, 9.0, 9.0, "cute")]
+    before, recent = restart_context(rewards, 100)
+    assert before == pytest.approx((0.7, 0.9, 0.5))
+    assert recent == pytest.approx((0.2, 0.3, 1.0))
+    assert restart_context(rewards, 30) is None  # nothing in its recent window

@@ -164,10 +164,11 @@ def window_means(rewards: Sequence[RewardRow], start: int, end: int) -> tuple[fl
 
 
 def restart_context(rewards: Sequence[RewardRow], at: int) -> tuple[tuple[float, float, float], ...] | None:
-    """:func:`window_means` of the reference window and of the recent window before a restart at
-    rollout ``at``; None when either is empty."""
-    before = window_means(rewards, at - CONTEXT_RECENT - CONTEXT_REFERENCE, at - CONTEXT_RECENT)
-    recent = window_means(rewards, at - CONTEXT_RECENT, at + 1)
+    """:func:`window_means` of the reference window and of the recent window that end with the
+    rollout ``at`` a restart came at; None when either is empty."""
+    end = at + 1
+    before = window_means(rewards, end - CONTEXT_RECENT - CONTEXT_REFERENCE, end - CONTEXT_RECENT)
+    recent = window_means(rewards, end - CONTEXT_RECENT, end)
     return None if before is None or recent is None else (before, recent)
 
 

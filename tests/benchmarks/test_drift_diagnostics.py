@@ -129,12 +129,12 @@ def _answer(rollout: int, reward: float, quality: float, sampled: str, delivered
 
 
 def test_restart_context_reads_the_reference_and_recent_windows():
-    # reference window [100 - 64, 100 - 16) = [36, 84), recent [84, 100]
+    # windows ending with rollout 100: reference [37, 85), recent [85, 101)
     rewards = [_answer(40, 0.8, 1.0, "cute"), _answer(60, 0.6, 0.8, "formal"),
                _answer(50, 9.0, 9.0, "cute", delivered=False),  # not delivered: left out
-               _answer(10, 9.0, 9.0, "cute"),                    # before the reference window
+               _answer(36, 9.0, 9.0, "cute"),                    # before the reference window
                _answer(90, 0.1, 0.2, "cute"), _answer(100, 0.3, 0.4, "cute"), _answer(101, 9.0, 9.0, "cute")]
     before, recent = restart_context(rewards, 100)
     assert before == pytest.approx((0.7, 0.9, 0.5))
     assert recent == pytest.approx((0.2, 0.3, 1.0))
-    assert restart_context(rewards, 30) is None  # nothing in its recent window
+    assert restart_context(rewards, 30) is None  # nothing in its recent window [15, 31)

@@ -24,6 +24,7 @@ announces to serving).
 
 from __future__ import annotations
 
+import fcntl
 import tempfile
 import time
 from pathlib import Path
@@ -82,15 +83,42 @@ def _is(exc: MlflowException, code: int) -> bool:
     return exc.error_code == ErrorCode.Name(code)
 
 
+def open_client(uri: str) -> MlflowClient:
+    """An MLflow client on ``uri`` for tracking and the registry. A SQLite store is created
+    (directory, tables, migrations) under an exclusive lock on ``<db>.lock``: processes that open
+    the same new store at once (seeds run in parallel) otherwise race in MLflow's migrations and
+    fail ("Online migration expected to match one row")."""
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # may create the tables itself
+        client.search_experiments(max_results=1)        # creates or checks the tracking tables
+        client.search_registered_models(max_results=1)  # and the registry's
+    return client
+
+
+def experiment_id(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
+    """The id of experiment ``name``, created if missing (by whichever process gets there first)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as exc:  # another process created it between our two calls
+        if not _is(exc, RESOURCE_ALREADY_EXISTS):
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
 class RunTracker:
     """The learner's MLflow run and its registered policy versions (rank 0 only)."""
 
     def __init__(self, cfg: Config, run_id: str | None = None) -> None:
         self.cfg = cfg
-        uri = cfg.mlflow_uri
-        if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        self.client = open_client(cfg.mlflow_uri)
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
         if run_id is None:
@@ -100,20 +128,9 @@ class RunTracker:
             self._resume()
 
     # -- run lifetime -----------------------------------------------------------------
-    def _experiment_id(self) -> str:
-        name = self.cfg.mlflow.experiment
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=_artifact_root(self.cfg))
-        except MlflowException as exc:  # another process created it between our two calls
-            if not _is(exc, RESOURCE_ALREADY_EXISTS):
-                raise
-            return self.client.get_experiment_by_name(name).experiment_id
-
     def _new_run(self) -> str:
-        run = self.client.create_run(self._experiment_id(), run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
+        experiment = experiment_id(self.client, self.cfg.mlflow.experiment, _artifact_root(self.cfg))
+        run = self.client.create_run(experiment, run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
                                      tags={"component": "learner", "restarts": "0"})
         params = flatten_config(self.cfg)
         self._log_params(run.info.run_id, params)

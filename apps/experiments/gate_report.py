@@ -87,9 +87,9 @@ def _gate(tags: dict[str, str]) -> str:
 def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> list[RegistryDecision]:
     """The decided registry versions of learner run ``run_id``, oldest first, each placed on the
     arm's rollout clock by ``rewards``."""
-    from mlflow import MlflowClient
+    from trainer.tracking import open_client
 
-    client = MlflowClient(tracking_uri=acfg.mlflow_uri, registry_uri=acfg.mlflow_uri)
+    client = open_client(acfg.mlflow_uri)
     found, token = [], None
     while True:
         page = client.search_model_versions(f"name = '{acfg.mlflow.registered_model}'", page_token=token)
@@ -172,7 +172,7 @@ def write_gate_report(runs: list[Run], arms: list[str], out_dir: Path) -> list[s
     if not decided:
         return []
     lines = ["", "## Registry decisions (promotion gate and monitors)", "",
-             f"Read from MLflow: every decided candidate of each arm's learner run"
+             "Read from MLflow: every decided candidate of each arm's learner run"
              + (f" (seed directory {run.directory.name})" if len(runs) > 1 else "") + ". The release of version "
              "\"decided at\" (the candidate plus `mlflow.register_every`; a drift restart: itself) decided; "
              "rollout and s: the first judged rollout that version answered, and its time from the arm's first. "

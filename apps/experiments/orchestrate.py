@@ -131,9 +131,9 @@ def needs_critic(acfg: AppConfig) -> bool:
 def learner_run(acfg: AppConfig):
     """The arm's newest learner run in MLflow (an ``mlflow.entities.Run``), found by its consumer
     group, which names the arm; None when there is none."""
-    from mlflow import MlflowClient
+    from trainer.tracking import open_client
 
-    client = MlflowClient(tracking_uri=acfg.mlflow_uri)
+    client = open_client(acfg.mlflow_uri)
     experiment = client.get_experiment_by_name(acfg.mlflow.experiment)
     if experiment is None:
         return None
@@ -198,11 +198,12 @@ def reset_registry(acfg: AppConfig, progress: Callable[[str], None]) -> None:
     """Delete the arm's registered model left by an earlier run: its ``candidate`` and
     ``champion`` aliases point at weights :func:`reset_arm` deleted, and the new learner would
     decide its first candidate against them. The earlier learner runs stay in MLflow."""
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
-    client = MlflowClient(tracking_uri=acfg.mlflow_uri, registry_uri=acfg.mlflow_uri)
+    from trainer.tracking import open_client
+
+    client = open_client(acfg.mlflow_uri)
     try:
         client.delete_registered_model(acfg.mlflow.registered_model)
     except MlflowException as exc:

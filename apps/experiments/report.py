@@ -107,12 +107,10 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], reference: str | None) -> lis
 
 def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str) -> str:
     """One MLflow run holding the report directory as artifacts and each arm's mean measures; returns its id."""
-    from mlflow import MlflowClient
+    from trainer.tracking import experiment_id, open_client  # MLflow loads only when a report logs
 
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-    run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+    client = open_client(uri)
+    run_id = client.create_run(experiment_id(client, experiment), run_name=run_name).info.run_id
     for a in arms:
         values = {"mean_reward": a.mean_reward, "post_switch_mean": a.post_switch_mean}
         for p in a.phases:

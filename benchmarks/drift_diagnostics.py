@@ -140,8 +140,36 @@ def critic_vs_running_mean(arm: ArmResults, start: int, end: int,
 
 
 def restarts(steps: Sequence[StepRow]) -> list[int]:
-    """Rollout index of every step that restarted the learner after a drift alarm."""
-    return [s.rollout for s in steps if s.metrics.get("drift_alarm", 0.0) > 0]
+    """Rollout index of every step that restarted the learner after a drift alarm (a roll-back,
+    ``drift.rollback_first``, is not a restart)."""
+    return [s.rollout for s in steps if s.metrics.get("drift_alarm", 0.0) > 0 and not _rolled_back(s)]
+
+
+def _rolled_back(step: StepRow) -> bool:
+    return step.metrics.get("drift_rollback", 0.0) > 0
+
+
+def rollbacks(steps: Sequence[StepRow]) -> list[tuple[int, str]]:
+    """Each roll-back's rollout index and how its probation ended: "held" (no restart),
+    "restarted" (the probation's test or the detector fired first), or "open" (the run ended)."""
+    found = []
+    for i, step in enumerate(steps):
+        if not _rolled_back(step):
+            continue
+        outcome = "open"
+        for later in steps[i + 1:]:
+            if later.metrics.get("drift_alarm", 0.0) > 0:  # a probation always ends in a restart
+                outcome = "restarted"
+                break
+            if _ends_probation(later):
+                outcome = "held"
+                break
+        found.append((step.rollout, outcome))
+    return found
+
+
+def _ends_probation(step: StepRow) -> bool:
+    return not math.isnan(step.metrics.get("drift_probation_z", math.nan))
 
 
 CONTEXT_RECENT, CONTEXT_REFERENCE = 16, 48
@@ -222,6 +250,12 @@ def report(runs: list[Run]) -> str:
                               else f"- (0/{len(alarms)})")
         early = sum(1 for a in alarms for x in a if x < phases[1][1]) if len(phases) > 1 else 0
         lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
+    backs = {arm: [rollbacks(run.arms[arm].steps) for run in runs if arm in run.arms] for arm in arms}
+    if any(b for seeds in backs.values() for b in seeds):
+        lines += ["", "Drift roll-backs (`drift.rollback_first`; seeds in order: the rollout, then how the "
+                  "probation ended: held, restarted, or open)", "", _row(["arm", "roll-backs (per seed)"]), "|---|---|"]
+        for arm in arms:
+            lines.append(_row([arm, "; ".join(",".join(f"{at} {how}" for at, how in b) or "none" for b in backs[arm])]))
     lines += ["", f"Restarts inside a phase (more than {SWITCH_HORIZON} rollouts after the last switch): the "
               f"delivered answers' mean reward, quality and share in the preferred style, {CONTEXT_REFERENCE} "
               f"rollouts before the last {CONTEXT_RECENT} -> those {CONTEXT_RECENT}", "",

@@ -76,6 +76,11 @@ class Rollout:
     def total_reward(self) -> float:
         return float(sum(self.rewards.values()))
 
+    @property
+    def policy_version(self) -> int:
+        """The newest version that sampled any of its action tokens (0 when it has none)."""
+        return max((v for v, action in zip(self.versions, self.action_mask) if action), default=0)
+
 
 def rollouts_to_json(rollouts: list[Rollout]) -> list[dict[str, Any]]:
     """Rollouts as JSON-ready dicts (reward positions become [index, value] pairs). The per-token

@@ -581,6 +581,14 @@ class DriftConfig(Section):
     preference mis-rank the new one's answers (explained variance about -2 after a switch)."""
     reset_optimizers: bool = True
     """On an alarm the optimisers' moment estimates are cleared (they point the old way)."""
+    rollback_first: bool = False
+    """On an alarm, first return policy and critic to their weights from the start of the
+    detector's reference window (the weights that earned the reference level) and restart only
+    if the next ``recent`` rewards of answers sampled by the restored version are still below
+    that level by the same test. For a drop of the learner's own quality, which a restart would
+    answer by discarding what it learned (docs/EXPERIMENTS.md section 17); a real switch pays
+    about ``recent`` more rollouts of delay. Keeps about ``(reference + recent) / recent + 2``
+    snapshots of policy and critic in memory."""
 
 
 class Config(Section):

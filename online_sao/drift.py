@@ -60,6 +60,8 @@ class RewardDropDetector:
     def __init__(self, settings: DriftSettings) -> None:
         self.settings = settings
         self.history: deque[float] = deque(maxlen=settings.reference + settings.recent)
+        self.alarm_reference: list[float] = []
+        """The reference window of the newest alarm: the level a roll-back is judged against."""
 
     def observe(self, rewards: list[float]) -> tuple[bool, dict[str, float]]:
         """Add one step's rewards (in the order trained) and test. Returns (alarm, metrics
@@ -74,6 +76,7 @@ class RewardDropDetector:
             drop, z = mean_shift(values[:s.reference], values[s.reference:])
             if drop >= s.min_drop and z >= s.z_threshold:
                 alarm = True
+                self.alarm_reference = values[:s.reference]
                 self.history.clear()  # the rewards before the change say nothing about after it
                 break  # the rest of this step's rewards are the first of the new regime
         if alarm:

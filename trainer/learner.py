@@ -13,7 +13,8 @@
    and every rank learns the decision (:func:`next_rollouts`);
 3. every rank trains on its share: ``Algorithm.step`` (SAO: K critic updates,
    GAE, one DIS policy update); with ``drift.enabled`` a sustained drop of the
-   step rewards restarts the policy's exploration (trainer/plasticity.py). A
+   step rewards restarts the policy's exploration, or with ``drift.rollback_first``
+   first rolls it back to its weights before the drop (trainer/plasticity.py). A
    step whose inputs, loss or gradients are not finite is refused by every rank
    together (the rule's finiteness checks are all-reduced,
    :func:`trainer.distributed.finite_vote`): no weight changes, its
@@ -24,8 +25,8 @@
    publishes nothing); every ``mlflow.register_every`` versions it is registered as
    candidate (and checkpointed) after the previous candidate was promoted or rolled back
    on the gate's evidence; a roll-back restores the champion's whole training state
-   (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart is
-   published at once and becomes the champion;
+   (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart or
+   roll-back is published at once and becomes the champion;
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
    offsets it covers are committed to Kafka (:func:`checkpoint`); with
    ``trainer.checkpoint_in_background`` the state is copied and written on a thread
@@ -186,7 +187,8 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
     if models.drift is not None and not refused:  # every rank has the step's rollouts: all agree
-        metrics.update(models.drift.after_step([r.total_reward for r in rollouts]))
+        metrics.update(models.drift.after_step([r.total_reward for r in rollouts],
+                                               [r.policy_version for r in rollouts], at.version + 1))
     at.changed_since_publish = at.changed_since_publish or not refused
     if rank0 is not None:
         rank0.record_step(at.step, rollouts, metrics, refused)
@@ -198,8 +200,8 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
     """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). A version
     the registry just made its candidate is checkpointed at once (kept while candidate or
     champion); a roll-back restores the champion's whole training state from its checkpoint
-    (only its weights, from the store, when none is kept). ``restarted``: the step restarted the
-    policy after a detected preference change; the registry makes this version its champion
+    (only its weights, from the store, when none is kept). ``restarted``: the step restarted (or
+    rolled back) the policy after a detected reward drop; the registry makes this version its champion
     (:meth:`trainer.publisher.Releases.rebase`). Collective."""
     at.changed_since_publish = False
     at.version += 1
@@ -222,7 +224,7 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
         if rank0 is not None:
             rank0.counters["rollbacks"] += 1
     if restarted and rank0 is not None:
-        rank0.counters["drift_restarts"] += 1
+        rank0.counters["drift_rollbacks" if metrics.get("drift_rollback", 0.0) > 0 else "drift_restarts"] += 1
     if outcome.registered:
         checkpoint(models, at, rank0, ctx)
 

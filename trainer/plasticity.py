@@ -12,6 +12,14 @@
 - tells the learning rule to forget reward statistics gathered before the change
   (:meth:`online_sao.algorithm.Algorithm.forget`: the running-mean baselines' window).
 
+With ``rollback_first`` an alarm first rolls policy and critic back to the newest snapshot taken
+before the detector's reference window (optimiser moments cleared with ``reset_optimizers``; the
+rule's statistics kept: the users did not change) and opens a probation: once ``recent`` rewards
+of answers sampled by the restored version or later have arrived, they are tested against the
+alarm's reference window with the detector's own test, and only a drop restarts as above. A fall
+of the learner's own quality is then undone without discarding the learned preference
+(docs/EXPERIMENTS.md section 17). Snapshots are taken every ``recent`` trained rewards.
+
 Every rank holds the starting values of its own shard of each parameter (one more copy of
 policy and critic in memory) and applies the same arithmetic to it; every rank sees every
 step's rewards (the learner broadcasts the step's rollouts), so all ranks agree on the alarm
@@ -23,12 +31,14 @@ The detector's reward history is not checkpointed: after a restart it fills agai
 from __future__ import annotations
 
 import logging
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from online_sao.config import DriftConfig
-from online_sao.drift import DriftSettings, RewardDropDetector
+from online_sao.drift import DriftSettings, RewardDropDetector, mean_shift
 from trainer.distributed import sharded_parameters
 from trainer.state import Trainables
 
@@ -47,8 +57,27 @@ def shrink_towards(model: nn.Module, start: list[torch.Tensor], keep: float) -> 
         p.mul_(keep).add_(p0, alpha=1.0 - keep)
 
 
+@dataclass
+class Snapshot:
+    """Policy and critic weights after ``seen`` trained rewards."""
+
+    seen: int
+    policy: list[torch.Tensor]
+    critic: list[torch.Tensor] | None
+
+
+@dataclass
+class Probation:
+    """After a roll-back: the alarm's reference rewards and the rewards of answers sampled by the
+    restored version (``from_version``) or later, gathered until there are ``recent`` of them."""
+
+    reference: list[float]
+    from_version: int
+    rewards: list[float] = field(default_factory=list)
+
+
 class DriftResponse:
-    """The detector and the restart it triggers (module docstring)."""
+    """The detector and the roll-back or restart it triggers (module docstring)."""
 
     def __init__(self, cfg: DriftConfig, trainables: Trainables) -> None:
         self.cfg = cfg
@@ -56,26 +85,93 @@ class DriftResponse:
         self.detector = RewardDropDetector(DriftSettings(cfg.recent, cfg.reference, cfg.min_drop, cfg.z_threshold))
         self.policy_start = snapshot(trainables.policy)
         self.critic_start = snapshot(trainables.critic) if cfg.reset_critic else None
+        self.seen = 0
+        """Trained rewards observed (a snapshot's clock)."""
+        kept = (cfg.reference + cfg.recent) // cfg.recent + 2  # one at or before the reference window's start
+        self.snapshots: deque[Snapshot] = deque(maxlen=kept)
+        self.probation: Probation | None = None
 
-    def after_step(self, rewards: list[float]) -> dict[str, float]:
-        """Feed one trained step's rewards (in order); restart on an alarm. Returns the
-        detector's metrics (``drift_alarm`` 1.0 on the step that restarted)."""
+    def after_step(self, rewards: list[float], versions: list[int] | None = None,
+                   next_version: int = 0) -> dict[str, float]:
+        """Feed one trained step's rewards (in order) and the policy versions that sampled them
+        (None: all by the current policy); ``next_version``: the version the learner publishes
+        next (a roll-back's restored weights). Rolls back or restarts on an alarm. Returns the
+        detector's metrics: ``drift_alarm`` 1.0 on a step that changed the policy (published at
+        once), ``drift_rollback`` 1.0 when that change was a roll-back."""
+        versions = versions if versions is not None else [next_version] * len(rewards)
         alarm, metrics = self.detector.observe(rewards)
-        if alarm:
-            self.restart()
-            log.warning("reward drift: mean fell by %.3f (z=%.1f); policy shrunk to %.2f of its distance from the "
-                        "start%s%s", metrics["drift_drop"], metrics["drift_z"], self.cfg.policy_shrink,
-                        ", critic reset" if self.critic_start is not None else "",
-                        ", optimiser moments cleared" if self.cfg.reset_optimizers else "")
+        self.seen += len(rewards)
+        failed = self._probation_failed(rewards, versions, metrics)
+        rolled_back = False
+        if alarm or failed:
+            if failed and not alarm:  # rewards since the roll-back say nothing about after a restart
+                self.detector.history.clear()
+            at_alarm = self.seen - len(self.detector.history)  # the step's rewards after the alarm stay
+            restored = self._snapshot_before(at_alarm - self.cfg.reference - self.cfg.recent)
+            if self.cfg.rollback_first and self.probation is None and not failed and restored is not None:
+                self.rollback(restored, next_version)
+                rolled_back = True
+            else:
+                self.restart()
+            self.snapshots.clear()  # what came after the restored weights, or before the restart
+            self._log(metrics, rolled_back)
+        elif self.cfg.rollback_first and (not self.snapshots or self.seen - self.snapshots[-1].seen >= self.cfg.recent):
+            self.snapshots.append(Snapshot(self.seen, snapshot(self.trainables.policy), snapshot(self.trainables.critic)))
+        metrics["drift_alarm"] = float(alarm or failed)
+        metrics["drift_rollback"] = float(rolled_back)
         return metrics
+
+    def _probation_failed(self, rewards: list[float], versions: list[int], metrics: dict[str, float]) -> bool:
+        """Gather a probation's rewards; True when it ends with a drop (its drop and z go into
+        ``metrics``). A probation ends either way once it holds ``recent`` rewards."""
+        p = self.probation
+        if p is None:
+            return False
+        p.rewards.extend(r for r, v in zip(rewards, versions, strict=True) if v >= p.from_version)
+        if len(p.rewards) < self.cfg.recent:
+            return False
+        self.probation = None
+        drop, z = mean_shift(p.reference, p.rewards[:self.cfg.recent])
+        metrics["drift_probation_drop"], metrics["drift_probation_z"] = drop, z
+        if drop >= self.cfg.min_drop and z >= self.cfg.z_threshold:
+            metrics["drift_drop"], metrics["drift_z"] = drop, z
+            return True
+        log.warning("reward drift: the rolled-back policy holds its level (drop %.3f, z=%.1f): no restart", drop, z)
+        return False
+
+    def _snapshot_before(self, seen: int) -> Snapshot | None:
+        """The newest snapshot taken at or before ``seen`` trained rewards."""
+        return next((s for s in reversed(self.snapshots) if s.seen <= seen), None)
+
+    def _log(self, metrics: dict[str, float], rolled_back: bool) -> None:
+        if rolled_back:
+            log.warning("reward drift: mean fell by %.3f (z=%.1f); policy and critic rolled back to their weights "
+                        "before the reference window, on probation", metrics["drift_drop"], metrics["drift_z"])
+            return
+        log.warning("reward drift: mean fell by %.3f (z=%.1f); policy shrunk to %.2f of its distance from the "
+                    "start%s%s", metrics["drift_drop"], metrics["drift_z"], self.cfg.policy_shrink,
+                    ", critic reset" if self.critic_start is not None else "",
+                    ", optimiser moments cleared" if self.cfg.reset_optimizers else "")
+
+    def rollback(self, restored: Snapshot, next_version: int) -> None:
+        t = self.trainables
+        shrink_towards(t.policy, restored.policy, 0.0)
+        if restored.critic is not None and t.critic is not None:
+            shrink_towards(t.critic, restored.critic, 0.0)
+        self._clear_moments()
+        self.probation = Probation(list(self.detector.alarm_reference), next_version)
 
     def restart(self) -> None:
         t = self.trainables
         shrink_towards(t.policy, self.policy_start, self.cfg.policy_shrink)
         if self.critic_start is not None and t.critic is not None:
             shrink_towards(t.critic, self.critic_start, 0.0)
+        self._clear_moments()
+        self.probation = None
+        t.algorithm.forget()
+
+    def _clear_moments(self) -> None:
         if self.cfg.reset_optimizers:
-            for optimizer in (t.optimizers.policy, t.optimizers.critic):
+            for optimizer in (self.trainables.optimizers.policy, self.trainables.optimizers.critic):
                 if optimizer is not None:
                     optimizer.state.clear()
-        t.algorithm.forget()

@@ -165,13 +165,19 @@ class Releases:
         for the rest of the phase (docs/DEPLOY.md, "After a preference change"). The restart point
         is the starting policy, so from here on candidates are compared with it on the same
         traffic, and a roll-back returns to it, never to the old preference's policy. A candidate
-        still pending is superseded. The detector's evidence goes onto the registry version."""
+        still pending is superseded. The detector's evidence goes onto the registry version. A
+        drift roll-back (``drift_rollback`` in ``drift``: the weights from before the drop, see
+        ``drift.rollback_first``) is rebased the same way: it replaces the policy that lost the
+        level, whatever the registry had decided about that one."""
         self._register(ref, metrics, reads)
-        evidence = {"gate.decision": "drift_restart",
+        rolled_back = drift.get("drift_rollback", 0.0) > 0
+        evidence = {"gate.decision": "drift_rollback" if rolled_back else "drift_restart",
                     "gate.reason": (f"reward fell by {drift.get('drift_drop', math.nan):.4f} "
-                                    f"(z={drift.get('drift_z', math.nan):.2f}): policy restarted, champion rebased"),
+                                    f"(z={drift.get('drift_z', math.nan):.2f}): policy "
+                                    f"{'rolled back' if rolled_back else 'restarted'}, champion rebased"),
                     **{f"drift.{k.removeprefix('drift_')}": repr(float(v)) for k, v in drift.items()}}
-        log.warning("registry: restart v%d is champion after a detected preference change", ref.version)
+        log.warning("registry: %s v%d is champion after a detected reward drop",
+                    "roll-back" if rolled_back else "restart", ref.version)
         self.tracker.record_decision("promoted", evidence)
         self._new_champion(ref, step)
         return ReleaseOutcome(registered=True)

@@ -63,7 +63,8 @@ class RegistryDecision:
     judge's mean answer quality; NaN when the rewards carried none)."""
 
 
-DRIFT_RESTART = "drift_restart"
+DRIFT_CHANGES = ("drift_restart", "drift_rollback")
+"""Decisions of versions the learner published as champion at once (Releases.rebase)."""
 """``gate.decision`` of a restart after a detected preference change (trainer/publisher.py)."""
 
 
@@ -102,8 +103,8 @@ def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> li
     for version in sorted(found, key=lambda v: int(v.tags["policy_version"])):
         tags = version.tags
         policy = int(tags["policy_version"])
-        # a drift restart is champion as soon as it is published (Releases.rebase)
-        decided_at = policy if tags.get("gate.decision") == DRIFT_RESTART else policy + acfg.mlflow.register_every
+        # a drift restart or roll-back is champion as soon as it is published (Releases.rebase)
+        decided_at = policy if tags.get("gate.decision") in DRIFT_CHANGES else policy + acfg.mlflow.register_every
         row = next((r for r in rewards if r.version >= decided_at), None)
         out.append(RegistryDecision(
             str(version.version), policy, decided_at, _label(tags), _gate(tags),

@@ -10,7 +10,7 @@ from apps.config import ExperimentConfig
 from apps.experiments.aggregate import Run
 from apps.experiments.results import ArmResults, RewardRow, StepRow
 from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, report,
-                                          restart_context, restarts, running_mean_squared_error, share_of,
+                                          restart_context, restarts, rollbacks, running_mean_squared_error, share_of,
                                           step_median)
 
 
@@ -44,6 +44,16 @@ def test_restarts_and_the_delay_after_each_switch():
     assert detection_delay(alarms, 100, 150) == 18  # the first restart of the phase [100, 150)
     assert detection_delay(alarms, 150, 200) == 20
     assert detection_delay(alarms, 200, 300) is None
+
+
+def test_rollbacks_are_not_restarts_and_each_probation_has_its_outcome():
+    nan = math.nan
+    steps = [_step(40, drift_alarm=1.0, drift_rollback=1.0), _step(44, drift_probation_z=0.5),      # held
+             _step(90, drift_alarm=1.0, drift_rollback=1.0), _step(96, drift_probation_z=nan),
+             _step(110, drift_alarm=1.0, drift_probation_z=5.0),                                    # restarted
+             _step(200, drift_alarm=1.0, drift_rollback=1.0), _step(204)]                           # open
+    assert restarts(steps) == [110]
+    assert rollbacks(steps) == [(40, "held"), (90, "restarted"), (200, "open")]
 
 
 def _reward(rollout: int, reward: float, delivered: bool = True) -> RewardRow:

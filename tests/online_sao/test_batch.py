@@ -23,3 +23,10 @@ def test_the_encoded_rollout_shares_no_list_with_the_rollout():
     encoded["scores"]["quality"] = 0.0
     assert rollout == Rollout("a", [1, 2, 3], [False, True, True], [0.0, -0.5, -0.5], [3] * 3, {2: 1.0},
                               scores={"quality": 0.5})
+
+
+def test_policy_version_is_the_newest_that_sampled_an_action_token():
+    # versions off actions are not meaningful (9 on the prompt token is ignored)
+    rollout = Rollout("i", [1, 2, 3, 4], [False, True, True, False], [0.0, -1.0, -1.0, 0.0], [9, 3, 4, 0], {3: 1.0})
+    assert rollout.policy_version == 4
+    assert Rollout("j", [1], [False], [0.0], [5], {0: 1.0}).policy_version == 0

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -79,3 +80,53 @@ def test_critic_and_optimisers_kept_when_configured():
     assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0))  # policy_shrink 0: the start
     assert torch.equal(t.critic.weight, torch.full((1, 2), 5.0))
     assert t.optimizers.policy.state and t.optimizers.critic.state
+
+
+def rolled_back_after_a_drop() -> tuple[Trainables, DriftResponse, dict[str, float]]:
+    """Weights 2 after 2 rewards and 3 after 4 (snapshots at both), then a drop while at 4."""
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True), t)
+    for weight in (2.0, 3.0):
+        move(t, weight)
+        assert response.after_step([1.0, 1.0], [1, 1], next_version=2)["drift_alarm"] == 0.0
+    move(t, 4.0)
+    return t, response, response.after_step([0.0, 0.0], [5, 5], next_version=7)
+
+
+def test_rollback_first_restores_the_weights_from_before_the_reference_window():
+    t, _, metrics = rolled_back_after_a_drop()
+    assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 1.0
+    # the alarm's windows are rewards 3-4 (reference) and 5-6: the snapshot after 2 rewards, not 4
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0))
+    assert torch.equal(t.critic.weight, torch.full((1, 2), 2.0))
+    assert not t.optimizers.policy.state and not t.optimizers.critic.state
+    assert t.algorithm.forgotten == 0  # the users did not change: the rule's statistics stay
+
+
+def test_a_probation_at_the_reference_level_keeps_the_rolled_back_policy():
+    t, response, _ = rolled_back_after_a_drop()
+    # the 0.0 was sampled before the restored version 7: not the probation's
+    metrics = response.after_step([0.0, 0.9, 1.0], [6, 7, 8], next_version=9)
+    assert metrics["drift_alarm"] == 0.0
+    assert metrics["drift_probation_drop"] == pytest.approx(1.0 - 0.95)  # reference rewards 1, 1
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0)) and t.algorithm.forgotten == 0
+
+
+def test_a_probation_still_below_the_reference_restarts():
+    t, response, _ = rolled_back_after_a_drop()
+    metrics = response.after_step([0.0, 0.1], [7, 7], next_version=8)
+    assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 0.0
+    # drop 0.95; Welch se sqrt(0/2 + 0.005/2) = 0.05
+    assert metrics["drift_drop"] == pytest.approx(0.95) and metrics["drift_z"] == pytest.approx(19.0)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0))  # the start
+    assert torch.equal(t.critic.weight, torch.full((1, 2), -1.0))
+    assert t.algorithm.forgotten == 1
+
+
+def test_without_a_snapshot_before_the_reference_window_an_alarm_restarts():
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True), t)
+    move(t, 5.0)
+    metrics = response.after_step([1.0, 1.0, 0.0, 0.0])
+    assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 0.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0)) and t.algorithm.forgotten == 1

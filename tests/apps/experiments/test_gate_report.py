@@ -7,6 +7,7 @@ import math
 import shutil
 from dataclasses import replace
 
+import pytest
 import torch
 from matplotlib.image import imread
 from mlflow import MlflowClient
@@ -121,7 +122,9 @@ def test_report_without_live_arms_has_no_registry_section(tmp_path):
     assert not (tmp_path / "report" / GATE_PNG).exists()
 
 
-def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_store):  # noqa: F811
+@pytest.mark.parametrize(("rollback", "decision"), [(0.0, "drift_restart"), (1.0, "drift_rollback")])
+def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_store, rollback,  # noqa: F811
+                                                                decision):
     results, cfg = _live_sao_arm(tmp_path, empty_store)
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
@@ -132,11 +135,12 @@ def test_a_drift_restart_is_shown_decided_when_it_was_published(tmp_path, empty_
                         REGISTER_EVERY)
     for version in range(1, 5):  # v2 registered, then superseded by the restart v3 before any decision
         releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0),
-                         {"drift_alarm": 1.0, "drift_drop": 0.5, "drift_z": 4.0} if version == 3 else None)
+                         {"drift_alarm": 1.0, "drift_drop": 0.5, "drift_z": 4.0, "drift_rollback": rollback}
+                         if version == 3 else None)
 
     rows = _sao_rows(results, tmp_path / "report")
     # decided at its own release: the first rollout of v3 is 4 * 3
-    assert [r[1:7] for r in rows] == [["v3", "v3", "12", "12", "promoted", "drift_restart"]]
+    assert [r[1:7] for r in rows] == [["v3", "v3", "12", "12", "promoted", decision]]
 
 
 def test_a_decision_on_the_champions_record_says_so(tmp_path, empty_store):  # noqa: F811

@@ -267,3 +267,33 @@ def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_pa
     assert run.data.metrics["drift_restarts"] == 1.0
     history = client.get_metric_history(result.run_id, "drift_alarm")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_as_champion(tmp_path, tiny_model_dir):
+    # rewards 1.0 for five steps of 4, then 0.0. The test fires at reward 23 (reference rewards
+    # 8-15 all 1 | recent 16-23: 1, 0, 0, 0, drop 0.75, z 3.0); its reference window starts after
+    # reward 11, and of the copies taken after rewards 4, 8, 12, 16 and 20 the newest before that is v2's
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 100,
+                                               "drift.enabled": True, "drift.reference": 8, "drift.recent": 4,
+                                               "drift.rollback_first": True, "trainer.keep_versions": 6})
+    topics = cfg.kafka.topics
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for i, interaction in enumerate(sample_traffic(load_policy(tiny_model_dir), 24, prefix="r")):
+        publish(producer, topics.interactions, interaction)
+        publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=float(i < 20)))
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=6))
+
+    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices] == [("publish", v) for v in range(1, 7)]
+    store = FileWeightStore(cfg.weight_store_url)
+    versions = [store.load(n.location, n.checksum) for n in notices]
+    same = [all(torch.equal(versions[-1][k], v) for k, v in w.items()) for w in versions[:-1]]
+    assert same == [False, True, False, False, False]  # v6, the roll-back, is v2
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    champion = client.get_model_version_by_alias(cfg.mlflow.registered_model, "champion")
+    assert champion.tags["policy_version"] == "6" and champion.tags["gate.decision"] == "drift_rollback"
+    metrics = client.get_run(result.run_id).data.metrics
+    assert metrics["drift_rollbacks"] == 1.0 and metrics["drift_restarts"] == 0.0

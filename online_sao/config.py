@@ -589,6 +589,14 @@ class DriftConfig(Section):
     answer by discarding what it learned (docs/EXPERIMENTS.md section 17); a real switch pays
     about ``recent`` more rollouts of delay. Keeps about ``(reference + recent) / recent + 2``
     snapshots of policy and critic in memory."""
+    rollback_score: str | None = None
+    """With ``rollback_first``: roll back only when this named score of the rewards
+    (``Reward.scores``, e.g. a judge's ``quality``) fell over the alarm's two windows as well, by
+    at least ``rollback_score_z`` Welch standard errors; an alarm with the score held restarts at
+    once, since a preference change leaves the answers' quality as it was. Where either window has
+    fewer than two rollouts with the score, the alarm rolls back. None: every alarm rolls back first."""
+    rollback_score_z: float = Field(2.0, gt=0)
+    """The score's fall, in standard errors, that makes an alarm a roll-back (``rollback_score``)."""
 
 
 class Config(Section):

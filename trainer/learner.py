@@ -187,8 +187,10 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
     if models.drift is not None and not refused:  # every rank has the step's rollouts: all agree
-        metrics.update(models.drift.after_step([r.total_reward for r in rollouts],
-                                               [r.policy_version for r in rollouts], at.version + 1))
+        score = models.drift.cfg.rollback_score
+        metrics.update(models.drift.after_step(
+            [r.total_reward for r in rollouts], [r.policy_version for r in rollouts], at.version + 1,
+            None if score is None else [r.scores.get(score, math.nan) for r in rollouts]))
     at.changed_since_publish = at.changed_since_publish or not refused
     if rank0 is not None:
         rank0.record_step(at.step, rollouts, metrics, refused)

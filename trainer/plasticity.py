@@ -18,7 +18,10 @@ rule's statistics kept: the users did not change) and opens a probation: once ``
 of answers sampled by the restored version or later have arrived, they are tested against the
 alarm's reference window with the detector's own test, and only a drop restarts as above. A fall
 of the learner's own quality is then undone without discarding the learned preference
-(docs/EXPERIMENTS.md section 17). Snapshots are taken every ``recent`` trained rewards.
+(docs/EXPERIMENTS.md section 17). Snapshots are taken every ``recent`` trained rewards. With
+``rollback_score`` (a named score of the rewards, e.g. a judge's ``quality``) an alarm rolls back
+only when that score fell over the same two windows too (z at least ``rollback_score_z``): a
+preference change lowers the reward while the answers' quality holds, and restarts at once.
 
 Every rank holds the starting values of its own shard of each parameter (one more copy of
 policy and critic in memory) and applies the same arithmetic to it; every rank sees every
@@ -31,6 +34,7 @@ The detector's reward history is not checkpointed: after a restart it fills agai
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -90,17 +94,21 @@ class DriftResponse:
         kept = (cfg.reference + cfg.recent) // cfg.recent + 2  # one at or before the reference window's start
         self.snapshots: deque[Snapshot] = deque(maxlen=kept)
         self.probation: Probation | None = None
+        self.scores: deque[float] = deque()
+        """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first."""
 
     def after_step(self, rewards: list[float], versions: list[int] | None = None,
-                   next_version: int = 0) -> dict[str, float]:
+                   next_version: int = 0, scores: list[float] | None = None) -> dict[str, float]:
         """Feed one trained step's rewards (in order) and the policy versions that sampled them
         (None: all by the current policy); ``next_version``: the version the learner publishes
-        next (a roll-back's restored weights). Rolls back or restarts on an alarm. Returns the
+        next (a roll-back's restored weights); ``scores``: each rollout's ``drift.rollback_score``
+        (NaN where it has none; None: none has). Rolls back or restarts on an alarm. Returns the
         detector's metrics: ``drift_alarm`` 1.0 on a step that changed the policy (published at
         once), ``drift_rollback`` 1.0 when that change was a roll-back."""
         versions = versions if versions is not None else [next_version] * len(rewards)
         alarm, metrics = self.detector.observe(rewards)
         self.seen += len(rewards)
+        self._keep_scores(scores if scores is not None else [math.nan] * len(rewards))
         failed = self._probation_failed(rewards, versions, metrics)
         rolled_back = False
         if alarm or failed:
@@ -108,7 +116,8 @@ class DriftResponse:
                 self.detector.history.clear()
             at_alarm = self.seen - len(self.detector.history)  # the step's rewards after the alarm stay
             restored = self._snapshot_before(at_alarm - self.cfg.reference - self.cfg.recent)
-            if self.cfg.rollback_first and self.probation is None and not failed and restored is not None:
+            if (self.cfg.rollback_first and self.probation is None and not failed and restored is not None
+                    and self._score_fell(at_alarm, metrics)):
                 self.rollback(restored, next_version)
                 rolled_back = True
             else:
@@ -138,6 +147,29 @@ class DriftResponse:
             return True
         log.warning("reward drift: the rolled-back policy holds its level (drop %.3f, z=%.1f): no restart", drop, z)
         return False
+
+    def _keep_scores(self, scores: list[float]) -> None:
+        """The newest scores, enough to cover an alarm's two windows in this step or the last."""
+        self.scores.extend(scores)
+        while len(self.scores) > self.cfg.reference + self.cfg.recent + len(scores):
+            self.scores.popleft()
+
+    def _score_fell(self, at_alarm: int, metrics: dict[str, float]) -> bool:
+        """Whether an alarm at ``at_alarm`` trained rewards is a roll-back by ``rollback_score``
+        (module docstring): True without a score, or when the score's windows hold too few values
+        to test; ``drift_score_drop``/``drift_score_z`` go into ``metrics`` when tested."""
+        if self.cfg.rollback_score is None:
+            return True
+        first = self.seen - len(self.scores)  # the trained-reward index of self.scores[0]
+        values = list(self.scores)
+        reference = values[at_alarm - self.cfg.reference - self.cfg.recent - first:at_alarm - self.cfg.recent - first]
+        recent = values[at_alarm - self.cfg.recent - first:at_alarm - first]
+        reference, recent = [v for v in reference if not math.isnan(v)], [v for v in recent if not math.isnan(v)]
+        if len(reference) < 2 or len(recent) < 2:
+            return True
+        drop, z = mean_shift(reference, recent)
+        metrics["drift_score_drop"], metrics["drift_score_z"] = drop, z
+        return z >= self.cfg.rollback_score_z
 
     def _snapshot_before(self, seen: int) -> Snapshot | None:
         """The newest snapshot taken at or before ``seen`` trained rewards."""

@@ -130,3 +130,34 @@ def test_without_a_snapshot_before_the_reference_window_an_alarm_restarts():
     metrics = response.after_step([1.0, 1.0, 0.0, 0.0])
     assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 0.0
     assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0)) and t.algorithm.forgotten == 1
+
+
+def alarm_with_scores(step_scores: list[list[float]]) -> tuple[Trainables, dict[str, float]]:
+    """rollback_first with a ``quality`` score: steps of rewards 1, 1 | 1, 1 | 0, 0 (alarm at reward
+    6: reference window rewards 3-4, the second step; recent 5-6) with these scores."""
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True, rollback_score="quality"), t)
+    for weight, rewards, scores in zip((2.0, 3.0, 4.0), ([1.0, 1.0], [1.0, 1.0], [0.0, 0.0]), step_scores, strict=True):
+        move(t, weight)
+        metrics = response.after_step(rewards, [1, 1], next_version=7, scores=scores)
+    return t, metrics
+
+
+def test_an_alarm_whose_score_fell_too_rolls_back():
+    # the first step's 0.2s are outside the windows: read there, the score would have risen
+    t, metrics = alarm_with_scores([[0.2, 0.2], [0.9, 0.9], [0.3, 0.3]])
+    assert metrics["drift_rollback"] == 1.0 and metrics["drift_score_drop"] == pytest.approx(0.6)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0)) and t.algorithm.forgotten == 0
+
+
+def test_an_alarm_whose_score_held_restarts_at_once():
+    t, metrics = alarm_with_scores([[0.9, 0.9], [0.3, 0.3], [0.3, 0.2]])  # drop 0.05 / se 0.05: z 1, under 2
+    assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 0.0
+    assert metrics["drift_score_z"] == pytest.approx(1.0)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0)) and t.algorithm.forgotten == 1
+
+
+def test_an_alarm_without_scores_to_test_rolls_back():
+    nan = float("nan")
+    t, metrics = alarm_with_scores([[0.9, 0.9], [0.3, nan], [0.3, 0.2]])  # one score in the reference window
+    assert metrics["drift_rollback"] == 1.0 and "drift_score_z" not in metrics

@@ -187,10 +187,7 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
     if models.drift is not None and not refused:  # every rank has the step's rollouts: all agree
-        score = models.drift.cfg.rollback_score
-        metrics.update(models.drift.after_step(
-            [r.total_reward for r in rollouts], [r.policy_version for r in rollouts], at.version + 1,
-            None if score is None else [r.scores.get(score, math.nan) for r in rollouts]))
+        metrics.update(models.drift.after_rollouts(rollouts, at.version + 1))
     at.changed_since_publish = at.changed_since_publish or not refused
     if rank0 is not None:
         rank0.record_step(at.step, rollouts, metrics, refused)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from online_sao.batch import Rollout
 from online_sao.config import DriftConfig
 from online_sao.drift import DriftSettings, RewardDropDetector, mean_shift
 from trainer.distributed import sharded_parameters
@@ -96,6 +97,14 @@ class DriftResponse:
         self.probation: Probation | None = None
         self.scores: deque[float] = deque()
         """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first."""
+
+    def after_rollouts(self, rollouts: list[Rollout], next_version: int) -> dict[str, float]:
+        """:meth:`after_step` on one trained step's rollouts: their rewards, the versions that
+        sampled them and their ``rollback_score``. Both learners call this (trainer/learner.py and
+        the in-process driver), so that both feed the detector and a probation alike."""
+        score = self.cfg.rollback_score
+        return self.after_step([r.total_reward for r in rollouts], [r.policy_version for r in rollouts], next_version,
+                               None if score is None else [r.scores.get(score, math.nan) for r in rollouts])
 
     def after_step(self, rewards: list[float], versions: list[int] | None = None,
                    next_version: int = 0, scores: list[float] | None = None) -> dict[str, float]:

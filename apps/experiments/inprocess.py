@@ -181,7 +181,7 @@ class InProcessLearner:
             self.counters["refused_steps"] += 1
             return metrics
         if self.models.drift is not None:  # as trainer/learner.py's learn
-            metrics.update(self.models.drift.after_step([r.total_reward for r in rollouts]))
+            metrics.update(self.models.drift.after_rollouts(rollouts, self.version + 1))
         self.version += 1
         policy = self.models.trainables.policy
         self.engine.swap_weights(self.version, {k: v.detach() for k, v in policy.state_dict().items()})
@@ -286,7 +286,8 @@ def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
                                progress: Callable[[str], None] = print) -> Path:
     """The live pre-training pass (experiments/pretrain_data.py) in this process: the starting
     policy answers ``experiment.pretrain_rollouts`` pool prompts, in the order the live pass's
-    users send them, scored under the first phase's preference; the records go to the same file."""
+    users send them but one at a time (reproducible), scored under the first phase's preference;
+    the records go to the same file."""
     from apps.config import PRETRAIN_ARM
     from apps.experiments.pretrain_data import PRETRAIN_FILE, judge_rewards, write_records
     from apps.experiments.scenario import results_dir
@@ -298,13 +299,11 @@ def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
     prompts = prompt_order(prompt_pool(exp, cfg.model.base.seed), exp.prompt_seed, 1)
 
     async def answer_all() -> list[Interaction]:
-        slots = asyncio.Semaphore(exp.concurrency)
-
-        async def one(index: int, prompt: str) -> Interaction:
-            async with slots:
-                return (await serving.chat(prompt, -(exp.seed * REQUEST_SEED_STRIDE + index) - 1))[1]
-
-        return await asyncio.gather(*(one(i, next(prompts)) for i in range(exp.pretrain_rollouts)))
+        # one at a time, as the measured traffic is answered: answers batched together come out of
+        # forward passes whose batch depends on the engine thread's timing, a flipped token follows
+        # from a last-bit difference, and two runs of one seed then pre-train different critics
+        return [(await serving.chat(next(prompts), -(exp.seed * REQUEST_SEED_STRIDE + i) - 1))[1]
+                for i in range(exp.pretrain_rollouts)]
 
     engine.start_thread()
     try:

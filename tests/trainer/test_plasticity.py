@@ -4,6 +4,7 @@ from torch import nn
 
 from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
+from online_sao.batch import Rollout
 from online_sao.config import DriftConfig
 from trainer.plasticity import DriftResponse, shrink_towards
 from trainer.state import Trainables
@@ -161,3 +162,19 @@ def test_an_alarm_without_scores_to_test_rolls_back():
     nan = float("nan")
     t, metrics = alarm_with_scores([[0.9, 0.9], [0.3, nan], [0.3, 0.2]])  # one score in the reference window
     assert metrics["drift_rollback"] == 1.0 and "drift_score_z" not in metrics
+
+
+def test_after_rollouts_reads_rewards_sampling_versions_and_the_score_from_rollouts():
+    def rollout(reward: float, quality: float, version: int = 1) -> Rollout:
+        return Rollout("r", [5, 6], [False, True], [0.0, -1.0], [0, version], {1: reward}, scores={"quality": quality})
+
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True, rollback_score="quality"), t)
+    for weight, reward, quality in ((2.0, 1.0, 0.2), (3.0, 1.0, 0.9), (4.0, 0.0, 0.3)):  # as the "fell" test above
+        move(t, weight)
+        metrics = response.after_rollouts([rollout(reward, quality), rollout(reward, quality)], next_version=7)
+    assert metrics["drift_rollback"] == 1.0 and metrics["drift_score_drop"] == pytest.approx(0.6)
+    # the probation counts only answers of the restored version 7 or later
+    held = response.after_rollouts([rollout(0.0, 0.9, version=6), rollout(1.0, 0.9, version=7),
+                                    rollout(1.0, 0.9, version=7)], next_version=8)
+    assert held["drift_alarm"] == 0.0 and held["drift_probation_drop"] == 0.0

@@ -111,6 +111,24 @@ def test_the_same_seeds_give_the_same_run(tmp_path, tiny_model_dir, classifier):
     assert rows[0][-1].version > 0  # the policy changed along the way
 
 
+def test_the_pretraining_pass_gives_the_same_records_twice(tmp_path, tiny_model_dir, classifier):
+    """Answered concurrently, the pass's answers depended on the engine's batching and two runs of
+    one seed pre-trained different critics; one at a time they are the same."""
+    from online_sao.schemas import Interaction, decode
+
+    def answers(where):
+        cfg = tiny_config(where / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": [{"name": "sao"}],
+                                             "experiment.results_dir": str(where / "results"),
+                                             **scenario(**{"experiment.pretrain_rollouts": 8,
+                                                           "experiment.concurrency": 4})})
+        path = collect_pretrain_inprocess(cfg, classifier, progress=lambda _: None)
+        records = [decode(line) for line in path.read_bytes().splitlines()]
+        return [(r.prompt_ids, r.response_ids, r.logprobs) for r in records if isinstance(r, Interaction)]
+
+    first = answers(tmp_path / "a")
+    assert len(first) == 8 and first == answers(tmp_path / "b")
+
+
 def test_a_run_with_user_segments_scores_each_by_its_schedule_and_the_report_shows_them(tmp_path, tiny_model_dir,
                                                                                           classifier):
     import json

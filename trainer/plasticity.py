@@ -96,7 +96,8 @@ class DriftResponse:
         self.snapshots: deque[Snapshot] = deque(maxlen=kept)
         self.probation: Probation | None = None
         self.scores: deque[float] = deque()
-        """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first."""
+        """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first;
+        empty without a ``rollback_score``."""
 
     def after_rollouts(self, rollouts: list[Rollout], next_version: int) -> dict[str, float]:
         """:meth:`after_step` on one trained step's rollouts: their rewards, the versions that
@@ -117,7 +118,8 @@ class DriftResponse:
         versions = versions if versions is not None else [next_version] * len(rewards)
         alarm, metrics = self.detector.observe(rewards)
         self.seen += len(rewards)
-        self._keep_scores(scores if scores is not None else [math.nan] * len(rewards))
+        if self.cfg.rollback_score is not None:
+            self._keep_scores(scores if scores is not None else [math.nan] * len(rewards))
         failed = self._probation_failed(rewards, versions, metrics)
         rolled_back = False
         if alarm or failed:

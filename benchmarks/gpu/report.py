@@ -40,9 +40,11 @@ def log_tail(work: Path, name: str, lines: int = 15) -> list[str]:
 def tests_section(work: Path, mode: str) -> tuple[bool, list[str]]:
     code, _ = status_of(work, "gpu_tests")
     log = (work / "gpu_tests.log").read_text(errors="replace") if (work / "gpu_tests.log").exists() else ""
+    note = work / "gpu_tests.note"  # check.sh says what it deselected and why
+    noted = [f"Note: {note.read_text().strip()}.", ""] if note.exists() else []
     if mode == "dry-run":
         ids = [line for line in log.splitlines() if "::" in line]
-        return code == 0 and bool(ids), [f"Dry run: collected, not run ({len(ids)} tests):", "",
+        return code == 0 and bool(ids), [*noted, f"Dry run: collected, not run ({len(ids)} tests):", "",
                                          *[f"- `{i}`" for i in ids]]
     xml = work / "gpu_tests.xml"
     if not xml.exists():
@@ -53,7 +55,7 @@ def tests_section(work: Path, mode: str) -> tuple[bool, list[str]]:
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
         rows.append(f"| `{case.get('classname')}::{case.get('name')}` | {outcome} | {float(case.get('time', 0)):.2f} |")
     failed = sum(r.split(" | ")[1] in ("failure", "error") for r in rows)
-    return code == 0 and bool(cases), [f"{len(cases)} tests, {failed} failed or errored.", "",
+    return code == 0 and bool(cases), [*noted, f"{len(cases)} tests, {failed} failed or errored.", "",
                                        "| test | outcome | s |", "|---|---|---:|", *rows]
 
 

@@ -54,7 +54,8 @@ def serving_main() -> None:
 
 class Serving:
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # the repository first, then whatever check.sh put there (its --wheels directory)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, __file__, "--serving"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
 

@@ -57,6 +57,7 @@ def test_the_report_names_failed_sections_and_the_mfu_verdict(tmp_path):
     (tmp_path / "gpu_tests.xml").write_text(
         '<testsuites><testsuite><testcase classname="t" name="a" time="1.0"/>'
         '<testcase classname="t" name="b" time="2.0"><failure message="boom"/></testcase></testsuite></testsuites>')
+    (tmp_path / "gpu_tests.note").write_text("kafka-marked gpu tests deselected: no java\n")
     write_section(tmp_path, "learner_step", 0, learner_result(mfu=0.303))
     write_section(tmp_path, "engines", 124, None)  # ran out of time: no result file
     write_section(tmp_path, "transports", 1, {"section": "transports", "ok": False, "error": "OSError: no shm",
@@ -67,6 +68,7 @@ def test_the_report_names_failed_sections_and_the_mfu_verdict(tmp_path):
     assert status == 1
     assert "2 tests, 1 failed or errored" in text and "| `t::b` | failure |" in text
     assert "## 1. gpu-marked tests: FAILED" in text
+    assert "Note: kafka-marked gpu tests deselected: no java." in text
     assert "MFU 30.3% is below the 40% target." in text and "NVIDIA H200 (139.8 GiB)" in text
     assert "## 3. Serving engines: FAILED" in text and "No result (ran out of time)" in text
     assert "last line of engines" in text

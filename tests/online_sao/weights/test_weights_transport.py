@@ -98,7 +98,9 @@ class Child:
 
     def __init__(self, url: str, kafka_json: str = "", model_file: str = "", keep: int = 3):
         self.stderr = tempfile.TemporaryFile()
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+        # the repository first, then whatever the parent had (a GPU check's wheels directory, say)
+        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, __file__, url, kafka_json, model_file, str(keep)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                      text=True, cwd=REPO_ROOT, env=env)

@@ -9,7 +9,7 @@
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
 # is reported as such and the others still run. Exit status 1 when any section failed.
 #
-#   benchmarks/gpu/check.sh [--dry-run] [--out FILE] [--wheels DIR]
+#   benchmarks/gpu/check.sh [--dry-run] [--out FILE] [--wheels DIR] [--sections LIST]
 #
 # --dry-run: the same code paths on a CPU in about a minute (tiny model, few steps, gloo instead of
 #   NCCL, the gpu tests collected but not run); the default test run runs it
@@ -18,17 +18,21 @@
 # --wheels DIR: install these wheels first (no index, into a temporary directory put on PYTHONPATH):
 #   for a machine without network access whose Python lacks some of the project's packages;
 #   benchmarks/gpu/wheels.sh downloads them where there is network.
+# --sections LIST: only these, comma-separated (gpu_tests,learner_step,engines,transports; default all): to rerun
+#   the ones that failed within what is left of a GPU lease. The report names the ones left out.
 # PYTHON: the interpreter (default .venv/bin/python when it exists, else python3).
 set -uo pipefail
 
 DRY_RUN=0
 OUT=""
 WHEELS=""
+SECTIONS=gpu_tests,learner_step,engines,transports
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
         --out) OUT="$2"; shift ;;
         --wheels) WHEELS="$2"; shift ;;
+        --sections) SECTIONS="$2"; shift ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
     shift
@@ -61,13 +65,14 @@ else
     MODEL=(--size half-b --dtype bfloat16)
     LEARNER=(--rollouts 32 --prompt-tokens 128 --action-tokens 384 --steps 5 --compile)
     ENGINES=(--new-tokens 128 --concurrency 1,16,64 --generate-prompts 4)
-    TRANSPORTS=(--repeats 5)
+    TRANSPORTS=(--repeats 2)
 fi
 
 # section NAME SECONDS COMMAND...: run it with a time limit, its output in $WORK/NAME.log, its status in $WORK/NAME.status
 section() {
     local name=$1 limit=$2
     shift 2
+    [[ ",$SECTIONS," == *",$name,"* ]] || return 0
     echo "== $name (at most ${limit} s)"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
@@ -92,12 +97,14 @@ fi
 section learner_step 240 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/gpu/learner_step.py --out "$WORK/learner_step.json" "${MODEL[@]}" "${LEARNER[@]}"
 section engines 180 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
-section transports 90 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
+section transports 150 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
 
 COMMAND="benchmarks/gpu/check.sh"
 [ "$DRY_RUN" = 1 ] && COMMAND="$COMMAND --dry-run"
 [ -n "$WHEELS" ] && COMMAND="$COMMAND --wheels $(basename "$WHEELS")"
-"$PYTHON" benchmarks/gpu/report.py --work "$WORK" --out "$OUT" --mode "$MODE" --command "$COMMAND"
+COMMAND="$COMMAND --sections $SECTIONS"
+"$PYTHON" benchmarks/gpu/report.py --work "$WORK" --out "$OUT" --mode "$MODE" --command "$COMMAND" \
+    --sections "$SECTIONS"
 status=$?
 echo "report: $OUT"
 exit $status

@@ -11,8 +11,11 @@ The step is the learner's: critic updates (K of them) and one policy update on a
 batch of rollouts, each ``--prompt-tokens`` prompt tokens then ``--action-tokens``
 action tokens with a reward on the last one (no padding: every rollout has the
 same length). Floating-point work is counted once with torch's FlopCounterMode
-(matrix products and attention, forward and backward, as executed) on the
-unsharded models, which also warms them up; then the sharded models take
+(matrix products and attention, forward and backward) on the unsharded models,
+which also warms them up, with attention run eagerly for the count: its two
+matrix products are the model's FLOPs (the usual MFU convention: no
+flash-attention recompute in the backward), and torch before 2.15 cannot count
+SDPA with grouped-query heads, which transformers uses on CUDA; then the sharded models take
 ``--steps`` timed steps after one warm-up. MFU = counted FLOPs / median step
 time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
 
@@ -30,12 +33,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import PreTrainedModel
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -77,6 +83,20 @@ def build(policy, critic, ctx: DistContext, cfg: AlgorithmConfig):
                            vote=finite_vote(ctx), sum_over_ranks=rank_sum(ctx))
 
 
+@contextmanager
+def eager_attention(*models: torch.nn.Module) -> Iterator[None]:
+    """Every transformers model inside ``models`` runs eager attention, then what it ran before."""
+    found = [m for model in models for m in model.modules() if isinstance(m, PreTrainedModel)]
+    before = [m.config._attn_implementation for m in found]
+    for m in found:
+        m.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        for m, implementation in zip(found, before):
+            m.set_attn_implementation(implementation)
+
+
 def shard(model: torch.nn.Module) -> None:
     for layer in decoder_layers(model):
         fully_shard(layer)
@@ -94,7 +114,7 @@ def run(args) -> dict:
     batch = make_batch(policy, args, policy.config.vocab_size, where)
 
     algorithm = build(policy, critic, ctx, cfg)
-    with FlopCounterMode(display=False) as counter:
+    with eager_attention(policy, critic), FlopCounterMode(display=False) as counter:
         algorithm.step(batch)
     flops = counter.get_total_flops()
     del algorithm  # its optimiser state held the unsharded parameters

@@ -74,7 +74,8 @@ def learner_section(r: dict, mode: str) -> list[str]:
         f"{r['flops_per_step']:.3e} | {r['achieved_tflops']:.1f} | {r['peak_tflops'] or 'n/a'} | {mfu} | "
         f"{'n/a' if r['max_memory_gib'] is None else round(r['max_memory_gib'], 1)} |", "",
         f"Step times (s): {', '.join(f'{t:.3f}' for t in r['step_s'])}. FLOPs are counted by torch's "
-        "FlopCounterMode over one step (matrix products and attention, forward and backward as executed); "
+        "FlopCounterMode over one step (matrix products and attention, forward and backward, attention run "
+        "eagerly for the count: no flash-attention recompute); "
         "MFU divides them by the median step time and the dense bf16 peak (989.4 TFLOP/s for the H200).",
     ]
     if r["mfu"] is not None:
@@ -164,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=["gpu", "dry-run"], required=True)
     parser.add_argument("--command", required=True)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="the ones check.sh ran, comma-separated")
     args = parser.parse_args(argv)
+    chosen = args.sections.split(",")
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     title = "GPU checks" + (" (DRY RUN on a CPU: tiny model, gloo; no GPU numbers)" if args.mode == "dry-run" else "")
     lines = [f"# {title}", "", f"- command: `{args.command}`", f"- machine: {machine_line(args.work)}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
@@ -172,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["- a dry run checks that every section starts and reports; its numbers say nothing about speed"]
     seconds, failed = [], []
     for name, heading in SECTIONS.items():
+        if name not in chosen:
+            lines += ["", f"## {heading}: not run in this call (`--sections`)"]
+            continue
         ok, body = tests_section(args.work, args.mode) if name == "gpu_tests" else \
             helper_section(args.work, name, args.mode)
         code, took = status_of(args.work, name)
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         state = "ok" if ok else "FAILED"
         failed += [] if ok else [name]
         lines += ["", f"## {heading}: {state} ({took if took is not None else '-'} s)", "", *body]
-    lines += ["", f"Sections: {len(SECTIONS) - len(failed)} ok, {len(failed)} failed"
+    lines += ["", f"Sections: {len(chosen) - len(failed)} ok, {len(failed)} failed"
               f"{' (' + ', '.join(failed) + ')' if failed else ''}; {sum(seconds)} s in all "
               f"(longest {max(seconds)} s, median {statistics.median(seconds):.0f} s).", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,8 @@ def run(args) -> dict:
                     saved = time.perf_counter() - start
                     answer = serving.load(urls[name], ref)
                     store.delete(rep + 1)
+                    print(f"round {rep} ({'timed' if rep else 'warm-up'}) {name}: save {saved:.2f} s, "
+                          f"load {answer['load_s']:.2f} s", file=sys.stderr, flush=True)
                     if rep:
                         times.setdefault(name, {"save_s": [], "load_s": []})
                         times[name]["save_s"].append(saved)

@@ -8,7 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from benchmarks.gpu import report
+from benchmarks.gpu.common import random_model
+from benchmarks.gpu.learner_step import eager_attention
+from online_sao.algorithms import build_critic
+from online_sao.config import AlgorithmConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DRY_RUN_TIMEOUT_S = 900
@@ -98,3 +104,26 @@ def test_the_report_gives_the_compiled_steps_or_why_there_are_none(tmp_path):
     text = out.read_text()
     assert "MFU 30.3% is below the 40% target." in text  # the eager result written before compiling
     assert "With the bodies compiled (`trainer.compile`): no result, `did not finish`." in text
+
+
+def test_the_report_of_some_sections_names_the_others_as_not_run(tmp_path):
+    write_section(tmp_path, "learner_step", 0, learner_result(mfu=0.5))
+    out = tmp_path / "gpu.md"
+    status = report.main(["--work", str(tmp_path), "--out", str(out), "--mode", "gpu", "--command", "check.sh",
+                          "--sections", "learner_step"])
+    text = out.read_text()
+    assert status == 0
+    assert "## 2. Learner step (SAO, FSDP2): ok" in text
+    assert "## 1. gpu-marked tests: not run in this call (`--sections`)" in text
+    assert "## 4. Weight transports: not run in this call (`--sections`)" in text
+    assert "Sections: 1 ok, 0 failed;" in text
+
+
+def test_flops_are_counted_with_eager_attention_in_policy_and_critic_then_restored():
+    policy = random_model("tiny", "float32", torch.device("cpu"))
+    critic = build_critic(AlgorithmConfig(), policy)
+    seen = [policy, *[m for m in critic.modules() if hasattr(m, "set_attn_implementation")]]
+    assert len(seen) > 1 and {m.config._attn_implementation for m in seen} == {"sdpa"}
+    with eager_attention(policy, critic):
+        assert {m.config._attn_implementation for m in seen} == {"eager"}
+    assert {m.config._attn_implementation for m in seen} == {"sdpa"}

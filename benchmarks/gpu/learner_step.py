@@ -109,7 +109,9 @@ def run(args) -> dict:
     cfg = AlgorithmConfig()
     torch.manual_seed(0)
     policy = random_model(args.size, args.dtype, where)
-    critic = build_critic(cfg, policy)  # as the learner builds it: SAO's frozen-attention copy
+    # as the learner builds it (SAO's frozen-attention copy), then moved as trainer.distributed.shard_model moves it:
+    # its new value head is made on the CPU
+    critic = build_critic(cfg, policy).to(where)
     params = sum(p.numel() for p in policy.parameters())
     batch = make_batch(policy, args, policy.config.vocab_size, where)
 

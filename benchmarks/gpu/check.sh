@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one run (under 10 minutes on one H200), written to one report:
+# Every check that needs a GPU, in one run (under 10 minutes on one H200: the sections' limits add up to 590 s),
+# written to one report:
 #   1. the gpu-marked tests (cuda-ipc weights, in one process and across two);
 #   2. the SAO learner step on a ~0.5B random-weight model of the default architecture (qwen2), bf16,
 #      FSDP2 on NCCL: tokens/s and MFU against the GPU's dense bf16 peak, eager and then with the
-#      bodies compiled as trainer.compile does (learner_step.py --compile);
-#   3. the native engine's throughput (both KV layouts) against transformers' generate, and vLLM's where it imports (engines.py);
+#      bodies compiled as trainer.compile does (learner_step.py --compile), and one step under the profiler
+#      (how much of it the GPU was busy, which kernels took the time: what limits the MFU);
+#   3. the native engine's throughput (both KV layouts) against transformers' generate, and vLLM's where it imports
+#      (engines.py), and one request through each under the profiler (GPU-busy share, host waits per token);
 #   4. publish-to-serve time of one version through the file, shm:// and cuda-ipc:// stores (transports.py).
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
 # is reported as such and the others still run. Exit status 1 when any section failed.
@@ -89,15 +92,15 @@ if ! command -v java >/dev/null; then  # a GPU image without Java cannot start t
     echo "kafka-marked gpu tests deselected: no java on this machine, so no Kafka broker" >"$WORK/gpu_tests.note"
 fi
 if [ "$DRY_RUN" = 1 ]; then
-    section gpu_tests 90 "$PYTHON" -m pytest -p no:cacheprovider --collect-only -q -m "$MARKERS" $GPU_TESTS
+    section gpu_tests 60 "$PYTHON" -m pytest -p no:cacheprovider --collect-only -q -m "$MARKERS" $GPU_TESTS
 else
-    section gpu_tests 90 "$PYTHON" -m pytest -p no:cacheprovider -q -rA -m "$MARKERS" --junitxml "$WORK/gpu_tests.xml" \
+    section gpu_tests 60 "$PYTHON" -m pytest -p no:cacheprovider -q -rA -m "$MARKERS" --junitxml "$WORK/gpu_tests.xml" \
         $GPU_TESTS
 fi
-section learner_step 240 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
+section learner_step 200 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/gpu/learner_step.py --out "$WORK/learner_step.json" "${MODEL[@]}" "${LEARNER[@]}"
-section engines 180 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
-section transports 150 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
+section engines 210 "$PYTHON" benchmarks/gpu/engines.py --out "$WORK/engines.json" "${MODEL[@]}" "${ENGINES[@]}"
+section transports 120 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/transports.json" "${MODEL[@]}" "${TRANSPORTS[@]}"
 
 COMMAND="benchmarks/gpu/check.sh"
 [ "$DRY_RUN" = 1 ] && COMMAND="$COMMAND --dry-run"

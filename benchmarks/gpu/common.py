@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +88,58 @@ def write_result(out: Path, section: str, body: Callable[[], dict[str, Any]]) ->
     out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "traceback"}, default=str)[:2000], flush=True)
     return 0 if result["ok"] else 1
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+"""CUDA runtime calls a profile counts: the host waits in the first three, and torch waits on the stream
+after a blocking copy (the fourth and fifth, unless the copy was non-blocking)."""
+
+
+def profile_summary(work: Callable[[], Any], where: torch.device, units: int, top: int = 12) -> dict[str, Any]:
+    """Run ``work`` once under torch's profiler: its wall time, how long the GPU was busy in it (the
+    sum of its kernels' and copies' times: one stream runs them one after another), the CUDA runtime
+    calls that make the host wait, and the ``top`` kernels by GPU time (operations by CPU time on a
+    CPU), each per one of ``units`` (a step, a token). On a CPU the GPU fields are None: the dry run
+    only shows that it runs. Events it cannot read are reported, not raised: they only add to a result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = where.type == "cuda"
+    synchronize(where)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        start = time.perf_counter()
+        work()
+        synchronize(where)
+        wall = time.perf_counter() - start
+    try:
+        return summarise(prof.events(), wall, on_gpu, units, top)
+    except Exception as exc:  # the profiler's event API differs between torch versions: the numbers stand
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def summarise(events, wall: float, on_gpu: bool, units: int, top: int) -> dict[str, Any]:
+    """:func:`profile_summary`'s figures from the profiler's events."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list[float]] = {}  # name -> [seconds, calls]
+    for e in events:
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            seconds = e.time_range.elapsed_us() / 1e6
+        elif not on_gpu and e.name.startswith("aten::") and (e.cpu_parent is None
+                                                            or not e.cpu_parent.name.startswith("aten::")):
+            seconds = e.cpu_time_total / 1e6  # top-level operations only, so nothing counts twice
+        else:
+            continue
+        entry = totals.setdefault(e.name[:80], [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    busy = sum(seconds for seconds, _ in totals.values()) if on_gpu else None
+    waits = {name: sum(1 for e in events if e.name == name) / units for name in SYNC_CALLS}
+    ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:top]
+    return {"units": units, "wall_ms_per_unit": 1e3 * wall / units,
+            "gpu_busy_ms_per_unit": None if busy is None else 1e3 * busy / units,
+            "gpu_busy_share": None if busy is None else busy / wall,
+            "waits_per_unit": {name: count for name, count in waits.items() if count},
+            "top_by": "GPU time (kernels and copies)" if on_gpu else "CPU time (top-level operations)",
+            "top": [{"name": name, "ms_per_unit": 1e3 * seconds / units, "calls_per_unit": calls / units}
+                    for name, (seconds, calls) in ranked]}

@@ -29,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_engine import closed_loop, prompts  # noqa: E402
-from benchmarks.gpu.common import device, machine, random_model, synchronize, write_result  # noqa: E402
+from benchmarks.gpu.common import device, machine, profile_summary, random_model, synchronize, write_result  # noqa: E402
 from online_sao.config import ServingConfig  # noqa: E402
 from serving.engine.torch_engine import TorchEngine  # noqa: E402
 
@@ -62,6 +62,31 @@ def engine_rates(engine, vocab: int, concurrency: list[int], new_tokens: int) ->
 
     asyncio.run(main())
     return rates
+
+
+def single_request_profiles(model, engine, vocab: int, new_tokens: int, where: torch.device) -> dict:
+    """One request alone (``new_tokens`` sampled tokens) under the profiler, per token: through
+    ``generate`` and through ``engine``. Where the GPU idles while the wall clock runs, the host is
+    the limit (launches, waits, Python); the wait counts say how often the host stopped for the GPU."""
+    prompt = prompts(1, vocab)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                              temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+
+    def generate() -> None:
+        with torch.inference_mode():
+            model.generate(torch.tensor(prompt, device=where), generation_config=config)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(engine.start())
+        loop.run_until_complete(closed_loop(engine, prompt, 1, new_tokens))  # warm-up
+        served = profile_summary(lambda: loop.run_until_complete(closed_loop(engine, prompt, 1, new_tokens)),
+                                 where, units=new_tokens)
+        loop.run_until_complete(engine.stop())
+    finally:
+        loop.close()
+    generate()
+    return {"generate": profile_summary(generate, where, units=new_tokens), "torch_engine": served}
 
 
 def byte_tokenizer(out: Path) -> None:
@@ -110,6 +135,8 @@ def run(args) -> dict:
             "parameters": sum(p.numel() for p in model.parameters()), "new_tokens": args.new_tokens,
             "generate_tokens_per_s": baseline, "torch_engine_tokens_per_s": native,
             "torch_engine_flat_tokens_per_s": flat,
+            "profiles_c1": single_request_profiles(model, TorchEngine(model, cfg=ServingConfig(max_batch_size=1)),
+                                                   vocab, args.new_tokens, where),
             "vllm": vllm_rates(model, args, concurrency)}
 
 

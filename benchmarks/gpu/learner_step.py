@@ -19,6 +19,10 @@ SDPA with grouped-query heads, which transformers uses on CUDA; then the sharded
 ``--steps`` timed steps after one warm-up. MFU = counted FLOPs / median step
 time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
 
+One more eager step then runs under torch's profiler (``common.profile_summary``): how much of
+the step the GPU was busy, and the kernels that took its time, so that the report can say
+what limits the MFU.
+
 With ``--compile`` the same sharded models are then compiled as ``trainer.compile`` does
 (:func:`online_sao.modeling.compile_body`) and timed again after one compiling step; the eager
 result is written first, so a section that runs out of time while compiling still reports it.
@@ -46,7 +50,8 @@ from transformers import PreTrainedModel
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.common import device, machine, peak_tflops, random_model, synchronize, write_result  # noqa: E402
+from benchmarks.gpu.common import (device, machine, peak_tflops, profile_summary, random_model,  # noqa: E402
+                                   synchronize, write_result)
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
 from online_sao.batch import Rollout, collate  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
@@ -142,6 +147,7 @@ def run(args) -> dict:
         "peak_tflops": peak, "mfu": achieved / peak if peak else None,
         "skipped_nonfinite": metrics.get("skipped_nonfinite", 0.0),
         "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None,
+        "profile": profile_summary(lambda: algorithm.step(batch), where, units=1),  # one more eager step
     }
     if args.compile:
         if ctx.is_main:  # what is known so far, should the section's time run out while compiling

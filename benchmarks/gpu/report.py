@@ -81,6 +81,8 @@ def learner_section(r: dict, mode: str) -> list[str]:
     if r["mfu"] is not None:
         verdict = "meets" if r["mfu"] >= MFU_TARGET else "is below"
         lines += ["", f"MFU {100 * r['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target."]
+    if "profile" in r:
+        lines += ["", *profile_lines("One more eager step under the profiler", r["profile"], "step")]
     if "compiled" in r:
         lines += ["", *compiled_lines(r["compiled"])]
     return lines
@@ -98,6 +100,22 @@ def compiled_lines(c: dict) -> list[str]:
         verdict = "meets" if c["mfu"] >= MFU_TARGET else "is below"
         lines.append(f"Compiled, MFU {100 * c['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target.")
     return lines
+
+
+def profile_lines(title: str, prof: dict, unit: str) -> list[str]:
+    """One profiled run (``common.profile_summary``): wall and GPU-busy time, host waits, top kernels."""
+    if "error" in prof:
+        return [f"{title}: the profiler failed, `{prof['error']}`."]
+    busy = ("n/a (no GPU)" if prof["gpu_busy_ms_per_unit"] is None
+            else f"{prof['gpu_busy_ms_per_unit']:.2f} ms ({100 * prof['gpu_busy_share']:.0f}% of the wall time)")
+    waits = ", ".join(f"`{name}` {count:.1f}" for name, count in prof["waits_per_unit"].items()) or "none counted"
+    lines = [f"{title}, per {unit}: wall {prof['wall_ms_per_unit']:.2f} ms, GPU busy {busy}; CUDA calls the host "
+             f"may wait in, per {unit}: {waits}."]
+    if not prof["top"]:  # on a CPU the profiler sees this thread only, and the engine works in its own
+        return lines + ["", f"(No {prof['top_by']} seen: the work ran in another thread.)"]
+    return lines + ["", f"| top by {prof['top_by']} | ms per {unit} | calls per {unit} |", "|---|---:|---:|",
+                    *[f"| `{t['name'].replace('|', '/')}` | {t['ms_per_unit']:.3f} | {t['calls_per_unit']:.1f} |"
+                      for t in prof["top"]]]
 
 
 def engines_section(r: dict) -> list[str]:
@@ -118,6 +136,9 @@ def engines_section(r: dict) -> list[str]:
               f"(TorchEngine at c={concurrency[0]}: {r['torch_engine_tokens_per_s'][concurrency[0]]:.0f})."]
     if not vllm["imported"]:
         lines += ["", f"vLLM did not import here: `{vllm['error']}`"]
+    for name, title in (("generate", "`generate`, one request"), ("torch_engine", "TorchEngine, one request")):
+        if name in r.get("profiles_c1", {}):
+            lines += ["", *profile_lines(title, r["profiles_c1"][name], "token")]
     return lines
 
 

@@ -37,6 +37,9 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     assert "on 1 rank(s), backend `gloo`" in text
     assert "With the bodies compiled (`trainer.compile`), after " in text  # the compiled steps ran under FSDP2
     assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
+    # the profiled runs: a learner step, one request through generate and through the engine
+    assert "One more eager step under the profiler, per step: wall " in text and "| `aten::mm` |" in text
+    assert "`generate`, one request, per token: wall " in text and "TorchEngine, one request, per token: wall " in text
     assert "| file |" in text and "| shm |" in text and "| cuda-ipc | not run: needs a CUDA device" in text
     assert "Sections: 4 ok, 0 failed" in text
 
@@ -127,3 +130,15 @@ def test_flops_are_counted_with_eager_attention_in_policy_and_critic_then_restor
     with eager_attention(policy, critic):
         assert {m.config._attn_implementation for m in seen} == {"eager"}
     assert {m.config._attn_implementation for m in seen} == {"sdpa"}
+
+
+def test_a_gpu_profile_reads_as_busy_share_waits_and_top_kernels():
+    profile = {"units": 4, "wall_ms_per_unit": 40.0, "gpu_busy_ms_per_unit": 10.0, "gpu_busy_share": 0.25,
+               "waits_per_unit": {"cudaStreamSynchronize": 3.0}, "top_by": "GPU time (kernels and copies)",
+               "top": [{"name": "sm90_gemm|bf16", "ms_per_unit": 6.5, "calls_per_unit": 170.0}]}
+    lines = report.profile_lines("TorchEngine, one request", profile, "token")
+    assert lines[0] == ("TorchEngine, one request, per token: wall 40.00 ms, GPU busy 10.00 ms (25% of the wall "
+                        "time); CUDA calls the host may wait in, per token: `cudaStreamSynchronize` 3.0.")
+    assert lines[-1] == "| `sm90_gemm/bf16` | 6.500 | 170.0 |"
+    assert report.profile_lines("x", {"error": "RuntimeError: no CUPTI"}, "step") == [
+        "x: the profiler failed, `RuntimeError: no CUPTI`."]

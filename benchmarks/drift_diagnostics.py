@@ -261,7 +261,7 @@ def report(runs: list[Run]) -> str:
               f"rollouts before the last {CONTEXT_RECENT} -> those {CONTEXT_RECENT}", "",
               _row(["arm", "seed", "rollout", "reward", "quality", "preferred-style share"]), "|---|---|---|---|---|---|"]
     for arm in arms:
-        for k, run in enumerate(runs):
+        for run in runs:
             if arm not in run.arms:
                 continue
             for at in restarts(run.arms[arm].steps):
@@ -271,7 +271,7 @@ def report(runs: list[Run]) -> str:
                 context = restart_context(run.arms[arm].rewards, at)
                 if context is not None:
                     (b_r, b_q, b_s), (r_r, r_q, r_s) = context
-                    lines.append(_row([arm, str(k), str(at), f"{b_r:.2f} -> {r_r:.2f}", f"{b_q:.2f} -> {r_q:.2f}",
+                    lines.append(_row([arm, str(run.scenario.seed), str(at), f"{b_r:.2f} -> {r_r:.2f}", f"{b_q:.2f} -> {r_q:.2f}",
                                        f"{b_s:.2f} -> {r_s:.2f}"]))
     head = ["arm", "measure", *(f"{style} ({s}-{e - 1})" for style, s, e, _ in phases)]
     lines += ["", f"The critic against a running mean of {RUNNING_WINDOW} rewards as a predictor of the reward "

@@ -148,3 +148,20 @@ def test_restart_context_reads_the_reference_and_recent_windows():
     assert before == pytest.approx((0.7, 0.9, 0.5))
     assert recent == pytest.approx((0.2, 0.3, 1.0))
     assert restart_context(rewards, 30) is None  # nothing in its recent window [15, 31)
+
+
+def test_a_restart_inside_a_phase_is_listed_under_its_seed_number(tmp_path):
+    schedule = [{"from_rollout": 0, "style": "cute"}, {"from_rollout": 200, "style": "archaic"},
+                {"from_rollout": 250, "style": "formal"}]
+    # seeds 12 and 15: the table names them, not their places (0 and 1) in the list of runs
+    runs = []
+    for seed, alarm_at in ((12, 100), (15, 150)):
+        scenario = ExperimentConfig(schedule=schedule, rollouts_per_arm=300, arms=[{"name": "sao"}], seed=seed)
+        # the reference window ends 16 rollouts before the alarm, the recent one ends with it
+        rewards = [_answer(k, 0.8 if k <= alarm_at - 16 else 0.2, 0.9, "cute") for k in range(300)]
+        steps = [_step(alarm_at, drift_alarm=1.0)]
+        runs.append(Run(tmp_path / f"seed-{seed}", scenario,
+                        {"sao": ArmResults(name="sao", rewards=rewards, evals=[], steps=steps)}))
+    lines = report(runs).splitlines()
+    assert "| sao | 12 | 100 | 0.80 -> 0.20 | 0.90 -> 0.90 | 1.00 -> 1.00 |" in lines
+    assert "| sao | 15 | 150 | 0.80 -> 0.20 | 0.90 -> 0.90 | 1.00 -> 1.00 |" in lines

@@ -98,7 +98,8 @@ after a blocking copy (the fourth and fifth, unless the copy was non-blocking)."
 
 def profile_summary(work: Callable[[], Any], where: torch.device, units: int, top: int = 12) -> dict[str, Any]:
     """Run ``work`` once under torch's profiler: its wall time, how long the GPU was busy in it (the
-    sum of its kernels' and copies' times: one stream runs them one after another), the CUDA runtime
+    sum of its kernels' and copies' times; work on streams that overlap, as FSDP2's gathers do with
+    compute, counts twice, so a share near or over 100% means a GPU kept busy), the CUDA runtime
     calls that make the host wait, and the ``top`` kernels by GPU time (operations by CPU time on a
     CPU), each per one of ``units`` (a step, a token). On a CPU the GPU fields are None: the dry run
     only shows that it runs. Events it cannot read are reported, not raised: they only add to a result."""

@@ -12,7 +12,7 @@
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
 # is reported as such and the others still run. Exit status 1 when any section failed.
 #
-#   benchmarks/gpu/check.sh [--dry-run] [--out FILE] [--wheels DIR] [--sections LIST]
+#   benchmarks/gpu/check.sh [--dry-run] [--out FILE] [--wheels DIR] [--sections LIST] [--work DIR]
 #
 # --dry-run: the same code paths on a CPU in about a minute (tiny model, few steps, gloo instead of
 #   NCCL, the gpu tests collected but not run); the default test run runs it
@@ -23,12 +23,15 @@
 #   benchmarks/gpu/wheels.sh downloads them where there is network.
 # --sections LIST: only these, comma-separated (gpu_tests,learner_step,engines,transports; default all): to rerun
 #   the ones that failed within what is left of a GPU lease. The report names the ones left out.
+# --work DIR: keep each section's log, status and result (JSON, JUnit) in DIR, to bring back with the report
+#   (default: a new temporary directory; a compile cache and the --wheels install land there too).
 # PYTHON: the interpreter (default .venv/bin/python when it exists, else python3).
 set -uo pipefail
 
 DRY_RUN=0
 OUT=""
 WHEELS=""
+WORK=""
 SECTIONS=gpu_tests,learner_step,engines,transports
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -36,17 +39,20 @@ while [ $# -gt 0 ]; do
         --out) OUT="$2"; shift ;;
         --wheels) WHEELS="$2"; shift ;;
         --sections) SECTIONS="$2"; shift ;;
+        --work) WORK="$2"; shift ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
     shift
 done
 [ -n "$OUT" ] && OUT=$(realpath -m "$OUT")
 [ -n "$WHEELS" ] && WHEELS=$(realpath -m "$WHEELS")
+[ -n "$WORK" ] && WORK=$(realpath -m "$WORK")
 cd "$(dirname "$0")/../.."
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+if [ -n "$WORK" ]; then mkdir -p "$WORK" || exit 2
+else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX"); fi
 if [ -z "$OUT" ]; then
     if [ "$DRY_RUN" = 1 ]; then OUT="$WORK/gpu.md"; else OUT=benchmarks/results/gpu.md; fi
 fi

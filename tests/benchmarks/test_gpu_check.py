@@ -24,9 +24,14 @@ DRY_RUN_TIMEOUT_S = 900
 def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     out = tmp_path / "gpu.md"
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "check.sh"), "--dry-run", "--out", str(out)],
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "check.sh"), "--dry-run", "--out", str(out),
+                           "--work", "work"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    # --work, relative to where it was called from, keeps every section's files
+    for name in ("gpu_tests", "learner_step", "engines", "transports"):
+        assert (tmp_path / "work" / f"{name}.status").is_file() and (tmp_path / "work" / f"{name}.log").is_file()
+    assert json.loads((tmp_path / "work" / "learner_step.json").read_text())["ok"]
     text = out.read_text()
     assert text.startswith("# GPU checks (DRY RUN")
     for heading in ("## 1. gpu-marked tests: ok", "## 2. Learner step (SAO, FSDP2): ok", "## 3. Serving engines: ok",

@@ -24,7 +24,7 @@
 # --sections LIST: only these, comma-separated (gpu_tests,learner_step,engines,transports; default all): to rerun
 #   the ones that failed within what is left of a GPU lease. The report names the ones left out.
 # --work DIR: keep each section's log, status and result (JSON, JUnit) in DIR, to bring back with the report
-#   (default: a new temporary directory; a compile cache and the --wheels install land there too).
+#   (default: a new temporary directory under TMPDIR; the --wheels install lands in it too).
 # PYTHON: the interpreter (default .venv/bin/python when it exists, else python3).
 set -uo pipefail
 

@@ -4,7 +4,8 @@
 #   1. the gpu-marked tests (cuda-ipc weights, in one process and across two);
 #   2. the SAO learner step on a ~0.5B random-weight model of the default architecture (qwen2), bf16,
 #      FSDP2 on NCCL: tokens/s and MFU against the GPU's dense bf16 peak, eager and then with the
-#      bodies compiled as trainer.compile does (learner_step.py --compile), and one step under the profiler
+#      bodies compiled as trainer.compile does (learner_step.py --compile), eager on twice the rollouts (does the
+#      MFU grow with the batch?), and one step under the profiler
 #      (how much of it the GPU was busy, which kernels took the time: what limits the MFU);
 #   3. the native engine's throughput (both KV layouts) against transformers' generate, and vLLM's where it imports
 #      (engines.py), and one request through each under the profiler (GPU-busy share, host waits per token);

@@ -19,7 +19,8 @@ SDPA with grouped-query heads, which transformers uses on CUDA; then the sharded
 ``--steps`` timed steps after one warm-up. MFU = counted FLOPs / median step
 time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
 
-One more eager step then runs under torch's profiler (``common.profile_summary``): how much of
+The eager steps are then timed on ``--larger-batch`` times the rollouts too (does the MFU grow
+with the batch?). One more eager step runs under torch's profiler (``common.profile_summary``): how much of
 the step the GPU was busy, and the kernels that took its time, so that the report can say
 what limits the MFU.
 
@@ -149,6 +150,8 @@ def run(args) -> dict:
         "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None,
         "profile": profile_summary(lambda: algorithm.step(batch), where, units=1),  # one more eager step
     }
+    if args.larger_batch > 1:
+        result["larger_batch"] = larger_batch(algorithm, policy, args, where, flops * ctx.world_size, peak)
     if args.compile:
         if ctx.is_main:  # what is known so far, should the section's time run out while compiling
             write_result(args.out, "learner_step", lambda: {**result, "compiled": {"error": "did not finish"}})
@@ -167,6 +170,28 @@ def timed_steps(algorithm, batch, steps: int, where: torch.device) -> tuple[list
         synchronize(where)
         times.append(time.perf_counter() - start)
     return times, metrics
+
+
+def larger_batch(algorithm, policy, args, where: torch.device, flops: float, peak: float | None) -> dict:
+    """The same eager steps on ``--larger-batch`` times the rollouts. An MFU that grows with the batch
+    says the step was bound by per-kernel costs (launches, small kernels); one that stays says the
+    kernels themselves are slow. FLOPs grow with the rollouts at a fixed length. Running out of GPU
+    memory is reported, not raised: the numbers at the first size stand."""
+    wider = argparse.Namespace(**{**vars(args), "rollouts": args.rollouts * args.larger_batch})
+    try:
+        batch = make_batch(policy, wider, policy.config.vocab_size, where)
+        algorithm.step(batch)  # warm-up at this shape
+        synchronize(where)
+        times, _ = timed_steps(algorithm, batch, args.steps, where)
+    except torch.cuda.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return {"rollouts_per_rank": wider.rollouts, "error": f"out of GPU memory: {str(exc)[:200]}"}
+    step_s = statistics.median(times)
+    achieved = flops * args.larger_batch / step_s / 1e12
+    return {"rollouts_per_rank": wider.rollouts, "step_s": times, "step_s_median": step_s,
+            "tokens_per_s": batch.input_ids.numel() * dist.get_world_size() / step_s, "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak else None,
+            "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None}
 
 
 def compiled_steps(policy, critic, algorithm, batch, steps: int, where: torch.device, flops: float,
@@ -199,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--action-tokens", type=int, default=384)
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    parser.add_argument("--larger-batch", type=int, default=2,
+                        help="then time the eager steps on this many times the rollouts (1: do not)")
     parser.add_argument("--compile", action="store_true",
                         help="then compile the bodies (trainer.compile) and time the same steps again")
     args = parser.parse_args(argv)

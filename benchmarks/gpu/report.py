@@ -81,11 +81,23 @@ def learner_section(r: dict, mode: str) -> list[str]:
     if r["mfu"] is not None:
         verdict = "meets" if r["mfu"] >= MFU_TARGET else "is below"
         lines += ["", f"MFU {100 * r['mfu']:.1f}% {verdict} the {100 * MFU_TARGET:.0f}% target."]
+    if "larger_batch" in r:
+        lines += ["", larger_batch_line(r["larger_batch"])]
     if "profile" in r:
         lines += ["", *profile_lines("One more eager step under the profiler", r["profile"], "step")]
     if "compiled" in r:
         lines += ["", *compiled_lines(r["compiled"])]
     return lines
+
+
+def larger_batch_line(b: dict) -> str:
+    """The eager steps on more rollouts (learner_step.py ``--larger-batch``)."""
+    if "error" in b:
+        return f"At {b['rollouts_per_rank']} rollouts per rank: no result, `{b['error']}`."
+    mfu = "n/a" if b["mfu"] is None else f"{100 * b['mfu']:.1f}%"
+    memory = "" if b["max_memory_gib"] is None else f", {b['max_memory_gib']:.1f} GiB at most"
+    return (f"At {b['rollouts_per_rank']} rollouts per rank, eager: median step {b['step_s_median']:.3f} s, "
+            f"{b['tokens_per_s']:.0f} tokens/s, {b['achieved_tflops']:.1f} TFLOP/s, MFU {mfu}{memory}.")
 
 
 def compiled_lines(c: dict) -> list[str]:

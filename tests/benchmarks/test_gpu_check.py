@@ -41,6 +41,7 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     assert "test_real_cuda_export_round_trips_in_the_publishing_process" in text
     assert "on 1 rank(s), backend `gloo`" in text
     assert "With the bodies compiled (`trainer.compile`), after " in text  # the compiled steps ran under FSDP2
+    assert "At 8 rollouts per rank, eager: median step " in text  # --larger-batch 2 on the dry run's 4
     assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
     # the profiled runs: a learner step, one request through generate and through the engine
     assert "One more eager step under the profiler, per step: wall " in text and "| `aten::mm` |" in text
@@ -147,3 +148,13 @@ def test_a_gpu_profile_reads_as_busy_share_waits_and_top_kernels():
     assert lines[-1] == "| `sm90_gemm/bf16` | 6.500 | 170.0 |"
     assert report.profile_lines("x", {"error": "RuntimeError: no CUPTI"}, "step") == [
         "x: the profiler failed, `RuntimeError: no CUPTI`."]
+
+
+def test_the_larger_batch_reads_as_its_own_line_or_its_error():
+    line = report.larger_batch_line({"rollouts_per_rank": 64, "step_s": [0.9, 1.0], "step_s_median": 0.95,
+                                     "tokens_per_s": 34489.0, "achieved_tflops": 249.2, "mfu": 0.2519,
+                                     "max_memory_gib": 90.25})
+    assert line == ("At 64 rollouts per rank, eager: median step 0.950 s, 34489 tokens/s, 249.2 TFLOP/s, "
+                    "MFU 25.2%, 90.2 GiB at most.")
+    assert report.larger_batch_line({"rollouts_per_rank": 64, "error": "out of GPU memory: x"}) == (
+        "At 64 rollouts per rank: no result, `out of GPU memory: x`.")

@@ -73,8 +73,8 @@ class RewardDropDetector:
             if len(self.history) < s.reference + s.recent:
                 continue
             values = list(self.history)
-            drop, z = mean_shift(values[:s.reference], values[s.reference:])
-            if drop >= s.min_drop and z >= s.z_threshold:
+            fell, drop, z = self.test(values[:s.reference], values[s.reference:])
+            if fell:
                 alarm = True
                 self.alarm_reference = values[:s.reference]
                 self.history.clear()  # the rewards before the change say nothing about after it
@@ -82,6 +82,11 @@ class RewardDropDetector:
         if alarm:
             self.history.extend(float(r) for r in rewards[i + 1:])
         return alarm, {"drift_drop": drop, "drift_z": z, "drift_alarm": float(alarm)}
+
+    def test(self, reference: list[float], recent: list[float]) -> tuple[bool, float, float]:
+        """The two-window test on given windows: (the mean fell enough, drop, z)."""
+        drop, z = mean_shift(reference, recent)
+        return drop >= self.settings.min_drop and z >= self.settings.z_threshold, drop, z
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history)}

@@ -151,9 +151,9 @@ class DriftResponse:
         if len(p.rewards) < self.cfg.recent:
             return False
         self.probation = None
-        drop, z = mean_shift(p.reference, p.rewards[:self.cfg.recent])
+        fell, drop, z = self.detector.test(p.reference, p.rewards[:self.cfg.recent])
         metrics["drift_probation_drop"], metrics["drift_probation_z"] = drop, z
-        if drop >= self.cfg.min_drop and z >= self.cfg.z_threshold:
+        if fell:
             metrics["drift_drop"], metrics["drift_z"] = drop, z
             return True
         log.warning("reward drift: the rolled-back policy holds its level (drop %.3f, z=%.1f): no restart", drop, z)

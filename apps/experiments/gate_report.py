@@ -64,8 +64,8 @@ class RegistryDecision:
 
 
 DRIFT_CHANGES = ("drift_restart", "drift_rollback")
-"""Decisions of versions the learner published as champion at once (Releases.rebase)."""
-"""``gate.decision`` of a restart after a detected preference change (trainer/publisher.py)."""
+"""``gate.decision`` of versions the learner published as champion at once after a detected reward
+drop: a restart or a roll-back (trainer/publisher.py, Releases.rebase)."""
 
 
 def _number(tags: dict[str, str], key: str) -> float:

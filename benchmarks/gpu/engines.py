@@ -34,10 +34,15 @@ from online_sao.config import ServingConfig  # noqa: E402
 from serving.engine.torch_engine import TorchEngine  # noqa: E402
 
 
+def sampling_config(new_tokens: int) -> GenerationConfig:
+    """``generate``'s settings for the engines' workload: exactly ``new_tokens`` tokens, temperature 1."""
+    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                            temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+
+
 def generate_rate(model, prompt_list: list[list[int]], new_tokens: int, where: torch.device) -> float:
     """Tokens/s of sequential ``model.generate`` (batch 1, no early stop)."""
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                              temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    config = sampling_config(new_tokens)
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_list[0]], device=where), generation_config=config)  # warm-up
         synchronize(where)
@@ -69,8 +74,7 @@ def single_request_profiles(model, engine, vocab: int, new_tokens: int, where: t
     ``generate`` and through ``engine``. Where the GPU idles while the wall clock runs, the host is
     the limit (launches, waits, Python); the wait counts say how often the host stopped for the GPU."""
     prompt = prompts(1, vocab)
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                              temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    config = sampling_config(new_tokens)
 
     def generate() -> None:
         with torch.inference_mode():

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--driver", choices=["live", "inprocess"],
                           help="shortcut for --set experiment.driver=...: live processes on Kafka (the "
                                "reference) or everything in one process in rollout time (fast sweeps)")
+    simulate.add_argument("--jobs", type=int, metavar="N",
+                          help="shortcut for --set experiment.jobs=N: with the in-process driver, N (seed, arm) "
+                               "runs side by side in worker processes (same results as one at a time)")
     simulate.set_defaults(run=_simulate)
 
     sweep = sub.add_parser("lr-sweep", help="run every arm of a scenario once per policy learning rate; "
@@ -141,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--arm", action="append", help="sweep only this arm (repeatable)")
     sweep.add_argument("--seeds", type=int, metavar="N", help="shortcut for --set experiment.seeds=N")
     sweep.add_argument("--driver", choices=["live", "inprocess"], help="shortcut for --set experiment.driver=...")
+    sweep.add_argument("--jobs", type=int, metavar="N", help="shortcut for --set experiment.jobs=N (in-process driver)")
     sweep.set_defaults(run=_lr_sweep)
 
     agent = sub.add_parser("agent", help="the simulated agent scenario: calculator tasks through the live stack, "
@@ -181,6 +185,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out["experiment.seeds"] = args.seeds
     if getattr(args, "driver", None) is not None:
         out["experiment.driver"] = args.driver
+    if getattr(args, "jobs", None) is not None:
+        out["experiment.jobs"] = args.jobs
     return out
 
 

@@ -206,6 +206,12 @@ class ExperimentConfig(Section):
     """Seeds the scenario runs with: seed k adds k to ``seed``, ``prompt_seed`` and ``trainer.seed``;
     with more than one, each seed's results go to ``seed-<k>/`` and the report gives every measure
     as its mean over seeds with a 95% bootstrap interval."""
+    jobs: int = Field(1, ge=1)
+    """In-process driver only: how many (seed, arm) runs go side by side, each in a worker process
+    of its own (torch threads: ``serving.torch_threads``, else an equal share of the cores). The
+    results are the same as one after the other: each run is seeded and reproducible
+    (apps/experiments/parallel.py). 1: one after the other in this process. The live driver's arms
+    share the serving port and the broker, so it runs one arm at a time."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
     """Collapse: the moving answer quality stays below this share of its first window's level
     until the end of the run."""
@@ -252,6 +258,9 @@ class ExperimentConfig(Section):
             raise ValueError(f"arm names must be unique, got {names}")
         if PRETRAIN_ARM in names:
             raise ValueError(f"arm name {PRETRAIN_ARM!r} is reserved for the value pre-training data")
+        if self.jobs > 1 and self.driver != "inprocess":
+            raise ValueError(f"jobs = {self.jobs} needs driver 'inprocess': the live driver's arms share the serving "
+                             "port and the broker and run one at a time")
         self._segments_valid()
         self._raters_valid()
         return self

@@ -2,8 +2,9 @@
 
 ``experiment.driver`` chooses how an arm runs: ``live`` (below, the reference) or
 ``inprocess`` (experiments/inprocess.py: the same parts in one process, in rollout
-time). ``experiment.seeds`` > 1 repeats the scenario with shifted seeds, one results
-directory per seed (``seed-<k>/``); the report aggregates them.
+time; ``experiment.jobs`` runs its (seed, arm) pairs side by side, experiments/parallel.py).
+``experiment.seeds`` > 1 repeats the scenario with shifted seeds, one results directory per
+seed (``seed-<k>/``); the report aggregates them.
 
 The live driver:
 
@@ -298,16 +299,11 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     for run in runs:
         write_scenario(results_dir(run), run.experiment)
     if cfg.experiment.driver == "inprocess":
-        from apps.experiments.inprocess import collect_pretrain_inprocess, run_arm_inprocess
+        from apps.experiments.parallel import run_arms_inprocess
 
         progress(f"model: {build_base_model(cfg, progress=progress)}")
         classifier = load_or_train(cfg, progress)
-        for k, run in enumerate(runs):
-            pretrain_file = collect_pretrain_inprocess(run, classifier, progress) if pretrains(run, names) else None
-            for i, name in enumerate(names, 1):
-                progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} (in process) ===")
-                write_summary(results_dir(run), run_arm_inprocess(run, name, classifier, results_dir(run), progress,
-                                                                  pretrain_file))
+        run_arms_inprocess(runs, names, classifier, cfg.experiment.jobs, lambda run: pretrains(run, names), progress)
     else:
         resolved = out / "config.yaml"
         write_private(resolved, dump_config(cfg, reveal_secrets=True))

@@ -16,6 +16,7 @@ seed, ``seed-<k>/``, under the scenario's results directory.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -133,6 +134,20 @@ class ArmResults(BaseModel):
     evals: list[EvalRow]
     steps: list[StepRow] = []
     summary: ArmSummary | None = None
+
+
+TIMING_METRIC = re.compile(r"^time_.*_s$")
+"""Step metrics that are clock readings (``PhaseTimer``): they differ between two runs of one seed."""
+
+
+def decisions(results: ArmResults) -> tuple[list[tuple], list[tuple]]:
+    """What a run decided, without its clock readings: every reward with its rollout, the version
+    that answered and the sampled style; every learner step's rollout count, version and metrics
+    (timings left out). Two runs of one seed of the in-process driver give equal decisions."""
+    rewards = [(r.rollout, r.reward, r.version, r.sampled_style) for r in results.rewards]
+    steps = [(s.rollout, s.version, {k: v for k, v in s.metrics.items() if not TIMING_METRIC.match(k)})
+             for s in results.steps]
+    return rewards, steps
 
 
 def summary_path(results_dir: Path, arm: str) -> Path:

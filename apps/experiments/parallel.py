@@ -1,0 +1,129 @@
+"""The in-process driver's runs, one after the other or side by side in worker processes.
+
+A run is one (seed, arm) pair: the in-process driver answers its requests one at a time on a
+virtual clock with seeded sampling, so each run is reproducible and depends on nothing but
+its configuration (and, for an arm with a critic, its seed's value pre-training file). That
+makes a multi-seed sweep embarrassingly parallel: with ``experiment.jobs`` above 1 the runs go
+to that many spawned worker processes and write the same results as one after the other
+(tests/apps/experiments/test_parallel.py). A seed's value pre-training pass runs first and
+that seed's arms start when it is written.
+
+Each worker runs torch on ``serving.torch_threads`` threads, or an equal share of the cores
+when that is unset, so the jobs do not oversubscribe the machine. A failing run stops the
+sweep: runs not yet started are cancelled, those under way finish, and the first error is
+raised.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+
+from apps.config import AppConfig
+from apps.experiments.results import ArmSummary, write_summary
+from apps.experiments.scenario import results_dir
+from apps.experiments.style import StyleClassifier
+
+Progress = Callable[[str], None]
+
+
+def run_arms_inprocess(runs: list[AppConfig], names: list[str], classifier: StyleClassifier, jobs: int,
+                       needs_pretraining: Callable[[AppConfig], bool], progress: Progress = print) -> None:
+    """Every arm in ``names`` for every seed's configuration in ``runs``, in process; each arm's
+    summary is written beside its results. ``needs_pretraining(run)``: whether that seed collects
+    value pre-training data first."""
+    if jobs == 1:
+        for k, run in enumerate(runs):
+            pretrain_file = _collect(run, classifier, progress) if needs_pretraining(run) else None
+            for i, name in enumerate(names, 1):
+                progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} (in process) ===")
+                write_summary(results_dir(run), _run_arm(run, name, classifier, pretrain_file, progress))
+        return
+    _run_side_by_side(runs, names, classifier, jobs, needs_pretraining, progress)
+
+
+def _run_side_by_side(runs: list[AppConfig], names: list[str], classifier: StyleClassifier, jobs: int,
+                      needs_pretraining: Callable[[AppConfig], bool], progress: Progress) -> None:
+    threads = _threads_per_job(runs[0], jobs)
+    total = len(runs) * len(names)
+    progress(f"{total} runs ({len(runs)} seed(s) x {len(names)} arm(s)), {jobs} at a time in worker processes, "
+             f"{threads} torch thread(s) each")
+    # spawn, not fork: a forked child would inherit this process's torch thread pools and locks
+    context = multiprocessing.get_context("spawn")
+    pending: dict[Future, tuple[str, int, str | None]] = {}
+    done_runs = 0
+    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=context) as pool:
+        def submit_arms(k: int, pretrain_file: Path | None) -> None:
+            for name in names:
+                future = pool.submit(_arm_job, runs[k], name, classifier, pretrain_file, threads,
+                                     _label(k, len(runs), name))
+                pending[future] = ("arm", k, name)
+
+        for k, run in enumerate(runs):
+            if needs_pretraining(run):
+                future = pool.submit(_pretrain_job, run, classifier, threads, _label(k, len(runs), None))
+                pending[future] = ("pretrain", k, None)
+            else:
+                submit_arms(k, None)
+        while pending:
+            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for future in finished:
+                kind, k, name = pending.pop(future)
+                try:
+                    result = future.result()
+                except BaseException:
+                    for other in pending:
+                        other.cancel()
+                    progress(f"{_label(k, len(runs), name)} failed; the runs under way finish, the rest are "
+                             "cancelled")
+                    raise
+                if kind == "pretrain":
+                    submit_arms(k, result)
+                else:
+                    write_summary(results_dir(runs[k]), result)
+                    done_runs += 1
+                    progress(f"=== {done_runs}/{total} runs done ({_label(k, len(runs), name)}) ===")
+
+
+def _threads_per_job(cfg: AppConfig, jobs: int) -> int:
+    """Torch threads for each worker: the configured engine threads, else an equal share of the cores."""
+    if cfg.serving.torch_threads is not None:
+        return cfg.serving.torch_threads
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
+def _label(k: int, seeds: int, arm: str | None) -> str:
+    return f"[seed {k + 1}/{seeds} {arm or 'value pre-training data'}]"
+
+
+def _collect(run: AppConfig, classifier: StyleClassifier, progress: Progress) -> Path:
+    from apps.experiments.inprocess import collect_pretrain_inprocess
+
+    return collect_pretrain_inprocess(run, classifier, progress)
+
+
+def _run_arm(run: AppConfig, name: str, classifier: StyleClassifier, pretrain_file: Path | None,
+             progress: Progress) -> ArmSummary:
+    from apps.experiments.inprocess import run_arm_inprocess
+
+    return run_arm_inprocess(run, name, classifier, results_dir(run), progress, pretrain_file)
+
+
+def _in_worker(threads: int, label: str) -> Progress:
+    """Set up a worker process for one job; its progress lines carry the job's label."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return lambda line: print(f"{label} {line}", flush=True)
+
+
+def _pretrain_job(run: AppConfig, classifier: StyleClassifier, threads: int, label: str) -> Path:
+    return _collect(run, classifier, _in_worker(threads, label))
+
+
+def _arm_job(run: AppConfig, name: str, classifier: StyleClassifier, pretrain_file: Path | None, threads: int,
+             label: str) -> ArmSummary:
+    return _run_arm(run, name, classifier, pretrain_file, _in_worker(threads, label))

@@ -1,0 +1,81 @@
+"""The in-process driver's runs side by side in worker processes: the same results files as one
+after the other, summaries beside them, and the configuration's limits."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from apps.config import ExperimentConfig
+from apps.experiments.orchestrate import pretrains, seed_runs
+from apps.experiments.parallel import run_arms_inprocess
+from apps.experiments.results import decisions, read_arm, summary_path
+from apps.experiments.scenario import results_dir
+from tests.apps.experiments.test_inprocess import scenario
+from tests.fixtures.models import tiny_config
+
+ARMS = [{"name": "sao"}, {"name": "rm", "algorithm": {"name": "running_mean", "running_mean_window": 4}}]
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    from apps.default_model.corpus import STYLES
+    from apps.experiments.style import train_classifier
+
+    return train_classifier(STYLES, seed=0)
+
+
+def sweep(where, tiny_model_dir, classifier, jobs: int, lines: list[str]):
+    cfg = tiny_config(where / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": ARMS,
+                                         "experiment.results_dir": str(where / "results"), "experiment.seeds": 2,
+                                         "experiment.driver": "inprocess", "experiment.jobs": jobs,
+                                         "serving.torch_threads": 1,
+                                         **scenario(**{"experiment.pretrain_rollouts": 6})})
+    runs = seed_runs(cfg)
+    names = [a["name"] for a in ARMS]
+    run_arms_inprocess(runs, names, classifier, jobs, lambda run: pretrains(run, names), lines.append)
+    return runs
+
+
+def outcome(runs, arm: str):
+    """What the arm's run of each seed decided (rewards, versions, styles, step metrics)."""
+    return [decisions(read_arm(results_dir(run) / f"{arm}.jsonl")) for run in runs]
+
+
+def test_side_by_side_runs_write_what_one_after_the_other_writes(tmp_path, tiny_model_dir, classifier):
+    serial_lines, parallel_lines = [], []
+    serial = sweep(tmp_path / "serial", tiny_model_dir, classifier, 1, serial_lines)
+    parallel = sweep(tmp_path / "parallel", tiny_model_dir, classifier, 2, parallel_lines)
+    for arm in ("sao", "rm"):
+        first, second = outcome(serial, arm), outcome(parallel, arm)
+        assert first == second
+        assert first[0] != first[1]  # the two seeds are different runs
+        assert all(steps and steps[-1][0] >= 1 for _, steps in first)  # and both trained
+    for run in parallel:
+        for arm in ("sao", "rm"):
+            assert summary_path(results_dir(run), arm).is_file()
+        assert (results_dir(run) / "arms" / "pretrain-data" / "records.jsonl").is_file()
+    assert "2 at a time in worker processes" in parallel_lines[0]
+    assert parallel_lines[-1].startswith("=== 4/4 runs done")
+
+
+def test_a_failing_run_stops_the_sweep_with_its_error(tmp_path, classifier):
+    (tmp_path / "no-model").mkdir()  # a model directory without a model: every run fails to load it
+    cfg = tiny_config(tmp_path / "data", **{"model.path": str(tmp_path / "no-model"), "experiment.arms": ARMS,
+                                            "experiment.results_dir": str(tmp_path / "results"),
+                                            "experiment.seeds": 2, "experiment.driver": "inprocess",
+                                            "serving.torch_threads": 1, **scenario()})
+    lines = []
+    # transformers' error for a directory without a model (OSError or ValueError, by version), raised here
+    with pytest.raises((OSError, ValueError)) as raised:
+        run_arms_inprocess(seed_runs(cfg), ["rm"], classifier, 2, lambda run: False, lines.append)
+    assert "_RemoteTraceback" in repr(raised.value.__cause__)  # it came from a worker process
+    assert any("failed; the runs under way finish" in line for line in lines)
+
+
+def test_jobs_need_the_inprocess_driver():
+    with pytest.raises(ValidationError, match="jobs = 2 needs driver 'inprocess'"):
+        ExperimentConfig(jobs=2)
+    assert ExperimentConfig(jobs=2, driver="inprocess").jobs == 2
+    with pytest.raises(ValidationError):
+        ExperimentConfig(jobs=0, driver="inprocess")

@@ -139,6 +139,22 @@ def summarize(runs: list[Run]) -> list[ArmSummaryAcrossSeeds]:
                           scenario) for name in arm_names(runs, scenario)]
 
 
+def paired_difference(runs: list[Run], reference: str, other: str) -> Interval | None:
+    """``reference``'s post-switch mean minus ``other``'s, seed by seed over the runs that have both,
+    and the 95% bootstrap interval of the mean difference. Every arm of a seed gets the same
+    traffic (prompts, arrival times, dropped rewards), so pairing by seed takes what a seed does
+    to every arm out of the comparison; the unpaired intervals keep it in."""
+    diffs = []
+    for run in runs:
+        if reference in run.arms and other in run.arms:
+            start = run.scenario.switch_rollouts[0]
+            a, b = (post_switch_mean([r.judge_value for r in run.arms[name].rewards], start)
+                    for name in (reference, other))
+            if a is not None and b is not None:
+                diffs.append(a - b)
+    return interval(diffs)
+
+
 def _stack_curves(curves: list[list[float]]) -> np.ndarray:
     """``[seeds, T]`` over the common length (seeds' runs can differ by a few rollouts)."""
     length = min(len(c) for c in curves)

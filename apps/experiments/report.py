@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
-from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, summarize
+from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, paired_difference, summarize
 from apps.experiments.gate_report import write_gate_report
-from apps.experiments.intervals import cell
+from apps.experiments.intervals import Interval, cell
 from apps.experiments.metrics import LEVEL_SHARE
 from apps.experiments.plots import PLOTS, write_plots
 from apps.experiments.segments import write_segment_report
@@ -82,12 +82,12 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
                           ("Area (mean reward over each phase)", lambda a, p: cell(p.area))):
         lines += ["", f"## {title}", ""] + _table(["arm", *heads],
                                                  [[a.name, *(render(a, p) for p in a.phases)] for a in arms])
-    lines += _comparison(arms, scenario.reference_arm)
+    lines += _comparison(arms, runs, scenario.reference_arm)
     lines += [""] + [f"![{title}]({name})\n" for name, title in PLOTS.items()]
     return "\n".join(lines)
 
 
-def _comparison(arms: list[ArmSummaryAcrossSeeds], reference: str | None) -> list[str]:
+def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: str | None) -> list[str]:
     ref = next((a for a in arms if a.name == reference), None)
     if ref is None or ref.post_switch_mean is None or len(arms) < 2:
         return []
@@ -96,13 +96,26 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], reference: str | None) -> lis
         if a is ref or a.post_switch_mean is None:
             continue
         diff = ref.post_switch_mean.mean - a.post_switch_mean.mean
+        paired = paired_difference(runs, ref.name, a.name)
         if min(ref.post_switch_mean.n, a.post_switch_mean.n) < 2:
             apart = "- (one seed: no interval)"  # a single seed's "interval" is a point: any difference would look apart
         else:
             apart = "yes" if ref.post_switch_mean.apart_from(a.post_switch_mean) else "no"
-        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart])
+        excludes = "-" if paired is None or paired.n < 2 else ("yes" if paired.low > 0 or paired.high < 0 else "no")
+        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart, _signed(paired), excludes])
     return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean)})", "",
-            *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart"], rows)]
+            *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart",
+                     "minus arm, paired by seed", "paired interval excludes 0"], rows),
+            "", "Paired by seed: the mean over seeds of each seed's difference, with its 95% bootstrap interval "
+            "(every arm of a seed gets the same traffic)."]
+
+
+def _signed(value: Interval | None) -> str:
+    if value is None:
+        return "-"
+    if value.n < 2:
+        return f"{value.mean:+.3f}"
+    return f"{value.mean:+.3f} [{value.low:+.3f}, {value.high:+.3f}]"
 
 
 def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str) -> str:

@@ -94,7 +94,10 @@ def test_report_of_one_seed_files_plots_and_tables(results, tmp_path):
     assert lag("sao") < lag("running_mean_w8")
     assert "the one that makes the reward" in text  # held-out accuracy is not an independent judge
     # one seed has no interval to compare: the comparison claims nothing
-    assert table_row(section(text, "sao against each arm"), "running_mean_w8")[3] == "- (one seed: no interval)"
+    row = table_row(section(text, "sao against each arm"), "running_mean_w8")
+    assert row[3] == "- (one seed: no interval)"
+    paired = post_switch_mean(series["sao"], 20) - post_switch_mean(series["running_mean_w8"], 20)
+    assert row[4:] == [f"{paired:+.3f}", "-"]  # one seed's difference, no interval
     data = json.loads((out / "report.json").read_text())
     assert [d["name"] for d in data] == ["sao", "running_mean_w8"]  # the scenario's arm order
 
@@ -120,6 +123,22 @@ def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
     other = interval([post_switch_mean(per_seed[k]["running_mean_w8"], 20) for k in range(3)])
     assert row[2] == f"{ref.mean - other.mean:+.3f}" and row[3] == ("yes" if ref.apart_from(other) else "no")
     assert row[3] == "yes"  # 3 against 15 low rollouts after each switch: far apart in every seed
+    paired = interval([post_switch_mean(per_seed[k]["sao"], 20) - post_switch_mean(per_seed[k]["running_mean_w8"], 20)
+                       for k in range(3)])
+    assert row[4] == f"{paired.mean:+.3f} [{paired.low:+.3f}, {paired.high:+.3f}]" and row[5] == "yes"
+
+
+def test_the_paired_difference_takes_out_what_a_seed_does_to_every_arm(tmp_path):
+    """Seeds at levels 0.2, 0.5 and 0.8, sao 0.05 above the other arm in each: the unpaired intervals
+    overlap (the seeds' spread), the paired difference is 0.05 in every seed."""
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    for k, level in enumerate([0.2, 0.5, 0.8]):
+        write_run(directory / f"seed-{k}", {"sao": [level + 0.05] * 60, "running_mean_w8": [level] * 60}, seed=k)
+    row = table_row(section(write_report(directory, tmp_path / "report").read_text(), "sao against each arm"),
+                    "running_mean_w8")
+    assert row[1] == "0.500 [0.200, 0.800]" and row[2] == "+0.050" and row[3] == "no"
+    assert row[4] == "+0.050 [+0.050, +0.050]" and row[5] == "yes"
 
 
 def test_levels_are_on_the_judges_value_when_raters_scale_the_reward(tmp_path):

@@ -208,8 +208,9 @@ class ExperimentConfig(Section):
     as its mean over seeds with a 95% bootstrap interval."""
     jobs: int = Field(1, ge=1)
     """In-process driver only: how many (seed, arm) runs go side by side, each in a worker process
-    of its own (torch threads: ``serving.torch_threads``, else an equal share of the cores). The
-    results are the same as one after the other: each run is seeded and reproducible
+    of its own (torch threads: ``serving.torch_threads``, else an equal share of the cores). With
+    ``serving.torch_threads`` set (every drift config sets 1) the results are the same as one after
+    the other: each run is seeded and runs on that many threads wherever it runs
     (apps/experiments/parallel.py). 1: one after the other in this process. The live driver's arms
     share the serving port and the broker, so it runs one arm at a time."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)

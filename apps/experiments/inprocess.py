@@ -34,7 +34,11 @@ no MLflow, no weight store, no checkpoints, no registry (so no promotion gate an
 roll-back: every applied step is served), and per-request sampling seeds (derived
 from ``experiment.seed``) where live users send none. With those seeds, and every weight
 swap between two requests, a run is reproducible: the same configuration gives the same
-results file (a live run is not: its timing decides which version samples what). With
+results file (a live run is not: its timing decides which version samples what), on any
+machine whose CPU rounds alike, when ``serving.torch_threads`` is set: every drift config sets it,
+and the driver then runs the judge and the learner (this thread) on that many torch threads as the
+engine does (:func:`pinned_threads`); left unset, torch uses every core and float rounding
+follows the machine's core count. With
 ``experiment.segments`` each request draws its user segment as the live users do
 (scenario.segment_draws) and carries it in the request's ``user`` field, so the logged
 record's ``user_id`` names it for the judge.
@@ -46,7 +50,8 @@ import asyncio
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,6 +287,26 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+@contextmanager
+def pinned_threads(threads: int | None) -> Iterator[None]:
+    """This thread's torch threads set to ``threads`` (None: as they are), restored after.
+
+    The engine sets its own thread's count (``serving.torch_threads``); torch keeps the count per
+    thread, so the judge and the learner, which run in the caller's thread, would otherwise use
+    torch's default, every core: a matrix product split over another number of threads rounds
+    differently, and a seed's run would follow the machine's core count and whether it ran in a
+    worker process (apps/experiments/parallel.py)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
                                progress: Callable[[str], None] = print) -> Path:
     """The live pre-training pass (experiments/pretrain_data.py) in this process: the starting
@@ -305,13 +330,14 @@ def collect_pretrain_inprocess(cfg: AppConfig, classifier: StyleClassifier,
         return [(await serving.chat(next(prompts), -(exp.seed * REQUEST_SEED_STRIDE + i) - 1))[1]
                 for i in range(exp.pretrain_rollouts)]
 
-    engine.start_thread()
-    try:
-        interactions = asyncio.run(answer_all())
-    finally:
-        engine.stop_thread()
-    rewards = judge_rewards(interactions, QualityStyleJudge(classifier), exp.preferred_style(0),
-                            Raters(exp.rater_scale, exp.rater_offset))
+    with pinned_threads(cfg.serving.torch_threads):
+        engine.start_thread()
+        try:
+            interactions = asyncio.run(answer_all())
+        finally:
+            engine.stop_thread()
+        rewards = judge_rewards(interactions, QualityStyleJudge(classifier), exp.preferred_style(0),
+                                Raters(exp.rater_scale, exp.rater_offset))
     path = write_records(results_dir(cfg) / "arms" / PRETRAIN_ARM / PRETRAIN_FILE, interactions, rewards)
     progress(f"value pre-training data: {len(rewards)} rollouts of the starting policy, mean reward "
              f"{sum(r.value for r in rewards) / len(rewards):.3f} in {path}")
@@ -342,16 +368,17 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
     results_path = out / f"{arm.name}.jsonl"
     results_path.unlink(missing_ok=True)
     started = time.monotonic()
-    runner = InProcessArm(acfg, classifier, results_path, progress)
-    fit = {}
-    if pretrain_file is not None and runner.learner.models.trainables.critic is not None:
-        fit = _finite(pretrain_critic(runner.learner, pretrain_file))
-        progress(f"value pre-training: {fit}")
-    runner.engine.start_thread()
-    try:
-        answered = asyncio.run(runner.run())
-    finally:
-        runner.engine.stop_thread()
+    with pinned_threads(acfg.serving.torch_threads):
+        runner = InProcessArm(acfg, classifier, results_path, progress)
+        fit = {}
+        if pretrain_file is not None and runner.learner.models.trainables.critic is not None:
+            fit = _finite(pretrain_critic(runner.learner, pretrain_file))
+            progress(f"value pre-training: {fit}")
+        runner.engine.start_thread()
+        try:
+            answered = asyncio.run(runner.run())
+        finally:
+            runner.engine.stop_thread()
     wall = round(time.monotonic() - started, 1)
     c = runner.learner.joiner.counters
     groups = c.complete_groups + c.incomplete_groups

@@ -4,12 +4,15 @@ A run is one (seed, arm) pair: the in-process driver answers its requests one at
 virtual clock with seeded sampling, so each run is reproducible and depends on nothing but
 its configuration (and, for an arm with a critic, its seed's value pre-training file). That
 makes a multi-seed sweep embarrassingly parallel: with ``experiment.jobs`` above 1 the runs go
-to that many spawned worker processes and write the same results as one after the other
-(tests/apps/experiments/test_parallel.py). A seed's value pre-training pass runs first and
-that seed's arms start when it is written.
+to that many spawned worker processes. A seed's value pre-training pass runs first and that
+seed's arms start when it is written.
 
 Each worker runs torch on ``serving.torch_threads`` threads, or an equal share of the cores
-when that is unset, so the jobs do not oversubscribe the machine. A failing run stops the
+when that is unset, so the jobs do not oversubscribe the machine. With ``serving.torch_threads``
+set, a run uses that many threads in or out of a worker (inprocess.pinned_threads) and the sweep
+writes the same results as one after the other (tests/apps/experiments/test_parallel.py,
+benchmarks/results/parallel_sweep.md); unset, a worker's share of the cores rounds floats
+differently from a run on all of them, and a seed's run drifts apart from its serial twin. A failing run stops the
 sweep: runs not yet started are cancelled, those under way finish, and the first error is
 raised.
 """

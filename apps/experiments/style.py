@@ -75,8 +75,12 @@ class StyleClassifier:
         self.styles = styles
         self.vocab = vocab
         self.index = {feature: i for i, feature in enumerate(vocab)}
-        self.weight = weight
-        self.bias = bias
+        # Own, freshly allocated copies: a tensor loaded by safetensors can sit at any byte offset of
+        # its buffer, and a matrix product rounds differently on memory aligned differently, so the
+        # same classifier loaded from its cache, trained here or unpickled in a worker process would
+        # give rewards a few ulps apart, and a seeded run would not repeat (apps/experiments/parallel.py).
+        self.weight = weight.detach().clone(memory_format=torch.contiguous_format)
+        self.bias = bias.detach().clone(memory_format=torch.contiguous_format)
         self.stats = stats
 
     def features(self, texts: list[str]) -> torch.Tensor:
@@ -138,16 +142,17 @@ def fit(train: list[Example], styles: tuple[str, ...], seed: int, steps: int = T
     generator = torch.Generator().manual_seed(seed)
     weight = torch.zeros(len(styles), len(vocab))
     weight.normal_(0.0, 0.01, generator=generator)
-    model = StyleClassifier(styles, vocab, weight.requires_grad_(), torch.zeros(len(styles), requires_grad=True))
-    x = model.features([e.answer for e in train])
+    bias = torch.zeros(len(styles))
+    x = StyleClassifier(styles, vocab, weight, bias).features([e.answer for e in train])
     y = torch.tensor([styles.index(e.style) for e in train])
-    optimizer = torch.optim.AdamW([model.weight, model.bias], lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    weight, bias = weight.requires_grad_(), bias.requires_grad_()
+    optimizer = torch.optim.AdamW([weight, bias], lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(x @ model.weight.T + model.bias, y)
+        loss = torch.nn.functional.cross_entropy(x @ weight.T + bias, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    return StyleClassifier(styles, vocab, model.weight.detach().clone(), model.bias.detach().clone())
+    return StyleClassifier(styles, vocab, weight, bias)
 
 
 def fingerprint(styles: tuple[str, ...], seed: int) -> dict:

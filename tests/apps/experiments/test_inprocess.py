@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from apps.config import ExperimentConfig
 from apps.experiments.inprocess import StepRule, collect_pretrain_inprocess, run_arm_inprocess
 from apps.experiments.plots import STYLE_SHARE_PNG
 from apps.experiments.report import write_report
@@ -109,6 +108,28 @@ def test_the_same_seeds_give_the_same_run(tmp_path, tiny_model_dir, classifier):
     assert [(r.reward, r.version, r.sampled_style) for r in rows[0]] == [(r.reward, r.version, r.sampled_style)
                                                                          for r in rows[1]]
     assert rows[0][-1].version > 0  # the policy changed along the way
+
+
+def test_the_judge_and_the_learner_run_on_the_configured_torch_threads(tmp_path, tiny_model_dir, classifier,
+                                                                       monkeypatch):
+    """torch keeps a thread count per thread: the engine sets its own, and without the driver's pin
+    the judge and the learner (the caller's thread) would use every core, so a seed's floats would
+    follow the machine's core count and whether it ran in a worker process."""
+    import torch
+
+    seen = []
+    probs = type(classifier).probs
+    monkeypatch.setattr(type(classifier), "probs", lambda self, texts: (seen.append(torch.get_num_threads()),
+                                                                        probs(self, texts))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_arm(tmp_path, tiny_model_dir, classifier, {"name": "rm", "algorithm": {"name": "running_mean"}},
+                **{"serving.torch_threads": 1})
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2  # the caller's own count is back
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_pretraining_pass_gives_the_same_records_twice(tmp_path, tiny_model_dir, classifier):

@@ -88,3 +88,19 @@ def test_cache_is_reused_and_rebuilt_on_a_new_fingerprint(tmp_path, style_classi
     rebuilt = load_or_train(fewer, lines.append)
     assert trained == [("formal", "terse", "cute")]
     assert rebuilt.styles == ("formal", "terse", "cute") and rebuilt.probs(texts).shape == (2, 3)
+
+
+def test_probabilities_do_not_depend_on_where_the_weights_sat_in_memory(style_classifier, heldout_answers):
+    """safetensors hands out tensors at any byte offset of its buffer, and a matrix product rounds
+    differently on memory aligned differently: built from such a tensor, the classifier gave the
+    same text rewards a few ulps apart from its pickled copy in a worker process, and a seeded run
+    did not repeat there. The classifier keeps its own copies."""
+    weight, bias = style_classifier.weight, style_classifier.bias
+    buffer = torch.zeros(weight.numel() + 1)
+    shifted = buffer[1:].view_as(weight)  # 4 bytes off the buffer's alignment
+    shifted.copy_(weight)
+    assert shifted.data_ptr() % 64 != weight.data_ptr() % 64
+    texts = [e.answer for e in heldout_answers]
+    aligned = StyleClassifier(style_classifier.styles, style_classifier.vocab, weight, bias)
+    offset = StyleClassifier(style_classifier.styles, style_classifier.vocab, shifted, bias)
+    assert torch.equal(torch.cat([aligned.probs([t]) for t in texts]), torch.cat([offset.probs([t]) for t in texts]))

@@ -291,11 +291,13 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
 def pinned_threads(threads: int | None) -> Iterator[None]:
     """This thread's torch threads set to ``threads`` (None: as they are), restored after.
 
-    The engine sets its own thread's count (``serving.torch_threads``); torch keeps the count per
-    thread, so the judge and the learner, which run in the caller's thread, would otherwise use
-    torch's default, every core: a matrix product split over another number of threads rounds
-    differently, and a seed's run would follow the machine's core count and whether it ran in a
-    worker process (apps/experiments/parallel.py)."""
+    torch keeps the count per thread (a new thread starts from the last count set anywhere). The
+    engine's ``start_thread`` sets ``serving.torch_threads`` on the thread that calls it, this one,
+    but only from then on: the learner built and its critic pre-trained before it ran on torch's
+    default (every core) in a process's first arm and on the engine's count in later ones. A matrix
+    product split over another number of threads rounds differently, so a seed's run followed its
+    place in the run, the machine's core count and whether it ran in a worker process
+    (apps/experiments/parallel.py)."""
     if threads is None:
         yield
         return

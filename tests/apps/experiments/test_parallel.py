@@ -79,3 +79,12 @@ def test_jobs_need_the_inprocess_driver():
     assert ExperimentConfig(jobs=2, driver="inprocess").jobs == 2
     with pytest.raises(ValidationError):
         ExperimentConfig(jobs=0, driver="inprocess")
+
+
+def test_the_jobs_flag_sets_the_configured_jobs():
+    from apps import cli
+
+    args = cli.build_parser().parse_args(["simulate", "--driver", "inprocess", "--seeds", "4", "--jobs", "2"])
+    assert cli._overrides(args) == {"experiment.seeds": 4, "experiment.driver": "inprocess", "experiment.jobs": 2}
+    args = cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--jobs", "3"])
+    assert cli._overrides(args)["experiment.jobs"] == 3

@@ -29,6 +29,7 @@ The learning rule as this project implements it: docs/ALGORITHM.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,9 @@ class SAO(ActorCritic):
         self.rewarm_window = ReplayWindow(rewarm) if rewarm else None
         self.rewarm_left = 0
         """Rollouts (over all ranks) left in the critic's re-warm after a restart (0: none)."""
+        self.phase_sync: Callable[[], None] | None = None
+        """When set, each step's phase timer calls it around every phase (``PhaseTimer.synchronize``):
+        a benchmark on a GPU sets ``torch.cuda.synchronize`` to split a step's device time by phase."""
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Metrics: policy_loss (DIS plus any regularizer terms), value_loss,
@@ -81,7 +85,7 @@ class SAO(ActorCritic):
         skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,
         critic_optimizer, policy_forward, policy_backward, policy_optimizer, arithmetic (GAE,
         lambda, losses, metrics)."""
-        timer = PhaseTimer()
+        timer = PhaseTimer(synchronize=self.phase_sync)
         metrics = batch_metrics(batch)
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}

@@ -197,17 +197,25 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
 @dataclass
 class PhaseTimer:
     """Accumulates wall-clock seconds per named phase of a step (reported as
-    ``time_<phase>_s``). On a GPU the figures are launch times unless the caller
-    synchronises; on CPU they are real."""
+    ``time_<phase>_s``). On a GPU the figures are launch times unless ``synchronize`` is
+    given; on CPU they are real."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    synchronize: Callable[[], None] | None = None
+    """Called before and after each phase (e.g. ``torch.cuda.synchronize``): the phase's time is
+    then the device's work for it, not the host's launches. It stalls the device at every phase
+    boundary, so a learner leaves it unset; benchmarks that split a step by phase set it."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.synchronize is not None:
+            self.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
+            if self.synchronize is not None:
+                self.synchronize()
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:

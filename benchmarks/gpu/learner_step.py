@@ -21,8 +21,9 @@ time / the GPU's dense bf16 peak (benchmarks/gpu/common.py).
 
 The eager steps are then timed on ``--larger-batch`` times the rollouts too (does the MFU grow
 with the batch?). One more eager step runs under torch's profiler (``common.profile_summary``): how much of
-the step the GPU was busy, and the kernels that took its time, so that the report can say
-what limits the MFU.
+the step the GPU was busy, and the kernels that took its time; and one with the device synchronised
+around each phase of the step (:func:`phase_split`): how the time divides between the critic's
+updates, the policy's and the arithmetic. Both so that the report can say what limits the MFU.
 
 With ``--compile`` the same sharded models are then compiled as ``trainer.compile`` does
 (:func:`online_sao.modeling.compile_body`) and timed again after one compiling step; the eager
@@ -149,6 +150,7 @@ def run(args) -> dict:
         "skipped_nonfinite": metrics.get("skipped_nonfinite", 0.0),
         "max_memory_gib": torch.cuda.max_memory_allocated(where) / 2**30 if where.type == "cuda" else None,
         "profile": profile_summary(lambda: algorithm.step(batch), where, units=1),  # one more eager step
+        "phases": phase_split(algorithm, batch, where),
     }
     if args.larger_batch > 1:
         result["larger_batch"] = larger_batch(algorithm, policy, args, where, flops * ctx.world_size, peak)
@@ -170,6 +172,23 @@ def timed_steps(algorithm, batch, steps: int, where: torch.device) -> tuple[list
         synchronize(where)
         times.append(time.perf_counter() - start)
     return times, metrics
+
+
+def phase_split(algorithm, batch, where: torch.device) -> dict:
+    """One more eager step with the device synchronised around each of its phases (``SAO.phase_sync``):
+    the seconds of each phase (critic forward, backward, optimizer; the same for the policy; the
+    arithmetic between them) and of the whole step, which the waits make a little longer than an
+    unsynchronised one. Where a step's time goes, phase by phase."""
+    algorithm.phase_sync = lambda: synchronize(where)
+    try:
+        start = time.perf_counter()
+        metrics = algorithm.step(batch)
+        synchronize(where)
+        total = time.perf_counter() - start
+    finally:
+        algorithm.phase_sync = None
+    phases = {k[len("time_"):-len("_s")]: v for k, v in metrics.items() if k.startswith("time_") and k.endswith("_s")}
+    return {"step_s": total, "phases_s": phases}
 
 
 def larger_batch(algorithm, policy, args, where: torch.device, flops: float, peak: float | None) -> dict:

@@ -85,9 +85,22 @@ def learner_section(r: dict, mode: str) -> list[str]:
         lines += ["", larger_batch_line(r["larger_batch"])]
     if "profile" in r:
         lines += ["", *profile_lines("One more eager step under the profiler", r["profile"], "step")]
+    if "phases" in r:
+        lines += ["", *phase_lines(r["phases"])]
     if "compiled" in r:
         lines += ["", *compiled_lines(r["compiled"])]
     return lines
+
+
+def phase_lines(split: dict) -> list[str]:
+    """One eager step synchronised around each phase (learner_step.py ``phase_split``)."""
+    total, phases = split["step_s"], split["phases_s"]
+    rest = total - sum(phases.values())
+    rows = [f"| {name} | {seconds:.4f} | {100 * seconds / total:.1f}% |"
+            for name, seconds in sorted(phases.items(), key=lambda item: -item[1])]
+    return [f"One more eager step, the device synchronised around each phase: {total:.3f} s in all.", "",
+            "| phase | s | share of the step |", "|---|---:|---:|", *rows,
+            f"| outside the timed phases | {rest:.4f} | {100 * rest / total:.1f}% |"]
 
 
 def larger_batch_line(b: dict) -> str:

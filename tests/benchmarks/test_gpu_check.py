@@ -45,6 +45,8 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
     # the profiled runs: a learner step, one request through generate and through the engine
     assert "One more eager step under the profiler, per step: wall " in text and "| `aten::mm` |" in text
+    assert "One more eager step, the device synchronised around each phase: " in text
+    assert "| critic_backward |" in text and "| policy_forward |" in text  # the SAO step's own phase names
     assert "`generate`, one request, per token: wall " in text and "TorchEngine, one request, per token: wall " in text
     assert "| file |" in text and "| shm |" in text and "| cuda-ipc | not run: needs a CUDA device" in text
     assert "Sections: 4 ok, 0 failed" in text
@@ -148,6 +150,14 @@ def test_a_gpu_profile_reads_as_busy_share_waits_and_top_kernels():
     assert lines[-1] == "| `sm90_gemm/bf16` | 6.500 | 170.0 |"
     assert report.profile_lines("x", {"error": "RuntimeError: no CUPTI"}, "step") == [
         "x: the profiler failed, `RuntimeError: no CUPTI`."]
+
+
+def test_the_phase_split_reads_as_seconds_and_shares_of_the_step():
+    lines = report.phase_lines({"step_s": 0.5, "phases_s": {"policy_backward": 0.1, "critic_backward": 0.2,
+                                                            "arithmetic": 0.05}})
+    assert lines[0] == "One more eager step, the device synchronised around each phase: 0.500 s in all."
+    assert lines[4:] == ["| critic_backward | 0.2000 | 40.0% |", "| policy_backward | 0.1000 | 20.0% |",
+                         "| arithmetic | 0.0500 | 10.0% |", "| outside the timed phases | 0.1500 | 30.0% |"]
 
 
 def test_the_larger_batch_reads_as_its_own_line_or_its_error():

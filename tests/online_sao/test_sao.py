@@ -126,3 +126,20 @@ def test_guarded_update_refuses_nonfinite_loss_and_gradients():
     # grad (3, 3) has norm 3 sqrt 2, reported before clipping
     assert result.stepped and result.grad_norm == pytest.approx(3 * math.sqrt(2))
     assert param.tolist() != [1.0, 2.0]
+
+
+def test_a_phase_sync_is_called_around_every_timed_phase(tiny_qwen):
+    """A benchmark on a GPU sets ``phase_sync`` (torch.cuda.synchronize) so that each phase's time
+    is the device's work: it must bracket every phase the step times, and change nothing else."""
+    algo = make_sao(tiny_qwen)
+    calls = []
+    algo.phase_sync = lambda: calls.append(1)
+    metrics = algo.step(make_batch(tiny_qwen))
+    phases = [k for k in metrics if k.startswith("time_")]
+    assert {"time_critic_forward_s", "time_critic_backward_s", "time_critic_optimizer_s", "time_policy_forward_s",
+            "time_policy_backward_s", "time_policy_optimizer_s", "time_arithmetic_s"} <= set(phases)
+    assert len(calls) >= 2 * len(phases) and len(calls) % 2 == 0  # before and after each entry of a phase
+    algo.phase_sync = None
+    calls.clear()
+    algo.step(make_batch(tiny_qwen))
+    assert calls == []

@@ -71,10 +71,12 @@ def interval(values: Sequence[float | None], confidence: float = CONFIDENCE, see
     return Interval(mean=sum(kept) / len(kept), low=float(low[0]), high=float(high[0]), n=len(kept))
 
 
-def cell(value: Interval | None, digits: int = 3) -> str:
-    """``mean [low, high]`` for a report's table; the mean alone for one seed; '-' for no value."""
+def cell(value: Interval | None, digits: int = 3, signed: bool = False) -> str:
+    """``mean [low, high]`` for a report's table; the mean alone for one seed; '-' for no value.
+    ``signed``: every number with its sign (a difference)."""
     if value is None or math.isnan(value.mean):
         return "-"
+    spec = f"{'+' if signed else ''}.{digits}f"
     if value.n == 1:
-        return f"{value.mean:.{digits}f}"
-    return f"{value.mean:.{digits}f} [{value.low:.{digits}f}, {value.high:.{digits}f}]"
+        return f"{value.mean:{spec}}"
+    return f"{value.mean:{spec}} [{value.low:{spec}}, {value.high:{spec}}]"

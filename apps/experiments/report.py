@@ -16,7 +16,7 @@ from pathlib import Path
 from apps.config import AppConfig, ExperimentConfig
 from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, paired_difference, summarize
 from apps.experiments.gate_report import write_gate_report
-from apps.experiments.intervals import Interval, cell
+from apps.experiments.intervals import cell
 from apps.experiments.metrics import LEVEL_SHARE
 from apps.experiments.plots import PLOTS, write_plots
 from apps.experiments.segments import write_segment_report
@@ -102,20 +102,12 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: s
         else:
             apart = "yes" if ref.post_switch_mean.apart_from(a.post_switch_mean) else "no"
         excludes = "-" if paired is None or paired.n < 2 else ("yes" if paired.low > 0 or paired.high < 0 else "no")
-        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart, _signed(paired), excludes])
+        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart, cell(paired, signed=True), excludes])
     return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean)})", "",
             *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart",
                      "minus arm, paired by seed", "paired interval excludes 0"], rows),
             "", "Paired by seed: the mean over seeds of each seed's difference, with its 95% bootstrap interval "
             "(every arm of a seed gets the same traffic)."]
-
-
-def _signed(value: Interval | None) -> str:
-    if value is None:
-        return "-"
-    if value.n < 2:
-        return f"{value.mean:+.3f}"
-    return f"{value.mean:+.3f} [{value.low:+.3f}, {value.high:+.3f}]"
 
 
 def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str) -> str:

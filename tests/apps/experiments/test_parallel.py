@@ -17,14 +17,6 @@ from tests.fixtures.models import tiny_config
 ARMS = [{"name": "sao"}, {"name": "rm", "algorithm": {"name": "running_mean", "running_mean_window": 4}}]
 
 
-@pytest.fixture(scope="module")
-def classifier():
-    from apps.default_model.corpus import STYLES
-    from apps.experiments.style import train_classifier
-
-    return train_classifier(STYLES, seed=0)
-
-
 def sweep(where, tiny_model_dir, classifier, jobs: int, lines: list[str]):
     cfg = tiny_config(where / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": ARMS,
                                          "experiment.results_dir": str(where / "results"), "experiment.seeds": 2,
@@ -42,10 +34,10 @@ def outcome(runs, arm: str):
     return [decisions(read_arm(results_dir(run) / f"{arm}.jsonl")) for run in runs]
 
 
-def test_side_by_side_runs_write_what_one_after_the_other_writes(tmp_path, tiny_model_dir, classifier):
+def test_side_by_side_runs_write_what_one_after_the_other_writes(tmp_path, tiny_model_dir, style_classifier):
     serial_lines, parallel_lines = [], []
-    serial = sweep(tmp_path / "serial", tiny_model_dir, classifier, 1, serial_lines)
-    parallel = sweep(tmp_path / "parallel", tiny_model_dir, classifier, 2, parallel_lines)
+    serial = sweep(tmp_path / "serial", tiny_model_dir, style_classifier, 1, serial_lines)
+    parallel = sweep(tmp_path / "parallel", tiny_model_dir, style_classifier, 2, parallel_lines)
     for arm in ("sao", "rm"):
         first, second = outcome(serial, arm), outcome(parallel, arm)
         assert first == second
@@ -59,7 +51,7 @@ def test_side_by_side_runs_write_what_one_after_the_other_writes(tmp_path, tiny_
     assert parallel_lines[-1].startswith("=== 4/4 runs done")
 
 
-def test_a_failing_run_stops_the_sweep_with_its_error(tmp_path, classifier):
+def test_a_failing_run_stops_the_sweep_with_its_error(tmp_path, style_classifier):
     (tmp_path / "no-model").mkdir()  # a model directory without a model: every run fails to load it
     cfg = tiny_config(tmp_path / "data", **{"model.path": str(tmp_path / "no-model"), "experiment.arms": ARMS,
                                             "experiment.results_dir": str(tmp_path / "results"),
@@ -68,7 +60,7 @@ def test_a_failing_run_stops_the_sweep_with_its_error(tmp_path, classifier):
     lines = []
     # transformers' error for a directory without a model (OSError or ValueError, by version), raised here
     with pytest.raises((OSError, ValueError)) as raised:
-        run_arms_inprocess(seed_runs(cfg), ["rm"], classifier, 2, lambda run: False, lines.append)
+        run_arms_inprocess(seed_runs(cfg), ["rm"], style_classifier, 2, lambda run: False, lines.append)
     assert "_RemoteTraceback" in repr(raised.value.__cause__)  # it came from a worker process
     assert any("failed; the runs under way finish" in line for line in lines)
 

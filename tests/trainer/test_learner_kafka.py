@@ -16,15 +16,13 @@ import pytest
 from mlflow import MlflowClient
 
 from online_sao.schemas import WeightsNotice, decode
-from online_sao.weights import FileWeightStore
 from serving.engine.torch_engine import TorchEngine
 from serving.weights_follower import WeightsFollower
 from streams.kafka_backend import KafkaBackend
 from tests.fixtures.kafka import drain
 from tests.fixtures.models import tiny_config
+from tests.trainer.live_loop import live_loop
 from tests.trainer.traffic import PROMPTS, engine_interaction, produce, reward_of
-from trainer.distributed import init_distributed
-from trainer.learner import RunUntil, train
 
 ROUNDS = 4
 
@@ -59,42 +57,23 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
     })
     topics = cfg.kafka.topics
     backend = KafkaBackend(cfg.kafka)
-    until = RunUntil()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            train(cfg, backend, init_distributed(), until)
-        except BaseException as exc:  # surfaced by the main thread below
-            failure.append(exc)
-
-    learner = threading.Thread(target=run, name="learner")
-    engine = TorchEngine.from_pretrained(tiny_model_dir)
-    engine.start_thread()
-    store = FileWeightStore(cfg.weight_store_url)
-    follower = WeightsFollower(backend, topics.weights, store, engine)
-    follower.start()
     producer = backend.producer()
-    served = [engine.policy_version]
     sent = []
-    learner.start()
     try:
-        for round_ in range(ROUNDS):
-            batch = [engine_interaction(engine, PROMPTS[i % 2], f"r{round_}-{i}", seed=10 * round_ + i)
-                     for i in range(4)]
-            assert {v for i in batch for v in i.versions} == {engine.policy_version}
-            produce(producer, topics, batch, scores=judge_scores)
-            sent += batch
-            _wait_for_version(engine, follower, round_ + 1, learner)
-            served.append(engine.policy_version)
+        with live_loop(cfg, backend, tiny_model_dir) as loop:
+            engine = loop.engine
+            served = [engine.policy_version]
+            for round_ in range(ROUNDS):
+                batch = [engine_interaction(engine, PROMPTS[i % 2], f"r{round_}-{i}", seed=10 * round_ + i)
+                         for i in range(4)]
+                assert {v for i in batch for v in i.versions} == {engine.policy_version}
+                produce(producer, topics, batch, scores=judge_scores)
+                sent += batch
+                _wait_for_version(engine, loop.follower, round_ + 1, loop.learner)
+                served.append(engine.policy_version)
     finally:
-        until.stop.set()
-        learner.join(timeout=120)
-        follower.stop()
-        engine.stop_thread()
         producer.close()
-    assert not failure, failure
-    assert not learner.is_alive()
+    store = loop.store
 
     assert served == [0, 1, 2, 3, 4]
     weights = backend.consumer([topics.weights], group_id=None, start="earliest")

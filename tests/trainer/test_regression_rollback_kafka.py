@@ -32,7 +32,6 @@ import torch
 from mlflow import MlflowClient
 
 from online_sao.schemas import Interaction, Reward, WeightsNotice, decode
-from online_sao.weights import FileWeightStore
 from serving.engine.torch_engine import TorchEngine
 from serving.weights_follower import WeightsFollower
 from streams.kafka_backend import KafkaBackend
@@ -40,9 +39,8 @@ from streams.records import publish
 from tests.fixtures.models import tiny_config
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from tests.trainer.traffic import PROMPTS, engine_interaction, reward_of
+from tests.trainer.live_loop import live_loop
 from trainer.checkpoint import Checkpoint, Checkpointer, flatten_tensors
-from trainer.distributed import init_distributed
-from trainer.learner import RunUntil, train
 
 ROLLOUTS_PER_STEP = 8
 REGISTER_EVERY = 3
@@ -176,53 +174,37 @@ def test_repetition_regression_is_rolled_back_and_the_learner_goes_on_from_the_c
     })
     topics = cfg.kafka.topics
     backend = KafkaBackend(cfg.kafka)
-    until = RunUntil()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            train(cfg, backend, init_distributed(), until)
-        except BaseException as exc:  # surfaced by the main thread
-            failure.append(exc)
-
-    learner = threading.Thread(target=run, name="learner")
-    engine = TorchEngine.from_pretrained(tiny_model_dir)
-    engine.start_thread()
-    store = FileWeightStore(cfg.weight_store_url)
-    follower = WeightsFollower(backend, topics.weights, store, engine)
-    follower.start()
     notices_in = backend.consumer([topics.weights], group_id=None, start="earliest")
-    traffic = Round(engine, backend, topics)
     notices: list[WeightsNotice] = []
     repetition: dict[int, float] = {}
     """The test's own count per version that sampled a round."""
     last_round: list[Interaction] = []
-    learner.start()
     try:
-        for index in range(MAX_ROUNDS):
-            served = engine.policy_version
-            after_rollback = any(n.action == "rollback" for n in notices)
-            batch = traffic.run(index, gamed=index >= INJECT_AT_VERSION)
-            assert {v for i in batch for v in i.versions} == {served}
-            if after_rollback:
-                last_round = batch
-            else:
-                assert served == index  # one round, one step, one version
-                repetition[served] = repeated_bigram_share([i.response_ids for i in batch])
-            _wait_for_checkpoint(cfg.checkpoint_dir, index + 1, learner)
-            notices += _notices_until(notices_in, index + 1 + _rollbacks(cfg.checkpoint_dir, index + 1) - len(notices))
-            _wait_for_served(engine, follower, notices[-1].version)
-            if after_rollback:  # one round served by the restored policy and trained on: enough
-                break
+        with live_loop(cfg, backend, tiny_model_dir) as loop:
+            engine = loop.engine
+            traffic = Round(engine, backend, topics)
+            try:
+                for index in range(MAX_ROUNDS):
+                    served = engine.policy_version
+                    after_rollback = any(n.action == "rollback" for n in notices)
+                    batch = traffic.run(index, gamed=index >= INJECT_AT_VERSION)
+                    assert {v for i in batch for v in i.versions} == {served}
+                    if after_rollback:
+                        last_round = batch
+                    else:
+                        assert served == index  # one round, one step, one version
+                        repetition[served] = repeated_bigram_share([i.response_ids for i in batch])
+                    _wait_for_checkpoint(cfg.checkpoint_dir, index + 1, loop.learner)
+                    notices += _notices_until(notices_in,
+                                              index + 1 + _rollbacks(cfg.checkpoint_dir, index + 1) - len(notices))
+                    _wait_for_served(engine, loop.follower, notices[-1].version)
+                    if after_rollback:  # one round served by the restored policy and trained on: enough
+                        break
+            finally:
+                traffic.producer.close()
     finally:
-        until.stop.set()
-        learner.join(timeout=120)
-        follower.stop()
-        engine.stop_thread()
         notices_in.close()
-        traffic.producer.close()
-    assert not failure, failure
-    assert not learner.is_alive()
+    store = loop.store
 
     rollbacks = [(i, n) for i, n in enumerate(notices) if n.action == "rollback"]
     newest = [(n.action, n.version) for n in notices][-4:]

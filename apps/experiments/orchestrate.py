@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
 from online_sao.config import dump_config
-from apps.experiments.results import ArmSummary, count_reward_rows, write_scenario, write_summary
+from apps.experiments.results import (ArmSummary, check_scenario, count_reward_rows, record_scenario,
+                                      write_summary)
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
 
@@ -289,15 +290,16 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     from apps.experiments.style import load_or_train
 
     out = results_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    write_scenario(out, cfg.experiment)
     names = arms or [a.name for a in cfg.experiment.arms]
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
     runs = seed_runs(cfg)
+    # every directory checked before any is written: a mismatch leaves the earlier run as it was
     for run in runs:
-        write_scenario(results_dir(run), run.experiment)
+        check_scenario(results_dir(run), run.experiment, names)
+    for directory, scenario in {out: cfg.experiment, **{results_dir(r): r.experiment for r in runs}}.items():
+        record_scenario(directory, scenario, names)
     if cfg.experiment.driver == "inprocess":
         from apps.experiments.parallel import run_arms_inprocess
 

@@ -212,3 +212,55 @@ def write_scenario(results_dir: Path, scenario: ExperimentConfig) -> None:
 
 def read_scenario(results_dir: Path) -> ExperimentConfig:
     return ExperimentConfig.model_validate(json.loads((results_dir / SCENARIO_FILE).read_text()))
+
+
+RUN_ONLY_FIELDS = frozenset({"arms", "jobs", "results_dir", "reference_arm"})
+"""Scenario fields that may differ between runs whose arms share one results directory: which arms a
+run adds, how many run side by side, where the directory is, which arm the report compares with.
+Every other field changes what an arm's results mean (schedule, traffic, seeds, driver, ...)."""
+
+
+class ScenarioMismatch(ValueError):
+    """A run would leave arms of another scenario in its results directory, to be reported as its own."""
+
+
+def scenario_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
+    """The fields, outside :data:`RUN_ONLY_FIELDS`, in which ``new`` differs from ``old``."""
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    return sorted(k for k in before.keys() | after.keys()
+                  if k not in RUN_ONLY_FIELDS and before.get(k) != after.get(k))
+
+
+def check_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> None:
+    """Raise :class:`ScenarioMismatch` if a run of the arms ``running`` with ``scenario`` would leave, in
+    ``results_dir``, results of other arms that an earlier run made with a scenario that differs
+    outside :data:`RUN_ONLY_FIELDS`: the report would read them under this run's schedule and traffic."""
+    if not (results_dir / SCENARIO_FILE).is_file():
+        return
+    kept = sorted(name for name in (p.name.removesuffix(".jsonl") for p in results_dir.glob("*.jsonl"))
+                  if name not in running)
+    differences = scenario_differences(read_scenario(results_dir), scenario)
+    if differences and kept:
+        raise ScenarioMismatch(
+            f"{results_dir} holds results of arm(s) {kept} from a scenario that differs in "
+            f"{', '.join(differences)}; this run would report them as its own. Run those arms again too, "
+            f"write this run elsewhere (experiment.results_dir), or move that directory away.")
+
+
+def record_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> None:
+    """Write ``scenario.json`` for a run of the arms ``running`` (after :func:`check_scenario`).
+
+    A directory that already holds a run of the same scenario (up to :data:`RUN_ONLY_FIELDS`) keeps
+    the arms this run does not rewrite, and the file lists the earlier run's arms and this run's (this
+    run's definition wins for a name in both), so one report compares them: an arm added later runs on
+    the same seeds and traffic as the others. A run of another scenario that rewrites every arm the
+    directory holds replaces the earlier run.
+    """
+    check_scenario(results_dir, scenario, running)
+    if (results_dir / SCENARIO_FILE).is_file():
+        old = read_scenario(results_dir)
+        if not scenario_differences(old, scenario):
+            mine = {a.name for a in scenario.arms}
+            scenario = scenario.model_copy(update={"arms": [a for a in old.arms if a.name not in mine]
+                                                   + list(scenario.arms)})
+    write_scenario(results_dir, scenario)

@@ -3,6 +3,8 @@ traffic gated on the learner's and judge's consumer groups holding partitions, t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from apps.config import AppConfig, load_app_config
@@ -124,3 +126,38 @@ def test_reset_registry_deletes_the_arms_registered_model_only(tmp_path):
     reset_registry(arm, lines.append)  # nothing left: says nothing
     assert [m.name for m in client.search_registered_models()] == [other.mlflow.registered_model]
     assert lines == [f"deleted the earlier run's registered model {arm.mlflow.registered_model}"]
+
+
+def test_an_arm_added_to_a_finished_run_is_reported_with_it_and_another_scenario_is_refused(tmp_path, tiny_model_dir):
+    """The in-process driver, two seeds: a second run with one new arm leaves the first run's files as
+    they were and reports all arms together; a run of another scenario into that directory stops
+    before it writes anything."""
+    from apps.experiments.orchestrate import run_simulation
+    from apps.experiments.report import JSON_FILE
+    from apps.experiments.results import ScenarioMismatch
+    from tests.apps.experiments.test_inprocess import scenario
+    from tests.fixtures.models import tiny_config
+
+    out = tmp_path / "results"
+
+    def config(arm: str, window: int, **fields):
+        return tiny_config(tmp_path / "data", **{
+            "model.path": str(tiny_model_dir), "experiment.results_dir": str(out), "experiment.seeds": 2,
+            "experiment.driver": "inprocess", "serving.torch_threads": 1, "experiment.reference_arm": None,
+            "experiment.arms": [{"name": arm, "algorithm": {"name": "running_mean", "running_mean_window": window}}],
+            **scenario(**fields)})
+
+    run_simulation(config("mean4", 4), progress=lambda _: None)
+    first = {p: p.read_bytes() for p in out.glob("seed-*/mean4*")}
+    assert len(first) == 4  # results and summary of each seed
+    report = run_simulation(config("mean8", 8), progress=lambda _: None)
+    assert {p: p.read_bytes() for p in out.glob("seed-*/mean4*")} == first
+    assert sorted(arm["name"] for arm in json.loads((report.parent / JSON_FILE).read_text())) == ["mean4", "mean8"]
+    for seed in ("seed-0", "seed-1"):
+        assert [a["name"] for a in json.loads((out / seed / "scenario.json").read_text())["arms"]] == ["mean4", "mean8"]
+
+    scenario_files = {p: p.read_bytes() for p in out.rglob("scenario.json")}
+    with pytest.raises(ScenarioMismatch, match=r"\['mean4', 'mean8'\] from a scenario that differs in drop_rate"):
+        run_simulation(config("mean16", 16, **{"experiment.drop_rate": 0.5}), progress=lambda _: None)
+    assert {p: p.read_bytes() for p in out.rglob("scenario.json")} == scenario_files
+    assert not list(out.rglob("mean16*"))

@@ -1,0 +1,78 @@
+"""A results directory shared by runs: arms added later to a finished run are reported with it when the
+scenario is the same, and refused when an earlier run's arms would be read under another scenario."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.config import ArmConfig, ExperimentConfig
+from apps.experiments.results import (SCENARIO_FILE, ScenarioMismatch, read_scenario, record_scenario,
+                                      scenario_differences)
+
+SAO = ArmConfig(name="sao", algorithm={"name": "sao"})
+MEAN = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 8})
+VARIANT = ArmConfig(name="sao_rewarm", algorithm={"name": "sao", "critic_rewarm_rollouts": 16})
+FIRST = ExperimentConfig(rollouts_per_arm=400, seeds=3, driver="inprocess", arms=[SAO, MEAN])
+
+
+def changed(**fields) -> ExperimentConfig:
+    """FIRST with ``fields`` changed (validated)."""
+    return ExperimentConfig.model_validate({**FIRST.model_dump(), **fields})
+
+
+def finished_run(directory, scenario: ExperimentConfig, arms: list[str]) -> None:
+    """A directory as a run of ``arms`` leaves it: its scenario and one results file per arm."""
+    record_scenario(directory, scenario, arms)
+    for arm in arms:
+        (directory / f"{arm}.jsonl").write_text("{}\n")
+
+
+def test_an_arm_added_to_a_finished_run_of_the_same_scenario_is_listed_beside_its_arms(tmp_path):
+    finished_run(tmp_path, FIRST, ["sao", "mean"])
+    later = changed(arms=[VARIANT], jobs=2, reference_arm="sao_rewarm")
+    record_scenario(tmp_path, later, ["sao_rewarm"])
+    assert [a.name for a in read_scenario(tmp_path).arms] == ["sao", "mean", "sao_rewarm"]
+    assert read_scenario(tmp_path).reference_arm == "sao_rewarm"
+
+
+def test_an_arm_run_again_with_another_definition_takes_its_place_in_the_list(tmp_path):
+    finished_run(tmp_path, FIRST, ["sao", "mean"])
+    slower = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 128})
+    record_scenario(tmp_path, changed(arms=[slower]), ["mean"])
+    assert read_scenario(tmp_path).arms == [SAO, slower]
+
+
+def test_a_run_of_another_scenario_is_refused_while_it_would_leave_earlier_arms_and_changes_nothing(tmp_path):
+    finished_run(tmp_path, FIRST, ["sao", "mean"])
+    before = (tmp_path / SCENARIO_FILE).read_text()
+    other = changed(rollouts_per_arm=500, seeds=5, arms=[VARIANT])
+    with pytest.raises(ScenarioMismatch, match=r"arm\(s\) \['mean', 'sao'\] from a scenario that differs in "
+                                               r"rollouts_per_arm, seeds"):
+        record_scenario(tmp_path, other, ["sao_rewarm"])
+    assert (tmp_path / SCENARIO_FILE).read_text() == before
+    # rewriting one of the two arms still leaves the other
+    with pytest.raises(ScenarioMismatch, match=r"\['mean'\]"):
+        record_scenario(tmp_path, changed(rollouts_per_arm=500, seeds=5, arms=[SAO]), ["sao"])
+
+
+def test_a_run_of_another_scenario_that_rewrites_every_arm_replaces_the_earlier_run(tmp_path):
+    finished_run(tmp_path, FIRST, ["sao", "mean"])
+    other = changed(rollouts_per_arm=500)
+    record_scenario(tmp_path, other, ["sao", "mean"])
+    assert read_scenario(tmp_path) == other
+
+
+def test_the_run_only_fields_are_the_ones_that_may_differ():
+    assert scenario_differences(FIRST, changed(arms=[VARIANT], jobs=4, results_dir="/elsewhere",
+                                               reference_arm=None)) == []
+    assert scenario_differences(FIRST, changed(driver="live")) == ["driver"]  # live and in-process runs do not mix
+    schedule = [{"from_rollout": 0, "style": "terse"}, {"from_rollout": 100, "style": "cute"},
+                {"from_rollout": 200, "style": "formal"}]
+    assert scenario_differences(FIRST, changed(schedule=schedule, drop_rate=0.2)) == ["drop_rate", "schedule"]
+
+
+def test_a_directory_without_a_scenario_gets_this_runs(tmp_path):
+    record_scenario(tmp_path / "new", FIRST, ["sao"])
+    assert json.loads((tmp_path / "new" / SCENARIO_FILE).read_text())["rollouts_per_arm"] == 400

@@ -390,7 +390,7 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
                          complete_groups=c.complete_groups if grouped else None,
                          incomplete_groups=c.incomplete_groups if grouped else None,
                          group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None,
-                         value_pretraining=fit)
+                         value_pretraining=fit, algorithm=acfg.algorithm.model_dump(mode="json"))
     progress(f"arm {arm.name}: {answered} answered, {runner.learner.steps} learner steps, "
              f"policy v{runner.learner.version}, {wall} s")
     return summary

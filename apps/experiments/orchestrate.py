@@ -117,7 +117,8 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         incomplete_groups=(int(learner["join_incomplete_groups"])
                            if grouped and "join_incomplete_groups" in learner else None),
         group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None,
-        rollbacks=int(learner["rollbacks"]) if "rollbacks" in learner else None)
+        rollbacks=int(learner["rollbacks"]) if "rollbacks" in learner else None,
+        algorithm=acfg.algorithm.model_dump(mode="json"))
     write_summary(out, summary)
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary.wall_s} s")
     return summary

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -126,6 +126,10 @@ class ArmSummary(_Row):
     value_pretraining: dict[str, float] = {}
     """What value pre-training of the critic reported (explained variance before and after, ...);
     empty without pre-training (the live learner's are in MLflow as ``pretrain_*``)."""
+    algorithm: dict[str, Any] = {}
+    """The ``algorithm`` section the arm ran with (the run's, with the arm's overrides): what an arm
+    added to a finished run changed is read here, since ``scenario.json`` holds no learner settings
+    (empty in older files)."""
 
 
 class ArmResults(BaseModel):

@@ -3,6 +3,8 @@ step) in rollout time, its results files, and the report read from them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from apps.experiments.inprocess import StepRule, collect_pretrain_inprocess, run_arm_inprocess
@@ -77,6 +79,9 @@ def test_grpo_group_counters_reach_the_report_from_a_real_arm(tmp_path, tiny_mod
     assert summary.group_wait_s >= 0.5 * summary.incomplete_groups / (summary.complete_groups + summary.incomplete_groups)
     saved = summary_path(out, "grpo_g2").read_text()
     assert f'"incomplete_groups": {summary.incomplete_groups}' in saved
+    # what the arm ran with: the run's algorithm section (its policy rate) with the arm's overrides
+    ran = json.loads(saved)["algorithm"]
+    assert (ran["name"], ran["group_size"], ran["ppo_epochs"], ran["policy_lr"]) == ("grpo", 2, 1, 1e-3)
 
     text = write_report(out, tmp_path / "report").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| grpo_g2 |"))

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
 from online_sao.config import dump_config
-from apps.experiments.results import (ArmSummary, check_scenario, count_reward_rows, record_scenario,
+from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, write_scenario,
                                       write_summary)
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
@@ -296,11 +296,11 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     if unknown:
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
     runs = seed_runs(cfg)
-    # every directory checked before any is written: a mismatch leaves the earlier run as it was
-    for run in runs:
-        check_scenario(results_dir(run), run.experiment, names)
-    for directory, scenario in {out: cfg.experiment, **{results_dir(r): r.experiment for r in runs}}.items():
-        record_scenario(directory, scenario, names)
+    # every directory's scenario settled before any is written: a mismatch leaves the earlier run as it was
+    scenarios = {d: merged_scenario(d, scenario, names)
+                 for d, scenario in {out: cfg.experiment, **{results_dir(r): r.experiment for r in runs}}.items()}
+    for directory, scenario in scenarios.items():
+        write_scenario(directory, scenario)
     if cfg.experiment.driver == "inprocess":
         from apps.experiments.parallel import run_arms_inprocess
 

@@ -235,36 +235,28 @@ def scenario_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[s
                   if k not in RUN_ONLY_FIELDS and before.get(k) != after.get(k))
 
 
-def check_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> None:
-    """Raise :class:`ScenarioMismatch` if a run of the arms ``running`` with ``scenario`` would leave, in
-    ``results_dir``, results of other arms that an earlier run made with a scenario that differs
-    outside :data:`RUN_ONLY_FIELDS`: the report would read them under this run's schedule and traffic."""
+def merged_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> ExperimentConfig:
+    """What ``results_dir``'s ``scenario.json`` says after a run of the arms ``running`` with ``scenario``.
+
+    A directory that already holds a run of the same scenario (up to :data:`RUN_ONLY_FIELDS`) keeps
+    the arms this run does not rewrite, and the file lists the earlier run's arms and then this run's
+    (this run's definition wins for a name in both), so one report compares them: an arm added later
+    runs on the same seeds and traffic as the others. With another scenario, arms left from the
+    earlier run would be read under this run's schedule and traffic: :class:`ScenarioMismatch`, unless
+    this run rewrites every arm the directory holds, and then this run's scenario replaces the earlier.
+    """
     if not (results_dir / SCENARIO_FILE).is_file():
-        return
+        return scenario
+    earlier = read_scenario(results_dir)
+    differences = scenario_differences(earlier, scenario)
+    if not differences:
+        mine = {a.name for a in scenario.arms}
+        return scenario.model_copy(update={"arms": [a for a in earlier.arms if a.name not in mine] + scenario.arms})
     kept = sorted(name for name in (p.name.removesuffix(".jsonl") for p in results_dir.glob("*.jsonl"))
                   if name not in running)
-    differences = scenario_differences(read_scenario(results_dir), scenario)
-    if differences and kept:
+    if kept:
         raise ScenarioMismatch(
             f"{results_dir} holds results of arm(s) {kept} from a scenario that differs in "
             f"{', '.join(differences)}; this run would report them as its own. Run those arms again too, "
             f"write this run elsewhere (experiment.results_dir), or move that directory away.")
-
-
-def record_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> None:
-    """Write ``scenario.json`` for a run of the arms ``running`` (after :func:`check_scenario`).
-
-    A directory that already holds a run of the same scenario (up to :data:`RUN_ONLY_FIELDS`) keeps
-    the arms this run does not rewrite, and the file lists the earlier run's arms and this run's (this
-    run's definition wins for a name in both), so one report compares them: an arm added later runs on
-    the same seeds and traffic as the others. A run of another scenario that rewrites every arm the
-    directory holds replaces the earlier run.
-    """
-    check_scenario(results_dir, scenario, running)
-    if (results_dir / SCENARIO_FILE).is_file():
-        old = read_scenario(results_dir)
-        if not scenario_differences(old, scenario):
-            mine = {a.name for a in scenario.arms}
-            scenario = scenario.model_copy(update={"arms": [a for a in old.arms if a.name not in mine]
-                                                   + list(scenario.arms)})
-    write_scenario(results_dir, scenario)
+    return scenario

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from apps.config import ArmConfig, ExperimentConfig
-from apps.experiments.results import (SCENARIO_FILE, ScenarioMismatch, read_scenario, record_scenario,
-                                      scenario_differences)
+from apps.experiments.results import (SCENARIO_FILE, ScenarioMismatch, merged_scenario, read_scenario,
+                                      scenario_differences, write_scenario)
 
 SAO = ArmConfig(name="sao", algorithm={"name": "sao"})
 MEAN = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 8})
@@ -20,6 +20,11 @@ FIRST = ExperimentConfig(rollouts_per_arm=400, seeds=3, driver="inprocess", arms
 def changed(**fields) -> ExperimentConfig:
     """FIRST with ``fields`` changed (validated)."""
     return ExperimentConfig.model_validate({**FIRST.model_dump(), **fields})
+
+
+def record_scenario(directory, scenario: ExperimentConfig, arms: list[str]) -> None:
+    """What simulate does with a results directory before it runs ``arms``."""
+    write_scenario(directory, merged_scenario(directory, scenario, arms))
 
 
 def finished_run(directory, scenario: ExperimentConfig, arms: list[str]) -> None:

@@ -59,6 +59,39 @@ def _mapped(action: str, bootstrap: str) -> Iterator[None]:
         raise
 
 
+class _RecordingClientFactory:
+    """kafka-python's ``kafka_client`` hook, keeping the network clients it builds.
+
+    A consumer or admin client whose bootstrap fails (no broker reachable) raises from its
+    constructor with its client's network thread still running (kafka-python 3.0.12: one thread and
+    one selector per failed attempt). A process that retries while the broker is down -- serving's
+    weights follower, a learner waiting for the broker -- would gather them for as long as the
+    outage lasts. :func:`_building` closes what a failed constructor built.
+    """
+
+    def __init__(self, default: Callable[..., Any]) -> None:
+        self._default = default
+        self.built: list[Any] = []
+
+    def __call__(self, **configs: Any) -> Any:
+        client = self._default(**configs)
+        self.built.append(client)
+        return client
+
+
+@contextmanager
+def _building(kind: type, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """``options`` for a ``kind`` client (KafkaConsumer, KafkaAdminClient) whose network clients are
+    closed if its construction raises."""
+    factory = _RecordingClientFactory(kind.DEFAULT_CONFIG["kafka_client"])
+    try:
+        yield {**options, "kafka_client": factory}
+    except BaseException:
+        for client in factory.built:
+            client.close()
+        raise
+
+
 class KafkaBackend(StreamBackend):
     def __init__(self, cfg: KafkaConfig) -> None:
         self.cfg = cfg
@@ -99,8 +132,9 @@ class KafkaBackend(StreamBackend):
                  start: StartFrom = "earliest", instance_id: str | None = None) -> "KafkaStreamConsumer":
         if instance_id is not None and group_id is None:
             raise ValueError("instance_id needs a consumer group (group_id)")
-        with _mapped("creating a consumer", self.cfg.bootstrap):
-            c = KafkaConsumer(**self.client_options(), group_id=group_id, group_instance_id=instance_id,
+        with _mapped("creating a consumer", self.cfg.bootstrap), \
+                _building(KafkaConsumer, self.client_options()) as options:
+            c = KafkaConsumer(**options, group_id=group_id, group_instance_id=instance_id,
                               enable_auto_commit=False, auto_offset_reset=start, allow_auto_create_topics=False)
             if group_id is not None:
                 c.subscribe(topics)
@@ -134,9 +168,9 @@ class KafkaBackend(StreamBackend):
 
     @contextmanager
     def admin(self) -> Iterator[KafkaAdminClient]:
-        with _mapped("connecting an admin client", self.cfg.bootstrap):
-            client = KafkaAdminClient(**self.client_options(),
-                                      request_timeout_ms=int(self.cfg.client_timeout_s * 1000))
+        with _mapped("connecting an admin client", self.cfg.bootstrap), \
+                _building(KafkaAdminClient, self.client_options()) as options:
+            client = KafkaAdminClient(**options, request_timeout_ms=int(self.cfg.client_timeout_s * 1000))
         try:
             with _mapped("admin request", self.cfg.bootstrap):
                 yield client

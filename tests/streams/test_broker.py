@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import shutil
 import socket
+import threading
 
 import pytest
 
@@ -204,15 +205,30 @@ def test_weights_topic_is_compacted_and_others_retained(kafka_config):
         assert configs[name]["retention.ms"] == str(kafka_config.retention_ms)
 
 
-def test_an_unreachable_cluster_raises_stream_unavailable(tmp_path):
+def _network_threads() -> int:
+    return sum(t.name.startswith("kafka-io") for t in threading.enumerate())
+
+
+def test_an_unreachable_cluster_raises_stream_unavailable_and_leaves_no_client_running(tmp_path):
+    """Every failed attempt is cleaned up: processes retry while the broker is down (serving's weights
+    follower every few seconds), and kafka-python leaves a failed consumer's or admin client's network
+    thread running (one per attempt, before streams/kafka_backend.py closed them)."""
     cfg = KafkaConfig(bootstrap_servers=f"127.0.0.1:{_free_port()}", client_timeout_s=0.5)
-    with pytest.raises(StreamUnavailable, match="not reachable"):
-        KafkaBackend(cfg).producer()
-    with pytest.raises(StreamUnavailable):
-        KafkaBackend(cfg).list_topics()
+    before = _network_threads()
+    backend = KafkaBackend(cfg)
+    for _ in range(3):
+        with pytest.raises(StreamUnavailable, match="not reachable"):
+            backend.producer()
+        with pytest.raises(StreamUnavailable):
+            backend.consumer(["t"], group_id="g")
+        with pytest.raises(StreamUnavailable):
+            backend.consumer(["t"])
+        with pytest.raises(StreamUnavailable):
+            backend.list_topics()
     rc, out = _run(kafka_status, local_broker_config(tmp_path, **{"kafka.bootstrap_servers": cfg.bootstrap,
                                                                   "kafka.client_timeout_s": 0.5}))
     assert rc == 1 and f"Kafka cluster at {cfg.bootstrap} is not reachable" in out
+    assert _network_threads() == before
 
 
 def test_security_settings_reach_every_client():

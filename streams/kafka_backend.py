@@ -79,11 +79,15 @@ class _RecordingClientFactory:
         return client
 
 
+NETWORK_CLIENT = KafkaConsumer.DEFAULT_CONFIG["kafka_client"]
+"""The network client kafka-python's consumers and admin clients build by default."""
+
+
 @contextmanager
-def _building(kind: type, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """``options`` for a ``kind`` client (KafkaConsumer, KafkaAdminClient) whose network clients are
-    closed if its construction raises."""
-    factory = _RecordingClientFactory(kind.DEFAULT_CONFIG["kafka_client"])
+def _building(options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """``options`` for a consumer or admin client whose network clients are closed if its
+    construction raises."""
+    factory = _RecordingClientFactory(NETWORK_CLIENT)
     try:
         yield {**options, "kafka_client": factory}
     except BaseException:
@@ -133,7 +137,7 @@ class KafkaBackend(StreamBackend):
         if instance_id is not None and group_id is None:
             raise ValueError("instance_id needs a consumer group (group_id)")
         with _mapped("creating a consumer", self.cfg.bootstrap), \
-                _building(KafkaConsumer, self.client_options()) as options:
+                _building(self.client_options()) as options:
             c = KafkaConsumer(**options, group_id=group_id, group_instance_id=instance_id,
                               enable_auto_commit=False, auto_offset_reset=start, allow_auto_create_topics=False)
             if group_id is not None:
@@ -169,7 +173,7 @@ class KafkaBackend(StreamBackend):
     @contextmanager
     def admin(self) -> Iterator[KafkaAdminClient]:
         with _mapped("connecting an admin client", self.cfg.bootstrap), \
-                _building(KafkaAdminClient, self.client_options()) as options:
+                _building(self.client_options()) as options:
             client = KafkaAdminClient(**options, request_timeout_ms=int(self.cfg.client_timeout_s * 1000))
         try:
             with _mapped("admin request", self.cfg.bootstrap):

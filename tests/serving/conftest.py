@@ -174,6 +174,12 @@ class LiveServer:
     def base_url(self) -> str:
         return self.server.url
 
+    def stop(self) -> None:
+        """As ``online-sao serve`` ends: uvicorn drains and the app flushes its log, then the producer
+        is closed (its network thread would otherwise outlive the test)."""
+        self.server.stop()
+        self.stack.producer.close()
+
     def openai(self, **kwargs):
         from openai import OpenAI
 
@@ -220,4 +226,4 @@ def live_server(tmp_path, tiny_model_dir, kafka_config, one_torch_thread) -> Ite
     cfg = tiny_config(tmp_path).model_copy(update={"kafka": kafka_config})
     live = start_live_server(cfg, tiny_model_dir)
     yield live
-    live.server.stop()
+    live.stop()

@@ -83,5 +83,5 @@ def test_stop_the_broker_while_requests_run_restart_it_every_interaction_exactly
         assert len(records) == len(traffic.ids) > during_outage > 0
     finally:
         if live is not None:
-            live.server.stop()
+            live.stop()
         broker.stop()

@@ -222,4 +222,4 @@ def test_a_canary_answers_its_share_with_the_champion(tmp_path, tiny_model_dir, 
         assert "sao_serving_canary_champion_version 1.0" in metrics and "sao_serving_policy_version 2.0" in metrics
         assert f"sao_serving_canary_requests {float(engine.routed['champion'])}" in metrics
     finally:
-        live.server.stop()
+        live.stop()

@@ -59,39 +59,30 @@ def _mapped(action: str, bootstrap: str) -> Iterator[None]:
         raise
 
 
-class _RecordingClientFactory:
-    """kafka-python's ``kafka_client`` hook, keeping the network clients it builds.
-
-    A consumer or admin client whose bootstrap fails (no broker reachable) raises from its
-    constructor with its client's network thread still running (kafka-python 3.0.12: one thread and
-    one selector per failed attempt). A process that retries while the broker is down -- serving's
-    weights follower, a learner waiting for the broker -- would gather them for as long as the
-    outage lasts. :func:`_building` closes what a failed constructor built.
-    """
-
-    def __init__(self, default: Callable[..., Any]) -> None:
-        self._default = default
-        self.built: list[Any] = []
-
-    def __call__(self, **configs: Any) -> Any:
-        client = self._default(**configs)
-        self.built.append(client)
-        return client
-
-
 NETWORK_CLIENT = KafkaConsumer.DEFAULT_CONFIG["kafka_client"]
 """The network client kafka-python's consumers and admin clients build by default."""
 
 
 @contextmanager
 def _building(options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """``options`` for a consumer or admin client whose network clients are closed if its
-    construction raises."""
-    factory = _RecordingClientFactory(NETWORK_CLIENT)
+    """``options`` for a consumer or admin client, with a ``kafka_client`` hook that keeps the network
+    clients it builds, closed if the construction raises.
+
+    A consumer or admin client whose bootstrap fails (no broker reachable) raises from its
+    constructor with its client's network thread still running (kafka-python 3.0.12: one thread and
+    one selector per failed attempt). Serving's weights follower, which retries every few seconds
+    while the broker is down, would gather them for as long as the outage lasts.
+    """
+    built: list[Any] = []
+
+    def build(**configs: Any) -> Any:
+        built.append(NETWORK_CLIENT(**configs))
+        return built[-1]
+
     try:
-        yield {**options, "kafka_client": factory}
+        yield {**options, "kafka_client": build}
     except BaseException:
-        for client in factory.built:
+        for client in built:
             client.close()
         raise
 

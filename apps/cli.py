@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--jobs", type=int, metavar="N",
                           help="shortcut for --set experiment.jobs=N: with the in-process driver, N (seed, arm) "
                                "runs side by side in worker processes (same results as one at a time)")
+    simulate.add_argument("--resume", action="store_true",
+                          help="shortcut for --set experiment.resume=true: keep the (seed, arm) runs that finished "
+                               "in the results directory with these settings, run the rest")
     simulate.set_defaults(run=_simulate)
 
     sweep = sub.add_parser("lr-sweep", help="run every arm of a scenario once per policy learning rate; "
@@ -145,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seeds", type=int, metavar="N", help="shortcut for --set experiment.seeds=N")
     sweep.add_argument("--driver", choices=["live", "inprocess"], help="shortcut for --set experiment.driver=...")
     sweep.add_argument("--jobs", type=int, metavar="N", help="shortcut for --set experiment.jobs=N (in-process driver)")
+    sweep.add_argument("--resume", action="store_true", help="shortcut for --set experiment.resume=true")
     sweep.set_defaults(run=_lr_sweep)
 
     agent = sub.add_parser("agent", help="the simulated agent scenario: calculator tasks through the live stack, "
@@ -187,6 +191,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         out["experiment.driver"] = args.driver
     if getattr(args, "jobs", None) is not None:
         out["experiment.jobs"] = args.jobs
+    if getattr(args, "resume", False):
+        out["experiment.resume"] = True
     return out
 
 

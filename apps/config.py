@@ -213,6 +213,11 @@ class ExperimentConfig(Section):
     the other: each run is seeded and runs on that many threads wherever it runs
     (apps/experiments/parallel.py). 1: one after the other in this process. The live driver's arms
     share the serving port and the broker, so it runs one arm at a time."""
+    resume: bool = False
+    """Keep the (seed, arm) runs that finished in the results directory with this run's settings and
+    run only the others (an interrupted sweep goes on where it stopped; the report covers all). A
+    finished run with other settings stops the run before anything is written
+    (apps/experiments/resume.py). False: every named arm runs again on every seed."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
     """Collapse: the moving answer quality stays below this share of its first window's level
     until the end of the run."""

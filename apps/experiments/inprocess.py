@@ -61,7 +61,8 @@ from prometheus_client import CollectorRegistry
 from apps.config import AppConfig
 from apps.experiments.judge import QualityStyleJudge, Raters
 from apps.experiments.judge_service import SOURCE, ScheduleJudge
-from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row
+from apps.experiments.results import ArmSummary, EvalRow, StepRow, append_row, summary_path
+from apps.experiments.resume import outcome_settings
 from apps.experiments.scenario import (arrival_gaps, eval_prompts, prompt_order, prompt_pool, prompt_repeats,
                                       segment_draws)
 from apps.experiments.style import StyleClassifier
@@ -368,6 +369,7 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
     arm = next(a for a in cfg.experiment.arms if a.name == arm_name)
     acfg = arm_config(cfg, arm)
     results_path = out / f"{arm.name}.jsonl"
+    summary_path(out, arm.name).unlink(missing_ok=True)  # first: only a finished run has one
     results_path.unlink(missing_ok=True)
     started = time.monotonic()
     with pinned_threads(acfg.serving.torch_threads):
@@ -390,7 +392,7 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
                          complete_groups=c.complete_groups if grouped else None,
                          incomplete_groups=c.incomplete_groups if grouped else None,
                          group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None,
-                         value_pretraining=fit, algorithm=acfg.algorithm.model_dump(mode="json"))
+                         value_pretraining=fit, settings=outcome_settings(acfg))
     progress(f"arm {arm.name}: {answered} answered, {runner.learner.steps} learner steps, "
              f"policy v{runner.learner.version}, {wall} s")
     return summary

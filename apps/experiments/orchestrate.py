@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
 from online_sao.config import dump_config
-from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, write_scenario,
+from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, summary_path, write_scenario,
                                       write_summary)
+from apps.experiments.resume import finished_arms, outcome_settings
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
 
@@ -80,6 +81,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
         acfg = acfg.model_copy(update={"trainer": acfg.trainer.model_copy(update={"pretrain_file": pretrain_file})})
         learn.append("--pretrain-critic")
     out = results_dir(cfg)
+    summary_path(out, arm.name).unlink(missing_ok=True)  # first: only a finished run has one
     arm_dir = out / "arms" / arm.name
     config_path = arm_dir / "config.yaml"
     write_private(config_path, dump_config(acfg, reveal_secrets=True))
@@ -118,7 +120,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
                            if grouped and "join_incomplete_groups" in learner else None),
         group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None,
         rollbacks=int(learner["rollbacks"]) if "rollbacks" in learner else None,
-        algorithm=acfg.algorithm.model_dump(mode="json"))
+        settings=outcome_settings(acfg))
     write_summary(out, summary)
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary.wall_s} s")
     return summary
@@ -284,7 +286,8 @@ def seed_runs(cfg: AppConfig) -> list[AppConfig]:
 
 def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Callable[[str], None] = print) -> Path:
     """All arms (or the named ones) for every seed, with the configured driver, then the report;
-    returns the report's path."""
+    returns the report's path. With ``experiment.resume`` the (seed, arm) runs that finished in the
+    results directory with this run's settings are kept, not run again (apps/experiments/resume.py)."""
     from apps.default_model.builder import build_base_model
     from apps.experiments.pretrain_data import collect_pretrain_rollouts
     from apps.experiments.report import write_report
@@ -296,9 +299,12 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     if unknown:
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
     runs = seed_runs(cfg)
+    finished = finished_before(runs, names, progress) if cfg.experiment.resume else {}
+    plan = [(run, [n for n in names if n not in finished.get(results_dir(run), [])]) for run in runs]
     # every directory's scenario settled before any is written: a mismatch leaves the earlier run as it was
-    scenarios = {d: merged_scenario(d, scenario, names)
-                 for d, scenario in {out: cfg.experiment, **{results_dir(r): r.experiment for r in runs}}.items()}
+    scenarios = {d: merged_scenario(d, scenario, running)
+                 for d, (scenario, running) in {out: (cfg.experiment, names),
+                                                **{results_dir(r): (r.experiment, todo) for r, todo in plan}}.items()}
     for directory, scenario in scenarios.items():
         write_scenario(directory, scenario)
     if cfg.experiment.driver == "inprocess":
@@ -306,23 +312,38 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
 
         progress(f"model: {build_base_model(cfg, progress=progress)}")
         classifier = load_or_train(cfg, progress)
-        run_arms_inprocess(runs, names, classifier, cfg.experiment.jobs, lambda run: pretrains(run, names), progress)
-    else:
+        run_arms_inprocess(plan, classifier, cfg.experiment.jobs, pretrains, progress)
+    elif any(todo for _, todo in plan):
         resolved = out / "config.yaml"
         write_private(resolved, dump_config(cfg, reveal_secrets=True))
         with Stack(resolved, {}, out / "broker", progress=progress) as base:
             base.start_broker()
             progress(f"model: {build_base_model(cfg, progress=progress)}")
             classifier = load_or_train(cfg, progress)
-            for k, run in enumerate(runs):
+            for k, (run, todo) in enumerate(plan):
                 pretrain_file = None
-                if pretrains(run, names):
+                if todo and pretrains(run, todo):
                     progress(f"=== seed {k + 1}/{len(runs)}: value pre-training data, "
                              f"{run.experiment.pretrain_rollouts} rollouts ===")
                     pretrain_file = collect_pretrain_rollouts(run, classifier, progress)
-                for i, name in enumerate(names, 1):
-                    progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} ===")
+                for i, name in enumerate(todo, 1):
+                    progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(todo)}: {name} ===")
                     run_arm(run, name, progress, pretrain_file)
     report = write_report(out, out / "report", mlflow_uri=cfg.mlflow_uri)
     progress(f"report: {report}")
     return report
+
+
+def finished_before(runs: list[AppConfig], names: list[str], progress: Callable[[str], None]) -> dict[Path, list[str]]:
+    """Per seed's results directory, the arms of ``names`` whose run there finished with the settings
+    this run gives them (:func:`apps.experiments.resume.finished_arms`; raises ResumeMismatch)."""
+    definitions = {a.name: a for a in runs[0].experiment.arms}
+    finished = {}
+    for run in runs:
+        directory = results_dir(run)
+        finished[directory] = finished_arms(directory, names,
+                                            lambda name, run=run: outcome_settings(arm_config(run, definitions[name])))
+    kept = sum(len(done) for done in finished.values())
+    progress(f"resume: {kept} of {len(runs) * len(names)} runs finished earlier with these settings and are kept"
+             + "".join(f"; {d.name}: {', '.join(done)}" for d, done in finished.items() if done))
+    return finished

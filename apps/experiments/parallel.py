@@ -14,7 +14,7 @@ writes the same results as one after the other (tests/apps/experiments/test_para
 benchmarks/results/parallel_sweep.md); unset, a worker's share of the cores rounds floats
 differently from a run on all of them, and a seed's run drifts apart from its serial twin. A failing run stops the
 sweep: runs not yet started are cancelled, those under way finish, and the first error is
-raised.
+raised; ``simulate --resume`` then runs only the runs that did not finish (apps/experiments/resume.py).
 """
 
 from __future__ import annotations
@@ -33,41 +33,48 @@ from apps.experiments.style import StyleClassifier
 Progress = Callable[[str], None]
 
 
-def run_arms_inprocess(runs: list[AppConfig], names: list[str], classifier: StyleClassifier, jobs: int,
-                       needs_pretraining: Callable[[AppConfig], bool], progress: Progress = print) -> None:
-    """Every arm in ``names`` for every seed's configuration in ``runs``, in process; each arm's
-    summary is written beside its results. ``needs_pretraining(run)``: whether that seed collects
-    value pre-training data first."""
+def run_arms_inprocess(plan: list[tuple[AppConfig, list[str]]], classifier: StyleClassifier, jobs: int,
+                       needs_pretraining: Callable[[AppConfig, list[str]], bool], progress: Progress = print) -> None:
+    """For each seed's configuration in ``plan``, the arms named beside it, in process; each arm's
+    summary is written beside its results. ``needs_pretraining(run, names)``: whether that seed
+    collects value pre-training data first. A seed without arms to run is left alone."""
     if jobs == 1:
-        for k, run in enumerate(runs):
-            pretrain_file = _collect(run, classifier, progress) if needs_pretraining(run) else None
+        for k, (run, names) in enumerate(plan):
+            if not names:
+                continue
+            pretrain_file = _collect(run, classifier, progress) if needs_pretraining(run, names) else None
             for i, name in enumerate(names, 1):
-                progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(names)}: {name} (in process) ===")
+                progress(f"=== seed {k + 1}/{len(plan)}, arm {i}/{len(names)}: {name} (in process) ===")
                 write_summary(results_dir(run), _run_arm(run, name, classifier, pretrain_file, progress))
         return
-    _run_side_by_side(runs, names, classifier, jobs, needs_pretraining, progress)
+    _run_side_by_side(plan, classifier, jobs, needs_pretraining, progress)
 
 
-def _run_side_by_side(runs: list[AppConfig], names: list[str], classifier: StyleClassifier, jobs: int,
-                      needs_pretraining: Callable[[AppConfig], bool], progress: Progress) -> None:
-    threads = _threads_per_job(runs[0], jobs)
-    total = len(runs) * len(names)
-    progress(f"{total} runs ({len(runs)} seed(s) x {len(names)} arm(s)), {jobs} at a time in worker processes, "
-             f"{threads} torch thread(s) each")
+def _run_side_by_side(plan: list[tuple[AppConfig, list[str]]], classifier: StyleClassifier, jobs: int,
+                      needs_pretraining: Callable[[AppConfig, list[str]], bool], progress: Progress) -> None:
+    total = sum(len(names) for _, names in plan)
+    if not total:
+        return
+    threads = _threads_per_job(plan[0][0], jobs)
+    progress(f"{total} runs over {sum(1 for _, names in plan if names)} seed(s), {jobs} at a time in worker "
+             f"processes, {threads} torch thread(s) each")
     # spawn, not fork: a forked child would inherit this process's torch thread pools and locks
     context = multiprocessing.get_context("spawn")
     pending: dict[Future, tuple[str, int, str | None]] = {}
     done_runs = 0
     with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=context) as pool:
         def submit_arms(k: int, pretrain_file: Path | None) -> None:
+            run, names = plan[k]
             for name in names:
-                future = pool.submit(_arm_job, runs[k], name, classifier, pretrain_file, threads,
-                                     _label(k, len(runs), name))
+                future = pool.submit(_arm_job, run, name, classifier, pretrain_file, threads,
+                                     _label(k, len(plan), name))
                 pending[future] = ("arm", k, name)
 
-        for k, run in enumerate(runs):
-            if needs_pretraining(run):
-                future = pool.submit(_pretrain_job, run, classifier, threads, _label(k, len(runs), None))
+        for k, (run, names) in enumerate(plan):
+            if not names:
+                continue
+            if needs_pretraining(run, names):
+                future = pool.submit(_pretrain_job, run, classifier, threads, _label(k, len(plan), None))
                 pending[future] = ("pretrain", k, None)
             else:
                 submit_arms(k, None)
@@ -80,15 +87,15 @@ def _run_side_by_side(runs: list[AppConfig], names: list[str], classifier: Style
                 except BaseException:
                     for other in pending:
                         other.cancel()
-                    progress(f"{_label(k, len(runs), name)} failed; the runs under way finish, the rest are "
+                    progress(f"{_label(k, len(plan), name)} failed; the runs under way finish, the rest are "
                              "cancelled")
                     raise
                 if kind == "pretrain":
                     submit_arms(k, result)
                 else:
-                    write_summary(results_dir(runs[k]), result)
+                    write_summary(results_dir(plan[k][0]), result)
                     done_runs += 1
-                    progress(f"=== {done_runs}/{total} runs done ({_label(k, len(runs), name)}) ===")
+                    progress(f"=== {done_runs}/{total} runs done ({_label(k, len(plan), name)}) ===")
 
 
 def _threads_per_job(cfg: AppConfig, jobs: int) -> int:

@@ -7,7 +7,8 @@ Layout of a results directory:
   rollout, an :class:`EvalRow` for every held-out style measurement and (in-process
   driver) a :class:`StepRow` for every learner step.
 * ``<arm>.summary.json`` -- an :class:`ArmSummary` either driver writes when an arm ends
-  (traffic counts, learner steps, grpo's group counters from the reward join).
+  (traffic counts, learner steps, grpo's group counters from the reward join, the settings it ran
+  with) and deletes before an arm starts, so it marks a finished run.
 
 A run of several seeds (``online-sao simulate --seeds N``) keeps one such directory per
 seed, ``seed-<k>/``, under the scenario's results directory.
@@ -126,10 +127,13 @@ class ArmSummary(_Row):
     value_pretraining: dict[str, float] = {}
     """What value pre-training of the critic reported (explained variance before and after, ...);
     empty without pre-training (the live learner's are in MLflow as ``pretrain_*``)."""
+    settings: dict[str, Any] = {}
+    """What the arm ran with, outside the experiment section (``scenario.json``'s): ``section.field``
+    -> value of the sections that decide its outcome (apps/experiments/resume.py, ``outcome_settings``;
+    the algorithm's with the arm's overrides). What an arm added to a finished run changed is read
+    here, and a resumed run compares it (empty in older files)."""
     algorithm: dict[str, Any] = {}
-    """The ``algorithm`` section the arm ran with (the run's, with the arm's overrides): what an arm
-    added to a finished run changed is read here, since ``scenario.json`` holds no learner settings
-    (empty in older files)."""
+    """Older files only (written on 2026-12-04): the ``algorithm`` section alone, before ``settings``."""
 
 
 class ArmResults(BaseModel):
@@ -159,7 +163,12 @@ def summary_path(results_dir: Path, arm: str) -> Path:
 
 
 def write_summary(results_dir: Path, summary: ArmSummary) -> None:
-    summary_path(results_dir, summary.name).write_text(summary.model_dump_json(indent=2) + "\n")
+    """Written whole or not at all (a summary marks a finished run: apps/experiments/resume.py)."""
+    path = summary_path(results_dir, summary.name)
+    partial = path.with_name(path.name + ".partial")
+    legacy = set() if summary.algorithm else {"algorithm"}
+    partial.write_text(summary.model_dump_json(indent=2, exclude=legacy) + "\n")
+    partial.replace(path)
 
 
 def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:
@@ -218,9 +227,10 @@ def read_scenario(results_dir: Path) -> ExperimentConfig:
     return ExperimentConfig.model_validate(json.loads((results_dir / SCENARIO_FILE).read_text()))
 
 
-RUN_ONLY_FIELDS = frozenset({"arms", "jobs", "results_dir", "reference_arm"})
+RUN_ONLY_FIELDS = frozenset({"arms", "jobs", "resume", "results_dir", "reference_arm"})
 """Scenario fields that may differ between runs whose arms share one results directory: which arms a
-run adds, how many run side by side, where the directory is, which arm the report compares with.
+run adds, how many run side by side, whether it keeps finished runs, where the directory is, which
+arm the report compares with.
 Every other field changes what an arm's results mean (schedule, traffic, seeds, driver, ...)."""
 
 

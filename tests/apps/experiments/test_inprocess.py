@@ -79,9 +79,12 @@ def test_grpo_group_counters_reach_the_report_from_a_real_arm(tmp_path, tiny_mod
     assert summary.group_wait_s >= 0.5 * summary.incomplete_groups / (summary.complete_groups + summary.incomplete_groups)
     saved = summary_path(out, "grpo_g2").read_text()
     assert f'"incomplete_groups": {summary.incomplete_groups}' in saved
-    # what the arm ran with: the run's algorithm section (its policy rate) with the arm's overrides
-    ran = json.loads(saved)["algorithm"]
-    assert (ran["name"], ran["group_size"], ran["ppo_epochs"], ran["policy_lr"]) == ("grpo", 2, 1, 1e-3)
+    # what the arm ran with: the run's algorithm section (its policy rate) with the arm's overrides,
+    # and the learner's settings beside it
+    ran = json.loads(saved)["settings"]
+    assert ([ran[f"algorithm.{k}"] for k in ("name", "group_size", "ppo_epochs", "policy_lr")]
+            == ["grpo", 2, 1, 1e-3])
+    assert ran["trainer.min_rollouts"] == 2 and ran["reward.group_timeout_s"] == 0.5
 
     text = write_report(out, tmp_path / "report").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| grpo_g2 |"))

@@ -161,3 +161,72 @@ def test_an_arm_added_to_a_finished_run_is_reported_with_it_and_another_scenario
         run_simulation(config("mean16", 16, **{"experiment.drop_rate": 0.5}), progress=lambda _: None)
     assert {p: p.read_bytes() for p in out.rglob("scenario.json")} == scenario_files
     assert not list(out.rglob("mean16*"))
+
+
+def test_a_resumed_sweep_runs_only_what_did_not_finish_and_ends_as_an_uninterrupted_one(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch):
+    """The in-process driver, two seeds, a running mean and sao (value pre-training): a sweep that dies in
+    its last run, after writing part of that run's results, then resumed, leaves the files an
+    uninterrupted sweep writes; the finished runs are not run again. Resuming with another setting
+    stops before anything is written."""
+    from apps.experiments import parallel
+    from apps.experiments.orchestrate import run_simulation
+    from apps.experiments.report import JSON_FILE
+    from apps.experiments.results import decisions, read_arm
+    from apps.experiments.resume import ResumeMismatch
+    from tests.apps.experiments.test_inprocess import scenario
+    from tests.fixtures.models import tiny_config
+
+    def config(out, **fields):
+        return tiny_config(tmp_path / "data", **{
+            "model.path": str(tiny_model_dir), "experiment.results_dir": str(out), "experiment.seeds": 2,
+            "experiment.driver": "inprocess", "serving.torch_threads": 1, "experiment.reference_arm": None,
+            "experiment.arms": [{"name": "rm", "algorithm": {"name": "running_mean", "running_mean_window": 4}},
+                                {"name": "sao"}],
+            **scenario(**{"experiment.pretrain_rollouts": 6, **fields})})
+
+    def outcomes(out) -> dict:
+        return {(seed, arm): decisions(read_arm(out / seed / f"{arm}.jsonl"))
+                for seed in ("seed-0", "seed-1") for arm in ("rm", "sao")}
+
+    whole = tmp_path / "whole"
+    run_simulation(config(whole), progress=lambda _: None)
+
+    cut = tmp_path / "cut"
+    real_run_arm, ran = parallel._run_arm, []
+
+    def dies_in_the_last_run(run, name, *args):
+        summary = real_run_arm(run, name, *args)
+        ran.append((run.experiment.results_dir.name, name))
+        if len(ran) == 4:  # killed before it ended: half its results written, no summary
+            results = run.experiment.results_dir / f"{name}.jsonl"
+            lines = results.read_text().splitlines(keepends=True)
+            results.write_text("".join(lines[:len(lines) // 2]))
+            raise RuntimeError("killed")
+        return summary
+
+    monkeypatch.setattr(parallel, "_run_arm", dies_in_the_last_run)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_simulation(config(cut), progress=lambda _: None)
+    assert ran[-1] == ("seed-1", "sao")
+    kept = {p: p.read_bytes() for p in cut.glob("seed-*/*") if p.is_file()}
+
+    ran.clear()
+    lines = []
+    report = run_simulation(config(cut, **{"experiment.resume": True}), progress=lines.append)
+    assert ran == [("seed-1", "sao")]
+    assert "resume: 3 of 4 runs finished earlier with these settings and are kept; seed-0: rm, sao; seed-1: rm" in lines
+    assert outcomes(cut) == outcomes(whole)
+    # the kept runs' files are as they were (scenario.json now says the run resumed)
+    rerun = {cut / "seed-1" / "sao.jsonl", cut / "seed-1" / "sao.summary.json"}
+    assert len(kept) == 9 and rerun - set(kept) == {cut / "seed-1" / "sao.summary.json"}
+    for path, content in kept.items():
+        if path.name != "scenario.json" and path not in rerun:
+            assert path.read_bytes() == content, path
+    assert sorted(arm["name"] for arm in json.loads((report.parent / JSON_FILE).read_text())) == ["rm", "sao"]
+
+    files = {p: p.read_bytes() for p in cut.rglob("*") if p.is_file() and "report" not in p.parts}
+    with pytest.raises(ResumeMismatch, match=r"arm 'rm' finished with other settings than this run's: "
+                                             r"trainer.min_rollouts: 2 -> 3\."):
+        run_simulation(config(cut, **{"experiment.resume": True, "trainer.min_rollouts": 3}), progress=lambda _: None)
+    assert {p: p.read_bytes() for p in cut.rglob("*") if p.is_file() and "report" not in p.parts} == files

@@ -25,7 +25,7 @@ def sweep(where, tiny_model_dir, classifier, jobs: int, lines: list[str]):
                                          **scenario(**{"experiment.pretrain_rollouts": 6})})
     runs = seed_runs(cfg)
     names = [a["name"] for a in ARMS]
-    run_arms_inprocess(runs, names, classifier, jobs, lambda run: pretrains(run, names), lines.append)
+    run_arms_inprocess([(run, names) for run in runs], classifier, jobs, pretrains, lines.append)
     return runs
 
 
@@ -60,7 +60,8 @@ def test_a_failing_run_stops_the_sweep_with_its_error(tmp_path, style_classifier
     lines = []
     # transformers' error for a directory without a model (OSError or ValueError, by version), raised here
     with pytest.raises((OSError, ValueError)) as raised:
-        run_arms_inprocess(seed_runs(cfg), ["rm"], style_classifier, 2, lambda run: False, lines.append)
+        run_arms_inprocess([(run, ["rm"]) for run in seed_runs(cfg)], style_classifier, 2,
+                           lambda run, names: False, lines.append)
     assert "_RemoteTraceback" in repr(raised.value.__cause__)  # it came from a worker process
     assert any("failed; the runs under way finish" in line for line in lines)
 

@@ -1,0 +1,104 @@
+"""Resuming a sweep (``simulate --resume``): which (seed, arm) runs of a results directory finished,
+and whether they ran with the settings this run would use.
+
+A multi-seed sweep runs for hours (six arms of drift.yaml on twenty seeds, in process, about an hour
+on two cores; live, about half a day); a crash, a reboot or an interrupt should cost the run under way, not the
+runs already done. A run of an arm writes ``<arm>.summary.json`` only after its results file is
+complete, and deletes it before it writes anything else (both drivers), so a summary marks a finished
+run. A summary older than its results file is one left by an earlier finished run whose rerun was cut
+short by code that did not delete it first: that run did not finish.
+
+What a finished run is compared on: ``scenario.json`` for the experiment section (the run refuses, as
+any run into the directory does, when the scenario differs: results/merged_scenario) and the
+summary's ``settings`` for the rest of the arm's configuration (:func:`outcome_settings`). A finished
+run with other settings is refused rather than redone or kept: either would leave a report whose
+arms ran under two configurations without saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from apps.config import AppConfig
+from apps.experiments.results import ArmSummary, summary_path
+
+OUTCOME_SECTIONS = ("model", "algorithm", "reward", "serving", "trainer", "deploy", "drift")
+"""The sections of an arm's configuration that decide what it does (the experiment section is
+``scenario.json``'s). ``paths``, ``kafka`` and ``mlflow`` say where things are, not what happens."""
+
+PER_RUN_FIELDS = frozenset({"serving.port", "trainer.pretrain_file"})
+"""Fields a driver sets afresh for every run of an arm without changing what it does: the live
+driver's free port for serving, and the path of the seed's value pre-training data (whether there
+is any is ``experiment.pretrain_rollouts`` and the arm's algorithm)."""
+
+MAX_LISTED = 8
+"""Differing settings named in a refusal; the rest are counted."""
+
+
+class ResumeMismatch(ValueError):
+    """A finished run of the results directory ran with other settings than this run would use."""
+
+
+def outcome_settings(acfg: AppConfig) -> dict[str, Any]:
+    """``section.field`` -> value (JSON types, secrets masked) of the :data:`OUTCOME_SECTIONS` of an
+    arm's configuration, without the :data:`PER_RUN_FIELDS`: what a resumed run compares."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(f"{prefix}.{key}", value)
+        elif prefix not in PER_RUN_FIELDS:
+            flat[prefix] = node
+
+    dump = acfg.model_dump(mode="json")
+    for section in OUTCOME_SECTIONS:
+        walk(section, dump[section])
+    return flat
+
+
+def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: recorded -> current`` for every key whose value differs or that only one side has."""
+    missing = object()
+    lines = []
+    for key in sorted(recorded.keys() | current.keys()):
+        before, after = recorded.get(key, missing), current.get(key, missing)
+        if before != after:
+            show = [("(absent)" if v is missing else json.dumps(v)) for v in (before, after)]
+            lines.append(f"{key}: {show[0]} -> {show[1]}")
+    return lines
+
+
+def finished_run(directory: Path, arm: str) -> ArmSummary | None:
+    """The summary of the finished run of ``arm`` in ``directory``; None when it did not finish."""
+    summary_file, results_file = summary_path(directory, arm), directory / f"{arm}.jsonl"
+    if not (summary_file.is_file() and results_file.is_file()):
+        return None
+    if summary_file.stat().st_mtime_ns < results_file.stat().st_mtime_ns:
+        return None
+    return ArmSummary.model_validate_json(summary_file.read_text())
+
+
+def finished_arms(directory: Path, arms: Iterable[str], settings_of: Callable[[str], dict[str, Any]]) -> list[str]:
+    """The arms of ``arms`` whose run in ``directory`` finished with the settings this run would use
+    (``settings_of(arm)``, :func:`outcome_settings`). A finished run without recorded settings (an
+    older file) counts as not finished, so it runs again; one with other settings raises
+    :class:`ResumeMismatch`."""
+    done = []
+    for arm in arms:
+        summary = finished_run(directory, arm)
+        if summary is None or not summary.settings:
+            continue
+        differences = setting_differences(summary.settings, settings_of(arm))
+        if differences:
+            listed = "; ".join(differences[:MAX_LISTED])
+            more = f" (and {len(differences) - MAX_LISTED} more)" if len(differences) > MAX_LISTED else ""
+            raise ResumeMismatch(
+                f"{directory}: arm {arm!r} finished with other settings than this run's: {listed}{more}. "
+                "Resuming would report runs of two configurations as one arm: run without --resume to "
+                "run every arm again, or write this run elsewhere (experiment.results_dir).")
+        done.append(arm)
+    return done

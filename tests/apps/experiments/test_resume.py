@@ -1,0 +1,100 @@
+"""Which runs of a results directory a resumed sweep keeps: finished ones (a summary newer than the
+results file) with the settings this run would use; other settings stop the run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from apps.experiments.resume import (ResumeMismatch, finished_arms, finished_run, outcome_settings,
+                                     setting_differences)
+from apps.experiments.results import ArmSummary, summary_path, write_summary
+from apps.experiments.scenario import arm_config
+from tests.fixtures.models import tiny_config
+
+SETTINGS = {"algorithm.name": "sao", "algorithm.policy_lr": 1e-6, "trainer.min_rollouts": 4}
+
+
+def test_the_settings_are_the_outcome_sections_flattened_without_the_per_run_fields(tmp_path):
+    cfg = tiny_config(tmp_path, **{"serving.port": 8123, "trainer.pretrain_file": str(tmp_path / "p.jsonl"),
+                                   "algorithm.policy_lr": 2e-5, "kafka.bootstrap_servers": "broker:9092",
+                                   "experiment.arms": [{"name": "w8", "algorithm": {"name": "running_mean",
+                                                                                     "running_mean_window": 8}}]})
+    settings = outcome_settings(arm_config(cfg, cfg.experiment.arms[0]))
+    # the arm's overrides on the run's algorithm section
+    assert (settings["algorithm.name"], settings["algorithm.running_mean_window"], settings["algorithm.policy_lr"]) \
+        == ("running_mean", 8, 2e-5)
+    assert settings["drift.enabled"] is False and "serving.max_batch_size" in settings
+    assert settings["model.base.num_layers"] == cfg.model.base.num_layers  # nested sections, dotted
+    assert settings["serving.feedback_secret"] == "**********"  # secrets masked
+    assert "serving.port" not in settings and "trainer.pretrain_file" not in settings
+    assert not [k for k in settings if k.split(".")[0] in ("paths", "kafka", "mlflow", "experiment", "agent")]
+    # a port of its own for every live run changes nothing
+    other_port = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"port": 9999})})
+    assert outcome_settings(arm_config(other_port, cfg.experiment.arms[0])) == settings
+
+
+def test_setting_differences_name_each_changed_added_and_removed_key():
+    recorded = {"algorithm.policy_lr": 1e-6, "trainer.min_rollouts": 4, "drift.enabled": True}
+    current = {"algorithm.policy_lr": 3e-6, "trainer.min_rollouts": 4, "serving.top_p": 0.9}
+    assert setting_differences(recorded, current) == ["algorithm.policy_lr: 1e-06 -> 3e-06",
+                                                      "drift.enabled: true -> (absent)",
+                                                      "serving.top_p: (absent) -> 0.9"]
+    assert setting_differences(recorded, dict(recorded)) == []
+
+
+def finish(directory, arm: str, settings: dict | None = None) -> None:
+    """What a finished run of ``arm`` leaves: its results file, then its summary."""
+    (directory / f"{arm}.jsonl").write_text("{}\n")
+    write_summary(directory, ArmSummary(name=arm, driver="inprocess", answered=1, wall_s=1.0, traffic_s=1.0,
+                                        settings=SETTINGS if settings is None else settings))
+
+
+def test_a_run_counts_as_finished_only_with_a_summary_at_least_as_new_as_its_results(tmp_path):
+    assert finished_run(tmp_path, "sao") is None  # never ran
+    finish(tmp_path, "sao")
+    assert finished_run(tmp_path, "sao").settings == SETTINGS
+    assert not list(tmp_path.glob("*.partial"))  # the summary was written whole
+    # a summary left by an earlier finished run while a rerun wrote results after it: not finished
+    results = tmp_path / "sao.jsonl"
+    made = summary_path(tmp_path, "sao").stat().st_mtime_ns
+    os.utime(results, ns=(made + 1_000_000_000, made + 1_000_000_000))
+    assert finished_run(tmp_path, "sao") is None
+    summary_path(tmp_path, "sao").unlink()
+    os.utime(results, ns=(made, made))
+    assert finished_run(tmp_path, "sao") is None  # results without a summary: cut short
+
+
+def test_finished_arms_keep_runs_with_the_same_settings_and_run_older_files_again(tmp_path):
+    finish(tmp_path, "sao")
+    finish(tmp_path, "old", settings={})  # written before summaries recorded their settings
+    (tmp_path / "cut.jsonl").write_text("{}\n")  # cut short: no summary
+    assert finished_arms(tmp_path, ["sao", "old", "cut", "new"], lambda arm: dict(SETTINGS)) == ["sao"]
+
+
+def test_a_finished_run_with_other_settings_stops_the_resume(tmp_path):
+    finish(tmp_path, "sao")
+    with pytest.raises(ResumeMismatch, match=r"arm 'sao' finished with other settings than this run's: "
+                                             r"algorithm.policy_lr: 1e-06 -> 3e-06\. Resuming would report"):
+        finished_arms(tmp_path, ["sao"], lambda arm: {**SETTINGS, "algorithm.policy_lr": 3e-6})
+
+
+def test_a_long_list_of_differences_is_cut_and_counted(tmp_path):
+    many = {f"trainer.k{i}": i for i in range(12)}
+    finish(tmp_path, "sao", settings=many)
+    # sorted: k0, k1, k10, k11, k2 ... k5 listed, k6 ... k9 counted
+    with pytest.raises(ResumeMismatch, match=r"trainer.k11: 11 -> 12; trainer.k2: 2 -> 3; .*trainer.k5: 5 -> 6 "
+                                             r"\(and 4 more\)\. Resuming"):
+        finished_arms(tmp_path, ["sao"], lambda arm: {k: v + 1 for k, v in many.items()})
+
+
+def test_the_resume_flag_sets_the_configured_resume():
+    from apps import cli
+
+    args = cli.build_parser().parse_args(["simulate", "--resume"])
+    assert cli._overrides(args) == {"experiment.resume": True}
+    assert cli._overrides(cli.build_parser().parse_args(["simulate"])) == {}
+    assert cli._overrides(cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--resume"])) == {
+        "experiment.resume": True}
+

@@ -51,19 +51,33 @@ def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:
     return run_learner(cfg, pretrain_critic=args.pretrain_critic)
 
 
+INTERRUPTED = 130
+"""Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
+
+
+def _resumable(sweep: Callable[[], object]) -> int:
+    """Run a sweep; on Ctrl-C say how to go on instead of printing where the wait was interrupted."""
+    try:
+        sweep()
+    except KeyboardInterrupt:
+        print("online-sao: interrupted; the runs that finished are kept: the same command with --resume "
+              "runs the rest", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
 def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.orchestrate import run_simulation
 
-    run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True))
-    return 0
+    return _resumable(lambda: run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True)))
 
 
 def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.sweep import run_lr_sweep
 
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    run_lr_sweep(cfg, rates, arms=args.arm or None, progress=lambda line: print(line, flush=True))
-    return 0
+    return _resumable(lambda: run_lr_sweep(cfg, rates, arms=args.arm or None,
+                                           progress=lambda line: print(line, flush=True)))
 
 
 def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:

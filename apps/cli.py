@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"online-sao: {exc}", file=sys.stderr)
         return 2
     run: Callable[[AppConfig, argparse.Namespace], int] = args.run
-    return run(cfg, args)
+    try:
+        return run(cfg, args)
+    except ConfigError as exc:  # a setting that cannot be used here (an unknown arm, a results directory's other run)
+        print(f"online-sao: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
-from online_sao.config import dump_config
+from online_sao.config import ConfigError, dump_config
 from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, summary_path, write_scenario,
                                       write_summary)
 from apps.experiments.resume import finished_arms, outcome_settings
@@ -297,7 +297,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     names = arms or [a.name for a in cfg.experiment.arms]
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
-        raise ValueError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
+        raise ConfigError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
     runs = seed_runs(cfg)
     finished = finished_before(runs, names, progress) if cfg.experiment.resume else {}
     plan = [(run, [n for n in names if n not in finished.get(results_dir(run), [])]) for run in runs]

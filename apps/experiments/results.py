@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from apps.config import ExperimentConfig
+from online_sao.config import ConfigError
 
 SCENARIO_FILE = "scenario.json"
 
@@ -234,7 +235,7 @@ arm the report compares with.
 Every other field changes what an arm's results mean (schedule, traffic, seeds, driver, ...)."""
 
 
-class ScenarioMismatch(ValueError):
+class ScenarioMismatch(ConfigError):
     """A run would leave arms of another scenario in its results directory, to be reported as its own."""
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from apps.config import AppConfig
 from apps.experiments.results import ArmSummary, summary_path
+from online_sao.config import ConfigError
 
 OUTCOME_SECTIONS = ("model", "algorithm", "reward", "serving", "trainer", "deploy", "drift")
 """The sections of an arm's configuration that decide what it does (the experiment section is
@@ -38,7 +39,7 @@ MAX_LISTED = 8
 """Differing settings named in a refusal; the rest are counted."""
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(ConfigError):
     """A finished run of the results directory ran with other settings than this run would use."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from apps.config import AppConfig, ArmConfig
 from apps.experiments.aggregate import ArmSummaryAcrossSeeds
+from online_sao.config import ConfigError
 
 SWEEP_DIR = "lr-sweep"
 SEPARATOR = "_lr"
@@ -38,11 +39,11 @@ def sweep_config(cfg: AppConfig, rates: list[float], arms: list[str] | None = No
     from apps.experiments.scenario import results_dir
 
     if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"rates must be positive, got {rates}")
+        raise ConfigError(f"rates must be positive, got {rates}")
     chosen = [a for a in cfg.experiment.arms if arms is None or a.name in arms]
     unknown = set(arms or []) - {a.name for a in chosen}
     if unknown:
-        raise ValueError(f"unknown arm(s) {sorted(unknown)}")
+        raise ConfigError(f"unknown arm(s) {sorted(unknown)}")
     variants = [ArmConfig(name=sweep_arm_name(a.name, rate), algorithm={**a.algorithm, "policy_lr": rate})
                 for a in chosen for rate in rates]
     exp = cfg.experiment.model_copy(update={"arms": variants, "results_dir": results_dir(cfg) / SWEEP_DIR,

@@ -88,32 +88,3 @@ def test_a_long_list_of_differences_is_cut_and_counted(tmp_path):
                                              r"\(and 4 more\)\. Resuming"):
         finished_arms(tmp_path, ["sao"], lambda arm: {k: v + 1 for k, v in many.items()})
 
-
-def test_the_resume_flag_sets_the_configured_resume():
-    from apps import cli
-
-    args = cli.build_parser().parse_args(["simulate", "--resume"])
-    assert cli._overrides(args) == {"experiment.resume": True}
-    assert cli._overrides(cli.build_parser().parse_args(["simulate"])) == {}
-    assert cli._overrides(cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--resume"])) == {
-        "experiment.resume": True}
-
-
-
-def test_an_interrupted_sweep_says_how_to_go_on_and_other_errors_propagate(tmp_path, monkeypatch, capsys):
-    from apps import cli
-    from apps.experiments import orchestrate
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(orchestrate, "run_simulation", interrupted)
-    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"]) == 130
-    assert "the same command with --resume runs the rest" in capsys.readouterr().err
-
-    def fails(*args, **kwargs):
-        raise RuntimeError("a run failed")
-
-    monkeypatch.setattr(orchestrate, "run_simulation", fails)
-    with pytest.raises(RuntimeError, match="a run failed"):
-        cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"])

@@ -1,0 +1,46 @@
+"""The command line: shortcuts for settings, and how a run that cannot go on or is interrupted ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apps import cli
+
+DRIFT_SHORT = Path(__file__).resolve().parents[2] / "configs" / "drift-short.yaml"
+
+
+def test_the_resume_flag_sets_the_configured_resume():
+    args = cli.build_parser().parse_args(["simulate", "--resume"])
+    assert cli._overrides(args) == {"experiment.resume": True}
+    assert cli._overrides(cli.build_parser().parse_args(["simulate"])) == {}
+    assert cli._overrides(cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--resume"])) == {
+        "experiment.resume": True}
+
+
+def test_an_unknown_arm_is_a_one_line_error_with_the_scenarios_arms(tmp_path, capsys):
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate", "--scenario", str(DRIFT_SHORT),
+                     "--arm", "running_mean_w8"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("online-sao: unknown arm(s) ['running_mean_w8']; the scenario has ['sao', 'running_mean_w128', "
+                   "'grpo_dis_g4']\n")
+    assert not (tmp_path / "experiments").exists()  # stopped before writing anything
+
+
+def test_an_interrupted_sweep_says_how_to_go_on_and_other_errors_propagate(tmp_path, monkeypatch, capsys):
+    from apps.experiments import orchestrate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orchestrate, "run_simulation", interrupted)
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"]) == 130
+    assert "the same command with --resume runs the rest" in capsys.readouterr().err
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a run failed")
+
+    monkeypatch.setattr(orchestrate, "run_simulation", fails)
+    with pytest.raises(RuntimeError, match="a run failed"):
+        cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"])

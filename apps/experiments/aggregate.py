@@ -36,13 +36,22 @@ def _read_run(directory: Path) -> Run:
     return Run(directory, read_scenario(directory), arms)
 
 
+class NoResults(FileNotFoundError):
+    """A results directory that is not there or holds no arm's results."""
+
+
 def load_runs(results_dir: Path) -> list[Run]:
-    """The runs of ``results_dir``: its ``seed-<k>/`` directories in seed order, or itself."""
+    """The runs of ``results_dir``: its ``seed-<k>/`` directories in seed order, or itself (:class:`NoResults`
+    when there are none)."""
+    if not results_dir.is_dir():
+        raise NoResults(f"no experiment results in {results_dir}: it does not exist")
     seeded = sorted((p for p in results_dir.iterdir() if p.is_dir() and _SEED_DIR.match(p.name)
                      and (p / SCENARIO_FILE).is_file()), key=lambda p: int(_SEED_DIR.match(p.name).group(1)))
+    if not (seeded or (results_dir / SCENARIO_FILE).is_file()):
+        raise NoResults(f"no experiment results in {results_dir}: no {SCENARIO_FILE} there or in a seed-<k>/ in it")
     runs = [_read_run(p) for p in seeded] if seeded else [_read_run(results_dir)]
     if not any(run.arms for run in runs):
-        raise FileNotFoundError(f"no per-arm results (*.jsonl) in {results_dir}")
+        raise NoResults(f"no per-arm results (*.jsonl) in {results_dir}")
     return runs
 
 

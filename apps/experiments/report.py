@@ -10,11 +10,12 @@ interval with one seed).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
-from apps.experiments.aggregate import ArmSummaryAcrossSeeds, Run, load_runs, paired_difference, summarize
+from apps.experiments.aggregate import ArmSummaryAcrossSeeds, NoResults, Run, load_runs, paired_difference, summarize
 from apps.experiments.gate_report import write_gate_report
 from apps.experiments.intervals import cell
 from apps.experiments.metrics import LEVEL_SHARE
@@ -153,6 +154,11 @@ def run_report_cli(cfg: AppConfig) -> int:
     from apps.experiments.scenario import results_dir
 
     source = results_dir(cfg)
-    path = write_report(source, source / "report", cfg.mlflow_uri, cfg.mlflow.experiment)
+    try:
+        path = write_report(source, source / "report", cfg.mlflow_uri, cfg.mlflow.experiment)
+    except NoResults as exc:
+        print(f"online-sao: {exc}; `online-sao simulate` writes them (the report reads experiment.results_dir, "
+              "default <data_dir>/experiments/<experiment.name>)", file=sys.stderr)
+        return 1
     print(path, flush=True)
     return 0

@@ -44,3 +44,16 @@ def test_an_interrupted_sweep_says_how_to_go_on_and_other_errors_propagate(tmp_p
     monkeypatch.setattr(orchestrate, "run_simulation", fails)
     with pytest.raises(RuntimeError, match="a run failed"):
         cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"])
+
+
+def test_a_report_without_results_says_where_it_looked(tmp_path, capsys):
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"online-sao: no experiment results in {tmp_path / 'experiments' / 'drift'}: it does not exist; "
+        "`online-sao simulate` writes them")
+    (tmp_path / "experiments" / "drift").mkdir(parents=True)
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
+    assert "drift: no scenario.json there or in a seed-<k>/ in it;" in capsys.readouterr().err
+    (tmp_path / "experiments" / "drift" / "scenario.json").write_text("{}")  # a run that wrote no arm's results
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
+    assert "no per-arm results (*.jsonl) in" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           get_cosine_schedule_with_warmup)
 
 from apps.config import AppConfig, BaseModelConfig
+from online_sao.config import ConfigError
 from apps.default_model.corpus import CORPUS_VERSION, Example, generate_corpus, split_heldout
 from apps.default_model.tool_corpus import (TOOLS, ToolTask, generate_tool_corpus, tool_call_text,
                                             tool_corpus_size)
@@ -352,7 +353,7 @@ def build_base_model(cfg: AppConfig, force: bool = False, progress: Progress = p
     target = cfg.model_dir
     if cfg.model.path is not None:
         if not (target / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {target} holds no Hugging Face model (no config.json)")
+            raise ConfigError(f"model.path {target} holds no Hugging Face model (no config.json)")
         progress(f"using the configured model {target}")
         return target
     base = cfg.model.base

@@ -57,3 +57,9 @@ def test_a_report_without_results_says_where_it_looked(tmp_path, capsys):
     (tmp_path / "experiments" / "drift" / "scenario.json").write_text("{}")  # a run that wrote no arm's results
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
     assert "no per-arm results (*.jsonl) in" in capsys.readouterr().err
+
+
+def test_a_model_path_without_a_model_is_a_one_line_error(tmp_path, capsys):
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "--set", f"model.path={tmp_path / 'none'}",
+                     "base-model"]) == 2
+    assert capsys.readouterr().err == f"online-sao: model.path {tmp_path / 'none'} holds no Hugging Face model (no config.json)\n"

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from online_sao.config import ConfigError
 from apps.default_model.builder import (IGNORE_INDEX, IM_END, RECORD_FILE, build_base_model, chat_text,
                                         encode_examples, encode_segments, epoch_batches, is_built, run_base_model,
                                         task_segments)
@@ -235,7 +236,7 @@ def test_configured_model_directory_is_used_as_is(small_model, tmp_path):
     assert build_base_model(cfg, progress=lambda _: None) == model_dir
     assert not (tmp_path / "models").exists()
     missing = small_config(tmp_path, **{"model.path": str(tmp_path / "nothing")})
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no config.json"):
         build_base_model(missing, progress=lambda _: None)
 
 

@@ -8,7 +8,7 @@ A results directory holds one run (``<arm>.jsonl`` files beside ``scenario.json`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ from apps.config import ExperimentConfig
 from apps.experiments.intervals import Interval, bootstrap_band, interval
 from apps.experiments.metrics import (Collapse, PhaseMetrics, detect_collapse, moving_average, phase_metrics,
                                       post_switch_mean, style_shares)
-from apps.experiments.results import SCENARIO_FILE, ArmResults, read_arm, read_scenario
+from apps.experiments.results import SCENARIO_FILE, ArmResults, finished_summary, read_arm, read_scenario
 
 _SEED_DIR = re.compile(r"^seed-(\d+)$")
 
@@ -29,11 +29,25 @@ class Run:
     directory: Path
     scenario: ExperimentConfig
     arms: dict[str, ArmResults]
+    """The arms whose run finished."""
+    unfinished: dict[str, int] = field(default_factory=dict)
+    """Arms whose run is under way or was cut short -> rollouts judged so far; not in ``arms``."""
 
 
 def _read_run(directory: Path) -> Run:
-    arms = {a.name: a for a in (read_arm(p) for p in sorted(directory.glob("*.jsonl")))}
-    return Run(directory, read_scenario(directory), arms)
+    """A run's finished arms, and those it left out: an arm without a finished summary
+    (results.finished_summary) and short of the scenario's rollouts is under way or was cut short,
+    and its phases would be read as if complete. Files from before summaries marked a finished run
+    count by their rollouts alone."""
+    scenario = read_scenario(directory)
+    arms, unfinished = {}, {}
+    for path in sorted(directory.glob("*.jsonl")):
+        arm = read_arm(path)
+        if finished_summary(directory, arm.name) is None and len(arm.rewards) < scenario.rollouts_per_arm:
+            unfinished[arm.name] = len(arm.rewards)
+        else:
+            arms[arm.name] = arm
+    return Run(directory, scenario, arms, unfinished)
 
 
 class NoResults(FileNotFoundError):
@@ -51,8 +65,16 @@ def load_runs(results_dir: Path) -> list[Run]:
         raise NoResults(f"no experiment results in {results_dir}: no {SCENARIO_FILE} there or in a seed-<k>/ in it")
     runs = [_read_run(p) for p in seeded] if seeded else [_read_run(results_dir)]
     if not any(run.arms for run in runs):
-        raise NoResults(f"no per-arm results (*.jsonl) in {results_dir}")
+        left = unfinished_runs(runs)
+        raise NoResults(f"no per-arm results (*.jsonl) in {results_dir}" if not left else
+                        f"no finished arm runs in {results_dir}; not finished: {'; '.join(left)}")
     return runs
+
+
+def unfinished_runs(runs: list[Run]) -> list[str]:
+    """``<seed directory> <arm> (<n> of <N> rollouts)`` for every run left out as unfinished."""
+    return [f"{run.directory.name} {name} ({count} of {run.scenario.rollouts_per_arm} rollouts)"
+            for run in runs for name, count in run.unfinished.items()]
 
 
 @dataclass(frozen=True)

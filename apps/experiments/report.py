@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
-from apps.experiments.aggregate import ArmSummaryAcrossSeeds, NoResults, Run, load_runs, paired_difference, summarize
+from apps.experiments.aggregate import (ArmSummaryAcrossSeeds, NoResults, Run, load_runs, paired_difference, summarize,
+                                       unfinished_runs)
 from apps.experiments.gate_report import write_gate_report
 from apps.experiments.intervals import cell
 from apps.experiments.metrics import LEVEL_SHARE
@@ -70,6 +71,10 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
     scenario = runs[0].scenario
     seeds = max(a.seeds for a in arms)
     lines = _intro(scenario, runs, seeds)
+    left = unfinished_runs(runs)
+    if left:
+        lines += [f"**Left out, not finished** (under way, or cut short: `simulate --resume` runs them again): "
+                  f"{'; '.join(left)}. The seeds column counts the finished runs.", ""]
     lines += ["## Summary", ""] + _table(
         ["arm", "seeds", "rollouts", "mean reward", "post-switch mean", "collapsed", "final held-out style acc.",
          "group wait (s)", "incomplete groups", "roll-backs"],
@@ -157,8 +162,9 @@ def run_report_cli(cfg: AppConfig) -> int:
     try:
         path = write_report(source, source / "report", cfg.mlflow_uri, cfg.mlflow.experiment)
     except NoResults as exc:
-        print(f"online-sao: {exc}; `online-sao simulate` writes them (the report reads experiment.results_dir, "
-              "default <data_dir>/experiments/<experiment.name>)", file=sys.stderr)
+        print(f"online-sao: {exc}\n(`online-sao simulate` writes results, with --resume it finishes runs cut short; "
+              "the report reads experiment.results_dir, default <data_dir>/experiments/<experiment.name>)",
+              file=sys.stderr)
         return 1
     print(path, flush=True)
     return 0

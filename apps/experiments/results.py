@@ -172,6 +172,21 @@ def write_summary(results_dir: Path, summary: ArmSummary) -> None:
     partial.replace(path)
 
 
+def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
+    """The summary of the finished run of ``arm`` in ``results_dir``, None when it did not finish.
+
+    A run of an arm deletes its summary before it writes anything and writes it, whole, after its
+    results are complete (both drivers), so a summary marks a finished run. One older than the results
+    file was left by an earlier finished run whose rerun, on code that did not delete it first, was cut
+    short: that run did not finish."""
+    summary_file, results_file = summary_path(results_dir, arm), results_dir / f"{arm}.jsonl"
+    if not (summary_file.is_file() and results_file.is_file()):
+        return None
+    if summary_file.stat().st_mtime_ns < results_file.stat().st_mtime_ns:
+        return None
+    return ArmSummary.model_validate_json(summary_file.read_text())
+
+
 def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:
     with path.open("a") as f:
         f.write(row.model_dump_json() + "\n")

@@ -3,10 +3,7 @@ and whether they ran with the settings this run would use.
 
 A multi-seed sweep runs for hours (six arms of drift.yaml on twenty seeds, in process, about an hour
 on two cores; live, about half a day); a crash, a reboot or an interrupt should cost the run under way, not the
-runs already done. A run of an arm writes ``<arm>.summary.json`` only after its results file is
-complete, and deletes it before it writes anything else (both drivers), so a summary marks a finished
-run. A summary older than its results file is one left by an earlier finished run whose rerun was cut
-short by code that did not delete it first: that run did not finish.
+runs already done. A run counts as finished when its summary says so (results.finished_summary).
 
 What a finished run is compared on: ``scenario.json`` for the experiment section (the run refuses, as
 any run into the directory does, when the scenario differs: results/merged_scenario) and the
@@ -23,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.config import AppConfig
-from apps.experiments.results import ArmSummary, summary_path
+from apps.experiments.results import finished_summary
 from online_sao.config import ConfigError
 
 OUTCOME_SECTIONS = ("model", "algorithm", "reward", "serving", "trainer", "deploy", "drift")
@@ -73,16 +70,6 @@ def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> li
     return lines
 
 
-def finished_run(directory: Path, arm: str) -> ArmSummary | None:
-    """The summary of the finished run of ``arm`` in ``directory``; None when it did not finish."""
-    summary_file, results_file = summary_path(directory, arm), directory / f"{arm}.jsonl"
-    if not (summary_file.is_file() and results_file.is_file()):
-        return None
-    if summary_file.stat().st_mtime_ns < results_file.stat().st_mtime_ns:
-        return None
-    return ArmSummary.model_validate_json(summary_file.read_text())
-
-
 def finished_arms(directory: Path, arms: Iterable[str], settings_of: Callable[[str], dict[str, Any]]) -> list[str]:
     """The arms of ``arms`` whose run in ``directory`` finished with the settings this run would use
     (``settings_of(arm)``, :func:`outcome_settings`). A finished run without recorded settings (an
@@ -90,7 +77,7 @@ def finished_arms(directory: Path, arms: Iterable[str], settings_of: Callable[[s
     :class:`ResumeMismatch`."""
     done = []
     for arm in arms:
-        summary = finished_run(directory, arm)
+        summary = finished_summary(directory, arm)
         if summary is None or not summary.settings:
             continue
         differences = setting_differences(summary.settings, settings_of(arm))

@@ -49,11 +49,11 @@ def test_an_interrupted_sweep_says_how_to_go_on_and_other_errors_propagate(tmp_p
 def test_a_report_without_results_says_where_it_looked(tmp_path, capsys):
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
     assert capsys.readouterr().err.startswith(
-        f"online-sao: no experiment results in {tmp_path / 'experiments' / 'drift'}: it does not exist; "
-        "`online-sao simulate` writes them")
+        f"online-sao: no experiment results in {tmp_path / 'experiments' / 'drift'}: it does not exist\n"
+        "(`online-sao simulate` writes results")
     (tmp_path / "experiments" / "drift").mkdir(parents=True)
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
-    assert "drift: no scenario.json there or in a seed-<k>/ in it;" in capsys.readouterr().err
+    assert "drift: no scenario.json there or in a seed-<k>/ in it\n" in capsys.readouterr().err
     (tmp_path / "experiments" / "drift" / "scenario.json").write_text("{}")  # a run that wrote no arm's results
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
     assert "no per-arm results (*.jsonl) in" in capsys.readouterr().err

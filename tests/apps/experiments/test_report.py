@@ -14,9 +14,10 @@ from apps.config import ExperimentConfig
 from apps.experiments.intervals import interval
 from apps.experiments.metrics import phase_metrics, post_switch_mean
 from apps.experiments.plots import PLOTS
+from apps.experiments.aggregate import NoResults
 from apps.experiments.report import write_report
-from apps.experiments.results import (EvalRow, RewardRow, append_row, count_reward_rows, read_arm,
-                                      write_scenario)
+from apps.experiments.results import (ArmSummary, EvalRow, RewardRow, append_row, count_reward_rows, read_arm,
+                                      write_scenario, write_summary)
 
 SCENARIO = ExperimentConfig(
     name="synthetic", rollouts_per_arm=60, metrics_window=4, eval_every=20,
@@ -183,6 +184,35 @@ def test_results_rows_deduplicate_and_must_be_dense(tmp_path):
     append_row(path, RewardRow(rollout=5, t=0.0, version=0, reward=0.0, quality=1.0, style=0.0, preferred="formal"))
     with pytest.raises(ValueError, match="not dense"):
         read_arm(path)
+
+
+def test_runs_under_way_or_cut_short_are_left_out_and_named(tmp_path):
+    """Three seeds. seed-2's running mean was cut short after 30 of 60 rollouts (no summary): the report
+    leaves it out and says so. seed-1's sao answered 59 (one request failed) and finished (its summary):
+    it stays. Files without summaries (from before they marked a finished run) count when complete."""
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    per_seed = {k: {"sao": synthetic_rewards(3, 10 + k), "running_mean_w8": synthetic_rewards(15, 20 + k)}
+                for k in range(3)}
+    per_seed[2]["running_mean_w8"] = per_seed[2]["running_mean_w8"][:30]
+    per_seed[1]["sao"] = per_seed[1]["sao"][:59]
+    for k, series in per_seed.items():
+        write_run(directory / f"seed-{k}", series, seed=k)
+    write_summary(directory / "seed-1", ArmSummary(name="sao", driver="live", answered=59, failed=1, wall_s=1.0,
+                                                  traffic_s=1.0))
+    text = write_report(directory, tmp_path / "report").read_text()
+    assert ("**Left out, not finished** (under way, or cut short: `simulate --resume` runs them again): "
+            "seed-2 running_mean_w8 (30 of 60 rollouts). The seeds column counts the finished runs.") in text
+    summary = section(text, "Summary")
+    assert table_row(summary, "sao")[1] == "3"
+    row = table_row(summary, "running_mean_w8")
+    expected = interval([sum(per_seed[k]["running_mean_w8"]) / 60 for k in (0, 1)])
+    assert row[1] == "2" and row[3] == f"{expected.mean:.3f} [{expected.low:.3f}, {expected.high:.3f}]"
+
+    only_cut = tmp_path / "cut"
+    write_run(only_cut, {"sao": synthetic_rewards(3, 0)[:10]})
+    with pytest.raises(NoResults, match=r"no finished arm runs in .*cut; not finished: cut sao \(10 of 60 rollouts\)"):
+        write_report(only_cut, tmp_path / "out")
 
 
 def test_no_results_is_an_error(tmp_path):

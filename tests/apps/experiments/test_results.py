@@ -1,15 +1,18 @@
 """A results directory shared by runs: arms added later to a finished run are reported with it when the
-scenario is the same, and refused when an earlier run's arms would be read under another scenario."""
+scenario is the same, and refused when an earlier run's arms would be read under another scenario; and
+which of its runs finished."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from apps.config import ArmConfig, ExperimentConfig
-from apps.experiments.results import (SCENARIO_FILE, ScenarioMismatch, merged_scenario, read_scenario,
-                                      scenario_differences, write_scenario)
+from apps.experiments.results import (SCENARIO_FILE, ArmSummary, ScenarioMismatch, finished_summary,
+                                      merged_scenario, read_scenario, scenario_differences, summary_path,
+                                      write_scenario, write_summary)
 
 SAO = ArmConfig(name="sao", algorithm={"name": "sao"})
 MEAN = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 8})
@@ -81,3 +84,24 @@ def test_the_run_only_fields_are_the_ones_that_may_differ():
 def test_a_directory_without_a_scenario_gets_this_runs(tmp_path):
     record_scenario(tmp_path / "new", FIRST, ["sao"])
     assert json.loads((tmp_path / "new" / SCENARIO_FILE).read_text())["rollouts_per_arm"] == 400
+
+
+def finish(directory) -> None:
+    """What a finished run of arm ``sao`` leaves: its results file, then its summary."""
+    (directory / "sao.jsonl").write_text("{}\n")
+    write_summary(directory, ArmSummary(name="sao", driver="inprocess", answered=7, wall_s=1.0, traffic_s=1.0))
+
+
+def test_a_run_counts_as_finished_only_with_a_summary_at_least_as_new_as_its_results(tmp_path):
+    assert finished_summary(tmp_path, "sao") is None  # never ran
+    finish(tmp_path)
+    assert finished_summary(tmp_path, "sao").answered == 7
+    assert not list(tmp_path.glob("*.partial"))  # the summary was written whole
+    # a summary left by an earlier finished run while a rerun wrote results after it: not finished
+    results = tmp_path / "sao.jsonl"
+    made = summary_path(tmp_path, "sao").stat().st_mtime_ns
+    os.utime(results, ns=(made + 1_000_000_000, made + 1_000_000_000))
+    assert finished_summary(tmp_path, "sao") is None
+    summary_path(tmp_path, "sao").unlink()
+    os.utime(results, ns=(made, made))
+    assert finished_summary(tmp_path, "sao") is None  # results without a summary: cut short

@@ -1,15 +1,12 @@
-"""Which runs of a results directory a resumed sweep keeps: finished ones (a summary newer than the
-results file) with the settings this run would use; other settings stop the run."""
+"""Which runs of a results directory a resumed sweep keeps: finished ones (results.finished_summary)
+with the settings this run would use; other settings stop the run."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from apps.experiments.resume import (ResumeMismatch, finished_arms, finished_run, outcome_settings,
-                                     setting_differences)
-from apps.experiments.results import ArmSummary, summary_path, write_summary
+from apps.experiments.resume import ResumeMismatch, finished_arms, outcome_settings, setting_differences
+from apps.experiments.results import ArmSummary, write_summary
 from apps.experiments.scenario import arm_config
 from tests.fixtures.models import tiny_config
 
@@ -49,21 +46,6 @@ def finish(directory, arm: str, settings: dict | None = None) -> None:
     (directory / f"{arm}.jsonl").write_text("{}\n")
     write_summary(directory, ArmSummary(name=arm, driver="inprocess", answered=1, wall_s=1.0, traffic_s=1.0,
                                         settings=SETTINGS if settings is None else settings))
-
-
-def test_a_run_counts_as_finished_only_with_a_summary_at_least_as_new_as_its_results(tmp_path):
-    assert finished_run(tmp_path, "sao") is None  # never ran
-    finish(tmp_path, "sao")
-    assert finished_run(tmp_path, "sao").settings == SETTINGS
-    assert not list(tmp_path.glob("*.partial"))  # the summary was written whole
-    # a summary left by an earlier finished run while a rerun wrote results after it: not finished
-    results = tmp_path / "sao.jsonl"
-    made = summary_path(tmp_path, "sao").stat().st_mtime_ns
-    os.utime(results, ns=(made + 1_000_000_000, made + 1_000_000_000))
-    assert finished_run(tmp_path, "sao") is None
-    summary_path(tmp_path, "sao").unlink()
-    os.utime(results, ns=(made, made))
-    assert finished_run(tmp_path, "sao") is None  # results without a summary: cut short
 
 
 def test_finished_arms_keep_runs_with_the_same_settings_and_run_older_files_again(tmp_path):

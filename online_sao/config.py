@@ -713,6 +713,19 @@ def dump_config(cfg: Config, reveal_secrets: bool = False) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def flat_settings(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``section.field`` -> value of every leaf of a nested mapping (a configuration's JSON dump: secrets
+    masked); a list is a leaf, an empty mapping has none."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(flat_settings(value, path))
+        else:
+            flat[path] = value
+    return flat
+
+
 def _reveal(model: BaseModel, data: dict[str, Any]) -> None:
     for name in type(model).model_fields:
         value = getattr(model, name)

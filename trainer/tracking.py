@@ -28,7 +28,7 @@ import fcntl
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import fsspec
 from mlflow import MlflowClient
@@ -41,7 +41,7 @@ from mlflow.protos.databricks_pb2 import (
     ErrorCode,
 )
 
-from online_sao.config import Config, dump_config
+from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 
@@ -61,17 +61,7 @@ Decision = Literal["promoted", "rolled_back", "pending"]
 
 def flatten_config(cfg: Config) -> dict[str, str]:
     """The resolved configuration as ``section.field`` -> string (secrets masked)."""
-    flat: dict[str, str] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}.{key}" if prefix else key, value)
-        else:
-            flat[prefix] = str(node)[:MAX_PARAM_LENGTH]
-
-    walk("", cfg.model_dump(mode="json"))
-    return flat
+    return {key: str(value)[:MAX_PARAM_LENGTH] for key, value in flat_settings(cfg.model_dump(mode="json")).items()}
 
 
 def _artifact_root(cfg: Config) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from apps.config import AppConfig
 from apps.experiments.results import finished_summary
-from online_sao.config import ConfigError
+from online_sao.config import ConfigError, flat_settings
 
 OUTCOME_SECTIONS = ("model", "algorithm", "reward", "serving", "trainer", "deploy", "drift")
 """The sections of an arm's configuration that decide what it does (the experiment section is
@@ -43,19 +43,9 @@ class ResumeMismatch(ConfigError):
 def outcome_settings(acfg: AppConfig) -> dict[str, Any]:
     """``section.field`` -> value (JSON types, secrets masked) of the :data:`OUTCOME_SECTIONS` of an
     arm's configuration, without the :data:`PER_RUN_FIELDS`: what a resumed run compares."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict) and node:
-            for key, value in node.items():
-                walk(f"{prefix}.{key}", value)
-        elif prefix not in PER_RUN_FIELDS:
-            flat[prefix] = node
-
     dump = acfg.model_dump(mode="json")
-    for section in OUTCOME_SECTIONS:
-        walk(section, dump[section])
-    return flat
+    flat = flat_settings({section: dump[section] for section in OUTCOME_SECTIONS})
+    return {key: value for key, value in flat.items() if key not in PER_RUN_FIELDS}
 
 
 def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

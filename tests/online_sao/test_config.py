@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from apps.config import AppConfig
-from online_sao.config import Config, ConfigError, Section, dump_config, load_config
+from online_sao.config import Config, ConfigError, Section, dump_config, flat_settings, load_config
 
 
 def test_defaults_are_valid_and_local():
@@ -100,3 +100,8 @@ def test_serving_compile_is_for_the_torch_engine_in_either_layout(kv_layout):
     assert load_config(environ={}, overrides=compiled).serving.compile
     with pytest.raises(ConfigError, match="torch engine"):
         load_config(environ={}, overrides={**compiled, "serving.engine": "vllm"})
+
+
+def test_flat_settings_name_every_leaf_by_its_path():
+    tree = {"a": {"b": 1, "c": {"d": [1, 2], "e": None}, "empty": {}}, "f": "x"}
+    assert flat_settings(tree) == {"a.b": 1, "a.c.d": [1, 2], "a.c.e": None, "f": "x"}

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from apps.config import ExperimentConfig
 from apps.experiments.orchestrate import pretrains, seed_runs
 from apps.experiments.parallel import run_arms_inprocess
-from apps.experiments.results import decisions, read_arm, summary_path
+from apps.experiments.results import decisions, read_arm, summary_path, write_scenario
 from apps.experiments.scenario import results_dir
 from tests.apps.experiments.test_inprocess import scenario
 from tests.fixtures.models import tiny_config
@@ -81,3 +81,20 @@ def test_the_jobs_flag_sets_the_configured_jobs():
     assert cli._overrides(args) == {"experiment.seeds": 4, "experiment.driver": "inprocess", "experiment.jobs": 2}
     args = cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--jobs", "3"])
     assert cli._overrides(args)["experiment.jobs"] == 3
+
+
+def test_side_by_side_a_seed_without_arms_to_run_is_left_alone(tmp_path, tiny_model_dir, style_classifier):
+    """What a resumed sweep hands the workers: seed 0 finished, seed 1's running mean still to run."""
+    cfg = tiny_config(tmp_path / "data", **{"model.path": str(tiny_model_dir), "experiment.arms": ARMS,
+                                            "experiment.results_dir": str(tmp_path / "results"), "experiment.seeds": 2,
+                                            "experiment.driver": "inprocess", "serving.torch_threads": 1,
+                                            **scenario(**{"experiment.pretrain_rollouts": 6})})
+    first, second = seed_runs(cfg)
+    write_scenario(results_dir(second), second.experiment)  # as simulate does before the runs
+    lines = []
+    run_arms_inprocess([(first, []), (second, ["rm"])], style_classifier, 2, pretrains, lines.append)
+    assert not results_dir(first).exists()
+    assert [p.name for p in sorted(results_dir(second).glob("rm*"))] == ["rm.jsonl", "rm.summary.json"]
+    assert not (results_dir(second) / "arms" / "pretrain-data").exists()  # a running mean needs no critic data
+    assert lines[0].startswith("1 runs over 1 seed(s), 2 at a time")
+    assert lines[-1] == "=== 1/1 runs done ([seed 2/2 rm]) ==="

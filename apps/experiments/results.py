@@ -176,13 +176,12 @@ def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
     """The summary of the finished run of ``arm`` in ``results_dir``, None when it did not finish.
 
     A run of an arm deletes its summary before it writes anything and writes it, whole, after its
-    results are complete (both drivers), so a summary marks a finished run. One older than the results
-    file was left by an earlier finished run whose rerun, on code that did not delete it first, was cut
-    short: that run did not finish."""
+    results are complete (both drivers), so a summary marks a finished run. Files' times are not
+    compared: a copied directory's are those of the copy. (Code before `simulate --resume` did not delete the
+    summary first, so a rerun it cut short kept the earlier run's: such summaries have no ``settings``
+    and a resumed run does them again.)"""
     summary_file, results_file = summary_path(results_dir, arm), results_dir / f"{arm}.jsonl"
     if not (summary_file.is_file() and results_file.is_file()):
-        return None
-    if summary_file.stat().st_mtime_ns < results_file.stat().st_mtime_ns:
         return None
     return ArmSummary.model_validate_json(summary_file.read_text())
 

@@ -92,16 +92,15 @@ def finish(directory) -> None:
     write_summary(directory, ArmSummary(name="sao", driver="inprocess", answered=7, wall_s=1.0, traffic_s=1.0))
 
 
-def test_a_run_counts_as_finished_only_with_a_summary_at_least_as_new_as_its_results(tmp_path):
+def test_a_run_counts_as_finished_with_its_summary_whatever_the_files_times(tmp_path):
     assert finished_summary(tmp_path, "sao") is None  # never ran
     finish(tmp_path)
     assert finished_summary(tmp_path, "sao").answered == 7
     assert not list(tmp_path.glob("*.partial"))  # the summary was written whole
-    # a summary left by an earlier finished run while a rerun wrote results after it: not finished
+    # a copy of the directory may give the results a later time than the summary: still finished
     results = tmp_path / "sao.jsonl"
     made = summary_path(tmp_path, "sao").stat().st_mtime_ns
     os.utime(results, ns=(made + 1_000_000_000, made + 1_000_000_000))
-    assert finished_summary(tmp_path, "sao") is None
+    assert finished_summary(tmp_path, "sao").answered == 7
     summary_path(tmp_path, "sao").unlink()
-    os.utime(results, ns=(made, made))
-    assert finished_summary(tmp_path, "sao") is None  # results without a summary: cut short
+    assert finished_summary(tmp_path, "sao") is None  # results without a summary: under way or cut short

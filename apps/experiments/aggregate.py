@@ -17,7 +17,7 @@ from apps.config import ExperimentConfig
 from apps.experiments.intervals import Interval, bootstrap_band, interval
 from apps.experiments.metrics import (Collapse, PhaseMetrics, detect_collapse, moving_average, phase_metrics,
                                       post_switch_mean, style_shares)
-from apps.experiments.results import SCENARIO_FILE, ArmResults, finished_summary, read_arm, read_scenario
+from apps.experiments.results import SCENARIO_FILE, ArmResults, read_arm, read_scenario
 
 _SEED_DIR = re.compile(r"^seed-(\d+)$")
 
@@ -35,15 +35,15 @@ class Run:
 
 
 def _read_run(directory: Path) -> Run:
-    """A run's finished arms, and those it left out: an arm without a finished summary
-    (results.finished_summary) and short of the scenario's rollouts is under way or was cut short,
+    """A run's finished arms, and those it left out: an arm without a summary (which marks a finished run:
+    results.finished_summary) and short of the scenario's rollouts is under way or was cut short,
     and its phases would be read as if complete. Files from before summaries marked a finished run
     count by their rollouts alone."""
     scenario = read_scenario(directory)
     arms, unfinished = {}, {}
     for path in sorted(directory.glob("*.jsonl")):
         arm = read_arm(path)
-        if finished_summary(directory, arm.name) is None and len(arm.rewards) < scenario.rollouts_per_arm:
+        if arm.summary is None and len(arm.rewards) < scenario.rollouts_per_arm:  # read_arm read it
             unfinished[arm.name] = len(arm.rewards)
         else:
             arms[arm.name] = arm

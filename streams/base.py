@@ -92,6 +92,12 @@ class Consumer(ABC):
         """For each assigned partition, the offset its next record will get."""
 
     @abstractmethod
+    def highwater(self) -> dict[TopicPartition, int | None]:
+        """For each assigned partition, the offset its next record will get as the consumer last
+        heard it from the broker (None: not heard yet). It asks the broker nothing, so it cannot
+        block while the broker is away: a lag computed from it is as fresh as the last poll."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 

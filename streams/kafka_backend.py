@@ -292,6 +292,11 @@ class KafkaStreamConsumer(Consumer):
             ends = self._consumer.end_offsets(list(self._consumer.assignment()))
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
 
+    def highwater(self) -> dict[TopicPartition, int | None]:
+        # kafka-python keeps the high watermark of every fetch response it parses
+        return {TopicPartition(tp.topic, tp.partition): self._consumer.highwater(tp)
+                for tp in self._consumer.assignment()}
+
     def close(self) -> None:
         self._consumer.close(autocommit=False)
         if self._leave_group is not None:

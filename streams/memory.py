@@ -254,6 +254,9 @@ class InMemoryConsumer(Consumer):
             self._rebalance()
             return {tp: len(self._backend._partition_log(tp)) for tp in self._positions}
 
+    def highwater(self) -> dict[TopicPartition, int | None]:
+        return dict(self.end_offsets())  # nothing to fetch here: the log's end is known at once
+
     def close(self) -> None:
         with self._backend._lock:
             self._closed = True

@@ -228,3 +228,23 @@ def test_records_since_reads_a_time_range_to_its_end(backend):
     got = [m.value for m in records_since(backend, [t.rewards], since_ms, timeout_s=30)]
     assert set(after) <= set(got) and not set(before) & set(got)
     assert records_since(backend, [t.rewards], int(time.time() * 1000) + 60_000, timeout_s=30) == []
+
+
+def test_highwater_is_each_partitions_end_as_the_last_poll_heard_it(backend):
+    t = _topics(backend)
+    producer = backend.producer()
+    for i in range(5):
+        producer.send(t.interactions, b"first", key=f"k{i}".encode())
+    producer.flush(10)
+    consumer = backend.consumer([t.interactions])
+    assert len(drain(consumer, 5)) == 5
+    assert consumer.highwater() == consumer.end_offsets()
+    assert sum(consumer.highwater().values()) == 5
+    for i in range(3):
+        producer.send(t.interactions, b"second", key=f"k{i}".encode())
+    producer.flush(10)
+    assert len(drain(consumer, 3)) == 3
+    heard = consumer.highwater()
+    consumer.close()
+    producer.close()
+    assert sum(heard.values()) == 8

@@ -51,6 +51,9 @@ class Rollout:
     scores: dict[str, float] = field(default_factory=dict)
     """Named scores its rewards carried (``Reward.scores``, e.g. a judge's ``quality``), combined
     like the reward; books for the monitors and per-segment metrics only, no training input."""
+    completed_at: float | None = None
+    """When serving finished the interaction (``Interaction.completed_at``, serving's clock, Unix
+    seconds); books for the learner's data-age metrics only, no training input."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -12,6 +12,11 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
   ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
 - ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
   ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``).
+- whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every step:
+  ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet),
+  ``sao_learner_join_records{state="waiting|ready"}`` (read, waiting for a reward or for a step)
+  and ``sao_learner_data_age_seconds{stat="mean|max"}`` (from serving's answer to the end of the
+  cycle that trained on it).
 
 A value the learner has not measured yet (NaN) is left out rather than exported as NaN.
 """
@@ -26,6 +31,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from trainer.feed import KeepingUp
+
 
 class LearnerExporter(Collector):
     """The values of the newest step and decision, served over HTTP until :meth:`close`."""
@@ -37,6 +44,7 @@ class LearnerExporter(Collector):
         self._tripped: dict[str, float] = {}
         self._learner: dict[str, float] = {}
         self._counts: dict[str, float] = {}
+        self._keeping_up: KeepingUp | None = None
         registry = CollectorRegistry()
         registry.register(self)
         self._server, self._thread = start_http_server(port, host, registry)
@@ -53,6 +61,11 @@ class LearnerExporter(Collector):
             self._window = dict(window_monitors)
             self._counts = dict(counts)
 
+    def keeping_up(self, reading: KeepingUp) -> None:
+        """Whether the learner kept up, at the end of a step."""
+        with self._lock:
+            self._keeping_up = reading
+
     def decision(self, monitors: Mapping[str, float], tripped: list[str]) -> None:
         """The monitors read at a registry decision, and those over their thresholds."""
         with self._lock:
@@ -62,7 +75,7 @@ class LearnerExporter(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             learner, window, candidate = dict(self._learner), dict(self._window), dict(self._candidate)
-            tripped, counts = dict(self._tripped), dict(self._counts)
+            tripped, counts, keeping_up = dict(self._tripped), dict(self._counts), self._keeping_up
         for name, value in learner.items():
             if math.isfinite(value):
                 yield GaugeMetricFamily(f"sao_learner_{name}", f"the learner's {name.replace('_', ' ')}",
@@ -85,8 +98,30 @@ class LearnerExporter(Collector):
         for name, value in sorted(counts.items()):
             count.add_metric([name], value)
         yield count
+        if keeping_up is not None:
+            yield from keeping_up_families(keeping_up)
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def keeping_up_families(reading: KeepingUp) -> Iterator[GaugeMetricFamily]:
+    """The families of :class:`KeepingUp` (a data age not measured, NaN, is left out)."""
+    unread = GaugeMetricFamily("sao_learner_unread_records", "records on Kafka the learner has not read, "
+                               "as of its last poll", labels=["topic"])
+    unread.add_metric(["interactions"], reading.unread_interactions)
+    unread.add_metric(["rewards"], reading.unread_rewards)
+    yield unread
+    join = GaugeMetricFamily("sao_learner_join_records", "interactions read and waiting for their reward, "
+                             "or joined and waiting for a step", labels=["state"])
+    join.add_metric(["waiting"], reading.waiting)
+    join.add_metric(["ready"], reading.ready)
+    yield join
+    age = GaugeMetricFamily("sao_learner_data_age_seconds", "seconds from serving's answer to the end of the "
+                            "learner cycle that trained on it, over the last cycle", labels=["stat"])
+    for stat, value in (("mean", reading.data_age_mean_s), ("max", reading.data_age_max_s)):
+        if math.isfinite(value):
+            age.add_metric([stat], value)
+    yield age

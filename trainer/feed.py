@@ -20,9 +20,11 @@ of the covered records are flushed first).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from online_sao.batch import Rollout
 from online_sao.config import TopicsConfig, TrainerConfig
@@ -44,6 +46,34 @@ join buffer then grows no further than the learner can train (backpressure)."""
 ASSIGNMENT_TIMEOUT_S = 60.0
 """How long the consumer may take to join its group and get partitions (a group
 whose previous member was killed waits for that member's session to expire)."""
+
+
+
+@dataclass(frozen=True)
+class KeepingUp:
+    """Whether the learner keeps up with the traffic, read at the end of a cycle: what it has not
+    read, what it read and holds, and how old the data it just trained on was."""
+
+    unread_interactions: int
+    """Interaction records on Kafka the learner has not read (see :meth:`Feed.unread`)."""
+    unread_rewards: int
+    """Reward records on Kafka the learner has not read."""
+    waiting: int
+    """Interactions read and waiting for their reward."""
+    ready: int
+    """Interactions joined with their reward and waiting for a step."""
+    data_age_mean_s: float
+    """Seconds from serving finishing each interaction the cycle trained on to the cycle's end
+    (serving's clock against the learner's: their skew adds); NaN without one."""
+    data_age_max_s: float
+    """The oldest of those."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"unread_interactions": float(self.unread_interactions),
+                "unread_rewards": float(self.unread_rewards),
+                "join_waiting": float(self.waiting), "join_ready": float(self.ready),
+                "data_age_mean_s": self.data_age_mean_s, "data_age_max_s": self.data_age_max_s}
+
 
 RolloutHook = Callable[[list[Rollout]], list[Rollout]]
 """Fault injection for tests (None in service): rank 0 passes it the rollouts a step
@@ -139,6 +169,26 @@ class Feed:
             self.counters["too_few_for_ranks"] += len(rollouts)
             return None
         return rollouts
+
+    def unread(self) -> dict[str, int]:
+        """Records per topic the learner has not read: over its partitions, each one's end as the
+        consumer's last poll heard it, less the next offset to read there. No broker request, so
+        it is as fresh as that poll (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are
+        ready). A partition not heard from yet counts 0; one never read from counts from offset 0,
+        more than it holds if retention deleted its first records."""
+        unread = {self.topics.interactions: 0, self.topics.rewards: 0}
+        for tp, end in self.consumer.highwater().items():
+            if end is not None:
+                unread[tp.topic] += max(0, end - self.offsets.get(tp, 0))
+        return unread
+
+    def keeping_up(self, trained: list[Rollout], now: float) -> KeepingUp:
+        """:class:`KeepingUp` after a cycle that trained on ``trained``, at Unix time ``now``."""
+        unread = self.unread()
+        ages = [now - r.completed_at for r in trained if r.completed_at is not None]
+        return KeepingUp(unread[self.topics.interactions], unread[self.topics.rewards],
+                         self.joiner.num_waiting, self.joiner.ready_stats()[0],
+                         sum(ages) / len(ages) if ages else math.nan, max(ages, default=math.nan))
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit

@@ -140,23 +140,26 @@ class RankZero:
         cycle_s = laps.total
         tokens = sum(r.num_action_tokens for r in rollouts)
         monitors = self.monitor_metrics()
+        keeping_up = self.feed.keeping_up(rollouts, time.time())
         if self.exporter is not None:
             self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
                                {k.removeprefix("monitor_"): v for k, v in monitors.items()}, self.counters)
+            self.exporter.keeping_up(keeping_up)
         self.tracker.log_metrics({
             **metrics, **joiner.counters.metrics(), **self.counters,
             "policy_version": float(at.version), "step_time_s": laps.seconds["step"],
             "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],
             "checkpoint_write_s": self.writer.write_s, "checkpoint_blocked_s": self.writer.blocked_s,
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
-            "data_wait_share": laps.seconds["wait"] / cycle_s,
-            "join_waiting": float(joiner.num_waiting), "join_ready": float(joiner.ready_stats()[0]),
+            "data_wait_share": laps.seconds["wait"] / cycle_s, **keeping_up.metrics(),
             **monitors, **self.segments.metrics(),
         }, step=at.step)
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
-                 "segments %s", at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
-                 metrics.get("kept_frac", math.nan), metrics.get("value_loss", math.nan),
-                 metrics.get("explained_variance", math.nan), laps.seconds["step"], self.segment_summary())
+                 "unread %d interactions %d rewards, data %.1f s old; segments %s", at.step, at.version,
+                 len(rollouts), metrics.get("reward_mean", math.nan), metrics.get("kept_frac", math.nan),
+                 metrics.get("value_loss", math.nan), metrics.get("explained_variance", math.nan),
+                 laps.seconds["step"], keeping_up.unread_interactions, keeping_up.unread_rewards,
+                 keeping_up.data_age_mean_s, self.segment_summary())
         self.feed.step_ended()
 
     def segment_summary(self) -> str:

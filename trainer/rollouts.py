@@ -81,4 +81,5 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
     return Rollout(interaction_id=interaction.interaction_id, token_ids=token_ids, action_mask=action_mask,
                    logprobs=logprobs, versions=versions, rewards=rewards, temperatures=temperatures,
                    top_ps=top_ps, group_id=group_id, segment=interaction.segment,
+                   completed_at=interaction.completed_at,
                    scores=dict(scores or {}))

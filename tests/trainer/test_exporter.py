@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.trainer.test_learner_memory import _registry_rounds
 from trainer.distributed import init_distributed
 from trainer.exporter import LearnerExporter
+from trainer.feed import KeepingUp
 from trainer import learner
 from trainer.learner import RunUntil, train
 
@@ -40,6 +41,17 @@ def test_exporter_serves_the_newest_step_and_decision(free_port):
         assert found[("sao_learner_monitor_tripped", (("monitor", "repetition"),))] == 1.0
         assert found[("sao_learner_monitor_tripped", (("monitor", "score_quality"),))] == 0.0
         assert found[("sao_learner_count", (("name", "dead_letters"),))] == 3.0
+        assert not any(name.startswith(("sao_learner_unread", "sao_learner_join", "sao_learner_data_age"))
+                       for name, _ in found)  # no step has said yet
+        exporter.keeping_up(KeepingUp(unread_interactions=12, unread_rewards=4, waiting=6, ready=2,
+                                      data_age_mean_s=1.25, data_age_max_s=math.nan))
+        kept = _scrape(free_port)
+        assert kept[("sao_learner_unread_records", (("topic", "interactions"),))] == 12
+        assert kept[("sao_learner_unread_records", (("topic", "rewards"),))] == 4
+        assert kept[("sao_learner_join_records", (("state", "waiting"),))] == 6
+        assert kept[("sao_learner_join_records", (("state", "ready"),))] == 2
+        assert kept[("sao_learner_data_age_seconds", (("stat", "mean"),))] == 1.25
+        assert ("sao_learner_data_age_seconds", (("stat", "max"),)) not in kept  # NaN: not measured
         exporter.step(8, 10, math.nan, {"mean_length": 11.0}, {})
         again = _scrape(free_port)
         assert again[("sao_learner_step", ())] == 8 and ("sao_learner_reward_mean", ()) not in again
@@ -84,6 +96,10 @@ def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_di
     # after step 2 the window holds rounds 0 and 1 (6 tokens each): the whole-window length is 6
     assert seen[("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "window")))] == pytest.approx(6.0)
     assert seen[("sao_learner_policy_version", ())] == 2
+    # the first poll read all 16 rounds' records; two steps took 8 of the joined rollouts
+    assert seen[("sao_learner_unread_records", (("topic", "interactions"),))] == 0
+    assert seen[("sao_learner_join_records", (("state", "ready"),))] == 8
+    assert seen[("sao_learner_data_age_seconds", (("stat", "max"),))] > 0
     # v1 was decided at v2's release (no champion): its monitors are the candidate's
     assert ("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "candidate"))) in seen
     assert seen[("sao_learner_count", (("name", "rollbacks"),))] == 0.0

@@ -92,6 +92,12 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
         history = client.get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [1, 2, 3, 4], name
     assert [m.value for m in client.get_metric_history(run.info.run_id, "join_joined")] == [4, 8, 12, 16]
+    # each round's records were all read before its step (the next round waits for its version)
+    for name in ("unread_interactions", "unread_rewards", "join_waiting", "join_ready"):
+        assert [m.value for m in client.get_metric_history(run.info.run_id, name)] == [0, 0, 0, 0], name
+    ages = {name: [m.value for m in client.get_metric_history(run.info.run_id, name)]
+            for name in ("data_age_mean_s", "data_age_max_s")}
+    assert all(0 < mean <= oldest < NOTICE_TIMEOUT_S for mean, oldest in zip(*ages.values())), ages
     # the judge's scores went through the broker and the join to the monitors: every step the
     # quality over the whole window (all rollouts so far), and at the decision on v2 (at v4) over
     # the answers of v2 and v3, the rounds 2 and 3

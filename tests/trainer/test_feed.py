@@ -1,0 +1,71 @@
+"""Rank 0's feed: what it reports of keeping up with the traffic (the join and the learner loop
+are tested in test_join*.py and test_learner_*.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+
+import pytest
+
+from online_sao.config import Config, KafkaConfig
+from streams.memory import InMemoryBackend
+from streams.records import publish
+from tests.trainer.records import make_interaction, make_reward
+from trainer.feed import Feed, KeepingUp
+from trainer.join import RewardJoiner
+from trainer.rank_zero import COUNTERS
+from trainer.rollouts import interaction_to_rollout
+
+
+@pytest.fixture
+def backend() -> InMemoryBackend:
+    return InMemoryBackend(KafkaConfig(partitions=2))
+
+
+def _started_feed(backend: InMemoryBackend) -> Feed:
+    cfg = Config()
+    feed = Feed(cfg.trainer, backend.cfg.topics, RewardJoiner(cfg.reward), backend.producer(), {},
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    feed.start(backend)
+    return feed
+
+
+def test_unread_records_and_the_joins_books_are_counted_per_topic(backend):
+    feed = _started_feed(backend)
+    topics, producer, now = backend.cfg.topics, backend.producer(), time.time()
+    for i in range(3):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    publish(producer, topics.rewards, make_reward("i0", 1.0))
+    feed.poll()
+    for i in range(3, 7):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    publish(producer, topics.rewards, make_reward("i1", 0.5))
+    publish(producer, topics.rewards, make_reward("i2", 0.0))
+    # read: i0-i2 and i0's reward (i0 ready, i1 and i2 waiting); not read: i3-i6, two rewards
+    before = feed.keeping_up([], now)
+    assert (before.unread_interactions, before.unread_rewards, before.waiting, before.ready) == (4, 2, 2, 1)
+    feed.poll()
+    after = feed.keeping_up([], now)
+    assert (after.unread_interactions, after.unread_rewards, after.waiting, after.ready) == (0, 0, 4, 3)
+    assert math.isnan(after.data_age_mean_s) and math.isnan(after.data_age_max_s)  # nothing trained
+    feed.close()
+
+
+def test_data_age_runs_from_servings_answer_to_the_end_of_the_cycle(backend):
+    feed = _started_feed(backend)
+    answered_at_100 = interaction_to_rollout(make_interaction("a", created_at=100.0), 1.0)
+    answered_at_102 = interaction_to_rollout(make_interaction("b", created_at=102.0), 1.0)
+    without_time = dataclasses.replace(answered_at_100, interaction_id="c", completed_at=None)
+    reading = feed.keeping_up([answered_at_100, answered_at_102, without_time], now=104.0)
+    assert (reading.data_age_mean_s, reading.data_age_max_s) == (3.0, 4.0)
+    feed.close()
+
+
+def test_keeping_up_metrics_name_every_reading():
+    reading = KeepingUp(unread_interactions=5, unread_rewards=2, waiting=7, ready=3, data_age_mean_s=1.5,
+                        data_age_max_s=2.5)
+    assert reading.metrics() == {"unread_interactions": 5.0, "unread_rewards": 2.0, "join_waiting": 7.0,
+                                 "join_ready": 3.0, "data_age_mean_s": 1.5, "data_age_max_s": 2.5}

@@ -13,7 +13,8 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
 - ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
   ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``).
 - whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every step:
-  ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet),
+  ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet; see
+  :meth:`trainer.feed.Feed.unread`),
   ``sao_learner_join_records{state="waiting|ready"}`` (read, waiting for a reward or for a step)
   and ``sao_learner_data_age_seconds{stat="mean|max"}`` (from serving's answer to the end of the
   cycle that trained on it).
@@ -109,8 +110,8 @@ class LearnerExporter(Collector):
 
 def keeping_up_families(reading: KeepingUp) -> Iterator[GaugeMetricFamily]:
     """The families of :class:`KeepingUp` (a data age not measured, NaN, is left out)."""
-    unread = GaugeMetricFamily("sao_learner_unread_records", "records on Kafka the learner has not read, "
-                               "as of its last poll", labels=["topic"])
+    unread = GaugeMetricFamily("sao_learner_unread_records", "records on Kafka the learner has not read "
+                               "(ends read at most 2 s before)", labels=["topic"])
     unread.add_metric(["interactions"], reading.unread_interactions)
     unread.add_metric(["rewards"], reading.unread_rewards)
     yield unread

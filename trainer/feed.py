@@ -30,6 +30,7 @@ from online_sao.batch import Rollout
 from online_sao.config import TopicsConfig, TrainerConfig
 from online_sao.schemas import Interaction, Reward
 from streams.base import Consumer, Producer, StreamBackend, TopicPartition
+from streams.ends import EndWatcher
 from streams.records import decode_or_dead_letter
 from trainer.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
@@ -43,6 +44,10 @@ MAX_POLL_RECORDS = 500
 READY_BACKLOG_STEPS = 4
 """Rank 0 stops polling while this many full steps of rollouts are ready: the
 join buffer then grows no further than the learner can train (backpressure)."""
+ENDS_EVERY_S = 2.0
+"""How often the feed's :class:`~streams.ends.EndWatcher` asks the broker where the topics end: the
+unread counts lag the traffic by at most this while the feed does not poll (one small request
+every two seconds is nothing to a broker)."""
 ASSIGNMENT_TIMEOUT_S = 60.0
 """How long the consumer may take to join its group and get partitions (a group
 whose previous member was killed waits for that member's session to expire)."""
@@ -102,6 +107,8 @@ class Feed:
         self.stop = stop
         """Set when the learner is asked to stop: a commit then stops waiting for the broker."""
         self.consumer: Consumer | None = None
+        self.ends: EndWatcher | None = None
+        """Where the topics end, read by a thread of its own (the consumer hears it only while polling)."""
         self.ready_since: float | None = None
         """When rollouts became ready and none were taken since."""
         self.last_activity = time.monotonic()
@@ -114,6 +121,7 @@ class Feed:
                                          group_id=self.tcfg.consumer_group, start="earliest",
                                          instance_id=self.tcfg.consumer_instance_id)
         assign_and_seek(self.consumer, self.offsets)
+        self.ends = EndWatcher(backend, [self.topics.interactions, self.topics.rewards], ENDS_EVERY_S)
         self.last_activity = time.monotonic()
 
     def poll(self) -> None:
@@ -171,15 +179,18 @@ class Feed:
         return rollouts
 
     def unread(self) -> dict[str, int]:
-        """Records per topic the learner has not read: over its partitions, each one's end as the
-        consumer's last poll heard it, less the next offset to read there. No broker request, so
-        it is as fresh as that poll (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are
-        ready). A partition not heard from yet counts 0; one never read from counts from offset 0,
-        more than it holds if retention deleted its first records."""
+        """Records per topic the learner has not read: over its partitions, each one's end less the
+        next offset to read there. The end is the newer of what the consumer's last poll heard and
+        what :attr:`ends` last read (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are
+        ready), so it lags the traffic by ``ENDS_EVERY_S`` at most and never waits on the broker.
+        A partition not heard from yet counts 0; one never read from counts from offset 0, more
+        than it holds if retention deleted its first records."""
+        watched = self.ends.ends() if self.ends is not None else {}
         unread = {self.topics.interactions: 0, self.topics.rewards: 0}
-        for tp, end in self.consumer.highwater().items():
-            if end is not None:
-                unread[tp.topic] += max(0, end - self.offsets.get(tp, 0))
+        for tp, heard in self.consumer.highwater().items():
+            known = [end for end in (heard, watched.get(tp)) if end is not None]
+            if known:
+                unread[tp.topic] += max(0, max(known) - self.offsets.get(tp, 0))
         return unread
 
     def keeping_up(self, trained: list[Rollout], now: float) -> KeepingUp:
@@ -197,6 +208,8 @@ class Feed:
         until_broker_takes(lambda: self.consumer.commit(dict(offsets)), "committing offsets", self.stop)
 
     def close(self) -> None:
+        if self.ends is not None:
+            self.ends.close()
         if self.consumer is not None:
             self.consumer.close()
 

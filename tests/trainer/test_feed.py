@@ -11,10 +11,12 @@ import time
 import pytest
 
 from online_sao.config import Config, KafkaConfig
+from streams.base import StreamBackend
+from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
 from streams.records import publish
 from tests.trainer.records import make_interaction, make_reward
-from trainer.feed import Feed, KeepingUp
+from trainer.feed import ENDS_EVERY_S, Feed, KeepingUp
 from trainer.join import RewardJoiner
 from trainer.rank_zero import COUNTERS
 from trainer.rollouts import interaction_to_rollout
@@ -25,7 +27,7 @@ def backend() -> InMemoryBackend:
     return InMemoryBackend(KafkaConfig(partitions=2))
 
 
-def _started_feed(backend: InMemoryBackend) -> Feed:
+def _started_feed(backend: StreamBackend) -> Feed:
     cfg = Config()
     feed = Feed(cfg.trainer, backend.cfg.topics, RewardJoiner(cfg.reward), backend.producer(), {},
                 {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
@@ -52,6 +54,35 @@ def test_unread_records_and_the_joins_books_are_counted_per_topic(backend):
     assert (after.unread_interactions, after.unread_rewards, after.waiting, after.ready) == (0, 0, 4, 3)
     assert math.isnan(after.data_age_mean_s) and math.isnan(after.data_age_max_s)  # nothing trained
     feed.close()
+
+
+@pytest.mark.kafka
+def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
+    """Under backpressure the feed stops polling, and its consumer stops hearing where the
+    partitions end; the unread count must still grow with the traffic (live, it stayed at 71 while
+    the learner fell minutes behind)."""
+    backend = KafkaBackend(kafka_config)
+    feed = _started_feed(backend)
+    topics, producer, now = kafka_config.topics, backend.producer(), time.time()
+    try:
+        for i in range(3):
+            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        producer.flush(10)
+        deadline = time.monotonic() + 20
+        while feed.joiner.num_waiting < 3 and time.monotonic() < deadline:
+            feed.poll()
+        assert feed.joiner.num_waiting == 3
+        for i in range(3, 8):
+            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        publish(producer, topics.rewards, make_reward("i0", 1.0))
+        producer.flush(10)
+        deadline = time.monotonic() + 4 * ENDS_EVERY_S + 10
+        while feed.unread() != {topics.interactions: 5, topics.rewards: 1} and time.monotonic() < deadline:
+            time.sleep(0.1)  # no poll
+        assert feed.unread() == {topics.interactions: 5, topics.rewards: 1}
+    finally:
+        producer.close()
+        feed.close()
 
 
 def test_data_age_runs_from_servings_answer_to_the_end_of_the_cycle(backend):

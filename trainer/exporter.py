@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trainer.feed import KeepingUp
+from trainer.feed import ENDS_EVERY_S, KeepingUp
 
 
 class LearnerExporter(Collector):
@@ -111,7 +111,7 @@ class LearnerExporter(Collector):
 def keeping_up_families(reading: KeepingUp) -> Iterator[GaugeMetricFamily]:
     """The families of :class:`KeepingUp` (a data age not measured, NaN, is left out)."""
     unread = GaugeMetricFamily("sao_learner_unread_records", "records on Kafka the learner has not read "
-                               "(ends read at most 2 s before)", labels=["topic"])
+                               f"(ends read at most {ENDS_EVERY_S:g} s before)", labels=["topic"])
     unread.add_metric(["interactions"], reading.unread_interactions)
     unread.add_metric(["rewards"], reading.unread_rewards)
     yield unread

@@ -53,7 +53,6 @@ ASSIGNMENT_TIMEOUT_S = 60.0
 whose previous member was killed waits for that member's session to expire)."""
 
 
-
 @dataclass(frozen=True)
 class KeepingUp:
     """Whether the learner keeps up with the traffic, read at the end of a cycle: what it has not

@@ -122,7 +122,7 @@ compose stack runs."""
 
 
 def _promtool() -> str:
-    """``$PROMTOOL``, else a promtool built once with Go into .cache/promtool (about 8 minutes and
+    """``$PROMTOOL``, else a promtool built once with Go into .cache/promtool (5 minutes and
     2 GB of modules on 2 cores; Go must be installed and the Go module proxy reachable)."""
     if os.environ.get("PROMTOOL"):
         return os.environ["PROMTOOL"]

@@ -184,7 +184,7 @@ class Feed:
         ready), so it lags the traffic by ``ENDS_EVERY_S`` at most and never waits on the broker.
         A partition not heard from yet counts 0; one never read from counts from offset 0, more
         than it holds if retention deleted its first records."""
-        watched = self.ends.ends() if self.ends is not None else {}
+        watched = self.ends.ends()
         unread = {self.topics.interactions: 0, self.topics.rewards: 0}
         for tp, heard in self.consumer.highwater().items():
             known = [end for end in (heard, watched.get(tp)) if end is not None]

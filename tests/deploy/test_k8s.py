@@ -163,10 +163,27 @@ def test_every_reference_resolves():
             container_env(c)  # every secret and key it names exists (KeyError otherwise)
 
 
+def pod_labels(workload: str) -> list[dict[str, str]]:
+    """The labels of each pod the workload runs: its template's, and for a StatefulSet those its
+    controller adds to pod ``i`` (Kubernetes 1.28 or newer for the pod index)."""
+    w = WORKLOADS[workload]
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    if w["kind"] != "StatefulSet":
+        return [labels]
+    return [{**labels, "statefulset.kubernetes.io/pod-name": f"{workload}-{i}", "apps.kubernetes.io/pod-index": str(i)}
+            for i in range(w["spec"]["replicas"])]
+
+
+def selected_pods(service: dict) -> dict[str, list[int]]:
+    """Workload -> the indices of its pods the Service selects."""
+    selector = service["spec"]["selector"]
+    found = {w: [i for i, labels in enumerate(pod_labels(w)) if selector.items() <= labels.items()] for w in WORKLOADS}
+    return {w: pods for w, pods in found.items() if pods}
+
+
 def test_services_select_workloads_and_their_ports():
     for name, service in named("Service").items():
-        selector = service["spec"]["selector"]
-        matches = [w for w in WORKLOADS if selector.items() <= WORKLOADS[w]["spec"]["template"]["metadata"]["labels"].items()]
+        matches = list(selected_pods(service))
         assert len(matches) == 1, f"Service {name} selects {matches}"
         ports = {p.get("name"): p["containerPort"] for c in containers(matches[0]) for p in c.get("ports", [])}
         for port in service["spec"]["ports"]:
@@ -232,6 +249,20 @@ def test_learner_runs_torchrun_across_the_statefulset(configmap_files):
     s_container = next(x for x in containers(s_workload) if x["name"] == s_name)
     assert s_cfg.weight_store_url == cfg.weight_store_url  # notices carry absolute paths
     assert mount_at(s_workload, s_container, s_cfg.weight_store_url).volume == weights.volume
+
+
+def test_the_learner_metrics_service_reaches_rank_zero_alone(configmap_files):
+    """Only rank 0 serves trainer.metrics_port: the Service selects pod 0 of the StatefulSet (a
+    scrape of every pod would show the other ranks down) on the port rank 0 listens on."""
+    (workload, name), = with_command("learn", configmap_files)
+    c = next(c for c in containers(workload) if c["name"] == name)
+    cfg = invocation(workload, name, configmap_files)[0].cfg.trainer
+    assert cfg.metrics_host == "0.0.0.0"  # reachable from Prometheus's pod
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    services = [s for s in named("Service").values()
+                if any(ports.get(p["targetPort"]) == cfg.metrics_port for p in s["spec"]["ports"])]
+    assert len(services) == 1, [s["metadata"]["name"] for s in services]
+    assert selected_pods(services[0]) == {workload: [0]}
 
 
 def test_every_process_reads_the_model_the_job_builds(configmap_files):

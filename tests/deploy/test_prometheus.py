@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import urllib.request
 
@@ -19,7 +18,7 @@ from serving.app import _ROUTES
 from serving.engine.base import SwapResult
 from serving.metrics import ServingMetrics
 from serving.monitoring import ServingMonitors
-from tests.deploy.checks import REPO
+from tests.deploy.checks import REPO, go_tool
 from tests.deploy.test_compose import SERVICES, invocation, with_command
 from trainer.exporter import LearnerExporter
 from trainer.feed import KeepingUp
@@ -116,23 +115,16 @@ def test_a_rule_naming_a_metric_nobody_exports_is_caught(exported):
             {"alert": "Typo", "expr": 'sao_learner_unread_records{topic="interaction"} > 0'}, exported)
 
 
-PROMTOOL_MODULE = "github.com/prometheus/prometheus/cmd/promtool@v0.316.0"
+PROMTOOL_VERSION = "v0.316.0"
 """Prometheus 3.16.0's promtool (Go module versions v0.3XX.Y are releases v3.XX.Y), the release the
 compose stack runs."""
 
 
 def _promtool() -> str:
-    """``$PROMTOOL``, else a promtool built once with Go into .cache/promtool (5 minutes and
-    2 GB of modules on 2 cores; Go must be installed and the Go module proxy reachable)."""
+    """``$PROMTOOL``, else a promtool built once with Go into .cache/promtool."""
     if os.environ.get("PROMTOOL"):
         return os.environ["PROMTOOL"]
-    cache = REPO / ".cache" / "promtool"
-    binary = cache / "bin" / "promtool"
-    if not binary.exists():
-        go = shutil.which("go") or "/usr/local/go/bin/go"
-        env = {**os.environ, "GOBIN": str(cache / "bin"), "GOPATH": str(cache / "gopath"), "GOFLAGS": "-modcacherw"}
-        subprocess.run([go, "install", PROMTOOL_MODULE], env=env, check=True, timeout=1800)
-    return str(binary)
+    return str(go_tool("promtool", PROMTOOL_VERSION, ["install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMTOOL_VERSION}"]))
 
 
 @pytest.mark.slow

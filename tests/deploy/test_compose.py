@@ -246,7 +246,7 @@ def test_volumes_are_declared_and_bind_mounts_exist():
         for source, target, _ in volumes(service):
             assert target.startswith("/"), f"{name}: {target}"
             if source.startswith("."):
-                assert (REPO / source).is_file(), f"{name}: {source} does not exist"
+                assert (REPO / source).exists(), f"{name}: {source} does not exist"
             else:
                 assert source in declared, f"{name}: volume {source} is not declared"
                 used.add(source)

@@ -4,65 +4,24 @@ and label values the project exports; the scrape targets are where compose runs 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import urllib.request
 
 import promql_parser
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
-from serving.app import _ROUTES
-from serving.engine.base import SwapResult
-from serving.metrics import ServingMetrics
-from serving.monitoring import ServingMonitors
 from tests.deploy.checks import REPO, go_tool
+from tests.deploy.promql import Exported, check_names, exported_samples
 from tests.deploy.test_compose import SERVICES, invocation, with_command
-from trainer.exporter import LearnerExporter
-from trainer.feed import KeepingUp
-from trainer.rank_zero import COUNTERS
 
 RULES_DIR = REPO / "docs" / "deploy" / "prometheus"
 ALERTS = yaml.safe_load((RULES_DIR / "alerts.yml").read_text())
 RULES = [rule for group in ALERTS["groups"] for rule in group["rules"]]
-SELECTOR = re.compile(r"\b(sao_\w+)(?:\{([^}]*)\})?")
-MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
-
-
-def _samples(text: str) -> dict[str, list[dict[str, str]]]:
-    """Sample name -> the label sets it was exported with."""
-    found: dict[str, list[dict[str, str]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found.setdefault(sample.name, []).append(dict(sample.labels))
-    return found
 
 
 @pytest.fixture(scope="module")
-def exported() -> dict[str, list[dict[str, str]]]:
-    """What serving's /metrics and the learner's exporter put out, each with every family filled."""
-    metrics = ServingMetrics(CollectorRegistry())
-    metrics.watch(queue_depth=lambda: 0.0, spool_bytes=lambda: 0.0, spool_records=lambda: 0.0,
-                  policy_version=lambda: 3.0)
-    metrics.watch_monitors(ServingMonitors(top_n=2, window=8, ngram=2))
-    metrics.requests.labels("/v1/chat/completions", "200").inc()
-    metrics.observe_swap(SwapResult(version=3, applied=True, load_s=0.1, stall_s=0.01))
-    found = _samples(metrics.render().decode())
-
-    learner = LearnerExporter("127.0.0.1", 0)
-    try:
-        learner.step(5, 4, 0.5, {"mean_length": 10.0}, {name: 0.0 for name in COUNTERS})
-        learner.keeping_up(KeepingUp(3, 1, 2, 0, 1.5, 2.5))
-        learner.decision({"repetition": 0.1}, [])
-        with urllib.request.urlopen(f"http://127.0.0.1:{learner.port}/metrics", timeout=5) as response:
-            learner_text = response.read().decode()
-    finally:
-        learner.close()
-    for name, labels in _samples(learner_text).items():
-        found.setdefault(name, []).extend(labels)
-    return found
+def exported() -> Exported:
+    return exported_samples()
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
@@ -74,20 +33,7 @@ def test_every_rule_parses_and_says_how_bad_it_is(rule):
 
 @pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
 def test_every_rule_names_metrics_labels_and_values_the_project_exports(rule, exported):
-    selectors = SELECTOR.findall(rule["expr"])
-    assert selectors or "up{" in rule["expr"], "a rule on none of the project's metrics"
-    for name, matchers in selectors:
-        assert name in exported, f"{rule['alert']}: {name} is not exported"
-        label_sets = exported[name]
-        for label, op, value in MATCHER.findall(matchers):
-            assert any(label in labels for labels in label_sets), f"{rule['alert']}: {name} has no label {label}"
-            if op != "=":
-                continue
-            if name == "sao_serving_requests_total" and label == "route":
-                assert value in _ROUTES, f"{rule['alert']}: serving counts no route {value}"
-            else:
-                assert any(labels.get(label) == value for labels in label_sets), \
-                    f"{rule['alert']}: {name} never has {label}={value!r}"
+    check_names(rule["expr"], exported, rule["alert"])
 
 
 def test_the_prometheus_config_scrapes_where_compose_runs_the_processes():

@@ -229,7 +229,7 @@ class OpenAIServing:
         try:
             async for event in stream:
                 if not turn.token_ids:
-                    self.metrics.first_token_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
+                    self.metrics.first_token_latency.labels(turn.path).observe(time.perf_counter() - turn.started)
                 turn.token_ids.append(event.token_id)
                 turn.logprobs.append(event.logprob)
                 turn.versions.append(event.version)
@@ -295,7 +295,7 @@ class OpenAIServing:
             self.trajectories.put(turn.interaction_id, Trajectory(record, visible_text=visible))
         self.metrics.prompt_tokens.inc(len(turn.prefix.engine_prompt))
         self.metrics.completion_tokens.inc(len(turn.token_ids))
-        self.metrics.request_latency.labels(turn.route).observe(time.perf_counter() - turn.started)
+        self.metrics.request_latency.labels(turn.path).observe(time.perf_counter() - turn.started)
 
     async def _acknowledge(self, turn: Turn) -> None:
         """Return once the turn's interaction is durable; 503 when it cannot be made so in time."""

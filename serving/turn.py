@@ -12,6 +12,11 @@ from serving.tool_calls import ParsedAnswer
 from serving.trajectories import TrajectoryPrefix
 
 
+ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+"""The HTTP path of each route a record names: the ``route`` label of serving's latency metrics,
+the same values as its request counter's (which counts by path)."""
+
+
 @dataclass
 class Turn:
     """One admitted request while it is served."""
@@ -43,6 +48,11 @@ class Turn:
     """Chat with tools: the answer split into content and tool calls, once it ended."""
     receipt: Receipt | None = None
     """Set when the interaction was submitted to the logger."""
+
+    @property
+    def path(self) -> str:
+        """The HTTP path it was asked on (:data:`ROUTE_PATHS`)."""
+        return ROUTE_PATHS[self.route]
 
     @property
     def policy_versions(self) -> list[int]:

@@ -139,7 +139,9 @@ def test_models_readyz_and_metrics(make_harness):
     assert 'sao_serving_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert f"sao_serving_completion_tokens_total {float(len(h.engine.script))}" in text
     assert "sao_serving_policy_version 4.0" in text
-    assert 'sao_serving_request_latency_seconds_count{route="chat"} 1.0' in text
+    # the latency metrics label a route by its path, as the request counter does
+    assert 'sao_serving_request_latency_seconds_count{route="/v1/chat/completions"} 1.0' in text
+    assert 'sao_serving_time_to_first_token_seconds_count{route="/v1/chat/completions"} 1.0' in text
     for gauge in ("sao_serving_log_queue_depth", "sao_serving_spool_bytes", "sao_serving_spool_records"):
         assert f"{gauge} 0.0" in text
 

@@ -39,13 +39,14 @@ GO_BUILD_TIMEOUT_S = 1800
 
 def go_tool(name: str, version: str, go_args: list[str], cwd: Path | None = None) -> Path:
     """``.cache/<name>/<version>/<name>``, built once by ``go <go_args>`` (``go install`` puts it
-    there through GOBIN; ``go build`` is given ``-o`` that path), modules in ``.cache/<name>/gopath``.
-    Needs Go and the Go module proxy on the first use."""
+    there through GOBIN; ``go build`` is given ``-o`` that path), modules in ``.cache/gopath`` (one
+    module cache for every tool: promtool and Prometheus share most of theirs). Needs Go and the Go
+    module proxy on the first use."""
     out = REPO / ".cache" / name / version
     binary = out / name
     if not binary.exists():
         go = shutil.which("go") or "/usr/local/go/bin/go"
-        env = {**os.environ, "GOBIN": str(out), "GOPATH": str(REPO / ".cache" / name / "gopath"), "GOFLAGS": "-modcacherw"}
+        env = {**os.environ, "GOBIN": str(out), "GOPATH": str(REPO / ".cache" / "gopath"), "GOFLAGS": "-modcacherw"}
         if go_args[0] == "build":
             go_args = [*go_args[:1], "-o", str(binary), *go_args[1:]]
         subprocess.run([go, *go_args], env=env, cwd=cwd, check=True, timeout=GO_BUILD_TIMEOUT_S)

@@ -61,16 +61,16 @@ def test_a_rule_naming_a_metric_nobody_exports_is_caught(exported):
             {"alert": "Typo", "expr": 'sao_learner_unread_records{topic="interaction"} > 0'}, exported)
 
 
-PROMTOOL_VERSION = "v0.316.0"
-"""Prometheus 3.16.0's promtool (Go module versions v0.3XX.Y are releases v3.XX.Y), the release the
-compose stack runs."""
+PROMETHEUS_VERSION = "v0.316.0"
+"""Prometheus 3.16.0 (Go module versions v0.3XX.Y are releases v3.XX.Y), the release the compose
+stack runs: its promtool here, the server itself in test_monitoring_stack.py."""
 
 
 def _promtool() -> str:
     """``$PROMTOOL``, else a promtool built once with Go into .cache/promtool."""
     if os.environ.get("PROMTOOL"):
         return os.environ["PROMTOOL"]
-    return str(go_tool("promtool", PROMTOOL_VERSION, ["install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMTOOL_VERSION}"]))
+    return str(go_tool("promtool", PROMETHEUS_VERSION, ["install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMETHEUS_VERSION}"]))
 
 
 @pytest.mark.slow

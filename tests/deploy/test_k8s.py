@@ -330,3 +330,15 @@ def test_pods_run_as_the_users_the_images_create():
         if expected is not None:
             security = pod(w)["securityContext"]
             assert security["runAsNonRoot"] and security["runAsUser"] == expected == security["fsGroup"], w
+
+
+def test_disruption_budgets_cover_one_workload_and_still_let_a_drain_through():
+    budgets = named("PodDisruptionBudget")
+    assert budgets, "serving has a disruption budget"
+    for name, budget in budgets.items():
+        selector = budget["spec"]["selector"]["matchLabels"]
+        matches = [w for w in WORKLOADS if any(selector.items() <= labels.items() for labels in pod_labels(w))]
+        assert len(matches) == 1, f"PodDisruptionBudget {name} covers {matches}"
+        replicas = WORKLOADS[matches[0]]["spec"]["replicas"]
+        # a budget that allows no eviction at all blocks every node drain
+        assert budget["spec"]["minAvailable"] < replicas, f"{name}: no pod of {matches[0]} may ever be evicted"

@@ -18,6 +18,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metavalidation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -30,7 +31,7 @@ import (
 func newScheme() (*runtime.Scheme, error) {
 	scheme := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
-		corev1.AddToScheme, appsv1.AddToScheme, batchv1.AddToScheme, monitoringv1.AddToScheme,
+		corev1.AddToScheme, appsv1.AddToScheme, batchv1.AddToScheme, policyv1.AddToScheme, monitoringv1.AddToScheme,
 	} {
 		if err := add(scheme); err != nil {
 			return nil, err
@@ -110,6 +111,8 @@ func selectors(obj runtime.Object) field.ErrorList {
 	case *appsv1.Deployment:
 		return metavalidation.ValidateLabelSelector(o.Spec.Selector, opts, field.NewPath("spec", "selector"))
 	case *appsv1.StatefulSet:
+		return metavalidation.ValidateLabelSelector(o.Spec.Selector, opts, field.NewPath("spec", "selector"))
+	case *policyv1.PodDisruptionBudget:
 		return metavalidation.ValidateLabelSelector(o.Spec.Selector, opts, field.NewPath("spec", "selector"))
 	case *monitoringv1.ServiceMonitor:
 		return metavalidation.ValidateLabelSelector(&o.Spec.Selector, opts, field.NewPath("spec", "selector"))

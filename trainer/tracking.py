@@ -25,6 +25,7 @@ announces to serving).
 from __future__ import annotations
 
 import fcntl
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +70,9 @@ def _artifact_root(cfg: Config) -> str | None:
     return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
 
 
+log = logging.getLogger(__name__)
+
+
 def _is(exc: MlflowException, code: int) -> bool:
     return exc.error_code == ErrorCode.Name(code)
 
@@ -111,11 +115,11 @@ class RunTracker:
         self.client = open_client(cfg.mlflow_uri)
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
-        if run_id is None:
-            self.run_id = self._new_run()
-        else:
-            self.run_id = run_id
+        self.run_id = run_id if run_id is not None and self._resumable(run_id) else self._new_run()
+        if self.run_id == run_id:
             self._resume()
+        elif run_id is not None:
+            self.client.set_tag(self.run_id, "checkpoint_run_missing", run_id)
 
     # -- run lifetime -----------------------------------------------------------------
     def _new_run(self) -> str:
@@ -126,6 +130,23 @@ class RunTracker:
         self._log_params(run.info.run_id, params)
         self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
         return run.info.run_id
+
+    def _resumable(self, run_id: str) -> bool:
+        """Whether the checkpoint's run can be reopened. A tracking store that lost it (a new
+        database, a deleted run) is no reason to keep the learner from starting: it logs to a new
+        run, tagged ``checkpoint_run_missing`` with the lost id, and says so."""
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as exc:
+            if not _is(exc, RESOURCE_DOES_NOT_EXIST):
+                raise
+            log.warning("MLflow run %s of the checkpoint does not exist on %s: the learner logs to a new run",
+                        run_id, self.cfg.mlflow_uri)
+            return False
+        if run.info.lifecycle_stage == "deleted":
+            log.warning("MLflow run %s of the checkpoint was deleted: the learner logs to a new run", run_id)
+            return False
+        return True
 
     def _resume(self) -> None:
         """Reopen the run after a restart. Parameters are immutable in MLflow: new keys

@@ -105,6 +105,34 @@ def test_restart_resumes_the_same_run(cfg):
     assert names == ["config/resolved-restart-1.yaml", "config/resolved.yaml"]
 
 
+def test_a_run_the_store_no_longer_has_gives_a_new_run_named_after_it(cfg, caplog):
+    """A checkpoint from before the tracking database was lost or replaced names a run that does
+    not exist: the learner starts anyway, on a new run that says which one it lost."""
+    lost = "0123456789abcdef0123456789abcdef"
+    with caplog.at_level("WARNING", logger="trainer.tracking"):
+        tracker = RunTracker(cfg, run_id=lost)
+    tracker.log_metrics({"reward_mean": 0.3}, step=4)
+    run = _client(cfg).get_run(tracker.run_id)
+    assert tracker.run_id != lost
+    assert run.data.tags["checkpoint_run_missing"] == lost and run.data.tags["restarts"] == "0"
+    assert run.data.metrics == {"reward_mean": 0.3}
+    assert f"MLflow run {lost} of the checkpoint does not exist" in caplog.text
+
+
+def test_a_deleted_run_is_not_reopened(cfg, caplog):
+    first = RunTracker(cfg)
+    first.close("KILLED")
+    client = _client(cfg)
+    client.delete_run(first.run_id)
+    with caplog.at_level("WARNING", logger="trainer.tracking"):
+        second = RunTracker(cfg, run_id=first.run_id)
+    second.log_metrics({"reward_mean": 0.3}, step=4)
+    assert second.run_id != first.run_id
+    assert client.get_run(second.run_id).data.tags["checkpoint_run_missing"] == first.run_id
+    assert client.get_run(first.run_id).info.lifecycle_stage == "deleted"
+    assert "was deleted" in caplog.text
+
+
 def test_registered_version_is_a_loadable_model_directory(tmp_path, empty_store, store, monkeypatch):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

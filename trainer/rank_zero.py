@@ -90,8 +90,11 @@ class RankZero:
         store = open_weight_store(cfg.weight_store_url)
         tracker = RunTracker(cfg, run_id=progress.mlflow_run_id)
         producer = backend.producer()
+        # registered versions are never pruned: the checkpoint lists them, and so does the registry
+        # (a learner whose checkpoints were lost must not prune the champion's weights)
+        protected = set(progress.protected_versions) | tracker.registered_policy_versions()
         publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
-                              cfg.trainer.keep_versions, set(progress.protected_versions), stop=stop)
+                              cfg.trainer.keep_versions, protected, stop=stop)
         window = RecentWindow(cfg.deploy.window)
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,

@@ -297,3 +297,29 @@ def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_
     assert champion.tags["policy_version"] == "6" and champion.tags["gate.decision"] == "drift_rollback"
     metrics = client.get_run(result.run_id).data.metrics
     assert metrics["drift_rollbacks"] == 1.0 and metrics["drift_restarts"] == 0.0
+
+
+def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_path, tiny_model_dir):
+    """The registry's versions are protected from pruning by the checkpoint that lists them, and
+    by the registry itself: a learner restarted on an empty checkpoint directory keeps them."""
+    import shutil
+
+    cfg = _config(tmp_path, tiny_model_dir, **{"mlflow.register_every": 2, "trainer.keep_versions": 1})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(tiny_model_dir)
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="a"))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    client = MlflowClient(cfg.mlflow_uri)
+    registered = {int(v.tags["policy_version"])
+                  for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
+    store = FileWeightStore(cfg.weight_store_url)
+    assert registered and registered <= set(store.versions())
+
+    shutil.rmtree(cfg.checkpoint_dir)
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+
+    assert again.version == 8  # numbered past the store's newest, from the base model
+    assert registered <= set(store.versions()), f"pruned: {sorted(registered - set(store.versions()))}"

@@ -186,10 +186,17 @@ class Releases:
         """Decide on the registered candidate (if one awaits a decision) and record it with its evidence.
         A tripped monitor rolls back whatever the gate says; without a champion the first
         candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to).
+        A champion whose weights the store no longer holds (a lost store) counts as none.
         The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``."""
         candidate, champion = self.tracker.candidate(), self.tracker.champion()
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending"
+        lost = {}
+        if champion is not None and champion[0] not in self.publisher.store.versions():
+            # nothing to score it with or return to: decided as without a champion, and said so
+            log.error("registry: champion v%d has no weights in the store (%s): candidate v%d is decided as "
+                      "without a champion", champion[0], champion[1].location, candidate[0])
+            lost, champion = {"gate.champion_weights_missing": f"v{champion[0]}"}, None
         kl = None if self.reference is None else candidate_kl(self.reference, candidate, self.window)
         monitors = read_monitors(self.cfg, self.window, candidate[0], *reads, kl=kl)
         self.tracker.log_metrics({f"registry_monitor_{k}": v for k, v in monitors.values.items()}, step)
@@ -198,7 +205,7 @@ class Releases:
         if champion is None:
             decision: Decision = "pending" if monitors.tripped else "promoted"
             record = self.gate.record_of(candidate[1], self.window)
-            evidence = {"gate.decision": "no_champion", **monitors.tags(), **(record.tags() if record else {})}
+            evidence = {"gate.decision": "no_champion", **lost, **monitors.tags(), **(record.tags() if record else {})}
         else:
             gate = self.gate.compare(candidate[1], champion[1], self.window,
                                      lambda: self._champion_record(champion[1]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -323,3 +325,29 @@ def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_
 
     assert again.version == 8  # numbered past the store's newest, from the base model
     assert registered <= set(store.versions()), f"pruned: {sorted(registered - set(store.versions()))}"
+
+
+def test_a_champion_whose_weights_are_gone_is_decided_on_as_none(tmp_path, tiny_model_dir):
+    """A weight store that lost the champion's file (restored from an old copy, say) leaves the
+    gate nothing to score it with: the learner goes on, its next candidate is decided as without a
+    champion, and the decision says which champion's weights were missing."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"mlflow.register_every": 2})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(tiny_model_dir)
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="a"))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    client = MlflowClient(cfg.mlflow_uri)
+    name = cfg.mlflow.registered_model
+    champion = client.get_model_version_by_alias(name, "champion")
+    Path(champion.tags["weights_location"]).unlink()
+
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+
+    assert again.steps == 4
+    decided = [v for v in client.search_model_versions(f"name = '{name}'")
+               if v.tags.get("gate.champion_weights_missing") == f"v{champion.tags['policy_version']}"]
+    assert len(decided) == 1 and decided[0].tags["gate.decision"] == "no_champion"
+    assert client.get_model_version_by_alias(name, "champion").version == decided[0].version

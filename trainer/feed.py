@@ -100,7 +100,7 @@ class Feed:
         """Next offset to read per partition: every record before it has had its effect on the state."""
         self.counters = counters
         """The learner's counters; the feed adds dead_letters, invalid_rollouts, empty_rollouts,
-        too_few_for_ranks."""
+        too_few_for_ranks, records_skipped."""
         self.vocab_size = vocab_size
         self.group_size = group_size
         self.stop = stop
@@ -128,8 +128,11 @@ class Feed:
         if self.joiner.ready_stats(self.group_size)[0] >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
             return
         for msg in self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS):
-            if msg.offset < self.offsets.get(msg.tp, 0):
+            expected = self.offsets.get(msg.tp)
+            if expected is not None and msg.offset < expected:
                 continue  # re-delivered after a rebalance: already in the state
+            if expected is not None and msg.offset > expected:
+                self._skipped(msg.tp, expected, msg.offset)
             self.offsets[msg.tp] = msg.offset + 1
             self.last_activity = time.monotonic()
             kind = Interaction if msg.topic == self.topics.interactions else Reward
@@ -140,6 +143,14 @@ class Feed:
                 self.joiner.add_interaction(record, msg.timestamp_ms / 1000)
             else:
                 self.joiner.add_reward(record, msg.timestamp_ms / 1000)
+
+    def _skipped(self, tp: TopicPartition, expected: int, got: int) -> None:
+        """Records between the next offset to read and the one that came were gone from the broker
+        (retention deleted them before the learner read them, or someone deleted records): the
+        consumer moved on to the earliest one kept. Counted, and said, since they are never trained."""
+        self.counters["records_skipped"] += got - expected
+        log.warning("%s[%d]: offsets %d-%d were gone from the broker before the learner read them "
+                    "(retention?): %d records skipped", tp.topic, tp.partition, expected, got - 1, got - expected)
 
     def drop_stale(self, version: int) -> None:
         """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before ``version``."""

@@ -85,6 +85,48 @@ def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_con
         feed.close()
 
 
+@pytest.mark.kafka
+def test_records_the_broker_deleted_before_they_were_read_are_counted_as_skipped(kafka_config, caplog):
+    """Retention that outruns the learner deletes records it never read; its consumer then moves on
+    to the earliest record kept. The feed counts the gap (before, nothing did)."""
+    from kafka import TopicPartition as KafkaTopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    backend = KafkaBackend(kafka_config)
+    topics, producer, now = kafka_config.topics, backend.producer(), time.time()
+    for i in range(12):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    producer.flush(10)
+    producer.close()
+    reader = backend.consumer([topics.interactions])  # no group: every partition
+    ends = reader.end_offsets()
+    reader.close()
+    fullest = max(ends, key=ends.get)
+    assert ends[fullest] >= 3
+    admin = KafkaAdminClient(bootstrap_servers=kafka_config.bootstrap_servers)
+    try:  # as retention would: the partition's first two records are gone
+        admin.delete_records({KafkaTopicPartition(fullest.topic, fullest.partition): 2})
+    finally:
+        admin.close()
+
+    checkpointed = {tp: 0 for tp in ends}  # a learner that had read none of them
+    cfg = Config()
+    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), backend.producer(), checkpointed,
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    feed.start(backend)
+    try:
+        with caplog.at_level("WARNING", logger="trainer.feed"):
+            deadline = time.monotonic() + 20
+            while feed.joiner.num_waiting < 10 and time.monotonic() < deadline:
+                feed.poll()
+        assert feed.joiner.num_waiting == 10
+        assert feed.counters["records_skipped"] == 2
+        assert f"{fullest.topic}[{fullest.partition}]: offsets 0-1 were gone" in caplog.text
+    finally:
+        feed.producer.close()
+        feed.close()
+
+
 def test_data_age_runs_from_servings_answer_to_the_end_of_the_cycle(backend):
     feed = _started_feed(backend)
     answered_at_100 = interaction_to_rollout(make_interaction("a", created_at=100.0), 1.0)

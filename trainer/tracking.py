@@ -33,7 +33,7 @@ from typing import Literal
 
 import fsspec
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import (
     INVALID_PARAMETER_VALUE,
@@ -45,6 +45,8 @@ from mlflow.protos.databricks_pb2 import (
 from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
+
+log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
@@ -68,9 +70,6 @@ def flatten_config(cfg: Config) -> dict[str, str]:
 def _artifact_root(cfg: Config) -> str | None:
     """Where a new experiment keeps artifacts: next to a SQLite store; the server decides otherwise."""
     return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
-
-
-log = logging.getLogger(__name__)
 
 
 def _is(exc: MlflowException, code: int) -> bool:
@@ -115,11 +114,14 @@ class RunTracker:
         self.client = open_client(cfg.mlflow_uri)
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
-        self.run_id = run_id if run_id is not None and self._resumable(run_id) else self._new_run()
-        if self.run_id == run_id:
-            self._resume()
-        elif run_id is not None:
-            self.client.set_tag(self.run_id, "checkpoint_run_missing", run_id)
+        run = None if run_id is None else self._reopenable(run_id)
+        if run is not None:
+            self.run_id = run_id
+            self._resume(run)
+        else:
+            self.run_id = self._new_run()
+            if run_id is not None:
+                self.client.set_tag(self.run_id, "checkpoint_run_missing", run_id)
 
     # -- run lifetime -----------------------------------------------------------------
     def _new_run(self) -> str:
@@ -131,8 +133,8 @@ class RunTracker:
         self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
         return run.info.run_id
 
-    def _resumable(self, run_id: str) -> bool:
-        """Whether the checkpoint's run can be reopened. A tracking store that lost it (a new
+    def _reopenable(self, run_id: str) -> Run | None:
+        """The checkpoint's run, if it can be reopened. A tracking store that lost it (a new
         database, a deleted run) is no reason to keep the learner from starting: it logs to a new
         run, tagged ``checkpoint_run_missing`` with the lost id, and says so."""
         try:
@@ -142,17 +144,16 @@ class RunTracker:
                 raise
             log.warning("MLflow run %s of the checkpoint does not exist on %s: the learner logs to a new run",
                         run_id, self.cfg.mlflow_uri)
-            return False
+            return None
         if run.info.lifecycle_stage == "deleted":
             log.warning("MLflow run %s of the checkpoint was deleted: the learner logs to a new run", run_id)
-            return False
-        return True
+            return None
+        return run
 
-    def _resume(self) -> None:
+    def _resume(self, run: Run) -> None:
         """Reopen the run after a restart. Parameters are immutable in MLflow: new keys
         are added, changed values are listed in the ``config_changed`` tag and the
         restart's own YAML is logged next to the first one."""
-        run = self.client.get_run(self.run_id)
         restarts = int(run.data.tags.get("restarts", "0")) + 1
         params = flatten_config(self.cfg)
         logged = run.data.params

@@ -303,7 +303,8 @@ def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_
 
 def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_path, tiny_model_dir):
     """The registry's versions are protected from pruning by the checkpoint that lists them, and
-    by the registry itself: a learner restarted on an empty checkpoint directory keeps them."""
+    by the registry itself: a learner restarted on an empty checkpoint directory keeps them. It
+    starts from the base model, at the consumer group's committed offsets."""
     import shutil
 
     cfg = _config(tmp_path, tiny_model_dir, **{"mlflow.register_every": 2, "trainer.keep_versions": 1})
@@ -325,6 +326,9 @@ def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_
 
     assert again.version == 8  # numbered past the store's newest, from the base model
     assert registered <= set(store.versions()), f"pruned: {sorted(registered - set(store.versions()))}"
+    # it read on from the consumer group's offsets, committed after the first life's checkpoints
+    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
+    assert len(trained) == 16 and all(iid.startswith("b") for iid in trained), trained
 
 
 def test_a_champion_whose_weights_are_gone_is_decided_on_as_none(tmp_path, tiny_model_dir):

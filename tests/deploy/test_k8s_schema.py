@@ -23,8 +23,13 @@ def _kubecheck() -> Path:
     return go_tool("kubecheck", digest.hexdigest()[:16], ["build", "."], cwd=KUBECHECK)
 
 
-def _run(*files: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(_kubecheck()), *map(str, files)], capture_output=True, text=True, timeout=60)
+def _run(*args: Path | str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(_kubecheck()), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def _objects(paths: list[Path]) -> list[str]:
+    return sorted(f"{o['apiVersion']}/{o['kind']} {o['metadata']['name']}"
+                  for path in paths for o in yaml.safe_load_all(path.read_text()) if o)
 
 
 @pytest.mark.slow
@@ -32,9 +37,24 @@ def test_every_object_of_the_example_decodes_strictly_into_its_api_type():
     result = _run(*MANIFESTS)
     assert result.returncode == 0, result.stdout + result.stderr
     checked = sorted(line.removeprefix("ok ") for line in result.stdout.splitlines())
-    expected = sorted(f"{o['apiVersion']}/{o['kind']} {o['metadata']['name']}"
-                      for path in MANIFESTS for o in yaml.safe_load_all(path.read_text()) if o)
-    assert checked == expected
+    assert checked == _objects(MANIFESTS)
+
+
+@pytest.mark.slow
+def test_kustomize_builds_each_kustomization_into_objects_that_decode_strictly():
+    """What ``kubectl apply -k`` applies: kustomize's own build of docs/deploy/k8s and of
+    monitoring/, together every object of the files, each once."""
+    kustomizations = sorted(p.parent for p in (REPO / "docs" / "deploy" / "k8s").rglob("kustomization.yaml"))
+    result = _run("-k", *kustomizations)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(line.removeprefix("ok ") for line in result.stdout.splitlines()) == _objects(MANIFESTS)
+
+
+@pytest.mark.slow
+def test_a_kustomization_naming_a_missing_file_fails_to_build(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [serving.yaml]\n")
+    result = _run("-k", tmp_path)
+    assert result.returncode == 1 and "serving.yaml" in result.stdout, result.stdout + result.stderr
 
 
 BROKEN = {

@@ -3,7 +3,9 @@
 // `kubectl apply --validate=strict`. It also checks object names, labels, selectors and port
 // names with the API machinery's validation rules. Used by tests/deploy/test_k8s_schema.py.
 //
-//	kubecheck FILE...   prints "ok <apiVersion>/<kind> <name>" per object; exits 1 on any error
+//	kubecheck FILE...     prints "ok <apiVersion>/<kind> <name>" per object; exits 1 on any error
+//	kubecheck -k DIR...   the same for what kustomize (the library `kubectl apply -k` embeds)
+//	                      builds from each kustomization directory
 package main
 
 import (
@@ -26,6 +28,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
 )
 
 func newScheme() (*runtime.Scheme, error) {
@@ -148,6 +152,18 @@ func checkObject(decoder runtime.Decoder, doc []byte) (string, error) {
 	return name, nil
 }
 
+// read returns the file's bytes, or with kustomize the YAML kustomize builds from the directory.
+func read(path string, kustomize bool) ([]byte, error) {
+	if !kustomize {
+		return os.ReadFile(path)
+	}
+	resources, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(filesys.MakeFsOnDisk(), path)
+	if err != nil {
+		return nil, err
+	}
+	return resources.AsYaml()
+}
+
 func main() {
 	scheme, err := newScheme()
 	if err != nil {
@@ -156,12 +172,17 @@ func main() {
 	}
 	decoder := json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme, scheme,
 		json.SerializerOptions{Yaml: true, Strict: true})
+	args, kustomize := os.Args[1:], false
+	if len(args) > 0 && args[0] == "-k" {
+		args, kustomize = args[1:], true
+	}
 	failed := false
-	for _, path := range os.Args[1:] {
-		data, err := os.ReadFile(path)
+	for _, path := range args {
+		data, err := read(path, kustomize)
 		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(2)
+			fmt.Printf("FAIL %s: %v\n", path, err)
+			failed = true
+			continue
 		}
 		docs, err := documents(data)
 		if err != nil {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -301,19 +302,25 @@ def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_
     assert metrics["drift_rollbacks"] == 1.0 and metrics["drift_restarts"] == 0.0
 
 
+def _first_life_with_a_registry(tmp_path, model_dir, **trainer):
+    """A learner that trained 4 steps on 16 rollouts, registering every second version; returns its
+    config, its backend and a function that sends 16 more rollouts (ids starting with "b")."""
+    cfg = _config(tmp_path, model_dir, **{"mlflow.register_every": 2,
+                                          **{f"trainer.{k}": v for k, v in trainer.items()}})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    base = load_policy(model_dir)
+    producer = backend.producer()
+    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="a"))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    return cfg, backend, lambda: produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
+
+
 def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_path, tiny_model_dir):
     """The registry's versions are protected from pruning by the checkpoint that lists them, and
     by the registry itself: a learner restarted on an empty checkpoint directory keeps them. It
     starts from the base model, at the consumer group's committed offsets."""
-    import shutil
-
-    cfg = _config(tmp_path, tiny_model_dir, **{"mlflow.register_every": 2, "trainer.keep_versions": 1})
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    base = load_policy(tiny_model_dir)
-    producer = backend.producer()
-    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="a"))
-    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    cfg, backend, second_traffic = _first_life_with_a_registry(tmp_path, tiny_model_dir, keep_versions=1)
     client = MlflowClient(cfg.mlflow_uri)
     registered = {int(v.tags["policy_version"])
                   for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
@@ -321,7 +328,7 @@ def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_
     assert registered and registered <= set(store.versions())
 
     shutil.rmtree(cfg.checkpoint_dir)
-    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
+    second_traffic()
     again = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
 
     assert again.version == 8  # numbered past the store's newest, from the base model
@@ -335,19 +342,13 @@ def test_a_champion_whose_weights_are_gone_is_decided_on_as_none(tmp_path, tiny_
     """A weight store that lost the champion's file (restored from an old copy, say) leaves the
     gate nothing to score it with: the learner goes on, its next candidate is decided as without a
     champion, and the decision says which champion's weights were missing."""
-    cfg = _config(tmp_path, tiny_model_dir, **{"mlflow.register_every": 2})
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    base = load_policy(tiny_model_dir)
-    producer = backend.producer()
-    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="a"))
-    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    cfg, backend, second_traffic = _first_life_with_a_registry(tmp_path, tiny_model_dir)
     client = MlflowClient(cfg.mlflow_uri)
     name = cfg.mlflow.registered_model
     champion = client.get_model_version_by_alias(name, "champion")
     Path(champion.tags["weights_location"]).unlink()
 
-    produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
+    second_traffic()
     again = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
 
     assert again.steps == 4

@@ -52,7 +52,8 @@ def _query(base: str, expr: str) -> dict:
 @pytest.fixture
 def prometheus(tmp_path, tiny_model_dir, kafka_config, free_port_factory):
     """Prometheus scraping a live serving stack (job serving) and a learner exporter (job learner)
-    every second, with alerts.yml loaded; yields its base URL once both targets are up."""
+    every second, with alerts.yml loaded; yields (its base URL, the serving stack, the exporter) once
+    both targets are up."""
     cfg = tiny_config(tmp_path).model_copy(update={"kafka": kafka_config})
     live = start_live_server(cfg, tiny_model_dir)
     learner = LearnerExporter("127.0.0.1", 0)

@@ -1,0 +1,117 @@
+"""The registry's promotion gate and monitors, and what the learner does when the users' preference drifts."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from online_sao.config.base import Section
+from online_sao.schemas import MAX_SCORES_PER_REWARD, ScoreName
+
+
+class DeployConfig(Section):
+    """The registry's promotion gate and the monitors that can roll a candidate back
+    (docs/DEPLOY.md, "The promotion gate")."""
+
+    window: int = Field(128, ge=1)
+    """Most recent trained rollouts (with their rewards and behaviour log-probs) kept; candidate
+    and champion are both scored on those of them sampled by the candidate's version or newer
+    (neither version was trained on those). The checkpoint carries it."""
+    gate_min_rollouts: int = Field(32, ge=2)
+    """The gate decides only with at least this many rollouts sampled since the candidate in the
+    window; fewer: it refuses."""
+    gate_min_ess: float = Field(8.0, gt=0)
+    """Smallest effective sample size, (sum w)^2 / sum w^2, of either version's importance
+    weights on the window; below it the estimate rests on a few rollouts and the gate refuses."""
+    gate_confidence: float = Field(0.9, gt=0, lt=1)
+    """Two-sided confidence of the normal interval on candidate minus champion."""
+    gate_margin: float = Field(0.05, ge=0)
+    """Non-inferiority margin, in reward units: promote when the interval's lower end is at least
+    ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
+    gate_weight_clip: float | None = Field(None, gt=1)
+    """Cap on each rollout's importance ratio pi/mu before self-normalising (None: no cap);
+    a cap trades bias for variance when one rollout would carry the whole estimate."""
+    gate_champion_record: bool = True
+    """When the champion's ESS on the window is under ``gate_min_ess`` (it is many versions behind
+    and no canary answers with it), compare the candidate with the champion's record instead: its
+    expected reward as last measured on traffic it could be scored on. A record never rolls a
+    candidate back, and a drift restart starts without one (online_sao/gate_record.py;
+    docs/DEPLOY.md, "The champion's record"). False: such decisions are refused."""
+    gate_chunk: int = Field(16, ge=1)
+    """Rollouts scored per forward pass when the gate computes a version's log-probs."""
+    canary_share: float = Field(0.0, ge=0, lt=1)
+    """Share of requests serving answers with the champion instead of the newest version (0: no
+    canary). On, the learner announces every new champion on the weights topic, serving holds it
+    in a second engine, and the gate adds the champion's own answers since the candidate was
+    registered to its window, weighing every answer against the traffic's mixture of serving
+    version and champion: the champion's weights stay under 1/share, however far the candidate
+    has moved (docs/DEPLOY.md, "Canary")."""
+    monitor_max_mean_length: float | None = Field(None, gt=0)
+    """Roll back a candidate whose recent answers average more action tokens than this
+    (None: off; a reward that pays for length shows here first)."""
+    monitor_max_repetition: float | None = Field(None, gt=0, le=1)
+    """Roll back a candidate whose recent answers repeat more than this share of their
+    ``monitor_ngram``-grams (None: off)."""
+    monitor_ngram: int = Field(3, ge=1)
+    """n of the n-grams the repetition monitor counts."""
+    monitor_max_dead_letter_share: float | None = Field(None, gt=0, le=1)
+    """Roll back when more than this share of the records read since the candidate was
+    registered went to the dead-letter topic (None: off)."""
+    monitor_max_kl: float | None = Field(None, gt=0)
+    """Roll back a candidate whose KL from the starting policy (the weights in ``model_dir``),
+    estimated on its recent answers as the mean over their action tokens of
+    ``k3 = exp(d) - 1 - d``, ``d = log pi_ref - log pi_candidate``, exceeds this (nats per token;
+    None: off). On, rank 0 holds one more CPU copy of the policy for the reference."""
+    monitor_min_scores: dict[ScoreName, float] = Field({}, max_length=MAX_SCORES_PER_REWARD)
+    """Roll back a candidate when the mean of a named score (``Reward.scores``: what the reward's
+    source measured besides the reward, e.g. the judge's ``quality``) over its recent answers falls
+    below the floor given here, name -> floor (empty: off). Answers whose rewards carried no such
+    score do not count; with none, the monitor has no value and cannot trip. Every score the window's
+    rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
+    segments_top_n: int = Field(8, ge=1)
+    """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
+    largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""
+    segments_window: int = Field(128, ge=1)
+    """Newest rewards per segment over which the learner's ``segment.<name>.reward`` is the mean."""
+
+
+class DriftConfig(Section):
+    """Following a preference switch: a detector on the trained rewards and what the learner
+    does when it fires (online_sao/drift.py, trainer/plasticity.py; docs/EXPERIMENTS.md)."""
+
+    enabled: bool = False
+    """Watch the rewards for a sustained drop (off: the paper's learner, which never restarts)."""
+    recent: int = Field(16, ge=2)
+    """Newest trained rewards whose mean is compared with the ``reference`` rewards before them."""
+    reference: int = Field(48, ge=2)
+    """Rewards before the ``recent`` ones: the level the drop is measured from."""
+    min_drop: float = Field(0.2, gt=0)
+    """Smallest fall of the mean reward, in reward units, that counts as a drift."""
+    z_threshold: float = Field(3.0, gt=0)
+    """...and the fall in standard errors (Welch): at 3, one test on a stable reward stream
+    alarms with probability about 1e-3 under a normal approximation. Calibrated by replaying
+    40 logged drift runs without restarts (docs/EXPERIMENTS.md section 10)."""
+    policy_shrink: float = Field(0.0, ge=0, le=1)
+    """On an alarm the policy becomes ``start + policy_shrink * (policy - start)``, ``start`` the
+    weights in ``model_dir``: 0 restarts from them (every style sampled at its starting share
+    again), 1 keeps the policy (shrink-and-perturb without the perturbation; Ash & Adams 2020)."""
+    reset_critic: bool = True
+    """On an alarm the critic returns to its initial weights: values fitted under the old
+    preference mis-rank the new one's answers (explained variance about -2 after a switch)."""
+    reset_optimizers: bool = True
+    """On an alarm the optimisers' moment estimates are cleared (they point the old way)."""
+    rollback_first: bool = False
+    """On an alarm, first return policy and critic to their weights from the start of the
+    detector's reference window (the weights that earned the reference level) and restart only
+    if the next ``recent`` rewards of answers sampled by the restored version are still below
+    that level by the same test. For a drop of the learner's own quality, which a restart would
+    answer by discarding what it learned (docs/EXPERIMENTS.md section 17); a real switch pays
+    about ``recent`` more rollouts of delay. Keeps about ``(reference + recent) / recent + 2``
+    snapshots of policy and critic in memory."""
+    rollback_score: str | None = None
+    """With ``rollback_first``: roll back only when this named score of the rewards
+    (``Reward.scores``, e.g. a judge's ``quality``) fell over the alarm's two windows as well, by
+    at least ``rollback_score_z`` Welch standard errors; an alarm with the score held restarts at
+    once, since a preference change leaves the answers' quality as it was. Where either window has
+    fewer than two rollouts with the score, the alarm rolls back. None: every alarm rolls back first."""
+    rollback_score_z: float = Field(2.0, gt=0)
+    """The score's fall, in standard errors, that makes an alarm a roll-back (``rollback_score``)."""

@@ -1,0 +1,53 @@
+"""Which rewards are accepted and how they are joined to their interactions."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from online_sao.config.base import Section
+from online_sao.schemas import MAX_ABS_REWARD
+
+
+DEFAULT_ID_MEMORY_S = 86_400.0
+"""Default of reward.memory_s: a day covers any broker or serving outage an operator lets run
+before intervening, at the size of a day's ids (bounded anyway by the join's max_pending)."""
+
+
+class RewardConfig(Section):
+    min_value: float = Field(-10.0, ge=-MAX_ABS_REWARD)
+    """Smallest reward accepted (422 below); no lower than the records allow (-1e6)."""
+    max_value: float = Field(10.0, le=MAX_ABS_REWARD)
+    """Largest reward accepted (422 above); no higher than the records allow (1e6)."""
+    window_s: float = Field(300.0, gt=0)
+    """How long after an interaction a reward is accepted and joined."""
+    aggregation: Literal["first", "last", "sum", "mean"] = "last"
+    """How several rewards for one interaction combine."""
+    on_missing: Literal["default", "drop"] = "drop"
+    """What happens to an interaction whose window closes without a reward."""
+    default_value: float = 0.0
+    """Reward given when on_missing is 'default'."""
+    group_timeout_s: float | None = Field(30.0, gt=0)
+    """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
+    rest; then the group is trained on as it is and counted (``join_incomplete_groups``). A group
+    whose member lost its reward would otherwise never complete. None waits forever."""
+    memory_s: float | None = Field(None, gt=0)
+    """How long after its creation the learner remembers an interaction id (trainer/id_memory.py).
+    An interaction first read later than that is refused (counted as join_expired_interactions), so
+    none is ever trained twice, whenever a copy is replayed. None: one day, or two reward windows if
+    longer. At least two reward windows (a late reward must still be recognised as late)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "RewardConfig":
+        if not self.min_value < self.max_value:
+            raise ValueError("min_value must be below max_value")
+        if self.memory_s is not None and self.memory_s < 2 * self.window_s:
+            raise ValueError(f"memory_s ({self.memory_s:g}) must be at least two reward windows "
+                             f"(2 x window_s = {2 * self.window_s:g})")
+        return self
+
+    @property
+    def id_memory_s(self) -> float:
+        """``memory_s``, or its default when None."""
+        return self.memory_s if self.memory_s is not None else max(DEFAULT_ID_MEMORY_S, 2 * self.window_s)

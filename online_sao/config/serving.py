@@ -1,0 +1,136 @@
+"""The HTTP endpoint and its inference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from online_sao.config.base import Section
+
+
+class ServingConfig(Section):
+    host: str = "127.0.0.1"
+    """Bind address of the HTTP endpoint."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Bind port (0 picks a free one)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Inference engine: native PyTorch (default) or vLLM."""
+    model_name: str = "online-sao"
+    """Model name served in /v1/models and accepted in requests."""
+    deployment_id: str = "local"
+    """Names this deployment; signed interaction ids are bound to it."""
+    feedback_secret: SecretStr = SecretStr("change-me-online-sao-dev-secret")
+    """HMAC secret that signs interaction ids (set your own in production)."""
+    api_keys: list[SecretStr] = []
+    """Accepted API keys; required unless bound to loopback."""
+    rate_limit_per_minute: int = Field(600, ge=1)
+    """Requests per minute per API key; without keys, per client address (loopback callers
+    are not limited; docs/SERVING.md, Access)."""
+    rate_limit_burst: int = Field(20, ge=1)
+    """Requests a key (or address) may send at once before the per-minute rate applies
+    (token-bucket size)."""
+    max_batch_size: int = Field(16, ge=1)
+    """Sequences decoded together (continuous batching)."""
+    max_prefill_tokens: int = Field(8192, ge=1)
+    """Torch engine: padded prompt positions (requests x longest prompt) one prefill forward may
+    hold. Requests admitted in the same round are prefilled together up to this bound, in order;
+    a prompt longer than it is prefilled alone. Bounds the activation memory of a burst."""
+    kv_layout: Literal["padded", "flat"] = "padded"
+    """Torch engine: how the running batch's cache is laid out. ``padded``: a row per sequence,
+    left-padded to the longest, prompts prefilled in forwards of their own (serving/engine/kv_batch.py).
+    ``flat``: every sequence's columns in one row with a mask per query, the round's new prompts
+    prefilled inside its decode forward (serving/engine/flat_kv.py); ``max_prefill_tokens`` then
+    bounds the prompt tokens one forward takes on. ``flat`` is faster where a forward's fixed cost
+    dominates (small models and batches on a CPU: benchmarks/results/kv_layout.md); its attention
+    reads every running sequence's cache, so with large batches of long contexts ``padded`` is
+    cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py."""
+    compile: bool = False
+    """Torch engine: compile the model's transformer body with ``torch.compile`` (dynamic shapes)
+    when the engine is built; the hot-swap's spare copy is compiled too and shares the graphs. The
+    engine compiles while it starts, before the server reports ready (tens of seconds on 2 CPU
+    cores, less from inductor's on-disk cache; a C++ compiler is needed, the service image has
+    one); a batch shape it has not met yet may still compile later, stalling decoding once. Either
+    ``kv_layout``. Measured in benchmarks/results/engine_compile.md (flat) and
+    engine_compile_padded.md. False runs eagerly."""
+    swap_in_place: bool = False
+    """Memory-short hot-swap: copy new weights into the serving model between two
+    decode steps instead of loading a second copy off the request path (half the
+    weight memory, a stall as long as the copy)."""
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op CPU threads of torch, set process-wide when the engine starts
+    (None keeps torch's default). On a busy small machine 1 is often fastest:
+    spinning OpenMP workers that wait for a core cost more than they save."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Longest prompt accepted (413 above)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Largest max_tokens a request may ask for."""
+    max_request_bytes: int = Field(1_000_000, ge=1024)
+    """Largest request body accepted (413 above)."""
+    spool_dir: Path | None = None
+    """Append-only spool used while the broker is unreachable (default data_dir/spool)."""
+    redact_text: bool = False
+    """Drop prompt and response text from logged records (token ids are kept)."""
+    redact_hook: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """``package.module:function`` called with the prompt and response texts and the request's
+    metadata before an interaction is logged; it returns the texts to log, or None for none (token
+    ids are kept). Imported when serving starts. Built in: ``serving.redaction:mask_contacts``
+    (e-mail addresses and phone numbers masked). Ignored when redact_text drops the texts."""
+    spool_max_bytes: int = Field(1 << 30, ge=1024)
+    """Largest spool on disk; beyond it (or on a full disk) the server can no longer log
+    while the broker is unreachable and answers 503 for new work."""
+    log_durability: Literal["write_ahead", "memory"] = "write_ahead"
+    """When a request is acknowledged relative to its record. ``write_ahead``: the
+    interaction (or reward) is appended to the spool and fsynced before the client gets
+    its response (streams: before the final chunk); concurrent requests share one fsync.
+    A crash or SIGKILL loses nothing acknowledged; each request waits for one fsync
+    (measured in benchmarks/results/write_ahead.md). ``memory``: records wait in memory
+    for the broker and reach the spool only when it stalls; nothing waits on the disk,
+    but records acknowledged shortly before a crash are lost."""
+    log_ack_timeout_s: float = Field(10.0, gt=0)
+    """write_ahead: how long a response waits for its record to become durable (spool
+    fsync, or the broker's acknowledgement while the spool cannot be written) before it
+    is answered 503 instead (the record may still reach the broker later)."""
+    log_queue_size: int = Field(10_000, ge=1)
+    """Records waiting for the log sender above which new work gets 503 (admitted work is never dropped)."""
+    log_window: int = Field(256, ge=1)
+    """Records handed to the producer and not yet acknowledged, at most."""
+    log_stall_s: float = Field(5.0, gt=0)
+    """A record unacknowledged this long means the broker is unreachable: start spooling."""
+    log_retry_s: float = Field(1.0, gt=0)
+    """Pause before a failed record is sent again during spool replay."""
+    log_ship_interval_s: float = Field(0.25, ge=0, le=10)
+    """write_ahead: the sender ships spooled records to the broker in cycles at least this far
+    apart, so one spool read, one produce request and one watermark write serve every record
+    of the cycle. Clients do not wait for it (their records are durable in the spool); the
+    learner sees a record up to this much later. 0 ships each record at once (more CPU per
+    record beside the engine: benchmarks/results/serving.md)."""
+    keep_alive_s: float = Field(65.0, gt=0)
+    """Seconds an idle HTTP keep-alive connection stays open. Longer than clients' own idle
+    expiry (httpx, hence the openai client: 5 s) so that a client never sends a request on a
+    connection the server is closing at that instant (seen as connection resets under load
+    with uvicorn's default of 5 s)."""
+    shutdown_flush_s: float = Field(10.0, ge=0)
+    """On shutdown, how long to keep delivering before the rest is left in the spool."""
+    max_trajectories: int = Field(1024, ge=1)
+    """Recent trajectories kept in memory so a request can continue one (parent_interaction_id);
+    an older or evicted parent is refused with 404."""
+    tool_call_parser: Literal["hermes", "none"] = "hermes"
+    """How tool calls are read from a chat answer when the request has ``tools``: ``hermes`` is
+    ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen-family templates); ``none`` refuses
+    requests with tools (400)."""
+    segment_field: str | None = Field(None, min_length=1, max_length=64)
+    """Where a request's segment key comes from (docs/DEPLOY.md, "Segments"): None, the OpenAI
+    ``user`` field; otherwise this key of the request's ``metadata`` (OpenAI's string map). The key
+    is logged on the interaction (``segment``); a request without it has no segment, one whose
+    value is not 1-256 printable characters is refused (400)."""
+    monitor_window: int = Field(256, ge=1)
+    """Newest answers over which serving computes its monitor gauges (mean length, repetition of
+    ``deploy.monitor_ngram``-grams) for ``/metrics``."""
+
+    @model_validator(mode="after")
+    def _compile_fits_the_engine(self) -> "ServingConfig":
+        if self.compile and self.engine != "torch":
+            raise ValueError("serving.compile applies to the torch engine (vLLM compiles its own graphs)")
+        return self

@@ -1,0 +1,93 @@
+"""The learner loop and where it tracks its runs and registers its versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from online_sao.config.base import Section
+
+
+class TrainerConfig(Section):
+    consumer_group: str = "sao-learner"
+    """Kafka consumer group of the learner."""
+    consumer_instance_id: str | None = Field("learner", min_length=1)
+    """Static member id of the learner's consumer in its group (Kafka's ``group.instance.id``):
+    a learner restarted after a crash takes its partitions back at once instead of waiting for
+    the dead member's session (45 s) to expire; a graceful stop leaves the group. Two learners
+    running at once in one group need different ids (the second would replace the first).
+    None: a dynamic member."""
+    min_rollouts: int = Field(4, ge=1)
+    """A step starts once this many rewarded rollouts are ready ..."""
+    token_budget: int = Field(2048, ge=1)
+    """... or once they hold this many action tokens, whichever comes first."""
+    max_rollouts_per_step: int = Field(32, ge=1)
+    """Upper bound on a step's batch."""
+    max_wait_s: float | None = Field(0.5, gt=0)
+    """A step also starts, with fewer than min_rollouts, once rollouts have been
+    ready this long (wall clock): light traffic must not leave them untrained, and a
+    reward should reach serving within about a second (issue 17: freshness p50 was
+    1.08 s with 2.0 at 2 requests/s, the wait for four rollouts;
+    benchmarks/results/learner.md). Under load the batch fills before the deadline.
+    None waits for min_rollouts or token_budget however long it takes."""
+    max_version_lag: int | None = None
+    """Drop rollouts sampled more than this many versions ago (None keeps all)."""
+    publish_every: int = Field(1, ge=1)
+    """Publish weights every N learner steps."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight versions kept in the store (registered ones are always kept)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Checkpoint every N steps (offsets are committed only after a checkpoint)."""
+    checkpoint_in_background: bool = True
+    """Write checkpoints on a thread of their own while the learner trains on (the state is
+    copied first; the offsets are committed after the write): a step no longer waits for the
+    previous step's checkpoint to reach the disk. False writes each one before the next step."""
+    weight_store: str | None = None
+    """Directory or fsspec URL of published weights (default data_dir/weights);
+    ``shm://<name>`` (host shared memory) or ``cuda-ipc://<name>`` (GPU memory)
+    skip the disk when learner and serving share a host (docs/SERVING.md)."""
+    checkpoint_dir: Path | None = None
+    """Learner checkpoints (default data_dir/checkpoints)."""
+    seed: int = 0
+    """Seed of the learner."""
+    poll_timeout_s: float = Field(0.2, gt=0)
+    """Longest wait of one poll of the interactions and rewards topics; bounds how
+    late a step starts after its last rollout became ready."""
+    join_max_pending: int = Field(100_000, ge=1)
+    """Interactions waiting for a reward (and, separately, rewards waiting for
+    their interaction) held at most; past it the oldest is given up (counted)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many steps of this process (tests, benchmarks); None runs on."""
+    idle_timeout_s: float | None = Field(None, gt=0)
+    """Stop when no record arrived and no step ran for this long (tests, benchmarks);
+    None waits for data forever."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve rank 0's Prometheus metrics (the registry's monitors over the learner's window and at
+    each decision, the learner's counters; trainer/exporter.py) on this port at ``/metrics``
+    (None: off; 0: any free port)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the learner's metrics listen on (``0.0.0.0`` to be scraped from another machine)."""
+    pretrain_file: Path | None = None
+    """JSON-lines file of encoded interaction and reward records for
+    ``learn --pretrain-critic`` (joined on the records' own times, in any line order);
+    None reads the retained history of the topics."""
+    compile: bool = False
+    """Compile the transformer bodies of the policy, the critic and the KL reference with
+    ``torch.compile`` (dynamic shapes, in place: parameter names and checkpoints unchanged). On
+    the CPU, SAO's model passes on the default model run 1.27x faster
+    (benchmarks/results/compile.md); the first steps wait for the compilation (about a minute on
+    2 cores, seconds from inductor's on-disk cache), which needs a C++ compiler (the service image
+    has one). False runs eagerly."""
+
+
+class MLflowConfig(Section):
+    tracking_uri: str | None = None
+    """MLflow tracking URI; default a SQLite database data_dir/mlflow.db (no server)."""
+    experiment: str = "online-sao"
+    """Experiment of learner and simulation runs."""
+    registered_model: str = "online-sao-policy"
+    """Name in the model registry."""
+    register_every: int = Field(10, ge=1)
+    """Register every M-th published version as 'candidate'; the previous candidate is decided on
+    first (``deploy``: the gate and the monitors)."""

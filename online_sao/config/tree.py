@@ -1,0 +1,173 @@
+"""The whole tree: its sections, and reading it from YAML, the environment and overrides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, TypeVar
+
+import yaml
+from pydantic import BaseModel, SecretStr, ValidationError
+
+from online_sao.config.algorithm import AlgorithmConfig
+from online_sao.config.base import ConfigError, Section
+from online_sao.config.deploy import DeployConfig, DriftConfig
+from online_sao.config.kafka import KafkaConfig
+from online_sao.config.reward import RewardConfig
+from online_sao.config.serving import ServingConfig
+from online_sao.config.trainer import MLflowConfig, TrainerConfig
+
+ENV_PREFIX = "ONLINE_SAO__"
+
+
+class PathsConfig(Section):
+    data_dir: Path = Path("data")
+    """Root for everything the service writes locally: broker data, models, spool,
+    weights, checkpoints, MLflow database. Relative paths resolve against the
+    working directory."""
+
+
+class ModelConfig(Section):
+    path: Path | None = None
+    """A local Hugging Face model directory to serve and train. When unset the
+    project's default model is built (once, cached) under data_dir/models/base."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for serving and training."""
+
+
+class Config(Section):
+    paths: PathsConfig = PathsConfig()
+    """Where local state lives."""
+    kafka: KafkaConfig = KafkaConfig()
+    """Broker and topics."""
+    model: ModelConfig = ModelConfig()
+    """Which model is served and trained."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Learning rule."""
+    reward: RewardConfig = RewardConfig()
+    """Reward validation and joining."""
+    serving: ServingConfig = ServingConfig()
+    """HTTP endpoint."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Learner loop."""
+    mlflow: MLflowConfig = MLflowConfig()
+    """Experiment tracking and registry."""
+    deploy: DeployConfig = DeployConfig()
+    """Promotion gate and monitors of the registry."""
+    drift: DriftConfig = DriftConfig()
+    """Detecting a preference switch and restarting the learner's exploration."""
+
+    @property
+    def data_dir(self) -> Path:
+        return self.paths.data_dir.expanduser().resolve()
+
+    @property
+    def model_dir(self) -> Path:
+        return (self.model.path or self.data_dir / "models" / "base").expanduser().resolve()
+
+    @property
+    def spool_dir(self) -> Path:
+        return (self.serving.spool_dir or self.data_dir / "spool").expanduser().resolve()
+
+    @property
+    def weight_store_url(self) -> str:
+        return self.trainer.weight_store or str(self.data_dir / "weights")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return (self.trainer.checkpoint_dir or self.data_dir / "checkpoints").expanduser().resolve()
+
+    @property
+    def mlflow_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.data_dir / 'mlflow.db'}"
+
+
+C = TypeVar("C", bound="Config")
+
+
+def _apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
+        if not keys:
+            continue
+        node = raw
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(keys[:-1])} is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{key}: {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None, schema: type[C] = Config) -> C:  # type: ignore[assignment]
+    """Read a YAML file (optional), apply environment and explicit overrides, validate against
+    ``schema`` (the core tree, or an application's extension of it such as ``apps.config.AppConfig``)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"configuration file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raw = loaded or {}
+    raw = _apply_env(raw, os.environ if environ is None else environ)
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def dump_config(cfg: Config, reveal_secrets: bool = False) -> str:
+    """The resolved configuration as YAML; secrets are masked unless ``reveal_secrets``
+    (used to hand a resolved configuration to a child process through a private file)."""
+    data = cfg.model_dump(mode="json")
+    if reveal_secrets:
+        _reveal(cfg, data)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def flat_settings(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``section.field`` -> value of every leaf of a nested mapping (a configuration's JSON dump: secrets
+    masked); a list is a leaf, an empty mapping has none."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(flat_settings(value, path))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _reveal(model: BaseModel, data: dict[str, Any]) -> None:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, SecretStr):
+            data[name] = value.get_secret_value()
+        elif isinstance(value, list) and value and isinstance(value[0], SecretStr):
+            data[name] = [v.get_secret_value() for v in value]
+        elif isinstance(value, BaseModel):
+            _reveal(value, data[name])

@@ -13,10 +13,17 @@ from typing import Callable
 
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ConfigError, dump_config
+from online_sao.config.reference import reference
+
+REFERENCE_TITLE = "Configuration reference"
+"""Title of ``config reference``'s Markdown (docs/CONFIG.md is that output)."""
 
 
-def _config_show(cfg: AppConfig, args: argparse.Namespace) -> int:
-    print(dump_config(cfg), end="")
+def _config(cfg: AppConfig, args: argparse.Namespace) -> int:
+    if args.action == "reference":
+        print(reference(AppConfig, REFERENCE_TITLE), end="")
+    else:
+        print(dump_config(cfg), end="")
     return 0
 
 
@@ -118,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override one field, e.g. --set serving.port=8001 (repeatable)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    show = sub.add_parser("config", help="configuration tools")
-    show.add_argument("action", choices=["show"])
-    show.set_defaults(run=_config_show)
+    show = sub.add_parser("config", help="configuration tools: show (the resolved tree as YAML), "
+                                         "reference (every key, its type, default and meaning, as Markdown)")
+    show.add_argument("action", choices=["show", "reference"])
+    show.set_defaults(run=_config)
 
     kafka = sub.add_parser("kafka", help="the local Apache Kafka broker")
     kafka.add_argument("action", choices=["up", "down", "status"])

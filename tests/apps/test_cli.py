@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,13 @@ def test_a_model_path_without_a_model_is_a_one_line_error(tmp_path, capsys):
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "--set", f"model.path={tmp_path / 'none'}",
                      "base-model"]) == 2
     assert capsys.readouterr().err == f"online-sao: model.path {tmp_path / 'none'} holds no Hugging Face model (no config.json)\n"
+
+
+def test_the_committed_configuration_reference_is_what_the_command_prints(monkeypatch, capsys):
+    for name in [n for n in os.environ if n.startswith("ONLINE_SAO__")]:
+        monkeypatch.delenv(name)
+    assert cli.main(["config", "reference"]) == 0
+    printed = capsys.readouterr().out
+    committed = (Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md").read_text()
+    assert printed == committed, "docs/CONFIG.md is stale: run `online-sao config reference > docs/CONFIG.md`"
+    assert "- **`serving.kv_layout`**" in printed and "- **`experiment.arms[].name`**" in printed

@@ -27,7 +27,7 @@ class RewardConfig(Section):
     on_missing: Literal["default", "drop"] = "drop"
     """What happens to an interaction whose window closes without a reward."""
     default_value: float = 0.0
-    """Reward given when on_missing is 'default'."""
+    """Reward given when on_missing is 'default'; within [min_value, max_value], like any reward accepted."""
     group_timeout_s: float | None = Field(30.0, gt=0)
     """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
     rest; then the group is trained on as it is and counted (``join_incomplete_groups``). A group
@@ -42,6 +42,9 @@ class RewardConfig(Section):
     def _range(self) -> "RewardConfig":
         if not self.min_value < self.max_value:
             raise ValueError("min_value must be below max_value")
+        if not self.min_value <= self.default_value <= self.max_value:  # NaN fails too
+            raise ValueError(f"default_value ({self.default_value:g}) must lie within min_value and max_value "
+                             f"({self.min_value:g} to {self.max_value:g}): the learner trains on it as a reward")
         if self.memory_s is not None and self.memory_s < 2 * self.window_s:
             raise ValueError(f"memory_s ({self.memory_s:g}) must be at least two reward windows "
                              f"(2 x window_s = {2 * self.window_s:g})")

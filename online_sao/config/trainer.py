@@ -31,8 +31,9 @@ class TrainerConfig(Section):
     1.08 s with 2.0 at 2 requests/s, the wait for four rollouts;
     benchmarks/results/learner.md). Under load the batch fills before the deadline.
     None waits for min_rollouts or token_budget however long it takes."""
-    max_version_lag: int | None = None
-    """Drop rollouts sampled more than this many versions ago (None keeps all)."""
+    max_version_lag: int | None = Field(None, ge=0)
+    """Drop rollouts sampled more than this many versions ago (None keeps all; 0 trains only
+    rollouts of the learner's current version)."""
     publish_every: int = Field(1, ge=1)
     """Publish weights every N learner steps."""
     keep_versions: int = Field(3, ge=1)

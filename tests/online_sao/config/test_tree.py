@@ -36,6 +36,16 @@ def test_invalid_value_is_named():
         load_config(environ={"ONLINE_SAO__ALGORITHM__EPS_LOW": "1.5"})
 
 
+@pytest.mark.parametrize(("name", "value", "named"), [
+    ("TRAINER__MAX_VERSION_LAG", "-1", r"trainer\.max_version_lag"),  # would drop every rollout
+    ("REWARD__DEFAULT_VALUE", "11", r"default_value \(11\) must lie within"),  # over max_value 10
+    ("REWARD__DEFAULT_VALUE", ".nan", r"default_value \(nan\) must lie within"),
+])
+def test_values_the_learner_cannot_use_are_refused(name, value, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(environ={f"ONLINE_SAO__{name}": value})
+
+
 def test_malformed_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("kafka: [unclosed\n")

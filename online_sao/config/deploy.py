@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from online_sao.config.base import Section
 from online_sao.schemas import MAX_SCORES_PER_REWARD, ScoreName
@@ -72,6 +72,15 @@ class DeployConfig(Section):
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""
     segments_window: int = Field(128, ge=1)
     """Newest rewards per segment over which the learner's ``segment.<name>.reward`` is the mean."""
+
+    @model_validator(mode="after")
+    def _window_holds_a_decision(self) -> "DeployConfig":
+        # the gate scores at most `window` rollouts, and an ESS never exceeds the rollouts it weighs:
+        # a window smaller than either floor refuses every decision and no candidate is ever decided
+        if self.window < self.gate_min_rollouts or self.window < self.gate_min_ess:
+            raise ValueError(f"window ({self.window}) must hold gate_min_rollouts ({self.gate_min_rollouts}) and "
+                             f"gate_min_ess ({self.gate_min_ess:g}): the gate decides on at most window rollouts")
+        return self
 
 
 class DriftConfig(Section):

@@ -30,6 +30,8 @@ LONG_DEFAULT = 100
 def type_name(annotation: Any) -> str:
     """``int``, ``str | None``, ``list[str]``, ``"padded" | "flat"``, ... as the YAML file sees them."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 from pydantic import Field, SecretStr
@@ -102,7 +102,7 @@ def test_a_small_tree_is_written_key_by_key():
 
 @pytest.mark.parametrize(("annotation", "written"), [
     (int, "int"), (str | None, "str | None"), (list[str], "list[str]"), (dict[str, float], "dict[str, float]"),
-    (Literal["padded", "flat"], '"padded" | "flat"'), (list[SecretStr], "list[secret]"), (Path, "path"),
+    (Literal["padded", "flat"], '"padded" | "flat"'), (dict[Annotated[str, Field(pattern="^a")], float], "dict[str, float]"), (list[SecretStr], "list[secret]"), (Path, "path"),
 ])
 def test_types_are_written_as_a_yaml_file_sees_them(annotation, written):
     assert type_name(annotation) == written

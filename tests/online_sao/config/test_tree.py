@@ -40,6 +40,8 @@ def test_invalid_value_is_named():
     ("TRAINER__MAX_VERSION_LAG", "-1", r"trainer\.max_version_lag"),  # would drop every rollout
     ("REWARD__DEFAULT_VALUE", "11", r"default_value \(11\) must lie within"),  # over max_value 10
     ("REWARD__DEFAULT_VALUE", ".nan", r"default_value \(nan\) must lie within"),
+    ("DEPLOY__WINDOW", "16", r"window \(16\) must hold gate_min_rollouts \(32\)"),  # the gate would refuse always
+    ("DEPLOY__GATE_MIN_ESS", "200", r"window \(128\) must hold .* gate_min_ess \(200\)"),
 ])
 def test_values_the_learner_cannot_use_are_refused(name, value, named):
     with pytest.raises(ConfigError, match=named):

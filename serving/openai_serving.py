@@ -187,13 +187,13 @@ class OpenAIServing:
                 raise APIError(413, f"the prompt has {prompt_len} tokens and the model's context is "
                                     f"{self.max_model_len}", code="context_length_exceeded")
             room = min(room, self.max_model_len - prompt_len)
-        asked = request.requested_max_tokens()
+        asked, field = request.requested_max_tokens(), request.max_tokens_field()
         if asked is not None and asked > self.cfg.max_new_tokens:
-            raise APIError(400, f"max_tokens is {asked}; this server allows at most {self.cfg.max_new_tokens}",
-                           param="max_tokens", code="max_tokens_too_large")
+            raise APIError(400, f"{field} is {asked}; this server allows at most {self.cfg.max_new_tokens}",
+                           param=field, code="max_tokens_too_large")
         if asked is not None and asked > room:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({asked}) exceeds the "
-                                f"model's context of {self.max_model_len} tokens", param="max_tokens",
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus {field} ({asked}) exceeds the "
+                                f"model's context of {self.max_model_len} tokens", param=field,
                            code="context_length_exceeded")
         reason = self.logger.refusal()
         if reason is not None:
@@ -253,7 +253,8 @@ class OpenAIServing:
             if turn.token_ids:
                 raise
             # engines refuse input they cannot run (ids outside the vocabulary) before sampling
-            raise APIError(400, f"the engine refused the request: {exc}") from exc
+            raise APIError(400, f"the engine refused the request: {exc}",
+                           param="prompt" if turn.route == "completions" else "messages") from exc
         finally:
             await stream.aclose()
             if turn.finish_reason is not None and turn.token_ids:
@@ -332,34 +333,52 @@ class OpenAIServing:
     async def _serve(self, request: SamplingRequest, turn: Turn, fmt: AnswerFormat) -> Answer | Streamed:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt))
+            pieces = self._pieces(turn)
+            # the engine takes the request (or refuses it: an APIError with its status) before any header
+            # goes out; the first piece stays in ``turn.text`` for the stream's first chunk
+            await anext(pieces, None)
+            return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt, pieces))
         async for _ in self._pieces(turn):
             pass
         await self._acknowledge(turn)
         reply = Reply(turn.content, turn.answer_finish_reason, self._logprobs(turn, fmt, 0),
                       turn.parsed.calls if turn.parsed else ())
-        return fmt.answer(id=turn.interaction_id, model=self.cfg.model_name, usage=turn.usage(),
+        return fmt.answer(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, usage=turn.usage(),
                           choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
                           policy_version=max(turn.versions), policy_versions=turn.policy_versions)
 
-    async def _events(self, turn: Turn, include_usage: bool, fmt: AnswerFormat) -> AsyncIterator[str]:
+    async def _events(self, turn: Turn, include_usage: bool, fmt: AnswerFormat,
+                      pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The stream's SSE lines; ``pieces`` is the turn's :meth:`_pieces`, already started."""
         def chunk(choice: BaseModel, final: bool = False) -> str:
-            return sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, interaction_id=turn.interaction_id,
-                                 choices=[choice], policy_version=max(turn.versions) if final else None,
+            return sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name,
+                                 interaction_id=turn.interaction_id, choices=[choice],
+                                 policy_version=max(turn.versions) if final else None,
                                  policy_versions=turn.policy_versions if final else None))
 
         sent_tokens, sent_text = 0, 0  # tokens whose log-probs went out; characters of turn.text that did
         parser = self.tool_call_parser if turn.tools is not None else None
+
+        def ready_piece() -> str | None:
+            """The chunk of the text not yet sent, if any may go out (with tools, text that may be a
+            tool call waits for the end of the answer)."""
+            nonlocal sent_tokens, sent_text
+            ready = len(turn.text) if parser is None else parser.held_from(turn.text)
+            if ready <= sent_text:
+                return None
+            line = chunk(fmt.piece_choice(turn.text[sent_text:ready], self._logprobs(turn, fmt, sent_tokens)))
+            sent_tokens, sent_text = len(turn.token_ids), ready
+            return line
+
         try:
             if fmt.opening_choice is not None:
                 yield chunk(fmt.opening_choice())
-            async with aclosing(self._pieces(turn)) as pieces:
+            async with aclosing(pieces):
+                if (line := ready_piece()) is not None:  # the piece read before the stream began
+                    yield line
                 async for _ in pieces:
-                    # with tools, text that may be a tool call waits for the end of the answer
-                    ready = len(turn.text) if parser is None else parser.held_from(turn.text)
-                    if ready > sent_text:
-                        yield chunk(fmt.piece_choice(turn.text[sent_text:ready], self._logprobs(turn, fmt, sent_tokens)))
-                        sent_tokens, sent_text = len(turn.token_ids), ready
+                    if (line := ready_piece()) is not None:
+                        yield line
             if turn.parsed is not None:
                 rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
                 if rest:
@@ -370,7 +389,7 @@ class OpenAIServing:
             await self._acknowledge(turn)
             yield chunk(fmt.final_choice(turn.answer_finish_reason, self._logprobs(turn, fmt, sent_tokens)), final=True)
             if include_usage:
-                yield sse(fmt.chunk(id=turn.interaction_id, model=self.cfg.model_name, choices=[],
+                yield sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, choices=[],
                                     usage=turn.usage(), interaction_id=turn.interaction_id))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: the error travels as an SSE event

@@ -23,7 +23,7 @@ from pydantic.json_schema import models_json_schema
 from online_sao.schemas import MIN_TEMPERATURE
 from serving.answers import ChatCompletionResponse, CompletionResponse
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest,
-                              FeedbackResponse, ModelList, TurnRewardIn)
+                              FeedbackResponse, ModelCard, ModelList, TurnRewardIn)
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 SECURITY_SCHEME = "apiKey"
@@ -72,6 +72,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/completions", "post"): Operation(CompletionRequest, CompletionResponse, _SAMPLING_ERRORS, streams=True),
     ("/v1/feedback", "post"): Operation(FeedbackRequest, FeedbackResponse, (400, 401, 403, 410, 413, 422, 429, 503)),
     ("/v1/models", "get"): Operation(None, ModelList, (401, 413, 429)),
+    ("/v1/models/{model_id}", "get"): Operation(None, ModelCard, (401, 404, 413, 429)),
 }
 """The documented shape of each JSON operation, by (path, method)."""
 
@@ -102,7 +103,7 @@ def _tighten(defs: dict[str, Any], limits: ApiLimits) -> None:
         properties = defs[op.request.__name__].get("properties", {}) if op.request is not None else {}
         if "model" in properties:
             properties["model"] = {"type": "string", "enum": [limits.model_name]}
-            properties["n"] = {"type": "integer", "enum": [1], "default": 1}
+            properties["n"] = {"anyOf": [{"type": "null"}, {"type": "integer", "enum": [1]}], "default": None}
             for branch in properties["temperature"].get("anyOf", []):
                 if branch.get("type") == "number":  # 0 and tiny temperatures are refused
                     branch["minimum"] = MIN_TEMPERATURE

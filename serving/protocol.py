@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName
+
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+"""Seeds a torch generator takes (``manual_seed``): any 64-bit integer, signed or not."""
 
 
 class APIError(Exception):
@@ -31,7 +35,8 @@ class APIError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        self.code = code if code is not None or status != 400 else "invalid_value"
+        """A 400 without a more particular code is an invalid value (docs/SERVING.md, "Errors")."""
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -133,6 +138,12 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallIn] | None = None
     """An assistant message's tool calls, as this server returned them."""
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (only an assistant message may leave it null)")
+        return self
+
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
         if self.content is None:
@@ -176,9 +187,10 @@ class SamplingRequest(_Request):
     """0 (greedy) is refused by the serving layer: learning needs a sampling distribution."""
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: int | None = None
+    """Only 1 (null and absent mean 1, as in OpenAI's API)."""
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
@@ -208,7 +220,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     """Newer name of ``max_tokens``; either may be sent."""
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Needs ``logprobs``; how many alternatives each token lists."""
     tools: list[ToolSpec] | None = None
@@ -232,6 +244,10 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The name under which the client sent its token limit (for errors about it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def requested_top_logprobs(self) -> int | None:
         """Alternatives per token when log-probs are asked for, else None."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -252,13 +268,16 @@ class CompletionRequest(SamplingRequest):
     """Log-probs of the sampled tokens and this many alternatives each."""
     best_of: int | None = None
     """Only 1, like ``n``."""
-    echo: bool = False
+    echo: bool | None = None
     """Refused when true: the answer is the completion only."""
     suffix: str | None = None
     """Refused unless empty: no fill-in-the-middle."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
 
     def requested_top_logprobs(self) -> int | None:
         return self.logprobs

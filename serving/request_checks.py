@@ -21,17 +21,20 @@ _CHANGES_DISTRIBUTION = ("changes the sampling distribution, which the learner w
 
 
 def _refuse(field: str, why: str) -> APIError:
+    """400 ``unsupported_parameter``: a field this service does not honour, with the reason."""
     return APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
 
 
 def check_sampling(request: SamplingRequest) -> None:
-    """n, temperature, stop strings, penalties and logit bias."""
-    if request.n != 1:
-        raise APIError(400, f"n={request.n} is not supported: each request samples one completion, logged as "
-                            "one interaction with its own id (send several requests)", param="n")
+    """n, temperature, stream options, stop strings, penalties and logit bias."""
+    if request.n not in (None, 1):
+        raise _refuse("n", f"n={request.n} asks for several completions; each request samples one, logged as "
+                           "one interaction with its own id (send several requests)")
     if request.temperature == 0:
-        raise APIError(400, "temperature 0 (greedy decoding) is not supported: online learning needs the "
-                            "sampling distribution; use a small positive temperature", param="temperature")
+        raise _refuse("temperature", "temperature 0 (greedy decoding) leaves no sampling distribution, which "
+                                     "online learning needs; use a small positive temperature")
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if request.temperature is not None and request.temperature < MIN_TEMPERATURE:
         raise APIError(400, f"temperature {request.temperature:g} is below the smallest supported, "
                             f"{MIN_TEMPERATURE:g}", param="temperature")

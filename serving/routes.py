@@ -112,11 +112,22 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
     """The served model, liveness, readiness and Prometheus metrics."""
     router = APIRouter()
 
+    def card() -> ModelCard:
+        return ModelCard(id=status.model_name, created=status.started_at, policy_version=engine.policy_version)
+
     @router.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
-        card = ModelCard(id=status.model_name, created=status.started_at, policy_version=engine.policy_version)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[card()]).model_dump())
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        """OpenAI's "retrieve model" (``client.models.retrieve``): the served model's card, else 404."""
+        authorize(request)
+        if model_id != status.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {status.model_name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card().model_dump())
 
     @router.get("/healthz")
     async def healthz() -> dict:

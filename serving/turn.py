@@ -55,6 +55,11 @@ class Turn:
         return ROUTE_PATHS[self.route]
 
     @property
+    def created(self) -> int:
+        """The answer's ``created`` (Unix seconds): one value for every chunk of a stream."""
+        return int(self.created_at)
+
+    @property
     def policy_versions(self) -> list[int]:
         return sorted(set(self.versions))
 

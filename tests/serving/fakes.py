@@ -54,6 +54,9 @@ class FakeEngine:
         self.started = False
         self.open_streams = 0
         self.fail_with: Exception | None = None
+        """Raised when a request arrives, before any token."""
+        self.fail_after: tuple[int, Exception] | None = None
+        """``(n, error)``: raised after the n-th token of an answer (a failure once a stream began)."""
 
     @property
     def policy_version(self) -> int:
@@ -73,6 +76,8 @@ class FakeEngine:
                 yield TokenEvent(token, -0.1 * (i + 1), self.version, finish)
                 if finish is not None:
                     return
+                if self.fail_after is not None and i + 1 == self.fail_after[0]:
+                    raise self.fail_after[1]
         finally:
             self.open_streams -= 1
 

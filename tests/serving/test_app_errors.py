@@ -27,7 +27,7 @@ def assert_openai_error(response, status: int, *, param: str | None = None, code
 @pytest.mark.parametrize("body, status, param, code", [
     ({**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
     ({**GOOD, "max_tokens": 10_000}, 400, "max_tokens", "max_tokens_too_large"),
-    ({**GOOD, "max_completion_tokens": 10_000}, 400, "max_tokens", "max_tokens_too_large"),
+    ({**GOOD, "max_completion_tokens": 10_000}, 400, "max_completion_tokens", "max_tokens_too_large"),
     ({**GOOD, "n": 2}, 400, "n", None),
     ({**GOOD, "temperature": 0}, 400, "temperature", None),
     ({**GOOD, "temperature": 50}, 400, "temperature", "invalid_value"),
@@ -97,11 +97,16 @@ def test_engine_failures_are_500_with_a_body_and_the_server_stays_up(make_harnes
     h.engine.fail_with = RuntimeError("CUDA fell over")
     error = assert_openai_error(h.client.post(CHAT, json=GOOD), 500)
     assert "CUDA fell over" in error["message"] and error["type"] == "server_error"
-    with h.client.stream("POST", CHAT, json={**GOOD, "stream": True}) as r:
-        assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line]
-    assert '"error"' in lines[-1] and "CUDA fell over" in lines[-1]
+    # before the first token nothing has gone out: a stream gets the same status and body
+    error = assert_openai_error(h.client.post(CHAT, json={**GOOD, "stream": True}), 500)
+    assert "CUDA fell over" in error["message"] and error["type"] == "server_error"
     h.engine.fail_with = None
+    h.engine.fail_after = (2, RuntimeError("CUDA fell over mid-answer"))
+    with h.client.stream("POST", CHAT, json={**GOOD, "stream": True}) as r:
+        assert r.status_code == 200  # the stream began: the error is its last event
+        lines = [line for line in r.iter_lines() if line]
+    assert '"error"' in lines[-1] and "CUDA fell over mid-answer" in lines[-1] and "[DONE]" not in lines[-1]
+    h.engine.fail_after = None
     assert h.client.post(CHAT, json=GOOD).status_code == 200
     assert len(h.interactions()) == 1  # failed requests logged nothing
 

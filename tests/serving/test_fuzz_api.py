@@ -46,7 +46,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 FUZZED = [("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
           ("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
           ("POST", "/v1/feedback", POSITIVE), ("POST", "/v1/feedback", NEGATIVE),
-          ("GET", "/v1/models", POSITIVE), ("GET", "/healthz", POSITIVE), ("GET", "/readyz", POSITIVE),
+          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE), ("GET", "/healthz", POSITIVE), ("GET", "/readyz", POSITIVE),
           ("GET", "/metrics", POSITIVE)]
 """Every operation with schema-valid data; those with a body also with schema-invalid data."""
 SCHEMATHESIS_CONFIG = schemathesis.Config.from_dict({"checks": {"negative_data_rejection": {

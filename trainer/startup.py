@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
-from online_sao.config import Config
+from online_sao.config import AlgorithmConfig, Config, ConfigError
 from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
 from streams.base import StreamBackend
@@ -25,6 +25,21 @@ from trainer.rank_zero import RankZero
 from trainer.state import Position, Trainables, restore_training_state
 
 log = logging.getLogger(__name__)
+
+
+ONE_PROCESS_OPTIONS = ("value_shrinkage_window", "value_level_window", "critic_rewarm_rollouts")
+"""SAO options whose windows each rank keeps of its own rollouts: under several ranks the shrinkage
+and level windows would hold world_size times their rollouts (their sums are added over ranks), and
+a checkpoint keeps rank 0's windows only, which a restart gives every rank (docs/ALGORITHM.md)."""
+
+
+def check_options_fit_the_ranks(cfg: AlgorithmConfig, world_size: int) -> None:
+    """Refuse :data:`ONE_PROCESS_OPTIONS` under several ranks (ConfigError naming them)."""
+    used = [name for name in ONE_PROCESS_OPTIONS if getattr(cfg, name)]
+    if world_size > 1 and used:
+        raise ConfigError(f"algorithm.{', algorithm.'.join(used)} run in one process only: each rank would keep a "
+                          f"window of its own rollouts, {world_size} times the configured size, and a restart "
+                          "would give every rank rank 0's; set them to 0 or run the learner as one process")
 
 
 @dataclass
@@ -43,6 +58,7 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     """The policy from ``cfg.model_dir``, a critic when the rule needs one (the algorithm
     registry says), the KL penalty's reference policy when it is on, all sharded (and their
     bodies compiled with ``trainer.compile``), the optimisers and the learning rule."""
+    check_options_fit_the_ranks(cfg.algorithm, ctx.world_size)
     policy = load_policy(cfg.model_dir, cfg.model.dtype)
     vocab_size = policy.get_input_embeddings().num_embeddings
     pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id

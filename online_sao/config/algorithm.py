@@ -79,20 +79,23 @@ class AlgorithmConfig(Section):
     their baseline instead of the cold critic's values (not in the paper, 0 turns it off). Before
     its traffic the learner can pre-train the critic on logged rollouts (``learn
     --pretrain-critic``; 64 in the drift experiments); after a restart no such rollouts exist, so
-    the critic learns from the traffic while a running mean stands in for it (SAO.md: a cold critic is the main cause of early instability)."""
+    the critic learns from the traffic while a running mean stands in for it (SAO.md: a cold critic is the main cause of early instability).
+    One learner process only (refused under torchrun with several ranks)."""
     value_shrinkage_window: int = Field(0, ge=0)
     """SAO: shrink the critic's values toward the mean reward of the last this many rollouts, by
     the slope of their returns on their out-of-sample values (online_sao/value_shrinkage.py; not
     in the paper, 0 turns it off). Where the critic predicts new answers no better than a
     constant, the advantages fall back to a running-mean baseline instead of carrying its
-    errors; where it predicts them, its values stay."""
+    errors; where it predicts them, its values stay.
+    One learner process only (refused under torchrun with several ranks)."""
     value_level_window: int = Field(0, ge=0)
     """SAO: take the level of the critic's values from the mean reward of the last this many
     rollouts and only their course along each answer from the critic: V'_t = m + V_t - V_first,
     with V_first the critic's value at the rollout's first action token, its estimate of the
     prompt's value (online_sao/value_shrinkage.py; not in the paper, 0 turns it off). For
     traffic whose prompts do not predict the reward, where a critic's level chases its last few
-    batches; it discards what the critic knows about one prompt against another."""
+    batches; it discards what the critic knows about one prompt against another.
+    One learner process only (refused under torchrun with several ranks)."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a reference policy (SAO.md section 3b; not in the paper, 0 turns
     it off): the k3 estimate exp(d) - 1 - d, d = log pi_ref - log pi_theta, per action token,

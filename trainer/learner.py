@@ -26,7 +26,9 @@
    candidate (and checkpointed) after the previous candidate was promoted or rolled back
    on the gate's evidence; a roll-back restores the champion's whole training state
    (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart or
-   roll-back is published at once and becomes the champion;
+   roll-back is published at once and becomes the champion; so is the first step after a
+   restart whose weight store holds versions newer than its checkpoint (published, then lost
+   in a crash): its version number names weights this policy does not have;
 5. every ``checkpoint_every`` steps a checkpoint is committed, THEN the consumer
    offsets it covers are committed to Kafka (:func:`checkpoint`); with
    ``trainer.checkpoint_in_background`` the state is copied and written on a thread
@@ -143,7 +145,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             metrics = learn(models, taken, at, rank0, ctx)              # 3: every rank on its share
             laps.lap("step")
             restarted = metrics.get("drift_alarm", 0.0) > 0                # out at once, as the new champion
-            if (at.step % tcfg.publish_every == 0 and at.changed_since_publish) or restarted:
+            if (at.step % tcfg.publish_every == 0 and at.changed_since_publish) or restarted or at.publish_due:
                 publish(models, at, rank0, metrics, ctx, restarted)     # 4: weights, notice, registry
             laps.lap("publish")
             if at.step % tcfg.checkpoint_every == 0 and at.checkpointed_step < at.step:
@@ -202,7 +204,7 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
     (only its weights, from the store, when none is kept). ``restarted``: the step restarted (or
     rolled back) the policy after a detected reward drop; the registry makes this version its champion
     (:meth:`trainer.publisher.Releases.rebase`). Collective."""
-    at.changed_since_publish = False
+    at.changed_since_publish = at.publish_due = False
     at.version += 1
     drift = {k: v for k, v in metrics.items() if k.startswith("drift_")} if restarted else None
     outcome = release_policy(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version,

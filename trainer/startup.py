@@ -95,7 +95,7 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     if ctx.is_main:
         log.info("learner on %d rank(s) from step %d, policy version %d", ctx.world_size, progress.step, version)
     at = Position(step=progress.step, version=version, checkpointed_step=progress.step,
-                  changed_since_publish=progress.step > 0)
+                  changed_since_publish=progress.step > 0, publish_due=version > progress.version)
     return at, rank0
 
 

@@ -52,6 +52,10 @@ class Position:
     have been published."""
     steps_here: int = 0
     """Steps trained by this process."""
+    publish_due: bool = False
+    """Publish after the next step whatever ``trainer.publish_every`` says: the store holds versions
+    newer than the checkpoint (published, then lost in a crash), so ``version`` names weights this
+    policy does not have, and a checkpoint before the next publish would carry that name."""
 
 
 @dataclass

@@ -20,16 +20,19 @@ interval ``D +- z se`` at the configured confidence:
 - promoted: the interval's lower end is at least ``-m``;
 - undecided: the interval straddles ``-m``.
 
-With a canary (``deploy.canary_share`` ``s``: that share of requests is answered by the
-champion itself) every answer in the window was drawn from the mixture
-``q = (1 - s) pi_serving + s pi_champ``, ``pi_serving`` the newest version then. Both estimates
-then weigh each answer against ``q`` instead of the version that sampled it (the balance
-heuristic of multiple importance sampling, :func:`mixture_log_ratios`): ``w_i = pi(x_i) / q(x_i)``.
-The champion's weights are at most ``1/s`` and the candidate's at most ``1/(1 - s)``, however
-far apart the two are, so neither ESS collapses: where the champion hardly samples what the
-serving versions sample, its estimate rests on its own canary answers; where the two agree, on
-all of them. ``pi_serving`` of a canary answer is not known (the newest version when it was
-answered); the candidate stands in for it. With ``s = 0`` the weights are those above.
+With a canary (``deploy.canary_share``: that share of requests is answered by the champion
+itself) the gate pools the serving versions' answers with the champion's own; with ``s`` the
+pool's share of canary answers, the pool was drawn from the mixture
+``q = (1 - s) pi_serving + s pi_champ``, ``pi_serving`` the version that served an answer. Both
+estimates weigh each answer against ``q`` instead of the version that sampled it (the balance
+heuristic of multiple importance sampling, with the pool's own counts: :func:`mixture_log_ratios`):
+``w_i = pi(x_i) / q(x_i)``. The champion's weights are at most ``1/s``, however far apart it is
+from the serving versions, so its ESS does not collapse: where the champion hardly samples what the
+serving versions sample, its estimate rests on its own canary answers; where they agree, on all of
+them. The candidate's weight is at most ``1/(1 - s)`` on the answers it sampled itself; on those of
+later serving versions it is their ratio, as without a canary. ``pi_serving`` of a canary answer is
+not known (the newest version when it was answered); the candidate stands in for it. With ``s = 0``
+the weights are those above.
 """
 
 from __future__ import annotations
@@ -181,11 +184,17 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
 
 def mixture_log_ratios(log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
                        from_canary: torch.Tensor, canary_share: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-ratios against the traffic's mixture when a canary answers ``canary_share`` ``s`` of the
-    requests with the champion (module docstring, "With a canary"). All ``[B]``; ``from_canary``
-    bool: the champion answered. Returns ``(log pi_cand / q, log pi_champ / q)`` per answer."""
+    """Log-ratios against the mixture ``q`` a pool of answers was drawn from when a share
+    ``canary_share`` ``s`` of them was answered by the champion (module docstring, "With a canary").
+    All ``[B]``; ``from_canary`` bool: the champion answered. Returns ``(log pi_cand / q,
+    log pi_champ / q)`` per answer."""
+    if not 0 <= canary_share <= 1:
+        raise ValueError(f"canary_share must lie in [0, 1], got {canary_share}")
     if canary_share == 0:
         return log_ratio_candidate, log_ratio_champion
+    if canary_share == 1:  # the champion answered every one: q is the champion
+        return (log_ratio_candidate.double() - log_ratio_champion.double(),
+                torch.zeros_like(log_ratio_champion, dtype=torch.float64))
     l_cand, l_champ = log_ratio_candidate.double(), log_ratio_champion.double()
     # log(pi_serving / mu): 0 where the serving version sampled; the candidate stands in for it on a canary answer
     l_serving = torch.where(from_canary, l_cand, torch.zeros_like(l_cand))

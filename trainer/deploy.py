@@ -202,8 +202,8 @@ class OffPolicyGate:
                 record: Callable[[], ValueRecord | None] | None = None) -> GateEvidence:
         """The decision on ``window.since(candidate.version)`` and, with a canary, the champion's
         own answers observed since the candidate's registration (:meth:`RecentWindow.canary`),
-        every answer weighed against the traffic's mixture
-        (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
+        every answer weighed against the mixture the pool was drawn from, at the pool's own share of
+        canary answers (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
         describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
         many of them the champion sampled. When only the champion's ESS stood in the way
         (``deploy.gate_champion_record`` on), ``record`` is asked for the champion's record (called
@@ -214,9 +214,11 @@ class OffPolicyGate:
         rollouts = newest + canary
         rewards = torch.tensor([r.total_reward for r in rollouts], dtype=torch.float64)
         from_canary = torch.tensor([False] * len(newest) + [True] * len(canary))
+        # the window's own share of canary answers, not the traffic's: serving answers enter by version
+        # and canary answers by when they were observed, so the window holds more of the latter
+        share = len(canary) / len(rollouts) if canary else 0.0
         log_cand, log_champ = mixture_log_ratios(self.scorer.log_ratios(candidate, rollouts),
-                                                 self.scorer.log_ratios(champion, rollouts), from_canary,
-                                                 self.canary_share)
+                                                 self.scorer.log_ratios(champion, rollouts), from_canary, share)
         evidence = decide(rewards, log_cand, log_champ, self.settings, versions_of(rollouts))
         if record is not None and self.use_records and champion_unscorable(evidence, self.settings) \
                 and (found := record()) is not None:

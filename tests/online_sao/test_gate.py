@@ -116,10 +116,19 @@ def test_mixture_log_ratios_by_hand():
 
 
 def test_mixture_weights_stay_under_one_over_the_share():
-    """However far apart the two versions are, the champion's weight is at most 1/s and the
-    candidate's at most 1/(1 - s): the ESS cannot collapse onto one answer."""
+    """However far apart the two versions are, the champion's weight is at most 1/s and, on the
+    answers the candidate sampled itself, the candidate's at most 1/(1 - s): the ESS cannot
+    collapse onto one answer."""
     l_cand = torch.tensor([0.0, 0.0, -30.0, -25.0])
     l_champ = torch.tensor([-40.0, 20.0, 0.0, 0.0])
     cand, champ = mixture_log_ratios(l_cand, l_champ, torch.tensor([False, False, True, True]), canary_share=0.2)
     assert torch.exp(champ).max() <= 1 / 0.2 + 1e-9 and torch.exp(cand).max() <= 1 / 0.8 + 1e-9
     assert torch.exp(champ)[1:].tolist() == pytest.approx([5.0, 5.0, 5.0], rel=1e-6)  # 20 nats over: about 1/s
+
+
+def test_a_pool_the_champion_answered_alone_weighs_the_candidate_against_it():
+    l_cand, l_champ = torch.tensor([-1.0, 0.5]), torch.tensor([0.0, 0.0])  # the champion sampled both
+    cand, champ = mixture_log_ratios(l_cand, l_champ, torch.tensor([True, True]), canary_share=1.0)
+    assert cand.tolist() == [-1.0, 0.5] and champ.tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="canary_share must lie in"):
+        mixture_log_ratios(l_cand, l_champ, torch.tensor([True, True]), canary_share=1.5)

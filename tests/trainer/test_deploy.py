@@ -363,3 +363,30 @@ def test_with_a_canary_a_drift_restart_is_announced_as_champion(registry_cfg):
     assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
                                                          ("champion", 3)]
     assert notices[-1].step == 7 and tracker.champion()[0] == 3
+
+
+def test_the_gate_weighs_a_canary_pool_at_its_own_share_not_the_traffics(registry_cfg):
+    """Serving answers enter the pool by version, canary answers by when they were observed: here 6
+    answers of the candidate (v3) and 6 of the champion (v1) observed since the registration, three
+    of them sampled before v3 existed. The pool was drawn half and half, not at the configured 0.2."""
+    prob_b = {1: 0.2, 3: 0.8}
+    window = RecentWindow(64)
+    window.observe([_rollout(f"old-{i}", [5, STYLE_A], 2, 0.0, logprob=math.log(0.5)) for i in range(4)])
+    window.mark_registration((0.0, 0.0))
+    styles = [STYLE_B, STYLE_B, STYLE_A, STYLE_B, STYLE_A, STYLE_A]
+    for i, style in enumerate(styles):  # the champion's answers first, as they came in
+        p = prob_b[1] if style == STYLE_B else 1 - prob_b[1]
+        window.observe([_rollout(f"canary-{i}", [5, style], 1, float(style == STYLE_B), logprob=math.log(p))])
+    for i, style in enumerate(styles):
+        p = prob_b[3] if style == STYLE_B else 1 - prob_b[3]
+        window.observe([_rollout(f"serving-{i}", [5, style], 3, float(style == STYLE_B), logprob=math.log(p))])
+    deploy = registry_cfg.deploy.model_copy(update={"canary_share": 0.2, "gate_min_rollouts": 4, "gate_min_ess": 1.0})
+    evidence = OffPolicyGate(MixtureScorer(prob_b), deploy).compare(WeightsRef(3, "c", "x"), WeightsRef(1, "h", "x"),
+                                                                    window)
+    assert (evidence.n, evidence.canary_n) == (12, 6)
+    # q = 0.5 pi_3 + 0.5 pi_1 on every answer (the candidate stands in for the serving version)
+    q = {STYLE_B: 0.5 * 0.8 + 0.5 * 0.2, STYLE_A: 0.5 * 0.2 + 0.5 * 0.8}
+    for value, pi in ((evidence.candidate_value, prob_b[3]), (evidence.champion_value, prob_b[1])):
+        w = {STYLE_B: pi / q[STYLE_B], STYLE_A: (1 - pi) / q[STYLE_A]}
+        total = sum(2 * w[s] for s in styles)
+        assert value == pytest.approx(sum(2 * w[s] * (s == STYLE_B) for s in styles) / total)

@@ -71,12 +71,13 @@ def interval(values: Sequence[float | None], confidence: float = CONFIDENCE, see
     return Interval(mean=sum(kept) / len(kept), low=float(low[0]), high=float(high[0]), n=len(kept))
 
 
-def cell(value: Interval | None, digits: int = 3, signed: bool = False) -> str:
+def cell(value: Interval | None, digits: int = 3, signed: bool = False, of: int | None = None) -> str:
     """``mean [low, high]`` for a report's table; the mean alone for one seed; '-' for no value.
-    ``signed``: every number with its sign (a difference)."""
+    ``signed``: every number with its sign (a difference). ``of``: the seeds the value should cover;
+    when fewer gave one (a NaN reward, a run without the measure), ``(n of N seeds)`` follows, so a
+    seed left out is seen, not averaged away."""
     if value is None or math.isnan(value.mean):
         return "-"
     spec = f"{'+' if signed else ''}.{digits}f"
-    if value.n == 1:
-        return f"{value.mean:{spec}}"
-    return f"{value.mean:{spec}} [{value.low:{spec}}, {value.high:{spec}}]"
+    text = f"{value.mean:{spec}}" if value.n == 1 else f"{value.mean:{spec}} [{value.low:{spec}}, {value.high:{spec}}]"
+    return text if of is None or value.n >= of else f"{text} ({value.n} of {of} seeds)"

@@ -78,14 +78,15 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
     lines += ["## Summary", ""] + _table(
         ["arm", "seeds", "rollouts", "mean reward", "post-switch mean", "collapsed", "final held-out style acc.",
          "group wait (s)", "incomplete groups", "roll-backs"],
-        [[a.name, str(a.seeds), str(a.rollouts), cell(a.mean_reward), cell(a.post_switch_mean),
-          f"{a.collapsed}/{a.seeds}", cell(a.final_style_accuracy), cell(a.group_wait_s, 1),
-          cell(a.incomplete_groups, 1), cell(a.rollbacks, 1)] for a in arms])
+        [[a.name, str(a.seeds), str(a.rollouts), cell(a.mean_reward, of=a.seeds),
+          cell(a.post_switch_mean, of=a.seeds), f"{a.collapsed}/{a.seeds}", cell(a.final_style_accuracy, of=a.seeds),
+          cell(a.group_wait_s, 1, of=a.seeds), cell(a.incomplete_groups, 1, of=a.seeds),
+          cell(a.rollbacks, 1, of=a.seeds)] for a in arms])
     heads = _phase_heads(arms)
-    for title, render in (("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level)),
+    for title, render in (("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level, of=a.seeds)),
                           (f"Re-alignment lag (rollouts to a moving reward of {scenario.realign_threshold})",
                            lambda a, p: f"{cell(p.lag, 0)} ({p.lag_reached}/{a.seeds})"),
-                          ("Area (mean reward over each phase)", lambda a, p: cell(p.area))):
+                          ("Area (mean reward over each phase)", lambda a, p: cell(p.area, of=a.seeds))):
         lines += ["", f"## {title}", ""] + _table(["arm", *heads],
                                                  [[a.name, *(render(a, p) for p in a.phases)] for a in arms])
     lines += _comparison(arms, runs, scenario.reference_arm)
@@ -108,8 +109,9 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: s
         else:
             apart = "yes" if ref.post_switch_mean.apart_from(a.post_switch_mean) else "no"
         excludes = "-" if paired is None or paired.n < 2 else ("yes" if paired.low > 0 or paired.high < 0 else "no")
-        rows.append([a.name, cell(a.post_switch_mean), f"{diff:+.3f}", apart, cell(paired, signed=True), excludes])
-    return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean)})", "",
+        rows.append([a.name, cell(a.post_switch_mean, of=a.seeds), f"{diff:+.3f}", apart,
+                     cell(paired, signed=True, of=min(a.seeds, ref.seeds)), excludes])
+    return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean, of=ref.seeds)})", "",
             *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart",
                      "minus arm, paired by seed", "paired interval excludes 0"], rows),
             "", "Paired by seed: the mean over seeds of each seed's difference, with its 95% bootstrap interval "

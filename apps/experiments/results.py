@@ -36,6 +36,9 @@ class _Row(BaseModel):
 class RewardRow(_Row):
     """One judged rollout (the score is recorded whether or not the reward was delivered)."""
 
+    # a non-finite value would be written as null, which no reader takes back: refuse it when written
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
     kind: Literal["reward"] = "reward"
     rollout: int = Field(ge=0)
     """0-based count of judged rollouts of the arm (the schedule's clock)."""

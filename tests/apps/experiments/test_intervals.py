@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apps.experiments.intervals import Interval, bootstrap_band, interval
+from apps.experiments.intervals import Interval, bootstrap_band, cell, interval
 
 
 def test_five_seeds_with_one_success():
@@ -26,6 +26,13 @@ def test_small_cases():
 def test_missing_values_are_left_out_and_counted():
     assert interval([None, 2.0, float("nan")]) == Interval(2.0, 2.0, 2.0, 1)
     assert interval([None, None]) is None
+
+
+def test_a_cell_says_when_fewer_seeds_gave_a_value_than_it_should_cover():
+    three = Interval(0.75, 0.7, 0.8, 3)
+    assert cell(three, of=4) == "0.750 [0.700, 0.800] (3 of 4 seeds)"
+    assert cell(three, of=3) == cell(three) == "0.750 [0.700, 0.800]"
+    assert cell(Interval(-0.5, -0.5, -0.5, 1), signed=True, of=2) == "-0.500 (1 of 2 seeds)"
 
 
 def test_many_seeds_are_drawn_and_stay_inside_the_data():

@@ -39,7 +39,7 @@ def synthetic_rewards(recovery: int, seed: int) -> list[float]:
     return out
 
 
-def write_run(directory, series: dict[str, list[float]], seed: int = 0) -> None:
+def write_run(directory, series: dict[str, list[float]], seed: int = 0, evals: bool = True) -> None:
     scenario = SCENARIO.model_copy(update={"seed": seed})
     write_scenario(directory, scenario)
     for name, rewards in series.items():
@@ -47,7 +47,7 @@ def write_run(directory, series: dict[str, list[float]], seed: int = 0) -> None:
         for i, r in enumerate(rewards):
             append_row(path, RewardRow(rollout=i, t=1000.0 + i, version=i // 4, reward=r, quality=1.0, style=r,
                                        preferred=SCENARIO.preferred_style(i), sampled_style=STYLES[i % 3]))
-            if i % SCENARIO.eval_every == SCENARIO.eval_every - 1:
+            if evals and i % SCENARIO.eval_every == SCENARIO.eval_every - 1:
                 append_row(path, EvalRow(rollout=i, t=1000.0 + i, version=i // 4, style_accuracy=r,
                                          preferred=SCENARIO.preferred_style(i), prompts=8))
 
@@ -127,6 +127,18 @@ def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
     paired = interval([post_switch_mean(per_seed[k]["sao"], 20) - post_switch_mean(per_seed[k]["running_mean_w8"], 20)
                        for k in range(3)])
     assert row[4] == f"{paired.mean:+.3f} [{paired.low:+.3f}, {paired.high:+.3f}]" and row[5] == "yes"
+
+
+def test_a_seed_without_a_measure_is_counted_not_averaged_away_unseen(tmp_path):
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    for k in range(3):  # seed 2's sao run has no held-out evaluations
+        write_run(directory / f"seed-{k}", {"sao": synthetic_rewards(3, 10 + k)}, seed=k, evals=k < 2)
+        write_run(directory / f"seed-{k}", {"running_mean_w8": synthetic_rewards(15, 20 + k)}, seed=k)
+    summary = section(write_report(directory, tmp_path / "report").read_text(), "Summary")
+    assert table_row(summary, "sao")[6].endswith("] (2 of 3 seeds)")
+    assert table_row(summary, "running_mean_w8")[6].endswith("]")  # every seed: nothing added
+    assert not table_row(summary, "sao")[3].endswith("seeds)")
 
 
 def test_the_paired_difference_takes_out_what_a_seed_does_to_every_arm(tmp_path):
@@ -230,3 +242,8 @@ def test_report_command_reads_the_configured_results(results, tmp_path, capsys):
     assert run_report_cli(cfg) == 0
     assert capsys.readouterr().out.strip() == str(directory / "report" / "report.md")
     assert (tmp_path / "mlflow.db").is_file()  # the configured default tracking store
+
+
+def test_a_non_finite_reward_is_refused_when_written_not_when_read(tmp_path):
+    with pytest.raises(ValueError, match="finite number"):
+        RewardRow(rollout=0, t=1000.0, version=0, reward=float("nan"), quality=1.0, style=0.5, preferred="formal")

@@ -49,7 +49,11 @@ class Publisher:
     """Rank 0's writer of weights and notices."""
 
     def __init__(self, store: WeightStore, producer: Producer, topic: str, model_name: str,
-                 keep_versions: int, protected: set[int] | None = None, stop: threading.Event | None = None) -> None:
+                 keep_versions: int, protected: set[int] | None = None, stop: threading.Event | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+        """What serving runs (``model.dtype``): the float32 weights the learner trains are published
+        cast to it (None: as they are)."""
         self.stop = stop
         """Set when the learner is asked to stop: an announcement then stops waiting for the broker."""
         self.store = store
@@ -63,6 +67,9 @@ class Publisher:
 
     def publish(self, state: dict[str, torch.Tensor], version: int, step: int,
                 metrics: dict[str, float] | None = None) -> WeightsRef:
+        if self.dtype is not None:
+            state = {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+                     for name, tensor in state.items()}
         ref = self.store.save(version, state)
         self.refs[version] = ref
         self._announce(ref, "publish", step, metrics)

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from online_sao.batch import Rollout
 from online_sao.config import Config
 from online_sao.segments import SegmentRewards
@@ -94,7 +96,7 @@ class RankZero:
         # (a learner whose checkpoints were lost must not prune the champion's weights)
         protected = set(progress.protected_versions) | tracker.registered_policy_versions()
         publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
-                              cfg.trainer.keep_versions, protected, stop=stop)
+                              cfg.trainer.keep_versions, protected, stop=stop, dtype=getattr(torch, cfg.model.dtype))
         window = RecentWindow(cfg.deploy.window)
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,

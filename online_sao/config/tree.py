@@ -32,7 +32,9 @@ class ModelConfig(Section):
     """A local Hugging Face model directory to serve and train. When unset the
     project's default model is built (once, cached) under data_dir/models/base."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for serving and training."""
+    """Parameter dtype of serving, of the published weights and of the gate's scoring. The learner
+    keeps float32 weights and optimiser state whatever this says (AdamW's small steps round away in
+    bfloat16) and publishes them cast to it."""
 
 
 class Config(Section):

@@ -6,10 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from online_sao.config import AlgorithmConfig, ConfigError
-from online_sao.modeling import is_compiled
+from online_sao.modeling import is_compiled, load_policy
+from online_sao.weights import FileWeightStore
+from streams.memory import InMemoryBackend
 from tests.fixtures.models import tiny_config
-from trainer.distributed import DistContext
+from tests.trainer.test_learner_memory import _config
+from tests.trainer.traffic import produce, sample_traffic
+from trainer.checkpoint import Checkpointer
+from trainer.distributed import DistContext, init_distributed
+from trainer.learner import RunUntil, train
 from trainer.startup import build_models, check_options_fit_the_ranks
 
 
@@ -36,3 +44,21 @@ def test_the_one_process_options_are_refused_under_several_ranks(tmp_path, tiny_
 
 def test_the_paper_options_pass_the_rank_check():
     check_options_fit_the_ranks(AlgorithmConfig(), world_size=8)
+
+
+def test_a_bfloat16_deployment_trains_float32_weights_and_publishes_bfloat16(tmp_path, tiny_model_dir):
+    """AdamW's small steps round away on bfloat16 weights: the learner keeps float32 ones and casts
+    what it publishes to the dtype serving runs."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"model.dtype": "bfloat16", "kafka.partitions": 1})
+    trainables = build_models(cfg, DistContext(rank=0, world_size=1, device=torch.device("cpu"))).trainables
+    assert {p.dtype for p in trainables.policy.parameters()} == {p.dtype for p in trainables.critic.parameters()} \
+        == {torch.float32}
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4))
+    assert train(cfg, backend, init_distributed(), RunUntil(max_steps=1)).version == 1
+    store = FileWeightStore(cfg.weight_store_url)
+    published = load_file(f"{cfg.weight_store_url}/v{1:08d}.safetensors")
+    assert store.versions() == [1] and {t.dtype for t in published.values()} == {torch.bfloat16}
+    checkpoint = Checkpointer(cfg.checkpoint_dir).load_latest()
+    assert {t.dtype for t in checkpoint.models["policy"].values()} == {torch.float32}

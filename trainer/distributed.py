@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from online_sao.advantages import SumOverRanks, local_sum
@@ -135,20 +135,31 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+def shard_model(model: nn.Module, ctx: DistContext, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """FSDP2 ``fully_shard`` on each decoder layer, then on the root.
 
     Moves the model to ``ctx.device`` first. Returns the same module (FSDP2 shards
     in place). World size 1: only the move. Call before building optimisers: the
-    optimiser must hold the sharded parameters.
+    optimiser must hold the sharded parameters. ``compute_dtype`` other than the parameters'
+    (float32): FSDP2's mixed precision gathers the parameters in it for the forward and backward
+    and reduces the gradients in float32 into the float32 shards, so the optimiser's steps stay
+    exact (one process computes in the parameters' dtype).
     """
     model.to(ctx.device)
-    if not ctx.is_distributed:
-        return model
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+    if ctx.is_distributed:
+        fully_shard_blocks(model, compute_dtype)
     return model
+
+
+def fully_shard_blocks(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 ``fully_shard`` on each decoder layer, then on the root, in the process group that is
+    joined; mixed precision (``compute_dtype`` for the forward and backward, float32 gradient
+    reduction) when ``compute_dtype`` is not float32."""
+    precision = {} if compute_dtype == torch.float32 else {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **precision)
+    fully_shard(model, **precision)
 
 
 def sharded_parameters(model: nn.Module) -> list[torch.Tensor]:

@@ -10,6 +10,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import AlgorithmConfig, Config, ConfigError
 from online_sao.modeling import compile_body, load_policy, load_tokenizer
@@ -31,7 +33,8 @@ TRAINING_DTYPE = "float32"
 """The learner's weights and optimiser state, whatever ``model.dtype`` serving runs: an AdamW step of
 1e-5 on a bfloat16 weight of 0.02 (whose rounding step is 1.2e-4) rounds away, and in a test three SAO
 steps in bfloat16 changed 15% of the policy's elements against 92% in float32. Published weights
-are cast to ``model.dtype`` (trainer/publisher.py)."""
+are cast to ``model.dtype`` (trainer/publisher.py); under several ranks the forward and backward
+run in it (FSDP2 mixed precision, :func:`trainer.distributed.shard_model`)."""
 
 ONE_PROCESS_OPTIONS = ("value_shrinkage_window", "value_level_window", "critic_rewarm_rollouts")
 """SAO options whose windows each rank keeps of its own rollouts: under several ranks the shrinkage
@@ -72,7 +75,7 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     reference = build_reference(cfg.algorithm, policy)  # the starting policy, before any update
     for model in (policy, critic, reference):
         if model is not None:
-            shard_model(model, ctx)
+            shard_model(model, ctx, compute_dtype=getattr(torch, cfg.model.dtype))
             if cfg.trainer.compile:
                 compile_body(model)
     opts = build_optimizers(cfg.algorithm, policy, critic)

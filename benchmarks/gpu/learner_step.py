@@ -3,7 +3,8 @@
 Run it under ``torchrun --nproc_per_node N`` (N GPUs; the check uses one). The
 process group is NCCL on CUDA and gloo on a CPU (the dry run). FSDP2 shards the
 policy and the critic as the learner does (``fully_shard`` on each decoder layer,
-then on the root), on one rank too, where ``trainer.distributed.shard_model``
+then on the root, with float32 parameters and the forward and backward in ``--dtype``: FSDP2's
+mixed precision), on one rank too, where ``trainer.distributed.shard_model``
 would leave the model whole: the check is that FSDP2's gathers and
 reduce-scatters run on NCCL and what they cost.
 
@@ -45,21 +46,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedModel
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.common import (device, machine, peak_tflops, profile_summary, random_model,  # noqa: E402
+from benchmarks.gpu.common import (DTYPES, device, machine, peak_tflops, profile_summary, random_model,  # noqa: E402
                                    synchronize, write_result)
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers  # noqa: E402
 from online_sao.batch import Rollout, collate  # noqa: E402
 from online_sao.config import AlgorithmConfig  # noqa: E402
 from online_sao.modeling import compile_body  # noqa: E402
 from online_sao.train_step import policy_logprobs  # noqa: E402
-from trainer.distributed import DistContext, decoder_layers, finite_vote, rank_sum  # noqa: E402
+from trainer.distributed import DistContext, finite_vote, fully_shard_blocks, rank_sum  # noqa: E402
 
 
 def join_group(where: torch.device) -> DistContext:
@@ -104,18 +104,12 @@ def eager_attention(*models: torch.nn.Module) -> Iterator[None]:
             m.set_attn_implementation(implementation)
 
 
-def shard(model: torch.nn.Module) -> None:
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
-
-
 def run(args) -> dict:
     where = device()
     ctx = join_group(where)
     cfg = AlgorithmConfig()
     torch.manual_seed(0)
-    policy = random_model(args.size, args.dtype, where)
+    policy = random_model(args.size, "float32", where)  # the learner's weights; it computes in args.dtype
     # as the learner builds it (SAO's frozen-attention copy), then moved as trainer.distributed.shard_model moves it:
     # its new value head is made on the CPU
     critic = build_critic(cfg, policy).to(where)
@@ -127,8 +121,8 @@ def run(args) -> dict:
         algorithm.step(batch)
     flops = counter.get_total_flops()
     del algorithm  # its optimiser state held the unsharded parameters
-    shard(policy)
-    shard(critic)
+    fully_shard_blocks(policy, DTYPES[args.dtype])
+    fully_shard_blocks(critic, DTYPES[args.dtype])
     algorithm = build(policy, critic, ctx, cfg)
     algorithm.step(batch)  # warm-up of the sharded models: first all-gathers, optimiser state
     synchronize(where)

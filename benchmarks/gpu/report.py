@@ -63,7 +63,8 @@ def learner_section(r: dict, mode: str) -> list[str]:
     mfu = "n/a (no GPU peak for this device)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     lines = [
         f"- model: default architecture (qwen2) at size `{r['size']}`, {r['parameters'] / 1e6:.1f} M parameters, "
-        f"random weights, {r['dtype']}; critic: a copy with frozen attention, K = {r['critic_updates']} updates",
+        f"random weights, float32 parameters computing in {r['dtype']} (FSDP2 mixed precision, as the learner); "
+        f"critic: a copy with frozen attention, K = {r['critic_updates']} updates",
         f"- FSDP2 (`fully_shard` per decoder layer and root) on {r['world_size']} rank(s), backend `{r['backend']}`",
         f"- batch per rank: {r['rollouts_per_rank']} rollouts x ({r['prompt_tokens']} prompt + {r['action_tokens']} "
         "action tokens), no padding", "",

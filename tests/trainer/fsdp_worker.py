@@ -134,14 +134,15 @@ class Learner:
     """Policy, critic, EMA reference, optimisers and SAO, sharded for ``ctx`` (their bodies
     compiled after sharding with ``compile``, as the learner does with ``trainer.compile``)."""
 
-    def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int, compile: bool = False) -> None:
+    def __init__(self, cfg: AlgorithmConfig, ctx: DistContext, seed: int, compile: bool = False,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         self.ctx = ctx
         self.policy = tiny_policy(seed)
         self.critic = ValueModel.from_policy(self.policy, freeze_attention=cfg.freeze_critic_attention)
         self.reference = build_reference(cfg, self.policy)
         for model in (self.policy, self.critic, self.reference):
             if model is not None:  # no reference without the KL penalty (the baselines' runs)
-                shard_model(model, ctx)
+                shard_model(model, ctx, compute_dtype)
                 if compile:
                     compile_body(model)
         self.optimizers = build_optimizers(cfg, self.policy, self.critic)
@@ -242,13 +243,15 @@ def restarted_training(ctx: DistContext, data: list[list[Rollout]] | None) -> tu
     return {"policy": full_state_dict(learner.policy, ctx), "critic": full_state_dict(learner.critic, ctx)}, cleared
 
 
-def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False) -> None:
+def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
     """Everything the module docstring lists; with ``compile`` the trained and the restored
-    learners' bodies are compiled (the baselines', whitened and restarted runs stay eager)."""
+    learners' bodies are compiled (the baselines', whitened and restarted runs stay eager); with a
+    ``compute_dtype`` the trained and restored learners compute in it (FSDP2 mixed precision)."""
     ctx = init_distributed()
     torch.manual_seed(seed)  # identical on every rank and in the single-process reference
     cfg = AlgorithmConfig(**REGULARIZED)
-    learner = Learner(cfg, ctx, MODEL_SEED, compile)
+    learner = Learner(cfg, ctx, MODEL_SEED, compile, compute_dtype)
     # Rank 0 makes the data (as it reads the stream) with its still-unsharded copy of
     # the initial policy; the other ranks receive it through broadcast_rollouts.
     data = make_rollouts(tiny_policy(MODEL_SEED), steps + 1, seed) if ctx.is_main else None
@@ -261,7 +264,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
         metrics.append(learner.step(rollouts, version=step))
 
     trained = learner.gather()
-    fresh = Learner(cfg, ctx, MODEL_SEED + 1, compile)
+    fresh = Learner(cfg, ctx, MODEL_SEED + 1, compile, compute_dtype)
     fresh.restore(trained)
     roundtrip = fresh.gather()
     learner.step(final, version=steps)
@@ -309,9 +312,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="compile the learners' bodies (trainer.compile)")
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the dtype the sharded learners compute in (model.dtype)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two ranks share two cores
-    run_training(args.out, args.steps, compile=args.compile)
+    run_training(args.out, args.steps, compile=args.compile, compute_dtype=getattr(torch, args.compute_dtype))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ running scale, so weights move by about lr (1e-5) per step and differ by about
 ulp for weights near 1 (norms). A wrong normaliser (each rank dividing by its own
 token count) was measured to move weights by 1.7e-5, far outside."""
 
+BF16_UPDATE_RTOL = 0.2
+"""Relative distance of the 2-rank bfloat16-compute update (all parameters) from the float32
+process's: measured 0.049 (bfloat16's rounding of activations and gradients); an update that
+rounded away would be off by most of itself."""
 STATE_RTOL = 1e-4
 """Optimiser moments and gradient norms are linear in the gradients, so they carry
 the same ~1e-6 relative rounding; 1e-4 relative to each tensor's largest entry."""
@@ -214,6 +218,23 @@ def test_two_ranks_with_compiled_bodies_match_one_eager_process(tmp_path, one_pr
         for model in ("policy", "critic", "reference"):
             _assert_states_close(_load(tmp_path, prefix + model), _load(one_process, prefix + model),
                                  WEIGHT_RTOL, WEIGHT_ATOL, prefix + model)
+
+
+def test_two_ranks_computing_in_bfloat16_keep_float32_weights_that_train(tmp_path, one_process):
+    """``model.dtype: bfloat16`` under FSDP2: forward and backward in bfloat16, gradients reduced into
+    float32 shards, so AdamW's steps are not rounded away: every tensor trains, to within bfloat16's
+    rounding of the float32 process's update."""
+    _run_two_ranks(tmp_path, _free_port(), "--compute-dtype", "bfloat16")
+    initial = fsdp_worker.tiny_policy(fsdp_worker.MODEL_SEED).state_dict()
+    trained, reference = _load(tmp_path, "policy"), _load(one_process, "policy")
+    assert {t.dtype for t in trained.values()} == {torch.float32}
+    assert all(not torch.equal(trained[k], initial[k]) for k in trained), "every policy tensor must have trained"
+    # the update itself, not the weights it is small against; a lost update would be off by all of it
+    update = torch.cat([(trained[k] - initial[k]).flatten() for k in trained])
+    expected = torch.cat([(reference[k] - initial[k]).flatten() for k in trained])
+    assert float((update - expected).norm()) <= BF16_UPDATE_RTOL * float(expected.norm())
+    steps = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    assert all(s["skipped_nonfinite"] == 0.0 for s in steps)
 
 
 def test_value_pretraining_under_two_ranks_matches_one_process(two_ranks, one_process):

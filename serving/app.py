@@ -1,8 +1,8 @@
 """The HTTP application: services, routes, request-size limit, auth, errors and lifecycle.
 
 Every error is answered with an OpenAI-style body ``{"error": {message, type,
-param, code}}``: malformed JSON 400, invalid fields 400 (422 for feedback), an
-oversize body or prompt 413, an unknown model or route 404, a missing or wrong
+param, code}}``: malformed JSON 400, invalid fields and a prompt over the context 400 (422 for
+feedback), an oversize body 413, an unknown model or route 404, a missing or wrong
 API key 401, a rate limit 429 (with Retry-After), no way to log 503 (with the
 reason). Completion responses carry ``X-Interaction-Id``; a response (or
 feedback 200) is sent only once its record is durable (see

@@ -175,17 +175,19 @@ class OpenAIServing:
 
     def _admit(self, request: SamplingRequest, route: str, prefix: TrajectoryPrefix, **extra) -> Turn:
         prompt_len = len(prefix.engine_prompt)
+        prompt_field = "prompt" if route == "completions" else "messages"
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt" if route == "completions" else "messages")
+            raise APIError(400, "the prompt is empty", param=prompt_field)
+        # 400, as OpenAI answers a prompt over the context: clients catch it as BadRequestError
         if prompt_len > self.cfg.max_prompt_tokens:
-            raise APIError(413, f"the prompt has {prompt_len} tokens; this server accepts at most "
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
                                 f"{self.cfg.max_prompt_tokens} (serving.max_prompt_tokens)",
-                           code="prompt_too_long")
+                           param=prompt_field, code="prompt_too_long")
         room = self.cfg.max_new_tokens
         if self.max_model_len is not None:
             if prompt_len >= self.max_model_len:
-                raise APIError(413, f"the prompt has {prompt_len} tokens and the model's context is "
-                                    f"{self.max_model_len}", code="context_length_exceeded")
+                raise APIError(400, f"the prompt has {prompt_len} tokens and the model's context is "
+                                    f"{self.max_model_len}", param=prompt_field, code="context_length_exceeded")
             room = min(room, self.max_model_len - prompt_len)
         asked, field = request.requested_max_tokens(), request.max_tokens_field()
         if asked is not None and asked > self.cfg.max_new_tokens:

@@ -30,12 +30,12 @@ SECURITY_SCHEME = "apiKey"
 INTERACTION_HEADER = "X-Interaction-Id"
 
 _REASONS = {
-    400: "Malformed JSON or an invalid request",
+    400: "Malformed JSON, an invalid request, or a prompt over the context",
     401: "Missing or wrong API key",
     403: "An interaction id this deployment did not issue",
     404: "Unknown model, or a parent interaction no longer held",
     410: "An interaction id older than the reward window",
-    413: "Request body or prompt too large",
+    413: "Request body too large",
     422: "An invalid or out-of-range reward",
     429: "Rate limit exceeded (see Retry-After)",
     503: "The server cannot log interactions now (see Retry-After)",

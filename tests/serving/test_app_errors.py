@@ -35,7 +35,7 @@ def assert_openai_error(response, status: int, *, param: str | None = None, code
     ({**GOOD, "messages": []}, 400, "messages", "invalid_value"),
     ({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, None, "invalid_value"),
     ({"messages": GOOD["messages"]}, 400, "model", "invalid_value"),
-    ({**GOOD, "messages": [{"role": "user", "content": "word " * 2000}]}, 413, None, "prompt_too_long"),
+    ({**GOOD, "messages": [{"role": "user", "content": "word " * 2000}]}, 400, "messages", "prompt_too_long"),
 ])
 def test_bad_chat_requests_get_clear_errors_and_nothing_is_generated(make_harness, body, status, param, code):
     h = make_harness()
@@ -73,9 +73,9 @@ def test_completion_prompt_errors(make_harness):
                         400, param="prompt")
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": ""}), 400)
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [1] * 1100}),
-                        413, code="prompt_too_long")
+                        400, param="prompt", code="prompt_too_long")
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [1] * 600}),
-                        413, code="context_length_exceeded")  # the (fake) model has 512 positions
+                        400, param="prompt", code="context_length_exceeded")  # the (fake) model has 512 positions
 
 
 def test_prompt_plus_max_tokens_beyond_the_context_is_refused(make_harness):

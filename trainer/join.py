@@ -70,7 +70,7 @@ from online_sao.schemas import Interaction, Reward
 from trainer.id_memory import IdMemory, anchor_time
 from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
                                 combine_rewards, combine_scores, complete_groups, contribution_from,
-                                contribution_state, entry_from, entry_state, last_turns, prompt_group_key)
+                                contribution_state, entry_from, entry_state, last_turns, prompt_group_key, reward_key)
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
@@ -133,29 +133,41 @@ class RewardJoiner:
         iid = reward.interaction_id
         self.counters.rewards += 1
         contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts,
-                                    scores=dict(reward.scores or {}))
+                                    scores=dict(reward.scores or {}), key=reward_key(reward))
         entry = self._pending(iid)
         if entry is None and iid in self._claims:  # absorbed: the reward joins its continuation
             owner = self._pending(self._claims[iid])
             if ts > self._window_end(owner):
                 self._late(iid, reward)
-            else:
+            elif not self._duplicate(owner.contributions, contribution):
                 self._join_routed(owner, contribution, iid)
             return
         if iid in self.memory or (entry is not None and ts > self._window_end(entry)):
             self._late(iid, reward)
             return
         if entry is None:
+            if self._duplicate(self._held.get(iid, ()), contribution):
+                return
             self.counters.early_rewards += 1
             if iid not in self._held and len(self._held) >= self.max_pending:
                 self._held.popitem(last=False)
                 self.counters.evicted += 1
             self._held.setdefault(iid, []).append(contribution)
             return
+        if self._duplicate(entry.contributions, contribution):
+            return
         entry.contributions.append(contribution)
         if iid in self._waiting:
             del self._waiting[iid]
             self._make_ready(entry)
+
+    def _duplicate(self, joined: Iterable[Contribution], contribution: Contribution) -> bool:
+        """Whether ``contribution`` is a copy of a reward already in ``joined`` (counted, and logged)."""
+        if not any(c.key == contribution.key for c in joined):
+            return False
+        self.counters.duplicate_rewards += 1
+        log.info("a copy of a reward already joined (digest %s) is ignored", contribution.key)
+        return True
 
     def advance(self, ts: float) -> None:
         """Move the record-time clock forward to ``ts`` and close windows that ended."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from online_sao.batch import Rollout
 from online_sao.config import RewardConfig
-from online_sao.schemas import Interaction
+from online_sao.schemas import Interaction, Reward
 from trainer.id_memory import anchor_time
 from trainer.rollouts import interaction_to_rollout, response_turns
 
@@ -37,6 +37,9 @@ class JoinCounters:
     """Held rewards whose interaction never arrived within the window."""
     duplicate_interactions: int = 0
     """Interaction ids seen a second time (ignored)."""
+    duplicate_rewards: int = 0
+    """Copies of a reward already joined (the same record read twice: a spool replay, a producer
+    retry; ignored)."""
     evicted: int = 0
     """Waiting interactions or held rewards given up because the buffer was full."""
     stale: int = 0
@@ -70,6 +73,16 @@ class Contribution:
     """None: a reward for the entry's own id; else the absorbed interaction it was sent to."""
     scores: dict[str, float] = field(default_factory=dict)
     """The reward record's named scores (``Reward.scores``)."""
+    key: str | None = None
+    """The reward record's digest (:func:`reward_key`): a copy of it has the same (None in
+    checkpoints from before it was kept)."""
+
+
+def reward_key(reward: Reward) -> str:
+    """A digest of everything a reward record says: two copies of one record (a spool replay, a
+    producer's retry) share it; two rewards, even of one value from one source, differ at least in
+    ``created_at``."""
+    return hashlib.sha256(reward.model_dump_json().encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -160,13 +173,13 @@ def last_turns(interaction: Interaction) -> dict[str, int]:
 
 def contribution_state(c: Contribution) -> dict[str, Any]:
     return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin,
-            "scores": dict(c.scores)}
+            "scores": dict(c.scores), "key": c.key}
 
 
 def contribution_from(s: dict[str, Any]) -> Contribution:
-    """A :func:`contribution_state`; checkpoints from before named scores have none."""
+    """A :func:`contribution_state`; checkpoints from before named scores (or digests) have none."""
     return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"),
-                        dict(s.get("scores", {})))
+                        dict(s.get("scores", {})), s.get("key"))
 
 
 def entry_state(e: Entry) -> dict[str, Any]:

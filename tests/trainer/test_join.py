@@ -8,6 +8,7 @@ import pytest
 
 from online_sao.config import RewardConfig
 from trainer.join import RewardJoiner, aggregate
+from online_sao.schemas import Reward
 from tests.trainer.records import make_interaction, make_reward
 
 
@@ -274,3 +275,37 @@ def test_a_checkpoint_from_before_the_id_memory_loads():
     j.load_state_dict(old)
     assert j.memory.get("a").anchor == 5.0 and j.memory.get("a").trained
     assert train_once(j, "a", ts=6.0, created_at=5.0) == [] and j.counters.duplicate_interactions == 1
+
+
+@pytest.mark.parametrize("mode,expected", [("last", 0.0), ("sum", 1.0), ("mean", 0.5)])
+def test_a_copy_of_a_reward_already_joined_is_ignored_and_counted(mode, expected):
+    """User 1.0, judge 0.0, then the user's record read again (a spool replay, a producer's retry)."""
+    j = joiner(aggregation=mode)
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    user = Reward(interaction_id="a", value=1.0, source="user", created_at=5.0)
+    j.add_reward(user, ts=1.0)
+    j.add_reward(Reward(interaction_id="a", value=0.0, source="judge", created_at=6.0), ts=2.0)
+    j.add_reward(user.model_copy(), ts=3.0)
+    (joined,) = take_all(j)
+    assert joined.reward == expected
+    assert (j.counters.rewards, j.counters.duplicate_rewards) == (3, 1)
+
+
+def test_two_rewards_alike_but_for_their_time_both_count():
+    j = joiner(aggregation="sum")
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    for created in (5.0, 5.000001):  # two thumbs-up a microsecond apart
+        j.add_reward(Reward(interaction_id="a", value=1.0, created_at=created), ts=1.0)
+    assert [x.reward for x in take_all(j)] == [2.0] and j.counters.duplicate_rewards == 0
+
+
+def test_a_copy_of_a_held_reward_and_of_one_in_a_checkpoint_is_ignored():
+    reward = Reward(interaction_id="a", value=1.0, created_at=5.0)
+    j = joiner(aggregation="sum")
+    j.add_reward(reward, ts=0.5)  # before its interaction: held
+    j.add_reward(reward, ts=0.6)
+    restored = joiner(aggregation="sum")
+    restored.load_state_dict(json.loads(json.dumps(j.state_dict())))
+    restored.add_reward(reward, ts=0.7)
+    restored.add_interaction(make_interaction("a"), ts=1.0)
+    assert [x.reward for x in take_all(restored)] == [1.0] and restored.counters.duplicate_rewards == 2

@@ -31,6 +31,7 @@ from online_sao.config import TopicsConfig, TrainerConfig
 from online_sao.schemas import Interaction, Reward
 from streams.base import Consumer, Producer, StreamBackend, TopicPartition
 from streams.ends import EndWatcher
+from streams.outbox import Outbox
 from streams.records import decode_or_dead_letter
 from trainer.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
@@ -94,7 +95,9 @@ class Feed:
         self.tcfg = tcfg
         self.topics = topics
         self.joiner = joiner
-        self.producer = producer
+        self.dead_letters = Outbox(producer)
+        """Dead letters, kept until the broker has them: a refused one is sent again before offsets
+        past its record are committed."""
         """Where dead letters go (shared with the publisher; closed by its owner)."""
         self.offsets = offsets
         """Next offset to read per partition: every record before it has had its effect on the state."""
@@ -136,7 +139,7 @@ class Feed:
             self.offsets[msg.tp] = msg.offset + 1
             self.last_activity = time.monotonic()
             kind = Interaction if msg.topic == self.topics.interactions else Reward
-            record = decode_or_dead_letter(msg, kind, self.producer, self.topics.dead_letters)
+            record = decode_or_dead_letter(msg, kind, self.dead_letters, self.topics.dead_letters)
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
@@ -214,7 +217,7 @@ class Feed:
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit
         ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage."""
-        until_broker_takes(self.producer.flush, "flushing dead letters", self.stop)
+        until_broker_takes(self.dead_letters.flush, "flushing dead letters", self.stop)
         until_broker_takes(lambda: self.consumer.commit(dict(offsets)), "committing offsets", self.stop)
 
     def close(self) -> None:

@@ -111,7 +111,8 @@ def test_records_the_broker_deleted_before_they_were_read_are_counted_as_skipped
 
     checkpointed = {tp: 0 for tp in ends}  # a learner that had read none of them
     cfg = Config()
-    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), backend.producer(), checkpointed,
+    dead_letters = backend.producer()
+    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), dead_letters, checkpointed,
                 {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
     feed.start(backend)
     try:
@@ -123,7 +124,7 @@ def test_records_the_broker_deleted_before_they_were_read_are_counted_as_skipped
         assert feed.counters["records_skipped"] == 2
         assert f"{fullest.topic}[{fullest.partition}]: offsets 0-1 were gone" in caplog.text
     finally:
-        feed.producer.close()
+        dead_letters.close()
         feed.close()
 
 
@@ -142,3 +143,20 @@ def test_keeping_up_metrics_name_every_reading():
                         data_age_max_s=2.5)
     assert reading.metrics() == {"unread_interactions": 5.0, "unread_rewards": 2.0, "join_waiting": 7.0,
                                  "join_ready": 3.0, "data_age_mean_s": 1.5, "data_age_max_s": 2.5}
+
+
+def test_a_dead_letter_the_broker_refused_is_sent_again_before_the_offsets_past_it_are_committed(backend):
+    """kafka-python forgets a record whose delivery timed out once its flush has raised: the feed's
+    retry then flushed nothing and committed past the bad record with no dead letter written."""
+    from tests.streams.test_outbox import FlakyBroker
+
+    cfg = Config()
+    broker = FlakyBroker(refuse=2)
+    feed = Feed(cfg.trainer, backend.cfg.topics, RewardJoiner(cfg.reward), broker, {},
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    feed.start(backend)
+    backend.producer().send(backend.cfg.topics.interactions, b'{"kind": "interaction", "garbage":', key=b"x")
+    feed.poll()
+    feed.commit(dict(feed.offsets))  # waits out two refusals (BROKER_RETRY_S each)
+    assert [topic for topic, _ in broker.stored] == [backend.cfg.topics.dead_letters]
+    feed.close()

@@ -102,9 +102,10 @@ class Spool:
         """Logical offset of the log file's first byte: offsets only grow, so an entry read
         before a compaction or reset never points into the wrong place."""
         self._acked_seq = self._read_watermark()
-        self._unacked_ends: deque[int] = deque()
-        """Logical end offsets of the entries on disk above the acknowledged offset, in order: how
-        many are pending, and what an acknowledgement covers, without reading the log again."""
+        self._unacked: deque[tuple[int, int]] = deque()
+        """``(sequence number, logical end offset)`` of the entries on disk above the acknowledged
+        offset, in order: how many are pending, and what an acknowledgement covers, without reading
+        the log again (also for an entry read from memory and written to disk since)."""
         self._acked_offset, self._log_size, self.last_seq = self._recover()
 
     # ------------------------------------------------------------------ state
@@ -112,7 +113,7 @@ class Spool:
     @property
     def pending_records(self) -> int:
         """Entries not yet acknowledged (on disk and held in memory)."""
-        return len(self._unacked_ends) + len(self._overflow)
+        return len(self._unacked) + len(self._overflow)
 
     @property
     def held_in_memory(self) -> int:
@@ -197,7 +198,7 @@ class Spool:
         pending entries' end offsets."""
         entries, size = self._scan()
         acked_offset = max((e.end_offset for e in entries if e.seq <= self._acked_seq), default=0)
-        self._unacked_ends.extend(e.end_offset for e in entries if e.end_offset > acked_offset)
+        self._unacked.extend((e.seq, e.end_offset) for e in entries if e.end_offset > acked_offset)
         last_seq = max([self._acked_seq] + [e.seq for e in entries])
         return acked_offset, size, last_seq
 
@@ -226,9 +227,9 @@ class Spool:
                 self._overflow = todo
                 self.error = f"cannot write the spool at {self.log_path}: {exc}"
                 return False
-            for chunk in encoded:
+            for entry, chunk in zip(todo, encoded):
                 self._log_size += len(chunk)
-                self._unacked_ends.append(self._log_size)
+                self._unacked.append((entry.seq, self._log_size))
             self.error = None
             return True
 
@@ -280,15 +281,18 @@ class Spool:
         with self._lock:
             if entry.seq <= self._acked_seq:
                 return
-            if entry.end_offset is None:  # an in-memory entry: drop it and everything before it
+            end_offset = entry.end_offset
+            if end_offset is None:  # read from memory; the writer may have put it on disk since
+                end_offset = next((end for seq, end in self._unacked if seq == entry.seq), None)
+            if end_offset is None:  # still in memory: drop it and everything before it
                 index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
                 self._overflow = self._overflow[index + 1:]
                 self._acked_offset = self._log_size
-                self._unacked_ends.clear()
+                self._unacked.clear()
             else:
-                while self._unacked_ends and self._unacked_ends[0] <= entry.end_offset:
-                    self._unacked_ends.popleft()
-                self._acked_offset = entry.end_offset
+                while self._unacked and self._unacked[0][1] <= end_offset:
+                    self._unacked.popleft()
+                self._acked_offset = end_offset
             self._acked_seq = entry.seq
             garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
             if rest == 0:  # all of the disk is acknowledged: give it back
@@ -350,5 +354,5 @@ class Spool:
         with open(self.log_path, "wb"):
             pass  # truncating frees space, so it works on a full disk too
         self._base = self._acked_offset = self._log_size
-        self._unacked_ends.clear()
+        self._unacked.clear()
         self._persist_watermark()

@@ -126,6 +126,24 @@ def test_acknowledging_an_in_memory_entry_acknowledges_the_disk_before_it(tmp_pa
     assert spool.pending_records == 0
 
 
+def test_an_entry_read_from_memory_and_written_to_disk_before_its_acknowledgement_is_acknowledged(tmp_path):
+    """The sender reads entries the full spool held in memory; the writer's retry puts them on disk
+    before the broker's acknowledgement comes back (the acknowledgement used to look for them in
+    memory only, and its StopIteration stopped the sender)."""
+    one = len(entries(1, 1)[0].encode())
+    spool = Spool(tmp_path, max_bytes=2 * one, dead_letter_topic=DLQ)
+    spool.append(entries(1, 2))
+    spool.append(entries(3, 2))  # over the quota: held in memory
+    read = spool.read_pending(10)
+    spool.ack_through(read[1])  # the disk's two: the whole file is given back
+    assert spool.append([])  # the writer's retry: 3 and 4 on disk now
+    spool.ack_through(read[2])  # read when 3 was in memory
+    assert [e.seq for e in spool.read_pending(10)] == [4]
+    spool.ack_through(read[3])
+    assert spool.pending_records == 0
+    assert Spool(tmp_path, 2 * one, dead_letter_topic=DLQ).read_pending(10) == []
+
+
 def test_a_watermark_that_cannot_be_written_means_resending_not_losing(tmp_path, monkeypatch):
     spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 4))

@@ -95,6 +95,24 @@ class Damage:
     """An incomplete last entry (a write cut short), not damage to a written one."""
 
 
+def _cut_short(data: bytes, offset: int, exc: Unreadable) -> bool:
+    """Whether the log's unreadable last stretch, from ``offset``, is a write cut short: the read ran
+    out of bytes, or only zero bytes follow where a write stopped (a power loss can leave the file
+    extended by a block of zeros its data never reached)."""
+    if exc.cut_short:
+        return True
+    trimmed = data.rstrip(b"\x00")
+    if len(trimmed) == len(data):
+        return False
+    if len(trimmed) <= offset:
+        return True  # nothing but zeros
+    try:
+        read_entry(trimmed, offset)
+    except Unreadable as again:
+        return again.cut_short
+    return False
+
+
 def scan_log(data: bytes) -> tuple[list[SpoolEntry], list[tuple[int, int]], list[Damage]]:
     """(intact entries, their byte spans, damaged stretches) of a log, in order."""
     entries: list[SpoolEntry] = []
@@ -107,7 +125,7 @@ def scan_log(data: bytes) -> tuple[list[SpoolEntry], list[tuple[int, int]], list
         except Unreadable as exc:
             resume = next_intact(data, offset + 1)
             end = len(data) if resume is None else resume
-            damages.append(Damage(offset, end, str(exc), cut_short=exc.cut_short and resume is None))
+            damages.append(Damage(offset, end, str(exc), cut_short=resume is None and _cut_short(data, offset, exc)))
             offset = end
             continue
         entries.append(entry)

@@ -70,6 +70,31 @@ def test_a_torn_tail_is_cut_and_kept_aside(tmp_path):
     assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("cut", [0, 7], ids=["after-the-last-entry", "inside-the-last-entry"])
+def test_zeros_a_power_loss_left_at_the_end_are_cut_not_dead_lettered(tmp_path, cut):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    log = tmp_path / "spool.log"
+    data = log.read_bytes()
+    log.write_bytes(data[:len(data) - cut] + b"\x00" * 4096)  # the file extended, its data never written
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert [e.seq for e in reopened.read_pending(10)] == ([1, 2, 3] if cut == 0 else [1, 2])
+    assert reopened.dead_lettered_entries == 0
+    last = len(entries(3, 1)[0].encode())
+    assert reopened.dropped_corrupt_bytes == (4096 if cut == 0 else last - cut + 4096)
+
+
+def test_a_damaged_last_entry_followed_by_zeros_is_still_dead_lettered(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 2))
+    log = tmp_path / "spool.log"
+    data = bytearray(log.read_bytes())
+    data[-5] ^= 0xFF  # a complete entry with a bad checksum: written, then damaged
+    log.write_bytes(bytes(data) + b"\x00" * 512)
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert reopened.dead_lettered_entries == 1
+
+
 def test_a_flipped_byte_fails_the_crc(tmp_path):
     spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     spool.append(entries(1, 3))

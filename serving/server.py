@@ -35,8 +35,8 @@ from streams.tail import records_since
 log = logging.getLogger(__name__)
 
 READBACK_TIMEOUT_S = 30.0
-"""Longest read back of the topics after a restart (serving.spool_readback); a read back that
-times out is tried again, and nothing is sent meanwhile."""
+"""Longest wait for the next record while the topics are read back after a restart
+(serving.spool_readback); a read back that stalls is tried again, and nothing is sent meanwhile."""
 
 
 class LazyProducer(Producer):

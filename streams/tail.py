@@ -16,8 +16,9 @@ TAIL_POLL_S = 0.5
 
 def records_since(backend: StreamBackend, topics: list[str], since_ms: int, timeout_s: float) -> list[StreamMessage]:
     """Every record of ``topics`` stamped at or after ``since_ms``, up to the end each partition
-    had when the call began. StreamUnavailable when the broker cannot be reached or the range
-    is not read within ``timeout_s``."""
+    had when the call began. StreamUnavailable when the broker cannot be reached or no record of
+    the range arrives for ``timeout_s``: a long range that is being read is read to its end (a
+    limit on the whole read would fail a range too long for it on every try, for good)."""
     consumer = backend.consumer(topics, group_id=None, start="latest")
     try:
         ends = consumer.end_offsets()
@@ -32,13 +33,14 @@ def records_since(backend: StreamBackend, topics: list[str], since_ms: int, time
         deadline = time.monotonic() + timeout_s
         while remaining:
             if time.monotonic() > deadline:
-                raise StreamUnavailable(f"reading back {sorted(t.topic for t in remaining)} did not reach the end "
-                                        f"within {timeout_s:g} s")
+                raise StreamUnavailable(f"reading back {sorted(t.topic for t in remaining)}: no record of the range "
+                                        f"for {timeout_s:g} s ({len(found)} read)")
             for msg in consumer.poll(timeout_s=TAIL_POLL_S):
                 end = remaining.get(msg.tp)
                 if end is None or msg.offset >= end:
                     continue
                 found.append(msg)
+                deadline = time.monotonic() + timeout_s  # progress
                 if msg.offset + 1 >= end:
                     del remaining[msg.tp]
         return found

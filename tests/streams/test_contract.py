@@ -248,3 +248,29 @@ def test_highwater_is_each_partitions_end_as_the_last_poll_heard_it(backend):
     consumer.close()
     producer.close()
     assert sum(heard.values()) == 8
+
+
+def test_records_since_reads_a_range_longer_than_its_timeout_while_records_keep_coming(backend):
+    """The timeout is on a stall, not on the whole read: a range that takes longer than it to read
+    (a replica restarted after a long outage) is read to its end, not failed on every try."""
+    t = _topics(backend)
+    producer = backend.producer()
+    for i in range(6):
+        producer.send(t.rewards, f"r{i}".encode(), key=b"one-partition")
+    producer.flush(10)
+    producer.close()
+
+    class Slow:  # the backend, with one record a poll and 0.1 s a poll: 0.6 s for a range, against 0.3 s
+        def consumer(self, *args, **kwargs):
+            inner = backend.consumer(*args, **kwargs)
+            poll = inner.poll
+
+            def slow_poll(timeout_s=1.0, max_records=500):
+                time.sleep(0.1)
+                return poll(timeout_s=timeout_s, max_records=1)
+
+            inner.poll = slow_poll
+            return inner
+
+    got = records_since(Slow(), [t.rewards], 0, timeout_s=0.3)
+    assert sorted(m.value for m in got) == [f"r{i}".encode() for i in range(6)]

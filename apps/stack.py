@@ -76,10 +76,12 @@ class Stack:
         if cfg.kafka.is_local:
             from streams.broker import LocalBroker
 
-            self.broker = LocalBroker(cfg, stop_with_parent=True)
-            started = self.broker.start()
+            broker = LocalBroker(cfg, stop_with_parent=True)
+            started = broker.start()
+            if started:  # a broker someone else started (`kafka up`) is theirs to stop, not this run's
+                self.broker = broker
             self.progress(f"kafka: {'started' if started else 'already running'} at {cfg.kafka.bootstrap} "
-                          f"(log {self.broker.log_file})")
+                          f"(log {broker.log_file})")
         else:
             self.progress(f"kafka: using {cfg.kafka.bootstrap}")
         KafkaBackend(cfg.kafka).ensure_topics()

@@ -20,3 +20,34 @@ def test_sigterm_inside_the_stack_stops_its_processes_and_restores_the_handler(t
     assert exited.value.code == 128 + signal.SIGTERM
     assert child.poll() is not None  # terminated by stop_all, not left running
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("already_running", [True, False])
+def test_a_run_stops_the_broker_it_started_and_leaves_one_it_found_running(tmp_path, monkeypatch, already_running):
+    """`smoke`, `simulate`, `load` and `agent` next to a broker the operator started with `kafka up`."""
+    stopped = []
+
+    class Broker:
+        log_file = tmp_path / "kafka.log"
+
+        def __init__(self, cfg, stop_with_parent):
+            pass
+
+        def start(self):
+            return not already_running
+
+        def stop(self):
+            stopped.append(True)
+
+    class Backend:
+        def __init__(self, cfg):
+            pass
+
+        def ensure_topics(self):
+            pass
+
+    monkeypatch.setattr("streams.broker.LocalBroker", Broker)
+    monkeypatch.setattr("streams.kafka_backend.KafkaBackend", Backend)
+    with Stack(None, {"paths.data_dir": str(tmp_path)}, tmp_path, progress=lambda line: None) as stack:
+        stack.start_broker()
+    assert stopped == ([] if already_running else [True])

@@ -74,3 +74,14 @@ def test_the_committed_configuration_reference_is_what_the_command_prints(monkey
     committed = (Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md").read_text()
     assert printed == committed, "docs/CONFIG.md is stale: run `online-sao config reference > docs/CONFIG.md`"
     assert "- **`serving.kv_layout`**" in printed and "- **`experiment.arms[].name`**" in printed
+
+
+def test_config_and_set_work_after_the_subcommand_too(capsys):
+    """The docs' `online-sao agent --config configs/agent.yaml` form, beside the `online-sao --config ... agent` one."""
+    local = str(DRIFT_SHORT.parent / "local.yaml")
+    assert cli.main(["--set", "serving.port=8101", "config", "show", "--config", local,
+                     "--set", "trainer.max_wait_s=0.25"]) == 0
+    shown = capsys.readouterr().out
+    assert "port: 8101" in shown and "max_wait_s: 0.25" in shown
+    assert cli.main(["--config", local, "config", "show", "--config", str(DRIFT_SHORT)]) == 2
+    assert "give --config once" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from typing import Callable
 
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ConfigError, dump_config
+from online_sao.config.tree import one_line
 from online_sao.config.reference import reference
 
 REFERENCE_TITLE = "Configuration reference"
@@ -214,7 +215,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item}: not a YAML value: {one_line(exc)}") from None
     if getattr(args, "port", None) is not None:
         out["serving.port"] = args.port
     if getattr(args, "seeds", None) is not None:
@@ -252,6 +256,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a setting that cannot be used here (an unknown arm, a results directory's other run)
         print(f"online-sao: {exc}", file=sys.stderr)
         return 2
+    except _operator_errors() as exc:  # the outside world, not a bug: one line, not a traceback
+        print(f"online-sao: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("online-sao: interrupted", file=sys.stderr)
+        return 130
+
+
+def _operator_errors() -> tuple[type[BaseException], ...]:
+    """What an operator can fix and a traceback does not help with: the broker unreachable or not
+    starting, a process of the stack not starting, a directory that cannot be written. Imported
+    only when an error is being matched (``--help`` and ``config show`` stay light)."""
+    from apps.stack import StackError
+    from streams.base import StreamUnavailable
+    from streams.broker import BrokerError
+
+    return StreamUnavailable, BrokerError, StackError, PermissionError, NotADirectoryError, FileExistsError
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from online_sao.config import ConfigError
+
 ANONYMOUS = "anonymous"
 """The caller without a key whose address is unknown."""
 LOOPBACK = "loopback"
@@ -53,8 +55,8 @@ def is_loopback(host: str) -> bool:
 def check_exposure(host: str, api_keys: list[str]) -> None:
     """Refuse to serve on a non-loopback address without API keys."""
     if not api_keys and not is_loopback(host):
-        raise ValueError(f"serving.host is {host!r} (not loopback) but serving.api_keys is empty: "
-                         "configure at least one API key or bind to 127.0.0.1")
+        raise ConfigError(f"serving.host is {host!r} (not loopback) but serving.api_keys is empty: "
+                          "configure at least one API key or bind to 127.0.0.1")
 
 
 @dataclass

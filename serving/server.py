@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, GenerationConfig
 
-from online_sao.config import Config
+from online_sao.config import Config, ConfigError
 from serving.app import Follower, build_app
 from serving.auth import check_exposure
 from serving.engine.base import InferenceEngine
@@ -112,7 +112,11 @@ def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
 def one_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
     """One engine of the configured kind over ``model_dir``."""
     if cfg.serving.engine == "vllm":
-        from serving.engine.vllm_engine import VLLMEngine  # optional extra: imported only when chosen
+        try:
+            from serving.engine.vllm_engine import VLLMEngine  # optional extra: imported only when chosen
+        except ImportError as exc:
+            raise ConfigError(f"serving.engine is 'vllm' but vLLM does not import here ({exc}); install the "
+                              "vllm extra (docs/SERVING.md) or use serving.engine: torch") from None
 
         return VLLMEngine(model_dir, cfg.serving, dtype=cfg.model.dtype)
     from online_sao.modeling import load_policy
@@ -149,11 +153,13 @@ def run_server(cfg: Config, model_dir: Path) -> int:
         server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
                                                log_level="info", timeout_graceful_shutdown=30,
                                                timeout_keep_alive=cfg.serving.keep_alive_s))
-        server.run()
-        if stack.logger.spool_records == 0:
-            stack.producer.close()
-        # else: records the producer still holds are also in the spool; leaving it unclosed lets the
-        # process exit now instead of waiting out the producer's delivery timeout.
+        try:
+            server.run()  # uvicorn raises the Ctrl-C it caught again once it has shut down
+        finally:
+            if stack.logger.spool_records == 0:
+                stack.producer.close()
+            # else: records the producer still holds are also in the spool; leaving it unclosed lets
+            # the process exit now instead of waiting out the producer's delivery timeout.
     return 0
 
 

@@ -187,7 +187,7 @@ class LocalBroker:
         self.pid_file.write_text(f"{proc.pid}\n")
         try:
             self._wait_ready(proc.pid)
-        except BrokerError:
+        except (BrokerError, KeyboardInterrupt):  # an operator's Ctrl-C too: no half-started broker left behind
             self._terminate(proc.pid, timeout_s=10.0)
             self.pid_file.unlink(missing_ok=True)
             raise

@@ -117,11 +117,13 @@ class Feed:
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
 
     def start(self, backend: StreamBackend) -> None:
-        """Create the topics, join the consumer group and seek to the offsets."""
-        backend.ensure_topics()
-        self.consumer = backend.consumer([self.topics.interactions, self.topics.rewards],
-                                         group_id=self.tcfg.consumer_group, start="earliest",
-                                         instance_id=self.tcfg.consumer_instance_id)
+        """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
+        is down)."""
+        until_broker_takes(backend.ensure_topics, "creating the topics", self.stop)
+        self.consumer = until_broker_takes(
+            lambda: backend.consumer([self.topics.interactions, self.topics.rewards], group_id=self.tcfg.consumer_group,
+                                     start="earliest", instance_id=self.tcfg.consumer_instance_id),
+            "joining the consumer group", self.stop)
         assign_and_seek(self.consumer, self.offsets)
         self.ends = EndWatcher(backend, [self.topics.interactions, self.topics.rewards], ENDS_EVERY_S)
         self.last_activity = time.monotonic()

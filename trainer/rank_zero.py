@@ -23,6 +23,7 @@ from online_sao.config import Config
 from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
+from trainer.broker_wait import until_broker_takes
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_writer import CheckpointWriter
 from trainer.feed import Feed
@@ -91,7 +92,7 @@ class RankZero:
         counters = {**{name: 0.0 for name in COUNTERS}, **progress.counters}
         store = open_weight_store(cfg.weight_store_url)
         tracker = RunTracker(cfg, run_id=progress.mlflow_run_id)
-        producer = backend.producer()
+        producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
         # registered versions are never pruned: the checkpoint lists them, and so does the registry
         # (a learner whose checkpoints were lost must not prune the champion's weights)
         protected = set(progress.protected_versions) | tracker.registered_policy_versions()

@@ -94,14 +94,31 @@ def _apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any
         keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
         if not keys:
             continue
-        node = raw
-        for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{name}: {'.'.join(keys[:-1])} is not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(value) if value != "" else None
+        try:
+            parsed = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: not a YAML value: {one_line(exc)}") from None
+        _section(raw, keys[:-1], name)[keys[-1]] = parsed
     return raw
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (YAML's point at the column below the text)."""
+    return " ".join(str(exc).split())
+
+
+def _section(raw: dict[str, Any], keys: list[str], source: str) -> dict[str, Any]:
+    """The mapping at ``keys`` under ``raw``, made where missing; a section a YAML file left empty
+    (every line under it commented out) is an empty one. ConfigError naming ``source`` when a key on
+    the way holds a value, not a section."""
+    node = raw
+    for depth, key in enumerate(keys):
+        if node.get(key) is None:
+            node[key] = {}
+        if not isinstance(node[key], dict):
+            raise ConfigError(f"{source}: {'.'.join(keys[:depth + 1])} is not a section")
+        node = node[key]
+    return node
 
 
 def _describe(err: ValidationError) -> str:
@@ -123,19 +140,18 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         if not path.is_file():
             raise ConfigError(f"configuration file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+            raise ConfigError(f"{path}: not valid YAML: {one_line(exc)}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         raw = loaded or {}
     raw = _apply_env(raw, os.environ if environ is None else environ)
     for dotted, value in (overrides or {}).items():
-        node = raw
         *parents, last = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
+        _section(raw, parents, f"override {dotted}")[last] = value
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:

@@ -85,3 +85,30 @@ def test_config_and_set_work_after_the_subcommand_too(capsys):
     assert "port: 8101" in shown and "max_wait_s: 0.25" in shown
     assert cli.main(["--config", local, "config", "show", "--config", str(DRIFT_SHORT)]) == 2
     assert "give --config once" in capsys.readouterr().err
+
+
+def test_a_set_value_that_is_not_yaml_is_one_line_and_exit_2(capsys):
+    assert cli.main(["--set", "serving.port=[", "config", "show"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("online-sao: --set serving.port=[: not a YAML value")
+
+
+def test_the_outside_world_failing_is_one_line_and_exit_1_and_an_interrupt_130(monkeypatch, capsys):
+    from streams.base import StreamUnavailable
+
+    def unreachable(cfg, args):
+        raise StreamUnavailable("creating a producer: Kafka at 127.0.0.1:1 not reachable")
+
+    def interrupted(cfg, args):
+        raise KeyboardInterrupt
+
+    for run, code, line in ((unreachable, 1, "online-sao: creating a producer: Kafka at 127.0.0.1:1 not reachable"),
+                            (interrupted, 130, "online-sao: interrupted")):
+        monkeypatch.setattr(cli, "_config", run)
+        assert cli.main(["config", "show"]) == code
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_serving_exposed_without_keys_is_one_line_and_exit_2(capsys):
+    assert cli.main(["--set", "serving.host=0.0.0.0", "serve"]) == 2
+    assert "serving.api_keys is empty" in capsys.readouterr().err

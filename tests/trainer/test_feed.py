@@ -160,3 +160,31 @@ def test_a_dead_letter_the_broker_refused_is_sent_again_before_the_offsets_past_
     feed.commit(dict(feed.offsets))  # waits out two refusals (BROKER_RETRY_S each)
     assert [topic for topic, _ in broker.stored] == [backend.cfg.topics.dead_letters]
     feed.close()
+
+
+def test_a_broker_down_at_start_is_waited_for(backend):
+    """`learn` waits out an outage once running; at start too (it crashed with a traceback)."""
+    from streams.base import StreamUnavailable
+
+    class LateBroker:  # down for the first attempt of each call
+        def __init__(self):
+            self.failed = set()
+
+        def __getattr__(self, name):
+            real = getattr(backend, name)
+
+            def call(*args, **kwargs):
+                if name not in self.failed:
+                    self.failed.add(name)
+                    raise StreamUnavailable(f"{name}: Kafka not reachable")
+                return real(*args, **kwargs)
+
+            return call
+
+    cfg = Config()
+    feed = Feed(cfg.trainer, backend.cfg.topics, RewardJoiner(cfg.reward), backend.producer(), {},
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    late = LateBroker()
+    feed.start(late)
+    assert {"ensure_topics", "consumer"} <= late.failed and feed.consumer is not None
+    feed.close()

@@ -117,3 +117,28 @@ def test_serving_compile_is_for_the_torch_engine_in_either_layout(kv_layout):
 def test_flat_settings_name_every_leaf_by_its_path():
     tree = {"a": {"b": 1, "c": {"d": [1, 2], "e": None}, "empty": {}}, "f": "x"}
     assert flat_settings(tree) == {"a.b": 1, "a.c.d": [1, 2], "a.c.e": None, "f": "x"}
+
+
+def test_an_override_into_a_section_a_file_left_empty_applies(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("serving:\n  # port: 8001\n")  # every line under it commented out: null
+    assert load_config(path, environ={}, overrides={"serving.port": 8002}).serving.port == 8002
+    assert load_config(path, environ={"ONLINE_SAO__SERVING__PORT": "8003"}).serving.port == 8003
+
+
+@pytest.mark.parametrize(("environ", "overrides", "named"), [
+    ({"ONLINE_SAO__SERVING__PORT": "["}, {}, r"ONLINE_SAO__SERVING__PORT: not a YAML value"),
+    ({}, {"serving.port.deeper": 1}, r"override serving\.port\.deeper: serving\.port is not a section"),
+])
+def test_a_value_that_cannot_be_placed_is_a_config_error_naming_it(tmp_path, environ, overrides, named):
+    path = tmp_path / "run.yaml"
+    path.write_text("serving:\n  port: 8001\n")
+    with pytest.raises(ConfigError, match=named):
+        load_config(path, environ=environ, overrides=overrides)
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"serving:\n  host: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path, environ={})

@@ -47,7 +47,7 @@ from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_completion, check_sampling
 from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
-from serving.turn import Turn
+from serving.turn import PROMPT_PARAMS, Turn
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class OpenAIServing:
 
     def _admit(self, request: SamplingRequest, route: str, prefix: TrajectoryPrefix, **extra) -> Turn:
         prompt_len = len(prefix.engine_prompt)
-        prompt_field = "prompt" if route == "completions" else "messages"
+        prompt_field = PROMPT_PARAMS[route]
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=prompt_field)
         # 400, as OpenAI answers a prompt over the context: clients catch it as BadRequestError
@@ -255,8 +255,7 @@ class OpenAIServing:
             if turn.token_ids:
                 raise
             # engines refuse input they cannot run (ids outside the vocabulary) before sampling
-            raise APIError(400, f"the engine refused the request: {exc}",
-                           param="prompt" if turn.route == "completions" else "messages") from exc
+            raise APIError(400, f"the engine refused the request: {exc}", param=turn.prompt_param) from exc
         finally:
             await stream.aclose()
             if turn.finish_reason is not None and turn.token_ids:

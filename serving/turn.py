@@ -15,6 +15,8 @@ from serving.trajectories import TrajectoryPrefix
 ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 """The HTTP path of each route a record names: the ``route`` label of serving's latency metrics,
 the same values as its request counter's (which counts by path)."""
+PROMPT_PARAMS = {"chat": "messages", "completions": "prompt"}
+"""The request field that holds each route's prompt (the ``param`` of errors about it)."""
 
 
 @dataclass
@@ -53,6 +55,11 @@ class Turn:
     def path(self) -> str:
         """The HTTP path it was asked on (:data:`ROUTE_PATHS`)."""
         return ROUTE_PATHS[self.route]
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field that holds its prompt, for errors about it."""
+        return PROMPT_PARAMS[self.route]
 
     @property
     def created(self) -> int:

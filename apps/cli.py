@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("online-sao: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 def _operator_errors() -> tuple[type[BaseException], ...]:

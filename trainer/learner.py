@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from online_sao.batch import Rollout
-from online_sao.config import Config
+from online_sao.config import Config, ConfigError
 from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed,
                                  load_full_state_dict, local_batch, reduce_metrics, shutdown_distributed)
@@ -252,6 +252,10 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
     ``before_step``: see :data:`RolloutHook` (tests only)."""
     from streams.kafka_backend import KafkaBackend
 
+    pretrain_file = cfg.trainer.pretrain_file
+    if pretrain_critic and pretrain_file is not None and not pretrain_file.is_file():
+        raise ConfigError(f"trainer.pretrain_file {pretrain_file} is not a file: learn --pretrain-critic reads "
+                          "its logged rollouts there (unset it to read the topics' retained history)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     until = RunUntil(max_steps=cfg.trainer.max_steps, idle_timeout_s=cfg.trainer.idle_timeout_s)

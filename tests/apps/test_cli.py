@@ -112,3 +112,13 @@ def test_the_outside_world_failing_is_one_line_and_exit_1_and_an_interrupt_130(m
 def test_serving_exposed_without_keys_is_one_line_and_exit_2(capsys):
     assert cli.main(["--set", "serving.host=0.0.0.0", "serve"]) == 2
     assert "serving.api_keys is empty" in capsys.readouterr().err
+
+
+def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anything_connects(tmp_path, tiny_model_dir,
+                                                                                            capsys):
+    missing = tmp_path / "logged.jsonl"
+    assert cli.main(["--set", f"model.path={tiny_model_dir}", "--set", f"trainer.pretrain_file={missing}",
+                     "--set", "kafka.bootstrap_servers=127.0.0.1:1", "learn", "--pretrain-critic"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"online-sao: trainer.pretrain_file {missing} is not a file: learn --pretrain-critic reads its "
+                   "logged rollouts there (unset it to read the topics' retained history)"]

@@ -86,8 +86,7 @@ def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
 def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.sweep import run_lr_sweep
 
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    return _resumable(lambda: run_lr_sweep(cfg, rates, arms=args.arm or None,
+    return _resumable(lambda: run_lr_sweep(cfg, args.rates, arms=args.arm or None,
                                            progress=lambda line: print(line, flush=True)))
 
 
@@ -120,6 +119,14 @@ def _load(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.load.run import run_load_cli
 
     return run_load_cli(cfg, args, config_path=args.config, overrides=_overrides(args))
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates``: comma-separated numbers (a usage error otherwise)."""
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("lr-sweep", parents=[common], help="run every arm of a scenario once per policy learning rate; "
                                             "report, and the best rate per arm")
     sweep.add_argument("--scenario", help="scenario YAML (same as --config)")
-    sweep.add_argument("--rates", required=True, help="comma-separated policy learning rates, e.g. 1e-4,3e-4,1e-3")
+    sweep.add_argument("--rates", required=True, type=_rates,
+                       help="comma-separated policy learning rates, e.g. 1e-4,3e-4,1e-3")
     sweep.add_argument("--arm", action="append", help="sweep only this arm (repeatable)")
     sweep.add_argument("--seeds", type=int, metavar="N", help="shortcut for --set experiment.seeds=N")
     sweep.add_argument("--driver", choices=["live", "inprocess"], help="shortcut for --set experiment.driver=...")

@@ -244,20 +244,38 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     return 0 if report.passed else 1
 
 
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0 (a usage error otherwise)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
+def share(text: str) -> float:
+    """An argparse type: a share in [0, 1]."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``online-sao load``."""
     defaults = LoadParams()
     parser.add_argument("--url", help="an endpoint already running (e.g. http://127.0.0.1:8000); "
                                       "without it serving and the learner are started for the run")
     parser.add_argument("--api-key", help="API key for --url (the started stack needs none)")
-    parser.add_argument("--clients", type=int, default=defaults.clients, help="concurrent clients")
-    parser.add_argument("--duration-s", type=float, default=defaults.duration_s, help="seconds of load")
-    parser.add_argument("--requests-per-client", type=int,
+    parser.add_argument("--clients", type=positive(int), default=defaults.clients, help="concurrent clients")
+    parser.add_argument("--duration-s", type=positive(float), default=defaults.duration_s, help="seconds of load")
+    parser.add_argument("--requests-per-client", type=positive(int),
                         help="stop each client after this many requests (--duration-s still applies)")
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="max_tokens per request")
-    parser.add_argument("--stream-share", type=float, default=defaults.stream_share,
+    parser.add_argument("--max-tokens", type=positive(int), default=defaults.max_tokens, help="max_tokens per request")
+    parser.add_argument("--stream-share", type=share, default=defaults.stream_share,
                         help="share of streaming requests")
-    parser.add_argument("--feedback-share", type=float, default=defaults.feedback_share,
+    parser.add_argument("--feedback-share", type=share, default=defaults.feedback_share,
                         help="share of answers rewarded through /v1/feedback")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the clients' choices")
     parser.add_argument("--out", default="load-results.json", help="results JSON (the plot goes beside it, .png)")

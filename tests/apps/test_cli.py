@@ -122,3 +122,15 @@ def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anythin
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"online-sao: trainer.pretrain_file {missing} is not a file: learn --pretrain-critic reads its "
                    "logged rollouts there (unset it to read the topics' retained history)"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["load", "--clients", "0"], "--clients: must be above 0, got 0"),
+    (["load", "--duration-s", "-5"], "--duration-s: must be above 0, got -5"),
+    (["load", "--stream-share", "1.5"], "--stream-share: must lie in [0, 1], got 1.5"),
+    (["lr-sweep", "--rates", "1e-4,abc"], "--rates: expected comma-separated numbers, got '1e-4,abc'"),
+], ids=["clients", "duration", "share", "rates"])
+def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
+    with pytest.raises(SystemExit) as usage:
+        cli.main(argv)
+    assert usage.value.code == 2 and says in capsys.readouterr().err

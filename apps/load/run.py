@@ -129,12 +129,15 @@ class LoadRunReport:
     summary: LoadSummary
     logged: LoggedCheck | None
     run_dir: Path | None = None
+    kafka_check_error: str | None = None
+    """Why the Kafka check asked for could not run (the broker unreachable): the run then did not pass."""
 
     @property
     def passed(self) -> bool:
         """Something answered, no request failed (so zero 5xx), the Kafka check (if run) clean."""
         s = self.summary
-        return s.answered > 0 and not s.errors and s.server_errors == 0 and (self.logged is None or self.logged.ok)
+        return (s.answered > 0 and not s.errors and s.server_errors == 0 and self.kafka_check_error is None
+                and (self.logged is None or self.logged.ok))
 
 
 def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
@@ -197,6 +200,8 @@ def describe(report: LoadRunReport) -> list[str]:
              f"across a swap"]
     details = Counter(f"{r.kind} {r.error}: {r.detail}" for r in report.result.records if r.error and r.detail)
     lines += [f"  {count} x {detail}" for detail, count in details.most_common(FAILURE_KINDS_SHOWN)]
+    if report.kafka_check_error is not None:
+        lines.append(f"kafka: {report.kafka_check_error}")
     if report.logged is not None:
         c = report.logged
         lines.append(f"kafka: {c.found}/{c.acked} acknowledged interactions logged, {len(c.missing)} missing, "
@@ -213,6 +218,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     """``online-sao load``: returns 0 when the run passed, 1 otherwise."""
     from apps.load.gen import run_load
     from apps.load.report import write_results
+    from streams.base import StreamUnavailable
     from streams.kafka_backend import KafkaBackend
 
     params = LoadParams(clients=args.clients, duration_s=args.duration_s,
@@ -222,12 +228,16 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     progress = lambda line: print(line, flush=True)  # noqa: E731
     if args.url:
         result = run_load(args.url, args.api_key, params, progress)
-        logged = None
+        logged, check_error = None, None
         if not args.no_kafka_check:
             acked = acked_interactions(result.records)
             progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
-            logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked)
-        report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged)
+            try:
+                logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked)
+            except StreamUnavailable as exc:  # the load's results are still worth writing
+                check_error = f"the Kafka check could not run: {exc}"
+        report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged,
+                               kafka_check_error=check_error)
     else:
         run_id = time.strftime("load-%Y%m%d-%H%M%S")
         run_dir = cfg.data_dir / "runs" / run_id
@@ -237,7 +247,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
         print(line, flush=True)
     extra = {"command": shlex.join(["online-sao", *sys.argv[1:]]), "passed": report.passed,
              "run_dir": str(report.run_dir) if report.run_dir else None,
-             "kafka_check": report.logged.to_json() if report.logged else None}
+             "kafka_check": report.logged.to_json() if report.logged else report.kafka_check_error}
     out = Path(args.out)
     json_path, png = write_results(out, report.result, report.summary, extra, include_requests=not args.summary_only)
     print(f"results: {json_path}, plot: {png}", flush=True)

@@ -196,3 +196,26 @@ def test_generator_classifies_every_answer_of_a_fake_endpoint(tmp_path):
     assert saved["summary"]["answered"] == s.answered and len(saved["requests"]) == len(result.records)
     assert png.stat().st_size > 0
     assert "requests" not in result_json(result, s, include_requests=False)
+
+
+def test_a_kafka_check_that_cannot_run_still_writes_the_results_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    """`load --url` with the broker down: the load ran, its results are worth keeping."""
+    from apps import cli
+    from streams.base import StreamUnavailable
+
+    fake = FakeEndpoint()
+    params = LoadParams(clients=2, duration_s=60.0, requests_per_client=6, stream_share=0.0, feedback_share=0.0,
+                        version_poll_s=0.05, progress_every_s=0.2, failure_pause_s=0.0)
+    ran = asyncio.run(LoadGenerator("http://fake", None, params, progress=lambda line: None, prompts=["p"],
+                                    transport=httpx.MockTransport(fake)).run())
+
+    def unreachable(*args, **kwargs):
+        raise StreamUnavailable("Kafka at 127.0.0.1:1 not reachable")
+
+    monkeypatch.setattr("apps.load.gen.run_load", lambda *args, **kwargs: ran)
+    monkeypatch.setattr("apps.load.run.check_logged", unreachable)
+    out = tmp_path / "load.json"
+    assert cli.main(["load", "--url", "http://fake", "--out", str(out)]) == 1
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["answered"] > 0 and "Kafka at 127.0.0.1:1 not reachable" in saved["kafka_check"]
+    assert "kafka: the Kafka check could not run" in capsys.readouterr().out

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from online_sao.config import ConfigError
 from trainer.feed import ENDS_EVERY_S, KeepingUp
 
 
@@ -48,7 +49,11 @@ class LearnerExporter(Collector):
         self._keeping_up: KeepingUp | None = None
         registry = CollectorRegistry()
         registry.register(self)
-        self._server, self._thread = start_http_server(port, host, registry)
+        try:
+            self._server, self._thread = start_http_server(port, host, registry)
+        except OSError as exc:  # the address in use, or not this machine's: the operator's setting to change
+            raise ConfigError(f"trainer.metrics_port {port} on trainer.metrics_host {host} cannot be served: "
+                              f"{exc.strerror or exc}") from None
 
     @property
     def port(self) -> int:

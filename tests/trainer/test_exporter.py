@@ -11,6 +11,7 @@ import pytest
 from mlflow import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from online_sao.config import ConfigError
 from tests.trainer.test_learner_memory import _registry_rounds
 from trainer.distributed import init_distributed
 from trainer.exporter import LearnerExporter
@@ -125,3 +126,13 @@ def test_a_failing_value_pretraining_still_ends_the_run_and_frees_the_port(tmp_p
     client = MlflowClient(cfg.mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_a_metrics_port_in_use_is_a_config_error_naming_the_setting(free_port):
+    first = LearnerExporter("127.0.0.1", free_port)
+    try:
+        with pytest.raises(ConfigError, match=rf"trainer.metrics_port {free_port} on trainer.metrics_host 127.0.0.1 "
+                                              r"cannot be served: .*in use"):
+            LearnerExporter("127.0.0.1", free_port)
+    finally:
+        first.close()

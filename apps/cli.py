@@ -274,13 +274,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _operator_errors() -> tuple[type[BaseException], ...]:
     """What an operator can fix and a traceback does not help with: the broker unreachable or not
-    starting, a process of the stack not starting, a directory that cannot be written. Imported
+    starting, a process of the stack not starting, the MLflow server not answering, a directory that
+    cannot be written. Imported
     only when an error is being matched (``--help`` and ``config show`` stay light)."""
     from apps.stack import StackError
     from streams.base import StreamUnavailable
     from streams.broker import BrokerError
+    from trainer.tracking import TrackingUnavailable
 
-    return StreamUnavailable, BrokerError, StackError, PermissionError, NotADirectoryError, FileExistsError
+    return (StreamUnavailable, BrokerError, StackError, TrackingUnavailable, PermissionError, NotADirectoryError,
+            FileExistsError)
 
 
 if __name__ == "__main__":

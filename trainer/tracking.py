@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 import fsspec
+import httpx
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
@@ -76,11 +77,30 @@ def _is(exc: MlflowException, code: int) -> bool:
     return exc.error_code == ErrorCode.Name(code)
 
 
+TRACKING_PROBE_S = 10.0
+"""How long the first request to an MLflow server may take before it counts as unreachable: MLflow's
+own client retries an unreachable server for minutes, deaf to a SIGTERM meanwhile."""
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow server does not answer."""
+
+
+def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
+    """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer."""
+    try:
+        httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc}") from None
+
+
 def open_client(uri: str) -> MlflowClient:
     """An MLflow client on ``uri`` for tracking and the registry. A SQLite store is created
     (directory, tables, migrations) under an exclusive lock on ``<db>.lock``: processes that open
     the same new store at once (seeds run in parallel) otherwise race in MLflow's migrations and
     fail ("Online migration expected to match one row")."""
+    if uri.startswith(("http://", "https://")):
+        probe_server(uri)
     if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
     db = Path(uri[len("sqlite:///"):])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,37 @@ def test_processes_opening_one_new_sqlite_store_at_once_all_succeed(tmp_path):
         w.join(timeout=120)
     assert [w.exitcode for w in workers] == [0, 0, 0]
     assert len(MlflowClient(tracking_uri=uri).search_experiments(filter_string="name = 'racing'")) == 1
+
+
+def test_an_mlflow_server_that_does_not_answer_is_named_at_once(free_port):
+    """MLflow's own client retries an unreachable server for minutes, deaf to SIGTERM."""
+    from trainer.tracking import TrackingUnavailable, open_client
+
+    start = time.monotonic()
+    with pytest.raises(TrackingUnavailable, match=rf"MLflow at http://127.0.0.1:{free_port} \(mlflow.tracking_uri\) "
+                                                   "does not answer"):
+        open_client(f"http://127.0.0.1:{free_port}")
+    assert time.monotonic() - start < 10
+
+
+def test_an_mlflow_server_that_answers_its_health_check_is_opened(free_port):
+    import http.server
+    import threading
+
+    from trainer.tracking import probe_server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", free_port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe_server(f"http://127.0.0.1:{free_port}/")
+    finally:
+        server.shutdown()

@@ -8,13 +8,14 @@ the work; heavy imports happen inside the subcommand so that ``--help`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Callable
 
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ConfigError, dump_config
-from online_sao.config.tree import one_line
 from online_sao.config.reference import reference
+from online_sao.config.tree import one_line
 
 REFERENCE_TITLE = "Configuration reference"
 """Title of ``config reference``'s Markdown (docs/CONFIG.md is that output)."""
@@ -142,29 +143,30 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--set", action="append", dest="set_after", default=[], metavar="KEY=VALUE",
                         help="override one field (repeatable); also before the subcommand")
     sub = parser.add_subparsers(dest="command", required=True)
+    command = functools.partial(sub.add_parser, parents=[common])
 
-    show = sub.add_parser("config", parents=[common], help="configuration tools: show (the resolved tree as YAML), "
-                                         "reference (every key, its type, default and meaning, as Markdown)")
+    show = command("config", help="configuration tools: show (the resolved tree as YAML), "
+                                  "reference (every key, its type, default and meaning, as Markdown)")
     show.add_argument("action", choices=["show", "reference"])
     show.set_defaults(run=_config)
 
-    kafka = sub.add_parser("kafka", parents=[common], help="the local Apache Kafka broker")
+    kafka = command("kafka", help="the local Apache Kafka broker")
     kafka.add_argument("action", choices=["up", "down", "status"])
     kafka.set_defaults(run=_kafka)
 
-    base = sub.add_parser("base-model", parents=[common], help="build the default model (cached); prints its directory last")
+    base = command("base-model", help="build the default model (cached); prints its directory last")
     base.add_argument("--force", action="store_true", help="rebuild even when cached")
     base.set_defaults(run=_base_model)
 
-    serve = sub.add_parser("serve", parents=[common], help="run the OpenAI-compatible endpoint")
+    serve = command("serve", help="run the OpenAI-compatible endpoint")
     serve.add_argument("--port", type=int, help="shortcut for --set serving.port=N")
     serve.set_defaults(run=_serve)
 
-    learn = sub.add_parser("learn", parents=[common], help="run the continuous SAO learner")
+    learn = command("learn", help="run the continuous SAO learner")
     learn.add_argument("--pretrain-critic", action="store_true", help="fit the critic on logged rollouts first")
     learn.set_defaults(run=_learn)
 
-    simulate = sub.add_parser("simulate", parents=[common], help="run a drifting-preference scenario through the real service")
+    simulate = command("simulate", help="run a drifting-preference scenario through the real service")
     simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")
     simulate.add_argument("--arm", action="append", help="run only this arm (repeatable)")
     simulate.add_argument("--seeds", type=int, metavar="N",
@@ -180,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "in the results directory with these settings, run the rest")
     simulate.set_defaults(run=_simulate)
 
-    sweep = sub.add_parser("lr-sweep", parents=[common], help="run every arm of a scenario once per policy learning rate; "
-                                            "report, and the best rate per arm")
+    sweep = command("lr-sweep", help="run every arm of a scenario once per policy learning rate; "
+                                     "report, and the best rate per arm")
     sweep.add_argument("--scenario", help="scenario YAML (same as --config)")
     sweep.add_argument("--rates", required=True, type=_rates,
                        help="comma-separated policy learning rates, e.g. 1e-4,3e-4,1e-3")
@@ -192,24 +194,24 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--resume", action="store_true", help="shortcut for --set experiment.resume=true")
     sweep.set_defaults(run=_lr_sweep)
 
-    agent = sub.add_parser("agent", parents=[common], help="the simulated agent scenario: calculator tasks through the live stack, "
-                                         "judged on the final answer; success rate over time (JSON + PNG)")
+    agent = command("agent", help="the simulated agent scenario: calculator tasks through the live stack, "
+                                  "judged on the final answer; success rate over time (JSON + PNG)")
     agent.set_defaults(run=_agent)
 
-    judge = sub.add_parser("judge", parents=[common], help="the reward service: scores interactions from Kafka, produces rewards")
+    judge = command("judge", help="the reward service: scores interactions from Kafka, produces rewards")
     judge.add_argument("--arm", help="experiment arm whose results file the scores go to")
     judge.set_defaults(run=_judge)
 
-    report = sub.add_parser("report", parents=[common], help="write the experiment report (Markdown + PNG plots) and log it to MLflow")
+    report = command("report", help="write the experiment report (Markdown + PNG plots) and log it to MLflow")
     report.set_defaults(run=_report)
 
-    smoke = sub.add_parser("smoke", parents=[common], help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
+    smoke = command("smoke", help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
     smoke.set_defaults(run=_smoke)
 
     from apps.load.run import add_load_arguments
 
-    load = sub.add_parser("load", parents=[common], help="hold N concurrent clients against serving while the learner swaps weights; "
-                                       "checks no request fails and every answered interaction is in Kafka")
+    load = command("load", help="hold N concurrent clients against serving while the learner swaps weights; "
+                                "checks no request fails and every answered interaction is in Kafka")
     add_load_arguments(load)
     load.set_defaults(run=_load)
     return parser

@@ -79,7 +79,8 @@ class AlgorithmConfig(Section):
     their baseline instead of the cold critic's values (not in the paper, 0 turns it off). Before
     its traffic the learner can pre-train the critic on logged rollouts (``learn
     --pretrain-critic``; 64 in the drift experiments); after a restart no such rollouts exist, so
-    the critic learns from the traffic while a running mean stands in for it (SAO.md: a cold critic is the main cause of early instability).
+    the critic learns from the traffic while a running mean stands in for it (SAO.md: a cold critic
+    is the main cause of early instability).
     One learner process only (refused under torchrun with several ranks)."""
     value_shrinkage_window: int = Field(0, ge=0)
     """SAO: shrink the critic's values toward the mean reward of the last this many rollouts, by

@@ -49,10 +49,9 @@ def _serve(cfg: AppConfig, args: argparse.Namespace) -> int:
     from serving.spool_lock import exclusive_spool
 
     check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])  # before any build
-    with exclusive_spool(cfg.spool_dir):  # before any build too: a second process is refused at once
-        pass
     log = logging.getLogger("serving.server")
-    return run_server(cfg, build_base_model(cfg, progress=lambda line: log.info("%s", line)))
+    with exclusive_spool(cfg.spool_dir):  # held from before any build: a second process is refused at once
+        return run_server(cfg, build_base_model(cfg, progress=lambda line: log.info("%s", line)))
 
 
 def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:

@@ -28,7 +28,6 @@ from serving.auth import check_exposure
 from serving.engine.base import InferenceEngine
 from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
-from serving.spool_lock import exclusive_spool
 from streams.base import DeliveryReport, Producer, StreamBackend
 from streams.tail import records_since
 
@@ -143,23 +142,23 @@ def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: In
 
 
 def run_server(cfg: Config, model_dir: Path) -> int:
-    """Serve the Hugging Face model in ``model_dir`` until interrupted; returns the exit code."""
+    """Serve the Hugging Face model in ``model_dir`` until interrupted; returns the exit code. The
+    caller holds the spool directory (:func:`serving.spool_lock.exclusive_spool`)."""
     from streams.kafka_backend import KafkaBackend
 
     check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
-    with exclusive_spool(cfg.spool_dir):  # SpoolInUse (a ConfigError) when another process has it
-        backend = KafkaBackend(cfg.kafka)
-        stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
-        server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
-                                               log_level="info", timeout_graceful_shutdown=30,
-                                               timeout_keep_alive=cfg.serving.keep_alive_s))
-        try:
-            server.run()  # uvicorn raises the Ctrl-C it caught again once it has shut down
-        finally:
-            if stack.logger.spool_records == 0:
-                stack.producer.close()
-            # else: records the producer still holds are also in the spool; leaving it unclosed lets
-            # the process exit now instead of waiting out the producer's delivery timeout.
+    backend = KafkaBackend(cfg.kafka)
+    stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
+    server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
+                                           log_level="info", timeout_graceful_shutdown=30,
+                                           timeout_keep_alive=cfg.serving.keep_alive_s))
+    try:
+        server.run()  # uvicorn raises the Ctrl-C it caught again once it has shut down
+    finally:
+        if stack.logger.spool_records == 0:
+            stack.producer.close()
+        # else: records the producer still holds are also in the spool; leaving it unclosed lets
+        # the process exit now instead of waiting out the producer's delivery timeout.
     return 0
 
 

@@ -33,7 +33,7 @@ from streams.base import Consumer, Producer, StreamBackend, TopicPartition
 from streams.ends import EndWatcher
 from streams.outbox import Outbox
 from streams.records import decode_or_dead_letter
-from trainer.broker_wait import until_broker_takes
+from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.rollouts import RolloutError

@@ -37,7 +37,7 @@ from online_sao.schemas import WeightsNotice
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer
 from streams.records import publish
-from trainer.broker_wait import until_broker_takes
+from streams.broker_wait import until_broker_takes
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json, full_state_dict
 from trainer.tracking import Decision, RunTracker

@@ -23,7 +23,7 @@ from online_sao.config import Config
 from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
-from trainer.broker_wait import until_broker_takes
+from streams.broker_wait import until_broker_takes
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_writer import CheckpointWriter
 from trainer.feed import Feed

@@ -41,6 +41,7 @@ from apps.experiments.judge import Judge, QualityStyleJudge, Raters
 from apps.experiments.results import RewardRow, append_row, read_reward_rows
 from online_sao.schemas import Interaction, Reward
 from streams.base import StreamBackend, StreamUnavailable, TopicPartition
+from streams.broker_wait import until_broker_takes
 from streams.records import decode_or_dead_letter, publish
 
 SOURCE = "judge"
@@ -163,7 +164,11 @@ class JudgeService:
         self._read: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self.consumer = backend.consumer([self.topics.interactions], group_id=self.exp.judge_group, start="earliest")
-        self.producer = backend.producer()
+        try:
+            self.producer = backend.producer()
+        except BaseException:  # the broker went away between the two: the caller retries both
+            self.consumer.close()
+            raise
 
     @property
     def rollout(self) -> int:
@@ -247,7 +252,14 @@ def run_judge(cfg: AppConfig, judge: Judge, stop_event: threading.Event, backend
         from streams.kafka_backend import KafkaBackend
 
         backend = KafkaBackend(cfg.kafka)
-    service = JudgeService(cfg, judge, backend, tokenizer, results_path)
+    try:  # a broker down at start: wait for it, as the learner and serving do
+        service = until_broker_takes(lambda: JudgeService(cfg, judge, backend, tokenizer, results_path),
+                                     "judge: connecting to Kafka", stop_event, notify=progress)
+    except StreamUnavailable:
+        if not stop_event.is_set():
+            raise
+        progress("judge: stopped before the broker came up; nothing judged")
+        return JudgeCounters()
     reported = service.counters.scored
     try:
         while not stop_event.is_set():

@@ -317,3 +317,53 @@ def test_judge_keeps_running_through_an_outage_and_sends_every_reward(tmp_path, 
     rewards = drain_memory(backend, cfg.kafka.topics.rewards)
     assert flaky.failures == 0  # the outage happened
     assert sorted(r.interaction_id for r in rewards) == sorted(i.interaction_id for i in interactions)
+
+
+class DownAtStartBackend:
+    """The in-memory backend refusing the first ``failures`` consumers, as Kafka does when the
+    judge starts before the broker."""
+
+    def __init__(self, backend: InMemoryBackend, failures: int):
+        self.backend, self.failures = backend, failures
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def consumer(self, *args, **kwargs):
+        if self.failures > 0:
+            self.failures -= 1
+            raise StreamUnavailable("no broker yet (test)")
+        return self.backend.consumer(*args, **kwargs)
+
+
+def test_a_judge_started_before_the_broker_waits_for_it_and_says_so_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("streams.broker_wait.BROKER_RETRY_S", 0.01)
+    backend, cfg, producer = memory_setup()
+    interactions = [chat_interaction(*qa) for qa in ANSWERS[:2]]
+    for interaction in interactions:
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    stop, lines = threading.Event(), []
+    down = DownAtStartBackend(backend, failures=5)
+    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
+                              kwargs={"backend": down, "progress": lines.append})
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    worker.join(10)
+    assert down.failures == 0
+    assert sorted(r.interaction_id for r in drain_memory(backend, cfg.kafka.topics.rewards)) == \
+        sorted(i.interaction_id for i in interactions)
+    assert sum("broker unreachable" in line for line in lines) == 1
+
+
+def test_a_judge_stopped_while_waiting_for_the_broker_returns_without_judging(monkeypatch):
+    monkeypatch.setattr("streams.broker_wait.BROKER_RETRY_S", 0.01)
+    backend, cfg, _ = memory_setup()
+    stop, lines = threading.Event(), []
+    stop.set()
+    counters = run_judge(cfg, FixedJudge(), stop, backend=DownAtStartBackend(backend, failures=10**6),
+                         progress=lines.append)
+    assert counters.scored == 0
+    assert lines[-1] == "judge: stopped before the broker came up; nothing judged"

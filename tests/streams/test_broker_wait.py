@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from streams.base import StreamUnavailable
-from trainer.broker_wait import until_broker_takes
+from streams.broker_wait import until_broker_takes
 
 
 class Flaky:
@@ -23,14 +23,14 @@ class Flaky:
 
 
 def test_the_action_is_retried_until_the_broker_takes_it(monkeypatch):
-    monkeypatch.setattr("trainer.broker_wait.BROKER_RETRY_S", 0.01)
+    monkeypatch.setattr("streams.broker_wait.BROKER_RETRY_S", 0.01)
     action = Flaky(failures=3)
     assert until_broker_takes(action, "committing offsets", threading.Event()) == "done"
     assert action.calls == 4
 
 
 def test_a_stop_request_ends_the_wait_with_the_error(monkeypatch):
-    monkeypatch.setattr("trainer.broker_wait.BROKER_RETRY_S", 0.01)
+    monkeypatch.setattr("streams.broker_wait.BROKER_RETRY_S", 0.01)
     stop = threading.Event()
     stop.set()
     with pytest.raises(StreamUnavailable):

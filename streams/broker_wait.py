@@ -1,6 +1,6 @@
-"""Riding out a broker outage on the learner's side: retry an action until the broker takes it.
+"""Riding out a broker outage: retry an action until the broker takes it.
 
-The learner's writes to Kafka (weights notices, the dead letters flushed before an
+Used by the learner and the judge. The learner's writes to Kafka (weights notices, the dead letters flushed before an
 offset commit, the commit itself) are all safe to repeat: notices are idempotent
 for serving (it ignores versions it already runs), and offsets are also in the
 checkpoint, which is what a restart resumes from. So while the broker is
@@ -23,8 +23,12 @@ BROKER_RETRY_S = 1.0
 T = TypeVar("T")
 
 
-def until_broker_takes(action: Callable[[], T], what: str, stop: threading.Event | None = None) -> T:
-    """``action()``, repeated while it raises :class:`StreamUnavailable`; re-raises once ``stop`` is set."""
+def until_broker_takes(action: Callable[[], T], what: str, stop: threading.Event | None = None,
+                       notify: Callable[[str], None] | None = None) -> T:
+    """``action()``, repeated while it raises :class:`StreamUnavailable`; re-raises once ``stop`` is set.
+
+    The first failure is reported through ``notify`` (a warning in the log by default), later
+    ones only at debug level, so an outage of minutes is one line, not hundreds."""
     attempts = 0
     while True:
         try:
@@ -33,7 +37,11 @@ def until_broker_takes(action: Callable[[], T], what: str, stop: threading.Event
             if stop is not None and stop.is_set():
                 raise
             attempts += 1
-            (log.warning if attempts == 1 else log.debug)("%s: broker unreachable (%s); waiting for it", what, exc)
+            line = f"{what}: broker unreachable ({exc}); waiting for it"
+            if attempts == 1:
+                (notify or log.warning)(line)
+            else:
+                log.debug(line)
             if stop is not None:
                 stop.wait(BROKER_RETRY_S)
             else:

@@ -281,7 +281,7 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
     from apps.stack import StackError
     from streams.base import StreamUnavailable
     from streams.broker import BrokerError
-    from trainer.tracking import TrackingUnavailable
+    from trainer.mlflow_store import TrackingUnavailable
 
     return (StreamUnavailable, BrokerError, StackError, TrackingUnavailable, PermissionError, NotADirectoryError,
             FileExistsError)

@@ -74,6 +74,7 @@ from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed,
                                  load_full_state_dict, local_batch, reduce_metrics, shutdown_distributed)
 from trainer.feed import RolloutHook
+from trainer.mlflow_store import bound_mlflow_requests
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
@@ -258,6 +259,7 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
                           "its logged rollouts there (unset it to read the topics' retained history)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
+    bound_mlflow_requests()  # an MLflow server that stops answering costs seconds per request, not minutes
     until = RunUntil(max_steps=cfg.trainer.max_steps, idle_timeout_s=cfg.trainer.idle_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: until.stop.set())

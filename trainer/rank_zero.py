@@ -91,7 +91,7 @@ class RankZero:
         """Connect to the weight store, the broker and MLflow, carrying on from ``progress``."""
         counters = {**{name: 0.0 for name in COUNTERS}, **progress.counters}
         store = open_weight_store(cfg.weight_store_url)
-        tracker = RunTracker(cfg, run_id=progress.mlflow_run_id)
+        tracker = RunTracker(cfg, run_id=progress.mlflow_run_id, stop=stop)  # an MLflow outage: waits, stoppable
         producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
         # registered versions are never pruned: the checkpoint lists them, and so does the registry
         # (a learner whose checkpoints were lost must not prune the champion's weights)

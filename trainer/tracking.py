@@ -20,32 +20,34 @@ Promotion: a new registration takes the ``candidate`` alias. The learner decides
 ``monitor.*`` tags on the candidate's version and moves the aliases: ``champion`` on a
 promotion, ``candidate`` back to the champion's version on a roll-back (which the learner
 announces to serving).
+
+An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_requests`): the
+learner keeps training and keeps the steps' metrics, sent once the server answers again; a
+registry call waits for the server, and a stop request ends that wait with
+:class:`TrackingUnavailable`. Without a stop event (one-shot callers) nothing waits.
 """
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import logging
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Literal
 
 import fsspec
-import httpx
-from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import (
-    INVALID_PARAMETER_VALUE,
-    RESOURCE_ALREADY_EXISTS,
-    RESOURCE_DOES_NOT_EXIST,
-    ErrorCode,
-)
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
 
 from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
+from online_sao.reachable import until_reachable
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
+from trainer.mlflow_store import TrackingUnavailable, experiment_id, is_code, is_unreachable, open_client
 
 log = logging.getLogger(__name__)
 
@@ -73,67 +75,55 @@ def _artifact_root(cfg: Config) -> str | None:
     return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
 
 
-def _is(exc: MlflowException, code: int) -> bool:
-    return exc.error_code == ErrorCode.Name(code)
-
-
-TRACKING_PROBE_S = 10.0
-"""How long the first request to an MLflow server may take before it counts as unreachable: MLflow's
-own client retries an unreachable server for minutes, deaf to a SIGTERM meanwhile."""
-
-
-class TrackingUnavailable(RuntimeError):
-    """The MLflow server does not answer."""
-
-
-def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
-    """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer."""
-    try:
-        httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
-    except httpx.HTTPError as exc:
-        raise TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc}") from None
-
-
-def open_client(uri: str) -> MlflowClient:
-    """An MLflow client on ``uri`` for tracking and the registry. A SQLite store is created
-    (directory, tables, migrations) under an exclusive lock on ``<db>.lock``: processes that open
-    the same new store at once (seeds run in parallel) otherwise race in MLflow's migrations and
-    fail ("Online migration expected to match one row")."""
-    if uri.startswith(("http://", "https://")):
-        probe_server(uri)
-    if not uri.startswith("sqlite:///"):
-        return MlflowClient(tracking_uri=uri, registry_uri=uri)
-    db = Path(uri[len("sqlite:///"):])
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # may create the tables itself
-        client.search_experiments(max_results=1)        # creates or checks the tracking tables
-        client.search_registered_models(max_results=1)  # and the registry's
-    return client
-
-
-def experiment_id(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
-    """The id of experiment ``name``, created if missing (by whichever process gets there first)."""
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException as exc:  # another process created it between our two calls
-        if not _is(exc, RESOURCE_ALREADY_EXISTS):
-            raise
-        return client.get_experiment_by_name(name).experiment_id
+TRACKING_RETRY_S = 5.0
+"""Pause between two attempts while the MLflow server does not answer (a registry call waits; the
+metrics are sent at the next step at least this long after the last failure)."""
+UNLOGGED_STEPS_MAX = 10_000
+"""Steps of metrics kept while MLflow does not answer (the oldest are dropped beyond, and counted)."""
+def _waiting(what: str):
+    """A registry method that waits for an MLflow server that does not answer (``RunTracker._answered``)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def waiting(self: RunTracker, *args, **kwargs):
+            return self._answered(what, lambda: method(self, *args, **kwargs))
+        return waiting
+    return wrap
 
 
 class RunTracker:
     """The learner's MLflow run and its registered policy versions (rank 0 only)."""
 
-    def __init__(self, cfg: Config, run_id: str | None = None) -> None:
+    def __init__(self, cfg: Config, run_id: str | None = None, stop: threading.Event | None = None) -> None:
         self.cfg = cfg
-        self.client = open_client(cfg.mlflow_uri)
+        self.stop = stop
+        """Set by the learner's stop request: ends a wait for an MLflow server that does not answer
+        (None: nothing waits)."""
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
+        self._unlogged: deque[list[Metric]] = deque()
+        """Steps of metrics not yet accepted by MLflow (it did not answer), oldest first."""
+        self.unlogged_dropped = 0
+        """Steps of metrics dropped beyond :data:`UNLOGGED_STEPS_MAX` during an outage."""
+        self._next_metrics_try = 0.0
+        self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
+        self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
+
+    def _answered(self, what: str, action, wait: bool = True):
+        """``action()``; while the server does not answer, waited for (see the module docstring)
+        if ``wait``, else TrackingUnavailable at once."""
+        def attempt():
+            try:
+                return action()
+            except MlflowException as exc:
+                if not is_unreachable(exc):
+                    raise
+                raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not "
+                                          f"answer: {exc.message[:300]}") from exc
+        if self.stop is None or not wait:
+            return attempt()
+        return until_reachable(attempt, what, (TrackingUnavailable,), TRACKING_RETRY_S, self.stop)
+
+    def _open_run(self, run_id: str | None) -> None:
         run = None if run_id is None else self._reopenable(run_id)
         if run is not None:
             self.run_id = run_id
@@ -160,7 +150,7 @@ class RunTracker:
         try:
             run = self.client.get_run(run_id)
         except MlflowException as exc:
-            if not _is(exc, RESOURCE_DOES_NOT_EXIST):
+            if not is_code(exc, RESOURCE_DOES_NOT_EXIST):
                 raise
             log.warning("MLflow run %s of the checkpoint does not exist on %s: the learner logs to a new run",
                         run_id, self.cfg.mlflow_uri)
@@ -191,29 +181,74 @@ class RunTracker:
             self.client.log_batch(run_id, params=items[start:start + PARAMS_PER_BATCH])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """One value per name at ``step`` (NaN is stored as NaN)."""
+        """One value per name at ``step`` (NaN is stored as NaN). Never waits for the server: while
+        it does not answer the step's metrics are kept and sent, in order, once it does."""
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for start in range(0, len(items), METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[start:start + METRICS_PER_BATCH])
+        self._unlogged.append([Metric(k, float(v), now, step) for k, v in metrics.items()])
+        if len(self._unlogged) > UNLOGGED_STEPS_MAX:
+            self._unlogged.popleft()
+            self.unlogged_dropped += 1
+        if time.monotonic() >= self._next_metrics_try:
+            self._send_unlogged()
+
+    @property
+    def unlogged_steps(self) -> int:
+        """Steps of metrics waiting for the server to answer."""
+        return len(self._unlogged)
+
+    def _send_unlogged(self) -> None:
+        behind = len(self._unlogged) > 1
+        while self._unlogged:
+            items = self._unlogged[0]
+            try:
+                for start in range(0, len(items), METRICS_PER_BATCH):
+                    self.client.log_batch(self.run_id, metrics=items[start:start + METRICS_PER_BATCH])
+            except MlflowException as exc:
+                if not is_unreachable(exc):
+                    raise
+                if not behind:
+                    log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
+                                "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
+                self._next_metrics_try = time.monotonic() + TRACKING_RETRY_S
+                return
+            self._unlogged.popleft()
+        if behind:
+            log.info("MLflow answers again: the metrics it missed are logged (%d steps dropped)",
+                     self.unlogged_dropped)
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"] = "FINISHED") -> None:
-        """End the run (a later restart with the same run id reopens it)."""
-        if not self._closed:
-            self.client.set_terminated(self.run_id, status)
-            self._closed = True
+        """Send the metrics kept during an outage and end the run (a later restart with the same
+        run id reopens it). A server that still does not answer after a stop request is named in
+        the log, with what it missed, and the run is left as it is."""
+        if self._closed:
+            return
+        try:
+            self._answered("sending the kept metrics", self._send_all_unlogged, wait=False)
+            self._answered("ending the MLflow run", lambda: self.client.set_terminated(self.run_id, status),
+                           wait=False)
+        except TrackingUnavailable as exc:
+            log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
+                        len(self._unlogged) + self.unlogged_dropped)
+        self._closed = True
+
+    def _send_all_unlogged(self) -> None:
+        self._next_metrics_try = 0.0
+        self._send_unlogged()
+        if self._unlogged:
+            raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not answer")
+
 
     # -- registry -----------------------------------------------------------------------
     def _ensure_registered_model(self) -> None:
         try:
             self.client.get_registered_model(self.model_name)
         except MlflowException as exc:
-            if not _is(exc, RESOURCE_DOES_NOT_EXIST):
+            if not is_code(exc, RESOURCE_DOES_NOT_EXIST):
                 raise
             try:
                 self.client.create_registered_model(self.model_name, description="online-sao policy versions")
             except MlflowException as again:
-                if not _is(again, RESOURCE_ALREADY_EXISTS):
+                if not is_code(again, RESOURCE_ALREADY_EXISTS):
                     raise
 
     def _stage_artifact(self, ref: WeightsRef, directory: Path) -> None:
@@ -233,10 +268,11 @@ class RunTracker:
         except MlflowException as exc:
             # MLflow 3.17 reports an unset alias as INVALID_PARAMETER_VALUE and an
             # unknown registered model as RESOURCE_DOES_NOT_EXIST
-            if _is(exc, INVALID_PARAMETER_VALUE) or _is(exc, RESOURCE_DOES_NOT_EXIST):
+            if is_code(exc, INVALID_PARAMETER_VALUE) or is_code(exc, RESOURCE_DOES_NOT_EXIST):
                 return None
             raise
 
+    @_waiting("registering a policy version")
     def register(self, ref: WeightsRef, recent_reward: float) -> str:
         """Register published weights as a new registry version with the ``candidate`` alias.
 
@@ -257,6 +293,7 @@ class RunTracker:
         self.client.set_registered_model_alias(self.model_name, CANDIDATE, version.version)
         return str(version.version)
 
+    @_waiting("recording the gate's decision")
     def record_decision(self, decision: Decision, evidence: dict[str, str]) -> None:
         """Write the decision on the ``candidate`` and its ``evidence`` (the gate's and the
         monitors' tags) onto its registry version, then move the aliases: ``promoted`` makes
@@ -275,19 +312,23 @@ class RunTracker:
                 raise ValueError("cannot roll back without a champion")
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
 
+    @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the candidate, if any."""
         return self._policy(self._alias(CANDIDATE))
 
+    @_waiting("reading the champion")
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
         return self._policy(self._alias(CHAMPION))
 
+    @_waiting("reading the champion's record")
     def champion_record(self) -> ValueRecord | None:
         """The champion's record (``record.*`` tags: online_sao/gate_record.py), if it has one."""
         found = self._alias(CHAMPION)
         return None if found is None else ValueRecord.from_tags(found.tags)
 
+    @_waiting("tagging the champion")
     def tag_champion(self, tags: dict[str, str]) -> None:
         """Write ``tags`` onto the champion's registry version (its refreshed record)."""
         champion = self._alias(CHAMPION)
@@ -303,6 +344,7 @@ class RunTracker:
         version = int(found.tags["policy_version"])
         return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
 
+    @_waiting("listing the registered versions")
     def registered_policy_versions(self) -> set[int]:
         """Policy versions registered under this model name (the weight store keeps them)."""
         versions: set[int] = set()

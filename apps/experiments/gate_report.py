@@ -88,7 +88,7 @@ def _gate(tags: dict[str, str]) -> str:
 def read_decisions(acfg: AppConfig, run_id: str, rewards: list[RewardRow]) -> list[RegistryDecision]:
     """The decided registry versions of learner run ``run_id``, oldest first, each placed on the
     arm's rollout clock by ``rewards``."""
-    from trainer.tracking import open_client
+    from trainer.mlflow_store import open_client
 
     client = open_client(acfg.mlflow_uri)
     found, token = [], None

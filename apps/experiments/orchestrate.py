@@ -136,7 +136,7 @@ def needs_critic(acfg: AppConfig) -> bool:
 def learner_run(acfg: AppConfig):
     """The arm's newest learner run in MLflow (an ``mlflow.entities.Run``), found by its consumer
     group, which names the arm; None when there is none."""
-    from trainer.tracking import open_client
+    from trainer.mlflow_store import open_client
 
     client = open_client(acfg.mlflow_uri)
     experiment = client.get_experiment_by_name(acfg.mlflow.experiment)
@@ -206,7 +206,7 @@ def reset_registry(acfg: AppConfig, progress: Callable[[str], None]) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
-    from trainer.tracking import open_client
+    from trainer.mlflow_store import open_client
 
     client = open_client(acfg.mlflow_uri)
     try:

@@ -120,7 +120,7 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: s
 
 def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str) -> str:
     """One MLflow run holding the report directory as artifacts and each arm's mean measures; returns its id."""
-    from trainer.tracking import experiment_id, open_client  # MLflow loads only when a report logs
+    from trainer.mlflow_store import experiment_id, open_client  # MLflow loads only when a report logs
 
     client = open_client(uri)
     run_id = client.create_run(experiment_id(client, experiment), run_name=run_name).info.run_id

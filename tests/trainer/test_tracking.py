@@ -16,7 +16,8 @@ from mlflow.artifacts import download_artifacts
 
 from online_sao.config import Config, load_config
 from online_sao.weights import CorruptWeights, FileWeightStore, WeightsRef
-from trainer.tracking import RunTracker, experiment_id, flatten_config, open_client
+from trainer.mlflow_store import experiment_id, open_client
+from trainer.tracking import RunTracker, flatten_config
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,7 @@ def test_processes_opening_one_new_sqlite_store_at_once_all_succeed(tmp_path):
 
 def test_an_mlflow_server_that_does_not_answer_is_named_at_once(free_port):
     """MLflow's own client retries an unreachable server for minutes, deaf to SIGTERM."""
-    from trainer.tracking import TrackingUnavailable, open_client
+    from trainer.mlflow_store import TrackingUnavailable, open_client
 
     start = time.monotonic()
     with pytest.raises(TrackingUnavailable, match=rf"MLflow at http://127.0.0.1:{free_port} \(mlflow.tracking_uri\) "
@@ -246,7 +247,7 @@ def test_an_mlflow_server_that_answers_its_health_check_is_opened(free_port):
     import http.server
     import threading
 
-    from trainer.tracking import probe_server
+    from trainer.mlflow_store import probe_server
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

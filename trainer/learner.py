@@ -186,7 +186,9 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
     Returns the step's metrics, reduced over ranks."""
     rollouts = broadcast_rollouts(taken.rollouts, ctx)
     batch = local_batch(rollouts, ctx, models.pad_token_id, at.version)
-    metrics = reduce_metrics(models.trainables.algorithm.step(batch.to(ctx.device)), ctx)
+    with models.computing(ctx.device):
+        metrics = models.trainables.algorithm.step(batch.to(ctx.device))
+    metrics = reduce_metrics(metrics, ctx)
     at.step, at.steps_here = at.step + 1, at.steps_here + 1
     refused = is_refused(metrics)  # the same on every rank: the rule's checks were voted on
     if models.drift is not None and not refused:  # every rank has the step's rollouts: all agree

@@ -6,6 +6,7 @@ Every function here is collective: all ranks call it in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ TRAINING_DTYPE = "float32"
 1e-5 on a bfloat16 weight of 0.02 (whose rounding step is 1.2e-4) rounds away, and in a test three SAO
 steps in bfloat16 changed 15% of the policy's elements against 92% in float32. Published weights
 are cast to ``model.dtype`` (trainer/publisher.py); under several ranks the forward and backward
-run in it (FSDP2 mixed precision, :func:`trainer.distributed.shard_model`)."""
+run in it (FSDP2 mixed precision, :func:`trainer.distributed.shard_model`), in one process under
+autocast (:meth:`LearnerModels.computing`)."""
 
 ONE_PROCESS_OPTIONS = ("value_shrinkage_window", "value_level_window", "critic_rewarm_rollouts")
 """SAO options whose windows each rank keeps of its own rollouts: under several ranks the shrinkage
@@ -61,6 +63,14 @@ class LearnerModels:
     """Token ids at or past it are not the model's (such rollouts are left out)."""
     drift: DriftResponse | None = None
     """The restart on a detected preference change (``drift.enabled``), else None."""
+    one_process_compute: torch.dtype | None = None
+    """In one process, the dtype the forward and backward run in under autocast when ``model.dtype``
+    is not float32 (under several ranks FSDP2's mixed precision does it); None: float32."""
+
+    def computing(self, device: torch.device):
+        """The context a step or a fit runs in: autocast to :attr:`one_process_compute`, or nothing."""
+        dtype = self.one_process_compute
+        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
@@ -84,7 +94,9 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     ema_reference = reference if cfg.algorithm.kl_reference == "ema" else None  # trains along: checkpointed
     trainables = Trainables(policy, critic, opts, algorithm, ema_reference)
     drift = DriftResponse(cfg.drift, trainables) if cfg.drift.enabled else None  # remembers these starting weights
-    return LearnerModels(trainables, pad_token_id, vocab_size, drift)
+    compute = getattr(torch, cfg.model.dtype)
+    one_process = compute if ctx.world_size == 1 and compute != torch.float32 else None
+    return LearnerModels(trainables, pad_token_id, vocab_size, drift, one_process)
 
 
 def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: DistContext,
@@ -122,8 +134,9 @@ def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModel
             log.warning("value pre-training skipped: %d logged rollouts of version %d", len(logged), version)
         return
     critic, optimizers = models.trainables.critic, models.trainables.optimizers
-    fit = fit_critic(critic, optimizers.critic, logged, cfg.algorithm, models.pad_token_id,
-                     scheduler=optimizers.critic_scheduler)
+    with models.computing(ctx.device):
+        fit = fit_critic(critic, optimizers.critic, logged, cfg.algorithm, models.pad_token_id,
+                         scheduler=optimizers.critic_scheduler)
     if ctx.is_main:
         log.info("value pre-training on %d rollouts: %s", len(logged), fit)
         rank0.tracker.log_metrics({f"pretrain_{k}": float(v) for k, v in fit.items()}, step=0)

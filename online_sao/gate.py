@@ -33,6 +33,33 @@ them. The candidate's weight is at most ``1/(1 - s)`` on the answers it sampled 
 later serving versions it is their ratio, as without a canary. ``pi_serving`` of a canary answer is
 not known (the newest version when it was answered); the candidate stands in for it. With ``s = 0``
 the weights are those above.
+
+**What the window does not cover.** The ESS measures how evenly the weights spread over the
+rollouts the window holds; it cannot see probability mass of ``pi`` that the window did not
+sample. For any ``pi`` and the behaviour (or mixture) ``q`` the window was drawn from,
+``E_q[pi/q] = sum over x with q(x) > 0 of pi(x)``: the mean importance ratio is the mass of ``pi``
+on ``q``'s support (Owen, *Monte Carlo theory, methods and examples*, 2013, ch. 9: the
+unnormalised estimator of the constant 1). Its window estimate, the **coverage**
+``c = min(1, (1/n) sum_i exp(l_i))`` (raw log-ratios, before the rescaling and the clip; in log
+space: ``exp(min(0, logsumexp(l) - log n))``), is the share of ``pi``'s mass on what the window
+holds, and the self-normalised ``V`` is ``pi``'s value on that share. Of the rest nothing is
+known but the reward range ``[r_min, r_max]`` (``reward.min_value``, ``reward.max_value``), so
+the version's value lies in ``[c V + (1 - c) r_min, c V + (1 - c) r_max]``. The interval on ``D``
+becomes
+
+    low_D  = (c_cand V_cand + (1 - c_cand) r_min) - (c_champ V_champ + (1 - c_champ) r_max) - z se
+    high_D = (c_cand V_cand + (1 - c_cand) r_max) - (c_champ V_champ + (1 - c_champ) r_min) + z se
+
+and the rule above is applied to it. With ``c = 1`` for both (both versions well covered, e.g.
+identical to the behaviour) it is the interval above, unchanged. A champion that puts most of its
+mass where the window rarely samples (``c`` about 0.1) can no longer be "beaten" on the tenth of
+its mass the window saw: its upper bound reaches towards ``r_max`` and the candidate stays
+undecided. ``c`` is a sample mean of heavy-tailed ratios, so a well-covered version's ``c`` also
+falls a little under 1 by chance; the interval then widens by ``(1 - c)(r_max - r_min)``, which is
+why the reward range must be the rewards' real one (a range ten times too wide costs ten times
+the width). Without a range (``GateSettings.reward_min`` None) the coverage is reported, not used.
+A NaN anywhere (an ESS or a value from log-ratios that are ``-inf`` on every rollout: every
+answer holds a token outside the version's top-p nucleus) is refused, as an ESS under the floor.
 """
 
 from __future__ import annotations
@@ -57,6 +84,17 @@ class GateSettings:
     confidence: float
     margin: float
     weight_clip: float | None = None
+    reward_min: float | None = None
+    """Smallest reward there is (``reward.min_value``): the value of mass the window does not cover
+    is at least this (module docstring); None, with ``reward_max``: the interval is not widened."""
+    reward_max: float | None = None
+    """Largest reward there is (``reward.max_value``)."""
+
+    def __post_init__(self) -> None:
+        if (self.reward_min is None) != (self.reward_max is None):
+            raise ValueError("reward_min and reward_max are given together or not at all")
+        if self.reward_min is not None and not self.reward_min < self.reward_max:
+            raise ValueError(f"reward_min ({self.reward_min}) must be below reward_max ({self.reward_max})")
 
 
 @dataclass(frozen=True)
@@ -86,13 +124,18 @@ class GateEvidence:
     (its ESS under the floor) and ``champion_*`` are its record (online_sao/gate_record.py)."""
     record_window: tuple[int, int] | None = None
     """With ``basis`` ``record``: the versions whose rollouts the record was measured on."""
+    candidate_coverage: float = math.nan
+    """The candidate's coverage of the window, ``min(1, mean pi/q)`` (:func:`coverage`)."""
+    champion_coverage: float = math.nan
+    """The champion's (NaN on a record: not measured on this window)."""
 
     def tags(self) -> dict[str, str]:
         """``gate.*`` tags for the candidate's registry version."""
         values = {"n": self.n, "candidate_value": self.candidate_value, "champion_value": self.champion_value,
                   "difference": self.difference, "low": self.low, "high": self.high,
                   "candidate_ess": self.candidate_ess, "champion_ess": self.champion_ess,
-                  "candidate_se": self.candidate_se, "champion_se": self.champion_se}
+                  "candidate_se": self.candidate_se, "champion_se": self.champion_se,
+                  "candidate_coverage": self.candidate_coverage, "champion_coverage": self.champion_coverage}
         record = {} if self.record_window is None else {
             "gate.record_window_versions": f"{self.record_window[0]}-{self.record_window[1]}"}
         return {"gate.decision": self.decision, "gate.reason": self.reason, "gate.basis": self.basis,
@@ -165,9 +208,41 @@ def paired_difference(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, 
     return metrics["candidate_value"] - metrics["champion_value"], se, metrics
 
 
+def coverage(log_ratio: torch.Tensor) -> float:
+    """``[B]`` raw sequence log-ratios (before any clip) -> ``min(1, (1/B) sum_i exp(l_i))``, the
+    share of the version's mass on what the window holds (module docstring), computed in log
+    space (no overflow). 0 when every ``l_i`` is ``-inf``; NaN when one is NaN."""
+    mean_log = float(torch.logsumexp(log_ratio.double(), dim=0)) - math.log(log_ratio.shape[0])
+    if math.isnan(mean_log):
+        return math.nan
+    return math.exp(min(mean_log, 0.0))
+
+
+def value_bounds(value: float, covered: float, settings: GateSettings) -> tuple[float, float]:
+    """A version's value with ``1 - covered`` of its mass unseen: ``(c V + (1 - c) r_min,
+    c V + (1 - c) r_max)``; ``(V, V)`` without a reward range in ``settings``."""
+    if settings.reward_min is None or settings.reward_max is None:
+        return value, value
+    seen = covered * value
+    return seen + (1 - covered) * settings.reward_min, seen + (1 - covered) * settings.reward_max
+
+
+def _smaller(a: float, b: float) -> float:
+    """``min`` that keeps a NaN (Python's ``min(8.0, nan)`` is 8.0)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else min(a, b)
+
+
+def _coverage_note(candidate: float, champion: float, settings: GateSettings) -> str:
+    """What the reason adds when the reward range widened the interval."""
+    if settings.reward_min is None or (candidate >= 1 and champion >= 1):
+        return ""
+    return f" (coverage: candidate {candidate:.3f}, champion {champion:.3f})"
+
+
 def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
            settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
-    """The gate's decision on one window (module docstring). Inputs ``[B]``."""
+    """The gate's decision on one window (module docstring): the paired interval, widened by what
+    the window does not cover of each version. Inputs ``[B]``."""
     n = int(rewards.shape[0])
     if n == 0:
         nan = math.nan
@@ -175,11 +250,15 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
                             0.0, 0.0, window)
     diff, se, m = paired_difference(rewards, log_ratio_candidate, log_ratio_champion, settings.weight_clip)
     z = NormalDist().inv_cdf((1 + settings.confidence) / 2)
-    low, high = diff - z * se, diff + z * se
-    decision, reason = verdict(n, min(m["candidate_ess"], m["champion_ess"]), low, high, settings)
-    return GateEvidence(decision, reason, n, m["candidate_value"], m["champion_value"], diff, low, high,
-                        m["candidate_ess"], m["champion_ess"], window, candidate_se=m["candidate_se"],
-                        champion_se=m["champion_se"])
+    cover_cand, cover_champ = coverage(log_ratio_candidate), coverage(log_ratio_champion)
+    cand_low, cand_high = value_bounds(m["candidate_value"], cover_cand, settings)
+    champ_low, champ_high = value_bounds(m["champion_value"], cover_champ, settings)
+    low, high = cand_low - champ_high - z * se, cand_high - champ_low + z * se
+    decision, reason = verdict(n, _smaller(m["candidate_ess"], m["champion_ess"]), low, high, settings)
+    return GateEvidence(decision, reason + _coverage_note(cover_cand, cover_champ, settings), n,
+                        m["candidate_value"], m["champion_value"], diff, low, high, m["candidate_ess"],
+                        m["champion_ess"], window, candidate_se=m["candidate_se"], champion_se=m["champion_se"],
+                        candidate_coverage=cover_cand, champion_coverage=cover_champ)
 
 
 def mixture_log_ratios(log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
@@ -207,12 +286,14 @@ def verdict(n: int, ess: float, low: float, high: float, settings: GateSettings,
     """The decision rule alone: window size ``n``, the smaller of the two ESS, the interval
     ``[low, high]`` on candidate minus champion. ``may_roll_back`` False turns a roll-back into
     undecided (a champion's record may predate a preference change: online_sao/gate_record.py).
-    Returns (decision, reason)."""
+    A NaN ESS or interval is refused like an ESS under the floor. Returns (decision, reason)."""
     bound = -settings.margin
     if n < settings.min_rollouts:
         return "refused", f"n={n} < min_rollouts={settings.min_rollouts}"
-    if ess < settings.min_ess:
+    if not ess >= settings.min_ess:  # NaN too
         return "refused", f"ess={ess:.2f} < min_ess={settings.min_ess}"
+    if math.isnan(low) or math.isnan(high):
+        return "refused", f"interval [{low:.4f}, {high:.4f}] is not a number"
     if high < bound and not may_roll_back:
         return "undecided", f"upper end {high:.4f} < -margin {bound}, but a record cannot roll back"
     if high < bound:

@@ -28,6 +28,7 @@ roll-back target) and the monitors, which need no champion, can still roll it ba
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,10 +36,15 @@ from statistics import NormalDist
 
 import torch
 
-from online_sao.gate import GateEvidence, GateSettings, snis_estimate, verdict
+from online_sao.gate import GateEvidence, GateSettings, coverage, snis_estimate, value_bounds, verdict
+
+log = logging.getLogger(__name__)
 
 RECORD_PREFIX = "record."
 """Registry tags of a version's record."""
+RECORD_TAGS = ("record.value", "record.se", "record.n", "record.ess", "record.window_versions")
+"""Every tag a complete record has: they are written one registry call each, so a learner stopped
+between two calls leaves only some of them (:meth:`ValueRecord.from_tags` then reads no record)."""
 
 
 @dataclass(frozen=True)
@@ -59,12 +65,25 @@ class ValueRecord:
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> ValueRecord | None:
-        """The record in a registry version's tags, None if it has none."""
-        if "record.value" not in tags:
+        """The record in a registry version's tags; None if it has none, and None with a warning
+        naming what is wrong if it is incomplete or unreadable (a write cut short: the champion
+        is then decided as one without a record, never crashes the learner)."""
+        present = [key for key in RECORD_TAGS if key in tags]
+        if not present:
             return None
-        low, high = tags["record.window_versions"].split("-")
-        return cls(float(tags["record.value"]), float(tags["record.se"]), int(tags["record.n"]),
-                   float(tags["record.ess"]), (int(low), int(high)))
+        missing = [key for key in RECORD_TAGS if key not in tags]
+        if missing:
+            log.warning("champion's record is incomplete (missing %s; present %s): treated as no record",
+                        ", ".join(missing), ", ".join(present))
+            return None
+        try:
+            low, high = tags["record.window_versions"].split("-")
+            return cls(float(tags["record.value"]), float(tags["record.se"]), int(tags["record.n"]),
+                       float(tags["record.ess"]), (int(low), int(high)))
+        except ValueError as exc:
+            log.warning("champion's record is unreadable (%s; tags %s): treated as no record", exc,
+                        {key: tags[key] for key in RECORD_TAGS})
+            return None
 
 
 def _meets_floors(n: int, ess: float, settings: GateSettings) -> bool:
@@ -105,9 +124,9 @@ def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueReco
 
 def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
     """The gate refused only because of the champion's ESS: enough rollouts, the candidate's ESS at
-    the floor, the champion's under it."""
+    the floor, the champion's under it or NaN (log-ratios of ``-inf`` everywhere)."""
     return (evidence.decision == "refused" and evidence.n >= settings.min_rollouts
-            and evidence.candidate_ess >= settings.min_ess and evidence.champion_ess < settings.min_ess)
+            and evidence.candidate_ess >= settings.min_ess and not evidence.champion_ess >= settings.min_ess)
 
 
 def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, record: ValueRecord,
@@ -124,7 +143,11 @@ def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tens
     se_candidate = metrics["se"]
     diff = value - record.value
     half = NormalDist().inv_cdf((1 + settings.confidence) / 2) * math.hypot(se_candidate, record.se)
-    decision, reason = verdict(n, metrics["ess"], diff - half, diff + half, settings, may_roll_back=False)
-    return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff, diff - half,
-                        diff + half, metrics["ess"], record.ess, window, candidate_se=se_candidate,
-                        champion_se=record.se, basis="record", record_window=record.window)
+    covered = coverage(log_ratio_candidate)  # the candidate's unseen mass widens its side (online_sao/gate.py)
+    low, high = value_bounds(value, covered, settings)
+    decision, reason = verdict(n, metrics["ess"], low - record.value - half, high - record.value + half, settings,
+                               may_roll_back=False)
+    return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff,
+                        low - record.value - half, high - record.value + half, metrics["ess"], record.ess, window,
+                        candidate_se=se_candidate, champion_se=record.se, basis="record",
+                        record_window=record.window, candidate_coverage=covered)

@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
-LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError)
-"""What a weight store raises for a version it cannot give: reported, and the engine keeps its weights."""
+LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportError)
+"""What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
+cannot parse, an fsspec protocol whose package is not installed): reported, and the engine keeps its
+weights."""
 
 
 def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
@@ -186,7 +188,12 @@ class WeightsFollower:
             log.error("%s; keeping version %d", reason, self.engine.policy_version)
             return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)
         fetch_s = time.perf_counter() - start
-        result = self.engine.swap_weights(notice.version, state, force=force)
+        try:
+            result = self.engine.swap_weights(notice.version, state, force=force)
+        except Exception as exc:  # one notice must not end the thread: later versions still apply
+            reason = f"swapping in version {notice.version} failed: {exc!r}"
+            log.exception("%s; keeping version %d", reason, self.engine.policy_version)
+            return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)
         if not result.applied:
             log.warning("%s version %d: %s", notice.action, notice.version, result.reason)
         # the store read is part of loading off the request path

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import math
+
+from pydantic import Field, field_validator, model_validator
 
 from online_sao.config.base import Section
 from online_sao.schemas import MAX_SCORES_PER_REWARD, ScoreName
+
+
+MIN_GATE_CONFIDENCE = 0.5
+"""Lowest ``deploy.gate_confidence``: at 0.5 the interval is already only +-0.67 standard errors;
+lower values (1e-300 was accepted: z about 0) make every interval a point and the gate a coin."""
 
 
 class DeployConfig(Section):
@@ -22,9 +29,10 @@ class DeployConfig(Section):
     gate_min_ess: float = Field(8.0, gt=0)
     """Smallest effective sample size, (sum w)^2 / sum w^2, of either version's importance
     weights on the window; below it the estimate rests on a few rollouts and the gate refuses."""
-    gate_confidence: float = Field(0.9, gt=0, lt=1)
-    """Two-sided confidence of the normal interval on candidate minus champion."""
-    gate_margin: float = Field(0.05, ge=0)
+    gate_confidence: float = Field(0.9, ge=MIN_GATE_CONFIDENCE, lt=1)
+    """Two-sided confidence of the normal interval on candidate minus champion (at least 0.5: below,
+    the interval is narrower than one standard error each side and the test means little)."""
+    gate_margin: float = Field(0.05, ge=0, allow_inf_nan=False)
     """Non-inferiority margin, in reward units: promote when the interval's lower end is at least
     ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
     gate_weight_clip: float | None = Field(None, gt=1)
@@ -67,6 +75,16 @@ class DeployConfig(Section):
     below the floor given here, name -> floor (empty: off). Answers whose rewards carried no such
     score do not count; with none, the monitor has no value and cannot trip. Every score the window's
     rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
+    @field_validator("monitor_min_scores")
+    @classmethod
+    def _finite_floors(cls, floors: dict[str, float]) -> dict[str, float]:
+        # a NaN floor never trips (x < nan is False) and an infinite one always or never: the monitor
+        # would be silently off or always on
+        bad = {name: floor for name, floor in floors.items() if not math.isfinite(floor)}
+        if bad:
+            raise ValueError(f"floors must be finite numbers, got {bad}")
+        return floors
+
     segments_top_n: int = Field(8, ge=1)
     """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""

@@ -16,9 +16,15 @@ own rows.
 ``SamplingParams`` requires ``temperature > 0``. At or below
 :data:`GREEDY_TEMPERATURE` the engine takes the arg-max instead of drawing (the
 tempered distribution is a point mass up to float rounding, and drawing from it
-would only turn rounding noise into different tokens); the logged
-log-probability is still the arg-max token's under the tempered, filtered
-distribution (about 0).
+would only turn rounding noise into different tokens). The distribution that
+chose the token is then the point mass, and its log-probability, 0, is what is
+logged: under the tempered one a near tie (two logits within about 1e-3, common
+in bfloat16) would give the arg-max token a probability near 1/2 that it did not
+have.
+
+Non-finite logits (weights or activations that overflowed) fail the step's
+requests with :class:`NonFiniteLogits`, naming the cause, instead of drawing
+token 0 with a NaN log-probability that no record accepts.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ import torch
 
 from online_sao.sampling import nucleus_logprobs
 
-__all__ = ["GREEDY_TEMPERATURE", "RowSampling", "inverse_cdf_draw", "most_likely", "nucleus_logprobs", "sample_token",
+__all__ = ["GREEDY_TEMPERATURE", "NonFiniteLogits", "RowSampling", "inverse_cdf_draw", "most_likely", "nucleus_logprobs", "sample_token",
            "sample_tokens"]
 
 GREEDY_TEMPERATURE = 1e-4
 """Temperatures at or below this decode greedily (see the module docstring)."""
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or infinite logits for a row: nothing can be sampled from them."""
 
 Sampled = tuple[int, float, tuple[tuple[int, float], ...]]
 """``(token_id, behaviour logprob, alternatives)`` of one row."""
@@ -82,6 +92,11 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled
     batch, one uniform number per stochastic row, one host transfer at the end.
     """
     device = logits.device
+    # -inf is a token the model rules out; NaN, +inf or no finite logit at all is an overflow
+    broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+    if bool(broken.any()):
+        raise NonFiniteLogits(f"the model's logits are not finite for {int(broken.sum())} of {len(rows)} rows: the "
+                              "served weights or an activation overflowed")
     temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device)
     logp = nucleus_logprobs(logits, temperature, top_p)
@@ -95,6 +110,9 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled
             index = torch.tensor(stochastic, dtype=torch.long, device=device)
             tokens[index] = inverse_cdf_draw(logp[index], torch.cat(uniforms))
     picked_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if len(stochastic) < len(rows):  # greedy rows: the point mass chose them
+        greedy = torch.tensor([r.temperature <= GREEDY_TEMPERATURE for r in rows], device=device)
+        picked_logp = torch.where(greedy, torch.zeros_like(picked_logp), picked_logp)
     # Renormalising can round the log-probability of a near-certain token a hair
     # above 0; records refuse positive log-probabilities.
     return [(token, min(lp, 0.0), most_likely(logp[i], r.top_logprobs))

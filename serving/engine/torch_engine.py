@@ -348,6 +348,8 @@ class TorchEngine:
         model, version = self._model, self._loop.version
         seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
         rows = self._rows
+        if not rows and not seqs:  # every admitted request was cancelled and nothing else runs
+            return
         batch = self._batch
         step = batch.step([s.last_token for s in rows], [s.request.prompt_ids for s in seqs], self._dtype, self._device)
         cache = batch.cache if batch.cache is not None else DynamicCache()

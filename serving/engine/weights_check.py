@@ -28,7 +28,8 @@ def complete_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
 
     Refuses (``CorruptWeights``) unknown names, missing names (a missing tied
     alias such as ``lm_head.weight`` is taken from its twin), shape mismatches,
-    float/non-float mismatches and non-finite values. The result loads with
+    float/non-float mismatches, non-finite values, values beyond the model's
+    dtype (inf once cast) and tied tensors published with different values. The result loads with
     ``load_state_dict(strict=True)``.
     """
     verify_state_dict(state)
@@ -54,4 +55,14 @@ def complete_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
             raise CorruptWeights(f"tensor {name} has shape {tuple(tensor.shape)}, the model has {tuple(want.shape)}")
         if tensor.is_floating_point() != want.is_floating_point():
             raise CorruptWeights(f"tensor {name} is {tensor.dtype}, the model has {want.dtype}")
+        if want.is_floating_point() and tensor.numel() and \
+                float(tensor.detach().abs().amax()) > torch.finfo(want.dtype).max:
+            # finite as published (verify_state_dict), infinite once load_state_dict casts it
+            raise CorruptWeights(f"tensor {name} has values beyond {want.dtype}'s range "
+                                 f"({torch.finfo(want.dtype).max:g}): they would load as inf")
+    for group in {tuple(g) for g in aliases.values() if len(g) > 1}:
+        present = [name for name in group if name in state]
+        if any(not torch.equal(state[present[0]], state[other]) for other in present[1:]):
+            raise CorruptWeights(f"tensors {present} are tied in the model but differ in the published weights: "
+                                 "only one of them could be served")
     return full

@@ -6,7 +6,10 @@ import math
 
 import torch
 
-from serving.engine.sampling import RowSampling, inverse_cdf_draw, sample_token, sample_tokens
+import pytest
+
+from serving.engine.sampling import (GREEDY_TEMPERATURE, NonFiniteLogits, RowSampling, inverse_cdf_draw,
+                                     sample_token, sample_tokens)
 
 DRAWS = 40_000
 Z_BOUND = 5.0
@@ -76,3 +79,23 @@ def test_uniforms_at_the_ends_pick_the_first_and_last_possible_tokens():
     logp = torch.tensor([[-math.inf, math.log(0.5), -math.inf, math.log(0.5), -math.inf]] * 3)
     uniforms = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)  # 1.0: a product that rounded up to the total
     assert inverse_cdf_draw(logp, uniforms).tolist() == [1, 3, 3]
+
+
+def test_a_greedy_row_logs_the_point_mass_that_chose_its_token():
+    """Two logits 5e-5 apart: at the greedy temperature the tempered distribution gives the arg-max
+    0.62 (exp(0.5) / (1 + exp(0.5))), but the engine takes it every time: its log-probability is 0."""
+    logits = torch.full((8,), -10.0)
+    logits[3], logits[5] = 2.0, 2.0 - 5e-5
+    picks = {sample_token(logits, GREEDY_TEMPERATURE, 1.0, torch.Generator().manual_seed(s))[:2] for s in range(20)}
+    assert picks == {(3, 0.0)}
+    token, logprob, _ = sample_token(logits, 2e-4, 1.0, torch.Generator().manual_seed(0))  # drawn: its own
+    expected = {3: -math.log1p(math.exp(-0.25)), 5: -math.log1p(math.exp(0.25))}[token]
+    assert logprob == pytest.approx(expected, abs=2e-3)  # float32 logits / 2e-4 are ~1e4, spaced ~1e-3
+
+
+def test_non_finite_logits_fail_with_the_cause_instead_of_drawing_token_zero():
+    logits = torch.zeros(2, 8)
+    logits[1, 4] = float("nan")
+    rows = [RowSampling(1.0, 1.0, torch.Generator().manual_seed(i)) for i in range(2)]
+    with pytest.raises(NonFiniteLogits, match="not finite for 1 of 2 rows"):
+        sample_tokens(logits, rows)

@@ -146,6 +146,14 @@ def corruptions(good: dict[str, torch.Tensor]):
     extra = dict(good, **{"surprise.weight": torch.zeros(2)})
     yield "unexpected", extra
     yield "empty", {}
+    beyond = dict(good)  # finite in float64, inf once load_state_dict casts it to the model's float32
+    beyond[name] = good[name].double()
+    beyond[name][0, 0] = 1e39
+    yield "range", beyond
+    if "lm_head.weight" in good and "model.embed_tokens.weight" in good:
+        untied = dict(good)
+        untied["lm_head.weight"] = good["lm_head.weight"] + 1.0
+        yield "tied", untied
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["spare-copy", "in-place"])
@@ -186,3 +194,10 @@ def test_concurrent_swaps_serialise_and_the_newest_wins(base_model, versions):
     results = asyncio.run(main())
     assert engine.policy_version == 3
     assert all(r.applied or "not newer" in r.reason for r in results)
+
+
+def test_the_flat_layout_with_nothing_to_run_runs_no_forward(base_model):
+    """Every request admitted in a round cancelled, no row running: no work, no error."""
+    engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig(kv_layout="flat"))
+    engine._flat_step([])  # raised "cannot reshape tensor of 0 elements" and was logged as a failed step
+    assert engine._rows == []

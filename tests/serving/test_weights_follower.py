@@ -238,3 +238,32 @@ def test_champion_notices_are_ignored_without_a_canary(backend, base_model):
         assert [(r.version, r.applied) for r in f.results] == [(1, True)]
     finally:
         f.close()
+
+
+def test_a_notice_the_store_cannot_parse_or_the_engine_fails_on_is_reported_and_following_goes_on(
+        backend, base_model, tmp_path):
+    store = FileWeightStore(str(tmp_path / "weights"))
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (2, 3)}
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, WeightsNotice(version=1, location="nosuchproto://bucket/v00000001.safetensors",
+                                    checksum="0" * 64))
+        f.caught_up(1)
+        assert not f.results[-1].applied and "cannot load version 1" in f.results[-1].reason
+        swap, failures = f.engine.swap_weights, [RuntimeError("the engine failed (test)")]
+
+        def failing_once(*args, **kwargs):
+            if failures:
+                raise failures.pop()
+            return swap(*args, **kwargs)
+
+        f.engine.swap_weights = failing_once
+        send(backend, notice(refs[2]))
+        f.caught_up(2)
+        assert not f.results[-1].applied and "the engine failed (test)" in f.results[-1].reason
+        send(backend, notice(refs[3]))
+        f.caught_up(3)
+        assert f.follower._thread.is_alive()
+        assert f.engine.policy_version == 3 and served(f.engine) == 3.0
+    finally:
+        f.close()

@@ -72,6 +72,11 @@ def _decode_b64(value: object) -> bytes:
 Base64Bytes = Annotated[bytes, PlainValidator(_decode_b64),
                         PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MIN_LOGPROB = -1e6
+"""Lowest behaviour log-probability a record may carry. No sampled token is this unlikely (float64's
+smallest positive probability is exp(-745)); a value below float32's range (-3.4e38) became -inf when
+the learner batched it and refused the whole step, good rollouts with it."""
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=MIN_LOGPROB)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Version = Annotated[int, Field(ge=0, lt=2**63)]
 """A policy version: the learner puts versions into int64 tensors (a larger one would crash it)."""
@@ -135,7 +140,7 @@ class Interaction(Record):
     prompt_ids: list[TokenId] = Field(min_length=1)
     response_ids: list[TokenId]
     action_mask: list[bool]
-    logprobs: list[FiniteFloat]
+    logprobs: list[LogProb]
     versions: list[Version]
     turn_ends: list[Annotated[int, Field(ge=0)]] = []
     turn_origins: list[TurnOrigin] | None = None

@@ -8,6 +8,7 @@ notice per model; champion notices under the name plus ``#champion``), dead lett
 
 from __future__ import annotations
 
+import hashlib
 from typing import TypeVar
 
 from online_sao.config import TopicsConfig
@@ -22,6 +23,11 @@ MAX_DEAD_LETTER_RAW_BYTES = 600_000
 must stay under MAX_RECORD_BYTES (1 MB), so longer payloads are truncated."""
 MAX_REASON_CHARS = 2_000
 """Longest reason kept (validation messages of huge records can be long)."""
+MAX_DEAD_LETTER_KEY_BYTES = 1_024
+"""Longest key a dead letter keeps; a longer one is replaced by its SHA-256 (hex): with the raw
+bytes cut above, the dead letter then always fits under the broker's 1 MB, whatever the bad
+record's key (a 250 kB key made a 1.05 MB dead letter the broker refused, and the learner died on
+the same record at every restart)."""
 
 
 CHAMPION_KEY_SUFFIX = "#champion"
@@ -82,5 +88,12 @@ def decode_or_dead_letter(message: StreamMessage, expected: type[R], producer: P
         return decode(message.value, expected)  # type: ignore[return-value]
     except RecordError as exc:
         letter = dead_letter_for(message, str(exc))
-    producer.send(dead_letter_topic, encode(letter), key=message.key)
+    producer.send(dead_letter_topic, encode(letter), key=dead_letter_key(message.key))
     return None
+
+
+def dead_letter_key(key: bytes | None) -> bytes | None:
+    """The failed record's key, or its SHA-256 when longer than :data:`MAX_DEAD_LETTER_KEY_BYTES`."""
+    if key is None or len(key) <= MAX_DEAD_LETTER_KEY_BYTES:
+        return key
+    return f"sha256:{hashlib.sha256(key).hexdigest()}".encode()

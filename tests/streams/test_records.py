@@ -6,8 +6,8 @@ from online_sao.config import KafkaConfig, TopicsConfig
 from online_sao.schemas import MAX_RECORD_BYTES, DeadLetter, Interaction, Reward, WeightsNotice, decode, encode
 from streams.base import StreamMessage, TopicPartition
 from streams.memory import InMemoryBackend
-from streams.records import (MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter, publish, record_key,
-                             record_topic)
+from streams.records import (MAX_DEAD_LETTER_KEY_BYTES, MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter,
+                             publish, record_key, record_topic)
 from tests.fixtures.kafka import drain
 
 
@@ -61,6 +61,22 @@ def test_an_oversize_payload_is_dead_lettered_truncated_not_raised():
     assert (letter.partition, letter.offset, sent.key) == (1, 7, b"k")
     assert letter.reason.startswith(f"record of {len(raw)} bytes exceeds {MAX_RECORD_BYTES}")
     assert letter.reason.endswith(f"(raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)")
+
+
+def test_a_dead_letter_fits_a_broker_record_whatever_the_bad_records_key():
+    """A 600 kB value under a 250 kB key: the broker took the record, but its dead letter (value in
+    base64 plus the whole key, 1.05 MB) was refused, and the learner died on it at every restart."""
+    import hashlib
+
+    backend, cfg = _backend()
+    key = b"k" * 250_000
+    message = StreamMessage(topic=cfg.topics.rewards, partition=0, offset=3, key=key, value=b"\xff" * 600_000,
+                            timestamp_ms=1)
+    assert decode_or_dead_letter(message, Reward, backend.producer(), cfg.topics.dead_letters) is None
+    [sent] = drain(backend.consumer([cfg.topics.dead_letters]), 1, timeout_s=1)
+    assert sent.key == b"sha256:" + hashlib.sha256(key).hexdigest().encode()
+    assert len(sent.key) <= MAX_DEAD_LETTER_KEY_BYTES
+    assert len(sent.value) + len(sent.key) <= MAX_RECORD_BYTES
 
 
 def test_a_valid_record_is_returned_and_nothing_is_dead_lettered():

@@ -147,6 +147,10 @@ class Interaction(Record):
     sampling: SamplingParams = SamplingParams()
     finish_reason: str = "stop"
     parent_id: str | None = None
+    trajectory_started_at: float | None = Field(None, allow_inf_nan=False)
+    """For a continuation: when its trajectory's first turn was created (the first record's
+    ``created_at``); None for a first turn and in records written before the field. The learner
+    trains no turn it may have forgotten training (trainer/join.py)."""
     user_id: str | None = None
     session_id: str | None = None
     segment: str | None = Field(None, max_length=SEGMENT_MAX_CHARS)

@@ -78,6 +78,8 @@ class TrajectoryPrefix:
     turn_ends: list[int] = field(default_factory=list)
     turn_origins: list[TurnOrigin] = field(default_factory=list)
     parent_id: str | None = None
+    started_at: float | None = None
+    """When the trajectory's first turn was created (None: this request starts it)."""
 
     @classmethod
     def continuing(cls, parent: Interaction, observation_ids: list[int]) -> "TrajectoryPrefix":
@@ -86,7 +88,9 @@ class TrajectoryPrefix:
                    action_mask=list(parent.action_mask) + [False] * len(observation_ids),
                    logprobs=list(parent.logprobs), versions=list(parent.versions),
                    turn_ends=list(parent.turn_ends), turn_origins=parent.origins(),
-                   parent_id=parent.interaction_id)
+                   parent_id=parent.interaction_id,
+                   started_at=parent.trajectory_started_at if parent.trajectory_started_at is not None
+                   else parent.created_at)
 
     @property
     def engine_prompt(self) -> list[int]:
@@ -106,7 +110,7 @@ class TrajectoryPrefix:
                     action_mask=self.action_mask + [True] * len(sampled),
                     logprobs=self.logprobs + logprobs, versions=self.versions + versions,
                     turn_ends=self.turn_ends + ([len(response) - 1] if sampled else []),
-                    turn_origins=origins, parent_id=self.parent_id)
+                    turn_origins=origins, parent_id=self.parent_id, trajectory_started_at=self.started_at)
 
 
 def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text: str | None) -> str | None:

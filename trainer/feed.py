@@ -40,6 +40,11 @@ from trainer.rollouts import RolloutError
 
 log = logging.getLogger(__name__)
 
+MAX_RECORD_AHEAD_S = 60.0
+"""How far ahead of this host's clock a record's timestamp may put the join's clock. The join runs on
+record time (trainer/join.py), and one record stamped 50 minutes ahead (a producer with a fast clock;
+Kafka 4 accepts up to an hour ahead by default) closed every window and expired every held reward of
+the next 50 minutes. Hosts kept by NTP agree to milliseconds; a minute leaves room for worse."""
 MAX_POLL_RECORDS = 500
 """Records taken per poll; bounds the time between two readiness checks."""
 READY_BACKLOG_STEPS = 4
@@ -145,9 +150,22 @@ class Feed:
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
-                self.joiner.add_interaction(record, msg.timestamp_ms / 1000)
+                self.joiner.add_interaction(record, self._record_time(msg))
             else:
-                self.joiner.add_reward(record, msg.timestamp_ms / 1000)
+                self.joiner.add_reward(record, self._record_time(msg))
+
+    def _record_time(self, msg) -> float:
+        """The record's timestamp as the join's clock, at most :data:`MAX_RECORD_AHEAD_S` ahead of this
+        host's clock (counted: ``records_ahead_of_clock``)."""
+        ts, limit = msg.timestamp_ms / 1000, time.time() + MAX_RECORD_AHEAD_S
+        if ts <= limit:
+            return ts
+        self.counters["records_ahead_of_clock"] += 1
+        if self.counters["records_ahead_of_clock"] == 1:
+            log.warning("%s[%d]@%d is stamped %.0f s ahead of this host's clock: read as %.0f s ahead (a producer "
+                        "with a fast clock?); counted in records_ahead_of_clock", msg.topic, msg.partition,
+                        msg.offset, ts - time.time(), MAX_RECORD_AHEAD_S)
+        return limit
 
     def _skipped(self, tp: TopicPartition, expected: int, got: int) -> None:
         """Records between the next offset to read and the one that came were gone from the broker
@@ -158,9 +176,10 @@ class Feed:
                     "(retention?): %d records skipped", tp.topic, tp.partition, expected, got - 1, got - expected)
 
     def drop_stale(self, version: int) -> None:
-        """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before ``version``."""
-        if self.tcfg.max_version_lag is not None:
-            self.joiner.drop_stale(min_version=version - self.tcfg.max_version_lag)
+        """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before
+        ``version`` (the newest published), and any claiming a version after it."""
+        lag = self.tcfg.max_version_lag
+        self.joiner.drop_stale(min_version=None if lag is None else version - lag, max_version=version)
 
     def idle_s(self) -> float:
         """Seconds since a record last arrived or a step last ended."""

@@ -47,7 +47,10 @@ earlier are counted (``trained_turn_rewards``), not applied.
 Exactly once, with finite memory: finished ids are remembered in an
 :class:`~trainer.id_memory.IdMemory` by creation time for ``reward.memory_s``;
 an interaction created before the memory's floor is refused and counted
-(``expired_interactions``), so no copy, however late, is trained twice.
+(``expired_interactions``), so no copy, however late, is trained twice. A
+continuation whose trajectory began before the floor (``trajectory_started_at``)
+trains none of the earlier turns the memory does not know: they may have trained
+and been forgotten (``forgotten_turns``; at most once rather than twice).
 
 Memory is bounded by ``max_pending`` per kind of held item (waiting
 interactions, held rewards, remembered finished ids); past it the oldest is
@@ -76,6 +79,15 @@ __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "pr
 
 log = logging.getLogger(__name__)
 
+MAX_REWARDS_PER_INTERACTION = 64
+"""Rewards one interaction may gather (its own and, for a continuation, its absorbed ancestors'):
+feedback, a judge and an environment give a handful. Past it a reward is counted
+(``excess_rewards``) and not applied, so one client cannot grow the join's memory, and the copy
+check that scans an interaction's rewards, without bound (6000 rewards for one id were all held,
+each scanning the ones before)."""
+DEADLINE_SLACK = 1_024
+"""Closed windows the deadline heap may still hold (lazy deletion) beyond twice the waiting ones
+before it is rebuilt from them."""
 LEGACY_FINISHED_MEMORY_WINDOWS = 2.0
 """Checkpoints written before the id memory remembered finished ids until ``ts + 2 windows``;
 loading one recovers the anchor as that time minus two windows."""
@@ -127,6 +139,9 @@ class RewardJoiner:
             self._evict_oldest_waiting()
         self._waiting[iid] = entry
         heapq.heappush(self._deadlines, (self._window_end(entry), iid))
+        if len(self._deadlines) > 2 * len(self._waiting) + DEADLINE_SLACK:  # mostly closed windows
+            self._deadlines = [(self._window_end(e), i) for i, e in self._waiting.items()]
+            heapq.heapify(self._deadlines)
 
     def add_reward(self, reward: Reward, ts: float) -> None:
         self.advance(ts)
@@ -139,14 +154,14 @@ class RewardJoiner:
             owner = self._pending(self._claims[iid])
             if ts > self._window_end(owner):
                 self._late(iid, reward)
-            elif not self._duplicate(owner.contributions, contribution):
+            elif not self._duplicate(owner.contributions, contribution) and not self._full(owner.contributions):
                 self._join_routed(owner, contribution, iid)
             return
         if iid in self.memory or (entry is not None and ts > self._window_end(entry)):
             self._late(iid, reward)
             return
         if entry is None:
-            if self._duplicate(self._held.get(iid, ()), contribution):
+            if self._duplicate(self._held.get(iid, ()), contribution) or self._full(self._held.get(iid, ())):
                 return
             self.counters.early_rewards += 1
             if iid not in self._held and len(self._held) >= self.max_pending:
@@ -154,12 +169,22 @@ class RewardJoiner:
                 self.counters.evicted += 1
             self._held.setdefault(iid, []).append(contribution)
             return
-        if self._duplicate(entry.contributions, contribution):
+        if self._duplicate(entry.contributions, contribution) or self._full(entry.contributions):
             return
         entry.contributions.append(contribution)
         if iid in self._waiting:
             del self._waiting[iid]
             self._make_ready(entry)
+
+    def _full(self, joined: list[Contribution] | tuple) -> bool:
+        """Whether ``joined`` holds :data:`MAX_REWARDS_PER_INTERACTION` rewards already (counted)."""
+        if len(joined) < MAX_REWARDS_PER_INTERACTION:
+            return False
+        self.counters.excess_rewards += 1
+        if self.counters.excess_rewards == 1:
+            log.warning("an interaction has %d rewards already: later ones are not applied (excess_rewards)",
+                        MAX_REWARDS_PER_INTERACTION)
+        return True
 
     def _duplicate(self, joined: Iterable[Contribution], contribution: Contribution) -> bool:
         """Whether ``contribution`` is a copy of a reward already in ``joined`` (counted, and logged)."""
@@ -213,15 +238,23 @@ class RewardJoiner:
                 tokens += len(entry.interaction.logprobs)
         return taken
 
-    def drop_stale(self, min_version: int) -> int:
-        """Drop ready interactions whose newest sampling version is below ``min_version``
-        (counted as stale; later rewards for them are late). Returns how many."""
-        stale = [e for e in self._ready.values() if e.interaction.policy_version < min_version]
-        for entry in stale:
+    def drop_stale(self, min_version: int | None, max_version: int | None = None) -> int:
+        """Drop ready interactions whose newest sampling version is below ``min_version`` (counted
+        as stale) or above ``max_version`` (counted as ``future_versions``: the newest version the
+        learner published, so none sampled them); later rewards for them are late. Returns how many."""
+        stale = [e for e in self._ready.values()
+                 if min_version is not None and e.interaction.policy_version < min_version]
+        future = [e for e in self._ready.values()
+                  if max_version is not None and e.interaction.policy_version > max_version]
+        for entry in stale + future:
             del self._ready[entry.iid]
             self._finish_untrained(entry)
+        if future:
+            log.warning("%d interactions claim a sampling version newer than v%d, the newest published: "
+                        "not trained", len(future), max_version)
         self.counters.stale += len(stale)
-        return len(stale)
+        self.counters.future_versions += len(future)
+        return len(stale) + len(future)
 
     @property
     def num_waiting(self) -> int:
@@ -306,8 +339,16 @@ class RewardJoiner:
             else:
                 self._join_routed(owner, contribution, iid)
 
+    def _may_have_forgotten(self, entry: Entry) -> bool:
+        """Whether ``entry``'s trajectory began before the id memory's floor: an ancestor the memory
+        does not know may then have trained and been forgotten (time or capacity raised the floor)."""
+        started = entry.interaction.trajectory_started_at
+        return started is not None and self.memory.forgotten(started)
+
     def _claim_ancestors(self, entry: Entry) -> None:
-        """A continuation arrived: absorb its waiting ancestors and claim those not read yet."""
+        """A continuation arrived: absorb its waiting ancestors and claim those not read yet (unless
+        they may have been forgotten: :meth:`_may_have_forgotten`)."""
+        forgetful = self._may_have_forgotten(entry)
         for origin in last_turns(entry.interaction):
             if origin in self._claims or origin in self.memory or origin in self._ready:
                 continue  # held by another continuation, finished, or rewarded and training alone
@@ -316,6 +357,8 @@ class RewardJoiner:
                 self.counters.superseded += 1
                 self._absorb(entry, ancestor)
                 continue
+            if forgetful:
+                continue  # trained and forgotten, or not read yet: not trained here (_take)
             entry.claimed[origin] = Claim(entry.anchor, seen=False)
             self._claims[origin] = entry.iid
             for contribution in self._held.pop(origin, []):
@@ -385,6 +428,7 @@ class RewardJoiner:
         every origin in them count as trained from now on."""
         del self._ready[entry.iid]
         observed = set()
+        forgetful = self._may_have_forgotten(entry)
         for turn, origin in enumerate(entry.interaction.origins()):
             oid = origin.interaction_id
             known = self.memory.get(oid)
@@ -395,6 +439,9 @@ class RewardJoiner:
             elif oid in self._ready:  # rewarded but not taken yet: its turns train here
                 self.counters.superseded += 1
                 self._absorb(entry, self._ready.pop(oid))
+            elif known is None and oid not in entry.claimed and forgetful:  # at most once, not twice
+                observed.add(turn)
+                self.counters.forgotten_turns += 1
         for oid, turn in last_turns(entry.interaction).items():
             if turn not in observed:
                 claim = entry.claimed.get(oid) or self._claim_of(oid)

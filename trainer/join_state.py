@@ -37,6 +37,8 @@ class JoinCounters:
     """Held rewards whose interaction never arrived within the window."""
     duplicate_interactions: int = 0
     """Interaction ids seen a second time (ignored)."""
+    excess_rewards: int = 0
+    """Rewards past ``MAX_REWARDS_PER_INTERACTION`` for one interaction (not applied, not held)."""
     duplicate_rewards: int = 0
     """Copies of a reward already joined (the same record read twice: a spool replay, a producer
     retry; ignored)."""
@@ -44,12 +46,18 @@ class JoinCounters:
     """Waiting interactions or held rewards given up because the buffer was full."""
     stale: int = 0
     """Ready interactions dropped for sampling versions older than the allowed lag."""
+    future_versions: int = 0
+    """Ready interactions dropped for a sampling version newer than any the learner published
+    (no policy sampled them: a forged or corrupt record)."""
     superseded: int = 0
     """Interactions whose turns joined a continuation instead of training alone."""
     trained_turn_rewards: int = 0
     """Reward values for a turn already trained (not applied)."""
     misdirected_rewards: int = 0
     """Rewards sent to an absorbed interaction for a turn it does not have (not applied)."""
+    forgotten_turns: int = 0
+    """Turns of a continuation left as observations: their interaction is no longer in the id
+    memory and the trajectory began before its floor, so they may have trained already."""
     expired_interactions: int = 0
     """Interactions created before the id memory's floor (refused: they could be copies)."""
     complete_groups: int = 0

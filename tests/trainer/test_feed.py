@@ -188,3 +188,57 @@ def test_a_broker_down_at_start_is_waited_for(backend):
     feed.start(late)
     assert {"ensure_topics", "consumer"} <= late.failed and feed.consumer is not None
     feed.close()
+
+
+class ScriptedConsumer:
+    """Hands the feed the messages given, once (the broker's timestamps as the test sets them)."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def poll(self, timeout_s, max_records=None):
+        out, self.messages = self.messages, []
+        return out
+
+    def close(self):
+        pass
+
+
+def _message(topic: str, offset: int, record, timestamp_s: float):
+    from online_sao.schemas import encode
+    from streams.base import StreamMessage
+
+    return StreamMessage(topic=topic, partition=0, offset=offset, key=None, value=encode(record),
+                         timestamp_ms=int(timestamp_s * 1000))
+
+
+def test_a_record_stamped_far_ahead_does_not_move_the_joins_clock_past_this_hosts(backend):
+    """One interaction stamped 50 minutes ahead (a fast producer clock) closed the windows of the next
+    50 minutes: every later interaction, rewarded 2 s after it, was dropped."""
+    feed = _started_feed(backend)
+    topics, now = backend.cfg.topics, time.time()
+    messages = [_message(topics.interactions, 0, make_interaction("fast", created_at=now + 3000), now + 3000)]
+    for i in range(5):
+        messages.append(_message(topics.interactions, 1 + 2 * i, make_interaction(f"i{i}", created_at=now), now + i))
+        messages.append(_message(topics.rewards, 2 + 2 * i, make_reward(f"i{i}", 1.0), now + i + 2))
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer(messages)
+    feed.poll()
+    assert feed.joiner.counters.joined == 5 and feed.joiner.counters.late_rewards == 0
+    assert feed.counters["records_ahead_of_clock"] == 1
+    assert feed.joiner.watermark <= time.time() + 60.0
+
+
+def test_rollouts_claiming_a_version_never_published_are_dropped_and_counted(backend):
+    feed = _started_feed(backend)
+    topics, now = backend.cfg.topics, time.time()
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer([
+        _message(topics.interactions, 0, make_interaction("now", created_at=now, version=3), now),
+        _message(topics.interactions, 1, make_interaction("forged", created_at=now, version=2**63 - 1), now),
+        _message(topics.rewards, 2, make_reward("now", 1.0), now),
+        _message(topics.rewards, 3, make_reward("forged", 1.0), now)])
+    feed.poll()
+    feed.drop_stale(version=3)
+    assert [j.interaction.interaction_id for j in feed.joiner.pop_ready(10, 10**6)] == ["now"]
+    assert feed.joiner.counters.future_versions == 1

@@ -309,3 +309,33 @@ def test_a_copy_of_a_held_reward_and_of_one_in_a_checkpoint_is_ignored():
     restored.add_reward(reward, ts=0.7)
     restored.add_interaction(make_interaction("a"), ts=1.0)
     assert [x.reward for x in take_all(restored)] == [1.0] and restored.counters.duplicate_rewards == 2
+
+
+def test_one_interactions_rewards_are_capped_held_or_joined():
+    """6000 distinct rewards for one id were all held, each add scanning the ones before it."""
+    from trainer.join import MAX_REWARDS_PER_INTERACTION as CAP  # 64
+
+    j = joiner(aggregation="mean")
+    for k in range(CAP + 10):  # before the interaction: held (distinct values: no copies)
+        j.add_reward(make_reward("early", k * 1e-3), ts=1.0)
+    assert j.counters.early_rewards == CAP and j.counters.excess_rewards == 10
+    j.add_interaction(make_interaction("early"), ts=1.0)  # joins the 64 held: 0, 0.001, ..., 0.063
+    j.add_interaction(make_interaction("waiting"), ts=1.0)
+    j.add_reward(make_reward("waiting", 1.0), ts=2.0)  # ready; rewards still join it within the window
+    for k in range(CAP + 5):
+        j.add_reward(make_reward("waiting", 0.5 + k * 1e-3), ts=2.0)
+    assert j.counters.excess_rewards == 10 + 6  # 1.0 and 63 of the 69 after it joined
+    taken = {t.interaction.interaction_id: t.reward for t in take_all(j)}
+    assert taken["early"] == pytest.approx(0.0315)  # (0 + 63) / 2 * 0.001
+    assert taken["waiting"] == pytest.approx((1.0 + 63 * 0.5 + 1e-3 * (62 * 63 / 2)) / 64)
+
+
+def test_the_deadline_heap_does_not_keep_every_closed_window():
+    from trainer.join import DEADLINE_SLACK
+
+    j = RewardJoiner(RewardConfig(window_s=86_400.0), max_pending=100)
+    for i in range(5_000):  # each waits, then its reward makes it ready: its deadline is stale
+        j.add_interaction(make_interaction(f"i{i}"), ts=float(i))
+        j.add_reward(make_reward(f"i{i}", 1.0), ts=float(i))
+        j.pop_ready(10, 10**6)
+    assert j.num_waiting == 0 and len(j._deadlines) <= DEADLINE_SLACK + 1

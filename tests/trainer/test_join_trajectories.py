@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from online_sao.config import RewardConfig
-from tests.trainer.records import conversation, make_reward
+from tests.trainer.records import conversation, make_interaction, make_reward
 from trainer.join import RewardJoiner
 
 WINDOW_S = 10.0
@@ -164,3 +166,27 @@ def test_trajectory_state_round_trips_through_json():
         j.add_reward(make_reward("d", 1.0), ts=3.0)
     assert [rewards_by_token(x) for x in take_all(restored)] == [rewards_by_token(x) for x in take_all(original)]
     assert restored.counters == original.counters and original.counters.superseded == 2
+
+
+@pytest.mark.parametrize("max_pending", [3, 1000])
+def test_a_turn_the_id_memory_forgot_is_not_trained_again_in_a_continuation(max_pending):
+    """A trained, then five other interactions finished: with room for 3 ids the memory forgot A,
+    and C, continuing A 10 s later, trained A's turn a second time (nothing counted)."""
+    t = 1000.0
+    a, c = conversation(["A", "C"])  # serving's TrajectoryPrefix dates the trajectory by its first turn
+    assert (a.trajectory_started_at, c.trajectory_started_at) == (None, a.created_at)
+    a = a.model_copy(update={"created_at": t})
+    c = c.model_copy(update={"created_at": t + 10, "trajectory_started_at": t})
+    j = RewardJoiner(RewardConfig(), max_pending=max_pending)
+    j.add_interaction(a, t)
+    j.add_reward(make_reward("A", 1.0), t + 1)
+    assert [x.interaction.interaction_id for x in j.pop_ready(32, 10**9)] == ["A"]
+    for k in range(5):
+        j.add_interaction(make_interaction(f"o{k}", created_at=t + 2 + k), t + 2 + k)
+        j.add_reward(make_reward(f"o{k}", 0.0), t + 2 + k)
+        j.pop_ready(32, 10**9)
+    j.add_interaction(c, t + 10)
+    j.add_reward(make_reward("C", 1.0), t + 11)
+    [joined] = j.pop_ready(32, 10**9)
+    assert joined.observed_turns == frozenset({0})  # A's turn: an observation either way
+    assert j.counters.forgotten_turns == (1 if max_pending == 3 else 0)

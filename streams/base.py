@@ -92,6 +92,11 @@ class Consumer(ABC):
         """For each assigned partition, the offset its next record will get."""
 
     @abstractmethod
+    def beginning_offsets(self) -> dict[TopicPartition, int]:
+        """For each assigned partition, the offset of its oldest record kept (retention deletes
+        the ones before it); the end offset when it keeps none."""
+
+    @abstractmethod
     def highwater(self) -> dict[TopicPartition, int | None]:
         """For each assigned partition, the offset its next record will get as the consumer last
         heard it from the broker (None: not heard yet). It asks the broker nothing, so it cannot

@@ -1,4 +1,4 @@
-"""Where each partition of some topics ends, kept fresh by a thread of its own.
+"""Where each partition of some topics begins and ends, kept fresh by a thread of its own.
 
 A reader that stops polling (the learner's feed under backpressure) stops hearing where its
 partitions end, just when it is behind. :class:`EndWatcher` asks the broker every few seconds
@@ -22,13 +22,14 @@ hold it longer (kafka-python's request timeout), and the daemon thread then ends
 
 
 class EndWatcher:
-    """Each partition's end offset on ``topics``, read every ``every_s`` seconds."""
+    """Each partition's end offset (and oldest kept offset) on ``topics``, read every ``every_s`` seconds."""
 
     def __init__(self, backend: StreamBackend, topics: list[str], every_s: float) -> None:
         self._backend = backend
         self._topics = topics
         self._every_s = every_s
         self._ends: dict[TopicPartition, int] = {}
+        self._begins: dict[TopicPartition, int] = {}
         self._closed = threading.Event()
         self._read_once = threading.Event()
         self._thread = threading.Thread(target=self._run, name="end-watcher", daemon=True)
@@ -37,6 +38,10 @@ class EndWatcher:
     def ends(self) -> dict[TopicPartition, int]:
         """The ends as last read (empty before the first read)."""
         return self._ends
+
+    def begins(self) -> dict[TopicPartition, int]:
+        """Each partition's oldest kept offset as last read (empty before the first read)."""
+        return self._begins
 
     def wait_for_first_read(self, timeout_s: float) -> bool:
         """Whether the ends were read at least once within ``timeout_s``."""
@@ -52,7 +57,8 @@ class EndWatcher:
             while not self._closed.is_set():
                 try:
                     consumer = consumer or self._backend.consumer(self._topics, group_id=None, start="latest")
-                    self._ends = consumer.end_offsets()  # one assignment replaces the dict whole
+                    self._begins = consumer.beginning_offsets()  # one assignment replaces the dict whole
+                    self._ends = consumer.end_offsets()
                     self._read_once.set()
                 except StreamUnavailable as exc:  # the broker is away: keep the last ends, ask again
                     log.debug("end offsets of %s not read: %s", self._topics, exc)

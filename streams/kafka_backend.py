@@ -292,6 +292,11 @@ class KafkaStreamConsumer(Consumer):
             ends = self._consumer.end_offsets(list(self._consumer.assignment()))
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
 
+    def beginning_offsets(self) -> dict[TopicPartition, int]:
+        with _mapped("looking up beginning offsets", self._bootstrap):
+            starts = self._consumer.beginning_offsets(list(self._consumer.assignment()))
+        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
+
     def highwater(self) -> dict[TopicPartition, int | None]:
         # kafka-python keeps the high watermark of every fetch response it parses
         return {TopicPartition(tp.topic, tp.partition): self._consumer.highwater(tp)

@@ -254,6 +254,11 @@ class InMemoryConsumer(Consumer):
             self._rebalance()
             return {tp: len(self._backend._partition_log(tp)) for tp in self._positions}
 
+    def beginning_offsets(self) -> dict[TopicPartition, int]:
+        with self._backend._lock:
+            self._rebalance()
+            return {tp: 0 for tp in self._positions}  # nothing is ever deleted here
+
     def highwater(self) -> dict[TopicPartition, int | None]:
         return dict(self.end_offsets())  # nothing to fetch here: the log's end is known at once
 

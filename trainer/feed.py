@@ -120,6 +120,8 @@ class Feed:
         """When rollouts became ready and none were taken since."""
         self.last_activity = time.monotonic()
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
+        self.newest_read: dict[TopicPartition, float] = {}
+        """Per partition, the newest record time read from it (the join's clock: :meth:`_join_clock`)."""
 
     def start(self, backend: StreamBackend) -> None:
         """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
@@ -137,22 +139,40 @@ class Feed:
         """Read one poll's records into the join, unless enough steps are ready already."""
         if self.joiner.ready_stats(self.group_size)[0] >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
             return
-        for msg in self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS):
+        messages = self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS)
+        left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
+        for msg in messages:
             expected = self.offsets.get(msg.tp)
             if expected is not None and msg.offset < expected:
                 continue  # re-delivered after a rebalance: already in the state
+            left[msg.tp] = left.get(msg.tp, 1) - 1
             if expected is not None and msg.offset > expected:
                 self._skipped(msg.tp, expected, msg.offset)
             self.offsets[msg.tp] = msg.offset + 1
             self.last_activity = time.monotonic()
             kind = Interaction if msg.topic == self.topics.interactions else Reward
             record = decode_or_dead_letter(msg, kind, self.dead_letters, self.topics.dead_letters)
+            ts = self._record_time(msg)
+            self.newest_read[msg.tp] = max(ts, self.newest_read.get(msg.tp, ts))
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
-                self.joiner.add_interaction(record, self._record_time(msg))
+                self.joiner.add_interaction(record, ts, clock=self._join_clock(left))
             else:
-                self.joiner.add_reward(record, self._record_time(msg))
+                self.joiner.add_reward(record, ts, clock=self._join_clock(left))
+
+    def _join_clock(self, left: dict[TopicPartition, int]) -> float | None:
+        """How far the join's clock may move: the newest record time read from the partition that
+        is furthest behind, over the partitions with records still to read; None when every one is
+        read to its end (the record's own time moves it, as when keeping up with live traffic).
+
+        Catching up a backlog, some partitions are read ahead of others (a poll returns one
+        partition's records before another's, and rewards are smaller than interactions); a clock
+        moved by the ones ahead closed windows and expired held rewards whose partners were still
+        unread (in a 2-hour backlog with every interaction rewarded 5 s after it, 910 of 2400 were
+        dropped)."""
+        behind = [self.newest_read.get(tp, -math.inf) for tp, count in left.items() if count > 0]
+        return min(behind) if behind else None
 
     def _record_time(self, msg) -> float:
         """The record's timestamp as the join's clock, at most :data:`MAX_RECORD_AHEAD_S` ahead of this
@@ -176,10 +196,9 @@ class Feed:
                     "(retention?): %d records skipped", tp.topic, tp.partition, expected, got - 1, got - expected)
 
     def drop_stale(self, version: int) -> None:
-        """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before
-        ``version`` (the newest published), and any claiming a version after it."""
-        lag = self.tcfg.max_version_lag
-        self.joiner.drop_stale(min_version=None if lag is None else version - lag, max_version=version)
+        """Drop ready rollouts sampled more than ``trainer.max_version_lag`` versions before ``version``."""
+        if self.tcfg.max_version_lag is not None:
+            self.joiner.drop_stale(min_version=version - self.tcfg.max_version_lag)
 
     def idle_s(self) -> float:
         """Seconds since a record last arrived or a step last ended."""
@@ -213,18 +232,26 @@ class Feed:
         return rollouts
 
     def unread(self) -> dict[str, int]:
-        """Records per topic the learner has not read: over its partitions, each one's end less the
-        next offset to read there. The end is the newer of what the consumer's last poll heard and
-        what :attr:`ends` last read (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are
-        ready), so it lags the traffic by ``ENDS_EVERY_S`` at most and never waits on the broker.
-        A partition not heard from yet counts 0; one never read from counts from offset 0, more
-        than it holds if retention deleted its first records."""
-        watched = self.ends.ends()
+        """Records per topic the learner has not read (:meth:`unread_by_partition`, summed)."""
         unread = {self.topics.interactions: 0, self.topics.rewards: 0}
+        for tp, count in self.unread_by_partition().items():
+            unread[tp.topic] += count
+        return unread
+
+    def unread_by_partition(self) -> dict[TopicPartition, int]:
+        """Records per partition the learner has not read: its end less the next offset to read
+        there. The end is the newer of what the consumer's last poll heard and what :attr:`ends`
+        last read (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are ready), so it lags
+        the traffic by ``ENDS_EVERY_S`` at most and never waits on the broker. A partition not heard
+        from yet is left out; one never read from counts from its oldest kept record (as the watcher
+        last read it; offset 0 before its first read)."""
+        watched, begins = self.ends.ends(), self.ends.begins()
+        unread: dict[TopicPartition, int] = {}
         for tp, heard in self.consumer.highwater().items():
             known = [end for end in (heard, watched.get(tp)) if end is not None]
             if known:
-                unread[tp.topic] += max(0, max(known) - self.offsets.get(tp, 0))
+                start = begins.get(tp, 0)
+                unread[tp] = max(0, max(known) - max(self.offsets.get(tp, start), start))
         return unread
 
     def keeping_up(self, trained: list[Rollout], now: float) -> KeepingUp:

@@ -28,9 +28,11 @@ The joiner's clock (the watermark) is the largest timestamp of any record it was
 given, so replaying the same records in the same order makes the same decisions
 (a restarted learner re-reads its topics from checkpointed offsets and joins
 them exactly as before). Consequences worth knowing: windows close only as
-newer records arrive (a quiet stream keeps its last interactions waiting), and
-if one partition is read far ahead of another a window may close before a
-reward of the lagging partition is read (the reward then counts as late).
+newer records arrive (a quiet stream keeps its last interactions waiting). While
+one topic still has records to read, the feed holds the clock at the newest time
+read from it (``clock``: trainer/feed.py ``Feed._join_clock``), so catching up a
+backlog does not close windows whose rewards are simply unread yet; a replay may
+then read in another order than the first pass and decide a window differently.
 
 Trajectories (multi-turn and agent use; the rules in docs/ALGORITHM.md, "Multi-turn
 trajectories"). A continuation repeats every earlier turn; ``turn_origins`` names
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import asdict, fields, replace
 from typing import Any, Iterable
@@ -109,8 +112,10 @@ class RewardJoiner:
         self._deadlines: list[tuple[float, str]] = []  # heap over waiting windows (lazy deletion)
 
     # -- input ---------------------------------------------------------------------------
-    def add_interaction(self, interaction: Interaction, ts: float) -> None:
-        self.advance(ts)
+    def add_interaction(self, interaction: Interaction, ts: float, clock: float | None = None) -> None:
+        """``interaction`` read with record time ``ts``; ``clock``: how far the join's clock may move
+        (None: to ``ts``; the feed holds it back while catching up: ``Feed._join_clock``)."""
+        self._tick(ts, clock)
         iid = interaction.interaction_id
         anchor = anchor_time(interaction.created_at, ts)
         self.counters.interactions += 1
@@ -132,7 +137,7 @@ class RewardJoiner:
         if entry.own_rewarded:
             self._make_ready(entry)
             return
-        if self._window_end(entry) < self.watermark:  # read after its window already closed
+        if self.watermark is not None and self._window_end(entry) < self.watermark:  # read after its window closed
             self._close(entry)
             return
         if len(self._waiting) >= self.max_pending:
@@ -143,8 +148,9 @@ class RewardJoiner:
             self._deadlines = [(self._window_end(e), i) for i, e in self._waiting.items()]
             heapq.heapify(self._deadlines)
 
-    def add_reward(self, reward: Reward, ts: float) -> None:
-        self.advance(ts)
+    def add_reward(self, reward: Reward, ts: float, clock: float | None = None) -> None:
+        """``reward`` read with record time ``ts``; ``clock`` as for :meth:`add_interaction`."""
+        self._tick(ts, clock)
         iid = reward.interaction_id
         self.counters.rewards += 1
         contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts,
@@ -194,6 +200,11 @@ class RewardJoiner:
         log.info("a copy of a reward already joined (digest %s) is ignored", contribution.key)
         return True
 
+    def _tick(self, ts: float, clock: float | None) -> None:
+        to = ts if clock is None else min(ts, clock)
+        if to > -math.inf:  # nothing read yet of a topic still to read: the clock waits for it
+            self.advance(to)
+
     def advance(self, ts: float) -> None:
         """Move the record-time clock forward to ``ts`` and close windows that ended."""
         if self.watermark is not None and ts <= self.watermark:
@@ -238,23 +249,15 @@ class RewardJoiner:
                 tokens += len(entry.interaction.logprobs)
         return taken
 
-    def drop_stale(self, min_version: int | None, max_version: int | None = None) -> int:
-        """Drop ready interactions whose newest sampling version is below ``min_version`` (counted
-        as stale) or above ``max_version`` (counted as ``future_versions``: the newest version the
-        learner published, so none sampled them); later rewards for them are late. Returns how many."""
-        stale = [e for e in self._ready.values()
-                 if min_version is not None and e.interaction.policy_version < min_version]
-        future = [e for e in self._ready.values()
-                  if max_version is not None and e.interaction.policy_version > max_version]
-        for entry in stale + future:
+    def drop_stale(self, min_version: int) -> int:
+        """Drop ready interactions whose newest sampling version is below ``min_version``
+        (counted as stale; later rewards for them are late). Returns how many."""
+        stale = [e for e in self._ready.values() if e.interaction.policy_version < min_version]
+        for entry in stale:
             del self._ready[entry.iid]
             self._finish_untrained(entry)
-        if future:
-            log.warning("%d interactions claim a sampling version newer than v%d, the newest published: "
-                        "not trained", len(future), max_version)
         self.counters.stale += len(stale)
-        self.counters.future_versions += len(future)
-        return len(stale) + len(future)
+        return len(stale)
 
     @property
     def num_waiting(self) -> int:

@@ -46,9 +46,6 @@ class JoinCounters:
     """Waiting interactions or held rewards given up because the buffer was full."""
     stale: int = 0
     """Ready interactions dropped for sampling versions older than the allowed lag."""
-    future_versions: int = 0
-    """Ready interactions dropped for a sampling version newer than any the learner published
-    (no policy sampled them: a forged or corrupt record)."""
     superseded: int = 0
     """Interactions whose turns joined a continuation instead of training alone."""
     trained_turn_rewards: int = 0

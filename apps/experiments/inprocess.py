@@ -170,8 +170,8 @@ class InProcessLearner:
     def step_if_due(self, now: float) -> dict[str, float] | None:
         """One step when the learner's rule says so; returns its metrics (None: no step)."""
         t = self.cfg.trainer
-        self.joiner.drop_stale(min_version=None if t.max_version_lag is None else self.version - t.max_version_lag,
-                               max_version=self.version)
+        if t.max_version_lag is not None:
+            self.joiner.drop_stale(min_version=self.version - t.max_version_lag)
         ready, tokens = self.joiner.ready_stats(self.algorithm.group_size)
         if not self.rule.due(ready, tokens, now):
             return None

@@ -240,6 +240,7 @@ def test_highwater_is_each_partitions_end_as_the_last_poll_heard_it(backend):
     assert len(drain(consumer, 5)) == 5
     assert consumer.highwater() == consumer.end_offsets()
     assert sum(consumer.highwater().values()) == 5
+    assert consumer.beginning_offsets() == {tp: 0 for tp in consumer.assignment()}  # nothing deleted yet
     for i in range(3):
         producer.send(t.interactions, b"second", key=f"k{i}".encode())
     producer.flush(10)

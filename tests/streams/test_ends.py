@@ -70,6 +70,9 @@ class _Outage:
     def consumer(self, topics, group_id=None, start="earliest", instance_id=None):
         return self
 
+    def beginning_offsets(self) -> dict[TopicPartition, int]:
+        return {}
+
     def end_offsets(self) -> dict[TopicPartition, int]:
         self.reads += 1
         if self.answers:

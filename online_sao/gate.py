@@ -232,9 +232,9 @@ def _smaller(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else min(a, b)
 
 
-def _coverage_note(candidate: float, champion: float, settings: GateSettings) -> str:
-    """What the reason adds when the reward range widened the interval."""
-    if settings.reward_min is None or (candidate >= 1 and champion >= 1):
+def _coverage_note(decision: GateDecision, candidate: float, champion: float, settings: GateSettings) -> str:
+    """What the reason adds when the reward range widened the interval a decision rests on."""
+    if decision == "refused" or settings.reward_min is None or (candidate >= 1 and champion >= 1):
         return ""
     return f" (coverage: candidate {candidate:.3f}, champion {champion:.3f})"
 
@@ -255,7 +255,7 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
     champ_low, champ_high = value_bounds(m["champion_value"], cover_champ, settings)
     low, high = cand_low - champ_high - z * se, cand_high - champ_low + z * se
     decision, reason = verdict(n, _smaller(m["candidate_ess"], m["champion_ess"]), low, high, settings)
-    return GateEvidence(decision, reason + _coverage_note(cover_cand, cover_champ, settings), n,
+    return GateEvidence(decision, reason + _coverage_note(decision, cover_cand, cover_champ, settings), n,
                         m["candidate_value"], m["champion_value"], diff, low, high, m["candidate_ess"],
                         m["champion_ess"], window, candidate_se=m["candidate_se"], champion_se=m["champion_se"],
                         candidate_coverage=cover_cand, champion_coverage=cover_champ)

@@ -23,7 +23,10 @@ under the rewards of its time, and a candidate falling short of it is exactly wh
 preference change looks like before the detector has seen it. Rolling back on a record would
 return to the old preference's policy, the failure the gate must not have. A candidate that
 is worse by the current rewards is left undecided (serving keeps the champion as its
-roll-back target) and the monitors, which need no champion, can still roll it back.
+roll-back target) and the monitors, which need no champion, can still roll it back. The
+candidate's side is widened by the mass of it the window does not cover, as on a same-window
+decision (online_sao/gate.py, "What the window does not cover"); the record's side is as measured.
+A record whose tags are incomplete or unreadable (its writes cut short) is read as none.
 """
 
 from __future__ import annotations

@@ -189,10 +189,14 @@ class OffPolicyGate:
     estimate would rest on a few of them and be biased towards its own training sample
     (docs/DEPLOY.md, "Measured on the drift scenario")."""
 
-    def __init__(self, scorer: VersionScorer, cfg: DeployConfig) -> None:
+    def __init__(self, scorer: VersionScorer, cfg: DeployConfig,
+                 reward_range: tuple[float, float] | None = None) -> None:
+        """``reward_range``: (lowest, highest) reward (``reward.min_value``, ``reward.max_value``) for
+        ``deploy.gate_coverage_bound``; None: the interval is not widened."""
         self.scorer = scorer
+        bounds = reward_range if cfg.gate_coverage_bound and reward_range is not None else (None, None)
         self.settings = GateSettings(cfg.gate_min_rollouts, cfg.gate_min_ess, cfg.gate_confidence, cfg.gate_margin,
-                                     cfg.gate_weight_clip)
+                                     cfg.gate_weight_clip, reward_min=bounds[0], reward_max=bounds[1])
         self.canary_share = cfg.canary_share
         """The share of requests serving answers with the champion (0: no canary)."""
         self.use_records = cfg.gate_champion_record

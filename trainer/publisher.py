@@ -142,11 +142,9 @@ class Releases:
             return self.rebase(ref, metrics, reads, drift, step)
         if version % self.register_every != 0:
             return ReleaseOutcome()
-        if self.decide(reads, step) == "rolled_back":
-            champion_version, champion_ref = self.tracker.champion()
-            log.warning("candidate rolled back to champion v%d", champion_version)
-            self.publisher.rollback(champion_ref, step)
-            return ReleaseOutcome(rolled_back_to=champion_ref)
+        decision, champion = self._decide(reads, step)
+        if decision == "rolled_back":
+            return ReleaseOutcome(rolled_back_to=champion)
         self._register(ref, metrics, reads)
         return ReleaseOutcome(registered=True)
 
@@ -185,7 +183,7 @@ class Releases:
                     **{f"drift.{k.removeprefix('drift_')}": repr(float(v)) for k, v in drift.items()}}
         log.warning("registry: %s v%d is champion after a detected reward drop",
                     "roll-back" if rolled_back else "restart", ref.version)
-        self.tracker.record_decision("promoted", evidence)
+        self.tracker.record_decision("promoted", evidence, ref)
         self._new_champion(ref, step)
         return ReleaseOutcome(registered=True)
 
@@ -194,10 +192,19 @@ class Releases:
         A tripped monitor rolls back whatever the gate says; without a champion the first
         candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to).
         A champion whose weights the store no longer holds (a lost store) counts as none.
-        The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``."""
+        The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``.
+
+        A roll-back is announced to serving *before* the registry records it: the decision moves the
+        ``candidate`` alias back to the champion, after which a restarted learner finds nothing to
+        decide. Stopped between the two, the candidate is still undecided and the restart decides
+        again (a second notice for the same version changes nothing in serving)."""
+        return self._decide(reads, step)[0]
+
+    def _decide(self, reads: tuple[float, float], step: int) -> tuple[Decision, WeightsRef | None]:
+        """:meth:`decide`, and the champion's weights it rolled back to (None unless rolled back)."""
         candidate, champion = self.tracker.candidate(), self.tracker.champion()
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
-            return "pending"
+            return "pending", None
         lost = {}
         if champion is not None and champion[0] not in self.publisher.store.versions():
             # nothing to score it with or return to: decided as without a champion, and said so
@@ -223,10 +230,14 @@ class Releases:
             self._keep_records(gate, decision, evidence)
         log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
                  ", ".join(f"{k}={v}" for k, v in evidence.items()))
-        self.tracker.record_decision(decision, evidence)
+        back = champion[1] if decision == "rolled_back" and champion is not None else None
+        if back is not None:  # announced first: see decide()
+            log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
+            self.publisher.rollback(back, step)
+        self.tracker.record_decision(decision, evidence, candidate[1])
         if decision == "promoted":
             self._new_champion(candidate[1], step)
-        return decision
+        return decision, back
 
     def _champion_record(self, champion: WeightsRef) -> ValueRecord | None:
         """The champion's record, asked for by the gate when it cannot score the champion; a drift

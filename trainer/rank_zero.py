@@ -108,8 +108,8 @@ class RankZero:
         if exporter is not None:
             log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
         scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-        releases = Releases(publisher, tracker, OffPolicyGate(scorer, cfg.deploy), window, cfg.deploy,
-                            cfg.mlflow.register_every,
+        gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value))
+        releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
                             reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                             on_decision=None if exporter is None else exporter.decision)
         checkpointer.pinned_versions = releases.pinned_versions()

@@ -294,23 +294,48 @@ class RunTracker:
         return str(version.version)
 
     @_waiting("recording the gate's decision")
-    def record_decision(self, decision: Decision, evidence: dict[str, str]) -> None:
-        """Write the decision on the ``candidate`` and its ``evidence`` (the gate's and the
-        monitors' tags) onto its registry version, then move the aliases: ``promoted`` makes
-        it ``champion``; ``rolled_back`` points ``candidate`` back at the champion's version;
-        ``pending`` moves nothing (a newer registration supersedes it)."""
+    def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef) -> None:
+        """Write the decision and its ``evidence`` (the gate's and the monitors' tags) onto the
+        registry version of ``decided``, the policy the gate scored, then move the aliases:
+        ``promoted`` makes it ``champion``; ``rolled_back`` points ``candidate`` back at the
+        champion's version; ``pending`` moves nothing (a newer registration supersedes it).
+
+        The version is the one ``candidate`` points at when it holds ``decided`` (policy version
+        and checksum), else the newest registry version that does: a second writer on the same
+        registered model (an old pod overlapping a new one) may have moved ``candidate`` while the
+        gate scored, and its registration must not get this verdict. A roll-back then leaves
+        ``candidate`` on that newer registration."""
         candidate = self._alias(CANDIDATE)
-        if candidate is None:
-            raise ValueError("no candidate to decide on")
+        target = candidate if candidate is not None and _holds(candidate, decided) else self._registered(decided)
+        if target is None:
+            raise ValueError(f"policy version {decided.version} ({decided.checksum}) is not registered")
+        moved = target is not candidate
+        if moved:
+            log.warning("registry: the candidate alias moved to registry version %s while policy v%d was decided; "
+                        "the decision goes onto v%d's registry version %s", None if candidate is None else
+                        candidate.version, decided.version, decided.version, target.version)
         for key, value in {**evidence, "decision": decision}.items():
-            self.client.set_model_version_tag(self.model_name, candidate.version, key, value[:MAX_PARAM_LENGTH])
+            self.client.set_model_version_tag(self.model_name, target.version, key, value[:MAX_PARAM_LENGTH])
         if decision == "promoted":
-            self.client.set_registered_model_alias(self.model_name, CHAMPION, candidate.version)
+            self.client.set_registered_model_alias(self.model_name, CHAMPION, target.version)
         elif decision == "rolled_back":
             champion = self._alias(CHAMPION)
             if champion is None:
                 raise ValueError("cannot roll back without a champion")
-            self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+            if not moved:
+                self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+
+    def _registered(self, ref: WeightsRef):
+        """The newest registry version holding ``ref`` (policy version and checksum), or None."""
+        newest, token = None, None
+        while True:
+            page = self.client.search_model_versions(f"name = '{self.model_name}'", page_token=token)
+            for found in page:
+                if _holds(found, ref) and (newest is None or int(found.version) > int(newest.version)):
+                    newest = found
+            token = page.token
+            if not token:
+                return newest
 
     @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:
@@ -355,3 +380,8 @@ class RunTracker:
             token = page.token
             if not token:
                 return versions
+
+
+def _holds(found, ref: WeightsRef) -> bool:
+    """The registry version ``found`` holds the published ``ref`` (policy version and checksum)."""
+    return found.tags.get("policy_version") == str(ref.version) and found.tags.get("checksum") == ref.checksum

@@ -33,8 +33,8 @@ class DeployConfig(Section):
     """Two-sided confidence of the normal interval on candidate minus champion (at least 0.5: below,
     the interval is narrower than one standard error each side and the test means little)."""
     gate_margin: float = Field(0.05, ge=0, allow_inf_nan=False)
-    """Non-inferiority margin, in reward units: promote when the interval's lower end is at least
-    ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
+    """Non-inferiority margin, in reward units (finite): promote when the interval's lower end is at
+    least ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
     gate_weight_clip: float | None = Field(None, gt=1)
     """Cap on each rollout's importance ratio pi/mu before self-normalising (None: no cap);
     a cap trades bias for variance when one rollout would carry the whole estimate."""
@@ -44,6 +44,12 @@ class DeployConfig(Section):
     expected reward as last measured on traffic it could be scored on. A record never rolls a
     candidate back, and a drift restart starts without one (online_sao/gate_record.py;
     docs/DEPLOY.md, "The champion's record"). False: such decisions are refused."""
+    gate_coverage_bound: bool = True
+    """Widen the gate's interval by what the window cannot see: a version whose answers the window
+    rarely samples (its mean importance weight, the share of its probability the window covers,
+    under 1) may earn anything in ``reward.min_value``..``reward.max_value`` on the rest
+    (online_sao/gate.py, "Coverage"). Set the reward range to the rewards' real one: a range wider
+    than they span makes the gate slower to decide. False: the coverage is reported, not used."""
     gate_chunk: int = Field(16, ge=1)
     """Rollouts scored per forward pass when the gate computes a version's log-probs."""
     canary_share: float = Field(0.0, ge=0, lt=1)
@@ -72,7 +78,7 @@ class DeployConfig(Section):
     monitor_min_scores: dict[ScoreName, float] = Field({}, max_length=MAX_SCORES_PER_REWARD)
     """Roll back a candidate when the mean of a named score (``Reward.scores``: what the reward's
     source measured besides the reward, e.g. the judge's ``quality``) over its recent answers falls
-    below the floor given here, name -> floor (empty: off). Answers whose rewards carried no such
+    below the floor given here, name -> finite floor (empty: off). Answers whose rewards carried no such
     score do not count; with none, the monitor has no value and cannot trip. Every score the window's
     rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
     @field_validator("monitor_min_scores")

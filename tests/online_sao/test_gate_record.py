@@ -97,3 +97,20 @@ def test_which_refusals_a_record_may_decide_and_which_sides_become_records():
                                                       pytest.approx(expected.ess))
     on_record = decide_against_record(rewards, even, ValueRecord(0.5, 0.1, 40, 30.0, (1, 2)), SETTINGS)
     assert champion_record(on_record, SETTINGS) is None  # nothing new was measured on the champion
+
+
+def test_an_incomplete_or_unreadable_record_is_no_record_and_is_named(caplog):
+    """The record's tags are written one registry call each: a learner stopped after two of them
+    left a record the next decision used to crash on (KeyError, at every restart)."""
+    tags = ValueRecord(0.625, 0.0625, 37, 21.5, (40, 49)).tags()
+    cut_short = {key: tags[key] for key in ("record.value", "record.se")}
+    with caplog.at_level("WARNING", logger="online_sao.gate_record"):
+        assert ValueRecord.from_tags({**cut_short, "gate.decision": "promoted"}) is None
+    assert "missing record.n, record.ess, record.window_versions" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="online_sao.gate_record"):
+        assert ValueRecord.from_tags({**tags, "record.window_versions": "40"}) is None
+        assert ValueRecord.from_tags({**tags, "record.n": "thirty"}) is None
+    assert caplog.text.count("unreadable") == 2 and "thirty" in caplog.text
+    caplog.clear()
+    assert ValueRecord.from_tags({"gate.decision": "drift_restart"}) is None and caplog.text == ""  # none: quiet

@@ -178,23 +178,23 @@ def test_register_refuses_weights_that_fail_their_checksum(cfg, store):
 def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
     tracker = RunTracker(cfg)
     assert tracker.champion() is None and tracker.candidate() is None
-    with pytest.raises(ValueError, match="no candidate"):
-        tracker.record_decision("promoted", {})
-
     first = _publish(store, 1)
+    with pytest.raises(ValueError, match="policy version 1 .* is not registered"):
+        tracker.record_decision("promoted", {}, first)
+
     tracker.register(first, recent_reward=0.0)
     assert tracker.candidate() == (1, first)
-    tracker.record_decision("promoted", {"gate.decision": "no_champion"})
+    tracker.record_decision("promoted", {"gate.decision": "no_champion"}, first)
     assert tracker.champion() == (1, first)
 
     second = _publish(store, 2)
     second_registry_version = tracker.register(second, recent_reward=0.0)
-    tracker.record_decision("pending", {"gate.decision": "refused", "gate.reason": "ess=1.20 < min_ess=8.0"})
+    tracker.record_decision("pending", {"gate.decision": "refused", "gate.reason": "ess=1.20 < min_ess=8.0"}, second)
     assert tracker.champion() == (1, first) and tracker.candidate() == (2, second)  # nothing moved
 
     third = _publish(store, 3)
     third_registry_version = tracker.register(third, recent_reward=0.0)
-    tracker.record_decision("rolled_back", {"gate.decision": "rolled_back", "gate.difference": "-0.3"})
+    tracker.record_decision("rolled_back", {"gate.decision": "rolled_back", "gate.difference": "-0.3"}, third)
     assert tracker.champion() == (1, first) and tracker.candidate() == (1, first)
     client = _client(cfg)
     name = cfg.mlflow.registered_model
@@ -209,7 +209,7 @@ def test_champion_survives_a_restart(cfg, store):
     first = RunTracker(cfg)
     ref = _publish(store, 4)
     first.register(ref, recent_reward=0.0)
-    first.record_decision("promoted", {})
+    first.record_decision("promoted", {}, ref)
     first.close()
     assert RunTracker(cfg, run_id=first.run_id).champion() == (4, ref)
 

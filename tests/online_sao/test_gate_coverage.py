@@ -1,0 +1,108 @@
+"""What the gate's window does not cover (online_sao/gate.py, "What the window does not cover") and
+NaN evidence, against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from online_sao.gate import GateSettings, coverage, decide, value_bounds, verdict
+from online_sao.gate_record import ValueRecord, champion_unscorable, decide_against_record
+
+UNBOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
+BOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_min=0.0, reward_max=1.0)
+"""The same floors and test, with rewards known to lie in [0, 1]."""
+Z90 = 1.6448536269514722
+"""Two-sided 90% normal quantile."""
+
+
+def test_coverage_by_hand():
+    assert coverage(torch.log(torch.tensor([0.5, 0.1, 0.3]))) == pytest.approx(0.3)  # (0.5 + 0.1 + 0.3) / 3
+    assert coverage(torch.log(torch.tensor([2.0, 0.5]))) == 1.0  # mean 1.25: capped at 1
+    assert coverage(torch.tensor([1000.0, 1000.0])) == 1.0  # e^1000 would overflow outside log space
+    assert coverage(torch.tensor([-1000.0, math.log(0.4) - 1000.0])) == pytest.approx(0.7 * math.exp(-1000))
+    assert coverage(torch.full((3,), -math.inf)) == 0.0
+    assert math.isnan(coverage(torch.tensor([0.0, math.nan])))
+
+
+def test_value_bounds_by_hand():
+    assert value_bounds(0.5, 0.1, BOUNDED) == (pytest.approx(0.05), pytest.approx(0.95))  # 0.05 + 0.9 * [0, 1]
+    assert value_bounds(0.5, 1.0, BOUNDED) == (0.5, 0.5)
+    assert value_bounds(0.5, 0.1, UNBOUNDED) == (0.5, 0.5)  # no range given: not widened
+
+
+def test_a_champion_the_window_hardly_covers_is_not_beaten_on_the_tenth_it_saw():
+    """The candidate is the behaviour; the champion's ratio is 0.1 on every rollout (90% of its mass is
+    where the window has nothing). Equal weights: V_cand = V_champ = 1/2, se 0, ESS 4 each. The old
+    interval [0, 0] promoted; bounded, the champion's value is in [0.05, 0.95]."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    champion = torch.full((4,), math.log(0.1))
+    assert decide(rewards, torch.zeros(4), champion, UNBOUNDED).decision == "promoted"
+    evidence = decide(rewards, torch.zeros(4), champion, BOUNDED)
+    assert (evidence.low, evidence.high) == (pytest.approx(0.5 - 0.95), pytest.approx(0.5 - 0.05))
+    assert evidence.decision == "undecided" and "coverage: candidate 1.000, champion 0.100" in evidence.reason
+    assert evidence.difference == 0.0 and evidence.champion_ess == pytest.approx(4.0)
+    tags = evidence.tags()
+    assert float(tags["gate.candidate_coverage"]) == 1.0
+    assert float(tags["gate.champion_coverage"]) == pytest.approx(0.1)
+
+
+def test_a_candidate_the_window_half_covers_cannot_be_promoted_on_its_half():
+    """Every reward 1, candidate ratio 0.5 everywhere, champion the behaviour: V both 1, se 0.
+    The candidate's value lies in [0.5, 1]: interval [-0.5, 0]."""
+    evidence = decide(torch.ones(4), torch.full((4,), math.log(0.5)), torch.zeros(4), BOUNDED)
+    assert (evidence.low, evidence.high) == (pytest.approx(-0.5), pytest.approx(0.0))
+    assert evidence.decision == "undecided" and evidence.candidate_coverage == pytest.approx(0.5)
+
+
+def test_well_covered_versions_keep_the_interval_exactly():
+    """Candidate ratios 2, 1, 2, 1 (mean 1.5: coverage 1), champion the behaviour: the hand case of
+    test_gate.py, interval 1/6 +- z/36, whether or not the rewards' range is known."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    candidate = torch.log(torch.tensor([2.0, 1.0, 2.0, 1.0]))
+    plain, bounded = decide(rewards, candidate, torch.zeros(4), UNBOUNDED), decide(rewards, candidate,
+                                                                                   torch.zeros(4), BOUNDED)
+    assert (bounded.low, bounded.high) == (plain.low, plain.high)
+    assert bounded.low == pytest.approx(1 / 6 - Z90 / 36) and bounded.reason == plain.reason
+    assert (bounded.candidate_coverage, bounded.champion_coverage) == (1.0, 1.0)
+
+
+def test_against_a_record_the_candidates_unseen_mass_widens_its_side():
+    """40 rewards of 1 at candidate ratio 0.5 (V 1, se 0, coverage 0.5) against a record of 0.5 with
+    se 0.05: unbounded [0.5 - h, 0.5 + h] promoted; bounded the candidate is in [0.5, 1]:
+    [-h, 0.5 + h] with h = z * 0.05, about 0.082, undecided."""
+    record = ValueRecord(0.5, 0.05, 40, 30.0, (1, 2))
+    half = Z90 * 0.05
+    log_ratio = torch.full((40,), math.log(0.5))
+    assert decide_against_record(torch.ones(40), log_ratio, record, UNBOUNDED).decision == "promoted"
+    evidence = decide_against_record(torch.ones(40), log_ratio, record, BOUNDED)
+    assert (evidence.low, evidence.high) == (pytest.approx(-half), pytest.approx(0.5 + half))
+    assert evidence.decision == "undecided" and evidence.candidate_coverage == pytest.approx(0.5)
+
+
+def test_a_champion_outside_every_nucleus_is_refused_and_its_record_consulted():
+    """Every rollout holds a token outside the champion's top-p nucleus: its log-ratios are -inf,
+    its weights 0/0. That is a champion the window cannot score, not an undecided comparison."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    evidence = decide(rewards, torch.zeros(5), torch.full((5,), -math.inf), BOUNDED)
+    assert evidence.decision == "refused" and evidence.reason == "ess=nan < min_ess=2.0"
+    assert math.isnan(evidence.champion_ess) and evidence.candidate_ess == pytest.approx(5.0)
+    assert champion_unscorable(evidence, BOUNDED)  # so the gate asks for the champion's record
+    on_record = decide_against_record(rewards, torch.zeros(5), ValueRecord(0.2, 0.05, 40, 30.0, (1, 2)), BOUNDED)
+    assert on_record.decision == "promoted" and on_record.difference == pytest.approx(0.4)  # 3/5 - 0.2
+    stale_candidate = decide(rewards, torch.full((5,), -math.inf), torch.zeros(5), BOUNDED)
+    assert stale_candidate.decision == "refused" and not champion_unscorable(stale_candidate, BOUNDED)
+
+
+def test_verdict_refuses_nan():
+    assert verdict(4, math.nan, 0.0, 0.1, UNBOUNDED) == ("refused", "ess=nan < min_ess=2.0")
+    assert verdict(4, 4.0, math.nan, math.nan, UNBOUNDED)[0] == "refused"
+
+
+def test_a_reward_range_is_given_whole_and_in_order():
+    with pytest.raises(ValueError, match="together"):
+        GateSettings(4, 2.0, 0.9, 0.05, reward_min=0.0)
+    with pytest.raises(ValueError, match="below"):
+        GateSettings(4, 2.0, 0.9, 0.05, reward_min=1.0, reward_max=1.0)

@@ -1,0 +1,111 @@
+"""The registry when a decision is cut short or raced (real MLflow registry, real weight store): a
+roll-back stopped half-way is decided again after a restart, a decision lands on the version the
+gate scored, a record written in part is read as none."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from online_sao.gate_record import ValueRecord
+from online_sao.schemas import decode
+from tests.trainer.test_deploy import (STYLE_A, FixedKL, ScriptedScorer, _registry_parts, _rollout,  # noqa: F401
+                                       registry_cfg)
+from tests.trainer.test_tracking import _client, _publish, cfg, empty_store, store  # noqa: F401  (fixtures)
+from trainer.deploy import OffPolicyGate
+from trainer.mlflow_store import TrackingUnavailable
+from trainer.publisher import Releases
+from trainer.tracking import RunTracker
+
+
+class Stopped(Exception):
+    """The learner's stop request, cutting a wait for the broker or MLflow short."""
+
+
+def _kl_releases(config, publisher, tracker, window):
+    """The KL monitor at 0.5: candidate v2 (KL 0.1) promoted when v4 is published, candidate v4 (KL 0.9)
+    rolled back to v2 when v6 is."""
+    gate = OffPolicyGate(ScriptedScorer(dict.fromkeys(range(1, 7), STYLE_A)), config.deploy)
+    return Releases(publisher, tracker, gate, window, config.deploy, 2, reference=FixedKL({2: 0.1, 4: 0.9}))
+
+
+@pytest.mark.parametrize("stopped_in", ["announcing", "recording"])
+def test_a_rollback_cut_short_is_announced_and_decided_again_after_a_restart(registry_cfg, stopped_in, monkeypatch):
+    """The learner is stopped inside the v4 roll-back: while announcing it (broker down), or after
+    announcing it, while recording it (MLflow down). Either way the registry has not moved: v4 is still
+    the undecided candidate, and the restarted learner decides again, rolls back and announces it."""
+    config = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"monitor_max_kl": 0.5})})
+    backend, publisher, tracker, window = _registry_parts(config)
+    releases = _kl_releases(config, publisher, tracker, window)
+
+    def release(releases, version):
+        return releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+
+    for version in range(1, 6):
+        release(releases, version)
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+    def stop(*args):
+        raise Stopped() if stopped_in == "announcing" else TrackingUnavailable("stopped")
+
+    monkeypatch.setattr(*((publisher, "rollback") if stopped_in == "announcing" else (tracker, "record_decision")),
+                        stop)
+    with pytest.raises(Stopped if stopped_in == "announcing" else TrackingUnavailable):
+        release(releases, 6)
+    client, name = _client(config), config.mlflow.registered_model
+    assert tracker.candidate()[0] == 4 and tracker.champion()[0] == 2  # nothing moved
+    assert "decision" not in client.get_model_version_by_alias(name, "candidate").tags
+
+    monkeypatch.undo()  # the restarted learner: the broker and MLflow answer again
+    restarted = _kl_releases(config, publisher, RunTracker(config, run_id=tracker.run_id), window)
+    outcome = release(restarted, 6)  # the learner republishes the version it was stopped in
+    assert outcome.rolled_back_to is not None and outcome.rolled_back_to.version == 2
+    assert tracker.candidate()[0] == 2 and tracker.champion()[0] == 2
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
+    assert by_policy[4]["decision"] == "rolled_back" and by_policy[4]["monitor.tripped"] == "kl"
+    notices = [decode(m.value) for m in backend.consumer([config.kafka.topics.weights]).poll(0.1, 1000)]
+    rollbacks = [n.version for n in notices if n.action == "rollback"]
+    assert rollbacks == ([2] if stopped_in == "announcing" else [2, 2])  # announced before it was recorded
+
+
+def test_a_decision_lands_on_the_version_decided_not_on_a_later_registration(cfg, store):
+    """A second writer on the same registered model (an old pod overlapping a new one) registers while
+    the first one's gate is scoring: the verdict goes onto the version that was scored, and the other
+    registration stays the undecided candidate, for a promotion and for a roll-back alike."""
+    ours, other = RunTracker(cfg), RunTracker(cfg)
+    first, second, third = _publish(store, 1), _publish(store, 2), _publish(store, 3)
+    ours.register(first, 0.0)
+    ours.record_decision("promoted", {}, first)
+    scored = ours.register(second, 0.0)
+    raced = other.register(_publish(store, 99), 0.0)  # lands while v2 is being scored
+    ours.record_decision("promoted", {"gate.window_versions": "2-3"}, second)
+    client, name = _client(cfg), cfg.mlflow.registered_model
+    assert client.get_model_version(name, scored).tags["gate.window_versions"] == "2-3"
+    assert client.get_model_version(name, scored).tags["decision"] == "promoted"
+    assert "decision" not in client.get_model_version(name, raced).tags
+    assert ours.champion()[0] == 2 and ours.candidate()[0] == 99
+
+    rejected = ours.register(third, 0.0)
+    raced_again = other.register(_publish(store, 100), 0.0)
+    ours.record_decision("rolled_back", {"gate.decision": "rolled_back"}, third)
+    assert client.get_model_version(name, rejected).tags["decision"] == "rolled_back"
+    assert "decision" not in client.get_model_version(name, raced_again).tags
+    assert ours.champion()[0] == 2 and ours.candidate()[0] == 100  # the newer registration keeps the alias
+
+
+def test_a_champion_record_written_in_part_reads_as_none(cfg, store, caplog):
+    """Stopped after two of the five record tags (one registry call each): the learner decides as for
+    a champion without a record instead of raising KeyError at every decision."""
+    tracker = RunTracker(cfg)
+    ref = _publish(store, 1)
+    tracker.register(ref, 0.0)
+    tracker.record_decision("promoted", {}, ref)
+    tags = ValueRecord(0.5, 0.05, 40, 30.0, (1, 2)).tags()
+    tracker.tag_champion({key: tags[key] for key in ("record.value", "record.se")})
+    with caplog.at_level("WARNING", logger="online_sao.gate_record"):
+        assert tracker.champion_record() is None
+    assert "missing record.n, record.ess, record.window_versions" in caplog.text
+    tracker.tag_champion(tags)  # the next refresh completes it
+    assert tracker.champion_record() == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2))

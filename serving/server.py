@@ -29,7 +29,7 @@ from serving.engine.base import InferenceEngine
 from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from streams.base import DeliveryReport, Producer, StreamBackend
-from streams.tail import records_since
+from streams.tail import iter_records_since
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def make_logger(cfg: Config, producer: Producer, backend: StreamBackend | None =
     """The interaction log; with ``backend`` a restarted spool is read back from its topics first."""
 
     def readback(topics: list[str], since_s: float):
-        return records_since(backend, topics, int(since_s * 1000), timeout_s=READBACK_TIMEOUT_S)
+        return iter_records_since(backend, topics, int(since_s * 1000), timeout_s=READBACK_TIMEOUT_S)
 
     return InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving),
                              readback=readback if backend is not None else None)

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from serving.spool_format import SpoolEntry
 from streams.base import StreamMessage
 
-TopicTail = Callable[[list[str], float], list[StreamMessage]]
+TopicTail = Callable[[list[str], float], Iterable[StreamMessage]]
 """``(topics, since_s)`` -> every record of those topics stamped at or after ``since_s``
 (seconds since the epoch), to the partitions' current end; StreamUnavailable when the
-broker cannot be read."""
+broker cannot be read. Consumed once, as it comes: only the candidates' digests are kept."""
 
 READBACK_MARGIN_S = 60.0
 """Read this much earlier than the oldest candidate's creation time: a topic stamping
@@ -52,5 +52,10 @@ def already_on_topic(candidates: list[SpoolEntry], tail: TopicTail) -> set[int]:
         return set()
     since = min(map(created_at, candidates)) - READBACK_MARGIN_S
     topics = sorted({entry.topic for entry in candidates})
-    on_topic = {(m.topic, hashlib.sha256(m.value).digest()) for m in tail(topics, since)}
-    return {e.seq for e in candidates if (e.topic, hashlib.sha256(e.value).digest()) in on_topic}
+    wanted: dict[tuple[str, bytes], list[int]] = {}
+    for entry in candidates:
+        wanted.setdefault((entry.topic, hashlib.sha256(entry.value).digest()), []).append(entry.seq)
+    found: set[int] = set()
+    for message in tail(topics, since):
+        found.update(wanted.get((message.topic, hashlib.sha256(message.value).digest()), ()))
+    return found

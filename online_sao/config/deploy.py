@@ -48,8 +48,9 @@ class DeployConfig(Section):
     """Widen the gate's interval by what the window cannot see: a version whose answers the window
     rarely samples (its mean importance weight, the share of its probability the window covers,
     under 1) may earn anything in ``reward.min_value``..``reward.max_value`` on the rest
-    (online_sao/gate.py, "Coverage"). Set the reward range to the rewards' real one: a range wider
-    than they span makes the gate slower to decide. False: the coverage is reported, not used."""
+    (online_sao/gate.py, "What the window does not cover"). Set the reward range to the rewards'
+    real one: a range wider than they span makes the gate slower to decide. False: the coverage is
+    reported, not used."""
     gate_chunk: int = Field(16, ge=1)
     """Rollouts scored per forward pass when the gate computes a version's log-probs."""
     canary_share: float = Field(0.0, ge=0, lt=1)

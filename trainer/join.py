@@ -120,8 +120,9 @@ class RewardJoiner:
         anchor = anchor_time(interaction.created_at, ts)
         self.counters.interactions += 1
         known = self.memory.get(iid)
-        if self._pending(iid) is not None or (known is not None and known.seen):
-            self.counters.duplicate_interactions += 1
+        claim = self._claim_of(iid) if iid in self._claims else None
+        if self._pending(iid) is not None or (known is not None and known.seen) or (claim is not None and claim.seen):
+            self.counters.duplicate_interactions += 1  # a copy (of a record absorbed by a continuation, too)
             return
         if known is not None or iid in self._claims:  # its turns are (or were) in a continuation
             self._arrived_superseded(iid, anchor)

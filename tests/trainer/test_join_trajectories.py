@@ -190,3 +190,15 @@ def test_a_turn_the_id_memory_forgot_is_not_trained_again_in_a_continuation(max_
     [joined] = j.pop_ready(32, 10**9)
     assert joined.observed_turns == frozenset({0})  # A's turn: an observation either way
     assert j.counters.forgotten_turns == (1 if max_pending == 3 else 0)
+
+
+def test_copies_of_an_ancestor_a_continuation_absorbed_count_as_duplicates():
+    """Books only (nothing trained twice either way): they were counted as superseded again."""
+    a, c = conversation(["A", "C"])
+    j = RewardJoiner(RewardConfig())
+    j.add_interaction(a, 1000.0)
+    j.add_interaction(c, 1001.0)  # A, waiting, is absorbed
+    assert (j.counters.superseded, j.counters.duplicate_interactions) == (1, 0)
+    j.add_interaction(a, 1002.0)
+    j.add_interaction(a, 1003.0)
+    assert (j.counters.superseded, j.counters.duplicate_interactions) == (1, 2)

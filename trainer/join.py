@@ -120,7 +120,7 @@ class RewardJoiner:
         anchor = anchor_time(interaction.created_at, ts)
         self.counters.interactions += 1
         known = self.memory.get(iid)
-        claim = self._claim_of(iid) if iid in self._claims else None
+        claim = self._claim_of(iid)
         if self._pending(iid) is not None or (known is not None and known.seen) or (claim is not None and claim.seen):
             self.counters.duplicate_interactions += 1  # a copy (of a record absorbed by a continuation, too)
             return

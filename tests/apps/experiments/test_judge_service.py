@@ -296,6 +296,21 @@ class FlakyBackend:
         return Producer()
 
 
+def _judge_until_rewarded(cfg, judged_backend, backend: InMemoryBackend, count: int, progress) -> list:
+    """Run the judge on ``judged_backend`` in a thread until ``count`` rewards are on the topic (10 s
+    at most), stop it, and return the rewards sent."""
+    stop = threading.Event()
+    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
+                              kwargs={"backend": judged_backend, "progress": progress})
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    worker.join(10)
+    return drain_memory(backend, cfg.kafka.topics.rewards)
+
+
 def test_judge_keeps_running_through_an_outage_and_sends_every_reward(tmp_path, monkeypatch):
     import apps.experiments.judge_service as judge_service
 
@@ -304,17 +319,8 @@ def test_judge_keeps_running_through_an_outage_and_sends_every_reward(tmp_path, 
     interactions = [chat_interaction(*qa) for qa in ANSWERS[:3]]
     for interaction in interactions:
         publish(producer, cfg.kafka.topics.interactions, interaction)
-    stop = threading.Event()
     flaky = FlakyBackend(backend, failures=2)
-    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
-                              kwargs={"backend": flaky, "progress": lambda _: None})
-    worker.start()
-    deadline = time.monotonic() + 10
-    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
-    worker.join(10)
-    rewards = drain_memory(backend, cfg.kafka.topics.rewards)
+    rewards = _judge_until_rewarded(cfg, flaky, backend, 3, progress=lambda _: None)
     assert flaky.failures == 0  # the outage happened
     assert sorted(r.interaction_id for r in rewards) == sorted(i.interaction_id for i in interactions)
 
@@ -342,19 +348,11 @@ def test_a_judge_started_before_the_broker_waits_for_it_and_says_so_once(tmp_pat
     interactions = [chat_interaction(*qa) for qa in ANSWERS[:2]]
     for interaction in interactions:
         publish(producer, cfg.kafka.topics.interactions, interaction)
-    stop, lines = threading.Event(), []
+    lines = []
     down = DownAtStartBackend(backend, failures=5)
-    worker = threading.Thread(target=run_judge, args=(cfg, FixedJudge(), stop),
-                              kwargs={"backend": down, "progress": lines.append})
-    worker.start()
-    deadline = time.monotonic() + 10
-    while len(drain_memory(backend, cfg.kafka.topics.rewards)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
-    worker.join(10)
+    rewards = _judge_until_rewarded(cfg, down, backend, 2, progress=lines.append)
     assert down.failures == 0
-    assert sorted(r.interaction_id for r in drain_memory(backend, cfg.kafka.topics.rewards)) == \
-        sorted(i.interaction_id for i in interactions)
+    assert sorted(r.interaction_id for r in rewards) == sorted(i.interaction_id for i in interactions)
     assert sum("unreachable" in line for line in lines) == 1
 
 

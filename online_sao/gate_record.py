@@ -26,11 +26,16 @@ is worse by the current rewards is left undecided (serving keeps the champion as
 roll-back target) and the monitors, which need no champion, can still roll it back. The
 candidate's side is widened by the mass of it the window does not cover, as on a same-window
 decision (online_sao/gate.py, "What the window does not cover"); the record's side is as measured.
-A record whose tags are incomplete or unreadable (its writes cut short) is read as none.
+The record is read from one tag, ``record`` (all its fields, written in one registry call, so a
+refresh cut short leaves the old record or the new one, never a mix); the ``record.*`` tags beside
+it are the same fields for people reading the registry, written before it. A registry written by
+older code has only the ``record.*`` tags: they are read when ``record`` is absent, and an
+incomplete or unreadable record is read as none.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
@@ -43,11 +48,13 @@ from online_sao.gate import GateEvidence, GateSettings, coverage, snis_estimate,
 
 log = logging.getLogger(__name__)
 
-RECORD_PREFIX = "record."
-"""Registry tags of a version's record."""
+RECORD_TAG = "record"
+"""The registry tag the record is read from: every field in one JSON object, so that one registry
+call writes it whole."""
 RECORD_TAGS = ("record.value", "record.se", "record.n", "record.ess", "record.window_versions")
-"""Every tag a complete record has: they are written one registry call each, so a learner stopped
-between two calls leaves only some of them (:meth:`ValueRecord.from_tags` then reads no record)."""
+"""The record's fields one tag each, for people reading the registry (and the only record older code
+wrote). Written one registry call each, so a learner stopped between two calls leaves some of them
+new and some old: they are read only when ``record`` is absent."""
 
 
 @dataclass(frozen=True)
@@ -63,14 +70,28 @@ class ValueRecord:
     """Lowest and highest policy version that sampled the rollouts it was measured on."""
 
     def tags(self) -> dict[str, str]:
+        """The registry tags, in the order to write them: the readable ones first, ``record`` last."""
+        whole = json.dumps({"value": self.value, "se": self.se, "n": self.n, "ess": self.ess,
+                            "window": list(self.window)})
         return {"record.value": repr(self.value), "record.se": repr(self.se), "record.n": str(self.n),
-                "record.ess": repr(self.ess), "record.window_versions": f"{self.window[0]}-{self.window[1]}"}
+                "record.ess": repr(self.ess), "record.window_versions": f"{self.window[0]}-{self.window[1]}",
+                RECORD_TAG: whole}
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> ValueRecord | None:
         """The record in a registry version's tags; None if it has none, and None with a warning
-        naming what is wrong if it is incomplete or unreadable (a write cut short: the champion
-        is then decided as one without a record, never crashes the learner)."""
+        naming what is wrong if it is unreadable, or (older registries' ``record.*`` tags)
+        incomplete: the champion is then decided as one without a record, never crashes the learner."""
+        if RECORD_TAG in tags:
+            try:
+                fields = json.loads(tags[RECORD_TAG])
+                low, high = fields["window"]
+                return cls(float(fields["value"]), float(fields["se"]), int(fields["n"]), float(fields["ess"]),
+                           (int(low), int(high)))
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("champion's record is unreadable (%r; tag %s=%r): treated as no record", exc,
+                            RECORD_TAG, tags[RECORD_TAG])
+                return None
         present = [key for key in RECORD_TAGS if key in tags]
         if not present:
             return None

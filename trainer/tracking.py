@@ -349,13 +349,14 @@ class RunTracker:
 
     @_waiting("reading the champion's record")
     def champion_record(self) -> ValueRecord | None:
-        """The champion's record (``record.*`` tags: online_sao/gate_record.py), if it has one."""
+        """The champion's record (its ``record`` tag: online_sao/gate_record.py), if it has one."""
         found = self._alias(CHAMPION)
         return None if found is None else ValueRecord.from_tags(found.tags)
 
     @_waiting("tagging the champion")
     def tag_champion(self, tags: dict[str, str]) -> None:
-        """Write ``tags`` onto the champion's registry version (its refreshed record)."""
+        """Write ``tags`` onto the champion's registry version (its refreshed record), one registry
+        call each, in ``tags``' order (a record's ``record`` tag last: online_sao/gate_record.py)."""
         champion = self._alias(CHAMPION)
         if champion is None:
             raise ValueError("no champion to tag")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -99,10 +100,30 @@ def test_which_refusals_a_record_may_decide_and_which_sides_become_records():
     assert champion_record(on_record, SETTINGS) is None  # nothing new was measured on the champion
 
 
-def test_an_incomplete_or_unreadable_record_is_no_record_and_is_named(caplog):
-    """The record's tags are written one registry call each: a learner stopped after two of them
-    left a record the next decision used to crash on (KeyError, at every restart)."""
+def test_the_record_is_read_from_its_one_tag_whatever_the_readable_tags_say():
+    """A refresh stopped after the readable tags (one registry call each) and before ``record``
+    leaves those new and ``record`` old: the old record is read whole, not a mix of the two."""
+    old, new = ValueRecord(0.625, 0.0625, 37, 21.5, (40, 49)), ValueRecord(0.25, 0.125, 50, 30.0, (50, 59))
+    cut_short = {**old.tags(), **{key: value for key, value in new.tags().items() if key != "record"}}
+    assert cut_short["record.value"] == "0.25" and ValueRecord.from_tags(cut_short) == old
+    assert ValueRecord.from_tags({**cut_short, "record": new.tags()["record"]}) == new
+    assert json.loads(new.tags()["record"]) == {"value": 0.25, "se": 0.125, "n": 50, "ess": 30.0, "window": [50, 59]}
+    assert list(new.tags())[-1] == "record"  # written last
+
+
+def test_an_unreadable_record_tag_is_no_record_and_is_named(caplog):
     tags = ValueRecord(0.625, 0.0625, 37, 21.5, (40, 49)).tags()
+    with caplog.at_level("WARNING", logger="online_sao.gate_record"):
+        for bad in ("{", "[1, 2]", '{"value": 0.5}', '{"value": 0.5, "se": 0.1, "n": 3, "ess": 2.0, "window": [4]}'):
+            assert ValueRecord.from_tags({**tags, "record": bad}) is None
+    assert caplog.text.count("unreadable") == 4
+
+
+def test_an_incomplete_or_unreadable_legacy_record_is_no_record_and_is_named(caplog):
+    """Older code wrote only the ``record.*`` tags, one registry call each: a learner stopped after
+    two of them left a record the next decision used to crash on (KeyError, at every restart)."""
+    tags = {key: value for key, value in ValueRecord(0.625, 0.0625, 37, 21.5, (40, 49)).tags().items()
+            if key != "record"}
     cut_short = {key: tags[key] for key in ("record.value", "record.se")}
     with caplog.at_level("WARNING", logger="online_sao.gate_record"):
         assert ValueRecord.from_tags({**cut_short, "gate.decision": "promoted"}) is None

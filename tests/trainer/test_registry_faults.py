@@ -96,8 +96,8 @@ def test_a_decision_lands_on_the_version_decided_not_on_a_later_registration(cfg
 
 
 def test_a_champion_record_written_in_part_reads_as_none(cfg, store, caplog):
-    """Stopped after two of the five record tags (one registry call each): the learner decides as for
-    a champion without a record instead of raising KeyError at every decision."""
+    """Older code wrote only the five ``record.*`` tags (one registry call each); stopped after two,
+    the learner decides as for a champion without a record instead of raising KeyError."""
     tracker = RunTracker(cfg)
     ref = _publish(store, 1)
     tracker.register(ref, 0.0)
@@ -109,3 +109,19 @@ def test_a_champion_record_written_in_part_reads_as_none(cfg, store, caplog):
     assert "missing record.n, record.ess, record.window_versions" in caplog.text
     tracker.tag_champion(tags)  # the next refresh completes it
     assert tracker.champion_record() == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2))
+
+
+def test_a_refresh_cut_short_leaves_the_old_record_whole(cfg, store):
+    """A refresh stopped after its readable ``record.*`` tags, before the ``record`` tag: the
+    registry holds the new readable values, and the champion's record is still the old one whole
+    (before: a record with the new value and the old standard error)."""
+    tracker = RunTracker(cfg)
+    ref = _publish(store, 1)
+    tracker.register(ref, 0.0)
+    tracker.record_decision("promoted", {}, ref)
+    old, new = ValueRecord(0.5, 0.05, 40, 30.0, (1, 2)), ValueRecord(0.9, 0.2, 12, 5.0, (3, 4))
+    tracker.tag_champion(old.tags())
+    tracker.tag_champion({key: value for key, value in new.tags().items() if key != "record"})
+    assert tracker.champion_record() == old
+    tracker.tag_champion(new.tags())
+    assert tracker.champion_record() == new

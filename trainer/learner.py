@@ -71,9 +71,10 @@ import torch
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
 from streams.base import StreamBackend
-from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed,
-                                 load_full_state_dict, local_batch, reduce_metrics, shutdown_distributed)
+from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed, local_batch,
+                                 reduce_metrics, shutdown_distributed)
 from trainer.feed import RolloutHook
+from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero

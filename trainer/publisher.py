@@ -39,7 +39,8 @@ from streams.base import Producer
 from streams.records import publish
 from streams.broker_wait import until_broker_takes
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
-from trainer.distributed import DistContext, broadcast_json, full_state_dict
+from trainer.distributed import DistContext, broadcast_json
+from trainer.full_state import full_state_dict
 from trainer.tracking import Decision, RunTracker
 
 log = logging.getLogger(__name__)

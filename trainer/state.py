@@ -18,8 +18,8 @@ from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
 from streams.base import TopicPartition
 from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
-from trainer.distributed import (DistContext, broadcast_json, full_state_dict, load_full_state_dict,
-                                 load_optimizer_state, optimizer_state)
+from trainer.distributed import DistContext, broadcast_json
+from trainer.full_state import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state
 from trainer.join import RewardJoiner
 
 

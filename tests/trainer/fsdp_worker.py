@@ -53,18 +53,15 @@ from trainer.distributed import (
     DistContext,
     broadcast_rollouts,
     finite_vote,
-    full_state_dict,
     init_distributed,
     local_batch,
-    load_full_state_dict,
-    load_optimizer_state,
-    optimizer_state,
     rank_sum,
     reduce_metrics,
     shard_model,
     shard_rollouts,
     shutdown_distributed,
 )
+from trainer.full_state import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state
 from trainer.plasticity import DriftResponse
 from trainer.pretrain import pretrain_critic
 from trainer.state import Trainables

@@ -22,8 +22,8 @@ from online_sao.algorithms import build_algorithm, build_optimizers
 from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
-from trainer.distributed import (finite_vote, full_state_dict, global_token_normalizer, init_distributed,
-                                 shard_model, shutdown_distributed)
+from trainer.distributed import finite_vote, global_token_normalizer, init_distributed, shard_model, shutdown_distributed
+from trainer.full_state import full_state_dict
 from tests.trainer.fsdp_worker import PAD_ID, tiny_policy
 
 OVERFLOW_REWARD = 1e38

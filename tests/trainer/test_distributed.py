@@ -25,16 +25,14 @@ from online_sao.critic import ValueModel
 from tests.conftest import _free_port
 from tests.trainer import fsdp_worker
 from trainer.distributed import (
-    KERNEL_FLAGS,
     DistContext,
     decoder_layers,
     global_token_normalizer,
-    load_optimizer_state,
-    optimizer_state,
     reduce_metrics,
     shard_rollouts,
     shard_units,
 )
+from trainer.full_state import KERNEL_FLAGS, load_optimizer_state, optimizer_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = REPO_ROOT / "tests" / "trainer" / "fsdp_worker.py"

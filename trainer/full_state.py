@@ -1,0 +1,131 @@
+"""Full state dicts of sharded models and their optimisers, for publishing weights and checkpoints.
+
+Keyed by the unsharded parameter names in every world size, so a checkpoint written by two ranks
+loads into one process and vice versa (tests/trainer/test_distributed.py). Every function is
+collective under ``torchrun`` (every rank calls it); in one process it is a local copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from trainer.distributed import DistContext
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Gather unsharded tensors to CPU; with a process group only rank 0 receives them."""
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _live_storages(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> set[int]:
+    """Storages of the tensors training keeps updating in place (this rank's shards)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        tensors += [v for slots in optimizer.state.values() for v in slots.values() if isinstance(v, torch.Tensor)]
+    return {ptr for ptr in map(_storage, tensors) if ptr != 0}
+
+
+def _tree_storages(state: Any) -> set[int]:
+    if isinstance(state, dict):
+        return set().union(*map(_tree_storages, state.values())) if state else set()
+    if isinstance(state, list):
+        return set().union(*map(_tree_storages, state)) if state else set()
+    return {_storage(state)} if isinstance(state, torch.Tensor) else set()
+
+
+def _containers_copied(state: Any, clone_storages: Collection[int] = frozenset()) -> Any:
+    """New dicts and lists around the same tensors, cloning those stored in ``clone_storages``.
+
+    torch.distributed.checkpoint aliases in both directions: ``cpu_offload`` of a
+    tensor already on the CPU is no copy (a world-1 optimiser state, and AdamW's
+    CPU ``step`` counters in any world size, come back as the live tensors), and
+    ``set_*_state_dict`` replace the values of the dict they are given (rank 0's
+    full tensors are swapped for the model's DTensor shards). Gathered tensors,
+    which are new, are not copied again.
+    """
+    if isinstance(state, dict):
+        return {k: _containers_copied(v, clone_storages) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_containers_copied(v, clone_storages) for v in state]
+    if isinstance(state, torch.Tensor) and _storage(state) in clone_storages:
+        return state.detach().clone()
+    return state
+
+
+def full_state_dict(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict on CPU, on rank 0; ``None`` on the other ranks.
+
+    Collective: every rank must call it. Tensors are detached CPU tensors that do
+    not alias the model's parameters (safe to keep while training continues).
+    """
+    if not ctx.is_distributed:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    state = get_model_state_dict(model, options=_GATHER)
+    return _containers_copied(state, _live_storages(model)) if ctx.is_main else None
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None, ctx: DistContext) -> None:
+    """Load rank 0's full state dict into the (sharded) model on every rank.
+
+    Collective. Rank 0 passes the dict, the others pass ``None``; rank 0
+    broadcasts and each rank keeps its shard. Missing or unexpected keys raise.
+    """
+    if not ctx.is_distributed:
+        if state is None:
+            raise ValueError("a single process needs the state dict to load")
+        model.load_state_dict(state, strict=True)
+        return
+    if ctx.is_main and state is None:
+        raise ValueError("rank 0 needs the state dict to load")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(model, _containers_copied(state) if ctx.is_main else {}, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
+    """The optimiser's full state keyed by parameter name, on CPU (rank 0; ``{}`` elsewhere).
+
+    Collective. Keyed by unsharded names in every world size, so a checkpoint
+    moves between one process and several ranks.
+    """
+    state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    return _containers_copied(state, _live_storages(model, optimizer)) if ctx.is_main else {}
+
+
+KERNEL_FLAGS = ("fused", "foreach")
+"""Param-group settings of torch's optimisers that choose the implementation, not the update."""
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None,
+                         ctx: DistContext) -> None:
+    """Restore what :func:`optimizer_state` returned; rank 0's copy is broadcast. Collective."""
+    if ctx.is_main and not state:
+        raise ValueError("rank 0 needs the optimizer state to load")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.is_distributed)
+    # loading takes every param-group setting from the checkpoint, the kernel flags too: keep
+    # this process's (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes
+    # on the configured one
+    kernels = [{flag: group.get(flag) for flag in KERNEL_FLAGS} for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizer, _containers_copied(state) if ctx.is_main else {}, options=options)
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
+    # Optimizer.load_state_dict keeps tensors that already have the right device and
+    # dtype (the CPU step counters, a world-1 state): give the optimiser its own.
+    given = _tree_storages(state) if ctx.is_main else set()
+    for slots in optimizer.state.values():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor) and _storage(value) in given:
+                slots[slot] = value.detach().clone()

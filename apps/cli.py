@@ -30,9 +30,10 @@ def _config(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 
 def _kafka(cfg: AppConfig, args: argparse.Namespace) -> int:
-    from streams import broker
+    from streams import broker_cli
 
-    return {"up": broker.kafka_up, "down": broker.kafka_down, "status": broker.kafka_status}[args.action](cfg)
+    return {"up": broker_cli.kafka_up, "down": broker_cli.kafka_down,
+            "status": broker_cli.kafka_status}[args.action](cfg)
 
 
 def _base_model(cfg: AppConfig, args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ import pytest
 from online_sao.config import KafkaConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, WeightsNotice, decode
 from streams.base import StreamUnavailable
-from streams.broker import LocalBroker, kafka_down, kafka_status, kafka_up
+from streams.broker import LocalBroker
+from streams.broker_cli import kafka_down, kafka_status, kafka_up
 from streams.kafka_backend import KafkaBackend
 from streams.records import publish
 from tests.conftest import _free_port

@@ -65,7 +65,8 @@ class LearnerState:
     algorithm: dict[str, Any] = field(default_factory=dict)
     mlflow_run_id: str | None = None
     protected_versions: list[int] = field(default_factory=list)
-    """Registered weight versions the publisher must never prune."""
+    """The versions the publisher had pinned when it was written (the registry's candidate and
+    champion); for reading only: a restart pins what the registry says then."""
     counters: dict[str, float] = field(default_factory=dict)
     """Learner-level counts that must survive restarts (dead letters, invalid rollouts)."""
     candidate: dict[str, Any] = field(default_factory=dict)

@@ -4,7 +4,8 @@ Order of a publish (rank 0): the full state dict is written atomically, with its
 checksum, to the weight store; then a :class:`~online_sao.schemas.WeightsNotice`
 is produced on the weights topic and flushed, so a notice never points at weights
 that are not complete; then old versions are pruned, keeping the newest
-``keep_versions`` and every protected (registered) version. A rollback announces
+``keep_versions`` and the pinned ones: the registry's candidate and champion, what a decision
+or a roll-back may need (older registered versions are in MLflow's artifacts, not the store). A rollback announces
 an older, already stored version with ``action="rollback"``; serving obeys it
 even though the version is older than the one it runs.
 
@@ -85,9 +86,13 @@ class Publisher:
         """Tell serving's canary to answer with ``ref``, the registry's new champion."""
         self._announce(ref, "champion", step, None)
 
-    def protect(self, version: int) -> None:
-        """Never prune ``version`` (it is registered in the model registry)."""
-        self.protected.add(version)
+    def pin(self, versions: set[int]) -> None:
+        """Keep ``versions`` besides the newest ``keep_versions`` (they replace the earlier pins: the
+        registry's candidate and champion) and prune the rest now. Pinning every version ever
+        registered grew the store by one model per registration, without end (a copy in GPU memory
+        each on ``cuda-ipc://``)."""
+        self.protected = set(versions)
+        self.store.prune(self.keep_versions, protected=self.protected)
 
     def _announce(self, ref: WeightsRef, action: str, step: int, metrics: dict[str, float] | None) -> None:
         finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
@@ -140,19 +145,22 @@ class Releases:
         preference change (:meth:`rebase`)."""
         ref = self.publisher.publish(state, version, step, metrics)
         if drift is not None:
-            return self.rebase(ref, metrics, reads, drift, step)
-        if version % self.register_every != 0:
+            outcome = self.rebase(ref, metrics, reads, drift, step)
+        elif version % self.register_every != 0:
             return ReleaseOutcome()
-        decision, champion = self._decide(reads, step)
-        if decision == "rolled_back":
-            return ReleaseOutcome(rolled_back_to=champion)
-        self._register(ref, metrics, reads)
-        return ReleaseOutcome(registered=True)
+        else:
+            decision, champion = self._decide(reads, step)
+            if decision == "rolled_back":
+                outcome = ReleaseOutcome(rolled_back_to=champion)
+            else:
+                self._register(ref, metrics, reads)
+                outcome = ReleaseOutcome(registered=True)
+        self.publisher.pin(self.pinned_versions())  # the aliases moved: prune what they left
+        return outcome
 
     def _register(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float]) -> None:
         """``ref`` becomes the registry's candidate; the window marks where its evidence starts."""
         self.tracker.register(ref, metrics.get("reward_mean", math.nan))
-        self.publisher.protect(ref.version)
         self.window.mark_registration(reads)
 
     def _new_champion(self, ref: WeightsRef, step: int) -> None:
@@ -261,7 +269,7 @@ class Releases:
             self.tracker.tag_champion(fresh.tags())
 
     def pinned_versions(self) -> set[int]:
-        """Policy versions whose checkpoints must stay: the candidate's and the champion's."""
+        """Policy versions whose checkpoints and weights must stay: the candidate's and the champion's."""
         return {found[0] for found in (self.tracker.candidate(), self.tracker.champion()) if found is not None}
 
 

@@ -94,11 +94,8 @@ class RankZero:
         store = open_weight_store(cfg.weight_store_url)
         tracker = RunTracker(cfg, run_id=progress.mlflow_run_id, stop=stop)  # an MLflow outage: waits, stoppable
         producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
-        # registered versions are never pruned: the checkpoint lists them, and so does the registry
-        # (a learner whose checkpoints were lost must not prune the champion's weights)
-        protected = set(progress.protected_versions) | tracker.registered_policy_versions()
         publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
-                              cfg.trainer.keep_versions, protected, stop=stop, dtype=getattr(torch, cfg.model.dtype))
+                              cfg.trainer.keep_versions, stop=stop, dtype=getattr(torch, cfg.model.dtype))
         window = RecentWindow(cfg.deploy.window)
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
@@ -112,7 +109,11 @@ class RankZero:
         releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
                             reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                             on_decision=None if exporter is None else exporter.decision)
-        checkpointer.pinned_versions = releases.pinned_versions()
+        # read from the registry, not the checkpoint: a learner whose checkpoints were lost must not
+        # prune the champion's weights
+        pinned = releases.pinned_versions()
+        publisher.pin(pinned)
+        checkpointer.pinned_versions = pinned
         segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
         writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
         return cls(checkpointer, feed, releases, tracker, producer, counters, segments, writer, exporter)

@@ -37,7 +37,7 @@ class TrainerConfig(Section):
     publish_every: int = Field(1, ge=1)
     """Publish weights every N learner steps."""
     keep_versions: int = Field(3, ge=1)
-    """Weight versions kept in the store (registered ones are always kept)."""
+    """Newest weight versions kept in the store (the registry's candidate and champion are kept too)."""
     checkpoint_every: int = Field(1, ge=1)
     """Checkpoint every N steps (offsets are committed only after a checkpoint)."""
     checkpoint_in_background: bool = True

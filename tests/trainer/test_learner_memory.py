@@ -316,26 +316,49 @@ def _first_life_with_a_registry(tmp_path, model_dir, **trainer):
     return cfg, backend, lambda: produce(producer, cfg.kafka.topics, sample_traffic(base, 16, prefix="b"))
 
 
-def test_a_learner_whose_checkpoints_were_lost_prunes_no_registered_version(tmp_path, tiny_model_dir):
-    """The registry's versions are protected from pruning by the checkpoint that lists them, and
-    by the registry itself: a learner restarted on an empty checkpoint directory keeps them. It
-    starts from the base model, at the consumer group's committed offsets."""
+def _pinned(client: MlflowClient, name: str) -> set[int]:
+    """The policy versions of the registry's candidate and champion."""
+    return {int(client.get_model_version_by_alias(name, alias).tags["policy_version"])
+            for alias in ("candidate", "champion")}
+
+
+def test_a_learner_whose_checkpoints_were_lost_prunes_neither_candidate_nor_champion(tmp_path, tiny_model_dir):
+    """The registry's candidate and champion are protected from pruning by the registry itself: a
+    learner restarted on an empty checkpoint directory reads them from it and keeps them. It starts
+    from the base model, at the consumer group's committed offsets."""
     cfg, backend, second_traffic = _first_life_with_a_registry(tmp_path, tiny_model_dir, keep_versions=1)
     client = MlflowClient(cfg.mlflow_uri)
-    registered = {int(v.tags["policy_version"])
-                  for v in client.search_model_versions(f"name = '{cfg.mlflow.registered_model}'")}
+    name = cfg.mlflow.registered_model
+    pinned = _pinned(client, name)
     store = FileWeightStore(cfg.weight_store_url)
-    assert registered and registered <= set(store.versions())
+    assert pinned and pinned <= set(store.versions())
 
     shutil.rmtree(cfg.checkpoint_dir)
     second_traffic()
-    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    # the second life registers nothing before the store's first prune (register_every 2, versions 5..8)
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
 
-    assert again.version == 8  # numbered past the store's newest, from the base model
-    assert registered <= set(store.versions()), f"pruned: {sorted(registered - set(store.versions()))}"
+    assert again.version == 5  # numbered past the store's newest, from the base model
+    assert pinned <= set(store.versions()), f"pruned: {sorted(pinned - set(store.versions()))}"
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
     # it read on from the consumer group's offsets, committed after the first life's checkpoints
     trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
     assert len(trained) == 16 and all(iid.startswith("b") for iid in trained), trained
+
+
+def test_the_store_keeps_the_newest_versions_and_the_candidate_and_champion_only(tmp_path, tiny_model_dir):
+    """Versions registered earlier and no longer candidate or champion are pruned (each is a model
+    directory in MLflow's artifacts): the store holds at most ``keep_versions`` + 2 versions
+    however many were registered (before, one more model per registration, without end)."""
+    cfg, backend, second_traffic = _first_life_with_a_registry(tmp_path, tiny_model_dir, keep_versions=1)
+    second_traffic()
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
+    client = MlflowClient(cfg.mlflow_uri)
+    name = cfg.mlflow.registered_model
+    registered = {int(v.tags["policy_version"]) for v in client.search_model_versions(f"name = '{name}'")}
+    held = set(FileWeightStore(cfg.weight_store_url).versions())
+    assert len(registered) >= 4, registered  # versions 2, 4, 6, 8
+    assert held == _pinned(client, name) | {8}, (held, registered)
 
 
 def test_a_champion_whose_weights_are_gone_is_decided_on_as_none(tmp_path, tiny_model_dir):

@@ -49,7 +49,7 @@ def _serve(cfg: AppConfig, args: argparse.Namespace) -> int:
     from serving.server import check_exposure, run_server
     from serving.spool_lock import exclusive_spool
 
-    check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])  # before any build
+    check_exposure(cfg.serving)  # before any build
     log = logging.getLogger("serving.server")
     with exclusive_spool(cfg.spool_dir):  # held from before any build: a second process is refused at once
         return run_server(cfg, build_base_model(cfg, progress=lambda line: log.info("%s", line)))

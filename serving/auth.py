@@ -2,8 +2,9 @@
 
 Keys are compared with :func:`hmac.compare_digest` against every configured key
 (no early exit), so the time taken does not reveal how much of a key matched or
-which key it was. Keys are required unless the server is bound to loopback
-(:func:`check_exposure` refuses to start otherwise).
+which key it was. Keys are required unless the server is bound to loopback, and there
+neither a key nor the feedback secret may be a placeholder (:func:`check_exposure`
+refuses to start otherwise).
 
 Without configured keys the limit applies per client address: a caller on a
 loopback address (this machine's own processes, which is every direct caller of
@@ -22,12 +23,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from online_sao.config import ConfigError
+from online_sao.config import ConfigError, ServingConfig
 
 ANONYMOUS = "anonymous"
 """The caller without a key whose address is unknown."""
 LOOPBACK = "loopback"
 """The caller without a key on a loopback address (not rate limited)."""
+PLACEHOLDER_MARK = "change-me"
+"""Marks the project's placeholder secrets: the built-in feedback secret and those of the compose
+and Kubernetes examples, all public in the repository. On an exposed server anyone could sign
+interaction ids with such a secret (and log rewards for them), or call it with such a key."""
 MAX_TRACKED_CALLERS = 10_000
 """Buckets kept before refilled ones are forgotten: a full bucket is the same as a
 new one, so forgetting it changes no decision, and many client addresses cannot
@@ -52,11 +57,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, api_keys: list[str]) -> None:
-    """Refuse to serve on a non-loopback address without API keys."""
-    if not api_keys and not is_loopback(host):
-        raise ConfigError(f"serving.host is {host!r} (not loopback) but serving.api_keys is empty: "
+def check_exposure(cfg: ServingConfig) -> None:
+    """Refuse to serve on a non-loopback address without API keys, or with a placeholder
+    (:data:`PLACEHOLDER_MARK`) for a key or the feedback secret."""
+    if is_loopback(cfg.host):
+        return
+    keys = [key.get_secret_value() for key in cfg.api_keys]
+    if not keys:
+        raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but serving.api_keys is empty: "
                           "configure at least one API key or bind to 127.0.0.1")
+    if PLACEHOLDER_MARK in cfg.feedback_secret.get_secret_value():
+        raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but serving.feedback_secret is a "
+                          "placeholder, public in the repository (anyone could sign interaction ids): set "
+                          "your own, e.g. ONLINE_SAO__SERVING__FEEDBACK_SECRET=$(openssl rand -hex 32), "
+                          "or bind to 127.0.0.1")
+    placeholders = sum(PLACEHOLDER_MARK in key for key in keys)
+    if placeholders:
+        raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but {placeholders} of serving.api_keys "
+                          "is a placeholder, public in the repository: set your own keys or bind to 127.0.0.1")
 
 
 @dataclass

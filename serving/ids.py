@@ -5,7 +5,9 @@ milliseconds (hex), ``nonce`` 16 random bytes (hex) and ``mac`` the
 HMAC-SHA256 (hex) under the feedback secret of ``deployment_id | issued_ms |
 nonce``. Only this deployment (every process sharing its secret and
 deployment id) can mint an id it accepts; the id carries its own age, so an id
-older than the reward window is refused without any server-side state.
+older than the reward window, or issued further ahead of this process's clock
+than replicas' clocks differ (:data:`MAX_ISSUED_AHEAD_S`), is refused without any
+server-side state.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from typing import Callable
 _PREFIX = "sao"
 _NONCE_BYTES = 16
 _ID_PATTERN = re.compile(r"^sao-([0-9a-f]{1,16})-([0-9a-f]{32})-([0-9a-f]{64})$")
+MAX_ISSUED_AHEAD_S = 300.0
+"""How far an id's issue time may be ahead of the verifying process's clock: replicas' clocks
+differ by NTP's error (well under a second) or a stepped clock's correction, not minutes. An id
+dated further ahead came from a replica whose clock is wrong or from a leaked secret, and would
+never expire: the window counts from its issue time."""
 
 
 class InteractionIdError(Exception):
@@ -73,6 +80,10 @@ class InteractionIdSigner:
                                      "interaction_id was not issued by this deployment (signature mismatch)")
         issued_at = int(issued_hex, 16) / 1000.0
         age = self._clock() - issued_at
+        if age < -MAX_ISSUED_AHEAD_S:
+            raise InteractionIdError(403, "invalid_interaction_id",
+                                     f"interaction_id was issued {-age:.0f} s ahead of this server's clock "
+                                     f"(at most {MAX_ISSUED_AHEAD_S:.0f} s is accepted)")
         if age > self._window_s:
             raise InteractionIdError(410, "interaction_expired",
                                      f"interaction_id was issued {age:.0f} s ago, beyond the reward window "

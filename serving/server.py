@@ -146,7 +146,7 @@ def run_server(cfg: Config, model_dir: Path) -> int:
     caller holds the spool directory (:func:`serving.spool_lock.exclusive_spool`)."""
     from streams.kafka_backend import KafkaBackend
 
-    check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
+    check_exposure(cfg.serving)
     backend = KafkaBackend(cfg.kafka)
     stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
     server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,

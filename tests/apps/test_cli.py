@@ -114,6 +114,12 @@ def test_serving_exposed_without_keys_is_one_line_and_exit_2(capsys):
     assert "serving.api_keys is empty" in capsys.readouterr().err
 
 
+def test_serving_exposed_with_the_built_in_feedback_secret_is_one_line_and_exit_2(capsys):
+    assert cli.main(["--set", "serving.host=0.0.0.0", "--set", "serving.api_keys=[sk-mine]", "serve"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "serving.feedback_secret is a placeholder" in err[0]
+
+
 def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anything_connects(tmp_path, tiny_model_dir,
                                                                                             capsys):
     missing = tmp_path / "logged.jsonl"

@@ -31,17 +31,22 @@ from tests.deploy.dockerfile import parse_dockerfile
 DOCKERFILE = parse_dockerfile((REPO / "Dockerfile").read_text())
 
 
-def _interpolate(node):
+OPERATOR_ENV = {"SAO_API_KEY": "sk-operators-own", "SAO_FEEDBACK_SECRET": "0f" * 32}
+"""What README's ``docker compose up`` line sets (the file requires both)."""
+
+
+def _interpolate(node, environ=OPERATOR_ENV):
     if isinstance(node, str):
-        return compose_interpolate(node, environ={})
+        return compose_interpolate(node, environ=environ)
     if isinstance(node, list):
-        return [_interpolate(n) for n in node]
+        return [_interpolate(n, environ) for n in node]
     if isinstance(node, dict):
-        return {k: _interpolate(v) for k, v in node.items()}
+        return {k: _interpolate(v, environ) for k, v in node.items()}
     return node
 
 
-COMPOSE = _interpolate(yaml.safe_load((REPO / "docker-compose.yml").read_text()))
+COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()
+COMPOSE = _interpolate(yaml.safe_load(COMPOSE_TEXT))
 SERVICES: dict[str, dict] = COMPOSE["services"]
 APP = sorted(name for name, s in SERVICES.items() if s.get("build", {}).get("target") == DOCKERFILE.default_target.name)
 """Services running the online-sao image (the Dockerfile's default target)."""
@@ -126,7 +131,7 @@ def test_serving_replicas_agree_and_keep_their_own_spool():
         service = SERVICES[name]
         assert str(cfg.serving.port) in [str(p) for p in service["expose"]]
         assert str(cfg.serving.port) == healthcheck_port, "the image's health check probes another port"
-        check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
+        check_exposure(cfg.serving)
         spools.add(named_volume_at(service, str(cfg.spool_dir))[0])
         assert named_volume_at(service, cfg.weight_store_url)[2], f"{name}: serving never writes weights"
     assert len(spools) == len(replicas), "replicas must not share a spool directory"
@@ -251,3 +256,11 @@ def test_volumes_are_declared_and_bind_mounts_exist():
                 assert source in declared, f"{name}: volume {source} is not declared"
                 used.add(source)
     assert used == declared, f"declared but unused: {sorted(declared - used)}"
+
+
+@pytest.mark.parametrize("unset", sorted(OPERATOR_ENV))
+def test_compose_refuses_to_start_without_the_operators_key_and_secret(unset):
+    """Serving is exposed: a default in the file would be public (serving refuses placeholders too)."""
+    environ = {k: v for k, v in OPERATOR_ENV.items() if k != unset}
+    with pytest.raises(AssertionError, match=f"{unset}.* is required"):
+        _interpolate(yaml.safe_load(COMPOSE_TEXT), environ)

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from pydantic import SecretStr
 
 from online_sao.config import KafkaConfig, load_config
 from serving.app import _ROUTES as SERVING_ROUTES
@@ -218,7 +219,11 @@ def test_serving_deployment_probes_and_service(configmap_files):
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] in SERVING_ROUTES and ports[get["port"]] == cfg.serving.port, probe
-    check_exposure(cfg.serving.host, [k.get_secret_value() for k in cfg.serving.api_keys])
+    # the example's secrets are placeholders ("replace every value before applying"): refused as they are
+    with pytest.raises(ValueError, match="feedback_secret is a placeholder"):
+        check_exposure(cfg.serving)
+    check_exposure(cfg.serving.model_copy(update={"feedback_secret": SecretStr("0f" * 32),
+                                                   "api_keys": [SecretStr("sk-operators-own")]}))
     assert mount_at(workload, c, cfg.weight_store_url).read_only
     assert not mount_at(workload, c, str(cfg.spool_dir)).read_only
 

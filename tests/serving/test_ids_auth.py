@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from serving import auth as auth_module
 from serving.auth import ANONYMOUS, ApiKeyAuth, AuthError, check_exposure, is_loopback
+from online_sao.config import ServingConfig
 from serving.ids import InteractionIdError, InteractionIdSigner
 
 
@@ -64,6 +65,20 @@ def test_an_id_older_than_the_window_is_refused_with_410():
     with pytest.raises(InteractionIdError) as err:
         signer.verify(issued)
     assert err.value.status == 410 and "301 s ago" in err.value.message
+
+
+def test_an_id_issued_ahead_of_the_clock_by_more_than_the_skew_is_refused_with_403():
+    """An id dated in the future used to pass whatever its date, and so never expired (a replica
+    with a wrong clock, or ids minted with a leaked secret)."""
+    clock = Clock()
+    ahead = Clock(clock.now + 300.0)
+    issued = InteractionIdSigner(b"secret", "dep", window_s=600, clock=ahead).mint()
+    signer = InteractionIdSigner(b"secret", "dep", window_s=600, clock=clock)
+    assert signer.verify(issued).issued_at == pytest.approx(clock.now + 300.0)  # within the skew
+    ahead.now += 2.0
+    with pytest.raises(InteractionIdError) as err:
+        signer.verify(InteractionIdSigner(b"secret", "dep", window_s=600, clock=ahead).mint())
+    assert err.value.status == 403 and "302 s ahead" in err.value.message
 
 
 def test_auth_without_keys_admits_everyone_without_a_key():
@@ -141,10 +156,27 @@ def test_rate_limit_is_a_token_bucket_per_key():
         auth.check("Bearer a")
 
 
+def _serving(host: str, keys: list[str], secret: str = "a-secret-of-our-own") -> ServingConfig:
+    return ServingConfig(host=host, api_keys=keys, feedback_secret=secret)
+
+
 def test_keys_are_required_unless_bound_to_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
-    check_exposure("127.0.0.1", [])
-    check_exposure("0.0.0.0", ["key"])
+    check_exposure(_serving("127.0.0.1", []))
+    check_exposure(_serving("0.0.0.0", ["key"]))
     with pytest.raises(ValueError, match="api_keys is empty"):
-        check_exposure("0.0.0.0", [])
+        check_exposure(_serving("0.0.0.0", []))
+
+
+def test_an_exposed_server_refuses_the_placeholder_secret_and_keys():
+    """The built-in feedback secret and the examples' placeholders are public: exposed with one,
+    anyone with a key could sign interaction ids that verify (and log rewards for them)."""
+    default_secret = ServingConfig().feedback_secret.get_secret_value()
+    with pytest.raises(ValueError, match="feedback_secret is a placeholder"):
+        check_exposure(_serving("0.0.0.0", ["key"], default_secret))
+    with pytest.raises(ValueError, match="feedback_secret is a placeholder"):
+        check_exposure(_serving("10.1.2.3", ["key"], "change-me-k8s-feedback-secret"))
+    with pytest.raises(ValueError, match="1 of serving.api_keys is a placeholder"):
+        check_exposure(_serving("0.0.0.0", ["key", "sk-compose-change-me"]))
+    check_exposure(_serving("127.0.0.1", [], default_secret))  # on loopback the default is fine

@@ -9,7 +9,7 @@
 # Both variants share the slim Python base: the CUDA wheel carries its CUDA libraries, the host
 # only provides the driver (NVIDIA Container Toolkit, `docker run --gpus all`).
 # No weights are baked in: mount a model directory (model.path) and the weight store, or download
-# a registered version from MLflow at start (docs/DEPLOY.md). Run-time settings come from
+# a registered version first with `mlflow artifacts download` (docs/DEPLOY.md). Run-time settings come from
 # --config FILE and ONLINE_SAO__SECTION__FIELD variables.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

@@ -16,7 +16,7 @@ class TopicsConfig(Section):
     rewards: str = "sao.rewards"
     """Topic of reward records, keyed by interaction id (co-partitioned with interactions)."""
     weights: str = "sao.weights"
-    """Compacted topic of weights-published and rollback notices."""
+    """Compacted topic of weights notices: published, rollback and (with a canary) champion."""
     dead_letters: str = "sao.dead-letters"
     """Records that failed validation, with the reason."""
 

@@ -34,11 +34,12 @@ from torch import nn
 from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence
 from online_sao.gate_record import ValueRecord, candidate_record, champion_record
-from online_sao.schemas import WeightsNotice
+from online_sao.schemas import RecordError, WeightsNotice, decode
 from online_sao.weights import WeightsRef, WeightStore
-from streams.base import Producer
-from streams.records import publish
+from streams.base import Producer, StreamBackend
 from streams.broker_wait import until_broker_takes
+from streams.records import publish
+from streams.tail import iter_records_since
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json
 from trainer.full_state import full_state_dict
@@ -294,3 +295,24 @@ def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | Non
         shared = [outcome.registered, None if back is None else [back.version, back.location, back.checksum]]
     registered, back = broadcast_json(shared, ctx)
     return ReleaseOutcome(registered, None if back is None else WeightsRef(*back))
+
+
+ANNOUNCED_READ_TIMEOUT_S = 30.0
+"""Longest wait for the next record while reading the weights topic back at start (it is
+compacted: a few records per model)."""
+
+
+def newest_announced_version(backend: StreamBackend, topic: str, model_name: str) -> int:
+    """The highest version the weights topic announced for ``model_name`` (0: none). A learner
+    that lost its checkpoints and its weight store numbers its versions past it: reusing a number
+    left running replicas on the old weights under the new number's name, and a restarted
+    replica on the base model (it skipped the new versions as not newer than the old notices)."""
+    newest = 0
+    for message in iter_records_since(backend, [topic], 0, ANNOUNCED_READ_TIMEOUT_S):
+        try:
+            notice = decode(message.value)
+        except RecordError:
+            continue  # not ours to judge: serving's follower reports it
+        if isinstance(notice, WeightsNotice) and notice.model == model_name:
+            newest = max(newest, notice.version)
+    return newest

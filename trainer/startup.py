@@ -23,6 +23,7 @@ from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts,
 from trainer.history import rollouts_from_file, rollouts_from_topics
 from trainer.join import RewardJoiner
 from trainer.plasticity import DriftResponse
+from trainer.publisher import newest_announced_version
 from trainer.pretrain import pretrain_critic as fit_critic
 from trainer.rank_zero import RankZero
 from trainer.state import Position, Trainables, restore_training_state
@@ -110,8 +111,10 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     if ctx.is_main:
         rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
                               models.pad_token_id, models.trainables.algorithm.group_size, stop)
-        # never reuse a version number: the store may hold versions newer than the checkpoint
-        version = max([version, *rank0.releases.publisher.store.versions()])
+        # never reuse a version number: the store, and the weights topic if the store was lost, may
+        # hold versions newer than the checkpoint
+        announced = newest_announced_version(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
+        version = max([version, *rank0.releases.publisher.store.versions(), announced])
     version = broadcast_json(version, ctx)
     if ctx.is_main:
         log.info("learner on %d rank(s) from step %d, policy version %d", ctx.world_size, progress.step, version)

@@ -346,6 +346,17 @@ def test_a_learner_whose_checkpoints_were_lost_prunes_neither_candidate_nor_cham
     assert len(trained) == 16 and all(iid.startswith("b") for iid in trained), trained
 
 
+def test_a_learner_that_lost_checkpoints_and_store_numbers_past_the_weights_topic(tmp_path, tiny_model_dir):
+    """With checkpoints and weight store both gone, the weights topic still says which versions were
+    announced: the next one is numbered past them (before: v1 again, a number serving already ran)."""
+    cfg, backend, second_traffic = _first_life_with_a_registry(tmp_path, tiny_model_dir)
+    shutil.rmtree(cfg.checkpoint_dir)
+    shutil.rmtree(FileWeightStore(cfg.weight_store_url).root)
+    second_traffic()
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    assert again.version == 5
+
+
 def test_the_store_keeps_the_newest_versions_and_the_candidate_and_champion_only(tmp_path, tiny_model_dir):
     """Versions registered earlier and no longer candidate or champion are pruned (each is a model
     directory in MLflow's artifacts): the store holds at most ``keep_versions`` + 2 versions

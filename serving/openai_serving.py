@@ -285,7 +285,7 @@ class OpenAIServing:
             self.monitors.observe(turn.segment, turn.token_ids)
         if turn.template_messages is not None:
             if turn.tools is not None:
-                turn.parsed = self.tool_call_parser.parse(turn.text)
+                turn.parsed = self.tool_call_parser.parse(turn.text, turn.tools)
             calls = [(c.function.name, c.function.arguments) for c in turn.parsed.calls] if turn.parsed else []
             messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]  # as sampled
             keys = turn.message_keys + [message_key("assistant", turn.content, calls)]  # as returned

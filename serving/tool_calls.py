@@ -6,8 +6,10 @@ The record keeps the sampled tokens as they are: the calls are actions like any
 other text. Parsers are picked by ``serving.tool_call_parser``.
 
 ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format
-Qwen-family (and Hermes) templates teach. A block whose body is not such a JSON
-object stays in the content as it was written.
+Qwen-family (and Hermes) templates teach. A block is a call only as OpenAI defines one:
+it names a function of the request's ``tools`` and its arguments are a JSON object
+(NaN and infinities are not JSON). Any other block stays in the content as it was
+written: a client would otherwise run a tool it never offered or fail on the arguments.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ class ParsedAnswer:
 
 
 class ToolCallParser(Protocol):
-    def parse(self, text: str) -> ParsedAnswer:
-        """Split a whole answer into content and tool calls."""
+    def parse(self, text: str, tools: list[dict]) -> ParsedAnswer:
+        """Split a whole answer into content and the calls to ``tools`` (the request's, as the chat
+        template renders them)."""
         ...
 
     def held_from(self, text: str) -> int:
@@ -43,14 +46,37 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
+def declared_names(tools: list[dict]) -> frozenset[str]:
+    """The function names a request offers (``tools`` as the chat template renders them)."""
+    return frozenset(tool["function"]["name"] for tool in tools)
+
+
+def arguments_json(arguments: object) -> str | None:
+    """The JSON text of a call's arguments, or None when they are not a JSON object. A model may
+    write them as an object or as JSON text holding one; NaN and infinities are refused, since
+    a client's strict JSON parser would fail on them."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere inside
+        return None
+
+
 class HermesToolCallParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> ParsedAnswer:
+    def parse(self, text: str, tools: list[dict]) -> ParsedAnswer:
+        names = declared_names(tools)
         calls, content, last = [], [], 0
         for match in self._BLOCK.finditer(text):
-            call = self._call(match.group(1))
+            call = self._call(match.group(1), names)
             if call is None:
                 continue
             content.append(text[last:match.start()])
@@ -61,16 +87,19 @@ class HermesToolCallParser:
         return ParsedAnswer(joined if joined.strip() or not calls else "", tuple(calls))
 
     @staticmethod
-    def _call(body: str) -> ToolCall | None:
+    def _call(body: str, names: frozenset[str]) -> ToolCall | None:
+        """The call a block's body makes, or None when it is not a call to one of ``names`` with
+        a JSON object as arguments (absent arguments are an empty object)."""
         try:
             data = json.loads(body)
         except ValueError:
             return None
-        if not (isinstance(data, dict) and isinstance(data.get("name"), str)):
+        if not (isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] in names):
             return None
-        arguments = data.get("arguments", {})
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(id=new_call_id(), function=FunctionCall(name=data["name"], arguments=text))
+        arguments = arguments_json(data.get("arguments", {}))
+        if arguments is None:
+            return None
+        return ToolCall(id=new_call_id(), function=FunctionCall(name=data["name"], arguments=arguments))
 
     def held_from(self, text: str) -> int:
         start = text.find(self.OPEN)

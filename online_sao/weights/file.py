@@ -1,8 +1,14 @@
-"""Safetensors files on a local directory or any fsspec URL: the default weight store."""
+"""Safetensors files on a local directory or any fsspec URL: the default weight store.
+
+A version is written to ``v00000012.safetensors.<uuid>.tmp`` and renamed into place. A failed
+write removes its temporary file at once; one left by a writer killed before its rename is
+removed by a later :meth:`FileWeightStore.prune` once it is :data:`STALE_TEMP_AGE_S` old.
+"""
 
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 import fsspec
@@ -12,6 +18,14 @@ from safetensors.torch import load as load_safetensors
 from online_sao.weights.store import CorruptWeights, WeightsRef, WeightStore, serialise, sha256_hex, verify_state_dict
 
 _VERSION_FILE = re.compile(r"v(\d{8,})\.safetensors$")
+_TEMP_FILE = re.compile(r"(^|/)v\d{8,}\.safetensors\.[0-9a-f]{32}\.tmp$")
+
+STALE_TEMP_AGE_S = 3600.0
+"""A temporary file untouched this long is a dead writer's: prune removes it. Another process
+(a learner still shutting down while its successor starts, another host on a shared URL) may be
+saving into the same root, and an fsspec backend offers no lock and no way to see whether the
+writer lives, so age decides: a save writes and renames within seconds to minutes, an hour
+leaves a wide margin for slow remote writes and modest clock skew between hosts."""
 
 
 class FileWeightStore(WeightStore):
@@ -30,9 +44,13 @@ class FileWeightStore(WeightStore):
         data = serialise(state)
         final = self._path(version)
         tmp = f"{final}.{uuid.uuid4().hex}.tmp"
-        with self.fs.open(tmp, "wb") as fh:
-            fh.write(data)
-        self.fs.mv(tmp, final)  # a reader sees the whole file or none of it
+        try:
+            with self.fs.open(tmp, "wb") as fh:
+                fh.write(data)
+            self.fs.mv(tmp, final)  # a reader sees the whole file or none of it
+        except BaseException:  # disk full, interrupted: a partial file must not hold the space
+            self._discard(tmp)
+            raise
         location = final if self.fs.protocol in ("file", ("file", "local")) else self.fs.unstrip_protocol(final)
         return WeightsRef(version, location, sha256_hex(data))
 
@@ -59,3 +77,30 @@ class FileWeightStore(WeightStore):
 
     def delete(self, version: int) -> None:
         self.fs.rm(self._path(version))
+
+    def prune(self, keep_last: int, protected: set[int] = frozenset()) -> list[int]:
+        """Also removes stale temporary files: a writer killed between writing and renaming
+        leaves one that no save, delete or listing of versions would ever see."""
+        now = time.time()
+        for path in self.fs.ls(self.root, detail=False):
+            if _TEMP_FILE.search(path) and self._stale(path, now):
+                self._discard(path)
+        return super().prune(keep_last, protected)
+
+    def _stale(self, path: str, now: float) -> bool:
+        """Whether the temporary file ``path`` went unwritten for :data:`STALE_TEMP_AGE_S`. Not
+        when it is gone already (its save renamed it since the listing) nor when the backend
+        cannot tell its age: that may be a save in progress."""
+        try:
+            modified = self.fs.modified(path).timestamp()
+        except (FileNotFoundError, NotImplementedError):
+            return False
+        return now - modified >= STALE_TEMP_AGE_S
+
+    def _discard(self, path: str) -> None:
+        """Remove ``path`` if it is there (a remote write that failed may have created nothing,
+        another pruner may have been first)."""
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:
+            pass

@@ -9,7 +9,10 @@ The table and the tensor bytes follow :mod:`online_sao.weights.layout`. The
 notice's checksum is the SHA-256 of the whole segment. The learner writes a
 segment under a temporary name and renames it, so a reader sees all of it or
 none; space is reserved up front, so a full ``/dev/shm`` fails the save with
-``OSError`` instead of crashing the writer. A segment lives until
+``OSError`` instead of crashing the writer. A failed save removes its temporary
+segment; the writer holds an exclusive ``flock`` on it until the rename, so the next
+:meth:`ShmWeightStore.prune` removes one whose writer was killed (the kernel drops
+the lock with the process) and never one still being written. A segment lives until
 :meth:`ShmWeightStore.delete` (``prune``) removes it: it outlasts the learner
 process, like a file, and a restarted learner prunes what its predecessor left.
 Serving maps a segment copy-on-write (``MAP_PRIVATE``: nothing is copied until
@@ -23,11 +26,13 @@ one over it), so the verified bytes are the ones the engine copies.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
 import re
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -44,6 +49,10 @@ SEGMENT_MAGIC = b"OSAOSHM1"
 
 _PREFIX = struct.Struct("<8sQ")
 """Magic and the byte length of the layout table that follows it."""
+
+UNLOCKED_TEMP_GRACE_S = 60.0
+"""A save creates its temporary segment and then locks it: an unlocked one younger than this may be
+between the two steps, so prune leaves it (the gap is microseconds; a minute is far beyond it)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _LOCATION = re.compile(r"^shm://([A-Za-z0-9_-]{1,100})/v(\d{8,})$")
@@ -96,6 +105,7 @@ class ShmWeightStore(WeightStore):
         tmp = self.root / f".{final.name}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed or the process dies: prune leaves it alone
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS while writing through the mapping
             mapped = mmap.mmap(fd, size)
             checksum = _fill(mapped, header, state, layout)
@@ -132,6 +142,36 @@ class ShmWeightStore(WeightStore):
 
     def delete(self, version: int) -> None:
         self._path(self.name, version).unlink(missing_ok=True)
+
+    def prune(self, keep_last: int, protected: set[int] = frozenset()) -> list[int]:
+        """Also removes this store's temporary segments whose writer died mid-save: nothing else
+        ever would, and each holds a model's worth of RAM."""
+        pattern = re.compile(rf"^\.online-sao\.{re.escape(self.name)}\.v\d{{8,}}\.seg\.[0-9a-f]{{32}}\.tmp$")
+        now = time.time()
+        for name in os.listdir(self.root):
+            if pattern.match(name):
+                _remove_if_abandoned(self.root / name, now)
+        return super().prune(keep_last, protected)
+
+
+def _remove_if_abandoned(tmp: Path, now: float) -> None:
+    """Unlink the temporary segment ``tmp`` unless a live save holds its lock. Other processes may
+    save under the same name (a learner still shutting down while its successor starts); a lock
+    tells a dead writer from a live one where a pid cannot (pid namespaces, pid reuse)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except FileNotFoundError:  # its save renamed or removed it since the listing
+        return
+    try:
+        if now - os.fstat(fd).st_mtime < UNLOCKED_TEMP_GRACE_S:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its writer is alive
+            return
+        tmp.unlink(missing_ok=True)  # missing: its save finished between our open and our lock
+    finally:
+        os.close(fd)
 
 
 def _fill(mapped: mmap.mmap, header: bytes, state: dict[str, torch.Tensor], layout: Layout) -> str:

@@ -23,17 +23,46 @@ QUESTION = [{"role": "user", "content": "What is 2 plus 3?"}]
 
 def test_hermes_parser_splits_content_and_calls_and_keeps_malformed_blocks():
     parser = HermesToolCallParser()
-    parsed = parser.parse(f"Let me add.{CALL_TEXT}")
+    parsed = parser.parse(f"Let me add.{CALL_TEXT}", TOOLS)
     assert parsed.content == "Let me add."
     [call] = parsed.calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
-    assert parser.parse(f"\n{CALL_TEXT}\n").content == ""
+    assert parser.parse(f"\n{CALL_TEXT}\n", TOOLS).content == ""
     broken = "<tool_call>{not json}</tool_call>"
-    assert parser.parse(broken).content == broken and parser.parse(broken).calls == ()
-    assert parser.parse("no calls").content == "no calls"
+    assert parser.parse(broken, TOOLS).content == broken and parser.parse(broken, TOOLS).calls == ()
+    assert parser.parse("no calls", TOOLS).content == "no calls"
     assert parser.held_from("plain text") == len("plain text")
     assert parser.held_from("plain <tool") == len("plain ")
     assert parser.held_from(f"ab{CALL_TEXT}") == 2
+
+
+NOT_CALLS = {
+    "undeclared tool": '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+    "empty name": '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+    "name not a string": '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>',
+    "arguments text not JSON": '<tool_call>{"name": "add", "arguments": "not json"}</tool_call>',
+    "arguments a list": '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+    "arguments text of a list": '<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>',
+    "arguments a number": '<tool_call>{"name": "add", "arguments": 5}</tool_call>',
+    "NaN argument": '<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 3}}</tool_call>',
+    "infinite argument in text": '<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
+}
+"""Blocks that are well-formed JSON but no call OpenAI's clients could run."""
+
+
+@pytest.mark.parametrize("block", NOT_CALLS.values(), ids=NOT_CALLS.keys())
+def test_a_block_is_a_call_only_to_a_declared_tool_with_an_object_of_arguments(block):
+    parsed = HermesToolCallParser().parse(f"Let me add.{block}{CALL_TEXT}", TOOLS)
+    assert parsed.content == f"Let me add.{block}"
+    [call] = parsed.calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+
+
+def test_arguments_written_as_json_text_or_left_out_are_an_object():
+    parser = HermesToolCallParser()
+    [as_text] = parser.parse('<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>', TOOLS).calls
+    [left_out] = parser.parse('<tool_call>{"name": "add"}</tool_call>', TOOLS).calls
+    assert (json.loads(as_text.function.arguments), json.loads(left_out.function.arguments)) == ({"a": 2}, {})
 
 
 def _streamed(client, **kwargs):
@@ -105,6 +134,21 @@ def test_tool_call_round_trip_logs_the_tool_result_as_observation(fake_http_serv
     assert torch.equal(advantages[~batch.action_mask], torch.zeros(int((~batch.action_mask).sum())))
     tool_result = len(record.prompt_ids) + len(call_ids) + torch.arange(len(observation))
     assert not batch.action_mask[0, tool_result].any()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("label", ["undeclared tool", "arguments text not JSON", "NaN argument"])
+def test_a_block_that_is_no_call_reaches_the_client_as_content(fake_http_server, stream, label):
+    server = fake_http_server
+    client = server.openai()
+    server.script(NOT_CALLS[label])
+    if stream:
+        content, calls, finish, _ = _streamed(client, model=MODEL, messages=QUESTION, tools=TOOLS)
+    else:
+        answer = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+        content, calls, finish = (answer.choices[0].message.content, answer.choices[0].message.tool_calls,
+                                  answer.choices[0].finish_reason)
+    assert (content, finish) == (NOT_CALLS[label], "stop") and not calls
 
 
 def test_a_continuation_with_other_tools_or_an_edited_call_is_refused(fake_http_server):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from apps.default_model.tool_corpus import (TOOL_CORPUS_SHARE, generate_tool_corpus, task_messages, tool_call_text,
-                                            tool_corpus_size)
+from apps.default_model.tool_corpus import (TOOL_CORPUS_SHARE, TOOLS, generate_tool_corpus, task_messages,
+                                            tool_call_text, tool_corpus_size)
 from serving.tool_calls import HermesToolCallParser
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -34,7 +34,7 @@ def test_results_are_right_and_stated_last():
 
 def test_the_call_is_what_the_hermes_parser_reads():
     task = generate_tool_corpus(0, 1)[0]
-    [call] = HermesToolCallParser().parse(tool_call_text(task.expression)).calls
+    [call] = HermesToolCallParser().parse(tool_call_text(task.expression), TOOLS).calls
     assert call.function.name == "calculator"
     assert json.loads(call.function.arguments) == {"expression": task.expression}
     assert tool_call_text("17 + 25") == (

@@ -1,9 +1,13 @@
+import errno
+import os
+import time
 import uuid
 
 import pytest
 import torch
 
 from online_sao.weights import CorruptWeights, FileWeightStore, InProcessWeightStore, open_weight_store
+from online_sao.weights.file import STALE_TEMP_AGE_S
 from online_sao.weights.shm import ShmWeightStore
 
 
@@ -97,3 +101,41 @@ def test_no_temporary_files_left(tmp_path):
     store = open_weight_store(str(tmp_path))
     store.save(1, _state())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001.safetensors"]
+
+
+def test_a_failed_write_removes_its_temporary_file(tmp_path, monkeypatch):
+    store = FileWeightStore(str(tmp_path))
+    real_open = store.fs.open
+
+    def open_on_a_full_disk(path, mode="rb", **kwargs):
+        handle = real_open(path, mode, **kwargs)
+        real_write = handle.write
+
+        def write(data):
+            real_write(data[:len(data) // 2])  # part of it lands on disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handle.write = write
+        return handle
+
+    monkeypatch.setattr(store.fs, "open", open_on_a_full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.save(1, _state())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prune_removes_a_dead_writers_temporary_file_once_it_is_stale(tmp_path):
+    """A writer killed between writing and renaming leaves its temporary file; one as recent as a save
+    in progress in another process stays, and so do files that are not the store's."""
+    store = FileWeightStore(str(tmp_path))
+    for version in (1, 2):
+        store.save(version, _state(version))
+    stale, recent, foreign = (tmp_path / f"v00000003.safetensors.{uuid.uuid4().hex}.tmp",
+                              tmp_path / f"v00000004.safetensors.{uuid.uuid4().hex}.tmp", tmp_path / "notes.tmp")
+    for path in (stale, recent, foreign):
+        path.write_bytes(b"partial")
+    long_ago = time.time() - STALE_TEMP_AGE_S - 60
+    os.utime(stale, (long_ago, long_ago))
+    os.utime(foreign, (long_ago, long_ago))
+    assert store.prune(keep_last=1) == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([recent.name, foreign.name, "v00000002.safetensors"])

@@ -1,9 +1,12 @@
 """The shm:// store in one process: segment format, refusals, pruning, names. Two processes:
 test_weights_transport.py."""
 
+import fcntl
 import hashlib
 import json
+import os
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -12,7 +15,9 @@ import torch
 
 from online_sao.weights import CorruptWeights, open_weight_store
 from online_sao.weights.layout import Layout
-from online_sao.weights.shm import DEFAULT_SHM_ROOT, SEGMENT_MAGIC, ShmWeightStore, segment_header
+import online_sao.weights.shm as shm
+from online_sao.weights.shm import (DEFAULT_SHM_ROOT, SEGMENT_MAGIC, UNLOCKED_TEMP_GRACE_S, ShmWeightStore,
+                                  segment_header)
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -135,3 +140,45 @@ def test_open_weight_store_picks_the_transport_by_url(tmp_path):
 
     assert isinstance(open_weight_store("cuda-ipc://some-name"), CudaIpcWeightStore)
     assert isinstance(open_weight_store(str(tmp_path)), FileWeightStore)  # still the default
+
+
+def _temp_segment(root: Path, name: str, version: int, age_s: float) -> Path:
+    """A temporary segment as a save leaves it, last written ``age_s`` ago."""
+    path = root / f".online-sao.{name}.v{version:08d}.seg.{uuid.uuid4().hex}.tmp"
+    path.write_bytes(bytes(64))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_prune_removes_a_temporary_segment_whose_writer_died(tmp_path):
+    """The lock of a killed writer went with it: its segment goes. A locked one is a save in progress
+    in another process, an unlocked recent one may be about to be locked, another name's is not ours."""
+    store = ShmWeightStore("learner", root=tmp_path)
+    store.save(1, _state(1))
+    old = UNLOCKED_TEMP_GRACE_S + 60
+    dead = _temp_segment(tmp_path, "learner", 2, age_s=old)
+    recent = _temp_segment(tmp_path, "learner", 3, age_s=0)
+    other_name = _temp_segment(tmp_path, "other", 2, age_s=old)
+    live = _temp_segment(tmp_path, "learner", 4, age_s=old)
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert store.prune(keep_last=1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (recent, other_name, live, tmp_path / "online-sao.learner.v00000001.seg"))
+    assert not dead.exists()
+
+
+def test_a_save_holds_its_segment_against_a_concurrent_prune(store, monkeypatch):
+    fill = shm._fill
+
+    def fill_then_prune_from_another_store(*args):
+        [tmp] = [p for p in DEFAULT_SHM_ROOT.iterdir() if p.name.startswith(f".online-sao.{store.name}.")]
+        long_ago = time.time() - UNLOCKED_TEMP_GRACE_S - 60
+        os.utime(tmp, (long_ago, long_ago))  # past the grace: only the lock keeps it
+        ShmWeightStore(store.name).prune(keep_last=1)
+        return fill(*args)
+
+    monkeypatch.setattr(shm, "_fill", fill_then_prune_from_another_store)
+    ref = store.save(1, _state(1))
+    torch.testing.assert_close(store.load(ref.location, ref.checksum)["layer.weight"], _state(1)["layer.weight"],
+                               rtol=0, atol=0)

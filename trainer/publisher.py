@@ -65,8 +65,6 @@ class Publisher:
         self.model_name = model_name
         self.keep_versions = keep_versions
         self.protected: set[int] = set(protected or ())
-        self.refs: dict[int, WeightsRef] = {}
-        """What this process published (the notice of a later rollback needs the checksum)."""
 
     def publish(self, state: dict[str, torch.Tensor], version: int, step: int,
                 metrics: dict[str, float] | None = None) -> WeightsRef:
@@ -74,7 +72,6 @@ class Publisher:
             state = {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
                      for name, tensor in state.items()}
         ref = self.store.save(version, state)
-        self.refs[version] = ref
         self._announce(ref, "publish", step, metrics)
         self.store.prune(self.keep_versions, protected=self.protected)
         return ref

@@ -63,6 +63,18 @@ def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:
     return run_learner(cfg, pretrain_critic=args.pretrain_critic)
 
 
+def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from trainer.checkpoint import LEDGER_FILE, redact_ledger
+
+    path = cfg.checkpoint_dir / LEDGER_FILE
+    if not path.exists():
+        print(f"no ledger at {path}", file=sys.stderr)
+        return 1
+    redacted = redact_ledger(path, set(args.ids))
+    print(f"{redacted} occurrence(s) of {len(set(args.ids))} id(s) redacted in {path}")
+    return 0
+
+
 INTERRUPTED = 130
 """Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
 
@@ -165,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     learn = command("learn", help="run the continuous SAO learner")
     learn.add_argument("--pretrain-critic", action="store_true", help="fit the critic on logged rollouts first")
     learn.set_defaults(run=_learn)
+
+    ledger = command("ledger", help="the learner's ledger of trained ids: redact ID... overwrites them in place "
+                                    "(same length, so the checkpoints still cover it; stop the learner first)")
+    ledger.add_argument("action", choices=["redact"])
+    ledger.add_argument("ids", nargs="+", metavar="ID", help="interaction id to redact")
+    ledger.set_defaults(run=_ledger)
 
     simulate = command("simulate", help="run a drifting-preference scenario through the real service")
     simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")

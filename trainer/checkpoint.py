@@ -26,6 +26,10 @@ themselves: an id is in the ledger once per time its training is part of the
 committed state. A step whose update was refused as non-finite still writes its
 line, marked ``"refused": true``: those ids were consumed exactly once too, but
 trained nothing (:func:`read_ledger` can tell the two apart).
+
+The ledger's length is what a checkpoint records of it, so lines may not be deleted;
+to erase a user's ids, :func:`redact_ledger` overwrites them in place with dashes of
+the same length (``online-sao ledger redact``, the learner stopped).
 """
 
 from __future__ import annotations
@@ -330,3 +334,40 @@ def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]
         if refused is None or entry.get("refused", False) == refused:
             out.extend((entry["step"], iid) for iid in entry["ids"])
     return out
+
+
+REDACTED_CHAR = "-"
+"""What a redacted id's characters become: the ledger keeps its length (the checkpoints record it)."""
+
+
+def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
+    """Overwrite every occurrence of ``interaction_ids`` in the ledger at ``path`` with
+    :data:`REDACTED_CHAR` of the same encoded length, so the ledger's length, which each
+    checkpoint records, is unchanged; returns the number of ids redacted. Written to a new file
+    and renamed over the ledger: run it with the learner stopped (a step appended meanwhile would
+    be lost, and the learner would then refuse to start)."""
+    path = Path(path)
+    wanted = {json.dumps(iid) for iid in interaction_ids}
+    redacted, lines = 0, []
+    for line in path.read_bytes().splitlines(keepends=True):
+        entry = json.loads(line)
+        ids = [json.dumps(iid) for iid in entry["ids"]]
+        hits = [encoded for encoded in ids if encoded in wanted]
+        if hits:
+            entry["ids"] = [json.loads(encoded) if encoded not in wanted else
+                            REDACTED_CHAR * (len(encoded) - 2)
+                            for encoded in ids]
+            new = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+            if len(new) != len(line):
+                raise ValueError(f"redacting {hits} would change a ledger line's length; nothing was written")
+            line, redacted = new, redacted + len(hits)
+        lines.append(line)
+    if redacted:
+        scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        with open(scratch, "wb") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(scratch, path)
+        fsync_dir(path.parent)
+    return redacted

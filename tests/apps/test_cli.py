@@ -140,3 +140,14 @@ def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)
     assert usage.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_ledger_redact_overwrites_the_ids_and_says_how_many(tmp_path, capsys):
+    from trainer.checkpoint import Checkpointer, read_ledger
+
+    ledger = tmp_path / "checkpoints" / "ledger.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text('{"step":1,"ids":["sao-1","sao-2"]}\n')
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "ledger", "redact", "sao-2", "sao-9"]) == 0
+    assert "1 occurrence(s) of 2 id(s) redacted" in capsys.readouterr().out
+    assert read_ledger(Checkpointer(tmp_path / "checkpoints").ledger_path) == [(1, "sao-1"), (1, "-----")]

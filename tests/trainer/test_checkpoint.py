@@ -11,7 +11,7 @@ from torch import nn
 from online_sao.algorithms import linear_warmup
 from streams.base import TopicPartition
 from trainer.checkpoint import (Checkpoint, Checkpointer, LearnerState, flatten_tensors, read_ledger,
-                                unflatten_tensors)
+                                redact_ledger, unflatten_tensors)
 
 
 def _model(seed: int) -> nn.Module:
@@ -134,6 +134,26 @@ def test_a_ledger_shorter_than_the_checkpoint_is_an_error(tmp_path):
     (tmp_path / "ledger.jsonl").write_text("")
     with pytest.raises(RuntimeError, match="ledger"):
         Checkpointer(tmp_path).resume()
+
+
+def test_a_redacted_ledger_keeps_its_length_and_the_learner_resumes_on_it(tmp_path):
+    """The erasure procedure: a user's ids overwritten in place. Deleting their lines (what the docs
+    said before) made the ledger shorter than the checkpoint covers, and the learner refused to start."""
+    ckpt = Checkpointer(tmp_path)
+    user = "sao-18c2-é\"x"  # escapes and a non-ASCII character: the encoded length is kept
+    ckpt.record_trained(1, ["a", user])
+    ckpt.record_trained(2, [user, "bb"], refused=True)
+    ckpt.save(Checkpoint(_state(2), models={}, optimizers={}))
+    size = ckpt.ledger_path.stat().st_size
+
+    assert redact_ledger(ckpt.ledger_path, {user, "not-there"}) == 2
+    assert ckpt.ledger_path.stat().st_size == size
+    dashes = "-" * (len(json.dumps(user)) - 2)
+    assert read_ledger(ckpt.ledger_path) == [(1, "a"), (1, dashes), (2, dashes), (2, "bb")]
+    assert read_ledger(ckpt.ledger_path, refused=True) == [(2, dashes), (2, "bb")]
+    assert user.encode() not in ckpt.ledger_path.read_bytes()
+    assert Checkpointer(tmp_path).resume().state.step == 2
+    assert redact_ledger(ckpt.ledger_path, {"nobody"}) == 0
 
 
 def test_flatten_keeps_int_keys_and_refuses_objects():

@@ -20,12 +20,27 @@ That is what makes the version of every token exact.
   caching (a new request could reuse KV computed by older weights).
 - Stopping is by ``stop_token_ids`` only (``ignore_eos``), as in the native
   engine: the HTTP layer passes the eos/end-of-turn ids explicitly.
+- Temperatures: at or below ``GREEDY_TEMPERATURE`` the engine decodes greedily
+  and logs 0, as the native engine does. vLLM cannot sample between that and
+  :data:`VLLM_MIN_TEMPERATURE` (it would raise the temperature behind the
+  record's back) nor above 2: such a request is refused in ``generate`` with a
+  ValueError (a 400), on the caller's thread, before it reaches the loop.
+- Failures: a request vLLM refuses to add, or a step that raises or yields
+  non-finite log-probabilities (``NonFiniteLogits``), fails only the requests
+  it concerns; the loop goes on. Should the loop thread die anyway, every request
+  in flight or queued ends with ``EngineStopped`` and new ones are refused.
+- Weight checks are the native engine's (:func:`.weights_check.check_state_dict`)
+  against the model the native engine would load, built without memory on the
+  meta device (:class:`ServedLayout`): the same names (tied ones as aliases),
+  shapes and served dtype.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -37,19 +52,63 @@ from safetensors import safe_open
 
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
-from online_sao.weights import CorruptWeights, verify_state_dict
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
+from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits, nucleus_logprobs
+from serving.engine.weights_check import check_state_dict
+
+log = logging.getLogger(__name__)
+
+VLLM_MIN_TEMPERATURE = 1e-2
+"""vLLM's lowest sampling temperature: ``vllm.SamplingParams.__post_init__`` raises any temperature in
+(0, this) to this (``vllm.sampling_params._MAX_TEMP``, vLLM 0.32) with only a warning, which would sample
+from another distribution than the one the record names. Temperatures above ``GREEDY_TEMPERATURE`` and
+below this are refused; :meth:`VLLMEngine._sampling` also refuses any temperature vLLM changes anyway."""
 
 
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors checkpoint (headers only)."""
-    shapes = {}
+def checkpoint_names(model_dir: Path) -> frozenset[str]:
+    """Tensor names of a safetensors checkpoint (headers only)."""
+    names: set[str] = set()
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as fh:
-            for name in fh.keys():
-                shapes[name] = tuple(fh.get_slice(name).get_shape())
-    return shapes
+            names.update(fh.keys())
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class ServedLayout:
+    """What a published state dict must hold to replace the weights vLLM serves from a checkpoint.
+
+    ``expected`` is the state dict of the model the native engine would load from it (names, shapes,
+    the served dtype for its floats), built on the meta device (no memory, no values); ``aliases`` maps
+    each name to its tied names (one parameter under several names, such as ``lm_head.weight`` and the
+    input embedding of a model with tied embeddings, whether or not the checkpoint stores both);
+    ``stored`` holds the checkpoint's own names, those vLLM loaded at start.
+    """
+
+    expected: dict[str, torch.Tensor]
+    aliases: dict[str, list[str]]
+    stored: frozenset[str]
+
+    @classmethod
+    def of(cls, model_dir: Path, dtype: torch.dtype) -> "ServedLayout":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        expected = model.state_dict(keep_vars=True)  # keep_vars: a tied parameter is one object under each name
+        by_parameter: dict[int, list[str]] = {}
+        for name, tensor in expected.items():
+            by_parameter.setdefault(id(tensor), []).append(name)
+        return cls(expected, {name: group for group in by_parameter.values() for name in group},
+                   checkpoint_names(model_dir))
+
+    def checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The native engine's checks (``CorruptWeights`` names the refusal), then the tensors to reload:
+        all of them but a tied twin the checkpoint does not store (vLLM loaded it from its twin)."""
+        full = check_state_dict(state, self.expected, self.aliases)
+        return [(name, tensor) for name, tensor in full.items() if name in self.stored or len(self.aliases[name]) == 1]
 
 
 def _refresh_tied_head(worker) -> None:
@@ -68,19 +127,68 @@ def _refresh_tied_head(worker) -> None:
         dispatch_cpu_unquantized_gemm(worker.model_runner.get_model().lm_head, remove_weight=False)
 
 
+def _ranked(logprobs: dict) -> list[tuple[int, float]]:
+    """One position of vLLM's output (``{token_id: Logprob}``: the top ``count`` plus the sampled token
+    when it is not among them) as ``(token_id, logprob)``, most likely first, ties to the lower id."""
+    return sorted(((int(t), float(lp.logprob)) for t, lp in logprobs.items()), key=lambda item: (-item[1], item[0]))
+
+
 def _alternatives(logprobs: dict, count: int) -> tuple[tuple[int, float], ...]:
-    """The ``count`` most likely tokens of one position of vLLM's output (``{token_id: Logprob}``: the
-    top ``count`` plus the sampled token when it is not among them), leaving out tokens outside the
-    nucleus (-inf)."""
-    ranked = sorted(((int(t), float(lp.logprob)) for t, lp in logprobs.items()), key=lambda item: -item[1])
-    return tuple((t, min(lp, 0.0)) for t, lp in ranked[:count] if math.isfinite(lp))
+    """The ``count`` most likely tokens of one position of vLLM's output, leaving out tokens outside
+    the nucleus (-inf)."""
+    return tuple((t, min(lp, 0.0)) for t, lp in _ranked(logprobs)[:count] if math.isfinite(lp))
+
+
+def _greedy_alternatives(logprobs: dict, temperature: float, top_p: float,
+                         count: int) -> tuple[tuple[int, float], ...]:
+    """The alternatives of a greedy position, as the native engine lists them: under the request's own
+    tempered nucleus distribution (``sample_tokens`` takes the arg-max but lists ``nucleus_logprobs``).
+
+    vLLM reports a greedy row's log-probabilities at temperature 1 without a nucleus, so they are
+    re-tempered here over the tokens it listed. Tokens beyond the list are left out of the normaliser;
+    at a greedy temperature that moves the values only where an unlisted token's logit is within about
+    ``temperature * ln(vocabulary)`` of the largest one (a near tie).
+    """
+    if count <= 0:
+        return ()
+    ranked = _ranked(logprobs)
+    logp = nucleus_logprobs(torch.tensor([lp for _, lp in ranked]), temperature, top_p).tolist()
+    return tuple((t, min(lp, 0.0)) for (t, _), lp in zip(ranked[:count], logp) if math.isfinite(lp))
+
+
+def _finite(completion) -> bool:
+    """Whether every position of one request's step output has a finite sampled log-probability and no
+    NaN or +inf among its alternatives (-inf is a token outside the nucleus)."""
+    for token, logprobs in zip(completion.token_ids, completion.logprobs or []):
+        if not math.isfinite(logprobs[token].logprob):
+            return False
+        if any(math.isnan(lp.logprob) or lp.logprob == math.inf for lp in logprobs.values()):
+            return False
+    return True
 
 
 @dataclass
 class _Request:
     request: GenerationRequest
-    emit: Callable[[TokenEvent | BaseException], None]
+    params: object
+    """Its ``vllm.SamplingParams``, built and checked by ``generate`` on the caller's thread."""
+    vllm_id: str
+    """Its id in vLLM: the caller's id made unique, so a caller reusing an id never meets the abort of
+    the request that had it before."""
+    loop: asyncio.AbstractEventLoop
+    events: "asyncio.Queue[TokenEvent | BaseException]"
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def greedy(self) -> bool:
+        return self.request.sampling.temperature <= GREEDY_TEMPERATURE
+
+    def emit(self, event: TokenEvent | BaseException) -> None:
+        """(loop thread) Hand ``event`` to the consumer's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
+            self.cancelled.set()
 
 
 class VLLMEngine:
@@ -109,11 +217,15 @@ class VLLMEngine:
                               log_stats=False, multiprocess_mode=False)
         self._max_len = vllm_config.model_config.max_model_len
         self._vocab = vllm_config.model_config.get_vocab_size()
+        self._max_logprobs = vllm_config.model_config.max_logprobs
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
-        self._shapes = checkpoint_shapes(self.model_dir)
+        self._layout = ServedLayout.of(self.model_dir, vllm_config.model_config.dtype)
         self._loop: EngineLoop[_Request] = EngineLoop(initial_version)
-        self._live: dict[str, _Request] = {}  # owned by the loop thread
+        self._live: dict[str, _Request] = {}  # by vLLM id; owned by the loop thread
+        self._serial = itertools.count()
+        self._ids_lock = threading.Lock()
+        self._in_flight: set[str] = set()  # the callers' ids of the requests whose generate() runs
 
     @property
     def policy_version(self) -> int:
@@ -126,13 +238,23 @@ class VLLMEngine:
         await asyncio.to_thread(self._loop.stop)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the sampled tokens of one request. A request this engine cannot serve exactly is
+        refused here with a ValueError, before anything is queued: it concerns that request alone."""
         check_prompt(request.prompt_ids, self._vocab, self._max_len)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        live = _Request(request, emit=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-        self._loop.submit(live)
-        async for event in relay_events(events, live.cancelled):
-            yield event
+        params = self._sampling(request)
+        with self._ids_lock:
+            if request.request_id in self._in_flight:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._in_flight.add(request.request_id)
+        try:
+            live = _Request(request, params, f"{request.request_id}#{next(self._serial)}",
+                            asyncio.get_running_loop(), asyncio.Queue())
+            self._loop.submit(live)
+            async for event in relay_events(live.events, live.cancelled):
+                yield event
+        finally:
+            with self._ids_lock:
+                self._in_flight.discard(request.request_id)
 
     def close(self) -> None:
         """Shut vLLM's engine core and its worker processes down now, not at interpreter exit
@@ -140,78 +262,140 @@ class VLLMEngine:
         self._llm.engine_core.shutdown()
 
     def _sampling(self, request: GenerationRequest):
+        """(caller's thread) The request's ``vllm.SamplingParams``; ValueError for settings vLLM cannot
+        sample exactly (it refuses them, or would change them behind the record's back)."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
-                              logprobs=request.top_logprobs, stop_token_ids=sorted(request.stop_token_ids), ignore_eos=True,
-                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+        greedy = s.temperature <= GREEDY_TEMPERATURE
+        if not greedy and s.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"the vLLM engine cannot sample at temperature {s.temperature:g}: vLLM samples at "
+                             f"{VLLM_MIN_TEMPERATURE:g} or above; at {GREEDY_TEMPERATURE:g} or below it decodes greedily")
+        if request.top_logprobs > self._max_logprobs:
+            raise ValueError(f"the vLLM engine lists at most {self._max_logprobs} top log-probabilities, "
+                             f"{request.top_logprobs} were asked for")
+        temperature = 0.0 if greedy else s.temperature  # vLLM's greedy decoding
+        try:
+            params = SamplingParams(temperature=temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
+                                    logprobs=request.top_logprobs, stop_token_ids=sorted(request.stop_token_ids),
+                                    ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        except VLLMValidationError as exc:  # a request error, not vLLM's: a 400 like the prompt checks
+            raise ValueError(f"the vLLM engine cannot sample this request: {exc}") from exc
+        if params.temperature != temperature or (not greedy and params.top_p != s.top_p):
+            raise ValueError(f"vLLM would sample at temperature {params.temperature:g} and top_p {params.top_p:g}, "
+                             f"the request asks for {s.temperature:g} and {s.top_p:g}")
+        return params
 
     def _run(self) -> None:
-        while True:
-            jobs, arrivals = self._loop.next_round(busy=bool(self._live), room=None)
-            for job in jobs:
-                job.run()
-            if not self._loop.alive:
-                break
-            for live in arrivals:
-                self._llm.add_request(live.request.request_id, {"prompt_token_ids": live.request.prompt_ids},
-                                      self._sampling(live.request))
-                self._live[live.request.request_id] = live  # outputs and aborts use the caller's id
-            gone = [rid for rid, live in self._live.items() if live.cancelled.is_set()]
-            if gone:
-                self._llm.abort_request(gone)
-                for rid in gone:
-                    del self._live[rid]
-            if self._live:
-                self._step()
-        stopped = EngineStopped("the engine stopped")
+        """(loop thread) Add the arrivals, step, hand out the tokens; switches between two steps."""
+        failure: BaseException | None = None
+        try:
+            while True:
+                jobs, arrivals = self._loop.next_round(busy=bool(self._live), room=None)
+                for job in jobs:
+                    job.run()
+                if not self._loop.alive:
+                    break
+                for live in arrivals:
+                    self._admit(live)
+                self._drop_cancelled()
+                if self._live:
+                    self._guarded(self._step, list(self._live))
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self._wind_down(failure)
+
+    def _admit(self, live: _Request) -> None:
+        """Add one request to vLLM; one that vLLM refuses fails alone."""
+        if live.cancelled.is_set():
+            return
+        try:
+            self._llm.add_request(live.vllm_id, {"prompt_token_ids": live.request.prompt_ids}, live.params)
+        except Exception as exc:
+            log.exception("vLLM refused request %s", live.request.request_id)
+            live.emit(exc)
+            return
+        self._live[live.vllm_id] = live
+
+    def _drop_cancelled(self) -> None:
+        gone = [rid for rid, live in self._live.items() if live.cancelled.is_set()]
+        if gone:
+            self._llm.abort_request(gone)
+            for rid in gone:
+                del self._live[rid]
+
+    def _guarded(self, work: Callable[[], None], affected: list[str]) -> None:
+        """Run one vLLM step; if it raises, the requests it served fail and the engine goes on (the
+        native engine's ``_guarded``)."""
+        try:
+            work()
+        except Exception as exc:
+            failed = [rid for rid in affected if rid in self._live]
+            log.exception("vLLM step failed; failing %d request(s)", len(failed))
+            for rid in failed:
+                self._live.pop(rid).emit(exc)
+            if failed:
+                self._llm.abort_request(failed)
+
+    def _wind_down(self, failure: BaseException | None) -> None:
+        """(loop thread, last) After a stop, or when the loop dies of ``failure``: refuse new requests,
+        end every request in flight or queued with EngineStopped, and run the switches still queued
+        (as a swap does when no loop runs)."""
+        with self._loop.cond:
+            self._loop.alive = False  # submit() refuses from now on
+            jobs = list(self._loop.jobs)
+            self._loop.jobs.clear()
+        stopped = EngineStopped("the engine stopped" if failure is None else f"the engine's loop failed: {failure!r}")
+        stopped.__cause__ = failure
+        running = list(self._live)
         leftovers = self._loop.take_waiting() + list(self._live.values())
-        if self._live:
-            self._llm.abort_request(list(self._live))
         self._live.clear()
-        for live in leftovers:
+        for live in leftovers:  # before the abort below, which may fail too
             live.emit(stopped)
+        for job in jobs:
+            job.run()
+        if running:
+            self._llm.abort_request(running)
 
     def _step(self) -> None:
         version = self._loop.version
-        for out in self._llm.step():
-            live = self._live.get(out.request_id)
-            if live is None:
-                continue
+        outputs = [(out, self._live[out.request_id]) for out in self._llm.step() if out.request_id in self._live]
+        broken = sum(not _finite(out.outputs[0]) for out, _ in outputs)
+        if broken:  # checked before any token of the step goes out, as the native engine's sample_tokens does
+            raise NonFiniteLogits(f"the model's log-probabilities are not finite for {broken} of {len(outputs)} "
+                                  "requests: the served weights or an activation overflowed")
+        for out, live in outputs:
             completion = out.outputs[0]
             n = len(completion.token_ids)
+            sampling = live.request.sampling
             for k, (token, logprobs) in enumerate(zip(completion.token_ids, completion.logprobs or [])):
                 finish = completion.finish_reason if out.finished and k == n - 1 else None
                 if finish not in (None, "stop", "length"):
-                    live.emit(RuntimeError(f"vLLM ended request {out.request_id}: {finish}"))
+                    live.emit(RuntimeError(f"vLLM ended request {live.request.request_id}: {finish}"))
                     break
-                live.emit(TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish,
-                                     _alternatives(logprobs, live.request.top_logprobs)))
+                if live.greedy:  # the point mass chose the token (serving.engine.sampling)
+                    event = TokenEvent(int(token), 0.0, version, finish,
+                                       _greedy_alternatives(logprobs, sampling.temperature, sampling.top_p,
+                                                            live.request.top_logprobs))
+                else:
+                    event = TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish,
+                                       _alternatives(logprobs, live.request.top_logprobs))
+                live.emit(event)
             if out.finished:
                 del self._live[out.request_id]
         if self._live and not self._llm.has_unfinished_requests():
             for rid in list(self._live):  # vLLM dropped them without a final output
-                self._live.pop(rid).emit(RuntimeError(f"vLLM lost request {rid}"))
-
-    def _checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        verify_state_dict(state)
-        items = {k: v for k, v in state.items() if not (self._tied and k == "lm_head.weight")}
-        unexpected = sorted(items.keys() - self._shapes.keys())
-        missing = sorted(self._shapes.keys() - items.keys())
-        if unexpected or missing:
-            raise CorruptWeights(f"names differ from the checkpoint: unexpected {unexpected[:5]}, missing {missing[:5]}")
-        for name, tensor in items.items():
-            if tuple(tensor.shape) != self._shapes[name]:
-                raise CorruptWeights(f"tensor {name} has shape {tuple(tensor.shape)}, "
-                                     f"the checkpoint has {self._shapes[name]}")
-        return list(items.items())
+                live = self._live.pop(rid)
+                live.emit(RuntimeError(f"vLLM lost request {live.request.request_id}"))
 
     def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
         """Check, then reload in place between two steps (blocking, thread-safe); see ``EngineLoop.swap``."""
         def prepare() -> Callable[[], None]:
-            items = self._checked(state_dict)
+            items = self._layout.checked(state_dict)
 
             def reload() -> None:
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,

@@ -6,6 +6,8 @@ serving model (which matters most when loading in place).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import nn
 
@@ -32,14 +34,25 @@ def complete_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
     dtype (inf once cast) and tied tensors published with different values. The result loads with
     ``load_state_dict(strict=True)``.
     """
-    verify_state_dict(state)
     expected = model.state_dict()
+    return check_state_dict(state, expected, _aliases(expected))
+
+
+def check_state_dict(state: dict[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                     aliases: Mapping[str, list[str]]) -> dict[str, torch.Tensor]:
+    """:func:`complete_state_dict` against a description of the model instead of the model itself.
+
+    For an engine whose model lives out of reach (vLLM's workers): ``expected`` maps each name of the
+    model's state dict to a tensor of its shape and dtype (only those are read, so meta tensors do),
+    ``aliases`` each name to the names tied to it, itself included. Both engines refuse the same
+    weights for the same reasons because both run this.
+    """
+    verify_state_dict(state)
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise CorruptWeights(f"unexpected tensors {unexpected[:MAX_NAMES_IN_MESSAGE]} "
                              f"({len(unexpected)} in all)")
     full = dict(state)
-    aliases = _aliases(expected)
     missing = []
     for name in expected.keys() - state.keys():
         twin = next((a for a in aliases[name] if a in state), None)

@@ -5,7 +5,11 @@ The native engine runs in the default run; the vLLM engine only in the vLLM lane
 error, not a skip. The promises: behaviour log-probs under the exact sampling
 distribution (temperature and top-p), equal to the learner's own log-probs of the
 logged record at the same weights, stop tokens, and a hot-swap with requests in
-flight that stamps every token with the version that sampled it.
+flight that stamps every token with the version that sampled it. Also: greedy
+decoding at the greedy temperature, a temperature an engine cannot sample refused
+(never changed behind the record's back), the same weight checks, and failures
+(a refused request, a failing step, non-finite logits) that end only the requests
+they concern. Tests marked ``only_vllm`` check what only the vLLM engine must do.
 
 vLLM's CPU attention kernels need a head size of at least 32, so the model is a
 random-weight Qwen2 of that shape with the tiny fixture's tokenizer.
@@ -16,14 +20,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import shutil
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from online_sao.config import ServingConfig
 from online_sao.schemas import SamplingParams
-from serving.engine.base import GenerationRequest
+from serving.engine import torch_engine
+from serving.engine.base import EngineStopped, GenerationRequest
+from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits
 from serving.engine.torch_engine import TorchEngine
 from serving.trajectories import TrajectoryPrefix
 from tests.fixtures.engine_reference import (collect, learner_logprobs, record_of, reference_logprob, replay_logits,
@@ -41,6 +49,25 @@ whenever other processes hold more than 8%)."""
 VLLM_KV_CACHE_BYTES = 64 * 2**20
 """KV cache of the test engine: 8 sequences of 128 tokens need well under 1 MiB at this size."""
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
+REPLY_TIMEOUT_S = 60
+"""Longest wait for a request's tokens: an engine whose loop died leaves its requests waiting forever,
+which must fail a test, not hang it."""
+LOGIT_TOL = 5e-6
+"""How far an engine's float32 logits may be from the float64 reference's: a few float32 ulps at this
+model's logit size (1.6e-6 seen). A log-probability at temperature T moves by up to twice that over T,
+which outgrows LOGPROB_TOL below T = 0.05 (0.1 nats at the greedy temperature)."""
+EDGE_TEMPERATURES = (0.005, 2.5, 10.0)
+"""Temperatures the API accepts (MIN_TEMPERATURE to 10, online_sao.schemas) that an engine may be unable
+to sample: between the greedy threshold and vLLM's lowest (0.01), above vLLM's highest (2), the API's
+highest."""
+OVERFLOW_NORM = 3e38
+"""A final-norm weight that is finite and within float32 (so every weight check passes) and overflows
+the hidden states to inf, so the logits are not finite."""
+
+
+def only_vllm(test):
+    """A test of what only the vLLM engine does, on the module's vLLM engine (not a second one)."""
+    return pytest.mark.vllm(pytest.mark.parametrize("engine", ["vllm"], indirect=True)(test))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +125,39 @@ def request(i, prompt, **sampling):
 
 def worst_error(events, expected) -> float:
     return max(abs(e.logprob - x) for e, x in zip(events, expected))
+
+
+def tolerance(temperature: float) -> float:
+    """How far a log-probability at ``temperature`` may be from the float64 reference's."""
+    return max(LOGPROB_TOL, 2 * LOGIT_TOL / temperature)
+
+
+def log_space_reference(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+    """Every token's float64 log-probability under the sampling distribution, -inf outside the nucleus:
+    ``reference_logprob`` in log space, where probabilities at a greedy temperature underflow to 0."""
+    z = logits.double().numpy() / temperature
+    logp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    order = np.argsort(-logp, kind="stable")
+    probs = np.exp(logp[order])
+    keep = (np.cumsum(probs) - probs < top_p) | (top_p >= 1.0)
+    keep[0] = True
+    kept = order[keep]
+    out = np.full_like(logp, -np.inf)
+    out[kept] = logp[kept] - np.log(np.exp(logp[kept]).sum())
+    return out
+
+
+async def consume(engine, req, started: asyncio.Event):
+    """``collect``, setting ``started`` at the first token."""
+    events = []
+    async for event in engine.generate(req):
+        events.append(event)
+        started.set()
+    return events
+
+
+def within(awaitable):
+    return asyncio.wait_for(awaitable, REPLY_TIMEOUT_S)
 
 
 def test_logprobs_are_the_processed_ones_under_the_sampling_distribution(engine, versions):
@@ -183,6 +243,199 @@ def test_stop_token_ends_generation(engine):
     first = [e.token_id for e in free].index(stop_id)
     assert [e.token_id for e in stopped] == [e.token_id for e in free][: first + 1]
     assert stopped[-1].finish_reason == "stop"
+
+
+def test_greedy_decoding_logs_the_point_mass_and_lists_the_tempered_alternatives(engine, versions):
+    """At or below GREEDY_TEMPERATURE the arg-max is taken and its logged log-probability is 0 (the point
+    mass chose it); the alternatives are those of the request's tempered nucleus distribution."""
+    count = 5
+    requests = [GenerationRequest(f"greedy-{top_p}", PROMPTS[1], SamplingParams(
+        temperature=GREEDY_TEMPERATURE, top_p=top_p, max_tokens=8), top_logprobs=count) for top_p in (1.0, TOP_P)]
+
+    async def main():
+        await engine.start()
+        out = await within(asyncio.gather(*(collect(engine, r) for r in requests)))
+        await engine.stop()
+        return out
+
+    for req, events in zip(requests, asyncio.run(main())):
+        assert len(events) == 8
+        logits = replay_logits({engine.policy_version: versions[0]}, req.prompt_ids, events)
+        for event, z in zip(events, logits):
+            reference = log_space_reference(z, GREEDY_TEMPERATURE, req.sampling.top_p)
+            assert event.logprob == 0.0 and event.token_id == int(z.argmax())
+            ranked = [int(t) for t in np.argsort(-reference, kind="stable")[:count] if reference[t] > -np.inf]
+            assert [t for t, _ in event.top_logprobs] == ranked
+            for token, logprob in event.top_logprobs:
+                assert abs(logprob - reference[token]) < tolerance(GREEDY_TEMPERATURE), (token, logprob, reference[token])
+
+
+def test_a_temperature_the_api_accepts_is_sampled_exactly_or_refused_alone(engine, versions):
+    """Each edge temperature is either sampled from exactly that distribution or refused by ``generate``
+    with a ValueError (a 400) before anything is sampled; a request in flight meanwhile, and the next
+    one, are served as if nothing happened."""
+    outcomes = {}
+
+    async def main():
+        await engine.start()
+        started = asyncio.Event()
+        running = asyncio.ensure_future(consume(engine, request(300, PROMPTS[1], max_tokens=SWAP_TOKENS), started))
+        await within(started.wait())
+        for k, temperature in enumerate(EDGE_TEMPERATURES):
+            req = request(310 + k, PROMPTS[0], temperature=temperature, top_p=1.0)
+            try:
+                outcomes[temperature] = req, await within(collect(engine, req))
+            except ValueError as exc:
+                outcomes[temperature] = req, exc
+        after = await within(collect(engine, request(320, PROMPTS[2])))
+        out = await within(running), after
+        await engine.stop()
+        return out
+
+    running, after = asyncio.run(main())
+    served = {engine.policy_version: versions[0]}
+    for temperature, (req, outcome) in outcomes.items():
+        if isinstance(outcome, ValueError):
+            continue
+        assert len(outcome) == 12
+        expected = replay_logprobs(served, req.prompt_ids, outcome, temperature, 1.0)
+        assert worst_error(outcome, expected) < tolerance(temperature), temperature
+    assert len(running) == SWAP_TOKENS and len(after) == 12
+    for prompt, events in ((PROMPTS[1], running), (PROMPTS[2], after)):
+        assert worst_error(events, replay_logprobs(served, prompt, events, TEMPERATURE, TOP_P)) < LOGPROB_TOL
+
+
+def test_the_weight_checks_are_the_same_on_every_engine(engine, versions):
+    """Weights that load but do not serve what was published are refused, the serving version kept;
+    a tied twin left out is taken from the other, as the native engine's complete_state_dict does."""
+    state = {k: v.clone() for k, v in versions[0].state_dict().items()}
+    embed, head, norm = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    refused = {
+        "int": (dict(state, **{down: torch.ones_like(state[down], dtype=torch.int64)}), "torch.int64"),
+        "bool": (dict(state, **{norm: torch.ones_like(state[norm], dtype=torch.bool)}), "torch.bool"),
+        "beyond float32": (dict(state, **{norm: state[norm].double().index_fill(0, torch.tensor([0]), 1e39)}),
+                           "beyond"),
+        "tied twins differ": (dict(state, **{head: state[head] + 1.0}), "tied"),
+    }
+    version = engine.policy_version
+    for case, (bad, reason) in refused.items():
+        result = engine.swap_weights(version + 1, bad)
+        assert not result.applied and reason in result.reason, case
+        assert engine.policy_version == version
+    only_head = {k: v for k, v in state.items() if k != embed}  # the same values as served: nothing changes
+    assert engine.swap_weights(version + 1, only_head).applied and engine.policy_version == version + 1
+
+
+def test_non_finite_logits_fail_the_request_instead_of_logging_nan(engine, versions):
+    state = {k: v.clone() for k, v in versions[0].state_dict().items()}
+    overflowing = dict(state, **{"model.norm.weight": torch.full_like(state["model.norm.weight"], OVERFLOW_NORM)})
+    version = engine.policy_version
+    assert engine.swap_weights(version + 1, overflowing).applied
+
+    async def sample(i):
+        await engine.start()
+        try:
+            return await within(collect(engine, request(i, PROMPTS[0])))
+        finally:
+            await engine.stop()
+
+    with pytest.raises(NonFiniteLogits):
+        asyncio.run(sample(330))
+    assert engine.swap_weights(version + 2, state).applied
+    events = asyncio.run(sample(331))
+    served = {engine.policy_version: versions[0]}
+    assert worst_error(events, replay_logprobs(served, PROMPTS[0], events, TEMPERATURE, TOP_P)) < LOGPROB_TOL
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, versions, monkeypatch):
+    """An exception in the model step fails the requests it was serving, not the engine."""
+    # the native engine's step ends in sample_tokens; vLLM's is LLMEngine.step
+    owner, name = (torch_engine, "sample_tokens") if isinstance(engine, TorchEngine) else (engine._llm, "step")
+    original = getattr(owner, name)
+    armed = threading.Event()
+
+    def step(*args, **kwargs):
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected step failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, step)
+
+    async def main():
+        await engine.start()
+        started = asyncio.Event()
+        running = asyncio.ensure_future(consume(engine, request(340, PROMPTS[1], max_tokens=SWAP_TOKENS), started))
+        await within(started.wait())
+        armed.set()
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            await within(running)
+        after = await within(collect(engine, request(341, PROMPTS[2])))
+        await engine.stop()
+        return after
+
+    after = asyncio.run(main())
+    assert len(after) == 12 and after[-1].finish_reason == "length"
+    served = {engine.policy_version: versions[0]}
+    assert worst_error(after, replay_logprobs(served, PROMPTS[2], after, TEMPERATURE, TOP_P)) < LOGPROB_TOL
+
+
+@only_vllm
+def test_vllm_refuses_a_request_id_already_in_flight(engine):
+    """vLLM keys its requests by id: a second one in flight would take the first one's tokens."""
+    twin = GenerationRequest("twin", PROMPTS[0], SamplingParams(seed=1, max_tokens=8))
+
+    async def main():
+        await engine.start()
+        stream = engine.generate(twin)
+        first = await within(anext(stream))
+        with pytest.raises(ValueError, match="already in flight"):
+            await within(collect(engine, twin))
+        events = [first] + await within(rest(stream))
+        again = await within(collect(engine, twin))  # finished: the id is free again
+        await engine.stop()
+        return events, again
+
+    async def rest(stream):
+        return [event async for event in stream]
+
+    events, again = asyncio.run(main())
+    assert len(events) == len(again) == 8
+    assert [e.token_id for e in events] == [e.token_id for e in again]  # seeded: the same sequence
+
+
+class LoopKilled(BaseException):
+    """Not an Exception: no guard of the engine catches it, so the loop thread dies of it."""
+
+
+@only_vllm
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_vllm_a_dead_loop_stops_its_requests_and_refuses_new_ones(engine, monkeypatch):
+    """Should the loop thread die anyway (of what no guard catches), nobody waits forever: the requests
+    in flight end with EngineStopped and new ones are refused until the engine is started again."""
+    def step(*args, **kwargs):
+        raise LoopKilled()
+
+    async def main():
+        await engine.start()
+        started = asyncio.Event()
+        running = asyncio.ensure_future(consume(engine, request(350, PROMPTS[1], max_tokens=SWAP_TOKENS), started))
+        await within(started.wait())
+        monkeypatch.setattr(engine._llm, "step", step)
+        with pytest.raises(EngineStopped, match="LoopKilled"):
+            await within(running)
+        with pytest.raises(EngineStopped):
+            await within(collect(engine, request(351, PROMPTS[0])))
+        monkeypatch.undo()
+        await engine.stop()  # and start again: a fresh loop serves
+        await engine.start()
+        after = await within(collect(engine, request(352, PROMPTS[2])))
+        await engine.stop()
+        return after
+
+    after = asyncio.run(main())
+    assert len(after) == 12 and after[-1].finish_reason == "length"
 
 
 def test_weights_swap_with_requests_in_flight_and_refusals(engine, versions):

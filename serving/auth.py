@@ -66,15 +66,21 @@ def check_exposure(cfg: ServingConfig) -> None:
     if not keys:
         raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but serving.api_keys is empty: "
                           "configure at least one API key or bind to 127.0.0.1")
-    if PLACEHOLDER_MARK in cfg.feedback_secret.get_secret_value():
+    if _placeholder(cfg.feedback_secret.get_secret_value()):
         raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but serving.feedback_secret is a "
                           "placeholder, public in the repository (anyone could sign interaction ids): set "
                           "your own, e.g. ONLINE_SAO__SERVING__FEEDBACK_SECRET=$(openssl rand -hex 32), "
                           "or bind to 127.0.0.1")
-    placeholders = sum(PLACEHOLDER_MARK in key for key in keys)
+    placeholders = sum(map(_placeholder, keys))
     if placeholders:
         raise ConfigError(f"serving.host is {cfg.host!r} (not loopback) but {placeholders} of serving.api_keys "
                           "is a placeholder, public in the repository: set your own keys or bind to 127.0.0.1")
+
+
+def _placeholder(value: str) -> bool:
+    """Whether a configured secret is one of the project's placeholders. Checked once at start
+    against a constant, never against a caller's input: its timing reveals nothing."""
+    return PLACEHOLDER_MARK in value
 
 
 @dataclass

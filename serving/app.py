@@ -4,11 +4,13 @@ Every error is answered with an OpenAI-style body ``{"error": {message, type,
 param, code}}``: malformed JSON 400, invalid fields and a prompt over the context 400 (422 for
 feedback), an oversize body 413, an unknown model or route 404, a missing or wrong
 API key 401, a rate limit 429 (with Retry-After), no way to log 503 (with the
-reason). Completion responses carry ``X-Interaction-Id``; a response (or
+reason), an overloaded or shutting-down server 503 (with Retry-After).
+Completion responses carry ``X-Interaction-Id``; a response (or
 feedback 200) is sent only once its record is durable (see
 :mod:`serving.interaction_log`). The app's lifespan
 starts and stops the engine, the interaction logger (a clean shutdown flushes
-it) and the weights follower.
+it) and the weights follower; the server tells ``app.state.inflight`` when it
+begins to shut down (:class:`serving.server.DrainingServer`).
 
 Where things are: the routes in :mod:`serving.routes` (one router per concern),
 middleware and error handlers in :mod:`serving.middleware`, what a request does
@@ -39,6 +41,7 @@ from serving.openapi import ApiLimits, install as install_openapi
 from serving.redaction import load_redactor
 from serving.routes import ServerStatus, authorizer, completion_routes, feedback_routes, status_routes
 from serving.trajectories import TrajectoryCache
+from serving.turn import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class Follower(Protocol):
 
 
 def _lifespan(engine: InferenceEngine, logger: InteractionLogger, follower: Follower | None, status: ServerStatus,
-              shutdown_flush_s: float):
+              shutdown_flush_s: float, inflight: InFlight):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
@@ -68,6 +71,9 @@ def _lifespan(engine: InferenceEngine, logger: InteractionLogger, follower: Foll
             yield
         finally:
             status.ready = False
+            # a server that did not announce its shutdown (serving.server.DrainingServer does) admits nothing
+            # from here on; requests still running are left to the engine's stop
+            inflight.begin_shutdown(None)
             if follower is not None:
                 await asyncio.to_thread(follower.stop)
             await engine.stop()
@@ -87,29 +93,32 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     trajectories = TrajectoryCache(s.max_trajectories)
     redactor = load_redactor(s.redact_hook) if s.redact_hook and not s.redact_text else None
     monitors = ServingMonitors(cfg.deploy.segments_top_n, s.monitor_window, cfg.deploy.monitor_ngram)
+    inflight = InFlight(s.waiting_bound, s.max_batch_size)
     serving = OpenAIServing(engine, logger, tokenizer, s, signer, trajectories, metrics,
                             stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor,
-                            monitors=monitors)
+                            monitors=monitors, inflight=inflight)
     feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s)
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
     metrics.watch_monitors(monitors)
+    metrics.watch_engine(waiting=lambda: inflight.waiting, running=lambda: inflight.running)
     if isinstance(engine, CanaryEngine):
         metrics.watch_canary(lambda: -1 if engine.champion_version is None else engine.champion_version,
                              lambda: engine.routed["champion"])
     status = ServerStatus(s.model_name)
 
     app = FastAPI(title="online-sao serving", lifespan=_lifespan(engine, logger, follower, status,
-                                                                 s.shutdown_flush_s))
+                                                                 s.shutdown_flush_s, inflight))
     install_openapi(app, ApiLimits(s.model_name, s.max_new_tokens, cfg.reward.min_value, cfg.reward.max_value),
                     auth_required=auth.required)
     app.add_middleware(BodyLimitMiddleware, max_bytes=s.max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, routes=_ROUTES)
     app.state.serving = serving
+    app.state.inflight = inflight  # its begin_shutdown is what serving.server.DrainingServer calls
     app.state.logger = logger
     install_error_handlers(app)
     authorize = authorizer(auth)
     app.include_router(completion_routes(serving, authorize))
     app.include_router(feedback_routes(feedback, authorize))
-    app.include_router(status_routes(status, engine, logger, metrics, authorize))
+    app.include_router(status_routes(status, engine, logger, metrics, authorize, inflight))
     return app

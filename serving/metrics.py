@@ -50,6 +50,12 @@ class ServingMetrics:
         self.spool_records = Gauge("sao_serving_spool_records",
                                    "Records spooled on disk and not yet acknowledged by the broker",
                                    registry=registry)
+        self.engine_waiting = Gauge("sao_serving_engine_waiting",
+                                    "Generation requests queued for a batch slot; new ones are refused once "
+                                    "serving.max_waiting wait", registry=registry)
+        self.engine_running = Gauge("sao_serving_engine_running",
+                                    "Generation requests holding a batch slot (being prefilled or sampling)",
+                                    registry=registry)
 
     def observe_swap(self, result: SwapResult) -> None:
         """Record one swap attempt of the weights follower (applied, ignored as old, or refused)."""
@@ -65,6 +71,11 @@ class ServingMetrics:
         self.spool_bytes.set_function(spool_bytes)
         self.spool_records.set_function(spool_records)
         self.policy_version.set_function(policy_version)
+
+    def watch_engine(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
+        """Read the engine's load at scrape time (counted by serving: :class:`serving.turn.InFlight`)."""
+        self.engine_waiting.set_function(waiting)
+        self.engine_running.set_function(running)
 
     def watch_canary(self, champion_version: Callable[[], float], routed: Callable[[], float]) -> None:
         """Expose the canary at scrape time: the champion it answers with (-1 before the first)

@@ -7,9 +7,15 @@ recorded tokens plus the new observation tokens (:mod:`serving.trajectories`).
 Sampled tokens are decoded incrementally; stop tokens are actions but not text,
 and ``stop`` strings end the text (and generation) where they first appear.
 
+Admission is bounded (:class:`~serving.turn.InFlight`): with ``serving.max_waiting``
+requests queued for a batch slot, or once the server shuts down, a new request
+is refused with 503 before its prompt is tokenised. A client that disconnects, a
+request the shutdown does not start and an answer the shutdown's grace cuts close
+the engine's stream, so the sequence leaves the batch at the engine's next step.
+
 Every admitted request that sampled at least one token is logged as one
-:class:`Interaction` through the :class:`InteractionLogger`, also when a
-streaming client disconnects (``finish_reason="abort"``). The response is
+:class:`Interaction` through the :class:`InteractionLogger`, also when its client
+disconnects or the shutdown cuts it (``finish_reason="abort"``). The response is
 acknowledged only once the record is durable (``serving.log_durability``): a
 plain response is returned, and a stream sends its final chunk (the one with
 ``finish_reason``) and ``[DONE]``, after the logger's receipt says so; if that
@@ -47,7 +53,7 @@ from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_completion, check_sampling
 from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
-from serving.turn import PROMPT_PARAMS, Turn
+from serving.turn import PROMPT_PARAMS, Disconnected, InFlight, Turn
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,11 @@ class OpenAIServing:
     redactor: Redactor | None = None
     monitors: ServingMonitors | None = None
     """Books of segments and recent answers for ``/metrics`` (None: not kept)."""
+    inflight: InFlight | None = None
+    """Admission and interruptions (default: bounded by ``cfg.waiting_bound`` and ``cfg.max_batch_size``)."""
 
     def __post_init__(self) -> None:
+        self.inflight = self.inflight or InFlight(self.cfg.waiting_bound, self.cfg.max_batch_size)
         self.stop_token_ids = self.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
         self.token_texts = TokenTexts(self.tokenizer)
         parser = TOOL_CALL_PARSERS.get(self.cfg.tool_call_parser)
@@ -228,10 +237,14 @@ class OpenAIServing:
         decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids)
         stops = StopStrings(turn.sampling.stop)
         stream = self.engine.generate(request)
+        self.inflight.entered()
+        started = False
         try:
             async for event in stream:
-                if not turn.token_ids:
+                if not started:
                     self.metrics.first_token_latency.labels(turn.path).observe(time.perf_counter() - turn.started)
+                    self.inflight.started()
+                    started = True
                 turn.token_ids.append(event.token_id)
                 turn.logprobs.append(event.logprob)
                 turn.versions.append(event.version)
@@ -257,6 +270,7 @@ class OpenAIServing:
             # engines refuse input they cannot run (ids outside the vocabulary) before sampling
             raise APIError(400, f"the engine refused the request: {exc}", param=turn.prompt_param) from exc
         finally:
+            self.inflight.ended(started)
             await stream.aclose()
             if turn.finish_reason is not None and turn.token_ids:
                 self._log(turn)
@@ -310,18 +324,25 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Streamed:
+    async def chat(self, request: ChatCompletionRequest,
+                   disconnected: Disconnected | None = None) -> ChatCompletionResponse | Streamed:
+        """Answer a chat request; ``disconnected`` (returns when the client has gone) lets a client that
+        leaves before its answer (before the first token, for a stream) stop its generation."""
         self.check_request(request)
+        self.inflight.admit()  # before the tokenizer: an overloaded server refuses cheaply
         prefix, messages, keys = self._chat_prefix(request)
         turn = self._admit(request, "chat", prefix, template_messages=messages, message_keys=keys,
                            tools=request.active_tools())
-        return await self._serve(request, turn, CHAT_FORMAT)
+        return await self._serve(request, turn, CHAT_FORMAT, disconnected)
 
-    async def completion(self, request: CompletionRequest) -> CompletionResponse | Streamed:
+    async def completion(self, request: CompletionRequest,
+                         disconnected: Disconnected | None = None) -> CompletionResponse | Streamed:
+        """Answer a text completion request; ``disconnected`` as for :meth:`chat`."""
         self.check_request(request)
+        self.inflight.admit()
         prefix, text = self._completion_prefix(request)
         turn = self._admit(request, "completions", prefix, prompt_text=text)
-        return await self._serve(request, turn, COMPLETION_FORMAT)
+        return await self._serve(request, turn, COMPLETION_FORMAT, disconnected)
 
     def _logprobs(self, turn: Turn, fmt: AnswerFormat, start: int, end: int | None = None) -> BaseModel | None:
         """The endpoint's log-probs of the turn's tokens ``start:end`` when the client asked for them."""
@@ -331,17 +352,22 @@ class OpenAIServing:
                   zip(turn.token_ids[start:end], turn.logprobs[start:end], turn.alternatives[start:end])]
         return fmt.logprobs(tokens, _text_length(turn, self.token_texts, start))
 
-    async def _serve(self, request: SamplingRequest, turn: Turn, fmt: AnswerFormat) -> Answer | Streamed:
+    async def _serve(self, request: SamplingRequest, turn: Turn, fmt: AnswerFormat,
+                     disconnected: Disconnected | None) -> Answer | Streamed:
+        # admitted (InFlight.admit) with no await since: the bound held when _pieces counts it in
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             pieces = self._pieces(turn)
             # the engine takes the request (or refuses it: an APIError with its status) before any header
-            # goes out; the first piece stays in ``turn.text`` for the stream's first chunk
-            await anext(pieces, None)
+            # goes out; the first piece stays in ``turn.text`` for the stream's first chunk. Until then
+            # no response watches the client (it is not sent yet): ``disconnected`` does
+            with self.inflight.interruptible(turn, disconnected):
+                await anext(pieces, None)
             return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt, pieces))
-        async for _ in self._pieces(turn):
-            pass
-        await self._acknowledge(turn)
+        with self.inflight.interruptible(turn, disconnected):
+            async for _ in self._pieces(turn):
+                pass
+            await self._acknowledge(turn)
         reply = Reply(turn.content, turn.answer_finish_reason, self._logprobs(turn, fmt, 0),
                       turn.parsed.calls if turn.parsed else ())
         return fmt.answer(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, usage=turn.usage(),
@@ -350,7 +376,26 @@ class OpenAIServing:
 
     async def _events(self, turn: Turn, include_usage: bool, fmt: AnswerFormat,
                       pieces: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The stream's SSE lines; ``pieces`` is the turn's :meth:`_pieces`, already started."""
+        """The stream's SSE lines, ending with an error event when it fails or the shutdown cuts it.
+
+        Each line is awaited inside :meth:`InFlight.interruptible`, not the sending of it (an
+        interruption there could not be answered); the streaming response itself stops the stream
+        when its client disconnects."""
+        lines = self._lines(turn, include_usage, fmt, pieces)
+        try:
+            async with aclosing(lines):
+                while True:
+                    with self.inflight.interruptible(turn):
+                        line = await anext(lines, None)
+                    if line is None:
+                        break
+                    yield line
+        except Exception as exc:  # headers are sent: the error travels as an SSE event
+            yield sse(stream_error(exc))
+
+    async def _lines(self, turn: Turn, include_usage: bool, fmt: AnswerFormat,
+                     pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The stream's SSE lines from ``pieces`` (the turn's :meth:`_pieces`, already started) to ``[DONE]``."""
         def chunk(choice: BaseModel, final: bool = False) -> str:
             return sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name,
                                  interaction_id=turn.interaction_id, choices=[choice],
@@ -371,30 +416,27 @@ class OpenAIServing:
             sent_tokens, sent_text = len(turn.token_ids), ready
             return line
 
-        try:
-            if fmt.opening_choice is not None:
-                yield chunk(fmt.opening_choice())
-            async with aclosing(pieces):
-                if (line := ready_piece()) is not None:  # the piece read before the stream began
+        if fmt.opening_choice is not None:
+            yield chunk(fmt.opening_choice())
+        async with aclosing(pieces):
+            if (line := ready_piece()) is not None:  # the piece read before the stream began
+                yield line
+            async for _ in pieces:
+                if (line := ready_piece()) is not None:
                     yield line
-                async for _ in pieces:
-                    if (line := ready_piece()) is not None:
-                        yield line
-            if turn.parsed is not None:
-                rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
-                if rest:
-                    yield chunk(fmt.piece_choice(rest, self._logprobs(turn, fmt, sent_tokens)))
-                    sent_tokens = len(turn.token_ids)
-                for index, call in enumerate(turn.parsed.calls):
-                    yield chunk(fmt.tool_call_choice(index, call))
-            await self._acknowledge(turn)
-            yield chunk(fmt.final_choice(turn.answer_finish_reason, self._logprobs(turn, fmt, sent_tokens)), final=True)
-            if include_usage:
-                yield sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, choices=[],
-                                    usage=turn.usage(), interaction_id=turn.interaction_id))
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # headers are sent: the error travels as an SSE event
-            yield sse(stream_error(exc))
+        if turn.parsed is not None:
+            rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
+            if rest:
+                yield chunk(fmt.piece_choice(rest, self._logprobs(turn, fmt, sent_tokens)))
+                sent_tokens = len(turn.token_ids)
+            for index, call in enumerate(turn.parsed.calls):
+                yield chunk(fmt.tool_call_choice(index, call))
+        await self._acknowledge(turn)
+        yield chunk(fmt.final_choice(turn.answer_finish_reason, self._logprobs(turn, fmt, sent_tokens)), final=True)
+        if include_usage:
+            yield sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, choices=[],
+                                usage=turn.usage(), interaction_id=turn.interaction_id))
+        yield "data: [DONE]\n\n"
 
 
 def _canonical(tools: list[dict] | None) -> str | None:

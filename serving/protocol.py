@@ -54,6 +54,39 @@ def logging_unavailable(message: str) -> APIError:
                     headers={"Retry-After": str(LOGGING_RETRY_AFTER_S)})
 
 
+OVERLOAD_RETRY_AFTER_S = 1
+"""Seconds a client refused for overload is told to wait (Retry-After): a refusal costs the server next to
+nothing and a batch slot frees whenever any answer ends, so the wait is short; the openai client waits
+this long before each of its own retries (it honours Retry-After up to 60 s)."""
+SHUTDOWN_RETRY_AFTER_S = 1
+"""Seconds a client refused or cut by a shutdown is told to wait: its retry goes through the load
+balancer, which has already taken this replica out, to one that answers at once."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status counted for a request whose client left before its answer (nginx's convention; no client
+reads it, it tells the request metrics apart from answered requests)."""
+
+
+def server_overloaded(waiting: int) -> APIError:
+    """503 ``server_overloaded``: ``serving.max_waiting`` requests already wait for the engine."""
+    return APIError(503, f"the server is overloaded: {waiting} requests already wait for the engine "
+                         "(serving.max_waiting); retry later or elsewhere", type="service_unavailable",
+                    code="server_overloaded", headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
+
+
+def shutting_down(started: bool) -> APIError:
+    """503 ``server_shutting_down``: refused (not ``started``) or cut at the end of the shutdown's grace."""
+    message = ("the server is shutting down and cut this answer at the end of its grace period; retry" if started
+               else "the server is shutting down and did not start this request; retry")
+    return APIError(503, message, type="service_unavailable", code="server_shutting_down",
+                    headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+
+
+def client_disconnected() -> APIError:
+    """What a request whose client closed the connection ends with (never read: the client is gone)."""
+    return APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before the answer",
+                    code="client_disconnected")
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

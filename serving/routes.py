@@ -3,7 +3,9 @@
 The routes read and validate their bodies themselves (:func:`parse_body`), so
 every error keeps the OpenAI shape and the body-size limit applies while the
 body is read; :mod:`serving.openapi` documents the models FastAPI cannot see.
-Completion responses carry ``X-Interaction-Id``.
+Completion responses carry ``X-Interaction-Id``. ``/readyz`` answers 503 while the
+engine is not started, the interaction log refuses work or the server shuts down; not
+while the engine is saturated (see :func:`status_routes`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from serving.metrics import ServingMetrics
 from serving.openai_serving import OpenAIServing, Streamed
 from serving.answers import ChatCompletionResponse, CompletionResponse
 from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
+from serving.turn import Disconnected, InFlight
 
 INTERACTION_HEADER = "X-Interaction-Id"
 
@@ -79,18 +82,31 @@ def answer(result: ChatCompletionResponse | CompletionResponse | Streamed) -> Re
     return JSONResponse(result.model_dump(), headers={INTERACTION_HEADER: result.interaction_id})
 
 
+def until_disconnected(request: Request) -> Disconnected:
+    """What returns once ``request``'s client has closed the connection: with the body read, the
+    server's ``receive()`` answers nothing else (it waits until then, or until the response is sent)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
 def completion_routes(serving: OpenAIServing, authorize: Authorize) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        return answer(await serving.chat(await parse_body(request, ChatCompletionRequest, 400)))
+        body = await parse_body(request, ChatCompletionRequest, 400)
+        return answer(await serving.chat(body, until_disconnected(request)))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        return answer(await serving.completion(await parse_body(request, CompletionRequest, 400)))
+        body = await parse_body(request, CompletionRequest, 400)
+        return answer(await serving.completion(body, until_disconnected(request)))
 
     return router
 
@@ -108,8 +124,16 @@ def feedback_routes(feedback: FeedbackService, authorize: Authorize) -> APIRoute
 
 
 def status_routes(status: ServerStatus, engine: InferenceEngine, logger: InteractionLogger, metrics: ServingMetrics,
-                  authorize: Authorize) -> APIRouter:
-    """The served model, liveness, readiness and Prometheus metrics."""
+                  authorize: Authorize, inflight: InFlight) -> APIRouter:
+    """The served model, liveness, readiness and Prometheus metrics.
+
+    Readiness does not follow saturation: under a load spike every replica saturates together, and
+    readiness probes that failed on it would take all of them out of the load balancer at once (no
+    capacity left at all, and a probe period of delay each way). A saturated replica stays ready and
+    refuses only what exceeds ``serving.max_waiting`` (503 ``server_overloaded`` with Retry-After: the
+    client's retry may reach a replica with room); ``/readyz`` and ``/metrics`` show how much waits.
+    Readiness fails for what affects every request of this replica alone: the engine not started,
+    the log refusing work, the shutdown."""
     router = APIRouter()
 
     def card() -> ModelCard:
@@ -135,11 +159,14 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
 
     @router.get("/readyz")
     async def readyz() -> JSONResponse:
-        reason = "the engine is not started" if not status.ready else logger.refusal()
+        if inflight.draining:
+            reason = "the server is shutting down"
+        else:
+            reason = "the engine is not started" if not status.ready else logger.refusal()
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "policy_version": engine.policy_version,
-                             "spooling": logger.spooling})
+                             "spooling": logger.spooling, "waiting": inflight.waiting, "running": inflight.running})
 
     @router.get("/metrics")
     async def prometheus() -> Response:

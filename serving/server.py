@@ -2,20 +2,27 @@
 
 :func:`build_stack` is the wiring (also used by the integration tests and the
 benchmark, so they run what production runs); :func:`run_server` adds uvicorn
-and the shutdown order: uvicorn drains open requests, the app's lifespan stops
-the follower and the engine and flushes the interaction log (whatever the
-broker did not acknowledge within ``shutdown_flush_s`` stays in the spool for
-the next start), then the producer is closed. :class:`BackgroundServer` runs an
-app on uvicorn in a thread, for tests and benchmarks.
+and the shutdown order (SIGTERM or Ctrl-C): uvicorn stops listening and the app
+stops admitting (:class:`DrainingServer`: requests that sampled nothing yet are
+answered 503 with Retry-After at once, so their clients retry on another
+replica), answers already sampling may finish for :data:`SHUTDOWN_GRACE_S` less
+:data:`CUT_MARGIN_S` and are then cut (503, or a stream's error event), the app's
+lifespan stops the follower and the engine and flushes the interaction log
+(whatever the broker did not acknowledge within ``shutdown_flush_s`` stays in the
+spool for the next start), then the producer is closed and, after a SIGTERM, the
+process exits 0. :class:`BackgroundServer` runs an app on uvicorn in a thread,
+for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -33,6 +40,14 @@ from streams.tail import iter_records_since
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_GRACE_S = 30
+"""uvicorn's graceful shutdown: how long requests may go on after SIGTERM before uvicorn cancels what is
+left. The Kubernetes manifest budgets its pod's terminationGracePeriodSeconds (50) for preStop (5 s),
+this, and the log's flush (serving.shutdown_flush_s, 10 s) (docs/deploy/k8s/serving.yaml)."""
+CUT_MARGIN_S = 2.0
+"""The app cuts what still runs this long before uvicorn's grace ends, so that the cut answers (a 503
+body, a stream's error event) and the aborted records are written before uvicorn cancels their tasks
+(a cancelled task answers a bare 500, or drops its stream without an error event)."""
 READBACK_TIMEOUT_S = 30.0
 """Longest wait for the next record while the topics are read back after a restart
 (serving.spool_readback); a read back that stalls is tried again, and nothing is sent meanwhile."""
@@ -141,6 +156,48 @@ def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: In
     return ServingStack(app, engine, logger, producer, metrics, tokenizer, follower)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that tells the app when it begins to shut down: ``on_shutdown(cut_after_s)``
+    (:meth:`serving.turn.InFlight.begin_shutdown`, the seconds the app has before it must cut what
+    still runs, None without a limit) is called before uvicorn waits for the open requests, which
+    ASGI itself has no message for (the lifespan's shutdown comes only after them)."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[float | None], None] | None):
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._on_shutdown is not None:
+            grace = self.config.timeout_graceful_shutdown
+            self._on_shutdown(None if grace is None else max(0.0, grace - CUT_MARGIN_S))
+        await super().shutdown(sockets)
+
+
+def draining_server(app: FastAPI, **config) -> DrainingServer:
+    """``app`` (one of :func:`serving.app.build_app`, or any other) on a :class:`DrainingServer`."""
+    inflight = getattr(app.state, "inflight", None)
+    return DrainingServer(uvicorn.Config(app, **config), None if inflight is None else inflight.begin_shutdown)
+
+
+def serve_until_stopped(server: uvicorn.Server) -> None:
+    """Run ``server`` (blocking) on this thread; a SIGTERM ends it gracefully and returns, as Ctrl-C
+    does apart from the KeyboardInterrupt. uvicorn raises the signal it caught again once it has shut
+    down, which with the default handler would kill the process before the caller's cleanup (closing
+    the producer) and exit with the signal's status instead of 0."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        server.run()
+        return
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    """The SIGTERM uvicorn raises again after its graceful shutdown: already handled."""
+
+
 def run_server(cfg: Config, model_dir: Path) -> int:
     """Serve the Hugging Face model in ``model_dir`` until interrupted; returns the exit code. The
     caller holds the spool directory (:func:`serving.spool_lock.exclusive_spool`)."""
@@ -149,16 +206,16 @@ def run_server(cfg: Config, model_dir: Path) -> int:
     check_exposure(cfg.serving)
     backend = KafkaBackend(cfg.kafka)
     stack = build_stack(cfg, model_dir, backend, follower_factory=follower_factory(cfg, backend))
-    server = uvicorn.Server(uvicorn.Config(stack.app, host=cfg.serving.host, port=cfg.serving.port,
-                                           log_level="info", timeout_graceful_shutdown=30,
-                                           timeout_keep_alive=cfg.serving.keep_alive_s))
+    server = draining_server(stack.app, host=cfg.serving.host, port=cfg.serving.port, log_level="info",
+                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S, timeout_keep_alive=cfg.serving.keep_alive_s)
     try:
-        server.run()  # uvicorn raises the Ctrl-C it caught again once it has shut down
+        serve_until_stopped(server)  # uvicorn raises the Ctrl-C it caught again once it has shut down
     finally:
         if stack.logger.spool_records == 0:
             stack.producer.close()
         # else: records the producer still holds are also in the spool; leaving it unclosed lets
         # the process exit now instead of waiting out the producer's delivery timeout.
+        log.info("serving stopped")
     return 0
 
 
@@ -176,11 +233,13 @@ def follower_factory(cfg: Config, backend: StreamBackend):
 
 
 class BackgroundServer:
-    """An app on uvicorn in a daemon thread (tests, benchmarks); ``port=0`` picks a free port."""
+    """An app on uvicorn in a daemon thread (tests, benchmarks); ``port=0`` picks a free port. It shuts
+    down as ``online-sao serve`` does (:class:`DrainingServer`), with ``grace_s`` for open requests."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, keep_alive_s: float = 65.0):
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive_s))
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, keep_alive_s: float = 65.0,
+                 grace_s: float = 10.0):
+        self._server = draining_server(app, host=host, port=port, log_level="warning",
+                                       timeout_graceful_shutdown=grace_s, timeout_keep_alive=keep_alive_s)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self.host = host
 
@@ -204,7 +263,8 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Graceful: open requests finish, then the app's lifespan shuts down (flushing the log)."""
+        """Graceful, as after a SIGTERM: requests not started are refused (503), answers being sampled finish
+        (or are cut at the end of ``grace_s``), then the app's lifespan shuts down (flushing the log)."""
         self._server.should_exit = True
         self._thread.join(timeout_s)
         if self._thread.is_alive():

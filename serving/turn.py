@@ -1,12 +1,17 @@
-"""One admitted completion request while it is served: what it asked for and what was sampled."""
+"""One admitted completion request while it is served (what it asked for, what was sampled) and what
+the server has in flight: the admission bound, client disconnects and shutdown (:class:`InFlight`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from online_sao.schemas import SamplingParams
 from serving.answers import UsageInfo
+from serving.protocol import APIError, client_disconnected, server_overloaded, shutting_down
 from serving.receipt import Receipt
 from serving.tool_calls import ParsedAnswer
 from serving.trajectories import TrajectoryPrefix
@@ -86,3 +91,144 @@ class Turn:
         prompt = len(self.prefix.engine_prompt)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=len(self.token_ids),
                          total_tokens=prompt + len(self.token_ids))
+
+
+Disconnected = Callable[[], Awaitable[None]]
+"""Returns (is awaited to completion) when the request's client has closed its connection."""
+
+
+@dataclass(eq=False)
+class _Section:
+    """A stretch of one request's task that :class:`InFlight` may interrupt (:meth:`InFlight.interruptible`)."""
+
+    turn: Turn
+    task: asyncio.Task
+    cancelling: int
+    """The task's cancel requests when the section began (other cancellers' requests stay theirs)."""
+    error: APIError | None = None
+    """Why it was stopped: what the section ends with."""
+    open: bool = True
+
+
+class InFlight:
+    """What the server has taken on: generation requests queued for a batch slot and holding one, the
+    admission bound (``serving.max_waiting``), and the interruptions a request may meet while it waits
+    for the engine or its log: its client leaving, the server shutting down.
+
+    Counted here, not read from an engine: every engine (torch, vLLM, a canary pair, the tests' fakes)
+    is then bounded alike, and a request whose client left stops counting at once, while an engine
+    drops it only at its next step. A request that has not sampled a token holds one of the batch's
+    ``slots`` left free by those sampling (it is being prefilled), else it is queued for one.
+
+    Interruptions cancel the request's task while it is inside :meth:`interruptible` (what it awaits
+    there is the engine's stream or its record's durability): the engine's stream is closed (the
+    sequence leaves the batch at its next step; what it sampled is logged with ``finish_reason``
+    ``abort``) and the section ends with the interruption's :class:`APIError`, which the request still
+    answers. Cancelling, rather than racing each await against the interruptions, keeps the token path
+    free of extra tasks.
+    """
+
+    def __init__(self, max_waiting: int, slots: int):
+        self.max_waiting = max_waiting
+        self.slots = slots
+        """The engine's batch (``serving.max_batch_size``)."""
+        self.unstarted = 0
+        """Admitted generation requests that have not sampled a token yet."""
+        self.sampling = 0
+        """Generation requests that sampled a token and have not finished."""
+        self.draining = False
+        """The server is shutting down: nothing new is admitted, nothing not started is started."""
+        self.cut = False
+        """The shutdown's grace is over: what still runs is cut."""
+        self._sections: set[_Section] = set()
+
+    @property
+    def _free_slots(self) -> int:
+        return max(0, self.slots - self.sampling)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a batch slot: not started, beyond the slots free of sampling ones."""
+        return max(0, self.unstarted - self._free_slots)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a batch slot: sampling, or being prefilled."""
+        return self.sampling + min(self.unstarted, self._free_slots)
+
+    def admit(self) -> None:
+        """Raise the 503 that refuses a new request now (shutting down, or ``max_waiting`` queued)."""
+        if self.draining:
+            raise shutting_down(started=False)
+        if self.waiting >= self.max_waiting:
+            raise server_overloaded(self.waiting)
+
+    def entered(self) -> None:
+        """An admitted request was handed to the engine."""
+        self.unstarted += 1
+
+    def started(self) -> None:
+        """A request sampled its first token."""
+        self.unstarted -= 1
+        self.sampling += 1
+
+    def ended(self, started: bool) -> None:
+        """A request left the engine (finished, failed or cancelled), after its first token or before."""
+        if started:
+            self.sampling -= 1
+        else:
+            self.unstarted -= 1
+
+    @contextmanager
+    def interruptible(self, turn: Turn, disconnected: Disconnected | None = None) -> Iterator[None]:
+        """Run the body (in the request's task) so that a shutdown, or the client's disconnect when
+        ``disconnected`` is given, interrupts it with its 503 or 499 :class:`APIError`; raised at once
+        when the interruption came before (the shutdown's, between two lines of a stream)."""
+        if self.cut or (self.draining and not turn.token_ids):
+            raise shutting_down(started=bool(turn.token_ids))
+        task = asyncio.current_task()
+        section = _Section(turn, task, task.cancelling())
+        self._sections.add(section)
+        watcher = None if disconnected is None else asyncio.ensure_future(self._stop_on(disconnected, section))
+        try:
+            yield
+        except asyncio.CancelledError:
+            # ours, and no one else's cancel pending: answer it; else it goes on as the cancel it is
+            if section.error is None or task.uncancel() > section.cancelling:
+                raise
+            raise section.error from None
+        finally:
+            section.open = False
+            self._sections.discard(section)
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _stop_on(self, disconnected: Disconnected, section: _Section) -> None:
+        await disconnected()
+        self._stop(section, client_disconnected())
+
+    def _stop(self, section: _Section, error: APIError) -> None:
+        # the section's task is suspended inside it (this runs on another task or a timer of the same
+        # loop, and a section leaves the set before its task next awaits): the cancel lands there
+        if section.open and section.error is None:
+            section.error = error
+            section.task.cancel()
+
+    def begin_shutdown(self, cut_after_s: float | None) -> None:
+        """(event loop) Stop admitting; answer the requests that sampled nothing yet with 503 now (a client
+        retries them elsewhere at once); let the others run for ``cut_after_s`` (None: as long as they
+        take), then cut them (503, or a stream's error event), so each gets an answer before the server's
+        own grace ends and it drops whatever is left."""
+        if self.draining:
+            return
+        self.draining = True
+        for section in list(self._sections):
+            if not section.turn.token_ids:
+                self._stop(section, shutting_down(started=False))
+        if cut_after_s is not None:
+            asyncio.get_running_loop().call_later(cut_after_s, self._cut)
+
+    def _cut(self) -> None:
+        self.cut = True
+        for section in list(self._sections):
+            self._stop(section, shutting_down(started=bool(section.turn.token_ids)))

@@ -10,6 +10,10 @@ from pydantic import Field, SecretStr, model_validator
 from online_sao.config.base import Section
 
 
+DEFAULT_WAITING_PER_SLOT = 4
+"""Default ``serving.max_waiting`` per batch slot: a queue of a few answer times at most (see the field)."""
+
+
 class ServingConfig(Section):
     host: str = "127.0.0.1"
     """Bind address of the HTTP endpoint."""
@@ -33,6 +37,15 @@ class ServingConfig(Section):
     (token-bucket size)."""
     max_batch_size: int = Field(16, ge=1)
     """Sequences decoded together (continuous batching)."""
+    max_waiting: int | None = Field(None, ge=0)
+    """Generation requests queued for a batch slot (admitted, no token sampled yet, beyond the slots
+    ``max_batch_size`` leaves free), at most; a new one beyond it is refused at once, before its prompt
+    is tokenised or anything logged, with 503 ``server_overloaded`` and ``Retry-After``, so that its
+    client (through its retry, or the load balancer) tries later or elsewhere instead of waiting in an
+    unbounded queue. None (default): 4 x ``max_batch_size``: the last request queued waits about four
+    answer times for a slot (one frees every answer time / ``max_batch_size``), and the queue refills
+    the whole batch four times over through a burst. 0 queues nothing: a full batch refuses. Counted
+    by serving for every engine (``sao_serving_engine_waiting``)."""
     max_prefill_tokens: int = Field(8192, ge=1)
     """Torch engine: padded prompt positions (requests x longest prompt) one prefill forward may
     hold. Requests admitted in the same round are prefilled together up to this bound, in order;
@@ -128,6 +141,11 @@ class ServingConfig(Section):
     monitor_window: int = Field(256, ge=1)
     """Newest answers over which serving computes its monitor gauges (mean length, repetition of
     ``deploy.monitor_ngram``-grams) for ``/metrics``."""
+
+    @property
+    def waiting_bound(self) -> int:
+        """``max_waiting``, or its default of 4 x ``max_batch_size``."""
+        return self.max_waiting if self.max_waiting is not None else DEFAULT_WAITING_PER_SLOT * self.max_batch_size
 
     @model_validator(mode="after")
     def _compile_fits_the_engine(self) -> "ServingConfig":

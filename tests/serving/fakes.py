@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -42,7 +43,9 @@ class FakeEngine:
 
     Token i has log-probability ``-0.1 * (i + 1)`` and the engine's current version.
     A stop token ends the answer with 'stop'; ``max_tokens`` with 'length'. ``delay_s``
-    pauses before each token (to test disconnects and concurrency).
+    pauses before each token (to test disconnects and concurrency). ``slots`` bounds the answers
+    sampled at once (the others queue before their first token, like a full batch), and an answer
+    holds after ``hold_after`` tokens until ``release`` is set (or it is cancelled).
     """
 
     def __init__(self, script: list[int], stop_ids: frozenset[int] = frozenset(), delay_s: float = 0.0):
@@ -57,6 +60,16 @@ class FakeEngine:
         """Raised when a request arrives, before any token."""
         self.fail_after: tuple[int, Exception] | None = None
         """``(n, error)``: raised after the n-th token of an answer (a failure once a stream began)."""
+        self.slots: int | None = None
+        """Answers sampled at once, at most (None: no bound); set before the first request."""
+        self.queued = 0
+        """Requests waiting for a slot."""
+        self.hold_after: int | None = None
+        """Tokens after which an answer waits for ``release``."""
+        self.holding = 0
+        """Answers waiting for ``release`` now."""
+        self.release = threading.Event()
+        self._semaphore: asyncio.Semaphore | None = None
 
     @property
     def policy_version(self) -> int:
@@ -68,18 +81,47 @@ class FakeEngine:
             raise self.fail_with
         self.open_streams += 1
         try:
-            for i, token in enumerate(self.script):
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
-                last = i + 1 == request.sampling.max_tokens or i + 1 == len(self.script)
-                finish = "stop" if token in request.stop_token_ids else ("length" if last else None)
-                yield TokenEvent(token, -0.1 * (i + 1), self.version, finish)
-                if finish is not None:
-                    return
-                if self.fail_after is not None and i + 1 == self.fail_after[0]:
-                    raise self.fail_after[1]
+            async with self._slot():
+                for i, token in enumerate(self.script):
+                    if i == self.hold_after:
+                        await self._hold()
+                    if self.delay_s:
+                        await asyncio.sleep(self.delay_s)
+                    last = i + 1 == request.sampling.max_tokens or i + 1 == len(self.script)
+                    finish = "stop" if token in request.stop_token_ids else ("length" if last else None)
+                    yield TokenEvent(token, -0.1 * (i + 1), self.version, finish)
+                    if finish is not None:
+                        return
+                    if self.fail_after is not None and i + 1 == self.fail_after[0]:
+                        raise self.fail_after[1]
         finally:
             self.open_streams -= 1
+
+    @contextlib.asynccontextmanager
+    async def _slot(self):
+        """One of ``slots`` while the answer is sampled (nothing without a bound)."""
+        if self.slots is None:
+            yield
+            return
+        if self._semaphore is None:  # made on the server's loop
+            self._semaphore = asyncio.Semaphore(self.slots)
+        self.queued += 1
+        try:
+            await self._semaphore.acquire()
+        finally:
+            self.queued -= 1
+        try:
+            yield
+        finally:
+            self._semaphore.release()
+
+    async def _hold(self) -> None:
+        self.holding += 1
+        try:
+            while not self.release.is_set():  # a threading.Event: the test thread sets it
+                await asyncio.sleep(0.01)
+        finally:
+            self.holding -= 1
 
     def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
         applied = force or version > self.version

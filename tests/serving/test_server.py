@@ -1,7 +1,13 @@
-"""The wiring of ``online-sao serve``: stop tokens, the lazy producer, exposure rules, swap metrics."""
+"""The wiring of ``online-sao serve``: stop tokens, the lazy producer, exposure rules, swap metrics, SIGTERM."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -58,3 +64,48 @@ def test_swap_outcomes_are_counted():
     assert 'sao_serving_weight_swaps_total{outcome="not_applied"} 1.0' in text
     assert "sao_serving_swap_stall_seconds_count 1.0" in text
     assert "sao_serving_swap_load_seconds_count 2.0" in text
+
+
+SERVE = """
+import logging, sys
+from pathlib import Path
+
+import streams.kafka_backend
+from online_sao.config import load_config
+from serving.server import run_server
+from streams.memory import InMemoryBackend
+
+
+def backend(cfg):  # no broker here: an in-memory one with the topics, as run_server would find them
+    memory = InMemoryBackend(cfg)
+    memory.ensure_topics()
+    return memory
+
+
+logging.basicConfig(level=logging.INFO)
+streams.kafka_backend.KafkaBackend = backend
+cfg = load_config(environ={}, overrides={"paths.data_dir": sys.argv[1], "serving.port": int(sys.argv[2])})
+sys.exit(run_server(cfg, Path(sys.argv[3])))
+"""
+"""``online-sao serve``'s run_server in a process of its own, so that the SIGTERM is a real one."""
+
+
+def test_a_sigterm_stops_serving_gracefully_runs_its_cleanup_and_exits_0(tmp_path, tiny_model_dir, free_port):
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(tmp_path), str(free_port), str(tiny_model_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, ready = time.monotonic() + 120, False
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{free_port}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert ready and proc.poll() is None, "serving did not become ready"
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output
+    assert "serving stopped" in output  # run_server's cleanup after uvicorn, which the signal used to skip

@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         broker, kafka = start_broker(base_cfg, workdir)
         bootstrap = kafka.bootstrap
     raw = {"paths": {"data_dir": str(workdir / "data")}, "model": {"path": str(model_dir)},
-           "kafka": {"bootstrap_servers": bootstrap}, "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
+           "kafka": {"bootstrap_servers": bootstrap}, "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+                                                              "log_every_steps": 1}}  # reads each step's history
     for key, value in parse_overrides(args.set).items():
         nest(raw, key.split("."), value)
     config_file = workdir / "learner.yaml"

@@ -4,7 +4,8 @@ store and the MLflow run, and the books it keeps about each step.
 The other ranks train; rank 0 also reads Kafka (:class:`~trainer.feed.Feed`),
 writes the ledger and checkpoints (:class:`~trainer.checkpoint.Checkpointer`),
 puts policy versions out and meets the registry (:class:`~trainer.publisher.Releases`),
-and logs each cycle to MLflow (:class:`~trainer.tracking.RunTracker`).
+and logs its cycles to MLflow (:class:`~trainer.tracking.RunTracker`, every
+``mlflow.log_every_steps`` steps) and to its Prometheus exporter (every step).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class RankZero:
                     len(rollouts), self.counters["skipped_nonfinite_steps"])
 
     def end_cycle(self, at: Position, rollouts: list[Rollout], metrics: dict[str, float], laps: Laps) -> None:
-        """Log the cycle (MLflow and a line); the idle timeout counts from now."""
+        """Log the cycle (Prometheus, a line, and MLflow's window: :meth:`RunTracker.log_step`); the
+        idle timeout counts from now."""
         joiner = self.feed.joiner
         cycle_s = laps.total
         tokens = sum(r.num_action_tokens for r in rollouts)
@@ -153,15 +155,16 @@ class RankZero:
             self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
                                {k.removeprefix("monitor_"): v for k, v in monitors.items()}, self.counters)
             self.exporter.keeping_up(keeping_up)
-        self.tracker.log_metrics({
-            **metrics, **joiner.counters.metrics(), **self.counters,
-            "policy_version": float(at.version), "step_time_s": laps.seconds["step"],
+        self.tracker.log_step(at.step, averaged={  # the step's own figures: their mean over the window
+            **metrics, "step_time_s": laps.seconds["step"],
             "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],
             "checkpoint_write_s": self.writer.write_s, "checkpoint_blocked_s": self.writer.blocked_s,
             "rollouts_per_s": len(rollouts) / cycle_s, "tokens_per_s": tokens / cycle_s,
-            "data_wait_share": laps.seconds["wait"] / cycle_s, **keeping_up.metrics(),
-            **monitors, **self.segments.metrics(),
-        }, step=at.step)
+            "data_wait_share": laps.seconds["wait"] / cycle_s,
+        }, latest={  # counts so far and readings at the cycle's end: the newest
+            **joiner.counters.metrics(), **self.counters, "policy_version": float(at.version),
+            **keeping_up.metrics(), **monitors, **self.segments.metrics(),
+        })
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
                  "unread %d interactions %d rewards, data %.1f s old; segments %s", at.step, at.version,
                  len(rollouts), metrics.get("reward_mean", math.nan), metrics.get("kept_frac", math.nan),

@@ -14,6 +14,14 @@ gives a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 Tags on the registry version record the policy version, checksum, weight-store
 location, and the evidence of the promotion decision.
 
+Retention: after each registration the model directories of registered versions that are
+neither among the newest ``mlflow.keep_registered_artifacts`` nor hold an alias are deleted
+from the artifacts (:meth:`RunTracker.prune_registered`); their registry versions and tags stay,
+tagged ``weights_pruned=true``.
+
+Metrics: :meth:`RunTracker.log_step` gathers the learner's cycles and logs them every
+``mlflow.log_every_steps`` steps (:class:`StepWindow`); :meth:`RunTracker.log_metrics` logs at once.
+
 Promotion: a new registration takes the ``candidate`` alias. The learner decides on it
 (:class:`trainer.publisher.Releases`: the off-policy gate and the monitors) and calls
 :meth:`RunTracker.record_decision`, which writes the evidence as ``gate.*`` and
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -42,6 +51,7 @@ import fsspec
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
 from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
@@ -53,6 +63,12 @@ log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
+WEIGHTS_PRUNED = "weights_pruned"
+"""Tag of a registry version: ``false`` while its model directory is in the artifacts, ``true``
+once retention deleted it (download it no more; its weights may still be in the weight store)."""
+RETENTION_MARKED = "weights_pruned_marked"
+"""Tag of the registered model: every version registered before retention existed carries
+:data:`WEIGHTS_PRUNED` (set once, by the first learner that prunes)."""
 WEIGHTS_FILE = "model.safetensors"
 """Name of the weights inside a registered artifact directory (what transformers loads)."""
 MAX_PARAM_LENGTH = 6000
@@ -79,7 +95,44 @@ TRACKING_RETRY_S = 5.0
 """Pause between two attempts while the MLflow server does not answer (a registry call waits; the
 metrics are sent at the next step at least this long after the last failure)."""
 UNLOGGED_STEPS_MAX = 10_000
-"""Steps of metrics kept while MLflow does not answer (the oldest are dropped beyond, and counted)."""
+"""Logged steps of metrics kept while MLflow does not answer (the oldest are dropped beyond, and
+counted); a logged step covers ``mlflow.log_every_steps`` learner steps."""
+
+
+class StepWindow:
+    """The learner's cycles since the last log to MLflow (``mlflow.log_every_steps``): the mean
+    of each per-step figure over the steps that gave a number for it (NaN: none did), and the
+    newest readings. With one step per window it logs what the step gave."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        """The newest step gathered (None: nothing since the last log)."""
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        """Steps that gave a number (not NaN) for each averaged figure."""
+        self._latest: dict[str, float] = {}
+
+    def add(self, step: int, averaged: dict[str, float], latest: dict[str, float]) -> None:
+        self.step = step
+        for key, value in averaged.items():
+            value = float(value)
+            self._sums.setdefault(key, 0.0)
+            self._counts.setdefault(key, 0)
+            if not math.isnan(value):
+                self._sums[key] += value
+                self._counts[key] += 1
+        self._latest = {k: float(v) for k, v in latest.items()}
+
+    def take(self) -> tuple[int, dict[str, float]] | None:
+        """(the newest step, the window's metrics), and the window starts afresh; None if empty."""
+        if self.step is None:
+            return None
+        means = {k: self._sums[k] / n if (n := self._counts[k]) else math.nan for k in self._sums}
+        taken = self.step, {**means, **self._latest}
+        self.step, self._sums, self._counts, self._latest = None, {}, {}, {}
+        return taken
+
+
 def _waiting(what: str):
     """A registry method that waits for an MLflow server that does not answer (``RunTracker._answered``)."""
     def wrap(method):
@@ -105,6 +158,11 @@ class RunTracker:
         self.unlogged_dropped = 0
         """Steps of metrics dropped beyond :data:`UNLOGGED_STEPS_MAX` during an outage."""
         self._next_metrics_try = 0.0
+        self._window = StepWindow()
+        self._pruning_refused = False
+        """The artifact store refused a deletion: retention is off until the learner restarts."""
+        self._marked = False
+        """Every registered version carries :data:`WEIGHTS_PRUNED` (see :meth:`_mark_unmarked`)."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
         self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
 
@@ -191,6 +249,19 @@ class RunTracker:
         if time.monotonic() >= self._next_metrics_try:
             self._send_unlogged()
 
+    def log_step(self, step: int, averaged: dict[str, float], latest: dict[str, float]) -> None:
+        """One learner cycle's metrics, logged at every ``mlflow.log_every_steps``-th step with the
+        cycles since (:class:`StepWindow`: the mean of ``averaged``, the newest ``latest``); the
+        rest at :meth:`close`."""
+        self._window.add(step, averaged, latest)
+        if step % self.cfg.mlflow.log_every_steps == 0:
+            self._log_window()
+
+    def _log_window(self) -> None:
+        taken = self._window.take()
+        if taken is not None:
+            self.log_metrics(taken[1], step=taken[0])
+
     @property
     def unlogged_steps(self) -> int:
         """Steps of metrics waiting for the server to answer."""
@@ -222,6 +293,7 @@ class RunTracker:
         the log, with what it missed, and the run is left as it is."""
         if self._closed:
             return
+        self._log_window()  # the steps since the last log (kept like any other during an outage)
         try:
             self._answered("sending the kept metrics", self._send_all_unlogged, wait=False)
             self._answered("ending the MLflow run", lambda: self.client.set_terminated(self.run_id, status),
@@ -272,14 +344,20 @@ class RunTracker:
                 return None
             raise
 
-    @_waiting("registering a policy version")
     def register(self, ref: WeightsRef, recent_reward: float) -> str:
-        """Register published weights as a new registry version with the ``candidate`` alias.
+        """Register published weights as a new registry version with the ``candidate`` alias, then
+        prune the artifacts of older versions (:meth:`prune_registered`).
 
         ``recent_reward`` is the reward of the policy as known at registration (a tag);
         the promotion decision rests on the evidence passed to :meth:`record_decision`.
         Returns the registry version number (a string, as MLflow numbers them).
         """
+        version = self._register(ref, recent_reward)
+        self.prune_registered()
+        return version
+
+    @_waiting("registering a policy version")
+    def _register(self, ref: WeightsRef, recent_reward: float) -> str:
         artifact_path = f"policy/v{ref.version:08d}"
         with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
             self._stage_artifact(ref, Path(tmp))
@@ -287,11 +365,68 @@ class RunTracker:
         self._ensure_registered_model()
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
         tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
-                "reward_at_registration": repr(float(recent_reward))}
+                "reward_at_registration": repr(float(recent_reward)), WEIGHTS_PRUNED: "false"}
         version = self.client.create_model_version(self.model_name, source, run_id=self.run_id, tags=tags,
                                                    description=f"policy version {ref.version}")
         self.client.set_registered_model_alias(self.model_name, CANDIDATE, version.version)
         return str(version.version)
+
+    def prune_registered(self) -> None:
+        """Delete the model directories of registered versions other than the newest
+        ``mlflow.keep_registered_artifacts`` and those holding an alias, and tag their versions
+        ``weights_pruned=true`` (the versions and their other tags stay). Never waits: an MLflow
+        server that does not answer leaves it to the next registration. An artifact store that
+        refuses a deletion (an HTTP error from a proxied server, a file it may not remove) is
+        named in one warning, and retention stays off until the learner restarts; training goes on."""
+        if self._pruning_refused:
+            return
+        try:
+            self._answered("pruning the registered artifacts", self._prune, wait=False)
+        except TrackingUnavailable as exc:
+            log.warning("%s; the registered artifacts are pruned at the next registration", exc)
+        except OSError as exc:  # requests.HTTPError is one: the proxied server answered with a refusal
+            self._pruning_refused = True
+            log.warning("registry retention is off until the learner restarts: the artifact store refused to "
+                        "delete a registered model directory (%s: %s); MLflow's artifacts keep one model per "
+                        "registration meanwhile", type(exc).__name__, str(exc)[:300])
+
+    def _prune(self) -> None:
+        model = self.client.get_registered_model(self.model_name)
+        if not self._marked and model.tags.get(RETENTION_MARKED) != "true":
+            self._mark_unmarked()
+        self._marked = True
+        aliased = {str(version) for version in model.aliases.values()}
+        stored = sorted(self._search(f"{WEIGHTS_PRUNED} = 'false'"), key=lambda v: int(v.version), reverse=True)
+        for found in stored[self.cfg.mlflow.keep_registered_artifacts:]:
+            if str(found.version) in aliased:
+                continue
+            source = found.source.rstrip("/")
+            if not source.endswith(f"/policy/v{int(found.tags.get('policy_version', -1)):08d}"):
+                continue  # not a directory this learner copied: not ours to delete
+            parent, name = source.rsplit("/", 1)
+            get_artifact_repository(parent, tracking_uri=self.cfg.mlflow_uri).delete_artifacts(name)
+            self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "true")
+            log.info("registry: the model directory of version %s (policy v%s) deleted from the artifacts",
+                     found.version, found.tags.get("policy_version"))
+
+    def _mark_unmarked(self) -> None:
+        """Tag ``weights_pruned=false`` on versions registered before retention existed (once for
+        the registered model: the registry is read whole), so that pruning finds them by the tag."""
+        for found in self._search():
+            if WEIGHTS_PRUNED not in found.tags and "policy_version" in found.tags:
+                self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "false")
+        self.client.set_registered_model_tag(self.model_name, RETENTION_MARKED, "true")
+
+    def _search(self, tag_filter: str | None = None) -> list:
+        """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
+        query = f"name = '{self.model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
+        found, token = [], None
+        while True:
+            page = self.client.search_model_versions(query, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
 
     @_waiting("recording the gate's decision")
     def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef) -> None:

@@ -92,3 +92,24 @@ class MLflowConfig(Section):
     register_every: int = Field(10, ge=1)
     """Register every M-th published version as 'candidate'; the previous candidate is decided on
     first (``deploy``: the gate and the monitors)."""
+    keep_registered_artifacts: int = Field(5, ge=1)
+    """Registered versions whose model directory stays in MLflow's artifacts: the newest N, plus
+    every version holding an alias (``candidate``, ``champion``, or one an operator set to keep a
+    version). After each registration the learner deletes the model directories of the others
+    and tags their registry versions ``weights_pruned=true``; the versions and their tags (the
+    deploy decisions' record) stay. Each registration copies a whole model into the artifacts
+    (4 MB on the default model, GBs on an LLM): unpruned, the default model at 1 step/s filled
+    37 GB a day. At least 1; the default 5 leaves the last few candidates to roll back to by hand
+    (docs/DEPLOY.md, "Registry retention")."""
+    log_every_steps: int = Field(10, ge=1)
+    """Log the learner's cycle metrics to MLflow at every N-th step (the steps that are multiples
+    of N) and, for the steps since, when the learner stops: the step's own figures (its metrics,
+    times and rates; a 0/1 flag such as ``drift_alarm`` becomes the share of steps it was set on)
+    as their mean over the steps since the last log (NaN left out; NaN when no step had a
+    number), the readings taken at a cycle's end (counters, ``policy_version``, the monitors,
+    keeping-up, segments) as the newest. A logged step is about 91 metric rows, 50 KB of
+    tracking database: logged every step at 1 step/s that filled a 10 Gi PostgreSQL in two days.
+    Prometheus (``trainer.metrics_port``) still reads every step; a registry decision's
+    ``registry_monitor_*`` and pre-training metrics are logged when they happen. A learner
+    killed (not stopped) loses the steps not yet logged. 1 logs every step (the experiments:
+    their summaries count the learner's steps in MLflow)."""

@@ -95,6 +95,7 @@ BASE_OVERRIDES: dict[str, Any] = {
     "trainer.poll_timeout_s": 0.1,
     "trainer.keep_versions": 10_000,  # every published version stays readable for the finiteness check
     "mlflow.register_every": 100_000,
+    "mlflow.log_every_steps": 1,  # the scenarios read each step's metrics
 }
 """Small, quick settings every fault scenario starts from (a scenario's overrides win)."""
 

@@ -53,7 +53,7 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
         "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4, "trainer.max_wait_s": None,
         "trainer.poll_timeout_s": 0.1,
         "trainer.consumer_group": f"learner-{tmp_path.name}", "algorithm.policy_lr": 1e-3,
-        "mlflow.register_every": 2,
+        "mlflow.register_every": 2, "mlflow.log_every_steps": 1,  # each step's metrics are checked
     })
     topics = cfg.kafka.topics
     backend = KafkaBackend(cfg.kafka)

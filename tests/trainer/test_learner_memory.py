@@ -243,7 +243,8 @@ def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_pa
     # one partition, 4 rollouts per step: rewards 1.0 for two steps, then 0.0 for two. With windows of
     # 8 and 4 the test first runs on step 3 (reference 1,...,1 | recent 0,0,0,0: drop 1, se 0 -> alarm)
     cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 100,
-                                               "drift.enabled": True, "drift.reference": 8, "drift.recent": 4})
+                                               "drift.enabled": True, "drift.reference": 8, "drift.recent": 4,
+                                               "mlflow.log_every_steps": 1})  # each step's alarm is checked
     topics = cfg.kafka.topics
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
@@ -390,3 +391,39 @@ def test_a_champion_whose_weights_are_gone_is_decided_on_as_none(tmp_path, tiny_
                if v.tags.get("gate.champion_weights_missing") == f"v{champion.tags['policy_version']}"]
     assert len(decided) == 1 and decided[0].tags["gate.decision"] == "no_champion"
     assert client.get_model_version_by_alias(name, "champion").version == decided[0].version
+
+
+def test_a_learner_keeps_mlflow_bounded_model_directories_and_metrics_every_n_steps(tmp_path, tiny_model_dir):
+    """Seven steps of 4 rollouts (rewards 0.0, 0.1, ..., 2.7 in order), every version registered,
+    ``mlflow.keep_registered_artifacts`` 1, ``mlflow.log_every_steps`` 3: the artifacts hold the
+    champion's and the newest model directory, the other versions are tagged pruned; the cycles
+    are logged at steps 3 and 6 and, at the stop, 7, the step rewards as the window's mean."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 1,
+                                               "mlflow.keep_registered_artifacts": 1, "mlflow.log_every_steps": 3})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for i, interaction in enumerate(sample_traffic(load_policy(tiny_model_dir), 28, prefix="w")):
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+        publish(producer, cfg.kafka.topics.rewards, Reward(interaction_id=interaction.interaction_id, value=i / 10))
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=7))
+
+    assert result.version == 7
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    model = cfg.mlflow.registered_model
+    assert client.get_model_version_by_alias(model, "champion").tags["policy_version"] == "1"
+    assert client.get_model_version_by_alias(model, "candidate").tags["policy_version"] == "7"
+    dirs = {d.name for d in (cfg.data_dir / "mlflow-artifacts").glob("*/artifacts/policy/v*")}
+    assert dirs == {"v00000001", "v00000007"}
+    pruned = {int(v.tags["policy_version"]): v.tags["weights_pruned"]
+              for v in client.search_model_versions(f"name = '{model}'")}
+    assert pruned == {1: "false", 2: "true", 3: "true", 4: "true", 5: "true", 6: "true", 7: "false"}
+
+    def history(name):
+        return [(m.step, m.value) for m in client.get_metric_history(result.run_id, name)]
+
+    # step k trains rewards 4(k-1) .. 4k-1 (tenths): its mean reward is (4k - 2.5) / 10
+    assert history("reward_mean") == [(3, pytest.approx(0.55)), (6, pytest.approx(1.75)), (7, pytest.approx(2.55))]
+    assert history("policy_version") == [(3, 3.0), (6, 6.0), (7, 7.0)]
+    assert [step for step, _ in history("step_time_s")] == [3, 6, 7]

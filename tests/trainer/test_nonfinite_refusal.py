@@ -196,7 +196,7 @@ def test_learner_refuses_an_overflowing_batch_publishes_nothing_and_counts_it(tm
     cfg = tiny_config(tmp_path, **{"model.path": str(tiny_model_dir), "kafka.partitions": 1,
                                    "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4,
                                    "trainer.poll_timeout_s": 0.05, "algorithm.policy_lr": 1e-3,
-                                   "mlflow.register_every": 100})
+                                   "mlflow.register_every": 100, "mlflow.log_every_steps": 1})  # per step
     topics = cfg.kafka.topics
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()

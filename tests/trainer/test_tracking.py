@@ -84,6 +84,26 @@ def test_metrics_are_logged_per_step(cfg):
     assert math.isnan(ev.value)
 
 
+def test_a_cycles_metrics_are_logged_every_n_steps_as_the_windows_mean_and_newest(tmp_path, empty_store):
+    """``mlflow.log_every_steps`` 3 over steps 1-7: logged at 3 and 6, and at 7 by ``close``; the
+    step's figures as their mean over the window (NaN left out), the readings as the newest."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    tracker = RunTracker(_config(tmp_path / "data", db, **{"mlflow.log_every_steps": 3}))
+    for step in range(1, 8):
+        loss = math.nan if step == 2 else float(step)
+        tracker.log_step(step, averaged={"value_loss": loss, "only_nan": math.nan},
+                         latest={"policy_version": step * 10})
+    client = _client(tracker.cfg)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "value_loss")] == [3, 6]
+    tracker.close()
+    history = {name: [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, name)]
+               for name in ("value_loss", "policy_version")}
+    assert history == {"value_loss": [(3, 2.0), (6, 5.0), (7, 7.0)],  # (1 + 3) / 2: step 2 gave NaN
+                       "policy_version": [(3, 30.0), (6, 60.0), (7, 70.0)]}
+    assert all(math.isnan(m.value) for m in client.get_metric_history(tracker.run_id, "only_nan"))
+
+
 def test_restart_resumes_the_same_run(cfg):
     first = RunTracker(cfg)
     first.log_metrics({"reward_mean": 0.1}, step=1)
@@ -264,3 +284,72 @@ def test_an_mlflow_server_that_answers_its_health_check_is_opened(free_port):
         probe_server(f"http://127.0.0.1:{free_port}/")
     finally:
         server.shutdown()
+
+
+def _registered_dirs(cfg: Config) -> set[str]:
+    """The model directories in the SQLite store's artifacts, by name (``v<policy version>``)."""
+    return {d.name for d in (cfg.data_dir / "mlflow-artifacts").glob("*/artifacts/policy/v*") if d.is_dir()}
+
+
+def _by_policy(cfg: Config) -> dict[int, dict[str, str]]:
+    found = _client(cfg).search_model_versions(f"name = '{cfg.mlflow.registered_model}'")
+    return {int(v.tags["policy_version"]): v.tags for v in found}
+
+
+def test_registration_keeps_the_newest_model_directories_and_the_aliased_ones(tmp_path, empty_store, store,
+                                                                              monkeypatch):
+    """``mlflow.keep_registered_artifacts`` 2 over 12 registrations: the artifacts keep the newest
+    two, the champion (an early version) and a version an operator gave an alias of its own; the
+    other versions stay in the registry with their tags, marked ``weights_pruned=true``."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    cfg = _config(tmp_path / "data", db, **{"mlflow.keep_registered_artifacts": 2})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    tracker = RunTracker(cfg)
+    for version in range(1, 13):
+        ref = _publish(store, version)
+        tracker.register(ref, recent_reward=0.0)
+        if version == 3:
+            tracker.record_decision("promoted", {"gate.decision": "no_champion"}, ref)
+        elif version > 3:
+            tracker.record_decision("pending", {"gate.decision": "refused"}, ref)
+        assert len(_registered_dirs(cfg)) <= cfg.mlflow.keep_registered_artifacts + 2
+    assert _registered_dirs(cfg) == {"v00000003", "v00000011", "v00000012"}  # champion, the newest two
+    assert tracker.champion()[0] == 3 and tracker.candidate()[0] == 12
+    tags = _by_policy(cfg)
+    assert sorted(tags) == list(range(1, 13))  # every version and its decision stay
+    assert [v for v, t in sorted(tags.items()) if t["weights_pruned"] == "true"] == [1, 2, *range(4, 11)]
+    assert tags[5]["decision"] == "pending" and tags[5]["gate.decision"] == "refused"
+
+    # registry version n holds policy version n here
+    _client(cfg).set_registered_model_alias(cfg.mlflow.registered_model, "keep-by-hand", "11")
+    for version in (13, 14, 15):
+        tracker.register(_publish(store, version), recent_reward=0.0)
+    assert _registered_dirs(cfg) == {"v00000003", "v00000011", "v00000014", "v00000015"}
+    # the champion's directory is still what the registry hands out (models:/ URIs resolve against
+    # the process-wide registry URI)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", cfg.mlflow_uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", cfg.mlflow_uri)
+    local = download_artifacts(f"models:/{cfg.mlflow.registered_model}@champion", dst_path=str(tmp_path / "dl"))
+    assert (Path(local) / "model.safetensors").is_file()
+
+
+def test_versions_registered_before_retention_are_pruned_as_well(cfg, store):
+    """A registry written by a learner without retention: its versions carry no ``weights_pruned``
+    tag. The first learner that prunes marks them once and prunes them like its own."""
+    tracker = RunTracker(cfg)
+    for version in range(1, 5):
+        tracker.register(_publish(store, version), recent_reward=0.0)
+    client, name = _client(cfg), cfg.mlflow.registered_model
+    for found in client.search_model_versions(f"name = '{name}'"):
+        client.delete_model_version_tag(name, found.version, "weights_pruned")
+    client.delete_registered_model_tag(name, "weights_pruned_marked")
+    assert len(_registered_dirs(cfg)) == 4
+
+    later = RunTracker(cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(
+        update={"keep_registered_artifacts": 1})}), run_id=tracker.run_id)
+    later.register(_publish(store, 5), recent_reward=0.0)
+    assert _registered_dirs(cfg) == {"v00000005"}
+    assert {v: t.get("weights_pruned") for v, t in _by_policy(cfg).items()} == {
+        1: "true", 2: "true", 3: "true", 4: "true", 5: "false"}

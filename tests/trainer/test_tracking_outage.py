@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import logging
 import os
 import signal
@@ -120,3 +121,113 @@ def test_an_mlflow_outage_keeps_metrics_waits_for_the_registry_and_a_stop_ends_t
     relay.up()
     run = MlflowClient(tracking_uri=f"http://127.0.0.1:{mlflow_server}").get_run(tracker.run_id)
     assert run.info.status == "RUNNING"
+
+
+def _model_dirs(mlflow_root) -> set[str]:
+    """The registered model directories the server's proxied artifact store holds."""
+    return {d.name for d in (mlflow_root / "artifacts").glob("*/*/artifacts/policy/v*") if d.is_dir()}
+
+
+def _pruned(uri: str, cfg) -> dict[int, str]:
+    found = MlflowClient(tracking_uri=uri, registry_uri=uri).search_model_versions(
+        f"name = '{cfg.mlflow.registered_model}'")
+    return {int(v.tags["policy_version"]): v.tags["weights_pruned"] for v in found}
+
+
+def test_a_proxied_server_deletes_pruned_artifacts_and_an_outage_leaves_them_to_the_next_registration(
+        mlflow_server, free_port, quick, tmp_path, caplog):
+    """``mlflow server --artifacts-destination`` (docs/deploy): the learner deletes pruned model
+    directories through the server. While the server does not answer, neither the pruning nor the
+    windowed metrics hold the learner up: the pruning is done at the next registration, the
+    metrics are sent when the server answers."""
+    direct = f"http://127.0.0.1:{mlflow_server}"
+    relay = Relay(free_port, ("127.0.0.1", mlflow_server))
+    cfg = _config(tmp_path, relay.url)
+    cfg.mlflow.keep_registered_artifacts, cfg.mlflow.log_every_steps = 1, 2
+    tracker = RunTracker(cfg, stop=threading.Event())
+    store = FileWeightStore(str(tmp_path / "weights"))
+    refs = {v: store.save(v, {"w": torch.full((2,), float(v))}) for v in range(1, 6)}
+    tracker.register(refs[1], 0.0)
+    tracker.record_decision("promoted", {"gate.decision": "no_champion"}, refs[1])
+    for version in (2, 3, 4):
+        tracker.register(refs[version], 0.0)
+    root = tmp_path / "mlflow-server"
+    assert _model_dirs(root) == {"v00000001", "v00000004"}  # the champion and the newest
+    assert _pruned(direct, cfg) == {1: "false", 2: "true", 3: "true", 4: "false"}
+
+    MlflowClient(tracking_uri=direct, registry_uri=direct).set_registered_model_alias(
+        cfg.mlflow.registered_model, "champion", "4")  # v1 may go now
+    relay.down()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+        tracker.prune_registered()
+        for step in (1, 2, 3):
+            tracker.log_step(step, averaged={"value_loss": float(step)}, latest={"policy_version": float(step)})
+    assert time.monotonic() - started < 15  # the learner goes on
+    assert "pruned at the next registration" in caplog.text
+    assert _model_dirs(root) == {"v00000001", "v00000004"} and tracker.unlogged_steps == 1
+    relay.up()
+    tracker.register(refs[5], 0.0)
+    assert _model_dirs(root) == {"v00000004", "v00000005"}
+    assert _pruned(direct, cfg) == {1: "true", 2: "true", 3: "true", 4: "false", 5: "false"}
+    tracker.close()
+    history = MlflowClient(tracking_uri=direct).get_metric_history(tracker.run_id, "value_loss")
+    assert [(m.step, m.value) for m in history] == [(2, 1.5), (3, 3.0)]
+
+
+class _RefusingProxy:
+    """An HTTP proxy in front of the MLflow server that answers every artifact deletion with 403,
+    as an ingress or an auth layer that does not allow DELETE would."""
+
+    def __init__(self, port: int, target: str) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                if self.command == "DELETE" and "/mlflow-artifacts/artifacts/" in self.path:
+                    body = b"deletion of artifacts is not allowed here"
+                    self.send_response(403)
+                else:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
+                    answer = httpx.request(self.command, target + self.path, headers=headers,
+                                           content=self.rfile.read(length), timeout=30)
+                    body = answer.content
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in _HOP_HEADERS:
+                            self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+
+
+def test_a_server_that_refuses_deletion_is_named_once_and_registration_goes_on(
+        mlflow_server, free_port, tmp_path, caplog):
+    proxy = _RefusingProxy(free_port, f"http://127.0.0.1:{mlflow_server}")
+    try:
+        cfg = _config(tmp_path, proxy.url)
+        cfg.mlflow.keep_registered_artifacts = 1
+        tracker = RunTracker(cfg, stop=threading.Event())
+        store = FileWeightStore(str(tmp_path / "weights"))
+        with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+            for version in (1, 2, 3, 4):
+                tracker.register(store.save(version, {"w": torch.full((2,), float(version))}), 0.0)
+        refused = [r.getMessage() for r in caplog.records if "retention is off" in r.getMessage()]
+        assert len(refused) == 1 and "403" in refused[0] and "not allowed" in refused[0], refused
+        assert _model_dirs(tmp_path / "mlflow-server") == {f"v0000000{v}" for v in (1, 2, 3, 4)}
+        assert set(_pruned(proxy.url, cfg).values()) == {"false"}  # nothing claims to be gone
+        assert tracker.candidate()[0] == 4
+        tracker.close()
+    finally:
+        proxy.server.shutdown()

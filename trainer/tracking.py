@@ -16,11 +16,11 @@ location, and the evidence of the promotion decision.
 
 Retention: after each registration the model directories of registered versions that are
 neither among the newest ``mlflow.keep_registered_artifacts`` nor hold an alias are deleted
-from the artifacts (:meth:`RunTracker.prune_registered`); their registry versions and tags stay,
+from the artifacts (:meth:`RunTracker.prune_registered`, trainer/registry_retention.py); their registry versions and tags stay,
 tagged ``weights_pruned=true``.
 
 Metrics: :meth:`RunTracker.log_step` gathers the learner's cycles and logs them every
-``mlflow.log_every_steps`` steps (:class:`StepWindow`); :meth:`RunTracker.log_metrics` logs at once.
+``mlflow.log_every_steps`` steps (:class:`~trainer.step_window.StepWindow`); :meth:`RunTracker.log_metrics` logs at once.
 
 Promotion: a new registration takes the ``candidate`` alias. The learner decides on it
 (:class:`trainer.publisher.Releases`: the off-policy gate and the monitors) and calls
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import tempfile
 import threading
 import time
@@ -51,24 +50,19 @@ import fsspec
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
-from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
 from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 from trainer.mlflow_store import TrackingUnavailable, experiment_id, is_code, is_unreachable, open_client
+from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
+from trainer.step_window import StepWindow
 
 log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
-WEIGHTS_PRUNED = "weights_pruned"
-"""Tag of a registry version: ``false`` while its model directory is in the artifacts, ``true``
-once retention deleted it (download it no more; its weights may still be in the weight store)."""
-RETENTION_MARKED = "weights_pruned_marked"
-"""Tag of the registered model: every version registered before retention existed carries
-:data:`WEIGHTS_PRUNED` (set once, by the first learner that prunes)."""
 WEIGHTS_FILE = "model.safetensors"
 """Name of the weights inside a registered artifact directory (what transformers loads)."""
 MAX_PARAM_LENGTH = 6000
@@ -99,40 +93,6 @@ UNLOGGED_STEPS_MAX = 10_000
 counted); a logged step covers ``mlflow.log_every_steps`` learner steps."""
 
 
-class StepWindow:
-    """The learner's cycles since the last log to MLflow (``mlflow.log_every_steps``): the mean
-    of each per-step figure over the steps that gave a number for it (NaN: none did), and the
-    newest readings. With one step per window it logs what the step gave."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        """The newest step gathered (None: nothing since the last log)."""
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, int] = {}
-        """Steps that gave a number (not NaN) for each averaged figure."""
-        self._latest: dict[str, float] = {}
-
-    def add(self, step: int, averaged: dict[str, float], latest: dict[str, float]) -> None:
-        self.step = step
-        for key, value in averaged.items():
-            value = float(value)
-            self._sums.setdefault(key, 0.0)
-            self._counts.setdefault(key, 0)
-            if not math.isnan(value):
-                self._sums[key] += value
-                self._counts[key] += 1
-        self._latest = {k: float(v) for k, v in latest.items()}
-
-    def take(self) -> tuple[int, dict[str, float]] | None:
-        """(the newest step, the window's metrics), and the window starts afresh; None if empty."""
-        if self.step is None:
-            return None
-        means = {k: self._sums[k] / n if (n := self._counts[k]) else math.nan for k in self._sums}
-        taken = self.step, {**means, **self._latest}
-        self.step, self._sums, self._counts, self._latest = None, {}, {}, {}
-        return taken
-
-
 def _waiting(what: str):
     """A registry method that waits for an MLflow server that does not answer (``RunTracker._answered``)."""
     def wrap(method):
@@ -161,9 +121,9 @@ class RunTracker:
         self._window = StepWindow()
         self._pruning_refused = False
         """The artifact store refused a deletion: retention is off until the learner restarts."""
-        self._marked = False
-        """Every registered version carries :data:`WEIGHTS_PRUNED` (see :meth:`_mark_unmarked`)."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
+        self.retention = RegistryRetention(self.client, self.model_name, cfg.mlflow.keep_registered_artifacts,
+                                           cfg.mlflow_uri)
         self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
 
     def _answered(self, what: str, action, wait: bool = True):
@@ -381,7 +341,7 @@ class RunTracker:
         if self._pruning_refused:
             return
         try:
-            self._answered("pruning the registered artifacts", self._prune, wait=False)
+            self._answered("pruning the registered artifacts", self.retention.prune, wait=False)
         except TrackingUnavailable as exc:
             log.warning("%s; the registered artifacts are pruned at the next registration", exc)
         except OSError as exc:  # requests.HTTPError is one: the proxied server answered with a refusal
@@ -389,44 +349,6 @@ class RunTracker:
             log.warning("registry retention is off until the learner restarts: the artifact store refused to "
                         "delete a registered model directory (%s: %s); MLflow's artifacts keep one model per "
                         "registration meanwhile", type(exc).__name__, str(exc)[:300])
-
-    def _prune(self) -> None:
-        model = self.client.get_registered_model(self.model_name)
-        if not self._marked and model.tags.get(RETENTION_MARKED) != "true":
-            self._mark_unmarked()
-        self._marked = True
-        aliased = {str(version) for version in model.aliases.values()}
-        stored = sorted(self._search(f"{WEIGHTS_PRUNED} = 'false'"), key=lambda v: int(v.version), reverse=True)
-        for found in stored[self.cfg.mlflow.keep_registered_artifacts:]:
-            if str(found.version) in aliased:
-                continue
-            source = found.source.rstrip("/")
-            if not source.endswith(f"/policy/v{int(found.tags.get('policy_version', -1)):08d}"):
-                continue  # not a directory this learner copied: not ours to delete
-            parent, name = source.rsplit("/", 1)
-            get_artifact_repository(parent, tracking_uri=self.cfg.mlflow_uri).delete_artifacts(name)
-            self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "true")
-            log.info("registry: the model directory of version %s (policy v%s) deleted from the artifacts",
-                     found.version, found.tags.get("policy_version"))
-
-    def _mark_unmarked(self) -> None:
-        """Tag ``weights_pruned=false`` on versions registered before retention existed (once for
-        the registered model: the registry is read whole), so that pruning finds them by the tag."""
-        for found in self._search():
-            if WEIGHTS_PRUNED not in found.tags and "policy_version" in found.tags:
-                self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "false")
-        self.client.set_registered_model_tag(self.model_name, RETENTION_MARKED, "true")
-
-    def _search(self, tag_filter: str | None = None) -> list:
-        """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
-        query = f"name = '{self.model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
-        found, token = [], None
-        while True:
-            page = self.client.search_model_versions(query, page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                return found
 
     @_waiting("recording the gate's decision")
     def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef) -> None:
@@ -504,18 +426,6 @@ class RunTracker:
             return None
         version = int(found.tags["policy_version"])
         return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
-
-    @_waiting("listing the registered versions")
-    def registered_policy_versions(self) -> set[int]:
-        """Policy versions registered under this model name (the weight store keeps them)."""
-        versions: set[int] = set()
-        token = None
-        while True:
-            page = self.client.search_model_versions(f"name = '{self.model_name}'", page_token=token)
-            versions.update(int(v.tags["policy_version"]) for v in page if "policy_version" in v.tags)
-            token = page.token
-            if not token:
-                return versions
 
 
 def _holds(found, ref: WeightsRef) -> bool:

@@ -192,7 +192,7 @@ def test_register_refuses_weights_that_fail_their_checksum(cfg, store):
     tracker = RunTracker(cfg)
     with pytest.raises(CorruptWeights, match="checksum"):
         tracker.register(WeightsRef(ref.version, ref.location, "0" * 64), recent_reward=0.0)
-    assert tracker.registered_policy_versions() == set()
+    assert _client(cfg).search_model_versions(f"name = '{cfg.mlflow.registered_model}'") == []
 
 
 def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
@@ -222,7 +222,7 @@ def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
     assert rejected.tags["decision"] == "rolled_back" and rejected.tags["gate.difference"] == "-0.3"
     pending = client.get_model_version(name, second_registry_version)
     assert pending.tags["decision"] == "pending" and pending.tags["gate.reason"].startswith("ess=1.20")
-    assert tracker.registered_policy_versions() == {1, 2, 3}
+    assert {v.tags["policy_version"] for v in client.search_model_versions(f"name = '{name}'")} == {"1", "2", "3"}
 
 
 def test_champion_survives_a_restart(cfg, store):

@@ -1,0 +1,73 @@
+"""Registry retention: the registered versions' model directories that MLflow keeps.
+
+Each registration copies a whole model directory into the run's artifacts. The newest
+``mlflow.keep_registered_artifacts`` of them and those of versions holding an alias (``candidate``,
+``champion``, any an operator set) stay; the others are deleted from the artifacts, their registry
+versions and tags kept (the deploy decisions' record) and tagged ``weights_pruned=true``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_PRUNED = "weights_pruned"
+"""Tag of a registry version: ``false`` while its model directory is in the artifacts, ``true``
+once retention deleted it (download it no more; its weights may still be in the weight store)."""
+RETENTION_MARKED = "weights_pruned_marked"
+"""Tag of the registered model: every version registered before retention existed carries
+:data:`WEIGHTS_PRUNED` (set once, by the first learner that prunes)."""
+
+
+class RegistryRetention:
+    """Prunes one registered model's artifacts (module docstring) through an MLflow ``client``."""
+
+    def __init__(self, client, model_name: str, keep: int, tracking_uri: str) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.keep = keep
+        self.tracking_uri = tracking_uri
+        self._marked = False
+        """Every registered version carries :data:`WEIGHTS_PRUNED` (see :meth:`_mark_unmarked`)."""
+
+    def prune(self) -> None:
+        """Delete what retention no longer keeps (MLflow's errors propagate: the caller decides)."""
+        model = self.client.get_registered_model(self.model_name)
+        if not self._marked and model.tags.get(RETENTION_MARKED) != "true":
+            self._mark_unmarked()
+        self._marked = True
+        aliased = {str(version) for version in model.aliases.values()}
+        stored = sorted(self._search(f"{WEIGHTS_PRUNED} = 'false'"), key=lambda v: int(v.version), reverse=True)
+        for found in stored[self.keep:]:
+            if str(found.version) in aliased:
+                continue
+            source = found.source.rstrip("/")
+            if not source.endswith(f"/policy/v{int(found.tags.get('policy_version', -1)):08d}"):
+                continue  # not a directory this learner copied: not ours to delete
+            parent, name = source.rsplit("/", 1)
+            get_artifact_repository(parent, tracking_uri=self.tracking_uri).delete_artifacts(name)
+            self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "true")
+            log.info("registry: the model directory of version %s (policy v%s) deleted from the artifacts",
+                     found.version, found.tags.get("policy_version"))
+
+    def _mark_unmarked(self) -> None:
+        """Tag ``weights_pruned=false`` on versions registered before retention existed (once for
+        the registered model: the registry is read whole), so that pruning finds them by the tag."""
+        for found in self._search():
+            if WEIGHTS_PRUNED not in found.tags and "policy_version" in found.tags:
+                self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "false")
+        self.client.set_registered_model_tag(self.model_name, RETENTION_MARKED, "true")
+
+    def _search(self, tag_filter: str | None = None) -> list:
+        """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
+        query = f"name = '{self.model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
+        found, token = [], None
+        while True:
+            page = self.client.search_model_versions(query, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found

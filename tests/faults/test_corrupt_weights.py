@@ -130,5 +130,7 @@ def test_bad_weights_notices_keep_the_old_version_serving_and_a_good_one_still_a
     assert traffic.statuses.keys() == {200}, traffic.statuses  # nothing failed while the notices came
     stack.wait_trained(traffic.acked, TRAIN_WAIT_S)
     figures = assert_exactly_once(traffic.acked, stack.trained_ids())
-    assert stack.assert_published_weights_finite() == 0  # the learner published nothing; the bad files are outside
+    # the learner, started after the notices, published only its own policy, numbered past every version
+    # the topic announced (trainer/startup.py); the bad files are outside the store
+    assert stack.assert_published_weights_finite() == 1 and stack.weight_versions() == [new + 1]
     print(f"corrupt-weights: served v{old} through {len(bad)} bad notices, then v{new}; {figures}")

@@ -64,14 +64,24 @@ def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 
 def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
-    from trainer.checkpoint import LEDGER_FILE, redact_ledger
+    from trainer.checkpoint import Checkpointer
+    from trainer.ledger import ledger_files, redact_ledger
 
-    path = cfg.checkpoint_dir / LEDGER_FILE
-    if not path.exists():
-        print(f"no ledger at {path}", file=sys.stderr)
+    root = cfg.checkpoint_dir
+    if args.action == "sealed":
+        for path in Checkpointer(root).sealed_segments():
+            print(path)
+        return 0
+    if not args.ids:
+        print("ledger redact needs the ids to redact", file=sys.stderr)
+        return 2
+    files = ledger_files(root)
+    if not files:
+        print(f"no ledger in {root}", file=sys.stderr)
         return 1
-    redacted = redact_ledger(path, set(args.ids))
-    print(f"{redacted} occurrence(s) of {len(set(args.ids))} id(s) redacted in {path}")
+    redacted = redact_ledger(root, set(args.ids))
+    print(f"{redacted} occurrence(s) of {len(set(args.ids))} id(s) redacted in {len(files)} ledger file(s) "
+          f"under {root}")
     return 0
 
 
@@ -179,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     learn.set_defaults(run=_learn)
 
     ledger = command("ledger", help="the learner's ledger of trained ids: redact ID... overwrites them in place "
-                                    "(same length, so the checkpoints still cover it; stop the learner first)")
-    ledger.add_argument("action", choices=["redact"])
-    ledger.add_argument("ids", nargs="+", metavar="ID", help="interaction id to redact")
+                                    "in every segment (same length, so the checkpoints still cover it; stop the "
+                                    "learner first); sealed prints the segments the learner no longer reads, "
+                                    "which may be archived or deleted")
+    ledger.add_argument("action", choices=["redact", "sealed"])
+    ledger.add_argument("ids", nargs="*", metavar="ID", help="interaction id to redact")
     ledger.set_defaults(run=_ledger)
 
     simulate = command("simulate", help="run a drifting-preference scenario through the real service")

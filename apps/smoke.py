@@ -27,7 +27,7 @@ from apps.config import AppConfig
 from apps.stack import Stack, free_port
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from streams.base import Consumer
-from trainer.checkpoint import LEDGER_FILE, read_ledger
+from trainer.checkpoint import read_ledger
 
 SMOKE_REQUESTS = 24
 """Chat requests the smoke run sends: enough for several learner steps on 2 CPU cores."""
@@ -147,7 +147,7 @@ def _wait_for_training_on_this_run(stack: Stack, base_url: str, start_version: i
             stack.check_alive()
             version_steps.update(_published_steps(notices, cfg.serving.model_name))
             evidence = SmokeEvidence(start_version, _served_version(base_url, cfg.serving.model_name), version_steps,
-                                     read_ledger(cfg.checkpoint_dir / LEDGER_FILE, refused=False), run_ids)
+                                     read_ledger(cfg.checkpoint_dir, refused=False), run_ids)
             failure = smoke_verdict(evidence)
             if failure is None or time.monotonic() > deadline:
                 return evidence, failure

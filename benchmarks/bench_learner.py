@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         traffic.one()
     backlog_ids = set(traffic.rewarded_at)
 
-    ledger = cfg.checkpoint_dir / "ledger.jsonl"
+    ledger = cfg.checkpoint_dir
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     learner = subprocess.Popen([sys.executable, "-m", "apps.cli", "--config", str(config_file), "learn"],
                                cwd=REPO, env=env, stdout=open(workdir / "learner.log", "wb"), stderr=subprocess.STDOUT)

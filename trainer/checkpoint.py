@@ -2,34 +2,43 @@
 
 A checkpoint is one directory ``<root>/step-00000042/``::
 
-    meta.json             LearnerState: step, version, consumer offsets, join buffer,
-                          algorithm state, MLflow run id, protected versions, ledger length
+    meta.json             LearnerState: step, version, consumer offsets, join buffer (without
+                          the id memory), algorithm state, MLflow run id, protected versions,
+                          ledger segment and length
+    index.json            step, policy version and ledger position alone: what retention and
+                          roll-back read of every kept checkpoint (meta.json may hold megabytes)
+    id_memory.bin         the join's id memory (:func:`trainer.id_memory.encode_snapshot`)
     policy.safetensors    full policy state dict
     critic.safetensors    full critic state dict (absent without a critic)
     optim.safetensors     every tensor of the optimiser/scheduler states
     optim.json            the rest of those states, tensors replaced by references
 
-No pickle anywhere: tensors go to safetensors, everything else to JSON.
+No pickle anywhere: tensors go to safetensors, the id memory to its own compact layout, everything
+else to JSON. Checkpoints written before index.json and id_memory.bin existed load as before (the
+version from meta.json, the id memory from the join buffer's JSON).
 
+The ledger (:mod:`trainer.ledger`) is segment files ``<root>/ledger/<first step>.jsonl``.
 Commit protocol (crash-safe at every point):
-1. the ledger lines of steps trained since the last checkpoint are appended to
-   ``<root>/ledger.jsonl`` and fsynced; its new length goes into meta.json;
+1. the ledger lines of steps trained since the last checkpoint are appended to the newest
+   segment (a new one once it holds ``ledger_segment_bytes``) and fsynced; the segment's name
+   and new length go into meta.json;
 2. all files are written into ``<root>/.tmp-<random>/`` and fsynced, then the
    directory is fsynced;
 3. ``rename`` to ``step-<n>`` (atomic) and the root is fsynced: this is the commit;
 4. checkpoints beyond the newest ``keep`` are deleted, except the first checkpoint of
    each pinned version (the registry's candidate and champion, for a whole roll-back).
-:meth:`Checkpointer.resume` loads the newest committed checkpoint and truncates
-the ledger to the length that checkpoint recorded, so ledger lines of steps the
-checkpoint does not cover (a crash between 1 and 3) disappear with the steps
+:meth:`Checkpointer.resume` loads the newest committed checkpoint, truncates the
+segment it names to the length it recorded and deletes segments started after it, so ledger
+lines of steps the checkpoint does not cover (a crash between 1 and 3) disappear with the steps
 themselves: an id is in the ledger once per time its training is part of the
 committed state. A step whose update was refused as non-finite still writes its
 line, marked ``"refused": true``: those ids were consumed exactly once too, but
 trained nothing (:func:`read_ledger` can tell the two apart).
 
-The ledger's length is what a checkpoint records of it, so lines may not be deleted;
-to erase a user's ids, :func:`redact_ledger` overwrites them in place with dashes of
-the same length (``online-sao ledger redact``, the learner stopped).
+The current segment's length is what a checkpoint records of it, so its lines may not be
+deleted; to erase a user's ids, :func:`~trainer.ledger.redact_ledger` overwrites them in place
+with dashes of the same length (``online-sao ledger redact``, the learner stopped). Sealed
+segments (before the newest checkpoint's) are the operator's to archive or delete.
 """
 
 from __future__ import annotations
@@ -48,10 +57,18 @@ from safetensors.torch import load_file, save_file
 
 from online_sao.durable import fsync_dir
 from streams.base import TopicPartition
+from trainer.id_memory import MemorySnapshot, decode_snapshot, encode_snapshot
+from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, read_ledger,
+                            redact_ledger)
+
+__all__ = ["Checkpoint", "Checkpointer", "LearnerState", "StagedCheckpoint", "LEDGER_DIR", "LEDGER_FILE",
+           "read_ledger", "redact_ledger", "flatten_tensors", "unflatten_tensors"]
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
-LEDGER_FILE = "ledger.jsonl"
-SCRATCH_PREFIX = ".tmp-"
+DEFAULT_LEDGER_SEGMENT_BYTES = 64 * 2**20
+"""``trainer.ledger_segment_bytes``' default, for a Checkpointer built without the config."""
+INDEX_FILE = "index.json"
+MEMORY_FILE = "id_memory.bin"
 """Names of directories a checkpoint is written in or deleted from; resume removes any left behind."""
 _TENSOR_TAG = "__tensor__"
 _MAP_TAG = "__map__"
@@ -76,8 +93,11 @@ class LearnerState:
     candidate: dict[str, Any] = field(default_factory=dict)
     """The registry's evidence: the recent window the gate scores versions on and the read and
     dead-letter counts at the candidate's registration (:class:`trainer.deploy.RecentWindow`)."""
+    ledger_segment: str | None = None
+    """The ledger segment this checkpoint appended to (None: no ledger yet; set by
+    :meth:`Checkpointer.stage`). Checkpoints from before segments name :data:`LEGACY_SEGMENT`."""
     ledger_bytes: int = 0
-    """Length of the ledger file this checkpoint covers (set by :meth:`Checkpointer.stage`)."""
+    """Length of :attr:`ledger_segment` this checkpoint covers (set by :meth:`Checkpointer.stage`)."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -87,7 +107,7 @@ class LearnerState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "LearnerState":
         offsets = {TopicPartition(topic, partition): off for topic, partition, off in data["offsets"]}
-        return cls(**{**data, "offsets": offsets})
+        return cls(**{"ledger_segment": LEGACY_SEGMENT, **data, "offsets": offsets})
 
 
 @dataclass
@@ -97,6 +117,8 @@ class Checkpoint:
     """"policy" and optionally "critic": full state dicts."""
     optimizers: dict[str, Any]
     """Optimiser and scheduler state dicts by name ("policy", "critic", "critic_scheduler")."""
+    id_memory: MemorySnapshot | None = None
+    """The join's id memory (None: it is in ``state.joiner``, or there is none)."""
 
 
 @dataclass(frozen=True)
@@ -108,13 +130,18 @@ class StagedCheckpoint:
     """Where the commit renames it to (``<root>/step-<n>``)."""
     ledger: bytes
     """Ledger lines of the steps since the previous checkpoint, newline-terminated."""
+    ledger_segment: str | None
+    """The segment :attr:`ledger` goes to."""
     models: dict[str, dict[str, torch.Tensor]]
     optim_tensors: dict[str, torch.Tensor]
     optim_json: str
     meta_json: str
     """meta.json's text; its ``ledger_bytes`` counts :attr:`ledger` in."""
+    index_json: str
     pinned_versions: frozenset[int]
     """:attr:`Checkpointer.pinned_versions` when it was staged."""
+    id_memory: MemorySnapshot | None = None
+    """Encoded into its own file by :meth:`Checkpointer.write` (on the writer's thread)."""
 
 
 def flatten_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
@@ -166,7 +193,7 @@ def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Checkpointer:
     """Writes, finds and loads checkpoints under ``root``; owns the ledger."""
 
-    def __init__(self, root: Path, keep: int = 2) -> None:
+    def __init__(self, root: Path, keep: int = 2, ledger_segment_bytes: int = DEFAULT_LEDGER_SEGMENT_BYTES) -> None:
         if keep < 1:
             raise ValueError("keep at least one checkpoint")
         self.root = Path(root)
@@ -175,11 +202,14 @@ class Checkpointer:
         """Policy versions whose first checkpoint is never pruned (the registry's candidate and
         champion: a roll-back restores the whole training state from it)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        self._unsaved_ledger: list[str] = []
+        self.ledger = Ledger(self.root, ledger_segment_bytes)
+        self._unsaved_ledger: list[tuple[int, str]] = []
+        self._versions: dict[str, int] = {}  # checkpoint directory name -> policy version (they never change)
 
     @property
     def ledger_path(self) -> Path:
-        return self.root / LEDGER_FILE
+        """The ledger's directory of segments (:func:`read_ledger` reads it)."""
+        return self.ledger.directory
 
     def record_trained(self, step: int, interaction_ids: list[str], refused: bool = False) -> None:
         """Note the ids a step took; they reach the ledger with the next :meth:`save`.
@@ -188,7 +218,7 @@ class Checkpointer:
         entry: dict[str, Any] = {"step": step, "ids": interaction_ids}
         if refused:
             entry["refused"] = True
-        self._unsaved_ledger.append(json.dumps(entry, separators=(",", ":")))
+        self._unsaved_ledger.append((step, json.dumps(entry, separators=(",", ":"))))
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Committed checkpoints, oldest first."""
@@ -212,20 +242,24 @@ class Checkpointer:
         if final.exists():
             raise FileExistsError(f"{final} already exists: steps must increase across checkpoints")
         lines, self._unsaved_ledger = self._unsaved_ledger, []
-        appended = b"".join(line.encode() + b"\n" for line in lines)
-        size = self.ledger_path.stat().st_size if self.ledger_path.exists() else 0
-        ckpt.state.ledger_bytes = size + len(appended)
+        appended = b"".join(line.encode() + b"\n" for _, line in lines)
+        s = ckpt.state
+        s.ledger_segment, s.ledger_bytes = self.ledger.plan(len(appended), lines[0][0] if lines else s.step)
         optim_tensors: dict[str, torch.Tensor] = {}
         optim_tree = flatten_tensors(ckpt.optimizers, optim_tensors)
-        meta = {"state": ckpt.state.to_json(), "models": sorted(ckpt.models)}
-        return StagedCheckpoint(final, appended, {name: _plain(state) for name, state in ckpt.models.items()},
-                                optim_tensors, json.dumps(optim_tree), json.dumps(meta),
-                                frozenset(self.pinned_versions))
+        meta = {"state": s.to_json(), "models": sorted(ckpt.models)}
+        index = {"step": s.step, "version": s.version, "ledger_segment": s.ledger_segment,
+                 "ledger_bytes": s.ledger_bytes}
+        return StagedCheckpoint(final, appended, s.ledger_segment,
+                                {name: _plain(state) for name, state in ckpt.models.items()},
+                                optim_tensors, json.dumps(optim_tree), json.dumps(meta), json.dumps(index),
+                                frozenset(self.pinned_versions), ckpt.id_memory)
 
     def write(self, staged: "StagedCheckpoint") -> Path:
         """Commit a staged checkpoint (steps 1-4 of the module docstring); returns its directory.
         It reads nothing the learner changes, so it may run on another thread, one write at a time."""
-        self._append_ledger(staged.ledger)
+        if staged.ledger:
+            self.ledger.append(staged.ledger_segment, staged.ledger)
         tmp = _scratch(self.root)
         tmp.mkdir()
         written = []
@@ -235,7 +269,11 @@ class Checkpointer:
         save_file(staged.optim_tensors, str(tmp / "optim.safetensors"))
         (tmp / "optim.json").write_text(staged.optim_json)
         (tmp / "meta.json").write_text(staged.meta_json)
-        written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json"]
+        (tmp / INDEX_FILE).write_text(staged.index_json)
+        written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json", tmp / INDEX_FILE]
+        if staged.id_memory is not None:
+            (tmp / MEMORY_FILE).write_bytes(encode_snapshot(staged.id_memory))
+            written.append(tmp / MEMORY_FILE)
         for path in written:
             _fsync_file(path)
         fsync_dir(tmp)
@@ -245,23 +283,40 @@ class Checkpointer:
         for _, old in self.checkpoints()[:-self.keep]:
             if old not in pinned:
                 _remove(old, self.root)
+        kept = {path.name for _, path in self.checkpoints()}
+        self._versions = {name: version for name, version in self._versions.items() if name in kept}
         return staged.directory
 
     def _pinned(self, versions: frozenset[int]) -> dict[int, Path]:
         """The oldest checkpoint of each of ``versions``: the one taken right after it was published."""
         found: dict[int, Path] = {}
         for _, path in self.checkpoints():
-            version = _read_meta(path)["state"]["version"]
+            version = self._version_of(path)
             if version in versions and version not in found:
                 found[version] = path
         return found
 
+    def _version_of(self, path: Path) -> int:
+        """The policy version of a committed checkpoint: from its index.json, or once from the
+        meta.json of a checkpoint written before index files (remembered: it never changes)."""
+        if path.name not in self._versions:
+            self._versions[path.name] = _read_index(path)["version"]
+        return self._versions[path.name]
+
     def checkpoint_of_version(self, version: int) -> Checkpoint | None:
         """The oldest checkpoint whose policy is published ``version`` (None: none kept)."""
         for _, path in self.checkpoints():
-            if _read_meta(path)["state"]["version"] == version:
+            if self._version_of(path) == version:
                 return self.load(path)
         return None
+
+    def sealed_segments(self) -> list[Path]:
+        """Ledger segments before the one the newest checkpoint appends to: the learner never reads
+        or changes them again; the operator may archive or delete them (while it runs, too)."""
+        found = self.checkpoints()
+        if not found:
+            return []
+        return self.ledger.sealed(_read_index(found[-1][1]).get("ledger_segment", LEGACY_SEGMENT))
 
     def load_latest(self) -> Checkpoint | None:
         """The newest committed checkpoint, or None. Reads only; see :meth:`resume`."""
@@ -276,31 +331,25 @@ class Checkpointer:
         models = {name: load_file(str(path / f"{name}.safetensors")) for name in meta["models"]}
         optim_tensors = load_file(str(path / "optim.safetensors"))
         optimizers = unflatten_tensors(json.loads((path / "optim.json").read_text()), optim_tensors)
-        return Checkpoint(LearnerState.from_json(meta["state"]), models, optimizers)
+        memory = path / MEMORY_FILE
+        id_memory = decode_snapshot(memory.read_bytes()) if memory.exists() else None
+        return Checkpoint(LearnerState.from_json(meta["state"]), models, optimizers, id_memory)
 
     def resume(self) -> Checkpoint | None:
         """Load the newest checkpoint and make the ledger agree with it: lines written
-        after it (by steps it does not cover) are cut off, unfinished temp dirs removed."""
+        after it (by steps it does not cover) are cut off, segments started after it deleted,
+        unfinished temp dirs removed; a ledger of the layout before segments becomes the first
+        segment (:meth:`trainer.ledger.Ledger.migrate`)."""
         for path in self.root.glob(f"{SCRATCH_PREFIX}*"):
             shutil.rmtree(path)
         self._unsaved_ledger.clear()
+        self.ledger.migrate()
         ckpt = self.load_latest()
-        covered = ckpt.state.ledger_bytes if ckpt is not None else 0
-        size = self.ledger_path.stat().st_size if self.ledger_path.exists() else 0
-        if size < covered:
-            raise RuntimeError(f"{self.ledger_path} holds {size} bytes but the checkpoint covers {covered}: "
-                               "the ledger was truncated or replaced outside the learner")
-        if size > covered:
-            with open(self.ledger_path, "rb+") as fh:
-                fh.truncate(covered)
-                os.fsync(fh.fileno())
+        if ckpt is None:
+            self.ledger.cut_back(None, 0)
+        else:
+            self.ledger.cut_back(ckpt.state.ledger_segment, ckpt.state.ledger_bytes)
         return ckpt
-
-    def _append_ledger(self, lines: bytes) -> None:
-        with open(self.ledger_path, "ab") as fh:
-            fh.write(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
 
 
 def _scratch(root: Path) -> Path:
@@ -322,52 +371,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:
-    """(step, interaction id) of every line of a ledger, in order: every id a step
-    took (``refused=None``), only those of refused steps (True) or only those
-    actually trained on (False)."""
-    out = []
-    if not Path(path).exists():
-        return out
-    for line in Path(path).read_text().splitlines():
-        entry = json.loads(line)
-        if refused is None or entry.get("refused", False) == refused:
-            out.extend((entry["step"], iid) for iid in entry["ids"])
-    return out
-
-
-REDACTED_CHAR = "-"
-"""What a redacted id's characters become: the ledger keeps its length (the checkpoints record it)."""
-
-
-def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
-    """Overwrite every occurrence of ``interaction_ids`` in the ledger at ``path`` with
-    :data:`REDACTED_CHAR` of the same encoded length, so the ledger's length, which each
-    checkpoint records, is unchanged; returns the number of ids redacted. Written to a new file
-    and renamed over the ledger: run it with the learner stopped (a step appended meanwhile would
-    be lost, and the learner would then refuse to start)."""
-    path = Path(path)
-    wanted = {json.dumps(iid) for iid in interaction_ids}
-    redacted, lines = 0, []
-    for line in path.read_bytes().splitlines(keepends=True):
-        entry = json.loads(line)
-        ids = [json.dumps(iid) for iid in entry["ids"]]
-        hits = [encoded for encoded in ids if encoded in wanted]
-        if hits:
-            entry["ids"] = [json.loads(encoded) if encoded not in wanted else
-                            REDACTED_CHAR * (len(encoded) - 2)
-                            for encoded in ids]
-            new = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
-            if len(new) != len(line):
-                raise ValueError(f"redacting {hits} would change a ledger line's length; nothing was written")
-            line, redacted = new, redacted + len(hits)
-        lines.append(line)
-    if redacted:
-        scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        with open(scratch, "wb") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(scratch, path)
-        fsync_dir(path.parent)
-    return redacted
+def _read_index(path: Path) -> dict[str, Any]:
+    """A committed checkpoint's index.json; for one written before index files, its meta.json's state."""
+    index = path / INDEX_FILE
+    return json.loads(index.read_text()) if index.exists() else _read_meta(path)["state"]

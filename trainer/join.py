@@ -34,17 +34,7 @@ read from it (``clock``: trainer/feed.py ``Feed._join_clock``), so catching up a
 backlog does not close windows whose rewards are simply unread yet; a replay may
 then read in another order than the first pass and decide a window differently.
 
-Trajectories (multi-turn and agent use; the rules in docs/ALGORITHM.md, "Multi-turn
-trajectories"). A continuation repeats every earlier turn; ``turn_origins`` names
-the interaction that sampled each. Each turn is trained once: when a rollout is
-taken, turns whose origin was trained already become observations, the others
-train and their origins count as trained. A continuation absorbs the ancestors
-still waiting for a reward (and those not read yet, when they come): their
-rewards join it, on their turns, without making it ready (only a reward for its
-own id does; at its window's end it trains on the default reward, on its
-ancestors' rewards alone, or is dropped with none). Rewarded ancestors train
-alone unless the continuation is taken first. Rewards for a turn trained
-earlier are counted (``trained_turn_rewards``), not applied.
+Trajectories (multi-turn and agent use): :mod:`trainer.join_trajectories`.
 
 Exactly once, with finite memory: finished ids are remembered in an
 :class:`~trainer.id_memory.IdMemory` by creation time for ``reward.memory_s``;
@@ -59,7 +49,7 @@ interactions, held rewards, remembered finished ids); past it the oldest is
 given up and counted (for finished ids: the memory's floor rises). Ready
 interactions are not capped here: the learner stops polling while enough are
 ready. The full state round-trips through :meth:`state_dict` /
-:meth:`load_state_dict` as JSON-serialisable data.
+:meth:`load_state_dict` as JSON-serialisable data (:mod:`trainer.join_checkpoint`).
 """
 
 from __future__ import annotations
@@ -68,15 +58,15 @@ import heapq
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import asdict, fields, replace
 from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
-from trainer.id_memory import IdMemory, anchor_time
-from trainer.join_state import (Claim, Contribution, Entry, JoinCounters, JoinedInteraction, aggregate,
-                                combine_rewards, combine_scores, complete_groups, contribution_from,
-                                contribution_state, entry_from, entry_state, last_turns, prompt_group_key, reward_key)
+from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
+from trainer.join_checkpoint import joiner_state, load_joiner_state
+from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
+                                combine_scores, complete_groups, last_turns, prompt_group_key, reward_key)
+from trainer.join_trajectories import TrajectoryRules
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
 
@@ -91,12 +81,9 @@ each scanning the ones before)."""
 DEADLINE_SLACK = 1_024
 """Closed windows the deadline heap may still hold (lazy deletion) beyond twice the waiting ones
 before it is rebuilt from them."""
-LEGACY_FINISHED_MEMORY_WINDOWS = 2.0
-"""Checkpoints written before the id memory remembered finished ids until ``ts + 2 windows``;
-loading one recovers the anchor as that time minus two windows."""
 
 
-class RewardJoiner:
+class RewardJoiner(TrajectoryRules):
     """See the module docstring. Timestamps are seconds of record time."""
 
     def __init__(self, cfg: RewardConfig, max_pending: int = 100_000) -> None:
@@ -268,35 +255,16 @@ class RewardJoiner:
     def num_held_rewards(self) -> int:
         return len(self._held)
 
-    # -- checkpointing -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "watermark": self.watermark,
-            "waiting": [entry_state(e) for e in self._waiting.values()],
-            "ready": [entry_state(e) for e in self._ready.values()],
-            "held": [[iid, [contribution_state(c) for c in cs]] for iid, cs in self._held.items()],
-            "memory": self.memory.state_dict(),
-            "counters": asdict(self.counters),
-        }
+    # -- checkpointing (trainer/join_checkpoint.py) ---------------------------------------
+    def state_dict(self, with_memory: bool = True) -> dict[str, Any]:
+        """The join's state as JSON-serialisable data; without the id memory (a checkpoint takes
+        :meth:`IdMemory.snapshot` and writes it in a file of its own) if not ``with_memory``."""
+        return joiner_state(self, with_memory)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; also reads checkpoints written before trajectories and the
-        id memory (their finished ids count as trained, their entries as claiming nothing)."""
-        self.watermark = state["watermark"]
-        self._waiting = {e.iid: e for e in map(entry_from, state["waiting"])}
-        self._ready = OrderedDict((e.iid, e) for e in map(entry_from, state["ready"]))
-        self._held = OrderedDict((iid, [contribution_from(c) for c in cs]) for iid, cs in state["held"])
-        self._claims = {a: e.iid for e in [*self._waiting.values(), *self._ready.values()] for a in e.claimed}
-        self._deadlines = [(self._window_end(e), iid) for iid, e in self._waiting.items()]
-        heapq.heapify(self._deadlines)
-        self.memory = IdMemory(self.cfg.id_memory_s, self.max_pending)
-        if "memory" in state:
-            self.memory.load_state_dict(state["memory"])
-        for iid, forget_after in state.get("finished", []):
-            self.memory.remember(iid, forget_after - LEGACY_FINISHED_MEMORY_WINDOWS * self.cfg.window_s,
-                                 trained=True, seen=True)
-        known = {f.name for f in fields(JoinCounters)}
-        self.counters = JoinCounters(**{k: v for k, v in state["counters"].items() if k in known})
+    def load_state_dict(self, state: dict[str, Any], memory: MemorySnapshot | None = None) -> None:
+        """Restore :meth:`state_dict`, the id memory from ``memory`` when given (else from ``state``);
+        also reads checkpoints written before trajectories and the id memory."""
+        load_joiner_state(self, state, memory)
 
     # -- internals: arrivals -------------------------------------------------------------
     def _pending(self, iid: str) -> Entry | None:
@@ -315,68 +283,6 @@ class RewardJoiner:
             log.info("late reward for interaction %s (held, past the window) not applied", entry.iid)
             return
         entry.contributions.append(contribution)
-
-    def _join_routed(self, owner: Entry, contribution: Contribution, origin: str) -> None:
-        """A reward for absorbed interaction ``origin`` joins continuation ``owner``."""
-        last = last_turns(owner.interaction).get(origin)
-        if last is None or any(turn > last for turn in contribution.turns):
-            self.counters.misdirected_rewards += 1
-            log.info("reward for %s names a turn it does not have in continuation %s: not applied",
-                     origin, owner.iid)
-            return
-        owner.contributions.append(replace(contribution, origin=origin))
-
-    def _arrived_superseded(self, iid: str, anchor: float) -> None:
-        """The record of an interaction whose turns a continuation holds (pending) or trained."""
-        self.counters.superseded += 1
-        held = self._held.pop(iid, [])
-        owner_id = self._claims.get(iid)
-        if owner_id is None:  # the continuation was trained already: so were these turns
-            self.memory.remember(iid, anchor, trained=True, seen=True)
-            self.counters.late_rewards += len(held)
-            return
-        owner = self._pending(owner_id)
-        owner.claimed[iid] = Claim(anchor, seen=True)
-        for contribution in held:
-            if contribution.ts > self._window_end(owner):
-                self.counters.late_rewards += 1
-            else:
-                self._join_routed(owner, contribution, iid)
-
-    def _may_have_forgotten(self, entry: Entry) -> bool:
-        """Whether ``entry``'s trajectory began before the id memory's floor: an ancestor the memory
-        does not know may then have trained and been forgotten (time or capacity raised the floor)."""
-        started = entry.interaction.trajectory_started_at
-        return started is not None and self.memory.forgotten(started)
-
-    def _claim_ancestors(self, entry: Entry) -> None:
-        """A continuation arrived: absorb its waiting ancestors and claim those not read yet (unless
-        they may have been forgotten: :meth:`_may_have_forgotten`)."""
-        forgetful = self._may_have_forgotten(entry)
-        for origin in last_turns(entry.interaction):
-            if origin in self._claims or origin in self.memory or origin in self._ready:
-                continue  # held by another continuation, finished, or rewarded and training alone
-            ancestor = self._waiting.pop(origin, None)
-            if ancestor is not None:
-                self.counters.superseded += 1
-                self._absorb(entry, ancestor)
-                continue
-            if forgetful:
-                continue  # trained and forgotten, or not read yet: not trained here (_take)
-            entry.claimed[origin] = Claim(entry.anchor, seen=False)
-            self._claims[origin] = entry.iid
-            for contribution in self._held.pop(origin, []):
-                self._join_routed(entry, contribution, origin)
-
-    def _absorb(self, entry: Entry, ancestor: Entry) -> None:
-        """``ancestor`` (no longer pending) joins continuation ``entry`` with its rewards and claims."""
-        entry.claimed[ancestor.iid] = Claim(ancestor.anchor, seen=True)
-        for iid, claim in ancestor.claimed.items():
-            entry.claimed[iid] = claim
-        for iid in entry.claimed:
-            self._claims[iid] = entry.iid
-        for contribution in ancestor.contributions:
-            self._join_routed(entry, contribution, contribution.origin or ancestor.iid)
 
     # -- internals: ends -----------------------------------------------------------------
     def _make_ready(self, entry: Entry) -> None:
@@ -460,9 +366,6 @@ class RewardJoiner:
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
                                  frozenset(observed), combine_scores(entry, self.cfg))
 
-    def _claim_of(self, iid: str) -> Claim | None:
-        owner = self._claims.get(iid)
-        return None if owner is None else self._pending(owner).claimed[iid]
 
     def _poppable(self, group_size: int) -> list[Entry]:
         if group_size <= 1:

@@ -8,12 +8,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from online_sao.batch import Rollout
 from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward
-from trainer.id_memory import anchor_time
 from trainer.rollouts import interaction_to_rollout, response_turns
 
 
@@ -174,34 +172,6 @@ def last_turns(interaction: Interaction) -> dict[str, int]:
     """Origin id -> index of the last turn it sampled, for the record's other origins."""
     own = interaction.interaction_id
     return {o.interaction_id: k for k, o in enumerate(interaction.origins()) if o.interaction_id != own}
-
-
-def contribution_state(c: Contribution) -> dict[str, Any]:
-    return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin,
-            "scores": dict(c.scores), "key": c.key}
-
-
-def contribution_from(s: dict[str, Any]) -> Contribution:
-    """A :func:`contribution_state`; checkpoints from before named scores (or digests) have none."""
-    return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"),
-                        dict(s.get("scores", {})), s.get("key"))
-
-
-def entry_state(e: Entry) -> dict[str, Any]:
-    """An :class:`Entry` as JSON-serialisable data (the join's checkpoint)."""
-    return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts, "anchor": e.anchor,
-            "contributions": [contribution_state(c) for c in e.contributions], "defaulted": e.defaulted,
-            "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()], "ready_at": e.ready_at}
-
-
-def entry_from(s: dict[str, Any]) -> Entry:
-    """An :func:`entry_state`; also one written before trajectories (no anchor or claims) or
-    grpo's timeout (no ``ready_at``: the interaction's time)."""
-    interaction = Interaction.model_validate(s["interaction"])
-    return Entry(interaction, s["ts"], s.get("anchor", anchor_time(interaction.created_at, s["ts"])),
-                 [contribution_from(c) for c in s["contributions"]], s["defaulted"],
-                 {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])},
-                 s.get("ready_at", s["ts"]))
 
 
 def combine_scores(entry: Entry, cfg: RewardConfig) -> dict[str, float]:

@@ -104,7 +104,8 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
            stop: threading.Event) -> tuple[Position, RankZero | None]:
     """Load the newest checkpoint into every rank (or start fresh); rank 0 then opens its
     streams, weight store and MLflow run (None on the other ranks)."""
-    checkpointer = Checkpointer(cfg.checkpoint_dir) if ctx.is_main else None
+    checkpointer = (Checkpointer(cfg.checkpoint_dir, ledger_segment_bytes=cfg.trainer.ledger_segment_bytes)
+                    if ctx.is_main else None)
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     progress = restore_training_state(checkpointer, models.trainables, joiner, ctx)
     rank0, version = None, progress.version

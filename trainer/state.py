@@ -83,7 +83,7 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
     load_trainables(ckpt, shared, trainables, ctx)
     if ckpt is None:
         return Progress(step=shared["step"], version=shared["version"])
-    joiner.load_state_dict(ckpt.state.joiner)
+    joiner.load_state_dict(ckpt.state.joiner, memory=ckpt.id_memory)
     s = ckpt.state
     return Progress(s.step, s.version, dict(s.offsets), dict(s.counters), s.mlflow_run_id,
                     list(s.protected_versions), dict(s.candidate))
@@ -135,7 +135,7 @@ def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, p
     ``joiner`` and ``progress`` None, get None. Its tensors do not alias the models' or the
     optimisers' (:func:`full_state_dict`, :func:`optimizer_state`); its JSON parts may alias the
     join buffer and the algorithm's state, which :meth:`trainer.checkpoint.Checkpointer.stage`
-    renders before the learner trains on."""
+    renders before the learner trains on; its id memory is a snapshot the join does not change."""
     t = trainables
     models = {"policy": full_state_dict(t.policy, ctx)}
     optimizers: dict[str, Any] = {"policy": optimizer_state(t.policy, t.optimizers.policy, ctx)}
@@ -149,8 +149,9 @@ def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, p
     if t.optimizers.critic_scheduler is not None:
         optimizers["critic_scheduler"] = t.optimizers.critic_scheduler.state_dict()
     p = progress
-    state = LearnerState(step=p.step, version=p.version, offsets=dict(p.offsets), joiner=joiner.state_dict(),
-                         algorithm=t.algorithm.state_dict(), mlflow_run_id=p.mlflow_run_id,
-                         protected_versions=sorted(p.protected_versions), counters=dict(p.counters),
-                         candidate=dict(p.candidate))
-    return Checkpoint(state, models, optimizers)
+    # the id memory (up to 100,000 ids) is only copied here; the checkpoint writer encodes it
+    state = LearnerState(step=p.step, version=p.version, offsets=dict(p.offsets),
+                         joiner=joiner.state_dict(with_memory=False), algorithm=t.algorithm.state_dict(),
+                         mlflow_run_id=p.mlflow_run_id, protected_versions=sorted(p.protected_versions),
+                         counters=dict(p.counters), candidate=dict(p.candidate))
+    return Checkpoint(state, models, optimizers, joiner.memory.snapshot())

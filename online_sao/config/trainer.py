@@ -50,6 +50,15 @@ class TrainerConfig(Section):
     skip the disk when learner and serving share a host (docs/SERVING.md)."""
     checkpoint_dir: Path | None = None
     """Learner checkpoints (default data_dir/checkpoints)."""
+    ledger_segment_bytes: int = Field(64 * 2**20, ge=1)
+    """Size at which the learner's ledger of trained ids (``<checkpoint_dir>/ledger/``) starts a new
+    segment file, named by its first step: the next checkpoint appends to a new segment once the
+    current one holds this many bytes. Only the current segment is ever read or truncated by the
+    learner; older (sealed) ones may be archived or deleted (``online-sao ledger sealed``,
+    docs/RELIABILITY.md). At 10 rollouts/s of 70-character ids the ledger grows about 60 MB a day:
+    the default 64 MiB makes about one segment a day (1 starts a segment at every checkpoint).
+    Checkpoint directories of the layout before segments (one ``ledger.jsonl``) are migrated on the
+    learner's start: that file becomes the first segment."""
     seed: int = 0
     """Seed of the learner."""
     poll_timeout_s: float = Field(0.2, gt=0)

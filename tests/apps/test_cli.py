@@ -150,4 +150,23 @@ def test_ledger_redact_overwrites_the_ids_and_says_how_many(tmp_path, capsys):
     ledger.write_text('{"step":1,"ids":["sao-1","sao-2"]}\n')
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "ledger", "redact", "sao-2", "sao-9"]) == 0
     assert "1 occurrence(s) of 2 id(s) redacted" in capsys.readouterr().out
-    assert read_ledger(Checkpointer(tmp_path / "checkpoints").ledger_path) == [(1, "sao-1"), (1, "-----")]
+    assert read_ledger(tmp_path / "checkpoints") == [(1, "sao-1"), (1, "-----")]
+
+
+def test_ledger_redact_covers_every_segment_and_sealed_lists_the_old_ones(tmp_path, capsys):
+    """The ledger is segment files: redaction reaches all of them, and ``sealed`` names those the
+    learner no longer reads (the ones an operator may archive or delete)."""
+    from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState, read_ledger
+
+    checkpointer = Checkpointer(tmp_path / "checkpoints", ledger_segment_bytes=1)  # a segment per checkpoint
+    for step in (1, 2, 3):
+        checkpointer.record_trained(step, [f"sao-{step}", "sao-x"])
+        checkpointer.save(Checkpoint(LearnerState(step=step, version=0, offsets={}, joiner={}), {}, {}))
+    argv = ["--set", f"paths.data_dir={tmp_path}", "ledger"]
+    assert cli.main([*argv, "redact", "sao-x"]) == 0
+    assert "3 occurrence(s) of 1 id(s) redacted in 3 ledger file(s)" in capsys.readouterr().out
+    assert [iid for _, iid in read_ledger(tmp_path / "checkpoints")] == ["sao-1", "-----", "sao-2", "-----",
+                                                                         "sao-3", "-----"]
+    assert cli.main([*argv, "sealed"]) == 0
+    segments = tmp_path / "checkpoints" / "ledger"
+    assert capsys.readouterr().out.split() == [str(segments / "00000001.jsonl"), str(segments / "00000002.jsonl")]

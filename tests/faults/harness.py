@@ -75,7 +75,7 @@ from streams.tail import records_since
 from tests.fixtures.kafka import local_broker_config
 from tests.faults.traffic import CLIENT_TIMEOUT_S, POLL_S, Traffic
 from tests.fixtures.models import TINY_MODEL_OVERRIDES
-from trainer.checkpoint import read_ledger
+from trainer.checkpoint import LEDGER_DIR, read_ledger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_READY_S = 240.0
@@ -292,7 +292,7 @@ class LiveStack:
 
     @property
     def ledger_path(self) -> Path:
-        return self.cfg.checkpoint_dir / "ledger.jsonl"
+        return self.cfg.checkpoint_dir / LEDGER_DIR
 
     def trained_ids(self) -> list[str]:
         return [iid for _, iid in read_ledger(self.ledger_path)]

@@ -76,9 +76,10 @@ def test_no_pickle_only_safetensors_and_json(tmp_path):
     scheduler = linear_warmup(optimizer, 2)
     _train(model, optimizer, scheduler, 1, 0)
     path = Checkpointer(tmp_path).save(_snapshot(model, optimizer, scheduler, step=1))
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "optim.json", "optim.safetensors",
+    assert sorted(p.name for p in path.iterdir()) == ["index.json", "meta.json", "optim.json", "optim.safetensors",
                                                       "policy.safetensors"]
     json.loads((path / "optim.json").read_text())
+    assert json.loads((path / "index.json").read_text())["version"] == 1
 
 
 def test_keeps_the_last_two_and_resume_picks_newest(tmp_path):
@@ -111,7 +112,7 @@ def test_ledger_lines_of_uncommitted_steps_are_cut_on_resume(tmp_path, monkeypat
 
     loaded = Checkpointer(tmp_path).resume()
     assert loaded.state.step == 1
-    assert read_ledger(tmp_path / "ledger.jsonl") == [(1, "a"), (1, "b")]
+    assert read_ledger(tmp_path) == [(1, "a"), (1, "b")]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -122,17 +123,17 @@ def test_resume_without_checkpoint_empties_the_ledger(tmp_path, monkeypatch):
     with pytest.raises(OSError):  # the first checkpoint fails after its ledger lines were appended
         ckpt.save(Checkpoint(_state(1), models={"policy": {}}, optimizers={}))
     monkeypatch.undo()
-    assert read_ledger(tmp_path / "ledger.jsonl") == [(1, "a")]
+    assert read_ledger(tmp_path) == [(1, "a")]
     assert Checkpointer(tmp_path).resume() is None
-    assert read_ledger(tmp_path / "ledger.jsonl") == []
+    assert read_ledger(tmp_path) == []
 
 
 def test_a_ledger_shorter_than_the_checkpoint_is_an_error(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.record_trained(1, ["a"])
     ckpt.save(Checkpoint(_state(1), models={}, optimizers={}))
-    (tmp_path / "ledger.jsonl").write_text("")
-    with pytest.raises(RuntimeError, match="ledger"):
+    (ckpt.ledger_path / "00000001.jsonl").write_text("")  # the current segment, which the checkpoint covers
+    with pytest.raises(RuntimeError, match="ledger segment"):
         Checkpointer(tmp_path).resume()
 
 
@@ -144,14 +145,15 @@ def test_a_redacted_ledger_keeps_its_length_and_the_learner_resumes_on_it(tmp_pa
     ckpt.record_trained(1, ["a", user])
     ckpt.record_trained(2, [user, "bb"], refused=True)
     ckpt.save(Checkpoint(_state(2), models={}, optimizers={}))
-    size = ckpt.ledger_path.stat().st_size
+    segment = ckpt.ledger_path / "00000001.jsonl"
+    size = segment.stat().st_size
 
     assert redact_ledger(ckpt.ledger_path, {user, "not-there"}) == 2
-    assert ckpt.ledger_path.stat().st_size == size
+    assert segment.stat().st_size == size
     dashes = "-" * (len(json.dumps(user)) - 2)
     assert read_ledger(ckpt.ledger_path) == [(1, "a"), (1, dashes), (2, dashes), (2, "bb")]
     assert read_ledger(ckpt.ledger_path, refused=True) == [(2, dashes), (2, "bb")]
-    assert user.encode() not in ckpt.ledger_path.read_bytes()
+    assert user.encode() not in segment.read_bytes()
     assert Checkpointer(tmp_path).resume().state.step == 2
     assert redact_ledger(ckpt.ledger_path, {"nobody"}) == 0
 

@@ -79,7 +79,7 @@ def _wait_for_ids(ledger: Path, ids: set[str], proc: subprocess.Popen, timeout_s
 @pytest.mark.kafka
 def test_sigkill_mid_stream_then_restart_trains_every_rollout_exactly_once(tmp_path, kafka_config, tiny_model_dir):
     config = _write_config(tmp_path, kafka_config, tiny_model_dir)
-    ledger = tmp_path / "data" / "checkpoints" / "ledger.jsonl"
+    ledger = tmp_path / "data" / "checkpoints"
     log = tmp_path / "learner.log"
     traffic = sample_traffic(load_policy(tiny_model_dir), 40, prefix="x")
     backend = KafkaBackend(kafka_config)
@@ -121,6 +121,6 @@ def test_sigkill_mid_stream_then_restart_trains_every_rollout_exactly_once(tmp_p
     counts = Counter(iid for _, iid in read_ledger(ledger))
     assert set(counts) == {i.interaction_id for i in traffic}
     assert [iid for iid, n in counts.items() if n != 1] == []
-    last = Checkpointer(ledger.parent).load_latest()
+    last = Checkpointer(ledger).load_latest()
     assert last.state.step == len(traffic)  # one rollout per step, none lost, none repeated
     assert last.state.joiner["counters"]["duplicate_interactions"] == 0

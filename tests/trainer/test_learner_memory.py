@@ -36,7 +36,7 @@ def _messages(backend: InMemoryBackend, topic: str):
 
 
 def test_trains_publishes_checkpoints_and_resumes(tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path, tiny_model_dir)
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.ledger_segment_bytes": 1})  # a segment per checkpoint
     topics = cfg.kafka.topics
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
@@ -49,7 +49,8 @@ def test_trains_publishes_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 
     assert result.steps == 3 and result.version == 3
-    ledger = read_ledger(cfg.checkpoint_dir / "ledger.jsonl")
+    assert len(Checkpointer(cfg.checkpoint_dir).sealed_segments()) == 2  # steps 1 and 2; step 3's is current
+    ledger = read_ledger(cfg.checkpoint_dir)
     assert sorted(iid for _, iid in ledger) == sorted(i.interaction_id for i in traffic)
     assert [step for step, _ in ledger] == [1] * 4 + [2] * 4 + [3] * 4
     store = FileWeightStore(cfg.weight_store_url)
@@ -75,7 +76,7 @@ def test_trains_publishes_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     produce(producer, topics, more)
     again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
     assert again.run_id == result.run_id and again.version == 4
-    ledger = read_ledger(cfg.checkpoint_dir / "ledger.jsonl")
+    ledger = read_ledger(cfg.checkpoint_dir)
     assert sorted(iid for step, iid in ledger if step == 4) == [i.interaction_id for i in more]
     assert len({iid for _, iid in ledger}) == len(ledger) == 16
     assert store.versions() == [2, 3, 4]
@@ -94,7 +95,7 @@ def test_few_ready_rollouts_train_after_max_wait_then_idle_stop(tmp_path, tiny_m
     result = train(cfg, backend, init_distributed(), RunUntil(idle_timeout_s=1.0))
 
     assert result.steps == 1  # 2 rollouts, fewer than min_rollouts, trained once they had waited
-    assert sorted(i for _, i in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")) == [t.interaction_id
+    assert sorted(i for _, i in read_ledger(cfg.checkpoint_dir)) == [t.interaction_id
                                                                                     for t in traffic[:2]]
     ckpt = Checkpointer(cfg.checkpoint_dir).load_latest()
     waiting = [e["interaction"]["interaction_id"] for e in ckpt.state.joiner["waiting"]]
@@ -204,7 +205,7 @@ def test_a_token_id_outside_the_vocabulary_is_left_out_and_training_goes_on(tmp_
 
     train(cfg, backend, init_distributed(), RunUntil(idle_timeout_s=1.0))
 
-    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
+    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir)]
     assert sorted(trained) == sorted(i.interaction_id for i in traffic)
     assert Checkpointer(cfg.checkpoint_dir).load_latest().state.counters["invalid_rollouts"] == 1
 
@@ -343,7 +344,7 @@ def test_a_learner_whose_checkpoints_were_lost_prunes_neither_candidate_nor_cham
     assert pinned <= set(store.versions()), f"pruned: {sorted(pinned - set(store.versions()))}"
     again = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
     # it read on from the consumer group's offsets, committed after the first life's checkpoints
-    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir / "ledger.jsonl")]
+    trained = [iid for _, iid in read_ledger(cfg.checkpoint_dir)]
     assert len(trained) == 16 and all(iid.startswith("b") for iid in trained), trained
 
 

@@ -51,7 +51,7 @@ def test_two_ranks_train_publish_and_a_single_process_resumes(tmp_path, kafka_co
     assert "learner on 2 rank(s) from step 0" in done.stderr
 
     cfg = load_app_config(config, environ={})
-    ledger = cfg.checkpoint_dir / "ledger.jsonl"
+    ledger = cfg.checkpoint_dir
     assert sorted(iid for _, iid in read_ledger(ledger)) == sorted(i.interaction_id for i in traffic[:8])
     assert FileWeightStore(cfg.weight_store_url).versions() == [1, 2]
 

@@ -215,7 +215,7 @@ def test_learner_refuses_an_overflowing_batch_publishes_nothing_and_counts_it(tm
     for notice in notices:
         assert all(bool(torch.isfinite(t).all()) for t in store.load(notice.location, notice.checksum).values())
 
-    ledger = cfg.checkpoint_dir / "ledger.jsonl"
+    ledger = cfg.checkpoint_dir
     assert sorted(i for _, i in read_ledger(ledger)) == sorted(i.interaction_id for i in traffic)
     refused = read_ledger(ledger, refused=True)
     assert {s for s, _ in refused} == {2} and poisoned in {i for _, i in refused} and len(refused) == 4

@@ -15,7 +15,7 @@ from apps.agent.results import PLOT_FILE, SUMMARY_FILE
 from apps.config import load_app_config
 from apps.default_model import builder
 from apps.default_model.tool_corpus import tool_corpus_size
-from trainer.checkpoint import LEDGER_FILE, read_ledger
+from trainer.checkpoint import read_ledger
 
 # A small model, quick to build. At the corpus's 12% tool share this size wrote
 # no parseable call in 24 tasks (measured: the call's opening right, its JSON broken), so the
@@ -73,7 +73,7 @@ def test_agent_command_reports_success_over_time_and_the_learner_trains_on_tool_
     with_tool = {e["interaction_ids"][-1] for e in episodes if e["tool_uses"]}
     assert with_tool, "the model made no tool call in 24 tasks"
     cfg = load_app_config(out / "config.yaml", environ={})
-    trained = {iid for _, iid in read_ledger(cfg.checkpoint_dir / LEDGER_FILE, refused=False)}
+    trained = {iid for _, iid in read_ledger(cfg.checkpoint_dir, refused=False)}
     # the learner trains only on interactions whose reward it joined: a tool-use trajectory in the ledger
     # reached it with its tool result as observation and with the agent's reward
     assert trained & with_tool

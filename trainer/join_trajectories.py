@@ -1,0 +1,106 @@
+"""The join's rules for multi-turn trajectories (a mixin of :class:`trainer.join.RewardJoiner`).
+
+Trajectories (multi-turn and agent use; the rules in docs/ALGORITHM.md, "Multi-turn
+trajectories"). A continuation repeats every earlier turn; ``turn_origins`` names
+the interaction that sampled each. Each turn is trained once: when a rollout is
+taken, turns whose origin was trained already become observations, the others
+train and their origins count as trained. A continuation absorbs the ancestors
+still waiting for a reward (and those not read yet, when they come): their
+rewards join it, on their turns, without making it ready (only a reward for its
+own id does; at its window's end it trains on the default reward, on its
+ancestors' rewards alone, or is dropped with none). Rewarded ancestors train
+alone unless the continuation is taken first. Rewards for a turn trained
+earlier are counted (``trained_turn_rewards``), not applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+
+from trainer.id_memory import IdMemory
+from trainer.join_state import Claim, Contribution, Entry, JoinCounters, last_turns
+
+log = logging.getLogger("trainer.join")
+
+
+class TrajectoryRules:
+    """How continuations claim and absorb their ancestors. Works on the state of
+    :class:`trainer.join.RewardJoiner`, which it is a base of (these attributes)."""
+
+    memory: IdMemory
+    counters: JoinCounters
+    _waiting: dict[str, Entry]
+    _ready: OrderedDict[str, Entry]
+    _held: OrderedDict[str, list[Contribution]]
+    _claims: dict[str, str]
+    _pending: Callable[[str], Entry | None]
+    _window_end: Callable[[Entry], float]
+
+    def _join_routed(self, owner: Entry, contribution: Contribution, origin: str) -> None:
+        """A reward for absorbed interaction ``origin`` joins continuation ``owner``."""
+        last = last_turns(owner.interaction).get(origin)
+        if last is None or any(turn > last for turn in contribution.turns):
+            self.counters.misdirected_rewards += 1
+            log.info("reward for %s names a turn it does not have in continuation %s: not applied",
+                     origin, owner.iid)
+            return
+        owner.contributions.append(replace(contribution, origin=origin))
+
+    def _arrived_superseded(self, iid: str, anchor: float) -> None:
+        """The record of an interaction whose turns a continuation holds (pending) or trained."""
+        self.counters.superseded += 1
+        held = self._held.pop(iid, [])
+        owner_id = self._claims.get(iid)
+        if owner_id is None:  # the continuation was trained already: so were these turns
+            self.memory.remember(iid, anchor, trained=True, seen=True)
+            self.counters.late_rewards += len(held)
+            return
+        owner = self._pending(owner_id)
+        owner.claimed[iid] = Claim(anchor, seen=True)
+        for contribution in held:
+            if contribution.ts > self._window_end(owner):
+                self.counters.late_rewards += 1
+            else:
+                self._join_routed(owner, contribution, iid)
+
+    def _may_have_forgotten(self, entry: Entry) -> bool:
+        """Whether ``entry``'s trajectory began before the id memory's floor: an ancestor the memory
+        does not know may then have trained and been forgotten (time or capacity raised the floor)."""
+        started = entry.interaction.trajectory_started_at
+        return started is not None and self.memory.forgotten(started)
+
+    def _claim_ancestors(self, entry: Entry) -> None:
+        """A continuation arrived: absorb its waiting ancestors and claim those not read yet (unless
+        they may have been forgotten: :meth:`_may_have_forgotten`)."""
+        forgetful = self._may_have_forgotten(entry)
+        for origin in last_turns(entry.interaction):
+            if origin in self._claims or origin in self.memory or origin in self._ready:
+                continue  # held by another continuation, finished, or rewarded and training alone
+            ancestor = self._waiting.pop(origin, None)
+            if ancestor is not None:
+                self.counters.superseded += 1
+                self._absorb(entry, ancestor)
+                continue
+            if forgetful:
+                continue  # trained and forgotten, or not read yet: not trained here (_take)
+            entry.claimed[origin] = Claim(entry.anchor, seen=False)
+            self._claims[origin] = entry.iid
+            for contribution in self._held.pop(origin, []):
+                self._join_routed(entry, contribution, origin)
+
+    def _absorb(self, entry: Entry, ancestor: Entry) -> None:
+        """``ancestor`` (no longer pending) joins continuation ``entry`` with its rewards and claims."""
+        entry.claimed[ancestor.iid] = Claim(ancestor.anchor, seen=True)
+        for iid, claim in ancestor.claimed.items():
+            entry.claimed[iid] = claim
+        for iid in entry.claimed:
+            self._claims[iid] = entry.iid
+        for contribution in ancestor.contributions:
+            self._join_routed(entry, contribution, contribution.origin or ancestor.iid)
+
+    def _claim_of(self, iid: str) -> Claim | None:
+        owner = self._claims.get(iid)
+        return None if owner is None else self._pending(owner).claimed[iid]

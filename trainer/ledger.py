@@ -1,0 +1,222 @@
+"""The ledger of interaction ids trained on: segment files ``<checkpoint_dir>/ledger/<step>.jsonl``.
+
+Each line is one step: ``{"step": 42, "ids": [...]}`` (``"refused": true`` when the step's update
+was refused as non-finite). A segment is named by the first step it holds (zero-padded, eight
+digits or more). The checkpointer appends to the newest segment and starts a new one, named by the
+step of its first line, once the newest holds ``trainer.ledger_segment_bytes`` or more. A
+checkpoint records the segment it appended to and that segment's length
+(:class:`~trainer.checkpoint.LearnerState`); a resume truncates that segment to the length and
+deletes the segments after it. Segments before it are *sealed*: the learner never reads, checks
+or changes them again, so an operator may archive or delete them (:meth:`Ledger.sealed`,
+``online-sao ledger sealed``).
+
+The layout before segments was one file, ``<checkpoint_dir>/ledger.jsonl``, whose length the
+checkpoints recorded: :meth:`Ledger.migrate` makes it the first segment (:data:`LEGACY_SEGMENT`),
+the one those checkpoints name.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from online_sao.durable import fsync_dir
+
+LEDGER_DIR = "ledger"
+"""Directory of the segments, in the checkpoint directory."""
+LEDGER_FILE = "ledger.jsonl"
+"""The single ledger file of the layout before segments (migrated on the learner's start)."""
+LEGACY_SEGMENT = "00000000.jsonl"
+"""The segment the single ledger file becomes; checkpoints written before segments name it."""
+SEGMENT_NAME = re.compile(r"^(\d{8,})\.jsonl$")
+SCRATCH_PREFIX = ".tmp-"
+
+
+def segment_name(first_step: int) -> str:
+    return f"{first_step:08d}.jsonl"
+
+
+def _first_step(name: str) -> int:
+    return int(SEGMENT_NAME.match(name).group(1))
+
+
+def segments(directory: Path) -> list[Path]:
+    """The segment files in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if SEGMENT_NAME.match(p.name) and p.is_file()]
+    return sorted(found, key=lambda p: _first_step(p.name))
+
+
+class Ledger:
+    """The segments of one checkpoint directory (``root``)."""
+
+    def __init__(self, root: Path, segment_bytes: int) -> None:
+        if segment_bytes < 1:
+            raise ValueError("a ledger segment needs at least one byte")
+        self.root = Path(root)
+        self.directory = self.root / LEDGER_DIR
+        self.segment_bytes = segment_bytes
+
+    def segments(self) -> list[Path]:
+        return segments(self.directory)
+
+    def plan(self, appended: int, first_step: int) -> tuple[str | None, int]:
+        """Where ``appended`` bytes of lines, the first of step ``first_step``, go: (segment name,
+        its length with them). The newest segment, or a new one named ``first_step`` when there is
+        none or the newest holds ``segment_bytes`` already. Reads the newest segment's size only."""
+        found = self.segments()
+        current = found[-1] if found else None
+        size = current.stat().st_size if current is not None else 0
+        if appended == 0:
+            return (current.name if current is not None else None), size
+        fresh = segment_name(first_step)
+        if current is None or (size >= self.segment_bytes and _first_step(fresh) > _first_step(current.name)):
+            return fresh, appended
+        return current.name, size + appended
+
+    def append(self, segment: str, lines: bytes) -> None:
+        """Append ``lines`` to ``segment`` (created if new) and make them durable."""
+        if not lines:
+            return
+        if not self.directory.exists():
+            self.directory.mkdir()
+            fsync_dir(self.root)
+        path = self.directory / segment
+        created = not path.exists()
+        with open(path, "ab") as fh:
+            fh.write(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if created:
+            fsync_dir(self.directory)
+
+    def cut_back(self, segment: str | None, covered: int) -> None:
+        """Make the ledger what a checkpoint recorded: ``segment`` (None: none) truncated to
+        ``covered`` bytes, the segments after it deleted. Sealed segments are not looked at."""
+        keep_until = -1 if segment is None else _first_step(segment)
+        newer = [p for p in self.segments() if _first_step(p.name) > keep_until]
+        for path in newer:
+            path.unlink()
+        if newer:
+            fsync_dir(self.directory)
+        if segment is None:
+            return
+        path = self.directory / segment
+        size = path.stat().st_size if path.exists() else 0
+        if size < covered:
+            raise RuntimeError(f"ledger segment {path} holds {size} bytes but the checkpoint covers {covered}: "
+                               "the current segment was truncated, replaced or removed outside the learner "
+                               "(only the sealed ones, `online-sao ledger sealed`, may be)")
+        if size > covered:
+            with open(path, "rb+") as fh:
+                fh.truncate(covered)
+                os.fsync(fh.fileno())
+
+    def sealed(self, current: str | None) -> list[Path]:
+        """The segments before ``current`` (the newest checkpoint's): the learner never touches them again."""
+        if current is None:
+            return []
+        return [p for p in self.segments() if _first_step(p.name) < _first_step(current)]
+
+    def migrate(self) -> None:
+        """Make the single ledger file of the layout before segments the first segment, once and
+        atomically: it is linked (or copied) into a scratch directory that is renamed to
+        ``ledger/``, then the old name is removed. A kill at any point leaves either the old
+        layout (the scratch directory is removed with the checkpoints' leftovers) or the new one
+        with the old name still there, which the next start removes."""
+        legacy = self.root / LEDGER_FILE
+        if not legacy.exists():
+            return
+        if not self.directory.exists():
+            scratch = self.root / f"{SCRATCH_PREFIX}{uuid.uuid4().hex}"
+            scratch.mkdir()
+            try:
+                os.link(legacy, scratch / LEGACY_SEGMENT)
+            except OSError:  # a file system without hard links: a copy, fsynced
+                shutil.copyfile(legacy, scratch / LEGACY_SEGMENT)
+                with open(scratch / LEGACY_SEGMENT, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            fsync_dir(scratch)
+            os.rename(scratch, self.directory)
+            fsync_dir(self.root)
+        migrated = self.directory / LEGACY_SEGMENT
+        if not (migrated.exists() and filecmp.cmp(legacy, migrated, shallow=False)):
+            raise RuntimeError(f"{legacy} (the ledger's layout before segments) and {self.directory} both exist "
+                               f"and {legacy} is not {migrated}: move one of them away")
+        legacy.unlink()
+        fsync_dir(self.root)
+
+
+def ledger_files(path: Path) -> list[Path]:
+    """The files of the ledger at ``path``, oldest first. ``path`` is a checkpoint directory, its
+    ``ledger/`` directory, one segment file, or ``<checkpoint_dir>/ledger.jsonl`` (the name of the
+    layout before segments: the ledger of that checkpoint directory, migrated or not)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.name == LEDGER_FILE:
+        path = path.parent
+    if (path / LEDGER_DIR).is_dir() or (path / LEDGER_FILE).is_file():
+        legacy = path / LEDGER_FILE
+        return ([legacy] if legacy.is_file() else []) + segments(path / LEDGER_DIR)
+    return segments(path)
+
+
+def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:
+    """(step, interaction id) of every line of the ledger at ``path`` (:func:`ledger_files`), in
+    order: every id a step took (``refused=None``), only those of refused steps (True) or only those
+    actually trained on (False). Archived or deleted sealed segments are not there to read."""
+    out = []
+    for file in ledger_files(path):
+        for line in file.read_text().splitlines():
+            entry = json.loads(line)
+            if refused is None or entry.get("refused", False) == refused:
+                out.extend((entry["step"], iid) for iid in entry["ids"])
+    return out
+
+
+REDACTED_CHAR = "-"
+"""What a redacted id's characters become: a segment keeps its length (a checkpoint records the current one's)."""
+
+
+def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
+    """Overwrite every occurrence of ``interaction_ids`` in every file of the ledger at ``path``
+    (:func:`ledger_files`) with :data:`REDACTED_CHAR` of the same encoded length, so each segment
+    keeps its length (the newest checkpoint records the current one's); returns the number of ids
+    redacted. Each segment is written to a new file and renamed over the old one: run it with the
+    learner stopped (a step appended meanwhile would be lost, and the learner would then refuse to
+    start)."""
+    return sum(_redact_file(file, {json.dumps(iid) for iid in interaction_ids}) for file in ledger_files(path))
+
+
+def _redact_file(path: Path, wanted: set[str]) -> int:
+    redacted, lines = 0, []
+    for line in path.read_bytes().splitlines(keepends=True):
+        entry: dict[str, Any] = json.loads(line)
+        ids = [json.dumps(iid) for iid in entry["ids"]]
+        hits = [encoded for encoded in ids if encoded in wanted]
+        if hits:
+            entry["ids"] = [json.loads(encoded) if encoded not in wanted else REDACTED_CHAR * (len(encoded) - 2)
+                            for encoded in ids]
+            new = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+            if len(new) != len(line):
+                raise ValueError(f"redacting {hits} would change a line's length in {path}; nothing was written "
+                                 "to it (segments before it in step order were redacted)")
+            line, redacted = new, redacted + len(hits)
+        lines.append(line)
+    if redacted:
+        scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        with open(scratch, "wb") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(scratch, path)
+        fsync_dir(path.parent)
+    return redacted

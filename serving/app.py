@@ -4,7 +4,8 @@ Every error is answered with an OpenAI-style body ``{"error": {message, type,
 param, code}}``: malformed JSON 400, invalid fields and a prompt over the context 400 (422 for
 feedback), an oversize body 413, an unknown model or route 404, a missing or wrong
 API key 401, a rate limit 429 (with Retry-After), no way to log 503 (with the
-reason), an overloaded or shutting-down server 503 (with Retry-After).
+reason), an overloaded or shutting-down server 503 (with Retry-After), a request not
+answered within ``serving.request_timeout_s`` 504.
 Completion responses carry ``X-Interaction-Id``; a response (or
 feedback 200) is sent only once its record is durable (see
 :mod:`serving.interaction_log`). The app's lifespan

@@ -12,9 +12,13 @@ from prometheus_client.registry import Collector
 
 from serving.engine.base import SwapResult
 from serving.monitoring import ServingMonitors
+from serving.turn import ROUTE_PATHS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+TIMEOUT_STAGES = ("queued", "running")
+"""Where a request was when its deadline passed: no token sampled yet (queued for a batch slot, or being
+prefilled), or its answer begun (sampling, or its record awaiting durability)."""
 
 
 class ServingMetrics:
@@ -56,6 +60,17 @@ class ServingMetrics:
         self.engine_running = Gauge("sao_serving_engine_running",
                                     "Generation requests holding a batch slot (being prefilled or sampling)",
                                     registry=registry)
+        self.request_timeouts = Counter("sao_serving_request_timeouts",
+                                        "Generation requests cut at serving.request_timeout_s (504, or a "
+                                        "stream's error event), by route and stage", ["route", "stage"],
+                                        registry=registry)
+        for route in ROUTE_PATHS.values():  # every series from 0, so that rates and alerts see the first one
+            for stage in TIMEOUT_STAGES:
+                self.request_timeouts.labels(route, stage)
+
+    def observe_timeout(self, route: str, started: bool) -> None:
+        """Count a request cut at its deadline on ``route`` (its path), after its first token or before."""
+        self.request_timeouts.labels(route, TIMEOUT_STAGES[started]).inc()
 
     def observe_swap(self, result: SwapResult) -> None:
         """Record one swap attempt of the weights follower (applied, ignored as old, or refused)."""

@@ -1,4 +1,5 @@
-"""OpenAI requests to engine calls, responses (plain or server-sent events) and logged interactions.
+"""OpenAI requests to engine calls, responses (plain, or server-sent events: :mod:`serving.streaming`)
+and logged interactions.
 
 Prompts are token ids: chat messages are rendered with the tokenizer's chat
 template (``add_generation_prompt``) and tokenised without extra special
@@ -10,12 +11,13 @@ and ``stop`` strings end the text (and generation) where they first appear.
 Admission is bounded (:class:`~serving.turn.InFlight`): with ``serving.max_waiting``
 requests queued for a batch slot, or once the server shuts down, a new request
 is refused with 503 before its prompt is tokenised. A client that disconnects, a
-request the shutdown does not start and an answer the shutdown's grace cuts close
-the engine's stream, so the sequence leaves the batch at the engine's next step.
+request the shutdown does not start, an answer the shutdown's grace cuts and a request
+not answered by its deadline (``serving.request_timeout_s``: 504) close the engine's
+stream, so the sequence leaves the queue or the batch at the engine's next step.
 
 Every admitted request that sampled at least one token is logged as one
 :class:`Interaction` through the :class:`InteractionLogger`, also when its client
-disconnects or the shutdown cuts it (``finish_reason="abort"``). The response is
+disconnects, the shutdown cuts it or its deadline passes (``finish_reason="abort"``). The response is
 acknowledged only once the record is durable (``serving.log_durability``): a
 plain response is returned, and a stream sends its final chunk (the one with
 ``finish_reason``) and ``[DONE]``, after the logger's receipt says so; if that
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from pydantic import BaseModel
 
@@ -47,26 +51,16 @@ from serving.metrics import ServingMetrics
 from serving.monitoring import ServingMonitors, request_segment
 from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, ChatCompletionResponse,
                              CompletionResponse, Reply)
-from serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
+from serving.protocol import (REQUEST_TIMEOUT, APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                               logging_unavailable, message_key)
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_completion, check_sampling
+from serving.streaming import AnswerStream, Streamed
 from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
 from serving.turn import PROMPT_PARAMS, Disconnected, InFlight, Turn
 
-
-@dataclass(frozen=True)
-class Streamed:
-    """A streaming answer: its id (for the X-Interaction-Id header) and its SSE lines."""
-
-    interaction_id: str
-    events: AsyncIterator[str]
-
-
-def sse(payload: object) -> str:
-    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {data}\n\n"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -213,7 +207,7 @@ class OpenAIServing:
                                   top_p=1.0 if request.top_p is None else request.top_p,
                                   max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
         return Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
-                    segment=request_segment(request, self.cfg.segment_field),
+                    timeout_s=self.cfg.request_timeout_s, segment=request_segment(request, self.cfg.segment_field),
                     top_logprobs=request.requested_top_logprobs(), **extra)
 
     def check_request(self, request: SamplingRequest) -> None:
@@ -352,6 +346,21 @@ class OpenAIServing:
                   zip(turn.token_ids[start:end], turn.logprobs[start:end], turn.alternatives[start:end])]
         return fmt.logprobs(tokens, _text_length(turn, self.token_texts, start))
 
+    @contextmanager
+    def _interruptible(self, turn: Turn, disconnected: Disconnected | None = None) -> Iterator[None]:
+        """:meth:`InFlight.interruptible`, counting and logging the request when its deadline ends it (which
+        ends the request: it happens once)."""
+        try:
+            with self.inflight.interruptible(turn, disconnected):
+                yield
+        except APIError as exc:
+            if exc.code == REQUEST_TIMEOUT:  # a stream that began reads it as its error event
+                self.metrics.observe_timeout(turn.path, started=bool(turn.token_ids))
+                log.warning("request %s (%s) passed its deadline of %g s (serving.request_timeout_s) with %d "
+                            "tokens sampled: cut, answered 504", turn.interaction_id, turn.path, turn.timeout_s,
+                            len(turn.token_ids))
+            raise
+
     async def _serve(self, request: SamplingRequest, turn: Turn, fmt: AnswerFormat,
                      disconnected: Disconnected | None) -> Answer | Streamed:
         # admitted (InFlight.admit) with no await since: the bound held when _pieces counts it in
@@ -361,10 +370,14 @@ class OpenAIServing:
             # the engine takes the request (or refuses it: an APIError with its status) before any header
             # goes out; the first piece stays in ``turn.text`` for the stream's first chunk. Until then
             # no response watches the client (it is not sent yet): ``disconnected`` does
-            with self.inflight.interruptible(turn, disconnected):
+            with self._interruptible(turn, disconnected):
                 await anext(pieces, None)
-            return Streamed(turn.interaction_id, self._events(turn, include_usage, fmt, pieces))
-        with self.inflight.interruptible(turn, disconnected):
+            stream = AnswerStream(turn, fmt, self.cfg.model_name, include_usage,
+                                  self.tool_call_parser if turn.tools is not None else None,
+                                  partial(self._logprobs, turn, fmt), partial(self._acknowledge, turn),
+                                  partial(self._interruptible, turn))
+            return Streamed(turn.interaction_id, stream.events(pieces))
+        with self._interruptible(turn, disconnected):
             async for _ in self._pieces(turn):
                 pass
             await self._acknowledge(turn)
@@ -374,70 +387,6 @@ class OpenAIServing:
                           choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
                           policy_version=max(turn.versions), policy_versions=turn.policy_versions)
 
-    async def _events(self, turn: Turn, include_usage: bool, fmt: AnswerFormat,
-                      pieces: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The stream's SSE lines, ending with an error event when it fails or the shutdown cuts it.
-
-        Each line is awaited inside :meth:`InFlight.interruptible`, not the sending of it (an
-        interruption there could not be answered); the streaming response itself stops the stream
-        when its client disconnects."""
-        lines = self._lines(turn, include_usage, fmt, pieces)
-        try:
-            async with aclosing(lines):
-                while True:
-                    with self.inflight.interruptible(turn):
-                        line = await anext(lines, None)
-                    if line is None:
-                        break
-                    yield line
-        except Exception as exc:  # headers are sent: the error travels as an SSE event
-            yield sse(stream_error(exc))
-
-    async def _lines(self, turn: Turn, include_usage: bool, fmt: AnswerFormat,
-                     pieces: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The stream's SSE lines from ``pieces`` (the turn's :meth:`_pieces`, already started) to ``[DONE]``."""
-        def chunk(choice: BaseModel, final: bool = False) -> str:
-            return sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name,
-                                 interaction_id=turn.interaction_id, choices=[choice],
-                                 policy_version=max(turn.versions) if final else None,
-                                 policy_versions=turn.policy_versions if final else None))
-
-        sent_tokens, sent_text = 0, 0  # tokens whose log-probs went out; characters of turn.text that did
-        parser = self.tool_call_parser if turn.tools is not None else None
-
-        def ready_piece() -> str | None:
-            """The chunk of the text not yet sent, if any may go out (with tools, text that may be a
-            tool call waits for the end of the answer)."""
-            nonlocal sent_tokens, sent_text
-            ready = len(turn.text) if parser is None else parser.held_from(turn.text)
-            if ready <= sent_text:
-                return None
-            line = chunk(fmt.piece_choice(turn.text[sent_text:ready], self._logprobs(turn, fmt, sent_tokens)))
-            sent_tokens, sent_text = len(turn.token_ids), ready
-            return line
-
-        if fmt.opening_choice is not None:
-            yield chunk(fmt.opening_choice())
-        async with aclosing(pieces):
-            if (line := ready_piece()) is not None:  # the piece read before the stream began
-                yield line
-            async for _ in pieces:
-                if (line := ready_piece()) is not None:
-                    yield line
-        if turn.parsed is not None:
-            rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
-            if rest:
-                yield chunk(fmt.piece_choice(rest, self._logprobs(turn, fmt, sent_tokens)))
-                sent_tokens = len(turn.token_ids)
-            for index, call in enumerate(turn.parsed.calls):
-                yield chunk(fmt.tool_call_choice(index, call))
-        await self._acknowledge(turn)
-        yield chunk(fmt.final_choice(turn.answer_finish_reason, self._logprobs(turn, fmt, sent_tokens)), final=True)
-        if include_usage:
-            yield sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, choices=[],
-                                usage=turn.usage(), interaction_id=turn.interaction_id))
-        yield "data: [DONE]\n\n"
-
 
 def _canonical(tools: list[dict] | None) -> str | None:
     return None if tools is None else json.dumps(tools, sort_keys=True)
@@ -446,10 +395,3 @@ def _canonical(tools: list[dict] | None) -> str | None:
 def _text_length(turn: Turn, texts: TokenTexts, end: int) -> int:
     """Characters of the texts of the turn's first ``end`` tokens (the completions' ``text_offset``)."""
     return sum(len(texts.top(t, 0.0).token) for t in turn.token_ids[:end])
-
-
-def stream_error(exc: Exception) -> dict:
-    """The OpenAI-style error body for a failure after a stream began."""
-    if isinstance(exc, APIError):
-        return exc.body()
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body()

@@ -81,6 +81,19 @@ def shutting_down(started: bool) -> APIError:
                     headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
+REQUEST_TIMEOUT = "request_timeout"
+"""The ``code`` of the 504 a request gets when ``serving.request_timeout_s`` passes before its answer."""
+
+
+def request_timed_out(timeout_s: float, started: bool) -> APIError:
+    """504 ``request_timeout``: the request was not answered within ``timeout_s`` of its admission, queued
+    for the engine (not ``started``: nothing sampled) or while its answer was sampled or logged."""
+    message = (f"the answer was not finished within {timeout_s:g} s (serving.request_timeout_s) and was cut"
+               if started else f"the request waited {timeout_s:g} s (serving.request_timeout_s) without the "
+                               "engine starting its answer; retry later or elsewhere")
+    return APIError(504, message, type="timeout_error", code=REQUEST_TIMEOUT)
+
+
 def client_disconnected() -> APIError:
     """What a request whose client closed the connection ends with (never read: the client is gone)."""
     return APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before the answer",

@@ -25,9 +25,10 @@ from serving.engine.base import InferenceEngine
 from serving.feedback import FeedbackService
 from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
-from serving.openai_serving import OpenAIServing, Streamed
+from serving.openai_serving import OpenAIServing
 from serving.answers import ChatCompletionResponse, CompletionResponse
 from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
+from serving.streaming import Streamed
 from serving.turn import Disconnected, InFlight
 
 INTERACTION_HEADER = "X-Interaction-Id"

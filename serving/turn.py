@@ -1,5 +1,6 @@
 """One admitted completion request while it is served (what it asked for, what was sampled) and what
-the server has in flight: the admission bound, client disconnects and shutdown (:class:`InFlight`)."""
+the server has in flight: the admission bound, client disconnects, request deadlines and shutdown
+(:class:`InFlight`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 from online_sao.schemas import SamplingParams
 from serving.answers import UsageInfo
-from serving.protocol import APIError, client_disconnected, server_overloaded, shutting_down
+from serving.protocol import APIError, client_disconnected, request_timed_out, server_overloaded, shutting_down
 from serving.receipt import Receipt
 from serving.tool_calls import ParsedAnswer
 from serving.trajectories import TrajectoryPrefix
@@ -45,6 +46,9 @@ class Turn:
     """Alternatives per token when the client asked for log-probs, else None."""
     created_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
+    timeout_s: float | None = None
+    """Seconds from ``started`` within which the request must be answered (``serving.request_timeout_s``);
+    None: no deadline."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -87,6 +91,10 @@ class Turn:
         """The text clients see as the answer (without tool-call blocks)."""
         return self.text if self.parsed is None else self.parsed.content
 
+    def remaining_s(self) -> float | None:
+        """Seconds left before its deadline (0 or less: passed); None without one."""
+        return None if self.timeout_s is None else self.started + self.timeout_s - time.perf_counter()
+
     def usage(self) -> UsageInfo:
         prompt = len(self.prefix.engine_prompt)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=len(self.token_ids),
@@ -113,7 +121,8 @@ class _Section:
 class InFlight:
     """What the server has taken on: generation requests queued for a batch slot and holding one, the
     admission bound (``serving.max_waiting``), and the interruptions a request may meet while it waits
-    for the engine or its log: its client leaving, the server shutting down.
+    for the engine or its log: its client leaving, its deadline passing (:attr:`Turn.timeout_s`), the
+    server shutting down.
 
     Counted here, not read from an engine: every engine (torch, vLLM, a canary pair, the tests' fakes)
     is then bounded alike, and a request whose client left stops counting at once, while an engine
@@ -181,15 +190,22 @@ class InFlight:
 
     @contextmanager
     def interruptible(self, turn: Turn, disconnected: Disconnected | None = None) -> Iterator[None]:
-        """Run the body (in the request's task) so that a shutdown, or the client's disconnect when
-        ``disconnected`` is given, interrupts it with its 503 or 499 :class:`APIError`; raised at once
-        when the interruption came before (the shutdown's, between two lines of a stream)."""
+        """Run the body (in the request's task) so that a shutdown, the turn's deadline, or the client's
+        disconnect when ``disconnected`` is given, interrupts it with its 503, 504 or 499 :class:`APIError`;
+        raised at once when the interruption came before (the shutdown's or the deadline's, between two
+        lines of a stream)."""
         if self.cut or (self.draining and not turn.token_ids):
             raise shutting_down(started=bool(turn.token_ids))
+        remaining_s = turn.remaining_s()
+        if remaining_s is not None and remaining_s <= 0:
+            raise request_timed_out(turn.timeout_s, started=bool(turn.token_ids))
         task = asyncio.current_task()
         section = _Section(turn, task, task.cancelling())
         self._sections.add(section)
         watcher = None if disconnected is None else asyncio.ensure_future(self._stop_on(disconnected, section))
+        # a timer, not a task: a stream opens a section per line, and a timer costs a heap entry
+        deadline = (None if remaining_s is None
+                    else asyncio.get_running_loop().call_later(remaining_s, self._expire, section))
         try:
             yield
         except asyncio.CancelledError:
@@ -202,10 +218,15 @@ class InFlight:
             self._sections.discard(section)
             if watcher is not None:
                 watcher.cancel()
+            if deadline is not None:
+                deadline.cancel()
 
     async def _stop_on(self, disconnected: Disconnected, section: _Section) -> None:
         await disconnected()
         self._stop(section, client_disconnected())
+
+    def _expire(self, section: _Section) -> None:
+        self._stop(section, request_timed_out(section.turn.timeout_s, started=bool(section.turn.token_ids)))
 
     def _stop(self, section: _Section, error: APIError) -> None:
         # the section's task is suspended inside it (this runs on another task or a timer of the same

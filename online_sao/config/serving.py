@@ -46,6 +46,17 @@ class ServingConfig(Section):
     answer times for a slot (one frees every answer time / ``max_batch_size``), and the queue refills
     the whole batch four times over through a burst. 0 queues nothing: a full batch refuses. Counted
     by serving for every engine (``sao_serving_engine_waiting``)."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Seconds from a generation request's admission to its answer, at most (its deadline). A request
+    still queued then leaves the queue unsampled; one sampling is cancelled in the engine as a
+    disconnect is (what it sampled is logged with ``finish_reason`` ``abort``). The client gets 504
+    ``request_timeout`` (a stream that began: a final error event), counted in
+    ``sao_serving_request_timeouts_total``. Default 300 s: far above an answer of ``max_new_tokens``
+    (256 by default) at a CPU engine's tens of tokens per second plus a full queue's wait, and below
+    the official openai client's own 600 s timeout, so that its callers read the 504 instead of
+    giving up on a server still working for them. Raise it with ``max_new_tokens`` on slow engines;
+    keep it below the timeouts of clients and of a proxy in front (a client that gives up first
+    closes its connection, which cancels the request too, but without an answer)."""
     max_prefill_tokens: int = Field(8192, ge=1)
     """Torch engine: padded prompt positions (requests x longest prompt) one prefill forward may
     hold. Requests admitted in the same round are prefilled together up to this bound, in order;

@@ -3,19 +3,25 @@
 Unit level: ``chat_tokenizer`` (the default model's tokenizer and chat template,
 trained on a slice of the corpus in a second) and ``make_harness`` (the real app
 over a :class:`FakeEngine` and an InMemoryBackend or a FakeProducer, driven with
-Starlette's TestClient). Integration level: ``live_server`` runs the real app on
+Starlette's TestClient). Over real HTTP: ``fake_http_server``, and ``serve``
+(uvicorn over a FakeEngine with batch slots whose answers hold: overload,
+disconnects, deadlines, shutdown). Integration level: ``live_server`` runs the real app on
 uvicorn on a free port in a background thread, with the real TorchEngine on the
 tiny model and the real broker.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -32,7 +38,10 @@ from streams.memory import InMemoryBackend
 from tests.serving.fakes import FakeEngine, FakeProducer
 
 if TYPE_CHECKING:
+    import openai
+
     from serving.server import BackgroundServer, ServingStack
+    from serving.turn import InFlight
 
 ANSWER = "Hello, wörld! 🙂 ok"
 """The fake engine's answer: multi-byte characters exercise incremental decoding."""
@@ -145,6 +154,87 @@ def fake_http_server(tmp_path, chat_tokenizer) -> Iterator[FakeHttpServer]:
     server.stop()
 
 
+MODEL = "online-sao"
+MESSAGES = [{"role": "user", "content": "Tell me about tea."}]
+HELD_AFTER = 2
+"""Tokens each answer samples before the fake engine holds it (until released, cancelled or cut)."""
+
+
+@dataclass
+class Served:
+    """The app ``serve`` started; ``inflight`` is its admission state."""
+
+    server: "BackgroundServer"
+    engine: FakeEngine
+    inflight: "InFlight"
+    backend: InMemoryBackend
+    topic: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def openai(self) -> "openai.OpenAI":
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="not-needed-on-loopback", max_retries=0, timeout=60)
+
+    def interactions(self) -> list[Interaction]:
+        """What reached the topic (the logger delivers at once in memory mode, and flushes on shutdown)."""
+        consumer = self.backend.consumer([self.topic])
+        try:
+            return [decode(m.value) for m in consumer.poll(timeout_s=0.1, max_records=10_000)]
+        finally:
+            consumer.close()
+
+
+@pytest.fixture
+def serve(tmp_path, chat_tokenizer) -> Iterator:
+    """The real app on uvicorn over a FakeEngine whose answers hold after :data:`HELD_AFTER` tokens."""
+    from serving.server import BackgroundServer
+
+    started: list[Served] = []
+
+    def make(slots: int, grace_s: float = 10.0, **overrides) -> Served:
+        cfg = serving_config(tmp_path, **{"serving.log_durability": "memory", **overrides})
+        backend = InMemoryBackend(cfg.kafka)
+        backend.ensure_topics()
+        logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
+                                   LogSettings.from_config(cfg.serving))
+        engine = FakeEngine(list(chat_tokenizer(ANSWER, add_special_tokens=False)["input_ids"])
+                            + [chat_tokenizer.eos_token_id])
+        engine.slots, engine.hold_after = slots, HELD_AFTER
+        app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=512)
+        served = Served(BackgroundServer(app, grace_s=grace_s).start(), engine, app.state.inflight, backend,
+                        cfg.kafka.topics.interactions)
+        started.append(served)
+        return served
+
+    yield make
+    for served in started:
+        served.engine.release.set()
+        served.server.stop()  # returns at once for one the test stopped
+
+
+def raw_post(url: str, body: dict) -> socket.socket:
+    """A request on a connection of its own, which the test closes to disconnect (no client library
+    holds it open or retries)."""
+    where = urlsplit(url)
+    sock = socket.create_connection((where.hostname, where.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def chat(stream: bool = False, **fields) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "stream": stream, **fields}
+
+
+def metric(url: str, name: str) -> str:
+    return [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name)][0]
+
+
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     """Poll ``predicate`` (for state owned by other threads) until true or timeout."""
     deadline = time.monotonic() + timeout_s
@@ -155,7 +245,8 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> 
     return predicate()
 
 
-__all__ = ["ANSWER", "FakeProducer", "Harness", "wait_until", "serving_config"]
+__all__ = ["ANSWER", "FakeProducer", "HELD_AFTER", "Harness", "MESSAGES", "MODEL", "Served", "chat", "metric",
+           "raw_post", "wait_until", "serving_config"]
 
 
 # ----------------------------------------------------------------------------- integration

@@ -4,104 +4,17 @@ started and cuts what runs with an answer."""
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 from online_sao.config import load_config
-from online_sao.schemas import Interaction, decode
-from serving.app import build_app
-from serving.interaction_log import InteractionLogger, LogSettings
-from serving.metrics import ServingMetrics
 from serving.protocol import APIError
-from serving.server import BackgroundServer
 from serving.turn import InFlight
-from streams.memory import InMemoryBackend
-from tests.serving.conftest import ANSWER, serving_config, wait_until
-from tests.serving.fakes import FakeEngine
-
-MODEL = "online-sao"
-MESSAGES = [{"role": "user", "content": "Tell me about tea."}]
-HELD_AFTER = 2
-"""Tokens each answer samples before the fake engine holds it (until released, cancelled or cut)."""
-
-
-@dataclass
-class Served:
-    server: BackgroundServer
-    engine: FakeEngine
-    inflight: InFlight
-    backend: InMemoryBackend
-    topic: str
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="not-needed-on-loopback", max_retries=0, timeout=60)
-
-    def interactions(self) -> list[Interaction]:
-        """What reached the topic (the logger delivers at once in memory mode, and flushes on shutdown)."""
-        consumer = self.backend.consumer([self.topic])
-        try:
-            return [decode(m.value) for m in consumer.poll(timeout_s=0.1, max_records=10_000)]
-        finally:
-            consumer.close()
-
-
-@pytest.fixture
-def serve(tmp_path, chat_tokenizer) -> Iterator:
-    """The real app on uvicorn over a FakeEngine whose answers hold after :data:`HELD_AFTER` tokens."""
-    started: list[Served] = []
-
-    def make(slots: int, grace_s: float = 10.0, **overrides) -> Served:
-        cfg = serving_config(tmp_path, **{"serving.log_durability": "memory", **overrides})
-        backend = InMemoryBackend(cfg.kafka)
-        backend.ensure_topics()
-        logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
-                                   LogSettings.from_config(cfg.serving))
-        engine = FakeEngine(list(chat_tokenizer(ANSWER, add_special_tokens=False)["input_ids"])
-                            + [chat_tokenizer.eos_token_id])
-        engine.slots, engine.hold_after = slots, HELD_AFTER
-        app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=512)
-        served = Served(BackgroundServer(app, grace_s=grace_s).start(), engine, app.state.inflight, backend,
-                        cfg.kafka.topics.interactions)
-        started.append(served)
-        return served
-
-    yield make
-    for served in started:
-        served.engine.release.set()
-        served.server.stop()  # returns at once for one the test stopped
-
-
-def raw_post(url: str, body: dict) -> socket.socket:
-    """A request on a connection of its own, which the test closes to disconnect (no client library
-    holds it open or retries)."""
-    where = urlsplit(url)
-    sock = socket.create_connection((where.hostname, where.port))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
-def chat(stream: bool = False, **fields) -> dict:
-    return {"model": MODEL, "messages": MESSAGES, "stream": stream, **fields}
-
-
-def metric(url: str, name: str) -> str:
-    return [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name)][0]
+from tests.serving.conftest import ANSWER, HELD_AFTER, MESSAGES, MODEL, chat, metric, raw_post, wait_until
 
 
 def test_a_request_beyond_max_waiting_is_refused_503_with_retry_after_and_nothing_logged(serve):

@@ -78,8 +78,9 @@ class RankZero:
     counters: dict[str, float]
     """Named by :data:`COUNTERS`; the feed counts into the same dict."""
     segments: SegmentRewards
-    """Rewards per segment of the rollouts taken (top ``deploy.segments_top_n`` plus ``other``);
-    not checkpointed: a restarted learner starts them afresh."""
+    """Rewards per segment of the rollouts taken (top ``deploy.segments_top_n`` plus ``other``), in
+    MLflow under slot keys named by run tags (:mod:`online_sao.segments`); not checkpointed: a
+    restarted learner starts them afresh, and the slots' histories (run tags) go on."""
     writer: CheckpointWriter
     """Commits ``checkpointer``'s checkpoints (in the background with
     ``trainer.checkpoint_in_background``)."""
@@ -115,7 +116,7 @@ class RankZero:
         pinned = releases.pinned_versions()
         publisher.pin(pinned)
         checkpointer.pinned_versions = pinned
-        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window)
+        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window, tracker.resumed_tags)
         writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
         return cls(checkpointer, feed, releases, tracker, producer, counters, segments, writer, exporter)
 
@@ -164,7 +165,7 @@ class RankZero:
         }, latest={  # counts so far and readings at the cycle's end: the newest
             **joiner.counters.metrics(), **self.counters, "policy_version": float(at.version),
             **keeping_up.metrics(), **monitors, **self.segments.metrics(),
-        })
+        }, tags=self.segments.slots.tags(at.step))  # which label each segment.slot<k> shows
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
                  "unread %d interactions %d rewards, data %.1f s old; segments %s", at.step, at.version,
                  len(rollouts), metrics.get("reward_mean", math.nan), metrics.get("kept_frac", math.nan),

@@ -20,7 +20,8 @@ from the artifacts (:meth:`RunTracker.prune_registered`, trainer/registry_retent
 tagged ``weights_pruned=true``.
 
 Metrics: :meth:`RunTracker.log_step` gathers the learner's cycles and logs them every
-``mlflow.log_every_steps`` steps (:class:`~trainer.step_window.StepWindow`); :meth:`RunTracker.log_metrics` logs at once.
+``mlflow.log_every_steps`` steps (:class:`~trainer.step_window.StepWindow`), with the run tags that
+changed (which label each segment slot shows: online_sao/segments.py); :meth:`RunTracker.log_metrics` logs at once.
 
 Promotion: a new registration takes the ``candidate`` alias. The learner decides on it
 (:class:`trainer.publisher.Releases`: the off-policy gate and the monitors) and calls
@@ -42,7 +43,6 @@ import logging
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Literal
 
@@ -57,7 +57,7 @@ from online_sao.reachable import until_reachable
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 from trainer.mlflow_store import TrackingUnavailable, experiment_id, is_code, is_unreachable, open_client
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
-from trainer.step_window import StepWindow
+from trainer.step_window import StepWindow, Unsent
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,6 @@ MAX_PARAM_LENGTH = 6000
 """MLflow's limit on a parameter value; longer values are cut (the full YAML is an artifact)."""
 PARAMS_PER_BATCH = 100
 """MLflow accepts at most 100 parameters per log_batch call."""
-METRICS_PER_BATCH = 1000
-"""MLflow accepts at most 1000 metrics per log_batch call."""
 
 Decision = Literal["promoted", "rolled_back", "pending"]
 
@@ -113,12 +111,12 @@ class RunTracker:
         (None: nothing waits)."""
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
-        self._unlogged: deque[list[Metric]] = deque()
-        """Steps of metrics not yet accepted by MLflow (it did not answer), oldest first."""
-        self.unlogged_dropped = 0
-        """Steps of metrics dropped beyond :data:`UNLOGGED_STEPS_MAX` during an outage."""
+        self._unlogged = Unsent(UNLOGGED_STEPS_MAX)
+        """Logged steps of metrics (and run tags) MLflow did not take yet (it did not answer)."""
         self._next_metrics_try = 0.0
         self._window = StepWindow()
+        self.resumed_tags: dict[str, str] = {}
+        """The run's tags when the learner reopened it after a restart (empty for a new run)."""
         self._pruning_refused = False
         """The artifact store refused a deletion: retention is off until the learner restarts."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
@@ -182,6 +180,7 @@ class RunTracker:
         """Reopen the run after a restart. Parameters are immutable in MLflow: new keys
         are added, changed values are listed in the ``config_changed`` tag and the
         restart's own YAML is logged next to the first one."""
+        self.resumed_tags = dict(run.data.tags)
         restarts = int(run.data.tags.get("restarts", "0")) + 1
         params = flatten_config(self.cfg)
         logged = run.data.params
@@ -198,54 +197,48 @@ class RunTracker:
         for start in range(0, len(items), PARAMS_PER_BATCH):
             self.client.log_batch(run_id, params=items[start:start + PARAMS_PER_BATCH])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """One value per name at ``step`` (NaN is stored as NaN). Never waits for the server: while
-        it does not answer the step's metrics are kept and sent, in order, once it does."""
+    def log_metrics(self, metrics: dict[str, float], step: int, tags: dict[str, str] | None = None) -> None:
+        """One value per name at ``step`` (NaN is stored as NaN), and run ``tags`` set. Never waits for the
+        server: while it does not answer they are kept and sent, in order, once it does."""
         now = int(time.time() * 1000)
-        self._unlogged.append([Metric(k, float(v), now, step) for k, v in metrics.items()])
-        if len(self._unlogged) > UNLOGGED_STEPS_MAX:
-            self._unlogged.popleft()
-            self.unlogged_dropped += 1
+        self._unlogged.add([Metric(k, float(v), now, step) for k, v in metrics.items()], tags or {})
         if time.monotonic() >= self._next_metrics_try:
             self._send_unlogged()
 
-    def log_step(self, step: int, averaged: dict[str, float], latest: dict[str, float]) -> None:
-        """One learner cycle's metrics, logged at every ``mlflow.log_every_steps``-th step with the
-        cycles since (:class:`StepWindow`: the mean of ``averaged``, the newest ``latest``); the
-        rest at :meth:`close`."""
-        self._window.add(step, averaged, latest)
+    def log_step(self, step: int, averaged: dict[str, float], latest: dict[str, float],
+                 tags: dict[str, str] | None = None) -> None:
+        """One learner cycle's metrics and run tags, logged at every ``mlflow.log_every_steps``-th step
+        with the cycles since (:class:`StepWindow`: the mean of ``averaged``, the newest ``latest``,
+        the ``tags`` whose newest value changed); the rest at :meth:`close`."""
+        self._window.add(step, averaged, latest, tags)
         if step % self.cfg.mlflow.log_every_steps == 0:
             self._log_window()
 
     def _log_window(self) -> None:
         taken = self._window.take()
         if taken is not None:
-            self.log_metrics(taken[1], step=taken[0])
+            self.log_metrics(taken.metrics, step=taken.step, tags=taken.tags)
 
     @property
     def unlogged_steps(self) -> int:
         """Steps of metrics waiting for the server to answer."""
-        return len(self._unlogged)
+        return len(self._unlogged.logs)
 
     def _send_unlogged(self) -> None:
-        behind = len(self._unlogged) > 1
-        while self._unlogged:
-            items = self._unlogged[0]
-            try:
-                for start in range(0, len(items), METRICS_PER_BATCH):
-                    self.client.log_batch(self.run_id, metrics=items[start:start + METRICS_PER_BATCH])
-            except MlflowException as exc:
-                if not is_unreachable(exc):
-                    raise
-                if not behind:
-                    log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
-                                "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
-                self._next_metrics_try = time.monotonic() + TRACKING_RETRY_S
-                return
-            self._unlogged.popleft()
+        behind = self.unlogged_steps > 1
+        try:
+            self._unlogged.send(self.client, self.run_id)
+        except MlflowException as exc:
+            if not is_unreachable(exc):
+                raise
+            if not behind:
+                log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
+                            "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
+            self._next_metrics_try = time.monotonic() + TRACKING_RETRY_S
+            return
         if behind:
             log.info("MLflow answers again: the metrics it missed are logged (%d steps dropped)",
-                     self.unlogged_dropped)
+                     self._unlogged.dropped)
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"] = "FINISHED") -> None:
         """Send the metrics kept during an outage and end the run (a later restart with the same
@@ -260,15 +253,14 @@ class RunTracker:
                            wait=False)
         except TrackingUnavailable as exc:
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
-                        len(self._unlogged) + self.unlogged_dropped)
+                        self.unlogged_steps + self._unlogged.dropped)
         self._closed = True
 
     def _send_all_unlogged(self) -> None:
         self._next_metrics_try = 0.0
         self._send_unlogged()
-        if self._unlogged:
+        if self.unlogged_steps:
             raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not answer")
-
 
     # -- registry -----------------------------------------------------------------------
     def _ensure_registered_model(self) -> None:

@@ -96,7 +96,8 @@ class DeployConfig(Section):
     """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""
     segments_window: int = Field(128, ge=1)
-    """Newest rewards per segment over which the learner's ``segment.<name>.reward`` is the mean."""
+    """Newest rewards per segment over which the learner's ``segment.slot<k>.reward`` (and
+    ``segment.other.reward``) is the mean; run tags ``segment.slot<k>`` name each slot's segment."""
 
     @model_validator(mode="after")
     def _window_holds_a_decision(self) -> "DeployConfig":

@@ -104,7 +104,8 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
     quality = [judge_scores(i)["quality"] for i in sent]
     monitor = [m.value for m in client.get_metric_history(run.info.run_id, "monitor_score_quality")]
     assert monitor == pytest.approx([sum(quality[:4 * k]) / (4 * k) for k in range(1, 5)])
-    segment = client.get_metric_history(run.info.run_id, "segment.none.score_quality")
+    assert client.get_run(run.info.run_id).data.tags["segment.slot1"] == "none"  # no request named a user
+    segment = client.get_metric_history(run.info.run_id, "segment.slot1.score_quality")
     assert segment[-1].value == pytest.approx(sum(quality) / len(quality))
     decision = client.get_metric_history(run.info.run_id, "registry_monitor_score_quality")
     assert [(m.step, m.value) for m in decision] == [(4, pytest.approx(sum(quality[8:]) / 8))]

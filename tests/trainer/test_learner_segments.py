@@ -39,17 +39,22 @@ def test_rewards_per_segment_and_the_kl_monitor_reach_mlflow(tmp_path, tiny_mode
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
-    metrics = client.get_run(result.run_id).data.metrics
+    run = client.get_run(result.run_id)
+    metrics, tags = run.data.metrics, run.data.tags
+    # step 1's rollouts seat red (2) and blue (1, ahead of "none" on sort order) and they keep their slots;
+    # top 2 by traffic at the end are red (6) and blue (3) against "none" (3): its rewards are under other
+    assert (tags["segment.slot1"], tags["segment.slot2"]) == ("red", "blue")
+    assert (tags["segment.slot1.history"], tags["segment.slot2.history"]) == ("1 red", "1 blue")
     red = [r for s, r in zip(segments, rewards) if s == "red"]  # 6 rewards; the window keeps the last 3
-    assert metrics["segment.red.reward"] == pytest.approx(sum(red[-3:]) / 3)
-    assert metrics["segment.red.count"] == 3.0
-    # top 2 by traffic are red (6) and blue (3) against "none" (3): the tie goes to blue (sort order);
-    # the rewards without a segment are under other
-    assert metrics["segment.blue.reward"] == pytest.approx(sum(r for s, r in zip(segments, rewards)
-                                                               if s == "blue") / 3)
+    assert metrics["segment.slot1.reward"] == pytest.approx(sum(red[-3:]) / 3)
+    assert metrics["segment.slot1.count"] == 3.0
+    assert metrics["segment.slot2.reward"] == pytest.approx(sum(r for s, r in zip(segments, rewards)
+                                                                if s == "blue") / 3)
     assert metrics["segment.other.reward"] == pytest.approx(sum(r for s, r in zip(segments, rewards)
                                                                 if s is None) / 3)
-    assert not any(name.startswith("segment.none.") for name in metrics)
+    # the keys are the slots and other, never a label: 2 + 1 groups of reward and count (no scores sent)
+    assert {name for name in metrics if name.startswith("segment.")} == {
+        f"segment.{slot}.{field}" for slot in ("slot1", "slot2", "other") for field in ("reward", "count")}
     # v1 was decided on at v2 and v2 at v3: the KL of each from the starting policy, on its answers
     kl = [m.value for m in client.get_metric_history(result.run_id, "registry_monitor_kl")]
     assert len(kl) == 2 and all(math.isfinite(v) and v > 0 for v in kl)

@@ -113,6 +113,11 @@ class TurnOrigin(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+ABORTED = "abort"
+"""``Interaction.finish_reason`` of an answer cut by something other than the policy: its client
+left, or serving's deadline or shutdown ended it (the learner: ``reward.train_aborted``)."""
+
+
 class Interaction(Record):
     """One completed trajectory sampled by the serving engine.
 
@@ -146,6 +151,7 @@ class Interaction(Record):
     turn_origins: list[TurnOrigin] | None = None
     sampling: SamplingParams = SamplingParams()
     finish_reason: str = "stop"
+    """Why the answer ended: ``stop`` (the policy ended it), ``length`` (max tokens) or :data:`ABORTED`."""
     parent_id: str | None = None
     trajectory_started_at: float | None = Field(None, allow_inf_nan=False)
     """For a continuation: when its trajectory's first turn was created (the first record's

@@ -41,7 +41,7 @@ from functools import partial
 from pydantic import BaseModel
 
 from online_sao.config import ServingConfig
-from online_sao.schemas import Interaction, SamplingParams
+from online_sao.schemas import ABORTED, Interaction, SamplingParams
 from serving.detokenize import IncrementalDecoder, StopStrings
 from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdError, InteractionIdSigner
@@ -256,7 +256,7 @@ class OpenAIServing:
                     turn.finish_reason = "stop" if stopped else event.finish_reason
                     break
         except (asyncio.CancelledError, GeneratorExit):
-            turn.finish_reason = "abort"  # the client went away: what was sampled is still a trajectory
+            turn.finish_reason = ABORTED  # the client went away: what was sampled is still a trajectory
             raise
         except ValueError as exc:
             if turn.token_ids:

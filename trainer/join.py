@@ -61,7 +61,7 @@ from collections import OrderedDict
 from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
-from online_sao.schemas import Interaction, Reward
+from online_sao.schemas import ABORTED, Interaction, Reward
 from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
@@ -117,6 +117,9 @@ class RewardJoiner(TrajectoryRules):
         if self.memory.forgotten(anchor):
             self.counters.expired_interactions += 1
             log.info("interaction %s created before the id memory's floor: refused", iid)
+            return
+        if interaction.finish_reason == ABORTED and not self.cfg.train_aborted:
+            self._refuse_aborted(iid, anchor)
             return
         entry = Entry(interaction, ts, anchor)
         for contribution in self._held.pop(iid, []):
@@ -314,6 +317,15 @@ class RewardJoiner(TrajectoryRules):
         else:
             self.counters.dropped_no_reward += 1
             self._finish_untrained(entry)
+
+    def _refuse_aborted(self, iid: str, anchor: float) -> None:
+        """A cut answer (``reward.train_aborted`` off): finished untrained before it claims any
+        ancestor, so its ancestors' complete answers train on their own; its held rewards and any
+        later ones are not applied (counted late)."""
+        self.counters.aborted += 1
+        self.counters.late_rewards += len(self._held.pop(iid, []))
+        self.memory.remember(iid, anchor, trained=False, seen=True)
+        log.info("interaction %s was cut (finish_reason abort): not trained as its own rollout", iid)
 
     def _evict_oldest_waiting(self) -> None:
         while self._deadlines:

@@ -55,6 +55,9 @@ class JoinCounters:
     memory and the trajectory began before its floor, so they may have trained already."""
     expired_interactions: int = 0
     """Interactions created before the id memory's floor (refused: they could be copies)."""
+    aborted: int = 0
+    """Interactions whose answer was cut (``finish_reason`` abort) and so not trained as rollouts of
+    their own (``reward.train_aborted`` off); a continuation may still train their turn."""
     complete_groups: int = 0
     """grpo groups handed out with all their members."""
     incomplete_groups: int = 0

@@ -32,6 +32,14 @@ class RewardConfig(Section):
     """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
     rest; then the group is trained on as it is and counted (``join_incomplete_groups``). A group
     whose member lost its reward would otherwise never complete. None waits forever."""
+    train_aborted: bool = False
+    """Whether an interaction whose answer was cut (``finish_reason`` ``abort``: its client left, or
+    serving's deadline or shutdown ended it) is trained as a rollout of its own. Off: it is not
+    (counted as join_aborted, its rewards not applied), because its last token is where something
+    outside the policy stopped it, not an end the policy chose, and a reward of the cut text (a
+    judge's, or the default) would be credited to the answer's start as if it were the whole answer.
+    Either way, a continuation that carries its turn in its history trains it as one of its turns
+    (the trajectory goes on past it)."""
     memory_s: float | None = Field(None, gt=0)
     """How long after its creation the learner remembers an interaction id (trainer/id_memory.py).
     An interaction first read later than that is refused (counted as join_expired_interactions), so

@@ -142,11 +142,16 @@ class EngineLoop(Generic[W]):
             self.waiting.append(request)
             self.cond.notify()
 
-    def next_round(self, busy: bool, room: int | None) -> tuple[list[LoopJob], list[W]]:
+    def next_round(self, busy: bool, room: int | None,
+                   gone: Callable[[W], bool] | None = None) -> tuple[list[LoopJob], list[W]]:
         """(loop thread) Wait for work: a switch, a queued request, a stop, or none when ``busy`` (requests
         in flight). Take every switch and up to ``room`` queued requests (all when None, none once
-        stopping); after a stop :attr:`alive` is False."""
+        stopping); after a stop :attr:`alive` is False. Queued requests for which ``gone`` is true
+        (their caller left: a disconnect, a deadline) are dropped first, so that they take no place
+        in ``room`` and no live request waits behind them."""
         with self.cond:
+            if gone is not None and self.waiting:
+                self.waiting = deque(request for request in self.waiting if not gone(request))
             while not (self.stopping or self.jobs or self.waiting or busy):
                 self.cond.wait()
             jobs = list(self.jobs)

@@ -227,7 +227,8 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 jobs, admitted = self._loop.next_round(busy=bool(self._rows),
-                                                       room=self.cfg.max_batch_size - len(self._rows))
+                                                       room=self.cfg.max_batch_size - len(self._rows),
+                                                       gone=lambda seq: seq.cancelled.is_set())
                 for job in jobs:
                     self._run_switch(job)
                 if not self._loop.alive:

@@ -5,11 +5,11 @@ in its checkpoint and passes it back after a restart, so metrics continue in the
 same run. The default store is a SQLite database under ``data_dir`` (MLflow 3
 refuses plain file stores); a server URI works the same way.
 
-Registry: a published policy version is registered by copying its safetensors
-file (verified against the published checksum) and the non-weight files of the
-model directory (``config.json``, tokenizer, generation config) into the run's
-artifacts under ``policy/v<version>``; the registry version's source is that
-artifact directory, so ``mlflow.artifacts.download_artifacts("models:/<name>@champion")``
+Registry (:mod:`trainer.registry_versions`): a published policy version is registered
+by copying its safetensors file (verified against the published checksum) and the
+non-weight files of the model directory (``config.json``, tokenizer, generation
+config) into the run's artifacts under ``policy/v<version>``; the registry version's
+source is that artifact directory, so ``mlflow.artifacts.download_artifacts("models:/<name>@champion")``
 gives a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 Tags on the registry version record the policy version, checksum, weight-store
 location, and the evidence of the promotion decision.
@@ -46,25 +46,22 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import fsspec
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
 from online_sao.config import Config, dump_config, flat_settings
 from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
-from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
+from online_sao.weights import WeightsRef
 from trainer.mlflow_store import TrackingUnavailable, experiment_id, is_code, is_unreachable, open_client
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
+from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
+                                       policy_of, stage_model_directory, version_with_alias)
 from trainer.step_window import StepWindow, Unsent
 
 log = logging.getLogger(__name__)
 
-CANDIDATE = "candidate"
-CHAMPION = "champion"
-WEIGHTS_FILE = "model.safetensors"
-"""Name of the weights inside a registered artifact directory (what transformers loads)."""
 MAX_PARAM_LENGTH = 6000
 """MLflow's limit on a parameter value; longer values are cut (the full YAML is an artifact)."""
 PARAMS_PER_BATCH = 100
@@ -263,39 +260,6 @@ class RunTracker:
             raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not answer")
 
     # -- registry -----------------------------------------------------------------------
-    def _ensure_registered_model(self) -> None:
-        try:
-            self.client.get_registered_model(self.model_name)
-        except MlflowException as exc:
-            if not is_code(exc, RESOURCE_DOES_NOT_EXIST):
-                raise
-            try:
-                self.client.create_registered_model(self.model_name, description="online-sao policy versions")
-            except MlflowException as again:
-                if not is_code(again, RESOURCE_ALREADY_EXISTS):
-                    raise
-
-    def _stage_artifact(self, ref: WeightsRef, directory: Path) -> None:
-        fs, path = fsspec.core.url_to_fs(ref.location)
-        with fs.open(path, "rb") as fh:
-            data = fh.read()
-        if sha256_hex(data) != ref.checksum:
-            raise CorruptWeights(f"{ref.location}: checksum mismatch, not registering version {ref.version}")
-        (directory / WEIGHTS_FILE).write_bytes(data)
-        for item in sorted(self.cfg.model_dir.iterdir()):
-            if item.is_file() and item.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
-                (directory / item.name).write_bytes(item.read_bytes())
-
-    def _alias(self, alias: str):
-        try:
-            return self.client.get_model_version_by_alias(self.model_name, alias)
-        except MlflowException as exc:
-            # MLflow 3.17 reports an unset alias as INVALID_PARAMETER_VALUE and an
-            # unknown registered model as RESOURCE_DOES_NOT_EXIST
-            if is_code(exc, INVALID_PARAMETER_VALUE) or is_code(exc, RESOURCE_DOES_NOT_EXIST):
-                return None
-            raise
-
     def register(self, ref: WeightsRef, recent_reward: float) -> str:
         """Register published weights as a new registry version with the ``candidate`` alias, then
         prune the artifacts of older versions (:meth:`prune_registered`).
@@ -312,9 +276,9 @@ class RunTracker:
     def _register(self, ref: WeightsRef, recent_reward: float) -> str:
         artifact_path = f"policy/v{ref.version:08d}"
         with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
-            self._stage_artifact(ref, Path(tmp))
+            stage_model_directory(ref, self.cfg.model_dir, Path(tmp))
             self.client.log_artifacts(self.run_id, tmp, artifact_path)
-        self._ensure_registered_model()
+        ensure_registered_model(self.client, self.model_name)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
         tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
                 "reward_at_registration": repr(float(recent_reward)), WEIGHTS_PRUNED: "false"}
@@ -354,8 +318,9 @@ class RunTracker:
         registered model (an old pod overlapping a new one) may have moved ``candidate`` while the
         gate scored, and its registration must not get this verdict. A roll-back then leaves
         ``candidate`` on that newer registration."""
-        candidate = self._alias(CANDIDATE)
-        target = candidate if candidate is not None and _holds(candidate, decided) else self._registered(decided)
+        candidate = version_with_alias(self.client, self.model_name, CANDIDATE)
+        target = (candidate if candidate is not None and holds(candidate, decided)
+                  else newest_version_holding(self.client, self.model_name, decided))
         if target is None:
             raise ValueError(f"policy version {decided.version} ({decided.checksum}) is not registered")
         moved = target is not candidate
@@ -368,58 +333,34 @@ class RunTracker:
         if decision == "promoted":
             self.client.set_registered_model_alias(self.model_name, CHAMPION, target.version)
         elif decision == "rolled_back":
-            champion = self._alias(CHAMPION)
+            champion = version_with_alias(self.client, self.model_name, CHAMPION)
             if champion is None:
                 raise ValueError("cannot roll back without a champion")
             if not moved:
                 self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
 
-    def _registered(self, ref: WeightsRef):
-        """The newest registry version holding ``ref`` (policy version and checksum), or None."""
-        newest, token = None, None
-        while True:
-            page = self.client.search_model_versions(f"name = '{self.model_name}'", page_token=token)
-            for found in page:
-                if _holds(found, ref) and (newest is None or int(found.version) > int(newest.version)):
-                    newest = found
-            token = page.token
-            if not token:
-                return newest
-
     @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the candidate, if any."""
-        return self._policy(self._alias(CANDIDATE))
+        return policy_of(version_with_alias(self.client, self.model_name, CANDIDATE))
 
     @_waiting("reading the champion")
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
-        return self._policy(self._alias(CHAMPION))
+        return policy_of(version_with_alias(self.client, self.model_name, CHAMPION))
 
     @_waiting("reading the champion's record")
     def champion_record(self) -> ValueRecord | None:
         """The champion's record (its ``record`` tag: online_sao/gate_record.py), if it has one."""
-        found = self._alias(CHAMPION)
+        found = version_with_alias(self.client, self.model_name, CHAMPION)
         return None if found is None else ValueRecord.from_tags(found.tags)
 
     @_waiting("tagging the champion")
     def tag_champion(self, tags: dict[str, str]) -> None:
         """Write ``tags`` onto the champion's registry version (its refreshed record), one registry
         call each, in ``tags``' order (a record's ``record`` tag last: online_sao/gate_record.py)."""
-        champion = self._alias(CHAMPION)
+        champion = version_with_alias(self.client, self.model_name, CHAMPION)
         if champion is None:
             raise ValueError("no champion to tag")
         for key, value in tags.items():
             self.client.set_model_version_tag(self.model_name, champion.version, key, value[:MAX_PARAM_LENGTH])
-
-    @staticmethod
-    def _policy(found) -> tuple[int, WeightsRef] | None:
-        if found is None:
-            return None
-        version = int(found.tags["policy_version"])
-        return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
-
-
-def _holds(found, ref: WeightsRef) -> bool:
-    """The registry version ``found`` holds the published ``ref`` (policy version and checksum)."""
-    return found.tags.get("policy_version") == str(ref.version) and found.tags.get("checksum") == ref.checksum

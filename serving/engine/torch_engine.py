@@ -6,8 +6,8 @@ on the asyncio event loop):
 1. apply a pending weight switch (between two steps, nowhere else);
 2. admit waiting requests while fewer than ``max_batch_size`` run: those admitted
    in one round are prefilled together (one forward, prompts left-padded, up to
-   ``max_prefill_tokens`` padded positions), each samples its first token and joins
-   the running batch;
+   ``max_prefill_tokens`` padded positions: :mod:`.prefill_layout`), each samples its
+   first token and joins the running batch;
 3. one decode step for every running sequence (see :mod:`.kv_batch` for the
    left-padded batched cache); finished and cancelled sequences leave.
 
@@ -64,14 +64,12 @@ from serving.engine.flat_kv import FlatKVBatch
 from serving.engine.grouped_attention import use_grouped_sdpa
 from serving.engine.kv_batch import MIN_HEADROOM, RaggedKVBatch
 from serving.engine.outbox import EngineSequence, Outbox
+from serving.engine.prefill_layout import left_padded, prefill_groups
 from serving.engine.sampling import RowSampling, Sampled, sample_tokens
 from serving.engine.weights_check import complete_state_dict
 
 log = logging.getLogger(__name__)
 
-PAD_TOKEN_ID = 0
-"""Fills the left of a shorter prompt in a batched prefill. Any id in the vocabulary serves: its
-positions are masked out of every attention and their cached keys and values are zeroed."""
 WARM_UP_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
 """Token ids of a compiling engine's warm-up requests (any vocabulary's; their text does not matter)."""
 WARM_UP_TOGETHER = 3
@@ -236,11 +234,11 @@ class TorchEngine:
                 with self._step_lock:
                     self._drop_cancelled()
                     if self._flat:
-                        for group in self._prefill_groups(admitted) or [[]]:
+                        for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat) or [[]]:
                             if group or self._rows:
                                 self._guarded(self._flat_step, list(self._rows) + group, group)
                     else:
-                        for group in self._prefill_groups(admitted):
+                        for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat):
                             self._guarded(self._prefill, group, group)
                         if self._rows:
                             self._guarded(self._decode_step, list(self._rows))
@@ -281,36 +279,15 @@ class TorchEngine:
             self._batch.select(keep)
             self._rows = [self._rows[i] for i in keep]
 
-    def _prefill_groups(self, admitted: list[EngineSequence]) -> list[list[EngineSequence]]:
-        """``admitted`` in order, cut into groups whose prompts fit ``max_prefill_tokens`` (padded to the
-        group's longest; in the flat layout, unpadded)."""
-        groups: list[list[EngineSequence]] = []
-        longest = total = 0
-        for seq in admitted:
-            prompt = len(seq.request.prompt_ids)
-            length = max(longest, prompt)
-            size = total + prompt if self._flat else length * (len(groups[-1]) + 1 if groups else 1)
-            if groups and size <= self.cfg.max_prefill_tokens:
-                groups[-1].append(seq)
-                longest, total = length, size
-            else:
-                groups.append([seq])
-                longest = total = prompt
-        return groups
-
     def _prefill(self, admitted: list[EngineSequence]) -> None:
-        """One forward over a group of this round's admitted prompts (:meth:`_prefill_groups`), left-padded
+        """One forward over a group of this round's admitted prompts (:func:`.prefill_groups`), left-padded
         to the longest: each samples its first token, and those not finished by it join the running batch."""
         seqs = [seq for seq in admitted if not seq.cancelled.is_set()]
         if not seqs:
             return
         start = time.perf_counter()
         model, version = self._model, self._loop.version
-        length = max(len(seq.request.prompt_ids) for seq in seqs)
-        pads = [length - len(seq.request.prompt_ids) for seq in seqs]
-        ids = torch.tensor([[PAD_TOKEN_ID] * pad + seq.request.prompt_ids for seq, pad in zip(seqs, pads)],
-                           dtype=torch.long, device=self._device)
-        mask = torch.tensor([[0] * pad + [1] * (length - pad) for pad in pads], dtype=torch.long, device=self._device)
+        ids, mask = left_padded([seq.request.prompt_ids for seq in seqs], self._device)
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),

@@ -31,8 +31,8 @@ That is what makes the version of every token exact.
   in flight or queued ends with ``EngineStopped`` and new ones are refused.
 - Weight checks are the native engine's (:func:`.weights_check.check_state_dict`)
   against the model the native engine would load, built without memory on the
-  meta device (:class:`ServedLayout`): the same names (tied ones as aliases),
-  shapes and served dtype.
+  meta device (:class:`.vllm_weights.ServedLayout`): the same names (tied ones as
+  aliases), shapes and served dtype.
 """
 
 from __future__ import annotations
@@ -48,14 +48,13 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import torch
-from safetensors import safe_open
 
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits, nucleus_logprobs
-from serving.engine.weights_check import check_state_dict
+from serving.engine.vllm_weights import ServedLayout, refresh_tied_head
 
 log = logging.getLogger(__name__)
 
@@ -64,67 +63,6 @@ VLLM_MIN_TEMPERATURE = 1e-2
 (0, this) to this (``vllm.sampling_params._MAX_TEMP``, vLLM 0.32) with only a warning, which would sample
 from another distribution than the one the record names. Temperatures above ``GREEDY_TEMPERATURE`` and
 below this are refused; :meth:`VLLMEngine._sampling` also refuses any temperature vLLM changes anyway."""
-
-
-def checkpoint_names(model_dir: Path) -> frozenset[str]:
-    """Tensor names of a safetensors checkpoint (headers only)."""
-    names: set[str] = set()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as fh:
-            names.update(fh.keys())
-    return frozenset(names)
-
-
-@dataclass(frozen=True)
-class ServedLayout:
-    """What a published state dict must hold to replace the weights vLLM serves from a checkpoint.
-
-    ``expected`` is the state dict of the model the native engine would load from it (names, shapes,
-    the served dtype for its floats), built on the meta device (no memory, no values); ``aliases`` maps
-    each name to its tied names (one parameter under several names, such as ``lm_head.weight`` and the
-    input embedding of a model with tied embeddings, whether or not the checkpoint stores both);
-    ``stored`` holds the checkpoint's own names, those vLLM loaded at start.
-    """
-
-    expected: dict[str, torch.Tensor]
-    aliases: dict[str, list[str]]
-    stored: frozenset[str]
-
-    @classmethod
-    def of(cls, model_dir: Path, dtype: torch.dtype) -> "ServedLayout":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        expected = model.state_dict(keep_vars=True)  # keep_vars: a tied parameter is one object under each name
-        by_parameter: dict[int, list[str]] = {}
-        for name, tensor in expected.items():
-            by_parameter.setdefault(id(tensor), []).append(name)
-        return cls(expected, {name: group for group in by_parameter.values() for name in group},
-                   checkpoint_names(model_dir))
-
-    def checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """The native engine's checks (``CorruptWeights`` names the refusal), then the tensors to reload:
-        all of them but a tied twin the checkpoint does not store (vLLM loaded it from its twin)."""
-        full = check_state_dict(state, self.expected, self.aliases)
-        return [(name, tensor) for name, tensor in full.items() if name in self.stored or len(self.aliases[name]) == 1]
-
-
-def _refresh_tied_head(worker) -> None:
-    """Runs in each vLLM worker after a reload of a model with tied embeddings.
-
-    On CPU, vLLM keeps a packed copy of the embedding matrix for the output
-    projection (made once after loading); the in-place reload updates the
-    embedding but not that copy, so the head would keep the old weights. This
-    repacks it from the reloaded embedding. Elsewhere it does nothing.
-    """
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(worker.model_runner.get_model().lm_head, remove_weight=False)
 
 
 def _ranked(logprobs: dict) -> list[tuple[int, float]]:
@@ -401,7 +339,7 @@ class VLLMEngine:
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
                                                                    "is_checkpoint_format": True})
                 if self._tied:
-                    self._llm.collective_rpc(_refresh_tied_head)
+                    self._llm.collective_rpc(refresh_tied_head)
 
             return reload
 

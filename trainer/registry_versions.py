@@ -1,0 +1,89 @@
+"""The policy's versions in the MLflow model registry: the aliases it uses, the model directory a
+registration copies, and finding a registry version by alias or by the policy it holds.
+
+Stateless operations on an MLflow ``client`` and a registered model's name. The learner's
+:class:`trainer.tracking.RunTracker` decides when to call them (registration, the gate's decision)
+and waits for a server that does not answer; they are kept apart from its run bookkeeping
+(parameters, metrics, the run's lifetime).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
+
+from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
+from trainer.mlflow_store import is_code
+
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+WEIGHTS_FILE = "model.safetensors"
+"""Name of the weights inside a registered artifact directory (what transformers loads)."""
+
+
+def ensure_registered_model(client, model_name: str) -> None:
+    try:
+        client.get_registered_model(model_name)
+    except MlflowException as exc:
+        if not is_code(exc, RESOURCE_DOES_NOT_EXIST):
+            raise
+        try:
+            client.create_registered_model(model_name, description="online-sao policy versions")
+        except MlflowException as again:
+            if not is_code(again, RESOURCE_ALREADY_EXISTS):
+                raise
+
+
+def stage_model_directory(ref: WeightsRef, model_dir: Path, directory: Path) -> None:
+    """Into ``directory``: the published weights of ``ref`` (checked against its checksum) as
+    :data:`WEIGHTS_FILE`, and the non-weight files of ``model_dir`` (config, tokenizer, ...)."""
+    fs, path = fsspec.core.url_to_fs(ref.location)
+    with fs.open(path, "rb") as fh:
+        data = fh.read()
+    if sha256_hex(data) != ref.checksum:
+        raise CorruptWeights(f"{ref.location}: checksum mismatch, not registering version {ref.version}")
+    (directory / WEIGHTS_FILE).write_bytes(data)
+    for item in sorted(model_dir.iterdir()):
+        if item.is_file() and item.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+            (directory / item.name).write_bytes(item.read_bytes())
+
+
+def version_with_alias(client, model_name: str, alias: str):
+    """The registry version holding ``alias``, or None."""
+    try:
+        return client.get_model_version_by_alias(model_name, alias)
+    except MlflowException as exc:
+        # MLflow 3.17 reports an unset alias as INVALID_PARAMETER_VALUE and an
+        # unknown registered model as RESOURCE_DOES_NOT_EXIST
+        if is_code(exc, INVALID_PARAMETER_VALUE) or is_code(exc, RESOURCE_DOES_NOT_EXIST):
+            return None
+        raise
+
+
+def newest_version_holding(client, model_name: str, ref: WeightsRef):
+    """The newest registry version holding ``ref`` (policy version and checksum), or None."""
+    newest, token = None, None
+    while True:
+        page = client.search_model_versions(f"name = '{model_name}'", page_token=token)
+        for found in page:
+            if holds(found, ref) and (newest is None or int(found.version) > int(newest.version)):
+                newest = found
+        token = page.token
+        if not token:
+            return newest
+
+
+def policy_of(found) -> tuple[int, WeightsRef] | None:
+    """(policy version, where its weights are published) of the registry version ``found``, if any."""
+    if found is None:
+        return None
+    version = int(found.tags["policy_version"])
+    return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
+
+
+def holds(found, ref: WeightsRef) -> bool:
+    """The registry version ``found`` holds the published ``ref`` (policy version and checksum)."""
+    return found.tags.get("policy_version") == str(ref.version) and found.tags.get("checksum") == ref.checksum

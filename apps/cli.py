@@ -68,9 +68,16 @@ def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
     from trainer.ledger import ledger_files, redact_ledger
 
     root = cfg.checkpoint_dir
-    if args.action == "sealed":
-        for path in Checkpointer(root).sealed_segments():
+    if args.action == "sealed":  # paths on stdout (for xargs), what else is said on stderr
+        if not root.is_dir():
+            print(f"no checkpoints in {root}", file=sys.stderr)
+            return 1
+        sealed = Checkpointer(root).sealed_segments()
+        for path in sealed:
             print(path)
+        if not sealed:
+            print(f"no sealed ledger segments under {root} (only the current one, which the learner appends to)",
+                  file=sys.stderr)
         return 0
     if not args.ids:
         print("ledger redact needs the ids to redact", file=sys.stderr)

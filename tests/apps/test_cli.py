@@ -170,3 +170,9 @@ def test_ledger_redact_covers_every_segment_and_sealed_lists_the_old_ones(tmp_pa
     assert cli.main([*argv, "sealed"]) == 0
     segments = tmp_path / "checkpoints" / "ledger"
     assert capsys.readouterr().out.split() == [str(segments / "00000001.jsonl"), str(segments / "00000002.jsonl")]
+
+
+def test_ledger_sealed_without_checkpoints_says_so_and_creates_nothing(tmp_path, capsys):
+    argv = ["--set", f"paths.data_dir={tmp_path}", "ledger", "sealed"]
+    assert cli.main(argv) == 1
+    assert "no checkpoints in" in capsys.readouterr().err and not (tmp_path / "checkpoints").exists()

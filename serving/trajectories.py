@@ -113,6 +113,10 @@ class TrajectoryPrefix:
                     turn_origins=origins, parent_id=self.parent_id, trajectory_started_at=self.started_at)
 
 
+REPLY_MARKER = "SAO-REPLY-MARKER-4b1d"
+"""Stands in for the parent's reply when a template changes the reply's text as it renders it."""
+
+
 def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text: str | None) -> str | None:
     """Text between the parent's last sampled token and the new generation prompt, or None.
 
@@ -120,16 +124,35 @@ def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text
     parent's reply is rendered as ``opening + content + closing``; the trajectory already
     holds the reply's sampled tokens, which end with the stop token when the model closed
     the turn itself, so the observation is the rest of ``closing`` followed by the new
-    messages and the generation prompt. None when the template does not render the new
-    conversation as an extension of the old one.
+    messages and the generation prompt. A template that renders the reply with whitespace
+    around it (Llama 2's ``' ' + content``) or trimmed (``content | trim``) is read with
+    :data:`REPLY_MARKER` in the reply's place: what it puts between the generation prompt and
+    the reply may only be whitespace, since the model's own tokens stand there in the
+    trajectory. None when the template does not render the new conversation as an extension
+    of the old one.
     """
     opening = render(stored[:-1], True)
     content = stored[-1]["content"]
     after_reply = render(stored, False)
     full = render(new, True)
-    if not (after_reply.startswith(opening + content) and full.startswith(after_reply)):
+    if not full.startswith(after_reply):
         return None
-    closing = after_reply[len(opening) + len(content):]
+    if after_reply.startswith(opening + content):
+        closing = after_reply[len(opening) + len(content):]
+    else:
+        closing = _closing_around_marker(render, stored, opening)
+        if closing is None:
+            return None
     if stop_text and closing.startswith(stop_text):
         closing = closing[len(stop_text):]
     return closing + full[len(after_reply):]
+
+
+def _closing_around_marker(render, stored: list[dict], opening: str) -> str | None:
+    if not isinstance(stored[-1].get("content"), str):
+        return None
+    marked = render(stored[:-1] + [{**stored[-1], "content": REPLY_MARKER}], False)
+    at = marked.find(REPLY_MARKER)
+    if at < 0 or marked[:at].rstrip() != opening.rstrip():
+        return None
+    return marked[at + len(REPLY_MARKER):]

@@ -10,8 +10,10 @@ position ``t - 1``; see :func:`shift_to_tokens`). Position 0 is never an action.
 
 The models themselves run on packed rows, not on this padded layout
 (:class:`PackedLayout`): the forward helpers pack a batch's rollouts into as few
-rows as fit, run the model with per-rollout positions and a block-diagonal causal
-mask, and unpack the outputs into ``[B, T]`` again.
+rows as fit, run the model with per-rollout positions (from which transformers
+builds a block-diagonal causal mask), and unpack the outputs into ``[B, T]``
+again. A model whose architecture does not build that mask runs on the padded
+layout instead (:func:`online_sao.modeling.packs_correctly` decides, once per model).
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ class PackedLayout:
     :meth:`pack`\ ed ids with :attr:`position_ids`
     (each rollout counting from 0), no attention mask and no cache sees each
     rollout alone: transformers builds the block-diagonal causal mask from the
-    restarts of the positions (its packed-sequence format).
+    restarts of the positions (its packed-sequence format). Not every architecture
+    does (OPT does not); :func:`online_sao.modeling.packs_correctly` finds those.
     """
 
     rows: int

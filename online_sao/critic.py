@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from online_sao.batch import pack_layout, shift_to_tokens
+from online_sao.modeling import packs_correctly
 
 FEED_FORWARD_MODULE_NAMES = frozenset({"mlp", "block_sparse_moe", "feed_forward"})
 """Names under which Qwen2/Qwen2-MoE/Llama/Mistral/Mixtral decoder layers hold
@@ -96,8 +97,9 @@ class ValueModel(nn.Module):
             trainable += keep
         if trainable == 0:
             names = ", ".join(sorted(FEED_FORWARD_MODULE_NAMES))
-            raise ValueError(f"no feed-forward parameters found under modules named {names}; "
-                             "cannot freeze attention for this architecture")
+            raise ValueError(f"no feed-forward parameters found under modules named {names}; cannot freeze "
+                             f"attention for this architecture ({type(self.backbone).__name__}): set "
+                             "`algorithm.freeze_critic_attention: false` to train the whole critic")
 
     @property
     def base_model(self) -> nn.Module:
@@ -111,10 +113,25 @@ class ValueModel(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = True) -> torch.Tensor:
+    def packs(self) -> bool:
+        """Whether :meth:`forward` runs the backbone on packed rows: the packing probe's verdict on its
+        hidden states (:func:`online_sao.modeling.packs_correctly`; the head starts at zero, so the
+        values could not tell), made at the first call and kept. Under FSDP2 call it from the
+        forward (the root's parameters are gathered there) or before sharding."""
+        def hidden(ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            return self.backbone(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+        return packs_correctly(self, hidden, self.backbone.get_input_embeddings().num_embeddings,
+                               f"the critic's {type(self.backbone).__name__}")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                packed: bool | None = None) -> torch.Tensor:
         """``packed``: run the backbone on the right-padded batch packed without padding
         (:class:`~online_sao.batch.PackedLayout`); the same values, to float rounding, as the
-        padded run (``packed=False``) wherever a value is defined (positions 1 .. length)."""
+        padded run (``packed=False``) wherever a value is defined (positions 1 .. length).
+        None (every learner caller): packed where :meth:`packs`, else padded."""
+        if packed is None:
+            packed = self.packs()
         if packed:
             layout = pack_layout(attention_mask)
             hidden = self.backbone(input_ids=layout.pack(input_ids), position_ids=layout.position_ids,

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from online_sao.batch import RolloutBatch, pack_layout, padded_share
 from online_sao.losses import action_entropy, nucleus_entropy, token_logprobs
+from online_sao.modeling import packs_correctly
 from online_sao.sampling import sampled_logprobs
 
 
@@ -39,7 +40,17 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", 
 is predicted (:func:`policy_forward`)."""
 
 
-def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
+def policy_packs(policy: nn.Module) -> bool:
+    """Whether :func:`policy_forward` runs ``policy`` on packed rows: the packing probe's verdict on
+    its logits (:func:`online_sao.modeling.packs_correctly`), made at the first call and kept; False
+    for an architecture whose packed rows' rollouts would see each other (it runs padded)."""
+    def logits(ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return policy(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+
+    return packs_correctly(policy, logits, policy.get_input_embeddings().num_embeddings, type(policy).__name__)
+
+
+def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool | None = None,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass of ``policy`` on the batch: ``(log-probs [B, T], entropy [B, T] or None)``.
 
@@ -52,7 +63,10 @@ def policy_forward(policy: nn.Module, batch: RolloutBatch, packed: bool = True,
     ``packed``: run the policy on the batch packed without padding
     (:class:`~online_sao.batch.PackedLayout`), the LM head only at the positions that predict an
     action token where :func:`_predicting_logits` can; the same values, to float rounding, as
-    the padded run (``packed=False``)."""
+    the padded run (``packed=False``). None (every learner caller): packed where
+    :func:`policy_packs` finds the policy keeps a packed row's rollouts apart, else padded."""
+    if packed is None:
+        packed = policy_packs(policy)
     if not packed:
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
         logprobs = token_logprobs(logits, batch.input_ids, batch.temperatures, batch.top_ps) * batch.action_mask
@@ -92,7 +106,7 @@ def _predicting_logits(policy: nn.Module, ids: torch.Tensor, position_ids: torch
     return policy.get_output_embeddings()(hidden[:, :-1][predicting])
 
 
-def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool = True) -> torch.Tensor:
+def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool | None = None) -> torch.Tensor:
     """``[B, T]`` log-probs of :func:`policy_forward`."""
     return policy_forward(policy, batch, packed)[0]
 

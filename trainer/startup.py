@@ -15,8 +15,10 @@ import torch
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import AlgorithmConfig, Config, ConfigError
+from online_sao.critic import ValueModel
 from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
+from online_sao.train_step import policy_packs
 from streams.base import StreamBackend
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, rank_sum, shard_model
@@ -74,6 +76,18 @@ class LearnerModels:
         return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def probe_packing(policy: torch.nn.Module, critic: ValueModel | None, reference: torch.nn.Module | None) -> None:
+    """Decide, once per model, whether it runs on packed rows (:func:`online_sao.train_step.policy_packs`,
+    :meth:`online_sao.critic.ValueModel.packs`; a model whose packed rollouts would see each other
+    runs padded, with a warning). Before sharding and compiling: a few dozen tokens of eager work,
+    and the forward passes of training then find the verdict made."""
+    policy_packs(policy)
+    if critic is not None:
+        critic.packs()
+    if reference is not None:
+        policy_packs(reference)
+
+
 def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     """The policy from ``cfg.model_dir``, a critic when the rule needs one (the algorithm
     registry says), the KL penalty's reference policy when it is on, all sharded (and their
@@ -84,6 +98,7 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     pad_token_id = load_tokenizer(cfg.model_dir).pad_token_id
     critic = build_critic(cfg.algorithm, policy)
     reference = build_reference(cfg.algorithm, policy)  # the starting policy, before any update
+    probe_packing(policy, critic, reference)
     for model in (policy, critic, reference):
         if model is not None:
             shard_model(model, ctx, compute_dtype=getattr(torch, cfg.model.dtype))

@@ -195,6 +195,7 @@ def test_the_lm_head_runs_only_where_an_action_token_is_predicted(monkeypatch):
     run on one position per action token; a family outside PLAIN_HEAD_MODEL_TYPES runs whole."""
     policy = qwen2(3)
     batch = ragged_batch(policy, [3, 17, 6, 11, 4, 9, 2, 15], top_ps=(1.0, 0.8))
+    assert train_step.policy_packs(policy)  # the packing probe's forwards (once per model) before counting
     head_rows = []
     policy.get_output_embeddings().register_forward_hook(
         lambda module, args, out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))

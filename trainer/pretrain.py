@@ -136,13 +136,15 @@ def pretrain_critic(
     eval_batches = _batches(held_out, batch_size, pad_token_id, device)
     generator = torch.Generator().manual_seed(0)  # a fixed shuffle keeps pre-training reproducible
 
-    was_training = critic.training
+    # each part's own mode, as the learner trains it (a critic's copied body stays in eval: no dropout
+    # where the policy had none when it sampled); critic.train() would turn the body's dropout on
+    modes = [(module, module.training) for module in critic.modules()]
     critic.eval()  # no dropout in evaluation
     ev_before = best = _explained_variance(critic, eval_batches, cfg)
     best_state = _trainable_state(critic)
     best_epoch, since_best, epochs, skipped, last_loss = 0, 0, 0, 0, math.nan
     for epoch in range(1, max_epochs + 1):
-        critic.train()
+        _restore_modes(modes)
         for index in torch.randperm(len(train_batches), generator=generator).tolist():
             batch = train_batches[index]
             values = critic(batch.input_ids, batch.attention_mask)
@@ -163,7 +165,7 @@ def pretrain_critic(
     restored = critic.load_state_dict(best_state, strict=False)
     if restored.unexpected_keys:
         raise RuntimeError(f"restoring the best critic: unexpected keys {restored.unexpected_keys}")
-    critic.train(was_training)
+    _restore_modes(modes)
     return {
         "ev_before": ev_before,
         "ev_after": best,
@@ -177,3 +179,8 @@ def pretrain_critic(
         "ev_on_training_data": float(on_training_data),
         "lr_last": float(critic_optimizer.param_groups[0]["lr"]),
     }
+
+
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in modes:
+        module.training = training

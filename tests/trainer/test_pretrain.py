@@ -96,3 +96,17 @@ def test_pretraining_needs_action_tokens():
     no_actions = Rollout("x", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})
     with pytest.raises(ValueError, match="action tokens"):
         pretrain_critic(critic, optimizer, [no_actions], cfg, PAD_ID)
+
+
+def test_pretraining_trains_each_part_in_its_own_mode_and_leaves_them_so():
+    """The learner trains a critic whose copied body stays in eval (no dropout where the policy had
+    none when it sampled); pre-training must not turn the body's dropout on, during or after."""
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=1e-2)
+    critic.train()
+    critic.backbone.eval()
+    modes = {name: module.training for name, module in critic.named_modules()}
+    seen = []
+    critic.backbone.register_forward_pre_hook(lambda module, _: seen.append((critic.training, module.training)))
+    pretrain_critic(critic, optimizer, _rollouts(10), cfg, PAD_ID, max_epochs=2, patience=2, batch_size=8)
+    assert {name: module.training for name, module in critic.named_modules()} == modes
+    assert (True, False) in seen and (True, True) not in seen  # trained with its body in eval

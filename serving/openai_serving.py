@@ -1,10 +1,9 @@
 """OpenAI requests to engine calls, responses (plain, or server-sent events: :mod:`serving.streaming`)
 and logged interactions.
 
-Prompts are token ids: chat messages are rendered with the tokenizer's chat
-template (``add_generation_prompt``) and tokenised without extra special
-tokens; a continuation (``parent_interaction_id``) conditions on the parent's
-recorded tokens plus the new observation tokens (:mod:`serving.trajectories`).
+Prompts are token ids (:mod:`serving.prompts`): chat messages rendered with the tokenizer's
+chat template, a completions prompt's text tokenised (or its ids as sent); a continuation
+(``parent_interaction_id``) conditions on the parent's recorded tokens plus the new observation tokens.
 Sampled tokens are decoded incrementally; stop tokens are actions but not text,
 and ``stop`` strings end the text (and generation) where they first appear.
 
@@ -30,7 +29,6 @@ through ``redact_hook`` (:mod:`serving.redaction`) when one is configured.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,7 +42,7 @@ from online_sao.config import ServingConfig
 from online_sao.schemas import ABORTED, Interaction, SamplingParams
 from serving.detokenize import IncrementalDecoder, StopStrings
 from serving.engine.base import GenerationRequest, InferenceEngine
-from serving.ids import InteractionIdError, InteractionIdSigner
+from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.logprobs import TokenTexts
 from serving.metrics import ServingMetrics
@@ -52,12 +50,13 @@ from serving.monitoring import ServingMonitors, request_segment
 from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, ChatCompletionResponse,
                              CompletionResponse, Reply)
 from serving.protocol import (REQUEST_TIMEOUT, APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
-                              logging_unavailable, message_key)
+                              generation_failed, logging_unavailable, message_key)
+from serving.prompts import PromptBuilder, canonical_tools
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_completion, check_sampling
 from serving.streaming import AnswerStream, Streamed
 from serving.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
-from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
+from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix
 from serving.turn import PROMPT_PARAMS, Disconnected, InFlight, Turn
 
 log = logging.getLogger(__name__)
@@ -84,95 +83,11 @@ class OpenAIServing:
     def __post_init__(self) -> None:
         self.inflight = self.inflight or InFlight(self.cfg.waiting_bound, self.cfg.max_batch_size)
         self.stop_token_ids = self.stop_token_ids or frozenset({self.tokenizer.eos_token_id})
+        self.prompts = PromptBuilder(self.tokenizer, self.signer, self.trajectories, self.stop_token_ids,
+                                     self.cfg.model_name)
         self.token_texts = TokenTexts(self.tokenizer)
         parser = TOOL_CALL_PARSERS.get(self.cfg.tool_call_parser)
         self.tool_call_parser: ToolCallParser | None = None if parser is None else parser()
-
-    # ------------------------------------------------------------------ prompts
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        extra = {} if tools is None else {"tools": tools}
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **extra)
-        except Exception as exc:  # jinja templates raise their own errors for conversations they refuse
-            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
-
-    def _encode(self, text: str) -> list[int]:
-        # verbose=False: an over-long prompt is refused with 413 below, not warned about here
-        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-    def _parent(self, parent_id: str, route: str) -> Trajectory:
-        try:
-            self.signer.verify(parent_id)
-        except InteractionIdError as exc:
-            raise APIError(exc.status, exc.message, param="parent_interaction_id", code=exc.code) from None
-        parent = self.trajectories.get(parent_id)
-        if parent is None:
-            raise APIError(404, f"interaction {parent_id} is not held by this server (it keeps the "
-                                f"{self.trajectories.capacity} most recent trajectories in memory); "
-                                "send the conversation without parent_interaction_id to start a new one",
-                           param="parent_interaction_id", code="interaction_not_found")
-        if (route == "chat") != (parent.template_messages is not None):
-            raise APIError(400, f"interaction {parent_id} was not made by the {route} endpoint",
-                           param="parent_interaction_id")
-        return parent
-
-    def _chat_prefix(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict], list[tuple]]:
-        """The prefix, the conversation as the template renders it and each message's key."""
-        messages = [m.as_template_message() for m in request.messages]
-        keys = [m.key() for m in request.messages]
-        tools = request.active_tools()
-        render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
-        if request.parent_interaction_id is None:
-            return TrajectoryPrefix(self._encode(render(messages, True))), messages, keys
-        parent = self._parent(request.parent_interaction_id, "chat")
-        stored, stored_keys = list(parent.template_messages), list(parent.message_keys)
-        if keys[:len(stored)] != stored_keys or len(messages) <= len(stored):
-            raise APIError(400, f"messages must repeat the {len(stored)} messages of interaction "
-                                f"{parent.record.interaction_id} (its reply as returned) and add new ones",
-                           param="messages")
-        if messages[-1]["role"] == "assistant":
-            raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
-        if _canonical(tools) != parent.tools:
-            raise APIError(400, f"tools must be the ones of interaction {parent.record.interaction_id}: they are "
-                                "part of the trajectory's prompt", param="tools")
-        messages = stored + messages[len(stored):]
-        last = parent.record.response_ids[-1] if parent.record.response_ids else None
-        stop_text = self.tokenizer.decode([last]) if last in self.stop_token_ids else None
-        observation = chat_observation_text(render, stored, messages, stop_text)
-        if observation is None:
-            raise APIError(400, "the chat template does not render this conversation as an extension of "
-                                f"interaction {parent.record.interaction_id}", param="messages")
-        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages, keys
-
-    def _completion_prefix(self, request: CompletionRequest) -> tuple[TrajectoryPrefix, str | None]:
-        prompt = request.prompt
-        ids: list[int] | None = None
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            ids, text = list(prompt), None
-        elif isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            text = prompt[0]
-        else:
-            text = prompt
-        if request.parent_interaction_id is None:
-            return TrajectoryPrefix(ids if ids is not None else self._encode(text)), text
-        parent = self._parent(request.parent_interaction_id, "completions")
-        if ids is not None:
-            known = parent.token_ids
-            if ids[:len(known)] != known or len(ids) == len(known):
-                raise APIError(400, "prompt token ids must start with every token of the parent "
-                                    "interaction and add new ones", param="prompt")
-            observation = ids[len(known):]
-        else:
-            seen = parent.visible_text
-            if seen is None or not text.startswith(seen) or text == seen:
-                raise APIError(400, "prompt must start with the parent interaction's prompt and returned "
-                                    "text and add new text", param="prompt")
-            observation = self._encode(text[len(seen):])
-        return TrajectoryPrefix.continuing(parent.record, observation), text
 
     # ------------------------------------------------------------------ admission
 
@@ -258,11 +173,17 @@ class OpenAIServing:
         except (asyncio.CancelledError, GeneratorExit):
             turn.finish_reason = ABORTED  # the client went away: what was sampled is still a trajectory
             raise
-        except ValueError as exc:
-            if turn.token_ids:
-                raise
-            # engines refuse input they cannot run (ids outside the vocabulary) before sampling
-            raise APIError(400, f"the engine refused the request: {exc}", param=turn.prompt_param) from exc
+        except APIError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ValueError) and not turn.token_ids:
+                # engines refuse input they cannot run (ids outside the vocabulary) before sampling
+                raise APIError(400, f"the engine refused the request: {exc}", param=turn.prompt_param) from exc
+            # answered as an APIError: the app's handler sends it (a stream's error event after its first line);
+            # any other exception would also be raised through the ASGI server after its 500
+            log.error("request %s failed after %d tokens: %s: %s", turn.interaction_id, len(turn.token_ids),
+                      type(exc).__name__, exc)
+            raise generation_failed(exc) from exc
         finally:
             self.inflight.ended(started)
             await stream.aclose()
@@ -299,7 +220,7 @@ class OpenAIServing:
             keys = turn.message_keys + [message_key("assistant", turn.content, calls)]  # as returned
             self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages),
                                                                   message_keys=tuple(keys),
-                                                                  tools=_canonical(turn.tools)))
+                                                                  tools=canonical_tools(turn.tools)))
         else:
             visible = None if turn.prompt_text is None else turn.prompt_text + turn.text
             self.trajectories.put(turn.interaction_id, Trajectory(record, visible_text=visible))
@@ -323,8 +244,9 @@ class OpenAIServing:
         """Answer a chat request; ``disconnected`` (returns when the client has gone) lets a client that
         leaves before its answer (before the first token, for a stream) stop its generation."""
         self.check_request(request)
+        self.prompts.check_chat()
         self.inflight.admit()  # before the tokenizer: an overloaded server refuses cheaply
-        prefix, messages, keys = self._chat_prefix(request)
+        prefix, messages, keys = self.prompts.chat(request)
         turn = self._admit(request, "chat", prefix, template_messages=messages, message_keys=keys,
                            tools=request.active_tools())
         return await self._serve(request, turn, CHAT_FORMAT, disconnected)
@@ -334,7 +256,7 @@ class OpenAIServing:
         """Answer a text completion request; ``disconnected`` as for :meth:`chat`."""
         self.check_request(request)
         self.inflight.admit()
-        prefix, text = self._completion_prefix(request)
+        prefix, text = self.prompts.completion(request)
         turn = self._admit(request, "completions", prefix, prompt_text=text)
         return await self._serve(request, turn, COMPLETION_FORMAT, disconnected)
 
@@ -386,10 +308,6 @@ class OpenAIServing:
         return fmt.answer(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, usage=turn.usage(),
                           choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
                           policy_version=max(turn.versions), policy_versions=turn.policy_versions)
-
-
-def _canonical(tools: list[dict] | None) -> str | None:
-    return None if tools is None else json.dumps(tools, sort_keys=True)
 
 
 def _text_length(turn: Turn, texts: TokenTexts, end: int) -> int:

@@ -94,6 +94,12 @@ def request_timed_out(timeout_s: float, started: bool) -> APIError:
     return APIError(504, message, type="timeout_error", code=REQUEST_TIMEOUT)
 
 
+def generation_failed(exc: Exception) -> APIError:
+    """500 ``generation_failed``: the engine failed while answering (the server goes on serving)."""
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error",
+                    code="generation_failed")
+
+
 def client_disconnected() -> APIError:
     """What a request whose client closed the connection ends with (never read: the client is gone)."""
     return APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before the answer",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from serving.answers import AnswerFormat
-from serving.protocol import APIError
+from serving.protocol import APIError, generation_failed
 from serving.tool_calls import ToolCallParser
 from serving.turn import Turn
 
@@ -41,9 +41,7 @@ def sse(payload: object) -> str:
 
 def stream_error(exc: Exception) -> dict:
     """The OpenAI-style error body for a failure after a stream began."""
-    if isinstance(exc, APIError):
-        return exc.body()
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body()
+    return (exc if isinstance(exc, APIError) else generation_failed(exc)).body()
 
 
 @dataclass

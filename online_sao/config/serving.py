@@ -69,7 +69,11 @@ class ServingConfig(Section):
     bounds the prompt tokens one forward takes on. ``flat`` is faster where a forward's fixed cost
     dominates (small models and batches on a CPU: benchmarks/results/kv_layout.md); its attention
     reads every running sequence's cache, so with large batches of long contexts ``padded`` is
-    cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py."""
+    cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py.
+    Its mask has no attention window: a model with sliding-window attention (``sliding_window``
+    within its positions, as Mistral v0.1 and Qwen2 with ``use_sliding_window``; ``layer_types`` with
+    sliding layers, as Gemma2/3) is refused at start, ``padded`` serves it. Either layout checks at
+    start that two prompts it serves get a plain forward's log-probs (serving/engine/self_check.py)."""
     compile: bool = False
     """Torch engine: compile the model's transformer body with ``torch.compile`` (dynamic shapes)
     when the engine is built; the hot-swap's spare copy is compiled too and shares the graphs. The

@@ -35,8 +35,12 @@ stall).
 
 With ``ServingConfig.compile`` the engine compiles the body of the model it is given
 (in place) and of its spare copy (a deep copy of a compiled module runs eagerly);
-:meth:`TorchEngine.start` runs warm-up requests so that the compilation happens
-before traffic. Both copies share the compiled graphs.
+:meth:`TorchEngine.start` runs warm-up requests (:mod:`.warm_up`) so that the compilation
+happens before traffic. Both copies share the compiled graphs.
+
+The engine refuses at construction (``ConfigError``) a model it would not serve with the model's
+own distribution (:mod:`.self_check`): windowed attention in the flat layout, or two prompts served
+through its loop whose log-probs differ from a plain forward (or that fail, as a Mamba model does).
 """
 
 from __future__ import annotations
@@ -57,24 +61,19 @@ from transformers.cache_utils import DynamicCache
 
 from online_sao.config import ServingConfig
 from online_sao.modeling import compile_body, is_compiled, load_policy, load_tokenizer
-from online_sao.schemas import SamplingParams
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.flat_kv import FlatKVBatch
 from serving.engine.grouped_attention import use_grouped_sdpa
-from serving.engine.kv_batch import MIN_HEADROOM, RaggedKVBatch
+from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.outbox import EngineSequence, Outbox
 from serving.engine.prefill_layout import left_padded, prefill_groups
 from serving.engine.sampling import RowSampling, Sampled, sample_tokens
+from serving.engine.self_check import check_engine
+from serving.engine.warm_up import warm_up
 from serving.engine.weights_check import complete_state_dict
 
 log = logging.getLogger(__name__)
-
-WARM_UP_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
-"""Token ids of a compiling engine's warm-up requests (any vocabulary's; their text does not matter)."""
-WARM_UP_TOGETHER = 3
-"""Warm-up requests run together after one alone: dynamic shapes specialise sizes 0 and 1, so a
-batch of one sequence and a batch of several get graphs of their own."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class TorchEngine:
         self._model = model.eval()
         self._spare: nn.Module | None = None
         self._loop: EngineLoop[EngineSequence] = EngineLoop(initial_version)
-        self._on_step = on_step
+        self._on_step: Callable[[StepStats], None] | None = None
         self._device = next(model.parameters()).device
         self._vocab = model.get_input_embeddings().num_embeddings
         self._max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -113,10 +112,12 @@ class TorchEngine:
         self._flat = self.cfg.kv_layout == "flat"
         if self._flat:  # its masked multi-token queries would copy grouped key/value heads in sdpa
             use_grouped_sdpa(model)
-        if self.cfg.compile:
-            compile_body(model)
         self._dtype = next(model.parameters()).dtype
         self._batch = self._new_batch()
+        check_engine(model, self.cfg.kv_layout, self._first_round)  # eager: compiling is not what it checks
+        self._on_step = on_step  # after the check: its steps are no one's
+        if self.cfg.compile:
+            compile_body(model)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: ServingConfig | None = None, dtype: str = "float32",
@@ -153,26 +154,10 @@ class TorchEngine:
         """Start the loop; with ``compile``, warm it up and make the spare copy before returning."""
         self.start_thread()
         if self.cfg.compile:
-            await self._warm_up()
-
-    async def _warm_up(self) -> None:
-        """Compile before traffic: warm-up requests (one alone, then several together), then the
-        spare copy, so that the first swap builds nothing (its calls reuse the graphs: they are
-        keyed by code, not by module)."""
-        prompt = [t % self._vocab for t in WARM_UP_PROMPT]
-        # enough tokens that the cache outgrows its first buffer: a step that regrows it is a graph of its own
-        tokens = MIN_HEADROOM + len(prompt)
-        if self._max_positions is not None:
-            tokens = min(tokens, self._max_positions - len(prompt))
-
-        async def one(i: int) -> None:
-            request = GenerationRequest(f"warm-up-{i}", prompt, SamplingParams(max_tokens=tokens, seed=i))
-            [_ async for _ in self.generate(request)]
-
-        await one(0)
-        await asyncio.gather(*(one(i) for i in range(1, 1 + min(WARM_UP_TOGETHER, self.cfg.max_batch_size))))
-        if not self.cfg.swap_in_place:
-            await asyncio.to_thread(self._make_spare)
+            # the first swap then builds nothing: its calls reuse the graphs (keyed by code, not by module)
+            await warm_up(self.generate, self._vocab, self._max_positions, self.cfg.max_batch_size)
+            if not self.cfg.swap_in_place:
+                await asyncio.to_thread(self._make_spare)
 
     def _make_spare(self) -> None:
         """The hot-swap's second copy of the model, compiled like the first when ``compile``."""
@@ -204,6 +189,19 @@ class TorchEngine:
         self._loop.submit(seq)
         async for event in relay_events(seq.events, seq.cancelled):
             yield event
+
+    async def _first_round(self, requests: list[GenerationRequest]) -> list[list[TokenEvent]]:
+        """(construction: :func:`.self_check.check_engine`) The events of ``requests``, admitted together by
+        the loop's first round; the loop stops after."""
+        seqs = [self._admissible(request) for request in requests]
+        for seq in seqs:
+            seq.loop, seq.events = asyncio.get_running_loop(), asyncio.Queue()
+        self._loop.waiting.extend(seqs)  # queued before the loop starts: its first round takes them together
+        self.start_thread()
+        try:
+            return [[event async for event in relay_events(seq.events, seq.cancelled)] for seq in seqs]
+        finally:
+            self.stop_thread()
 
     def _admissible(self, request: GenerationRequest) -> EngineSequence:
         prompt = request.prompt_ids

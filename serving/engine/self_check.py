@@ -1,0 +1,158 @@
+"""The torch engine's check at construction: refuse a model whose served log-probs would not be its own.
+
+The behaviour log-prob of every sampled token is what the learner's importance ratio divides by, so
+an engine whose cache or mask handling does not fit a model must not start: it would serve (and log)
+a distribution the model never had, and nothing downstream could tell. Two checks, both raising
+:class:`~online_sao.config.ConfigError` naming the model type, the layout and what differs:
+
+- :func:`windowed_attention`: the ``flat`` layout's mask (:mod:`.flat_kv`) lets a query see every
+  earlier column of its sequence, with no attention window, and transformers passes a prepared 4D
+  mask through unchanged, so a model with sliding-window (or chunked) attention layers would attend
+  past its window once a sequence outgrows it (0.2-0.4 nats off on Mistral and Gemma2 in an
+  audit). The ``padded`` layout hands the model a 2D mask, from which it builds its own windows.
+  A window this small test cannot reach (thousands of tokens) is caught by the config alone.
+- :func:`check_engine`: two prompts of different lengths served together through the engine's own
+  loop (a batched prefill and :data:`SELF_CHECK_TOKENS` - 1 decode steps), their sampled tokens'
+  log-probs compared with a plain forward of each sequence alone (no cache, the model's own
+  masks). It fails for models the cache handling cannot run at all (a state-space model such as
+  Mamba keeps no key/value cache) and for any that it runs differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from online_sao.config import ConfigError
+from online_sao.sampling import nucleus_logprobs
+from online_sao.schemas import SamplingParams
+from serving.engine.base import GenerationRequest, TokenEvent
+from serving.engine.grouped_attention import GROUPED_SDPA
+
+log = logging.getLogger(__name__)
+
+SELF_CHECK_PROMPTS = ((5, 3, 8, 1, 9, 2, 7, 4), (6, 2, 9))
+"""Token ids of the check's two prompts (taken modulo the vocabulary; their text does not matter).
+Different lengths: the shorter one is padded (``padded``) or owns fewer columns (``flat``)."""
+SELF_CHECK_TOKENS = 3
+"""Tokens each prompt samples: one from the prefill, the others from decode steps of the batch."""
+TOLERANCE_NATS = 1e-3
+"""Largest |served - plain forward| log-prob accepted in float32 (or float64): a batch of another
+shape rounds differently (at most 5e-7 measured on tiny models of 9 families, either layout); a wrong
+mask, cache or position is off by hundredths of a nat or more."""
+HALF_TOLERANCE_NATS = 0.5
+"""The same in bfloat16 or float16: with 8 (11) significant bits, logits of a trained model (tens in
+size) are rounded to steps of 0.1 or more, and differently for a batch of another shape (tiny random
+models, whose logits are small, differ by 1e-3 at most); only a gross failure is told apart here
+(windows are left to :func:`windowed_attention`)."""
+
+WINDOWED_LAYER_TYPES = frozenset({"sliding_attention", "chunked_attention"})
+"""``config.layer_types`` entries whose attention sees a window of the sequence, not all of it (other
+kinds than full attention, such as a state-space layer, are left to the self-check)."""
+
+FirstRound = Callable[[list[GenerationRequest]], Awaitable[list[list[TokenEvent]]]]
+"""Serves requests admitted together in the engine loop's first round; the loop stops after."""
+
+
+def windowed_attention(config) -> str | None:
+    """What makes ``config``'s attention windowed (layer types of :data:`WINDOWED_LAYER_TYPES`, or a
+    sliding window for every layer that a sequence within the model's positions can outgrow), or None."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if layer_types is not None:  # authoritative where a config has them (gemma2/3, qwen2/3, ...)
+        windowed = sorted(set(layer_types) & WINDOWED_LAYER_TYPES)
+        return f"layer_types {windowed}, sliding_window {window}" if windowed else None
+    # mistral, mixtral, phi3, starcoder2, ...: one window for every layer; qwen2-style configs turn
+    # it off with use_sliding_window
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if positions is not None and window >= positions:
+        return None  # no sequence the model can hold outgrows it
+    return f"sliding_window {window}"
+
+
+def check_engine(model: nn.Module, kv_layout: str, first_round: FirstRound) -> None:
+    """Refuse (ConfigError) a model that the engine in ``kv_layout`` would not serve with the model's own
+    distribution; ``first_round`` is the engine's (the loop must not run yet)."""
+    what = f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r})"
+    where = f"the torch engine with serving.kv_layout: {kv_layout}"
+    if kv_layout == "flat" and (window := windowed_attention(model.config)) is not None:
+        raise ConfigError(f"{what} has windowed attention ({window}), which {where} does not apply (its mask "
+                          "has no window): set serving.kv_layout: padded")
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = [[t % vocab for t in prompt] for prompt in SELF_CHECK_PROMPTS]
+    requests = [GenerationRequest(f"self-check-{i}", prompt, SamplingParams(max_tokens=SELF_CHECK_TOKENS, seed=i))
+                for i, prompt in enumerate(prompts)]
+    try:
+        served = _on_a_thread_of_its_own(lambda: first_round(requests))
+        difference = _largest_difference(model, prompts, served)
+    except Exception as exc:  # the model cannot be served this way at all: say so instead of at every request
+        raise ConfigError(f"{what} cannot be served by {where}: its self-check (two prompts of {len(prompts[0])} "
+                          f"and {len(prompts[1])} tokens) failed with {type(exc).__name__}: {exc}. The engine "
+                          "supports attention models whose key/value cache is a transformers DynamicCache") from exc
+    dtype = next(model.parameters()).dtype
+    tolerance = TOLERANCE_NATS if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE_NATS
+    if not difference <= tolerance:  # NaN too
+        raise ConfigError(f"{what} served by {where} samples from another distribution than a plain forward of "
+                          f"the model: log-probs differ by up to {difference:.3g} nats (tolerated: {tolerance:g} "
+                          f"in {dtype}); its logged behaviour log-probs would be wrong"
+                          + ("; try serving.kv_layout: padded" if kv_layout == "flat" else ""))
+    log.info("engine self-check: %s in %s agrees with a plain forward within %.2g nats", what, kv_layout, difference)
+
+
+def _on_a_thread_of_its_own(make: Callable[[], Awaitable[list[list[TokenEvent]]]]) -> list[list[TokenEvent]]:
+    """Run the coroutine ``make()`` returns on an event loop of its own: the engine may be built on a
+    thread whose event loop runs (an async caller), which could not wait for it."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = asyncio.run(make())
+        except BaseException as exc:  # raised again on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="engine-self-check")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _largest_difference(model: nn.Module, prompts: list[list[int]], served: list[list[TokenEvent]]) -> float:
+    """Largest |served log-prob - the plain forward's| over the sampled tokens (sampled at temperature 1,
+    top-p 1: the log-softmax of the logits)."""
+    device = next(model.parameters()).device
+    largest = 0.0
+    with torch.inference_mode(), _transformers_attention(model):
+        for prompt, events in zip(prompts, served):
+            tokens = [e.token_id for e in events]
+            ids = torch.tensor([prompt + tokens[:-1]], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+            logp = nucleus_logprobs(logits, 1.0, 1.0)
+            want = logp.gather(-1, torch.tensor(tokens, device=device)[:, None]).squeeze(-1).double().cpu()
+            got = torch.tensor([e.logprob for e in events], dtype=torch.float64)
+            largest = max(largest, float((got - want).abs().max()))
+    return largest
+
+
+@contextmanager
+def _transformers_attention(model: nn.Module) -> Iterator[None]:
+    """``model`` with transformers' ``sdpa`` in place of the flat layout's :func:`.grouped_attention.grouped_sdpa`
+    (which it replaced): the reference is the library's own forward, not one that shares our attention."""
+    switched = getattr(model.config, "_attn_implementation", None) == GROUPED_SDPA
+    if switched:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if switched:
+            model.set_attn_implementation(GROUPED_SDPA)

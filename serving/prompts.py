@@ -1,0 +1,139 @@
+"""A request's prompt as the engine's token ids (:class:`PromptBuilder`, used by :mod:`serving.openai_serving`).
+
+Chat messages are rendered with the tokenizer's chat template (``add_generation_prompt``) and
+tokenised without extra special tokens (the template writes them). A fresh completions text prompt
+is tokenised as the tokenizer does by default, with its special tokens (the BOS that Llama- and
+Mistral-family models were trained to see first), as vLLM's server does; token-id prompts are taken
+as sent. A continuation (``parent_interaction_id``) conditions on the parent's recorded tokens plus
+the new observation tokens, tokenised without special tokens (:mod:`serving.trajectories`).
+
+A tokenizer without a chat template (most base models) serves completions only: chat requests are
+answered 404 ``chat_template_missing``, as OpenAI answers a completions model on the chat route.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from serving.ids import InteractionIdError, InteractionIdSigner
+from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
+
+log = logging.getLogger(__name__)
+
+CHAT_TEMPLATE_MISSING = "chat_template_missing"
+"""The ``code`` of a chat request to a model whose tokenizer has no chat template."""
+
+
+def canonical_tools(tools: list[dict] | None) -> str | None:
+    return None if tools is None else json.dumps(tools, sort_keys=True)
+
+
+@dataclass
+class PromptBuilder:
+    tokenizer: object
+    signer: InteractionIdSigner
+    trajectories: TrajectoryCache
+    stop_token_ids: frozenset[int]
+    model_name: str
+
+    def __post_init__(self) -> None:
+        self.chat_available = bool(getattr(self.tokenizer, "chat_template", None))
+        """The tokenizer has a chat template: /v1/chat/completions can render its prompts."""
+        if not self.chat_available:
+            log.warning("the model's tokenizer has no chat template: /v1/chat/completions answers 404 %s; "
+                        "/v1/completions works", CHAT_TEMPLATE_MISSING)
+
+    def check_chat(self) -> None:
+        """Refuse a chat request when there is no template to render it with."""
+        if not self.chat_available:
+            raise APIError(404, f"the model {self.model_name!r} has no chat template (its tokenizer defines none), "
+                                "so /v1/chat/completions cannot render a conversation; use /v1/completions",
+                           param="model", code=CHAT_TEMPLATE_MISSING)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **extra)
+        except Exception as exc:  # jinja templates raise their own errors for conversations they refuse
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
+
+    def _encode(self, text: str, special_tokens: bool = False) -> list[int]:
+        # verbose=False: an over-long prompt is refused at admission (serving.max_prompt_tokens), not warned about here
+        return list(self.tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
+
+    def _parent(self, parent_id: str, route: str) -> Trajectory:
+        try:
+            self.signer.verify(parent_id)
+        except InteractionIdError as exc:
+            raise APIError(exc.status, exc.message, param="parent_interaction_id", code=exc.code) from None
+        parent = self.trajectories.get(parent_id)
+        if parent is None:
+            raise APIError(404, f"interaction {parent_id} is not held by this server (it keeps the "
+                                f"{self.trajectories.capacity} most recent trajectories in memory); "
+                                "send the conversation without parent_interaction_id to start a new one",
+                           param="parent_interaction_id", code="interaction_not_found")
+        if (route == "chat") != (parent.template_messages is not None):
+            raise APIError(400, f"interaction {parent_id} was not made by the {route} endpoint",
+                           param="parent_interaction_id")
+        return parent
+
+    def chat(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict], list[tuple]]:
+        """The prefix, the conversation as the template renders it and each message's key."""
+        messages = [m.as_template_message() for m in request.messages]
+        keys = [m.key() for m in request.messages]
+        tools = request.active_tools()
+        render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
+        if request.parent_interaction_id is None:
+            return TrajectoryPrefix(self._encode(render(messages, True))), messages, keys
+        parent = self._parent(request.parent_interaction_id, "chat")
+        stored, stored_keys = list(parent.template_messages), list(parent.message_keys)
+        if keys[:len(stored)] != stored_keys or len(messages) <= len(stored):
+            raise APIError(400, f"messages must repeat the {len(stored)} messages of interaction "
+                                f"{parent.record.interaction_id} (its reply as returned) and add new ones",
+                           param="messages")
+        if messages[-1]["role"] == "assistant":
+            raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
+        if canonical_tools(tools) != parent.tools:
+            raise APIError(400, f"tools must be the ones of interaction {parent.record.interaction_id}: they are "
+                                "part of the trajectory's prompt", param="tools")
+        messages = stored + messages[len(stored):]
+        last = parent.record.response_ids[-1] if parent.record.response_ids else None
+        stop_text = self.tokenizer.decode([last]) if last in self.stop_token_ids else None
+        observation = chat_observation_text(render, stored, messages, stop_text)
+        if observation is None:
+            raise APIError(400, "the chat template does not render this conversation as an extension of "
+                                f"interaction {parent.record.interaction_id}", param="messages")
+        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages, keys
+
+    def completion(self, request: CompletionRequest) -> tuple[TrajectoryPrefix, str | None]:
+        """The prefix and the prompt's text (None for token ids)."""
+        prompt = request.prompt
+        ids: list[int] | None = None
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            ids, text = list(prompt), None
+        elif isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            text = prompt[0]
+        else:
+            text = prompt
+        if request.parent_interaction_id is None:
+            return TrajectoryPrefix(ids if ids is not None else self._encode(text, special_tokens=True)), text
+        parent = self._parent(request.parent_interaction_id, "completions")
+        if ids is not None:
+            known = parent.token_ids
+            if ids[:len(known)] != known or len(ids) == len(known):
+                raise APIError(400, "prompt token ids must start with every token of the parent "
+                                    "interaction and add new ones", param="prompt")
+            observation = ids[len(known):]
+        else:
+            seen = parent.visible_text
+            if seen is None or not text.startswith(seen) or text == seen:
+                raise APIError(400, "prompt must start with the parent interaction's prompt and returned "
+                                    "text and add new text", param="prompt")
+            observation = self._encode(text[len(seen):])
+        return TrajectoryPrefix.continuing(parent.record, observation), text

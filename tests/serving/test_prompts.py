@@ -1,0 +1,109 @@
+"""Prompts of tokenizers other than the default model's (serving/prompts.py), through the official
+client: a tokenizer without a chat template serves completions only and says why chat is refused;
+a tokenizer that adds a BOS gets it on a fresh completions text prompt, and only there."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import openai
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from tests.serving.conftest import FakeHttpServer, MESSAGES, MODEL
+
+BOS = "<|endoftext|>"
+"""A special token of the default model's tokenizer, made its BOS below."""
+
+
+@pytest.fixture
+def http_server_with(tmp_path, request):
+    """``make(tokenizer)``: the real app on uvicorn over a FakeEngine (as ``fake_http_server``) with ``tokenizer``."""
+    from prometheus_client import CollectorRegistry
+
+    from serving.app import build_app
+    from serving.interaction_log import InteractionLogger, LogSettings
+    from serving.metrics import ServingMetrics
+    from serving.server import BackgroundServer
+    from streams.memory import InMemoryBackend
+    from tests.serving.conftest import Harness, serving_config
+    from tests.serving.fakes import FakeEngine
+
+    servers = []
+
+    def make(tokenizer) -> FakeHttpServer:
+        cfg = serving_config(tmp_path)
+        backend = InMemoryBackend(cfg.kafka)
+        backend.ensure_topics()
+        producer = backend.producer()
+        engine = FakeEngine([tokenizer.eos_token_id])
+        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
+        metrics = ServingMetrics(CollectorRegistry())
+        server = BackgroundServer(build_app(engine, logger, cfg, tokenizer, metrics, max_model_len=512)).start()
+        servers.append(server)
+        served = FakeHttpServer(server.url, engine, Harness(None, engine, logger, cfg, producer, backend, metrics,
+                                                            tokenizer))
+        served.script("Fine.")
+        return served
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def test_without_a_chat_template_chat_says_so_and_completions_work(chat_tokenizer, http_server_with, caplog):
+    base_model_tokenizer = copy.deepcopy(chat_tokenizer)
+    base_model_tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING, logger="serving.prompts"):
+        server = http_server_with(base_model_tokenizer)
+    assert any("no chat template" in r.getMessage() and "/v1/chat/completions" in r.getMessage()
+               for r in caplog.records)  # said at start, not first at a request
+    client = server.openai()
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=stream)
+        error = refused.value.body
+        assert error["code"] == "chat_template_missing" and error["param"] == "model"
+        assert "has no chat template" in error["message"] and "/v1/completions" in error["message"]
+    answer = client.completions.create(model=MODEL, prompt="Tell me about tea.")
+    assert answer.choices[0].text == "Fine."
+    assert len(server.harness.interactions()) == 1  # the refused chats sampled and logged nothing
+
+
+def adding_a_bos(tokenizer):
+    """A copy of ``tokenizer`` that puts :data:`BOS` before every text it encodes with special tokens."""
+    bos_adding = copy.deepcopy(tokenizer)
+    bos_id = bos_adding.convert_tokens_to_ids(BOS)
+    bos_adding.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    return bos_adding
+
+
+def test_a_fresh_completions_text_prompt_gets_the_tokenizers_bos_and_nothing_else_does(chat_tokenizer,
+                                                                                        http_server_with):
+    tokenizer = adding_a_bos(chat_tokenizer)
+    bos_id = tokenizer.convert_tokens_to_ids(BOS)
+    text = "Tell me about tea."
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    server = http_server_with(tokenizer)
+    client = server.openai()
+
+    first = client.completions.create(model=MODEL, prompt=text)
+    client.completions.create(model=MODEL, prompt=plain)  # token ids: taken as sent
+    client.chat.completions.create(model=MODEL, messages=MESSAGES)  # the template writes what it needs
+    more = " And coffee?"
+    client.completions.create(model=MODEL, prompt=text + first.choices[0].text + more,
+                              extra_body={"parent_interaction_id": first.id})
+    records = server.harness.interactions()
+    fresh, ids, chat, continued = [r.prompt_ids for r in records]
+
+    assert fresh == [bos_id] + plain
+    assert ids == plain
+    assert chat == tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)["input_ids"]
+    # the continuation: the parent's tokens, then the new text's, without a second BOS
+    assert continued == fresh
+    trajectory = records[3]
+    observation = [t for t, action in zip(trajectory.response_ids, trajectory.action_mask) if not action]
+    assert observation == tokenizer(more, add_special_tokens=False)["input_ids"]

@@ -22,6 +22,8 @@ CANDIDATE = "candidate"
 CHAMPION = "champion"
 WEIGHTS_FILE = "model.safetensors"
 """Name of the weights inside a registered artifact directory (what transformers loads)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+"""Endings of the base model's weight files, which a registration replaces with :data:`WEIGHTS_FILE`."""
 
 
 def ensure_registered_model(client, model_name: str) -> None:
@@ -39,7 +41,8 @@ def ensure_registered_model(client, model_name: str) -> None:
 
 def stage_model_directory(ref: WeightsRef, model_dir: Path, directory: Path) -> None:
     """Into ``directory``: the published weights of ``ref`` (checked against its checksum) as
-    :data:`WEIGHTS_FILE`, and the non-weight files of ``model_dir`` (config, tokenizer, ...)."""
+    :data:`WEIGHTS_FILE`, and the files of ``model_dir`` other than its weights and their shard
+    index (config, tokenizer, ...)."""
     fs, path = fsspec.core.url_to_fs(ref.location)
     with fs.open(path, "rb") as fh:
         data = fh.read()
@@ -47,8 +50,15 @@ def stage_model_directory(ref: WeightsRef, model_dir: Path, directory: Path) -> 
         raise CorruptWeights(f"{ref.location}: checksum mismatch, not registering version {ref.version}")
     (directory / WEIGHTS_FILE).write_bytes(data)
     for item in sorted(model_dir.iterdir()):
-        if item.is_file() and item.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+        if item.is_file() and not is_weights_file(item.name):
             (directory / item.name).write_bytes(item.read_bytes())
+
+
+def is_weights_file(name: str) -> bool:
+    """A file of the base model's weights: one of its (sharded) weight files, or a shard index
+    (``model.safetensors.index.json``) naming shards that a registered directory, holding the one
+    :data:`WEIGHTS_FILE`, does not have (a loader trusting the index would look for them)."""
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(tuple(s + ".index.json" for s in WEIGHT_SUFFIXES))
 
 
 def version_with_alias(client, model_name: str, alias: str):

@@ -29,8 +29,11 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                  **kwargs) -> tuple[torch.Tensor, None]:
     """``query [B, H, Q, D]``, ``key``/``value [B, H_kv, K, D]`` (``H`` a multiple of ``H_kv``), ``attention_mask``
     ``[B, 1, Q, K]`` (additive or boolean) -> ``[B, Q, H, D]`` as transformers' attention functions return."""
+    # transformers leaves the mask out of a causal batch without padding for the kernel to apply
+    # causality itself (as its own sdpa does, so must this one)
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0,
+                                         dropout_p=dropout if module.training else 0.0, is_causal=causal,
                                          enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 

@@ -31,6 +31,15 @@ def test_grouped_sdpa_gives_sdpa_logits_on_a_padded_batch(model):
     assert torch.allclose(want[mask.bool()], got[mask.bool()], atol=1e-5)
 
 
+def test_grouped_sdpa_is_causal_where_transformers_leaves_the_mask_out(model):
+    grouped = copy.deepcopy(model)
+    use_grouped_sdpa(grouped)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():  # no padding, no mask: the kernel applies causality
+        want, got = model(input_ids=ids).logits, grouped(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-5)
+
+
 def test_grouped_sdpa_gives_sdpa_logits_on_a_flat_step(model):
     grouped = copy.deepcopy(model)
     use_grouped_sdpa(grouped)

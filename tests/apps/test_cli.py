@@ -143,7 +143,7 @@ def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
 
 
 def test_ledger_redact_overwrites_the_ids_and_says_how_many(tmp_path, capsys):
-    from trainer.checkpoint import Checkpointer, read_ledger
+    from trainer.checkpoint import read_ledger
 
     ledger = tmp_path / "checkpoints" / "ledger.jsonl"
     ledger.parent.mkdir()

@@ -16,6 +16,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,21 +138,30 @@ class FakeHttpServer:
         self.engine.script = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
 
 
-@pytest.fixture
-def fake_http_server(tmp_path, chat_tokenizer) -> Iterator[FakeHttpServer]:
+@contextmanager
+def running_fake_http_server(tmp_path: Path, tokenizer) -> Iterator[FakeHttpServer]:
+    """The real app on uvicorn over a FakeEngine, with ``tokenizer``; stopped on leaving."""
     from serving.server import BackgroundServer
 
     cfg = serving_config(tmp_path)
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     producer = backend.producer()
-    engine = FakeEngine([chat_tokenizer.eos_token_id])
+    engine = FakeEngine([tokenizer.eos_token_id])
     logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
     metrics = ServingMetrics(CollectorRegistry())
-    server = BackgroundServer(build_app(engine, logger, cfg, chat_tokenizer, metrics, max_model_len=512)).start()
-    yield FakeHttpServer(server.url, engine, Harness(None, engine, logger, cfg, producer, backend, metrics,
-                                                     chat_tokenizer))
-    server.stop()
+    server = BackgroundServer(build_app(engine, logger, cfg, tokenizer, metrics, max_model_len=512)).start()
+    try:
+        yield FakeHttpServer(server.url, engine, Harness(None, engine, logger, cfg, producer, backend, metrics,
+                                                         tokenizer))
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fake_http_server(tmp_path, chat_tokenizer) -> Iterator[FakeHttpServer]:
+    with running_fake_http_server(tmp_path, chat_tokenizer) as served:
+        yield served
 
 
 MODEL = "online-sao"

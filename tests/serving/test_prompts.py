@@ -6,50 +6,28 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import ExitStack
 
 import openai
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from tests.serving.conftest import FakeHttpServer, MESSAGES, MODEL
+from tests.serving.conftest import FakeHttpServer, MESSAGES, MODEL, running_fake_http_server
 
 BOS = "<|endoftext|>"
 """A special token of the default model's tokenizer, made its BOS below."""
 
 
 @pytest.fixture
-def http_server_with(tmp_path, request):
+def http_server_with(tmp_path):
     """``make(tokenizer)``: the real app on uvicorn over a FakeEngine (as ``fake_http_server``) with ``tokenizer``."""
-    from prometheus_client import CollectorRegistry
+    with ExitStack() as servers:
+        def make(tokenizer) -> FakeHttpServer:
+            served = servers.enter_context(running_fake_http_server(tmp_path, tokenizer))
+            served.script("Fine.")
+            return served
 
-    from serving.app import build_app
-    from serving.interaction_log import InteractionLogger, LogSettings
-    from serving.metrics import ServingMetrics
-    from serving.server import BackgroundServer
-    from streams.memory import InMemoryBackend
-    from tests.serving.conftest import Harness, serving_config
-    from tests.serving.fakes import FakeEngine
-
-    servers = []
-
-    def make(tokenizer) -> FakeHttpServer:
-        cfg = serving_config(tmp_path)
-        backend = InMemoryBackend(cfg.kafka)
-        backend.ensure_topics()
-        producer = backend.producer()
-        engine = FakeEngine([tokenizer.eos_token_id])
-        logger = InteractionLogger(producer, cfg.kafka.topics, cfg.spool_dir, LogSettings.from_config(cfg.serving))
-        metrics = ServingMetrics(CollectorRegistry())
-        server = BackgroundServer(build_app(engine, logger, cfg, tokenizer, metrics, max_model_len=512)).start()
-        servers.append(server)
-        served = FakeHttpServer(server.url, engine, Harness(None, engine, logger, cfg, producer, backend, metrics,
-                                                            tokenizer))
-        served.script("Fine.")
-        return served
-
-    yield make
-    for server in servers:
-        server.stop()
+        yield make
 
 
 def test_without_a_chat_template_chat_says_so_and_completions_work(chat_tokenizer, http_server_with, caplog):

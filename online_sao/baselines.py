@@ -30,9 +30,10 @@ from online_sao.algorithm import ActorCritic, PolicyOnly
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
 from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
+from online_sao.modeling import packing_verdict
 from online_sao.regularizers import PolicyRegularizer
 from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
-                                   policy_forward)
+                                   policy_forward, policy_packs)
 
 GROUP_STD_EPS = 1e-6
 """Added to a group's reward standard deviation: a group of equal rewards has
@@ -105,7 +106,7 @@ class RunningMean(PolicyOnly):
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask
-        metrics = batch_metrics(batch)
+        metrics = batch_metrics(batch, policy_packs(self.policy))
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         rewards = batch.rewards.sum(dim=1)
@@ -185,7 +186,7 @@ class GRPO(PolicyOnly):
         return group_normalized_advantages(batch.rewards.sum(dim=1), batch.group_ids)
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        metrics = batch_metrics(batch)
+        metrics = batch_metrics(batch, policy_packs(self.policy))
         if bool((batch.group_ids < 0).any()):
             raise ValueError("grpo needs grouped rollouts: every group_id must be >= 0")
         if nonfinite_inputs(batch, self.vote):
@@ -208,7 +209,7 @@ class PPO(ActorCritic):
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.action_mask
-        metrics = batch_metrics(batch)
+        metrics = batch_metrics(batch, policy_packs(self.policy), packing_verdict(self.critic))
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, **REFUSED, "nonfinite_inputs": 1.0}
         with torch.no_grad():

@@ -95,6 +95,12 @@ def packs_correctly(model: nn.Module, run: PackedRun, vocab_size: int, name: str
     return verdict
 
 
+def packing_verdict(model: nn.Module) -> bool | None:
+    """The verdict :func:`packs_correctly` made for ``model``, None before its first probe. Reads it
+    without probing: a critic sharded with FSDP2 may probe only from its own forward."""
+    return getattr(model, PACKING_VERDICT_ATTRIBUTE, None)
+
+
 @torch.no_grad()
 def packing_difference(model: nn.Module, run: PackedRun, vocab_size: int) -> float:
     """The probe: two short sequences of fixed random ids (:data:`PACKING_PROBE_LENGTHS`) packed in one

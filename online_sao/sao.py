@@ -39,7 +39,9 @@ from online_sao.algorithm import ActorCritic
 from online_sao.batch import RolloutBatch
 from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
 from online_sao.losses import dis_policy_loss, endpoint_squared_errors, value_loss
-from online_sao.train_step import PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward
+from online_sao.modeling import packing_verdict
+from online_sao.train_step import (PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward,
+                                   policy_packs)
 from online_sao.value_shrinkage import ShrinkageWindow, anchor_level, rollout_sums, shrink
 
 
@@ -86,7 +88,7 @@ class SAO(ActorCritic):
         critic_optimizer, policy_forward, policy_backward, policy_optimizer, arithmetic (GAE,
         lambda, losses, metrics)."""
         timer = PhaseTimer(synchronize=self.phase_sync)
-        metrics = batch_metrics(batch)
+        metrics = batch_metrics(batch, policy_packs(self.policy), packing_verdict(self.critic))
         if nonfinite_inputs(batch, self.vote):
             return {**metrics, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}
         if self.rewarm_left > 0:

@@ -194,16 +194,25 @@ def version_lag_metrics(batch: RolloutBatch) -> dict[str, float]:
     return {"version_lag_mean": float(lag.float().mean()), "version_lag_max": float(lag.max())}
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+def batch_metrics(batch: RolloutBatch, policy_packed: bool, critic_packed: bool | None = None) -> dict[str, float]:
     """Size, reward and lag of a batch, and the share of the model's positions that are padding:
-    ``padding_share`` as the forward passes run (packed rows), ``padding_share_unpacked`` as the
-    padded batch would have run."""
+    ``padding_share`` as the policy's forward passes run (packed rows when ``policy_packed``, the
+    verdict of :func:`policy_packs`; else the padded batch), ``padding_share_unpacked`` as the
+    padded batch would have run. ``critic_packed``: an actor-critic rule's critic's verdict
+    (:func:`online_sao.modeling.packing_verdict`; None: no critic, or not probed yet); where it
+    differs from the policy's, the critic's share is ``padding_share_critic`` (the critic is a copy
+    of the policy's body, so the two agree but where the probe's margin is thin)."""
+    packed_share = pack_layout(batch.attention_mask).padding_share
+    unpacked_share = padded_share(batch.attention_mask)
+    critic = {} if critic_packed is None or critic_packed == policy_packed else {
+        "padding_share_critic": packed_share if critic_packed else unpacked_share}
     return {
         "num_rollouts": float(batch.batch_size),
         "num_action_tokens": float(batch.action_mask.sum()),
         "reward_mean": float(batch.rewards.sum(dim=1).mean()),
-        "padding_share": pack_layout(batch.attention_mask).padding_share,
-        "padding_share_unpacked": padded_share(batch.attention_mask),
+        "padding_share": packed_share if policy_packed else unpacked_share,
+        "padding_share_unpacked": unpacked_share,
+        **critic,
         **version_lag_metrics(batch),
     }
 

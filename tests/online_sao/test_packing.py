@@ -13,6 +13,7 @@ from online_sao.batch import Rollout, collate, pack_layout, padded_share, row_ca
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
 from online_sao.losses import dis_policy_loss, value_loss
+from online_sao.modeling import PACKING_VERDICT_ATTRIBUTE
 from online_sao import train_step
 from online_sao.train_step import policy_forward, policy_logprobs
 
@@ -174,6 +175,33 @@ def test_a_step_reports_its_padding_share():
     assert metrics["padding_share_unpacked"] == pytest.approx(1 - 67 / 136)
     assert metrics["padding_share"] == pytest.approx(1 - 67 / 68)
     assert metrics["skipped_nonfinite"] == 0.0
+
+
+def test_the_padding_share_is_that_of_the_layout_the_forward_passes_run_on():
+    batch = ragged_batch(qwen2(0), [3, 17, 6, 11, 4, 9, 2, 15])
+    # 67 tokens: packed 17 | 15 2 | 11 6 | 9 4 3 (4 rows of 17), padded 8 rows of 17
+    packed = train_step.batch_metrics(batch, policy_packed=True)
+    padded = train_step.batch_metrics(batch, policy_packed=False)
+    assert packed["padding_share"] == pytest.approx(1 - 67 / 68)
+    assert padded["padding_share"] == pytest.approx(1 - 67 / 136)
+    assert packed["padding_share_unpacked"] == padded["padding_share_unpacked"] == pytest.approx(1 - 67 / 136)
+    assert "padding_share_critic" not in train_step.batch_metrics(batch, policy_packed=True, critic_packed=True)
+    mixed = train_step.batch_metrics(batch, policy_packed=True, critic_packed=False)
+    assert mixed["padding_share"] == pytest.approx(1 - 67 / 68)
+    assert mixed["padding_share_critic"] == pytest.approx(1 - 67 / 136)
+
+
+@pytest.mark.parametrize("name", ["sao", "ppo"])
+def test_a_critic_run_padded_beside_a_packed_policy_reports_its_own_share(name):
+    cfg = AlgorithmConfig(name=name)
+    policy = qwen2(2)
+    critic = build_critic(cfg, policy)
+    setattr(critic, PACKING_VERDICT_ATTRIBUTE, False)  # as if its probe had failed: it runs padded
+    opts = build_optimizers(cfg, policy, critic)
+    algorithm = build_algorithm(cfg, policy, critic, opts.policy, opts.critic, opts.critic_scheduler)
+    metrics = algorithm.step(ragged_batch(policy, [3, 17, 6, 11, 4, 9, 2, 15]))
+    assert metrics["padding_share"] == pytest.approx(1 - 67 / 68)
+    assert metrics["padding_share_critic"] == pytest.approx(1 - 67 / 136)
 
 
 def test_packed_and_padded_logprobs_agree_under_top_p():

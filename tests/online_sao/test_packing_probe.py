@@ -95,6 +95,22 @@ def test_an_sao_step_on_it_sees_every_ratio_at_one():
     assert abs(metrics["ratio_mean"] - 1.0) < EXACT and metrics["approx_kl"] < EXACT ** 2
 
 
+@pytest.mark.parametrize("rule", ["sao", "running_mean"])
+def test_a_padded_policys_step_reports_the_padded_share(rule):
+    policy = opt_policy()
+    batch = sampled_batch(policy)
+    cfg = AlgorithmConfig(name=rule, freeze_critic_attention=False)
+    critic = ValueModel.from_policy(policy, freeze_attention=False) if rule == "sao" else None
+    optimizers = build_optimizers(cfg, policy, critic)
+    algorithm = build_algorithm(cfg, policy, critic, optimizers.policy, optimizers.critic,
+                                optimizers.critic_scheduler)
+    metrics = algorithm.step(batch)
+    # rollouts of 28, 7, 9, 8 and 10 tokens (62) run as 5 padded rows of 28, not as 28 | 10 9 8 7
+    assert metrics["padding_share"] == pytest.approx(1 - 62 / 140)
+    assert metrics["padding_share_unpacked"] == pytest.approx(1 - 62 / 140)
+    assert "padding_share_critic" not in metrics  # the critic runs padded too
+
+
 def test_a_policy_that_keeps_packed_rollouts_apart_stays_packed(tiny_qwen):
     batch = sampled_batch(tiny_qwen)
     critic = ValueModel.from_policy(tiny_qwen)

@@ -11,8 +11,8 @@ from torch import nn
 from online_sao.advantages import SumOverRanks, local_sum
 from online_sao.algorithm import Algorithm
 from online_sao.baselines import GRPO, PPO, RunningMean
-from online_sao.config import AlgorithmConfig
-from online_sao.critic import ValueModel
+from online_sao.config import AlgorithmConfig, ConfigError
+from online_sao.critic import FreezeError, ValueModel
 from online_sao.regularizers import PolicyRegularizer
 from online_sao.sao import SAO
 from online_sao.train_step import FiniteVote, local_vote
@@ -50,12 +50,24 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return ALGORITHMS[name]
 
 
+FREEZE_KEYS = {"freeze_attention": "algorithm.freeze_critic_attention",
+               "trainable_layers": "algorithm.critic_trainable_layers"}
+"""The config key behind each argument of :class:`~online_sao.critic.ValueModel` a
+:class:`~online_sao.critic.FreezeError` names."""
+
+
 def build_critic(cfg: AlgorithmConfig, policy: nn.Module) -> ValueModel | None:
-    """A critic copied from ``policy`` when rule ``cfg.name`` uses one, else None."""
+    """A critic copied from ``policy`` when rule ``cfg.name`` uses one, else None. A freeze the
+    policy's architecture cannot take is a :class:`~online_sao.config.ConfigError` naming the key
+    and the model type."""
     if not algorithm_class(cfg.name).needs_critic:
         return None
-    return ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention,
-                                  trainable_layers=cfg.critic_trainable_layers)
+    try:
+        return ValueModel.from_policy(policy, freeze_attention=cfg.freeze_critic_attention,
+                                      trainable_layers=cfg.critic_trainable_layers)
+    except FreezeError as exc:
+        model_type = getattr(policy.config, "model_type", None) or type(policy).__name__
+        raise ConfigError(f"{FREEZE_KEYS[exc.argument]}: not possible for model type {model_type!r}: {exc}") from exc
 
 
 ADAMW_KERNEL_ARGUMENTS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}

@@ -42,6 +42,16 @@ def _layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+class FreezeError(ValueError):
+    """The critic's body cannot be frozen as asked for its architecture: a config choice
+    (:func:`online_sao.algorithms.build_critic` reports it as one), not a bug."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+        """The argument of :class:`ValueModel` that asked for it: ``freeze_attention`` or ``trainable_layers``."""
+
+
 class ValueModel(nn.Module):
     """``forward(input_ids, attention_mask)`` -> values ``[B, T]``.
 
@@ -87,7 +97,7 @@ class ValueModel(nn.Module):
         if trainable_layers is not None:
             indices = {_layer_index(n) for n, _ in self.backbone.named_parameters()} - {None}
             if not indices:
-                raise ValueError("trainable_layers: no parameter sits under a 'layers.<i>' module")
+                raise FreezeError("trainable_layers", "trainable_layers: no parameter sits under a 'layers.<i>' module")
             first = max(indices) + 1 - trainable_layers
         trainable = 0
         for name, param in self.backbone.named_parameters():
@@ -97,9 +107,10 @@ class ValueModel(nn.Module):
             trainable += keep
         if trainable == 0:
             names = ", ".join(sorted(FEED_FORWARD_MODULE_NAMES))
-            raise ValueError(f"no feed-forward parameters found under modules named {names}; cannot freeze "
-                             f"attention for this architecture ({type(self.backbone).__name__}): set "
-                             "`algorithm.freeze_critic_attention: false` to train the whole critic")
+            raise FreezeError("freeze_attention",
+                              f"no feed-forward parameters found under modules named {names}; cannot freeze "
+                              f"attention for this architecture ({type(self.backbone).__name__}): set "
+                              "`algorithm.freeze_critic_attention: false` to train the whole critic")
 
     @property
     def base_model(self) -> nn.Module:

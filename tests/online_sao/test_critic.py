@@ -139,3 +139,22 @@ def test_config_refuses_trainable_layers_with_trained_attention():
 
     with pytest.raises(ValidationError, match="critic_trainable_layers needs freeze_critic_attention"):
         AlgorithmConfig(critic_trainable_layers=1, freeze_critic_attention=False)
+
+
+def test_build_critic_reports_a_freeze_the_architecture_cannot_take_as_a_config_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from online_sao.algorithms import build_critic
+    from online_sao.config import AlgorithmConfig, ConfigError
+    from tests.fixtures.models import make_tiny_opt
+
+    # OPT's decoder layers hold their feed-forward projections (fc1, fc2) under no module named mlp
+    with pytest.raises(ConfigError, match=r"^algorithm\.freeze_critic_attention: not possible for model type "
+                                          r"'opt': no feed-forward parameters .*OPTModel"):
+        build_critic(AlgorithmConfig(name="sao"), make_tiny_opt(vocab_size=64))
+    # GPT-2 freezes (its feed-forward blocks are named mlp) but numbers its blocks h.<i>, not layers.<i>
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    assert build_critic(AlgorithmConfig(name="ppo"), gpt2) is not None
+    with pytest.raises(ConfigError, match=r"^algorithm\.critic_trainable_layers: not possible for model type "
+                                          r"'gpt2': trainable_layers: no parameter sits under a 'layers\.<i>' module"):
+        build_critic(AlgorithmConfig(name="ppo", critic_trainable_layers=1), gpt2)

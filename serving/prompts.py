@@ -2,10 +2,13 @@
 
 Chat messages are rendered with the tokenizer's chat template (``add_generation_prompt``) and
 tokenised without extra special tokens (the template writes them). A fresh completions text prompt
-is tokenised as the tokenizer does by default, with its special tokens (the BOS that Llama- and
-Mistral-family models were trained to see first), as vLLM's server does; token-id prompts are taken
-as sent. A continuation (``parent_interaction_id``) conditions on the parent's recorded tokens plus
-the new observation tokens, tokenised without special tokens (:mod:`serving.trajectories`).
+gets the special tokens the tokenizer's post-processor puts before the text (the BOS that Llama- and
+Mistral-family models were trained to see first), as vLLM's server does; those it appends after
+the text are left off (an EOS, as ``add_eos_token=True`` or a template with an EOS after ``$A`` adds):
+they would tell the model the text is over before it writes (:meth:`PromptBuilder.fresh_text_ids`;
+an EOS the text itself spells stays). Token-id prompts are taken as sent. A continuation
+(``parent_interaction_id``) conditions on the parent's recorded tokens plus the new observation
+tokens, tokenised without special tokens (:mod:`serving.trajectories`).
 
 A tokenizer without a chat template (most base models) serves completions only: chat requests are
 answered 404 ``chat_template_missing``, as OpenAI answers a completions model on the chat route.
@@ -16,12 +19,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
 
 log = logging.getLogger(__name__)
+
+LEADING_PROBE_TEXT = "Hello"
+"""A text every tokenizer encodes to at least one id: where its ids start in its encoding with special
+tokens tells how many the post-processor puts in front of a text."""
 
 CHAT_TEMPLATE_MISSING = "chat_template_missing"
 """The ``code`` of a chat request to a model whose tokenizer has no chat template."""
@@ -64,6 +72,28 @@ class PromptBuilder:
     def _encode(self, text: str, special_tokens: bool = False) -> list[int]:
         # verbose=False: an over-long prompt is refused at admission (serving.max_prompt_tokens), not warned about here
         return list(self.tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
+
+    @cached_property
+    def _leading_special_tokens(self) -> int | None:
+        """How many special tokens the post-processor puts before a text (the same for every text: a
+        template's place of ``$A``), read off :data:`LEADING_PROBE_TEXT`; None where that text's ids
+        do not appear whole in its encoding with special tokens (no way to tell where the text sits)."""
+        plain = self._encode(LEADING_PROBE_TEXT)
+        special = self._encode(LEADING_PROBE_TEXT, special_tokens=True)
+        starts = [k for k in range(len(special) - len(plain) + 1) if special[k:k + len(plain)] == plain]
+        return starts[0] if plain and starts else None
+
+    def fresh_text_ids(self, text: str) -> list[int]:
+        """A fresh completions text prompt's ids: the text's, after the special tokens the
+        post-processor puts before it and without those it appends. Where the special tokens change
+        the text's own ids (no tokenizer known does) nothing tells which were appended, and the
+        encoding with them stays whole."""
+        special = self._encode(text, special_tokens=True)
+        plain = self._encode(text)
+        lead = self._leading_special_tokens
+        if lead is None or special[lead:lead + len(plain)] != plain:
+            return special
+        return special[:lead + len(plain)]
 
     def _parent(self, parent_id: str, route: str) -> Trajectory:
         try:
@@ -122,7 +152,7 @@ class PromptBuilder:
         else:
             text = prompt
         if request.parent_interaction_id is None:
-            return TrajectoryPrefix(ids if ids is not None else self._encode(text, special_tokens=True)), text
+            return TrajectoryPrefix(ids if ids is not None else self.fresh_text_ids(text)), text
         parent = self._parent(request.parent_interaction_id, "completions")
         if ids is not None:
             known = parent.token_ids

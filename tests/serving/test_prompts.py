@@ -1,6 +1,7 @@
 """Prompts of tokenizers other than the default model's (serving/prompts.py), through the official
 client: a tokenizer without a chat template serves completions only and says why chat is refused;
-a tokenizer that adds a BOS gets it on a fresh completions text prompt, and only there."""
+a tokenizer that adds a BOS gets it on a fresh completions text prompt, and only there; one whose
+post-processor also appends an EOS does not end the prompt with it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from contextlib import ExitStack
 import openai
 import pytest
 from tokenizers.processors import TemplateProcessing
+from transformers import LlamaTokenizerFast
 
+from serving.prompts import PromptBuilder
 from tests.serving.conftest import FakeHttpServer, MESSAGES, MODEL, running_fake_http_server
 
 BOS = "<|endoftext|>"
@@ -85,3 +88,38 @@ def test_a_fresh_completions_text_prompt_gets_the_tokenizers_bos_and_nothing_els
     trajectory = records[3]
     observation = [t for t, action in zip(trajectory.response_ids, trajectory.action_mask) if not action]
     assert observation == tokenizer(more, add_special_tokens=False)["input_ids"]
+
+
+EOS = "<|im_end|>"
+"""The default model's tokenizer's EOS."""
+
+
+def adding_bos_and_eos(tokenizer):
+    """transformers' Llama tokenizer over ``tokenizer``'s vocabulary with ``add_eos_token=True``: its
+    post-processor puts :data:`BOS` before every text it encodes with special tokens and :data:`EOS` after."""
+    return LlamaTokenizerFast(tokenizer_object=copy.deepcopy(tokenizer.backend_tokenizer), bos_token=BOS,
+                              eos_token=EOS, add_bos_token=True, add_eos_token=True)
+
+
+def test_a_fresh_completions_text_prompt_keeps_the_bos_but_not_an_appended_eos(chat_tokenizer, http_server_with):
+    tokenizer = adding_bos_and_eos(chat_tokenizer)
+    bos_id, eos_id = tokenizer.convert_tokens_to_ids(BOS), tokenizer.convert_tokens_to_ids(EOS)
+    text, spelled = "Tell me about tea.", f"Tell me about tea.{EOS}"
+    assert tokenizer(text)["input_ids"][-1] == eos_id  # what the old prompt ended with
+    server = http_server_with(tokenizer)
+    client = server.openai()
+    for prompt in (text, spelled, ""):
+        client.completions.create(model=MODEL, prompt=prompt)
+    plain, spelled_ids, empty = [r.prompt_ids for r in server.harness.interactions()]
+    text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain == [bos_id] + text_ids
+    assert spelled_ids == [bos_id] + text_ids + [eos_id]  # the EOS the text spells stays, once
+    assert empty == [bos_id]
+
+
+@pytest.mark.parametrize("special", ["none", "bos"])
+def test_a_tokenizer_that_appends_nothing_keeps_its_own_encoding(chat_tokenizer, special):
+    tokenizer = chat_tokenizer if special == "none" else adding_a_bos(chat_tokenizer)
+    prompts = PromptBuilder(tokenizer, signer=None, trajectories=None, stop_token_ids=frozenset(), model_name=MODEL)
+    for text in ("Tell me about tea.", f"Tell me about tea.{EOS}", ""):
+        assert prompts.fresh_text_ids(text) == tokenizer(text)["input_ids"]

@@ -98,6 +98,9 @@ class ValueModel(nn.Module):
             indices = {_layer_index(n) for n, _ in self.backbone.named_parameters()} - {None}
             if not indices:
                 raise FreezeError("trainable_layers", "trainable_layers: no parameter sits under a 'layers.<i>' module")
+            if trainable_layers > len(indices):  # would train every layer while the config says otherwise
+                raise FreezeError("trainable_layers", f"trainable_layers {trainable_layers}: the model has "
+                                                      f"{len(indices)} decoder layers")
             first = max(indices) + 1 - trainable_layers
         trainable = 0
         for name, param in self.backbone.named_parameters():

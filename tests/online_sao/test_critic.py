@@ -158,3 +158,14 @@ def test_build_critic_reports_a_freeze_the_architecture_cannot_take_as_a_config_
     with pytest.raises(ConfigError, match=r"^algorithm\.critic_trainable_layers: not possible for model type "
                                           r"'gpt2': trainable_layers: no parameter sits under a 'layers\.<i>' module"):
         build_critic(AlgorithmConfig(name="ppo", critic_trainable_layers=1), gpt2)
+
+
+def test_build_critic_refuses_more_trainable_layers_than_the_model_has(tiny_qwen):
+    from online_sao.algorithms import build_critic
+    from online_sao.config import AlgorithmConfig, ConfigError
+
+    layers = tiny_qwen.config.num_hidden_layers
+    assert build_critic(AlgorithmConfig(name="sao", critic_trainable_layers=layers), tiny_qwen) is not None
+    with pytest.raises(ConfigError, match=rf"^algorithm\.critic_trainable_layers: not possible for model type "
+                                          rf"'qwen2': trainable_layers {layers + 1}: the model has {layers} decoder layers"):
+        build_critic(AlgorithmConfig(name="sao", critic_trainable_layers=layers + 1), tiny_qwen)

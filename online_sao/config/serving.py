@@ -82,6 +82,16 @@ class ServingConfig(Section):
     one); a batch shape it has not met yet may still compile later, stalling decoding once. Either
     ``kv_layout``. Measured in benchmarks/results/engine_compile.md (flat) and
     engine_compile_padded.md. False runs eagerly."""
+    vllm_self_check: bool = True
+    """vLLM engine: check at start that two prompts it serves get the log-probs of the transformers
+    model the learner loads from the same directory (serving/engine/vllm_self_check.py); a model vLLM
+    implements otherwise (a window, a config field or a weight handled differently) is refused with
+    a ConfigError instead of logging behaviour log-probs the learner's importance ratios would not
+    match. The reference is loaded on the CPU in the served dtype and freed after the check: for a
+    moment a second copy of the weights in host memory (2 bytes per parameter in bfloat16: 14 GB for
+    a 7B model) and a CPU forward of a dozen tokens; start takes longer by reading those weights
+    (not measured on a 7B model; 1.5-3.8 s on the tiny test model, most of it serving the two
+    prompts). False skips it, for a host that cannot hold that copy."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

@@ -16,6 +16,10 @@ a distribution the model never had, and nothing downstream could tell. Two check
   log-probs compared with a plain forward of each sequence alone (no cache, the model's own
   masks). It fails for models the cache handling cannot run at all (a state-space model such as
   Mamba keeps no key/value cache) and for any that it runs differently.
+
+The prompts, the comparison and the verdict (:func:`check_prompts`, :func:`largest_difference`,
+:func:`refuse_a_difference`, :func:`refusal_of_a_failure`) are shared with the vLLM engine's check
+(:mod:`.vllm_self_check`), whose reference is the transformers model the learner loads.
 """
 
 from __future__ import annotations
@@ -87,25 +91,52 @@ def check_engine(model: nn.Module, kv_layout: str, first_round: FirstRound) -> N
     if kv_layout == "flat" and (window := windowed_attention(model.config)) is not None:
         raise ConfigError(f"{what} has windowed attention ({window}), which {where} does not apply (its mask "
                           "has no window): set serving.kv_layout: padded")
-    vocab = model.get_input_embeddings().num_embeddings
-    prompts = [[t % vocab for t in prompt] for prompt in SELF_CHECK_PROMPTS]
-    requests = [GenerationRequest(f"self-check-{i}", prompt, SamplingParams(max_tokens=SELF_CHECK_TOKENS, seed=i))
-                for i, prompt in enumerate(prompts)]
+    prompts = check_prompts(model.get_input_embeddings().num_embeddings)
+    requests = check_requests(prompts)
     try:
         served = _on_a_thread_of_its_own(lambda: first_round(requests))
-        difference = _largest_difference(model, prompts, served)
+        difference = largest_difference(model, prompts, served)
     except Exception as exc:  # the model cannot be served this way at all: say so instead of at every request
-        raise ConfigError(f"{what} cannot be served by {where}: its self-check (two prompts of {len(prompts[0])} "
-                          f"and {len(prompts[1])} tokens) failed with {type(exc).__name__}: {exc}. The engine "
-                          "supports attention models whose key/value cache is a transformers DynamicCache") from exc
-    dtype = next(model.parameters()).dtype
-    tolerance = TOLERANCE_NATS if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE_NATS
-    if not difference <= tolerance:  # NaN too
-        raise ConfigError(f"{what} served by {where} samples from another distribution than a plain forward of "
-                          f"the model: log-probs differ by up to {difference:.3g} nats (tolerated: {tolerance:g} "
-                          f"in {dtype}); its logged behaviour log-probs would be wrong"
-                          + ("; try serving.kv_layout: padded" if kv_layout == "flat" else ""))
+        raise refusal_of_a_failure(what, where, prompts, exc, "The engine supports attention models whose "
+                                   "key/value cache is a transformers DynamicCache") from exc
+    refuse_a_difference(what, where, "a plain forward of the model", difference, next(model.parameters()).dtype,
+                        "; try serving.kv_layout: padded" if kv_layout == "flat" else "")
     log.info("engine self-check: %s in %s agrees with a plain forward within %.2g nats", what, kv_layout, difference)
+
+
+def check_prompts(vocab: int) -> list[list[int]]:
+    """:data:`SELF_CHECK_PROMPTS` within a vocabulary of ``vocab`` tokens."""
+    return [[t % vocab for t in prompt] for prompt in SELF_CHECK_PROMPTS]
+
+
+def check_requests(prompts: list[list[int]]) -> list[GenerationRequest]:
+    """The check's requests: ``prompts`` sampled at temperature 1, top-p 1 (the log-softmax of the logits,
+    which a plain forward gives), :data:`SELF_CHECK_TOKENS` tokens each, a seed each."""
+    return [GenerationRequest(f"self-check-{i}", prompt, SamplingParams(max_tokens=SELF_CHECK_TOKENS, seed=i))
+            for i, prompt in enumerate(prompts)]
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The largest difference accepted for a model computing in ``dtype``."""
+    return TOLERANCE_NATS if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE_NATS
+
+
+def refuse_a_difference(what: str, where: str, reference: str, difference: float, dtype: torch.dtype,
+                        hint: str = "") -> None:
+    """ConfigError when ``difference`` (served vs ``reference``, in nats) is above :func:`tolerance_for`
+    ``dtype`` or NaN; ``what`` names the model, ``where`` the engine, ``hint`` ends the message."""
+    tolerance = tolerance_for(dtype)
+    if not difference <= tolerance:  # NaN too
+        raise ConfigError(f"{what} served by {where} samples from another distribution than {reference}: "
+                          f"log-probs differ by up to {difference:.3g} nats (tolerated: {tolerance:g} in {dtype}); "
+                          f"its logged behaviour log-probs would be wrong{hint}")
+
+
+def refusal_of_a_failure(what: str, where: str, prompts: list[list[int]], exc: BaseException,
+                         advice: str) -> ConfigError:
+    """The ConfigError for a self-check that raised ``exc``: the model cannot be served this way at all."""
+    return ConfigError(f"{what} cannot be served by {where}: its self-check (two prompts of {len(prompts[0])} "
+                       f"and {len(prompts[1])} tokens) failed with {type(exc).__name__}: {exc}. {advice}")
 
 
 def _on_a_thread_of_its_own(make: Callable[[], Awaitable[list[list[TokenEvent]]]]) -> list[list[TokenEvent]]:
@@ -127,7 +158,7 @@ def _on_a_thread_of_its_own(make: Callable[[], Awaitable[list[list[TokenEvent]]]
     return outcome["result"]
 
 
-def _largest_difference(model: nn.Module, prompts: list[list[int]], served: list[list[TokenEvent]]) -> float:
+def largest_difference(model: nn.Module, prompts: list[list[int]], served: list[list[TokenEvent]]) -> float:
     """Largest |served log-prob - the plain forward's| over the sampled tokens (sampled at temperature 1,
     top-p 1: the log-softmax of the logits)."""
     device = next(model.parameters()).device

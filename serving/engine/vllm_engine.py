@@ -33,6 +33,10 @@ That is what makes the version of every token exact.
   against the model the native engine would load, built without memory on the
   meta device (:class:`.vllm_weights.ServedLayout`): the same names (tied ones as
   aliases), shapes and served dtype.
+- At construction, before the loop runs, the engine serves two prompts and
+  refuses (``ConfigError``) a model whose log-probs differ from those of the
+  transformers model the learner loads (:mod:`.vllm_self_check`; vLLM has its own
+  implementation of each architecture). ``serving.vllm_self_check`` turns it off.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from online_sao.modeling import load_tokenizer
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits, nucleus_logprobs
+from serving.engine.vllm_self_check import check_vllm_engine
 from serving.engine.vllm_weights import ServedLayout, refresh_tied_head
 
 log = logging.getLogger(__name__)
@@ -164,6 +169,17 @@ class VLLMEngine:
         self._serial = itertools.count()
         self._ids_lock = threading.Lock()
         self._in_flight: set[str] = set()  # the callers' ids of the requests whose generate() runs
+        if self.cfg.vllm_self_check:
+            self._check(vllm_config.model_config.dtype, hf_config)
+
+    def _check(self, dtype: torch.dtype, hf_config: dict) -> None:
+        """(construction, before the loop runs) :func:`.vllm_self_check.check_vllm_engine`; a refused
+        engine shuts vLLM down (its worker and memory would otherwise outlive the ConfigError)."""
+        try:
+            check_vllm_engine(self._llm, self._sampling, self.model_dir, dtype, self._vocab, hf_config)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def policy_version(self) -> int:

@@ -328,3 +328,28 @@ def live_server(tmp_path, tiny_model_dir, kafka_config, one_torch_thread) -> Ite
     live = start_live_server(cfg, tiny_model_dir)
     yield live
     live.stop()
+
+
+@pytest.fixture(scope="module")
+def contract_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen2 with the test tokenizer for the engine contract tests (tests/serving/test_engine_contract.py)
+    and the vLLM self-check's: its LM head sharpened, so top_p really cuts."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("contract-model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # sharper than a fresh init, so top_p really cuts
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out)
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    return out

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import shutil
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,26 +66,6 @@ the hidden states to inf, so the logits are not finite."""
 def only_vllm(test):
     """A test of what only the vLLM engine does, on the module's vLLM engine (not a second one)."""
     return pytest.mark.vllm(pytest.mark.parametrize("engine", ["vllm"], indirect=True)(test))
-
-
-@pytest.fixture(scope="module")
-def contract_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    out = tmp_path_factory.mktemp("contract-model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # sharper than a fresh init, so top_p really cuts
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(out)
-    for f in tiny_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from online_sao.config import ServingConfig
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from tests.fixtures.engine_reference import collect, replay_logprobs
-from tests.serving.test_engine_contract import (LOGPROB_TOL, VLLM_KV_CACHE_BYTES, VLLM_MEMORY_SHARE,  # noqa: F401
-                                                contract_model_dir)
+from tests.serving.test_engine_contract import LOGPROB_TOL, VLLM_KV_CACHE_BYTES, VLLM_MEMORY_SHARE
 
 pytestmark = pytest.mark.vllm
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: up to trainer.join_max_pending (100,000) are held, a third less memory each
 class Remembered:
     """What the join knows about a finished id."""
 

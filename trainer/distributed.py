@@ -32,7 +32,8 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Collection
+from datetime import timedelta
+from typing import Any, Callable, Collection, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,8 @@ from online_sao.train_step import FiniteVote, local_vote
 MIN_TOKEN_NORMALIZER = 1.0
 """Floor of the global action-token count: a step without action tokens gives
 loss 0 instead of 0/0 (same floor as online_sao.losses.MIN_NORMALIZER)."""
+
+T = TypeVar("T")
 
 SUMMED_METRICS = frozenset({"num_rollouts", "num_action_tokens"})
 """Metrics that count things on each rank's share: the step's value is the sum
@@ -69,13 +72,14 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed() -> DistContext:
+def init_distributed(timeout_s: float | None = None) -> DistContext:
     """Join the process group torchrun describes, or run alone.
 
     torchrun sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. With more than one
     rank the group uses NCCL when CUDA is available (one GPU per local rank) and
     gloo otherwise. A plain process, or torchrun with one rank, gets world size 1
-    and no process group.
+    and no process group. ``timeout_s``: how long a collective waits for the other
+    ranks (``trainer.collective_timeout_s``; None: torch's default).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -86,11 +90,24 @@ def init_distributed() -> DistContext:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return DistContext(rank=rank, world_size=world_size, device=device)
+
+
+def run_on_ranks(work: Callable[[DistContext], T], timeout_s: float | None = None) -> T:
+    """Join the process group (:func:`init_distributed`), run ``work`` and leave it
+    (:func:`shutdown_distributed`). A rank whose ``work`` raises leaves without the closing
+    barrier: its peers sit in a collective of the step it left, so both would wait there until
+    the collective timeout (30 minutes on gloo) with the error unprinted. Its exit closes its
+    connections, the peers' collective fails at once and torchrun ends the job."""
+    ctx = init_distributed(timeout_s)
+    result = work(ctx)
+    shutdown_distributed(ctx)
+    return result
 
 
 def shutdown_distributed(ctx: DistContext) -> None:

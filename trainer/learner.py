@@ -71,8 +71,8 @@ import torch
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
 from streams.base import StreamBackend
-from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, init_distributed, local_batch,
-                                 reduce_metrics, shutdown_distributed)
+from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, local_batch, reduce_metrics,
+                                 run_on_ranks)
 from trainer.feed import RolloutHook
 from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
@@ -266,13 +266,13 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
     until = RunUntil(max_steps=cfg.trainer.max_steps, idle_timeout_s=cfg.trainer.idle_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: until.stop.set())
-    ctx = init_distributed()
-    try:
+    def work(ctx: DistContext) -> LearnerResult:
         result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic,
                        before_step=before_step)
-    finally:
-        shutdown_distributed(ctx)
-    if ctx.is_main:
-        log.info("learner stopped after %d steps at policy version %d (MLflow run %s)",
-                 result.steps, result.version, result.run_id)
+        if ctx.is_main:
+            log.info("learner stopped after %d steps at policy version %d (MLflow run %s)",
+                     result.steps, result.version, result.run_id)
+        return result
+
+    run_on_ranks(work, cfg.trainer.collective_timeout_s)
     return 0

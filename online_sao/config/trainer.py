@@ -72,6 +72,13 @@ class TrainerConfig(Section):
     idle_timeout_s: float | None = Field(None, gt=0)
     """Stop when no record arrived and no step ran for this long (tests, benchmarks);
     None waits for data forever."""
+    collective_timeout_s: float | None = Field(None, gt=0)
+    """Under torchrun: how long a rank waits in one collective (a broadcast of the step's rollouts,
+    a vote, FSDP's gathers) for its peers before it fails, which ends the job (torchrun stops the
+    other ranks). None keeps torch's default: 30 minutes on gloo, 10 on NCCL. A rank that stops
+    answering (a hung GPU, a frozen node) holds the others this long. Keep it above the longest
+    time rank 0 spends alone while the others wait: its registry calls wait out an MLflow outage
+    (docs/RELIABILITY.md), so a short value turns an outage into a failed job."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve rank 0's Prometheus metrics (the registry's monitors over the learner's window and at
     each decision, the learner's counters; trainer/exporter.py) on this port at ``/metrics``

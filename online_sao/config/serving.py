@@ -91,7 +91,8 @@ class ServingConfig(Section):
     moment a second copy of the weights in host memory (2 bytes per parameter in bfloat16: 14 GB for
     a 7B model) and a CPU forward of a dozen tokens; start takes longer by reading those weights
     (not measured on a 7B model; 1.5-3.8 s on the tiny test model, most of it serving the two
-    prompts). False skips it, for a host that cannot hold that copy."""
+    prompts). A host whose available memory (a container's limit included) is under 1.5 times the
+    weights skips it with a warning. False skips it silently."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

@@ -176,7 +176,8 @@ class VLLMEngine:
         """(construction, before the loop runs) :func:`.vllm_self_check.check_vllm_engine`; a refused
         engine shuts vLLM down (its worker and memory would otherwise outlive the ConfigError)."""
         try:
-            check_vllm_engine(self._llm, self._sampling, self.model_dir, dtype, self._vocab, hf_config)
+            check_vllm_engine(self._llm, self._sampling, self.model_dir, dtype, self._vocab, hf_config,
+                              self._layout.nbytes)
         except BaseException:
             self.close()
             raise

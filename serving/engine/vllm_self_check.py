@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 WHERE = "the vLLM engine"
 REFERENCE = "the transformers model the learner loads from the same directory"
+REFERENCE_MEMORY_HEADROOM = 1.5
+"""The check loads the reference only when the host has this many times its weights' bytes available:
+transformers holds a shard being read and the forward's activations beside the weights, and a serving
+start killed for memory says nothing, where a skipped check says why in a warning."""
 MAX_STEPS = 64
 """Engine steps the check takes at most: one prefill and ``SELF_CHECK_TOKENS`` - 1 decode steps are
 enough, a chunked prefill or a preempted request a few more; a scheduler that makes no progress
@@ -44,12 +48,22 @@ def model_name(hf_config: dict) -> str:
 
 
 def check_vllm_engine(llm, sampling: Callable[[GenerationRequest], object], model_dir: Path, dtype: torch.dtype,
-                      vocab: int, hf_config: dict) -> float:
+                      vocab: int, hf_config: dict, weight_bytes: int,
+                      available_memory: Callable[[], int | None] | None = None) -> float | None:
     """Refuse (ConfigError) a model that ``llm`` (a ``vllm.v1.engine.llm_engine.LLMEngine`` with no request
     in it, whose loop does not run yet) does not serve with the log-probs of the transformers model in
     ``model_dir`` in ``dtype``; ``sampling`` builds a request's ``vllm.SamplingParams`` as the engine does.
-    Returns the largest difference (nats)."""
+    Returns the largest difference (nats), or None when the host's available memory
+    (``available_memory``, :func:`available_host_memory` by default) cannot hold the reference's
+    ``weight_bytes`` with :data:`REFERENCE_MEMORY_HEADROOM`: then nothing runs and a warning says so."""
     what = model_name(hf_config)
+    available = (available_memory or available_host_memory)()
+    if available is not None and available < REFERENCE_MEMORY_HEADROOM * weight_bytes:
+        log.warning("engine self-check of %s in %s skipped: the transformers reference needs about %.1f GB of "
+                    "host memory (%.1fx its weights), %.1f GB are available; its behaviour log-probs are not "
+                    "checked against the learner's (serving.vllm_self_check: false silences this)", what, WHERE,
+                    REFERENCE_MEMORY_HEADROOM * weight_bytes / 1e9, REFERENCE_MEMORY_HEADROOM, available / 1e9)
+        return None
     prompts = check_prompts(vocab)
     started = time.perf_counter()
     try:
@@ -101,3 +115,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if dtype not in names:
         raise ValueError(f"the learner loads models in {sorted(DTYPES)}, vLLM serves this one in {dtype}")
     return names[dtype]
+
+
+def available_host_memory(meminfo: Path = Path("/proc/meminfo"),
+                          cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process may still allocate: the kernel's ``MemAvailable``, and below it what a cgroup
+    (v2 ``memory.max`` - ``memory.current``, v1 ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``:
+    a container's limit, which ``MemAvailable`` does not see) leaves; None where neither can be read."""
+    bounds = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                bounds.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = (cgroup / limit_file).read_text().strip(), (cgroup / usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit():  # "max": no limit
+            bounds.append(max(int(limit) - int(usage), 0))
+    return min(bounds) if bounds else None

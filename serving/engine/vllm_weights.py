@@ -59,6 +59,12 @@ class ServedLayout:
         return cls(expected, {name: group for group in by_parameter.values() for name in group},
                    checkpoint_names(model_dir))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model's parameters and buffers in the served dtype, a tied parameter once."""
+        unique = {id(tensor): tensor for tensor in self.expected.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
     def checked(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The native engine's checks (``CorruptWeights`` names the refusal), then the tensors to reload:
         all of them but a tied twin the checkpoint does not store (vLLM loaded it from its twin)."""

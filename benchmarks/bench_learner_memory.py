@@ -1,8 +1,8 @@
 """Learner memory over a long run: RSS, the join's id memory and Python objects step by step.
 
 The real learner (``trainer.learner.train``) trains ``--steps`` steps in this process on the
-in-memory stream backend with a retention (benchmarks/trimming_broker.py: a record is dropped once
-every group reading its topic has committed past it), so what grows is the learner, not the broker. Before
+in-memory stream backend with a retention (``InMemoryBackend(drop_committed=True)``: a record is
+deleted once every group reading its topic has committed past it), so what grows is the learner, not the broker. Before
 each step ``--per-step`` new interactions and their rewards are logged: copies of a pool sampled once
 from the policy, with fresh ids, created now, at the newest version on the weights topic.
 
@@ -38,12 +38,12 @@ if __package__ in (None, ""):  # run as a file: make the repository's `benchmark
 
 from benchmarks.bench_learner import parse_overrides  # noqa: E402
 from benchmarks.common import write_report  # noqa: E402
-from benchmarks.trimming_broker import TrimmingBackend  # noqa: E402
 from apps.config import AppConfig, load_app_config  # noqa: E402
 from apps.default_model.builder import build_base_model  # noqa: E402
 from apps.default_model.corpus import iter_prompts  # noqa: E402
 from online_sao.modeling import load_policy, load_tokenizer  # noqa: E402
 from online_sao.schemas import Interaction, Reward, SamplingParams, WeightsNotice, decode  # noqa: E402
+from streams.memory import InMemoryBackend  # noqa: E402
 from streams.records import publish  # noqa: E402
 from trainer.distributed import init_distributed  # noqa: E402
 from trainer.id_memory import IdMemory  # noqa: E402
@@ -122,7 +122,7 @@ def sample_pool(model_dir: Path, count: int, max_new_tokens: int) -> list[Intera
 class Traffic:
     """Logs the pool's interactions under fresh ids at the newest version serving would know, rewarded."""
 
-    def __init__(self, backend: TrimmingBackend, cfg: AppConfig, pool: list[Interaction]) -> None:
+    def __init__(self, backend: InMemoryBackend, cfg: AppConfig, pool: list[Interaction]) -> None:
         self.topics, self.pool, self.sent, self.version = cfg.kafka.topics, pool, 0, 0
         self.producer = backend.producer()
         self.notices = backend.consumer([self.topics.weights], group_id=None, start="earliest")
@@ -146,7 +146,7 @@ class Traffic:
         self.producer.flush()
 
 
-def measure(step: int, started: float, backend: TrimmingBackend) -> Sample:
+def measure(step: int, started: float, backend: InMemoryBackend) -> Sample:
     gc.collect()
     objects = gc.get_objects()
     ids, count = sum(len(o) for o in objects if type(o) is IdMemory), len(objects)
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, workdir: Path, progress=print) -> tuple[AppCon
         "paths.data_dir": str(workdir / "data"), "model.path": str(model_dir),
         "trainer.min_rollouts": args.per_step, "trainer.max_rollouts_per_step": args.per_step,
         **LEARNER, **parse_overrides(args.set)})
-    backend = TrimmingBackend(cfg.kafka)
+    backend = InMemoryBackend(cfg.kafka, drop_committed=True)
     backend.ensure_topics()
     traffic = Traffic(backend, cfg, sample_pool(model_dir, POOL, args.max_new_tokens))
     samples, started = [], time.monotonic()
@@ -264,8 +264,8 @@ def report(args, argv: list[str], cfg: AppConfig, model_dir: Path, samples: list
         f"{torch.get_num_threads()} torch threads",
         f"- model: {args.model_dir or args.model + ' model'} ({mc.model_type}, hidden {mc.hidden_size}, "
         f"{mc.num_hidden_layers} layers, vocab {mc.vocab_size}); algorithm {cfg.algorithm.name}",
-        f"- learner: trainer.learner.train in this process on the in-memory backend with a trimming broker "
-        f"(records below every reading group's committed offset dropped); {args.per_step} new interactions "
+        f"- learner: trainer.learner.train in this process on the in-memory backend with drop_committed "
+        f"(records below every reading group's committed offset deleted); {args.per_step} new interactions "
         f"and rewards per step; checkpoint every {t.checkpoint_every}, publish every {t.publish_every} step(s); "
         f"reward.window_s {cfg.reward.window_s:g}, id memory horizon {cfg.reward.id_memory_s:g} s, "
         f"capacity {t.join_max_pending}; MLflow on SQLite every {cfg.mlflow.log_every_steps} steps",

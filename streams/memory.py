@@ -13,7 +13,9 @@ Same behaviour as :mod:`streams.kafka_backend` where tests can observe it:
   with the same id, which can no longer poll (Kafka fences it);
 * ``start="latest"`` means the end of each partition when the consumer gets it;
 * sending to a topic that does not exist raises StreamUnavailable (Kafka, with topic
-  auto-creation off, times out waiting for its metadata).
+  auto-creation off, times out waiting for its metadata);
+* with ``drop_committed`` records are deleted from the front of a partition (Kafka's log start
+  moves on) and a position below the log start moves up to it (``auto.offset.reset=earliest``).
 
 Thread-safe: components under test may produce and consume from different threads.
 """
@@ -37,6 +39,38 @@ def partition_for_key(key: bytes, partitions: int) -> int:
     return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
+KEEP_UNREAD = 16
+"""Records ``drop_committed`` keeps per partition of a topic no consumer group reads (weight notices,
+dead letters): nobody commits there, so this count is its retention."""
+
+
+class _PartitionLog:
+    """A partition's records from offset ``start`` on. Offsets are absolute: deleting records from the
+    front moves ``start``, never renumbers what stays (Kafka's log start offset)."""
+
+    __slots__ = ("start", "records")
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.records: list[StreamMessage] = []
+
+    @property
+    def end(self) -> int:
+        """The offset the next record gets."""
+        return self.start + len(self.records)
+
+    def read(self, offset: int, limit: int) -> list[StreamMessage]:
+        """Up to ``limit`` records from ``offset`` on (``offset`` at or above ``start``)."""
+        first = offset - self.start
+        return self.records[first:first + limit]
+
+    def delete_below(self, offset: int) -> None:
+        n = min(offset - self.start, len(self.records))
+        if n > 0:
+            del self.records[:n]
+            self.start += n
+
+
 @dataclass
 class _Group:
     members: list["InMemoryConsumer"] = field(default_factory=list)
@@ -44,11 +78,21 @@ class _Group:
 
 
 class InMemoryBackend(StreamBackend):
-    """``cfg`` names the topics and partition counts ensure_topics creates."""
+    """``cfg`` names the topics and partition counts ensure_topics creates.
 
-    def __init__(self, cfg: KafkaConfig | None = None) -> None:
+    ``drop_committed`` gives the broker a retention for long runs: a record is deleted once every
+    consumer group reading its topic has committed past it, and a topic no group reads keeps its
+    last :data:`KEEP_UNREAD` records, so the broker's size stays flat while offsets keep counting
+    (benchmarks/bench_learner_memory.py). Kafka deletes by time or size whoever has read a record;
+    deleting what every reader committed is the retention that never loses a record a reader still
+    needs, so a test of a long run measures the reader, not the broker. Off (the default), nothing
+    is ever deleted, as on a Kafka topic within its retention.
+    """
+
+    def __init__(self, cfg: KafkaConfig | None = None, *, drop_committed: bool = False) -> None:
         self.cfg = cfg or KafkaConfig()
-        self._logs: dict[str, list[list[StreamMessage]]] = {}
+        self.drop_committed = drop_committed
+        self._logs: dict[str, list[_PartitionLog]] = {}
         self._groups: dict[str, _Group] = {}
         self._round_robin = itertools.count()
         self._lock = threading.Condition()
@@ -60,7 +104,7 @@ class InMemoryBackend(StreamBackend):
         if partitions < 1:
             raise ValueError("a topic needs at least one partition")
         with self._lock:
-            self._logs.setdefault(name, [[] for _ in range(partitions)])
+            self._logs.setdefault(name, [_PartitionLog() for _ in range(partitions)])
 
     def ensure_topics(self) -> None:
         t = self.cfg.topics
@@ -78,7 +122,17 @@ class InMemoryBackend(StreamBackend):
 
     def end_offset(self, tp: TopicPartition) -> int:
         with self._lock:
-            return len(self._partition_log(tp))
+            return self._partition_log(tp).end
+
+    def log_start(self, tp: TopicPartition) -> int:
+        """The lowest offset still held (0 unless ``drop_committed`` deleted records)."""
+        with self._lock:
+            return self._partition_log(tp).start
+
+    def records_held(self) -> int:
+        """Records held over every topic: what ``drop_committed`` keeps flat."""
+        with self._lock:
+            return sum(len(log.records) for parts in self._logs.values() for log in parts)
 
     # -- clients --------------------------------------------------------------------------
 
@@ -117,11 +171,25 @@ class InMemoryBackend(StreamBackend):
             else:
                 p = partition_for_key(key, len(parts))
             log = parts[p]
-            log.append(StreamMessage(topic=topic, partition=p, offset=len(log), key=key, value=value,
-                                     timestamp_ms=int(time.time() * 1000)))
+            log.records.append(StreamMessage(topic=topic, partition=p, offset=log.end, key=key, value=value,
+                                             timestamp_ms=int(time.time() * 1000)))
+            if self.drop_committed and not self._readers(topic):
+                log.delete_below(log.end - KEEP_UNREAD)
             self._lock.notify_all()
 
-    def _partition_log(self, tp: TopicPartition) -> list[StreamMessage]:
+    def _readers(self, topic: str) -> list[_Group]:
+        """The consumer groups with a member reading ``topic``."""
+        return [g for g in self._groups.values() if any(topic in m.topics for m in g.members)]
+
+    def _delete_committed(self, topic: str) -> None:
+        """Delete the records of ``topic`` below the lowest offset its reading groups committed."""
+        groups = self._readers(topic)
+        for p, log in enumerate(self._logs.get(topic, [])):
+            tp = TopicPartition(topic, p)
+            if groups and all(tp in g.committed for g in groups):
+                log.delete_below(min(g.committed[tp] for g in groups))
+
+    def _partition_log(self, tp: TopicPartition) -> _PartitionLog:
         try:
             return self._logs[tp.topic][tp.partition]
         except (KeyError, IndexError):
@@ -189,7 +257,8 @@ class InMemoryConsumer(Consumer):
             elif tp in committed:
                 positions[tp] = committed[tp]
             else:
-                positions[tp] = 0 if self._start == "earliest" else len(self._backend._partition_log(tp))
+                log = self._backend._partition_log(tp)
+                positions[tp] = log.start if self._start == "earliest" else log.end
         self._positions = positions
 
     def _rebalance(self) -> None:
@@ -213,7 +282,8 @@ class InMemoryConsumer(Consumer):
                 out: list[StreamMessage] = []
                 for tp, pos in self._positions.items():
                     log = self._backend._partition_log(tp)
-                    batch = log[pos:pos + max_records - len(out)]
+                    pos = max(pos, log.start)  # deleted records: Kafka's auto.offset.reset=earliest
+                    batch = log.read(pos, max_records - len(out))
                     out += batch
                     self._positions[tp] = pos + len(batch)
                     if len(out) >= max_records:
@@ -228,6 +298,9 @@ class InMemoryConsumer(Consumer):
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
         with self._backend._lock:
             self._backend._groups[self.group_id].committed.update(offsets)
+            if self._backend.drop_committed:
+                for topic in {tp.topic for tp in offsets}:
+                    self._backend._delete_committed(topic)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         if offset < 0:
@@ -247,17 +320,18 @@ class InMemoryConsumer(Consumer):
         with self._backend._lock:
             self._rebalance()
             logs = {tp: self._backend._partition_log(tp) for tp in self._positions}
-            return {tp: next((m.offset for m in log if m.timestamp_ms >= time_ms), None) for tp, log in logs.items()}
+            return {tp: next((m.offset for m in log.records if m.timestamp_ms >= time_ms), None)
+                    for tp, log in logs.items()}
 
     def end_offsets(self) -> dict[TopicPartition, int]:
         with self._backend._lock:
             self._rebalance()
-            return {tp: len(self._backend._partition_log(tp)) for tp in self._positions}
+            return {tp: self._backend._partition_log(tp).end for tp in self._positions}
 
     def beginning_offsets(self) -> dict[TopicPartition, int]:
         with self._backend._lock:
             self._rebalance()
-            return {tp: 0 for tp in self._positions}  # nothing is ever deleted here
+            return {tp: self._backend._partition_log(tp).start for tp in self._positions}
 
     def highwater(self) -> dict[TopicPartition, int | None]:
         return dict(self.end_offsets())  # nothing to fetch here: the log's end is known at once

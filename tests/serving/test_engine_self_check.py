@@ -51,6 +51,7 @@ def test_flat_refuses_a_sliding_window_model_that_padded_serves_with_its_own_dis
     model = tiny_mistral(WINDOW)
     prompt = [5, 9, 2, 7, 1, 3]
     events = serve(TorchEngine(model, cfg=ServingConfig(kv_layout="padded")), prompt, 20)
+    assert len(events) == 20  # past the window of 4, and the zip below checks every one of them
     ids = torch.tensor([prompt + [e.token_id for e in events]])
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # the model's own window mask

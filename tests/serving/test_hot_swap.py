@@ -160,18 +160,22 @@ def corruptions(good: dict[str, torch.Tensor]):
 def test_corrupt_weights_are_refused_and_the_old_ones_stay(base_model, versions, in_place):
     engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig(swap_in_place=in_place))
     before = generate_once(engine)
+    tried = []
     for why, bad in corruptions(state_of(versions[1])):
         result = engine.swap_weights(1, bad)
         assert not result.applied and result.reason.startswith("refused"), why
         assert why in result.reason
+        tried.append(why)
+    # every corruption ran: the tied one too (the fixture model ties its embeddings, so both names are there)
+    assert tried == ["non-finite", "shape", "missing", "unexpected", "empty", "range", "tied"]
     assert engine.policy_version == 0
     after = generate_once(engine)
     assert [(e.token_id, e.logprob, e.version) for e in after] == [(e.token_id, e.logprob, e.version) for e in before]
 
 
 def test_a_missing_tied_alias_is_taken_from_its_twin(base_model, versions):
-    if not base_model.config.tie_word_embeddings:
-        pytest.skip("the fixture model does not tie its embeddings")
+    # a fixture that stopped tying would leave the alias path untested: a failure, not a skip
+    assert base_model.config.tie_word_embeddings
     engine = TorchEngine(copy.deepcopy(base_model))
     state = state_of(versions[1])
     del state["lm_head.weight"]

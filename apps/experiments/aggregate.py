@@ -131,6 +131,8 @@ class ArmSummaryAcrossSeeds:
     phases: list[PhaseSummary]
     collapsed: int
     """Seeds in which the arm collapsed."""
+    realigned: int
+    """Seeds in which the moving reward reached the re-alignment threshold in every phase after a switch."""
     final_style_accuracy: Interval | None
     group_wait_s: Interval | None
     incomplete_groups: Interval | None
@@ -151,6 +153,7 @@ def summarize_arm(name: str, per_seed: list[SeedMetrics], scenario: ExperimentCo
         mean_reward=interval([m.mean_reward for m in per_seed]),
         post_switch_mean=interval([m.post_switch_mean for m in per_seed]), phases=phases,
         collapsed=sum(m.collapse.collapsed for m in per_seed),
+        realigned=sum(all(p.lag is not None for p in m.phases[1:]) for m in per_seed),
         final_style_accuracy=interval([m.final_style_accuracy for m in per_seed]),
         group_wait_s=interval([m.group_wait_s for m in per_seed]),
         incomplete_groups=interval([m.incomplete_groups for m in per_seed]),

@@ -48,7 +48,8 @@ def _intro(scenario: ExperimentConfig, runs: list[Run], seeds: int) -> list[str]
         f"Level: mean reward of the phase's last {LEVEL_SHARE:.0%}. Lag: rollouts from the phase's start until "
         f"the moving reward (W={scenario.metrics_window}, rollouts of the phase only) first reaches "
         f"{scenario.realign_threshold} -- the same absolute threshold for every arm; the mean is over the seeds "
-        f"that reached it (how many in parentheses). Area: the area under the phase's reward curve per rollout "
+        f"that reached it (how many in parentheses; *after every switch*: the seeds that reached it in every "
+        f"phase after a switch). Area: the area under the phase's reward curve per rollout "
         f"(its mean reward). Post-switch mean: mean reward from the first switch to the end. Collapse: the "
         f"moving answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end.", "",
         "Held-out style accuracy and the style shares are measured with the judge's own style classifier, the "
@@ -83,12 +84,15 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
           cell(a.group_wait_s, 1, of=a.seeds), cell(a.incomplete_groups, 1, of=a.seeds),
           cell(a.rollbacks, 1, of=a.seeds)] for a in arms])
     heads = _phase_heads(arms)
-    for title, render in (("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level, of=a.seeds)),
-                          (f"Re-alignment lag (rollouts to a moving reward of {scenario.realign_threshold})",
-                           lambda a, p: f"{cell(p.lag, 0)} ({p.lag_reached}/{a.seeds})"),
-                          ("Area (mean reward over each phase)", lambda a, p: cell(p.area, of=a.seeds))):
-        lines += ["", f"## {title}", ""] + _table(["arm", *heads],
-                                                 [[a.name, *(render(a, p) for p in a.phases)] for a in arms])
+    every_switch = ("after every switch", lambda a: f"{a.realigned}/{a.seeds}")  # seeds re-aligned in all post-switch phases
+    for title, render, extra in (
+            ("Level (mean reward of each phase's last quarter)", lambda a, p: cell(p.level, of=a.seeds), None),
+            (f"Re-alignment lag (rollouts to a moving reward of {scenario.realign_threshold})",
+             lambda a, p: f"{cell(p.lag, 0)} ({p.lag_reached}/{a.seeds})", every_switch),
+            ("Area (mean reward over each phase)", lambda a, p: cell(p.area, of=a.seeds), None)):
+        lines += ["", f"## {title}", ""] + _table(
+            ["arm", *heads, *([extra[0]] if extra else [])],
+            [[a.name, *(render(a, p) for p in a.phases), *([extra[1](a)] if extra else [])] for a in arms])
     lines += _comparison(arms, runs, scenario.reference_arm)
     lines += [""] + [f"![{title}]({name})\n" for name, title in PLOTS.items()]
     return "\n".join(lines)
@@ -134,6 +138,7 @@ def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, ex
             if value is not None:
                 client.log_metric(run_id, f"{a.name}.{key}", value.mean)
         client.log_metric(run_id, f"{a.name}.collapsed_seeds", float(a.collapsed))
+        client.log_metric(run_id, f"{a.name}.realigned_seeds", float(a.realigned))
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")
     client.set_terminated(run_id)
     return run_id

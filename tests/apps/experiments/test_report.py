@@ -89,7 +89,7 @@ def test_report_of_one_seed_files_plots_and_tables(results, tmp_path):
         assert summary[7:] == ["-", "-", "-"]  # no summary files here: no grpo counters, no roll-backs
         assert table_row(section(text, "Level"), arm)[1:] == [f"{p.level:.3f}" for p in phases]
         assert table_row(section(text, "Area"), arm)[1:] == [f"{p.area:.3f}" for p in phases]
-        assert table_row(section(text, "Re-alignment lag"), arm)[1:] == [f"{p.lag} (1/1)" for p in phases]
+        assert table_row(section(text, "Re-alignment lag"), arm)[1:] == [f"{p.lag} (1/1)" for p in phases] + ["1/1"]
     # The slow arm re-aligns later: the synthetic data make the metric visible.
     lag = lambda arm: int(table_row(section(text, "Re-alignment lag"), arm)[2].split()[0])  # noqa: E731
     assert lag("sao") < lag("running_mean_w8")
@@ -141,6 +141,23 @@ def test_a_seed_without_a_measure_is_counted_not_averaged_away_unseen(tmp_path):
     assert not table_row(summary, "sao")[3].endswith("seeds)")
 
 
+def test_the_seeds_that_re_aligned_after_every_switch_are_counted(tmp_path):
+    """Phases of 20, a moving reward of 4 rollouts, threshold 0.5. Seed 0 re-aligns in both post-switch
+    phases, seed 1 only after the first switch (0.1 throughout the last phase), seed 2 after neither;
+    the first phase does not count (no switch before it)."""
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    high, low = [0.9] * 20, [0.1] * 20
+    for k, rewards in enumerate([high * 3, high * 2 + low, low + low + low]):
+        write_run(directory / f"seed-{k}", {"sao": rewards}, seed=k)
+    out = tmp_path / "report"
+    text = write_report(directory, out).read_text()
+    # lags: the first window of 4 is complete, at 0.9, after a phase's fourth rollout
+    assert table_row(section(text, "Re-alignment lag"), "sao")[1:] == ["4 [4, 4] (2/3)", "4 [4, 4] (2/3)",
+                                                                       "4 (1/3)", "1/3"]  # one seed: no interval
+    assert json.loads((out / "report.json").read_text())[0]["realigned"] == 1
+
+
 def test_the_paired_difference_takes_out_what_a_seed_does_to_every_arm(tmp_path):
     """Seeds at levels 0.2, 0.5 and 0.8, sao 0.05 above the other arm in each: the unpaired intervals
     overlap (the seeds' spread), the paired difference is 0.05 in every seed."""
@@ -184,6 +201,7 @@ def test_report_is_logged_to_mlflow(results, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
     assert {"report/report.md", *(f"report/{png}" for png in PLOTS)} <= artifacts
     assert run.data.metrics["sao.level_20"] == pytest.approx(phase_metrics(series["sao"], STARTS, STYLES, 4, 0.5)[1].level)
+    assert run.data.metrics["sao.realigned_seeds"] == 1.0  # 0.1 for 3 rollouts after each switch, then 0.9
 
 
 def test_results_rows_deduplicate_and_must_be_dense(tmp_path):

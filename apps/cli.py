@@ -8,6 +8,7 @@ the work; heavy imports happen inside the subcommand so that ``--help`` and
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import sys
 from typing import Callable
@@ -306,9 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     except _operator_errors() as exc:  # the outside world, not a bug: one line, not a traceback
         print(f"online-sao: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        print(f"online-sao: {exc}", file=sys.stderr)  # the learner's and serving's errors name the file
+        return 1
     except KeyboardInterrupt:
         print("online-sao: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""OS errors an operator fixes by making room (a full disk, a quota), as one line like the errors below."""
 
 
 def _operator_errors() -> tuple[type[BaseException], ...]:

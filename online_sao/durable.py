@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 
 def fsync_dir(path: Path) -> None:
@@ -13,3 +18,28 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors' errors carry the OS error under them (Rust's ``std::io::Error``)."""
+
+
+@contextmanager
+def naming_the_file(path: Path | str) -> Iterator[None]:
+    """An OS error raised inside names ``path``. A write or fsync that fails (a full disk) raises one
+    that names no file ("[Errno 28] No space left on device"), and safetensors raises its own error
+    with the OS error in its text ("Error while serializing: I/O error: No space left on device (os
+    error 28)"): the operator learnt neither which disk was full nor which file was being written.
+    Either becomes an ``OSError`` with the same errno naming ``path``; any other error is left as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    except SafetensorError as exc:
+        found = _OS_ERROR.search(str(exc))
+        if found is None:  # not the disk's: serialising itself failed
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc

@@ -23,7 +23,8 @@ Commit protocol (crash-safe at every point):
    segment (a new one once it holds ``ledger_segment_bytes``) and fsynced; the segment's name
    and new length go into meta.json;
 2. all files are written into ``<root>/.tmp-<random>/`` and fsynced, then the
-   directory is fsynced;
+   directory is fsynced (a write that fails, e.g. on a full disk, removes it at once and
+   its error names the file);
 3. ``rename`` to ``step-<n>`` (atomic) and the root is fsynced: this is the commit;
 4. checkpoints beyond the newest ``keep`` are deleted, except the first checkpoint of
    each pinned version (the registry's candidate and champion, for a whole roll-back).
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from online_sao.durable import fsync_dir
+from online_sao.durable import fsync_dir, naming_the_file
 from streams.base import TopicPartition
 from trainer.id_memory import MemorySnapshot, decode_snapshot, encode_snapshot
 from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, read_ledger,
@@ -259,24 +260,15 @@ class Checkpointer:
         """Commit a staged checkpoint (steps 1-4 of the module docstring); returns its directory.
         It reads nothing the learner changes, so it may run on another thread, one write at a time."""
         if staged.ledger:
-            self.ledger.append(staged.ledger_segment, staged.ledger)
+            with naming_the_file(self.ledger.directory / staged.ledger_segment):
+                self.ledger.append(staged.ledger_segment, staged.ledger)
         tmp = _scratch(self.root)
         tmp.mkdir()
-        written = []
-        for name, state in staged.models.items():
-            save_file(state, str(tmp / f"{name}.safetensors"))
-            written.append(tmp / f"{name}.safetensors")
-        save_file(staged.optim_tensors, str(tmp / "optim.safetensors"))
-        (tmp / "optim.json").write_text(staged.optim_json)
-        (tmp / "meta.json").write_text(staged.meta_json)
-        (tmp / INDEX_FILE).write_text(staged.index_json)
-        written += [tmp / "optim.safetensors", tmp / "optim.json", tmp / "meta.json", tmp / INDEX_FILE]
-        if staged.id_memory is not None:
-            (tmp / MEMORY_FILE).write_bytes(encode_snapshot(staged.id_memory))
-            written.append(tmp / MEMORY_FILE)
-        for path in written:
-            _fsync_file(path)
-        fsync_dir(tmp)
+        try:
+            _write_files(tmp, staged)
+        except BaseException:  # a full disk: what was written must not hold the space until the next start
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.rename(tmp, staged.directory)
         fsync_dir(self.root)
         pinned = set(self._pinned(staged.pinned_versions).values())
@@ -350,6 +342,25 @@ class Checkpointer:
         else:
             self.ledger.cut_back(ckpt.state.ledger_segment, ckpt.state.ledger_bytes)
         return ckpt
+
+
+def _write_files(tmp: Path, staged: StagedCheckpoint) -> None:
+    """Every file of ``staged`` into the directory ``tmp``, fsynced, then the directory."""
+    writes = {f"{name}.safetensors": (lambda path, state=state: save_file(state, str(path)))
+              for name, state in staged.models.items()}
+    writes["optim.safetensors"] = lambda path: save_file(staged.optim_tensors, str(path))
+    for name, text in (("optim.json", staged.optim_json), ("meta.json", staged.meta_json),
+                       (INDEX_FILE, staged.index_json)):
+        writes[name] = lambda path, text=text: path.write_text(text)
+    if staged.id_memory is not None:
+        writes[MEMORY_FILE] = lambda path: path.write_bytes(encode_snapshot(staged.id_memory))
+    for name, write in writes.items():
+        with naming_the_file(tmp / name):
+            write(tmp / name)
+    for name in writes:
+        with naming_the_file(tmp / name):
+            _fsync_file(tmp / name)
+    fsync_dir(tmp)
 
 
 def _scratch(root: Path) -> Path:

@@ -1,8 +1,9 @@
 """Safetensors files on a local directory or any fsspec URL: the default weight store.
 
 A version is written to ``v00000012.safetensors.<uuid>.tmp`` and renamed into place. A failed
-write removes its temporary file at once; one left by a writer killed before its rename is
-removed by a later :meth:`FileWeightStore.prune` once it is :data:`STALE_TEMP_AGE_S` old.
+write removes its temporary file at once (its OS error names that file); one left by a writer
+killed before its rename is removed by a later :meth:`FileWeightStore.prune` once it is
+:data:`STALE_TEMP_AGE_S` old.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import fsspec
 import torch
 from safetensors.torch import load as load_safetensors
 
+from online_sao.durable import naming_the_file
 from online_sao.weights.store import CorruptWeights, WeightsRef, WeightStore, serialise, sha256_hex, verify_state_dict
 
 _VERSION_FILE = re.compile(r"v(\d{8,})\.safetensors$")
@@ -45,8 +47,9 @@ class FileWeightStore(WeightStore):
         final = self._path(version)
         tmp = f"{final}.{uuid.uuid4().hex}.tmp"
         try:
-            with self.fs.open(tmp, "wb") as fh:
-                fh.write(data)
+            with naming_the_file(tmp):
+                with self.fs.open(tmp, "wb") as fh:
+                    fh.write(data)
             self.fs.mv(tmp, final)  # a reader sees the whole file or none of it
         except BaseException:  # disk full, interrupted: a partial file must not hold the space
             self._discard(tmp)

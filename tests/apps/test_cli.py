@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -107,6 +108,23 @@ def test_the_outside_world_failing_is_one_line_and_exit_1_and_an_interrupt_130(m
         monkeypatch.setattr(cli, "_config", run)
         assert cli.main(["config", "show"]) == code
         assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_other_os_errors_propagate(monkeypatch, capsys):
+    def full(cfg, args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/.tmp-1/optim.safetensors")
+
+    monkeypatch.setattr(cli, "_config", full)
+    assert cli.main(["config", "show"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "online-sao: [Errno 28] No space left on device: '/ckpt/.tmp-1/optim.safetensors'"]
+
+    def broken_pipe(cfg, args):  # not the operator's to fix by making room: a traceback, as before
+        raise OSError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_config", broken_pipe)
+    with pytest.raises(OSError, match="Broken pipe"):
+        cli.main(["config", "show"])
 
 
 def test_serving_exposed_without_keys_is_one_line_and_exit_2(capsys):

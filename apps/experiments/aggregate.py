@@ -90,6 +90,8 @@ class SeedMetrics:
     group_wait_s: float | None
     incomplete_groups: int | None
     rollbacks: int | None
+    drift_restarts: int | None
+    drift_rollbacks: int | None
 
 
 def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
@@ -106,7 +108,9 @@ def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
         final_style_accuracy=arm.evals[-1].style_accuracy if arm.evals else None,
         group_wait_s=summary.group_wait_s if summary else None,
         incomplete_groups=summary.incomplete_groups if summary else None,
-        rollbacks=summary.rollbacks if summary else None)
+        rollbacks=summary.rollbacks if summary else None,
+        drift_restarts=summary.drift_restarts if summary else None,
+        drift_rollbacks=summary.drift_rollbacks if summary else None)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class ArmSummaryAcrossSeeds:
     group_wait_s: Interval | None
     incomplete_groups: Interval | None
     rollbacks: Interval | None
+    drift_restarts: Interval | None
+    drift_rollbacks: Interval | None
     per_seed: list[SeedMetrics]
 
 
@@ -157,7 +163,9 @@ def summarize_arm(name: str, per_seed: list[SeedMetrics], scenario: ExperimentCo
         final_style_accuracy=interval([m.final_style_accuracy for m in per_seed]),
         group_wait_s=interval([m.group_wait_s for m in per_seed]),
         incomplete_groups=interval([m.incomplete_groups for m in per_seed]),
-        rollbacks=interval([m.rollbacks for m in per_seed]), per_seed=per_seed)
+        rollbacks=interval([m.rollbacks for m in per_seed]),
+        drift_restarts=interval([m.drift_restarts for m in per_seed]),
+        drift_rollbacks=interval([m.drift_rollbacks for m in per_seed]), per_seed=per_seed)
 
 
 def arm_names(runs: list[Run], scenario: ExperimentConfig) -> list[str]:

@@ -161,7 +161,8 @@ class InProcessLearner:
         self.rule = StepRule(t.min_rollouts, t.token_budget, t.max_wait_s)
         self.version = engine.policy_version
         self.steps = 0
-        self.counters: dict[str, float] = {"invalid_rollouts": 0.0, "empty_rollouts": 0.0, "refused_steps": 0.0}
+        self.counters: dict[str, float] = {"invalid_rollouts": 0.0, "empty_rollouts": 0.0, "refused_steps": 0.0,
+                                           "drift_restarts": 0.0, "drift_rollbacks": 0.0}
 
     @property
     def algorithm(self):
@@ -188,6 +189,8 @@ class InProcessLearner:
             return metrics
         if self.models.drift is not None:  # as trainer/learner.py's learn
             metrics.update(self.models.drift.after_rollouts(rollouts, self.version + 1))
+            if metrics.get("drift_alarm", 0.0) > 0:
+                self.counters["drift_rollbacks" if metrics.get("drift_rollback", 0.0) > 0 else "drift_restarts"] += 1
         self.version += 1
         policy = self.models.trainables.policy
         self.engine.swap_weights(self.version, {k: v.detach() for k, v in policy.state_dict().items()})
@@ -392,6 +395,8 @@ def run_arm_inprocess(cfg: AppConfig, arm_name: str, classifier: StyleClassifier
                          complete_groups=c.complete_groups if grouped else None,
                          incomplete_groups=c.incomplete_groups if grouped else None,
                          group_wait_s=(c.group_wait_s / groups if groups else None) if grouped else None,
+                         drift_restarts=int(runner.learner.counters["drift_restarts"]),
+                         drift_rollbacks=int(runner.learner.counters["drift_rollbacks"]),
                          value_pretraining=fit, settings=outcome_settings(acfg))
     progress(f"arm {arm.name}: {answered} answered, {runner.learner.steps} learner steps, "
              f"policy v{runner.learner.version}, {wall} s")

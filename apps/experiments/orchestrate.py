@@ -120,6 +120,8 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
                            if grouped and "join_incomplete_groups" in learner else None),
         group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None,
         rollbacks=int(learner["rollbacks"]) if "rollbacks" in learner else None,
+        drift_restarts=int(learner["drift_restarts"]) if "drift_restarts" in learner else None,
+        drift_rollbacks=int(learner["drift_rollbacks"]) if "drift_rollbacks" in learner else None,
         settings=outcome_settings(acfg))
     write_summary(out, summary)
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary.wall_s} s")

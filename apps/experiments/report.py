@@ -51,7 +51,10 @@ def _intro(scenario: ExperimentConfig, runs: list[Run], seeds: int) -> list[str]
         f"that reached it (how many in parentheses; *after every switch*: the seeds that reached it in every "
         f"phase after a switch). Area: the area under the phase's reward curve per rollout "
         f"(its mean reward). Post-switch mean: mean reward from the first switch to the end. Collapse: the "
-        f"moving answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end.", "",
+        f"moving answer quality stays below {scenario.collapse_fraction:.0%} of its first window to the end. Gate "
+        f"roll-backs: candidates the registry's gate or monitors rolled back (live only); drift restarts and "
+        f"roll-backs: what the learner's drift detector did (`drift.*`; '-' in files from before they were "
+        f"counted).", "",
         "Held-out style accuracy and the style shares are measured with the judge's own style classifier, the "
         "one that makes the reward: they show what the reward sees, not an independent judgement of style.", "",
         *_raters(scenario)]
@@ -78,11 +81,12 @@ def markdown(arms: list[ArmSummaryAcrossSeeds], runs: list[Run]) -> str:
                   f"{'; '.join(left)}. The seeds column counts the finished runs.", ""]
     lines += ["## Summary", ""] + _table(
         ["arm", "seeds", "rollouts", "mean reward", "post-switch mean", "collapsed", "final held-out style acc.",
-         "group wait (s)", "incomplete groups", "roll-backs"],
+         "group wait (s)", "incomplete groups", "gate roll-backs", "drift restarts", "drift roll-backs"],
         [[a.name, str(a.seeds), str(a.rollouts), cell(a.mean_reward, of=a.seeds),
           cell(a.post_switch_mean, of=a.seeds), f"{a.collapsed}/{a.seeds}", cell(a.final_style_accuracy, of=a.seeds),
           cell(a.group_wait_s, 1, of=a.seeds), cell(a.incomplete_groups, 1, of=a.seeds),
-          cell(a.rollbacks, 1, of=a.seeds)] for a in arms])
+          cell(a.rollbacks, 1, of=a.seeds), cell(a.drift_restarts, 1, of=a.seeds),
+          cell(a.drift_rollbacks, 1, of=a.seeds)] for a in arms])
     heads = _phase_heads(arms)
     every_switch = ("after every switch", lambda a: f"{a.realigned}/{a.seeds}")  # seeds re-aligned in all post-switch phases
     for title, render, extra in (

@@ -128,6 +128,11 @@ class ArmSummary(_Row):
     rollbacks: int | None = None
     """Candidates the registry's gate or monitors rolled back (live learner; the in-process driver
     has no registry)."""
+    drift_restarts: int | None = None
+    """Times the drift detector restarted the learner from its starting weights (``drift.enabled``;
+    None in files written before it was counted)."""
+    drift_rollbacks: int | None = None
+    """Times the drift detector rolled the learner back instead, on probation (``drift.rollback_first``)."""
     value_pretraining: dict[str, float] = {}
     """What value pre-training of the critic reported (explained variance before and after, ...);
     empty without pre-training (the live learner's are in MLflow as ``pretrain_*``)."""

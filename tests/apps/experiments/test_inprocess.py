@@ -93,6 +93,27 @@ def test_grpo_group_counters_reach_the_report_from_a_real_arm(tmp_path, tiny_mod
     assert (tmp_path / "report" / STYLE_SHARE_PNG).is_file()
 
 
+def test_drift_restarts_and_roll_backs_are_counted_in_the_summary_and_the_report(tmp_path, tiny_model_dir,
+                                                                                  classifier):
+    """A detector that fires on almost any fall (windows of 2, a drop of 0.001 at z 0.001) of rewards
+    that rise by 1 for half the topics (the tiny model's own answers score about 0); with
+    rollback_first some alarms roll back. The summary's counts must be the steps' own alarm records."""
+    shifted = {topic: 1.0 for topic in ("cooking", "travel", "work", "music", "sports", "gardening", "money")}
+    _, out, summary = run_arm(tmp_path, tiny_model_dir, classifier, {"name": "sao"},
+                              **{"drift.enabled": True, "drift.recent": 2, "drift.reference": 2,
+                                 "drift.min_drop": 0.001, "drift.z_threshold": 0.001, "drift.rollback_first": True,
+                                 "experiment.rater_offset": shifted})
+    steps = read_arm(out / "sao.jsonl").steps
+    alarms = [s for s in steps if s.metrics.get("drift_alarm", 0.0) > 0]
+    rolled_back = [s for s in alarms if s.metrics.get("drift_rollback", 0.0) > 0]
+    assert alarms  # else the counts below would be checked at zero only
+    assert (summary.drift_restarts, summary.drift_rollbacks) == (len(alarms) - len(rolled_back), len(rolled_back))
+    cells = [c.strip() for c in next(line for line in write_report(out, tmp_path / "report").read_text().splitlines()
+                                     if line.startswith("| sao | 1 |")).strip("|").split("|")]
+    assert cells[-2:] == [f"{summary.drift_restarts:.1f}", f"{summary.drift_rollbacks:.1f}"]
+    assert json.loads(summary_path(out, "sao").read_text())["drift_restarts"] == summary.drift_restarts
+
+
 def test_the_step_rule_is_the_learners_on_the_virtual_clock():
     rule = StepRule(min_rollouts=4, token_budget=100, max_wait_s=2.0)
     assert not rule.due(0, 0, now=0.0)

@@ -86,7 +86,7 @@ def test_report_of_one_seed_files_plots_and_tables(results, tmp_path):
         assert summary[1:4] == ["1", "60", f"{sum(rewards) / 60:.3f}"]
         assert summary[4] == f"{post_switch_mean(rewards, 20):.3f}"
         assert summary[5] == "0/1" and summary[6] == f"{rewards[59]:.3f}"  # the last held-out measurement
-        assert summary[7:] == ["-", "-", "-"]  # no summary files here: no grpo counters, no roll-backs
+        assert summary[7:] == ["-"] * 5  # no summary files here: no grpo counters, roll-backs or restarts
         assert table_row(section(text, "Level"), arm)[1:] == [f"{p.level:.3f}" for p in phases]
         assert table_row(section(text, "Area"), arm)[1:] == [f"{p.area:.3f}" for p in phases]
         assert table_row(section(text, "Re-alignment lag"), arm)[1:] == [f"{p.lag} (1/1)" for p in phases] + ["1/1"]

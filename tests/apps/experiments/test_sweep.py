@@ -30,7 +30,7 @@ def test_names_round_trip_and_the_best_rate_has_the_highest_mean_reward():
 
     def arm(name: str, reward: float) -> ArmSummaryAcrossSeeds:
         return ArmSummaryAcrossSeeds(name, 2, 10, Interval(reward, reward, reward, 2), None, [], 0, 0, None, None,
-                                     None, None, [])
+                                     None, None, None, None, [])
 
     arms = [arm("sao_lr0.0001", 0.2), arm("sao_lr0.0003", 0.35), arm("sao_lr0.001", 0.3), arm("grpo_lr0.001", 0.1)]
     assert best_rates(arms) == {"sao": (3e-4, 0.35), "grpo": (1e-3, 0.1)}

@@ -109,20 +109,8 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
                                     check_alive=stack.check_alive))
         _wait_for_rewards(stack, results_path, stats.answered, progress)
     learner = learner_counters(acfg)  # the learner has stopped: its last metrics are in MLflow
-    grouped = acfg.algorithm.name == "grpo"
-    groups = learner.get("join_complete_groups", 0.0) + learner.get("join_incomplete_groups", 0.0)
-    summary = ArmSummary(
-        name=arm.name, driver="live", answered=stats.answered, failed=stats.failed,
-        wall_s=round(time.monotonic() - started, 1), traffic_s=round(stats.wall_s, 1),
-        learner_steps=int(learner["steps"]) if "steps" in learner else None,
-        complete_groups=int(learner["join_complete_groups"]) if grouped and "join_complete_groups" in learner else None,
-        incomplete_groups=(int(learner["join_incomplete_groups"])
-                           if grouped and "join_incomplete_groups" in learner else None),
-        group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None,
-        rollbacks=int(learner["rollbacks"]) if "rollbacks" in learner else None,
-        drift_restarts=int(learner["drift_restarts"]) if "drift_restarts" in learner else None,
-        drift_rollbacks=int(learner["drift_rollbacks"]) if "drift_rollbacks" in learner else None,
-        settings=outcome_settings(acfg))
+    summary = live_summary(acfg, arm.name, stats.answered, stats.failed, time.monotonic() - started, stats.wall_s,
+                           learner)
     write_summary(out, summary)
     progress(f"arm {arm.name}: {stats.answered} answered, {stats.failed} failed in {summary.wall_s} s")
     return summary
@@ -148,6 +136,25 @@ def learner_run(acfg: AppConfig):
                               filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}'",
                               order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0] if runs else None
+
+
+def live_summary(acfg: AppConfig, name: str, answered: int, failed: int, wall_s: float, traffic_s: float,
+                 learner: dict[str, float]) -> ArmSummary:
+    """A live arm's summary: the traffic's counts and times, and the learner's counters as it left them
+    in MLflow (:func:`learner_counters`; a counter it did not log is None)."""
+    def count(key: str) -> int | None:
+        return int(learner[key]) if key in learner else None
+
+    grouped = acfg.algorithm.name == "grpo"
+    groups = learner.get("join_complete_groups", 0.0) + learner.get("join_incomplete_groups", 0.0)
+    return ArmSummary(
+        name=name, driver="live", answered=answered, failed=failed, wall_s=round(wall_s, 1),
+        traffic_s=round(traffic_s, 1), learner_steps=count("steps"),
+        complete_groups=count("join_complete_groups") if grouped else None,
+        incomplete_groups=count("join_incomplete_groups") if grouped else None,
+        group_wait_s=learner["join_group_wait_s"] / groups if grouped and groups else None,
+        rollbacks=count("rollbacks"), drift_restarts=count("drift_restarts"), drift_rollbacks=count("drift_rollbacks"),
+        settings=outcome_settings(acfg))
 
 
 def learner_counters(acfg: AppConfig) -> dict[str, float]:

@@ -230,3 +230,18 @@ def test_a_resumed_sweep_runs_only_what_did_not_finish_and_ends_as_an_uninterrup
                                              r"trainer.min_rollouts: 2 -> 3\."):
         run_simulation(config(cut, **{"experiment.resume": True, "trainer.min_rollouts": 3}), progress=lambda _: None)
     assert {p: p.read_bytes() for p in cut.rglob("*") if p.is_file() and "report" not in p.parts} == files
+
+
+def test_a_live_summary_takes_the_learners_counters_and_leaves_out_what_it_did_not_log(tmp_path):
+    from apps.experiments.orchestrate import live_summary
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    grpo = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"name": "grpo"})})
+    learner = {"steps": 40.0, "rollbacks": 1.0, "drift_restarts": 2.0, "drift_rollbacks": 1.0,
+               "join_complete_groups": 6.0, "join_incomplete_groups": 2.0, "join_group_wait_s": 12.0}
+    summary = live_summary(grpo, "grpo_dis_g4", 600, 3, 137.74, 124.46, learner)
+    assert (summary.answered, summary.failed, summary.wall_s, summary.traffic_s) == (600, 3, 137.7, 124.5)
+    assert (summary.learner_steps, summary.rollbacks, summary.drift_restarts, summary.drift_rollbacks) == (40, 1, 2, 1)
+    assert (summary.complete_groups, summary.incomplete_groups, summary.group_wait_s) == (6, 2, 1.5)  # 12 s / 8 groups
+    sao = live_summary(cfg, "sao", 600, 0, 1.0, 1.0, {"steps": 40.0})  # an older learner's run: no drift counters
+    assert (sao.drift_restarts, sao.drift_rollbacks, sao.rollbacks, sao.complete_groups) == (None, None, None, None)

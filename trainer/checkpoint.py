@@ -346,18 +346,21 @@ class Checkpointer:
 
 def _write_files(tmp: Path, staged: StagedCheckpoint) -> None:
     """Every file of ``staged`` into the directory ``tmp``, fsynced, then the directory."""
-    writes = {f"{name}.safetensors": (lambda path, state=state: save_file(state, str(path)))
-              for name, state in staged.models.items()}
-    writes["optim.safetensors"] = lambda path: save_file(staged.optim_tensors, str(path))
-    for name, text in (("optim.json", staged.optim_json), ("meta.json", staged.meta_json),
-                       (INDEX_FILE, staged.index_json)):
-        writes[name] = lambda path, text=text: path.write_text(text)
-    if staged.id_memory is not None:
-        writes[MEMORY_FILE] = lambda path: path.write_bytes(encode_snapshot(staged.id_memory))
-    for name, write in writes.items():
+    tensors = {**{f"{name}.safetensors": state for name, state in staged.models.items()},
+               "optim.safetensors": staged.optim_tensors}
+    texts = {"optim.json": staged.optim_json, "meta.json": staged.meta_json, INDEX_FILE: staged.index_json}
+    for name, state in tensors.items():
         with naming_the_file(tmp / name):
-            write(tmp / name)
-    for name in writes:
+            save_file(state, str(tmp / name))
+    for name, text in texts.items():
+        with naming_the_file(tmp / name):
+            (tmp / name).write_text(text)
+    written = [*tensors, *texts]
+    if staged.id_memory is not None:
+        with naming_the_file(tmp / MEMORY_FILE):
+            (tmp / MEMORY_FILE).write_bytes(encode_snapshot(staged.id_memory))
+        written.append(MEMORY_FILE)
+    for name in written:
         with naming_the_file(tmp / name):
             _fsync_file(tmp / name)
     fsync_dir(tmp)

@@ -76,6 +76,7 @@ from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts
 from trainer.feed import RolloutHook
 from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
+from trainer.plasticity import drift_counter
 from trainer.publisher import release_policy
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
@@ -229,7 +230,7 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
         if rank0 is not None:
             rank0.counters["rollbacks"] += 1
     if restarted and rank0 is not None:
-        rank0.counters["drift_rollbacks" if metrics.get("drift_rollback", 0.0) > 0 else "drift_restarts"] += 1
+        rank0.counters[drift_counter(metrics)] += 1
     if outcome.registered:
         checkpoint(models, at, rank0, ctx)
 

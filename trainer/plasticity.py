@@ -62,6 +62,14 @@ def shrink_towards(model: nn.Module, start: list[torch.Tensor], keep: float) -> 
         p.mul_(keep).add_(p0, alpha=1.0 - keep)
 
 
+def drift_counter(metrics: dict[str, float]) -> str | None:
+    """The learner's counter a step's drift metrics add one to: ``drift_restarts`` or ``drift_rollbacks``
+    when the step changed the policy (``drift_alarm``), None when it did not."""
+    if metrics.get("drift_alarm", 0.0) <= 0:
+        return None
+    return "drift_rollbacks" if metrics.get("drift_rollback", 0.0) > 0 else "drift_restarts"
+
+
 @dataclass
 class Snapshot:
     """Policy and critic weights after ``seen`` trained rewards."""

@@ -79,6 +79,7 @@ from serving.trajectories import TrajectoryCache
 from trainer.distributed import DistContext
 from trainer.feed import to_rollouts
 from trainer.join import RewardJoiner
+from trainer.plasticity import drift_counter
 from trainer.startup import build_models
 
 REQUEST_SEED_STRIDE = 1_000_000
@@ -189,8 +190,8 @@ class InProcessLearner:
             return metrics
         if self.models.drift is not None:  # as trainer/learner.py's learn
             metrics.update(self.models.drift.after_rollouts(rollouts, self.version + 1))
-            if metrics.get("drift_alarm", 0.0) > 0:
-                self.counters["drift_rollbacks" if metrics.get("drift_rollback", 0.0) > 0 else "drift_restarts"] += 1
+            if (counter := drift_counter(metrics)) is not None:
+                self.counters[counter] += 1
         self.version += 1
         policy = self.models.trainables.policy
         self.engine.swap_weights(self.version, {k: v.detach() for k, v in policy.state_dict().items()})

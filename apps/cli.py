@@ -108,6 +108,19 @@ def _resumable(sweep: Callable[[], object]) -> int:
     return 0
 
 
+def _weights(cfg: AppConfig, args: argparse.Namespace) -> int:
+    from apps.weights_control import run_weights_cli
+    from streams.kafka_backend import KafkaBackend
+
+    if args.action != "hold" and (args.version is not None or args.champion):
+        print(f"online-sao weights {args.action} takes no version (only hold does)", file=sys.stderr)
+        return 2
+    if args.version is not None and args.champion:
+        print("online-sao weights hold: a VERSION or --champion, not both", file=sys.stderr)
+        return 2
+    return run_weights_cli(cfg, KafkaBackend(cfg.kafka), args.action, args.version, args.champion, args.reason)
+
+
 def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.orchestrate import run_simulation
 
@@ -203,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("action", choices=["redact", "sealed"])
     ledger.add_argument("ids", nargs="*", metavar="ID", help="interaction id to redact")
     ledger.set_defaults(run=_ledger)
+
+    weights = command("weights", help="what serving's weights follow, and an operator's hold: status; hold "
+                                      "[VERSION | --champion] makes every replica answer with one version (by "
+                                      "default the one they follow now) until release")
+    weights.add_argument("action", choices=["status", "hold", "release"])
+    weights.add_argument("version", nargs="?", type=int, metavar="VERSION", help="hold: the version to hold")
+    weights.add_argument("--champion", action="store_true", help="hold: the registry's champion")
+    weights.add_argument("--reason", help="hold, release: why (logged by every replica, kept on the topic)")
+    weights.set_defaults(run=_weights)
 
     simulate = command("simulate", help="run a drifting-preference scenario through the real service")
     simulate.add_argument("--scenario", help="scenario YAML (same as --config), e.g. configs/drift-short.yaml")

@@ -231,12 +231,17 @@ class Reward(Record):
     and in records written before the field existed."""
 
 
+MAX_HOLD_REASON_CHARS = 500
+"""Longest reason an operator's hold or release carries (a sentence for the log, not a document)."""
+
+
 class WeightsNotice(Record):
-    """A new policy version in the weight store, a rollback to an older one, or the registry's
-    new champion (``champion``: what serving's canary answers with; it moves no serving version)."""
+    """A new policy version in the weight store, a rollback to an older one, the registry's new
+    champion (``champion``: what serving's canary answers with; it moves no serving version), or an
+    operator's ``hold`` on one version and its ``release`` (serving/weights_hold.py)."""
 
     kind: Literal["weights"] = "weights"
-    action: Literal["publish", "rollback", "champion"] = "publish"
+    action: Literal["publish", "rollback", "champion", "hold", "release"] = "publish"
     version: Version
     location: str = Field(min_length=1)
     checksum: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -244,6 +249,9 @@ class WeightsNotice(Record):
     step: Version = 0
     created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
     metrics: dict[str, FiniteFloat] = {}
+    reason: str | None = Field(None, max_length=MAX_HOLD_REASON_CHARS)
+    """Why an operator held or released (``online-sao weights hold --reason``); None (left out of
+    the encoding) on the learner's notices."""
 
 
 class DeadLetter(Record):

@@ -101,6 +101,12 @@ class ServingMetrics:
         Gauge("sao_serving_canary_requests", "Requests answered by the canary's champion so far",
               registry=self.registry).set_function(routed)
 
+    def watch_hold(self, held_version: Callable[[], float]) -> None:
+        """Expose an operator's hold at scrape time (``online-sao weights hold``; -1: none)."""
+        Gauge("sao_serving_weights_held_version", "Version an operator's hold pins this replica to "
+              "(online-sao weights hold; -1: none, the learner's versions are followed)",
+              registry=self.registry).set_function(held_version)
+
     def watch_monitors(self, monitors: ServingMonitors) -> None:
         """Expose ``monitors`` at scrape time: requests per segment label and the answer monitors."""
         self.registry.register(SegmentRequests(monitors))

@@ -221,13 +221,15 @@ def run_server(cfg: Config, model_dir: Path) -> int:
 
 def follower_factory(cfg: Config, backend: StreamBackend):
     """Makes the weights follower of ``online-sao serve``: the weights topic, the weight store,
-    swap outcomes into the metrics."""
+    swap outcomes and an operator's hold into the metrics."""
     from online_sao.weights import open_weight_store
     from serving.weights_follower import WeightsFollower
 
     def make(engine: InferenceEngine, metrics: ServingMetrics) -> WeightsFollower:
-        return WeightsFollower(backend, cfg.kafka.topics.weights, open_weight_store(cfg.weight_store_url), engine,
-                               on_result=metrics.observe_swap)
+        follower = WeightsFollower(backend, cfg.kafka.topics.weights, open_weight_store(cfg.weight_store_url),
+                                   engine, on_result=metrics.observe_swap)
+        metrics.watch_hold(lambda: follower.holds.held_version)
+        return follower
 
     return make
 

@@ -16,7 +16,8 @@ the serving weights stay until a version is applied.
 
 ``champion`` notices (the registry's new champion) move no serving version: with a canary
 (:class:`~serving.engine.canary.CanaryEngine`) the newest of a poll is loaded into its champion
-engine; without one they are ignored.
+engine; without one they are ignored. An operator's ``hold`` and ``release`` notices
+(:mod:`serving.weights_hold`) pin the serving version until released.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from online_sao.schemas import RecordError, WeightsNotice, decode
 from online_sao.weights import CorruptWeights, WeightStore
 from serving.engine.base import InferenceEngine, SwapResult
 from serving.engine.canary import ChampionServing
+from serving.weights_hold import HoldState
 from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable
 from streams.records import decode_or_dead_letter
 
@@ -41,20 +43,6 @@ LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportErr
 """What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
 cannot parse, an fsspec protocol whose package is not installed): reported, and the engine keeps its
 weights."""
-
-
-def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
-    """``(notice, force)`` to try, most lasting first, for notices read in this order."""
-    chain: list[tuple[WeightsNotice, bool]] = []
-    top, forced = current, False
-    for notice in notices:
-        if notice.action == "rollback":
-            forced = True
-        elif notice.version <= top:
-            continue
-        chain.append((notice, forced))
-        top = notice.version
-    return chain[::-1]
 
 
 class WeightsFollower:
@@ -75,6 +63,8 @@ class WeightsFollower:
         self.last_result: SwapResult | None = None
         self.last_champion_result: SwapResult | None = None
         """The canary's last champion load (None: no champion notice was acted on)."""
+        self.holds = HoldState()
+        """The learner's notices followed, or an operator's hold (``holds.held_version``)."""
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,8 +138,8 @@ class WeightsFollower:
         notices = [n for n in notices if n.action != "champion"]
         if not notices:
             return
-        chain = plan(notices, self.engine.policy_version)
-        if not chain:
+        chain = self.holds.take(notices, self.engine.policy_version)
+        if not chain and self.holds.hold is None:
             log.info("weights notices for versions %s ignored: serving version %d is newer",
                      [n.version for n in notices], self.engine.policy_version)
         for notice, force in chain:
@@ -160,6 +150,7 @@ class WeightsFollower:
             if self.on_result is not None:
                 self.on_result(result)
             if result.applied:
+                self.holds.applied(notice)
                 return
 
     def _apply_champion(self, notice: WeightsNotice) -> None:

@@ -33,14 +33,17 @@ the same record at every restart)."""
 CHAMPION_KEY_SUFFIX = "#champion"
 """Key suffix of champion notices on the compacted weights topic (a key of their own, so
 compaction never drops the newest publish or rollback for them)."""
+HOLD_KEY_SUFFIX = "#hold"
+"""Key suffix of an operator's hold and release notices: compaction keeps the newest of them, so a
+replica that starts during a hold still finds it, and one that starts after the release does not."""
+_KEY_SUFFIX = {"champion": CHAMPION_KEY_SUFFIX, "hold": HOLD_KEY_SUFFIX, "release": HOLD_KEY_SUFFIX}
 
 
 def record_key(record: Record) -> bytes | None:
     if isinstance(record, (Interaction, Reward)):
         return record.interaction_id.encode("utf-8")
-    if isinstance(record, WeightsNotice):  # compaction keeps the newest serving notice and the newest champion
-        suffix = CHAMPION_KEY_SUFFIX if record.action == "champion" else ""
-        return (record.model + suffix).encode("utf-8")
+    if isinstance(record, WeightsNotice):  # compaction keeps the newest serving notice, champion and hold
+        return (record.model + _KEY_SUFFIX.get(record.action, "")).encode("utf-8")
     return None
 
 

@@ -40,6 +40,7 @@ def exported_samples() -> Exported:
     metrics.watch(queue_depth=lambda: 0.0, spool_bytes=lambda: 0.0, spool_records=lambda: 0.0,
                   policy_version=lambda: 3.0)
     metrics.watch_monitors(ServingMonitors(top_n=2, window=8, ngram=2))
+    metrics.watch_hold(lambda: -1.0)
     metrics.requests.labels("/v1/chat/completions", "200").inc()
     metrics.request_latency.labels("/v1/chat/completions").observe(0.5)
     metrics.first_token_latency.labels("/v1/chat/completions").observe(0.1)

@@ -155,6 +155,60 @@ def test_a_published_version_is_served_and_counted(live_server):
     assert "sao_serving_policy_version 1.0" in metrics
 
 
+def test_an_operators_hold_pins_serving_and_its_release_follows_the_learner_again(live_server, capsys):
+    from apps import cli
+    from online_sao.modeling import load_policy
+    from online_sao.schemas import WeightsNotice
+    from online_sao.weights import open_weight_store
+    from streams.kafka_backend import KafkaBackend
+    from streams.records import publish
+
+    cfg, engine, follower = live_server.cfg, live_server.stack.engine, live_server.stack.follower
+    store = open_weight_store(cfg.weight_store_url)
+    base = load_policy(live_server.model_dir).state_dict()
+    producer = KafkaBackend(cfg.kafka).producer()
+
+    def learner_publishes(version: int) -> None:
+        state = {k: v + 0.01 * version if v.is_floating_point() else v for k, v in base.items()}
+        ref = store.save(version, state)
+        publish(producer, cfg.kafka.topics.weights, WeightsNotice(version=version, location=ref.location,
+                                                                  checksum=ref.checksum))
+        producer.flush(10)
+
+    def operator(*args: str) -> str:
+        assert cli.main(["--set", f"paths.data_dir={cfg.paths.data_dir}",
+                         "--set", f"kafka.bootstrap_servers={cfg.kafka.bootstrap_servers}",
+                         "--set", f"kafka.topics.weights={cfg.kafka.topics.weights}", "weights", *args]) == 0
+        return capsys.readouterr().out
+
+    def answered_by() -> list[int]:
+        return live_server.openai().chat.completions.create(
+            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]).policy_versions
+
+    def held_metric() -> str:
+        text = httpx.get(f"{live_server.base_url}/metrics").text
+        return next(line for line in text.splitlines() if line.startswith("sao_serving_weights_held_version "))
+
+    try:
+        learner_publishes(1)
+        learner_publishes(2)
+        assert follower.wait_for(lambda: engine.policy_version == 2, timeout_s=30)
+        assert "held: every replica answers with v1" in operator("hold", "1", "--reason", "v2 answers rudely")
+        assert follower.wait_for(lambda: engine.policy_version == 1, timeout_s=30)
+        assert answered_by() == [1] and held_metric() == "sao_serving_weights_held_version 1.0"
+        read = follower.consumed
+        learner_publishes(3)  # the learner goes on; serving does not follow while held
+        assert follower.wait_for(lambda: follower.consumed > read, timeout_s=30)
+        assert engine.policy_version == 1 and answered_by() == [1]
+        status = operator("status")
+        assert "newest published: v3" in status and "hold: v1" in status and "v2 answers rudely" in status
+        assert "released v1" in operator("release")
+        assert follower.wait_for(lambda: engine.policy_version == 3, timeout_s=30)
+        assert answered_by() == [3] and held_metric() == "sao_serving_weights_held_version -1.0"
+    finally:
+        producer.close()
+
+
 def test_logprobs_from_the_torch_engine_equal_the_logged_behaviour_logprobs(live_server):
     client = live_server.openai()
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about rivers."}],

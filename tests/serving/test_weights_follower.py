@@ -14,7 +14,8 @@ from online_sao.schemas import DeadLetter, WeightsNotice, decode, encode
 from online_sao.weights import FileWeightStore, InProcessWeightStore, sha256_hex
 from serving.engine.canary import CanaryEngine
 from serving.engine.torch_engine import TorchEngine
-from serving.weights_follower import WeightsFollower, plan
+from serving.weights_follower import WeightsFollower
+from serving.weights_hold import plan
 from streams.memory import InMemoryBackend
 
 TOPIC = KafkaConfig().topics.weights
@@ -267,3 +268,31 @@ def test_a_notice_the_store_cannot_parse_or_the_engine_fails_on_is_reported_and_
         assert f.engine.policy_version == 3 and served(f.engine) == 3.0
     finally:
         f.close()
+
+
+def test_a_following_engine_is_held_and_released_and_a_restarted_one_replays_the_hold(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
+    first = Following(backend, store, base_model)
+    try:
+        send(backend, notice(refs[1]), notice(refs[2]))
+        first.caught_up(2)
+        assert served(first.engine) == 2.0
+        send(backend, notice(refs[1], action="hold"), notice(refs[3]))
+        first.caught_up(4)
+        assert (first.engine.policy_version, served(first.engine)) == (1, 1.0)
+        assert first.follower.holds.held_version == 1
+        restarted = Following(backend, store, copy.deepcopy(base_model))  # reads the topic from its start
+        try:
+            restarted.caught_up(4)
+            assert (restarted.engine.policy_version, served(restarted.engine)) == (1, 1.0)
+            send(backend, notice(refs[1], action="release"))
+            first.caught_up(5)
+            restarted.caught_up(5)
+            for following in (first, restarted):
+                assert (following.engine.policy_version, served(following.engine)) == (3, 3.0)
+                assert following.follower.holds.held_version == -1
+        finally:
+            restarted.close()
+    finally:
+        first.close()

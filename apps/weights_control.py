@@ -1,0 +1,172 @@
+"""``online-sao weights``: what serving's weights follow, and an operator's hold on them.
+
+``status`` reads the weights topic; ``hold`` pins every serving replica to one version until
+``release`` (serving/weights_hold.py says what a replica does with them). A hold first copies the
+version's weights out of the learner's reach (``<weight store>/held/``: the learner prunes its
+store to the newest ``trainer.keep_versions`` and the registry's versions, and a held version
+must stay loadable for a replica that restarts during the hold), then announces the copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from online_sao.config import Config
+from online_sao.schemas import RecordError, WeightsNotice, decode
+from online_sao.weights import CorruptWeights, FileWeightStore, open_weight_store
+from serving.weights_hold import plan
+from streams.base import StreamBackend
+from streams.records import publish
+from streams.tail import iter_records_since
+
+HELD_DIR = "held"
+"""Folder of the weight store holding the held version's copy (at most the newest hold's)."""
+READ_TIMEOUT_S = 30.0
+"""Longest wait for the next record while reading the weights topic (compacted: a few records)."""
+SEND_TIMEOUT_S = 30.0
+"""Longest wait for the broker to acknowledge a hold or release."""
+
+
+class HoldError(Exception):
+    """A hold or release that cannot be made as asked; the message says why and what to do."""
+
+
+@dataclass
+class WeightsTopic:
+    """What the weights topic says for one model, read from its start."""
+
+    published: WeightsNotice | None = None
+    """The newest ``publish``."""
+    following: WeightsNotice | None = None
+    """The notice a replica converges on without a hold (every version assumed loadable)."""
+    champion: WeightsNotice | None = None
+    hold: WeightsNotice | None = None
+    """The hold in force (None: none, or released)."""
+    by_version: dict[int, WeightsNotice] = field(default_factory=dict)
+    """The newest notice of the learner's naming each version still on the topic."""
+
+
+def read_weights_topic(backend: StreamBackend, topic: str, model: str) -> WeightsTopic:
+    state = WeightsTopic()
+    current = -1
+    for message in iter_records_since(backend, [topic], 0, READ_TIMEOUT_S):
+        try:
+            notice = decode(message.value, WeightsNotice)
+        except RecordError:
+            continue  # serving's follower dead-letters it
+        if notice.model != model:
+            continue
+        if notice.action in ("hold", "release"):
+            state.hold = notice if notice.action == "hold" else None
+            continue
+        state.by_version[notice.version] = notice
+        if notice.action == "champion":
+            state.champion = notice
+            continue
+        if notice.action == "publish":
+            state.published = notice
+        if plan([notice], current):  # what a replica reading the notices one by one would load
+            state.following, current = notice, notice.version
+    return state
+
+
+def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champion: bool = False,
+         reason: str | None = None) -> WeightsNotice:
+    """Pin every replica to ``version`` (the champion with ``champion``; by default the version the
+    replicas follow now) and return the hold notice sent."""
+    topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
+    state = read_weights_topic(backend, topic, model)
+    target = _target(state, version, champion)
+    store = open_weight_store(cfg.weight_store_url)
+    if not isinstance(store, FileWeightStore):
+        raise HoldError(f"a hold copies the version out of the learner's pruning, which needs the file weight "
+                        f"store; trainer.weight_store is {cfg.weight_store_url!r}")
+    try:
+        weights = store.load(target.location, target.checksum)
+    except (FileNotFoundError, CorruptWeights) as exc:
+        raise HoldError(f"v{target.version}'s weights cannot be loaded ({exc}); the learner keeps the newest "
+                        f"trainer.keep_versions versions and the registry's candidate and champion") from None
+    held = FileWeightStore(f"{cfg.weight_store_url.rstrip('/')}/{HELD_DIR}")
+    ref = held.save(target.version, weights)
+    for older in held.versions():  # the newest hold replaces every earlier one
+        if older != target.version:
+            held.delete(older)
+    notice = WeightsNotice(action="hold", version=target.version, location=ref.location, checksum=ref.checksum,
+                           model=model, step=target.step, reason=reason)
+    _send(backend, topic, notice)
+    return notice
+
+
+def release(cfg: Config, backend: StreamBackend, reason: str | None = None) -> WeightsNotice | None:
+    """End the hold in force and return the release sent (None: no hold was in force)."""
+    topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
+    held = read_weights_topic(backend, topic, model).hold
+    if held is None:
+        return None
+    notice = held.model_copy(update={"action": "release", "reason": reason, "created_at": time.time()})
+    _send(backend, topic, notice)
+    return notice
+
+
+def _target(state: WeightsTopic, version: int | None, champion: bool) -> WeightsNotice:
+    if champion:
+        if state.champion is None:
+            raise HoldError("the weights topic names no champion yet (the registry promotes one at its first "
+                            "decision)")
+        return state.champion
+    if version is None:
+        if state.following is None:
+            raise HoldError("nothing is published yet: serving answers with its base model")
+        return state.following
+    if version not in state.by_version:
+        raise HoldError(f"the weights topic no longer names v{version} (compaction keeps the newest notice and "
+                        f"the champion's); versions it names: {sorted(state.by_version)}")
+    return state.by_version[version]
+
+
+def _send(backend: StreamBackend, topic: str, notice: WeightsNotice) -> None:
+    producer = backend.producer()
+    try:
+        publish(producer, topic, notice)
+        producer.flush(SEND_TIMEOUT_S)
+    finally:
+        producer.close()
+
+
+def describe(state: WeightsTopic, now: float) -> list[str]:
+    """``status``'s lines."""
+    def line(label: str, notice: WeightsNotice | None) -> str:
+        if notice is None:
+            return f"{label}: none"
+        return f"{label}: v{notice.version} (step {notice.step}, {now - notice.created_at:.0f} s ago)"
+
+    lines = [line("newest published", state.published), line("followed", state.following),
+             line("champion", state.champion)]
+    if state.hold is None:
+        lines.append("hold: none (replicas follow the learner)")
+    else:
+        lines.append(f"{line('hold', state.hold)}: {state.hold.reason or 'no reason given'}; "
+                     f"`online-sao weights release` ends it")
+    return lines
+
+
+def run_weights_cli(cfg: Config, backend: StreamBackend, action: str, version: int | None, champion: bool,
+                    reason: str | None) -> int:
+    try:
+        if action == "hold":
+            notice = hold(cfg, backend, version, champion, reason)
+            print(f"held: every replica answers with v{notice.version} until `online-sao weights release` "
+                  f"(weights copied to {notice.location})")
+        elif action == "release":
+            notice = release(cfg, backend, reason)
+            print("no hold in force" if notice is None else
+                  f"released v{notice.version}: replicas follow the learner's versions again")
+        else:
+            state = read_weights_topic(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
+            print("\n".join(describe(state, time.time())))
+    except HoldError as exc:
+        print(f"online-sao weights {action}: {exc}", file=sys.stderr)
+        return 1
+    return 0

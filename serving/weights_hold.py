@@ -1,0 +1,92 @@
+"""An operator's hold on serving's weights: answer with one version until released.
+
+``online-sao weights hold`` puts a ``hold`` notice on the weights topic (a compaction key of its
+own, so the newest hold or release is never compacted away): every replica loads the held version
+(forced, older or not) and stops following the learner's publishes and rollbacks; the canary's
+champion still follows ``champion`` notices. ``online-sao weights release`` puts a ``release``
+notice: the replica then goes where the notices it deferred lead, as if the hold had never been:
+back to what it served before the hold, or to what the learner published or rolled back to since.
+
+A hold whose version cannot be loaded (its file gone, corrupt) leaves the replica on the weights
+it has, still held: an operator who asked for a hold gets no version the learner publishes
+meanwhile. The learner is not told: it keeps training on the held version's answers (off-policy,
+weighed by the importance ratio and masked where it leaves the trust band) and keeps publishing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from online_sao.schemas import WeightsNotice
+
+log = logging.getLogger(__name__)
+
+MAX_DEFERRED = 256
+"""Notices kept while held, newest last, for the release to follow. Only the newest rollback and
+the publishes after it decide where a release goes; a hold that outlasts this many notices forgets
+the oldest (the newest publish is still among those kept)."""
+
+
+def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
+    """``(notice, force)`` to try, most lasting first, for notices read in this order."""
+    chain: list[tuple[WeightsNotice, bool]] = []
+    top, forced = current, False
+    for notice in notices:
+        if notice.action == "rollback":
+            forced = True
+        elif notice.version <= top:
+            continue
+        chain.append((notice, forced))
+        top = notice.version
+    return chain[::-1]
+
+
+class HoldState:
+    """What a replica's weights follow: the learner's notices, or an operator's hold.
+
+    :meth:`take` reads one poll's ``publish``, ``rollback``, ``hold`` and ``release`` notices in
+    topic order and says which to try to load, most lasting first (:func:`plan`); :meth:`applied`
+    is told which one was loaded."""
+
+    def __init__(self) -> None:
+        self.hold: WeightsNotice | None = None
+        """The hold in force (None: following the learner)."""
+        self._serving: WeightsNotice | None = None
+        """The learner's notice whose weights the replica loaded last, where a release returns to."""
+        self._deferred: deque[WeightsNotice] = deque(maxlen=MAX_DEFERRED)
+
+    @property
+    def held_version(self) -> int:
+        """The held version, -1 when none is held (for the metrics)."""
+        return -1 if self.hold is None else self.hold.version
+
+    def take(self, notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
+        """``(notice, force)`` to try for these notices, given the version the engine serves now."""
+        new_hold = released = False
+        for notice in notices:
+            if notice.action == "hold":
+                self.hold, new_hold, released = notice, True, False
+            elif notice.action == "release":
+                released = released or self.hold is not None  # a release without a hold changes nothing
+                self.hold, new_hold = None, False
+            else:
+                self._deferred.append(notice)
+        if self.hold is not None:
+            if new_hold:
+                log.warning("weights held at v%d by an operator (%s); the learner's versions are not followed "
+                            "until a release", self.hold.version, self.hold.reason or "no reason given")
+            # a hold re-sent (a new reason) or already loaded does not load again
+            return [(self.hold, True)] if new_hold and current != self.hold.version else []
+        pending = list(self._deferred)
+        self._deferred.clear()
+        if released:
+            log.warning("weights hold released; following the learner's versions again")
+            if self._serving is not None:  # back to it unless the learner moved on since
+                pending.insert(0, self._serving.model_copy(update={"action": "rollback"}))
+        return plan(pending, current)
+
+    def applied(self, notice: WeightsNotice) -> None:
+        """``notice``'s weights are now served."""
+        if notice.action != "hold":
+            self._serving = notice

@@ -1,0 +1,122 @@
+"""``online-sao weights``: the topic read back, a hold's copy out of the learner's pruning, its release
+(serving held and released over the real broker: tests/serving/test_live_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apps.weights_control import HoldError, hold, read_weights_topic, release, run_weights_cli
+from online_sao.config import load_config
+from online_sao.schemas import WeightsNotice, decode
+from online_sao.weights import FileWeightStore
+from streams.memory import InMemoryBackend
+from streams.records import publish
+
+MODEL = "online-sao"
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+
+
+@pytest.fixture
+def backend(cfg):
+    b = InMemoryBackend(cfg.kafka)
+    b.ensure_topics()
+    return b
+
+
+@pytest.fixture
+def store(cfg):
+    return FileWeightStore(cfg.weight_store_url)
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4,), float(version))}
+
+
+def announce(backend, cfg, ref, action: str = "publish") -> WeightsNotice:
+    notice = WeightsNotice(action=action, version=ref.version, location=ref.location, checksum=ref.checksum,
+                           model=MODEL)
+    producer = backend.producer()
+    publish(producer, cfg.kafka.topics.weights, notice)
+    producer.flush()
+    return notice
+
+
+def published(backend, cfg, store, *versions: int) -> dict:
+    """Save and publish ``versions``; their refs by version."""
+    refs = {v: store.save(v, weights(v)) for v in versions}
+    for ref in refs.values():
+        announce(backend, cfg, ref)
+    return refs
+
+
+def on_topic(backend, cfg) -> list[tuple[bytes, WeightsNotice]]:
+    consumer = backend.consumer([cfg.kafka.topics.weights], group_id=None, start="earliest")
+    try:
+        return [(m.key, decode(m.value)) for m in consumer.poll(timeout_s=0.1, max_records=1000)]
+    finally:
+        consumer.close()
+
+
+def test_the_topic_read_back_says_what_a_replica_follows_apart_from_the_newest_publish(backend, cfg, store):
+    refs = published(backend, cfg, store, 1, 2, 3)
+    announce(backend, cfg, refs[2], "rollback")
+    announce(backend, cfg, refs[1], "champion")
+    state = read_weights_topic(backend, cfg.kafka.topics.weights, MODEL)
+    assert (state.published.version, state.following.version, state.champion.version) == (3, 2, 1)
+    assert state.following.action == "rollback" and state.hold is None
+    assert sorted(state.by_version) == [1, 2, 3]
+    published(backend, cfg, store, 4)
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).following.version == 4
+
+
+def test_a_hold_copies_the_version_out_of_the_learners_pruning_and_announces_the_copy(backend, cfg, store):
+    published(backend, cfg, store, 1, 2, 3)
+    sent = hold(cfg, backend, reason="answers got rude")  # by default: what the replicas follow, v3
+    assert (sent.action, sent.version, sent.reason) == ("hold", 3, "answers got rude")
+    key, notice = on_topic(backend, cfg)[-1]
+    assert key == b"online-sao#hold" and notice == sent
+    published(backend, cfg, store, 4, 5)
+    store.prune(keep_last=1)  # the learner's pruning (trainer.keep_versions 1)
+    assert store.versions() == [5]
+    assert torch.equal(FileWeightStore(cfg.weight_store_url).load(sent.location, sent.checksum)["w"],
+                       weights(3)["w"])
+    state = read_weights_topic(backend, cfg.kafka.topics.weights, MODEL)
+    assert state.hold == sent
+
+
+def test_a_new_hold_replaces_the_earlier_copy_and_a_release_ends_the_hold(backend, cfg, store):
+    published(backend, cfg, store, 1, 2)
+    first = hold(cfg, backend, version=1)
+    second = hold(cfg, backend, version=2)
+    held = FileWeightStore(f"{cfg.weight_store_url}/held")
+    assert held.versions() == [2] and first.location != second.location
+    released = release(cfg, backend, reason="fixed")
+    assert (released.action, released.version, released.reason) == ("release", 2, "fixed")
+    assert on_topic(backend, cfg)[-1] == (b"online-sao#hold", released)
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold is None
+    assert release(cfg, backend) is None  # nothing held any more: nothing sent
+    assert len(on_topic(backend, cfg)) == 5
+
+
+def test_holds_that_cannot_be_made_say_why_and_send_nothing(backend, cfg, store, capsys):
+    with pytest.raises(HoldError, match="nothing is published yet"):
+        hold(cfg, backend)
+    with pytest.raises(HoldError, match="names no champion"):
+        hold(cfg, backend, champion=True)
+    published(backend, cfg, store, 1, 2)
+    with pytest.raises(HoldError, match=r"no longer names v7 .*versions it names: \[1, 2\]"):
+        hold(cfg, backend, version=7)
+    store.delete(1)
+    with pytest.raises(HoldError, match="v1's weights cannot be loaded .*trainer.keep_versions"):
+        hold(cfg, backend, version=1)
+    in_memory = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"weight_store": "mem://"})})
+    with pytest.raises(HoldError, match="needs the file weight store"):
+        hold(in_memory, backend, version=2)
+    assert [n.action for _, n in on_topic(backend, cfg)] == ["publish", "publish"]
+    assert run_weights_cli(cfg, backend, "hold", 7, False, None) == 1
+    assert "online-sao weights hold: the weights topic no longer names v7" in capsys.readouterr().err

@@ -1,0 +1,102 @@
+"""An operator's hold: which notices a replica loads while held and after the release (a following
+engine held and released: tests/serving/test_weights_follower.py)."""
+
+from __future__ import annotations
+
+from online_sao.schemas import WeightsNotice
+from serving.weights_hold import MAX_DEFERRED, HoldState
+
+
+def n(version: int, action: str = "publish") -> WeightsNotice:
+    return WeightsNotice(action=action, version=version, location=f"mem://{version}", checksum="0" * 64)
+
+
+def tried(chain) -> list[tuple[int, str, bool]]:
+    return [(x.version, x.action, force) for x, force in chain]
+
+
+def loaded(state: HoldState, notices: list[WeightsNotice], current: int) -> int:
+    """Take ``notices`` and load the first one offered (every load succeeds): the version served after."""
+    chain = state.take(notices, current)
+    if not chain:
+        return current
+    first = chain[0][0]
+    state.applied(first)
+    return first.version
+
+
+def test_without_a_hold_the_learners_notices_are_followed_as_before():
+    state = HoldState()
+    assert tried(state.take([n(1), n(3), n(2)], current=0)) == [(3, "publish", False), (1, "publish", False)]
+    assert state.held_version == -1
+
+
+def test_a_hold_forces_an_older_version_and_defers_the_learners_notices():
+    state = HoldState()
+    assert loaded(state, [n(1), n(2), n(3)], current=0) == 3
+    assert tried(state.take([n(1, "hold")], current=3)) == [(1, "hold", True)]
+    state.applied(n(1, "hold"))
+    assert state.held_version == 1
+    assert state.take([n(4), n(5), n(2, "rollback")], current=1) == []  # nothing loads while held
+
+
+def test_a_release_goes_where_the_deferred_notices_lead():
+    state = HoldState()
+    assert loaded(state, [n(3)], current=0) == 3
+    assert loaded(state, [n(1, "hold")], current=3) == 1
+    assert state.take([n(4), n(5)], current=1) == []
+    chain = state.take([n(1, "release")], current=1)
+    # the pre-hold version first as a forced fallback, then 4 and 5 over it: 5 is tried first
+    assert tried(chain) == [(5, "publish", True), (4, "publish", True), (3, "rollback", True)]
+    assert state.held_version == -1
+
+
+def test_a_release_with_nothing_published_meanwhile_returns_to_the_pre_hold_version():
+    state = HoldState()
+    assert loaded(state, [n(3)], current=0) == 3
+    assert loaded(state, [n(1, "hold")], current=3) == 1
+    assert loaded(state, [n(1, "release")], current=1) == 3
+
+
+def test_a_rollback_during_the_hold_is_obeyed_at_the_release():
+    state = HoldState()
+    assert loaded(state, [n(2), n(6)], current=0) == 6
+    assert loaded(state, [n(6, "hold")], current=6) == 6  # held at the version it serves: nothing to load
+    assert state.take([n(7), n(2, "rollback"), n(3)], current=6) == []
+    assert loaded(state, [n(6, "release")], current=6) == 3  # the rollback to 2 forced, then 3 published
+
+
+def test_a_replica_starting_during_a_hold_loads_the_held_version_and_follows_after_the_release():
+    state = HoldState()
+    assert loaded(state, [n(1), n(2), n(1, "hold"), n(3)], current=0) == 1  # the topic replayed
+    assert loaded(state, [n(1, "release")], current=1) == 3
+
+
+def test_a_hold_and_its_release_in_one_poll_leave_the_learners_version():
+    state = HoldState()
+    assert loaded(state, [n(1), n(2), n(1, "hold"), n(3), n(1, "release")], current=0) == 3
+
+
+def test_a_release_without_a_hold_and_a_resent_hold_change_nothing():
+    state = HoldState()
+    assert loaded(state, [n(4)], current=0) == 4
+    assert state.take([n(4, "release")], current=4) == []
+    assert loaded(state, [n(2, "hold")], current=4) == 2
+    assert state.take([n(2, "hold")], current=2) == []  # a new reason, the same version: no reload
+    assert tried(state.take([n(3, "hold")], current=2)) == [(3, "hold", True)]  # the hold moved
+
+
+def test_a_hold_that_cannot_be_loaded_keeps_the_replica_held_on_what_it_has():
+    state = HoldState()
+    assert loaded(state, [n(4)], current=0) == 4
+    assert tried(state.take([n(2, "hold")], current=4)) == [(2, "hold", True)]  # the load fails: applied() not called
+    assert state.held_version == 2
+    assert state.take([n(5)], current=4) == []  # still held: no publish is followed
+    assert loaded(state, [n(2, "release")], current=4) == 5
+
+
+def test_a_long_hold_keeps_the_newest_notices_for_its_release():
+    state = HoldState()
+    assert loaded(state, [n(1), n(1, "hold")], current=0) == 1
+    state.take([n(v) for v in range(2, MAX_DEFERRED + 50)], current=1)
+    assert loaded(state, [n(1, "release")], current=1) == MAX_DEFERRED + 49

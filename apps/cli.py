@@ -8,7 +8,6 @@ the work; heavy imports happen inside the subcommand so that ``--help`` and
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import sys
 from typing import Callable
@@ -330,17 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"online-sao: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        if exc.errno not in DISK_FULL:
+        from online_sao.durable import is_disk_full
+
+        if not is_disk_full(exc):  # a full disk or quota: the operator makes room (the error names the file)
             raise
-        print(f"online-sao: {exc}", file=sys.stderr)  # the learner's and serving's errors name the file
+        print(f"online-sao: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("online-sao: interrupted", file=sys.stderr)
         return INTERRUPTED
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-"""OS errors an operator fixes by making room (a full disk, a quota), as one line like the errors below."""
 
 
 def _operator_errors() -> tuple[type[BaseException], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Iterator
@@ -18,6 +19,15 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""OS errors of a write that found no room: a full disk, a quota. An operator fixes them by making
+room; a restart then goes on (the learner's and serving's errors name the file)."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")

@@ -70,6 +70,7 @@ import torch
 
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
+from online_sao.durable import is_disk_full
 from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, local_batch, reduce_metrics,
                                  run_on_ranks)
@@ -129,7 +130,11 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     tcfg = cfg.trainer
     torch.manual_seed(tcfg.seed)
     models = build_models(cfg, ctx)                              # policy, critic, optimisers, learning rule
-    at, rank0 = resume(cfg, backend, models, ctx, until.stop)    # newest checkpoint; rank 0's outside world
+    try:
+        at, rank0 = resume(cfg, backend, models, ctx, until.stop)  # newest checkpoint; rank 0's outside world
+    except OSError as exc:
+        _say_disk_full(exc, "at start")
+        raise
     status, laps = "FAILED", Laps()
     try:  # from here on a failure still ends the MLflow run and frees the consumers and the metrics port
         if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
@@ -162,10 +167,20 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
         if rank0 is not None:
             rank0.writer.wait()
         status = "FINISHED"
+    except OSError as exc:
+        _say_disk_full(exc, f"at step {at.step}")
+        raise
     finally:
         if rank0 is not None:
             rank0.close(status)
     return LearnerResult(steps=at.steps_here, version=at.version, run_id=rank0.tracker.run_id if rank0 else None)
+
+
+def _say_disk_full(exc: OSError, where: str) -> None:
+    """The learner's own line when a write found no room (the error names the file): it stops."""
+    if is_disk_full(exc):
+        log.error("learner stops %s: no room to write: %s; once there is room, a restart goes on from its "
+                  "newest checkpoint", where, exc)
 
 
 def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: DistContext,

@@ -4,11 +4,16 @@ request to a server may take.
 MLflow's client retries a server that does not answer for minutes (7 retries, 120 s each) and
 reads its limits from the environment only; the learner bounds them
 (:func:`bound_mlflow_requests`) and waits on its own terms (trainer/tracking.py).
+
+A store with no room for a write (a full disk under the SQLite file, or under a server's) is an
+``OSError`` ENOSPC naming it (:func:`store_full`), like the learner's other full disks.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 from pathlib import Path
 
@@ -56,6 +61,32 @@ def is_unreachable(exc: MlflowException) -> bool:
     return isinstance(exc.__context__, requests.exceptions.RequestException)
 
 
+SQLITE_FULL = "database or disk is full"
+"""SQLite's text for SQLITE_FULL: a write to the database or its journal found no room (ENOSPC). MLflow
+passes it on as an MlflowException (TEMPORARILY_UNAVAILABLE), a server in its answer's message."""
+
+
+def store_full(exc: MlflowException, uri: str) -> OSError | None:
+    """The ``OSError`` (ENOSPC) to raise for ``exc`` when it says MLflow's store at ``uri`` had no room,
+    naming the SQLite file (a server: its URI); None for any other error. MLflow's own text names
+    neither the file nor the disk, and is pages of SQL."""
+    if SQLITE_FULL not in exc.message:
+        return None
+    where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (MLflow's store: {SQLITE_FULL})", where)
+
+
+class _WithoutFullStoreTracebacks(logging.Filter):
+    """MLflow logs every SQL error with its traceback at ERROR before raising it: on a full disk, one
+    per metrics write the tracker retries. The tracker names the full store itself (trainer/tracking.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SQLITE_FULL not in record.getMessage()
+
+
+_WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()
+
+
 def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
     """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer."""
     try:
@@ -73,6 +104,7 @@ def open_client(uri: str) -> MlflowClient:
         probe_server(uri)
     if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    logging.getLogger("mlflow.store.db.utils").addFilter(_WITHOUT_FULL_STORE_TRACEBACKS)  # added once
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as lock:

@@ -9,14 +9,18 @@ and waits for a server that does not answer; they are kept apart from its run bo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import fsspec
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 from trainer.mlflow_store import is_code
+
+log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
@@ -52,6 +56,29 @@ def stage_model_directory(ref: WeightsRef, model_dir: Path, directory: Path) -> 
     for item in sorted(model_dir.iterdir()):
         if item.is_file() and not is_weights_file(item.name):
             (directory / item.name).write_bytes(item.read_bytes())
+
+
+def unregister(client, model_name: str, ref: WeightsRef, source: str, version: str | None,
+               tracking_uri: str) -> None:
+    """Undo what a registration of ``ref`` that found no room did: the model directory ``source`` it
+    began to copy (nothing refers to it once its registry version is gone: retention would never
+    delete it) and registry ``version``, if it was created, without its ``candidate`` alias.
+    Deleting frees room, but a full SQLite store may refuse even that: the version is then named,
+    and left to retention (no alias: neither the gate nor serving reads it)."""
+    parent, name = source.rsplit("/", 1)
+    try:
+        get_artifact_repository(parent, tracking_uri=tracking_uri).delete_artifacts(name)
+    except (MlflowException, OSError) as exc:
+        log.warning("registry: the model directory %s of the failed registration of policy v%d is left: %s",
+                    source, ref.version, str(exc)[:300])
+    if version is None:
+        return
+    try:
+        client.delete_model_version(model_name, version)
+    except MlflowException as exc:
+        log.warning("registry: version %s (policy v%d) was created but never became the candidate; it could "
+                    "not be deleted (%s): nothing reads it, retention tags it weights_pruned later",
+                    version, ref.version, exc.message[:200])
 
 
 def is_weights_file(name: str) -> bool:

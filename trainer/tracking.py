@@ -34,6 +34,14 @@ An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_r
 learner keeps training and keeps the steps' metrics, sent once the server answers again; a
 registry call waits for the server, and a stop request ends that wait with
 :class:`TrackingUnavailable`. Without a stop event (one-shot callers) nothing waits.
+
+A store with no room (its disk full: MLflow's SQLite "database or disk is full", an artifact write's
+ENOSPC): metrics are kept as during an outage and sent once it takes them again; opening the run,
+a registration and the gate's decision fail at once with an ``OSError`` ENOSPC naming the full
+file (:func:`~trainer.mlflow_store.store_full`), which stops the learner like its other full
+disks. A registration that fails so deletes the model directory it had begun to copy, and
+the registry version if one was created without its ``candidate`` alias: no half-registered
+version is left for the gate or serving to use, nor a partial directory holding space.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import logging
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -51,13 +60,15 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
 from online_sao.config import Config, dump_config, flat_settings
+from online_sao.durable import is_disk_full, naming_the_file
 from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
-from trainer.mlflow_store import TrackingUnavailable, experiment_id, is_code, is_unreachable, open_client
+from trainer.mlflow_store import (TrackingUnavailable, experiment_id, is_code, is_unreachable,
+                                  open_client, store_full)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
-                                       policy_of, stage_model_directory, version_with_alias)
+                                       policy_of, stage_model_directory, unregister, version_with_alias)
 from trainer.step_window import StepWindow, Unsent
 
 log = logging.getLogger(__name__)
@@ -88,6 +99,14 @@ UNLOGGED_STEPS_MAX = 10_000
 counted); a logged step covers ``mlflow.log_every_steps`` learner steps."""
 
 
+@contextmanager
+def _artifacts_named(artifact_uri: str):
+    """An artifact write's OS error (a full disk's ENOSPC names no file) names where it was writing:
+    the directory for a local artifact store, else its URI."""
+    with naming_the_file(artifact_uri.removeprefix("file://")):
+        yield
+
+
 def _waiting(what: str):
     """A registry method that waits for an MLflow server that does not answer (``RunTracker._answered``)."""
     def wrap(method):
@@ -109,7 +128,9 @@ class RunTracker:
         self.model_name = cfg.mlflow.registered_model
         self._closed = False
         self._unlogged = Unsent(UNLOGGED_STEPS_MAX)
-        """Logged steps of metrics (and run tags) MLflow did not take yet (it did not answer)."""
+        """Logged steps of metrics (and run tags) MLflow did not take yet (it did not answer, or had no room)."""
+        self._unlogged_why: Exception | None = None
+        """Why MLflow did not take them (TrackingUnavailable, or an OSError naming its full store)."""
         self._next_metrics_try = 0.0
         self._window = StepWindow()
         self.resumed_tags: dict[str, str] = {}
@@ -128,6 +149,8 @@ class RunTracker:
             try:
                 return action()
             except MlflowException as exc:
+                if (full := store_full(exc, self.cfg.mlflow_uri)) is not None:
+                    raise full from exc  # not waited for: room is made by someone, not by time
                 if not is_unreachable(exc):
                     raise
                 raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not "
@@ -153,7 +176,8 @@ class RunTracker:
                                      tags={"component": "learner", "restarts": "0"})
         params = flatten_config(self.cfg)
         self._log_params(run.info.run_id, params)
-        self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
+        with _artifacts_named(f"{run.info.artifact_uri}/config"):
+            self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
         return run.info.run_id
 
     def _reopenable(self, run_id: str) -> Run | None:
@@ -183,7 +207,8 @@ class RunTracker:
         logged = run.data.params
         self._log_params(self.run_id, {k: v for k, v in params.items() if k not in logged})
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        self.client.log_text(self.run_id, dump_config(self.cfg), f"config/resolved-restart-{restarts}.yaml")
+        with _artifacts_named(f"{run.info.artifact_uri}/config"):
+            self.client.log_text(self.run_id, dump_config(self.cfg), f"config/resolved-restart-{restarts}.yaml")
         self.client.set_tag(self.run_id, "restarts", str(restarts))
         if changed:
             self.client.set_tag(self.run_id, f"config_changed.restart-{restarts}", ",".join(changed)[:MAX_PARAM_LENGTH])
@@ -222,25 +247,35 @@ class RunTracker:
         return len(self._unlogged.logs)
 
     def _send_unlogged(self) -> None:
-        behind = self.unlogged_steps > 1
+        failing = self._unlogged_why is not None  # the last try failed: said once, at the first
         try:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
-            if not is_unreachable(exc):
+            full = store_full(exc, self.cfg.mlflow_uri)
+            if full is None and not is_unreachable(exc):
                 raise
-            if not behind:
+            # a full store loses nothing kept here either: the learner trains on, and a write it
+            # cannot go on without (the registry's, a checkpoint on the same disk) stops it
+            self._unlogged_why = full or TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} "
+                                                             "(mlflow.tracking_uri) does not answer")
+            if not failing and full is not None:
+                log.warning("MLflow's store has no room: %s; the learner goes on and keeps each step's "
+                            "metrics to send once it has", full)
+            elif not failing:
                 log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
                             "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
             self._next_metrics_try = time.monotonic() + TRACKING_RETRY_S
             return
-        if behind:
-            log.info("MLflow answers again: the metrics it missed are logged (%d steps dropped)",
+        if failing:
+            self._unlogged_why = None
+            log.info("MLflow takes metrics again: those it missed are logged (%d steps dropped)",
                      self._unlogged.dropped)
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"] = "FINISHED") -> None:
         """Send the metrics kept during an outage and end the run (a later restart with the same
-        run id reopens it). A server that still does not answer after a stop request is named in
-        the log, with what it missed, and the run is left as it is."""
+        run id reopens it). A server that still does not answer after a stop request, or a store
+        still without room, is named in the log, with what it missed, and the run is left as it is
+        (never raised: closing is in the learner's ``finally``, whose error it would hide)."""
         if self._closed:
             return
         self._log_window()  # the steps since the last log (kept like any other during an outage)
@@ -248,7 +283,9 @@ class RunTracker:
             self._answered("sending the kept metrics", self._send_all_unlogged, wait=False)
             self._answered("ending the MLflow run", lambda: self.client.set_terminated(self.run_id, status),
                            wait=False)
-        except TrackingUnavailable as exc:
+        except (TrackingUnavailable, OSError) as exc:
+            if not isinstance(exc, TrackingUnavailable) and not is_disk_full(exc):
+                raise
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
                         self.unlogged_steps + self._unlogged.dropped)
         self._closed = True
@@ -257,7 +294,7 @@ class RunTracker:
         self._next_metrics_try = 0.0
         self._send_unlogged()
         if self.unlogged_steps:
-            raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not answer")
+            raise self._unlogged_why
 
     # -- registry -----------------------------------------------------------------------
     def register(self, ref: WeightsRef, recent_reward: float) -> str:
@@ -275,17 +312,26 @@ class RunTracker:
     @_waiting("registering a policy version")
     def _register(self, ref: WeightsRef, recent_reward: float) -> str:
         artifact_path = f"policy/v{ref.version:08d}"
-        with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
-            stage_model_directory(ref, self.cfg.model_dir, Path(tmp))
-            self.client.log_artifacts(self.run_id, tmp, artifact_path)
-        ensure_registered_model(self.client, self.model_name)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
-        tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
-                "reward_at_registration": repr(float(recent_reward)), WEIGHTS_PRUNED: "false"}
-        version = self.client.create_model_version(self.model_name, source, run_id=self.run_id, tags=tags,
-                                                   description=f"policy version {ref.version}")
-        self.client.set_registered_model_alias(self.model_name, CANDIDATE, version.version)
-        return str(version.version)
+        version = None
+        try:
+            with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
+                with naming_the_file(tmp):
+                    stage_model_directory(ref, self.cfg.model_dir, Path(tmp))
+                with _artifacts_named(source):
+                    self.client.log_artifacts(self.run_id, tmp, artifact_path)
+            ensure_registered_model(self.client, self.model_name)
+            tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
+                    "reward_at_registration": repr(float(recent_reward)), WEIGHTS_PRUNED: "false"}
+            version = self.client.create_model_version(self.model_name, source, run_id=self.run_id, tags=tags,
+                                                       description=f"policy version {ref.version}").version
+            self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
+        except (MlflowException, OSError) as exc:
+            if is_disk_full(exc) or (isinstance(exc, MlflowException)
+                                      and store_full(exc, self.cfg.mlflow_uri) is not None):
+                unregister(self.client, self.model_name, ref, source, version, self.cfg.mlflow_uri)
+            raise
+        return str(version)
 
     def prune_registered(self) -> None:
         """Delete the model directories of registered versions other than the newest
@@ -301,6 +347,10 @@ class RunTracker:
         except TrackingUnavailable as exc:
             log.warning("%s; the registered artifacts are pruned at the next registration", exc)
         except OSError as exc:  # requests.HTTPError is one: the proxied server answered with a refusal
+            if is_disk_full(exc):  # deleting is what makes room: tried again at the next registration
+                log.warning("registry retention could not record its pruning: %s; the registered artifacts "
+                            "are pruned at the next registration", exc)
+                return
             self._pruning_refused = True
             log.warning("registry retention is off until the learner restarts: the artifact store refused to "
                         "delete a registered model directory (%s: %s); MLflow's artifacts keep one model per "

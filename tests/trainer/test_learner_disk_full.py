@@ -29,7 +29,7 @@ from online_sao.schemas import WeightsNotice, decode
 from online_sao.weights import FileWeightStore
 from streams.memory import InMemoryBackend
 from tests.trainer.test_learner_memory import _config
-from tests.trainer.traffic import produce, sample_traffic
+from tests.trainer.traffic import FillBefore, produce, sample_traffic
 from trainer.checkpoint import Checkpointer, read_ledger
 from trainer.distributed import init_distributed
 from trainer.learner import LearnerResult, RunUntil, train
@@ -75,17 +75,10 @@ def _fail_then_restart(tmp_path: Path, model_dir: Path, disk: Disk, **overrides)
     backend.ensure_topics()
     traffic = sample_traffic(load_policy(model_dir), INTERACTIONS, prefix="full")
     produce(backend.producer(), cfg.kafka.topics, traffic)
-    steps = []
-
-    def filling(rollouts):
-        steps.append(len(rollouts))
-        if len(steps) == FULL_BEFORE_STEP:
-            disk.fill()
-        return rollouts
-
+    filling = FillBefore(FULL_BEFORE_STEP, disk.fill)
     with pytest.raises(OSError) as failure:
         train(cfg, backend, init_distributed(), RunUntil(max_steps=INTERACTIONS), before_step=filling)
-    assert len(steps) == FULL_BEFORE_STEP  # it stopped at the first write that failed
+    assert filling.steps == FULL_BEFORE_STEP  # it stopped at the first write that failed
     left = sorted(p.name for d in (cfg.checkpoint_dir, Path(cfg.weight_store_url)) for p in d.iterdir())
     disk.free()  # the operator freed space; the supervisor restarts the learner
     second = train(cfg, backend, init_distributed(), RunUntil(idle_timeout_s=1.0))

@@ -59,6 +59,20 @@ def produce(producer: Producer, topics, interactions: list[Interaction], rewarde
     producer.flush()
 
 
+class FillBefore:
+    """A learner's ``before_step`` hook that calls ``fill`` (a disk filling up, say) just before step
+    ``step``; ``steps`` counts the steps begun."""
+
+    def __init__(self, step: int, fill: Callable[[], None]):
+        self.step, self.fill, self.steps = step, fill, 0
+
+    def __call__(self, rollouts):
+        self.steps += 1
+        if self.steps == self.step:
+            self.fill()
+        return rollouts
+
+
 def engine_interaction(engine, prompt_ids: list[int], interaction_id: str, max_new_tokens: int = 6,
                        seed: int = 0) -> Interaction:
     """An interaction sampled by a running serving engine (``TorchEngine``): tokens,

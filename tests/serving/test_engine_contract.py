@@ -456,3 +456,16 @@ def test_weights_swap_with_requests_in_flight_and_refusals(engine, versions):
         mixed += seen[0] == start_version and seen[-1] == new_version
         assert worst_error(events, replay_logprobs(models, req.prompt_ids, events, TEMPERATURE, TOP_P)) < LOGPROB_TOL
     assert mixed >= 1  # at least one request was in flight across the switch
+    # a rollback or an operator's hold loads an older version, forced
+    back = engine.swap_weights(start_version, {k: v.clone() for k, v in versions[0].state_dict().items()}, force=True)
+    assert back.applied and engine.policy_version == start_version
+
+    async def answer(req):
+        await engine.start()
+        events = await collect(engine, req)
+        await engine.stop()
+        return events
+
+    events = asyncio.run(answer(request(99, PROMPTS[0], max_tokens=4)))
+    assert len(events) == 4 and {e.version for e in events} == {start_version}
+    assert worst_error(events, replay_logprobs(models, PROMPTS[0], events, TEMPERATURE, TOP_P)) < LOGPROB_TOL

@@ -124,7 +124,9 @@ class DriftResponse:
         detector's metrics: ``drift_alarm`` 1.0 on a step that changed the policy (published at
         once), ``drift_rollback`` 1.0 when that change was a roll-back."""
         versions = versions if versions is not None else [next_version] * len(rewards)
+        rewards, versions, scores, stale = self._current(rewards, versions, next_version, scores)
         alarm, metrics = self.detector.observe(rewards)
+        metrics["drift_stale_rewards"] = float(stale)
         self.seen += len(rewards)
         if self.cfg.rollback_score is not None:
             self._keep_scores(scores if scores is not None else [math.nan] * len(rewards))
@@ -148,6 +150,19 @@ class DriftResponse:
         metrics["drift_alarm"] = float(alarm or failed)
         metrics["drift_rollback"] = float(rolled_back)
         return metrics
+
+    def _current(self, rewards: list[float], versions: list[int], next_version: int, scores: list[float] | None
+                 ) -> tuple[list[float], list[int], list[float] | None, int]:
+        """The step's rewards, versions and scores of answers sampled within ``max_version_lag`` of
+        ``next_version``, and how many were left out."""
+        lag = self.cfg.max_version_lag
+        if lag is None:
+            return rewards, versions, scores, 0
+        keep = [i for i, v in enumerate(versions) if next_version - v <= lag]
+        if len(keep) == len(rewards):
+            return rewards, versions, scores, 0
+        return ([rewards[i] for i in keep], [versions[i] for i in keep],
+                None if scores is None else [scores[i] for i in keep], len(rewards) - len(keep))
 
     def _probation_failed(self, rewards: list[float], versions: list[int], metrics: dict[str, float]) -> bool:
         """Gather a probation's rewards; True when it ends with a drop (its drop and z go into

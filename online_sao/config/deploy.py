@@ -125,6 +125,14 @@ class DriftConfig(Section):
     """...and the fall in standard errors (Welch): at 3, one test on a stable reward stream
     alarms with probability about 1e-3 under a normal approximation. Calibrated by replaying
     40 logged drift runs without restarts (docs/EXPERIMENTS.md section 10)."""
+    max_version_lag: int | None = Field(8, ge=0)
+    """Rewards of answers sampled more than this many versions before the version the learner
+    publishes next are left out of the test (not out of training): they say nothing about its
+    current policy. Such answers come from a replica an operator holds on an older version
+    (``online-sao weights hold``) or one stuck behind; counted, a hold on a worse version reads
+    as a preference change and restarts the policy. A streaming learner's answers are about 1-3
+    versions old (benchmarks/results/straggler.md: mean lag 2.0-2.1). None: every trained reward
+    counts."""
     policy_shrink: float = Field(0.0, ge=0, le=1)
     """On an alarm the policy becomes ``start + policy_shrink * (policy - start)``, ``start`` the
     weights in ``model_dir``: 0 restarts from them (every style sampled at its starting share

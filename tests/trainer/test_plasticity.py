@@ -83,6 +83,45 @@ def test_critic_and_optimisers_kept_when_configured():
     assert t.optimizers.policy.state and t.optimizers.critic.state
 
 
+def test_rewards_of_answers_sampled_by_a_far_older_version_are_left_out_of_the_test():
+    """A replica held on v1 (an operator's hold) while the learner is at v40: its answers' low
+    rewards are trained on but say nothing about the learner's policy, so they never alarm."""
+    t = trainables()
+    response = DriftResponse(settings(max_version_lag=32), t)
+    move(t, 5.0)
+    assert response.after_step([1.0, 1.0], [39, 40], next_version=41)["drift_stale_rewards"] == 0.0
+    for _ in range(3):  # answers of v1 and v8: 40 and 33 versions behind v41
+        metrics = response.after_step([0.0, 0.0], [1, 8], next_version=41)
+        assert (metrics["drift_alarm"], metrics["drift_stale_rewards"]) == (0.0, 2.0)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 5.0))
+    # v9 is 32 behind: counted, with the v40 answer; the test's windows [1, 1] and [0, 0] fall: an alarm
+    metrics = response.after_step([0.0, 0.3, 0.0], [9, 1, 40], next_version=41)
+    assert (metrics["drift_alarm"], metrics["drift_stale_rewards"]) == (1.0, 1.0)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0))
+
+
+def test_without_a_lag_bound_every_trained_reward_counts():
+    t = trainables()
+    response = DriftResponse(settings(max_version_lag=None), t)
+    assert response.after_step([1.0, 1.0], [39, 40], next_version=41)["drift_alarm"] == 0.0
+    metrics = response.after_step([0.0, 0.0], [1, 8], next_version=41)
+    assert (metrics["drift_alarm"], metrics["drift_stale_rewards"]) == (1.0, 0.0)
+
+
+def test_a_rollback_score_stays_aligned_with_the_rewards_left_in():
+    """The score of a left-out answer leaves with it: the windows the score is tested on are those
+    of the rewards the detector saw. The held answers (v1) carry quality 0; the learner's own
+    (v39-v40) keep quality 1 while their reward falls: a preference change, so a restart."""
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True, rollback_score="quality"), t)
+    move(t, 3.0)
+    response.after_step([1.0, 1.0], [39, 39], next_version=41, scores=[1.0, 1.0])  # a snapshot to roll back to
+    response.after_step([1.0, 0.0, 1.0], [39, 1, 39], next_version=41, scores=[1.0, 0.0, 1.0])
+    metrics = response.after_step([0.0, 0.0, 0.0], [40, 1, 40], next_version=41, scores=[1.0, 0.0, 1.0])
+    assert metrics["drift_alarm"] == 1.0 and metrics["drift_rollback"] == 0.0
+    assert metrics["drift_score_drop"] == 0.0  # quality 1 in both windows: the held answers' 0 left out
+
+
 def rolled_back_after_a_drop() -> tuple[Trainables, DriftResponse, dict[str, float]]:
     """Weights 2 after 2 rewards and 3 after 4 (snapshots at both), then a drop while at 4."""
     t = trainables()

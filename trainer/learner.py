@@ -130,11 +130,7 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     tcfg = cfg.trainer
     torch.manual_seed(tcfg.seed)
     models = build_models(cfg, ctx)                              # policy, critic, optimisers, learning rule
-    try:
-        at, rank0 = resume(cfg, backend, models, ctx, until.stop)  # newest checkpoint; rank 0's outside world
-    except OSError as exc:
-        _say_disk_full(exc, "at start")
-        raise
+    at, rank0 = resume(cfg, backend, models, ctx, until.stop)    # newest checkpoint; rank 0's outside world
     status, laps = "FAILED", Laps()
     try:  # from here on a failure still ends the MLflow run and frees the consumers and the metrics port
         if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
@@ -167,20 +163,10 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
         if rank0 is not None:
             rank0.writer.wait()
         status = "FINISHED"
-    except OSError as exc:
-        _say_disk_full(exc, f"at step {at.step}")
-        raise
     finally:
         if rank0 is not None:
             rank0.close(status)
     return LearnerResult(steps=at.steps_here, version=at.version, run_id=rank0.tracker.run_id if rank0 else None)
-
-
-def _say_disk_full(exc: OSError, where: str) -> None:
-    """The learner's own line when a write found no room (the error names the file): it stops."""
-    if is_disk_full(exc):
-        log.error("learner stops %s: no room to write: %s; once there is room, a restart goes on from its "
-                  "newest checkpoint", where, exc)
 
 
 def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: DistContext,
@@ -283,8 +269,14 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: until.stop.set())
     def work(ctx: DistContext) -> LearnerResult:
-        result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic,
-                       before_step=before_step)
+        try:
+            result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic,
+                           before_step=before_step)
+        except OSError as exc:
+            if is_disk_full(exc):  # the error names the file; the log says what happens next
+                log.error("learner stops: no room to write: %s; once there is room, a restart goes on from its "
+                          "newest checkpoint", exc)
+            raise
         if ctx.is_main:
             log.info("learner stopped after %d steps at policy version %d (MLflow run %s)",
                      result.steps, result.version, result.run_id)

@@ -124,7 +124,7 @@ class DriftResponse:
         detector's metrics: ``drift_alarm`` 1.0 on a step that changed the policy (published at
         once), ``drift_rollback`` 1.0 when that change was a roll-back."""
         versions = versions if versions is not None else [next_version] * len(rewards)
-        rewards, versions, scores, stale = self._current(rewards, versions, next_version, scores)
+        rewards, versions, scores, stale = self._within_lag(rewards, versions, next_version, scores)
         alarm, metrics = self.detector.observe(rewards)
         metrics["drift_stale_rewards"] = float(stale)
         self.seen += len(rewards)
@@ -151,7 +151,7 @@ class DriftResponse:
         metrics["drift_rollback"] = float(rolled_back)
         return metrics
 
-    def _current(self, rewards: list[float], versions: list[int], next_version: int, scores: list[float] | None
+    def _within_lag(self, rewards: list[float], versions: list[int], next_version: int, scores: list[float] | None
                  ) -> tuple[list[float], list[int], list[float] | None, int]:
         """The step's rewards, versions and scores of answers sampled within ``max_version_lag`` of
         ``next_version``, and how many were left out."""

@@ -207,3 +207,24 @@ def test_a_full_ledger_disk_stops_the_learner_naming_the_segment(tmp_path, tiny_
 
     assert lives.error.errno == errno.ENOSPC and Path(lives.error.filename) == segment
     _assert_trained_exactly_once(lives)
+
+
+def test_learn_says_in_its_own_log_that_it_stops_on_a_full_disk(tmp_path, monkeypatch, caplog):
+    import logging
+    import signal
+
+    import trainer.learner
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "weights" / "v00000003.safetensors"))
+
+    def train_on_a_full_disk(*args, **kwargs):
+        raise full
+
+    monkeypatch.setattr(trainer.learner, "train", train_on_a_full_disk)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the test runner keeps its own handlers
+    cfg = AppConfig(paths={"data_dir": str(tmp_path)})
+    with caplog.at_level(logging.ERROR, logger="trainer.learner"), pytest.raises(OSError) as raised:
+        trainer.learner.run_learner(cfg)
+    assert raised.value is full  # said, and still raised: the command prints it and exits 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.learner"]
+    assert len(lines) == 1 and lines[0].startswith("learner stops: no room to write") and full.filename in lines[0]

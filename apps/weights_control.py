@@ -135,7 +135,16 @@ def _send(backend: StreamBackend, topic: str, notice: WeightsNotice) -> None:
         producer.close()
 
 
-def describe(state: WeightsTopic, now: float) -> list[str]:
+def holdable_versions(cfg: Config, state: WeightsTopic) -> list[int] | None:
+    """The versions a hold can name: on the topic, their weights still in the store (None: the
+    store is not one a hold can copy from)."""
+    store = open_weight_store(cfg.weight_store_url)
+    if not isinstance(store, FileWeightStore):
+        return None
+    return sorted(set(state.by_version) & set(store.versions()))
+
+
+def describe(state: WeightsTopic, now: float, holdable: list[int] | None = None) -> list[str]:
     """``status``'s lines."""
     def line(label: str, notice: WeightsNotice | None) -> str:
         if notice is None:
@@ -149,6 +158,9 @@ def describe(state: WeightsTopic, now: float) -> list[str]:
     else:
         lines.append(f"{line('hold', state.hold)}: {state.hold.reason or 'no reason given'}; "
                      f"`online-sao weights release` ends it")
+    if holdable is not None:
+        lines.append(f"can be held: {', '.join(f'v{v}' for v in holdable) or 'none'} (named on the weights topic, "
+                     f"weights still in the store)")
     return lines
 
 
@@ -165,7 +177,7 @@ def run_weights_cli(cfg: Config, backend: StreamBackend, action: str, version: i
                   f"released v{notice.version}: replicas follow the learner's versions again")
         else:
             state = read_weights_topic(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
-            print("\n".join(describe(state, time.time())))
+            print("\n".join(describe(state, time.time(), holdable_versions(cfg, state))))
     except HoldError as exc:
         print(f"online-sao weights {action}: {exc}", file=sys.stderr)
         return 1

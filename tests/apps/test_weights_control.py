@@ -103,6 +103,22 @@ def test_a_new_hold_replaces_the_earlier_copy_and_a_release_ends_the_hold(backen
     assert len(on_topic(backend, cfg)) == 5
 
 
+def test_status_says_what_is_followed_held_and_can_be_held(backend, cfg, store, capsys):
+    refs = published(backend, cfg, store, 1, 2, 3)
+    announce(backend, cfg, refs[2], "rollback")
+    store.delete(1)  # pruned by the learner
+    assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines[:3]] == ["newest published: v3", "followed: v2", "champion: none"]
+    assert lines[3:] == ["hold: none (replicas follow the learner)",
+                         "can be held: v2, v3 (named on the weights topic, weights still in the store)"]
+    hold(cfg, backend, version=3, reason="checking")
+    assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
+    held = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hold:")]
+    assert len(held) == 1 and held[0].startswith("hold: v3 (step 0, ")
+    assert held[0].endswith(" s ago): checking; `online-sao weights release` ends it")
+
+
 def test_holds_that_cannot_be_made_say_why_and_send_nothing(backend, cfg, store, capsys):
     with pytest.raises(HoldError, match="nothing is published yet"):
         hold(cfg, backend)

@@ -180,7 +180,7 @@ PER_STEP = 2
 FULL_BEFORE_STEP = 3
 
 
-def test_the_learner_stops_naming_the_full_store_and_a_restart_goes_on(tmp_path, tiny_model_dir, database, caplog):
+def test_the_learner_stops_naming_the_full_store_and_a_restart_goes_on(tmp_path, tiny_model_dir, database):
     """Steps 1 and 2 register and decide; from step 3 on the database is full: the learner keeps
     step 3's gate metrics, stops at the gate's decision with the database named, closes without
     hiding that error, and leaves the registry as step 2 left it. Restarted once there is room,
@@ -193,12 +193,10 @@ def test_the_learner_stops_naming_the_full_store_and_a_restart_goes_on(tmp_path,
     traffic = sample_traffic(load_policy(tiny_model_dir), INTERACTIONS, prefix="mlflow-full")
     produce(backend.producer(), cfg.kafka.topics, traffic)
     filling = FillBefore(FULL_BEFORE_STEP, database.fill)
-    with caplog.at_level(logging.INFO), pytest.raises(OSError) as failure:
+    with pytest.raises(OSError) as failure:  # online-sao learn logs it (test_learner_disk_full.py) and prints it
         train(cfg, backend, init_distributed(), RunUntil(max_steps=INTERACTIONS), before_step=filling)
     assert (failure.value.errno, failure.value.filename) == (errno.ENOSPC, _db(cfg))
     assert filling.steps == FULL_BEFORE_STEP
-    said = [r.getMessage() for r in caplog.records if r.name == "trainer.learner" and r.levelno == logging.ERROR]
-    assert len(said) == 1 and "stops at step 3" in said[0] and repr(_db(cfg)) in said[0], said
     model = _client(cfg).get_registered_model(cfg.mlflow.registered_model)
     assert model.aliases == {"champion": 1, "candidate": 2}
     assert _registered(cfg) == {1: "1", 2: "2"}

@@ -17,7 +17,8 @@ the serving weights stay until a version is applied.
 ``champion`` notices (the registry's new champion) move no serving version: with a canary
 (:class:`~serving.engine.canary.CanaryEngine`) the newest of a poll is loaded into its champion
 engine; without one they are ignored. An operator's ``hold`` and ``release`` notices
-(:mod:`serving.weights_hold`) pin the serving version until released.
+(:mod:`serving.weights_hold`) pin the serving version until released; a canary's champion answers
+nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class WeightsFollower:
         if not notices:
             return
         chain = self.holds.take(notices, self.engine.policy_version)
+        if isinstance(self.engine, ChampionServing):
+            self.engine.hold_all_on_newest(self.holds.hold is not None)
         if not chain and self.holds.hold is None:
             log.info("weights notices for versions %s ignored: serving version %d is newer",
                      [n.version for n in notices], self.engine.policy_version)

@@ -12,7 +12,9 @@ nothing else in the record changes.
 :class:`CanaryEngine` is an ``InferenceEngine`` over two engines of any kind: ``newest`` follows
 the published versions (``swap_weights``, what the weights follower calls for ``publish`` and
 ``rollback`` notices) and ``champion`` takes ``champion`` notices (:meth:`swap_champion`). Until
-the first champion is loaded every request goes to ``newest``.
+the first champion is loaded every request goes to ``newest``, and so does every request while an
+operator holds the replica at one version (:meth:`hold_all_on_newest`): a hold means one version
+answers, whatever the champion is.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class ChampionServing(Protocol):
 
     def swap_champion(self, version: int, state_dict: dict[str, torch.Tensor]) -> SwapResult: ...
 
+    def hold_all_on_newest(self, held: bool) -> None: ...
+
 
 class CanaryEngine:
     """Routes each request to the champion with probability ``share``, otherwise to the newest version."""
@@ -52,6 +56,8 @@ class CanaryEngine:
         self._champion_version: int | None = None
         self.routed = {"newest": 0, "champion": 0}
         """Requests sent to each engine so far."""
+        self.held = False
+        """An operator's hold is in force: every request goes to ``newest`` (the held version)."""
 
     @property
     def policy_version(self) -> int:
@@ -64,7 +70,7 @@ class CanaryEngine:
         return self._champion_version
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        to_champion = self._champion_version is not None and self._rng.random() < self.share
+        to_champion = not self.held and self._champion_version is not None and self._rng.random() < self.share
         engine = self.champion if to_champion else self.newest
         self.routed["champion" if to_champion else "newest"] += 1
         async for event in engine.generate(request):
@@ -81,6 +87,14 @@ class CanaryEngine:
             self._champion_version = version
             log.info("canary: champion v%d answers %.0f%% of requests", version, 100 * self.share)
         return result
+
+    def hold_all_on_newest(self, held: bool) -> None:
+        """While ``held`` the champion answers nothing; it stays loaded and follows champion notices,
+        so a release gives the canary its share back at once."""
+        if held != self.held:
+            log.info("canary: %s", "paused by an operator's hold: the held version answers every request"
+                     if held else "resumed: the champion answers its share again")
+        self.held = held
 
     async def start(self) -> None:
         await self.newest.start()

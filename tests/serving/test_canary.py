@@ -60,6 +60,20 @@ def test_a_newer_publish_leaves_the_champion_and_a_champion_may_be_older():
     assert not engine.swap_weights(6, {}).applied and engine.policy_version == 10  # older publish: ignored
 
 
+def test_an_operators_hold_sends_every_request_to_the_held_version_until_released():
+    newest, champion = FakeEngine([5]), FakeEngine([5])
+    engine = CanaryEngine(newest, champion, share=0.5, seed=3)
+    engine.swap_weights(9, {})
+    engine.swap_champion(4, {})
+    engine.hold_all_on_newest(True)
+    assert asyncio.run(answer_all(engine, 40)) == [9] * 40 and len(champion.requests) == 0
+    assert engine.swap_champion(6, {}).applied and engine.champion_version == 6  # still follows its notices
+    assert asyncio.run(answer_all(engine, 40)) == [9] * 40
+    engine.hold_all_on_newest(False)
+    versions = asyncio.run(answer_all(engine, 40))
+    assert set(versions) == {6, 9} and engine.routed == {"newest": 80 + versions.count(9), "champion": versions.count(6)}
+
+
 def test_start_and_stop_reach_both_engines():
     newest, champion = FakeEngine([5]), FakeEngine([5])
     engine = CanaryEngine(newest, champion, share=0.1)

@@ -228,6 +228,24 @@ def test_champion_notices_load_the_canary_and_move_no_serving_version(backend, b
         c.follower.stop()
 
 
+def test_a_hold_pauses_the_canary_and_a_release_resumes_it(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
+    c = Canary(backend, store, base_model)
+    try:
+        send(backend, notice(refs[3]), notice(refs[1], "champion"))
+        c.caught_up(2)
+        assert not c.engine.held and c.engine.champion_version == 1
+        send(backend, notice(refs[2], action="hold"))
+        c.caught_up(3)
+        assert c.engine.held and c.engine.policy_version == 2 and c.engine.champion_version == 1
+        send(backend, notice(refs[2], action="release"))
+        c.caught_up(4)
+        assert not c.engine.held and c.engine.policy_version == 3
+    finally:
+        c.follower.stop()
+
+
 def test_champion_notices_are_ignored_without_a_canary(backend, base_model):
     store = InProcessWeightStore()
     refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2)}

@@ -186,9 +186,22 @@ class RankZero:
         return {f"monitor_{k}": v for k, v in reading.values.items()}
 
     def close(self, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
-        self.writer.close()
-        if self.exporter is not None:
-            self.exporter.close()
-        self.feed.close()
-        self.producer.close()
-        self.tracker.close(status)
+        """Close every part, each one even when one before it fails: otherwise one failure leaves the
+        MLflow run RUNNING, the consumer in its group or the metrics port bound. The first failure is
+        raised once all were tried, unless the loop is already failing (``FAILED``, called from its
+        ``finally``): then it is logged, so that the error which ended the loop is the one raised."""
+        parts = [("the checkpoint writer", self.writer.close),
+                 ("the metrics exporter", self.exporter.close if self.exporter is not None else None),
+                 ("the Kafka consumer", self.feed.close), ("the Kafka producer", self.producer.close),
+                 ("the MLflow run", lambda: self.tracker.close(status))]
+        first: Exception | None = None
+        for what, close in parts:
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:  # the rest must still be closed
+                log.error("closing %s failed: %r", what, exc, exc_info=status == "FAILED")
+                first = first or exc
+        if first is not None and status != "FAILED":
+            raise first

@@ -1,0 +1,65 @@
+"""Rank 0's close: every part closed even when one fails, and the loop's own error kept."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from trainer.rank_zero import RankZero
+
+
+class Part:
+    """One closable part; ``error`` is raised by its close."""
+
+    def __init__(self, closed: list[str], name: str, error: Exception | None = None) -> None:
+        self.closed, self.name, self.error = closed, name, error
+
+    def close(self, *status) -> None:
+        self.closed.append(self.name if not status else f"{self.name}:{status[0]}")
+        if self.error is not None:
+            raise self.error
+
+
+def rank_zero(closed: list[str], failing: dict[str, Exception]) -> RankZero:
+    def part(name):
+        return Part(closed, name, failing.get(name))
+    return RankZero(checkpointer=None, feed=part("feed"), releases=None, tracker=part("tracker"),
+                    producer=part("producer"), counters={}, segments=None, writer=part("writer"),
+                    exporter=part("exporter"))
+
+
+def test_a_failing_part_does_not_keep_the_others_open_and_its_error_is_raised_after():
+    closed: list[str] = []
+    broken = OSError("producer flush failed")
+    with pytest.raises(OSError) as raised:
+        rank_zero(closed, {"producer": broken, "tracker": RuntimeError("second")}).close("FINISHED")
+    assert raised.value is broken  # the first failure
+    assert closed == ["writer", "exporter", "feed", "producer", "tracker:FINISHED"]
+
+
+def test_while_the_loop_fails_a_close_failure_is_logged_and_the_loops_error_propagates(caplog):
+    closed: list[str] = []
+    zero = rank_zero(closed, {"writer": OSError("background checkpoint: disk full"),
+                              "tracker": RuntimeError("mlflow: database is locked")})
+
+    def loop():
+        try:
+            raise ValueError("the step failed")
+        finally:
+            zero.close("FAILED")
+
+    with caplog.at_level(logging.ERROR, logger="trainer.rank_zero"), pytest.raises(ValueError, match="the step failed"):
+        loop()
+    assert closed == ["writer", "exporter", "feed", "producer", "tracker:FAILED"]
+    logged = caplog.text
+    assert "closing the checkpoint writer failed" in logged and "disk full" in logged
+    assert "closing the MLflow run failed" in logged and "database is locked" in logged
+
+
+def test_without_an_exporter_the_rest_is_closed():
+    closed: list[str] = []
+    zero = rank_zero(closed, {})
+    zero.exporter = None
+    zero.close("FINISHED")
+    assert closed == ["writer", "feed", "producer", "tracker:FINISHED"]

@@ -11,7 +11,10 @@ until the other arrives:
   until a learner step takes it (:meth:`RewardJoiner.pop_ready`); rewards that
   arrive in between, within the window, still join. Several rewards combine
   with ``RewardConfig.aggregation`` (first, last, sum, mean; per-turn rewards
-  combine the same way, turn by turn);
+  combine the same way, turn by turn). With ``RewardConfig.wait_for_sources``
+  it is ready only once each of those sources rated it, or when its window
+  closes with some of them (counted); rewards from a source outside
+  ``RewardConfig.sources`` are counted and never applied;
 * a reward for an interaction not seen yet is held (it was read first, from
   another partition or consumer) and joins when the interaction arrives; held
   rewards expire ``window_s`` after their own timestamp (counted);
@@ -125,7 +128,7 @@ class RewardJoiner(TrajectoryRules):
         for contribution in self._held.pop(iid, []):
             self._join_own(entry, contribution)
         self._claim_ancestors(entry)
-        if entry.own_rewarded:
+        if self._rated(entry):
             self._make_ready(entry)
             return
         if self.watermark is not None and self._window_end(entry) < self.watermark:  # read after its window closed
@@ -144,8 +147,11 @@ class RewardJoiner(TrajectoryRules):
         self._tick(ts, clock)
         iid = reward.interaction_id
         self.counters.rewards += 1
+        if self.cfg.sources is not None and reward.source not in self.cfg.sources:
+            self.counters.ignored_rewards += 1
+            return
         contribution = Contribution(reward.value, {t.turn: t.value for t in reward.turn_rewards}, ts,
-                                    scores=dict(reward.scores or {}), key=reward_key(reward))
+                                    scores=dict(reward.scores or {}), key=reward_key(reward), source=reward.source)
         entry = self._pending(iid)
         if entry is None and iid in self._claims:  # absorbed: the reward joins its continuation
             owner = self._pending(self._claims[iid])
@@ -169,7 +175,7 @@ class RewardJoiner(TrajectoryRules):
         if self._duplicate(entry.contributions, contribution) or self._full(entry.contributions):
             return
         entry.contributions.append(contribution)
-        if iid in self._waiting:
+        if iid in self._waiting and self._rated(entry):
             del self._waiting[iid]
             self._make_ready(entry)
 
@@ -306,9 +312,18 @@ class RewardJoiner(TrajectoryRules):
             self.counters.incomplete_groups += 1
             self.counters.group_wait_s += self.cfg.group_timeout_s or 0.0
 
+    def _rated(self, entry: Entry) -> bool:
+        """Whether ``entry`` has a reward of its own from every source it waits for (at least one
+        reward when it waits for none: ``reward.wait_for_sources``)."""
+        rated_by = {c.source for c in entry.contributions if c.origin is None}
+        return bool(rated_by) and rated_by.issuperset(self.cfg.wait_for_sources)
+
     def _close(self, entry: Entry) -> None:
-        """The window of an interaction without rewards of its own ended."""
-        if self.cfg.on_missing == "default":
+        """The window of an interaction not rated by every source it waits for ended."""
+        if entry.own_rewarded:  # some of them rated it: trained on what they said
+            self.counters.missing_sources += 1
+            self._make_ready(entry)
+        elif self.cfg.on_missing == "default":
             self.counters.defaulted += 1
             entry.defaulted = True
             self._make_ready(entry)
@@ -332,8 +347,12 @@ class RewardJoiner(TrajectoryRules):
             _, iid = heapq.heappop(self._deadlines)
             entry = self._waiting.pop(iid, None)
             if entry is not None:
-                self.counters.evicted += 1
-                self._finish_untrained(entry)
+                if entry.own_rewarded:  # waiting for more sources: trained on what it has instead
+                    self.counters.missing_sources += 1
+                    self._make_ready(entry)
+                else:
+                    self.counters.evicted += 1
+                    self._finish_untrained(entry)
                 return
 
     def _finish_untrained(self, entry: Entry) -> None:

@@ -65,13 +65,14 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
 
 def contribution_state(c: Contribution) -> dict[str, Any]:
     return {"value": c.value, "turns": [[t, v] for t, v in c.turns.items()], "ts": c.ts, "origin": c.origin,
-            "scores": dict(c.scores), "key": c.key}
+            "scores": dict(c.scores), "key": c.key, "source": c.source}
 
 
 def contribution_from(s: dict[str, Any]) -> Contribution:
-    """A :func:`contribution_state`; checkpoints from before named scores (or digests) have none."""
+    """A :func:`contribution_state`; checkpoints from before named scores (or digests, or sources)
+    have none."""
     return Contribution(s["value"], {int(t): v for t, v in s["turns"]}, s["ts"], s.get("origin"),
-                        dict(s.get("scores", {})), s.get("key"))
+                        dict(s.get("scores", {})), s.get("key"), s.get("source"))
 
 
 def entry_state(e: Entry) -> dict[str, Any]:

@@ -37,6 +37,11 @@ class JoinCounters:
     """Interaction ids seen a second time (ignored)."""
     excess_rewards: int = 0
     """Rewards past ``MAX_REWARDS_PER_INTERACTION`` for one interaction (not applied, not held)."""
+    ignored_rewards: int = 0
+    """Rewards from a source ``reward.sources`` leaves out (not applied)."""
+    missing_sources: int = 0
+    """Interactions whose window closed before every source of ``reward.wait_for_sources`` rated
+    them (trained on the rewards they had)."""
     duplicate_rewards: int = 0
     """Copies of a reward already joined (the same record read twice: a spool replay, a producer
     retry; ignored)."""
@@ -82,6 +87,8 @@ class Contribution:
     key: str | None = None
     """The reward record's digest (:func:`reward_key`): a copy of it has the same (None in
     checkpoints from before it was kept)."""
+    source: str | None = None
+    """The reward record's ``source`` (None in checkpoints from before it was kept)."""
 
 
 def reward_key(reward: Reward) -> str:

@@ -40,6 +40,19 @@ class RewardConfig(Section):
     judge's, or the default) would be credited to the answer's start as if it were the whole answer.
     Either way, a continuation that carries its turn in its history trains it as one of its turns
     (the trajectory goes on past it)."""
+    sources: list[str] | None = None
+    """The reward sources (``Reward.source``: ``user`` unless ``/v1/feedback`` names another, ``judge``
+    for the experiments' judge) whose rewards the learner trains on; a reward from any other source is
+    counted (``join_ignored_rewards``) and not applied (it stays on the rewards topic). None: every
+    source."""
+    wait_for_sources: list[str] = []
+    """Sources an interaction waits for: it is ready for a step once each of them rated it, or when
+    its window closes with only some of them (then it trains on the rewards it has, counted as
+    ``join_missing_sources``), so that their rewards combine by ``aggregation``. Empty: ready at its
+    first reward; a reward arriving after a step took the interaction is late and not applied, so with
+    several sources the first to rate an interaction is usually the only one trained on. List the
+    sources that rate every answer (a judge, an environment): an answer waits for a listed source that
+    skips it until its window closes (``window_s``)."""
     memory_s: float | None = Field(None, gt=0)
     """How long after its creation the learner remembers an interaction id (trainer/id_memory.py).
     An interaction first read later than that is refused (counted as join_expired_interactions), so
@@ -53,6 +66,12 @@ class RewardConfig(Section):
         if not self.min_value <= self.default_value <= self.max_value:  # NaN fails too
             raise ValueError(f"default_value ({self.default_value:g}) must lie within min_value and max_value "
                              f"({self.min_value:g} to {self.max_value:g}): the learner trains on it as a reward")
+        if len(set(self.wait_for_sources)) < len(self.wait_for_sources):
+            raise ValueError(f"wait_for_sources {self.wait_for_sources} names a source twice")
+        unheard = [s for s in self.wait_for_sources if self.sources is not None and s not in self.sources]
+        if unheard:
+            raise ValueError(f"wait_for_sources names {unheard}, which sources ({self.sources}) leaves out: "
+                             "an interaction would wait for rewards that are never applied")
         if self.memory_s is not None and self.memory_s < 2 * self.window_s:
             raise ValueError(f"memory_s ({self.memory_s:g}) must be at least two reward windows "
                              f"(2 x window_s = {2 * self.window_s:g})")

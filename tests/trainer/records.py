@@ -20,8 +20,8 @@ def make_interaction(iid: str, prompt=(5, 6, 7), response=(8, 9, 10), mask=None,
 
 
 def make_reward(iid: str, value: float, turns: dict[int, float] | None = None,
-                scores: dict[str, float] | None = None) -> Reward:
-    return Reward(interaction_id=iid, value=value, created_at=0.0,
+                scores: dict[str, float] | None = None, source: str = "user") -> Reward:
+    return Reward(interaction_id=iid, value=value, created_at=0.0, source=source,
                   turn_rewards=[TurnReward(turn=t, value=v) for t, v in (turns or {}).items()], scores=scores)
 
 

@@ -11,7 +11,8 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
   candidate's answers, at its decision (``registry_monitor_*``), and
   ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
 - ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
-  ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``).
+  ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``; and
+  the reward join's, ``join_*``: rewards read, joined, late, ignored, ...: ``JoinCounters``).
 - whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every step:
   ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet; see
   :meth:`trainer.feed.Feed.unread`),

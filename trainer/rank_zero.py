@@ -154,7 +154,8 @@ class RankZero:
         keeping_up = self.feed.keeping_up(rollouts, time.time())
         if self.exporter is not None:
             self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
-                               {k.removeprefix("monitor_"): v for k, v in monitors.items()}, self.counters)
+                               {k.removeprefix("monitor_"): v for k, v in monitors.items()},
+                               {**self.counters, **joiner.counters.metrics()})
             self.exporter.keeping_up(keeping_up)
         self.tracker.log_step(at.step, averaged={  # the step's own figures: their mean over the window
             **metrics, "step_time_s": laps.seconds["step"],

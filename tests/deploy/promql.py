@@ -16,6 +16,7 @@ from serving.metrics import ServingMetrics
 from serving.monitoring import ServingMonitors
 from trainer.exporter import LearnerExporter
 from trainer.feed import KeepingUp
+from trainer.join_state import JoinCounters
 from trainer.rank_zero import COUNTERS
 
 Exported = dict[str, list[dict[str, str]]]
@@ -49,7 +50,7 @@ def exported_samples() -> Exported:
 
     learner = LearnerExporter("127.0.0.1", 0)
     try:
-        learner.step(5, 4, 0.5, {"mean_length": 10.0}, {name: 0.0 for name in COUNTERS})
+        learner.step(5, 4, 0.5, {"mean_length": 10.0}, {name: 0.0 for name in COUNTERS} | JoinCounters().metrics())
         learner.keeping_up(KeepingUp(3, 1, 2, 0, 1.5, 2.5))
         learner.decision({"repetition": 0.1}, [])
         with urllib.request.urlopen(f"http://127.0.0.1:{learner.port}/metrics", timeout=5) as response:

@@ -104,6 +104,9 @@ def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_di
     # v1 was decided at v2's release (no champion): its monitors are the candidate's
     assert ("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "candidate"))) in seen
     assert seen[("sao_learner_count", (("name", "rollbacks"),))] == 0.0
+    # the reward join's counters too: the 16 rewards of the four rounds read, none late
+    assert seen[("sao_learner_count", (("name", "join_rewards"),))] == 16.0
+    assert seen[("sao_learner_count", (("name", "join_late_rewards"),))] == 0.0
     with pytest.raises(OSError):
         _scrape(free_port)  # train() closed it
 

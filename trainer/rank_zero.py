@@ -191,14 +191,13 @@ class RankZero:
         MLflow run RUNNING, the consumer in its group or the metrics port bound. The first failure is
         raised once all were tried, unless the loop is already failing (``FAILED``, called from its
         ``finally``): then it is logged, so that the error which ended the loop is the one raised."""
-        parts = [("the checkpoint writer", self.writer.close),
-                 ("the metrics exporter", self.exporter.close if self.exporter is not None else None),
-                 ("the Kafka consumer", self.feed.close), ("the Kafka producer", self.producer.close),
-                 ("the MLflow run", lambda: self.tracker.close(status))]
+        parts = [("the checkpoint writer", self.writer.close)]
+        if self.exporter is not None:
+            parts.append(("the metrics exporter", self.exporter.close))
+        parts += [("the Kafka consumer", self.feed.close), ("the Kafka producer", self.producer.close),
+                  ("the MLflow run", lambda: self.tracker.close(status))]
         first: Exception | None = None
         for what, close in parts:
-            if close is None:
-                continue
             try:
                 close()
             except Exception as exc:  # the rest must still be closed

@@ -13,11 +13,13 @@
 # Each section runs in its own process with its own time limit; one that fails or runs out of time
 # is reported as such and the others still run. Exit status 1 when any section failed.
 #
-#   benchmarks/gpu/check.sh [--dry-run] [--out FILE] [--wheels DIR] [--sections LIST] [--work DIR]
+#   benchmarks/gpu/check.sh [--dry-run] [--no-compile] [--out FILE] [--wheels DIR] [--sections LIST] [--work DIR]
 #
 # --dry-run: the same code paths on a CPU in about a minute (tiny model, few steps, gloo instead of
 #   NCCL, the gpu tests collected but not run); the default test run runs it
 #   (tests/benchmarks/test_gpu_check.py). Its report says it is a dry run and carries no GPU numbers.
+# --no-compile: leave out the learner's compiled steps (trainer.compile): torch.compile traces through
+#   FSDP2 for about a minute even on the dry run's tiny model; the report says they were not run.
 # --out: the report (default benchmarks/results/gpu.md; a dry run's default is under /tmp).
 # --wheels DIR: install these wheels first (no index, into a temporary directory put on PYTHONPATH):
 #   for a machine without network access whose Python lacks some of the project's packages;
@@ -30,6 +32,7 @@
 set -uo pipefail
 
 DRY_RUN=0
+COMPILE=--compile
 OUT=""
 WHEELS=""
 WORK=""
@@ -37,6 +40,7 @@ SECTIONS=gpu_tests,learner_step,engines,transports
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
+        --no-compile) COMPILE="" ;;
         --out) OUT="$2"; shift ;;
         --wheels) WHEELS="$2"; shift ;;
         --sections) SECTIONS="$2"; shift ;;
@@ -67,13 +71,13 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 if [ "$DRY_RUN" = 1 ]; then
     MODE=dry-run
     MODEL=(--size tiny --dtype float32)
-    LEARNER=(--rollouts 4 --prompt-tokens 8 --action-tokens 24 --steps 2 --compile)
+    LEARNER=(--rollouts 4 --prompt-tokens 8 --action-tokens 24 --steps 2 $COMPILE)
     ENGINES=(--new-tokens 8 --concurrency 1,4 --generate-prompts 2)
     TRANSPORTS=(--repeats 2)
 else
     MODE=gpu
     MODEL=(--size half-b --dtype bfloat16)
-    LEARNER=(--rollouts 32 --prompt-tokens 128 --action-tokens 384 --steps 5 --compile)
+    LEARNER=(--rollouts 32 --prompt-tokens 128 --action-tokens 384 --steps 5 $COMPILE)
     ENGINES=(--new-tokens 128 --concurrency 1,16,64 --generate-prompts 4)
     TRANSPORTS=(--repeats 2)
 fi
@@ -111,6 +115,7 @@ section transports 120 "$PYTHON" benchmarks/gpu/transports.py --out "$WORK/trans
 
 COMMAND="benchmarks/gpu/check.sh"
 [ "$DRY_RUN" = 1 ] && COMMAND="$COMMAND --dry-run"
+[ -z "$COMPILE" ] && COMMAND="$COMMAND --no-compile"
 [ -n "$WHEELS" ] && COMMAND="$COMMAND --wheels $(basename "$WHEELS")"
 COMMAND="$COMMAND --sections $SECTIONS"
 "$PYTHON" benchmarks/gpu/report.py --work "$WORK" --out "$OUT" --mode "$MODE" --command "$COMMAND" \

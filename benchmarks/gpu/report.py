@@ -88,8 +88,8 @@ def learner_section(r: dict, mode: str) -> list[str]:
         lines += ["", *profile_lines("One more eager step under the profiler", r["profile"], "step")]
     if "phases" in r:
         lines += ["", *phase_lines(r["phases"])]
-    if "compiled" in r:
-        lines += ["", *compiled_lines(r["compiled"])]
+    lines += ["", *(compiled_lines(r["compiled"]) if "compiled" in r
+                    else ["With the bodies compiled (`trainer.compile`): not run (`--no-compile`)."])]
     return lines
 
 

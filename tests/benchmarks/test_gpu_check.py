@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.gpu import report
@@ -21,11 +22,15 @@ DRY_RUN_TIMEOUT_S = 900
 """Five processes that each import torch and transformers, on a shared 2-core machine."""
 
 
-def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["no-compile", "compiled"])
+def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path, compiled):
+    """The default run leaves out the compiled learner steps (torch.compile traces through FSDP2 for
+    about a minute on this CPU); the slow lane runs them too."""
     out = tmp_path / "gpu.md"
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "check.sh"), "--dry-run", "--out", str(out),
-                           "--work", "work"],
+                           "--work", "work", *([] if compiled else ["--no-compile"])],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     # --work, relative to where it was called from, keeps every section's files
@@ -40,7 +45,11 @@ def test_the_dry_run_runs_every_section_and_writes_its_report(tmp_path):
     # every gpu-marked test is found, the learner ran FSDP2 over a process group, each store round-tripped
     assert "test_real_cuda_export_round_trips_in_the_publishing_process" in text
     assert "on 1 rank(s), backend `gloo`" in text
-    assert "With the bodies compiled (`trainer.compile`), after " in text  # the compiled steps ran under FSDP2
+    if compiled:
+        assert "With the bodies compiled (`trainer.compile`), after " in text  # the compiled steps ran under FSDP2
+    else:
+        assert "With the bodies compiled (`trainer.compile`): not run (`--no-compile`)." in text
+        assert "--dry-run --no-compile" in text  # the command written in the report
     assert "At 8 rollouts per rank, eager: median step " in text  # --larger-batch 2 on the dry run's 4
     assert "| TorchEngine |" in text and "| TorchEngine, `kv_layout: flat` |" in text
     # the profiled runs: a learner step, one request through generate and through the engine

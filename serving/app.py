@@ -98,7 +98,8 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     serving = OpenAIServing(engine, logger, tokenizer, s, signer, trajectories, metrics,
                             stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor,
                             monitors=monitors, inflight=inflight)
-    feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s)
+    feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s,
+                               allowed_sources=s.feedback_sources)
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
     metrics.watch_monitors(monitors)

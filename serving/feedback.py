@@ -1,6 +1,7 @@
 """POST /v1/feedback: validate a reward for an interaction this deployment issued, and log it.
 
-Refused, with nothing logged: an id this deployment did not sign (403), an id
+Refused, with nothing logged: an id this deployment did not sign (403), a ``source``
+outside ``serving.feedback_sources`` when that is set (403), an id
 older than the reward window (410), a reward or per-turn reward that is not
 finite or outside ``[reward.min_value, reward.max_value]`` (422), a turn index
 beyond the trajectory's assistant turns when the trajectory is still held (422).
@@ -20,8 +21,10 @@ from serving.trajectories import TrajectoryCache
 
 class FeedbackService:
     def __init__(self, signer: InteractionIdSigner, logger: InteractionLogger, cfg: RewardConfig,
-                 trajectories: TrajectoryCache, ack_timeout_s: float = 10.0):
+                 trajectories: TrajectoryCache, ack_timeout_s: float = 10.0,
+                 allowed_sources: list[str] | None = None):
         self.ack_timeout_s = ack_timeout_s
+        self.allowed_sources = allowed_sources
         self.signer = signer
         self.logger = logger
         self.cfg = cfg
@@ -38,6 +41,10 @@ class FeedbackService:
             self.signer.verify(request.interaction_id)
         except InteractionIdError as exc:
             raise APIError(exc.status, exc.message, param="interaction_id", code=exc.code) from None
+        if self.allowed_sources is not None and request.source not in self.allowed_sources:
+            raise APIError(403, f"source {request.source!r} may not be claimed here (serving.feedback_sources: "
+                                f"{', '.join(self.allowed_sources) or 'none'})", param="source",
+                           code="source_not_allowed")
         self._in_range(request.reward, "reward")
         for i, turn in enumerate(request.turn_rewards):
             self._in_range(turn.value, f"turn_rewards[{i}].value")

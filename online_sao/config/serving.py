@@ -29,6 +29,11 @@ class ServingConfig(Section):
     """HMAC secret that signs interaction ids (set your own in production)."""
     api_keys: list[SecretStr] = []
     """Accepted API keys; required unless bound to loopback."""
+    feedback_sources: list[str] | None = None
+    """The ``source`` values ``POST /v1/feedback`` accepts (others: 403 ``source_not_allowed``, nothing
+    logged). A client names its own source, so with ``reward.sources`` trusting a source that writes
+    to Kafka itself (a judge), list here only what HTTP callers may claim (``[user]``): otherwise any
+    caller with a key can post as the judge. None: any source."""
     rate_limit_per_minute: int = Field(600, ge=1)
     """Requests per minute per API key; without keys, per client address (loopback callers
     are not limited; docs/SERVING.md, Access)."""

@@ -31,6 +31,18 @@ def test_feedback_is_logged_as_a_reward(make_harness):
     assert reward.scores is None
 
 
+def test_a_source_outside_the_allowed_ones_is_refused_and_nothing_is_logged(make_harness):
+    h = make_harness(**{"serving.feedback_sources": ["user", "thumbs"]})
+    iid = ask(h, [{"role": "user", "content": "hi"}])["interaction_id"]
+    r = h.client.post("/v1/feedback", json={"interaction_id": iid, "reward": 1.0, "source": "judge"})
+    error = assert_openai_error(r, 403, param="source", code="source_not_allowed")
+    assert "'judge'" in error["message"] and "user, thumbs" in error["message"]
+    assert h.rewards() == []
+    for body in ({"reward": 0.5}, {"reward": 0.25, "source": "thumbs"}):  # no source given: "user"
+        assert h.client.post("/v1/feedback", json={"interaction_id": iid, **body}).status_code == 200
+    assert [(x.source, x.value) for x in h.rewards()] == [("user", 0.5), ("thumbs", 0.25)]
+
+
 def test_feedback_scores_go_on_the_reward_record_and_bad_ones_are_refused(make_harness):
     h = make_harness()
     iid = ask(h, [{"role": "user", "content": "hi"}])["interaction_id"]

@@ -77,6 +77,11 @@ def check_exposure(cfg: ServingConfig) -> None:
                           "is a placeholder, public in the repository: set your own keys or bind to 127.0.0.1")
 
 
+def key_name(key: bytes) -> str:
+    """The caller name of an API key (:meth:`ApiKeyAuth.identify`): a hash prefix, not the secret."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
 def _placeholder(value: str) -> bool:
     """Whether a configured secret is one of the project's placeholders. Checked once at start
     against a constant, never against a caller's input: its timing reveals nothing."""
@@ -136,7 +141,7 @@ class ApiKeyAuth:
             matched |= hmac.compare_digest(key, candidate)
         if not matched:
             raise AuthError(401, "invalid_api_key", "invalid API key")
-        return hashlib.sha256(candidate).hexdigest()[:16]
+        return key_name(candidate)
 
     def admit(self, caller: str) -> None:
         """Take one token from the caller's bucket, or AuthError 429 with a retry hint."""

@@ -1,7 +1,8 @@
 """POST /v1/feedback: validate a reward for an interaction this deployment issued, and log it.
 
 Refused, with nothing logged: an id this deployment did not sign (403), a ``source``
-outside ``serving.feedback_sources`` when that is set (403), an id
+outside ``serving.feedback_sources`` when that is set, or one ``serving.source_keys`` binds to
+keys the caller's is not among (403), an id
 older than the reward window (410), a reward or per-turn reward that is not
 finite or outside ``[reward.min_value, reward.max_value]`` (422), a turn index
 beyond the trajectory's assistant turns when the trajectory is still held (422).
@@ -22,9 +23,11 @@ from serving.trajectories import TrajectoryCache
 class FeedbackService:
     def __init__(self, signer: InteractionIdSigner, logger: InteractionLogger, cfg: RewardConfig,
                  trajectories: TrajectoryCache, ack_timeout_s: float = 10.0,
-                 allowed_sources: list[str] | None = None):
+                 allowed_sources: list[str] | None = None, source_callers: dict[str, frozenset[str]] | None = None):
         self.ack_timeout_s = ack_timeout_s
         self.allowed_sources = allowed_sources
+        self.source_callers = source_callers or {}
+        """Source -> names of the API keys that alone may claim it (``auth.key_name``)."""
         self.signer = signer
         self.logger = logger
         self.cfg = cfg
@@ -36,7 +39,8 @@ class FeedbackService:
                                 f"[{self.cfg.min_value}, {self.cfg.max_value}]", param=param,
                            code="reward_out_of_range")
 
-    async def submit(self, request: FeedbackRequest) -> FeedbackResponse:
+    async def submit(self, request: FeedbackRequest, caller: str | None = None) -> FeedbackResponse:
+        """Validate and log ``request``; ``caller``: the name ``ApiKeyAuth.check`` gave the request."""
         try:
             self.signer.verify(request.interaction_id)
         except InteractionIdError as exc:
@@ -45,6 +49,10 @@ class FeedbackService:
             raise APIError(403, f"source {request.source!r} may not be claimed here (serving.feedback_sources: "
                                 f"{', '.join(self.allowed_sources) or 'none'})", param="source",
                            code="source_not_allowed")
+        owners = self.source_callers.get(request.source)
+        if owners is not None and caller not in owners:
+            raise APIError(403, f"source {request.source!r} may be claimed only with its own API keys "
+                                "(serving.source_keys)", param="source", code="source_not_allowed")
         self._in_range(request.reward, "reward")
         for i, turn in enumerate(request.turn_rewards):
             self._in_range(turn.value, f"turn_rewards[{i}].value")

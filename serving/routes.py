@@ -33,7 +33,8 @@ from serving.turn import Disconnected, InFlight
 
 INTERACTION_HEADER = "X-Interaction-Id"
 
-Authorize = Callable[[Request], None]
+Authorize = Callable[[Request], str]
+"""Authenticates and rate-limits a request; returns the caller's name (``ApiKeyAuth.check``)."""
 """Raises the 401/429 :class:`APIError` for a request its API key (or rate limit) does not admit."""
 
 
@@ -46,9 +47,9 @@ class ServerStatus:
 
 
 def authorizer(auth: ApiKeyAuth) -> Authorize:
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> str:
         try:
-            auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
+            return auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
         except AuthError as exc:
             headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else {}
             kind = "rate_limit_error" if exc.status == 429 else "authentication_error"
@@ -117,8 +118,8 @@ def feedback_routes(feedback: FeedbackService, authorize: Authorize) -> APIRoute
 
     @router.post("/v1/feedback")
     async def post_feedback(request: Request) -> JSONResponse:
-        authorize(request)
-        result = await feedback.submit(await parse_body(request, FeedbackRequest, 422))
+        caller = authorize(request)
+        result = await feedback.submit(await parse_body(request, FeedbackRequest, 422), caller)
         return JSONResponse(result.model_dump())
 
     return router

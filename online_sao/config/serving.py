@@ -34,6 +34,11 @@ class ServingConfig(Section):
     logged). A client names its own source, so with ``reward.sources`` trusting a source that writes
     to Kafka itself (a judge), list here only what HTTP callers may claim (``[user]``): otherwise any
     caller with a key can post as the judge. None: any source."""
+    source_keys: dict[str, list[SecretStr]] = {}
+    """Sources of ``POST /v1/feedback`` that only these API keys may claim (``{judge: [<the judge's
+    key>]}``: a judge posting over HTTP, users on keys of their own); another key claiming one gets 403
+    ``source_not_allowed``. Each key must also be in ``api_keys``. A source not named here is open to
+    every key, within ``feedback_sources``."""
     rate_limit_per_minute: int = Field(600, ge=1)
     """Requests per minute per API key; without keys, per client address (loopback callers
     are not limited; docs/SERVING.md, Access)."""
@@ -182,4 +187,17 @@ class ServingConfig(Section):
     def _compile_fits_the_engine(self) -> "ServingConfig":
         if self.compile and self.engine != "torch":
             raise ValueError("serving.compile applies to the torch engine (vLLM compiles its own graphs)")
+        return self
+
+    @model_validator(mode="after")
+    def _source_keys_are_api_keys(self) -> "ServingConfig":
+        accepted = {key.get_secret_value() for key in self.api_keys}  # at start, never against a caller's input
+        for source, keys in self.source_keys.items():
+            if not keys:
+                raise ValueError(f"serving.source_keys.{source} lists no key: no caller could claim it")
+            if not all(key.get_secret_value() in accepted for key in keys):
+                raise ValueError(f"serving.source_keys.{source} holds a key that is not in serving.api_keys")
+            if self.feedback_sources is not None and source not in self.feedback_sources:
+                raise ValueError(f"serving.source_keys names {source!r}, which serving.feedback_sources "
+                                 f"({self.feedback_sources}) refuses anyway")
         return self

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from pydantic import ValidationError
 
+from online_sao.config import ServingConfig
 from serving.ids import InteractionIdSigner
 from tests.serving.conftest import ANSWER
 from tests.serving.test_app_errors import assert_openai_error
@@ -41,6 +43,33 @@ def test_a_source_outside_the_allowed_ones_is_refused_and_nothing_is_logged(make
     for body in ({"reward": 0.5}, {"reward": 0.25, "source": "thumbs"}):  # no source given: "user"
         assert h.client.post("/v1/feedback", json={"interaction_id": iid, **body}).status_code == 200
     assert [(x.source, x.value) for x in h.rewards()] == [("user", 0.5), ("thumbs", 0.25)]
+
+
+def test_a_source_bound_to_keys_is_refused_to_every_other_key(make_harness):
+    h = make_harness(**{"serving.api_keys": ["user-key", "judge-key"],
+                        "serving.source_keys": {"judge": ["judge-key"]}})
+    as_user, as_judge = ({"Authorization": f"Bearer {key}"} for key in ("user-key", "judge-key"))
+    r = h.client.post(CHAT, json={"model": "online-sao", "messages": [{"role": "user", "content": "hi"}]},
+                      headers=as_user)
+    iid = r.json()["interaction_id"]
+    r = h.client.post("/v1/feedback", json={"interaction_id": iid, "reward": 1.0, "source": "judge"}, headers=as_user)
+    assert "serving.source_keys" in assert_openai_error(r, 403, param="source", code="source_not_allowed")["message"]
+    assert h.rewards() == []
+    for body, headers in (({"reward": 0.5, "source": "judge"}, as_judge), ({"reward": 0.25}, as_user),
+                          ({"reward": 0.0}, as_judge)):  # a judge's key may claim the open sources too
+        assert h.client.post("/v1/feedback", json={"interaction_id": iid, **body}, headers=headers).status_code == 200
+    assert [(x.source, x.value) for x in h.rewards()] == [("judge", 0.5), ("user", 0.25), ("user", 0.0)]
+
+
+@pytest.mark.parametrize("serving, message", [
+    ({"source_keys": {"judge": ["judge-key"]}}, "not in serving.api_keys"),
+    ({"api_keys": ["judge-key"], "source_keys": {"judge": []}}, "lists no key"),
+    ({"api_keys": ["judge-key"], "source_keys": {"judge": ["judge-key"]}, "feedback_sources": ["user"]},
+     "refuses anyway"),
+])
+def test_source_keys_that_cannot_work_are_refused(serving, message):
+    with pytest.raises(ValidationError, match=message):
+        ServingConfig(**serving)
 
 
 def test_feedback_scores_go_on_the_reward_record_and_bad_ones_are_refused(make_harness):

@@ -28,7 +28,7 @@ from typing import Protocol
 from fastapi import FastAPI
 
 from online_sao.config import Config
-from serving.auth import ApiKeyAuth, key_name
+from serving.auth import ApiKeyAuth, source_callers
 from serving.engine.base import InferenceEngine
 from serving.engine.canary import CanaryEngine
 from serving.feedback import FeedbackService
@@ -99,10 +99,7 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
                             stop_token_ids=stop_token_ids, max_model_len=max_model_len, redactor=redactor,
                             monitors=monitors, inflight=inflight)
     feedback = FeedbackService(signer, logger, cfg.reward, trajectories, ack_timeout_s=s.log_ack_timeout_s,
-                               allowed_sources=s.feedback_sources,
-                               source_callers={source: frozenset(key_name(k.get_secret_value().encode("utf-8"))
-                                                                 for k in keys)
-                                               for source, keys in s.source_keys.items()})
+                               allowed_sources=s.feedback_sources, source_callers=source_callers(s.source_keys))
     metrics.watch(queue_depth=lambda: logger.queue_depth, spool_bytes=lambda: logger.spool_bytes,
                   spool_records=lambda: logger.spool_records, policy_version=lambda: engine.policy_version)
     metrics.watch_monitors(monitors)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pydantic import SecretStr
+
 from online_sao.config import ConfigError, ServingConfig
 
 ANONYMOUS = "anonymous"
@@ -80,6 +82,12 @@ def check_exposure(cfg: ServingConfig) -> None:
 def key_name(key: bytes) -> str:
     """The caller name of an API key (:meth:`ApiKeyAuth.identify`): a hash prefix, not the secret."""
     return hashlib.sha256(key).hexdigest()[:16]
+
+
+def source_callers(source_keys: dict[str, list[SecretStr]]) -> dict[str, frozenset[str]]:
+    """``serving.source_keys`` as source -> the caller names of its keys."""
+    return {source: frozenset(key_name(key.get_secret_value().encode("utf-8")) for key in keys)
+            for source, keys in source_keys.items()}
 
 
 def _placeholder(value: str) -> bool:

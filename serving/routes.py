@@ -34,8 +34,8 @@ from serving.turn import Disconnected, InFlight
 INTERACTION_HEADER = "X-Interaction-Id"
 
 Authorize = Callable[[Request], str]
-"""Authenticates and rate-limits a request; returns the caller's name (``ApiKeyAuth.check``)."""
-"""Raises the 401/429 :class:`APIError` for a request its API key (or rate limit) does not admit."""
+"""Raises the 401/429 :class:`APIError` for a request its API key (or rate limit) does not admit;
+returns the caller's name (``ApiKeyAuth.check``) for one it admits."""
 
 
 @dataclass

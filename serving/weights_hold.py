@@ -3,9 +3,10 @@
 ``online-sao weights hold`` puts a ``hold`` notice on the weights topic (a compaction key of its
 own, so the newest hold or release is never compacted away): every replica loads the held version
 (forced, older or not) and stops following the learner's publishes and rollbacks; a canary's
-champion still follows ``champion`` notices but answers no request until the release. ``online-sao weights release`` puts a ``release``
-notice: the replica then goes where the notices it deferred lead, as if the hold had never been:
-back to what it served before the hold, or to what the learner published or rolled back to since.
+champion still follows ``champion`` notices but answers no request until the release.
+``online-sao weights release`` puts a ``release`` notice: the replica then goes where the notices
+it deferred lead, as if the hold had never been: back to what it served before the hold, or to what
+the learner published or rolled back to since.
 
 A hold whose version cannot be loaded (its file gone, corrupt) leaves the replica on the weights
 it has, still held: an operator who asked for a hold gets no version the learner publishes

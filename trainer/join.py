@@ -216,8 +216,11 @@ class RewardJoiner(TrajectoryRules):
             iid, contributions = next(iter(self._held.items()))
             if contributions[0].ts + self.cfg.window_s >= ts:
                 break
-            self._held.popitem(last=False)
-            self.counters.expired_rewards += len(contributions)
+            del self._held[iid]
+            kept = [c for c in contributions if c.ts + self.cfg.window_s >= ts]  # each expires on its own
+            self.counters.expired_rewards += len(contributions) - len(kept)
+            if kept:  # to the end: its oldest is newer than the oldest still to check
+                self._held[iid] = kept
         self.memory.advance(ts)
 
     # -- output --------------------------------------------------------------------------

@@ -105,6 +105,15 @@ def test_held_reward_expires_when_its_interaction_never_comes():
     assert j.num_held_rewards == 0 and j.counters.expired_rewards == 1
 
 
+def test_held_rewards_of_one_interaction_expire_each_on_its_own_time():
+    j = joiner(aggregation="mean")
+    j.add_reward(make_reward("a", 1.0), ts=0.0)
+    j.add_reward(make_reward("a", 3.0), ts=5.0)
+    j.add_interaction(make_interaction("a"), ts=12.0)  # past the first reward's window, within the second's
+    assert [x.reward for x in take_all(j)] == [3.0]
+    assert j.counters.expired_rewards == 1
+
+
 def test_duplicate_interaction_is_ignored():
     j = joiner()
     j.add_interaction(make_interaction("a"), ts=0.0)

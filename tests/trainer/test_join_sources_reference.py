@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from online_sao.config import RewardConfig
@@ -95,7 +95,7 @@ traffic = st.lists(st.tuples(event, st.integers(0, 6)), min_size=1, max_size=40)
 
 
 @pytest.mark.parametrize("awaited", [[], ["judge"], ["judge", "user"]])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None)
 @given(events=traffic)
 def test_the_join_follows_the_reference_on_random_traffic(awaited, events):
     trusted = ["judge", "user"]

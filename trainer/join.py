@@ -125,7 +125,7 @@ class RewardJoiner(TrajectoryRules):
             self._refuse_aborted(iid, anchor)
             return
         entry = Entry(interaction, ts, anchor)
-        for contribution in self._held.pop(iid, []):
+        for contribution in self._pop_held(iid):
             self._join_own(entry, contribution)
         self._claim_ancestors(entry)
         if self._rated(entry):
@@ -219,7 +219,7 @@ class RewardJoiner(TrajectoryRules):
             del self._held[iid]
             kept = [c for c in contributions if c.ts + self.cfg.window_s >= ts]  # each expires on its own
             self.counters.expired_rewards += len(contributions) - len(kept)
-            if kept:  # to the end: its oldest is newer than the oldest still to check
+            if kept:  # checked again when the loop reaches it, and when its interaction comes (_pop_held)
                 self._held[iid] = kept
         self.memory.advance(ts)
 
@@ -284,6 +284,15 @@ class RewardJoiner(TrajectoryRules):
 
     def _window_end(self, entry: Entry) -> float:
         return entry.ts + self.cfg.window_s
+
+    def _pop_held(self, iid: str) -> list[Contribution]:
+        """The rewards held for ``iid`` that have not expired (those that have are counted): the loop in
+        :meth:`advance` releases them in the order their ids were first held, so a reward behind a newer
+        one may outlive its window there."""
+        held = self._held.pop(iid, [])
+        live = [c for c in held if self.watermark is None or c.ts + self.cfg.window_s >= self.watermark]
+        self.counters.expired_rewards += len(held) - len(live)
+        return live
 
     def _late(self, iid: str, reward: Reward) -> None:
         self.counters.late_rewards += 1

@@ -37,6 +37,7 @@ class TrajectoryRules:
     _held: OrderedDict[str, list[Contribution]]
     _claims: dict[str, str]
     _pending: Callable[[str], Entry | None]
+    _pop_held: Callable[[str], list[Contribution]]
     _window_end: Callable[[Entry], float]
 
     def _join_routed(self, owner: Entry, contribution: Contribution, origin: str) -> None:
@@ -52,7 +53,7 @@ class TrajectoryRules:
     def _arrived_superseded(self, iid: str, anchor: float) -> None:
         """The record of an interaction whose turns a continuation holds (pending) or trained."""
         self.counters.superseded += 1
-        held = self._held.pop(iid, [])
+        held = self._pop_held(iid)
         owner_id = self._claims.get(iid)
         if owner_id is None:  # the continuation was trained already: so were these turns
             self.memory.remember(iid, anchor, trained=True, seen=True)
@@ -88,7 +89,7 @@ class TrajectoryRules:
                 continue  # trained and forgotten, or not read yet: not trained here (_take)
             entry.claimed[origin] = Claim(entry.anchor, seen=False)
             self._claims[origin] = entry.iid
-            for contribution in self._held.pop(origin, []):
+            for contribution in self._pop_held(origin):
                 self._join_routed(entry, contribution, origin)
 
     def _absorb(self, entry: Entry, ancestor: Entry) -> None:

@@ -114,6 +114,16 @@ def test_held_rewards_of_one_interaction_expire_each_on_its_own_time():
     assert j.counters.expired_rewards == 1
 
 
+def test_a_held_reward_past_its_window_is_not_applied_whatever_the_order_it_was_held_in():
+    j = joiner()
+    j.add_reward(make_reward("a", 1.0), ts=0.0)
+    j.add_reward(make_reward("a", 2.0), ts=1.0)
+    j.add_reward(make_reward("b", 3.0), ts=7.0)  # held after a's: the release of held rewards stops at it
+    j.advance(11.0)  # a's first reward expires; its second (window to 11) is kept
+    j.add_interaction(make_interaction("a"), ts=12.0)  # a's second reward has expired by now too
+    assert take_all(j) == [] and j.counters.expired_rewards == 2
+
+
 def test_duplicate_interaction_is_ignored():
     j = joiner()
     j.add_interaction(make_interaction("a"), ts=0.0)

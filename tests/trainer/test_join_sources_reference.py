@@ -95,7 +95,7 @@ traffic = st.lists(st.tuples(event, st.integers(0, 6)), min_size=1, max_size=40)
 
 
 @pytest.mark.parametrize("awaited", [[], ["judge"], ["judge", "user"]])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(events=traffic)
 def test_the_join_follows_the_reference_on_random_traffic(awaited, events):
     trusted = ["judge", "user"]

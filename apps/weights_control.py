@@ -79,8 +79,8 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
     state = read_weights_topic(backend, topic, model)
     target = _target(state, version, champion)
-    store = open_weight_store(cfg.weight_store_url)
-    if not isinstance(store, FileWeightStore):
+    store = _file_store(cfg)
+    if store is None:
         raise HoldError(f"a hold copies the version out of the learner's pruning, which needs the file weight "
                         f"store; trainer.weight_store is {cfg.weight_store_url!r}")
     try:
@@ -135,13 +135,17 @@ def _send(backend: StreamBackend, topic: str, notice: WeightsNotice) -> None:
         producer.close()
 
 
+def _file_store(cfg: Config) -> FileWeightStore | None:
+    """The learner's weight store, if it is the file store a hold can copy from (else None)."""
+    store = open_weight_store(cfg.weight_store_url)
+    return store if isinstance(store, FileWeightStore) else None
+
+
 def holdable_versions(cfg: Config, state: WeightsTopic) -> list[int] | None:
     """The versions a hold can name: on the topic, their weights still in the store (None: the
     store is not one a hold can copy from)."""
-    store = open_weight_store(cfg.weight_store_url)
-    if not isinstance(store, FileWeightStore):
-        return None
-    return sorted(set(state.by_version) & set(store.versions()))
+    store = _file_store(cfg)
+    return None if store is None else sorted(set(state.by_version) & set(store.versions()))
 
 
 def describe(state: WeightsTopic, now: float, holdable: list[int] | None = None) -> list[str]:

@@ -152,7 +152,7 @@ class DriftResponse:
         return metrics
 
     def _within_lag(self, rewards: list[float], versions: list[int], next_version: int, scores: list[float] | None
-                 ) -> tuple[list[float], list[int], list[float] | None, int]:
+                    ) -> tuple[list[float], list[int], list[float] | None, int]:
         """The step's rewards, versions and scores of answers sampled within ``max_version_lag`` of
         ``next_version``, and how many were left out."""
         lag = self.cfg.max_version_lag

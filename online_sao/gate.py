@@ -89,6 +89,9 @@ class GateSettings:
     is at least this (module docstring); None, with ``reward_max``: the interval is not widened."""
     reward_max: float | None = None
     """Largest reward there is (``reward.max_value``)."""
+    reward_definition: str = ""
+    """What the rewards mean (``RewardConfig.definition``): records measured here carry it, and a
+    record measured under another is not decided on (online_sao/gate_record.py). Empty: unknown."""
 
     def __post_init__(self) -> None:
         if (self.reward_min is None) != (self.reward_max is None):

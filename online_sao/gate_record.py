@@ -26,6 +26,15 @@ is worse by the current rewards is left undecided (serving keeps the champion as
 roll-back target) and the monitors, which need no champion, can still roll it back. The
 candidate's side is widened by the mass of it the window does not cover, as on a same-window
 decision (online_sao/gate.py, "What the window does not cover"); the record's side is as measured.
+A record holds only under the rewards it was measured with. A drift restart starts without one,
+but an operator can change what a reward means without a restart: another source trained on,
+another aggregation, a new judge prompt. A record measured under the old rewards would then be a
+stale bar, and a candidate compared with a record on a lower scale would be promoted however it
+does now. So each record carries the reward definition it was measured under
+(``RewardConfig.definition``: a digest of the reward settings and ``reward.revision``), and one
+measured under another (:func:`comparable`) is not decided on: the learner treats the champion as
+having no record and measures a new one where it can. A record written before definitions were kept
+has none and is taken as measured under the current one.
 The record is read from one tag, ``record`` (all its fields, written in one registry call, so a
 refresh cut short leaves the old record or the new one, never a mix); the ``record.*`` tags beside
 it are the same fields for people reading the registry, written before it. A registry written by
@@ -52,6 +61,9 @@ RECORD_TAG = "record"
 """The registry tag the record is read from: every field in one JSON object, so that one registry
 call writes it whole."""
 RECORD_TAGS = ("record.value", "record.se", "record.n", "record.ess", "record.window_versions")
+DEFINITION_TAG = "record.reward_definition"
+"""The readable tag of the record's reward definition (not in :data:`RECORD_TAGS`: records written
+before definitions were kept lack it and are still complete)."""
 """The record's fields one tag each, for people reading the registry (and the only record older code
 wrote). Written one registry call each, so a learner stopped between two calls leaves some of them
 new and some old: they are read only when ``record`` is absent."""
@@ -68,14 +80,17 @@ class ValueRecord:
     ess: float
     window: tuple[int, int]
     """Lowest and highest policy version that sampled the rollouts it was measured on."""
+    reward_definition: str = ""
+    """The rewards it was measured under (``RewardConfig.definition``); empty: not known (a record
+    written before definitions were kept)."""
 
     def tags(self) -> dict[str, str]:
         """The registry tags, in the order to write them: the readable ones first, ``record`` last."""
         whole = json.dumps({"value": self.value, "se": self.se, "n": self.n, "ess": self.ess,
-                            "window": list(self.window)})
+                            "window": list(self.window), "reward_definition": self.reward_definition})
         return {"record.value": repr(self.value), "record.se": repr(self.se), "record.n": str(self.n),
                 "record.ess": repr(self.ess), "record.window_versions": f"{self.window[0]}-{self.window[1]}",
-                RECORD_TAG: whole}
+                DEFINITION_TAG: self.reward_definition, RECORD_TAG: whole}
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> ValueRecord | None:
@@ -87,7 +102,7 @@ class ValueRecord:
                 fields = json.loads(tags[RECORD_TAG])
                 low, high = fields["window"]
                 return cls(float(fields["value"]), float(fields["se"]), int(fields["n"]), float(fields["ess"]),
-                           (int(low), int(high)))
+                           (int(low), int(high)), str(fields.get("reward_definition", "")))
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning("champion's record is unreadable (%r; tag %s=%r): treated as no record", exc,
                             RECORD_TAG, tags[RECORD_TAG])
@@ -103,11 +118,18 @@ class ValueRecord:
         try:
             low, high = tags["record.window_versions"].split("-")
             return cls(float(tags["record.value"]), float(tags["record.se"]), int(tags["record.n"]),
-                       float(tags["record.ess"]), (int(low), int(high)))
+                       float(tags["record.ess"]), (int(low), int(high)), tags.get(DEFINITION_TAG, ""))
         except ValueError as exc:
             log.warning("champion's record is unreadable (%s; tags %s): treated as no record", exc,
                         {key: tags[key] for key in RECORD_TAGS})
             return None
+
+
+def comparable(record: ValueRecord, settings: GateSettings) -> bool:
+    """Whether ``record`` was measured under the rewards the gate decides on now (module docstring):
+    the same reward definition, or one of the two not known."""
+    return not record.reward_definition or not settings.reward_definition \
+        or record.reward_definition == settings.reward_definition
 
 
 def _meets_floors(n: int, ess: float, settings: GateSettings) -> bool:
@@ -125,7 +147,7 @@ def measure(rewards: torch.Tensor, log_ratio: torch.Tensor, settings: GateSettin
     value, metrics = snis_estimate(rewards, log_ratio, settings.weight_clip)
     if not _meets_floors(n, metrics["ess"], settings):
         return None
-    return ValueRecord(value, metrics["se"], n, metrics["ess"], window)
+    return ValueRecord(value, metrics["se"], n, metrics["ess"], window, settings.reward_definition)
 
 
 def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
@@ -134,7 +156,7 @@ def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRec
     if not _meets_floors(evidence.n, evidence.candidate_ess, settings):
         return None
     return ValueRecord(evidence.candidate_value, evidence.candidate_se, evidence.n, evidence.candidate_ess,
-                       evidence.window)
+                       evidence.window, settings.reward_definition)
 
 
 def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
@@ -143,7 +165,7 @@ def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueReco
     if evidence.basis != "window" or not _meets_floors(evidence.n, evidence.champion_ess, settings):
         return None
     return ValueRecord(evidence.champion_value, evidence.champion_se, evidence.n, evidence.champion_ess,
-                       evidence.window)
+                       evidence.window, settings.reward_definition)
 
 
 def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
@@ -156,7 +178,11 @@ def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
 def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, record: ValueRecord,
                           settings: GateSettings, window: tuple[int, int] = (0, 0)) -> GateEvidence:
     """The candidate's estimate on the window (``[B]`` rewards and sequence log-ratios) against the
-    champion's ``record`` (module docstring); never ``rolled_back``."""
+    champion's ``record`` (module docstring); never ``rolled_back``. A ``record`` measured under other
+    rewards (:func:`comparable`) is an error: the caller treats it as none."""
+    if not comparable(record, settings):
+        raise ValueError(f"the record was measured under reward definition {record.reward_definition}, "
+                         f"the gate decides under {settings.reward_definition}")
     n = int(rewards.shape[0])
     if n == 0:
         nan = math.nan

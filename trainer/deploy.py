@@ -17,6 +17,7 @@ training rule's own reference is (sharded, perhaps an EMA).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -37,12 +38,17 @@ from online_sao.monitors import (dead_letter_share, mean_answer_length, mean_sco
 from online_sao.train_step import policy_logprobs
 from online_sao.weights import WeightsRef, WeightStore
 
+log = logging.getLogger(__name__)
+
 
 class RecentWindow:
     """The newest ``size`` trained rollouts, plus the learner's read and dead-letter counts
     when the current candidate was registered (the dead-letter monitor's baseline)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, reward_definition: str = "") -> None:
+        self.reward_definition = reward_definition
+        """What the rewards of the rollouts observed mean (``RewardConfig.definition``; empty: not known).
+        A window checkpointed under another is not restored (:meth:`load_state_dict`)."""
         self.rollouts: deque[Rollout] = deque(maxlen=size)
         self.since_registration: tuple[float, float] = (0.0, 0.0)
         """(records read, dead letters) when the candidate was registered."""
@@ -83,11 +89,22 @@ class RecentWindow:
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration),
-                "observed": self.observed, "registered_at": self.registered_at}
+                "observed": self.observed, "registered_at": self.registered_at,
+                "reward_definition": self.reward_definition}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpointed window. Its rollouts are left out if they were rewarded under another
+        reward definition than this window's (the learner restarted with other ``reward.*``
+        settings): scored with the rewards of now, they would mix two scales in one decision."""
         self.rollouts.clear()
-        self.rollouts.extend(rollouts_from_json(state.get("window", [])))
+        kept = rollouts_from_json(state.get("window", []))
+        saved = state.get("reward_definition", "")
+        if kept and saved and self.reward_definition and saved != self.reward_definition:
+            log.warning("the gate's window of %d rollouts was rewarded under reward definition %s, the learner's "
+                        "is now %s: not restored; the gate decides on the rollouts trained from now on",
+                        len(kept), saved, self.reward_definition)
+            kept = []
+        self.rollouts.extend(kept)
         read, dead = state.get("since_registration", (0.0, 0.0))
         self.since_registration = (float(read), float(dead))
         # a checkpoint from before the canary: every kept rollout counts as observed since registration
@@ -190,13 +207,16 @@ class OffPolicyGate:
     (docs/DEPLOY.md, "Measured on the drift scenario")."""
 
     def __init__(self, scorer: VersionScorer, cfg: DeployConfig,
-                 reward_range: tuple[float, float] | None = None) -> None:
+                 reward_range: tuple[float, float] | None = None, reward_definition: str = "") -> None:
         """``reward_range``: (lowest, highest) reward (``reward.min_value``, ``reward.max_value``) for
-        ``deploy.gate_coverage_bound``; None: the interval is not widened."""
+        ``deploy.gate_coverage_bound``; None: the interval is not widened. ``reward_definition``: what
+        the rewards mean (``RewardConfig.definition``), carried by the records this gate measures;
+        empty: not known."""
         self.scorer = scorer
         bounds = reward_range if cfg.gate_coverage_bound and reward_range is not None else (None, None)
         self.settings = GateSettings(cfg.gate_min_rollouts, cfg.gate_min_ess, cfg.gate_confidence, cfg.gate_margin,
-                                     cfg.gate_weight_clip, reward_min=bounds[0], reward_max=bounds[1])
+                                     cfg.gate_weight_clip, reward_min=bounds[0], reward_max=bounds[1],
+                                     reward_definition=reward_definition)
         self.canary_share = cfg.canary_share
         """The share of requests serving answers with the champion (0: no canary)."""
         self.use_records = cfg.gate_champion_record

@@ -33,7 +33,7 @@ from torch import nn
 
 from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence
-from online_sao.gate_record import ValueRecord, candidate_record, champion_record
+from online_sao.gate_record import ValueRecord, candidate_record, champion_record, comparable
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from online_sao.weights import WeightsRef, WeightStore
 from streams.base import Producer, StreamBackend
@@ -228,12 +228,13 @@ class Releases:
             record = self.gate.record_of(candidate[1], self.window)
             evidence = {"gate.decision": "no_champion", **lost, **monitors.tags(), **(record.tags() if record else {})}
         else:
+            set_aside: dict[str, str] = {}
             gate = self.gate.compare(candidate[1], champion[1], self.window,
-                                     lambda: self._champion_record(champion[1]))
+                                     lambda: self._champion_record(champion, set_aside))
             decision = GATE_TO_REGISTRY[gate.decision]
             if monitors.tripped:
                 decision = "rolled_back"
-            evidence = {**gate.tags(), **monitors.tags()}
+            evidence = {**gate.tags(), **set_aside, **monitors.tags()}
             self._keep_records(gate, decision, evidence)
         log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
                  ", ".join(f"{k}={v}" for k, v in evidence.items()))
@@ -246,13 +247,22 @@ class Releases:
             self._new_champion(candidate[1], step)
         return decision, back
 
-    def _champion_record(self, champion: WeightsRef) -> ValueRecord | None:
-        """The champion's record, asked for by the gate when it cannot score the champion; a drift
-        restart, which has none, gets one measured on the window's rollouts sampled since it
-        (traffic of the new preference it was not trained on), once that meets the gate's floors
-        (online_sao/gate_record.py)."""
+    def _champion_record(self, champion: tuple[int, WeightsRef], set_aside: dict[str, str]) -> ValueRecord | None:
+        """The champion's record, asked for by the gate when it cannot score the champion. One measured
+        under other rewards (``reward.*`` changed since) is set aside, said in the log and in
+        ``set_aside`` (the decision's evidence). A champion without a usable one (a drift restart, or
+        that) gets one measured on the window's rollouts sampled since it, rollouts it was not
+        trained on, once that meets the gate's floors (online_sao/gate_record.py)."""
         record = self.tracker.champion_record()
-        if record is None and (record := self.gate.record_of(champion, self.window)) is not None:
+        if record is not None and not comparable(record, self.gate.settings):
+            log.warning("registry: champion v%d's record was measured under other rewards (reward definition %s; "
+                        "the learner's is %s): not decided on. The candidate is decided on the window alone "
+                        "until the champion can be scored there, or a record of it is measured on the traffic "
+                        "since it (docs/DEPLOY.md)", champion[0], record.reward_definition,
+                        self.gate.settings.reward_definition)
+            set_aside["gate.record_set_aside"] = f"reward definition {record.reward_definition}"
+            record = None
+        if record is None and (record := self.gate.record_of(champion[1], self.window)) is not None:
             self.tracker.tag_champion(record.tags())
         return record
 

@@ -98,7 +98,7 @@ class RankZero:
         producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
         publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
                               cfg.trainer.keep_versions, stop=stop, dtype=getattr(torch, cfg.model.dtype))
-        window = RecentWindow(cfg.deploy.window)
+        window = RecentWindow(cfg.deploy.window, cfg.reward.definition())
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
                     group_size, stop)
@@ -107,7 +107,8 @@ class RankZero:
         if exporter is not None:
             log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
         scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-        gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value))
+        gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value),
+                             cfg.reward.definition())
         releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
                             reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                             on_decision=None if exporter is None else exporter.decision)

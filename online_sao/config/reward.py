@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -53,6 +55,11 @@ class RewardConfig(Section):
     several sources the first to rate an interaction is usually the only one trained on. List the
     sources that rate every answer (a judge, an environment): an answer waits for a listed source that
     skips it until its window closes (``window_s``)."""
+    revision: str = Field("", max_length=200)
+    """What the rewards mean outside this config: the judge's prompt or model, the rating scale users
+    see. Change it when that changes: the gate compares a candidate with the champion's record (its
+    reward measured earlier, docs/DEPLOY.md) only if the record was measured under the same
+    revision and the same settings here (``RewardConfig.definition``)."""
     memory_s: float | None = Field(None, gt=0)
     """How long after its creation the learner remembers an interaction id (trainer/id_memory.py).
     An interaction first read later than that is refused (counted as join_expired_interactions), so
@@ -76,6 +83,19 @@ class RewardConfig(Section):
             raise ValueError(f"memory_s ({self.memory_s:g}) must be at least two reward windows "
                              f"(2 x window_s = {2 * self.window_s:g})")
         return self
+
+    def definition(self) -> str:
+        """A digest (16 hex digits) of what sets a trained reward's value: the settings above that
+        choose and combine rewards (``sources``, ``wait_for_sources``, ``aggregation``, ``on_missing``,
+        ``default_value`` where it is used, the accepted range) and ``revision``. Rewards are on one
+        scale only if their definitions are equal. Timing settings (windows, memory) are left out:
+        they change which rewards arrive in time, not what one means."""
+        fields = {"sources": sorted(self.sources) if self.sources is not None else None,
+                  "wait_for_sources": sorted(self.wait_for_sources), "aggregation": self.aggregation,
+                  "on_missing": self.on_missing,
+                  "default_value": self.default_value if self.on_missing == "default" else None,
+                  "min_value": self.min_value, "max_value": self.max_value, "revision": self.revision}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def id_memory_s(self) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from online_sao.gate import GateSettings, decide, snis_standard_error
 from online_sao.gate_record import (ValueRecord, candidate_record, champion_record, champion_unscorable,
-                                    decide_against_record)
+                                    comparable, decide_against_record, measure)
 
 SETTINGS = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
 Z90 = 1.6448536269514722
@@ -107,7 +107,8 @@ def test_the_record_is_read_from_its_one_tag_whatever_the_readable_tags_say():
     cut_short = {**old.tags(), **{key: value for key, value in new.tags().items() if key != "record"}}
     assert cut_short["record.value"] == "0.25" and ValueRecord.from_tags(cut_short) == old
     assert ValueRecord.from_tags({**cut_short, "record": new.tags()["record"]}) == new
-    assert json.loads(new.tags()["record"]) == {"value": 0.25, "se": 0.125, "n": 50, "ess": 30.0, "window": [50, 59]}
+    assert json.loads(new.tags()["record"]) == {"value": 0.25, "se": 0.125, "n": 50, "ess": 30.0, "window": [50, 59],
+                                                "reward_definition": ""}
     assert list(new.tags())[-1] == "record"  # written last
 
 
@@ -135,3 +136,40 @@ def test_an_incomplete_or_unreadable_legacy_record_is_no_record_and_is_named(cap
     assert caplog.text.count("unreadable") == 2 and "thirty" in caplog.text
     caplog.clear()
     assert ValueRecord.from_tags({"gate.decision": "drift_restart"}) is None and caplog.text == ""  # none: quiet
+
+
+UNDER_A = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_definition="a" * 16)
+UNDER_B = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_definition="b" * 16)
+
+
+def test_records_carry_the_reward_definition_they_were_measured_under():
+    measured = measure(THIRTY_OF_FORTY, torch.zeros(40), UNDER_A, (3, 5))
+    assert (measured.value, measured.se, measured.n, measured.ess) == pytest.approx((0.75, SE_THIRTY_OF_FORTY, 40, 40.0))
+    assert (measured.window, measured.reward_definition) == ((3, 5), "a" * 16)
+    evidence = decide(THIRTY_OF_FORTY, torch.zeros(40), torch.zeros(40), UNDER_A, (3, 5))
+    assert candidate_record(evidence, UNDER_A).reward_definition == "a" * 16
+    assert champion_record(evidence, UNDER_A).reward_definition == "a" * 16
+    tags = measured.tags()
+    assert tags["record.reward_definition"] == "a" * 16 and ValueRecord.from_tags(tags) == measured
+    readable_only = {key: value for key, value in tags.items() if key != "record"}  # a write cut short
+    assert ValueRecord.from_tags(readable_only) == measured
+
+
+def test_a_record_under_other_rewards_is_not_decided_on():
+    """A record of 0.2 under definition a; the gate now decides under b, where the candidate's 0.75
+    would be promoted against it (0.75 - 0.2 is far above -margin) whatever b's scale is."""
+    record = ValueRecord(0.2, 0.05, 40, 30.0, (1, 2), "a" * 16)
+    assert comparable(record, UNDER_A) and not comparable(record, UNDER_B)
+    assert decide_against_record(THIRTY_OF_FORTY, torch.zeros(40), record, UNDER_A).decision == "promoted"
+    with pytest.raises(ValueError, match="measured under reward definition a{16}, the gate decides under b{16}"):
+        decide_against_record(THIRTY_OF_FORTY, torch.zeros(40), record, UNDER_B)
+
+
+def test_a_record_or_gate_without_a_definition_is_taken_as_comparable():
+    """Records written before definitions were kept have none: they are read as measured under the
+    current rewards (an upgrade is not a reward change); a gate that does not know its rewards'
+    definition (benchmarks, tests) compares every record."""
+    legacy = {"record": json.dumps({"value": 0.5, "se": 0.05, "n": 40, "ess": 30.0, "window": [1, 2]})}
+    old = ValueRecord.from_tags(legacy)
+    assert old == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2), "") and comparable(old, UNDER_B)
+    assert comparable(ValueRecord(0.5, 0.05, 40, 30.0, (1, 2), "a" * 16), SETTINGS)

@@ -131,3 +131,43 @@ def test_a_drift_restart_is_judged_on_the_traffic_since_it(registry_cfg):
     assert first["decision"] == "promoted" and first["gate.basis"] == "record"
     assert first["gate.record_window_versions"] == "9-11" and float(first["gate.champion_value"]) == pytest.approx(0.2)
     assert tracker.champion()[0] == 10
+
+
+def test_a_record_measured_under_other_rewards_is_set_aside(registry_cfg, caplog):
+    """The stale-champion scenario (rewards pay B; v1-5 sample B with probability 0.001, v6-12 with
+    0.95), with the learner restarted before v8 under other reward settings (definition b for a).
+    Champion v4's record (0.0, on v4's and v5's answers) was measured under a: at v8 it is set aside,
+    and v4 gets a record measured anew on the window's 120 answers since it (v5's 40 A, v6's and
+    v7's 76 B and 4 A): weights 1 on v5's, 0.001/0.95 on a B answer and 0.999/0.05 on an A one, ESS
+    (40 + 76 * 0.00105 + 4 * 19.98)^2 / (40 + 76 * 0.00105^2 + 4 * 19.98^2), about 8.8 >= 8."""
+    cfg = registry_cfg
+    prob_b = {v: 0.001 if v <= 5 else 0.95 for v in range(1, 13)}
+    backend, publisher, tracker, window = _registry_parts(cfg)
+    gate = {"a" * 16: OffPolicyGate(MixtureScorer(prob_b), cfg.deploy, reward_definition="a" * 16),
+            "b" * 16: OffPolicyGate(MixtureScorer(prob_b), cfg.deploy, reward_definition="b" * 16)}
+    releases = Releases(publisher, tracker, gate["a" * 16], window, cfg.deploy, register_every=2)
+    for version in range(1, 13):
+        if version == 8:  # the restart: the same registry, store and window, other reward settings
+            releases = Releases(publisher, tracker, gate["b" * 16], window, cfg.deploy, register_every=2)
+        with caplog.at_level("WARNING", logger="trainer.publisher"):
+            releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        for i in range(40):
+            style = STYLE_B if (i + 0.5) / 40 < prob_b[version] else STYLE_A
+            p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
+            window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(style == STYLE_B),
+                                     logprob=math.log(p) / 2)])
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in
+                 MlflowClient(tracking_uri=cfg.mlflow_uri).search_model_versions(
+                     f"name = '{cfg.mlflow.registered_model}'")}
+    assert by_policy[4]["gate.decision"] == "promoted" and "gate.record_set_aside" not in by_policy[4]
+    decided = by_policy[6]  # at v8, under b
+    assert decided["gate.record_set_aside"] == "reward definition " + "a" * 16
+    assert "champion v4's record was measured under other rewards" in caplog.text
+    assert decided["gate.basis"] == "record" and decided["gate.record_window_versions"] == "5-7"
+    a, b = 0.999 / 0.05, 0.001 / 0.95
+    total = 40 + 76 * b + 4 * a
+    assert float(decided["gate.champion_value"]) == pytest.approx(76 * b / total)  # only B answers are paid
+    assert decided["decision"] == "promoted"
+    assert by_policy[4]["record.window_versions"] == "5-7" and by_policy[4]["record.reward_definition"] == "b" * 16
+    assert by_policy[6]["record.reward_definition"] == "b" * 16  # promoted under b: its own side, under b
+    assert "gate.record_set_aside" not in by_policy[8]  # v6's record is under b: comparable

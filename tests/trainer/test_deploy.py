@@ -85,6 +85,27 @@ def registry_cfg(tmp_path, empty_store):  # noqa: F811
     return cfg
 
 
+def test_a_window_rewarded_under_other_reward_settings_is_not_restored(caplog):
+    """A learner restarted with other ``reward.*`` settings: its checkpointed window's rewards are on
+    the old scale, and scoring both versions on a mix of the two scales decides on neither."""
+    window = RecentWindow(3, reward_definition="a" * 16)
+    window.observe([_rollout(f"r{i}", [5, 6], version=i, reward=i) for i in range(5)])
+    window.since_registration = (10.0, 1.0)
+    same = RecentWindow(3, reward_definition="a" * 16)
+    same.load_state_dict(window.state_dict())
+    assert [r.interaction_id for r in same.rollouts] == ["r2", "r3", "r4"]
+    unknown = RecentWindow(3)  # nothing to compare with: restored
+    unknown.load_state_dict(window.state_dict())
+    assert len(unknown.rollouts) == 3
+    other = RecentWindow(3, reward_definition="b" * 16)
+    with caplog.at_level("WARNING", logger="trainer.deploy"):
+        other.load_state_dict(window.state_dict())
+    assert list(other.rollouts) == [] and other.since_registration == (10.0, 1.0) and other.observed == 5
+    assert "window of 3 rollouts was rewarded under reward definition " + "a" * 16 in caplog.text
+    other.observe([_rollout("r5", [5, 6], version=5, reward=1.0)])
+    assert other.state_dict()["reward_definition"] == "b" * 16 and other.since(0)[0].interaction_id == "r5"
+
+
 def _registry_parts(cfg):
     """The broker (in memory), a publisher on a real weight store, the MLflow tracker and the window."""
     backend = InMemoryBackend(cfg.kafka)

@@ -18,7 +18,9 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
   :meth:`trainer.feed.Feed.unread`),
   ``sao_learner_join_records{state="waiting|ready"}`` (read, waiting for a reward or for a step)
   and ``sao_learner_data_age_seconds{stat="mean|max"}`` (from serving's answer to the end of the
-  cycle that trained on it).
+  cycle that trained on it);
+- ``sao_learner_source_reward{source, stat="mean|count"}``: each reward source's newest rewards on
+  the interactions trained (trainer/source_rewards.py), every step.
 
 A value the learner has not measured yet (NaN) is left out rather than exported as NaN.
 """
@@ -48,6 +50,7 @@ class LearnerExporter(Collector):
         self._learner: dict[str, float] = {}
         self._counts: dict[str, float] = {}
         self._keeping_up: KeepingUp | None = None
+        self._sources: dict[str, tuple[float, int]] = {}
         registry = CollectorRegistry()
         registry.register(self)
         try:
@@ -73,6 +76,11 @@ class LearnerExporter(Collector):
         with self._lock:
             self._keeping_up = reading
 
+    def sources(self, stats: Mapping[str, tuple[float, int]]) -> None:
+        """Each reward source's recent (mean, count) (trainer/source_rewards.py), at the end of a step."""
+        with self._lock:
+            self._sources = dict(stats)
+
     def decision(self, monitors: Mapping[str, float], tripped: list[str]) -> None:
         """The monitors read at a registry decision, and those over their thresholds."""
         with self._lock:
@@ -83,6 +91,7 @@ class LearnerExporter(Collector):
         with self._lock:
             learner, window, candidate = dict(self._learner), dict(self._window), dict(self._candidate)
             tripped, counts, keeping_up = dict(self._tripped), dict(self._counts), self._keeping_up
+            sources = dict(self._sources)
         for name, value in learner.items():
             if math.isfinite(value):
                 yield GaugeMetricFamily(f"sao_learner_{name}", f"the learner's {name.replace('_', ' ')}",
@@ -107,6 +116,14 @@ class LearnerExporter(Collector):
         yield count
         if keeping_up is not None:
             yield from keeping_up_families(keeping_up)
+        source = GaugeMetricFamily("sao_learner_source_reward", "each reward source's newest rewards on the "
+                                   "interactions trained (deploy.segments_window of them): their mean and count",
+                                   labels=["source", "stat"])
+        for name, (mean, count) in sorted(sources.items()):
+            if math.isfinite(mean):
+                source.add_metric([name, "mean"], mean)
+            source.add_metric([name, "count"], float(count))
+        yield source
 
     def close(self) -> None:
         self._server.shutdown()

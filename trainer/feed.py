@@ -37,6 +37,7 @@ from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.rollouts import RolloutError
+from trainer.source_rewards import SourceRewards
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,10 @@ class Feed:
 
     def __init__(self, tcfg: TrainerConfig, topics: TopicsConfig, joiner: RewardJoiner, producer: Producer,
                  offsets: dict[TopicPartition, int], counters: dict[str, float], vocab_size: int,
-                 group_size: int, stop: threading.Event) -> None:
+                 group_size: int, stop: threading.Event, sources: SourceRewards | None = None) -> None:
         self.tcfg = tcfg
+        self.sources = sources
+        """Told each taken interaction's rewards by source (None: not kept)."""
         self.topics = topics
         self.joiner = joiner
         self.dead_letters = Outbox(producer)
@@ -223,6 +226,9 @@ class Feed:
             return None
         self.ready_since = None
         taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size)
+        if self.sources is not None:
+            for joined in taken:
+                self.sources.observe(joined.source_rewards)
         rollouts = to_rollouts(taken, self.counters, self.vocab_size)
         if before_step is not None:
             rollouts = before_step(rollouts)

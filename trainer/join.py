@@ -68,7 +68,8 @@ from online_sao.schemas import ABORTED, Interaction, Reward
 from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
-                                combine_scores, complete_groups, last_turns, prompt_group_key, reward_key)
+                                combine_scores, complete_groups, last_turns, prompt_group_key, reward_key,
+                                rewards_by_source)
 from trainer.join_trajectories import TrajectoryRules
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
@@ -407,7 +408,8 @@ class RewardJoiner(TrajectoryRules):
         reward, turns, dropped = combine_rewards(entry, observed, self.cfg)
         self.counters.trained_turn_rewards += dropped
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
-                                 frozenset(observed), combine_scores(entry, self.cfg))
+                                 frozenset(observed), combine_scores(entry, self.cfg),
+                                 rewards_by_source(entry, self.cfg))
 
 
     def _poppable(self, group_size: int) -> list[Entry]:

@@ -143,6 +143,8 @@ class JoinedInteraction:
     """Turns trained earlier: observations in this rollout."""
     scores: dict[str, float] = field(default_factory=dict)
     """Its own rewards' named scores, combined (:func:`combine_scores`); books only."""
+    source_rewards: dict[str, float] = field(default_factory=dict)
+    """Its own rewards by source, each source's combined (:func:`rewards_by_source`); books only."""
 
     @property
     def num_action_tokens(self) -> int:
@@ -195,6 +197,16 @@ def combine_scores(entry: Entry, cfg: RewardConfig) -> dict[str, float]:
             for name, value in c.scores.items():
                 by_name.setdefault(name, []).append(value)
     return {name: aggregate(values, mode) for name, values in sorted(by_name.items())}
+
+
+def rewards_by_source(entry: Entry, cfg: RewardConfig) -> dict[str, float]:
+    """A taken entry's own rewards, each source's combined by ``cfg.aggregation``: what each source
+    said of the answer (trainer/source_rewards.py). Rewards kept before sources were (None) are left out."""
+    by_source: dict[str, list[float]] = {}
+    for c in entry.contributions:
+        if c.origin is None and c.source is not None:
+            by_source.setdefault(c.source, []).append(c.value)
+    return {source: aggregate(values, cfg.aggregation) for source, values in sorted(by_source.items())}
 
 
 def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tuple[float | None, dict[int, float], int]:

@@ -32,6 +32,7 @@ from trainer.join import RewardJoiner
 from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
 from trainer.exporter import LearnerExporter
 from trainer.publisher import Publisher, Releases
+from trainer.source_rewards import SourceRewards
 from trainer.state import Position, Progress
 from trainer.tracking import RunTracker
 
@@ -101,7 +102,7 @@ class RankZero:
         window = RecentWindow(cfg.deploy.window, cfg.reward.definition())
         window.load_state_dict(progress.candidate)
         feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
-                    group_size, stop)
+                    group_size, stop, SourceRewards(cfg.deploy.segments_window, cfg.reward.sources))
         port = cfg.trainer.metrics_port
         exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
         if exporter is not None:
@@ -153,11 +154,13 @@ class RankZero:
         tokens = sum(r.num_action_tokens for r in rollouts)
         monitors = self.monitor_metrics()
         keeping_up = self.feed.keeping_up(rollouts, time.time())
+        sources = self.feed.sources.stats() if self.feed.sources is not None else {}
         if self.exporter is not None:
             self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
                                {k.removeprefix("monitor_"): v for k, v in monitors.items()},
                                {**self.counters, **joiner.counters.metrics()})
             self.exporter.keeping_up(keeping_up)
+            self.exporter.sources(sources)
         self.tracker.log_step(at.step, averaged={  # the step's own figures: their mean over the window
             **metrics, "step_time_s": laps.seconds["step"],
             "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],
@@ -167,6 +170,7 @@ class RankZero:
         }, latest={  # counts so far and readings at the cycle's end: the newest
             **joiner.counters.metrics(), **self.counters, "policy_version": float(at.version),
             **keeping_up.metrics(), **monitors, **self.segments.metrics(),
+            **(self.feed.sources.metrics() if self.feed.sources is not None else {}),
         }, tags=self.segments.slots.tags(at.step))  # which label each segment.slot<k> shows
         log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
                  "unread %d interactions %d rewards, data %.1f s old; segments %s", at.step, at.version,

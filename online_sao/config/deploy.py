@@ -97,7 +97,8 @@ class DeployConfig(Section):
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""
     segments_window: int = Field(128, ge=1)
     """Newest rewards per segment over which the learner's ``segment.slot<k>.reward`` (and
-    ``segment.other.reward``) is the mean; run tags ``segment.slot<k>`` name each slot's segment."""
+    ``segment.other.reward``) is the mean; run tags ``segment.slot<k>`` name each slot's segment.
+    The same number of each reward source's newest rewards makes its ``source.<name>.reward``."""
 
     @model_validator(mode="after")
     def _window_holds_a_decision(self) -> "DeployConfig":

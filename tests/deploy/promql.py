@@ -53,6 +53,7 @@ def exported_samples() -> Exported:
         learner.step(5, 4, 0.5, {"mean_length": 10.0}, {name: 0.0 for name in COUNTERS} | JoinCounters().metrics())
         learner.keeping_up(KeepingUp(3, 1, 2, 0, 1.5, 2.5))
         learner.decision({"repetition": 0.1}, [])
+        learner.sources({"judge": (0.7, 12), "user": (0.4, 3)})
         with urllib.request.urlopen(f"http://127.0.0.1:{learner.port}/metrics", timeout=5) as response:
             learner_text = response.read().decode()
     finally:

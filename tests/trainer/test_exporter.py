@@ -53,6 +53,14 @@ def test_exporter_serves_the_newest_step_and_decision(free_port):
         assert kept[("sao_learner_join_records", (("state", "ready"),))] == 2
         assert kept[("sao_learner_data_age_seconds", (("stat", "mean"),))] == 1.25
         assert ("sao_learner_data_age_seconds", (("stat", "max"),)) not in kept  # NaN: not measured
+        assert not any(name == "sao_learner_source_reward" for name, _ in kept)
+        exporter.sources({"judge": (0.75, 4), 'a "quoted"\nsource': (-1.0, 1), "user": (math.nan, 0)})
+        rated = _scrape(free_port)
+        assert rated[("sao_learner_source_reward", (("source", "judge"), ("stat", "mean")))] == 0.75
+        assert rated[("sao_learner_source_reward", (("source", "judge"), ("stat", "count")))] == 4
+        assert rated[("sao_learner_source_reward", (("source", 'a "quoted"\nsource'), ("stat", "mean")))] == -1.0
+        assert rated[("sao_learner_source_reward", (("source", "user"), ("stat", "count")))] == 0
+        assert ("sao_learner_source_reward", (("source", "user"), ("stat", "mean"))) not in rated  # none yet
         exporter.step(8, 10, math.nan, {"mean_length": 11.0}, {})
         again = _scrape(free_port)
         assert again[("sao_learner_step", ())] == 8 and ("sao_learner_reward_mean", ()) not in again

@@ -41,6 +41,7 @@ def test_an_interaction_waits_for_every_listed_source_and_their_rewards_combine(
     (joined,) = take_all(j)
     assert joined.reward == pytest.approx(0.5)  # (1.0 + 0.5 + 0.0) / 3
     assert (j.counters.joined, j.counters.missing_sources, j.counters.late_rewards) == (1, 0, 0)
+    assert joined.source_rewards == {"judge": 0.75, "user": 0.0}  # each source's own mean, for the books
 
 
 def test_rewards_read_before_their_interaction_count_towards_the_wait():
@@ -48,7 +49,8 @@ def test_rewards_read_before_their_interaction_count_towards_the_wait():
     j.add_reward(make_reward("a", 1.0, source="user"), ts=0.5)
     j.add_reward(make_reward("a", 2.0, source="judge"), ts=0.6)
     j.add_interaction(make_interaction("a"), ts=1.0)
-    assert [x.reward for x in take_all(j)] == [3.0]
+    (joined,) = take_all(j)
+    assert joined.reward == 3.0 and joined.source_rewards == {"judge": 2.0, "user": 1.0}
 
 
 def test_a_window_closing_with_some_sources_trains_on_what_they_said_and_counts_it():

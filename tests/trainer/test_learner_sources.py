@@ -49,3 +49,9 @@ def test_the_learner_trains_on_the_configured_sources(tmp_path, tiny_model_dir, 
     assert seen == pytest.approx([trained] * 4)
     metrics = MlflowClient(cfg.mlflow_uri).get_run(result.run_id).data.metrics
     assert metrics["join_ignored_rewards"] == (4.0 if settings else 0.0)
+    # each source's mean beside the others' (trainer/source_rewards.py), of the sources trained on
+    shown = {"judge", "user"} if settings else set(RATINGS)
+    assert {key for key in metrics if key.startswith("source.")} \
+        == {f"source.{name}.{stat}" for name in shown for stat in ("reward", "count")}
+    assert all(metrics[f"source.{name}.reward"] == RATINGS[name] and metrics[f"source.{name}.count"] == 4.0
+               for name in shown)

@@ -393,6 +393,8 @@ class RewardJoiner(TrajectoryRules):
             elif oid in self._ready:  # rewarded but not taken yet: its turns train here
                 self.counters.superseded += 1
                 self._absorb(entry, self._ready.pop(oid))
+            elif self._claims.get(oid, entry.iid) != entry.iid:  # another branch of the conversation holds it
+                self._take_over_claim(entry, oid)
             elif known is None and oid not in entry.claimed and forgetful:  # at most once, not twice
                 observed.add(turn)
                 self.counters.forgotten_turns += 1

@@ -9,8 +9,11 @@ still waiting for a reward (and those not read yet, when they come): their
 rewards join it, on their turns, without making it ready (only a reward for its
 own id does; at its window's end it trains on the default reward, on its
 ancestors' rewards alone, or is dropped with none). Rewarded ancestors train
-alone unless the continuation is taken first. Rewards for a turn trained
-earlier are counted (``trained_turn_rewards``), not applied.
+alone unless the continuation is taken first. Branches of one conversation (two
+continuations of one turn: a regenerated answer) share its earlier turns: the first
+branch taken trains them, with the rewards joined for them, whichever branch had
+claimed them. Rewards for a turn trained earlier are counted
+(``trained_turn_rewards``), not applied.
 """
 
 from __future__ import annotations
@@ -101,6 +104,19 @@ class TrajectoryRules:
             self._claims[iid] = entry.iid
         for contribution in ancestor.contributions:
             self._join_routed(entry, contribution, contribution.origin or ancestor.iid)
+
+    def _take_over_claim(self, entry: Entry, origin: str) -> None:
+        """``entry`` is taken while another pending continuation (a branch of the same conversation:
+        a regenerated answer) holds ``origin``: the turn trains in ``entry``, the first taken, so the
+        claim moves to it with the rewards joined for ``origin``. Left behind, they would land on a
+        turn trained already and never be applied."""
+        owner = self._pending(self._claims[origin])
+        entry.claimed[origin] = owner.claimed.pop(origin)
+        self._claims[origin] = entry.iid
+        moved = [c for c in owner.contributions if c.origin == origin]
+        owner.contributions = [c for c in owner.contributions if c.origin != origin]
+        for contribution in moved:
+            self._join_routed(entry, contribution, origin)
 
     def _claim_of(self, iid: str) -> Claim | None:
         owner = self._claims.get(iid)

@@ -138,6 +138,30 @@ def test_two_continuations_of_one_parent_train_its_turn_once():
     assert taken[1].observed_turns == {0}
 
 
+def test_a_parents_reward_trains_with_its_turn_in_whichever_branch_is_taken_first():
+    """c1 is read first and claims p; c2 (a regenerated answer to the same turn) is rated first.
+    c2 trains p's turn, so p's reward, joined to c1, moves with it: left on c1 it fell on a turn
+    trained already and was lost (found by test_join_trajectories_properties.py)."""
+    p, c1 = conversation(["p", "c1"])
+    _, c2 = conversation(["p", "c2"])
+    j = joiner()
+    j.add_interaction(c1, ts=0.0)  # p not read yet: c1 claims it
+    j.add_interaction(c2, ts=0.5)
+    j.add_interaction(p, ts=1.0)
+    j.add_reward(make_reward("p", 0.25), ts=1.5)  # routed to p's claimer, c1
+    j.add_reward(make_reward("c2", 1.0), ts=2.0)
+    (first,) = take_all(j)
+    assert first.interaction.interaction_id == "c2" and first.observed_turns == frozenset()
+    assert rewards_by_token(first) == {101: 0.25, 201: 1.0}
+    j.add_reward(make_reward("c1", 0.5), ts=3.0)
+    (second,) = take_all(j)
+    assert second.interaction.interaction_id == "c1" and second.observed_turns == {0}
+    assert rewards_by_token(second) == {201: 0.5}
+    assert (j.counters.trained_turn_rewards, j.counters.late_rewards) == (0, 0)
+    j.add_reward(make_reward("p", 1.0), ts=4.0)  # p trained: late
+    assert j.counters.late_rewards == 1
+
+
 def test_a_turn_reward_for_a_turn_trained_earlier_is_counted_not_applied():
     p, c = conversation(["p", "c"])
     j = joiner()

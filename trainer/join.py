@@ -173,7 +173,8 @@ class RewardJoiner(TrajectoryRules):
                 self.counters.evicted += 1
             self._held.setdefault(iid, []).append(contribution)
             return
-        if self._duplicate(entry.contributions, contribution) or self._full(entry.contributions):
+        if self._duplicate(entry.contributions, contribution) or self._full(entry.contributions) \
+                or self._names_missing_turn(entry, contribution):
             return
         entry.contributions.append(contribution)
         if iid in self._waiting and self._rated(entry):
@@ -304,7 +305,8 @@ class RewardJoiner(TrajectoryRules):
             self.counters.late_rewards += 1
             log.info("late reward for interaction %s (held, past the window) not applied", entry.iid)
             return
-        entry.contributions.append(contribution)
+        if not self._names_missing_turn(entry, contribution):
+            entry.contributions.append(contribution)
 
     # -- internals: ends -----------------------------------------------------------------
     def _make_ready(self, entry: Entry) -> None:

@@ -13,7 +13,8 @@ alone unless the continuation is taken first. Branches of one conversation (two
 continuations of one turn: a regenerated answer) share its earlier turns: the first
 branch taken trains them, with the rewards joined for them, whichever branch had
 claimed them. Rewards for a turn trained earlier are counted
-(``trained_turn_rewards``), not applied.
+(``trained_turn_rewards``), not applied; a reward rating a turn its interaction does
+not have is counted (``misdirected_rewards``), not applied.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class TrajectoryRules:
                      origin, owner.iid)
             return
         owner.contributions.append(replace(contribution, origin=origin))
+
+    def _names_missing_turn(self, entry: Entry, contribution: Contribution) -> bool:
+        """Whether ``contribution``, a reward for ``entry``'s own id, rates a turn the interaction does
+        not have (counted as misdirected, logged). Serving refuses such feedback only while it holds
+        the trajectory, and a judge writes to the topic directly; applied, the reward would make the
+        whole rollout unbuildable (trainer/rollouts.py) and lose its other rewards with it."""
+        turns = len(entry.interaction.turn_ends)
+        if all(turn < turns for turn in contribution.turns):
+            return False
+        self.counters.misdirected_rewards += 1
+        log.info("reward for %s names turn %d, but it has %d turn(s): not applied", entry.iid,
+                 max(contribution.turns), turns)
+        return True
 
     def _arrived_superseded(self, iid: str, anchor: float) -> None:
         """The record of an interaction whose turns a continuation holds (pending) or trained."""

@@ -162,6 +162,25 @@ def test_a_parents_reward_trains_with_its_turn_in_whichever_branch_is_taken_firs
     assert j.counters.late_rewards == 1
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_a_reward_rating_a_turn_the_answer_does_not_have_is_counted_and_the_answer_still_trains(held):
+    """A judge writing to the topic (serving checks feedback only while it holds the trajectory)
+    rates turn 1 of a one-turn answer: applied, it made the rollout unbuildable (RolloutError) and
+    lost the answer's good reward with it (found by test_join_trajectories_properties.py)."""
+    j = joiner()
+    bad, good = make_reward("a", 0.5, turns={1: 1.0}), make_reward("a", 0.25)
+    if held:  # read before the interaction
+        j.add_reward(bad, ts=0.0)
+    j.add_interaction(make_interaction("a", turn_ends=[2]), ts=0.5)
+    if not held:
+        j.add_reward(bad, ts=1.0)
+    assert j.num_waiting == 1 and j.counters.misdirected_rewards == 1
+    j.add_reward(good, ts=1.5)
+    (joined,) = take_all(j)
+    assert joined.reward == 0.25 and joined.turn_rewards == {}
+    assert joined.to_rollout().rewards == {5: 0.25}  # prompt of 3, the answer's last token
+
+
 def test_a_turn_reward_for_a_turn_trained_earlier_is_counted_not_applied():
     p, c = conversation(["p", "c"])
     j = joiner()

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from online_sao.config import RewardConfig
-from online_sao.schemas import Interaction, Reward, SamplingParams
+from online_sao.schemas import Interaction, Reward, SamplingParams, TurnReward
 from serving.trajectories import TrajectoryPrefix
 from trainer.join import RewardJoiner
 from trainer.join_state import JoinedInteraction, last_turns
@@ -32,8 +32,10 @@ WINDOW_S = 10.0
 CONFIG = RewardConfig(window_s=WINDOW_S, aggregation="sum", on_missing="default", default_value=0.0,
                       min_value=-1e6, max_value=1e6)
 DROPPING = CONFIG.model_copy(update={"on_missing": "drop"})
-MAX_REWARDS = 12
-"""Reward values 2^0 .. 2^11: sums of distinct ones stay exact and within ``max_value``."""
+MAX_REWARDS = 8
+"""Reward record k has the value 2^k and, if it rates a turn, 2^(8 + k) on that turn: sums of
+distinct ones stay exact and within ``max_value``."""
+TURN_BIT = MAX_REWARDS
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,12 @@ def scenarios(draw):
     for k, parent in enumerate(parents):
         base = draw(st.floats(0, 20)) if parent is None else created[parent]
         created.append(base + (0.0 if parent is None else draw(st.floats(0.5, 8))))
-    rewards = draw(st.lists(st.tuples(st.integers(0, n - 1), st.floats(0, 1.5 * WINDOW_S)), max_size=MAX_REWARDS))
+    turns = st.one_of(st.none(), st.integers(0, 3)) if draw(st.booleans()) else st.none()  # turn ratings or none
+    rewards = draw(st.lists(st.tuples(st.integers(0, n - 1), st.floats(0, 1.5 * WINDOW_S), turns),
+                            max_size=MAX_REWARDS))
     events = [Event("interaction", k, created[k]) for k in range(n)]
     events += [Event("interaction", k, created[k]) for k in draw(st.lists(st.integers(0, n - 1), max_size=2))]  # copies
-    events += [Event("reward", r, created[node] + delay) for r, (node, delay) in enumerate(rewards)]
+    events += [Event("reward", r, created[node] + delay) for r, (node, delay, _) in enumerate(rewards)]
     events += [Event("reward", r, created[rewards[r][0]] + rewards[r][1])  # a reward read twice
                for r in draw(st.lists(st.integers(0, max(len(rewards) - 1, 0)), max_size=2)) if rewards]
     events += [Event("step", take=draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 4)))]
@@ -93,10 +97,17 @@ def restored(joiner: RewardJoiner) -> RewardJoiner:
 
 
 def powers(value: float) -> set[int]:
-    """The reward indices whose values (distinct powers of two) sum to ``value``."""
+    """The bits of ``value``, a sum of distinct powers of two: k for record k's value, TURN_BIT + k
+    for its turn reward."""
     whole = int(value)
     assert whole == value and whole >= 0, f"a trained reward {value} that is no sum of distinct records"
-    return {bit for bit in range(MAX_REWARDS) if whole >> bit & 1}
+    return {bit for bit in range(2 * MAX_REWARDS) if whole >> bit & 1}
+
+
+def reward_record(rewards, event: Event) -> Reward:
+    node, _, turn = rewards[event.index]
+    turns = [] if turn is None else [TurnReward(turn=turn, value=float(2 ** (TURN_BIT + event.index)))]
+    return Reward(interaction_id=f"n{node}", value=float(2 ** event.index), turn_rewards=turns, created_at=event.ts)
 
 
 def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoiner, list[JoinedInteraction]]:
@@ -109,8 +120,7 @@ def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoin
         if event.kind == "interaction":
             joiner.add_interaction(records[event.index], event.ts)
         elif event.kind == "reward":
-            joiner.add_reward(Reward(interaction_id=f"n{rewards[event.index][0]}", value=float(2 ** event.index),
-                                     created_at=event.ts), event.ts)
+            joiner.add_reward(reward_record(rewards, event), event.ts)
         elif event.kind == "step":
             taken += joiner.pop_ready(max_rollouts=event.take, token_budget=10 ** 6)
         else:
@@ -127,27 +137,41 @@ def trained_turns(taken: list[JoinedInteraction]) -> Counter[str]:
                    if turn not in joined.observed_turns)
 
 
-def applied_rewards(taken: list[JoinedInteraction]) -> list[tuple[int, str]]:
-    """(reward index, the interaction whose reward it became) for every reward record applied."""
+def applied_rewards(taken: list[JoinedInteraction], records: list[Interaction],
+                    rewards) -> list[tuple[int, str]]:
+    """(reward index, the interaction whose reward it became) for every reward record whose value
+    was applied; asserts that a turn reward applied went to the turn its record names."""
     applied: list[tuple[int, str]] = []
     for joined in taken:
         own = joined.interaction.interaction_id
+        assert all(0 <= turn < len(joined.interaction.turn_ends) for turn in joined.turn_rewards), \
+            f"{own} was taken with a reward for a turn it does not have: it cannot be trained"
         if joined.reward is not None:
             applied += [(r, own) for r in powers(joined.reward)]
         at_turn = {turn: origin for origin, turn in last_turns(joined.interaction).items()}
+        origins = joined.interaction.origins()
         for turn, value in joined.turn_rewards.items():
-            assert turn in at_turn, f"a reward on turn {turn} of {own}, which ends no other interaction's turn"
-            applied += [(r, at_turn[turn]) for r in powers(value)]
+            for bit in powers(value):
+                if bit < TURN_BIT:
+                    assert turn in at_turn, f"a reward on turn {turn} of {own}, which ends no other interaction's turn"
+                    applied.append((bit, at_turn[turn]))
+                    continue
+                node, _, named = rewards[bit - TURN_BIT]
+                assert named == turn, f"reward {bit - TURN_BIT} rated turn {named}, applied on turn {turn}"
+                assert records[node].origins()[named] == origins[turn], "a turn reward on another answer's turn"
     return applied
 
 
 def check_rewards(scenario, joiner: RewardJoiner, taken: list[JoinedInteraction]) -> None:
-    """Each reward record applied at most once, to the answer it names; one not applied is counted."""
+    """Each reward record applied at most once, to the answer it names (a turn rating to the turn it
+    names); without turn ratings, one not applied is counted."""
     rewards, order = scenario[2], scenario[3]
-    applied = applied_rewards(taken)
+    applied = applied_rewards(taken, build_records(scenario[0], scenario[1]), rewards)
     indices = [r for r, _ in applied]
     assert len(indices) == len(set(indices)), "a reward applied twice"
     assert all(f"n{rewards[r][0]}" == target for r, target in applied), "a reward applied to another answer"
+    if any(turn is not None for _, _, turn in rewards):
+        return  # a record may be applied in part (its turn rating on a turn trained earlier): counted per turn
     counters = joiner.counters
     not_applied = (counters.late_rewards + counters.expired_rewards + counters.misdirected_rewards
                    + counters.trained_turn_rewards + counters.excess_rewards + counters.duplicate_rewards)
@@ -180,7 +204,7 @@ def test_with_a_full_buffer_and_a_forgetting_memory_no_turn_trains_twice(scenari
     goes to the answer it names, once."""
     joiner, taken = run(scenario, CONFIG, max_pending=3)
     assert max(trained_turns(taken).values(), default=1) == 1, "a turn trained twice"
-    applied = applied_rewards(taken)
     rewards = scenario[2]
+    applied = applied_rewards(taken, build_records(scenario[0], scenario[1]), rewards)
     assert len({r for r, _ in applied}) == len(applied)
     assert all(f"n{rewards[r][0]}" == target for r, target in applied)

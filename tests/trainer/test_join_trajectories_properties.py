@@ -3,7 +3,8 @@ and rewards read in any order, copies read twice, steps and checkpoint restores 
 the order, the join's promises hold:
 
 - every turn of every conversation trains exactly once (trainer/join_trajectories.py: "each turn
-  is trained once"; with ``on_missing: default`` no interaction is dropped for want of a reward);
+  is trained once"; with ``on_missing: default`` no interaction is dropped for want of a reward),
+  but for an answer cut short, which trains only inside a continuation that carries it;
 - every reward record is applied at most once, and one not applied is counted as such (late,
   expired, misdirected or on a turn trained earlier): none is lost without a count;
 - a reward is applied only to the answer it names: its value lands on that interaction's own
@@ -23,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from online_sao.config import RewardConfig
-from online_sao.schemas import Interaction, Reward, SamplingParams, TurnReward
+from online_sao.schemas import ABORTED, Interaction, Reward, SamplingParams, TurnReward
 from serving.trajectories import TrajectoryPrefix
 from trainer.join import RewardJoiner
 from trainer.join_state import JoinedInteraction, last_turns
@@ -46,16 +47,18 @@ class Event:
     take: int = 0
 
 
-def build_records(parents: list[int | None], created: list[float]) -> list[Interaction]:
+def build_records(parents: list[int | None], created: list[float], cut: frozenset[int] = frozenset()) -> list[Interaction]:
     """One record per node, built as serving builds them: a node continues its parent's record
-    (so a parent with two children is a conversation that branches)."""
+    (so a parent with two children is a conversation that branches); the nodes in ``cut`` are
+    answers cut short (``finish_reason`` abort)."""
     records: list[Interaction] = []
     for k, (parent, at) in enumerate(zip(parents, created)):
         prefix = TrajectoryPrefix([5, 6]) if parent is None else TrajectoryPrefix.continuing(records[parent], [3])
         fields = prefix.extended(f"n{k}", SamplingParams(), [100 + k, 200 + k], [-0.5, -0.5], [0, 0])
         if prefix.started_at is not None:  # the trajectory's start on the scenario's clock, not serving's
             fields["trajectory_started_at"] = created[_root(parents, k)]
-        records.append(Interaction(interaction_id=f"n{k}", model="tiny", created_at=at, completed_at=at, **fields))
+        records.append(Interaction(interaction_id=f"n{k}", model="tiny", created_at=at, completed_at=at,
+                                   finish_reason=ABORTED if k in cut else "stop", **fields))
     return records
 
 
@@ -63,6 +66,30 @@ def _root(parents: list[int | None], k: int) -> int:
     while parents[k] is not None:
         k = parents[k]
     return k
+
+
+@dataclass(frozen=True)
+class Scenario:
+    parents: list[int | None]
+    created: list[float]
+    rewards: list[tuple[int, float, int | None]]
+    """(the node rated, its delay after the node's creation, the turn it rates or None) per record."""
+    order: list[Event]
+    cut: frozenset[int]
+
+    def records(self) -> list[Interaction]:
+        return build_records(self.parents, self.created, self.cut)
+
+    def trains(self, k: int) -> bool:
+        """Whether node k's turn must train (exactly once, when nothing is dropped): a cut answer
+        does not train alone, only inside a continuation that carries it."""
+        return k not in self.cut or any(self.descends(j, k) for j in range(len(self.parents)))
+
+    def descends(self, j: int, k: int) -> bool:
+        while (j := self.parents[j]) is not None:
+            if j == k:
+                return True
+        return False
 
 
 @st.composite
@@ -86,7 +113,8 @@ def scenarios(draw):
     events += [Event("step", take=draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 4)))]
     events += [Event("restore") for _ in range(draw(st.integers(0, 2)))]
     order = draw(st.permutations(events))
-    return parents, created, rewards, order
+    cut = frozenset(draw(st.lists(st.integers(0, n - 1), max_size=1)))  # an answer cut short, at times
+    return Scenario(parents, created, rewards, order, cut)
 
 
 def restored(joiner: RewardJoiner) -> RewardJoiner:
@@ -112,11 +140,11 @@ def reward_record(rewards, event: Event) -> Reward:
 
 def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoiner, list[JoinedInteraction]]:
     """The scenario's records through a joiner, then every window closed and everything taken."""
-    parents, created, rewards, order = scenario
-    records = build_records(parents, created)
+    rewards = scenario.rewards
+    records = scenario.records()
     joiner = RewardJoiner(cfg, max_pending)
     taken: list[JoinedInteraction] = []
-    for event in order:
+    for event in scenario.order:
         if event.kind == "interaction":
             joiner.add_interaction(records[event.index], event.ts)
         elif event.kind == "reward":
@@ -125,7 +153,7 @@ def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoin
             taken += joiner.pop_ready(max_rollouts=event.take, token_budget=10 ** 6)
         else:
             joiner = restored(joiner)
-    joiner.advance(max(created) + 10 * WINDOW_S)  # every window closes
+    joiner.advance(max(scenario.created) + 10 * WINDOW_S)  # every window closes
     while batch := joiner.pop_ready(max_rollouts=10, token_budget=10 ** 6):
         taken += batch
     return joiner, taken
@@ -165,8 +193,8 @@ def applied_rewards(taken: list[JoinedInteraction], records: list[Interaction],
 def check_rewards(scenario, joiner: RewardJoiner, taken: list[JoinedInteraction]) -> None:
     """Each reward record applied at most once, to the answer it names (a turn rating to the turn it
     names); without turn ratings, one not applied is counted."""
-    rewards, order = scenario[2], scenario[3]
-    applied = applied_rewards(taken, build_records(scenario[0], scenario[1]), rewards)
+    rewards, order = scenario.rewards, scenario.order
+    applied = applied_rewards(taken, scenario.records(), rewards)
     indices = [r for r, _ in applied]
     assert len(indices) == len(set(indices)), "a reward applied twice"
     assert all(f"n{rewards[r][0]}" == target for r, target in applied), "a reward applied to another answer"
@@ -184,7 +212,8 @@ def check_rewards(scenario, joiner: RewardJoiner, taken: list[JoinedInteraction]
 @given(scenarios())
 def test_every_turn_trains_once_and_every_reward_is_applied_once_or_counted(scenario):
     joiner, taken = run(scenario, CONFIG)
-    assert trained_turns(taken) == Counter(f"n{k}" for k in range(len(scenario[0]))), "each turn trains exactly once"
+    assert trained_turns(taken) == Counter(f"n{k}" for k in range(len(scenario.parents)) if scenario.trains(k)), \
+        "each turn trains exactly once"
     check_rewards(scenario, joiner, taken)
 
 
@@ -204,7 +233,7 @@ def test_with_a_full_buffer_and_a_forgetting_memory_no_turn_trains_twice(scenari
     goes to the answer it names, once."""
     joiner, taken = run(scenario, CONFIG, max_pending=3)
     assert max(trained_turns(taken).values(), default=1) == 1, "a turn trained twice"
-    rewards = scenario[2]
-    applied = applied_rewards(taken, build_records(scenario[0], scenario[1]), rewards)
+    rewards = scenario.rewards
+    applied = applied_rewards(taken, scenario.records(), rewards)
     assert len({r for r, _ in applied}) == len(applied)
     assert all(f"n{rewards[r][0]}" == target for r, target in applied)

@@ -33,6 +33,8 @@ WINDOW_S = 10.0
 CONFIG = RewardConfig(window_s=WINDOW_S, aggregation="sum", on_missing="default", default_value=0.0,
                       min_value=-1e6, max_value=1e6)
 DROPPING = CONFIG.model_copy(update={"on_missing": "drop"})
+WAITING = CONFIG.model_copy(update={"sources": ["judge", "user"], "wait_for_sources": ["judge", "user"]})
+SOURCES = ["judge", "user", "scraper"]
 MAX_REWARDS = 8
 """Reward record k has the value 2^k and, if it rates a turn, 2^(8 + k) on that turn: sums of
 distinct ones stay exact and within ``max_value``."""
@@ -72,8 +74,9 @@ def _root(parents: list[int | None], k: int) -> int:
 class Scenario:
     parents: list[int | None]
     created: list[float]
-    rewards: list[tuple[int, float, int | None]]
-    """(the node rated, its delay after the node's creation, the turn it rates or None) per record."""
+    rewards: list[tuple[int, float, int | None, str]]
+    """(the node rated, its delay after the node's creation, the turn it rates or None, its source)
+    per record."""
     order: list[Event]
     cut: frozenset[int]
 
@@ -103,11 +106,11 @@ def scenarios(draw):
         base = draw(st.floats(0, 20)) if parent is None else created[parent]
         created.append(base + (0.0 if parent is None else draw(st.floats(0.5, 8))))
     turns = st.one_of(st.none(), st.integers(0, 3)) if draw(st.booleans()) else st.none()  # turn ratings or none
-    rewards = draw(st.lists(st.tuples(st.integers(0, n - 1), st.floats(0, 1.5 * WINDOW_S), turns),
-                            max_size=MAX_REWARDS))
+    rewards = draw(st.lists(st.tuples(st.integers(0, n - 1), st.floats(0, 1.5 * WINDOW_S), turns,
+                                      st.sampled_from(SOURCES)), max_size=MAX_REWARDS))
     events = [Event("interaction", k, created[k]) for k in range(n)]
     events += [Event("interaction", k, created[k]) for k in draw(st.lists(st.integers(0, n - 1), max_size=2))]  # copies
-    events += [Event("reward", r, created[node] + delay) for r, (node, delay, _) in enumerate(rewards)]
+    events += [Event("reward", r, created[node] + delay) for r, (node, delay, _, _) in enumerate(rewards)]
     events += [Event("reward", r, created[rewards[r][0]] + rewards[r][1])  # a reward read twice
                for r in draw(st.lists(st.integers(0, max(len(rewards) - 1, 0)), max_size=2)) if rewards]
     events += [Event("step", take=draw(st.integers(1, 3))) for _ in range(draw(st.integers(0, 4)))]
@@ -133,9 +136,10 @@ def powers(value: float) -> set[int]:
 
 
 def reward_record(rewards, event: Event) -> Reward:
-    node, _, turn = rewards[event.index]
+    node, _, turn, source = rewards[event.index]
     turns = [] if turn is None else [TurnReward(turn=turn, value=float(2 ** (TURN_BIT + event.index)))]
-    return Reward(interaction_id=f"n{node}", value=float(2 ** event.index), turn_rewards=turns, created_at=event.ts)
+    return Reward(interaction_id=f"n{node}", value=float(2 ** event.index), turn_rewards=turns, created_at=event.ts,
+                  source=source)
 
 
 def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoiner, list[JoinedInteraction]]:
@@ -184,7 +188,7 @@ def applied_rewards(taken: list[JoinedInteraction], records: list[Interaction],
                     assert turn in at_turn, f"a reward on turn {turn} of {own}, which ends no other interaction's turn"
                     applied.append((bit, at_turn[turn]))
                     continue
-                node, _, named = rewards[bit - TURN_BIT]
+                node, _, named, _ = rewards[bit - TURN_BIT]
                 assert named == turn, f"reward {bit - TURN_BIT} rated turn {named}, applied on turn {turn}"
                 assert records[node].origins()[named] == origins[turn], "a turn reward on another answer's turn"
     return applied
@@ -198,11 +202,12 @@ def check_rewards(scenario, joiner: RewardJoiner, taken: list[JoinedInteraction]
     indices = [r for r, _ in applied]
     assert len(indices) == len(set(indices)), "a reward applied twice"
     assert all(f"n{rewards[r][0]}" == target for r, target in applied), "a reward applied to another answer"
-    if any(turn is not None for _, _, turn in rewards):
+    if any(turn is not None for _, _, turn, _ in rewards):
         return  # a record may be applied in part (its turn rating on a turn trained earlier): counted per turn
     counters = joiner.counters
     not_applied = (counters.late_rewards + counters.expired_rewards + counters.misdirected_rewards
-                   + counters.trained_turn_rewards + counters.excess_rewards + counters.duplicate_rewards)
+                   + counters.trained_turn_rewards + counters.excess_rewards + counters.duplicate_rewards
+                   + counters.ignored_rewards)
     read = sum(1 for e in order if e.kind == "reward")  # copies too: each is applied or counted once
     assert read == len(applied) + not_applied, (
         f"{read} reward records read: {len(applied)} applied, {not_applied} counted as not applied ({counters})")
@@ -215,6 +220,16 @@ def test_every_turn_trains_once_and_every_reward_is_applied_once_or_counted(scen
     assert trained_turns(taken) == Counter(f"n{k}" for k in range(len(scenario.parents)) if scenario.trains(k)), \
         "each turn trains exactly once"
     check_rewards(scenario, joiner, taken)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(scenarios())
+def test_waiting_for_two_sources_of_three_every_turn_trains_once_and_no_reward_is_lost(scenario):
+    joiner, taken = run(scenario, WAITING)
+    assert trained_turns(taken) == Counter(f"n{k}" for k in range(len(scenario.parents)) if scenario.trains(k))
+    check_rewards(scenario, joiner, taken)
+    applied = {r for r, _ in applied_rewards(taken, scenario.records(), scenario.rewards)}
+    assert all(scenario.rewards[r][3] != "scraper" for r in applied), "a source left out was applied"
 
 
 @settings(max_examples=1000, deadline=None)

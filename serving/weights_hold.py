@@ -63,29 +63,42 @@ class HoldState:
         return -1 if self.hold is None else self.hold.version
 
     def take(self, notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
-        """``(notice, force)`` to try for these notices, given the version the engine serves now."""
-        new_hold = released = False
-        for notice in notices:
-            if notice.action == "hold":
-                self.hold, new_hold, released = notice, True, False
-            elif notice.action == "release":
-                released = released or self.hold is not None  # a release without a hold changes nothing
-                self.hold, new_hold = None, False
-            else:
-                self._deferred.append(notice)
-        if self.hold is not None:
-            if new_hold:
-                log.warning("weights held at v%d by an operator (%s); the learner's versions are not followed "
-                            "until a release", self.hold.version, self.hold.reason or "no reason given")
-            # a hold re-sent (a new reason) or already loaded does not load again
-            return [(self.hold, True)] if new_hold and current != self.hold.version else []
-        pending = list(self._deferred)
-        self._deferred.clear()
-        if released:
+        """``(notice, force)`` to try for these notices, given the version the engine serves now:
+        where reading them one by one would have ended, and behind it where it would have ended had
+        that version failed to load, and so on."""
+        marks = [k for k, notice in enumerate(notices) if notice.action in ("hold", "release")]
+        if not marks:
+            if self.hold is not None:
+                self._deferred.extend(notices)
+                return []
+            pending = [*self._deferred, *notices]
+            self._deferred.clear()
+            return plan(pending, current)
+        last = marks[-1]
+        before = self.take(notices[:last], current)  # where the notices before the last hold or release lead
+        mark, after = notices[last], notices[last + 1:]
+        if mark.action == "release":
+            if self.hold is None:  # a release without a hold changes nothing
+                return plan([*(notice for notice, _ in reversed(before)), *after], current)
             log.warning("weights hold released; following the learner's versions again")
+            self.hold = None
+            pending = list(self._deferred)
+            self._deferred.clear()
             if self._serving is not None:  # back to it unless the learner moved on since
                 pending.insert(0, self._serving.model_copy(update={"action": "rollback"}))
-        return plan(pending, current)
+            return plan([*pending, *after], current)
+        if self.hold is None:
+            # not loaded yet, these are where a release goes as well as the fallback of a hold that
+            # cannot be loaded (a replica replaying the topic at its start: the learner's notices
+            # come in the same poll as the hold)
+            self._deferred.extend(notice for notice, _ in reversed(before))
+        self.hold = mark
+        self._deferred.extend(after)
+        log.warning("weights held at v%d by an operator (%s); the learner's versions are not followed until a "
+                    "release", mark.version, mark.reason or "no reason given")
+        if current == mark.version:  # a hold re-sent (a new reason) or of the version served: no reload
+            return []
+        return [(mark, True), *before]
 
     def applied(self, notice: WeightsNotice) -> None:
         """``notice``'s weights are now served."""

@@ -72,6 +72,19 @@ def test_a_replica_starting_during_a_hold_loads_the_held_version_and_follows_aft
     assert loaded(state, [n(1, "release")], current=1) == 3
 
 
+def test_a_replica_starting_during_a_hold_it_cannot_load_serves_the_learners_version():
+    """The topic replayed in one poll: the learner's notices come with the hold. When the held
+    version cannot be loaded (its file pruned), the replica stays where the notices before the hold
+    led, as it would have had it read them one by one; it loaded nothing and served its starting
+    weights before (found by test_weights_follower_batches.py)."""
+    state = HoldState()
+    chain = state.take([n(1), n(2), n(1, "hold"), n(3)], current=0)
+    assert tried(chain) == [(1, "hold", True), (2, "publish", False), (1, "publish", False)]
+    state.applied(chain[1][0])  # the hold's load failed; the learner's v2 loaded
+    assert state.held_version == 1 and state.take([n(4)], current=2) == []  # still held
+    assert loaded(state, [n(1, "release")], current=2) == 4
+
+
 def test_a_hold_and_its_release_in_one_poll_leave_the_learners_version():
     state = HoldState()
     assert loaded(state, [n(1), n(2), n(1, "hold"), n(3), n(1, "release")], current=0) == 3

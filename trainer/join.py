@@ -68,7 +68,7 @@ from online_sao.schemas import ABORTED, Interaction, Reward
 from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
-                                combine_scores, complete_groups, last_turns, prompt_group_key, reward_key,
+                                combine_scores, complete_groups, prompt_group_key, reward_key,
                                 rewards_by_source)
 from trainer.join_trajectories import TrajectoryRules
 
@@ -383,38 +383,13 @@ class RewardJoiner(TrajectoryRules):
         """Hand ``entry`` to a step: turns trained earlier become observations, the rest and
         every origin in them count as trained from now on."""
         del self._ready[entry.iid]
-        observed = set()
-        forgetful = self._may_have_forgotten(entry)
-        for turn, origin in enumerate(entry.interaction.origins()):
-            oid = origin.interaction_id
-            known = self.memory.get(oid)
-            if oid == entry.iid:
-                continue
-            if known is not None and known.trained:
-                observed.add(turn)
-            elif oid in self._ready:  # rewarded but not taken yet: its turns train here
-                self.counters.superseded += 1
-                self._absorb(entry, self._ready.pop(oid))
-            elif self._claims.get(oid, entry.iid) != entry.iid:  # another branch of the conversation holds it
-                self._take_over_claim(entry, oid)
-            elif known is None and oid not in entry.claimed and forgetful:  # at most once, not twice
-                observed.add(turn)
-                self.counters.forgotten_turns += 1
-        for oid, turn in last_turns(entry.interaction).items():
-            if turn not in observed:
-                claim = entry.claimed.get(oid) or self._claim_of(oid)
-                self.memory.remember(oid, claim.anchor if claim else entry.anchor, trained=True,
-                                     seen=bool(claim and claim.seen))
-        for iid, claim in entry.claimed.items():
-            del self._claims[iid]
-            self.memory.remember(iid, claim.anchor, trained=True, seen=claim.seen)
+        observed = self._train_turns(entry)
         self.memory.remember(entry.iid, entry.anchor, trained=True, seen=True)
         reward, turns, dropped = combine_rewards(entry, observed, self.cfg)
         self.counters.trained_turn_rewards += dropped
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
                                  frozenset(observed), combine_scores(entry, self.cfg),
                                  rewards_by_source(entry, self.cfg))
-
 
     def _poppable(self, group_size: int) -> list[Entry]:
         if group_size <= 1:

@@ -132,6 +132,36 @@ class TrajectoryRules:
         for contribution in moved:
             self._join_routed(entry, contribution, origin)
 
+    def _train_turns(self, entry: Entry) -> set[int]:
+        """``entry`` is taken: which of its turns are observations (trained earlier, or perhaps trained
+        and forgotten); the others train here, and their origins count as trained from now on."""
+        observed: set[int] = set()
+        forgetful = self._may_have_forgotten(entry)
+        for turn, origin in enumerate(entry.interaction.origins()):
+            oid = origin.interaction_id
+            known = self.memory.get(oid)
+            if oid == entry.iid:
+                continue
+            if known is not None and known.trained:
+                observed.add(turn)
+            elif oid in self._ready:  # rewarded but not taken yet: its turns train here
+                self.counters.superseded += 1
+                self._absorb(entry, self._ready.pop(oid))
+            elif self._claims.get(oid, entry.iid) != entry.iid:  # another branch of the conversation holds it
+                self._take_over_claim(entry, oid)
+            elif known is None and oid not in entry.claimed and forgetful:  # at most once, not twice
+                observed.add(turn)
+                self.counters.forgotten_turns += 1
+        for oid, turn in last_turns(entry.interaction).items():
+            if turn not in observed:
+                claim = entry.claimed.get(oid) or self._claim_of(oid)
+                self.memory.remember(oid, claim.anchor if claim else entry.anchor, trained=True,
+                                     seen=bool(claim and claim.seen))
+        for iid, claim in entry.claimed.items():
+            del self._claims[iid]
+            self.memory.remember(iid, claim.anchor, trained=True, seen=claim.seen)
+        return observed
+
     def _claim_of(self, iid: str) -> Claim | None:
         owner = self._claims.get(iid)
         return None if owner is None else self._pending(owner).claimed[iid]

@@ -61,12 +61,12 @@ RECORD_TAG = "record"
 """The registry tag the record is read from: every field in one JSON object, so that one registry
 call writes it whole."""
 RECORD_TAGS = ("record.value", "record.se", "record.n", "record.ess", "record.window_versions")
-DEFINITION_TAG = "record.reward_definition"
-"""The readable tag of the record's reward definition (not in :data:`RECORD_TAGS`: records written
-before definitions were kept lack it and are still complete)."""
 """The record's fields one tag each, for people reading the registry (and the only record older code
 wrote). Written one registry call each, so a learner stopped between two calls leaves some of them
 new and some old: they are read only when ``record`` is absent."""
+DEFINITION_TAG = "record.reward_definition"
+"""The readable tag of the record's reward definition (not in :data:`RECORD_TAGS`: records written
+before definitions were kept lack it and are still complete)."""
 
 
 @dataclass(frozen=True)

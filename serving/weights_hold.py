@@ -11,8 +11,9 @@ the learner published or rolled back to since.
 A hold whose version cannot be loaded (its file gone, corrupt) leaves the replica where the notices
 before it led, still held: on the weights it has, or, when those notices come in the same poll (a
 replica replaying the topic as it starts), on the version they lead to, as reading them one by one
-would. An operator who asked for a hold gets no version the learner publishes after it. The learner is not told: it keeps training on the held version's answers (off-policy,
-weighed by the importance ratio and masked where it leaves the trust band) and keeps publishing.
+would. An operator who asked for a hold gets no version the learner publishes after it. The
+learner is not told: it keeps training on the held version's answers (off-policy, weighed by the
+importance ratio and masked where it leaves the trust band) and keeps publishing.
 """
 
 from __future__ import annotations

@@ -86,9 +86,13 @@ class HoldState:
             self.hold = None
             pending = list(self._deferred)
             self._deferred.clear()
+            pending += after
             if self._serving is not None:  # back to it unless the learner moved on since
                 pending.insert(0, self._serving.model_copy(update={"action": "rollback"}))
-            return plan([*pending, *after], current)
+            elif pending:  # none of the learner's versions loaded before the hold: its notices, forced
+                # over the held weights (a version they name may be the held one, then served as the learner's)
+                pending[0] = pending[0].model_copy(update={"action": "rollback"})
+            return plan(pending, current)
         if self.hold is None:
             # not loaded yet, these are where a release goes as well as the fallback of a hold that
             # cannot be loaded (a replica replaying the topic at its start: the learner's notices

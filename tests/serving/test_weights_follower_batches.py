@@ -1,9 +1,11 @@
 """The weights follower reads notices a poll at a time and loads only the one whose effect lasts
-(serving/weights_follower.py). Its promise: that ends where reading them one by one would have
-ended, also when some versions cannot be loaded and when an operator holds and releases. Checked
-on random notice streams as the learner and an operator write them (hypothesis): publishes of
-ever newer versions, roll-backs to an older published one, holds of a published one, releases;
-some versions' weights missing for good; the stream cut into polls at random.
+(serving/weights_follower.py). Its promises: that ends where reading them one by one would have
+ended, also when some versions cannot be loaded and when an operator holds and releases; and once
+every hold is released, the replica serves what it would have served had there been no hold
+(serving/weights_hold.py). Checked on random notice streams as the learner and an operator write
+them (hypothesis): publishes of ever newer versions, roll-backs to an older published one, holds of
+a published one, releases; some versions' weights missing for good; the stream cut into polls at
+random.
 """
 
 from __future__ import annotations
@@ -86,3 +88,16 @@ def test_a_poll_of_notices_ends_where_reading_them_one_by_one_would(stream):
     bounds = [0, *[c for c in cuts if c < len(notices)], len(notices)]
     polls = [notices[a:b] for a, b in zip(bounds, bounds[1:]) if a < b]
     assert follow(polls, broken).policy_version == follow([[n] for n in notices], broken).policy_version
+
+
+@settings(max_examples=3000, deadline=None)
+@given(streams())
+def test_once_released_a_replica_serves_what_it_would_have_without_the_hold(stream):
+    notices, broken, cuts = stream
+    marks = [n for n in notices if n.action in ("hold", "release")]
+    learner = [n for n in notices if n.action not in ("hold", "release")]
+    unheld = follow([learner], broken).policy_version
+    if marks and marks[-1].action == "release" and unheld != 0:  # (no notice names the starting weights)
+        bounds = [0, *[c for c in cuts if c < len(notices)], len(notices)]
+        polls = [notices[a:b] for a, b in zip(bounds, bounds[1:]) if a < b]
+        assert follow(polls, broken).policy_version == unheld

@@ -85,6 +85,21 @@ def test_a_replica_starting_during_a_hold_it_cannot_load_serves_the_learners_ver
     assert loaded(state, [n(1, "release")], current=2) == 4
 
 
+def test_a_second_hold_released_returns_to_the_learners_version_when_none_had_loaded_before():
+    """v1's file is gone: the replica served no learner version before the first hold, and the first
+    release found it on v3 already (the held copy). The second release returned to nothing and left
+    it on the held v2; now the learner's notices are forced over the held weights at a release (found
+    by an exhaustive search of notice streams, serving one notice per poll as the reference)."""
+    state = HoldState()
+    assert tried(state.take([n(1)], current=0)) == [(1, "publish", False)]  # its load fails: nothing applied
+    assert tried(state.take([n(1, "hold")], current=0)) == [(1, "hold", True)]  # fails too
+    assert state.take([n(2)], current=0) == [] and state.take([n(3)], current=0) == []
+    assert loaded(state, [n(3, "hold")], current=0) == 3
+    assert loaded(state, [n(3, "release")], current=3) == 3  # the learner's v3, forced over the held copy
+    assert loaded(state, [n(2, "hold")], current=3) == 2
+    assert loaded(state, [n(2, "release")], current=2) == 3
+
+
 def test_a_hold_and_its_release_in_one_poll_leave_the_learners_version():
     state = HoldState()
     assert loaded(state, [n(1), n(2), n(1, "hold"), n(3), n(1, "release")], current=0) == 3

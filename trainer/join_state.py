@@ -213,7 +213,8 @@ def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tupl
     """The rewards of a taken entry: the final reward (its own rewards aggregated by
     ``cfg.aggregation``, or the default, or None), each turn's reward (its per-turn rewards
     aggregated, plus the aggregated final reward of the absorbed interaction whose last turn it
-    is), and how many turn values fell on ``observed`` turns (trained earlier: not applied)."""
+    is), and how many reward values fell on ``observed`` turns (trained earlier: not applied; each
+    record's value counts, not the turn's aggregate)."""
     mode = cfg.aggregation
     own = [c.value for c in entry.contributions if c.origin is None]
     reward = aggregate(own, mode) if own else (cfg.default_value if entry.defaulted else None)
@@ -229,7 +230,9 @@ def combine_rewards(entry: Entry, observed: set[int], cfg: RewardConfig) -> tupl
     for origin, values in finals.items():
         turns[last[origin]] = turns.get(last[origin], 0.0) + aggregate(values, mode)
     applied = {turn: value for turn, value in sorted(turns.items()) if turn not in observed}
-    return reward, applied, len(turns) - len(applied)
+    dropped = sum(len(values) for turn, values in per_turn.items() if turn in observed)
+    dropped += sum(len(values) for origin, values in finals.items() if last[origin] in observed)
+    return reward, applied, dropped
 
 
 def complete_groups(ready: Iterable[Entry], group_size: int, watermark: float | None = None,

@@ -193,6 +193,21 @@ def test_a_turn_reward_for_a_turn_trained_earlier_is_counted_not_applied():
     assert rewards_by_token(joined) == {201: 1.5} and j.counters.trained_turn_rewards == 1
 
 
+def test_each_reward_rating_a_turn_trained_earlier_is_counted():
+    """Two sources rate c's first turn, trained earlier with p: two values not applied, two counted
+    (counted once per turn before, under-reporting what was lost)."""
+    p, c = conversation(["p", "c"])
+    j = joiner(aggregation="mean")
+    j.add_interaction(p, ts=0.0)
+    j.add_reward(make_reward("p", 1.0), ts=0.5)
+    take_all(j)
+    j.add_interaction(c, ts=1.0)
+    j.add_reward(make_reward("c", 1.0, turns={0: 3.0}, source="user"), ts=1.5)
+    j.add_reward(make_reward("c", 0.0, turns={0: 2.0, 1: 0.25}, source="judge"), ts=1.6)
+    (joined,) = take_all(j)
+    assert rewards_by_token(joined) == {201: 0.5 + 0.25} and j.counters.trained_turn_rewards == 2
+
+
 def test_trajectory_state_round_trips_through_json():
     import json
 

@@ -60,6 +60,7 @@ and dead letters (a bad record may be dead-lettered again after a restart).
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import signal
@@ -276,6 +277,9 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
             if is_disk_full(exc):  # the error names the file; the log says what happens next
                 log.error("learner stops: no room to write: %s; once there is room, a restart goes on from its "
                           "newest checkpoint", exc)
+            elif exc.errno == errno.EIO:  # MLflow's SQLite store says so for a full quota too (trainer/mlflow_store.py)
+                log.error("learner stops: a disk failed a write: %s; once it has room or is replaced, a restart goes "
+                          "on from its newest checkpoint", exc)
             raise
         if ctx.is_main:
             log.info("learner stopped after %d steps at policy version %d (MLflow run %s)",

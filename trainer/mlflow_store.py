@@ -6,7 +6,9 @@ reads its limits from the environment only; the learner bounds them
 (:func:`bound_mlflow_requests`) and waits on its own terms (trainer/tracking.py).
 
 A store with no room for a write (a full disk under the SQLite file, or under a server's) is an
-``OSError`` ENOSPC naming it (:func:`store_full`), like the learner's other full disks.
+``OSError`` ENOSPC naming it, and one whose disk failed the write otherwise (SQLite's "disk I/O
+error": a full quota, EDQUOT, reads so) an ``OSError`` EIO naming it (:func:`store_refused`), like
+the learner's other disk errors.
 """
 
 from __future__ import annotations
@@ -65,23 +67,36 @@ SQLITE_FULL = "database or disk is full"
 """SQLite's text for SQLITE_FULL: a write to the database or its journal found no room (ENOSPC). MLflow
 passes it on as an MlflowException (TEMPORARILY_UNAVAILABLE), a server in its answer's message."""
 
+SQLITE_IOERR = "disk I/O error"
+"""SQLite's text for SQLITE_IOERR: a read, write or sync of the database or its journal failed for
+another reason than ENOSPC. SQLite keeps ENOSPC alone for SQLITE_FULL, so a full disk quota (EDQUOT)
+reads as this, as does a failing device; MLflow passes it on as it does SQLITE_FULL."""
 
-def store_full(exc: MlflowException, uri: str) -> OSError | None:
-    """The ``OSError`` (ENOSPC) to raise for ``exc`` when it says MLflow's store at ``uri`` had no room,
-    naming the SQLite file (a server: its URI); None for any other error. MLflow's own text names
-    neither the file nor the disk, and is pages of SQL."""
-    if SQLITE_FULL not in exc.message:
+REFUSED_WRITES = {SQLITE_FULL: errno.ENOSPC, SQLITE_IOERR: errno.EIO}
+"""The store's refusals that name the disk, and the OS error each is raised as."""
+
+
+def store_refused(exc: MlflowException, uri: str) -> OSError | None:
+    """The ``OSError`` to raise for ``exc`` when it says MLflow's store at ``uri`` could not write to
+    its disk (ENOSPC: no room; EIO: any other disk error, a full quota among them), naming the SQLite
+    file (a server: its URI); None for any other error. MLflow's own text names neither the file nor
+    the disk, and is pages of SQL."""
+    found = [text for text in REFUSED_WRITES if text in exc.message]
+    if not found:
         return None
     where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri
-    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (MLflow's store: {SQLITE_FULL})", where)
+    code = REFUSED_WRITES[found[0]]
+    hint = "" if code == errno.ENOSPC else "; a full disk quota (EDQUOT) reads so too"
+    return OSError(code, f"{os.strerror(code)} (MLflow's store: {found[0]}{hint})", where)
 
 
 class _WithoutFullStoreTracebacks(logging.Filter):
     """MLflow logs every SQL error with its traceback at ERROR before raising it: on a full disk, one
-    per metrics write the tracker retries. The tracker names the full store itself (trainer/tracking.py)."""
+    per metrics write the tracker retries. The tracker names the refusing store itself (trainer/tracking.py)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return SQLITE_FULL not in record.getMessage()
+        message = record.getMessage()
+        return not any(text in message for text in REFUSED_WRITES)
 
 
 _WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()

@@ -36,9 +36,10 @@ registry call waits for the server, and a stop request ends that wait with
 :class:`TrackingUnavailable`. Without a stop event (one-shot callers) nothing waits.
 
 A store with no room (its disk full: MLflow's SQLite "database or disk is full", an artifact write's
-ENOSPC): metrics are kept as during an outage and sent once it takes them again; opening the run,
-a registration and the gate's decision fail at once with an ``OSError`` ENOSPC naming the full
-file (:func:`~trainer.mlflow_store.store_full`), which stops the learner like its other full
+ENOSPC), or whose disk fails its writes otherwise (SQLite's "disk I/O error", a full quota among
+them): metrics are kept as during an outage and sent once it takes them again; opening the run,
+a registration and the gate's decision fail at once with an ``OSError`` (ENOSPC, EIO) naming the
+file (:func:`~trainer.mlflow_store.store_refused`), which stops the learner like its other full
 disks. A registration that fails so deletes the model directory it had begun to copy, and
 the registry version if one was created without its ``candidate`` alias: no half-registered
 version is left for the gate or serving to use, nor a partial directory holding space.
@@ -65,7 +66,7 @@ from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
 from trainer.mlflow_store import (TrackingUnavailable, experiment_id, is_code, is_unreachable,
-                                  open_client, store_full)
+                                  open_client, store_refused)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
                                        policy_of, stage_model_directory, unregister, version_with_alias)
@@ -149,8 +150,8 @@ class RunTracker:
             try:
                 return action()
             except MlflowException as exc:
-                if (full := store_full(exc, self.cfg.mlflow_uri)) is not None:
-                    raise full from exc  # not waited for: room is made by someone, not by time
+                if (refused := store_refused(exc, self.cfg.mlflow_uri)) is not None:
+                    raise refused from exc  # not waited for: room is made by someone, not by time
                 if not is_unreachable(exc):
                     raise
                 raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not "
@@ -251,7 +252,7 @@ class RunTracker:
         try:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
-            full = store_full(exc, self.cfg.mlflow_uri)
+            full = store_refused(exc, self.cfg.mlflow_uri)
             if full is None and not is_unreachable(exc):
                 raise
             # a full store loses nothing kept here either: the learner trains on, and a write it
@@ -259,8 +260,8 @@ class RunTracker:
             self._unlogged_why = full or TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} "
                                                              "(mlflow.tracking_uri) does not answer")
             if not failing and full is not None:
-                log.warning("MLflow's store has no room: %s; the learner goes on and keeps each step's "
-                            "metrics to send once it has", full)
+                log.warning("MLflow's store cannot write to its disk: %s; the learner goes on and keeps each step's "
+                            "metrics to send once it can", full)
             elif not failing:
                 log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
                             "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
@@ -328,7 +329,7 @@ class RunTracker:
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
         except (MlflowException, OSError) as exc:
             if is_disk_full(exc) or (isinstance(exc, MlflowException)
-                                      and store_full(exc, self.cfg.mlflow_uri) is not None):
+                                      and store_refused(exc, self.cfg.mlflow_uri) is not None):
                 unregister(self.client, self.model_name, ref, source, version, self.cfg.mlflow_uri)
             raise
         return str(version)

@@ -46,17 +46,20 @@ class FullDatabase:
 
     def __init__(self) -> None:
         self.refused = lambda statement: False
+        self.message = "database or disk is full"
 
-    def fill(self, *starts: str) -> None:
-        """Refuse the writes (those whose SQL starts with one of ``starts``, by default all of them)."""
+    def fill(self, *starts: str, message: str = "database or disk is full") -> None:
+        """Refuse the writes (those whose SQL starts with one of ``starts``, by default all of them)
+        with SQLite's ``message``: its "disk I/O error" is what a full disk quota (EDQUOT) reads as."""
         self.refused = lambda statement: statement.lstrip().upper().startswith(starts or WRITES)
+        self.message = message
 
     def free(self) -> None:
         self.refused = lambda statement: False
 
     def __call__(self, cursor, statement, parameters, context) -> None:
         if self.refused(statement):
-            raise sqlite3.OperationalError("database or disk is full")
+            raise sqlite3.OperationalError(self.message)
 
 
 @pytest.fixture
@@ -84,19 +87,24 @@ def _client(cfg) -> MlflowClient:
     return MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
 
 
+REFUSALS = [("database or disk is full", errno.ENOSPC), ("disk I/O error", errno.EIO)]
+"""SQLite's two refusals of a write by its disk, and the OS error the tracker raises for each."""
+
+
+@pytest.mark.parametrize("message", [m for m, _ in REFUSALS])
 def test_metrics_on_a_full_store_are_kept_named_once_and_sent_once_there_is_room(
-        tmp_path, database, monkeypatch, caplog):
+        tmp_path, database, monkeypatch, caplog, message):
     monkeypatch.setattr(tracking, "TRACKING_RETRY_S", 0.0)
     cfg = _tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
     tracker.log_metrics({"reward_mean": 0.1}, step=1)
-    database.fill()
+    database.fill(message=message)
     with caplog.at_level(logging.WARNING):
         for step in (2, 3, 4):
             tracker.log_metrics({"reward_mean": 0.1 * step}, step=step)  # no raise: the learner goes on
     assert tracker.unlogged_steps == 3
-    named = [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
-    assert len(named) == 1 and repr(_db(cfg)) in named[0] and "database or disk is full" in named[0], named
+    named = [r.getMessage() for r in caplog.records if "cannot write to its disk" in r.getMessage()]
+    assert len(named) == 1 and repr(_db(cfg)) in named[0] and message in named[0], named
     # MLflow's own ERROR with its traceback, once per failed write, is left out
     assert not [r for r in caplog.records if r.name.startswith("mlflow") and r.levelno >= logging.WARNING]
     database.free()
@@ -148,9 +156,10 @@ def test_a_registration_whose_copy_finds_no_room_leaves_no_version_and_no_partia
     assert _registered(cfg) == {1: "1"} and tracker.candidate()[0] == 1
 
 
+@pytest.mark.parametrize("message, code", REFUSALS)
 @pytest.mark.parametrize("delete_refused", [False, True])
 def test_a_registration_whose_alias_finds_no_room_leaves_no_version_the_gate_or_serving_uses(
-        tmp_path, database, delete_refused, caplog):
+        tmp_path, database, delete_refused, caplog, message, code):
     cfg = _tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
     store = FileWeightStore(str(tmp_path / "weights"))
@@ -160,12 +169,12 @@ def test_a_registration_whose_alias_finds_no_room_leaves_no_version_the_gate_or_
     # the version and its tags fit, the alias not (and, when the disk is still full, not its deletion:
     # MLflow marks a deleted version with an update)
     database.fill("INSERT INTO REGISTERED_MODEL_ALIASES", "UPDATE REGISTERED_MODEL_ALIASES",
-                  *(("UPDATE MODEL_VERSIONS", "DELETE") if delete_refused else ()))
+                  *(("UPDATE MODEL_VERSIONS", "DELETE") if delete_refused else ()), message=message)
     with caplog.at_level(logging.WARNING), pytest.raises(OSError) as failure:
         tracker.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.2)
     database.free()
 
-    assert (failure.value.errno, failure.value.filename) == (errno.ENOSPC, _db(cfg))
+    assert (failure.value.errno, failure.value.filename) == (code, _db(cfg))
     assert tracker.candidate()[0] == 1 and tracker.champion()[0] == 1
     assert _model_dirs(cfg, tracker) == ["v00000001"]
     if delete_refused:  # left, named, and read by nothing: no alias points at it

@@ -31,7 +31,7 @@ def until_reachable(action: Callable[[], T], what: str, unreachable: tuple[type[
             if stop is not None and stop.is_set():
                 raise
             attempts += 1
-            line = f"{what}: unreachable ({exc}); waiting for it"
+            line = f"{what}: not available ({exc}); waiting for it"
             if attempts == 1:
                 (notify or log.warning)(line)
             else:

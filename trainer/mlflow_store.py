@@ -59,8 +59,27 @@ class TrackingUnavailable(RuntimeError):
 
 
 def is_unreachable(exc: MlflowException) -> bool:
-    """Whether MLflow's client failed to get any answer (connection refused, timed out, retries spent)."""
+    """Whether MLflow's client got no usable answer: none at all (connection refused, timed out), or
+    only answers it retries (HTTP 5xx, 429) until its retries were spent (:func:`is_failing`)."""
     return isinstance(exc.__context__, requests.exceptions.RequestException)
+
+
+def is_failing(exc: MlflowException) -> bool:
+    """Whether MLflow's server answered, but only with errors its client retries until it gave up: the
+    server is up and something under it failed. An artifact upload to a server whose artifact disk is
+    full answers so (HTTP 500; the server's log has the ENOSPC, the answer does not)."""
+    return isinstance(exc.__context__, requests.exceptions.RetryError)
+
+
+def unavailable(exc: MlflowException, uri: str) -> TrackingUnavailable:
+    """What the tracker waits out for an :func:`is_unreachable` ``exc``, saying which of the two it was."""
+    if is_failing(exc):
+        spent = exc.__context__.args[0] if exc.__context__.args else None  # urllib3's MaxRetryError
+        request, why = getattr(spent, "url", "a request"), getattr(spent, "reason", exc.__context__)
+        return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) answers {request} with server errors "
+                                   f"({why}; its client's retries spent): the server's log says why, a full "
+                                   f"artifact disk answers so")
+    return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc.message[:300]}")
 
 
 SQLITE_FULL = "database or disk is full"

@@ -66,7 +66,7 @@ from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
 from trainer.mlflow_store import (TrackingUnavailable, experiment_id, is_code, is_unreachable,
-                                  open_client, store_refused)
+                                  open_client, store_refused, unavailable)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
                                        policy_of, stage_model_directory, unregister, version_with_alias)
@@ -154,8 +154,7 @@ class RunTracker:
                     raise refused from exc  # not waited for: room is made by someone, not by time
                 if not is_unreachable(exc):
                     raise
-                raise TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} (mlflow.tracking_uri) does not "
-                                          f"answer: {exc.message[:300]}") from exc
+                raise unavailable(exc, self.cfg.mlflow_uri) from exc
         if self.stop is None or not wait:
             return attempt()
         return until_reachable(attempt, what, (TrackingUnavailable,), TRACKING_RETRY_S, self.stop)
@@ -257,14 +256,13 @@ class RunTracker:
                 raise
             # a full store loses nothing kept here either: the learner trains on, and a write it
             # cannot go on without (the registry's, a checkpoint on the same disk) stops it
-            self._unlogged_why = full or TrackingUnavailable(f"MLflow at {self.cfg.mlflow_uri} "
-                                                             "(mlflow.tracking_uri) does not answer")
+            self._unlogged_why = full or unavailable(exc, self.cfg.mlflow_uri)
             if not failing and full is not None:
                 log.warning("MLflow's store cannot write to its disk: %s; the learner goes on and keeps each step's "
                             "metrics to send once it can", full)
             elif not failing:
-                log.warning("MLflow at %s does not answer; the learner goes on and keeps each step's "
-                            "metrics to send when it does (%s)", self.cfg.mlflow_uri, exc.message[:300])
+                log.warning("%s; the learner goes on and keeps each step's metrics to send when it can",
+                            self._unlogged_why)
             self._next_metrics_try = time.monotonic() + TRACKING_RETRY_S
             return
         if failing:

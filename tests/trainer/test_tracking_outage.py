@@ -231,3 +231,32 @@ def test_a_server_that_refuses_deletion_is_named_once_and_registration_goes_on(
         tracker.close()
     finally:
         proxy.server.shutdown()
+
+
+def test_a_server_whose_artifact_store_fails_is_named_as_failing_and_registration_goes_on_once_fixed(
+        mlflow_server, quick, tmp_path, caplog):
+    """A server whose artifact store fails under it (a full artifact disk: HTTP 500, the ENOSPC only
+    in the server's log; here a file where the version's directory goes, which answers alike) is
+    waited for like an outage, but named as answering with errors: the log said "does not answer",
+    sending the operator to the network (measured on a 64 KiB tmpfs under the server's artifacts)."""
+    cfg = _config(tmp_path, f"http://127.0.0.1:{mlflow_server}")
+    tracker = RunTracker(cfg, stop=threading.Event())
+    store = FileWeightStore(str(tmp_path / "weights"))
+    tracker.register(store.save(1, {"w": torch.ones(2)}), 0.0)
+    run = MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(tracker.run_id)
+    in_the_way = (tmp_path / "mlflow-server/artifacts" / run.info.experiment_id / tracker.run_id
+                  / "artifacts/policy/v00000002")
+    in_the_way.write_text("not a directory")
+    registered: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        waiting = threading.Thread(target=lambda: registered.append(
+            tracker.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.0)))
+        waiting.start()
+        waiting.join(5)
+        assert waiting.is_alive() and not registered  # waited for, like a server that does not answer
+        in_the_way.unlink()  # the operator made room
+        waiting.join(30)
+    assert registered == ["2"] and tracker.candidate()[0] == 2
+    named = [m for m in (r.getMessage() for r in caplog.records) if "v00000002/" in m and "with server errors" in m]
+    assert len(named) == 1 and "500" in named[0] and "does not answer" not in caplog.text, caplog.text[-2000:]
+    tracker.close()

@@ -209,13 +209,16 @@ def test_a_full_ledger_disk_stops_the_learner_naming_the_segment(tmp_path, tiny_
     _assert_trained_exactly_once(lives)
 
 
-def test_learn_says_in_its_own_log_that_it_stops_on_a_full_disk(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("code, said", [(errno.ENOSPC, "learner stops: no room to write"),
+                                         (errno.EIO, "learner stops: a disk failed a write")])
+def test_learn_says_in_its_own_log_that_it_stops_on_a_full_disk(tmp_path, monkeypatch, caplog, code, said):
+    """ENOSPC, and EIO: MLflow's SQLite store's "disk I/O error" (a full quota reads so) as the tracker raises it."""
     import logging
     import signal
 
     import trainer.learner
 
-    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "weights" / "v00000003.safetensors"))
+    full = OSError(code, os.strerror(code), str(tmp_path / "weights" / "v00000003.safetensors"))
 
     def train_on_a_full_disk(*args, **kwargs):
         raise full
@@ -227,4 +230,4 @@ def test_learn_says_in_its_own_log_that_it_stops_on_a_full_disk(tmp_path, monkey
         trainer.learner.run_learner(cfg)
     assert raised.value is full  # said, and still raised: the command prints it and exits 1
     lines = [r.getMessage() for r in caplog.records if r.name == "trainer.learner"]
-    assert len(lines) == 1 and lines[0].startswith("learner stops: no room to write") and full.filename in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(said) and full.filename in lines[0]

@@ -87,13 +87,19 @@ class Unsent:
             self.dropped += 1
 
     def send(self, client: MlflowClient, run_id: str) -> None:
-        """Every log to ``run_id``, oldest first; the MlflowException of a call that fails leaves the
-        log it was sending as the oldest, to send whole again (its tags first: setting one twice is
-        harmless, and a failure then has sent none of its metrics)."""
+        """Every log to ``run_id``, oldest first, its tags first; the MlflowException of a call that
+        fails leaves what that log had not sent as the oldest, to send again. What was sent is taken
+        off the log batch by batch: MLflow keeps both copies of a metric logged twice at one step
+        (setting a tag twice is harmless, but a log's tags are sent before any of its metrics)."""
         while self.logs:
-            metrics, tags = self.logs[0][0], [RunTag(k, v) for k, v in self.logs[0][1].items()]
-            for start in range(0, len(tags), TAGS_PER_BATCH):
-                client.log_batch(run_id, tags=tags[start:start + TAGS_PER_BATCH])
-            for start in range(0, len(metrics), METRICS_PER_BATCH):
-                client.log_batch(run_id, metrics=metrics[start:start + METRICS_PER_BATCH])
+            metrics, tags = self.logs[0]
+            if tags:
+                items = [RunTag(k, v) for k, v in tags.items()]
+                for start in range(0, len(items), TAGS_PER_BATCH):
+                    client.log_batch(run_id, tags=items[start:start + TAGS_PER_BATCH])
+                self.logs[0] = (metrics, {})
+            while metrics:
+                client.log_batch(run_id, metrics=metrics[:METRICS_PER_BATCH])
+                metrics = metrics[METRICS_PER_BATCH:]
+                self.logs[0] = (metrics, {})
             self.logs.popleft()

@@ -3,7 +3,9 @@ window, sent only when they change, kept through an outage, and read back when t
 
 from __future__ import annotations
 
+import pytest
 from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
 
 from tests.trainer.test_tracking import _client, _config, cfg, empty_store  # noqa: F401 (fixtures)
 from trainer.step_window import StepWindow, Unsent
@@ -65,3 +67,32 @@ def test_a_log_dropped_in_a_long_outage_hands_its_tags_to_the_next():
         unsent.add([Metric("m", 0.0, 0, step)], tags)
     assert unsent.dropped == 1 and len(unsent.logs) == 2
     assert [m.step for m in unsent.logs[0][0]] == [2] and unsent.logs[0][1] == {"a": "2", "b": "1"}
+
+
+class _FailingOnce:
+    """An MLflow client whose ``fail_at``-th log_batch call fails once (the server went away mid-log)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+        self.metrics: list[Metric] = []
+        self.tags: list = []
+
+    def log_batch(self, run_id, metrics=(), tags=()):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise MlflowException("the server went away")
+        self.metrics += metrics
+        self.tags += tags
+
+
+def test_a_log_larger_than_one_batch_that_fails_part_way_sends_each_metric_once():
+    """2500 metrics are three batches; the third fails: sent again, the first two must not be
+    (MLflow keeps both copies of a metric logged twice at one step)."""
+    unsent = Unsent(limit=10)
+    unsent.add([Metric(f"m{i}", float(i), 0, 7) for i in range(2500)], {"a": "1"})
+    client = _FailingOnce(fail_at=4)  # tags, then metrics 0-999, 1000-1999, 2000-2499
+    with pytest.raises(MlflowException):
+        unsent.send(client, "run")
+    unsent.send(client, "run")
+    assert sorted(m.key for m in client.metrics) == sorted(f"m{i}" for i in range(2500))
+    assert [t.key for t in client.tags] == ["a"] and not unsent.logs

@@ -47,6 +47,7 @@ version is left for the gate or serving to use, nor a partial directory holding 
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import tempfile
@@ -106,6 +107,12 @@ def _artifacts_named(artifact_uri: str):
     the directory for a local artifact store, else its URI."""
     with naming_the_file(artifact_uri.removeprefix("file://")):
         yield
+
+
+def _disk_refused(exc: BaseException) -> bool:
+    """A write its disk refused: no room (ENOSPC, EDQUOT) or another disk error (EIO, as the store raises
+    SQLite's "disk I/O error", which a full quota reads as)."""
+    return is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno == errno.EIO)
 
 
 def _waiting(what: str):
@@ -283,7 +290,7 @@ class RunTracker:
             self._answered("ending the MLflow run", lambda: self.client.set_terminated(self.run_id, status),
                            wait=False)
         except (TrackingUnavailable, OSError) as exc:
-            if not isinstance(exc, TrackingUnavailable) and not is_disk_full(exc):
+            if not isinstance(exc, TrackingUnavailable) and not _disk_refused(exc):
                 raise
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
                         self.unlogged_steps + self._unlogged.dropped)
@@ -326,8 +333,8 @@ class RunTracker:
                                                        description=f"policy version {ref.version}").version
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
         except (MlflowException, OSError) as exc:
-            if is_disk_full(exc) or (isinstance(exc, MlflowException)
-                                      and store_refused(exc, self.cfg.mlflow_uri) is not None):
+            if _disk_refused(exc) or (isinstance(exc, MlflowException)
+                                       and store_refused(exc, self.cfg.mlflow_uri) is not None):
                 unregister(self.client, self.model_name, ref, source, version, self.cfg.mlflow_uri)
             raise
         return str(version)

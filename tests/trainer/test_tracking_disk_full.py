@@ -114,10 +114,11 @@ def test_metrics_on_a_full_store_are_kept_named_once_and_sent_once_there_is_room
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
 
 
-def test_closing_on_a_full_store_names_it_and_leaves_the_run_open(tmp_path, database, caplog):
+@pytest.mark.parametrize("message", [m for m, _ in REFUSALS])
+def test_closing_on_a_full_store_names_it_and_leaves_the_run_open(tmp_path, database, caplog, message):
     cfg = _tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
-    database.fill()
+    database.fill(message=message)
     tracker.log_metrics({"reward_mean": 0.1}, step=1)
     with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
         tracker.close("FAILED")  # in the learner's finally: raising would hide the learner's own error

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,9 @@ import requests
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+from online_sao.config import Config
+from online_sao.durable import is_disk_full, naming_the_file
 
 
 def is_code(exc: MlflowException, code: int) -> bool:
@@ -107,6 +111,25 @@ def store_refused(exc: MlflowException, uri: str) -> OSError | None:
     code = REFUSED_WRITES[found[0]]
     hint = "" if code == errno.ENOSPC else "; a full disk quota (EDQUOT) reads so too"
     return OSError(code, f"{os.strerror(code)} (MLflow's store: {found[0]}{hint})", where)
+
+
+def artifact_root(cfg: Config) -> str | None:
+    """Where a new experiment keeps artifacts: next to a SQLite store; the server decides otherwise."""
+    return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
+
+
+@contextmanager
+def artifacts_named(artifact_uri: str):
+    """An artifact write's OS error (a full disk's ENOSPC names no file) names where it was writing:
+    the directory for a local artifact store, else its URI."""
+    with naming_the_file(artifact_uri.removeprefix("file://")):
+        yield
+
+
+def disk_refused(exc: BaseException) -> bool:
+    """A write its disk refused: no room (ENOSPC, EDQUOT) or another disk error (EIO, as the store raises
+    SQLite's "disk I/O error", which a full quota reads as)."""
+    return is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno == errno.EIO)
 
 
 class _WithoutFullStoreTracebacks(logging.Filter):

@@ -47,13 +47,11 @@ version is left for the gate or serving to use, nor a partial directory holding 
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -66,8 +64,8 @@ from online_sao.durable import is_disk_full, naming_the_file
 from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
-from trainer.mlflow_store import (TrackingUnavailable, experiment_id, is_code, is_unreachable,
-                                  open_client, store_refused, unavailable)
+from trainer.mlflow_store import (TrackingUnavailable, artifact_root, artifacts_named, disk_refused, experiment_id,
+                                  is_code, is_unreachable, open_client, store_refused, unavailable)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
                                        policy_of, stage_model_directory, unregister, version_with_alias)
@@ -88,31 +86,12 @@ def flatten_config(cfg: Config) -> dict[str, str]:
     return {key: str(value)[:MAX_PARAM_LENGTH] for key, value in flat_settings(cfg.model_dump(mode="json")).items()}
 
 
-def _artifact_root(cfg: Config) -> str | None:
-    """Where a new experiment keeps artifacts: next to a SQLite store; the server decides otherwise."""
-    return (cfg.data_dir / "mlflow-artifacts").as_uri() if cfg.mlflow_uri.startswith("sqlite:") else None
-
-
 TRACKING_RETRY_S = 5.0
 """Pause between two attempts while the MLflow server does not answer (a registry call waits; the
 metrics are sent at the next step at least this long after the last failure)."""
 UNLOGGED_STEPS_MAX = 10_000
 """Logged steps of metrics kept while MLflow does not answer (the oldest are dropped beyond, and
 counted); a logged step covers ``mlflow.log_every_steps`` learner steps."""
-
-
-@contextmanager
-def _artifacts_named(artifact_uri: str):
-    """An artifact write's OS error (a full disk's ENOSPC names no file) names where it was writing:
-    the directory for a local artifact store, else its URI."""
-    with naming_the_file(artifact_uri.removeprefix("file://")):
-        yield
-
-
-def _disk_refused(exc: BaseException) -> bool:
-    """A write its disk refused: no room (ENOSPC, EDQUOT) or another disk error (EIO, as the store raises
-    SQLite's "disk I/O error", which a full quota reads as)."""
-    return is_disk_full(exc) or (isinstance(exc, OSError) and exc.errno == errno.EIO)
 
 
 def _waiting(what: str):
@@ -178,12 +157,12 @@ class RunTracker:
 
     # -- run lifetime -----------------------------------------------------------------
     def _new_run(self) -> str:
-        experiment = experiment_id(self.client, self.cfg.mlflow.experiment, _artifact_root(self.cfg))
+        experiment = experiment_id(self.client, self.cfg.mlflow.experiment, artifact_root(self.cfg))
         run = self.client.create_run(experiment, run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
                                      tags={"component": "learner", "restarts": "0"})
         params = flatten_config(self.cfg)
         self._log_params(run.info.run_id, params)
-        with _artifacts_named(f"{run.info.artifact_uri}/config"):
+        with artifacts_named(f"{run.info.artifact_uri}/config"):
             self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
         return run.info.run_id
 
@@ -214,7 +193,7 @@ class RunTracker:
         logged = run.data.params
         self._log_params(self.run_id, {k: v for k, v in params.items() if k not in logged})
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        with _artifacts_named(f"{run.info.artifact_uri}/config"):
+        with artifacts_named(f"{run.info.artifact_uri}/config"):
             self.client.log_text(self.run_id, dump_config(self.cfg), f"config/resolved-restart-{restarts}.yaml")
         self.client.set_tag(self.run_id, "restarts", str(restarts))
         if changed:
@@ -290,7 +269,7 @@ class RunTracker:
             self._answered("ending the MLflow run", lambda: self.client.set_terminated(self.run_id, status),
                            wait=False)
         except (TrackingUnavailable, OSError) as exc:
-            if not isinstance(exc, TrackingUnavailable) and not _disk_refused(exc):
+            if not isinstance(exc, TrackingUnavailable) and not disk_refused(exc):
                 raise
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
                         self.unlogged_steps + self._unlogged.dropped)
@@ -324,7 +303,7 @@ class RunTracker:
             with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
                 with naming_the_file(tmp):
                     stage_model_directory(ref, self.cfg.model_dir, Path(tmp))
-                with _artifacts_named(source):
+                with artifacts_named(source):
                     self.client.log_artifacts(self.run_id, tmp, artifact_path)
             ensure_registered_model(self.client, self.model_name)
             tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
@@ -333,7 +312,7 @@ class RunTracker:
                                                        description=f"policy version {ref.version}").version
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
         except (MlflowException, OSError) as exc:
-            if _disk_refused(exc) or (isinstance(exc, MlflowException)
+            if disk_refused(exc) or (isinstance(exc, MlflowException)
                                        and store_refused(exc, self.cfg.mlflow_uri) is not None):
                 unregister(self.client, self.model_name, ref, source, version, self.cfg.mlflow_uri)
             raise

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.bench_compile import main
 
 
+@pytest.mark.slow  # 60-95 s of torch.compile on 2 cores; the learner's compiled bodies are tested in the default run
 def test_the_compile_benchmark_reports_eager_and_compiled_bodies(tmp_path):
     out = tmp_path / "compile.md"
     assert main(["--batches", "2", "--rollouts", "4", "--median", "6", "--max-tokens", "40", "--out", str(out)]) == 0

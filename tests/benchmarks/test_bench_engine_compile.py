@@ -7,7 +7,8 @@ import pytest
 from benchmarks.bench_engine_compile import main
 
 
-@pytest.mark.parametrize("kv_layout", ["flat", "padded"])
+# flat's compile takes 30-50 s on 2 cores: the slow lane; the compiled flat engine itself is tested in the default run
+@pytest.mark.parametrize("kv_layout", [pytest.param("flat", marks=pytest.mark.slow), "padded"])
 def test_the_engine_compile_benchmark_reports_both_engines(tmp_path, tiny_model_dir, kv_layout):
     out = tmp_path / "engine_compile.md"
     assert main(["--model-dir", str(tiny_model_dir), "--requests", "6", "--concurrency", "3", "--median-tokens", "4",

@@ -338,6 +338,8 @@ def test_stop_ends_running_and_waiting_requests(model, make_engine):
     assert isinstance(running, EngineStopped) and isinstance(waiting, EngineStopped)
 
 
+# padded compiles a graph per cache length: 45-70 s on 2 cores, so the slow lane; flat in the default run
+@pytest.mark.parametrize("kv_layout", ["flat", pytest.param("padded", marks=pytest.mark.slow)])
 def test_a_compiled_engine_compiles_while_it_starts_and_answers_as_the_eager_one(model, kv_layout):
     from torch._dynamo.utils import counters
 

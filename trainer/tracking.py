@@ -117,7 +117,7 @@ class RunTracker:
         self._unlogged = Unsent(UNLOGGED_STEPS_MAX)
         """Logged steps of metrics (and run tags) MLflow did not take yet (it did not answer, or had no room)."""
         self._unlogged_why: Exception | None = None
-        """Why MLflow did not take them (TrackingUnavailable, or an OSError naming its full store)."""
+        """Why MLflow did not take them (TrackingUnavailable, or an OSError naming its store that refused a write)."""
         self._next_metrics_try = 0.0
         self._window = StepWindow()
         self.resumed_tags: dict[str, str] = {}
@@ -237,15 +237,15 @@ class RunTracker:
         try:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
-            full = store_refused(exc, self.cfg.mlflow_uri)
-            if full is None and not is_unreachable(exc):
+            refused = store_refused(exc, self.cfg.mlflow_uri)
+            if refused is None and not is_unreachable(exc):
                 raise
-            # a full store loses nothing kept here either: the learner trains on, and a write it
+            # a store that refuses writes loses nothing kept here either: the learner trains on, and a write it
             # cannot go on without (the registry's, a checkpoint on the same disk) stops it
-            self._unlogged_why = full or unavailable(exc, self.cfg.mlflow_uri)
-            if not failing and full is not None:
+            self._unlogged_why = refused or unavailable(exc, self.cfg.mlflow_uri)
+            if not failing and refused is not None:
                 log.warning("MLflow's store cannot write to its disk: %s; the learner goes on and keeps each step's "
-                            "metrics to send once it can", full)
+                            "metrics to send once it can", refused)
             elif not failing:
                 log.warning("%s; the learner goes on and keeps each step's metrics to send when it can",
                             self._unlogged_why)

@@ -105,12 +105,13 @@ MODES: dict[str, Callable[[LogState, Producer], DurabilityMode]] = {
 class InteractionLogger:
     def __init__(self, producer: Producer, topics: TopicsConfig, spool_dir: Path,
                  settings: LogSettings = LogSettings(), clock: Callable[[], float] = time.monotonic,
-                 readback: TopicTail | None = None):
+                 readback: TopicTail | None = None, wall: Callable[[], float] = time.time):
         """``readback``: how to read the topics back after a restart, so that records the broker took
-        just before a crash are not sent again (:mod:`serving.spool_readback`; None: they are)."""
+        just before a crash are not sent again (:mod:`serving.spool_readback`; None: they are);
+        ``wall``: the clock records are created with (:mod:`serving.spool_clock`)."""
         if settings.durability not in MODES:
             raise ValueError(f"unknown log durability {settings.durability!r}")
-        self._state = LogState(spool_dir, topics, settings, clock, readback)
+        self._state = LogState(spool_dir, topics, settings, clock, readback, wall)
         self._mode = MODES[settings.durability](self._state, producer)
         self._threads = self._mode.threads()
         self._topics = topics
@@ -134,6 +135,7 @@ class InteractionLogger:
             if state.closing and self._mode.stopped():
                 raise RuntimeError(f"the interaction logger is closed; {record.interaction_id} was not logged")
             self._seq += 1
+            state.clock_steps.created(self._seq, record.created_at)
             pending = Pending(self._seq, record_topic(record, self._topics), record_key(record), value)
             state.queue.append(pending)
             return self._mode.queued(pending)

@@ -19,6 +19,7 @@ from typing import Callable, Literal
 
 from online_sao.config import ServingConfig, TopicsConfig
 from serving.spool import Spool
+from serving.spool_clock import ClockSteps
 from serving.spool_readback import TopicTail
 from serving.spool_sender import OnDelivered, OnRefused, Pending, Signal, SpoolSender
 from streams.base import Producer
@@ -56,12 +57,15 @@ class LogSettings:
 
 class LogState:
     def __init__(self, spool_dir: Path, topics: TopicsConfig, settings: LogSettings,
-                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None):
-        """``readback``: how the sender reads the topics back after a restart (serving.spool_readback)."""
+                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None,
+                 wall: Callable[[], float] = time.time):
+        """``readback``: how the sender reads the topics back after a restart (serving.spool_readback);
+        ``wall``: the clock records are created with, watched for steps back (serving.spool_clock)."""
         self.settings = settings
         self.readback = readback
         self.clock = clock
         self.spool = Spool(spool_dir, settings.spool_max_bytes, dead_letter_topic=topics.dead_letters)
+        self.clock_steps = ClockSteps(spool_dir, self.spool.last_seq, wall)
         self.signal = Signal()
         self.queue: deque[Pending] = deque()
         """Submitted records not yet passed on (memory: to the producer; write_ahead: to the writer)."""
@@ -76,7 +80,7 @@ class LogState:
         s = self.settings
         return SpoolSender(producer, self.spool, self.signal, window=s.window, stall_s=s.stall_s, retry_s=s.retry_s,
                            on_refused=on_refused, on_delivered=on_delivered, clock=self.clock,
-                           readback=self.readback)
+                           readback=self.readback, clock_steps=self.clock_steps)
 
     def thread(self, body: Callable[[], None], name: str) -> threading.Thread:
         """A daemon thread running ``body``; if it raises, :attr:`crashed` says why (and refusal() reports it)."""

@@ -14,7 +14,9 @@ record the broker may hold without a watermark is among the first ``window``
 pending records of the restarted spool. The read starts at the oldest of their
 creation times (every record carries ``created_at``; the producer stamps a record
 when it sends it, with the same clock, so any copy on the topic is stamped later),
-less :data:`READBACK_MARGIN_S`.
+less :data:`READBACK_MARGIN_S`. A wall clock that stepped back between a record's creation and
+its send stamps the copy earlier than that; :mod:`serving.spool_clock` writes such a step down and
+the read back starts at it.
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ def created_at(entry: SpoolEntry) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def already_on_topic(candidates: list[SpoolEntry], tail: TopicTail) -> set[int]:
-    """Sequence numbers of the candidates whose exact bytes their topic already holds."""
+def already_on_topic(candidates: list[SpoolEntry], tail: TopicTail, floor_s: float | None = None) -> set[int]:
+    """Sequence numbers of the candidates whose exact bytes their topic already holds; ``floor_s``: the
+    wall clock stepped back to this reading while they were pending (serving.spool_clock)."""
     if not candidates:
         return set()
-    since = min(map(created_at, candidates)) - READBACK_MARGIN_S
+    since = min([*map(created_at, candidates), *([floor_s] if floor_s is not None else [])]) - READBACK_MARGIN_S
     topics = sorted({entry.topic for entry in candidates})
     wanted: dict[tuple[str, bytes], list[int]] = {}
     for entry in candidates:

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from serving.spool import Spool
+from serving.spool_clock import ClockSteps
 from serving.spool_format import SpoolEntry
-from serving.spool_readback import TopicTail, already_on_topic
+from serving.spool_readback import TopicTail, already_on_topic, created_at
 from streams.base import Producer, StreamUnavailable
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ OnDelivered = Callable[[Pending, "BaseException | None"], None]
 class SpoolSender:
     def __init__(self, producer: Producer, spool: Spool, signal: Signal, *, window: int, stall_s: float,
                  retry_s: float, on_refused: OnRefused, on_delivered: OnDelivered,
-                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None):
+                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None,
+                 clock_steps: ClockSteps | None = None):
         """``readback``: how to read the topics back after a restart (None: no read back, and a record
-        the broker took just before a crash is sent again)."""
+        the broker took just before a crash is sent again); ``clock_steps``: where steps back of the
+        wall clock are written down for it (serving.spool_clock; the log's, or one of this sender's own)."""
         self._producer, self._spool, self._signal, self._clock = producer, spool, signal, clock
         self._window, self._stall_s, self._retry_s = window, stall_s, retry_s
         self._on_refused, self._on_delivered = on_refused, on_delivered
@@ -93,6 +96,9 @@ class SpoolSender:
         self._readback = readback
         self._restart_seq = spool.last_seq
         """Records up to this sequence number were spooled by an earlier process."""
+        self._clock_steps = clock_steps or ClockSteps(spool.directory, spool.last_seq)
+        self._seen_restart_seq = 0
+        """Records of an earlier process up to this one had their creation time shown to the clock steps."""
         self._readback_due = readback is not None and spool.pending_records > 0
         self.found_on_topic = 0
         """Pending records of the restarted spool that the broker already held (not sent again)."""
@@ -141,6 +147,10 @@ class SpoolSender:
     def hand(self, pending: Pending) -> bool:
         """Give one record to the producer; False when it cannot take it now."""
         with self._signal.lock:
+            if self._seen_restart_seq < pending.seq <= self._restart_seq:  # its creation time is in its bytes only
+                self._seen_restart_seq = pending.seq
+                self._clock_steps.created(pending.seq, created_at(pending.entry()))
+            self._clock_steps.before_send()  # a step back is on disk before a copy stamped after it can exist
             pending.state, pending.changed_at = "handed", self._clock()
             self._with_producer[pending.seq] = pending
         try:
@@ -173,8 +183,9 @@ class SpoolSender:
         """Restarted spool: mark the pending records the broker already holds as acknowledged.
         False while the broker cannot be read (nothing may be sent until it can)."""
         candidates = [e for e in self._spool.read_pending(self._window) if e.seq <= self._restart_seq]
+        floor = self._clock_steps.read_back_floor(candidates[0].seq) if candidates else None
         try:
-            found = already_on_topic(candidates, self._readback)
+            found = already_on_topic(candidates, self._readback, floor)
         except StreamUnavailable as exc:
             self._on_refused(exc)
             return False
@@ -216,6 +227,7 @@ class SpoolSender:
         if acked_prefix is not None:
             self._spool.ack_through(acked_prefix)
             with self._signal.lock:
+                self._clock_steps.acknowledged_through(acked_prefix.seq)
                 for seq in [s for s in self._with_producer if s <= acked_prefix.seq]:
                     del self._with_producer[seq]
             progressed = True

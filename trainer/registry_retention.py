@@ -4,11 +4,17 @@ Each registration copies a whole model directory into the run's artifacts. The n
 ``mlflow.keep_registered_artifacts`` of them and those of versions holding an alias (``candidate``,
 ``champion``, any an operator set) stay; the others are deleted from the artifacts, their registry
 versions and tags kept (the deploy decisions' record) and tagged ``weights_pruned=true``.
+
+A registration stopped part way (the learner stopped while the artifact store failed its upload,
+or the undo of a refused registration could not delete) leaves a model directory no registry
+version refers to. The first pruning of each learner lifetime, and the first after a failed
+registration, deletes those of the learner's run.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
@@ -22,19 +28,32 @@ RETENTION_MARKED = "weights_pruned_marked"
 :data:`WEIGHTS_PRUNED` (set once, by the first learner that prunes)."""
 
 
+POLICY_DIR = "policy"
+"""Where in a run's artifacts each registration copies its model directory."""
+MODEL_DIR = re.compile(r"v\d{8}")
+"""A model directory's name there (``v<policy version>``): nothing else is retention's to delete."""
+
+
 class RegistryRetention:
     """Prunes one registered model's artifacts (module docstring) through an MLflow ``client``."""
 
-    def __init__(self, client, model_name: str, keep: int, tracking_uri: str) -> None:
+    def __init__(self, client, model_name: str, keep: int, tracking_uri: str, run_id: str) -> None:
+        """``run_id``: the learner's run, whose unregistered model directories are swept."""
         self.client = client
         self.model_name = model_name
         self.keep = keep
         self.tracking_uri = tracking_uri
+        self.run_id = run_id
         self._marked = False
         """Every registered version carries :data:`WEIGHTS_PRUNED` (see :meth:`_mark_unmarked`)."""
+        self.sweep_due = True
+        """The run may hold a model directory no version refers to (a new lifetime, a failed registration)."""
 
     def prune(self) -> None:
         """Delete what retention no longer keeps (MLflow's errors propagate: the caller decides)."""
+        if self.sweep_due:
+            self._sweep_unregistered()
+            self.sweep_due = False
         model = self.client.get_registered_model(self.model_name)
         if not self._marked and model.tags.get(RETENTION_MARKED) != "true":
             self._mark_unmarked()
@@ -52,6 +71,18 @@ class RegistryRetention:
             self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "true")
             log.info("registry: the model directory of version %s (policy v%s) deleted from the artifacts",
                      found.version, found.tags.get("policy_version"))
+
+    def _sweep_unregistered(self) -> None:
+        """Delete the run's model directories that no registry version refers to (module docstring).
+        Called only between registrations: the learner registers one at a time."""
+        root = f"{self.client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/{POLICY_DIR}"
+        referenced = {found.source.rstrip("/") for found in self._search()}
+        for item in self.client.list_artifacts(self.run_id, POLICY_DIR):
+            name = item.path.rsplit("/", 1)[-1]
+            if item.is_dir and MODEL_DIR.fullmatch(name) and f"{root}/{name}" not in referenced:
+                get_artifact_repository(root, tracking_uri=self.tracking_uri).delete_artifacts(name)
+                log.warning("registry: deleted %s/%s from the artifacts: a registration stopped part way left it "
+                            "and no registry version refers to it", root, name)
 
     def _mark_unmarked(self) -> None:
         """Tag ``weights_pruned=false`` on versions registered before retention existed (once for

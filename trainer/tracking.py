@@ -125,9 +125,9 @@ class RunTracker:
         self._pruning_refused = False
         """The artifact store refused a deletion: retention is off until the learner restarts."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
-        self.retention = RegistryRetention(self.client, self.model_name, cfg.mlflow.keep_registered_artifacts,
-                                           cfg.mlflow_uri)
         self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
+        self.retention = RegistryRetention(self.client, self.model_name, cfg.mlflow.keep_registered_artifacts,
+                                           cfg.mlflow_uri, self.run_id)
 
     def _answered(self, what: str, action, wait: bool = True):
         """``action()``; while the server does not answer, waited for (see the module docstring)
@@ -312,6 +312,7 @@ class RunTracker:
                                                        description=f"policy version {ref.version}").version
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
         except (MlflowException, OSError) as exc:
+            self.retention.sweep_due = True  # the copy may be left part way
             if disk_refused(exc) or (isinstance(exc, MlflowException)
                                        and store_refused(exc, self.cfg.mlflow_uri) is not None):
                 unregister(self.client, self.model_name, ref, source, version, self.cfg.mlflow_uri)

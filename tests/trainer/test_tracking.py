@@ -353,3 +353,22 @@ def test_versions_registered_before_retention_are_pruned_as_well(cfg, store):
     assert _registered_dirs(cfg) == {"v00000005"}
     assert {v: t.get("weights_pruned") for v, t in _by_policy(cfg).items()} == {
         1: "true", 2: "true", 3: "true", 4: "true", 5: "false"}
+
+
+def test_a_model_directory_a_stopped_registration_left_is_deleted_in_the_next_lifetime(cfg, store, tmp_path):
+    """A learner stopped while the artifact store failed its upload leaves part of a model directory
+    that no registry version refers to; the restarted learner's first registration deletes it."""
+    tracker = RunTracker(cfg)
+    tracker.register(_publish(store, 1), recent_reward=0.0)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text('{"model_type": "fake"}')
+    client = _client(cfg)
+    client.log_artifacts(tracker.run_id, str(partial), "policy/v00000002")  # the weights never came
+    client.log_artifacts(tracker.run_id, str(partial), "policy/notes")  # not a model directory
+    assert _registered_dirs(cfg) == {"v00000001", "v00000002"}
+
+    later = RunTracker(cfg, run_id=tracker.run_id)
+    later.register(_publish(store, 3), recent_reward=0.0)
+    assert _registered_dirs(cfg) == {"v00000001", "v00000003"}
+    assert [a.path for a in client.list_artifacts(tracker.run_id, "policy/notes")] == ["policy/notes/config.json"]

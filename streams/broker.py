@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -86,10 +87,19 @@ class LocalBroker:
     # -- set-up -------------------------------------------------------------------------
 
     def resolve_jars(self) -> Path:
-        """Copy the broker's jars from Maven Central once; later calls return the cache."""
+        """Copy the broker's jars from Maven Central once; later calls return the cache. Processes
+        resolving into one cache at once (parallel test workers) take turns: the first copies."""
         marker = self.lib_dir / ".complete"
         if marker.exists():
             return self.lib_dir
+        self.lib_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lib_dir.with_name(self.lib_dir.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if marker.exists():
+                return self.lib_dir
+            return self._copy_jars()
+
+    def _copy_jars(self) -> Path:
         mvn = _require_tool("mvn", "Maven")
         partial = self.lib_dir.with_name(self.lib_dir.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)

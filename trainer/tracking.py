@@ -14,10 +14,8 @@ gives a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 Tags on the registry version record the policy version, checksum, weight-store
 location, and the evidence of the promotion decision.
 
-Retention: after each registration the model directories of registered versions that are
-neither among the newest ``mlflow.keep_registered_artifacts`` nor hold an alias are deleted
-from the artifacts (:meth:`RunTracker.prune_registered`, trainer/registry_retention.py); their registry versions and tags stay,
-tagged ``weights_pruned=true``.
+Retention (:meth:`RunTracker.prune_registered`, trainer/registry_retention.py): after each
+registration the model directories of older versions without an alias leave the artifacts.
 
 Metrics: :meth:`RunTracker.log_step` gathers the learner's cycles and logs them every
 ``mlflow.log_every_steps`` steps (:class:`~trainer.step_window.StepWindow`), with the run tags that

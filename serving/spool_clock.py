@@ -84,11 +84,15 @@ class ClockSteps:
     def acknowledged_through(self, seq: int) -> None:
         """The spool's watermark reached ``seq``: a step none of whose records is pending is forgotten."""
         if self.step is not None and seq >= self.step.through_seq:
-            self.step = None
-            try:
-                self._path.unlink(missing_ok=True)
-            except OSError as exc:  # kept: a later read back only starts earlier than it must
-                log.warning("cannot remove %s: %s", self._path, exc)
+            self.forget()
+
+    def forget(self) -> None:
+        """No record the step may hide is pending (a start that finds the spool empty)."""
+        self.step = None
+        try:
+            self._path.unlink(missing_ok=True)
+        except OSError as exc:  # kept: a later read back only starts earlier than it must
+            log.warning("cannot remove %s: %s", self._path, exc)
 
     def _read(self, restart_seq: int) -> ClockStep | None:
         try:

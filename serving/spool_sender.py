@@ -97,6 +97,8 @@ class SpoolSender:
         self._restart_seq = spool.last_seq
         """Records up to this sequence number were spooled by an earlier process."""
         self._clock_steps = clock_steps or ClockSteps(spool.directory, spool.last_seq)
+        if spool.pending_records == 0:  # nothing an earlier step could hide is left
+            self._clock_steps.forget()
         self._seen_restart_seq = 0
         """Records of an earlier process up to this one had their creation time shown to the clock steps."""
         self._readback_due = readback is not None and spool.pending_records > 0

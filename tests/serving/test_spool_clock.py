@@ -131,3 +131,15 @@ def test_records_sent_after_the_clock_stepped_back_are_found_after_a_crash_and_n
     assert [decode(m.value).interaction_id for m in up.log] == [f"id-{i}" for i in range(6)]  # each once
     assert restarted.found_on_topic == 4
     assert not (tmp_path / "spool" / CLOCK_STEP_FILE).exists()  # all acknowledged: the step is forgotten
+
+
+def test_a_step_is_forgotten_by_a_start_whose_spool_holds_nothing_pending(tmp_path):
+    """In memory mode records reach the broker without passing the spool's watermark: a step written
+    down then is forgotten by the next start that finds nothing pending."""
+    (tmp_path / "spool").mkdir()
+    (tmp_path / "spool" / CLOCK_STEP_FILE).write_text(f'{{"floor_s": {CREATED}, "through_seq": 9}}')
+    assert ClockSteps(tmp_path / "spool", restart_seq=0).step == ClockStep(floor_s=CREATED, through_seq=9)
+    logger = InteractionLogger(StampingBroker(WallClock(CREATED)), TOPICS, tmp_path / "spool",
+                               LogSettings(durability="memory"))
+    logger.close(timeout_s=1.0)
+    assert not (tmp_path / "spool" / CLOCK_STEP_FILE).exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import fnmatch
 import importlib.util
 import io
@@ -44,12 +45,16 @@ def go_tool(name: str, version: str, go_args: list[str], cwd: Path | None = None
     module proxy on the first use."""
     out = REPO / ".cache" / name / version
     binary = out / name
-    if not binary.exists():
-        go = shutil.which("go") or "/usr/local/go/bin/go"
-        env = {**os.environ, "GOBIN": str(out), "GOPATH": str(REPO / ".cache" / "gopath"), "GOFLAGS": "-modcacherw"}
-        if go_args[0] == "build":
-            go_args = [*go_args[:1], "-o", str(binary), *go_args[1:]]
-        subprocess.run([go, *go_args], env=env, cwd=cwd, check=True, timeout=GO_BUILD_TIMEOUT_S)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f"{version}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # test workers wanting one tool at once: the first builds it
+        if not binary.exists():
+            go = shutil.which("go") or "/usr/local/go/bin/go"
+            env = {**os.environ, "GOBIN": str(out), "GOPATH": str(REPO / ".cache" / "gopath"),
+                   "GOFLAGS": "-modcacherw"}
+            if go_args[0] == "build":
+                go_args = [*go_args[:1], "-o", str(binary), *go_args[1:]]
+            subprocess.run([go, *go_args], env=env, cwd=cwd, check=True, timeout=GO_BUILD_TIMEOUT_S)
     return binary
 
 

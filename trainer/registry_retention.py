@@ -76,10 +76,12 @@ class RegistryRetention:
         """Delete the run's model directories that no registry version refers to (module docstring).
         Called only between registrations: the learner registers one at a time."""
         root = f"{self.client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/{POLICY_DIR}"
-        referenced = {found.source.rstrip("/") for found in self._search()}
+        # by name within the run: a source written under another form of the store's address still counts
+        referenced = {found.source.rstrip("/").rsplit("/", 1)[-1] for found in self._search()
+                      if found.run_id == self.run_id}
         for item in self.client.list_artifacts(self.run_id, POLICY_DIR):
             name = item.path.rsplit("/", 1)[-1]
-            if item.is_dir and MODEL_DIR.fullmatch(name) and f"{root}/{name}" not in referenced:
+            if item.is_dir and MODEL_DIR.fullmatch(name) and name not in referenced:
                 get_artifact_repository(root, tracking_uri=self.tracking_uri).delete_artifacts(name)
                 log.warning("registry: deleted %s/%s from the artifacts: a registration stopped part way left it "
                             "and no registry version refers to it", root, name)

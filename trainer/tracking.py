@@ -64,7 +64,7 @@ from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
 from trainer.mlflow_store import (TrackingUnavailable, artifact_root, artifacts_named, disk_refused, experiment_id,
                                   is_code, is_unreachable, open_client, store_refused, unavailable)
-from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention
+from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention, model_artifact_path
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
                                        policy_of, stage_model_directory, unregister, version_with_alias)
 from trainer.step_window import StepWindow, Unsent
@@ -294,7 +294,7 @@ class RunTracker:
 
     @_waiting("registering a policy version")
     def _register(self, ref: WeightsRef, recent_reward: float) -> str:
-        artifact_path = f"policy/v{ref.version:08d}"
+        artifact_path = model_artifact_path(ref.version)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
         version = None
         try:

@@ -36,6 +36,7 @@ from streams.records import decode_or_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
+from trainer.join_clock import JoinClock
 from trainer.rollouts import RolloutError
 from trainer.source_rewards import SourceRewards
 
@@ -123,8 +124,8 @@ class Feed:
         """When rollouts became ready and none were taken since."""
         self.last_activity = time.monotonic()
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
-        self.newest_read: dict[TopicPartition, float] = {}
-        """Per partition, the newest record time read from it (the join's clock: :meth:`_join_clock`)."""
+        self.clock = JoinClock()
+        """Per partition, the newest record time read from it: how far the join's clock may move."""
 
     def start(self, backend: StreamBackend) -> None:
         """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
@@ -156,26 +157,13 @@ class Feed:
             kind = Interaction if msg.topic == self.topics.interactions else Reward
             record = decode_or_dead_letter(msg, kind, self.dead_letters, self.topics.dead_letters)
             ts = self._record_time(msg)
-            self.newest_read[msg.tp] = max(ts, self.newest_read.get(msg.tp, ts))
+            self.clock.read(msg.tp, ts)
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
-                self.joiner.add_interaction(record, ts, clock=self._join_clock(left))
+                self.joiner.add_interaction(record, ts, clock=self.clock.limit(left))
             else:
-                self.joiner.add_reward(record, ts, clock=self._join_clock(left))
-
-    def _join_clock(self, left: dict[TopicPartition, int]) -> float | None:
-        """How far the join's clock may move: the newest record time read from the partition that
-        is furthest behind, over the partitions with records still to read; None when every one is
-        read to its end (the record's own time moves it, as when keeping up with live traffic).
-
-        Catching up a backlog, some partitions are read ahead of others (a poll returns one
-        partition's records before another's, and rewards are smaller than interactions); a clock
-        moved by the ones ahead closed windows and expired held rewards whose partners were still
-        unread (in a 2-hour backlog with every interaction rewarded 5 s after it, 910 of 2400 were
-        dropped)."""
-        behind = [self.newest_read.get(tp, -math.inf) for tp, count in left.items() if count > 0]
-        return min(behind) if behind else None
+                self.joiner.add_reward(record, ts, clock=self.clock.limit(left))
 
     def _record_time(self, msg) -> float:
         """The record's timestamp as the join's clock, at most :data:`MAX_RECORD_AHEAD_S` ahead of this

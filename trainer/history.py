@@ -8,7 +8,9 @@ read by a group-less consumer that commits nothing (the learner's own consumer
 group later trains on the same records as usual). Either way records are joined
 with the configured reward window on record time (the broker's timestamps on the
 topics, the records' own times in a file); windows still open at the end close as if
-the window had passed (default reward or drop, per ``reward.on_missing``).
+the window had passed (default reward or drop, per ``reward.on_missing``). The topics' partitions
+are read one after another, so the join's clock is held as the learner's feed holds it
+(trainer/join_clock.py) until every partition is read to where it ended when the read began.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from online_sao.config import Config
 from online_sao.schemas import Interaction, RecordError, Reward, decode
 from streams.base import StreamBackend
 from trainer.join import RewardJoiner
+from trainer.join_clock import JoinClock
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +83,28 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     topics = cfg.kafka.topics
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     consumer = backend.consumer([topics.interactions, topics.rewards], group_id=None, start="earliest")
+    clock = JoinClock()
     bad = 0
     try:
+        ends, next_offsets = consumer.end_offsets(), consumer.beginning_offsets()
         empty = 0
         while empty < HISTORY_EMPTY_POLLS:
             messages = consumer.poll(timeout_s=HISTORY_POLL_S)
             empty = 0 if messages else empty + 1
             for msg in messages:
+                next_offsets[msg.tp] = msg.offset + 1
+                ts = msg.timestamp_ms / 1000
+                clock.read(msg.tp, ts)
                 try:  # the learner's own consumer dead-letters bad records; here they are only skipped
                     record = decode(msg.value, Interaction if msg.topic == topics.interactions else Reward)
                 except RecordError:
                     bad += 1
                     continue
+                left = {tp: end - next_offsets.get(tp, 0) for tp, end in ends.items()}
                 if isinstance(record, Interaction):
-                    joiner.add_interaction(record, msg.timestamp_ms / 1000)
+                    joiner.add_interaction(record, ts, clock=clock.limit(left))
                 else:
-                    joiner.add_reward(record, msg.timestamp_ms / 1000)
+                    joiner.add_reward(record, ts, clock=clock.limit(left))
     finally:
         consumer.close()
     rollouts = _joined_rollouts(joiner, version)

@@ -33,7 +33,7 @@ given, so replaying the same records in the same order makes the same decisions
 them exactly as before). Consequences worth knowing: windows close only as
 newer records arrive (a quiet stream keeps its last interactions waiting). While
 one topic still has records to read, the feed holds the clock at the newest time
-read from it (``clock``: trainer/feed.py ``Feed._join_clock``), so catching up a
+read from it (``clock``: trainer/join_clock.py), so catching up a
 backlog does not close windows whose rewards are simply unread yet; a replay may
 then read in another order than the first pass and decide a window differently.
 
@@ -105,7 +105,7 @@ class RewardJoiner(TrajectoryRules):
     # -- input ---------------------------------------------------------------------------
     def add_interaction(self, interaction: Interaction, ts: float, clock: float | None = None) -> None:
         """``interaction`` read with record time ``ts``; ``clock``: how far the join's clock may move
-        (None: to ``ts``; the feed holds it back while catching up: ``Feed._join_clock``)."""
+        (None: to ``ts``; readers hold it back while catching up: trainer/join_clock.py)."""
         self._tick(ts, clock)
         iid = interaction.interaction_id
         anchor = anchor_time(interaction.created_at, ts)

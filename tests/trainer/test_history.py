@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+import streams.memory
 from online_sao.config import load_config
 from online_sao.schemas import encode
+from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
 from streams.records import publish
 from tests.trainer.records import make_interaction, make_reward
@@ -55,3 +59,57 @@ def test_file_history_measures_the_reward_window_in_record_time_not_lines(tmp_pa
     cfg = _config(tmp_path, **{"reward.window_s": 60.0, "reward.on_missing": "drop"})
     rollouts = rollouts_from_file(path, cfg, version=0)
     assert [(r.interaction_id, r.total_reward) for r in rollouts] == [("a", 1.0)]
+
+
+BACKLOG = 120
+"""Interactions in the backlog tests: one every 30 s, each rewarded 5 s after it (an hour of
+traffic against a 60 s window)."""
+
+
+def _backlog_config(tmp_path, **overrides):
+    return _config(tmp_path, **{"reward.window_s": 60.0, "reward.on_missing": "drop", **overrides})
+
+
+def test_topic_history_longer_than_the_window_joins_every_reward(tmp_path, monkeypatch):
+    """The in-memory consumer hands over every interaction before any reward; a join clock moved by
+    the interactions closed every window but the last minute's, and 117 of 120 rollouts were
+    dropped (their rewards counted late; the same on the broker, next test)."""
+    cfg = _backlog_config(tmp_path, **{"kafka.partitions": 2})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer, topics = backend.producer(), cfg.kafka.topics
+    start, now = time.time() - 7200, [0.0]
+    monkeypatch.setattr(streams.memory.time, "time", lambda: start + now[0])
+    for i in range(BACKLOG):
+        now[0] = 30.0 * i
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=start + now[0]))
+        now[0] += 5.0
+        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+    monkeypatch.undo()
+    rollouts = rollouts_from_topics(backend, cfg, version=0)
+    assert sorted(r.interaction_id for r in rollouts) == sorted(f"i{i}" for i in range(BACKLOG))
+    assert {r.total_reward for r in rollouts} == {1.0}
+
+
+@pytest.mark.kafka
+def test_topic_history_longer_than_the_window_joins_every_reward_on_the_broker(tmp_path, kafka_config):
+    """The same backlog on the real broker, stamped by the producer an hour in the past."""
+    from kafka import KafkaProducer
+
+    cfg = _backlog_config(tmp_path).model_copy(update={"kafka": kafka_config})
+    topics, start = kafka_config.topics, time.time() - 7200
+    producer = KafkaProducer(bootstrap_servers=kafka_config.bootstrap_servers)
+    try:
+        for i in range(BACKLOG):
+            at = start + 30.0 * i
+            key = f"i{i}".encode()
+            producer.send(topics.interactions, encode(make_interaction(f"i{i}", created_at=at)), key=key,
+                          timestamp_ms=int(at * 1000))
+            producer.send(topics.rewards, encode(make_reward(f"i{i}", 1.0)), key=key,
+                          timestamp_ms=int((at + 5.0) * 1000))
+        producer.flush(30)
+    finally:
+        producer.close()
+    rollouts = rollouts_from_topics(KafkaBackend(kafka_config), cfg, version=0)
+    assert sorted(r.interaction_id for r in rollouts) == sorted(f"i{i}" for i in range(BACKLOG))
+    assert {r.total_reward for r in rollouts} == {1.0}

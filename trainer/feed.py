@@ -36,7 +36,7 @@ from streams.records import decode_or_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
-from trainer.join_clock import JoinClock
+from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
 from trainer.rollouts import RolloutError
 from trainer.source_rewards import SourceRewards
 
@@ -166,17 +166,27 @@ class Feed:
                 self.joiner.add_reward(record, ts, clock=self.clock.limit(left))
 
     def _record_time(self, msg) -> float:
-        """The record's timestamp as the join's clock, at most :data:`MAX_RECORD_AHEAD_S` ahead of this
-        host's clock (counted: ``records_ahead_of_clock``)."""
-        ts, limit = msg.timestamp_ms / 1000, time.time() + MAX_RECORD_AHEAD_S
-        if ts <= limit:
-            return ts
-        self.counters["records_ahead_of_clock"] += 1
-        if self.counters["records_ahead_of_clock"] == 1:
-            log.warning("%s[%d]@%d is stamped %.0f s ahead of this host's clock: read as %.0f s ahead (a producer "
-                        "with a fast clock?); counted in records_ahead_of_clock", msg.topic, msg.partition,
-                        msg.offset, ts - time.time(), MAX_RECORD_AHEAD_S)
-        return limit
+        """The record's timestamp as the join reads it: at most :data:`MAX_RECORD_AHEAD_S` ahead of this
+        host's clock (counted: ``records_ahead_of_clock``), at most
+        :data:`~trainer.join_clock.MAX_RECORD_BEHIND_S` behind the join's clock or its partition's newest
+        record (counted: ``records_behind_clock``)."""
+        stamped = msg.timestamp_ms / 1000
+        ts = min(stamped, time.time() + MAX_RECORD_AHEAD_S)
+        if ts < stamped:
+            self._off_clock("records_ahead_of_clock", msg, f"stamped {stamped - time.time():.0f} s ahead of this "
+                            f"host's clock: read as {MAX_RECORD_AHEAD_S:.0f} s ahead (a producer with a fast clock?)")
+        floored = self.clock.floor(msg.tp, ts, self.joiner.watermark)
+        if floored > ts:
+            self._off_clock("records_behind_clock", msg, f"stamped {floored - ts + MAX_RECORD_BEHIND_S:.0f} s behind "
+                            f"the records read before it: read as {MAX_RECORD_BEHIND_S:.0f} s behind (a producer "
+                            f"with a slow clock?)")
+        return floored
+
+    def _off_clock(self, counter: str, msg, what: str) -> None:
+        """Count a record whose timestamp was moved; the first of each kind is logged."""
+        self.counters[counter] += 1
+        if self.counters[counter] == 1:
+            log.warning("%s[%d]@%d is %s; counted in %s", msg.topic, msg.partition, msg.offset, what, counter)
 
     def _skipped(self, tp: TopicPartition, expected: int, got: int) -> None:
         """Records between the next offset to read and the one that came were gone from the broker

@@ -10,7 +10,8 @@ with the configured reward window on record time (the broker's timestamps on the
 topics, the records' own times in a file); windows still open at the end close as if
 the window had passed (default reward or drop, per ``reward.on_missing``). The topics' partitions
 are read one after another, so the join's clock is held as the learner's feed holds it
-(trainer/join_clock.py) until every partition is read to where it ended when the read began.
+(trainer/join_clock.py) until every partition is read to where it ended when the read began, and
+a record stamped by a slow clock is read as the feed reads it (``JoinClock.floor``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from online_sao.config import Config
 from online_sao.schemas import Interaction, RecordError, Reward, decode
 from streams.base import StreamBackend
 from trainer.join import RewardJoiner
-from trainer.join_clock import JoinClock
+from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     consumer = backend.consumer([topics.interactions, topics.rewards], group_id=None, start="earliest")
     clock = JoinClock()
-    bad = 0
+    bad = floored = 0
     try:
         ends, next_offsets = consumer.end_offsets(), consumer.beginning_offsets()
         empty = 0
@@ -93,7 +94,8 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
             empty = 0 if messages else empty + 1
             for msg in messages:
                 next_offsets[msg.tp] = msg.offset + 1
-                ts = msg.timestamp_ms / 1000
+                ts = clock.floor(msg.tp, msg.timestamp_ms / 1000, joiner.watermark)
+                floored += ts > msg.timestamp_ms / 1000
                 clock.read(msg.tp, ts)
                 try:  # the learner's own consumer dead-letters bad records; here they are only skipped
                     record = decode(msg.value, Interaction if msg.topic == topics.interactions else Reward)
@@ -108,6 +110,7 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     finally:
         consumer.close()
     rollouts = _joined_rollouts(joiner, version)
-    log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; join: %s)",
-             len(rollouts), version, bad, joiner.counters)
+    log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; %d stamped "
+             "more than %.0f s behind the records before them, read as that far; join: %s)",
+             len(rollouts), version, bad, floored, MAX_RECORD_BEHIND_S, joiner.counters)
     return rollouts

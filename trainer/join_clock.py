@@ -8,6 +8,16 @@ so a clock moved by the partitions read first closes windows whose rewards are o
 :class:`JoinClock` holds the clock at the newest time read from the partition that is furthest
 behind, over the partitions with records still to read. The learner's feed (trainer/feed.py) and
 the history read for value pre-training (trainer/history.py) both hold it.
+
+A record stamped by a producer whose clock runs behind the others' (a serving replica minutes slow)
+would otherwise enter the join minutes in the past: its reward window would close as soon as it
+arrived, and its reward would be counted late. :meth:`JoinClock.floor` reads such a record as at
+most :data:`MAX_RECORD_BEHIND_S` behind the newer of the join's clock and the newest record read
+before it from its own partition. That only ever moves a record's time later, toward when the
+broker took it: a partition's records are appended in order, and the join's clock is never ahead
+of the records read (it is held back while catching up), so neither was set by a record the broker
+took much after this one. A slow producer that alone writes a partition is not corrected until the
+join's clock passes it.
 """
 
 from __future__ import annotations
@@ -15,6 +25,12 @@ from __future__ import annotations
 import math
 
 from streams.base import TopicPartition
+
+MAX_RECORD_BEHIND_S = 60.0
+"""How far behind the join's clock a record's timestamp may put it (module docstring). Records of
+producers with good clocks arrive out of order by the time a record waits in a producer (its
+retries, two minutes at most with kafka-python's defaults) and by a poll's partition order: a
+minute leaves room for the common cases, and moving a later one forward only lengthens its window."""
 
 
 class JoinClock:
@@ -27,6 +43,13 @@ class JoinClock:
     def read(self, tp: TopicPartition, ts: float) -> None:
         """A record of ``tp`` with time ``ts`` was read."""
         self.newest_read[tp] = max(ts, self.newest_read.get(tp, ts))
+
+    def floor(self, tp: TopicPartition, ts: float, watermark: float | None) -> float:
+        """``ts`` of a record of ``tp`` read next, at most :data:`MAX_RECORD_BEHIND_S` behind the newer
+        of ``watermark`` (the join's clock; None: nothing read yet) and the newest time read from
+        ``tp`` (module docstring)."""
+        newest = max((t for t in (watermark, self.newest_read.get(tp)) if t is not None), default=None)
+        return ts if newest is None else max(ts, newest - MAX_RECORD_BEHIND_S)
 
     def limit(self, left: dict[TopicPartition, int]) -> float | None:
         """How far the join's clock may move, given the records ``left`` to read per partition: the

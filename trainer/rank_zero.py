@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("dead_letters", "invalid_rollouts", "empty_rollouts", "too_few_for_ranks", "rollbacks",
             "skipped_nonfinite_steps", "drift_restarts", "drift_rollbacks", "records_skipped",
-            "records_ahead_of_clock")
+            "records_ahead_of_clock", "records_behind_clock")
 """The learner's own counts (besides the join's); they survive restarts in the checkpoint."""
 
 

@@ -232,6 +232,63 @@ def test_a_record_stamped_far_ahead_does_not_move_the_joins_clock_past_this_host
     assert feed.joiner.watermark <= time.time() + 60.0
 
 
+def _slow_replica_traffic(topics, now: float) -> list:
+    """Ten interactions of a replica with a good clock, one every 10 s, rewarded 2 s after; one
+    interaction of a replica whose clock is 600 s slow, served at now + 50 and rewarded by the judge
+    (a good clock) 2 s after; and one good-clock record 30 s out of order (within the minute)."""
+    messages, offset = [], 0
+    for i in range(10):
+        messages.append(_message(topics.interactions, offset, make_interaction(f"i{i}", created_at=now + 10 * i),
+                                 now + 10 * i))
+        messages.append(_message(topics.rewards, offset + 1, make_reward(f"i{i}", 1.0), now + 10 * i + 2))
+        offset += 2
+        if i == 5:
+            messages.append(_message(topics.interactions, offset, make_interaction("slow", created_at=now - 550),
+                                     now - 550))
+            messages.append(_message(topics.rewards, offset + 1, make_reward("slow", 1.0), now + 52))
+            messages.append(_message(topics.interactions, offset + 2, make_interaction("late", created_at=now + 20),
+                                     now + 20))
+            messages.append(_message(topics.rewards, offset + 3, make_reward("late", 1.0), now + 53))
+            offset += 4
+    return messages
+
+
+def test_a_record_stamped_by_a_slow_clock_still_gets_its_reward_window(backend):
+    """A serving replica 10 minutes slow: its interaction entered the join 10 minutes in the past,
+    its 300 s window closed on arrival, and it was dropped with its reward counted late. Read as a
+    minute behind the join's clock, it joins; the record 30 s out of order keeps its time."""
+    feed = _started_feed(backend)
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer(_slow_replica_traffic(backend.cfg.topics, time.time()))
+    feed.poll()
+    counters = feed.joiner.counters
+    assert (counters.joined, counters.dropped_no_reward, counters.late_rewards) == (12, 0, 0)
+    assert feed.counters["records_behind_clock"] == 1
+
+
+@pytest.mark.kafka
+def test_a_slow_replicas_record_gets_its_reward_window_on_the_broker(kafka_config):
+    """The same traffic through the real broker, stamped by the producer as the replicas' clocks would."""
+    from kafka import KafkaProducer
+
+    backend = KafkaBackend(kafka_config)
+    feed = _started_feed(backend)
+    producer = KafkaProducer(bootstrap_servers=kafka_config.bootstrap_servers)
+    try:
+        for msg in _slow_replica_traffic(kafka_config.topics, time.time()):
+            producer.send(msg.topic, msg.value, key=b"one-partition", timestamp_ms=msg.timestamp_ms)
+        producer.flush(30)
+        deadline = time.monotonic() + 30
+        while feed.joiner.counters.rewards < 12 and time.monotonic() < deadline:
+            feed.poll()
+        counters = feed.joiner.counters
+        assert (counters.joined, counters.dropped_no_reward, counters.late_rewards) == (12, 0, 0)
+        assert feed.counters["records_behind_clock"] == 1
+    finally:
+        producer.close()
+        feed.close()
+
+
 def test_catching_up_a_backlog_holds_the_joins_clock_until_every_partition_is_read(backend, monkeypatch):
     """Two hours of traffic, each interaction rewarded 5 s after it, read by a learner that was away:
     a poll hands over every interaction before any reward (the in-memory backend reads partition by

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from streams.base import TopicPartition
-from trainer.join_clock import JoinClock
+from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
 
 A, B = TopicPartition("interactions", 0), TopicPartition("rewards", 0)
 
@@ -29,3 +29,14 @@ def test_the_clock_is_free_once_every_partition_is_read_to_its_end():
     clock.read(A, 100.0)
     assert clock.limit({A: 0, B: 0}) is None
     assert clock.limit({}) is None
+
+
+def test_a_record_is_read_at_most_a_minute_behind_its_partition_or_the_joins_clock():
+    assert MAX_RECORD_BEHIND_S == 60.0  # the literals below
+    clock = JoinClock()
+    assert clock.floor(A, 100.0, None) == 100.0  # nothing read: as stamped
+    clock.read(A, 250.0)
+    assert clock.floor(A, 100.0, 120.0) == 190.0  # its partition's newest, 250, less a minute
+    assert clock.floor(A, 200.0, 120.0) == 200.0  # 50 s behind: as stamped
+    assert clock.floor(A, 100.0, 400.0) == 340.0  # the join's clock, 400, less a minute
+    assert clock.floor(B, 100.0, 120.0) == 100.0  # B read nothing; 20 s behind the clock

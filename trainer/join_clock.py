@@ -17,7 +17,8 @@ before it from its own partition. That only ever moves a record's time later, to
 broker took it: a partition's records are appended in order, and the join's clock is never ahead
 of the records read (it is held back while catching up), so neither was set by a record the broker
 took much after this one. A slow producer that alone writes a partition is not corrected until the
-join's clock passes it.
+join's clock passes it. The newest times per partition are not checkpointed: a restarted learner
+floors by the join's clock alone until it has read from a partition again.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class InFlight:
         """Raise the 503 that refuses a new request now (shutting down, or ``max_waiting`` queued)."""
         if self.draining:
             raise shutting_down(started=False)
-        if self.waiting >= self.max_waiting:
+        if max(0, self.unstarted + 1 - self._free_slots) > self.max_waiting:  # it would queue beyond the bound
             raise server_overloaded(self.waiting)
 
     def entered(self) -> None:

@@ -58,6 +58,18 @@ def test_the_bound_counts_what_queues_beyond_the_batch_not_what_fills_it():
     assert load_config(environ={}, overrides={"serving.max_batch_size": 8}).serving.waiting_bound == 32
 
 
+def test_a_bound_of_zero_admits_into_free_slots_and_refuses_what_would_queue():
+    """``max_waiting: 0`` refused every request, an idle server's too (0 waiting >= 0)."""
+    inflight = InFlight(max_waiting=0, slots=2)
+    for _ in range(2):
+        inflight.admit()
+        inflight.entered()
+    assert (inflight.running, inflight.waiting) == (2, 0)
+    with pytest.raises(APIError) as refused:
+        inflight.admit()
+    assert refused.value.status == 503 and refused.value.code == "server_overloaded"
+
+
 def test_a_plain_client_that_disconnects_stops_its_generation_and_is_logged_as_abort(serve):
     s = serve(slots=1)
     sock = raw_post(s.url, chat())

@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
+from online_sao.schemas import has_lone_surrogate
 from serving.answers import FunctionCall, ToolCall
 
 
@@ -54,13 +55,15 @@ def declared_names(tools: list[dict]) -> frozenset[str]:
 def arguments_json(arguments: object) -> str | None:
     """The JSON text of a call's arguments, or None when they are not a JSON object. A model may
     write them as an object or as JSON text holding one; NaN and infinities are refused, since
-    a client's strict JSON parser would fail on them."""
+    a client's strict JSON parser would fail on them, and so are lone UTF-16 surrogates (a model
+    that escapes an emoji as ``"\\ud83d\\ude00"`` may write half of it), which no UTF-8 answer can
+    hold: the answer failed with 500 after it was logged, and each retry of the client logged it again."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or has_lone_surrogate(arguments):
         return None
     try:
         return json.dumps(arguments, ensure_ascii=False, allow_nan=False)

@@ -46,6 +46,7 @@ NOT_CALLS = {
     "arguments a number": '<tool_call>{"name": "add", "arguments": 5}</tool_call>',
     "NaN argument": '<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 3}}</tool_call>',
     "infinite argument in text": '<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
+    "half an escaped emoji": '<tool_call>{"name": "add", "arguments": {"a": "\\ud83d", "b": 3}}</tool_call>',
 }
 """Blocks that are well-formed JSON but no call OpenAI's clients could run."""
 
@@ -137,7 +138,8 @@ def test_tool_call_round_trip_logs_the_tool_result_as_observation(fake_http_serv
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("label", ["undeclared tool", "arguments text not JSON", "NaN argument"])
+@pytest.mark.parametrize("label", ["undeclared tool", "arguments text not JSON", "NaN argument",
+                                   "half an escaped emoji"])
 def test_a_block_that_is_no_call_reaches_the_client_as_content(fake_http_server, stream, label):
     server = fake_http_server
     client = server.openai()

@@ -70,7 +70,7 @@ class InteractionIdSigner:
 
     def verify(self, interaction_id: str) -> VerifiedId:
         """The id's issue time, or :class:`InteractionIdError` (403 forged, 410 expired)."""
-        match = _ID_PATTERN.match(interaction_id)
+        match = _ID_PATTERN.fullmatch(interaction_id)  # match() takes a final "\n" as the end
         if match is None:
             raise InteractionIdError(403, "invalid_interaction_id",
                                      "interaction_id is not an id issued by this deployment (malformed)")

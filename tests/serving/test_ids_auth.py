@@ -47,6 +47,7 @@ def test_an_id_of_another_deployment_or_secret_is_refused_with_403():
     lambda i: "sao-1-" + "0" * 32 + "-" + "0" * 64,               # made up
     lambda i: "chatcmpl-123",                                     # not ours at all
     lambda i: "",
+    lambda i: i + "\n",  # read from a file: a reward logged under it would never join (exact ids)
 ])
 def test_forged_ids_are_refused(tamper):
     signer = InteractionIdSigner(b"secret", "dep", 300, Clock())

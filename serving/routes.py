@@ -64,6 +64,8 @@ async def parse_body(request: Request, model: type[BaseModel], invalid_status: i
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests deeper than the JSON parser allows", code="invalid_json") from None
     if b"\\u" in body and has_lone_surrogate(data):  # a "\\ud800" escape is not text: tokenizer and log fail on it
         raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is "
                             "not text", code="invalid_json")

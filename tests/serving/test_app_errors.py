@@ -45,6 +45,16 @@ def test_bad_chat_requests_get_clear_errors_and_nothing_is_generated(make_harnes
     assert len(h.interactions()) == 1
 
 
+def test_a_body_nested_past_the_parsers_recursion_is_invalid_json(make_harness):
+    """It was 500, which clients retry."""
+    h = make_harness()
+    deep = b'{"model": "online-sao", "messages": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    for route in (CHAT, "/v1/feedback"):
+        assert_openai_error(h.client.post(route, content=deep, headers={"content-type": "application/json"}),
+                            400, code="invalid_json")
+    assert h.engine.requests == []
+
+
 def test_malformed_json_and_oversize_bodies(make_harness):
     h = make_harness(**{"serving.max_request_bytes": 4096})
     error = assert_openai_error(h.client.post(CHAT, content=b'{"model": "online-sao", "messages": [',

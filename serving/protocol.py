@@ -311,11 +311,15 @@ class ChatCompletionRequest(SamplingRequest):
         return [tool.template_tool() for tool in self.tools]
 
 
+COMPLETIONS_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` of the completions endpoint (the chat endpoint's is the room left)."""
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
     """One prompt: text, a one-element list of text, or token ids."""
-    max_tokens: int | None = Field(16, ge=1)
-    """OpenAI's default for the completions endpoint is 16."""
+    max_tokens: int | None = Field(COMPLETIONS_MAX_TOKENS, ge=1)
+    """OpenAI's default for the completions endpoint is 16; null means it too."""
     logprobs: int | None = Field(None, ge=0, le=5)
     """Log-probs of the sampled tokens and this many alternatives each."""
     best_of: int | None = None
@@ -326,7 +330,7 @@ class CompletionRequest(SamplingRequest):
     """Refused unless empty: no fill-in-the-middle."""
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def max_tokens_field(self) -> str:
         return "max_tokens"

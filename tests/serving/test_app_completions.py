@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.serving.conftest import ANSWER
 
 CHAT = "/v1/chat/completions"
@@ -105,6 +107,14 @@ def test_max_tokens_ends_with_length(make_harness):
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 3
     assert h.engine.requests[0].sampling.max_tokens == 3
+
+
+@pytest.mark.parametrize("fields", [{}, {"max_tokens": None}], ids=["absent", "null"])
+def test_text_completions_default_to_16_tokens_absent_or_null(make_harness, fields):
+    """null took the server's own limit (serving.max_new_tokens) instead of OpenAI's default."""
+    h = make_harness()
+    r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "Once upon", **fields})
+    assert r.status_code == 200 and h.engine.requests[0].sampling.max_tokens == 16
 
 
 def test_text_completions_plain_streamed_and_from_token_ids(make_harness):

@@ -79,7 +79,7 @@ from trainer.feed import RolloutHook
 from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
 from trainer.plasticity import drift_counter
-from trainer.publisher import release_policy
+from trainer.publisher import release_policy, republish
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
 from trainer.state import Position, gather_training_state, restore_version
@@ -208,7 +208,8 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
     """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). A version
     the registry just made its candidate is checkpointed at once (kept while candidate or
     champion); a roll-back restores the champion's whole training state from its checkpoint
-    (only its weights, from the store, when none is kept). ``restarted``: the step restarted (or
+    (only its weights, from the store, when none is kept) and publishes it again as the next
+    version. ``restarted``: the step restarted (or
     rolled back) the policy after a detected reward drop; the registry makes this version its champion
     (:meth:`trainer.publisher.Releases.rebase`). Collective."""
     at.changed_since_publish = at.publish_due = False
@@ -231,6 +232,12 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
                                  ctx)
         if rank0 is not None:
             rank0.counters["rollbacks"] += 1
+        # Serving went back to the champion's old number; the learner's own is past it. Published under
+        # the next number at once, the restored weights are what serving samples with, so its answers
+        # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the
+        # champion was dropped, no step ran, and serving stayed on the champion for good.
+        at.version += 1
+        republish(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version, at.step)
     if restarted and rank0 is not None:
         rank0.counters[drift_counter(metrics)] += 1
     if outcome.registered:

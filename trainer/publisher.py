@@ -304,6 +304,17 @@ def release_policy(policy: nn.Module, ctx: DistContext, releases: Releases | Non
     return ReleaseOutcome(registered, None if back is None else WeightsRef(*back))
 
 
+def republish(policy: nn.Module, ctx: DistContext, releases: Releases | None, version: int, step: int) -> None:
+    """Publish the policy as ``version`` with no registry decision: after a roll-back, the champion's
+    restored weights under the learner's next number. Collective, like :func:`release_policy`."""
+    state = full_state_dict(policy, ctx)
+    if ctx.is_main:
+        if releases is None:
+            raise ValueError("rank 0 needs its releases")
+        releases.publisher.publish(state, version, step)
+        releases.publisher.pin(releases.pinned_versions())
+
+
 ANNOUNCED_READ_TIMEOUT_S = 30.0
 """Longest wait for the next record while reading the weights topic back at start (it is
 compacted: a few records per model)."""

@@ -100,7 +100,7 @@ def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_di
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3), before_step=before_step)
     step2_seen.set()
     watcher.join(timeout=10)
-    assert result.version == 3
+    assert result.version == 4  # step 3's v3 rolled back: the champion's weights went out again as v4
     seen = next(s for s in scrapes if s.get(("sao_learner_step", ())) == 2)
     # after step 2 the window holds rounds 0 and 1 (6 tokens each): the whole-window length is 6
     assert seen[("sao_learner_monitor", (("monitor", "mean_length"), ("scope", "window")))] == pytest.approx(6.0)

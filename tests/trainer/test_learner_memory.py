@@ -150,10 +150,13 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
 
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 
-    assert result.version == 3
+    assert result.version == 4  # the champion's restored weights, published again under the next number
     notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
     assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
-                                                        ("rollback", 1)]
+                                                        ("rollback", 1), ("publish", 4)]
+    store = FileWeightStore(cfg.weight_store_url)
+    v1, v4 = (store.load(n.location, n.checksum) for n in (notices[0], notices[-1]))
+    assert v1.keys() == v4.keys() and all(torch.equal(v4[k], v) for k, v in v1.items())
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
     model = cfg.mlflow.registered_model
     tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{model}'")}
@@ -184,10 +187,28 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
 
     # the learner goes on from there: the next step trains from the restored state
     again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
-    assert again.version == 4
+    assert again.version == 5
     after = Checkpointer(cfg.checkpoint_dir).load_latest()
     assert after.state.step == 4
     assert any(not torch.equal(after.models["policy"][k], v) for k, v in champion_ckpt.models["policy"].items())
+
+
+def test_after_a_roll_back_the_answers_serving_then_samples_are_not_stale(tmp_path, tiny_model_dir):
+    """With ``trainer.max_version_lag`` under the gap between the learner's number and the champion's,
+    every answer serving sampled after the roll-back notice was dropped as stale: no step ran again,
+    nothing was published, and serving stayed on the champion for good."""
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir, **{"trainer.max_version_lag": 1})
+    topics = cfg.kafka.topics
+    assert train(cfg, backend, init_distributed(), RunUntil(max_steps=3)).steps == 3  # rolled back to v1
+    following = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)][-1].version
+    producer = backend.producer()  # serving answers with the version the notices left it on
+    for interaction in sample_traffic(load_policy(tiny_model_dir), 4, prefix="after", max_new_tokens=6):
+        interaction = interaction.model_copy(update={"versions": [following] * len(interaction.versions)})
+        publish(producer, topics.interactions, interaction)
+        publish(producer, topics.rewards, Reward(interaction_id=interaction.interaction_id, value=0.5))
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=2, idle_timeout_s=5.0))
+    assert again.steps == 2  # round 3's answers, then serving's since the roll-back
+    assert sum(iid.startswith("after") for _, iid in read_ledger(cfg.checkpoint_dir)) == 4
 
 
 def test_a_token_id_outside_the_vocabulary_is_left_out_and_training_goes_on(tmp_path, tiny_model_dir):

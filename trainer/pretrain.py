@@ -7,7 +7,10 @@ part (every VALIDATION_EVERY-th rollout). Each epoch is one pass of value-loss
 updates over the training part in minibatches; after it the explained variance
 of the critic's values against the targets is measured on the held-out part.
 Training stops when that has not improved for ``patience`` epochs (or after
-``max_epochs``), and the critic is put back to its best epoch's weights.
+``max_epochs``), and the critic is put back to its best epoch's weights. When the held-out
+targets do not vary (every logged answer rated alike), explained variance is undefined and the
+epochs are compared by held-out squared error: the level is then all there is to learn (compared
+by explained variance, every epoch was rejected and the critic went back to its cold weights).
 
 In a multi-rank learner every rank must pass the same (unsharded) rollouts
 (checked; ValueError otherwise): the work is replicated, FSDP's average of
@@ -40,6 +43,10 @@ instead (reported as ``ev_on_training_data = 1``)."""
 MIN_EV_IMPROVEMENT = 1e-4
 """An epoch counts as an improvement only when explained variance rises by more
 than this: rounding-level gains must not keep a converged fit running."""
+MIN_LOSS_IMPROVEMENT = 1e-4
+"""When the held-out targets do not vary (every logged answer rated alike: a constant judge, or
+every reward defaulted), explained variance is undefined and epochs are compared by held-out
+squared error instead; one counts as an improvement only when it falls by more than this share."""
 DEFAULT_BATCH_SIZE = 16
 """Rollouts per critic update."""
 
@@ -55,8 +62,9 @@ def _targets(batch: RolloutBatch, values: torch.Tensor, cfg: AlgorithmConfig) ->
 
 
 @torch.no_grad()
-def _explained_variance(critic: nn.Module, batches: list[RolloutBatch], cfg: AlgorithmConfig) -> float:
-    """Explained variance over the action tokens of all batches pooled (NaN when undefined)."""
+def _held_out_fit(critic: nn.Module, batches: list[RolloutBatch], cfg: AlgorithmConfig) -> tuple[float, float]:
+    """Explained variance (NaN when undefined) and mean squared error of the values against their
+    targets, over the action tokens of all batches pooled."""
     values, targets = [], []
     for batch in batches:
         v = critic(batch.input_ids, batch.attention_mask)
@@ -64,7 +72,12 @@ def _explained_variance(critic: nn.Module, batches: list[RolloutBatch], cfg: Alg
         values.append(v[batch.action_mask].double())
         targets.append(g[batch.action_mask].double())
     v, g = torch.cat(values).view(1, -1), torch.cat(targets).view(1, -1)
-    return explained_variance(v, g, torch.ones_like(v, dtype=torch.bool))
+    return explained_variance(v, g, torch.ones_like(v, dtype=torch.bool)), float((g - v).square().mean())
+
+
+def _explained_variance(critic: nn.Module, batches: list[RolloutBatch], cfg: AlgorithmConfig) -> float:
+    """Explained variance over the action tokens of all batches pooled (NaN when undefined)."""
+    return _held_out_fit(critic, batches, cfg)[0]
 
 
 def _require_same_rollouts_on_every_rank(rollouts: list[Rollout], device: torch.device) -> None:
@@ -94,6 +107,10 @@ def _improves(ev: float, best: float) -> bool:
     return not math.isnan(ev) and (math.isnan(best) or ev > best + MIN_EV_IMPROVEMENT)
 
 
+def _lowers(loss: float, best: float) -> bool:
+    return math.isfinite(loss) and (not math.isfinite(best) or loss < best * (1 - MIN_LOSS_IMPROVEMENT))
+
+
 def pretrain_critic(
     critic: nn.Module,
     critic_optimizer: torch.optim.Optimizer,
@@ -106,7 +123,8 @@ def pretrain_critic(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, float]:
     """Fit ``critic`` (a :class:`~online_sao.critic.ValueModel`) to the value targets
-    of ``rollouts`` until held-out explained variance stops improving.
+    of ``rollouts`` until held-out explained variance stops improving (held-out squared error
+    when the held-out targets do not vary at first: :data:`MIN_LOSS_IMPROVEMENT`).
 
     Updates use the value loss with ``cfg.max_grad_norm`` clipping; a non-finite
     update is refused and counted. ``scheduler`` is the critic's learning-rate schedule
@@ -140,7 +158,9 @@ def pretrain_critic(
     # where the policy had none when it sampled); critic.train() would turn the body's dropout on
     modes = [(module, module.training) for module in critic.modules()]
     critic.eval()  # no dropout in evaluation
-    ev_before = best = _explained_variance(critic, eval_batches, cfg)
+    ev_before, loss_before = _held_out_fit(critic, eval_batches, cfg)
+    by_loss = math.isnan(ev_before)  # targets without variance: nothing to explain, a level to learn
+    best, best_loss = ev_before, loss_before
     best_state = _trainable_state(critic)
     best_epoch, since_best, epochs, skipped, last_loss = 0, 0, 0, 0, math.nan
     for epoch in range(1, max_epochs + 1):
@@ -154,9 +174,9 @@ def pretrain_critic(
             last_loss = float(loss.detach())
         critic.eval()
         epochs = epoch
-        ev = _explained_variance(critic, eval_batches, cfg)
-        if _improves(ev, best):
-            best, best_epoch, since_best = ev, epoch, 0
+        ev, loss = _held_out_fit(critic, eval_batches, cfg)
+        if _lowers(loss, best_loss) if by_loss else _improves(ev, best):
+            best, best_loss, best_epoch, since_best = ev, loss, epoch, 0
             best_state = _trainable_state(critic)
         else:
             since_best += 1
@@ -169,6 +189,9 @@ def pretrain_critic(
     return {
         "ev_before": ev_before,
         "ev_after": best,
+        "held_out_loss_before": loss_before,
+        "held_out_loss_after": best_loss,
+        "chosen_by_loss": float(by_loss),
         "epochs": float(epochs),
         "best_epoch": float(best_epoch),
         "stopped_by_patience": float(since_best >= patience),

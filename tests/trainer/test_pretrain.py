@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import pytest
@@ -72,6 +74,23 @@ def test_no_improvement_stops_after_patience_epochs_and_changes_nothing():
     assert metrics["epochs"] == 3.0 and metrics["best_epoch"] == 0.0
     assert metrics["ev_after"] == metrics["ev_before"]
     assert all(torch.equal(before[k], v) for k, v in critic.state_dict().items())
+
+
+def test_with_every_answer_rated_alike_the_epochs_are_compared_by_held_out_squared_error():
+    """Explained variance is undefined when the targets do not vary: no epoch counted as better, and
+    the critic went back to its cold weights after learning the reward's level."""
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=1e-2)
+    rollouts = [dataclasses.replace(r, rewards={position: 1.0 for position in r.rewards}) for r in _rollouts(40)]
+    metrics = pretrain_critic(critic, optimizer, rollouts, cfg, PAD_ID, max_epochs=20, patience=2)
+    assert math.isnan(metrics["ev_before"]) and metrics["chosen_by_loss"] == 1.0
+    assert metrics["held_out_loss_before"] == pytest.approx(1.0)  # a zero head's values against returns of 1
+    assert metrics["best_epoch"] >= 1 and metrics["held_out_loss_after"] < 0.1
+    held_out = [r for i, r in enumerate(rollouts) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    critic.eval()
+    batch = collate(held_out, PAD_ID)
+    with torch.no_grad():
+        values = critic(batch.input_ids, batch.attention_mask)[batch.action_mask]
+    assert float((values - 1.0).square().mean()) == pytest.approx(metrics["held_out_loss_after"], rel=1e-4)
 
 
 def test_pretraining_steps_the_warm_up_so_it_trains_at_the_configured_rate():

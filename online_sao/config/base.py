@@ -10,4 +10,7 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan: a rate, window or penalty of .inf (or an unbounded field of .nan) passed the bounds
+    # and failed later, e.g. every learner step refused as non-finite
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from online_sao.config.base import Section
 from online_sao.schemas import MAX_SCORES_PER_REWARD, ScoreName
@@ -32,7 +30,7 @@ class DeployConfig(Section):
     gate_confidence: float = Field(0.9, ge=MIN_GATE_CONFIDENCE, lt=1)
     """Two-sided confidence of the normal interval on candidate minus champion (at least 0.5: below,
     the interval is narrower than one standard error each side and the test means little)."""
-    gate_margin: float = Field(0.05, ge=0, allow_inf_nan=False)
+    gate_margin: float = Field(0.05, ge=0)
     """Non-inferiority margin, in reward units (finite): promote when the interval's lower end is at
     least ``-gate_margin``, roll back when its upper end is below it, otherwise leave it undecided."""
     gate_weight_clip: float | None = Field(None, gt=1)
@@ -82,16 +80,6 @@ class DeployConfig(Section):
     below the floor given here, name -> finite floor (empty: off). Answers whose rewards carried no such
     score do not count; with none, the monitor has no value and cannot trip. Every score the window's
     rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
-    @field_validator("monitor_min_scores")
-    @classmethod
-    def _finite_floors(cls, floors: dict[str, float]) -> dict[str, float]:
-        # a NaN floor never trips (x < nan is False) and an infinite one always or never: the monitor
-        # would be silently off or always on
-        bad = {name: floor for name, floor in floors.items() if not math.isfinite(floor)}
-        if bad:
-            raise ValueError(f"floors must be finite numbers, got {bad}")
-        return floors
-
     segments_top_n: int = Field(8, ge=1)
     """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""

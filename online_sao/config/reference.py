@@ -126,7 +126,8 @@ def reference(schema: type[Section], title: str) -> str:
     environment variable that overrides it (not for the items of a list), and its docstring."""
     lines = [f"# {title}", "",
              f"Generated from the code (`online-sao config reference`); every key can be set in a YAML "
-             f"file under its section, with `--set section.key=value`, or as `{ENV_PREFIX}SECTION__KEY`.", ""]
+             f"file under its section, with `--set section.key=value`, or as `{ENV_PREFIX}SECTION__KEY`. "
+             f"Numbers must be finite (`.inf` and `.nan` are refused).", ""]
     for path, model in _sections(schema, ""):
         if not path:
             continue

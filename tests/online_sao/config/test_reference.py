@@ -50,7 +50,7 @@ EXPECTED = """\
 # T
 
 Generated from the code (`online-sao config reference`); every key can be set in a YAML file under its section, \
-with `--set section.key=value`, or as `ONLINE_SAO__SECTION__KEY`.
+with `--set section.key=value`, or as `ONLINE_SAO__SECTION__KEY`. Numbers must be finite (`.inf` and `.nan` are refused).
 
 ## `tree`
 

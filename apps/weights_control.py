@@ -13,6 +13,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from online_sao.config import Config
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from online_sao.weights import CorruptWeights, FileWeightStore, open_weight_store
@@ -75,10 +77,17 @@ def read_weights_topic(backend: StreamBackend, topic: str, model: str) -> Weight
 def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champion: bool = False,
          reason: str | None = None) -> WeightsNotice:
     """Pin every replica to ``version`` (the champion with ``champion``; by default the version the
-    replicas follow now) and return the hold notice sent."""
+    replicas serve now: the held one during a hold) and return the hold notice sent. Nothing is copied,
+    deleted or sent unless the notice can be sent (a bad reason is refused first); the copy of an
+    earlier hold is deleted only once the broker has the new notice."""
     topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
     state = read_weights_topic(backend, topic, model)
     target = _target(state, version, champion)
+    if state.hold is not None and target.version == state.hold.version:  # a new reason for the same hold
+        notice = _notice(state.hold, action="hold", reason=reason, created_at=time.time())
+        _send(backend, topic, notice)
+        return notice
+    _hold_notice(target, target.location, target.checksum, reason)  # refused here, before the store is touched
     store = _file_store(cfg)
     if store is None:
         raise HoldError(f"a hold copies the version out of the learner's pruning, which needs the file weight "
@@ -90,12 +99,11 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
                         f"trainer.keep_versions versions and the registry's candidate and champion") from None
     held = FileWeightStore(f"{cfg.weight_store_url.rstrip('/')}/{HELD_DIR}")
     ref = held.save(target.version, weights)
-    for older in held.versions():  # the newest hold replaces every earlier one
+    notice = _hold_notice(target, ref.location, ref.checksum, reason)
+    _send(backend, topic, notice)
+    for older in held.versions():  # the newest hold replaces every earlier one (replicas have its notice now)
         if older != target.version:
             held.delete(older)
-    notice = WeightsNotice(action="hold", version=target.version, location=ref.location, checksum=ref.checksum,
-                           model=model, step=target.step, reason=reason)
-    _send(backend, topic, notice)
     return notice
 
 
@@ -105,9 +113,25 @@ def release(cfg: Config, backend: StreamBackend, reason: str | None = None) -> W
     held = read_weights_topic(backend, topic, model).hold
     if held is None:
         return None
-    notice = held.model_copy(update={"action": "release", "reason": reason, "created_at": time.time()})
+    notice = _notice(held, action="release", reason=reason, created_at=time.time())
     _send(backend, topic, notice)
     return notice
+
+
+def _hold_notice(target: WeightsNotice, location: str, checksum: str, reason: str | None) -> WeightsNotice:
+    """The hold of ``target``'s version, its weights at ``location``."""
+    return _notice(WeightsNotice(action="hold", version=target.version, location=location, checksum=checksum,
+                                 model=target.model, step=target.step), reason=reason)
+
+
+def _notice(base: WeightsNotice, **changes) -> WeightsNotice:
+    """``base`` with ``changes``, validated as any notice a replica decodes (``model_copy`` validates
+    nothing: a release whose reason was too long was sent, and every replica refused it and stayed held)."""
+    try:
+        return WeightsNotice.model_validate({**base.model_dump(), **changes})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise HoldError(f"the notice cannot be sent ({problems})") from None
 
 
 def _target(state: WeightsTopic, version: int | None, champion: bool) -> WeightsNotice:
@@ -117,6 +141,8 @@ def _target(state: WeightsTopic, version: int | None, champion: bool) -> Weights
                             "decision)")
         return state.champion
     if version is None:
+        if state.hold is not None:  # what the replicas serve now
+            return state.hold
         if state.following is None:
             raise HoldError("nothing is published yet: serving answers with its base model")
         return state.following
@@ -155,7 +181,8 @@ def describe(state: WeightsTopic, now: float, holdable: list[int] | None = None)
             return f"{label}: none"
         return f"{label}: v{notice.version} (step {notice.step}, {now - notice.created_at:.0f} s ago)"
 
-    lines = [line("newest published", state.published), line("followed", state.following),
+    followed = "followed" if state.hold is None else "followed once released"
+    lines = [line("newest published", state.published), line(followed, state.following),
              line("champion", state.champion)]
     if state.hold is None:
         lines.append("hold: none (replicas follow the learner)")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apps import weights_control
 from apps.weights_control import HoldError, hold, read_weights_topic, release, run_weights_cli
 from online_sao.config import load_config
-from online_sao.schemas import WeightsNotice, decode
+from online_sao.schemas import MAX_HOLD_REASON_CHARS, WeightsNotice, decode
 from online_sao.weights import FileWeightStore
+from streams.base import StreamUnavailable
 from streams.memory import InMemoryBackend
 from streams.records import publish
 
@@ -136,3 +138,43 @@ def test_holds_that_cannot_be_made_say_why_and_send_nothing(backend, cfg, store,
     assert [n.action for _, n in on_topic(backend, cfg)] == ["publish", "publish"]
     assert run_weights_cli(cfg, backend, "hold", 7, False, None) == 1
     assert "online-sao weights hold: the weights topic no longer names v7" in capsys.readouterr().err
+
+
+def test_a_reason_too_long_is_refused_before_anything_is_copied_deleted_or_sent(backend, cfg, store):
+    """The hold deleted the copy of the hold in force, then failed to build its notice (replicas held
+    at a version whose copy was gone); the release was sent unvalidated, and every replica refused it."""
+    published(backend, cfg, store, 1, 2)
+    first = hold(cfg, backend, version=1)
+    too_long = "x" * (MAX_HOLD_REASON_CHARS + 1)
+    with pytest.raises(HoldError, match="reason"):
+        hold(cfg, backend, version=2, reason=too_long)
+    with pytest.raises(HoldError, match="reason"):
+        release(cfg, backend, reason=too_long)
+    assert FileWeightStore(f"{cfg.weight_store_url}/held").versions() == [1]
+    assert on_topic(backend, cfg)[-1] == (b"online-sao#hold", first)
+    assert run_weights_cli(cfg, backend, "release", None, False, too_long) == 1
+
+
+def test_the_earlier_copy_is_deleted_only_once_the_new_hold_is_sent(backend, cfg, store, monkeypatch):
+    published(backend, cfg, store, 1, 2)
+    hold(cfg, backend, version=1)
+
+    def broker_down(*_):
+        raise StreamUnavailable("broker down")
+
+    monkeypatch.setattr(weights_control, "_send", broker_down)
+    with pytest.raises(StreamUnavailable):
+        hold(cfg, backend, version=2)
+    assert 1 in FileWeightStore(f"{cfg.weight_store_url}/held").versions()  # what the replicas still load
+
+
+def test_a_hold_without_a_version_during_a_hold_keeps_the_held_version(backend, cfg, store, capsys):
+    """It moved every replica from the held version to the learner's newest (what they would follow)."""
+    published(backend, cfg, store, 1)
+    first = hold(cfg, backend, reason="v1 rude?")
+    published(backend, cfg, store, 2, 3)
+    again = hold(cfg, backend, reason="still looking")
+    assert (again.version, again.location, again.reason) == (1, first.location, "still looking")
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold == again
+    assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
+    assert "followed once released: v3" in capsys.readouterr().out

@@ -43,7 +43,15 @@ class Outbox(Producer):
         self._send(record_id, topic, value, key)
 
     def _send(self, record_id: int, topic: str, value: bytes, key: bytes | None) -> None:
-        self._producer.send(topic, value, key=key, on_delivery=lambda error: self._report(record_id, error))
+        """Hand the record to the producer; one it cannot take now (no metadata or a full buffer while
+        the broker is away: StreamUnavailable) counts as refused and goes out again at the next flush.
+        Raised, it escaped the learner's poll, and the record kept in the outbox was never sent again,
+        so every later flush failed, the broker back or not."""
+        try:
+            self._producer.send(topic, value, key=key, on_delivery=lambda error: self._report(record_id, error))
+        except StreamUnavailable:
+            with self._lock:
+                self._refused.add(record_id)
 
     def _report(self, record_id: int, error: BaseException | None) -> None:
         with self._lock:

@@ -64,3 +64,32 @@ def test_a_failure_of_someone_elses_record_does_not_hold_the_outbox():
 def test_per_record_reports_are_the_outboxs_own():
     with pytest.raises(ValueError, match="through flush"):
         Outbox(FlakyBroker(0)).send("dead", b"a", on_delivery=lambda error: None)
+
+
+class AwayBroker(FlakyBroker):
+    """Its producer cannot take a record while ``away`` (kafka-python's send raises after max_block_ms
+    without metadata or with a full buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__(refuse=0)
+        self.away = True
+
+    def send(self, topic, value, key=None, on_delivery=None):
+        if self.away:
+            raise StreamUnavailable("sending: Kafka not reachable")
+        super().send(topic, value, key, on_delivery)
+
+
+def test_a_record_the_producer_could_not_take_goes_out_at_the_flush_after_the_broker_is_back():
+    """The send's error escaped (the learner's poll with it), and the record kept in the outbox was never
+    sent again: every later flush failed, the broker back or not."""
+    broker = AwayBroker()
+    outbox = Outbox(broker)
+    outbox.send("dead", b"a")  # kept, not raised
+    with pytest.raises(StreamUnavailable, match="1 record"):
+        outbox.flush()  # still away: sent again, refused again
+    broker.away = False
+    with pytest.raises(StreamUnavailable, match="1 record"):
+        outbox.flush()  # handed over now; acknowledged at the producer's next flush
+    outbox.flush()
+    assert broker.stored == [("dead", b"a")] and outbox.unacknowledged == 0

@@ -71,6 +71,9 @@ class LoggedCheck:
     unacked_logged: int
     """Interactions on the topic that no client saw acknowledged (e.g. a stream cut by an error)."""
     records_read: int
+    unreadable: int = 0
+    """Records on the topic that are no interaction this code can read (another schema version,
+    garbage): skipped and counted, as serving's readers dead-letter them."""
 
     @property
     def ok(self) -> bool:
@@ -82,7 +85,8 @@ class LoggedCheck:
                 "duplicate_ids": dict(list(self.duplicates.items())[:LISTED_IDS]),
                 "version_mismatches": len(self.version_mismatches),
                 "version_mismatch_ids": self.version_mismatches[:LISTED_IDS],
-                "unacked_logged": self.unacked_logged, "records_read": self.records_read}
+                "unacked_logged": self.unacked_logged, "records_read": self.records_read,
+                "unreadable": self.unreadable}
 
 
 def acked_interactions(records: list[RequestRecord]) -> dict[str, tuple[int, ...]]:
@@ -95,10 +99,11 @@ def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int,
                  timeout_s: float = READBACK_TIMEOUT_S, quiet_s: float = READBACK_QUIET_S) -> LoggedCheck:
     """Read ``topic`` from the start until every id of ``acked`` was seen and the topic stayed quiet
     ``quiet_s``, or ``timeout_s`` passed; compare with ``acked``."""
-    from online_sao.schemas import Interaction, decode
+    from online_sao.schemas import Interaction, RecordError, decode
 
     copies: Counter[str] = Counter()
     logged_versions: dict[str, tuple[int, ...]] = {}
+    unreadable = 0
     consumer = backend.consumer([topic], group_id=None, start="earliest")
     deadline = time.monotonic() + timeout_s
     last_read = time.monotonic()
@@ -110,7 +115,11 @@ def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int,
             if messages:
                 last_read = time.monotonic()
             for message in messages:
-                record = decode(message.value, Interaction)
+                try:
+                    record = decode(message.value, Interaction)
+                except RecordError:  # it crashed the read back, after the whole run, with no results written
+                    unreadable += 1
+                    continue
                 copies[record.interaction_id] += 1
                 logged_versions[record.interaction_id] = tuple(sorted(set(record.versions)))
     finally:
@@ -120,7 +129,7 @@ def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int,
         acked=len(acked), found=len(found), missing=sorted(acked.keys() - copies.keys()),
         duplicates={i: copies[i] for i in sorted(found) if copies[i] > 1},
         version_mismatches=sorted(i for i in found if logged_versions[i] != tuple(sorted(acked[i]))),
-        unacked_logged=len(copies.keys() - acked.keys()), records_read=sum(copies.values()))
+        unacked_logged=len(copies.keys() - acked.keys()), records_read=sum(copies.values()), unreadable=unreadable)
 
 
 @dataclass

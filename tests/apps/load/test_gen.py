@@ -92,11 +92,12 @@ def test_check_logged_finds_missing_duplicated_and_mismatched_ids():
     for record in (_interaction("a", [0, 0]), _interaction("b", [0]), _interaction("b", [0]),
                    _interaction("c", [0, 1]), _interaction("x", [2])):
         producer.send("interactions", encode(record), key=record.interaction_id.encode())
+    producer.send("interactions", b"not json", key=b"a")  # crashed the read back after the whole run
     acked = {"a": (0,), "b": (0,), "c": (1,), "d": (0,)}
 
     check = check_logged(backend, "interactions", acked, timeout_s=1.0, quiet_s=0.0)
 
-    assert (check.acked, check.found, check.records_read) == (4, 3, 5)
+    assert (check.acked, check.found, check.records_read, check.unreadable) == (4, 3, 5, 1)
     assert check.missing == ["d"]
     assert check.duplicates == {"b": 2}
     assert check.version_mismatches == ["c"]  # logged (0, 1), answered (1,)

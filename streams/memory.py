@@ -199,13 +199,21 @@ class InMemoryBackend(StreamBackend):
         return [TopicPartition(t, p) for t in topics if t in self._logs for p in range(len(self._logs[t]))]
 
     def _group_share(self, consumer: "InMemoryConsumer") -> set[TopicPartition]:
-        """The partitions this member owns: all partitions dealt round-robin over the members."""
-        group = self._groups[consumer.group_id]
-        members = group.members
-        index = members.index(consumer)
-        topics = sorted({t for m in members for t in m.topics})
-        return {tp for i, tp in enumerate(self._all_partitions(topics))
-                if i % len(members) == index and tp.topic in consumer.topics}
+        """The partitions this member owns: per topic, contiguous ranges over the members subscribed to
+        it, in the order they joined (Kafka's default range assignor), so partition p of the interactions
+        and of the rewards topic go to one member, as the join's co-partitioning needs. Dealt round-robin
+        over all topics' partitions together, they went to different members."""
+        members = self._groups[consumer.group_id].members
+        share: set[TopicPartition] = set()
+        for topic in consumer.topics:
+            if topic not in self._logs:
+                continue
+            subscribed = [m for m in members if topic in m.topics]
+            index = subscribed.index(consumer)
+            per, extra = divmod(len(self._logs[topic]), len(subscribed))
+            start = index * per + min(index, extra)
+            share |= {TopicPartition(topic, p) for p in range(start, start + per + (index < extra))}
+        return share
 
     def _leave(self, consumer: "InMemoryConsumer") -> None:
         if consumer.group_id is not None:

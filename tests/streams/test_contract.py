@@ -145,6 +145,28 @@ def test_consumer_group_resumes_from_committed_offsets(backend):
     producer.close()
 
 
+def test_a_group_gives_partition_p_of_both_topics_to_one_member(backend):
+    """The join needs an interaction and its rewards (co-partitioned by id) in one member; the in-memory
+    backend dealt all partitions round-robin and split them."""
+    t = _topics(backend)
+    topics = [t.interactions, t.rewards]
+    members = [backend.consumer(topics, group_id="g-copartition") for _ in range(2)]
+    deadline = time.monotonic() + 60
+    shares: list[set[TopicPartition]] = [set(), set()]
+    while time.monotonic() < deadline:
+        for member in members:
+            member.poll(timeout_s=0.2)
+        shares = [member.assignment() for member in members]
+        if all(shares) and len(shares[0] | shares[1]) == 2 * TEST_PARTITIONS:
+            break
+    assert all(shares) and not shares[0] & shares[1] and len(shares[0] | shares[1]) == 2 * TEST_PARTITIONS
+    for share in shares:
+        by_topic = {topic: {tp.partition for tp in share if tp.topic == topic} for topic in topics}
+        assert by_topic[t.interactions] == by_topic[t.rewards]
+    for member in members:
+        member.close()
+
+
 def test_new_group_starting_latest_skips_earlier_records(backend):
     t = _topics(backend)
     producer = backend.producer()

@@ -18,9 +18,7 @@ own rows.
 tempered distribution is a point mass up to float rounding, and drawing from it
 would only turn rounding noise into different tokens). The distribution that
 chose the token is then the point mass, and its log-probability, 0, is what is
-logged: under the tempered one a near tie (two logits within about 1e-3, common
-in bfloat16) would give the arg-max token a probability near 1/2 that it did not
-have.
+logged (the learner evaluates the same point mass: online_sao/sampling.py).
 
 Non-finite logits (weights or activations that overflowed) fail the step's
 requests with :class:`NonFiniteLogits`, naming the cause, instead of drawing
@@ -33,13 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from online_sao.sampling import nucleus_logprobs
+from online_sao.sampling import GREEDY_TEMPERATURE, nucleus_logprobs
 
 __all__ = ["GREEDY_TEMPERATURE", "NonFiniteLogits", "RowSampling", "inverse_cdf_draw", "most_likely", "nucleus_logprobs", "sample_token",
            "sample_tokens"]
 
-GREEDY_TEMPERATURE = 1e-4
-"""Temperatures at or below this decode greedily (see the module docstring)."""
 
 
 class NonFiniteLogits(RuntimeError):

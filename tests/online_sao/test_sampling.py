@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from online_sao.sampling import nucleus_logprobs, nucleus_mask, sampled_logprobs
+from online_sao.sampling import GREEDY_TEMPERATURE, nucleus_logprobs, nucleus_mask, sampled_logprobs
 from tests.fixtures.engine_reference import reference_logprob
 
 
@@ -45,3 +45,17 @@ def test_sampled_logprobs_gathers_the_nucleus_logprobs_and_their_gradient():
     (grad_got,) = torch.autograd.grad(got[finite].sum(), logits)
     (grad_full,) = torch.autograd.grad(full[finite].sum(), logits)
     assert torch.allclose(grad_got, grad_full, atol=1e-6)
+
+
+def test_at_the_greedy_temperature_a_token_has_the_point_masss_log_probability():
+    """The engines decode the arg-max there and log 0; the learner took the tempered distribution,
+    which gives a tie's arg-max log(1/2), so the ratio was 1/2 with identical weights."""
+    logits = torch.tensor([[[2.0, 2.0, -1.0], [0.5, 3.0, 3.0 - 1e-4]]], requires_grad=True)
+    tokens = torch.tensor([[0, 2]])  # the first arg-max of a tie; the runner-up of a near tie
+    temperature = torch.full((1, 2), GREEDY_TEMPERATURE)
+    got = sampled_logprobs(logits, tokens, temperature, torch.ones(1, 2))
+    assert got.tolist() == [[0.0, -math.inf]]
+    assert sampled_logprobs(logits, torch.tensor([[1, 1]]), temperature, torch.tensor([[0.5, 1.0]])).tolist() \
+        == [[-math.inf, 0.0]]  # token 1 is no arg-max of the first row (ties go to the lower id)
+    (grad,) = torch.autograd.grad(got[0, 0], logits, allow_unused=True)
+    assert grad is None or not grad.any()  # a point mass has no gradient

@@ -29,7 +29,7 @@ from online_sao.advantages import skip_observation_gae, whiten
 from online_sao.algorithm import ActorCritic, PolicyOnly
 from online_sao.batch import RolloutBatch
 from online_sao.config import AlgorithmConfig
-from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, value_loss
+from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained_variance, masked_mean, value_loss
 from online_sao.modeling import packing_verdict
 from online_sao.regularizers import PolicyRegularizer
 from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
@@ -123,7 +123,7 @@ class RunningMean(PolicyOnly):
             self.regularizer.after_policy_update(self.policy)
         return {**metrics, **dis_metrics, **extra_metrics, "policy_loss": loss.item(),
                 "policy_grad_norm": result.grad_norm,
-                "baseline": baseline, "adv_mean": float(rewards.mean()) - baseline,
+                "baseline": baseline, "adv_mean": masked_mean(advantages, mask),  # per action token, as SAO's
                 "skipped_nonfinite": 0.0 if result.stepped else 1.0}
 
     def state_dict(self) -> dict[str, Any]:

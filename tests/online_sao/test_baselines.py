@@ -43,6 +43,20 @@ def test_group_normalized_advantages_literal():
     assert metrics == {"num_groups": 3.0, "singleton_groups": 1.0, "degenerate_group_frac": 0.5}
 
 
+def test_running_means_adv_mean_is_per_action_token_like_saos(tiny_qwen):
+    """It was the mean over rollouts, so the arms' adv_mean curves could not be compared."""
+    algo = build("running_mean", tiny_qwen, running_mean_window=3)
+    algo.step(make_batch(tiny_qwen, [0.5]))  # window [0.5]: the next baseline is 0.5
+    short = Rollout("short", [1, 2, 3, 10], [False, False, False, True], [0.0] * 4, [0] * 4, {3: 1.0})
+    long = Rollout("long", [1, 2, 3, *range(20, 29)], [False] * 3 + [True] * 9, [0.0] * 12, [0] * 12, {11: 0.0})
+    batch = collate([short, long], pad_token_id=0)
+    with torch.no_grad():
+        batch.rollout_logprobs = policy_logprobs(tiny_qwen, batch) * batch.action_mask
+    metrics = algo.step(batch)
+    # advantages +0.5 on 1 token and -0.5 on 9: (0.5 - 4.5) / 10 = -0.4 (per rollout it was 0.0)
+    assert metrics["baseline"] == 0.5 and metrics["adv_mean"] == pytest.approx(-0.4)
+
+
 def test_running_mean_window_excludes_the_current_batch(tiny_qwen):
     algo = build("running_mean", tiny_qwen, running_mean_window=3)
     assert isinstance(algo, RunningMean) and not algo.needs_critic

@@ -346,12 +346,12 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
     cannot be written. Imported
     only when an error is being matched (``--help`` and ``config show`` stay light)."""
     from apps.stack import StackError
-    from streams.base import StreamUnavailable
+    from streams.base import StreamUnavailable, TopicsMisconfigured
     from streams.broker import BrokerError
     from trainer.mlflow_store import TrackingUnavailable
 
-    return (StreamUnavailable, BrokerError, StackError, TrackingUnavailable, PermissionError, NotADirectoryError,
-            FileExistsError)
+    return (StreamUnavailable, TopicsMisconfigured, BrokerError, StackError, TrackingUnavailable, PermissionError,
+            NotADirectoryError, FileExistsError)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ class TopicNotFound(StreamUnavailable):
     service's ``ensure_topics``, so a long-running reader waits and retries."""
 
 
+class TopicsMisconfigured(RuntimeError):
+    """The topics cannot be created or used as configured (a replication factor above the cluster's
+    broker count, interactions and rewards topics of unequal partition counts): a setting to change,
+    not an outage to wait out, so nothing retries it."""
+
+
 DeliveryReport = Callable[[BaseException | None], None]
 """Called once per record, from any thread: None when the broker acknowledged it, else the
 error after which the producer will not retry it."""

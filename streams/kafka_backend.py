@@ -28,7 +28,7 @@ from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
 from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend, TopicNotFound,
-                          StreamMessage, StreamUnavailable, TopicPartition)
+                          StreamMessage, StreamUnavailable, TopicPartition, TopicsMisconfigured)
 
 log = logging.getLogger(__name__)
 
@@ -192,15 +192,15 @@ class KafkaBackend(StreamBackend):
             for topic in result["topics"]:
                 error = kerr.for_code(topic["error_code"])
                 if error is not kerr.NoError and error is not kerr.TopicAlreadyExistsError:
-                    raise RuntimeError(f"creating topic {topic['name']!r} failed: {error.__name__}: "
-                                       f"{topic.get('error_message')}")
+                    raise TopicsMisconfigured(f"creating topic {topic['name']!r} failed: {error.__name__}: "
+                                              f"{topic.get('error_message')}")
             admin.wait_for_topics(list(specs), timeout_ms=TOPIC_CREATE_TIMEOUT_MS)
         counts = self.describe_topics()
         t = self.cfg.topics
         if counts[t.interactions] != counts[t.rewards]:
-            raise RuntimeError(f"topics {t.interactions!r} ({counts[t.interactions]} partitions) and "
-                               f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
-                               f"to stay co-partitioned by interaction id")
+            raise TopicsMisconfigured(f"topics {t.interactions!r} ({counts[t.interactions]} partitions) and "
+                                      f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
+                                      f"to stay co-partitioned by interaction id")
 
     def describe_topics(self) -> dict[str, int]:
         """Partition count of every non-internal topic."""

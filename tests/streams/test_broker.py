@@ -15,7 +15,7 @@ import pytest
 
 from online_sao.config import KafkaConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, WeightsNotice, decode
-from streams.base import StreamUnavailable
+from streams.base import StreamUnavailable, TopicsMisconfigured
 from streams.broker import LocalBroker
 from streams.broker_cli import kafka_down, kafka_status, kafka_up
 from streams.kafka_backend import KafkaBackend
@@ -204,6 +204,15 @@ def test_weights_topic_is_compacted_and_others_retained(kafka_config):
     for name in (t.interactions, t.rewards, t.dead_letters):
         assert configs[name]["cleanup.policy"] == "delete"
         assert configs[name]["retention.ms"] == str(kafka_config.retention_ms)
+
+
+@pytest.mark.kafka
+def test_topics_the_cluster_cannot_hold_are_a_setting_to_change_not_an_outage(kafka_broker):
+    """Three replicas on one broker: the error was a bare RuntimeError (a traceback from ``kafka up``)."""
+    backend = KafkaBackend(kafka_broker.kafka_config(replication_factor=3))
+    with pytest.raises(TopicsMisconfigured, match="InvalidReplicationFactor"):
+        backend.ensure_topics()
+    assert not issubclass(TopicsMisconfigured, StreamUnavailable)  # nothing waits for it to pass
 
 
 def _network_threads() -> int:

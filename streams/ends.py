@@ -62,6 +62,12 @@ class EndWatcher:
                     self._read_once.set()
                 except StreamUnavailable as exc:  # the broker is away: keep the last ends, ask again
                     log.debug("end offsets of %s not read: %s", self._topics, exc)
+                except Exception:  # noqa: BLE001 - any other failure ended the thread, and the ends went stale for good
+                    log.exception("end offsets of %s not read: keeping the last ones, asking again with a new "
+                                  "consumer", self._topics)
+                    if consumer is not None:
+                        consumer.close()
+                    consumer = None
                 self._closed.wait(self._every_s)
         finally:
             if consumer is not None:

@@ -91,3 +91,23 @@ def test_while_the_broker_is_away_the_last_ends_stay_and_the_watcher_keeps_askin
     assert watcher.ends() == {tp: 7}
     watcher.close()
     assert outage.closed == 1  # the thread closed its consumer on its way out
+
+
+class _Glitch(_Outage):
+    """Its first read fails with an error that is no outage (a client bug, an unmapped broker error)."""
+
+    def end_offsets(self) -> dict[TopicPartition, int]:
+        self.reads += 1
+        if self.reads == 1:
+            raise ValueError("unexpected response")
+        return {TopicPartition("t", 0): 4}
+
+
+def test_any_other_failure_is_said_and_the_watcher_asks_again_with_a_new_consumer(caplog):
+    """It ended the thread without a word, and the ends stayed as they were for good."""
+    glitch = _Glitch([])
+    watcher = EndWatcher(glitch, ["t"], EVERY_S)
+    assert watcher.wait_for_first_read(15.0)
+    assert watcher.ends() == {TopicPartition("t", 0): 4}
+    watcher.close()
+    assert "unexpected response" in caplog.text and glitch.closed == 2  # the failed one and the last one

@@ -281,6 +281,14 @@ def share(text: str) -> float:
     return value
 
 
+def results_path(text: str) -> str:
+    """An argparse type: the results JSON's path, not the plot's (``x.png`` was written as JSON, then
+    overwritten by the plot beside it, whose name is the same with .png)."""
+    if Path(text).suffix.lower() == ".png":
+        raise argparse.ArgumentTypeError(f"names the results JSON (its plot goes beside it as .png), got {text}")
+    return text
+
+
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``online-sao load``."""
     defaults = LoadParams()
@@ -297,7 +305,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feedback-share", type=share, default=defaults.feedback_share,
                         help="share of answers rewarded through /v1/feedback")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the clients' choices")
-    parser.add_argument("--out", default="load-results.json", help="results JSON (the plot goes beside it, .png)")
+    parser.add_argument("--out", default="load-results.json", type=results_path, help="results JSON (the plot goes beside it, .png)")
     parser.add_argument("--summary-only", action="store_true", help="leave the per-request records out of the JSON")
     parser.add_argument("--no-kafka-check", action="store_true",
                         help="with --url: skip reading the interactions topic back")

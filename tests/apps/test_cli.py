@@ -152,8 +152,9 @@ def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anythin
     (["load", "--clients", "0"], "--clients: must be above 0, got 0"),
     (["load", "--duration-s", "-5"], "--duration-s: must be above 0, got -5"),
     (["load", "--stream-share", "1.5"], "--stream-share: must lie in [0, 1], got 1.5"),
+    (["load", "--out", "run.png"], "--out: names the results JSON (its plot goes beside it as .png), got run.png"),
     (["lr-sweep", "--rates", "1e-4,abc"], "--rates: expected comma-separated numbers, got '1e-4,abc'"),
-], ids=["clients", "duration", "share", "rates"])
+], ids=["clients", "duration", "share", "plot-as-out", "rates"])
 def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)

@@ -224,11 +224,21 @@ class Reward(Record):
     source: str = Field("user", min_length=1, max_length=128)
     created_at: float = Field(default_factory=time.time, allow_inf_nan=False)
     turn_rewards: list[TurnReward] = []
+    """Rewards of single assistant turns, each turn at most once."""
     scores: dict[ScoreName, RewardValue] | None = Field(None, max_length=MAX_SCORES_PER_REWARD)
     """Named measurements behind the reward, where its source gives them (a judge's ``quality``
     and ``style``, say): books for the monitors and per-segment metrics (docs/DEPLOY.md,
     "Monitors"), never a training input. None (left out of the encoding) when there are none,
     and in records written before the field existed."""
+
+    @field_validator("turn_rewards")
+    @classmethod
+    def _one_reward_per_turn(cls, turn_rewards: list[TurnReward]) -> list[TurnReward]:
+        # two for one turn: which counted was the order the join happened to build its dict in
+        turns = [t.turn for t in turn_rewards]
+        if len(set(turns)) != len(turns):
+            raise ValueError(f"a turn is named more than once: {turns}")
+        return turn_rewards
 
 
 MAX_HOLD_REASON_CHARS = 500

@@ -56,6 +56,12 @@ class FeedbackService:
         self._in_range(request.reward, "reward")
         for i, turn in enumerate(request.turn_rewards):
             self._in_range(turn.value, f"turn_rewards[{i}].value")
+        seen: set[int] = set()
+        for i, turn in enumerate(request.turn_rewards):
+            if turn.turn in seen:
+                raise APIError(422, f"turn_rewards[{i}] names turn {turn.turn} again: one reward per turn",
+                               param=f"turn_rewards[{i}].turn", code="duplicate_turn")
+            seen.add(turn.turn)
         known = self.trajectories.get(request.interaction_id)
         if known is not None:
             turns = len(known.record.turn_ends)

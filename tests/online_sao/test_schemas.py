@@ -126,6 +126,8 @@ def test_wrong_kind_is_rejected():
     (b'{"schema_version":1,"kind":"reward","interaction_id":"x","value":1,"extra":2}', "extra"),
     (b'{"schema_version":1,"kind":"reward","interaction_id":"","value":1}', "interaction_id"),
     (b'{"schema_version":1,"kind":"dead_letter","raw":"%%%","source_topic":"t","reason":"r"}', "raw"),
+    (b'{"schema_version":1,"kind":"reward","interaction_id":"x","value":1,'
+     b'"turn_rewards":[{"turn":0,"value":1},{"turn":0,"value":-1}]}', "more than once"),  # which would count?
 ])
 def test_malformed_input_is_rejected_with_the_reason(data, message):
     with pytest.raises(RecordError, match=message):

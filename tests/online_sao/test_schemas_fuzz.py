@@ -60,7 +60,8 @@ def interactions(draw) -> Interaction:
 def reward_records(turns: int = 3):
     return st.builds(Reward, interaction_id=ids, value=rewards, source=st.text(min_size=1, max_size=20),
                      created_at=times, turn_rewards=st.lists(
-                         st.builds(TurnReward, turn=st.integers(0, turns - 1), value=rewards), max_size=turns))
+                         st.builds(TurnReward, turn=st.integers(0, turns - 1), value=rewards), max_size=turns,
+                         unique_by=lambda t: t.turn))
 
 
 notices = st.builds(WeightsNotice, action=st.sampled_from(["publish", "rollback"]), version=versions,

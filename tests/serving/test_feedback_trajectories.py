@@ -106,6 +106,8 @@ def test_refused_feedback_logs_nothing(make_harness):
          "reward_out_of_range"),
         ({"interaction_id": iid, "reward": 0.5, "turn_rewards": [{"turn": 1, "value": 0.1}]}, 422,
          "turn_out_of_range"),
+        ({"interaction_id": iid, "reward": 0.5, "turn_rewards": [{"turn": 0, "value": 1.0},
+                                                                 {"turn": 0, "value": -1.0}]}, 422, "duplicate_turn"),
         ({"interaction_id": iid}, 422, None),
         ({"interaction_id": iid, "reward": "great"}, 422, None),
     ]

@@ -73,6 +73,9 @@ class RewardConfig(Section):
         if not self.min_value <= self.default_value <= self.max_value:  # NaN fails too
             raise ValueError(f"default_value ({self.default_value:g}) must lie within min_value and max_value "
                              f"({self.min_value:g} to {self.max_value:g}): the learner trains on it as a reward")
+        if self.sources == []:
+            raise ValueError("sources [] would apply no reward at all (every one counted as ignored): leave it "
+                             "unset to train on every source")
         if len(set(self.wait_for_sources)) < len(self.wait_for_sources):
             raise ValueError(f"wait_for_sources {self.wait_for_sources} names a source twice")
         unheard = [s for s in self.wait_for_sources if self.sources is not None and s not in self.sources]

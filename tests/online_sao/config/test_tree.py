@@ -41,6 +41,7 @@ def test_invalid_value_is_named():
     ("REWARD__DEFAULT_VALUE", "11", r"default_value \(11\) must lie within"),  # over max_value 10
     ("REWARD__DEFAULT_VALUE", ".nan", r"reward.default_value: .*finite"),
     ("ALGORITHM__POLICY_LR", ".inf", r"algorithm.policy_lr: .*finite"),  # every step was refused as non-finite
+    ("REWARD__SOURCES", "[]", r"sources \[\] would apply no reward"),  # the learner would never step
     ("DEPLOY__WINDOW", "16", r"window \(16\) must hold gate_min_rollouts \(32\)"),  # the gate would refuse always
     ("DEPLOY__GATE_MIN_ESS", "200", r"window \(128\) must hold .* gate_min_ess \(200\)"),
 ])

@@ -87,9 +87,9 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: to
     temperatures and top-p values -> ``[...]``.
 
     At a temperature of at most :data:`GREEDY_TEMPERATURE` the distribution is the point mass at the
-    arg-max, as the engines decode it. Distributions with ``top_p >= 1`` go through the fused cross-entropy (no ``[..., V]``
-    log-probability tensor is kept for them); only those with a nucleus pay for the
-    sort and keep their full log-probabilities for backward.
+    arg-max, as the engines decode it. Distributions with ``top_p >= 1`` go through the fused
+    cross-entropy (no ``[..., V]`` log-probability tensor is kept for them); only those with a
+    nucleus pay for the sort and keep their full log-probabilities for backward.
     """
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature.to(logits.device, torch.float32).unsqueeze(-1)

@@ -54,10 +54,9 @@ class FeedbackService:
             raise APIError(403, f"source {request.source!r} may be claimed only with its own API keys "
                                 "(serving.source_keys)", param="source", code="source_not_allowed")
         self._in_range(request.reward, "reward")
-        for i, turn in enumerate(request.turn_rewards):
-            self._in_range(turn.value, f"turn_rewards[{i}].value")
         seen: set[int] = set()
         for i, turn in enumerate(request.turn_rewards):
+            self._in_range(turn.value, f"turn_rewards[{i}].value")
             if turn.turn in seen:
                 raise APIError(422, f"turn_rewards[{i}] names turn {turn.turn} again: one reward per turn",
                                param=f"turn_rewards[{i}].turn", code="duplicate_turn")

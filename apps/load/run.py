@@ -305,7 +305,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feedback-share", type=share, default=defaults.feedback_share,
                         help="share of answers rewarded through /v1/feedback")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the clients' choices")
-    parser.add_argument("--out", default="load-results.json", type=results_path, help="results JSON (the plot goes beside it, .png)")
+    parser.add_argument("--out", default="load-results.json", type=results_path,
+                        help="results JSON (the plot goes beside it, .png)")
     parser.add_argument("--summary-only", action="store_true", help="leave the per-request records out of the JSON")
     parser.add_argument("--no-kafka-check", action="store_true",
                         help="with --url: skip reading the interactions topic back")

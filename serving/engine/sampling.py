@@ -37,7 +37,6 @@ __all__ = ["GREEDY_TEMPERATURE", "NonFiniteLogits", "RowSampling", "inverse_cdf_
            "sample_tokens"]
 
 
-
 class NonFiniteLogits(RuntimeError):
     """The model produced NaN or infinite logits for a row: nothing can be sampled from them."""
 

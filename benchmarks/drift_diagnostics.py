@@ -85,8 +85,10 @@ def phase_windows(start: int, end: int, first: bool) -> list[tuple[str, int, int
 
 
 def phase_values(steps: Sequence[StepRow], key: str, start: int, end: int) -> list[float]:
-    """The finite values of a step metric over the steps taken while rollouts ``[start, end)`` were judged."""
-    return [s.metrics[key] for s in steps if start <= s.rollout < end and key in s.metrics
+    """The finite values of a step metric over the steps taken while rollouts ``[start, end)`` were judged.
+    A step's ``rollout`` is how many rollouts were judged when it ran, so its newest is ``rollout - 1``:
+    the steps with ``start < rollout <= end``."""
+    return [s.metrics[key] for s in steps if start < s.rollout <= end and key in s.metrics
             and math.isfinite(s.metrics[key])]
 
 
@@ -192,17 +194,20 @@ def window_means(rewards: Sequence[RewardRow], start: int, end: int) -> tuple[fl
 
 
 def restart_context(rewards: Sequence[RewardRow], at: int) -> tuple[tuple[float, float, float], ...] | None:
-    """:func:`window_means` of the reference window and of the recent window that end with the
-    rollout ``at`` a restart came at; None when either is empty."""
-    end = at + 1
+    """:func:`window_means` of the reference window and of the recent window that end where the restart
+    came, after ``at`` rollouts were judged (rollout ``at`` itself was judged after it); None when either
+    is empty."""
+    end = at
     before = window_means(rewards, end - CONTEXT_RECENT - CONTEXT_REFERENCE, end - CONTEXT_RECENT)
     recent = window_means(rewards, end - CONTEXT_RECENT, end)
     return None if before is None or recent is None else (before, recent)
 
 
 def detection_delay(alarms: Sequence[int], start: int, end: int) -> int | None:
-    """Rollouts from a switch at ``start`` to the first restart in ``[start, end)``; None: none."""
-    return next((a - start for a in alarms if start <= a < end), None)
+    """Rollouts from a switch at ``start`` to the first restart in ``(start, end]``; None: none. A restart
+    is logged with the rollouts judged before it: one at ``start`` saw none of the new phase's (it counted
+    as a delay of 0), one at ``end`` saw this phase's last."""
+    return next((a - start for a in alarms if start < a <= end), None)
 
 
 def _row(cells: list[str]) -> str:
@@ -210,7 +215,8 @@ def _row(cells: list[str]) -> str:
 
 
 def _over_seeds(values: list[float | None]) -> str:
-    return cell(interval([v for v in values if v is not None]))
+    """Mean and interval over the seeds with a value, with how many of them when some have none."""
+    return cell(interval([v for v in values if v is not None]), of=len(values))
 
 
 def report(runs: list[Run]) -> str:
@@ -248,7 +254,7 @@ def report(runs: list[Run]) -> str:
                 found = [d for d in (detection_delay(a, s, e) for a in alarms) if d is not None]
                 delays.append(f"{statistics.mean(found):.1f} ({len(found)}/{len(alarms)})" if found
                               else f"- (0/{len(alarms)})")
-        early = sum(1 for a in alarms for x in a if x < phases[1][1]) if len(phases) > 1 else 0
+        early = sum(1 for a in alarms for x in a if x <= phases[1][1]) if len(phases) > 1 else 0
         lines.append(_row([arm, "; ".join(",".join(map(str, a)) or "none" for a in alarms), str(early), *delays]))
     backs = {arm: [rollbacks(run.arms[arm].steps) for run in runs if arm in run.arms] for arm in arms}
     if any(b for seeds in backs.values() for b in seeds):
@@ -265,7 +271,7 @@ def report(runs: list[Run]) -> str:
             if arm not in run.arms:
                 continue
             for at in restarts(run.arms[arm].steps):
-                switch = max(s for _, s, _, _ in phases if s <= at)
+                switch = max(s for _, s, _, _ in phases if s < at)
                 if switch > 0 and at - switch <= SWITCH_HORIZON:
                     continue
                 context = restart_context(run.arms[arm].rewards, at)

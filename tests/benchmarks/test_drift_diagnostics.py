@@ -9,7 +9,7 @@ import pytest
 from apps.config import ExperimentConfig
 from apps.experiments.aggregate import Run
 from apps.experiments.results import ArmResults, RewardRow, StepRow
-from benchmarks.drift_diagnostics import (critic_squared_error, detection_delay, phase_windows, report,
+from benchmarks.drift_diagnostics import (_over_seeds, critic_squared_error, detection_delay, phase_windows, report,
                                           restart_context, restarts, rollbacks, running_mean_squared_error, share_of,
                                           step_median)
 
@@ -31,9 +31,11 @@ def test_windows_of_a_later_phase_start_before_its_switch():
 
 
 def test_step_median_keeps_the_phase_and_skips_undefined_values():
-    steps = [_step(3, explained_variance=0.9), _step(10, explained_variance=0.1), _step(12, explained_variance=0.3),
-             _step(14, explained_variance=math.nan), _step(20, explained_variance=-1.0), _step(11, approx_kl=0.2)]
-    assert step_median(steps, "explained_variance", 10, 20) == 0.2
+    # a step's rollout is how many were judged when it ran: phase [10, 20) holds the steps at 11 to 20
+    steps = [_step(10, explained_variance=0.9), _step(11, explained_variance=0.1), _step(13, explained_variance=0.3),
+             _step(15, explained_variance=math.nan), _step(20, explained_variance=-1.0), _step(21, explained_variance=5.0),
+             _step(12, approx_kl=0.2)]
+    assert step_median(steps, "explained_variance", 10, 20) == 0.1  # median of 0.1, 0.3, -1.0
     assert step_median(steps, "approx_kl", 0, 10) is None
 
 
@@ -44,6 +46,9 @@ def test_restarts_and_the_delay_after_each_switch():
     assert detection_delay(alarms, 100, 150) == 18  # the first restart of the phase [100, 150)
     assert detection_delay(alarms, 150, 200) == 20
     assert detection_delay(alarms, 200, 300) is None
+    # a restart after exactly 170 rollouts saw none of a phase starting at 170 (it read as a delay of 0),
+    # and all of the phase ending there
+    assert detection_delay(alarms, 170, 300) is None and detection_delay(alarms, 120, 170) == 50
 
 
 def test_rollbacks_are_not_restarts_and_each_probation_has_its_outcome():
@@ -139,15 +144,15 @@ def _answer(rollout: int, reward: float, quality: float, sampled: str, delivered
 
 
 def test_restart_context_reads_the_reference_and_recent_windows():
-    # windows ending with rollout 100: reference [37, 85), recent [85, 101)
+    # a restart after 100 rollouts were judged: reference [36, 84), recent [84, 100); rollout 100 came after it
     rewards = [_answer(40, 0.8, 1.0, "cute"), _answer(60, 0.6, 0.8, "formal"),
                _answer(50, 9.0, 9.0, "cute", delivered=False),  # not delivered: left out
-               _answer(36, 9.0, 9.0, "cute"),                    # before the reference window
-               _answer(90, 0.1, 0.2, "cute"), _answer(100, 0.3, 0.4, "cute"), _answer(101, 9.0, 9.0, "cute")]
+               _answer(35, 9.0, 9.0, "cute"),                    # before the reference window
+               _answer(90, 0.1, 0.2, "cute"), _answer(99, 0.3, 0.4, "cute"), _answer(100, 9.0, 9.0, "cute")]
     before, recent = restart_context(rewards, 100)
     assert before == pytest.approx((0.7, 0.9, 0.5))
     assert recent == pytest.approx((0.2, 0.3, 1.0))
-    assert restart_context(rewards, 30) is None  # nothing in its recent window [15, 31)
+    assert restart_context(rewards, 30) is None  # nothing in its recent window [14, 30)
 
 
 def test_a_restart_inside_a_phase_is_listed_under_its_seed_number(tmp_path):
@@ -157,11 +162,17 @@ def test_a_restart_inside_a_phase_is_listed_under_its_seed_number(tmp_path):
     runs = []
     for seed, alarm_at in ((12, 100), (15, 150)):
         scenario = ExperimentConfig(schedule=schedule, rollouts_per_arm=300, arms=[{"name": "sao"}], seed=seed)
-        # the reference window ends 16 rollouts before the alarm, the recent one ends with it
-        rewards = [_answer(k, 0.8 if k <= alarm_at - 16 else 0.2, 0.9, "cute") for k in range(300)]
+        # the alarm came after alarm_at rollouts were judged: the recent window is the 16 before it
+        rewards = [_answer(k, 0.8 if k < alarm_at - 16 else 0.2, 0.9, "cute") for k in range(300)]
         steps = [_step(alarm_at, drift_alarm=1.0)]
         runs.append(Run(tmp_path / f"seed-{seed}", scenario,
                         {"sao": ArmResults(name="sao", rewards=rewards, evals=[], steps=steps)}))
     lines = report(runs).splitlines()
     assert "| sao | 12 | 100 | 0.80 -> 0.20 | 0.90 -> 0.90 | 1.00 -> 1.00 |" in lines
     assert "| sao | 15 | 150 | 0.80 -> 0.20 | 0.90 -> 0.90 | 1.00 -> 1.00 |" in lines
+
+
+def test_a_cell_over_seeds_says_how_many_seeds_gave_a_value():
+    """Seeds without a value were dropped from the mean without a word."""
+    assert _over_seeds([0.2, None, 0.8]) == "0.500 [0.200, 0.800] (2 of 3 seeds)"
+    assert _over_seeds([0.2, 0.8]) == "0.500 [0.200, 0.800]"

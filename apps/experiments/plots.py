@@ -87,8 +87,10 @@ def plot_style_share(runs: list[Run], arms: list[str], path: Path) -> None:
     axes = fig.subplots(len(arms), 1, squeeze=False)[:, 0]
     for ax, arm in zip(axes, arms):
         x, shares = style_share_curves(runs, arm, styles, scenario.metrics_window)
-        if len(x):
-            ax.stackplot(x, *(shares[s] for s in styles), labels=styles, step="post", alpha=0.85)
+        if len(x):  # step="post" draws a block up to the next one's start: a closing point draws the last
+            ends = [*x, x[-1] + scenario.metrics_window]
+            ax.stackplot(ends, *([*shares[s], shares[s][-1]] for s in styles), labels=styles, step="post",
+                         alpha=0.85)
         mark_switches(ax, scenario)
         ax.set_title(f"{arm} (preferred: " + ", ".join(p.style for p in scenario.schedule) + ")", fontsize=10)
         ax.set(ylabel="share of answers", ylim=(0, 1))

@@ -103,6 +103,23 @@ def test_report_of_one_seed_files_plots_and_tables(results, tmp_path):
     assert [d["name"] for d in data] == ["sao", "running_mean_w8"]  # the scenario's arm order
 
 
+def test_the_style_share_plot_draws_the_last_block(results, tmp_path, monkeypatch):
+    """Stacked with step="post" from the blocks' starts alone, the drawing stopped at the last block's
+    start: rollouts 56-59 of this run were never drawn."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    real = Axes.stackplot
+
+    def recording(self, x, *series, **kwargs):
+        drawn.append((list(x), [list(s) for s in series]))
+        return real(self, x, *series, **kwargs)
+
+    monkeypatch.setattr(Axes, "stackplot", recording)
+    write_report(results[0], tmp_path / "report")
+    assert drawn and all(x[-2:] == [56, 60] and all(s[-1] == s[-2] for s in series) for x, series in drawn)
+
+
 def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
     directory = tmp_path / "results"
     write_scenario(directory, SCENARIO)

@@ -81,6 +81,9 @@ def unfinished_runs(runs: list[Run]) -> list[str]:
 class SeedMetrics:
     """One arm's measures in one seed."""
 
+    seed: int
+    """The scenario's seed: report.json's per-seed rows are paired by it (an arm missing from one seed
+    shifts every later row of a list read by position)."""
     rollouts: int
     mean_reward: float | None
     post_switch_mean: float | None
@@ -99,7 +102,7 @@ def seed_metrics(arm: ArmResults, scenario: ExperimentConfig) -> SeedMetrics:
     starts = [p.from_rollout for p in scenario.schedule]
     summary = arm.summary
     return SeedMetrics(
-        rollouts=len(rewards), mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        seed=scenario.seed, rollouts=len(rewards), mean_reward=sum(rewards) / len(rewards) if rewards else None,
         post_switch_mean=post_switch_mean(rewards, scenario.switch_rollouts[0]),
         phases=phase_metrics(rewards, starts, [p.style for p in scenario.schedule], scenario.metrics_window,
                              scenario.realign_threshold),

@@ -144,6 +144,8 @@ def test_report_of_several_seeds_gives_means_and_bootstrap_intervals(tmp_path):
     paired = interval([post_switch_mean(per_seed[k]["sao"], 20) - post_switch_mean(per_seed[k]["running_mean_w8"], 20)
                        for k in range(3)])
     assert row[4] == f"{paired.mean:+.3f} [{paired.low:+.3f}, {paired.high:+.3f}]" and row[5] == "yes"
+    arms = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [[row["seed"] for row in arm["per_seed"]] for arm in arms] == [[0, 1, 2], [0, 1, 2]]  # to pair by
 
 
 def test_a_seed_without_a_measure_is_counted_not_averaged_away_unseen(tmp_path):

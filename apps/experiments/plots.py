@@ -73,6 +73,9 @@ def plot_comparison(runs: list[Run], arms: list[str], path: Path) -> None:
             draw_band(ax, b, arm)
     mark_switches(ax, scenario)
     ax.axhline(scenario.realign_threshold, color="black", linestyle=":", linewidth=1)
+    # the curve's window reaches back across a switch, the lag's does not: its crossing is no lag to read off
+    ax.set_title(f"dotted: the re-alignment threshold; the lag table counts each phase's own rollouts, this "
+                 f"curve's window of {scenario.metrics_window} reaches back across a switch", fontsize=8)
     ax.set(xlabel="rollout", ylabel=f"moving reward (W={scenario.metrics_window})", ylim=(-0.05, 1.05))
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)

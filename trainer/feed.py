@@ -112,7 +112,7 @@ class Feed:
         """Next offset to read per partition: every record before it has had its effect on the state."""
         self.counters = counters
         """The learner's counters; the feed adds dead_letters, invalid_rollouts, empty_rollouts,
-        too_few_for_ranks, records_skipped."""
+        too_few_for_ranks, records_skipped, records_read."""
         self.vocab_size = vocab_size
         self.group_size = group_size
         self.stop = stop
@@ -153,6 +153,7 @@ class Feed:
             if expected is not None and msg.offset > expected:
                 self._skipped(msg.tp, expected, msg.offset)
             self.offsets[msg.tp] = msg.offset + 1
+            self.counters["records_read"] += 1
             self.last_activity = time.monotonic()
             kind = Interaction if msg.topic == self.topics.interactions else Reward
             record = decode_or_dead_letter(msg, kind, self.dead_letters, self.topics.dead_letters)

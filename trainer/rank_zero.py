@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("dead_letters", "invalid_rollouts", "empty_rollouts", "too_few_for_ranks", "rollbacks",
             "skipped_nonfinite_steps", "drift_restarts", "drift_rollbacks", "records_skipped",
-            "records_ahead_of_clock", "records_behind_clock")
+            "records_ahead_of_clock", "records_behind_clock", "records_read")
 """The learner's own counts (besides the join's); they survive restarts in the checkpoint."""
 
 
@@ -94,6 +94,8 @@ class RankZero:
              stop: threading.Event) -> RankZero:
         """Connect to the weight store, the broker and MLflow, carrying on from ``progress``."""
         counters = {**{name: 0.0 for name in COUNTERS}, **progress.counters}
+        if "records_read" not in progress.counters:  # a checkpoint from before the count: where its marks came from
+            counters["records_read"] = float(sum(progress.offsets.values()))
         store = open_weight_store(cfg.weight_store_url)
         tracker = RunTracker(cfg, run_id=progress.mlflow_run_id, stop=stop)  # an MLflow outage: waits, stoppable
         producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
@@ -128,8 +130,10 @@ class RankZero:
                         sorted(self.releases.publisher.protected), self.releases.window.state_dict())
 
     def reads(self) -> tuple[float, float]:
-        """(records read, records dead-lettered) so far: the dead-letter monitor's counts."""
-        return float(sum(self.feed.offsets.values())), self.counters["dead_letters"]
+        """(records read, records dead-lettered) so far: the dead-letter monitor's counts. Read, not the
+        sum of the next offsets: a partition first read after a registration (or records retention
+        deleted unread) added its whole offset and diluted the share since."""
+        return self.counters["records_read"], self.counters["dead_letters"]
 
     def record_step(self, step: int, rollouts: list[Rollout], metrics: dict[str, float], refused: bool) -> None:
         """The step's ids go to the ledger; a refused step is counted and named, an applied one

@@ -232,6 +232,18 @@ def test_a_record_stamped_far_ahead_does_not_move_the_joins_clock_past_this_host
     assert feed.joiner.watermark <= time.time() + 60.0
 
 
+def test_records_read_count_what_was_read_not_where_the_offsets_stand(backend):
+    """The dead-letter monitor's denominator was the sum of the next offsets: a partition first read at
+    offset 1000 (retention deleted the rest unread) added 1000 records that were never read."""
+    feed = _started_feed(backend)
+    topics, now = backend.cfg.topics, time.time()
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer([_message(topics.interactions, 1000 + i, make_interaction(f"i{i}", created_at=now),
+                                               now) for i in range(3)])
+    feed.poll()
+    assert feed.counters["records_read"] == 3 and sum(feed.offsets.values()) == 1003
+
+
 def _slow_replica_traffic(topics, now: float) -> list:
     """Ten interactions of a replica with a good clock, one every 10 s, rewarded 2 s after; one
     interaction of a replica whose clock is 600 s slow, served at now + 50 and rewarded by the judge

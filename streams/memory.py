@@ -304,6 +304,8 @@ class InMemoryConsumer(Consumer):
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         if self.group_id is None:
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
+        if self._fenced:  # Kafka refuses it too (FencedInstanceIdError): the new member owns the offsets now
+            raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
         with self._backend._lock:
             self._backend._groups[self.group_id].committed.update(offsets)
             if self._backend.drop_committed:

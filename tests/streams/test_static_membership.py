@@ -111,5 +111,7 @@ def test_in_memory_a_consumer_with_the_same_instance_id_takes_the_place_of_the_o
     assert dead.assignment() == set()
     with pytest.raises(RuntimeError, match="fenced"):
         dead.poll(timeout_s=0)
+    with pytest.raises(RuntimeError, match="fenced"):  # it was accepted, over the new member's offsets
+        dead.commit({next(iter(held)): 7})
     with pytest.raises(ValueError, match="group"):
         backend.consumer([rewards], instance_id="learner")

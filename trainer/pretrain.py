@@ -75,11 +75,6 @@ def _held_out_fit(critic: nn.Module, batches: list[RolloutBatch], cfg: Algorithm
     return explained_variance(v, g, torch.ones_like(v, dtype=torch.bool)), float((g - v).square().mean())
 
 
-def _explained_variance(critic: nn.Module, batches: list[RolloutBatch], cfg: AlgorithmConfig) -> float:
-    """Explained variance over the action tokens of all batches pooled (NaN when undefined)."""
-    return _held_out_fit(critic, batches, cfg)[0]
-
-
 def _require_same_rollouts_on_every_rank(rollouts: list[Rollout], device: torch.device) -> None:
     """Ranks with different rollouts would run different numbers of FSDP collectives
     and stop at different epochs, which hangs the group: refuse instead."""

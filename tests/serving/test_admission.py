@@ -41,15 +41,24 @@ def test_a_request_beyond_max_waiting_is_refused_503_with_retry_after_and_nothin
     assert (s.inflight.running, s.inflight.waiting) == (0, 0)
 
 
-def test_the_bound_counts_what_queues_beyond_the_batch_not_what_fills_it():
-    inflight = InFlight(max_waiting=1, slots=2)
-    for _ in range(3):  # a burst at an idle server: two take the free slots (prefill), one queues
+def _admit(inflight: InFlight, count: int) -> None:
+    """``count`` requests admitted and handed to the engine, none sampling yet."""
+    for _ in range(count):
         inflight.admit()
         inflight.entered()
-    assert (inflight.running, inflight.waiting) == (2, 1)
+
+
+def _assert_overloaded(inflight: InFlight) -> None:
     with pytest.raises(APIError) as refused:
         inflight.admit()
     assert refused.value.status == 503 and refused.value.code == "server_overloaded"
+
+
+def test_the_bound_counts_what_queues_beyond_the_batch_not_what_fills_it():
+    inflight = InFlight(max_waiting=1, slots=2)
+    _admit(inflight, 3)  # a burst at an idle server: two take the free slots (prefill), one queues
+    assert (inflight.running, inflight.waiting) == (2, 1)
+    _assert_overloaded(inflight)
     inflight.started()
     inflight.started()
     inflight.ended(started=True)  # an answer ends: the queued request takes its slot
@@ -61,13 +70,9 @@ def test_the_bound_counts_what_queues_beyond_the_batch_not_what_fills_it():
 def test_a_bound_of_zero_admits_into_free_slots_and_refuses_what_would_queue():
     """``max_waiting: 0`` refused every request, an idle server's too (0 waiting >= 0)."""
     inflight = InFlight(max_waiting=0, slots=2)
-    for _ in range(2):
-        inflight.admit()
-        inflight.entered()
+    _admit(inflight, 2)
     assert (inflight.running, inflight.waiting) == (2, 0)
-    with pytest.raises(APIError) as refused:
-        inflight.admit()
-    assert refused.value.status == 503 and refused.value.code == "server_overloaded"
+    _assert_overloaded(inflight)
 
 
 def test_a_plain_client_that_disconnects_stops_its_generation_and_is_logged_as_abort(serve):

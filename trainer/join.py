@@ -69,7 +69,7 @@ from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
                                 combine_scores, complete_groups, prompt_group_key, reward_key,
-                                rewards_by_source)
+                                rewards_by_source, trained_action_tokens)
 from trainer.join_trajectories import TrajectoryRules
 
 __all__ = ["JoinCounters", "JoinedInteraction", "RewardJoiner", "aggregate", "prompt_group_key"]
@@ -229,7 +229,14 @@ class RewardJoiner(TrajectoryRules):
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
         entries = self._poppable(group_size)
-        return len(entries), sum(len(e.interaction.logprobs) for e in entries)
+        trained: set[str] = set()  # ids whose turns an entry before trains
+        tokens = 0
+        for entry in entries:  # in the order pop_ready takes them: earlier ones train first
+            observed = self._trained_turns(entry, trained)
+            tokens += trained_action_tokens(entry.interaction, observed)
+            trained.update(origin.interaction_id for turn, origin in enumerate(entry.interaction.origins())
+                           if turn not in observed)
+        return len(entries), tokens
 
     def pop_ready(self, max_rollouts: int, token_budget: int, group_size: int = 1) -> list[JoinedInteraction]:
         """Take ready interactions, oldest first, until ``max_rollouts`` or until
@@ -248,7 +255,7 @@ class RewardJoiner(TrajectoryRules):
                 if entry.iid not in self._ready:
                     continue  # absorbed by a continuation taken before it in this pass
                 taken.append(self._take(entry, group_id if group_size > 1 else -1))
-                tokens += len(entry.interaction.logprobs)
+                tokens += taken[-1].num_action_tokens
         return taken
 
     def drop_stale(self, min_version: int) -> int:

@@ -6,7 +6,7 @@ form grpo groups.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
 from online_sao.batch import Rollout
@@ -149,15 +149,20 @@ class JoinedInteraction:
     @property
     def num_action_tokens(self) -> int:
         """Action tokens it trains (those of observed turns are not)."""
-        if not self.observed_turns:
-            return len(self.interaction.logprobs)
-        turns = response_turns(self.interaction)
-        return sum(1 for index, is_action in enumerate(self.interaction.action_mask)
-                   if is_action and turns[index] not in self.observed_turns)
+        return trained_action_tokens(self.interaction, self.observed_turns)
 
     def to_rollout(self) -> Rollout:
         return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id,
                                       self.observed_turns, self.scores)
+
+
+def trained_action_tokens(interaction: Interaction, observed_turns: Collection[int]) -> int:
+    """Action tokens of ``interaction`` outside ``observed_turns`` (those turns train elsewhere)."""
+    if not observed_turns:
+        return len(interaction.logprobs)
+    turns = response_turns(interaction)
+    return sum(1 for index, is_action in enumerate(interaction.action_mask)
+               if is_action and turns[index] not in observed_turns)
 
 
 def aggregate(values: list[float], mode: str) -> float:

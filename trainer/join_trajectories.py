@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from trainer.id_memory import IdMemory
@@ -131,6 +131,24 @@ class TrajectoryRules:
         owner.contributions = [c for c in owner.contributions if c.origin != origin]
         for contribution in moved:
             self._join_routed(entry, contribution, origin)
+
+    def _trained_turns(self, entry: Entry, trained: Collection[str] = ()) -> set[int]:
+        """The turns :meth:`_train_turns` would make observations if ``entry`` were taken after
+        entries that train the turns of the ids ``trained`` (no side effects: counts a step's
+        tokens ahead)."""
+        forgetful = self._may_have_forgotten(entry)
+        observed: set[int] = set()
+        for turn, origin in enumerate(entry.interaction.origins()):
+            oid = origin.interaction_id
+            if oid == entry.iid:
+                continue
+            known = self.memory.get(oid)
+            if (known is not None and known.trained) or oid in trained:
+                observed.add(turn)
+            elif (known is None and forgetful and oid not in self._ready and oid not in entry.claimed
+                  and self._claims.get(oid, entry.iid) == entry.iid):
+                observed.add(turn)
+        return observed
 
     def _train_turns(self, entry: Entry) -> set[int]:
         """``entry`` is taken: which of its turns are observations (trained earlier, or perhaps trained

@@ -260,3 +260,23 @@ def test_copies_of_an_ancestor_a_continuation_absorbed_count_as_duplicates():
     j.add_interaction(a, 1002.0)
     j.add_interaction(a, 1003.0)
     assert (j.counters.superseded, j.counters.duplicate_interactions) == (1, 2)
+
+
+def test_the_token_budget_counts_only_the_turns_a_continuation_trains():
+    """A continuation carries its trained parent's action tokens as observations: they are not
+    trained again, so they count neither towards readiness nor against a step's token budget."""
+    p, c, d = conversation(["p", "c", "d"])
+    j = joiner()
+    j.add_interaction(p, ts=0.0)
+    j.add_reward(make_reward("p", 1.0), ts=1.0)
+    take_all(j)
+    j.add_interaction(c, ts=2.0)
+    j.add_reward(make_reward("c", 1.0), ts=3.0)
+    j.add_interaction(d, ts=4.0)
+    j.add_reward(make_reward("d", 1.0), ts=5.0)
+    # c trains its own 2 tokens (p's are observations); d is its own continuation and trains 2 more
+    # once c is taken: its 4 earlier action tokens are observations then.
+    assert j.ready_stats() == (2, 2 + 2)
+    taken = j.pop_ready(max_rollouts=10, token_budget=3)  # c's 2 tokens leave room under the budget
+    assert [x.interaction.interaction_id for x in taken] == ["c", "d"]
+    assert [x.num_action_tokens for x in taken] == [2, 2]

@@ -158,8 +158,14 @@ def run(scenario, cfg: RewardConfig, max_pending: int = 100) -> tuple[RewardJoin
         else:
             joiner = restored(joiner)
     joiner.advance(max(scenario.created) + 10 * WINDOW_S)  # every window closes
-    while batch := joiner.pop_ready(max_rollouts=10, token_budget=10 ** 6):
-        taken += batch
+    ready_rollouts, ready_tokens = joiner.ready_stats()
+    batch = joiner.pop_ready(max_rollouts=10 ** 6, token_budget=10 ** 6)
+    tokens = sum(joined.num_action_tokens for joined in batch)  # what the step trains
+    assert ready_rollouts == len(batch)
+    # Exact, unless the id memory forgets during the pass: a forgotten ancestor's turn becomes an
+    # observation then (JoinedInteraction), which the count ahead cannot know.
+    assert ready_tokens == tokens if max_pending >= len(records) else ready_tokens >= tokens
+    taken += batch
     return joiner, taken
 
 

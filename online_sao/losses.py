@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from online_sao.sampling import nucleus_logprobs, sampled_logprobs
+from online_sao.sampling import GREEDY_TEMPERATURE, nucleus_logprobs, sampled_logprobs
 
 MIN_NORMALIZER = 1.0
 """Floor of N: a batch without action tokens gives loss 0 instead of 0/0."""
@@ -227,10 +227,14 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask:
 
 def nucleus_entropy(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``[n]`` entropy of the sampling distribution of each of ``[n, V]`` logits (temperature and
-    top-p ``[n]``; over the nucleus when ``top_p < 1``). Differentiable in ``logits``."""
-    logp = nucleus_logprobs(logits, temperature.to(logits.device), top_p.to(logits.device))
+    top-p ``[n]``; over the nucleus when ``top_p < 1``). Differentiable in ``logits``. A greedy
+    temperature (``GREEDY_TEMPERATURE``) samples the point mass at the arg-max, as in
+    :func:`online_sao.sampling.sampled_logprobs`: entropy 0, no gradient."""
+    temperature = temperature.to(logits.device)
+    logp = nucleus_logprobs(logits, temperature, top_p.to(logits.device))
     # outside the nucleus p = 0: its term is 0, and -inf must not meet 0 (0 * -inf is not a number)
-    return -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(dim=-1)
+    entropy = -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(dim=-1)
+    return torch.where(temperature <= GREEDY_TEMPERATURE, 0.0, entropy)
 
 
 def action_entropy(logits: torch.Tensor, action_mask: torch.Tensor, temperature: torch.Tensor,

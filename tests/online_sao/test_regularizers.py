@@ -8,6 +8,7 @@ from torch import nn
 
 from online_sao.losses import action_entropy
 from online_sao.regularizers import ema_update_, entropy_bonus, kl_penalty
+from online_sao.sampling import GREEDY_TEMPERATURE
 
 # d = ref - logp on the two action tokens: 0.5 and -0.25
 # k3(0.5)   = e^0.5 - 1 - 0.5    = 1.6487212707 - 1.5  = 0.1487212707
@@ -133,3 +134,16 @@ def test_kl_penalty_leaves_out_tokens_outside_either_nucleus():
     k3 = math.exp(-0.2) - 1.0 + 0.2  # the one token inside both nuclei
     assert loss.item() == pytest.approx(k3 / 3, rel=1e-6) and metrics["kl_ref"] == pytest.approx(k3, rel=1e-6)
     assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 2:].abs().sum() == 0
+
+
+def test_a_greedy_tokens_entropy_is_the_point_masss_zero_with_no_gradient():
+    # At GREEDY_TEMPERATURE the engines take the arg-max: a point mass, entropy 0. Two logits 1e-4
+    # apart would give about ln 2 / 1.3 at that temperature, with a gradient of order 1 / temperature.
+    logits = torch.tensor([[[1.0, 1.0001, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]], requires_grad=True)
+    mask = torch.tensor([[False, True, True]])
+    temperature = torch.tensor([[1.0, GREEDY_TEMPERATURE, 1.0]])
+    entropy = action_entropy(logits, mask, temperature, torch.ones(1, 3))
+    torch.testing.assert_close(entropy, torch.tensor([[0.0, 0.0, math.log(3.0)]]), rtol=1e-6, atol=1e-7)
+    entropy.sum().backward()
+    assert torch.equal(logits.grad[0, 0], torch.zeros(3))  # the greedy token's distribution
+    torch.testing.assert_close(logits.grad[0, 1], torch.zeros(3), rtol=0, atol=1e-7)  # uniform: H's maximum

@@ -143,7 +143,11 @@ def _clipped_updates(
 ) -> dict[str, float]:
     """``cfg.ppo_epochs`` clipped-surrogate updates (plus ``regularizer``'s terms) against the
     step-start pi_old. ``after_update`` (optional) runs after each applied policy update and
-    returns False to refuse the rest of the step (it must decide the same on every rank)."""
+    returns False to refuse the rest of the step (it must decide the same on every rank).
+
+    A refusal before any policy update refuses the step (``skipped_nonfinite``: no weight moved).
+    One after an applied update ends the step there: the policy has moved, so the step counts as
+    trained (published, its rollouts trained) and says ``refused_after_update = 1``."""
     old_logprobs = None
     metrics: dict[str, float] = {}
     for epoch in range(cfg.ppo_epochs):
@@ -162,8 +166,10 @@ def _clipped_updates(
         metrics.update(loss_metrics, **extra_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
                        policy_updates_done=float(epoch + result.stepped))
         if not result.stepped or (after_update is not None and not after_update(metrics)):
-            return {**metrics, **REFUSED}
-    return {**metrics, "skipped_nonfinite": 0.0}
+            if metrics["policy_updates_done"] == 0:
+                return {**metrics, **REFUSED}
+            return {**metrics, "skipped_nonfinite": 0.0, "refused_after_update": 1.0}
+    return {**metrics, "skipped_nonfinite": 0.0, "refused_after_update": 0.0}
 
 
 class GRPO(PolicyOnly):
@@ -216,9 +222,9 @@ class PPO(ActorCritic):
             values = self.critic(batch.input_ids, batch.attention_mask)
         advantages, returns = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.ppo_lambda)
         metrics["explained_variance"] = explained_variance(values, returns, mask)
-        metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0
         if cfg.normalize_advantages:
             advantages = whiten(advantages, mask, self.sum_over_ranks)
+        metrics["adv_mean"] = float(advantages[mask].mean()) if bool(mask.any()) else 0.0  # after whitening, as SAO's
 
         def critic_update(step_metrics: dict[str, float]) -> bool:
             critic_loss, _ = value_loss(self.critic(batch.input_ids, batch.attention_mask), returns, mask,

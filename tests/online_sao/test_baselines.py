@@ -174,3 +174,32 @@ def test_running_mean_forget_restarts_the_baseline(tiny_qwen):
     algo.forget()
     # an empty window again: the batch baselines against its own mean (0 + 4) / 2 = 2, not the old 1
     assert algo.step(make_batch(tiny_qwen, [0.0, 4.0]))["baseline"] == 2.0
+
+
+def test_an_epoch_refused_after_an_applied_one_ends_the_step_as_trained(tiny_qwen):
+    """The first epoch's update (lr 1e25) moves the weights to where the second's loss is not finite:
+    the policy has moved, so the step is not 'refused' (that says no weight moved)."""
+    cfg = AlgorithmConfig(name="grpo", group_size=2, ppo_epochs=2, use_dis=False, policy_lr=1e25)
+    algo = build_algorithm(cfg, tiny_qwen, None, build_optimizers(cfg, tiny_qwen, None).policy, None)
+    before = {n: p.detach().clone() for n, p in tiny_qwen.named_parameters()}
+    metrics = algo.step(make_batch(tiny_qwen, [1.0, 0.0], group_ids=[0, 0]))
+    assert any(not torch.equal(p, before[n]) for n, p in tiny_qwen.named_parameters())
+    assert metrics["policy_updates_done"] == 1.0
+    assert metrics["skipped_nonfinite"] == 0.0 and metrics["refused_after_update"] == 1.0
+
+
+def test_an_update_refused_at_the_first_epoch_refuses_the_step(tiny_qwen, snapshot_weights):
+    algo = build("grpo", tiny_qwen, group_size=2, ppo_epochs=2, use_dis=False)
+    batch = make_batch(tiny_qwen, [1.0, 0.0], group_ids=[0, 0])
+    with torch.no_grad():
+        tiny_qwen.lm_head.weight[10, 0] = float("inf")  # the first epoch's loss is not finite
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(batch)
+    assert metrics["skipped_nonfinite"] == 1.0 and metrics["policy_updates_done"] == 0.0
+    unchanged()
+
+
+def test_ppos_adv_mean_is_after_whitening_like_saos(tiny_qwen):
+    algo = build("ppo", tiny_qwen, normalize_advantages=True)
+    metrics = algo.step(make_batch(tiny_qwen, [1.0, 3.0, 2.0]))
+    assert metrics["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # whitened advantages: mean 0

@@ -65,10 +65,13 @@ class RegistryRetention:
         self._marked = True
         aliased = {str(version) for version in model.aliases.values()}
         stored = sorted(self._search(f"{WEIGHTS_PRUNED} = 'false'"), key=lambda v: int(v.version), reverse=True)
+        # a directory two versions share (a registration retried by an older learner) stays while either is kept
+        kept = {found.source.rstrip("/") for index, found in enumerate(stored)
+                if index < self.keep or str(found.version) in aliased}
         for found in stored[self.keep:]:
-            if str(found.version) in aliased:
-                continue
             source = found.source.rstrip("/")
+            if str(found.version) in aliased or source in kept:
+                continue
             if not source.endswith("/" + model_artifact_path(int(found.tags.get("policy_version", -1)))):
                 continue  # not a directory this learner copied: not ours to delete
             parent, name = source.rsplit("/", 1)

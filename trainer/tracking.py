@@ -122,6 +122,9 @@ class RunTracker:
         """The run's tags when the learner reopened it after a restart (empty for a new run)."""
         self._pruning_refused = False
         """The artifact store refused a deletion: retention is off until the learner restarts."""
+        self._creating: WeightsRef | None = None
+        """The weights whose registry version was asked for and not yet given its alias: a retry
+        looks for that version first, as the server may have made it without answering."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
         self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
         self.retention = RegistryRetention(self.client, self.model_name, cfg.mlflow.keep_registered_artifacts,
@@ -296,6 +299,12 @@ class RunTracker:
     def _register(self, ref: WeightsRef, recent_reward: float) -> str:
         artifact_path = model_artifact_path(ref.version)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        if self._creating == ref:  # a retry: the server may have made the version and not answered
+            found = newest_version_holding(self.client, self.model_name, ref)
+            if found is not None and found.run_id == self.run_id:
+                self.client.set_registered_model_alias(self.model_name, CANDIDATE, found.version)
+                self._creating = None
+                return str(found.version)
         version = None
         try:
             with tempfile.TemporaryDirectory(prefix="online-sao-register-") as tmp:
@@ -306,9 +315,11 @@ class RunTracker:
             ensure_registered_model(self.client, self.model_name)
             tags = {"policy_version": str(ref.version), "checksum": ref.checksum, "weights_location": ref.location,
                     "reward_at_registration": repr(float(recent_reward)), WEIGHTS_PRUNED: "false"}
+            self._creating = ref
             version = self.client.create_model_version(self.model_name, source, run_id=self.run_id, tags=tags,
                                                        description=f"policy version {ref.version}").version
             self.client.set_registered_model_alias(self.model_name, CANDIDATE, version)
+            self._creating = None
         except (MlflowException, OSError) as exc:
             self.retention.sweep_due = True  # the copy may be left part way
             if disk_refused(exc) or (isinstance(exc, MlflowException)

@@ -5,9 +5,15 @@ gate scored, a record written in part is read as none."""
 from __future__ import annotations
 
 import math
+import threading
+from pathlib import Path
 
 import pytest
+import requests
 import torch
+from mlflow.exceptions import MlflowException
+
+import trainer.tracking as tracking
 
 from online_sao.gate_record import ValueRecord
 from online_sao.schemas import decode
@@ -125,3 +131,55 @@ def test_a_refresh_cut_short_leaves_the_old_record_whole(cfg, store):
     assert tracker.champion_record() == old
     tracker.tag_champion(new.tags())
     assert tracker.champion_record() == new
+
+
+def _unanswered_once(monkeypatch, client, method: str) -> None:
+    """``client.<method>`` does its work, then the answer is lost once (the server went away)."""
+    real, lost = getattr(client, method), [True]
+
+    def answer_lost(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if lost and lost.pop():
+            try:
+                raise requests.exceptions.ConnectionError("the server went away")
+            except requests.exceptions.ConnectionError:
+                raise MlflowException("connection refused") from None
+        return result
+    monkeypatch.setattr(client, method, answer_lost)
+
+
+@pytest.mark.parametrize("lost", ["create_model_version", "set_registered_model_alias"])
+def test_a_registration_retried_after_an_unanswered_call_registers_the_policy_once(cfg, store, monkeypatch, lost):
+    """The server made the version (and perhaps its alias) and its answer was lost: the retry
+    registered the policy a second time on the same model directory, and retention, pruning the
+    older of the two, deleted the directory the champion's version points at."""
+    monkeypatch.setattr(tracking, "TRACKING_RETRY_S", 0.01)
+    cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"keep_registered_artifacts": 1})})
+    tracker = RunTracker(cfg, stop=threading.Event())  # waits out an unanswered call
+    _unanswered_once(monkeypatch, tracker.client, lost)
+    first = _publish(store, 1)
+    assert tracker.register(first, 0.0) == "1"
+    tracker.record_decision("promoted", {}, first)
+    client, name = _client(cfg), cfg.mlflow.registered_model
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
+    for version in (2, 3):
+        tracker.register(_publish(store, version), 0.0)
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert Path(champion.source.removeprefix("file://")).is_dir()
+    assert champion.tags["weights_pruned"] == "false"
+
+
+def test_retention_keeps_a_directory_a_kept_version_shares(cfg, store):
+    """Two registry versions on one model directory (written by a learner from before the fix above):
+    pruning the older one leaves the directory the aliased one points at."""
+    cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"keep_registered_artifacts": 1})})
+    tracker = RunTracker(cfg)
+    ref = _publish(store, 1)
+    tracker.register(ref, 0.0)
+    client, name = _client(cfg), cfg.mlflow.registered_model
+    first = client.get_model_version(name, "1")
+    duplicate = client.create_model_version(name, first.source, run_id=tracker.run_id, tags=first.tags).version
+    client.set_registered_model_alias(name, "champion", duplicate)
+    for version in (2, 3):
+        tracker.register(_publish(store, version), 0.0)
+    assert Path(first.source.removeprefix("file://")).is_dir()

@@ -166,6 +166,15 @@ class Releases:
         if self.cfg.canary_share > 0:
             self.publisher.announce_champion(ref, step)
 
+    def announce_champion_again(self, step: int) -> None:
+        """At a learner's start, with a canary: the registry's champion is announced again. A
+        promotion stopped after the registry recorded it and before its notice reached the broker
+        is never decided again (candidate and champion are one version), so nothing else would tell
+        serving; a notice of the champion serving already has changes nothing there."""
+        champion = self.tracker.champion() if self.cfg.canary_share > 0 else None
+        if champion is not None and champion[0] in self.publisher.store.versions():
+            self.publisher.announce_champion(champion[1], step)
+
     def rebase(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float],
                drift: dict[str, float], step: int = 0) -> ReleaseOutcome:
         """A restart after a detected preference change (trainer/plasticity.py) becomes the champion.

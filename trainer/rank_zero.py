@@ -120,6 +120,7 @@ class RankZero:
         pinned = releases.pinned_versions()
         publisher.pin(pinned)
         checkpointer.pinned_versions = pinned
+        releases.announce_champion_again(progress.step)
         segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window, tracker.resumed_tags)
         writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
         return cls(checkpointer, feed, releases, tracker, producer, counters, segments, writer, exporter)

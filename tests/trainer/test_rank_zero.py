@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
+import torch
 
+from online_sao.schemas import decode
+from online_sao.weights import FileWeightStore
+from streams.memory import InMemoryBackend
+from tests.trainer.test_deploy import registry_cfg  # noqa: F401  (fixture)
+from tests.trainer.test_tracking import empty_store  # noqa: F401  (fixture)
+from trainer.checkpoint import Checkpointer
+from trainer.join import RewardJoiner
 from trainer.rank_zero import RankZero
+from trainer.state import Progress
+from trainer.tracking import RunTracker
 
 
 class Part:
@@ -63,3 +74,23 @@ def test_without_an_exporter_the_rest_is_closed():
     zero.exporter = None
     zero.close("FINISHED")
     assert closed == ["writer", "feed", "producer", "tracker:FINISHED"]
+
+
+def test_opening_with_a_canary_announces_the_registrys_champion(registry_cfg):
+    """A promotion stopped before its notice reached the broker is never decided again: rank 0
+    announces the registry's champion when it opens (tests/trainer/test_registry_faults.py)."""
+    cfg = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"canary_share": 0.25})})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    ref = FileWeightStore(cfg.weight_store_url).save(1, {"w": torch.ones(2)})
+    tracker = RunTracker(cfg)
+    tracker.register(ref, 0.0)
+    tracker.record_decision("promoted", {}, ref)
+    rank0 = RankZero.open(cfg, backend, Checkpointer(cfg.checkpoint_dir), RewardJoiner(cfg.reward, 100),
+                          Progress(mlflow_run_id=tracker.run_id), vocab_size=16, pad_token_id=0, group_size=1,
+                          stop=threading.Event())
+    try:
+        notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
+        assert [(n.action, n.version) for n in notices] == [("champion", 1)]
+    finally:
+        rank0.close("FINISHED")

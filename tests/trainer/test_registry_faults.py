@@ -183,3 +183,44 @@ def test_retention_keeps_a_directory_a_kept_version_shares(cfg, store):
     for version in (2, 3):
         tracker.register(_publish(store, version), 0.0)
     assert Path(first.source.removeprefix("file://")).is_dir()
+
+
+def test_a_promotion_whose_notice_was_lost_is_announced_when_the_learner_starts_again(registry_cfg, monkeypatch):
+    """The learner stops after the registry recorded the v2 promotion, before its champion notice
+    reached the broker: the restart finds candidate and champion one version and decides nothing,
+    so without an announcement at start serving's canary never learned its champion."""
+    config = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"canary_share": 0.25})})
+    backend, publisher, tracker, window = _registry_parts(config)
+    scorer = ScriptedScorer(dict.fromkeys(range(1, 10), STYLE_A))
+
+    def release(releases, version):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+
+    releases = Releases(publisher, tracker, OffPolicyGate(scorer, config.deploy), window, config.deploy, 2)
+    for version in range(1, 4):
+        release(releases, version)
+    monkeypatch.setattr(publisher, "announce_champion", lambda *args: (_ for _ in ()).throw(Stopped()))
+    with pytest.raises(Stopped):
+        release(releases, 4)  # v2 promoted in the registry; its notice never sent
+    monkeypatch.undo()
+    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 2
+
+    restarted = Releases(publisher, RunTracker(config, run_id=tracker.run_id), OffPolicyGate(scorer, config.deploy),
+                         window, config.deploy, 2)
+    restarted.announce_champion_again(step=4)
+    notices = [decode(m.value) for m in backend.consumer([config.kafka.topics.weights]).poll(0.1, 1000)]
+    assert [n.version for n in notices if n.action == "champion"] == [2]
+
+
+def test_without_a_canary_nothing_is_announced_at_start(registry_cfg):
+    backend, publisher, tracker, window = _registry_parts(registry_cfg)
+    releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), registry_cfg.deploy), window,
+                        registry_cfg.deploy, 2)
+    ref = publisher.store.save(1, {"w": torch.ones(2)})
+    tracker.register(ref, 0.0)
+    tracker.record_decision("promoted", {}, ref)
+    releases.announce_champion_again(step=1)
+    notices = [decode(m.value) for m in backend.consumer([registry_cfg.kafka.topics.weights]).poll(0.1, 1000)]
+    assert not notices

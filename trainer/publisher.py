@@ -207,7 +207,8 @@ class Releases:
         """Decide on the registered candidate (if one awaits a decision) and record it with its evidence.
         A tripped monitor rolls back whatever the gate says; without a champion the first
         candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to).
-        A champion whose weights the store no longer holds (a lost store) counts as none.
+        A champion whose weights the store no longer holds (a lost store) counts as none; a
+        candidate whose weights it no longer holds stays pending (``candidate_weights_missing``).
         The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``.
 
         A roll-back is announced to serving *before* the registry records it: the decision moves the
@@ -221,8 +222,14 @@ class Releases:
         candidate, champion = self.tracker.candidate(), self.tracker.champion()
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending", None
+        held = self.publisher.store.versions()
+        if candidate[0] not in held:  # a lost store: nothing to score it with, and serving cannot load it
+            log.error("registry: candidate v%d has no weights in the store (%s): left pending; the next "
+                      "registration supersedes it", candidate[0], candidate[1].location)
+            self.tracker.record_decision("pending", {"gate.decision": "candidate_weights_missing"}, candidate[1])
+            return "pending", None
         lost = {}
-        if champion is not None and champion[0] not in self.publisher.store.versions():
+        if champion is not None and champion[0] not in held:
             # nothing to score it with or return to: decided as without a champion, and said so
             log.error("registry: champion v%d has no weights in the store (%s): candidate v%d is decided as "
                       "without a champion", champion[0], champion[1].location, candidate[0])

@@ -224,3 +224,44 @@ def test_without_a_canary_nothing_is_announced_at_start(registry_cfg):
     releases.announce_champion_again(step=1)
     notices = [decode(m.value) for m in backend.consumer([registry_cfg.kafka.topics.weights]).poll(0.1, 1000)]
     assert not notices
+
+
+class LoadingScorer(ScriptedScorer):
+    """Scores as ScriptedScorer after loading the version's published weights, as StoredPolicyScorer does."""
+
+    def __init__(self, store, style_of):
+        super().__init__(style_of)
+        self.store = store
+
+    def log_ratios(self, ref, window):
+        self.store.load(ref.location, ref.checksum)
+        return super().log_ratios(ref, window)
+
+
+def test_a_lost_store_leaves_the_candidate_pending_and_the_next_one_is_promoted(registry_cfg):
+    """The weight store lost every file (a new volume): the candidate's weights are gone with the
+    champion's. Deciding on it loaded them and raised, at every restart; it is now left pending, and
+    the next registration, published after the loss, is promoted as without a champion."""
+    backend, publisher, tracker, window = _registry_parts(registry_cfg)
+    scorer = LoadingScorer(publisher.store, dict.fromkeys(range(1, 10), STYLE_A))
+    releases = Releases(publisher, tracker, OffPolicyGate(scorer, registry_cfg.deploy), window, registry_cfg.deploy, 2)
+
+    def release(version):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+
+    for version in range(1, 6):
+        release(version)
+    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
+    for version in publisher.store.versions():
+        publisher.store.delete(version)
+    release(6)  # v4 decided: its weights are gone
+    client, name = _client(registry_cfg), registry_cfg.mlflow.registered_model
+    tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
+    assert tags[4]["decision"] == "pending" and tags[4]["gate.decision"] == "candidate_weights_missing"
+    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 6
+    release(7)
+    release(8)  # v6 decided: the champion's weights are gone, so as without one
+    assert tracker.champion()[0] == 6
+    assert client.get_model_version_by_alias(name, "champion").tags["gate.champion_weights_missing"] == "v2"

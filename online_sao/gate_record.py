@@ -25,7 +25,9 @@ return to the old preference's policy, the failure the gate must not have. A can
 is worse by the current rewards is left undecided (serving keeps the champion as its
 roll-back target) and the monitors, which need no champion, can still roll it back. The
 candidate's side is widened by the mass of it the window does not cover, as on a same-window
-decision (online_sao/gate.py, "What the window does not cover"); the record's side is as measured.
+decision (online_sao/gate.py, "What the window does not cover"), and the record's side by the mass
+its own window did not cover (kept with it: a record taken where the window held a tenth of the
+champion's mass is its value on that tenth; before, it was decided on as the champion's value).
 A record holds only under the rewards it was measured with. A drift restart starts without one,
 but an operator can change what a reward means without a restart: another source trained on,
 another aggregation, a new judge prompt. A record measured under the old rewards would then be a
@@ -67,6 +69,8 @@ new and some old: they are read only when ``record`` is absent."""
 DEFINITION_TAG = "record.reward_definition"
 """The readable tag of the record's reward definition (not in :data:`RECORD_TAGS`: records written
 before definitions were kept lack it and are still complete)."""
+COVERAGE_TAG = "record.coverage"
+"""The readable tag of the record's coverage (not in :data:`RECORD_TAGS`, like :data:`DEFINITION_TAG`)."""
 
 
 @dataclass(frozen=True)
@@ -83,14 +87,19 @@ class ValueRecord:
     reward_definition: str = ""
     """The rewards it was measured under (``RewardConfig.definition``); empty: not known (a record
     written before definitions were kept)."""
+    coverage: float = 1.0
+    """The share of the version's mass the window it was measured on held (:func:`online_sao.gate.coverage`):
+    ``value`` is its value on that share only, and a decision on the record widens it by the rest
+    as a same-window decision does. 1: a record written before coverage was kept."""
 
     def tags(self) -> dict[str, str]:
         """The registry tags, in the order to write them: the readable ones first, ``record`` last."""
         whole = json.dumps({"value": self.value, "se": self.se, "n": self.n, "ess": self.ess,
-                            "window": list(self.window), "reward_definition": self.reward_definition})
+                            "window": list(self.window), "reward_definition": self.reward_definition,
+                            "coverage": self.coverage})
         return {"record.value": repr(self.value), "record.se": repr(self.se), "record.n": str(self.n),
                 "record.ess": repr(self.ess), "record.window_versions": f"{self.window[0]}-{self.window[1]}",
-                DEFINITION_TAG: self.reward_definition, RECORD_TAG: whole}
+                DEFINITION_TAG: self.reward_definition, COVERAGE_TAG: repr(self.coverage), RECORD_TAG: whole}
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> ValueRecord | None:
@@ -102,7 +111,8 @@ class ValueRecord:
                 fields = json.loads(tags[RECORD_TAG])
                 low, high = fields["window"]
                 return cls(float(fields["value"]), float(fields["se"]), int(fields["n"]), float(fields["ess"]),
-                           (int(low), int(high)), str(fields.get("reward_definition", "")))
+                           (int(low), int(high)), str(fields.get("reward_definition", "")),
+                           float(fields.get("coverage", 1.0)))
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning("champion's record is unreadable (%r; tag %s=%r): treated as no record", exc,
                             RECORD_TAG, tags[RECORD_TAG])
@@ -118,7 +128,8 @@ class ValueRecord:
         try:
             low, high = tags["record.window_versions"].split("-")
             return cls(float(tags["record.value"]), float(tags["record.se"]), int(tags["record.n"]),
-                       float(tags["record.ess"]), (int(low), int(high)), tags.get(DEFINITION_TAG, ""))
+                       float(tags["record.ess"]), (int(low), int(high)), tags.get(DEFINITION_TAG, ""),
+                       float(tags.get(COVERAGE_TAG, 1.0)))
         except ValueError as exc:
             log.warning("champion's record is unreadable (%s; tags %s): treated as no record", exc,
                         {key: tags[key] for key in RECORD_TAGS})
@@ -132,9 +143,10 @@ def comparable(record: ValueRecord, settings: GateSettings) -> bool:
         or record.reward_definition == settings.reward_definition
 
 
-def _meets_floors(n: int, ess: float, settings: GateSettings) -> bool:
-    """Measured well enough to decide on: ``n`` and the ESS at the gate's floors (NaN fails)."""
-    return n >= settings.min_rollouts and ess >= settings.min_ess
+def _meets_floors(n: int, ess: float, settings: GateSettings, covered: float = 1.0) -> bool:
+    """Measured well enough to decide on: ``n`` and the ESS at the gate's floors, the coverage known
+    (NaN fails)."""
+    return n >= settings.min_rollouts and ess >= settings.min_ess and covered >= 0
 
 
 def measure(rewards: torch.Tensor, log_ratio: torch.Tensor, settings: GateSettings,
@@ -145,27 +157,29 @@ def measure(rewards: torch.Tensor, log_ratio: torch.Tensor, settings: GateSettin
     if n < settings.min_rollouts:
         return None
     value, metrics = snis_estimate(rewards, log_ratio, settings.weight_clip)
-    if not _meets_floors(n, metrics["ess"], settings):
+    covered = coverage(log_ratio)
+    if not _meets_floors(n, metrics["ess"], settings, covered):
         return None
-    return ValueRecord(value, metrics["se"], n, metrics["ess"], window, settings.reward_definition)
+    return ValueRecord(value, metrics["se"], n, metrics["ess"], window, settings.reward_definition, covered)
 
 
 def candidate_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
     """The candidate's side of a decision as a record, if it was measured well enough to decide on
     (``n`` and its ESS at the floors)."""
-    if not _meets_floors(evidence.n, evidence.candidate_ess, settings):
+    if not _meets_floors(evidence.n, evidence.candidate_ess, settings, evidence.candidate_coverage):
         return None
     return ValueRecord(evidence.candidate_value, evidence.candidate_se, evidence.n, evidence.candidate_ess,
-                       evidence.window, settings.reward_definition)
+                       evidence.window, settings.reward_definition, evidence.candidate_coverage)
 
 
 def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueRecord | None:
     """The champion's side of a same-window decision as its refreshed record, if measured well
     enough to decide on; None for a decision on a record (nothing new was measured)."""
-    if evidence.basis != "window" or not _meets_floors(evidence.n, evidence.champion_ess, settings):
+    if evidence.basis != "window" or not _meets_floors(evidence.n, evidence.champion_ess, settings,
+                                                       evidence.champion_coverage):
         return None
     return ValueRecord(evidence.champion_value, evidence.champion_se, evidence.n, evidence.champion_ess,
-                       evidence.window, settings.reward_definition)
+                       evidence.window, settings.reward_definition, evidence.champion_coverage)
 
 
 def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
@@ -193,11 +207,12 @@ def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tens
     se_candidate = metrics["se"]
     diff = value - record.value
     half = NormalDist().inv_cdf((1 + settings.confidence) / 2) * math.hypot(se_candidate, record.se)
-    covered = coverage(log_ratio_candidate)  # the candidate's unseen mass widens its side (online_sao/gate.py)
+    covered = coverage(log_ratio_candidate)  # each side's unseen mass widens it (online_sao/gate.py)
     low, high = value_bounds(value, covered, settings)
-    decision, reason = verdict(n, metrics["ess"], low - record.value - half, high - record.value + half, settings,
-                               may_roll_back=False)
-    return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff,
-                        low - record.value - half, high - record.value + half, metrics["ess"], record.ess, window,
-                        candidate_se=se_candidate, champion_se=record.se, basis="record",
-                        record_window=record.window, candidate_coverage=covered)
+    record_low, record_high = value_bounds(record.value, record.coverage, settings)
+    low_d, high_d = low - record_high - half, high - record_low + half
+    decision, reason = verdict(n, metrics["ess"], low_d, high_d, settings, may_roll_back=False)
+    return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff, low_d, high_d,
+                        metrics["ess"], record.ess, window, candidate_se=se_candidate, champion_se=record.se,
+                        basis="record", record_window=record.window, candidate_coverage=covered,
+                        champion_coverage=record.coverage)

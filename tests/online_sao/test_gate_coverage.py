@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from online_sao.gate import GateSettings, coverage, decide, value_bounds, verdict
-from online_sao.gate_record import ValueRecord, champion_unscorable, decide_against_record
+from online_sao.gate_record import ValueRecord, champion_record, champion_unscorable, decide_against_record
 
 UNBOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
 BOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_min=0.0, reward_max=1.0)
@@ -106,3 +106,24 @@ def test_a_reward_range_is_given_whole_and_in_order():
         GateSettings(4, 2.0, 0.9, 0.05, reward_min=0.0)
     with pytest.raises(ValueError, match="below"):
         GateSettings(4, 2.0, 0.9, 0.05, reward_min=1.0, reward_max=1.0)
+
+
+def test_a_record_keeps_its_coverage_and_a_decision_on_it_widens_the_records_side():
+    """The champion's record is refreshed on a window that held a tenth of its mass: 100 rollouts,
+    rewards alternating 1, 0, champion ratio 0.1 each (coverage 0.1, V 0.5), candidate the behaviour.
+    Its value lies in [0.05, 0.95]. A later candidate at 0.6 (60 of 100, ratios 1, se
+    sqrt(0.24 / 100)) decided on that record: [0.6 - 0.95 - h, 0.6 - 0.05 + h], undecided; before,
+    the record was taken as 0.5 with coverage 1, and the candidate was promoted."""
+    rewards = torch.tensor([float(i % 2) for i in range(100)])
+    refreshed = decide(rewards, torch.zeros(100), torch.full((100,), math.log(0.1)), BOUNDED, (5, 6))
+    assert refreshed.decision == "undecided"
+    record = champion_record(refreshed, BOUNDED)
+    assert record is not None and record.coverage == pytest.approx(0.1) and record.value == pytest.approx(0.5)
+    assert ValueRecord.from_tags(record.tags()) == record  # it round-trips through the registry
+    se_record = 0.5 / 10  # equal weights, V 0.5: sqrt(100 * 0.25) / 100
+    assert record.se == pytest.approx(se_record)
+    later = torch.tensor([1.0] * 60 + [0.0] * 40)
+    evidence = decide_against_record(later, torch.zeros(100), record, BOUNDED, (7, 8))
+    half = Z90 * math.hypot(math.sqrt(0.24 / 100), se_record)
+    assert (evidence.low, evidence.high) == (pytest.approx(0.6 - 0.95 - half), pytest.approx(0.6 - 0.05 + half))
+    assert evidence.decision == "undecided" and evidence.champion_coverage == pytest.approx(0.1)

@@ -108,7 +108,7 @@ def test_the_record_is_read_from_its_one_tag_whatever_the_readable_tags_say():
     assert cut_short["record.value"] == "0.25" and ValueRecord.from_tags(cut_short) == old
     assert ValueRecord.from_tags({**cut_short, "record": new.tags()["record"]}) == new
     assert json.loads(new.tags()["record"]) == {"value": 0.25, "se": 0.125, "n": 50, "ess": 30.0, "window": [50, 59],
-                                                "reward_definition": ""}
+                                                "reward_definition": "", "coverage": 1.0}
     assert list(new.tags())[-1] == "record"  # written last
 
 

@@ -72,6 +72,7 @@ import torch
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
 from online_sao.durable import is_disk_full
+from online_sao.weights import WeightsRef
 from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, local_batch, reduce_metrics,
                                  run_on_ranks)
@@ -134,6 +135,10 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
     at, rank0 = resume(cfg, backend, models, ctx, until.stop)    # newest checkpoint; rank 0's outside world
     status, laps = "FAILED", Laps()
     try:  # from here on a failure still ends the MLflow run and frees the consumers and the metrics port
+        if (back := rollback_due(rank0, ctx)) is not None:  # stopped inside one: its checkpoint is the rejected line
+            log.warning("the registry recorded a roll-back to champion v%d that was not carried out: carried out now",
+                        back.version)
+            roll_back(models, at, rank0, ctx, back)
         if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
             pretrain_on_logged(cfg, backend, models, at.version, rank0, ctx)
         if rank0 is not None:
@@ -220,28 +225,44 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
                              rank0.reads() if rank0 else (0.0, 0.0), drift)
     if rank0 is not None:
         rank0.checkpointer.pinned_versions = rank0.releases.pinned_versions()
-    back = outcome.rolled_back_to
-    if back is not None:
-        if rank0 is not None:  # the champion's checkpoint may be the one being written
-            rank0.writer.wait()
-        if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
-            if rank0 is not None:
-                log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
-            store = rank0.releases.publisher.store if rank0 else None
-            load_full_state_dict(models.trainables.policy, store.load(back.location, back.checksum) if store else None,
-                                 ctx)
-        if rank0 is not None:
-            rank0.counters["rollbacks"] += 1
-        # Serving went back to the champion's old number; the learner's own is past it. Published under
-        # the next number at once, the restored weights are what serving samples with, so its answers
-        # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the
-        # champion was dropped, no step ran, and serving stayed on the champion for good.
-        at.version += 1
-        republish(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version, at.step)
+    if outcome.rolled_back_to is not None:
+        roll_back(models, at, rank0, ctx, outcome.rolled_back_to)
     if restarted and rank0 is not None:
         rank0.counters[drift_counter(metrics)] += 1
     if outcome.registered:
         checkpoint(models, at, rank0, ctx)
+
+
+def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext,
+              back: WeightsRef) -> None:
+    """Restore champion ``back``'s whole training state from its checkpoint (only its weights, from
+    the store, when none is kept) and publish it again as the next version; then the registry notes
+    the roll-back carried out. Collective."""
+    if rank0 is not None:  # the champion's checkpoint may be the one being written
+        rank0.writer.wait()
+    if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
+        if rank0 is not None:
+            log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
+        store = rank0.releases.publisher.store if rank0 else None
+        load_full_state_dict(models.trainables.policy, store.load(back.location, back.checksum) if store else None,
+                             ctx)
+    # Serving went back to the champion's old number; the learner's own is past it. Published under
+    # the next number at once, the restored weights are what serving samples with, so its answers
+    # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the
+    # champion was dropped, no step ran, and serving stayed on the champion for good.
+    at.version += 1
+    republish(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version, at.step)
+    if rank0 is not None:
+        rank0.releases.rollback_carried_out(at.version)
+        rank0.counters["rollbacks"] += 1
+
+
+def rollback_due(rank0: RankZero | None, ctx: DistContext) -> WeightsRef | None:
+    """The champion of a roll-back the registry recorded and the learner never carried out (it
+    stopped in between: :meth:`trainer.publisher.Releases.rollback_due`), on every rank."""
+    due = rank0.releases.rollback_due() if rank0 is not None else None
+    shared = broadcast_json(None if due is None else [due.version, due.location, due.checksum], ctx)
+    return None if shared is None else WeightsRef(*shared)
 
 
 def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext) -> None:

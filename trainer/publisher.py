@@ -43,7 +43,7 @@ from streams.tail import iter_records_since
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json
 from trainer.full_state import full_state_dict
-from trainer.tracking import Decision, RunTracker
+from trainer.tracking import ROLLBACK_CARRIED_OUT, Decision, RunTracker
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +256,7 @@ class Releases:
                  ", ".join(f"{k}={v}" for k, v in evidence.items()))
         back = champion[1] if decision == "rolled_back" and champion is not None else None
         if back is not None:  # announced first: see decide()
+            evidence[ROLLBACK_CARRIED_OUT] = "false"  # until its weights go out again (rollback_due)
             log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
             self.publisher.rollback(back, step)
         self.tracker.record_decision(decision, evidence, candidate[1])
@@ -291,6 +292,18 @@ class Releases:
             evidence.update(record.tags() if record else {})
         elif (fresh := champion_record(gate, self.gate.settings)) is not None:
             self.tracker.tag_champion(fresh.tags())
+
+    def rollback_due(self) -> WeightsRef | None:
+        """The champion to return to, when a roll-back this run recorded was not carried out (the
+        learner stopped after the registry recorded it, before the champion's weights went out again
+        under the next number: on a restart its checkpoint is the rejected policy's line, which would
+        go out next, newer than the champion serving went back to); else None."""
+        champion = self.tracker.champion() if self.tracker.unfinished_rollback() else None
+        return None if champion is None else champion[1]
+
+    def rollback_carried_out(self, version: int) -> None:
+        """The champion's weights went out again as ``version``: the roll-back is done."""
+        self.tracker.rollback_carried_out(version)
 
     def pinned_versions(self) -> set[int]:
         """Policy versions whose checkpoints and weights must stay: the candidate's and the champion's."""

@@ -102,6 +102,12 @@ def _waiting(what: str):
     return wrap
 
 
+ROLLBACK_CARRIED_OUT = "rollback_carried_out"
+"""Registry tag on a rolled-back version: "false" when the roll-back is recorded, then the policy
+version that published the champion's weights again. A learner stopped between the two finds
+"false" when it starts and carries the roll-back out then (trainer/learner.py)."""
+
+
 class RunTracker:
     """The learner's MLflow run and its registered policy versions (rank 0 only)."""
 
@@ -383,6 +389,28 @@ class RunTracker:
                 raise ValueError("cannot roll back without a champion")
             if not moved:
                 self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+
+    @_waiting("reading for a roll-back not carried out")
+    def unfinished_rollback(self) -> bool:
+        """Whether a roll-back this run recorded was not carried out: its restored weights never went
+        out (:meth:`rollback_carried_out`; ``ROLLBACK_CARRIED_OUT`` is "false" on the rolled-back version)."""
+        return bool(self._unfinished_rollbacks())
+
+    @_waiting("recording a roll-back carried out")
+    def rollback_carried_out(self, version: int) -> None:
+        """The roll-backs this run recorded went out as policy ``version`` (the champion's weights again)."""
+        for found in self._unfinished_rollbacks():
+            self.client.set_model_version_tag(self.model_name, found.version, ROLLBACK_CARRIED_OUT, f"v{version}")
+
+    def _unfinished_rollbacks(self) -> list:
+        query = f"name = '{self.model_name}' AND tags.{ROLLBACK_CARRIED_OUT} = 'false'"
+        found, token = [], None
+        while True:
+            page = self.client.search_model_versions(query, page_token=token)
+            found.extend(version for version in page if version.run_id == self.run_id)
+            token = page.token
+            if not token:
+                return found
 
     @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:

@@ -18,6 +18,7 @@ from tests.fixtures.models import tiny_config
 from tests.trainer.traffic import produce, sample_traffic
 from trainer.checkpoint import Checkpointer, flatten_tensors, read_ledger
 from trainer.distributed import init_distributed
+import trainer.learner as learner_module
 from trainer.learner import RunUntil, train
 
 
@@ -191,6 +192,39 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
     after = Checkpointer(cfg.checkpoint_dir).load_latest()
     assert after.state.step == 4
     assert any(not torch.equal(after.models["policy"][k], v) for k, v in champion_ckpt.models["policy"].items())
+
+
+def test_a_roll_back_stopped_after_the_registry_recorded_it_is_carried_out_when_the_learner_starts(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The learner stops after recording v2's roll-back, before the champion's weights go out again
+    (the broker down, then a stop request). Restarted, it found candidate and champion one version
+    and nothing to decide, resumed from its checkpoint of the rejected line and published that as v4,
+    which serving followed over the roll-back. It now carries the roll-back out first."""
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir)
+    topics = cfg.kafka.topics
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(*args, **kwargs):
+        raise Stopped()
+    monkeypatch.setattr(learner_module, "republish", stopped)
+    with pytest.raises(Stopped):
+        train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+    monkeypatch.undo()
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    model = cfg.mlflow.registered_model
+    rejected = client.get_model_version(model, "2")
+    assert rejected.tags["decision"] == "rolled_back" and rejected.tags["rollback_carried_out"] == "false"
+
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices[:5]] == [("publish", 1), ("publish", 2), ("publish", 3),
+                                                            ("rollback", 1), ("publish", 4)]
+    store = FileWeightStore(cfg.weight_store_url)
+    v1, v4 = (store.load(n.location, n.checksum) for n in (notices[0], notices[4]))
+    assert all(torch.equal(v4[k], v) for k, v in v1.items())  # the champion's weights, not the rejected line's
+    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v4"
 
 
 def test_after_a_roll_back_the_answers_serving_then_samples_are_not_stale(tmp_path, tiny_model_dir):

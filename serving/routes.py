@@ -61,8 +61,10 @@ def authorizer(auth: ApiKeyAuth) -> Authorize:
 async def parse_body(request: Request, model: type[BaseModel], invalid_status: int) -> BaseModel:
     body = await request.body()
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # strict UTF-8 (a surrogate encoded in the bytes is not text); ValueError also covers an integer
+        # longer than Python converts (4300 digits)
+        data = json.loads(body.decode("utf-8-sig"))
+    except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body nests deeper than the JSON parser allows", code="invalid_json") from None

@@ -218,3 +218,38 @@ def test_a_lone_surrogate_escape_is_refused_not_answered_with_500(make_harness, 
     assert response.json()["error"]["code"] == "invalid_json" and "surrogate" in response.json()["error"]["message"]
     assert h.engine.requests == []
     assert h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "hi \U0001f600"}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "online-sao", "prompt": "hi \xed\xa0\x80"}'),
+    ("/v1/completions", b'{"model": "online-sao", "prompt": "hi", "stop": ["\xed\xa0\x80"]}'),
+    ("/v1/chat/completions", b'{"model": "online-sao", "messages": [{"role": "user", "content": "a\xed\xb0\x80"}]}'),
+    ("/v1/feedback", b'{"interaction_id": "x", "reward": 1, "source": "s\xed\xa0\x80"}'),
+])
+def test_a_surrogate_encoded_in_the_raw_bytes_is_invalid_utf8_not_a_500(make_harness, path, body):
+    """ED A0 80 is a surrogate encoded as UTF-8, which UTF-8 forbids; json.loads of the bytes let it
+    through as "\\ud800" and the escape check never looked (no backslash-u in the body): 500, after
+    generating the whole answer when it was a stop string."""
+    h = make_harness()
+    response = h.client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert h.engine.requests == []
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "online-sao", "prompt": "hi", "seed": 1' + b"1" * 5000 + b"}"),
+    ("/v1/feedback", b'{"interaction_id": "x", "reward": 1' + b"0" * 5000 + b"}"),
+])
+def test_an_integer_longer_than_the_parser_takes_is_invalid_json_not_a_500(make_harness, path, body):
+    """Python refuses to convert integers of more than 4300 digits (a ValueError, not a JSONDecodeError)."""
+    h = make_harness()
+    response = h.client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_body_with_a_utf8_byte_order_mark_is_still_read(make_harness):
+    h = make_harness()
+    body = b'\xef\xbb\xbf{"model": "online-sao", "prompt": "hi"}'
+    assert h.client.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code == 200

@@ -209,12 +209,12 @@ class OpenAIServing:
                              model=self.cfg.model_name, deployment_id=self.cfg.deployment_id,
                              sampling=turn.sampling, finish_reason=turn.finish_reason, user_id=turn.user,
                              session_id=turn.session_id, segment=turn.segment, **fields, **texts)
+        if turn.tools is not None:  # before the record is logged: a failure here must not leave it logged
+            turn.parsed = self.tool_call_parser.parse(turn.text, turn.tools)
         turn.receipt = self.logger.submit(record)
         if self.monitors is not None:
             self.monitors.observe(turn.segment, turn.token_ids)
         if turn.template_messages is not None:
-            if turn.tools is not None:
-                turn.parsed = self.tool_call_parser.parse(turn.text, turn.tools)
             calls = [(c.function.name, c.function.arguments) for c in turn.parsed.calls] if turn.parsed else []
             messages = turn.template_messages + [{"role": "assistant", "content": turn.text}]  # as sampled
             keys = turn.message_keys + [message_key("assistant", turn.content, calls)]  # as returned

@@ -61,7 +61,7 @@ def arguments_json(arguments: object) -> str | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return None
     if not isinstance(arguments, dict) or has_lone_surrogate(arguments):
         return None
@@ -95,7 +95,7 @@ class HermesToolCallParser:
         a JSON object as arguments (absent arguments are an empty object)."""
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return None
         if not (isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] in names):
             return None

@@ -47,8 +47,12 @@ NOT_CALLS = {
     "NaN argument": '<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 3}}</tool_call>',
     "infinite argument in text": '<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
     "half an escaped emoji": '<tool_call>{"name": "add", "arguments": {"a": "\\ud83d", "b": 3}}</tool_call>',
+    # deeper than Python's JSON parser goes: RecursionError, which is no ValueError (it was a 500 after
+    # the answer was logged)
+    "nested deeper than the parser": "<tool_call>" + "[" * 5000 + "</tool_call>",
+    "arguments text nested deeper": '<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + '"}</tool_call>',
 }
-"""Blocks that are well-formed JSON but no call OpenAI's clients could run."""
+"""Blocks that are no call OpenAI's clients could run (most of them well-formed JSON)."""
 
 
 @pytest.mark.parametrize("block", NOT_CALLS.values(), ids=NOT_CALLS.keys())

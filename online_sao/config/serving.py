@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from online_sao.config.base import Section
+from online_sao.schemas import MAX_TOKENS_PER_RECORD
 
 
 DEFAULT_WAITING_PER_SLOT = 4
@@ -114,7 +115,9 @@ class ServingConfig(Section):
     max_prompt_tokens: int = Field(1024, ge=1)
     """Longest prompt accepted (413 above)."""
     max_new_tokens: int = Field(256, ge=1)
-    """Largest max_tokens a request may ask for."""
+    """Largest max_tokens a request may ask for. Its sum with ``max_prompt_tokens`` may be at most
+    32768 (``online_sao.schemas.MAX_TOKENS_PER_RECORD``), the longest trajectory one interaction
+    record holds: a longer answer would be generated and then could not be logged."""
     max_request_bytes: int = Field(1_000_000, ge=1024)
     """Largest request body accepted (413 above)."""
     spool_dir: Path | None = None
@@ -182,6 +185,14 @@ class ServingConfig(Section):
     def waiting_bound(self) -> int:
         """``max_waiting``, or its default of 4 x ``max_batch_size``."""
         return self.max_waiting if self.max_waiting is not None else DEFAULT_WAITING_PER_SLOT * self.max_batch_size
+
+    @model_validator(mode="after")
+    def _an_answer_fits_its_record(self) -> "ServingConfig":
+        if self.max_prompt_tokens + self.max_new_tokens > MAX_TOKENS_PER_RECORD:
+            raise ValueError(f"serving.max_prompt_tokens + serving.max_new_tokens ({self.max_prompt_tokens} + "
+                             f"{self.max_new_tokens}) exceeds the {MAX_TOKENS_PER_RECORD} tokens one interaction "
+                             "record holds: such an answer would be generated and then could not be logged")
+        return self
 
     @model_validator(mode="after")
     def _compile_fits_the_engine(self) -> "ServingConfig":

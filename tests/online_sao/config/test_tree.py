@@ -116,6 +116,14 @@ def test_serving_compile_is_for_the_torch_engine_in_either_layout(kv_layout):
         load_config(environ={}, overrides={**compiled, "serving.engine": "vllm"})
 
 
+def test_a_prompt_and_answer_longer_than_one_record_holds_are_refused_at_load():
+    """Admitted and generated, such an answer failed the record's validation: 500, nothing logged."""
+    fits = {"serving.max_prompt_tokens": 32_768 - 256, "serving.max_new_tokens": 256}  # 32768 in all
+    assert load_config(environ={}, overrides=fits).serving.max_prompt_tokens == 32_512
+    with pytest.raises(ConfigError, match="32513 \\+ 256.*32768 tokens one interaction record holds"):
+        load_config(environ={}, overrides={**fits, "serving.max_prompt_tokens": 32_513})
+
+
 def test_flat_settings_name_every_leaf_by_its_path():
     tree = {"a": {"b": 1, "c": {"d": [1, 2], "e": None}, "empty": {}}, "f": "x"}
     assert flat_settings(tree) == {"a.b": 1, "a.c.d": [1, 2], "a.c.e": None, "f": "x"}

@@ -189,15 +189,28 @@ def paired_difference(runs: list[Run], reference: str, other: str) -> Interval |
     and the 95% bootstrap interval of the mean difference. Every arm of a seed gets the same
     traffic (prompts, arrival times, dropped rewards), so pairing by seed takes what a seed does
     to every arm out of the comparison; the unpaired intervals keep it in."""
-    diffs = []
+    return interval([a - b for a, b in _post_switch_pairs(runs, reference, other)])
+
+
+def on_common_seeds(runs: list[Run], reference: str, other: str) -> tuple[Interval | None, Interval | None]:
+    """Each arm's post-switch mean and 95% bootstrap interval over the seeds where both have one:
+    an unpaired comparison on one set of seeds (over each arm's own seeds, a seed only one of them
+    ran moves that arm's mean alone, by as much as the seed differs from the others)."""
+    pairs = _post_switch_pairs(runs, reference, other)
+    return interval([a for a, _ in pairs]), interval([b for _, b in pairs])
+
+
+def _post_switch_pairs(runs: list[Run], reference: str, other: str) -> list[tuple[float, float]]:
+    """(reference's, other's) post-switch mean of each seed where both arms have one."""
+    pairs = []
     for run in runs:
         if reference in run.arms and other in run.arms:
             start = run.scenario.switch_rollouts[0]
             a, b = (post_switch_mean([r.judge_value for r in run.arms[name].rewards], start)
                     for name in (reference, other))
             if a is not None and b is not None:
-                diffs.append(a - b)
-    return interval(diffs)
+                pairs.append((a, b))
+    return pairs
 
 
 def _stack_curves(curves: list[list[float]]) -> np.ndarray:

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
-from apps.experiments.aggregate import (ArmSummaryAcrossSeeds, NoResults, Run, load_runs, paired_difference, summarize,
-                                       unfinished_runs)
+from apps.experiments.aggregate import (ArmSummaryAcrossSeeds, NoResults, Run, load_runs, on_common_seeds,
+                                       paired_difference, summarize, unfinished_runs)
 from apps.experiments.gate_report import write_gate_report
 from apps.experiments.intervals import cell
 from apps.experiments.metrics import LEVEL_SHARE
@@ -110,15 +110,22 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: s
     for a in arms:
         if a is ref or a.post_switch_mean is None:
             continue
-        diff = ref.post_switch_mean.mean - a.post_switch_mean.mean
-        paired = paired_difference(runs, ref.name, a.name)
-        if min(ref.post_switch_mean.n, a.post_switch_mean.n) < 2:
-            apart = "- (one seed: no interval)"  # a single seed's "interval" is a point: any difference would look apart
+        # both sides over the seeds both arms have: a seed only one of them ran would move its mean alone
+        ref_common, arm_common = on_common_seeds(runs, ref.name, a.name)
+        if ref_common is None or arm_common is None:
+            diff, apart = "-", "- (no seed in common)"
         else:
-            apart = "yes" if ref.post_switch_mean.apart_from(a.post_switch_mean) else "no"
+            seeds = max(ref.seeds, a.seeds)
+            diff = f"{ref_common.mean - arm_common.mean:+.3f}" + (
+                "" if ref_common.n >= seeds else f" ({ref_common.n} seeds in common of {seeds})")
+            if ref_common.n < 2:
+                apart = "- (one seed: no interval)"  # a single seed's "interval" is a point: any difference would look apart
+            else:
+                apart = "yes" if ref_common.apart_from(arm_common) else "no"
+        paired = paired_difference(runs, ref.name, a.name)
         excludes = "-" if paired is None or paired.n < 2 else ("yes" if paired.low > 0 or paired.high < 0 else "no")
-        rows.append([a.name, cell(a.post_switch_mean, of=a.seeds), f"{diff:+.3f}", apart,
-                     cell(paired, signed=True, of=min(a.seeds, ref.seeds)), excludes])
+        rows.append([a.name, cell(a.post_switch_mean, of=a.seeds), diff, apart,
+                     cell(paired, signed=True, of=max(a.seeds, ref.seeds)), excludes])
     return ["", f"## {ref.name} against each arm (post-switch mean reward {cell(ref.post_switch_mean, of=ref.seeds)})", "",
             *_table(["arm", "post-switch mean", f"{ref.name} minus arm", "95% intervals apart",
                      "minus arm, paired by seed", "paired interval excludes 0"], rows),

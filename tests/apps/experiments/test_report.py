@@ -190,6 +190,22 @@ def test_the_paired_difference_takes_out_what_a_seed_does_to_every_arm(tmp_path)
     assert row[4] == "+0.050 [+0.050, +0.050]" and row[5] == "yes"
 
 
+def test_an_arm_missing_a_seed_is_compared_on_the_seeds_both_ran(tmp_path):
+    """running_mean_w8 0.05 above sao on every seed, and no run on seed 1, the easy one (0.9): over
+    each arm's own seeds sao looked 0.113 ahead; on the three seeds both ran it is 0.05 behind."""
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    levels = {0: 0.2, 1: 0.9, 2: 0.3, 3: 0.25}
+    for k, level in levels.items():
+        series = {"sao": [level] * 60, **({} if k == 1 else {"running_mean_w8": [level + 0.05] * 60})}
+        write_run(directory / f"seed-{k}", series, seed=k)
+    row = table_row(section(write_report(directory, tmp_path / "report").read_text(), "sao against each arm"),
+                    "running_mean_w8")
+    assert row[2] == "-0.050 (3 seeds in common of 4)"
+    assert row[3] == "no"  # 0.25 [0.2, 0.3] against 0.3 [0.25, 0.35] on the common seeds: they overlap
+    assert row[4] == "-0.050 [-0.050, -0.050] (3 of 4 seeds)" and row[5] == "yes"
+
+
 def test_levels_are_on_the_judges_value_when_raters_scale_the_reward(tmp_path):
     directory = tmp_path / "results"
     write_run(directory, {"running_mean_w8": synthetic_rewards(12, 1)})

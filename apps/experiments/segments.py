@@ -47,6 +47,8 @@ class SegmentSummary:
     seeds: int
     phases: list[SegmentPhaseSummary]
     per_seed: list[list[SegmentPhase]]
+    per_seed_seeds: list[int]
+    """The ``experiment.seed`` of each ``per_seed`` entry (to pair them across arms: an arm may lack a seed)."""
 
 
 def _series(run: Run, arm: str) -> tuple[list[float], list[str | None]]:
@@ -58,15 +60,16 @@ def summarize_segment(runs: list[Run], arm: str, segment: UserSegment) -> Segmen
     """One arm's phase levels of one segment: per seed, and their mean and interval over seeds."""
     starts = [p.from_rollout for p in segment.schedule]
     styles = [p.style for p in segment.schedule]
-    per_seed = [segment_phase_metrics(*_series(run, arm), segment.name, starts, styles)
-                for run in runs if arm in run.arms]
+    ran = [run for run in runs if arm in run.arms]
+    per_seed = [segment_phase_metrics(*_series(run, arm), segment.name, starts, styles) for run in ran]
     phases = []
     for k, (start, style) in enumerate(zip(starts, styles)):
         cells = [seed[k] for seed in per_seed]
         phases.append(SegmentPhaseSummary(style, start, cells[0].end, sum(c.rollouts for c in cells) / len(cells),
                                           across_seeds([c.level for c in cells]),
                                           across_seeds([c.area for c in cells])))
-    return SegmentSummary(arm, segment.name, segment.share, len(per_seed), phases, per_seed)
+    return SegmentSummary(arm, segment.name, segment.share, len(per_seed), phases, per_seed,
+                          [run.scenario.seed for run in ran])
 
 
 def summarize_segments(runs: list[Run], arms: list[str]) -> list[SegmentSummary]:
@@ -97,7 +100,8 @@ def segment_markdown(summaries: list[SegmentSummary], scenario: ExperimentConfig
              "schedule; the policy never sees the segment (the OpenAI `user` field is not in the prompt), so one "
              "policy serves every segment. Per arm and segment, each phase of the segment's schedule: level (mean "
              f"reward of the segment's last {LEVEL_SHARE:.0%} of rollouts in the phase), mean (over all of them) and "
-             "rollouts (the segment's rollouts in the phase, mean over seeds). The tables above cut the run by "
+             "rollouts (the segment's rollouts in the phase, mean over seeds; a seed with none gives no level or "
+             "mean, and the cell says over how many seeds it is). The tables above cut the run by "
              "`experiment.schedule` and mix every segment's rewards.", ""]
     for segment in scenario.segments:
         schedule = ", ".join(f"{p.style} from rollout {p.from_rollout}" for p in segment.schedule)
@@ -107,8 +111,9 @@ def segment_markdown(summaries: list[SegmentSummary], scenario: ExperimentConfig
         heads = [f"{p.style} {p.start}-{p.end - 1}" for p in rows[0].phases]
         lines += ["", f"### Segment {segment.name}: level / mean / rollouts per phase", "",
                   "| arm | " + " | ".join(heads) + " |", "|" + "---|" * (len(heads) + 1)]
-        lines += ["| " + " | ".join([s.arm, *(f"{cell(p.level)} / {cell(p.area)} / {p.rollouts:.0f}"
-                                              for p in s.phases)]) + " |" for s in rows]
+        # "(n of N seeds)": seeds where the segment had no rollout in the phase give no level
+        lines += ["| " + " | ".join([s.arm, *(f"{cell(p.level, of=s.seeds)} / {cell(p.area, of=s.seeds)} / "
+                                              f"{p.rollouts:.1f}" for p in s.phases)]) + " |" for s in rows]
     lines += ["", f"![moving reward per user segment]({SEGMENTS_PNG})", ""]
     return lines
 

@@ -18,7 +18,7 @@ from apps.experiments.judge_service import ScheduleJudge
 from apps.experiments.metrics import segment_moving_average, segment_phase_metrics
 from apps.experiments.results import ArmResults, RewardRow
 from apps.experiments.scenario import arrival_gaps, prompt_order, segment_draws
-from apps.experiments.segments import segment_reward_band, summarize_segment
+from apps.experiments.segments import segment_markdown, segment_reward_band, summarize_segment, summarize_segments
 from online_sao.config import ConfigError
 from online_sao.schemas import Interaction
 
@@ -207,3 +207,17 @@ def test_over_seeds_each_phase_level_is_the_mean_of_the_seeds_and_the_band_start
     b = segment_reward_band([first, second], "sao", "early", window=4)
     assert list(b.x) == list(range(1, 12))  # the second seed's first early request is rollout 1
     assert b.seeds.shape == (2, 11) and b.mean == pytest.approx([0.4] * 11)
+
+
+def test_a_phase_a_seed_gave_no_rollout_of_the_segment_is_marked_and_seeds_are_named():
+    """Seed 1 drew no 'early' request before rollout 4: its first phase has no level, which was
+    averaged over the other seed without a word, beside a rollout count printed as 0 (mean 0.5)."""
+    first = run_in_memory([0.2] * 12, ["early", "late"] * 6, seed=0)
+    second = run_in_memory([0.6] * 12, ["late"] * 4 + ["early", "late"] * 4, seed=1)
+    summary = summarize_segment([first, second], "sao", first.scenario.segments[0])
+    assert summary.per_seed_seeds == [0, 1]
+    assert [p.rollouts for p in summary.per_seed[1]] == [0, 4]
+    lines = segment_markdown(summarize_segments([first, second], ["sao"]), first.scenario)
+    row = next(line for line in lines if line.startswith("| sao |"))  # the first table: segment early
+    assert row == ("| sao | 0.200 (1 of 2 seeds) / 0.200 (1 of 2 seeds) / 1.0 "
+                   "| 0.400 [0.200, 0.600] / 0.400 [0.200, 0.600] / 4.0 |")

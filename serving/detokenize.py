@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+CONTEXT_TOKENS = 5
+"""Prompt tokens the decoder starts from (as read): SentencePiece-style decoders (Llama 2, Mistral,
+Gemma) drop the word-initial space of the first token they decode, so the first answer token's
+space was lost (``"Paris"`` after ``"The capital of France is"``). A few tokens of context are
+enough for any decoder to know a token is not the first; vLLM's detokenizer keeps five."""
 REPLACEMENT_CHAR = "\ufffd"
 """What a byte-level tokenizer decodes an incomplete UTF-8 sequence to: text ending in it is
 not final yet (the next token may complete the character)."""
@@ -19,15 +24,17 @@ class IncrementalDecoder:
     It decodes a short window: ids from ``_start`` (where the last stable text began) to
     the end, and compares with the window up to ``_read`` (ids already turned into text),
     so each step costs a few tokens, not the whole response. Special tokens and the
-    ``hidden`` ids (stop tokens, which are actions but not text) produce no text.
+    ``hidden`` ids (stop tokens, which are actions but not text) produce no text. ``prompt``:
+    the ids before the answer; its last :data:`CONTEXT_TOKENS` are the context the first answer
+    token is decoded after (their own text is never returned).
     """
 
-    def __init__(self, tokenizer: Decodes, hidden: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer: Decodes, hidden: frozenset[int] = frozenset(), prompt: list[int] = ()):
         self._tokenizer = tokenizer
         self._hidden = hidden
-        self._ids: list[int] = []
+        self._ids: list[int] = list(prompt[-CONTEXT_TOKENS:]) if prompt else []
         self._start = 0
-        self._read = 0
+        self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

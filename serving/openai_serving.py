@@ -143,7 +143,7 @@ class OpenAIServing:
         """Yield the response text as it becomes final; log the interaction when it ends."""
         request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
                                     self.stop_token_ids, top_logprobs=turn.top_logprobs or 0)
-        decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids)
+        decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids, turn.prefix.engine_prompt)
         stops = StopStrings(turn.sampling.stop)
         stream = self.engine.generate(request)
         self.inflight.entered()

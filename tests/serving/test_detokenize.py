@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from serving.detokenize import IncrementalDecoder, StopStrings
 
@@ -25,6 +27,38 @@ def test_hidden_and_special_tokens_produce_no_text(chat_tokenizer):
     decoder = IncrementalDecoder(chat_tokenizer, hidden=frozenset({eos}))
     out = "".join(decoder.push(t) for t in [im_start, *ids, eos]) + decoder.finish()
     assert out == "ab"
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (the Metaspace pre-tokenizer and decoder of Llama 2, Mistral,
+    Gemma): a word's space is the "▁" its first token begins with, and the decoder drops it from the
+    first token of what it decodes."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    corpus = ["The capital of France is Paris and it is nice", "Paris is nice in spring", "the capital is big"]
+    tokenizer.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>")
+
+
+def test_with_a_sentencepiece_decoder_the_first_answer_token_keeps_its_space(metaspace_tokenizer):
+    """Decoded alone, "▁Paris" is "Paris": a completion of "The capital of France is" came back as
+    "Paris and it is nice", and the prompt plus it read "...France isParis"."""
+    tok = metaspace_tokenizer
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    full = tok("The capital of France is Paris and it is nice", add_special_tokens=False)["input_ids"]
+    assert full[:len(prompt)] == prompt
+    decoder = IncrementalDecoder(tok, prompt=prompt)
+    answer = "".join(decoder.push(t) for t in full[len(prompt):]) + decoder.finish()
+    assert answer == " Paris and it is nice"
+
+
+def test_the_prompts_context_changes_nothing_for_a_byte_level_tokenizer(chat_tokenizer):
+    prompt = chat_tokenizer("naïve caf", add_special_tokens=False)["input_ids"]
+    ids = chat_tokenizer("é 🙂 done", add_special_tokens=False)["input_ids"]
+    decoder = IncrementalDecoder(chat_tokenizer, prompt=prompt)
+    assert "".join(decoder.push(t) for t in ids) + decoder.finish() == "é 🙂 done"
 
 
 def test_stop_string_cuts_the_text_and_nothing_of_it_is_emitted():

@@ -9,6 +9,9 @@ the text leaves it out), so the list lines up with the record's log-probs of thi
 
 from __future__ import annotations
 
+import json
+import re
+
 from serving.answers import TokenLogprob, TopLogprob
 
 
@@ -30,25 +33,55 @@ def _is_byte_level(tokenizer) -> bool:
     return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
 
 
+SENTENCEPIECE_SPACE = "\u2581"
+"""The "▁" a SentencePiece-style vocabulary writes a word's leading space as."""
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A byte-fallback token's spelling: the one byte no other token of the vocabulary holds."""
+
+
+def _decoder_types(tokenizer) -> set[str]:
+    """The types of the tokenizer's decoder and of the decoders in it (empty without a fast backend)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return {decoder.get("type", ""), *(part.get("type", "") for part in decoder.get("decoders", []))}
+
+
+def _is_sentencepiece_style(tokenizer) -> bool:
+    """Llama 2, Mistral, Gemma: "▁" for a space and byte-fallback tokens, undone by the decoder."""
+    return bool(_decoder_types(tokenizer) & {"Metaspace", "ByteFallback"})
+
+
 class TokenTexts:
     """Text and bytes of single token ids (cached), and the OpenAI entries built from them.
 
     A byte-level token may hold part of a UTF-8 character: its text then decodes with
-    U+FFFD, and ``bytes`` (read off the token's byte-level spelling) are exact.
+    U+FFFD, and ``bytes`` (read off the token's byte-level spelling) are exact. So are a
+    SentencePiece-style token's: a byte-fallback token ``<0xF0>`` is that byte, and a token's
+    "▁" is the space that decoding it alone drops (its text keeps the space too).
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._byte_level = _is_byte_level(tokenizer)
+        self._sentencepiece = not self._byte_level and _is_sentencepiece_style(tokenizer)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def _text_and_bytes(self, token_id: int) -> tuple[str, list[int]]:
         cached = self._cache.get(token_id)
         if cached is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            spelling = self._tokenizer.convert_ids_to_tokens(token_id) if self._byte_level else None
-            if spelling is not None and all(c in BYTE_LEVEL_ALPHABET for c in spelling):
+            spelling = (self._tokenizer.convert_ids_to_tokens(token_id)
+                        if self._byte_level or self._sentencepiece else None)
+            if self._byte_level and spelling is not None and all(c in BYTE_LEVEL_ALPHABET for c in spelling):
                 raw = [BYTE_LEVEL_ALPHABET[c] for c in spelling]
+            elif self._sentencepiece and spelling is not None and (byte := BYTE_FALLBACK.fullmatch(spelling)):
+                raw = [int(byte.group(1), 16)]  # decoded alone it is U+FFFD: its byte is in its name
+            elif self._sentencepiece and spelling is not None and token_id not in self._special:
+                text = spelling.replace(SENTENCEPIECE_SPACE, " ")  # with the space a lone decode drops
+                raw = list(text.encode("utf-8"))
             else:
                 raw = list(text.encode("utf-8"))
             cached = self._cache[token_id] = (text, raw)

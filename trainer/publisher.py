@@ -43,7 +43,8 @@ from streams.tail import iter_records_since
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json
 from trainer.full_state import full_state_dict
-from trainer.tracking import ROLLBACK_CARRIED_OUT, Decision, RunTracker
+from trainer.registry_versions import ROLLBACK_CARRIED_OUT
+from trainer.tracking import Decision, RunTracker
 
 log = logging.getLogger(__name__)
 

@@ -113,6 +113,24 @@ def newest_version_holding(client, model_name: str, ref: WeightsRef):
             return newest
 
 
+ROLLBACK_CARRIED_OUT = "rollback_carried_out"
+"""Registry tag on a rolled-back version: "false" when the roll-back is recorded, then the policy
+version that published the champion's weights again. A learner stopped between the two finds
+"false" when it starts and carries the roll-back out then (trainer/learner.py)."""
+
+
+def versions_tagged(client, model_name: str, tag: str, value: str, run_id: str) -> list:
+    """The registry versions of ``run_id`` whose ``tag`` is ``value`` (all pages)."""
+    query = f"name = '{model_name}' AND tags.{tag} = '{value}'"
+    found, token = [], None
+    while True:
+        page = client.search_model_versions(query, page_token=token)
+        found.extend(version for version in page if version.run_id == run_id)
+        token = page.token
+        if not token:
+            return found
+
+
 def policy_of(found) -> tuple[int, WeightsRef] | None:
     """(policy version, where its weights are published) of the registry version ``found``, if any."""
     if found is None:

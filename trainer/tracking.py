@@ -65,8 +65,9 @@ from online_sao.weights import WeightsRef
 from trainer.mlflow_store import (TrackingUnavailable, artifact_root, artifacts_named, disk_refused, experiment_id,
                                   is_code, is_unreachable, open_client, store_refused, unavailable)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention, model_artifact_path
-from trainer.registry_versions import (CANDIDATE, CHAMPION, ensure_registered_model, holds, newest_version_holding,
-                                       policy_of, stage_model_directory, unregister, version_with_alias)
+from trainer.registry_versions import (CANDIDATE, CHAMPION, ROLLBACK_CARRIED_OUT, ensure_registered_model, holds,
+                                       newest_version_holding, policy_of, stage_model_directory, unregister,
+                                       version_with_alias, versions_tagged)
 from trainer.step_window import StepWindow, Unsent
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,6 @@ def _waiting(what: str):
         return waiting
     return wrap
 
-
-ROLLBACK_CARRIED_OUT = "rollback_carried_out"
-"""Registry tag on a rolled-back version: "false" when the roll-back is recorded, then the policy
-version that published the champion's weights again. A learner stopped between the two finds
-"false" when it starts and carries the roll-back out then (trainer/learner.py)."""
 
 
 class RunTracker:
@@ -394,23 +390,13 @@ class RunTracker:
     def unfinished_rollback(self) -> bool:
         """Whether a roll-back this run recorded was not carried out: its restored weights never went
         out (:meth:`rollback_carried_out`; ``ROLLBACK_CARRIED_OUT`` is "false" on the rolled-back version)."""
-        return bool(self._unfinished_rollbacks())
+        return bool(versions_tagged(self.client, self.model_name, ROLLBACK_CARRIED_OUT, "false", self.run_id))
 
     @_waiting("recording a roll-back carried out")
     def rollback_carried_out(self, version: int) -> None:
         """The roll-backs this run recorded went out as policy ``version`` (the champion's weights again)."""
-        for found in self._unfinished_rollbacks():
+        for found in versions_tagged(self.client, self.model_name, ROLLBACK_CARRIED_OUT, "false", self.run_id):
             self.client.set_model_version_tag(self.model_name, found.version, ROLLBACK_CARRIED_OUT, f"v{version}")
-
-    def _unfinished_rollbacks(self) -> list:
-        query = f"name = '{self.model_name}' AND tags.{ROLLBACK_CARRIED_OUT} = 'false'"
-        found, token = [], None
-        while True:
-            page = self.client.search_model_versions(query, page_token=token)
-            found.extend(version for version in page if version.run_id == self.run_id)
-            token = page.token
-            if not token:
-                return found
 
     @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:

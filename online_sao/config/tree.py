@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, TypeVar
+from types import UnionType
+from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -87,17 +88,48 @@ class Config(Section):
 C = TypeVar("C", bound="Config")
 
 
-def _apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+TEXT_TYPES = (str, SecretStr, Path)
+"""Field types whose environment value is taken as written: parsed as YAML, a password ``p@ss #1``
+lost its comment-like tail, ``#x`` became null, ``123456`` a number the field refuses."""
+
+
+def _field_type(schema: type[BaseModel], keys: list[str]) -> Any:
+    """The annotation of the field at ``keys`` under ``schema`` (None for a key it does not have)."""
+    model: Any = schema
+    annotation = None
+    for key in keys:
+        field = model.model_fields.get(key) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        annotation = model = field.annotation
+    return annotation
+
+
+def _is_text(annotation: Any) -> bool:
+    """A text field, or an optional one (``str | None``)."""
+    options = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (Union, UnionType) \
+        else [annotation]
+    return len(options) == 1 and options[0] in TEXT_TYPES
+
+
+def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], schema: type[BaseModel]) -> dict[str, Any]:
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
         if not keys:
             continue
-        try:
-            parsed = yaml.safe_load(value) if value != "" else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{name}: not a YAML value: {one_line(exc)}") from None
+        if value == "":
+            parsed = None
+        elif _is_text(_field_type(schema, keys)):
+            parsed = value
+        else:
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError as exc:  # where, not what: the value may be a secret (a list of keys)
+                mark = getattr(exc, "problem_mark", None)
+                where = f" (column {mark.column + 1})" if mark is not None else ""
+                raise ConfigError(f"{name}: not a YAML value{where}") from None
         _section(raw, keys[:-1], name)[keys[-1]] = parsed
     return raw
 
@@ -148,7 +180,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         raw = loaded or {}
-    raw = _apply_env(raw, os.environ if environ is None else environ)
+    raw = _apply_env(raw, os.environ if environ is None else environ, schema)
     for dotted, value in (overrides or {}).items():
         *parents, last = dotted.split(".")
         _section(raw, parents, f"override {dotted}")[last] = value

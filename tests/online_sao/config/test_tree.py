@@ -50,6 +50,29 @@ def test_values_the_learner_cannot_use_are_refused(name, value, named):
         load_config(environ={f"ONLINE_SAO__{name}": value})
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("KAFKA__SASL_PASSWORD", "p@ss #1"),  # YAML read " #1" as a comment: the password was cut short
+    ("SERVING__FEEDBACK_SECRET", "#Xk9secret-value"),  # all comment: no secret at all, and no error
+    ("SERVING__FEEDBACK_SECRET", "!Xk9secret-value"),  # a YAML tag: the error quoted the secret
+    ("SERVING__DEPLOYMENT_ID", "2024-01-01"),  # a YAML date, refused as not a string
+    ("KAFKA__SASL_PASSWORD", "123456"),  # a YAML number, refused as not a string
+    ("PATHS__DATA_DIR", "/srv/data #2"),
+])
+def test_a_text_field_takes_its_environment_value_as_written(name, value):
+    cfg = load_config(environ={f"ONLINE_SAO__{name}": value})
+    section, key = name.lower().split("__")
+    found = getattr(getattr(cfg, section), key)
+    assert str(found.get_secret_value() if hasattr(found, "get_secret_value") else found) == value
+
+
+def test_an_environment_value_that_is_not_yaml_is_named_without_its_text():
+    with pytest.raises(ConfigError, match=r"ONLINE_SAO__SERVING__API_KEYS: not a YAML value") as raised:
+        load_config(environ={"ONLINE_SAO__SERVING__API_KEYS": "[!s3cret-key, other"})
+    assert "s3cret" not in str(raised.value)
+    keys = load_config(environ={"ONLINE_SAO__SERVING__API_KEYS": "[k1, k2]"}).serving.api_keys  # a list: YAML
+    assert [k.get_secret_value() for k in keys] == ["k1", "k2"]
+
+
 def test_malformed_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("kafka: [unclosed\n")

@@ -214,10 +214,19 @@ def flat_settings(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _reveal(model: BaseModel, data: dict[str, Any]) -> None:
     for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, SecretStr):
-            data[name] = value.get_secret_value()
-        elif isinstance(value, list) and value and isinstance(value[0], SecretStr):
-            data[name] = [v.get_secret_value() for v in value]
-        elif isinstance(value, BaseModel):
-            _reveal(value, data[name])
+        data[name] = _revealed(getattr(model, name), data[name])
+
+
+def _revealed(value: Any, dumped: Any) -> Any:
+    """``dumped`` (``value``'s JSON dump) with every secret in it in clear: in sections, lists and
+    mappings alike (``serving.source_keys`` maps a source to a list of keys)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        _reveal(value, dumped)
+        return dumped
+    if isinstance(value, (list, tuple)):
+        return [_revealed(v, d) for v, d in zip(value, dumped)]
+    if isinstance(value, Mapping):
+        return {key: _revealed(v, d) for (_, v), (key, d) in zip(value.items(), dumped.items())}
+    return dumped

@@ -131,6 +131,18 @@ def test_dump_with_revealed_secrets_reloads_identically(tmp_path):
     assert again.model_dump(mode="json") == cfg.model_dump(mode="json")
 
 
+def test_dump_with_revealed_secrets_reveals_the_keys_of_each_source(tmp_path):
+    """serving.source_keys (a source -> its keys) stayed masked: a child process given the dump
+    refused it, as its keys were not in serving.api_keys."""
+    cfg = load_config(environ={}, overrides={"serving.api_keys": ["k1", "k2"], "serving.source_keys": {"judge": ["k2"]}})
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg, reveal_secrets=True))
+    again = load_config(path, environ={})
+    assert {source: [k.get_secret_value() for k in keys] for source, keys in again.serving.source_keys.items()} \
+        == {"judge": ["k2"]}
+    assert "k2" not in dump_config(cfg)  # masked unless revealed
+
+
 @pytest.mark.parametrize("kv_layout", ["padded", "flat"])
 def test_serving_compile_is_for_the_torch_engine_in_either_layout(kv_layout):
     compiled = {"serving.compile": True, "serving.kv_layout": kv_layout}

@@ -22,6 +22,7 @@ import httpx
 import yaml
 
 from apps.config import AppConfig, load_app_config
+from online_sao.config import ENV_PREFIX
 
 READY_POLL_S = 0.5
 """Pause between readiness probes of a starting process (no busy wait)."""
@@ -48,6 +49,10 @@ class Stack:
     overrides: dict[str, Any]
     run_dir: Path
     progress: Callable[[str], None] = print
+    resolved: bool = False
+    """``config_path`` is a resolved dump (:func:`online_sao.config.dump_config`) that the run changed
+    after reading the environment (a free port, its own topics and directories): neither the children
+    nor :attr:`cfg` apply ``ONLINE_SAO__*`` variables again, which would undo those changes."""
     components: list[Component] = field(default_factory=list)
     broker: Any = None
     _previous_sigterm: Any = None
@@ -58,7 +63,11 @@ class Stack:
 
     @property
     def cfg(self) -> AppConfig:
-        return load_app_config(self.config_path, overrides=self.overrides)
+        return load_app_config(self.config_path, environ={} if self.resolved else None, overrides=self.overrides)
+
+    def _child_env(self, env: dict[str, str] | None) -> dict[str, str]:
+        inherited = {k: v for k, v in os.environ.items() if not (self.resolved and k.startswith(ENV_PREFIX))}
+        return {**inherited, **(env or {})}
 
     def _cli_args(self, extra_overrides: dict[str, Any] | None = None) -> list[str]:
         args = [sys.executable, "-m", "apps.cli"]
@@ -93,7 +102,7 @@ class Stack:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         proc = subprocess.Popen(self._cli_args(extra_overrides) + command, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env=self._child_env(env), start_new_session=True)
         log.close()
         comp = Component(name, proc, log_path)
         self.components.append(comp)

@@ -151,14 +151,14 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
     config_path = out / "config.yaml"
     write_private(config_path, dump_config(acfg, reveal_secrets=True))
     settings, started = acfg.agent, time.monotonic()
-    with Stack(config_path, {}, out / "broker", progress=progress) as base:
+    with Stack(config_path, {}, out / "broker", progress=progress, resolved=True) as base:
         base.start_broker()
         progress(f"model: {build_base_model(acfg, progress=progress)}")
         backend = KafkaBackend(acfg.kafka)
         reset_arm(acfg, backend, out / "run", progress)  # an earlier run's topics, group, weights, checkpoints
         backend.ensure_topics()
         (out / EPISODES_FILE).unlink(missing_ok=True)
-        with Stack(config_path, {}, out / "run", progress=progress) as stack:
+        with Stack(config_path, {}, out / "run", progress=progress, resolved=True) as stack:
             server = stack.start("serving", ["serve"])
             base_url = f"http://127.0.0.1:{acfg.serving.port}"
             stack.wait_http(server, f"{base_url}/readyz", READY_TIMEOUT_S)

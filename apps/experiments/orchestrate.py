@@ -93,7 +93,7 @@ def run_arm(cfg: AppConfig, arm_name: str, progress: Callable[[str], None] = pri
     results_path.unlink(missing_ok=True)
 
     started = time.monotonic()
-    with Stack(config_path, {}, arm_dir, progress=progress) as stack:
+    with Stack(config_path, {}, arm_dir, progress=progress, resolved=True) as stack:
         # the three start together: none needs another to start (each talks to the broker only),
         # and each spends its first seconds importing torch and loading the model
         server = stack.start("serving", ["serve"])
@@ -325,7 +325,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     elif any(todo for _, todo in plan):
         resolved = out / "config.yaml"
         write_private(resolved, dump_config(cfg, reveal_secrets=True))
-        with Stack(resolved, {}, out / "broker", progress=progress) as base:
+        with Stack(resolved, {}, out / "broker", progress=progress, resolved=True) as base:
             base.start_broker()
             progress(f"model: {build_base_model(cfg, progress=progress)}")
             classifier = load_or_train(cfg, progress)

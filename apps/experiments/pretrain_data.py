@@ -55,7 +55,7 @@ def collect_pretrain_rollouts(cfg: AppConfig, classifier: StyleClassifier,
     backend.ensure_topics()
 
     fast = exp.model_copy(update={"requests_per_second": FAST_REQUESTS_PER_SECOND})
-    with Stack(config_path, {}, arm_dir, progress=progress) as stack:
+    with Stack(config_path, {}, arm_dir, progress=progress, resolved=True) as stack:
         server = stack.start("serving", ["serve"])
         stack.wait_http(server, f"http://127.0.0.1:{port}/readyz", READY_TIMEOUT_S)
         users = SimulatedUsers(f"http://127.0.0.1:{port}/v1", None, fast, prompt_pool(exp, cfg.model.base.seed),

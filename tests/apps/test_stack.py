@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
+from apps.config import load_app_config
 from apps.stack import Component, Stack
+from online_sao.config import dump_config
 
 
 def test_sigterm_inside_the_stack_stops_its_processes_and_restores_the_handler(tmp_path):
@@ -51,3 +54,20 @@ def test_a_run_stops_the_broker_it_started_and_leaves_one_it_found_running(tmp_p
     with Stack(None, {"paths.data_dir": str(tmp_path)}, tmp_path, progress=lambda line: None) as stack:
         stack.start_broker()
     assert stopped == ([] if already_running else [True])
+
+
+@pytest.mark.parametrize("resolved", [True, False])
+def test_children_of_a_resolved_config_do_not_read_the_environment_again(tmp_path, monkeypatch, resolved):
+    """The agent and simulate hand their children a resolved dump with a free port of their own;
+    ONLINE_SAO__SERVING__PORT left in the environment (the README's own example) moved the children's
+    server to 8001 while the parent waited on the free port. A stack on the operator's own file
+    (smoke, load) still takes the environment, as the parent did."""
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(load_app_config(environ={}, overrides={"serving.port": 45678}), reveal_secrets=True))
+    monkeypatch.setenv("ONLINE_SAO__SERVING__PORT", "8001")
+    with Stack(path, {}, tmp_path / "run", progress=lambda _: None, resolved=resolved) as stack:
+        child = stack.start("show", ["config", "show"])
+        assert child.process.wait(60) == 0
+        shown = yaml.safe_load(child.log_path.read_text())
+        expected = 45678 if resolved else 8001
+        assert shown["serving"]["port"] == expected and stack.cfg.serving.port == expected

@@ -236,8 +236,10 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
 def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext,
               back: WeightsRef) -> None:
     """Restore champion ``back``'s whole training state from its checkpoint (only its weights, from
-    the store, when none is kept) and publish it again as the next version; then the registry notes
-    the roll-back carried out. Collective."""
+    the store, when none is kept) and publish it again as the next version; the registry notes the
+    roll-back carried out once a checkpoint holds the restored state (:func:`checkpoint`): until
+    then the newest checkpoint is the rejected policy's line, and a learner restarted from it must
+    roll back again. Collective."""
     if rank0 is not None:  # the champion's checkpoint may be the one being written
         rank0.writer.wait()
     if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
@@ -252,8 +254,8 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
     # champion was dropped, no step ran, and serving stayed on the champion for good.
     at.version += 1
     republish(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version, at.step)
+    at.rolled_back_as = at.version
     if rank0 is not None:
-        rank0.releases.rollback_carried_out(at.version)
         rank0.counters["rollbacks"] += 1
 
 
@@ -271,9 +273,14 @@ def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx:
     ckpt = gather_training_state(models.trainables, rank0.feed.joiner if rank0 else None,
                                  rank0.progress(at) if rank0 else None, ctx)
     if rank0 is not None:
-        feed, offsets = rank0.feed, dict(ckpt.state.offsets)
-        rank0.writer.save(ckpt, after_commit=lambda: feed.commit(offsets))
-    at.checkpointed_step = at.step
+        feed, offsets, releases, rolled_back_as = rank0.feed, dict(ckpt.state.offsets), rank0.releases, at.rolled_back_as
+
+        def after_commit() -> None:
+            if rolled_back_as is not None:  # this checkpoint holds the roll-back's restored state
+                releases.rollback_carried_out(rolled_back_as)
+            feed.commit(offsets)
+        rank0.writer.save(ckpt, after_commit=after_commit)
+    at.checkpointed_step, at.rolled_back_as = at.step, None
 
 
 def is_refused(metrics: dict[str, float]) -> bool:

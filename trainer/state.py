@@ -56,6 +56,10 @@ class Position:
     """Publish after the next step whatever ``trainer.publish_every`` says: the store holds versions
     newer than the checkpoint (published, then lost in a crash), so ``version`` names weights this
     policy does not have, and a checkpoint before the next publish would carry that name."""
+    rolled_back_as: int | None = None
+    """A roll-back restored the champion and published it again as this version, and no checkpoint
+    holds the restored state yet: the registry is told the roll-back is carried out once one does
+    (before, the newest checkpoint was still the rejected policy's line)."""
 
 
 @dataclass

@@ -227,6 +227,42 @@ def test_a_roll_back_stopped_after_the_registry_recorded_it_is_carried_out_when_
     assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v4"
 
 
+def test_a_roll_back_whose_state_no_checkpoint_holds_yet_is_carried_out_again_after_a_crash(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The learner rolls v2 back to v1 and publishes v1's weights again as v4, then dies before the
+    step's checkpoint commits: the newest checkpoint is still the rejected line's. The registry said
+    the roll-back was carried out, so the restarted learner trained that line and published it as
+    v5. It is now told so only once a checkpoint holds the restored state."""
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir)
+
+    class Killed(Exception):
+        pass
+
+    real_checkpoint = learner_module.checkpoint
+
+    def killed_after_the_roll_back(models, at, rank0, ctx):
+        if rank0 is not None and rank0.counters["rollbacks"] >= 1:
+            raise Killed()
+        real_checkpoint(models, at, rank0, ctx)
+    monkeypatch.setattr(learner_module, "checkpoint", killed_after_the_roll_back)
+    with pytest.raises(Killed):
+        train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+    monkeypatch.undo()
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    model = cfg.mlflow.registered_model
+    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "false"
+
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    notices = [n for n in _messages(backend, cfg.kafka.topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices[:5]] == [("publish", 1), ("publish", 2), ("publish", 3),
+                                                            ("rollback", 1), ("publish", 4)]
+    assert (notices[5].action, notices[5].version) == ("publish", 5)  # v1's weights again, at the restart
+    store = FileWeightStore(cfg.weight_store_url)
+    v1, v5 = (store.load(n.location, n.checksum) for n in (notices[0], notices[5]))
+    assert all(torch.equal(v5[k], v) for k, v in v1.items())
+    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v5"
+
+
 def test_after_a_roll_back_the_answers_serving_then_samples_are_not_stale(tmp_path, tiny_model_dir):
     """With ``trainer.max_version_lag`` under the gap between the learner's number and the champion's,
     every answer serving sampled after the roll-back notice was dropped as stale: no step ran again,

@@ -267,6 +267,13 @@ class Feed:
                          self.joiner.num_waiting, self.joiner.ready_stats()[0],
                          sum(ages) / len(ages) if ages else math.nan, max(ages, default=math.nan))
 
+    def flush_dead_letters(self) -> None:
+        """Before a checkpoint: every dead letter of the records read so far on the broker (waits out
+        an outage). The checkpoint's offsets are past those records, and a restart reads from them,
+        not from Kafka's: a dead letter still unsent when the learner stopped was lost for good."""
+        if self.dead_letters.unacknowledged:
+            until_broker_takes(self.dead_letters.flush, "flushing dead letters", self.stop)
+
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit
         ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage."""

@@ -270,6 +270,8 @@ def rollback_due(rank0: RankZero | None, ctx: DistContext) -> WeightsRef | None:
 def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext) -> None:
     """Take a checkpoint of the state as it is now and commit it, then (rank 0) the consumer
     offsets it covers; in the background with ``trainer.checkpoint_in_background``. Collective."""
+    if rank0 is not None:  # the checkpoint's offsets are past the refused records: their letters first
+        rank0.feed.flush_dead_letters()
     ckpt = gather_training_state(models.trainables, rank0.feed.joiner if rank0 else None,
                                  rank0.progress(at) if rank0 else None, ctx)
     if rank0 is not None:

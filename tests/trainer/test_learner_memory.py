@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from mlflow import MlflowClient
 from online_sao.modeling import load_policy
 from online_sao.schemas import DeadLetter, Reward, WeightsNotice, decode
 from online_sao.weights import FileWeightStore
-from streams.memory import InMemoryBackend
+from streams.base import StreamUnavailable
+from streams.memory import InMemoryBackend, InMemoryProducer
 from streams.records import publish
 from tests.fixtures.models import tiny_config
 from tests.trainer.traffic import produce, sample_traffic
@@ -261,6 +263,39 @@ def test_a_roll_back_whose_state_no_checkpoint_holds_yet_is_carried_out_again_af
     v1, v5 = (store.load(n.location, n.checksum) for n in (notices[0], notices[5]))
     assert all(torch.equal(v5[k], v) for k, v in v1.items())
     assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v5"
+
+
+def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path, tiny_model_dir):
+    """The dead-letter topic refuses every send and the learner is stopped while it waits: the
+    checkpoint was committed first, with offsets past the bad record, so the restart never read
+    it again and its dead letter was lost. The checkpoint now waits for the dead letters."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1})
+    refusing = {"on": True}
+
+    class Backend(InMemoryBackend):
+        def producer(self):
+            backend = self
+
+            class Producer(InMemoryProducer):
+                def send(self, topic, value, key=None, on_delivery=None):
+                    if refusing["on"] and topic == backend.cfg.topics.dead_letters:
+                        raise StreamUnavailable("the dead-letter topic has no leader")
+                    return super().send(topic, value, key, on_delivery)
+            return Producer(self)
+
+    backend = Backend(cfg.kafka)
+    backend.ensure_topics()
+    producer = InMemoryBackend.producer(backend)
+    producer.send(cfg.kafka.topics.interactions, b"{not json", key=b"bad")
+    produce(producer, cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4, prefix="a"))
+    until = RunUntil(max_steps=1)
+    threading.Timer(3.0, until.stop.set).start()  # SIGTERM while the learner waits for the broker
+    with pytest.raises(StreamUnavailable):
+        train(cfg, backend, init_distributed(), until)
+    refusing["on"] = False
+    produce(producer, cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4, prefix="b"))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+    assert len([m for m in _messages(backend, cfg.kafka.topics.dead_letters) if isinstance(m, DeadLetter)]) == 1
 
 
 def test_after_a_roll_back_the_answers_serving_then_samples_are_not_stale(tmp_path, tiny_model_dir):

@@ -82,7 +82,7 @@ from trainer.mlflow_store import bound_mlflow_requests
 from trainer.plasticity import drift_counter
 from trainer.publisher import release_policy, republish
 from trainer.rank_zero import Laps, RankZero
-from trainer.startup import LearnerModels, build_models, pretrain_on_logged, resume
+from trainer.startup import STARTING_VERSION, LearnerModels, build_models, pretrain_on_logged, resume
 from trainer.state import Position, gather_training_state, restore_version
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,10 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             log.warning("the registry recorded a roll-back to champion v%d that was not carried out: carried out now",
                         back.version)
             roll_back(models, at, rank0, ctx, back)
-        if pretrain_critic and at.step == 0 and models.trainables.critic is not None:
-            pretrain_on_logged(cfg, backend, models, at.version, rank0, ctx)
+        if pretrain_critic and at.step == 0 and at.rolled_back_as is None and models.trainables.critic is not None:
+            # no checkpoint: the policy is model_dir's, the version serving starts on, whatever
+            # versions a life that died before its first checkpoint published
+            pretrain_on_logged(cfg, backend, models, STARTING_VERSION, rank0, ctx)
         if rank0 is not None:
             rank0.feed.start(backend)                            # join the consumer group at the offsets
         while True:

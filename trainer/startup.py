@@ -139,6 +139,10 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     return at, rank0
 
 
+STARTING_VERSION = 0
+"""The version of ``model_dir``'s weights: what serving's engines start on (``initial_version``)."""
+
+
 def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModels, version: int,
                        rank0: RankZero | None, ctx: DistContext) -> None:
     """Value pre-training on logged rollouts of the starting policy (every rank fits on

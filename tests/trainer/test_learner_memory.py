@@ -298,6 +298,30 @@ def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path
     assert len([m for m in _messages(backend, cfg.kafka.topics.dead_letters) if isinstance(m, DeadLetter)]) == 1
 
 
+def test_a_learner_that_died_before_its_first_checkpoint_pre_trains_again_on_the_starting_policy(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The first life published v1 and died before step 1's checkpoint: the restart holds model_dir's
+    weights (version 0) but asked for logged rollouts of v1, found none and skipped pre-training."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 10, "trainer.max_rollouts_per_step": 10})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 10, prefix="p"))
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args):
+        raise Killed()
+    monkeypatch.setattr(learner_module, "checkpoint", killed)
+    with pytest.raises(Killed):
+        train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
+    monkeypatch.undo()
+    assert FileWeightStore(cfg.weight_store_url).versions() == [1]
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
+    metrics = MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(again.run_id).data.metrics
+    assert metrics["pretrain_train_rollouts"] + metrics["pretrain_held_out_rollouts"] == 10
+
+
 def test_after_a_roll_back_the_answers_serving_then_samples_are_not_stale(tmp_path, tiny_model_dir):
     """With ``trainer.max_version_lag`` under the gap between the learner's number and the champion's,
     every answer serving sampled after the roll-back notice was dropped as stale: no step ran again,

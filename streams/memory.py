@@ -327,6 +327,8 @@ class InMemoryConsumer(Consumer):
             return set(self._positions)
 
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
+        if time_ms < 0:  # as kafka-python does
+            raise ValueError(f"offsets_for_time: the target time cannot be negative ({time_ms})")
         with self._backend._lock:
             self._rebalance()
             logs = {tp: self._backend._partition_log(tp) for tp in self._positions}

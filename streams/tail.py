@@ -30,7 +30,9 @@ def iter_records_since(backend: StreamBackend, topics: list[str], since_ms: int,
     consumer = backend.consumer(topics, group_id=None, start="latest")
     try:
         ends = consumer.end_offsets()
-        starts = consumer.offsets_for_time(since_ms)
+        # before the epoch means from the start: Kafka refuses a negative time (ValueError, which killed
+        # serving's logger thread for a spool entry whose bytes give no creation time: since -60 s)
+        starts = consumer.offsets_for_time(max(0, since_ms))
         remaining: dict = {}
         for tp, end in ends.items():
             start = starts.get(tp)

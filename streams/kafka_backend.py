@@ -176,12 +176,16 @@ class KafkaBackend(StreamBackend):
         """What ensure_topics creates: name -> partitions, replication and topic configs."""
         c = self.cfg
         rf = c.replication_factor
-        retained = {"cleanup.policy": "delete", "retention.ms": str(c.retention_ms)}
+        # acks=all waits for the in-sync replicas only, and Kafka's default minimum of them is 1: with
+        # replicas, a write the leader alone held could be acknowledged (and serving's spool then
+        # drops it) and lost with that broker. Two whenever there is a second replica.
+        insync = {"min.insync.replicas": str(min(2, rf))}
+        retained = {"cleanup.policy": "delete", "retention.ms": str(c.retention_ms), **insync}
         return {
             c.topics.interactions: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
             c.topics.rewards: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
             c.topics.weights: {"num_partitions": 1, "replication_factor": rf,
-                               "configs": {"cleanup.policy": "compact"}},
+                               "configs": {"cleanup.policy": "compact", **insync}},
             c.topics.dead_letters: {"num_partitions": 1, "replication_factor": rf, "configs": retained},
         }
 

@@ -248,3 +248,11 @@ def test_security_settings_reach_every_client():
     assert options == {"bootstrap_servers": ["a:1", "b:2"], "security_protocol": "SASL_SSL",
                        "bootstrap_timeout_ms": 3000, "sasl_mechanism": "SCRAM-SHA-512",
                        "sasl_plain_username": "svc", "sasl_plain_password": "s3cret", "ssl_cafile": "/etc/ca.pem"}
+
+
+@pytest.mark.parametrize(("replicas", "in_sync"), [(1, "1"), (2, "2"), (3, "2")])
+def test_topics_need_two_replicas_in_sync_whenever_there_are_replicas(replicas, in_sync):
+    """Kafka's default min.insync.replicas is 1: acks=all then acknowledged a write only the leader held."""
+    specs = KafkaBackend(KafkaConfig(replication_factor=replicas)).topic_specs()
+    assert {spec["configs"]["min.insync.replicas"] for spec in specs.values()} == {in_sync}
+    assert all(spec["replication_factor"] == replicas for spec in specs.values())

@@ -311,7 +311,11 @@ def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], voca
 def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> None:
     """Wait for the group to assign partitions, then put every partition where the
     checkpoint says. Records fetched while joining the group are not consumed: a
-    partition without a checkpointed offset is put back to the first of them."""
+    partition without a checkpointed offset is put back to the first of them. A checkpointed
+    offset past its partition's end (the topics were deleted and made again, under the same
+    names) is read from the partition's start, with an error in the log: Kafka would reset it to
+    the start by itself, and the feed then took every record before the old offset for one
+    already read and skipped it, uncounted."""
     first_fetched: dict[TopicPartition, int] = {}
     started = time.monotonic()
     deadline = started + ASSIGNMENT_TIMEOUT_S
@@ -320,7 +324,13 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
             raise TimeoutError(f"no partitions assigned within {ASSIGNMENT_TIMEOUT_S} s")
         for msg in consumer.poll(timeout_s=0.5):
             first_fetched.setdefault(msg.tp, msg.offset)
+    ends, starts = consumer.end_offsets(), consumer.beginning_offsets()
     for tp in consumer.assignment():
+        if tp in offsets and offsets[tp] > ends.get(tp, offsets[tp]):
+            log.error("%s[%d]: the checkpoint's offset %d is past the partition's end %d: the topic was made again "
+                      "since; reading it from its start (%d)", tp.topic, tp.partition, offsets[tp], ends[tp],
+                      starts.get(tp, 0))
+            offsets[tp] = starts.get(tp, 0)
         if tp in offsets:
             consumer.seek(tp, offsets[tp])
         elif tp in first_fetched:

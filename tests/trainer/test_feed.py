@@ -11,7 +11,7 @@ import time
 import pytest
 
 from online_sao.config import Config, KafkaConfig
-from streams.base import StreamBackend
+from streams.base import StreamBackend, TopicPartition
 from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
 from streams.records import publish
@@ -53,6 +53,26 @@ def test_unread_records_and_the_joins_books_are_counted_per_topic(backend):
     after = feed.keeping_up([], now)
     assert (after.unread_interactions, after.unread_rewards, after.waiting, after.ready) == (0, 0, 4, 3)
     assert math.isnan(after.data_age_mean_s) and math.isnan(after.data_age_max_s)  # nothing trained
+    feed.close()
+
+
+def test_offsets_past_a_partitions_end_read_the_topic_made_again_from_its_start(backend, caplog):
+    """The topics were deleted and made again (to change kafka.partitions, say) and the learner kept
+    its checkpoint: offsets 50 on partitions that hold 3 records. Every new record was taken for one
+    already read and skipped, uncounted."""
+    backend.ensure_topics()
+    topics, producer, now = backend.cfg.topics, backend.producer(), time.time()
+    for i in range(6):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    stale = {TopicPartition(topic, p): 50 for topic in (topics.interactions, topics.rewards) for p in range(2)}
+    cfg = Config()
+    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), producer, dict(stale),
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    with caplog.at_level("ERROR", logger="trainer.feed"):
+        feed.start(backend)
+    assert "past the partition's end" in caplog.text
+    feed.poll()
+    assert feed.counters["records_read"] == 6 and feed.joiner.num_waiting == 6
     feed.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from typing import Callable
 
@@ -165,11 +166,14 @@ def _load(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 
 def _rates(text: str) -> list[float]:
-    """``--rates``: comma-separated numbers (a usage error otherwise)."""
+    """``--rates``: comma-separated positive finite numbers (a usage error otherwise)."""
     try:
-        return [float(r) for r in text.split(",") if r.strip()]
+        rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(r) and r > 0 for r in rates):  # nan passed "<= 0" and reached pydantic's traceback
+        raise argparse.ArgumentTypeError(f"expected positive finite learning rates, got {text!r}")
+    return rates
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -358,6 +358,12 @@ class AppConfig(Config):
     """The simulated agent scenario (tool use through the live stack)."""
 
 
+def client_api_key(cfg: Config) -> str | None:
+    """The key a run's own client sends to the serving it started: the first of ``serving.api_keys``
+    (None without keys: serving then asks loopback callers for none)."""
+    return cfg.serving.api_keys[0].get_secret_value() if cfg.serving.api_keys else None
+
+
 def load_app_config(path=None, environ=None, overrides=None) -> AppConfig:
     """:func:`online_sao.config.load_config` with the applications' tree."""
     return load_config(path, environ=environ, overrides=overrides, schema=AppConfig)

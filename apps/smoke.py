@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from apps.config import AppConfig
+from apps.config import AppConfig, client_api_key
 from apps.stack import Stack, free_port
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from streams.base import Consumer
@@ -95,11 +95,13 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
         server = stack.start("serving", ["serve"])
         base_url = f"http://127.0.0.1:{port}"
         stack.wait_http(server, f"{base_url}/readyz", timeout_s=180)
-        start_version = _served_version(base_url, cfg.serving.model_name)
+        api_key = client_api_key(cfg) or "local"  # serving asks for a key whenever keys are configured
+        auth = {"Authorization": f"Bearer {api_key}"}
+        start_version = _served_version(base_url, cfg.serving.model_name, auth)
         print(f"serving starts at policy version {start_version}", flush=True)
         stack.start("learner", ["learn"])
 
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="local")
+        client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key)
         rng = random.Random(cfg.trainer.seed)
         prompts = _prompts(cfg.model.base.seed)
         run_ids: set[str] = set()
@@ -113,11 +115,12 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
             reward = _reward(answer, rng)
             run_ids.add(extra["interaction_id"])
             httpx.post(f"{base_url}/v1/feedback", json={"interaction_id": extra["interaction_id"],
-                                                       "reward": reward, "source": "smoke"}, timeout=30).raise_for_status()
+                                                       "reward": reward, "source": "smoke"}, headers=auth,
+                       timeout=30).raise_for_status()
             print(f"[{i + 1:>3}/{requests}] v{extra.get('policy_version')} reward {reward:+.2f}  {answer[:70]!r}",
                   flush=True)
 
-        evidence, failure = _wait_for_training_on_this_run(stack, base_url, start_version, frozenset(run_ids))
+        evidence, failure = _wait_for_training_on_this_run(stack, base_url, auth, start_version, frozenset(run_ids))
     if failure is not None:
         print(f"smoke run FAILED after {time.monotonic() - started:.0f} s: {failure}; logs in {run_dir / 'logs'}")
         return 1
@@ -128,12 +131,14 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
     return 0
 
 
-def _served_version(base_url: str, model_name: str) -> int:
-    models = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
+def _served_version(base_url: str, model_name: str, headers: dict[str, str]) -> int:
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10)
+    response.raise_for_status()
+    models = response.json()["data"]
     return next(m["policy_version"] for m in models if m["id"] == model_name)
 
 
-def _wait_for_training_on_this_run(stack: Stack, base_url: str, start_version: int,
+def _wait_for_training_on_this_run(stack: Stack, base_url: str, headers: dict[str, str], start_version: int,
                                    run_ids: frozenset[str]) -> tuple[SmokeEvidence, str | None]:
     """Gather the evidence until :func:`smoke_verdict` accepts it or VERSION_WAIT_S passed."""
     from streams.kafka_backend import KafkaBackend
@@ -146,7 +151,8 @@ def _wait_for_training_on_this_run(stack: Stack, base_url: str, start_version: i
         while True:
             stack.check_alive()
             version_steps.update(_published_steps(notices, cfg.serving.model_name))
-            evidence = SmokeEvidence(start_version, _served_version(base_url, cfg.serving.model_name), version_steps,
+            evidence = SmokeEvidence(start_version, _served_version(base_url, cfg.serving.model_name, headers),
+                                     version_steps,
                                      read_ledger(cfg.checkpoint_dir, refused=False), run_ids)
             failure = smoke_verdict(evidence)
             if failure is None or time.monotonic() > deadline:

@@ -24,7 +24,7 @@ import openai
 
 from apps.agent.episode import Agent, Episode
 from apps.agent.results import EPISODES_FILE, SUMMARY_FILE, window_points, write_results
-from apps.config import AgentConfig, AppConfig
+from apps.config import AgentConfig, AppConfig, client_api_key
 from apps.default_model.tool_corpus import ToolTask, draw_task
 from online_sao.config import dump_config
 
@@ -166,7 +166,7 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
             waited = wait_for_consumers(backend, [acfg.trainer.consumer_group], stack.check_alive,
                                         LEARNER_READY_TIMEOUT_S)
             progress(f"the learner holds its partitions after {waited:.1f} s; {settings.tasks} tasks start")
-            api_key = acfg.serving.api_keys[0].get_secret_value() if acfg.serving.api_keys else None
+            api_key = client_api_key(acfg)
             episodes, failed = asyncio.run(_drive_with(base_url, acfg, api_key, out / EPISODES_FILE, progress,
                                                        stack.check_alive))
             evidence = _wait_for_training(acfg, episodes, stack.check_alive)

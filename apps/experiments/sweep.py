@@ -10,6 +10,8 @@ one phase, keeps the choice from favouring an arm's first style.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,8 +40,8 @@ def sweep_config(cfg: AppConfig, rates: list[float], arms: list[str] | None = No
     """``cfg`` whose arms are every (chosen arm, rate) pair and whose results go to ``<results>/lr-sweep``."""
     from apps.experiments.scenario import results_dir
 
-    if not rates or any(r <= 0 for r in rates):
-        raise ConfigError(f"rates must be positive, got {rates}")
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise ConfigError(f"rates must be positive and finite, got {rates}")
     chosen = [a for a in cfg.experiment.arms if arms is None or a.name in arms]
     unknown = set(arms or []) - {a.name for a in chosen}
     if unknown:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from apps.config import AppConfig
+from apps.config import AppConfig, client_api_key
 from apps.load.stats import LoadParams, LoadResult, LoadSummary, RequestRecord, summarize, versions_text
 from streams.base import StreamBackend
 
@@ -184,7 +184,7 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
         wait_for_consumers(backend, [cfg.trainer.consumer_group], stack.check_alive, LEARNER_READY_TIMEOUT_S)
         progress(f"serving ready and the learner holding its partitions {time.monotonic() - started:.1f} s after "
                  f"they started; {params.clients} clients start")
-        result = run_load(base_url, None, params, progress)
+        result = run_load(base_url, client_api_key(cfg), params, progress)
         stack.check_alive()
         acked = acked_interactions(result.records)
         progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
@@ -286,6 +286,9 @@ def results_path(text: str) -> str:
     overwritten by the plot beside it, whose name is the same with .png)."""
     if Path(text).suffix.lower() == ".png":
         raise argparse.ArgumentTypeError(f"names the results JSON (its plot goes beside it as .png), got {text}")
+    if Path(text).is_dir():  # found only when the results were written, after the whole run
+        raise argparse.ArgumentTypeError(f"names the results file, not a directory: {text} is one "
+                                         f"(e.g. {Path(text) / 'load.json'})")
     return text
 
 
@@ -294,7 +297,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = LoadParams()
     parser.add_argument("--url", help="an endpoint already running (e.g. http://127.0.0.1:8000); "
                                       "without it serving and the learner are started for the run")
-    parser.add_argument("--api-key", help="API key for --url (the started stack needs none)")
+    parser.add_argument("--api-key", help="API key for --url (a started stack is sent the first of "
+                                          "serving.api_keys, when any are configured)")
     parser.add_argument("--clients", type=positive(int), default=defaults.clients, help="concurrent clients")
     parser.add_argument("--duration-s", type=positive(float), default=defaults.duration_s, help="seconds of load")
     parser.add_argument("--requests-per-client", type=positive(int),

@@ -154,7 +154,10 @@ def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anythin
     (["load", "--stream-share", "1.5"], "--stream-share: must lie in [0, 1], got 1.5"),
     (["load", "--out", "run.png"], "--out: names the results JSON (its plot goes beside it as .png), got run.png"),
     (["lr-sweep", "--rates", "1e-4,abc"], "--rates: expected comma-separated numbers, got '1e-4,abc'"),
-], ids=["clients", "duration", "share", "plot-as-out", "rates"])
+    (["lr-sweep", "--rates", "1e-4,nan"], "--rates: expected positive finite learning rates, got '1e-4,nan'"),
+    (["lr-sweep", "--rates", "inf"], "--rates: expected positive finite learning rates, got 'inf'"),
+    (["load", "--out", "."], "--out: names the results file, not a directory: . is one (e.g. load.json)"),
+], ids=["clients", "duration", "share", "plot-as-out", "rates", "nan-rate", "inf-rate", "directory-as-out"])
 def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)

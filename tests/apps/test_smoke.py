@@ -7,7 +7,12 @@ train on interactions the first run left behind. Neither proves this run's loop 
 
 from __future__ import annotations
 
-from apps.smoke import SmokeEvidence, smoke_verdict
+import http.server
+import json
+import threading
+
+from apps.config import client_api_key, load_app_config
+from apps.smoke import SmokeEvidence, _served_version, smoke_verdict
 
 RUN = frozenset({"new-1", "new-2", "new-3"})
 """This run's interaction ids."""
@@ -46,3 +51,31 @@ def test_a_version_published_before_the_first_step_on_this_runs_feedback_does_no
 def test_a_served_version_without_its_notice_does_not_pass():
     failure = smoke_verdict(evidence(30, 32, {31: 31}, [(31, "new-1")]))
     assert failure is not None and "no weights notice" in failure
+
+
+def test_the_smoke_client_sends_the_first_configured_key(free_port):
+    """With serving.api_keys set, serving asks even loopback callers for a key: the smoke run sent
+    "local" and failed on KeyError 'data' (the 401's body), the load run's own stack got 401s."""
+    keys = []
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            keys.append(self.headers.get("Authorization"))
+            body = json.dumps({"data": [{"id": "m", "policy_version": 7}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", free_port), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = load_app_config(environ={}, overrides={"serving.api_keys": ["first", "second"]})
+        assert client_api_key(cfg) == "first" and client_api_key(load_app_config(environ={})) is None
+        assert _served_version(f"http://127.0.0.1:{free_port}", "m", {"Authorization": "Bearer first"}) == 7
+        assert keys == ["Bearer first"]
+    finally:
+        server.shutdown()

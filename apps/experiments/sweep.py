@@ -11,7 +11,6 @@ one phase, keeps the choice from favouring an arm's first style.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from pathlib import Path
 

@@ -93,6 +93,21 @@ TEXT_TYPES = (str, SecretStr, Path)
 lost its comment-like tail, ``#x`` became null, ``123456`` a number the field refuses."""
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping: the last one won, so a
+    second ``serving:`` section silently replaced the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _field_type(schema: type[BaseModel], keys: list[str]) -> Any:
     """The annotation of the field at ``keys`` under ``schema`` (None for a key it does not have)."""
     model: Any = schema
@@ -172,7 +187,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         if not path.is_file():
             raise ConfigError(f"configuration file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {one_line(exc)}") from exc
         except UnicodeDecodeError as exc:

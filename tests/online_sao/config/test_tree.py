@@ -187,3 +187,14 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     path.write_bytes(b"serving:\n  host: caf\xe9\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(path, environ={})
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
+    """YAML keeps the last of two equal keys: a second `serving:` section replaced the first silently."""
+    path = tmp_path / "run.yaml"
+    path.write_text("serving:\n  port: 8001\ntrainer:\n  seed: 3\nserving:\n  host: 0.0.0.0\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: .*the key 'serving' is given twice.*line 5"):
+        load_config(path, environ={})
+    path.write_text("serving:\n  port: 8001\n  port: 8002\n")
+    with pytest.raises(ConfigError, match="the key 'port' is given twice"):
+        load_config(path, environ={})

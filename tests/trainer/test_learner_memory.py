@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -196,37 +195,56 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
     assert any(not torch.equal(after.models["policy"][k], v) for k, v in champion_ckpt.models["policy"].items())
 
 
+class Stopped(Exception):
+    """A stop request (or a kill) in the middle of what the learner does."""
+
+
+def _stopped(*args, **kwargs):
+    raise Stopped()
+
+
+def _stopped_in_the_roll_back(tmp_path, model_dir, monkeypatch, name: str, replacement):
+    """``_registry_rounds``' learner, its ``trainer.learner.<name>`` replaced by ``replacement``
+    (which stops it inside the v2 roll-back) for three steps; (config, backend, a reader of the
+    rejected v2's registry tags), the roll-back recorded and not yet carried out."""
+    cfg, backend = _registry_rounds(tmp_path, model_dir)
+    monkeypatch.setattr(learner_module, name, replacement)
+    with pytest.raises(Stopped):
+        train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+    monkeypatch.undo()
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+
+    def rejected() -> dict[str, str]:
+        return client.get_model_version(cfg.mlflow.registered_model, "2").tags
+
+    assert rejected()["decision"] == "rolled_back" and rejected()["rollback_carried_out"] == "false"
+    return cfg, backend, rejected
+
+
+def _champion_published_again(cfg, backend) -> int:
+    """The newest publish of ``_registry_rounds``' champion v1's weights after its v2 was rolled back
+    (the notices up to the roll-back as they must be); its version."""
+    notices = [n for n in _messages(backend, cfg.kafka.topics.weights) if isinstance(n, WeightsNotice)]
+    assert [(n.action, n.version) for n in notices[:5]] == [("publish", 1), ("publish", 2), ("publish", 3),
+                                                            ("rollback", 1), ("publish", 4)]
+    store = FileWeightStore(cfg.weight_store_url)
+    v1 = store.load(notices[0].location, notices[0].checksum)
+    again = [n for n in notices[4:] if n.action == "publish"
+             and all(torch.equal(store.load(n.location, n.checksum)[k], v) for k, v in v1.items())]
+    assert again, "v1's weights were not published again"
+    return again[-1].version
+
+
 def test_a_roll_back_stopped_after_the_registry_recorded_it_is_carried_out_when_the_learner_starts(
         tmp_path, tiny_model_dir, monkeypatch):
     """The learner stops after recording v2's roll-back, before the champion's weights go out again
     (the broker down, then a stop request). Restarted, it found candidate and champion one version
     and nothing to decide, resumed from its checkpoint of the rejected line and published that as v4,
     which serving followed over the roll-back. It now carries the roll-back out first."""
-    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir)
-    topics = cfg.kafka.topics
-
-    class Stopped(Exception):
-        pass
-
-    def stopped(*args, **kwargs):
-        raise Stopped()
-    monkeypatch.setattr(learner_module, "republish", stopped)
-    with pytest.raises(Stopped):
-        train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
-    monkeypatch.undo()
-    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
-    model = cfg.mlflow.registered_model
-    rejected = client.get_model_version(model, "2")
-    assert rejected.tags["decision"] == "rolled_back" and rejected.tags["rollback_carried_out"] == "false"
-
+    cfg, backend, rejected = _stopped_in_the_roll_back(tmp_path, tiny_model_dir, monkeypatch, "republish", _stopped)
     train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
-    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
-    assert [(n.action, n.version) for n in notices[:5]] == [("publish", 1), ("publish", 2), ("publish", 3),
-                                                            ("rollback", 1), ("publish", 4)]
-    store = FileWeightStore(cfg.weight_store_url)
-    v1, v4 = (store.load(n.location, n.checksum) for n in (notices[0], notices[4]))
-    assert all(torch.equal(v4[k], v) for k, v in v1.items())  # the champion's weights, not the rejected line's
-    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v4"
+    assert _champion_published_again(cfg, backend) == 4  # the champion's weights, not the rejected line's
+    assert rejected()["rollback_carried_out"] == "v4"
 
 
 def test_a_roll_back_whose_state_no_checkpoint_holds_yet_is_carried_out_again_after_a_crash(
@@ -235,34 +253,17 @@ def test_a_roll_back_whose_state_no_checkpoint_holds_yet_is_carried_out_again_af
     step's checkpoint commits: the newest checkpoint is still the rejected line's. The registry said
     the roll-back was carried out, so the restarted learner trained that line and published it as
     v5. It is now told so only once a checkpoint holds the restored state."""
-    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir)
-
-    class Killed(Exception):
-        pass
-
     real_checkpoint = learner_module.checkpoint
 
     def killed_after_the_roll_back(models, at, rank0, ctx):
         if rank0 is not None and rank0.counters["rollbacks"] >= 1:
-            raise Killed()
+            raise Stopped()
         real_checkpoint(models, at, rank0, ctx)
-    monkeypatch.setattr(learner_module, "checkpoint", killed_after_the_roll_back)
-    with pytest.raises(Killed):
-        train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
-    monkeypatch.undo()
-    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
-    model = cfg.mlflow.registered_model
-    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "false"
-
+    cfg, backend, rejected = _stopped_in_the_roll_back(tmp_path, tiny_model_dir, monkeypatch, "checkpoint",
+                                                       killed_after_the_roll_back)
     train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
-    notices = [n for n in _messages(backend, cfg.kafka.topics.weights) if isinstance(n, WeightsNotice)]
-    assert [(n.action, n.version) for n in notices[:5]] == [("publish", 1), ("publish", 2), ("publish", 3),
-                                                            ("rollback", 1), ("publish", 4)]
-    assert (notices[5].action, notices[5].version) == ("publish", 5)  # v1's weights again, at the restart
-    store = FileWeightStore(cfg.weight_store_url)
-    v1, v5 = (store.load(n.location, n.checksum) for n in (notices[0], notices[5]))
-    assert all(torch.equal(v5[k], v) for k, v in v1.items())
-    assert client.get_model_version(model, "2").tags["rollback_carried_out"] == "v5"
+    assert _champion_published_again(cfg, backend) == 5  # v4 went out before the crash; v5 at the restart
+    assert rejected()["rollback_carried_out"] == "v5"
 
 
 def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path, tiny_model_dir):
@@ -270,7 +271,8 @@ def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path
     checkpoint was committed first, with offsets past the bad record, so the restart never read
     it again and its dead letter was lost. The checkpoint now waits for the dead letters."""
     cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1})
-    refusing = {"on": True}
+    until = RunUntil(max_steps=1)
+    refused = []
 
     class Backend(InMemoryBackend):
         def producer(self):
@@ -278,7 +280,10 @@ def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path
 
             class Producer(InMemoryProducer):
                 def send(self, topic, value, key=None, on_delivery=None):
-                    if refusing["on"] and topic == backend.cfg.topics.dead_letters:
+                    if until is not None and topic == backend.cfg.topics.dead_letters:
+                        refused.append(value)
+                        if len(refused) > 1:  # sent again: the learner waits for it; SIGTERM now
+                            until.stop.set()
                         raise StreamUnavailable("the dead-letter topic has no leader")
                     return super().send(topic, value, key, on_delivery)
             return Producer(self)
@@ -288,11 +293,9 @@ def test_a_dead_letter_the_broker_never_took_is_written_after_a_restart(tmp_path
     producer = InMemoryBackend.producer(backend)
     producer.send(cfg.kafka.topics.interactions, b"{not json", key=b"bad")
     produce(producer, cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4, prefix="a"))
-    until = RunUntil(max_steps=1)
-    threading.Timer(3.0, until.stop.set).start()  # SIGTERM while the learner waits for the broker
     with pytest.raises(StreamUnavailable):
         train(cfg, backend, init_distributed(), until)
-    refusing["on"] = False
+    until = None  # the topic has a leader again
     produce(producer, cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4, prefix="b"))
     train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
     assert len([m for m in _messages(backend, cfg.kafka.topics.dead_letters) if isinstance(m, DeadLetter)]) == 1
@@ -306,14 +309,8 @@ def test_a_learner_that_died_before_its_first_checkpoint_pre_trains_again_on_the
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 10, prefix="p"))
-
-    class Killed(Exception):
-        pass
-
-    def killed(*args):
-        raise Killed()
-    monkeypatch.setattr(learner_module, "checkpoint", killed)
-    with pytest.raises(Killed):
+    monkeypatch.setattr(learner_module, "checkpoint", _stopped)
+    with pytest.raises(Stopped):
         train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
     monkeypatch.undo()
     assert FileWeightStore(cfg.weight_store_url).versions() == [1]

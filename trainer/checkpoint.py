@@ -99,6 +99,9 @@ class LearnerState:
     :meth:`Checkpointer.stage`). Checkpoints from before segments name :data:`LEGACY_SEGMENT`."""
     ledger_bytes: int = 0
     """Length of :attr:`ledger_segment` this checkpoint covers (set by :meth:`Checkpointer.stage`)."""
+    drift: dict[str, Any] = field(default_factory=dict)
+    """The reward-drift detector's books (:meth:`trainer.plasticity.DriftResponse.state_dict`); empty
+    without ``drift.enabled`` and in checkpoints from before they were kept."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

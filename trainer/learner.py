@@ -275,7 +275,7 @@ def checkpoint(models: LearnerModels, at: Position, rank0: RankZero | None, ctx:
     if rank0 is not None:  # the checkpoint's offsets are past the refused records: their letters first
         rank0.feed.flush_dead_letters()
     ckpt = gather_training_state(models.trainables, rank0.feed.joiner if rank0 else None,
-                                 rank0.progress(at) if rank0 else None, ctx)
+                                 rank0.progress(at) if rank0 else None, ctx, models.drift)
     if rank0 is not None:
         feed, offsets, releases, rolled_back_as = rank0.feed, dict(ckpt.state.offsets), rank0.releases, at.rolled_back_as
 

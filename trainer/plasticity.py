@@ -28,7 +28,10 @@ policy and critic in memory) and applies the same arithmetic to it; every rank s
 step's rewards (the learner broadcasts the step's rollouts), so all ranks agree on the alarm
 without a collective. The "start" is what :func:`trainer.startup.build_models` loaded, before
 any checkpoint or value pre-training: the weights in ``model_dir`` and a freshly built critic.
-The detector's reward history is not checkpointed: after a restart it fills again.
+The detector's books (its reward history, a probation, the scores) are checkpointed
+(:meth:`DriftResponse.state_dict`): a learner restarted mid-window raises the alarm one that never
+stopped raises. The weight snapshots a roll-back returns to are not (a policy's worth each): after
+a restart they are taken again, and an alarm before one exists restarts instead of rolling back.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +110,22 @@ class DriftResponse:
         self.scores: deque[float] = deque()
         """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first;
         empty without a ``rollback_score``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The books a checkpoint keeps (module docstring; not the weight snapshots)."""
+        p = self.probation
+        return {"detector": self.detector.state_dict(), "seen": self.seen, "scores": list(self.scores),
+                "probation": None if p is None else {"reference": p.reference, "from_version": p.from_version,
+                                                     "rewards": p.rewards}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.seen = int(state["seen"])
+        self.scores = deque(float(s) for s in state["scores"])
+        p = state.get("probation")
+        self.probation = None if p is None else Probation(list(p["reference"]), int(p["from_version"]),
+                                                          list(p["rewards"]))
+        self.snapshots.clear()
 
     def after_rollouts(self, rollouts: list[Rollout], next_version: int) -> dict[str, float]:
         """:meth:`after_step` on one trained step's rollouts: their rewards, the versions that

@@ -122,7 +122,7 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     checkpointer = (Checkpointer(cfg.checkpoint_dir, ledger_segment_bytes=cfg.trainer.ledger_segment_bytes)
                     if ctx.is_main else None)
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
-    progress = restore_training_state(checkpointer, models.trainables, joiner, ctx)
+    progress = restore_training_state(checkpointer, models.trainables, joiner, ctx, models.drift)
     rank0, version = None, progress.version
     if ctx.is_main:
         rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,

@@ -76,15 +76,18 @@ class Progress:
 
 
 def restore_training_state(checkpointer: Checkpointer | None, trainables: Trainables, joiner: RewardJoiner,
-                           ctx: DistContext) -> Progress:
-    """Load the newest checkpoint into models, optimisers, algorithm and (rank 0) the
-    joiner. Returns its progress: complete on rank 0, step and version elsewhere;
-    a fresh :class:`Progress` when there is no checkpoint."""
+                           ctx: DistContext, drift: Any = None) -> Progress:
+    """Load the newest checkpoint into models, optimisers, algorithm, the drift detector's books
+    (``drift``: the learner's DriftResponse, if any) and (rank 0) the joiner. Returns its
+    progress: complete on rank 0, step and version elsewhere; a fresh :class:`Progress` when
+    there is no checkpoint."""
     ckpt = checkpointer.resume() if ctx.is_main else None
     shared = _shared(ckpt, ctx)
     if shared is None:
         return Progress()
     load_trainables(ckpt, shared, trainables, ctx)
+    if drift is not None and shared.get("drift"):
+        drift.load_state_dict(shared["drift"])
     if ckpt is None:
         return Progress(step=shared["step"], version=shared["version"])
     joiner.load_state_dict(ckpt.state.joiner, memory=ckpt.id_memory)
@@ -112,7 +115,7 @@ def _shared(ckpt: Checkpoint | None, ctx: DistContext) -> dict[str, Any] | None:
     shared = None
     if ckpt is not None:
         shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
-                  "scheduler": ckpt.optimizers.get("critic_scheduler")}
+                  "scheduler": ckpt.optimizers.get("critic_scheduler"), "drift": ckpt.state.drift}
     return broadcast_json(shared, ctx)
 
 
@@ -134,7 +137,7 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
 
 
 def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, progress: Progress | None,
-                          ctx: DistContext) -> Checkpoint | None:
+                          ctx: DistContext, drift: Any = None) -> Checkpoint | None:
     """Gather everything for one checkpoint on rank 0 (collective); the other ranks, which pass
     ``joiner`` and ``progress`` None, get None. Its tensors do not alias the models' or the
     optimisers' (:func:`full_state_dict`, :func:`optimizer_state`); its JSON parts may alias the
@@ -157,5 +160,6 @@ def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, p
     state = LearnerState(step=p.step, version=p.version, offsets=dict(p.offsets),
                          joiner=joiner.state_dict(with_memory=False), algorithm=t.algorithm.state_dict(),
                          mlflow_run_id=p.mlflow_run_id, protected_versions=sorted(p.protected_versions),
-                         counters=dict(p.counters), candidate=dict(p.candidate))
+                         counters=dict(p.counters), candidate=dict(p.candidate),
+                         drift=drift.state_dict() if drift is not None else {})
     return Checkpoint(state, models, optimizers, joiner.memory.snapshot())

@@ -421,6 +421,28 @@ def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_pa
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0.0, 0.0, 1.0, 0.0]
 
 
+def test_a_learner_stopped_inside_the_detectors_window_raises_the_same_alarm_after_its_restart(
+        tmp_path, tiny_model_dir):
+    """The scenario above, stopped after step 2 and restarted: the detector's history was not
+    checkpointed, so the restarted learner saw four rewards of 0.0 and no reference, and never
+    restarted the policy that the uninterrupted learner restarts at step 3."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1, "mlflow.register_every": 100,
+                                               "drift.enabled": True, "drift.reference": 8, "drift.recent": 4})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for i, interaction in enumerate(sample_traffic(load_policy(tiny_model_dir), 16, prefix="d")):
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+        publish(producer, cfg.kafka.topics.rewards, Reward(interaction_id=interaction.interaction_id, value=float(i < 8)))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=2))
+    assert len(Checkpointer(cfg.checkpoint_dir).load_latest().state.drift["detector"]["history"]) == 8
+    again = train(cfg, backend, init_distributed(), RunUntil(max_steps=2))
+    assert MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(again.run_id).data.metrics["drift_restarts"] == 1.0
+    champion = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri).get_model_version_by_alias(
+        cfg.mlflow.registered_model, "champion")
+    assert champion.tags["gate.decision"] == "drift_restart" and champion.tags["policy_version"] == "3"
+
+
 def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_as_champion(tmp_path, tiny_model_dir):
     # rewards 1.0 for five steps of 4, then 0.0. The test fires at reward 23 (reference rewards
     # 8-15 all 1 | recent 16-23: 1, 0, 0, 0, drop 0.75, z 3.0); its reference window starts after

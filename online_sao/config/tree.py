@@ -100,8 +100,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *anchor": merged below, where an explicit key wins as YAML says
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                duplicate = key in seen
+            except TypeError:  # a list as a key: the safe loader's own error, below
+                continue
+            if duplicate:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                         key_node.start_mark)
             seen.add(key)

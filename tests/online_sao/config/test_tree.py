@@ -198,3 +198,16 @@ def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
     path.write_text("serving:\n  port: 8001\n  port: 8002\n")
     with pytest.raises(ConfigError, match="the key 'port' is given twice"):
         load_config(path, environ={})
+
+
+def test_merge_keys_still_merge_and_a_list_as_a_key_is_still_a_config_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("x-serving: &base {port: 8001, host: 127.0.0.2}\nserving:\n  <<: *base\n  port: 8002\n")
+    with pytest.raises(ConfigError, match="x-serving: unknown key"):  # the anchor's own section is no key
+        load_config(path, environ={})
+    path.write_text("trainer: &t {seed: 3}\nserving:\n  <<: {port: 8001, host: 127.0.0.2}\n  port: 8002\n")
+    serving = load_config(path, environ={}).serving
+    assert (serving.port, serving.host) == (8002, "127.0.0.2")  # the explicit key wins over the merged one
+    path.write_text("serving:\n  ? [a]\n  : 1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path, environ={})

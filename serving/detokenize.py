@@ -26,13 +26,17 @@ class IncrementalDecoder:
     so each step costs a few tokens, not the whole response. Special tokens and the
     ``hidden`` ids (stop tokens, which are actions but not text) produce no text. ``prompt``:
     the ids before the answer; its last :data:`CONTEXT_TOKENS` are the context the first answer
-    token is decoded after (their own text is never returned).
+    token is decoded after (their own text is never returned), less those that end inside a
+    character: the answer's bytes that finish it would otherwise count as the prompt's.
     """
 
     def __init__(self, tokenizer: Decodes, hidden: frozenset[int] = frozenset(), prompt: list[int] = ()):
         self._tokenizer = tokenizer
         self._hidden = hidden
-        self._ids: list[int] = list(prompt[-CONTEXT_TOKENS:]) if prompt else []
+        context = list(prompt[-CONTEXT_TOKENS:]) if prompt else []
+        while context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context.pop()  # a prompt cut inside a character: the answer's first bytes finish it, as text
+        self._ids: list[int] = context
         self._start = 0
         self._read = len(self._ids)
 

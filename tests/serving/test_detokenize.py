@@ -61,6 +61,17 @@ def test_the_prompts_context_changes_nothing_for_a_byte_level_tokenizer(chat_tok
     assert "".join(decoder.push(t) for t in ids) + decoder.finish() == "é 🙂 done"
 
 
+def test_a_prompt_cut_inside_a_character_leaves_the_answer_its_bytes(chat_tokenizer):
+    """Token ids may cut a character (a prompt as ids, a parent cut at max_tokens): with the cut
+    prompt as context, the answer's tokens that finish it gave no text at all."""
+    ids = chat_tokenizer("ab \U0001f642 done", add_special_tokens=False)["input_ids"]
+    for cut in range(1, len(ids)):
+        decoder = IncrementalDecoder(chat_tokenizer, prompt=ids[:cut])
+        alone = IncrementalDecoder(chat_tokenizer)
+        expected = "".join(alone.push(t) for t in ids[cut:]) + alone.finish()
+        assert "".join(decoder.push(t) for t in ids[cut:]) + decoder.finish() == expected, cut
+
+
 def test_stop_string_cuts_the_text_and_nothing_of_it_is_emitted():
     stops = StopStrings(["END", "\n\n"])
     emitted = []

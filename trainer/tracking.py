@@ -103,7 +103,6 @@ def _waiting(what: str):
     return wrap
 
 
-
 class RunTracker:
     """The learner's MLflow run and its registered policy versions (rank 0 only)."""
 

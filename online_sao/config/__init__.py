@@ -3,8 +3,8 @@
 Each component owns one section (a pydantic model, in a module of its own here); every field
 has a docstring that says what it controls. Runs are described by YAML files in ``configs/``;
 any field can be overridden from the environment with
-``ONLINE_SAO__<SECTION>__<FIELD>=value`` (double underscores separate levels,
-values are parsed as YAML scalars). Unknown keys and invalid values raise
+``ONLINE_SAO__<SECTION>__<FIELD>=value`` (double underscores separate levels; a value is
+parsed as YAML, except for a text field, which takes it as written). Unknown keys and invalid values raise
 :class:`ConfigError` naming the offending key.
 
 ============  ==========================================================

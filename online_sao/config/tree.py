@@ -93,6 +93,15 @@ TEXT_TYPES = (str, SecretStr, Path)
 lost its comment-like tail, ``#x`` became null, ``123456`` a number the field refuses."""
 
 
+def _load_yaml(text: str) -> Any:
+    """The document in ``text``, read by :class:`UniqueKeyLoader` (a safe loader: plain data only)."""
+    loader = UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader that refuses a key given twice in one mapping: the last one won, so a
     second ``serving:`` section silently replaced the first."""
@@ -193,7 +202,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         if not path.is_file():
             raise ConfigError(f"configuration file not found: {path}")
         try:
-            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+            loaded = _load_yaml(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {one_line(exc)}") from exc
         except UnicodeDecodeError as exc:

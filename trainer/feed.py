@@ -141,7 +141,7 @@ class Feed:
 
     def poll(self) -> None:
         """Read one poll's records into the join, unless enough steps are ready already."""
-        if self.joiner.ready_stats(self.group_size)[0] >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
+        if self.joiner.ready_rollouts(self.group_size) >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
             return
         messages = self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS)
         left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
@@ -264,7 +264,7 @@ class Feed:
         unread = self.unread()
         ages = [now - r.completed_at for r in trained if r.completed_at is not None]
         return KeepingUp(unread[self.topics.interactions], unread[self.topics.rewards],
-                         self.joiner.num_waiting, self.joiner.ready_stats()[0],
+                         self.joiner.num_waiting, self.joiner.ready_rollouts(),
                          sum(ages) / len(ages) if ages else math.nan, max(ages, default=math.nan))
 
     def flush_dead_letters(self) -> None:

@@ -226,6 +226,10 @@ class RewardJoiner(TrajectoryRules):
         self.memory.advance(ts)
 
     # -- output --------------------------------------------------------------------------
+    def ready_rollouts(self, group_size: int = 1) -> int:
+        """Rollouts :meth:`pop_ready` could hand out now (:meth:`ready_stats` without the tokens)."""
+        return len(self._poppable(group_size))
+
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
         entries = self._poppable(group_size)

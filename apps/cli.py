@@ -16,7 +16,7 @@ from typing import Callable
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
-from online_sao.config.tree import one_line
+from online_sao.config.tree import setting_value
 
 REFERENCE_TITLE = "Configuration reference"
 """Title of ``config reference``'s Markdown (docs/CONFIG.md is that output)."""
@@ -281,17 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    import yaml
-
     out: dict[str, object] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item}: not a YAML value: {one_line(exc)}") from None
+        out[key] = setting_value(AppConfig, key.split("."), value, f"--set {key}")  # a text field as written
     if getattr(args, "port", None) is not None:
         out["serving.port"] = args.port
     if getattr(args, "seeds", None) is not None:

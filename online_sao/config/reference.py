@@ -127,7 +127,8 @@ def reference(schema: type[Section], title: str) -> str:
     lines = [f"# {title}", "",
              f"Generated from the code (`online-sao config reference`); every key can be set in a YAML "
              f"file under its section, with `--set section.key=value`, or as `{ENV_PREFIX}SECTION__KEY`. "
-             f"Numbers must be finite (`.inf` and `.nan` are refused). An environment value is read as YAML "
+             f"Numbers must be finite (`.inf` and `.nan` are refused). A value given in the environment or with "
+             f"`--set` is read as YAML "
              f"(`[a, b]` is a list), except for a text field (`str`, `secret`, `path`), which takes it as "
              f"written (a password `p@ss #1` whole); an empty one is null.", ""]
     for path, model in _sections(schema, ""):

@@ -149,19 +149,25 @@ def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], schema: type[Bas
         keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__") if k]
         if not keys:
             continue
-        if value == "":
-            parsed = None
-        elif _is_text(_field_type(schema, keys)):
-            parsed = value
-        else:
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError as exc:  # where, not what: the value may be a secret (a list of keys)
-                mark = getattr(exc, "problem_mark", None)
-                where = f" (column {mark.column + 1})" if mark is not None else ""
-                raise ConfigError(f"{name}: not a YAML value{where}") from None
-        _section(raw, keys[:-1], name)[keys[-1]] = parsed
+        _section(raw, keys[:-1], name)[keys[-1]] = setting_value(schema, keys, value, name)
     return raw
+
+
+def setting_value(schema: type[BaseModel], keys: list[str], text: str, source: str) -> Any:
+    """The value a setting written as text (an environment variable, ``--set``) gives the field at
+    ``keys``: None for an empty one, the text itself for a text field (:data:`TEXT_TYPES`), else
+    YAML (``[a, b]`` is a list). A YAML error names ``source`` and where, not the text: it may be
+    a secret."""
+    if text == "":
+        return None
+    if _is_text(_field_type(schema, keys)):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{source}: not a YAML value{where}") from None
 
 
 def one_line(exc: BaseException) -> str:

@@ -91,7 +91,18 @@ def test_config_and_set_work_after_the_subcommand_too(capsys):
 def test_a_set_value_that_is_not_yaml_is_one_line_and_exit_2(capsys):
     assert cli.main(["--set", "serving.port=[", "config", "show"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("online-sao: --set serving.port=[: not a YAML value")
+    assert len(err) == 1 and err[0].startswith("online-sao: --set serving.port: not a YAML value")
+
+
+def test_a_set_text_field_is_taken_as_written_and_a_bad_value_never_echoed(capsys):
+    """As for the environment: YAML cut a password at " #" and quoted a bad value (a secret) back."""
+    assert cli.main(["--set", "kafka.sasl_password=p@ss #1", "--set", "serving.deployment_id=2024-01-01",
+                     "config", "show"]) == 0
+    assert "deployment_id: '2024-01-01'" in capsys.readouterr().out
+    args = cli.build_parser().parse_args(["--set", "kafka.sasl_password=p@ss #1", "config", "show"])
+    assert cli._overrides(args)["kafka.sasl_password"] == "p@ss #1"
+    assert cli.main(["--set", "serving.api_keys=[!s3cret, x", "config", "show"]) == 2
+    assert "s3cret" not in capsys.readouterr().err
 
 
 def test_the_outside_world_failing_is_one_line_and_exit_1_and_an_interrupt_130(monkeypatch, capsys):

@@ -41,6 +41,14 @@ class Component:
     log_path: Path
 
 
+def _as_set_text(value: Any) -> str:
+    """``value`` as ``--set`` text: a string as it is (a text field takes it as written, so YAML's
+    quotes would become part of it), anything else as flow YAML."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 @dataclass
 class Stack:
     """Processes of one run sharing ``config_path`` plus ``overrides``."""
@@ -74,7 +82,7 @@ class Stack:
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         for key, value in {**self.overrides, **(extra_overrides or {})}.items():
-            args += ["--set", f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"]
+            args += ["--set", f"{key}={_as_set_text(value)}"]
         return args
 
     def start_broker(self) -> str:

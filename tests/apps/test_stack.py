@@ -71,3 +71,17 @@ def test_children_of_a_resolved_config_do_not_read_the_environment_again(tmp_pat
         shown = yaml.safe_load(child.log_path.read_text())
         expected = 45678 if resolved else 8001
         assert shown["serving"]["port"] == expected and stack.cfg.serving.port == expected
+
+
+def test_overrides_reach_the_children_as_the_parent_read_them(tmp_path):
+    """A string went to the child as YAML ('2024-01-01' with its quotes), and the child now takes a
+    text field's --set value as written: the quotes became part of the deployment id."""
+    overrides = {"serving.deployment_id": "2024-01-01", "kafka.sasl_password": "p@ss #1", "serving.port": 8123,
+                 "serving.api_keys": ["k1", "k 2"]}
+    stack = Stack(None, overrides, tmp_path / "run", progress=lambda _: None)
+    child = stack.start("show", ["config", "show"])
+    assert child.process.wait(60) == 0
+    shown = yaml.safe_load(child.log_path.read_text())
+    assert shown["serving"]["deployment_id"] == "2024-01-01" and shown["serving"]["port"] == 8123
+    assert stack.cfg.kafka.sasl_password.get_secret_value() == "p@ss #1"
+    assert len(shown["serving"]["api_keys"]) == 2

@@ -33,17 +33,24 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Decodes, hidden: frozenset[int] = frozenset(), prompt: list[int] = ()):
         self._tokenizer = tokenizer
         self._hidden = hidden
-        context = list(prompt[-CONTEXT_TOKENS:]) if prompt else []
+        self._context: list[int] | None = list(prompt[-CONTEXT_TOKENS:]) if prompt else None
+        """Read at the first answer token: the engine has accepted the prompt's ids by then."""
+        self._ids: list[int] = []
+        self._start = 0
+        self._read = 0
+
+    def _start_after_the_prompt(self) -> None:
+        context, self._context = self._context or [], None
         while context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context.pop()  # a prompt cut inside a character: the answer's first bytes finish it, as text
-        self._ids: list[int] = context
-        self._start = 0
-        self._read = len(self._ids)
+        self._ids, self._read = context, len(context)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
+        if self._context is not None:
+            self._start_after_the_prompt()
         if token_id in self._hidden:
             return ""
         self._ids.append(token_id)

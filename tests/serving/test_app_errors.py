@@ -198,9 +198,12 @@ def test_a_full_spool_during_an_outage_answers_503_with_the_reason_and_stays_up(
     assert len(producer.delivered) == statuses.count(200) + held_then_delivered + 1
 
 
-def test_input_the_engine_refuses_is_a_400(make_harness):
+@pytest.mark.parametrize("ids", [[99999], [-1]])
+def test_input_the_engine_refuses_is_a_400(make_harness, ids):
+    """[-1]: the decoder read the prompt's ids (its context) before the engine refused them, and the
+    tokenizer's OverflowError was a 500 (found by fuzzing)."""
     h = make_harness()
-    h.engine.fail_with = ValueError("token ids [99999] are outside the vocabulary of 400")
-    error = assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [99999]}),
+    h.engine.fail_with = ValueError(f"token ids {ids} are outside the vocabulary of 400")
+    error = assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": ids}),
                                 400)
     assert "outside the vocabulary" in error["message"]

@@ -130,7 +130,7 @@ def reference(schema: type[Section], title: str) -> str:
              f"Numbers must be finite (`.inf` and `.nan` are refused). A value given in the environment or with "
              f"`--set` is read as YAML "
              f"(`[a, b]` is a list), except for a text field (`str`, `secret`, `path`), which takes it as "
-             f"written (a password `p@ss #1` whole); an empty one is null.", ""]
+             f"written (a password `p@ss #1` whole; `null` unsets an optional one); an empty one is null.", ""]
     for path, model in _sections(schema, ""):
         if not path:
             continue

@@ -135,11 +135,15 @@ def _field_type(schema: type[BaseModel], keys: list[str]) -> Any:
     return annotation
 
 
-def _is_text(annotation: Any) -> bool:
-    """A text field, or an optional one (``str | None``)."""
-    options = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (Union, UnionType) \
-        else [annotation]
-    return len(options) == 1 and options[0] in TEXT_TYPES
+YAML_NULLS = frozenset({"null", "Null", "NULL", "~"})
+"""What unsets an optional text field (``--set model.path=null``), as in YAML."""
+
+
+def _text_field(annotation: Any) -> tuple[bool, bool]:
+    """(a text field, or an optional one (``str | None``); whether it may be None)."""
+    union = get_origin(annotation) in (Union, UnionType)
+    options = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
+    return len(options) == 1 and options[0] in TEXT_TYPES, union and type(None) in get_args(annotation)
 
 
 def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], schema: type[BaseModel]) -> dict[str, Any]:
@@ -155,13 +159,14 @@ def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], schema: type[Bas
 
 def setting_value(schema: type[BaseModel], keys: list[str], text: str, source: str) -> Any:
     """The value a setting written as text (an environment variable, ``--set``) gives the field at
-    ``keys``: None for an empty one, the text itself for a text field (:data:`TEXT_TYPES`), else
-    YAML (``[a, b]`` is a list). A YAML error names ``source`` and where, not the text: it may be
-    a secret."""
+    ``keys``: None for an empty one, the text itself for a text field (:data:`TEXT_TYPES`; a YAML
+    null unsets an optional one), else YAML (``[a, b]`` is a list). A YAML error names ``source``
+    and where, not the text: it may be a secret."""
     if text == "":
         return None
-    if _is_text(_field_type(schema, keys)):
-        return text
+    is_text, optional = _text_field(_field_type(schema, keys))
+    if is_text:
+        return None if optional and text in YAML_NULLS else text
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

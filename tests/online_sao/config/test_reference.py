@@ -52,7 +52,8 @@ EXPECTED = """\
 Generated from the code (`online-sao config reference`); every key can be set in a YAML file under its section, \
 with `--set section.key=value`, or as `ONLINE_SAO__SECTION__KEY`. Numbers must be finite (`.inf` and `.nan` are refused). \
 A value given in the environment or with `--set` is read as YAML (`[a, b]` is a list), except for a text field \
-(`str`, `secret`, `path`), which takes it as written (a password `p@ss #1` whole); an empty one is null.
+(`str`, `secret`, `path`), which takes it as written (a password `p@ss #1` whole; `null` unsets an optional one); \
+an empty one is null.
 
 ## `tree`
 

@@ -65,6 +65,13 @@ def test_a_text_field_takes_its_environment_value_as_written(name, value):
     assert str(found.get_secret_value() if hasattr(found, "get_secret_value") else found) == value
 
 
+def test_null_unsets_an_optional_text_field_as_the_deployments_do():
+    """docker-compose.yml and the k8s job run `--set model.path=null base-model`."""
+    assert load_config(environ={"ONLINE_SAO__MODEL__PATH": "null"}, overrides={}).model.path is None
+    assert load_config(environ={"ONLINE_SAO__MODEL__PATH": "~"}).model.path is None
+    assert str(load_config(environ={"ONLINE_SAO__MODEL__PATH": "/m/null"}).model.path) == "/m/null"
+
+
 def test_an_environment_value_that_is_not_yaml_is_named_without_its_text():
     with pytest.raises(ConfigError, match=r"ONLINE_SAO__SERVING__API_KEYS: not a YAML value") as raised:
         load_config(environ={"ONLINE_SAO__SERVING__API_KEYS": "[!s3cret-key, other"})

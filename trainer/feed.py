@@ -277,7 +277,7 @@ class Feed:
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit
         ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage."""
-        until_broker_takes(self.dead_letters.flush, "flushing dead letters", self.stop)
+        self.flush_dead_letters()
         until_broker_takes(lambda: self.consumer.commit(dict(offsets)), "committing offsets", self.stop)
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ import re
 
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
+from trainer.registry_versions import model_versions
+
 log = logging.getLogger(__name__)
 
 WEIGHTS_PRUNED = "weights_pruned"
@@ -104,11 +106,4 @@ class RegistryRetention:
 
     def _search(self, tag_filter: str | None = None) -> list:
         """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
-        query = f"name = '{self.model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
-        found, token = [], None
-        while True:
-            page = self.client.search_model_versions(query, page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                return found
+        return model_versions(self.client, self.model_name, tag_filter)

@@ -100,17 +100,22 @@ def version_with_alias(client, model_name: str, alias: str):
         raise
 
 
-def newest_version_holding(client, model_name: str, ref: WeightsRef):
-    """The newest registry version holding ``ref`` (policy version and checksum), or None."""
-    newest, token = None, None
+def model_versions(client, model_name: str, tag_filter: str | None = None) -> list:
+    """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
+    query = f"name = '{model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
+    found, token = [], None
     while True:
-        page = client.search_model_versions(f"name = '{model_name}'", page_token=token)
-        for found in page:
-            if holds(found, ref) and (newest is None or int(found.version) > int(newest.version)):
-                newest = found
+        page = client.search_model_versions(query, page_token=token)
+        found.extend(page)
         token = page.token
         if not token:
-            return newest
+            return found
+
+
+def newest_version_holding(client, model_name: str, ref: WeightsRef):
+    """The newest registry version holding ``ref`` (policy version and checksum), or None."""
+    holding = [found for found in model_versions(client, model_name) if holds(found, ref)]
+    return max(holding, key=lambda found: int(found.version), default=None)
 
 
 ROLLBACK_CARRIED_OUT = "rollback_carried_out"
@@ -121,14 +126,7 @@ version that published the champion's weights again. A learner stopped between t
 
 def versions_tagged(client, model_name: str, tag: str, value: str, run_id: str) -> list:
     """The registry versions of ``run_id`` whose ``tag`` is ``value`` (all pages)."""
-    query = f"name = '{model_name}' AND tags.{tag} = '{value}'"
-    found, token = [], None
-    while True:
-        page = client.search_model_versions(query, page_token=token)
-        found.extend(version for version in page if version.run_id == run_id)
-        token = page.token
-        if not token:
-            return found
+    return [found for found in model_versions(client, model_name, f"{tag} = '{value}'") if found.run_id == run_id]
 
 
 def policy_of(found) -> tuple[int, WeightsRef] | None:

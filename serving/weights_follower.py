@@ -34,6 +34,7 @@ from serving.engine.base import InferenceEngine, SwapResult
 from serving.engine.canary import ChampionServing
 from serving.weights_hold import HoldState
 from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable
+from streams.broker_wait import until_broker_takes
 from streams.records import decode_or_dead_letter
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ class WeightsFollower:
                     log.warning("weights topic %s unreachable (%s); retrying in %.0fs", self.topic, exc, RETRY_S)
                     self._stop.wait(RETRY_S)
                     continue
-                notices = [n for n in map(self._read, messages) if n is not None]
+                try:
+                    notices = [n for n in map(self._read, messages) if n is not None]
+                except StreamUnavailable:  # only once stopping: _read waits out an outage until then
+                    break
                 if notices:
                     self._apply(notices)
                 with self._progress:
@@ -117,7 +121,10 @@ class WeightsFollower:
     def _read(self, message) -> WeightsNotice | None:
         if self.dead_letters is not None:
             producer, topic = self.dead_letters
-            notice = decode_or_dead_letter(message, WeightsNotice, producer, topic)
+            # a dead letter the broker does not take now is retried: an exception here would end the thread
+            notice = until_broker_takes(lambda: decode_or_dead_letter(message, WeightsNotice, producer, topic),
+                                        f"dead-lettering the weights notice at {message.topic}[{message.partition}]"
+                                        f"@{message.offset}", self._stop)
             if notice is None:
                 log.warning("unreadable weights notice at %s[%d]@%d sent to %s", message.topic,
                             message.partition, message.offset, topic)
@@ -167,7 +174,13 @@ class WeightsFollower:
             log.error("cannot load champion v%d from %s: %s; the canary keeps v%s", notice.version,
                       notice.location, exc, self.engine.champion_version)
             return
-        result = self.engine.swap_champion(notice.version, state)
+        try:
+            result = self.engine.swap_champion(notice.version, state)
+        except Exception as exc:  # as in _try: one notice must not end the thread (an out-of-memory spare copy)
+            reason = f"swapping in champion v{notice.version} failed: {exc!r}"
+            log.exception("%s; the canary keeps v%s", reason, self.engine.champion_version)
+            self.last_champion_result = SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason)
+            return
         if not result.applied:
             log.warning("champion v%d refused: %s", notice.version, result.reason)
         self.last_champion_result = SwapResult(result.version, result.applied,

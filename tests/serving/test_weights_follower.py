@@ -16,6 +16,7 @@ from serving.engine.canary import CanaryEngine
 from serving.engine.torch_engine import TorchEngine
 from serving.weights_follower import WeightsFollower
 from serving.weights_hold import plan
+from streams.base import StreamUnavailable
 from streams.memory import InMemoryBackend
 
 TOPIC = KafkaConfig().topics.weights
@@ -314,3 +315,54 @@ def test_a_following_engine_is_held_and_released_and_a_restarted_one_replays_the
             restarted.close()
     finally:
         first.close()
+
+
+def test_a_champion_swap_that_raises_is_reported_and_following_goes_on(backend, base_model):
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
+    c = Canary(backend, store, base_model)
+    swap, failures = c.engine.swap_champion, [torch.OutOfMemoryError("no room for the champion's spare (test)")]
+
+    def failing_once(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return swap(*args, **kwargs)
+
+    c.engine.swap_champion = failing_once
+    try:
+        send(backend, notice(refs[1], "champion"))
+        c.caught_up(1)
+        result = c.follower.last_champion_result
+        assert (result.version, result.applied) == (1, False) and "no room" in result.reason
+        assert c.engine.champion_version is None
+        send(backend, notice(refs[3]), notice(refs[2], "champion"))
+        c.caught_up(3)
+        assert c.follower._thread.is_alive()
+        assert c.engine.policy_version == 3 and served(c.engine.newest) == 3.0
+        assert c.engine.champion_version == 2 and served(c.engine.champion) == 2.0
+    finally:
+        c.follower.stop()
+
+
+def test_a_dead_letter_the_broker_refuses_is_retried_and_following_goes_on(backend, base_model):
+    store = InProcessWeightStore()
+    ref = store.save(1, state_for(base_model, 1))
+    producer = backend.producer()
+    send_letter, refusals = producer.send, [StreamUnavailable("broker unreachable (test)")] * 2
+
+    def refusing_twice(*args, **kwargs):
+        if refusals:
+            raise refusals.pop()
+        return send_letter(*args, **kwargs)
+
+    producer.send = refusing_twice
+    f = Following(backend, store, base_model, dead_letters=(producer, DEAD))
+    try:
+        send(backend, b"not json", notice(ref))
+        f.caught_up(2)
+        assert f.follower._thread.is_alive() and not refusals
+        assert f.engine.policy_version == 1
+        letters = backend.consumer([DEAD]).poll(1.0)
+        assert [decode(m.value, DeadLetter).raw for m in letters] == [b"not json"]
+    finally:
+        f.close()

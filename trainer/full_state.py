@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer.distributed import DistContext
+from trainer.distributed import DistContext, broadcast_json
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Gather unsharded tensors to CPU; with a process group only rank 0 receives them."""
@@ -101,8 +101,23 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     Collective. Keyed by unsharded names in every world size, so a checkpoint
     moves between one process and several ranks.
     """
+    fresh = not optimizer.state  # the same on every rank: they step, and clear, together
     state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    if fresh:
+        _undo_state_initialisation(optimizer)
+        state = {**state, "state": {}}
     return _containers_copied(state, _live_storages(model, optimizer)) if ctx.is_main else {}
+
+
+def _undo_state_initialisation(optimizer: torch.optim.Optimizer) -> None:
+    """Empty the state torch's ``get/set_optimizer_state_dict`` give an optimiser that had none.
+
+    They fill it with a zero-gradient, lr-0 ``step()`` (``_init_optim_state``): the weights do not
+    move, but AdamW's step counters become 1, and the next real step would use step 2's bias
+    correction (about a quarter smaller than step 1's). A checkpoint taken when the state is empty
+    (after a drift restart clears it, or before the first step) must leave training as it was.
+    """
+    optimizer.state.clear()
 
 
 KERNEL_FLAGS = ("fused", "foreach")
@@ -119,7 +134,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     # this process's (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes
     # on the configured one
     kernels = [{flag: group.get(flag) for flag in KERNEL_FLAGS} for group in optimizer.param_groups]
+    fresh = broadcast_json(bool(ctx.is_main and not state["state"]), ctx)  # taken from an empty state
     set_optimizer_state_dict(model, optimizer, _containers_copied(state) if ctx.is_main else {}, options=options)
+    if fresh:
+        _undo_state_initialisation(optimizer)
     for group, kernel in zip(optimizer.param_groups, kernels):
         group.update(kernel)
     # Optimizer.load_state_dict keeps tensors that already have the right device and

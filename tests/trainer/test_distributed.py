@@ -315,3 +315,34 @@ def test_a_restored_optimizer_keeps_its_configured_kernel_and_the_saved_moments(
     assert restored.param_groups[0]["fused" if configured == "fused" else "foreach"] is True
     torch.testing.assert_close(restored.state[model.weight]["exp_avg"], first.state[model.weight]["exp_avg"])
     restored.step()  # the configured kernel runs on the restored state
+
+
+def test_a_checkpoint_of_an_optimizer_without_state_leaves_it_and_its_restored_copy_without_state():
+    """torch fills an empty optimiser state with a zero-gradient step when it is read or loaded:
+    AdamW's counters would be 1, and the next real step, bias-corrected as a second one, would move
+    each weight by about 0.74 lr instead of lr. Taken after a drift restart cleared it, a
+    checkpoint must leave the next step what it would have been."""
+    def optimizer(model: nn.Module) -> torch.optim.AdamW:
+        return build_optimizers(AlgorithmConfig(policy_lr=0.1), model, None).policy
+
+    def stepped(model: nn.Module, opt: torch.optim.AdamW) -> torch.Tensor:
+        model(torch.ones(1, 2)).sum().backward()  # gradient 1 for each weight
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        return model.weight.detach().clone()
+
+    ctx = _ctx(0, 1)
+    model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    live = optimizer(model)
+    saved = optimizer_state(model, live, ctx)
+    assert live.state == {} and saved["state"] == {}
+    restored_model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(restored_model.weight)
+    restored = optimizer(restored_model)
+    load_optimizer_state(restored_model, restored, saved, ctx)
+    assert restored.state == {}
+    # AdamW's first step moves each weight by lr = 0.1 against the gradient's sign (m/sqrt(v) = 1)
+    expected = torch.full((1, 2), -0.1)
+    torch.testing.assert_close(stepped(model, live), expected)
+    torch.testing.assert_close(stepped(restored_model, restored), expected)

@@ -7,7 +7,6 @@ A results directory holds one run (``<arm>.jsonl`` files beside ``scenario.json`
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +16,7 @@ from apps.config import ExperimentConfig
 from apps.experiments.intervals import Interval, bootstrap_band, interval
 from apps.experiments.metrics import (Collapse, PhaseMetrics, detect_collapse, moving_average, phase_metrics,
                                       post_switch_mean, style_shares)
-from apps.experiments.results import SCENARIO_FILE, ArmResults, read_arm, read_scenario
-
-_SEED_DIR = re.compile(r"^seed-(\d+)$")
+from apps.experiments.results import SCENARIO_FILE, SEED_DIR, ArmResults, read_arm, read_scenario
 
 
 @dataclass(frozen=True)
@@ -59,8 +56,8 @@ def load_runs(results_dir: Path) -> list[Run]:
     when there are none)."""
     if not results_dir.is_dir():
         raise NoResults(f"no experiment results in {results_dir}: it does not exist")
-    seeded = sorted((p for p in results_dir.iterdir() if p.is_dir() and _SEED_DIR.match(p.name)
-                     and (p / SCENARIO_FILE).is_file()), key=lambda p: int(_SEED_DIR.match(p.name).group(1)))
+    seeded = sorted((p for p in results_dir.iterdir() if p.is_dir() and SEED_DIR.match(p.name)
+                     and (p / SCENARIO_FILE).is_file()), key=lambda p: int(SEED_DIR.match(p.name).group(1)))
     if not (seeded or (results_dir / SCENARIO_FILE).is_file()):
         raise NoResults(f"no experiment results in {results_dir}: no {SCENARIO_FILE} there or in a seed-<k>/ in it")
     runs = [_read_run(p) for p in seeded] if seeded else [_read_run(results_dir)]

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
 from online_sao.config import ConfigError, dump_config
-from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, summary_path, write_scenario,
-                                      write_summary)
+from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, refuse_other_seeds,
+                                      summary_path, write_scenario, write_summary)
 from apps.experiments.resume import finished_arms, outcome_settings
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
@@ -307,6 +307,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
         raise ConfigError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
+    refuse_other_seeds(out, cfg.experiment.seeds)
     runs = seed_runs(cfg)
     finished = finished_before(runs, names, progress) if cfg.experiment.resume else {}
     plan = [(run, [n for n in names if n not in finished.get(results_dir(run), [])]) for run in runs]

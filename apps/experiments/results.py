@@ -268,6 +268,28 @@ def scenario_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[s
                   if k not in RUN_ONLY_FIELDS and before.get(k) != after.get(k))
 
 
+SEED_DIR = re.compile(r"^seed-(\d+)$")
+"""A seed's run in a results directory of ``simulate --seeds N``: ``seed-<k>/``."""
+
+
+def refuse_other_seeds(results_dir: Path, seeds: int) -> None:
+    """:class:`ScenarioMismatch` when ``results_dir`` holds a seed's run (a ``seed-<k>/`` with its
+    scenario) that a run of ``seeds`` seeds would not write: the report reads every seed directory,
+    so a seed left from an earlier run with more seeds (or any seed, under a one-seed run, whose
+    results the report would then skip) would be reported as this run's."""
+    if not results_dir.is_dir():
+        return
+    written = range(seeds) if seeds > 1 else range(0)
+    others = sorted((p.name for p in results_dir.iterdir() if p.is_dir() and (match := SEED_DIR.match(p.name))
+                     and (p / SCENARIO_FILE).is_file() and int(match.group(1)) not in written),
+                    key=lambda name: int(name.removeprefix("seed-")))
+    if others:
+        raise ScenarioMismatch(
+            f"{results_dir} holds the run(s) of {', '.join(others)} from an earlier run with more seeds; a run "
+            f"of {seeds} seed(s) would not write them and its report would read them as its own. Write this "
+            f"run elsewhere (experiment.results_dir), or move that directory away.")
+
+
 def merged_scenario(results_dir: Path, scenario: ExperimentConfig, running: list[str]) -> ExperimentConfig:
     """What ``results_dir``'s ``scenario.json`` says after a run of the arms ``running`` with ``scenario``.
 

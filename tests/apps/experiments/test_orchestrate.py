@@ -161,6 +161,11 @@ def test_an_arm_added_to_a_finished_run_is_reported_with_it_and_another_scenario
         run_simulation(config("mean16", 16, **{"experiment.drop_rate": 0.5}), progress=lambda _: None)
     assert {p: p.read_bytes() for p in out.rglob("scenario.json")} == scenario_files
     assert not list(out.rglob("mean16*"))
+    # a one-seed run would leave the seed directories, which the report reads instead of its results
+    with pytest.raises(ScenarioMismatch, match=r"holds the run\(s\) of seed-0, seed-1 from an earlier run"):
+        run_simulation(config("mean8", 8, **{"experiment.seeds": 1}), progress=lambda _: None)
+    assert {p: p.read_bytes() for p in out.rglob("scenario.json")} == scenario_files
+    assert not (out / "mean8.jsonl").exists()
 
 
 def test_a_resumed_sweep_runs_only_what_did_not_finish_and_ends_as_an_uninterrupted_one(tmp_path, tiny_model_dir,

@@ -11,8 +11,8 @@ import pytest
 
 from apps.config import ArmConfig, ExperimentConfig
 from apps.experiments.results import (SCENARIO_FILE, ArmSummary, ScenarioMismatch, finished_summary,
-                                      merged_scenario, read_scenario, scenario_differences, summary_path,
-                                      write_scenario, write_summary)
+                                      merged_scenario, read_scenario, refuse_other_seeds, scenario_differences,
+                                      summary_path, write_scenario, write_summary)
 
 SAO = ArmConfig(name="sao", algorithm={"name": "sao"})
 MEAN = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 8})
@@ -104,3 +104,20 @@ def test_a_run_counts_as_finished_with_its_summary_whatever_the_files_times(tmp_
     assert finished_summary(tmp_path, "sao").answered == 7
     summary_path(tmp_path, "sao").unlink()
     assert finished_summary(tmp_path, "sao") is None  # results without a summary: under way or cut short
+
+
+def test_seed_directories_a_run_would_not_write_are_refused(tmp_path):
+    """The report reads every seed-<k>/ holding a scenario: a run of fewer seeds, or of one seed
+    (written beside them), would have the earlier run's seeds reported as its own."""
+    for k in (0, 1, 2, 10):
+        (tmp_path / f"seed-{k}").mkdir()
+        write_scenario(tmp_path / f"seed-{k}", FIRST)
+    (tmp_path / "seed-3").mkdir()  # no scenario: no run the report reads
+    refuse_other_seeds(tmp_path, 11)
+    with pytest.raises(ScenarioMismatch, match=r"run\(s\) of seed-10 from an earlier run with more seeds; a run of 3"):
+        refuse_other_seeds(tmp_path, 3)
+    with pytest.raises(ScenarioMismatch, match=r"run\(s\) of seed-2, seed-10 from"):
+        refuse_other_seeds(tmp_path, 2)
+    with pytest.raises(ScenarioMismatch, match=r"run\(s\) of seed-0, seed-1, seed-2, seed-10 from"):
+        refuse_other_seeds(tmp_path, 1)
+    refuse_other_seeds(tmp_path / "not-there", 1)

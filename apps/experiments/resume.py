@@ -27,10 +27,13 @@ OUTCOME_SECTIONS = ("model", "algorithm", "reward", "serving", "trainer", "deplo
 """The sections of an arm's configuration that decide what it does (the experiment section is
 ``scenario.json``'s). ``paths``, ``kafka`` and ``mlflow`` say where things are, not what happens."""
 
-PER_RUN_FIELDS = frozenset({"serving.port", "trainer.pretrain_file"})
+PER_RUN_FIELDS = frozenset({"serving.port", "trainer.pretrain_file", "serving.spool_dir", "trainer.weight_store",
+                            "trainer.checkpoint_dir"})
 """Fields a driver sets afresh for every run of an arm without changing what it does: the live
-driver's free port for serving, and the path of the seed's value pre-training data (whether there
-is any is ``experiment.pretrain_rollouts`` and the arm's algorithm)."""
+driver's free port for serving, the path of the seed's value pre-training data (whether there
+is any is ``experiment.pretrain_rollouts`` and the arm's algorithm), and the arm's state
+directories, which are under the results directory (scenario.arm_config): a results directory
+moved or copied elsewhere resumes there."""
 
 MAX_LISTED = 8
 """Differing settings named in a refusal; the rest are counted."""
@@ -70,7 +73,9 @@ def finished_arms(directory: Path, arms: Iterable[str], settings_of: Callable[[s
         summary = finished_summary(directory, arm)
         if summary is None or not summary.settings:
             continue
-        differences = setting_differences(summary.settings, settings_of(arm))
+        # summaries written before a field was per-run still record it
+        recorded = {key: value for key, value in summary.settings.items() if key not in PER_RUN_FIELDS}
+        differences = setting_differences(recorded, settings_of(arm))
         if differences:
             listed = "; ".join(differences[:MAX_LISTED])
             more = f" (and {len(differences) - MAX_LISTED} more)" if len(differences) > MAX_LISTED else ""

@@ -30,6 +30,12 @@ def test_the_settings_are_the_outcome_sections_flattened_without_the_per_run_fie
     # a port of its own for every live run changes nothing
     other_port = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"port": 9999})})
     assert outcome_settings(arm_config(other_port, cfg.experiment.arms[0])) == settings
+    # nor do the arm's state directories, under the results directory: a moved directory resumes
+    moved = cfg.model_copy(update={"experiment": cfg.experiment.model_copy(
+        update={"results_dir": tmp_path / "moved"})})
+    assert arm_config(moved, cfg.experiment.arms[0]).trainer.checkpoint_dir != \
+        arm_config(cfg, cfg.experiment.arms[0]).trainer.checkpoint_dir
+    assert outcome_settings(arm_config(moved, cfg.experiment.arms[0])) == settings
 
 
 def test_setting_differences_name_each_changed_added_and_removed_key():
@@ -53,6 +59,13 @@ def test_finished_arms_keep_runs_with_the_same_settings_and_run_older_files_agai
     finish(tmp_path, "old", settings={})  # written before summaries recorded their settings
     (tmp_path / "cut.jsonl").write_text("{}\n")  # cut short: no summary
     assert finished_arms(tmp_path, ["sao", "old", "cut", "new"], lambda arm: dict(SETTINGS)) == ["sao"]
+
+
+def test_a_summary_that_still_records_the_state_directories_resumes_elsewhere(tmp_path):
+    """Summaries written before the state directories were per-run fields record them."""
+    finish(tmp_path, "sao", settings={**SETTINGS, "trainer.checkpoint_dir": "/old/arms/sao/checkpoints",
+                                      "serving.spool_dir": "/old/arms/sao/spool"})
+    assert finished_arms(tmp_path, ["sao"], lambda arm: dict(SETTINGS)) == ["sao"]
 
 
 def test_a_finished_run_with_other_settings_stops_the_resume(tmp_path):

@@ -112,7 +112,9 @@ class ScheduleJudge:
         self.rollout = len(rows)
         self.judged: dict[str, RewardRow] = {r.interaction_id: r for r in rows if r.interaction_id is not None}
         """Every interaction judged so far, by id: its row says what was decided."""
-        self._rng = random.Random(self.exp.seed)
+        # a stream of its own: seeded as the arrival gaps (scenario.arrival_gaps), the k-th draw made
+        # both, and exactly the requests that came soonest after another lost their rewards
+        self._rng = random.Random(f"drops-{self.exp.seed}")
         for _ in range(self.rollout):  # the same drop decisions as an uninterrupted run
             self._rng.random()
 

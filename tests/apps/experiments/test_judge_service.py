@@ -240,6 +240,27 @@ def test_drops_are_seeded_and_recorded(tmp_path):
     assert outcomes[0] == outcomes[1] and 10 < sum(outcomes[0]) < 30
 
 
+def test_drops_are_independent_of_the_traffics_arrival_gaps(tmp_path):
+    """Both streams seeded by the scenario's seed: the k-th drop decision was the k-th gap's draw, so
+    the rewards lost were exactly those of the requests that came soonest after another."""
+    from itertools import islice
+
+    from apps.experiments.scenario import arrival_gaps
+
+    backend, cfg, producer = memory_setup(drop_rate=0.2, seed=3)
+    for _ in range(400):
+        publish(producer, cfg.kafka.topics.interactions, chat_interaction(*ANSWERS[1]))
+    service = JudgeService(cfg, FixedJudge(), backend, results_path=tmp_path / "run.jsonl")
+    service.step()
+    service.close()
+    delivered = [r.delivered for r in read_arm(tmp_path / "run.jsonl").rewards]
+    gaps = list(islice(arrival_gaps(cfg.experiment.seed, cfg.experiment.requests_per_second), len(delivered)))
+    dropped_gaps = [g for g, d in zip(gaps, delivered) if not d]
+    assert len(delivered) == 400 and 50 < len(dropped_gaps) < 110
+    # coupled, the dropped gaps were the shortest fifth: a mean of about a tenth of the mean gap
+    assert sum(dropped_gaps) / len(dropped_gaps) > 0.5 * sum(gaps) / len(gaps)
+
+
 def test_the_raters_scale_and_shift_the_reward_sent_and_the_row_keeps_the_judges_value(tmp_path):
     backend, cfg, producer = memory_setup(rater_scale={"cooking": 1.5, "sports": 0.5}, rater_offset={"tech": -0.25})
     rice = chat_interaction(*ANSWERS[0])  # cooking

@@ -209,7 +209,9 @@ def batch_metrics(batch: RolloutBatch, policy_packed: bool, critic_packed: bool 
     return {
         "num_rollouts": float(batch.batch_size),
         "num_action_tokens": float(batch.action_mask.sum()),
-        "reward_mean": float(batch.rewards.sum(dim=1).mean()),
+        # a rank's share holds some of the step's rollouts; the step's rewards are on every rank
+        "reward_mean": (sum(batch.step_rewards) / len(batch.step_rewards) if batch.step_rewards
+                        else float(batch.rewards.sum(dim=1).mean())),
         "padding_share": packed_share if policy_packed else unpacked_share,
         "padding_share_unpacked": unpacked_share,
         **critic,

@@ -53,6 +53,8 @@ T = TypeVar("T")
 SUMMED_METRICS = frozenset({"num_rollouts", "num_action_tokens"})
 """Metrics that count things on each rank's share: the step's value is the sum
 over ranks, not the mean."""
+MAXED_METRICS = frozenset({"version_lag_max"})
+"""Metrics that are a maximum over each rank's share: the step's value is the maximum over ranks."""
 
 @dataclass(frozen=True)
 class DistContext:
@@ -308,7 +310,8 @@ def _key_fingerprint(keys: list[str]) -> int:
 
 def reduce_metrics(metrics: dict[str, float], ctx: DistContext,
                    summed: Collection[str] = SUMMED_METRICS) -> dict[str, float]:
-    """Metrics of the whole step: the mean over ranks (the sum for ``summed`` names).
+    """Metrics of the whole step: the mean over ranks (the sum for ``summed`` names, the maximum for
+    :data:`MAXED_METRICS`).
 
     Collective; every rank must pass the same names (ValueError otherwise). A
     mean skips ranks whose value is NaN (e.g. explained variance of a share with
@@ -328,4 +331,11 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext,
     stacked = torch.stack([torch.where(finite, values, torch.zeros_like(values)), finite.to(torch.float64)])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     sums, counts = stacked[0].tolist(), stacked[1].tolist()
-    return {k: (s if k in summed else (s / c if c else math.nan)) for k, s, c in zip(keys, sums, counts)}
+    reduced = {k: (s if k in summed else (s / c if c else math.nan)) for k, s, c in zip(keys, sums, counts)}
+    maxed = [k for k in keys if k in MAXED_METRICS]
+    if maxed:  # the same names on every rank (checked above), so every rank joins this reduction too
+        highest = torch.tensor([metrics[k] if not math.isnan(metrics[k]) else -math.inf for k in maxed],
+                               dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        reduced.update({k: (v if v != -math.inf else math.nan) for k, v in zip(maxed, highest.tolist())})
+    return reduced

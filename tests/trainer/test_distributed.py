@@ -192,6 +192,8 @@ def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
     for got, want in zip(steps_two, steps_one):
         assert got["skipped_nonfinite"] == want["skipped_nonfinite"] == 0.0
         assert got["num_rollouts"] == want["num_rollouts"] and got["num_action_tokens"] == want["num_action_tokens"]
+        assert got["reward_mean"] == pytest.approx(want["reward_mean"], rel=1e-6)
+        assert got["version_lag_max"] == want["version_lag_max"]
         # per-rank losses divide by N_global / 2, so their mean over ranks is the global loss
         for key in ("policy_grad_norm", "critic_grad_norm", "policy_loss", "value_loss", "value_loss_after",
                     "kl_ref", "entropy"):
@@ -346,3 +348,16 @@ def test_a_checkpoint_of_an_optimizer_without_state_leaves_it_and_its_restored_c
     expected = torch.full((1, 2), -0.1)
     torch.testing.assert_close(stepped(model, live), expected)
     torch.testing.assert_close(stepped(restored_model, restored), expected)
+
+
+def test_a_ranks_share_reports_the_steps_mean_reward():
+    """Shares are balanced by tokens, so their rollout counts differ: one long answer rewarded 1 on
+    one rank, three short ones rewarded 0 on the other. The mean over ranks of the shares' means
+    would be 0.5; the step's mean reward is 1/4."""
+    from online_sao.train_step import batch_metrics
+
+    step = [_rollout("long", 9, reward=1.0)] + [_rollout(f"short{i}", 3, reward=0.0) for i in range(3)]
+    share = collate(step[:1], pad_token_id=0)
+    share.step_rewards = step_rewards(step)
+    assert batch_metrics(share, policy_packed=False)["reward_mean"] == 0.25
+    assert batch_metrics(collate(step, pad_token_id=0), policy_packed=False)["reward_mean"] == 0.25

@@ -87,7 +87,7 @@ class TrajectoryRules:
     def _may_have_forgotten(self, entry: Entry) -> bool:
         """Whether ``entry``'s trajectory began before the id memory's floor: an ancestor the memory
         does not know may then have trained and been forgotten (time or capacity raised the floor)."""
-        started = entry.interaction.trajectory_started_at
+        started = _trajectory_anchor(entry)
         return started is not None and self.memory.forgotten(started)
 
     def _claim_ancestors(self, entry: Entry) -> None:
@@ -183,3 +183,17 @@ class TrajectoryRules:
     def _claim_of(self, iid: str) -> Claim | None:
         owner = self._claims.get(iid)
         return None if owner is None else self._pending(owner).claimed[iid]
+
+
+def _trajectory_anchor(entry: Entry) -> float | None:
+    """The id memory's anchor of ``entry``'s first turn, as near as the join can tell (None: ``entry``
+    starts its trajectory). ``trajectory_started_at`` is that turn's raw ``created_at``, but a record
+    is remembered under ``min(created_at, record time)`` (trainer/id_memory.py), and on a server whose
+    clock runs fast the feed reads record times at most a minute ahead of the learner's
+    (trainer/feed.py): its records' anchors lie before their ``created_at``. A continuation is served
+    by the process that holds its parent, so one clock stamped every turn: the first turn's anchor
+    lies before its ``created_at`` by about what ``entry``'s own does."""
+    started = entry.interaction.trajectory_started_at
+    if started is None:
+        return None
+    return started - (entry.interaction.created_at - entry.anchor)

@@ -250,6 +250,40 @@ def test_a_turn_the_id_memory_forgot_is_not_trained_again_in_a_continuation(max_
     assert j.counters.forgotten_turns == (1 if max_pending == 3 else 0)
 
 
+def test_a_turn_the_id_memory_forgot_is_not_trained_again_when_the_servers_clock_runs_fast():
+    """A server 600 s fast: the feed reads its records at most 60 s ahead of the learner, so the memory
+    anchors A at its record time 1060, 540 s before its created_at 1600. Once the floor (1070) passed
+    A's anchor but not its created_at (C's trajectory_started_at), C claimed A's turn and trained it
+    a second time (nothing counted)."""
+    a, c = conversation(["A", "C"])
+    a = a.model_copy(update={"created_at": 1600.0})
+    c = c.model_copy(update={"created_at": 1630.0, "trajectory_started_at": 1600.0})
+    j = RewardJoiner(RewardConfig(window_s=WINDOW_S, memory_s=20.0), max_pending=100)
+    j.add_interaction(a, ts=1060.0)
+    j.add_reward(make_reward("A", 1.0), ts=1061.0)
+    assert [x.interaction.interaction_id for x in take_all(j)] == ["A"]
+    j.advance(1090.0)  # the memory's floor: 1090 - 20 = 1070
+    assert "A" not in j.memory
+    j.add_interaction(c, ts=1090.0)  # C's anchor, 1090, lies 540 s before its created_at too
+    j.add_reward(make_reward("C", 1.0), ts=1091.0)
+    [joined] = take_all(j)
+    assert joined.observed_turns == frozenset({0}) and j.counters.forgotten_turns == 1
+
+
+def test_a_reward_for_an_absorbed_parent_read_after_the_continuations_window_closed_is_late():
+    """p absorbed by c; c's window (ends at 11 s) closed with no reward of its own: c waits for a step
+    with the default. p's reward, stamped at 5 s but read with the clock at 12 s, landed on p's turn."""
+    p, c = conversation(["p", "c"])
+    j = joiner(on_missing="default", default_value=-1.0)
+    j.add_interaction(p, ts=0.0)
+    j.add_interaction(c, ts=1.0)
+    j.add_interaction(make_interaction("x"), ts=12.0)
+    j.add_reward(make_reward("p", 0.5), ts=5.0)
+    (joined,) = take_all(j)
+    assert rewards_by_token(joined) == {201: -1.0}  # the default on c's last token; none on p's (101)
+    assert (j.counters.late_rewards, j.counters.defaulted) == (1, 1)
+
+
 def test_copies_of_an_ancestor_a_continuation_absorbed_count_as_duplicates():
     """Books only (nothing trained twice either way): they were counted as superseded again."""
     a, c = conversation(["A", "C"])

@@ -156,12 +156,12 @@ class RewardJoiner(TrajectoryRules):
         entry = self._pending(iid)
         if entry is None and iid in self._claims:  # absorbed: the reward joins its continuation
             owner = self._pending(self._claims[iid])
-            if ts > self._window_end(owner):
+            if self._past_window(owner, ts):
                 self._late(iid, reward)
             elif not self._duplicate(owner.contributions, contribution) and not self._full(owner.contributions):
                 self._join_routed(owner, contribution, iid)
             return
-        if iid in self.memory or (entry is not None and ts > self._window_end(entry)):
+        if iid in self.memory or (entry is not None and self._past_window(entry, ts)):
             self._late(iid, reward)
             return
         if entry is None:
@@ -169,8 +169,8 @@ class RewardJoiner(TrajectoryRules):
                 return
             self.counters.early_rewards += 1
             if iid not in self._held and len(self._held) >= self.max_pending:
-                self._held.popitem(last=False)
-                self.counters.evicted += 1
+                _, given_up = self._held.popitem(last=False)
+                self.counters.evicted += len(given_up)  # each one: every reward read is accounted for
             self._held.setdefault(iid, []).append(contribution)
             return
         if self._duplicate(entry.contributions, contribution) or self._full(entry.contributions) \
@@ -298,6 +298,11 @@ class RewardJoiner(TrajectoryRules):
     def _window_end(self, entry: Entry) -> float:
         return entry.ts + self.cfg.window_s
 
+    def _past_window(self, entry: Entry, ts: float) -> bool:
+        """Whether a reward stamped ``ts``, read now, comes too late for pending ``entry``: stamped past
+        its window, or read after the entry stopped waiting for rewards (:attr:`Entry.closed`)."""
+        return entry.closed or ts > self._window_end(entry)
+
     def _pop_held(self, iid: str) -> list[Contribution]:
         """The rewards held for ``iid`` that have not expired (those that have are counted): the loop in
         :meth:`advance` releases them in the order their ids were first held, so a reward behind a newer
@@ -346,6 +351,7 @@ class RewardJoiner(TrajectoryRules):
 
     def _close(self, entry: Entry) -> None:
         """The window of an interaction not rated by every source it waits for ended."""
+        entry.closed = True
         if entry.own_rewarded:  # some of them rated it: trained on what they said
             self.counters.missing_sources += 1
             self._make_ready(entry)
@@ -375,6 +381,7 @@ class RewardJoiner(TrajectoryRules):
             if entry is not None:
                 if entry.own_rewarded:  # waiting for more sources: trained on what it has instead
                     self.counters.missing_sources += 1
+                    entry.closed = True
                     self._make_ready(entry)
                 else:
                     self.counters.evicted += 1

@@ -79,14 +79,16 @@ def entry_state(e: Entry) -> dict[str, Any]:
     """An :class:`Entry` as JSON-serialisable data (the join's checkpoint)."""
     return {"interaction": e.interaction.model_dump(mode="json"), "ts": e.ts, "anchor": e.anchor,
             "contributions": [contribution_state(c) for c in e.contributions], "defaulted": e.defaulted,
-            "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()], "ready_at": e.ready_at}
+            "claimed": [[iid, c.anchor, c.seen] for iid, c in e.claimed.items()], "ready_at": e.ready_at,
+            "closed": e.closed}
 
 
 def entry_from(s: dict[str, Any]) -> Entry:
-    """An :func:`entry_state`; also one written before trajectories (no anchor or claims) or
-    grpo's timeout (no ``ready_at``: the interaction's time)."""
+    """An :func:`entry_state`; also one written before trajectories (no anchor or claims),
+    grpo's timeout (no ``ready_at``: the interaction's time) or ``closed`` (closed if defaulted:
+    the one closed entry such a checkpoint tells apart)."""
     interaction = Interaction.model_validate(s["interaction"])
     return Entry(interaction, s["ts"], s.get("anchor", anchor_time(interaction.created_at, s["ts"])),
                  [contribution_from(c) for c in s["contributions"]], s["defaulted"],
                  {iid: Claim(anchor, seen) for iid, anchor, seen in s.get("claimed", [])},
-                 s.get("ready_at", s["ts"]))
+                 s.get("ready_at", s["ts"]), s.get("closed", s["defaulted"]))

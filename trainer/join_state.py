@@ -28,7 +28,8 @@ class JoinCounters:
     dropped_no_reward: int = 0
     """Windows that closed without a reward and were dropped."""
     late_rewards: int = 0
-    """Rewards for an interaction already trained on, dropped, or past its window (not applied)."""
+    """Rewards for an interaction already trained on or dropped, stamped past its window, or read after
+    it stopped waiting for rewards (:attr:`Entry.closed`; not applied)."""
     early_rewards: int = 0
     """Rewards read before their interaction (held, applied when it arrives)."""
     expired_rewards: int = 0
@@ -46,7 +47,8 @@ class JoinCounters:
     """Copies of a reward already joined (the same record read twice: a spool replay, a producer
     retry; ignored)."""
     evicted: int = 0
-    """Waiting interactions or held rewards given up because the buffer was full."""
+    """Waiting interactions or held rewards given up because the buffer was full (each reward given
+    up counts, however many were held for one id)."""
     stale: int = 0
     """Ready interactions dropped for sampling versions older than the allowed lag."""
     superseded: int = 0
@@ -117,6 +119,10 @@ class Entry:
     claimed: dict[str, Claim] = field(default_factory=dict)
     ready_at: float = 0.0
     """The watermark when the entry became ready (grpo's group wait and timeout)."""
+    closed: bool = False
+    """It stopped waiting for rewards without every one it waits for (its window closed, or the
+    buffer gave it up) and waits for a step: a reward read since is late, however it was stamped,
+    so whether it applies does not hang on when the next step takes the entry."""
 
     @property
     def iid(self) -> str:

@@ -209,6 +209,30 @@ def test_bounded_memory_evicts_oldest_waiting():
     assert j.counters.late_rewards == 1
 
 
+def test_evicting_held_rewards_counts_each_reward_given_up():
+    """Room for one id's held rewards: a's three are given up for b's. They counted 1, so 4 rewards
+    read were 1 held and 1 given up: two unaccounted for."""
+    j = joiner(max_pending=1)
+    for value in (0.1, 0.2, 0.3):
+        j.add_reward(make_reward("a", value), ts=1.0)
+    j.add_reward(make_reward("b", 1.0), ts=2.0)
+    assert (j.counters.rewards, j.counters.evicted, j.num_held_rewards) == (4, 3, 1)
+
+
+@pytest.mark.parametrize("on_missing", ["default", "drop"])
+def test_a_reward_read_after_its_interactions_window_closed_is_late_and_not_applied(on_missing):
+    """Stamped inside a's window (9 s, window ending at 10 s) but read once the clock was at 12 s:
+    with on_missing default it was applied to the defaulted interaction waiting for a step (counted
+    as neither joined nor late), and late had a step taken a first; with drop it was late."""
+    j = joiner(on_missing=on_missing, default_value=-1.0)
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_interaction(make_interaction("x"), ts=12.0)  # the clock passes the end of a's window
+    j.add_reward(make_reward("a", 1.0), ts=9.0)
+    taken = [(x.interaction.interaction_id, x.reward, x.rewarded) for x in take_all(j)]
+    assert taken == ([("a", -1.0, False)] if on_missing == "default" else [])
+    assert (j.counters.late_rewards, j.counters.joined) == (1, 0)
+
+
 def test_state_round_trip_through_json_continues_identically():
     def feed_first(j):
         j.add_interaction(make_interaction("a", turn_ends=(0,)), ts=0.0)

@@ -72,6 +72,24 @@ def test_an_interaction_read_after_its_window_with_some_sources_trains_on_them()
     assert [x.reward for x in take_all(j)] == [0.4] and j.counters.missing_sources == 1
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_source_read_after_the_window_closed_is_late_not_applied(restart):
+    """The window closed with the judge's rating only (missing_sources); the user's, stamped inside
+    the window (9 s) but read after it closed (clock at 12 s), was applied while the interaction
+    waited for a step (mean 0.5), and late had a step taken it first. A checkpoint keeps it closed."""
+    j = joiner(aggregation="mean", wait_for_sources=["judge", "user"])
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_reward(make_reward("a", 1.0, source="judge"), ts=1.0)
+    j.add_interaction(make_interaction("x"), ts=12.0)  # a's window (ends at 10 s) closes
+    if restart:
+        j, before = joiner(aggregation="mean", wait_for_sources=["judge", "user"]), j
+        j.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    j.add_reward(make_reward("a", 0.0, source="user"), ts=9.0)
+    (joined,) = take_all(j)
+    assert (joined.interaction.interaction_id, joined.reward, joined.source_rewards) == ("a", 1.0, {"judge": 1.0})
+    assert (j.counters.missing_sources, j.counters.late_rewards, j.counters.joined) == (1, 1, 1)
+
+
 def test_a_full_buffer_makes_a_partly_rated_interaction_ready_instead_of_dropping_it():
     j = joiner(wait_for_sources=["judge", "user"], max_pending=1)
     j.add_interaction(make_interaction("a"), ts=0.0)

@@ -36,7 +36,7 @@ from streams.records import decode_or_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
-from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
+from trainer.join_clock import JoinClock, max_behind_s
 from trainer.rollouts import RolloutError
 from trainer.source_rewards import SourceRewards
 
@@ -124,7 +124,7 @@ class Feed:
         """When rollouts became ready and none were taken since."""
         self.last_activity = time.monotonic()
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
-        self.clock = JoinClock()
+        self.clock = JoinClock(max_behind_s(joiner.cfg.window_s))
         """Per partition, the newest record time read from it: how far the join's clock may move."""
 
     def start(self, backend: StreamBackend) -> None:
@@ -169,7 +169,7 @@ class Feed:
     def _record_time(self, msg) -> float:
         """The record's timestamp as the join reads it: at most :data:`MAX_RECORD_AHEAD_S` ahead of this
         host's clock (counted: ``records_ahead_of_clock``), at most
-        :data:`~trainer.join_clock.MAX_RECORD_BEHIND_S` behind the join's clock or its partition's newest
+        :func:`~trainer.join_clock.max_behind_s` behind the join's clock or its partition's newest
         record (counted: ``records_behind_clock``)."""
         stamped = msg.timestamp_ms / 1000
         ts = min(stamped, time.time() + MAX_RECORD_AHEAD_S)
@@ -177,9 +177,10 @@ class Feed:
             self._off_clock("records_ahead_of_clock", msg, f"stamped {stamped - time.time():.0f} s ahead of this "
                             f"host's clock: read as {MAX_RECORD_AHEAD_S:.0f} s ahead (a producer with a fast clock?)")
         floored = self.clock.floor(msg.tp, ts, self.joiner.watermark)
+        behind = self.clock.max_behind_s
         if floored > ts:
-            self._off_clock("records_behind_clock", msg, f"stamped {floored - ts + MAX_RECORD_BEHIND_S:.0f} s behind "
-                            f"the records read before it: read as {MAX_RECORD_BEHIND_S:.0f} s behind (a producer "
+            self._off_clock("records_behind_clock", msg, f"stamped {floored - ts + behind:.0f} s behind "
+                            f"the records read before it: read as {behind:.0f} s behind (a producer "
                             f"with a slow clock?)")
         return floored
 

@@ -25,7 +25,7 @@ from online_sao.config import Config
 from online_sao.schemas import Interaction, RecordError, Reward, decode
 from streams.base import StreamBackend
 from trainer.join import RewardJoiner
-from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
+from trainer.join_clock import JoinClock, max_behind_s
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     topics = cfg.kafka.topics
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     consumer = backend.consumer([topics.interactions, topics.rewards], group_id=None, start="earliest")
-    clock = JoinClock()
+    clock = JoinClock(max_behind_s(cfg.reward.window_s))  # as the feed reads them
     bad = floored = 0
     try:
         ends, next_offsets = consumer.end_offsets(), consumer.beginning_offsets()
@@ -112,5 +112,5 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     rollouts = _joined_rollouts(joiner, version)
     log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; %d stamped "
              "more than %.0f s behind the records before them, read as that far; join: %s)",
-             len(rollouts), version, bad, floored, MAX_RECORD_BEHIND_S, joiner.counters)
+             len(rollouts), version, bad, floored, clock.max_behind_s, joiner.counters)
     return rollouts

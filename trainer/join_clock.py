@@ -13,12 +13,14 @@ A record stamped by a producer whose clock runs behind the others' (a serving re
 would otherwise enter the join minutes in the past: its reward window would close as soon as it
 arrived, and its reward would be counted late. :meth:`JoinClock.floor` reads such a record as at
 most :data:`MAX_RECORD_BEHIND_S` behind the newer of the join's clock and the newest record read
-before it from its own partition. That only ever moves a record's time later, toward when the
-broker took it: a partition's records are appended in order, and the join's clock is never ahead
-of the records read (it is held back while catching up), so neither was set by a record the broker
-took much after this one. A slow producer that alone writes a partition is not corrected until the
-join's clock passes it. The newest times per partition are not checkpointed: a restarted learner
-floors by the join's clock alone until it has read from a partition again.
+before it from its own partition, and at most half a reward window behind it where the window is
+shorter than two minutes (:func:`max_behind_s`: a minute behind, a 20 s window would have closed).
+That only ever moves a record's time later, toward when the broker took it: a partition's records
+are appended in order, and the join's clock is never ahead of the records read (it is held back
+while catching up), so neither was set by a record the broker took much after this one. A slow
+producer that alone writes a partition is not corrected until the join's clock passes it. The
+newest times per partition are not checkpointed: a restarted learner floors by the join's clock
+alone until it has read from a partition again.
 """
 
 from __future__ import annotations
@@ -32,12 +34,23 @@ MAX_RECORD_BEHIND_S = 60.0
 producers with good clocks arrive out of order by the time a record waits in a producer (its
 retries, two minutes at most with kafka-python's defaults) and by a poll's partition order: a
 minute leaves room for the common cases, and moving a later one forward only lengthens its window."""
+MAX_WINDOW_SHARE_BEHIND = 0.5
+"""The most of its reward window a record read as behind may have lost: it keeps at least half of it
+for its reward (a window of 20 s left a record read a minute behind none: closed on arrival, its
+reward late). Short of MAX_RECORD_BEHIND_S only for windows under two minutes."""
+
+
+def max_behind_s(window_s: float) -> float:
+    """How far behind :meth:`JoinClock.floor` may read a record when reward windows last ``window_s``."""
+    return min(MAX_RECORD_BEHIND_S, MAX_WINDOW_SHARE_BEHIND * window_s)
 
 
 class JoinClock:
     """The newest record time read per partition, and the clock limit they give."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_behind_s: float = MAX_RECORD_BEHIND_S) -> None:
+        self.max_behind_s = max_behind_s
+        """How far behind :meth:`floor` may read a record (:func:`max_behind_s` of the reward window)."""
         self.newest_read: dict[TopicPartition, float] = {}
         """Per partition, the newest record time read from it."""
 
@@ -46,11 +59,11 @@ class JoinClock:
         self.newest_read[tp] = max(ts, self.newest_read.get(tp, ts))
 
     def floor(self, tp: TopicPartition, ts: float, watermark: float | None) -> float:
-        """``ts`` of a record of ``tp`` read next, at most :data:`MAX_RECORD_BEHIND_S` behind the newer
-        of ``watermark`` (the join's clock; None: nothing read yet) and the newest time read from
-        ``tp`` (module docstring)."""
+        """``ts`` of a record of ``tp`` read next, at most :attr:`max_behind_s` behind the newer of
+        ``watermark`` (the join's clock; None: nothing read yet) and the newest time read from ``tp``
+        (module docstring)."""
         newest = max((t for t in (watermark, self.newest_read.get(tp)) if t is not None), default=None)
-        return ts if newest is None else max(ts, newest - MAX_RECORD_BEHIND_S)
+        return ts if newest is None else max(ts, newest - self.max_behind_s)
 
     def limit(self, left: dict[TopicPartition, int]) -> float | None:
         """How far the join's clock may move, given the records ``left`` to read per partition: the

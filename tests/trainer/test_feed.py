@@ -298,6 +298,24 @@ def test_a_record_stamped_by_a_slow_clock_still_gets_its_reward_window(backend):
     assert feed.counters["records_behind_clock"] == 1
 
 
+def test_with_a_short_reward_window_a_slow_clocks_record_still_gets_its_reward_window(backend):
+    """The same traffic with reward.window_s 20 s: read a minute behind, the slow replica's record
+    (and the one 30 s out of order) had a window that closed on arrival; both were dropped and their
+    rewards late. Read at most 10 s behind (half the window), both join."""
+    cfg = Config()
+    joiner = RewardJoiner(cfg.reward.model_copy(update={"window_s": 20.0}))
+    feed = Feed(cfg.trainer, backend.cfg.topics, joiner, backend.producer(), {}, {name: 0.0 for name in COUNTERS},
+                vocab_size=64, group_size=1, stop=threading.Event())
+    feed.start(backend)
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer(_slow_replica_traffic(backend.cfg.topics, time.time()))
+    feed.poll()
+    counters = joiner.counters
+    assert (counters.joined, counters.dropped_no_reward, counters.late_rewards) == (12, 0, 0)
+    assert feed.counters["records_behind_clock"] == 2  # "slow", and "late" (32 s behind)
+    feed.close()
+
+
 @pytest.mark.kafka
 def test_a_slow_replicas_record_gets_its_reward_window_on_the_broker(kafka_config):
     """The same traffic through the real broker, stamped by the producer as the replicas' clocks would."""

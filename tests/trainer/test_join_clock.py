@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from streams.base import TopicPartition
-from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock
+from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock, max_behind_s
 
 A, B = TopicPartition("interactions", 0), TopicPartition("rewards", 0)
 
@@ -40,3 +40,12 @@ def test_a_record_is_read_at_most_a_minute_behind_its_partition_or_the_joins_clo
     assert clock.floor(A, 200.0, 120.0) == 200.0  # 50 s behind: as stamped
     assert clock.floor(A, 100.0, 400.0) == 340.0  # the join's clock, 400, less a minute
     assert clock.floor(B, 100.0, 120.0) == 100.0  # B read nothing; 20 s behind the clock
+
+
+def test_with_a_short_reward_window_a_record_is_read_at_most_half_a_window_behind():
+    """A minute behind, a record's 20 s window had closed before it was read."""
+    assert (max_behind_s(300.0), max_behind_s(120.0), max_behind_s(20.0)) == (60.0, 60.0, 10.0)
+    clock = JoinClock(max_behind_s(20.0))
+    clock.read(A, 250.0)
+    assert clock.floor(A, 100.0, None) == 240.0  # its partition's newest, 250, less 10 s
+    assert clock.floor(A, 245.0, None) == 245.0  # 5 s behind: as stamped

@@ -89,6 +89,12 @@ class Consumer(ABC):
     def assignment(self) -> set[TopicPartition]: ...
 
     @abstractmethod
+    def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record this consumer reads from assigned ``tp``: where it was put,
+        else its group's committed offset, else where ``start`` puts a new consumer (a partition's
+        records deleted since read from its oldest kept one)."""
+
+    @abstractmethod
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         """For each assigned partition, the offset of its first record stamped at or after
         ``time_ms`` (None: no such record yet)."""

@@ -286,6 +286,13 @@ class KafkaStreamConsumer(Consumer):
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
+    def position(self, tp: TopicPartition) -> int:
+        if KafkaTP(tp.topic, tp.partition) not in self._consumer.assignment():
+            raise ValueError(f"{tp} is not assigned to this consumer")  # as the in-memory backend says
+        with _mapped("looking up the consumer's position", self._bootstrap):
+            # asks the group's coordinator for a committed offset, else resets by auto_offset_reset
+            return self._consumer.position(KafkaTP(tp.topic, tp.partition))
+
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         with _mapped("looking up offsets by time", self._bootstrap):
             found = self._consumer.offsets_for_times({tp: time_ms for tp in self._consumer.assignment()})

@@ -326,6 +326,13 @@ class InMemoryConsumer(Consumer):
             self._rebalance()
             return set(self._positions)
 
+    def position(self, tp: TopicPartition) -> int:
+        with self._backend._lock:
+            self._rebalance()
+            if tp not in self._positions:
+                raise ValueError(f"{tp} is not assigned to this consumer")
+            return max(self._positions[tp], self._backend._partition_log(tp).start)  # as poll reads it
+
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         if time_ms < 0:  # as kafka-python does
             raise ValueError(f"offsets_for_time: the target time cannot be negative ({time_ms})")

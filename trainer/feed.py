@@ -316,7 +316,10 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
     offset past its partition's end (the topics were deleted and made again, under the same
     names) is read from the partition's start, with an error in the log: Kafka would reset it to
     the start by itself, and the feed then took every record before the old offset for one
-    already read and skipped it, uncounted."""
+    already read and skipped it, uncounted. A partition the checkpoint does not name gets the
+    consumer's position in ``offsets`` (a new checkpoint directory beside a group with committed
+    offsets: until 2026-12-06 every record from the partition's start counted unread, and the join's
+    clock stood still until that partition had a new record)."""
     first_fetched: dict[TopicPartition, int] = {}
     started = time.monotonic()
     deadline = started + ASSIGNMENT_TIMEOUT_S
@@ -334,6 +337,10 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
             offsets[tp] = starts.get(tp, 0)
         if tp in offsets:
             consumer.seek(tp, offsets[tp])
-        elif tp in first_fetched:
-            consumer.seek(tp, first_fetched[tp])
+        else:
+            if tp in first_fetched:
+                consumer.seek(tp, first_fetched[tp])
+            # where it reads from (its group's committed offset, when nothing was fetched): the unread
+            # count, and the join's clock held at the partition read least far, start there, not at 0
+            offsets[tp] = consumer.position(tp)
     log.info("consumer holds %d partitions after %.1f s", len(consumer.assignment()), time.monotonic() - started)

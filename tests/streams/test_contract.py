@@ -145,6 +145,37 @@ def test_consumer_group_resumes_from_committed_offsets(backend):
     producer.close()
 
 
+def test_position_is_where_the_next_read_starts(backend):
+    """Where it was put, else the group's committed offset, else where ``start`` puts a new consumer
+    (the learner's feed counts a partition's unread records from it)."""
+    t = _topics(backend)
+    producer = backend.producer()
+    for i in range(4):
+        producer.send(t.rewards, str(i).encode(), key=b"one partition")
+    producer.flush(10)
+    first = backend.consumer([t.rewards], group_id="g-position")
+    tp = drain(first, 4)[0].tp
+    assert first.position(tp) == 4
+    first.seek(tp, 1)
+    assert first.position(tp) == 1
+    first.commit({tp: 4})
+    first.close()
+    second = backend.consumer([t.rewards], group_id="g-position", start="earliest")
+    deadline = time.monotonic() + 60
+    while not second.assignment() and time.monotonic() < deadline:
+        assert second.poll(timeout_s=0.5) == []  # nothing after the committed offset
+    assert second.position(tp) == 4
+    assert {second.position(other) for other in second.assignment() - {tp}} <= {0}  # empty, never committed
+    second.close()
+    for start, expected in (("earliest", 0), ("latest", 4)):
+        reader = backend.consumer([t.rewards], start=start)
+        assert reader.position(tp) == expected
+        with pytest.raises(ValueError):
+            reader.position(TopicPartition(t.weights, 0))
+        reader.close()
+    producer.close()
+
+
 def test_a_group_gives_partition_p_of_both_topics_to_one_member(backend):
     """The join needs an interaction and its rewards (co-partitioned by id) in one member; the in-memory
     backend dealt all partitions round-robin and split them."""

@@ -76,6 +76,28 @@ def test_offsets_past_a_partitions_end_read_the_topic_made_again_from_its_start(
     feed.close()
 
 
+def test_a_partition_the_checkpoint_does_not_name_counts_from_where_its_group_resumes():
+    """A new checkpoint directory beside the learner's consumer group: the consumer resumes at the
+    group's committed offsets, but the feed counted every record from the partition's start as
+    unread, and the join's clock, held at the partition read least far, did not move."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    backend.ensure_topics()
+    topics, producer, cfg = backend.cfg.topics, backend.producer(), Config()
+    for i in range(5):  # read and committed by the learner before
+        publish(producer, topics.rewards, make_reward(f"old{i}", 1.0))
+    before = backend.consumer([topics.interactions, topics.rewards], group_id=cfg.trainer.consumer_group)
+    assert len(before.poll(timeout_s=0.1)) == 5
+    before.commit({TopicPartition(topics.rewards, 0): 5, TopicPartition(topics.interactions, 0): 0})
+    before.close()
+    feed = _started_feed(backend)
+    for i in range(3):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=time.time()))
+    feed.poll()
+    assert feed.unread() == {topics.interactions: 0, topics.rewards: 0}
+    assert feed.counters["records_read"] == 3 and feed.joiner.watermark is not None
+    feed.close()
+
+
 @pytest.mark.kafka
 def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
     """Under backpressure the feed stops polling, and its consumer stops hearing where the

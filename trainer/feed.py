@@ -221,8 +221,10 @@ class Feed:
         self.ready_since = (self.ready_since or now) if ready else None
         waited_long = self.ready_since is not None and tcfg.max_wait_s is not None and (
             now - self.ready_since >= tcfg.max_wait_s)
-        if ready < world_size * self.group_size or not (ready >= tcfg.min_rollouts
-                                                        or ready_tokens >= tcfg.token_budget or waited_long):
+        # a unit for every rank, a grpo group counting as one: an incomplete group past its timeout
+        # alone is a step in one process, as the in-process driver steps on it (apps/experiments/inprocess.py)
+        if self.joiner.ready_units(self.group_size) < world_size or not (
+                ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget or waited_long):
             return None
         self.ready_since = None
         taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size)

@@ -230,6 +230,14 @@ class RewardJoiner(TrajectoryRules):
         """Rollouts :meth:`pop_ready` could hand out now (:meth:`ready_stats` without the tokens)."""
         return len(self._poppable(group_size))
 
+    def ready_units(self, group_size: int = 1) -> int:
+        """What :meth:`pop_ready` could hand out now, in the units a step shares among ranks: rollouts,
+        or grpo groups when ``group_size > 1`` (complete ones, and incomplete ones past
+        ``reward.group_timeout_s``; each goes whole to one rank)."""
+        if group_size <= 1:
+            return len(self._ready)
+        return len(self._groups(self._ready.values(), group_size))
+
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
         entries = self._poppable(group_size)

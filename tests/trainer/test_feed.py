@@ -98,6 +98,41 @@ def test_a_partition_the_checkpoint_does_not_name_counts_from_where_its_group_re
     feed.close()
 
 
+def _grpo_joiner() -> RewardJoiner:
+    """Two prompts of four answers each: the first group complete, the second's last reward dropped
+    and its 30 s group timeout past (record time 40 s)."""
+    joiner = RewardJoiner(Config().reward.model_copy(update={"group_timeout_s": 30.0}))
+    for prompt in ((5, 6, 7), (9, 9, 9)):
+        for k in range(4):
+            joiner.add_interaction(make_interaction(f"{prompt[0]}-{k}", prompt=prompt, created_at=float(k)), float(k))
+    for iid in ["5-0", "5-1", "5-2", "5-3", "9-0", "9-1", "9-2"]:
+        joiner.add_reward(make_reward(iid, 0.5), 5.0)
+    joiner.add_interaction(make_interaction("later", prompt=(1, 2, 3), created_at=40.0), 40.0)
+    return joiner
+
+
+def test_an_incomplete_grpo_group_past_its_timeout_is_a_unit_of_a_step():
+    """The live learner asked for world_size x group_size ready rollouts: an incomplete group past its
+    timeout never made a step alone (the in-process driver stepped on it), and two ranks with a
+    complete and an incomplete group (7 rollouts) waited for an eighth that never came."""
+    cfg = Config()
+    tcfg = cfg.trainer.model_copy(update={"min_rollouts": 1})
+
+    def feed(joiner: RewardJoiner) -> Feed:
+        return Feed(tcfg, KafkaConfig().topics, joiner, InMemoryBackend().producer(), {},
+                    {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=4, stop=threading.Event())
+
+    both = _grpo_joiner()
+    assert both.ready_units(4) == 2 and both.ready_units(1) == 7
+    taken = feed(both).take(world_size=2)
+    assert taken is not None and sorted(r.interaction_id for r in taken) == \
+        ["5-0", "5-1", "5-2", "5-3", "9-0", "9-1", "9-2"]
+    alone = _grpo_joiner()
+    alone.pop_ready(max_rollouts=4, token_budget=10**6, group_size=4)  # the complete group trained
+    assert feed(alone).take(world_size=2) is None and alone.ready_rollouts(4) == 3  # one unit: kept
+    assert sorted(r.interaction_id for r in feed(alone).take(world_size=1)) == ["9-0", "9-1", "9-2"]
+
+
 @pytest.mark.kafka
 def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
     """Under backpressure the feed stops polling, and its consumer stops hearing where the

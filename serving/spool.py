@@ -35,18 +35,32 @@ Layout under ``directory``:
   large as the rest (and worth it, see :data:`COMPACT_MIN_BYTES`) the rest is
   copied to a new log that replaces the old one atomically (compaction), so a
   log that is never fully acknowledged under steady traffic stays small.
+* ``spool.window``: the most records a process may have had with the producer
+  at once (``serving.log_window``) among the entries pending now, the widest of
+  every process since the spool was last found empty; written (fsynced, renamed)
+  before the process sends an entry of the spool: when it starts with entries
+  pending, else with its first append. A restart reads back that many pending
+  entries (:meth:`Spool.readback_window`), also when it runs with a smaller
+  window itself.
 
 fsync policy: every :meth:`Spool.append` call (one batch of records: the
 logger's group commit) ends with ``fsync`` of the log (and of the directory
-when the log was created), and every acknowledgement watermark is fsynced
-before the rename, so an entry reported written survives a power loss. An entry that
+when the log was created or replaced by a compaction whose own directory fsync
+failed), and every acknowledgement watermark is fsynced before the rename, so
+an entry reported written survives a power loss. An append whose directory
+fsync fails is taken back (the file truncated to where it began) and reported
+failed, so that the retry does not write its entries a second time. An entry that
 was acknowledged by the broker but whose watermark was not yet written (a crash
 in between) is pending again after a restart; the sender's read back of the
 topics (:mod:`serving.spool_readback`) finds it there and does not send it again.
 
 Writes that fail (disk full, quota ``max_bytes`` reached, I/O error) never
 raise: the entries are kept in memory, in order, after everything on disk,
-:attr:`Spool.error` says why, and the next append retries them first.
+:attr:`Spool.error` says why, and the next append retries them first. Emptying
+the log when all of it is acknowledged never raises either: a log that cannot
+be truncated stays valid and is truncated (or compacted) later. A read of the
+log that fails (:meth:`Spool.read_pending`) raises, with :attr:`Spool.error`
+saying why until a read succeeds; the sender retries it.
 """
 
 from __future__ import annotations
@@ -86,7 +100,11 @@ class Spool:
         self.dead_letter_topic = dead_letter_topic
         self.log_path = self.directory / "spool.log"
         self.acked_path = self.directory / "spool.acked"
+        self.window_path = self.directory / "spool.window"
         self.error: str | None = None
+        """Why the last append, or the last read of the log, failed (None once one succeeds again)."""
+        self._read_error: str | None = None
+        """:attr:`error` as the last failed read of the log set it (a read that succeeds clears only that)."""
         self.dropped_corrupt_bytes = 0
         """Bytes of damaged entries taken out of the log by this start's recovery."""
         self.dead_lettered_entries = 0
@@ -97,6 +115,11 @@ class Spool:
         self._log_file: io.FileIO | None = None
         """The log, open (unbuffered) for appending between compactions: one open per append
         costs the writer, which runs beside the engine, a noticeable share of its CPU."""
+        self._dir_sync_due = False
+        """The log's directory entry changed (created, replaced) and its fsync has not succeeded yet:
+        the next append fsyncs the directory before it reports its entries written."""
+        self._window_due: int | None = None
+        """A read back window the next append writes down first (see :meth:`readback_window`)."""
         self._overflow: list[SpoolEntry] = []
         self._base = 0
         """Logical offset of the log file's first byte: offsets only grow, so an entry read
@@ -214,6 +237,9 @@ class Spool:
             self._overflow = []
             if not todo:
                 return True
+            if self._window_due is not None:
+                self._persist_window(self._window_due)
+                self._window_due = None
             encoded = [e.encode() for e in todo]
             data = b"".join(encoded)
             try:
@@ -234,9 +260,9 @@ class Spool:
             return True
 
     def _write(self, data: bytes) -> None:
-        created = False
         if self._log_file is None:
-            created = not self.log_path.exists()
+            if not self.log_path.exists():
+                self._dir_sync_due = True  # the new file's name must survive a power loss too
             self._log_file = open(self.log_path, "ab", buffering=0)
         fh = self._log_file
         start = os.fstat(fh.fileno()).st_size  # not tell(): a reset truncates the file under this handle
@@ -245,36 +271,57 @@ class Spool:
             while view:  # unbuffered: nothing of a failed append lingers in a buffer to be written later
                 view = view[fh.write(view):]
             os.fsync(fh.fileno())
+            if self._dir_sync_due:
+                fsync_dir(self.directory)
+                self._dir_sync_due = False
         except OSError:
-            fh.truncate(start)  # never leave half an append behind
+            # never leave an append behind that is reported failed: its entries stay in memory and the
+            # retry writes them again (a directory fsync failing after the data's is such a failure too)
+            fh.truncate(start)
             raise
-        if created:  # the new file's name must survive a power loss too
-            fsync_dir(self.directory)
 
     # ------------------------------------------------------------------ replay
 
     def read_pending(self, limit: int) -> list[SpoolEntry]:
-        """Up to ``limit`` unacknowledged entries, oldest first (disk, then memory)."""
+        """Up to ``limit`` unacknowledged entries, oldest first (disk, then memory). Raises the
+        OSError of a read of the log that failed (out of file descriptors, an I/O error), after
+        setting :attr:`error`: nothing after the entries on disk may be handed out before them."""
         with self._lock:
-            out: list[SpoolEntry] = []
-            if self._log_size > self._acked_offset:
-                with open(self.log_path, "rb") as fh:
-                    fh.seek(self._acked_offset - self._base)
-                    offset = self._acked_offset
-                    while len(out) < limit and offset < self._log_size:
-                        header = fh.read(HEADER_BYTES)
-                        length = int(header[0:8], 16)
-                        payload = fh.read(length)
-                        fh.read(1)
-                        offset += HEADER_BYTES + length + 1
-                        entry = decode_payload(payload, offset)
-                        if entry.seq > self._acked_seq:
-                            out.append(entry)
+            try:
+                out = self._read_disk(limit)
+            except OSError as exc:
+                if self._read_error is None:  # once per failing stretch: the sender retries every retry_s
+                    log.warning("cannot read the spool at %s (retried): %s", self.log_path, exc)
+                self.error = self._read_error = f"cannot read the spool at {self.log_path}: {exc}"
+                raise
+            if self._read_error is not None:
+                log.info("the spool at %s is readable again", self.log_path)
+                if self.error == self._read_error:  # an append's error since then stays
+                    self.error = None
+                self._read_error = None
             for entry in self._overflow:
                 if len(out) >= limit:
                     break
                 out.append(entry)
             return out
+
+    def _read_disk(self, limit: int) -> list[SpoolEntry]:
+        """Up to ``limit`` unacknowledged entries of the log file, oldest first (caller holds the lock)."""
+        out: list[SpoolEntry] = []
+        if self._log_size > self._acked_offset:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self._acked_offset - self._base)
+                offset = self._acked_offset
+                while len(out) < limit and offset < self._log_size:
+                    header = fh.read(HEADER_BYTES)
+                    length = int(header[0:8], 16)
+                    payload = fh.read(length)
+                    fh.read(1)
+                    offset += HEADER_BYTES + length + 1
+                    entry = decode_payload(payload, offset)
+                    if entry.seq > self._acked_seq:
+                        out.append(entry)
+        return out
 
     def ack_through(self, entry: SpoolEntry) -> None:
         """Every entry up to and including ``entry`` is acknowledged by the broker."""
@@ -321,9 +368,14 @@ class Spool:
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(self.directory)
+        # the log on disk is the rest now, whatever happens next: offsets must say so at once
         self._base = self._acked_offset
         self.compactions += 1
+        try:
+            fsync_dir(self.directory)
+        except OSError as exc:  # a power loss may bring the old log back: valid, its prefix is acknowledged
+            self._dir_sync_due = True  # but entries appended to the new one are not written until it sticks
+            log.warning("spool compaction: cannot fsync %s (retried by the next append): %s", self.directory, exc)
 
     def _close_log(self) -> None:
         if self._log_file is not None:
@@ -349,10 +401,55 @@ class Spool:
             self.watermark_error = f"cannot write {self.acked_path}: {exc}"
             log.warning("%s; acknowledged entries may be sent again after a restart", self.watermark_error)
 
+    def readback_window(self, window: int) -> int:
+        """How many of the oldest pending entries the read back after a restart must check: the most
+        any process may have handed to the producer among them, ``window`` (this process's) or an
+        earlier process's wider one. Written down first, so that the next start checks as many."""
+        with self._lock:
+            recorded = self._read_window()
+            if not self.pending_records:
+                # nothing an earlier process handed out is pending: this window counts, written down with
+                # the first append (no fsync at a start that finds it written already or never spools)
+                self._window_due = None if window == recorded else window
+                return window
+            # unknown (a version before this file, or its write failed): every pending entry
+            widest = max(window, self.pending_records if recorded is None else recorded)
+            if widest != recorded:
+                self._persist_window(widest)  # before this process sends an entry: it is pending already
+            return widest
+
+    def _read_window(self) -> int | None:
+        try:
+            return int(self.window_path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _persist_window(self, window: int) -> None:
+        tmp = self.window_path.with_suffix(".window-tmp")
+        try:
+            with open(tmp, "w") as fh:
+                fh.write(f"{window}\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.window_path)
+        except OSError as exc:
+            log.warning("cannot write %s (%s): after a crash, every pending record is read back", self.window_path, exc)
+            try:  # a narrower window left there would be taken for this process's
+                self.window_path.unlink(missing_ok=True)
+            except OSError as unlink_exc:
+                log.warning("cannot remove %s: %s; after a crash, records the broker took may reach their "
+                            "topics twice", self.window_path, unlink_exc)
+
     def _reset(self) -> None:
         """Every entry on disk is acknowledged: empty the log, keep the sequence counter."""
-        with open(self.log_path, "wb"):
-            pass  # truncating frees space, so it works on a full disk too
-        self._base = self._acked_offset = self._log_size
         self._unacked.clear()
-        self._persist_watermark()
+        self._persist_watermark()  # first: a crash before the truncate leaves entries known to be acknowledged
+        try:
+            with open(self.log_path, "wb"):
+                pass  # truncating frees space, so it works on a full disk too
+        except OSError as exc:
+            # the log stays valid (all of it acknowledged, appends go after it); the next reset or
+            # compaction gives its space back
+            log.warning("cannot empty the spool at %s (retried later): %s", self.log_path, exc)
+            return
+        self._base = self._acked_offset = self._log_size

@@ -9,8 +9,10 @@ start does not find it and sends the record a second time.
 :class:`ClockSteps` notices a step when a record is about to be handed to the producer: the clock
 reads earlier than a time already seen (a record's creation, an earlier send). Before that record
 is handed, it writes down (fsynced) the clock's reading and the newest sequence number submitted
-so far. While a record up to that number is pending, the read back starts no later than that
-reading: every copy sent since is stamped at or after it.
+so far (at least the last one an earlier process spooled). While a record up to that number is
+pending, the read back starts no later than that reading: every copy sent since is stamped at or
+after it. Records up to that number count towards a further step only with the step's reading, so
+one step is written once, not once per old record sent after a restart.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ClockSteps:
         """``restart_seq``: the last sequence number an earlier process spooled."""
         self._path = Path(directory) / CLOCK_STEP_FILE
         self._wall = wall
+        self._restart_seq = restart_seq
         self.step = self._read(restart_seq)
         """The step whose records may still be pending (from this process or an earlier one)."""
         self._latest = float("-inf")
@@ -58,6 +61,10 @@ class ClockSteps:
 
     def created(self, seq: int, created_at: float) -> None:
         """A record was submitted, or an earlier process's record is about to be sent."""
+        if self.step is not None and seq <= self.step.through_seq:
+            # the step covers it: its copies are found as long as they are stamped at or after the step's
+            # reading, so only a send before that reading is a further step (not every such record again)
+            created_at = min(created_at, self.step.floor_s)
         self._latest = max(self._latest, created_at)
         self._latest_seq = max(self._latest_seq, seq)
 
@@ -69,8 +76,11 @@ class ClockSteps:
             log.warning("the wall clock stepped back %.1f s; a read back after a crash starts at the new "
                         "reading while records submitted until now are pending", self._latest - now)
             previous = self.step
+            # an earlier process's records not yet sent were created before the step too (their creation
+            # times are shown here one by one, as they are sent): the step covers them all at once
+            through_seq = max(self._latest_seq, self._restart_seq, previous.through_seq if previous else 0)
             self.step = ClockStep(floor_s=now if previous is None else min(now, previous.floor_s),
-                                  through_seq=max(self._latest_seq, previous.through_seq if previous else 0))
+                                  through_seq=through_seq)
             self._write(self.step)
             self._latest = now  # later sends are stamped after this reading: one write per step
         self._latest = max(self._latest, now)

@@ -11,7 +11,10 @@ there as acknowledged.
 Which records may have been sent: the sender hands the producer only records among
 the first ``window`` pending ones, and the watermark only moves forward, so every
 record the broker may hold without a watermark is among the first ``window``
-pending records of the restarted spool. The read starts at the oldest of their
+pending records of the restarted spool, where ``window`` is the widest
+``serving.log_window`` any process used since the spool was last empty (``spool.window``,
+:meth:`serving.spool.Spool.readback_window`; every pending record when that file is missing).
+The read starts at the oldest of their
 creation times (every record carries ``created_at``; the producer stamps a record
 when it sends it, with the same clock, so any copy on the topic is stamped later),
 less :data:`READBACK_MARGIN_S`. A wall clock that stepped back between a record's creation and

@@ -94,6 +94,9 @@ class SpoolSender:
         self.acknowledged = 0
         self.delivery_failures = 0
         self._readback = readback
+        self._readback_window = spool.readback_window(window)
+        """The read back checks this many of the oldest pending records: an earlier process may have
+        handed the producer more than ``window`` (a wider serving.log_window)."""
         self._restart_seq = spool.last_seq
         """Records up to this sequence number were spooled by an earlier process."""
         self._clock_steps = clock_steps
@@ -181,10 +184,21 @@ class SpoolSender:
             self._signal.changed.notify_all()
         self._on_delivered(pending, error)
 
+    def _read_pending(self, limit: int) -> list[SpoolEntry] | None:
+        """The spool's oldest pending records; None while its log cannot be read (``Spool.error`` says
+        why; the caller reports no progress, so its thread tries again after ``retry_s``)."""
+        try:
+            return self._spool.read_pending(limit)
+        except OSError:  # out of file descriptors, an I/O error: often passing, never a reason to stop
+            return None
+
     def _read_back(self) -> bool:
         """Restarted spool: mark the pending records the broker already holds as acknowledged.
-        False while the broker cannot be read (nothing may be sent until it can)."""
-        candidates = [e for e in self._spool.read_pending(self._window) if e.seq <= self._restart_seq]
+        False while the broker or the spool cannot be read (nothing may be sent until they can)."""
+        pending = self._read_pending(self._readback_window)
+        if pending is None:
+            return False
+        candidates = [e for e in pending if e.seq <= self._restart_seq]
         floor = self._clock_steps.read_back_floor(candidates[0].seq) if candidates else None
         try:
             found = already_on_topic(candidates, self._readback, floor)
@@ -213,7 +227,10 @@ class SpoolSender:
         acked_prefix: SpoolEntry | None = None
         prefix_open = True
         now = self._clock()
-        for entry in self._spool.read_pending(self._window):
+        pending_entries = self._read_pending(self._window)
+        if pending_entries is None:
+            return False
+        for entry in pending_entries:
             with self._signal.lock:
                 pending = self._with_producer.get(entry.seq)
             if pending is not None and pending.state == "acked":

@@ -382,3 +382,51 @@ def test_a_damaged_spool_entry_is_dead_lettered_and_the_records_after_it_still_r
     letter = decode(up.delivered[9][2], DeadLetter)
     assert letter.raw == lines[4] + b"\n" and "checksum" in letter.reason
     assert decode(up.delivered[10][2]).interaction_id == "id-0010"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_spool_that_cannot_be_read_for_a_moment_is_read_again_and_the_logger_goes_on(make_logger, monkeypatch, mode):
+    """Two reads of the spool fail (the process briefly out of file descriptors): the sender tries
+    again after retry_s (the error used to end its thread, and the logger refused work for good)."""
+    producer = FakeProducer(refuse_sends=True)
+    logger = make_logger(producer, durability=mode)
+    for i in range(3):
+        logger.submit(interaction(i))
+    assert wait_until(lambda: logger.spool_records == 3 and logger.spooling)
+    failures = [2]
+
+    def out_of_descriptors(path, mode="r", *args, **kwargs):
+        if mode == "rb" and failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("serving.spool.open", out_of_descriptors, raising=False)
+    assert wait_until(lambda: failures[0] == 0)
+    producer.refuse_sends = False
+    logger.submit(interaction(3))
+    assert logger.flush(10.0)
+    assert logger.refusal() is None
+    assert delivered_ids(producer) == ["id-0000", "id-0001", "id-0002", "id-0003"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_a_wider_window_handed_out_before_a_crash_are_not_sent_again_after_a_narrower_restart(
+        tmp_path, make_logger, mode):
+    """The crashed process had serving.log_window 8, the restarted one 2: the read back still checks
+    the 8 records the broker may hold (it checked 2, and sent the other 6 a second time)."""
+    silent = TakesSilently()
+    crashed = InteractionLogger(silent, TOPICS, tmp_path / "spool",
+                                LogSettings(durability=mode, window=8, stall_s=60.0, retry_s=0.05))
+    crashed.start()
+    assert all(r.wait(5) for r in [crashed.submit(interaction(i)) for i in range(10)])
+    assert wait_until(lambda: len(silent.delivered) == 8)  # the window: eight on the broker, none reported
+    if mode == "memory":  # spooled on the way out, as a stalled broker makes it
+        crashed.close(timeout_s=0.2)
+    # the process dies: the spool holds all ten above its watermark
+    up = FakeProducer(delivered=silent.delivered)
+    tail, _ = reading_back(up)
+    restarted = make_logger(up, durability=mode, readback=tail, window=2)
+    assert restarted.flush(10.0)
+    assert delivered_ids(up) == [f"id-{i:04d}" for i in range(10)]  # each once on the topic, in order
+    assert restarted.found_on_topic == 8

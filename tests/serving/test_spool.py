@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
+from online_sao.durable import fsync_dir
 from online_sao.schemas import DeadLetter, decode
 from serving.spool import Spool, SpoolEntry
 
@@ -306,3 +308,102 @@ def test_a_complete_last_entry_with_a_bad_checksum_is_dead_lettered_not_taken_fo
     pending = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).read_pending(10)
     assert [(e.seq, e.topic) for e in pending] == [(1, "t"), (2, "t"), (3, DLQ)]  # next after the intact ones
     assert "checksum" in decode(pending[-1].value, DeadLetter).reason
+
+
+def failing_once(error_number: int, real=None):
+    """Stands in for an os-level call: raises ``OSError(error_number)`` on its first call, then does what
+    ``real`` does; ``calls`` counts every call."""
+
+    def call(*args, **kwargs):
+        call.calls += 1
+        if call.calls == 1:
+            raise OSError(error_number, os.strerror(error_number))
+        return real(*args, **kwargs) if real is not None else None
+
+    call.calls = 0
+    return call
+
+
+def test_a_log_that_cannot_be_emptied_stays_valid_and_is_emptied_later(tmp_path, monkeypatch):
+    """Emptying the fully acknowledged log (open "wb") fails once, as on a file system remounted
+    read-only: acknowledging does not raise (it stopped the sender), the log stays readable."""
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    one = len(entries(1, 1)[0].encode())
+    truncate = failing_once(errno.EROFS, open)
+    monkeypatch.setattr("serving.spool.open", lambda path, mode="r", *a, **k:
+                        truncate(path, mode, *a, **k) if mode == "wb" else open(path, mode, *a, **k), raising=False)
+    spool.ack_through(spool.read_pending(10)[-1])
+    assert truncate.calls == 1 and spool.pending_records == 0
+    assert (tmp_path / "spool.log").stat().st_size == 3 * one  # still there, all of it acknowledged
+    assert spool.read_pending(10) == []
+    assert spool.append(entries(4, 1))
+    assert [e.seq for e in spool.read_pending(10)] == [4]
+    assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [4]
+    spool.ack_through(spool.read_pending(10)[0])  # the next reset empties it
+    assert truncate.calls == 2 and (tmp_path / "spool.log").stat().st_size == 0
+
+
+def test_a_read_that_fails_raises_says_why_and_a_read_that_succeeds_clears_it(tmp_path, monkeypatch):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 2))
+    reader = failing_once(errno.EMFILE, open)
+    monkeypatch.setattr("serving.spool.open", lambda path, mode="r", *a, **k:
+                        reader(path, mode, *a, **k) if mode == "rb" else open(path, mode, *a, **k), raising=False)
+    with pytest.raises(OSError):
+        spool.read_pending(10)
+    assert spool.error.startswith("cannot read the spool") and "Too many open files" in spool.error
+    assert [e.seq for e in spool.read_pending(10)] == [1, 2]
+    assert spool.error is None
+
+
+def test_a_compaction_whose_directory_fsync_fails_reads_the_rest_from_the_right_place(tmp_path, monkeypatch):
+    """The rename of the compacted log succeeds, the directory's fsync after it fails: the offsets
+    follow the new file (they used to point into it as if it were the old one)."""
+    one = len(entries(1, 1)[0].encode())
+    spool = Spool(tmp_path, max_bytes=8 * one, dead_letter_topic=DLQ)
+    spool.append(entries(1, 6))
+    sync_dir = failing_once(errno.EIO, fsync_dir)
+    monkeypatch.setattr("serving.spool.fsync_dir", sync_dir)
+    spool.ack_through(spool.read_pending(10)[3])  # 4 of 6 acknowledged: compacted, then the fsync fails
+    assert spool.compactions == 1 and (tmp_path / "spool.log").stat().st_size == 2 * one
+    assert [e.seq for e in spool.read_pending(10)] == [5, 6]
+    assert spool.append(entries(7, 1))  # not written until the rename is on disk: it fsyncs the directory
+    assert sync_dir.calls == 2
+    assert [e.seq for e in spool.read_pending(10)] == [5, 6, 7]
+    assert [e.seq for e in Spool(tmp_path, 8 * one, dead_letter_topic=DLQ).read_pending(10)] == [5, 6, 7]
+
+
+def test_a_new_log_whose_directory_fsync_fails_is_taken_back_and_written_once(tmp_path, monkeypatch):
+    """The first append creates the log; its data is fsynced, the directory's fsync fails. The append
+    is reported failed, so its entries must not stay in the file too (the retry wrote them twice)."""
+    sync_dir = failing_once(errno.EMFILE, fsync_dir)
+    monkeypatch.setattr("serving.spool.fsync_dir", sync_dir)
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert not spool.append(entries(1, 3))
+    assert "Too many open files" in spool.error and spool.held_in_memory == 3
+    assert (tmp_path / "spool.log").stat().st_size == 0
+    assert spool.append(entries(4, 1))  # the held entries first, then the new one; the directory fsync again
+    assert sync_dir.calls == 2 and spool.error is None
+    assert [e.seq for e in spool.read_pending(10)] == [1, 2, 3, 4]
+    assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [1, 2, 3, 4]
+
+
+def test_the_read_back_window_is_the_widest_since_the_spool_was_last_empty(tmp_path):
+    """A crashed process may have handed its producer as many records as its own serving.log_window:
+    a restart with a narrower one still reads back that many."""
+    first = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert first.readback_window(8) == 8  # an empty spool: only this process's window counts
+    first.append(entries(1, 10))
+    assert (tmp_path / "spool.window").read_text() == "8\n"  # written at the start, before any send
+    narrower = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert narrower.readback_window(2) == 8
+    assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).readback_window(2) == 8  # a second crash
+    narrower.ack_through(narrower.read_pending(10)[-1])
+    assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).readback_window(2) == 2  # nothing pending
+
+
+def test_a_missing_read_back_window_reads_back_every_pending_entry(tmp_path):
+    """No ``spool.window`` beside pending entries (an older version wrote the spool, or the write failed)."""
+    Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).append(entries(1, 5))
+    assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).readback_window(2) == 5

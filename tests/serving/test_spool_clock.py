@@ -143,3 +143,29 @@ def test_a_step_is_forgotten_by_a_start_whose_spool_holds_nothing_pending(tmp_pa
                                LogSettings(durability="memory"))
     logger.close(timeout_s=1.0)
     assert not (tmp_path / "spool" / CLOCK_STEP_FILE).exists()
+
+
+def test_one_step_noticed_while_an_earlier_process_records_are_sent_is_written_once(tmp_path, monkeypatch):
+    """The clock was set back an hour while serving was down; the restarted process sends the three
+    records the earlier one spooled, created a second apart. One step: one write covering all three
+    (each record used to count as a step of its own, with a warning and an fsynced write each)."""
+    writes = []
+    write = ClockSteps._write
+    monkeypatch.setattr(ClockSteps, "_write", lambda self, step: (writes.append(step), write(self, step)))
+    wall = WallClock(CREATED - 3600.0)
+    steps = ClockSteps(tmp_path, restart_seq=3, wall=wall)
+    for seq in (1, 2, 3):  # as the sender hands them: their creation times, then the send
+        steps.created(seq, CREATED + seq)
+        steps.before_send()
+    assert steps.noticed == 1
+    assert writes == [ClockStep(floor_s=CREATED - 3600.0, through_seq=3)]
+    assert steps.read_back_floor(3) == CREATED - 3600.0
+
+
+def test_a_step_from_an_earlier_process_still_notices_a_step_below_its_reading(tmp_path):
+    (tmp_path / CLOCK_STEP_FILE).write_text('{"floor_s": %r, "through_seq": 3}' % (CREATED - 300.0))
+    wall = WallClock(CREATED - 600.0)  # set back further while serving was down
+    steps = ClockSteps(tmp_path, restart_seq=3, wall=wall)
+    steps.created(1, CREATED)
+    steps.before_send()
+    assert steps.noticed == 1 and steps.step == ClockStep(floor_s=CREATED - 600.0, through_seq=3)

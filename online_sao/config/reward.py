@@ -32,8 +32,9 @@ class RewardConfig(Section):
     """Reward given when on_missing is 'default'; within [min_value, max_value], like any reward accepted."""
     group_timeout_s: float | None = Field(30.0, gt=0)
     """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
-    rest; then the group is trained on as it is and counted (``join_incomplete_groups``). A group
-    whose member lost its reward would otherwise never complete. None waits forever."""
+    rest; then the group is trained on as it is and counted (``join_incomplete_groups``), a unit
+    of a step like a complete group (alone, a step of one process). A group whose member lost its
+    reward would otherwise never complete. None waits forever."""
     train_aborted: bool = False
     """Whether an interaction whose answer was cut (``finish_reason`` ``abort``: its client left, or
     serving's deadline or shutdown ended it) is trained as a rollout of its own. Off: it is not

@@ -18,6 +18,22 @@ class Decodes(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ..., **kwargs) -> str: ...
 
 
+def decode_after(tokenizer: Decodes, prompt: list[int], ids: list[int]) -> str:
+    """``ids`` decoded as they read after ``prompt``, special tokens kept (a record's
+    ``response_text``): after the prompt's last :data:`CONTEXT_TOKENS` as context, as
+    :class:`IncrementalDecoder` streams them, so a SentencePiece-style decoder keeps the first
+    token's word-initial space that decoding ``ids`` alone drops. Where the context's text is not
+    a prefix of the whole's (a decoder that rewrites across the boundary), ``ids`` alone."""
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False)
+
+    context = list(prompt[-CONTEXT_TOKENS:])
+    while context and decode(context).endswith(REPLACEMENT_CHAR):
+        context.pop()  # a prompt cut inside a character: left out, as the stream leaves it out
+    head, whole = decode(context), decode(context + list(ids))
+    return whole[len(head):] if context and whole.startswith(head) else decode(list(ids))
+
+
 class IncrementalDecoder:
     """Decodes a growing list of token ids, returning only text that later tokens cannot change.
 

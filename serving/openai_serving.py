@@ -40,7 +40,7 @@ from pydantic import BaseModel
 
 from online_sao.config import ServingConfig
 from online_sao.schemas import ABORTED, Interaction, SamplingParams
-from serving.detokenize import IncrementalDecoder, StopStrings
+from serving.detokenize import IncrementalDecoder, StopStrings, decode_after
 from serving.engine.base import GenerationRequest, InferenceEngine
 from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
@@ -201,8 +201,9 @@ class OpenAIServing:
                                       turn.versions)
         texts = {}
         if not self.cfg.redact_text:
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-            texts = dict(prompt_text=decode(fields["prompt_ids"]), response_text=decode(fields["response_ids"]))
+            prompt_ids, response_ids = fields["prompt_ids"], fields["response_ids"]
+            texts = dict(prompt_text=self.tokenizer.decode(prompt_ids, skip_special_tokens=False),
+                         response_text=decode_after(self.tokenizer, prompt_ids, response_ids))
             if self.redactor is not None:  # before the record exists: nothing unredacted is encoded or logged
                 texts = self._redacted(turn, texts)
         record = Interaction(interaction_id=turn.interaction_id, created_at=turn.created_at,

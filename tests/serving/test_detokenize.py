@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from serving.detokenize import IncrementalDecoder, StopStrings
+from serving.detokenize import IncrementalDecoder, StopStrings, decode_after
 
 
 @pytest.mark.parametrize("text", ["plain words here", "Grüße, 世界! 🙂🙂 naïve café",
@@ -52,6 +52,20 @@ def test_with_a_sentencepiece_decoder_the_first_answer_token_keeps_its_space(met
     decoder = IncrementalDecoder(tok, prompt=prompt)
     answer = "".join(decoder.push(t) for t in full[len(prompt):]) + decoder.finish()
     assert answer == " Paris and it is nice"
+
+
+def test_a_records_response_text_keeps_the_first_tokens_space(metaspace_tokenizer, chat_tokenizer):
+    """The record's response_text was the answer's ids decoded alone: "Paris and it is nice"."""
+    tok = metaspace_tokenizer
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    full = tok("The capital of France is Paris and it is nice", add_special_tokens=False)["input_ids"]
+    assert decode_after(tok, prompt, full[len(prompt):]) == " Paris and it is nice"
+    assert decode_after(tok, [], full) == "The capital of France is Paris and it is nice"
+    eos = tok.convert_tokens_to_ids("</s>")
+    assert decode_after(tok, prompt, full[len(prompt):] + [eos]) == " Paris and it is nice</s>"  # special kept
+    byte_level = chat_tokenizer("naïve caf", add_special_tokens=False)["input_ids"]
+    answer = chat_tokenizer("é 🙂 done", add_special_tokens=False)["input_ids"]
+    assert decode_after(chat_tokenizer, byte_level, answer) == "é 🙂 done"
 
 
 def test_the_prompts_context_changes_nothing_for_a_byte_level_tokenizer(chat_tokenizer):

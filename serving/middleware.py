@@ -73,13 +73,23 @@ class RequestMetricsMiddleware(HttpOnlyMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = scope["path"] if scope["path"] in self.routes else "other"
+        answered = False
 
         async def counting_send(message):
+            nonlocal answered
             if message["type"] == "http.response.start":
+                answered = True
                 self.metrics.requests.labels(route, str(message["status"])).inc()
             await send(message)
 
-        return await self.app(scope, receive, counting_send)
+        try:
+            return await self.app(scope, receive, counting_send)
+        except Exception:
+            # Starlette's ServerErrorMiddleware, always outside this one, sends the 500 of an exception
+            # no handler took, past counting_send: counted here, or ServingErrors never sees it
+            if not answered:
+                self.metrics.requests.labels(route, "500").inc()
+            raise
 
 
 def error_response(error: APIError) -> JSONResponse:

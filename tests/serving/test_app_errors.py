@@ -137,6 +137,21 @@ def test_api_keys_and_rate_limits(make_harness):
     assert h.client.get("/healthz").status_code == 200  # probes need no key
 
 
+def test_an_unexpected_exception_is_a_500_the_request_counter_counts(make_harness, monkeypatch):
+    """Starlette's ServerErrorMiddleware answers it outside every middleware the app adds: the 500
+    went out uncounted, and an alert on the 5xx share saw a replica failing every request as idle."""
+    from serving.ids import InteractionIdSigner
+
+    h = make_harness()
+
+    def bug(self, interaction_id):
+        raise RuntimeError("a bug (test)")
+
+    monkeypatch.setattr(InteractionIdSigner, "verify", bug)
+    assert h.client.post("/v1/feedback", json={"interaction_id": "x", "reward": 1.0}).status_code == 500
+    assert 'sao_serving_requests_total{route="/v1/feedback",status="500"} 1.0' in h.client.get("/metrics").text
+
+
 def test_models_readyz_and_metrics(make_harness):
     h = make_harness()
     h.engine.version = 4

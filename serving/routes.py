@@ -11,6 +11,7 @@ while the engine is saturated (see :func:`status_routes`).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,7 +52,8 @@ def authorizer(auth: ApiKeyAuth) -> Authorize:
         try:
             return auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
         except AuthError as exc:
-            headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s else {}
+            # rounded up: a client that waits as long as it says finds a token (1.2 s rounded to 1 did not)
+            headers = {"Retry-After": f"{max(1, math.ceil(exc.retry_after_s))}"} if exc.retry_after_s else {}
             kind = "rate_limit_error" if exc.status == 429 else "authentication_error"
             raise APIError(exc.status, exc.message, type=kind, code=exc.code, headers=headers) from None
 

@@ -173,9 +173,17 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+TRUST_PROXY_HEADERS = False
+"""Whether uvicorn takes a caller's address from ``X-Forwarded-For``: it does by default for a loopback
+peer, and every caller of a loopback-bound server is one, so a header the client wrote chose its rate
+limit bucket (a new address per request: no limit) and turned a loopback caller, not limited, into a
+limited one. The rate limit and the loopback rule read the peer's address."""
+
+
 def draining_server(app: FastAPI, **config) -> DrainingServer:
     """``app`` (one of :func:`serving.app.build_app`, or any other) on a :class:`DrainingServer`."""
     inflight = getattr(app.state, "inflight", None)
+    config = {"proxy_headers": TRUST_PROXY_HEADERS, **config}
     return DrainingServer(uvicorn.Config(app, **config), None if inflight is None else inflight.begin_shutdown)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -155,6 +156,22 @@ def test_rate_limit_is_a_token_bucket_per_key():
     auth.check("Bearer a")  # refilled one token
     with pytest.raises(AuthError):
         auth.check("Bearer a")
+
+
+def test_retry_after_is_rounded_up_so_a_client_that_waits_that_long_is_admitted():
+    """50 a minute: the next token comes 1.2 s after the burst's last; Retry-After said 1."""
+    from serving.protocol import APIError
+    from serving.routes import authorizer
+
+    clock = Clock(0.0)
+    authorize = authorizer(ApiKeyAuth(["k"], rate_per_minute=50, burst=1, clock=clock))
+    request = SimpleNamespace(headers={"authorization": "Bearer k"}, client=None)
+    authorize(request)
+    with pytest.raises(APIError) as refused:
+        authorize(request)
+    assert refused.value.headers["Retry-After"] == "2"
+    clock.now += 2.0
+    authorize(request)
 
 
 def _serving(host: str, keys: list[str], secret: str = "a-secret-of-our-own") -> ServingConfig:

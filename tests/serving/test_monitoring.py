@@ -105,3 +105,13 @@ def test_length_and_repetition_gauges_follow_the_recent_answers(make_server, cha
         assert chat(server).status_code == 200
     short = len(server.engine.script)
     assert scrape(server)["sao_serving_monitor_mean_length"][()] == short < len(answer)
+
+
+def test_a_caller_does_not_choose_its_address_with_x_forwarded_for(make_server):
+    """uvicorn's default trusts X-Forwarded-For from a loopback peer, which every caller of a
+    loopback-bound server is: a header chose the caller's rate-limit bucket (one per request: no
+    limit) and made a loopback caller, not limited, a limited one."""
+    server = make_server(**{"serving.rate_limit_per_minute": 1, "serving.rate_limit_burst": 2})
+    statuses = [httpx.get(f"{server.url}/v1/models", headers={"X-Forwarded-For": "203.0.113.7"}).status_code
+                for _ in range(4)]
+    assert statuses == [200] * 4  # the peer, loopback, is not limited

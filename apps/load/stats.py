@@ -12,8 +12,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-SERVER_ERROR_TYPES = frozenset({"server_error", "service_unavailable"})
-"""Error types of a mid-stream error event that count as a 5xx (the status line said 200)."""
+SERVER_ERROR_TYPES = frozenset({"server_error", "service_unavailable", "timeout_error"})
+"""Error types of a mid-stream error event that count as a 5xx (the status line said 200): a 500, a
+503, and serving's deadline (a 504 on a plain request; serving/protocol.py)."""
 
 Kind = Literal["chat", "stream", "feedback"]
 

@@ -70,6 +70,7 @@ def test_which_failures_count_as_server_errors():
 
     assert rec(500, "500").server_error and rec(503, "503").server_error
     assert rec(200, "stream:service_unavailable").server_error
+    assert rec(504, "504").server_error and rec(200, "stream:timeout_error").server_error  # serving's deadline
     assert not rec(429, "429").server_error
     assert not rec(200, "stream:invalid_request_error").server_error
     assert not rec(0, "timeout").server_error and not rec(200, None).server_error

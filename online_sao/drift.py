@@ -62,12 +62,18 @@ class RewardDropDetector:
         self.history: deque[float] = deque(maxlen=settings.reference + settings.recent)
         self.alarm_reference: list[float] = []
         """The reference window of the newest alarm: the level a roll-back is judged against."""
+        self.rewards_after_alarm = 0
+        """How many of the last observed step's rewards came after the one that raised its alarm (0
+        without an alarm). They go back into ``history``, which may not hold them all: a step with
+        more than ``reference + recent`` of them keeps only the newest, so the alarm's position is
+        counted here, not read off the history's length."""
 
     def observe(self, rewards: list[float]) -> tuple[bool, dict[str, float]]:
         """Add one step's rewards (in the order trained) and test. Returns (alarm, metrics
         ``drift_drop``, ``drift_z``: NaN until both windows are full)."""
         s = self.settings
         alarm, drop, z = False, math.nan, math.nan
+        self.rewards_after_alarm = 0
         for i, reward in enumerate(rewards):
             self.history.append(float(reward))
             if len(self.history) < s.reference + s.recent:
@@ -80,6 +86,7 @@ class RewardDropDetector:
                 self.history.clear()  # the rewards before the change say nothing about after it
                 break  # the rest of this step's rewards are the first of the new regime
         if alarm:
+            self.rewards_after_alarm = len(rewards) - i - 1
             self.history.extend(float(r) for r in rewards[i + 1:])
         return alarm, {"drift_drop": drop, "drift_z": z, "drift_alarm": float(alarm)}
 

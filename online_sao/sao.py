@@ -51,6 +51,15 @@ def _suffixed(metrics: dict[str, float], suffix: str) -> dict[str, float]:
     return {f"{name}{suffix}": value for name, value in metrics.items() if suffix == "" or name != "value_mean"}
 
 
+def _joined(window: ReplayWindow, batch: RolloutBatch) -> RolloutBatch:
+    """``window``'s rollouts and then ``batch``'s, as one batch of the window's capacity (the
+    oldest fall out), leaving ``window`` as it was: the fit that needs them may yet be refused."""
+    joined = ReplayWindow(window.rows.maxlen)
+    joined.rows.extend(window.rows)
+    joined.add(batch)
+    return joined.batch()
+
+
 class SAO(ActorCritic):
     """Single-rollout Asynchronous Optimization. Metrics: see :meth:`step`."""
 
@@ -131,10 +140,11 @@ class SAO(ActorCritic):
         return shrink(values, estimate.mean, estimate.alpha)
 
     def _rewarm(self, batch: RolloutBatch, timer: PhaseTimer, metrics: dict[str, float]) -> dict[str, float]:
-        """A step while the critic re-warms after a restart (``critic_rewarm_rollouts``): the step's
-        rollouts join those since the restart and the K critic updates fit all of them; the
-        policy's advantages take, instead of the cold critic's values, the constant mean reward of
-        the rollouts since the restart before this step (the step's own mean for the first)."""
+        """A step while the critic re-warms after a restart (``critic_rewarm_rollouts``): the K critic
+        updates fit the rollouts since the restart and the step's, which join them once that fit is
+        applied (a refused step's stay out); the policy's advantages take, instead of the cold
+        critic's values, the constant mean reward of the rollouts since the restart before this
+        step (the step's own mean for the first)."""
         window = self.rewarm_window
         earlier = window.batch() or batch
         # one collective: the earlier rollouts' reward sum and count, and this step's rollout count
@@ -142,13 +152,15 @@ class SAO(ActorCritic):
             [float(earlier.rewards.sum()), float(earlier.batch_size), float(batch.batch_size)],
             dtype=torch.float64)).tolist()
         level = reward_sum / count
-        window.add(batch)
-        fit = self._fit(window.batch(), timer)
-        if not fit.stepped:
+        fit = self._fit(_joined(window, batch), timer)
+        if not fit.stepped:  # a refused step's rollouts stay out of later fits and levels, as in a normal step
             return {**fit.metrics, "skipped_nonfinite": 1.0}
+        window.add(batch)
         with timer.phase("arithmetic"):
             advantages = self._advantages(batch, torch.full_like(batch.rewards, level), metrics)
         update = self._policy_update(batch, advantages, timer)
+        if not update["skipped_nonfinite"]:
+            self.regularizer.after_policy_update(self.policy)  # as after a normal step's applied update
         self.rewarm_left = max(0, self.rewarm_left - round(taken))
         if self.rewarm_left == 0:
             window.clear()

@@ -5,20 +5,22 @@
 
 - moves the policy back towards its starting weights, ``start + policy_shrink * (policy - start)``
   (0: a restart; the starting policy samples every style at its starting share, so the newly
-  preferred one is sampled again);
+  preferred one is sampled again), and an EMA KL reference (``Trainables.ema_reference``) alike:
+  it started where the policy did, and left behind it would pull the policy back to the old
+  preference;
 - with ``reset_critic``, puts the critic back to its initial weights (values fitted under the
   old preference mis-rank the new one's answers);
 - with ``reset_optimizers``, clears the optimisers' moments (they point the old way);
 - tells the learning rule to forget reward statistics gathered before the change
   (:meth:`online_sao.algorithm.Algorithm.forget`: the running-mean baselines' window).
 
-With ``rollback_first`` an alarm first rolls policy and critic back to the newest snapshot taken
-before the detector's reference window (optimiser moments cleared with ``reset_optimizers``; the
-rule's statistics kept: the users did not change) and opens a probation: once ``recent`` rewards
-of answers sampled by the restored version or later have arrived, they are tested against the
-alarm's reference window with the detector's own test, and only a drop restarts as above. A fall
-of the learner's own quality is then undone without discarding the learned preference
-(docs/EXPERIMENTS.md section 17). Snapshots are taken every ``recent`` trained rewards. With
+With ``rollback_first`` an alarm first rolls policy, critic and EMA reference back to the newest
+snapshot taken before the detector's reference window (optimiser moments cleared with
+``reset_optimizers``; the rule's statistics kept: the users did not change) and opens a probation:
+once ``recent`` rewards of answers sampled by the restored version or later have arrived, they are
+tested against the alarm's reference window with the detector's own test, and only a drop restarts
+as above. A fall of the learner's own quality is then undone without discarding the learned
+preference (docs/EXPERIMENTS.md section 17). Snapshots are taken every ``recent`` trained rewards. With
 ``rollback_score`` (a named score of the rewards, e.g. a judge's ``quality``) an alarm rolls back
 only when that score fell over the same two windows too (z at least ``rollback_score_z``): a
 preference change lowers the reward while the answers' quality holds, and restarts at once.
@@ -30,8 +32,9 @@ without a collective. The "start" is what :func:`trainer.startup.build_models` l
 any checkpoint or value pre-training: the weights in ``model_dir`` and a freshly built critic.
 The detector's books (its reward history, a probation, the scores) are checkpointed
 (:meth:`DriftResponse.state_dict`): a learner restarted mid-window raises the alarm one that never
-stopped raises. The weight snapshots a roll-back returns to are not (a policy's worth each): after
-a restart they are taken again, and an alarm before one exists restarts instead of rolling back.
+stopped raises. The weight snapshots a roll-back returns to are not (a policy's worth each, two with
+an EMA reference): after a restart they are taken again, and an alarm before one exists restarts
+instead of rolling back.
 """
 
 from __future__ import annotations
@@ -76,11 +79,14 @@ def drift_counter(metrics: dict[str, float]) -> str | None:
 
 @dataclass
 class Snapshot:
-    """Policy and critic weights after ``seen`` trained rewards."""
+    """Policy, critic and EMA KL reference weights after ``seen`` trained rewards."""
 
     seen: int
     policy: list[torch.Tensor]
     critic: list[torch.Tensor] | None
+    reference: list[torch.Tensor] | None = None
+    """The EMA reference (``Trainables.ema_reference``; None without one): it followed the policy
+    into the fall, and left there it would pull the restored policy back toward the fallen one."""
 
 
 @dataclass
@@ -155,7 +161,8 @@ class DriftResponse:
         if alarm or failed:
             if failed and not alarm:  # rewards since the roll-back say nothing about after a restart
                 self.detector.history.clear()
-            at_alarm = self.seen - len(self.detector.history)  # the step's rewards after the alarm stay
+            # trained rewards up to the one that raised the alarm (a failed probation: the step's last)
+            at_alarm = self.seen - (self.detector.rewards_after_alarm if alarm else 0)
             restored = self._snapshot_before(at_alarm - self.cfg.reference - self.cfg.recent)
             if (self.cfg.rollback_first and self.probation is None and not failed and restored is not None
                     and self._score_fell(at_alarm, metrics)):
@@ -166,7 +173,9 @@ class DriftResponse:
             self.snapshots.clear()  # what came after the restored weights, or before the restart
             self._log(metrics, rolled_back)
         elif self.cfg.rollback_first and (not self.snapshots or self.seen - self.snapshots[-1].seen >= self.cfg.recent):
-            self.snapshots.append(Snapshot(self.seen, snapshot(self.trainables.policy), snapshot(self.trainables.critic)))
+            t = self.trainables
+            self.snapshots.append(Snapshot(self.seen, snapshot(t.policy), snapshot(t.critic),
+                                           snapshot(t.ema_reference)))
         metrics["drift_alarm"] = float(alarm or failed)
         metrics["drift_rollback"] = float(rolled_back)
         return metrics
@@ -244,12 +253,18 @@ class DriftResponse:
         shrink_towards(t.policy, restored.policy, 0.0)
         if restored.critic is not None and t.critic is not None:
             shrink_towards(t.critic, restored.critic, 0.0)
+        if restored.reference is not None and t.ema_reference is not None:
+            shrink_towards(t.ema_reference, restored.reference, 0.0)
         self._clear_moments()
         self.probation = Probation(list(self.detector.alarm_reference), next_version)
 
     def restart(self) -> None:
         t = self.trainables
         shrink_towards(t.policy, self.policy_start, self.cfg.policy_shrink)
+        if t.ema_reference is not None:
+            # the same arithmetic: the reference starts where the policy did (build_reference), so
+            # it stays as far behind the moved policy as before, instead of at the old preference
+            shrink_towards(t.ema_reference, self.policy_start, self.cfg.policy_shrink)
         if self.critic_start is not None and t.critic is not None:
             shrink_towards(t.critic, self.critic_start, 0.0)
         self._clear_moments()

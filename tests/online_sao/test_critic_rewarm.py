@@ -70,6 +70,21 @@ def test_each_rewarm_step_fits_every_rollout_since_the_restart(tiny_qwen):
     assert len(algo.rewarm_window) == 4
 
 
+def test_a_refused_rewarm_step_leaves_its_rollouts_out_of_later_fits_and_levels(tiny_qwen):
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=16)
+    algo.forget()
+    algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))
+    critic = algo.critic
+    algo.critic = lambda ids, mask: critic(ids, mask) * float("inf")  # a transient non-finite critic loss
+    refused = algo.step(make_batch(tiny_qwen, rewards=(-1.0, -1.0)))
+    algo.critic = critic
+    assert refused["skipped_nonfinite"] == 1.0
+    assert len(algo.rewarm_window) == 2 and algo.rewarm_left == 14  # as before the refused step
+    metrics = algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))
+    assert metrics["rewarm_level"] == 1.0  # the first step's 1, 1 only: with the refused -1, -1 it would be 0
+    assert len(algo.rewarm_window) == 4
+
+
 def test_a_checkpoint_mid_rewarm_resumes_it(tiny_qwen):
     algo = make_sao(tiny_qwen, critic_rewarm_rollouts=6)
     algo.forget()

@@ -37,6 +37,14 @@ def test_alarm_clears_history_and_keeps_the_step_rewards_after_the_change():
     assert not alarm and math.isnan(metrics["drift_z"])
 
 
+def test_an_alarm_counts_the_step_rewards_after_it_even_those_the_history_cannot_hold():
+    d = detector()  # the history holds reference + recent = 4 rewards
+    alarm, _ = d.observe([1.0, 1.0, 0.0, 0.0] + [0.0] * 6)  # the alarm at the 4th reward, then 6 more
+    assert alarm and d.rewards_after_alarm == 6
+    assert list(d.history) == [0.0] * 4  # only the newest 4 of the 6 kept
+    assert not d.observe([0.0])[0] and d.rewards_after_alarm == 0  # no alarm: none after one
+
+
 def test_no_alarm_below_either_threshold_or_on_a_rise():
     # z = sqrt(3) < 4 although the drop is 0.5
     assert not detector(recent=2, reference=4).observe([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])[0]

@@ -64,6 +64,18 @@ def test_ema_reference_moves_its_rate_toward_the_policy_after_each_update(tiny_q
     torch.testing.assert_close(reference_now, 0.75 * start + 0.25 * policy_now.detach())
 
 
+def test_ema_reference_moves_toward_the_policy_on_a_critic_rewarm_step_too(tiny_qwen):
+    algo = _algorithm(tiny_qwen, kl_beta=0.1, kl_reference="ema", kl_ema_rate=0.25, critic_rewarm_rollouts=4)
+    algo.forget()  # as a drift restart does: the next step re-warms the critic
+    name = "model.layers.0.mlp.down_proj.weight"
+    start = dict(tiny_qwen.named_parameters())[name].detach().clone()
+    assert algo.step(make_batch(tiny_qwen))["critic_rewarm"] == 1.0
+    policy_now = dict(tiny_qwen.named_parameters())[name]
+    reference_now = dict(algo.regularizer.reference.named_parameters())[name]
+    assert not torch.equal(policy_now, start)
+    torch.testing.assert_close(reference_now, 0.75 * start + 0.25 * policy_now.detach())
+
+
 @pytest.mark.parametrize("name", ["running_mean", "grpo", "ppo"])
 def test_baselines_add_the_same_terms(tiny_qwen, name):
     algo = _algorithm(tiny_qwen, name=name, kl_beta=0.1, entropy_alpha=0.01)

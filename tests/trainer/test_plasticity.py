@@ -33,10 +33,17 @@ def constant_linear(value: float) -> nn.Linear:
     return layer
 
 
-def trainables() -> Trainables:
+def trainables(ema_reference: bool = False) -> Trainables:
+    """Policy weights 1, critic -1; with ``ema_reference`` an EMA KL reference starting where the policy does."""
     policy, critic = constant_linear(1.0), constant_linear(-1.0)
     opts = Optimizers(torch.optim.AdamW(policy.parameters(), lr=0.1), torch.optim.AdamW(critic.parameters(), lr=0.1))
-    return Trainables(policy, critic, opts, ForgetfulRule())
+    return Trainables(policy, critic, opts, ForgetfulRule(), constant_linear(1.0) if ema_reference else None)
+
+
+def fill(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
 
 
 def move(t: Trainables, to: float) -> None:
@@ -81,6 +88,19 @@ def test_critic_and_optimisers_kept_when_configured():
     assert torch.equal(t.policy.weight, torch.full((1, 2), 1.0))  # policy_shrink 0: the start
     assert torch.equal(t.critic.weight, torch.full((1, 2), 5.0))
     assert t.optimizers.policy.state and t.optimizers.critic.state
+
+
+def test_a_restart_moves_the_ema_reference_as_it_moves_the_policy():
+    """The reference is an EMA of the policy from the same start: left where it was, its KL term
+    would pull the restarted policy back toward the old preference."""
+    t = trainables(ema_reference=True)
+    response = DriftResponse(settings(policy_shrink=0.5), t)
+    move(t, 5.0)
+    fill(t.ema_reference, 3.0)
+    assert response.after_step([1.0, 1.0, 0.0, 0.0])["drift_alarm"] == 1.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 3.0))  # 1 + 0.5 * (5 - 1)
+    assert torch.equal(t.ema_reference.weight, torch.full((1, 2), 2.0))  # 1 + 0.5 * (3 - 1)
+    assert torch.equal(t.ema_reference.bias, torch.full((1,), 2.0))
 
 
 def test_rewards_of_answers_sampled_by_a_far_older_version_are_left_out_of_the_test():
@@ -141,6 +161,48 @@ def test_rollback_first_restores_the_weights_from_before_the_reference_window():
     assert torch.equal(t.critic.weight, torch.full((1, 2), 2.0))
     assert not t.optimizers.policy.state and not t.optimizers.critic.state
     assert t.algorithm.forgotten == 0  # the users did not change: the rule's statistics stay
+
+
+def test_a_rollback_restores_the_ema_reference_of_its_snapshot():
+    t = trainables(ema_reference=True)
+    response = DriftResponse(settings(rollback_first=True), t)
+    for weight, reference in ((2.0, 20.0), (3.0, 30.0)):  # snapshots after 2 and 4 rewards
+        move(t, weight)
+        fill(t.ema_reference, reference)
+        response.after_step([1.0, 1.0], [1, 1], next_version=2)
+    move(t, 4.0)
+    fill(t.ema_reference, 40.0)
+    assert response.after_step([0.0, 0.0], [5, 5], next_version=7)["drift_rollback"] == 1.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0))
+    assert torch.equal(t.ema_reference.weight, torch.full((1, 2), 20.0))  # the snapshot's, not the fallen 40
+
+
+def test_an_alarm_early_in_a_long_step_rolls_back_to_the_snapshot_before_its_own_reference_window():
+    """Six of the step's rewards follow the alarm, more than the detector's history of 4 holds:
+    the alarm is still at reward 6, its reference window rewards 3-4."""
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True), t)
+    for weight in (2.0, 3.0):  # snapshots after 2 rewards (weights 2) and 4 (weights 3)
+        move(t, weight)
+        response.after_step([1.0, 1.0], [1, 1], next_version=2)
+    move(t, 4.0)
+    metrics = response.after_step([0.0] * 8, [5] * 8, next_version=7)
+    assert metrics["drift_rollback"] == 1.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0))  # not 3: taken inside the reference window
+
+
+def test_an_alarm_early_in_a_long_step_tests_the_score_on_its_own_windows():
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True, rollback_score="quality"), t)
+    for weight in (2.0, 3.0):
+        move(t, weight)
+        response.after_step([1.0, 1.0], [1, 1], next_version=2, scores=[1.0, 1.0])
+    move(t, 4.0)
+    # the alarm at reward 6: score windows rewards 3-4 (quality 1, 1) and 5-6 (0, 0); rewards 7-8,
+    # after the alarm, hold quality 0 too: read there, the score would not have fallen
+    step = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    metrics = response.after_step(step, [5] * 8, next_version=7, scores=step)
+    assert metrics["drift_score_drop"] == 1.0 and metrics["drift_rollback"] == 1.0
 
 
 def test_a_probation_at_the_reference_level_keeps_the_rolled_back_policy():

@@ -23,10 +23,11 @@ from pathlib import Path
 import httpx
 import requests
 from mlflow import MlflowClient
+from mlflow.entities import LifecycleStage
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
-from online_sao.config import Config
+from online_sao.config import Config, ConfigError
 from online_sao.durable import is_disk_full, naming_the_file
 
 
@@ -175,6 +176,12 @@ def open_client(uri: str) -> MlflowClient:
 def experiment_id(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
     """The id of experiment ``name``, created if missing (by whichever process gets there first)."""
     found = client.get_experiment_by_name(name)
+    if found is not None and found.lifecycle_stage == LifecycleStage.DELETED:
+        # a run cannot be made in it, and restoring it would also bring back the runs deleted with it
+        raise ConfigError(
+            f"the MLflow experiment {name!r} (id {found.experiment_id}) is deleted, and its name stays taken "
+            f"until the deletion is made permanent: restore it (mlflow experiments restore --experiment-id "
+            f"{found.experiment_id}), delete it for good (mlflow gc), or name another (mlflow.experiment)")
     if found is not None:
         return found.experiment_id
     try:

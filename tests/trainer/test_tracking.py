@@ -155,6 +155,23 @@ def test_a_deleted_run_is_not_reopened(cfg, caplog):
     assert "was deleted" in caplog.text
 
 
+def test_a_deleted_experiment_is_named_with_what_to_do_and_left_deleted(cfg):
+    """MLflow keeps a deleted experiment's name, and refuses a run in it: every start raised
+    "The experiment 1 must be in the 'active' state", with or without a checkpoint's run."""
+    from online_sao.config import ConfigError
+
+    first = RunTracker(cfg)
+    first.close()
+    client = _client(cfg)
+    deleted = client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id
+    client.delete_experiment(deleted)
+    for run_id in (first.run_id, None):
+        with pytest.raises(ConfigError, match=f"experiment '{cfg.mlflow.experiment}' \\(id {deleted}\\) is deleted"):
+            RunTracker(cfg, run_id=run_id)
+    assert client.get_experiment(deleted).lifecycle_stage == "deleted"
+    assert client.get_run(first.run_id).info.lifecycle_stage == "deleted"
+
+
 def test_registered_version_is_a_loadable_model_directory(tmp_path, empty_store, store, monkeypatch):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

@@ -328,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"online-sao: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        from online_sao.durable import is_disk_full
+        from trainer.mlflow_store import disk_refused
 
-        if not is_disk_full(exc):  # a full disk or quota: the operator makes room (the error names the file)
+        # a full disk or quota, or a disk error (MLflow's SQLite store says "disk I/O error" for a full
+        # quota): the operator makes room or mends the disk (the error names the file)
+        if not disk_refused(exc):
             raise
         print(f"online-sao: {exc}", file=sys.stderr)
         return 1

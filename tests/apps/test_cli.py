@@ -130,6 +130,14 @@ def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_other_os_errors_
     assert capsys.readouterr().err.strip().splitlines() == [
         "online-sao: [Errno 28] No space left on device: '/ckpt/.tmp-1/optim.safetensors'"]
 
+    def disk_error(cfg, args):  # MLflow's SQLite store: "disk I/O error", which a full quota reads as
+        raise OSError(errno.EIO, "Input/output error (MLflow's store: disk I/O error)")
+
+    monkeypatch.setattr(cli, "_config", disk_error)
+    assert cli.main(["config", "show"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "online-sao: [Errno 5] Input/output error (MLflow's store: disk I/O error)"]
+
     def broken_pipe(cfg, args):  # not the operator's to fix by making room: a traceback, as before
         raise OSError(errno.EPIPE, "Broken pipe")
 

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -98,31 +98,39 @@ class RankZero:
             counters["records_read"] = float(sum(progress.offsets.values()))
         store = open_weight_store(cfg.weight_store_url)
         tracker = RunTracker(cfg, run_id=progress.mlflow_run_id, stop=stop)  # an MLflow outage: waits, stoppable
-        producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)  # a broker down at start: wait
-        publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
-                              cfg.trainer.keep_versions, stop=stop, dtype=getattr(torch, cfg.model.dtype))
-        window = RecentWindow(cfg.deploy.window, cfg.reward.definition())
-        window.load_state_dict(progress.candidate)
-        feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
-                    group_size, stop, SourceRewards(cfg.deploy.segments_window, cfg.reward.sources))
-        port = cfg.trainer.metrics_port
-        exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
-        if exporter is not None:
-            log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
-        scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-        gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value),
-                             cfg.reward.definition())
-        releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
-                            reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
-                            on_decision=None if exporter is None else exporter.decision)
-        # read from the registry, not the checkpoint: a learner whose checkpoints were lost must not
-        # prune the champion's weights
-        pinned = releases.pinned_versions()
-        publisher.pin(pinned)
-        checkpointer.pinned_versions = pinned
-        releases.announce_champion_again(progress.step)
-        segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window, tracker.resumed_tags)
-        writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
+        opened: list[tuple[str, Callable[[], None]]] = [("the MLflow run", lambda: tracker.close("FAILED"))]
+        try:  # a failure from here on (a port in use, a stop while waiting for Kafka) closes what was opened
+            # a broker down at start: wait
+            producer = until_broker_takes(backend.producer, "connecting to Kafka", stop)
+            opened.append(("the Kafka producer", producer.close))
+            publisher = Publisher(store, producer, cfg.kafka.topics.weights, cfg.serving.model_name,
+                                  cfg.trainer.keep_versions, stop=stop, dtype=getattr(torch, cfg.model.dtype))
+            window = RecentWindow(cfg.deploy.window, cfg.reward.definition())
+            window.load_state_dict(progress.candidate)
+            feed = Feed(cfg.trainer, cfg.kafka.topics, joiner, producer, progress.offsets, counters, vocab_size,
+                        group_size, stop, SourceRewards(cfg.deploy.segments_window, cfg.reward.sources))
+            port = cfg.trainer.metrics_port
+            exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
+            if exporter is not None:
+                opened.append(("the metrics exporter", exporter.close))
+                log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
+            scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
+            gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value),
+                                 cfg.reward.definition())
+            releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
+                                reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
+                                on_decision=None if exporter is None else exporter.decision)
+            # read from the registry, not the checkpoint: a learner whose checkpoints were lost must not
+            # prune the champion's weights
+            pinned = releases.pinned_versions()
+            publisher.pin(pinned)
+            checkpointer.pinned_versions = pinned
+            releases.announce_champion_again(progress.step)
+            segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window, tracker.resumed_tags)
+            writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
+        except BaseException:
+            _close_after_failed_start(opened)
+            raise
         return cls(checkpointer, feed, releases, tracker, producer, counters, segments, writer, exporter)
 
     def progress(self, at: Position) -> Progress:
@@ -215,3 +223,14 @@ class RankZero:
                 first = first or exc
         if first is not None and status != "FAILED":
             raise first
+
+
+def _close_after_failed_start(opened: list[tuple[str, Callable[[], None]]]) -> None:
+    """Close the parts :meth:`RankZero.open` opened before it failed, newest first, each even when one
+    before it fails (logged: the error that ended the start is the one raised): the MLflow run marked
+    FAILED, not left RUNNING; the producer's connections and the metrics port released."""
+    for what, close in reversed(opened):
+        try:
+            close()
+        except Exception as exc:
+            log.error("closing %s after a failed start failed: %r", what, exc)

@@ -94,3 +94,39 @@ def test_opening_with_a_canary_announces_the_registrys_champion(registry_cfg):
         assert [(n.action, n.version) for n in notices] == [("champion", 1)]
     finally:
         rank0.close("FINISHED")
+
+
+def test_a_start_that_fails_after_the_run_opened_marks_it_failed_and_closes_what_it_opened(registry_cfg):
+    """The metrics port taken by another process: the run was left RUNNING and the producer open."""
+    import socket
+
+    from mlflow import MlflowClient
+
+    from online_sao.config import ConfigError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cfg = registry_cfg.model_copy(update={"trainer": registry_cfg.trainer.model_copy(
+        update={"metrics_host": "127.0.0.1", "metrics_port": taken.getsockname()[1]})})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    closed: list[str] = []
+    producer = backend.producer
+
+    def tracked_producer():
+        made = producer()
+        close = made.close
+        made.close = lambda *args: (closed.append("producer"), close(*args))[1]
+        return made
+
+    backend.producer = tracked_producer
+    try:
+        with pytest.raises(ConfigError):
+            RankZero.open(cfg, backend, Checkpointer(cfg.checkpoint_dir), RewardJoiner(cfg.reward, 100), Progress(),
+                          vocab_size=16, pad_token_id=0, group_size=1, stop=threading.Event())
+    finally:
+        taken.close()
+    client = MlflowClient(cfg.mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"] and closed == ["producer"]

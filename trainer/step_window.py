@@ -17,6 +17,13 @@ TAGS_PER_BATCH = 100
 """MLflow accepts at most 100 tags per log_batch call."""
 
 
+STEP_FLAGS = frozenset({"critic_rewarm", "nonfinite_inputs", "refused_after_update", "skipped_nonfinite"})
+"""0/1 figures the learning rules report only on the steps they are set on (a re-warm step, a refused
+one): a step without one counts as 0 in the window's mean, which is then the share of steps it was set
+on, as a flag every step reports (``drift_alarm``) gives. Averaged over only the steps that reported
+it, one re-warm step in ten logged ``critic_rewarm`` 1."""
+
+
 class Taken(NamedTuple):
     """What a window logs."""
 
@@ -39,6 +46,8 @@ class StepWindow:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         """Steps that gave a number (not NaN) for each averaged figure."""
+        self._steps = 0
+        """Steps gathered: the denominator of a :data:`STEP_FLAGS` flag's share."""
         self._latest: dict[str, float] = {}
         self._tags: dict[str, str] = {}
         self._tags_taken: dict[str, str] = {}
@@ -47,6 +56,7 @@ class StepWindow:
     def add(self, step: int, averaged: dict[str, float], latest: dict[str, float],
             tags: Mapping[str, str] | None = None) -> None:
         self.step = step
+        self._steps += 1
         for key, value in averaged.items():
             value = float(value)
             self._sums.setdefault(key, 0.0)
@@ -61,11 +71,13 @@ class StepWindow:
         """The window's step, metrics and changed tags, and the window starts afresh; None if empty."""
         if self.step is None:
             return None
-        means = {k: self._sums[k] / n if (n := self._counts[k]) else math.nan for k in self._sums}
+        means = {k: self._sums[k] / n if (n := self._steps if k in STEP_FLAGS else self._counts[k]) else math.nan
+                 for k in self._sums}
         tags = {k: v for k, v in self._tags.items() if self._tags_taken.get(k) != v}
         self._tags_taken.update(tags)
         taken = Taken(self.step, {**means, **self._latest}, tags)
         self.step, self._sums, self._counts, self._latest, self._tags = None, {}, {}, {}, {}
+        self._steps = 0
         return taken
 
 

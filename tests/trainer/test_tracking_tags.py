@@ -3,6 +3,8 @@ window, sent only when they change, kept through an outage, and read back when t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
@@ -59,6 +61,19 @@ def test_the_window_gives_each_tags_newest_value_once():
     assert window.take().tags == {"a": "z", "b": "y"}
     window.add(3, {}, {}, {"a": "z", "b": "w"})
     assert window.take().tags == {"b": "w"}
+
+
+def test_a_flag_reported_only_when_set_logs_the_share_of_the_windows_steps():
+    """SAO reports critic_rewarm only on a re-warm step: one such step in four logged 1, not 0.25."""
+    window = StepWindow()
+    window.add(1, {"loss": 2.0, "drift_alarm": 0.0}, {})
+    window.add(2, {"loss": 4.0, "drift_alarm": 1.0, "critic_rewarm": 1.0}, {})
+    window.add(3, {"loss": math.nan, "drift_alarm": 0.0}, {})
+    window.add(4, {"drift_alarm": 0.0, "skipped_nonfinite": 1.0, "nonfinite_inputs": 1.0}, {})
+    assert window.take().metrics == {"loss": 3.0, "drift_alarm": 0.25, "critic_rewarm": 0.25,
+                                     "skipped_nonfinite": 0.25, "nonfinite_inputs": 0.25}
+    window.add(5, {"critic_rewarm": 1.0}, {})  # a new window counts its own steps
+    assert window.take().metrics == {"critic_rewarm": 1.0}
 
 
 def test_a_log_dropped_in_a_long_outage_hands_its_tags_to_the_next():

@@ -206,6 +206,19 @@ def encode_segments(tokenizer: PreTrainedTokenizerFast, rows: list[Segments], ma
     return out
 
 
+def with_learned_tokens(rows: list[Row], what: str, max_length: int, progress: Progress) -> list[Row]:
+    """The rows of ``rows`` (cut to ``max_length``) that still hold a token to learn: a row cut before
+    its first one would make a batch of nothing but ignored labels, whose loss is NaN (the build's
+    logged and recorded loss with it). Cut rows are said, so a short ``max_position_embeddings``
+    that leaves the tool-use rows without their answers is not silent."""
+    cut = sum(len(ids) == max_length for ids, _ in rows)
+    kept = [row for row in rows if any(label != IGNORE_INDEX for label in row[1])]
+    if cut:
+        progress(f"warning: {cut} of {len(rows)} {what} rows reach max_position_embeddings {max_length} (cut there "
+                 f"if longer); {len(rows) - len(kept)} keep no token to learn and are left out")
+    return kept
+
+
 def encode_examples(tokenizer: PreTrainedTokenizerFast, examples: list[Example], max_length: int) -> list[Row]:
     """(input_ids, labels) per style example; labels ignore the prompt so only the answer is learned."""
     return encode_segments(tokenizer, [example_segments(e) for e in examples], max_length)
@@ -312,9 +325,14 @@ def _seeded_train_into(directory: Path, base: BaseModelConfig, progress: Progres
     n_params = sum(p.numel() for p in model.parameters())
     progress(f"tokenizer: {len(tokenizer)} tokens; model: {base.architecture}, {n_params:,} parameters")
     pad_id = tokenizer.pad_token_id
-    pools = [encode_segments(tokenizer, rows, base.max_position_embeddings) for rows in (style_segments, tool_segments)]
+    length = base.max_position_embeddings
+    pools = [with_learned_tokens(encode_segments(tokenizer, rows, length), what, length, progress)
+             for rows, what in ((style_segments, "style"), (tool_segments, "tool-use"))]
+    if not any(pools):
+        raise ConfigError(f"model.base.max_position_embeddings {length} cuts every training row before its answer")
     final_loss = pretrain(model, pools, base, pad_id, generator, progress)
-    heldout_loss = mean_loss(model, encode_examples(tokenizer, heldout, base.max_position_embeddings), pad_id)
+    heldout = with_learned_tokens(encode_examples(tokenizer, heldout, length), "held-out", length, progress)
+    heldout_loss = mean_loss(model, heldout, pad_id)
     progress(f"held-out loss {heldout_loss:.4f}")
     model.generation_config = GenerationConfig(
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW_TOKENS,

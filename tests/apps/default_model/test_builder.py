@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from online_sao.config import ConfigError
 from apps.default_model.builder import (IGNORE_INDEX, IM_END, RECORD_FILE, build_base_model, chat_text,
                                         encode_examples, encode_segments, epoch_batches, is_built, run_base_model,
-                                        task_segments)
+                                        task_segments, with_learned_tokens)
 from apps.config import load_app_config
 from apps.default_model.corpus import STYLES, Example, StyleClassifier, generate_corpus, split_heldout
 from apps.default_model.tool_corpus import TOOLS, ToolTask, task_messages
@@ -271,3 +271,17 @@ def test_default_model_answers_in_at_least_three_styles(tmp_path_factory, judge)
     assert styles[None] <= len(answers) // 4, (styles, answers)
     assert sum(1 for s in STYLES if styles[s] >= 4) >= 3, (styles, answers)
     assert entropy_bits(styles) > 1.5, (styles, answers)
+
+
+def test_rows_cut_before_their_answer_are_left_out_and_said():
+    """max_position_embeddings 64 cut every tool-use row before its first learned token: batches of
+    such rows had a NaN loss, and the build recorded final_train_loss NaN without a word."""
+    said: list[str] = []
+    rows = [([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 3, 4]),
+            ([5, 6, 7, 8], [IGNORE_INDEX] * 4),
+            ([9, 10], [IGNORE_INDEX, 10])]
+    assert with_learned_tokens(rows, "tool-use", 4, said.append) == [rows[0], rows[2]]
+    assert said == ["warning: 2 of 3 tool-use rows reach max_position_embeddings 4 (cut there if longer); "
+                    "1 keep no token to learn and are left out"]
+    said.clear()
+    assert with_learned_tokens(rows[2:], "style", 4, said.append) == rows[2:] and said == []

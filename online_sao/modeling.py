@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from online_sao.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,8 +26,17 @@ def load_policy(model_dir: str | Path, dtype: str = "float32") -> PreTrainedMode
     return AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=DTYPES[dtype], use_safetensors=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""The files a Hugging Face tokenizer is read from (fast, SentencePiece, byte-level BPE vocabulary): a
+model directory with none of them has no tokenizer, and ``AutoTokenizer`` made a Qwen2 one of a
+single token anyway (every text encoded to nothing, no chat template, padding with an ordinary id)."""
+
+
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer stored in ``model_dir``; a model without a pad token pads with its eos token."""
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{model_dir} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                          "model's tokenizer files beside its weights")
     tokenizer = AutoTokenizer.from_pretrained(Path(model_dir))
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

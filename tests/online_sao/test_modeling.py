@@ -73,3 +73,14 @@ def test_a_compiled_learner_takes_the_eager_steps_and_keeps_its_parameter_names(
     for want, got in zip([*eager_policy.parameters(), *eager_critic.parameters()],
                          [*policy.parameters(), *critic.parameters()]):
         torch.testing.assert_close(got, want, atol=COMPILED_ATOL, rtol=COMPILED_RTOL)
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused(tmp_path, tiny_model_dir):
+    """AutoTokenizer made a Qwen2 tokenizer of one token for such a directory: every text encoded to []."""
+    from online_sao.config import ConfigError
+    from online_sao.modeling import load_tokenizer
+
+    qwen2(0).save_pretrained(tmp_path)  # config and weights only, as an incomplete copy leaves them
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path)
+    assert load_tokenizer(tiny_model_dir)("Hello world", add_special_tokens=False)["input_ids"]

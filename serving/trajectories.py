@@ -125,11 +125,12 @@ def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text
     holds the reply's sampled tokens, which end with the stop token when the model closed
     the turn itself, so the observation is the rest of ``closing`` followed by the new
     messages and the generation prompt. A template that renders the reply with whitespace
-    around it (Llama 2's ``' ' + content``) or trimmed (``content | trim``) is read with
-    :data:`REPLY_MARKER` in the reply's place: what it puts between the generation prompt and
-    the reply may only be whitespace, since the model's own tokens stand there in the
-    trajectory. None when the template does not render the new conversation as an extension
-    of the old one.
+    around it (Llama 2's ``' ' + content.strip() + ' ' + eos_token``) or trimmed
+    (``content | trim``) is read with :data:`REPLY_MARKER` in the reply's place: what it puts
+    between the generation prompt and the reply may only be whitespace, since the model's own
+    tokens stand there in the trajectory; for the same reason whitespace between the reply and
+    the stop token the model sampled is left out. None when the template does not render the
+    new conversation as an extension of the old one.
     """
     opening = render(stored[:-1], True)
     content = stored[-1]["content"]
@@ -143,8 +144,14 @@ def chat_observation_text(render, stored: list[dict], new: list[dict], stop_text
         closing = _closing_around_marker(render, stored, opening)
         if closing is None:
             return None
-    if stop_text and closing.startswith(stop_text):
-        closing = closing[len(stop_text):]
+    if stop_text:
+        # The model's stop token ends its sampled reply, so whitespace the template puts before it (Llama 2's
+        # ' ' + eos_token) stands where the model's own tokens are, like the whitespace around the reply:
+        # left in, the whole closing would follow the model's stop token as a second one. (A stop token
+        # that itself starts with whitespace is matched as it is first.)
+        trimmed = closing if closing.startswith(stop_text) else closing.lstrip()
+        if trimmed.startswith(stop_text):
+            closing = trimmed[len(stop_text):]
     return closing + full[len(after_reply):]
 
 

@@ -1,5 +1,5 @@
 """chat_observation_text: what a continued conversation adds after the parent's sampled reply, for
-templates that render the reply verbatim (ChatML), with a space before it (Llama 2) or trimmed."""
+templates that render the reply verbatim (ChatML), with spaces around it (Llama 2) or trimmed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ def chatml(messages, generation_prompt):
     return text + ("<|im_start|>assistant\n" if generation_prompt else "")
 
 
-def llama2(messages, generation_prompt):  # the shape of Llama 2's template: ' ' + reply + eos
-    text = "<s>"
+def llama2(messages, generation_prompt):  # Llama 2's template: bos + '[INST] ' ... ' ' + reply.strip() + ' ' + eos
+    text = ""
     for m in messages:
-        text += f"[INST] {m['content']} [/INST]" if m["role"] == "user" else f" {m['content']}</s>"
+        content = m["content"].strip()
+        text += f"<s>[INST] {content} [/INST]" if m["role"] == "user" else f" {content} </s>"
     return text
 
 
@@ -32,9 +33,17 @@ def test_a_verbatim_template_observes_its_closing_and_the_new_turn():
         "\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_template_with_a_space_before_the_reply_continues():
-    assert chat_observation_text(llama2, STORED, NEW, None) == "</s>[INST] and then? [/INST]"
-    assert chat_observation_text(llama2, STORED, NEW, "</s>") == "[INST] and then? [/INST]"  # the model ended it
+def test_a_template_with_spaces_around_the_reply_continues():
+    assert chat_observation_text(llama2, STORED, NEW, None) == " </s><s>[INST] and then? [/INST]"
+    # the model ended it: the space before the template's "</s>" stands where the model's own stop token is
+    # (it was observed as " </s>", a second stop token after the model's)
+    assert chat_observation_text(llama2, STORED, NEW, "</s>") == "<s>[INST] and then? [/INST]"
+
+
+def test_an_empty_reply_the_model_ended_continues_after_its_stop_token():
+    stored = [STORED[0], {"role": "assistant", "content": ""}]  # rendered "  </s>"
+    new = stored + [NEW[-1]]
+    assert chat_observation_text(llama2, stored, new, "</s>") == "<s>[INST] and then? [/INST]"
 
 
 def test_a_trimming_template_continues():

@@ -1,7 +1,8 @@
 """Prompts of tokenizers other than the default model's (serving/prompts.py), through the official
 client: a tokenizer without a chat template serves completions only and says why chat is refused;
 a tokenizer that adds a BOS gets it on a fresh completions text prompt, and only there; one whose
-post-processor also appends an EOS does not end the prompt with it."""
+post-processor also appends an EOS does not end the prompt with it; Llama 2's chat template continues a
+conversation after the model's own stop token."""
 
 from __future__ import annotations
 
@@ -123,3 +124,33 @@ def test_a_tokenizer_that_appends_nothing_keeps_its_own_encoding(chat_tokenizer,
     prompts = PromptBuilder(tokenizer, signer=None, trajectories=None, stop_token_ids=frozenset(), model_name=MODEL)
     for text in ("Tell me about tea.", f"Tell me about tea.{EOS}", ""):
         assert prompts.fresh_text_ids(text) == tokenizer(text)["input_ids"]
+
+
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+"""meta-llama/Llama-2-7b-chat-hf's chat template, verbatim: the reply rendered as ``' ' + content.strip() + ' '
++ eos_token``."""
+
+
+def test_a_llama2_conversation_continues_after_the_models_own_stop_token(chat_tokenizer, http_server_with):
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.bos_token, tokenizer.chat_template = BOS, LLAMA2_CHAT_TEMPLATE
+    server = http_server_with(tokenizer)
+    client = server.openai()
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert first.choices[0].message.content == "Fine."
+    client.chat.completions.create(
+        model=MODEL, extra_body={"parent_interaction_id": first.interaction_id},
+        messages=MESSAGES + [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "And coffee?"}])
+    # the template's " <|im_end|>" after the reply was observed after the model's own <|im_end|>: a second one
+    assert tokenizer.decode(server.engine.requests[1].prompt_ids) == \
+        "<|endoftext|>[INST] Tell me about tea. [/INST]Fine.<|im_end|><|endoftext|>[INST] And coffee? [/INST]"

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName
+from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName, has_lone_surrogate
 
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -134,6 +134,29 @@ class TextPart(_Request):
     text: str
 
 
+_NOT_JSON = object()
+"""What :func:`decoded_arguments` answers for arguments that are not JSON text."""
+
+
+def decoded_arguments(arguments: str) -> object:
+    """The value a history tool call's ``arguments`` text spells, or :data:`_NOT_JSON` when it is not JSON
+    (such text is rendered and compared as sent). Refused (400) when it nests deeper than the JSON parser
+    goes (RecursionError, no ValueError: it was a 500) or decodes to a lone UTF-16 surrogate: an escape
+    escaped twice (``"\\\\ud83d"``) passes the body's check and the tokenizer then failed on the rendered
+    text (500). This server never returns such arguments (:func:`serving.tool_calls.arguments_json`)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return _NOT_JSON
+    except RecursionError:
+        raise APIError(400, "the arguments of a tool call in messages nest deeper than the JSON parser allows",
+                       param="messages") from None
+    if has_lone_surrogate(value):
+        raise APIError(400, "the arguments of a tool call in messages hold a lone UTF-16 surrogate escape "
+                            "(\\ud800-\\udfff), which is not text", param="messages")
+    return value
+
+
 class FunctionCallIn(_Request):
     name: str
     arguments: str
@@ -150,9 +173,8 @@ class ToolCallIn(_Request):
     def template_call(self) -> dict:
         """The call as chat templates render it (Hugging Face's convention: arguments as an object when
         they are JSON of one)."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except ValueError:
+        arguments = decoded_arguments(self.function.arguments)
+        if arguments is _NOT_JSON:
             arguments = self.function.arguments
         call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
         return call if self.id is None else {"id": self.id, **call}
@@ -225,10 +247,8 @@ class ChatMessage(_Request):
 def message_key(role: str, text: str, calls: list[tuple[str, str]]) -> tuple:
     """See :meth:`ChatMessage.key`."""
     def normal(arguments: str) -> str:
-        try:
-            return json.dumps(json.loads(arguments), sort_keys=True)
-        except ValueError:
-            return arguments
+        value = decoded_arguments(arguments)
+        return arguments if value is _NOT_JSON else json.dumps(value, sort_keys=True)
 
     return role, text, tuple((name, normal(arguments)) for name, arguments in calls)
 

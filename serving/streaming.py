@@ -3,9 +3,10 @@
 :class:`AnswerStream` turns the text pieces of one admitted turn (:meth:`OpenAIServing._pieces
 <serving.openai_serving.OpenAIServing._pieces>`, already started: the engine took the request before any
 header went out) into SSE lines: an opening chunk (chat), the text as it may go out (with tools, text that
-may begin a tool call waits for the end of the answer), the tool calls, the final chunk once the record is
-durable, the usage chunk when asked for, ``[DONE]``. Whatever stops it after the headers went out (a
-failure, the shutdown's cut, the request's deadline) ends it with a ``data: {"error": ...}`` event instead.
+may begin a tool call, and blank text before it, waits for the end of the answer), the tool calls, the final
+chunk once the record is durable, the usage chunk when asked for, ``[DONE]``. Whatever stops it after the
+headers went out (a failure, the shutdown's cut, the request's deadline) ends it with a ``data: {"error": ...}``
+event instead.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class ToolCallParser(Protocol):
 
     def held_from(self, text: str) -> int:
         """Where in ``text`` (an answer so far) text starts that may belong to a tool call, so a stream
-        holds it back; ``len(text)`` when everything is plain content."""
+        holds it back; ``len(text)`` when everything is plain content. Blank text before it is held too:
+        beside calls it is no content (:meth:`parse`), so once sent a stream could not take it back."""
         ...
 
 
@@ -105,6 +106,14 @@ class HermesToolCallParser:
         return ToolCall(id=new_call_id(), function=FunctionCall(name=data["name"], arguments=arguments))
 
     def held_from(self, text: str) -> int:
+        start = self._tag_from(text)
+        # Blank text so far ("\n" before a call) waits for the end of the answer or for text that is not
+        # blank: when a call follows, parse() makes the content "" (null in a plain answer), and a client
+        # that sent back the "\n" it was streamed did not repeat the reply as logged (400).
+        return 0 if text[:start].isspace() else start
+
+    def _tag_from(self, text: str) -> int:
+        """Where the first opening tag, or a tail of ``text`` that may begin one, starts (else ``len(text)``)."""
         start = text.find(self.OPEN)
         if start >= 0:
             return start

@@ -36,6 +36,15 @@ def test_hermes_parser_splits_content_and_calls_and_keeps_malformed_blocks():
     assert parser.held_from(f"ab{CALL_TEXT}") == 2
 
 
+def test_blank_text_before_a_call_is_held_back_until_text_that_is_not_blank():
+    parser = HermesToolCallParser()
+    assert parser.held_from("\n") == 0  # may yet be followed by a call: then it is no content
+    assert parser.held_from("\n <tool") == 0
+    assert parser.held_from(f"\n{CALL_TEXT}") == 0
+    assert parser.held_from("\nHi") == 3  # no longer blank: it goes out
+    assert parser.held_from(f"Hi\n{CALL_TEXT}") == 3
+
+
 NOT_CALLS = {
     "undeclared tool": '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
     "empty name": '<tool_call>{"name": "", "arguments": {}}</tool_call>',
@@ -185,3 +194,58 @@ def test_without_tools_a_tool_call_text_is_plain_content(fake_http_server):
     answer = server.openai().chat.completions.create(model=MODEL, messages=QUESTION)
     assert answer.choices[0].message.content == CALL_TEXT and answer.choices[0].message.tool_calls is None
     assert answer.choices[0].finish_reason == "stop"
+
+
+STREAMED_AS_PLAIN = {  # label: (the model's answer, its content in a plain answer, its content streamed)
+    "blank before a call": ("\n" + CALL_TEXT, None, ""),  # the "\n" went out while the plain answer said null
+    "blank answer": ("\n\n", "\n\n", "\n\n"),
+    "text before a call": ("\nLet me add." + CALL_TEXT, "\nLet me add.", "\nLet me add."),
+}
+
+
+@pytest.mark.parametrize("answer, plain, streamed", STREAMED_AS_PLAIN.values(), ids=STREAMED_AS_PLAIN.keys())
+def test_streamed_content_is_the_plain_answers(fake_http_server, answer, plain, streamed):
+    server = fake_http_server
+    client = server.openai()
+    server.script(answer)
+    message = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS).choices[0].message
+    content, _, _, _ = _streamed(client, model=MODEL, messages=QUESTION, tools=TOOLS)
+    assert (message.content, content) == (plain, streamed)
+
+
+def test_a_streamed_call_after_blank_text_continues_as_the_client_received_it(fake_http_server):
+    # the "\n" went out as content while the logged reply's content was "": sent back, it was refused (400)
+    server = fake_http_server
+    client = server.openai()
+    server.script("\n" + CALL_TEXT)
+    content, calls, _, first_id = _streamed(client, model=MODEL, messages=QUESTION, tools=TOOLS)
+    [(call_id, name, arguments)] = calls.values()
+    assistant = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+    server.script("It is 5.")
+    second = client.chat.completions.create(
+        model=MODEL, tools=TOOLS, extra_body={"parent_interaction_id": first_id},
+        messages=QUESTION + [assistant, {"role": "tool", "tool_call_id": call_id, "content": "5"}])
+    assert second.choices[0].message.content == "It is 5."
+
+
+HISTORY_ARGUMENTS_REFUSED = {
+    # RecursionError is no ValueError: it was a 500
+    "nested deeper than the parser": "[" * 5000,
+    # an escape escaped twice passes the body's surrogate check; the tokenizer then failed (500)
+    "half an escaped emoji": '{"a": "\\ud83d", "b": 3}',
+}
+
+
+@pytest.mark.parametrize("arguments", HISTORY_ARGUMENTS_REFUSED.values(), ids=HISTORY_ARGUMENTS_REFUSED.keys())
+def test_history_call_arguments_no_template_can_render_are_refused(fake_http_server, arguments):
+    import openai
+
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}
+    with pytest.raises(openai.BadRequestError) as refused:
+        fake_http_server.openai().chat.completions.create(
+            model=MODEL, tools=TOOLS,
+            messages=QUESTION + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": "5"}])
+    assert refused.value.body["param"] == "messages"
+    assert fake_http_server.engine.requests == []  # nothing was sampled

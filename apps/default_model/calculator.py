@@ -70,10 +70,12 @@ def _value(node: ast.AST) -> float:
 
 
 def format_number(value: float) -> str:
-    """``42`` for integral values, else the value rounded to :data:`RESULT_DECIMALS` decimals."""
-    if value == int(value):
-        return str(int(value))
-    return f"{round(value, RESULT_DECIMALS):.{RESULT_DECIMALS}f}".rstrip("0")
+    """The value rounded to :data:`RESULT_DECIMALS` decimals, without trailing zeros: ``42`` for one
+    that rounds to an integer (rounded first: 2.0000001 read ``2.``, and -1e-7 ``-0.``)."""
+    rounded = round(value, RESULT_DECIMALS)
+    if rounded == int(rounded):
+        return str(int(rounded))  # int(-0.0) is 0: no "-0"
+    return f"{rounded:.{RESULT_DECIMALS}f}".rstrip("0")
 
 
 def run_calculator(arguments: dict) -> str:

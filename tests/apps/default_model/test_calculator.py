@@ -39,6 +39,8 @@ def test_formats_integers_without_decimals_and_rounds_the_rest():
     assert format_number(-7.0) == "-7"
     assert format_number(3.5) == "3.5"
     assert format_number(1 / 3) == "0.333333"
+    # within half a millionth of an integer: the integer (it read "2.", "0." and "-0.")
+    assert format_number(2.0000001) == "2" and format_number(1e-7) == "0" and format_number(-1e-7) == "0"
 
 
 def test_tool_result_is_the_value_or_an_error_the_model_reads():

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from apps.default_model.calculator import CALCULATOR_TOOL, run_calculator
 from apps.default_model.tool_corpus import ToolTask
 
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+NUMBER = re.compile(r"(?P<sign>[-\u2212]?)(?P<whole>\d{1,3}(?:,\d{3})+|\d+)(?P<fraction>\.\d+)?"
+                    r"(?P<exponent>[eE][-+]?\d+)?")
+"""A number as answers write it: a sign (ASCII or the Unicode minus), digits with or without thousands
+separators (``1,820``), a fraction, an exponent (``4.2e+42`` is one number, not 42)."""
+PART_OF_AN_EXPRESSION = "/^"
+"""What before a number makes it the denominator or power of an expression (``1/42``), not the value
+the answer states."""
 RESULT_TOLERANCE = 1e-6
 """A stated number counts as the result when it is this close (``42.0`` states ``42``)."""
 CALCULATOR = CALCULATOR_TOOL["function"]["name"]
@@ -41,9 +47,16 @@ def execute_call(name: str, arguments: str) -> str:
 
 
 def last_number(text: str) -> float | None:
-    """The last number written in ``text``, or None."""
-    found = NUMBER.findall(text)
-    return float(found[-1]) if found else None
+    """The last number written in ``text`` (:data:`NUMBER`), or None: also when it ends an expression
+    (:data:`PART_OF_AN_EXPRESSION`), which states no one number."""
+    found = list(NUMBER.finditer(text))
+    if not found:
+        return None
+    last = found[-1]
+    if last.start() > 0 and text[last.start() - 1] in PART_OF_AN_EXPRESSION:
+        return None
+    sign = "-" if last["sign"] else ""
+    return float(f"{sign}{last['whole'].replace(',', '')}{last['fraction'] or ''}{last['exponent'] or ''}")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,17 @@ def test_last_number():
     assert last_number("no digits") is None
 
 
+def test_last_number_reads_the_forms_answers_write():
+    """A thousands separator read 1,820 as 820; a Unicode minus, an exponent's digits and a
+    fraction's denominator read as 42."""
+    assert last_number("35 * 52 = 1,820.") == 1820.0
+    assert last_number("It is 12,345,678.5") == 12345678.5
+    assert last_number("It is \u221242.") == -42.0
+    assert last_number("It is 4.2e+42") == 4.2e42
+    assert last_number("It is 1/42") is None and last_number("2^42") is None
+    assert last_number("1, 2, 3") == 3.0  # a list, not a thousands group
+
+
 def test_execute_call_runs_only_the_calculator_on_a_json_object():
     assert execute_call("calculator", '{"expression": "900 * 621"}') == "558900"
     assert execute_call("calculator", '{"expression": "__import__(\'os\')"}').startswith("error: not allowed")

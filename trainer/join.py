@@ -308,8 +308,12 @@ class RewardJoiner(TrajectoryRules):
 
     def _past_window(self, entry: Entry, ts: float) -> bool:
         """Whether a reward stamped ``ts``, read now, comes too late for pending ``entry``: stamped past
-        its window, or read after the entry stopped waiting for rewards (:attr:`Entry.closed`)."""
-        return entry.closed or ts > self._window_end(entry)
+        its window, or read after the window closed: the entry stopped waiting for rewards
+        (:attr:`Entry.closed`), or, rated and waiting for a step, the join's clock passed its end (a
+        reward cannot move the clock past the window it is stamped in: :meth:`_tick`). Either way the
+        outcome does not hang on whether a step took the entry first."""
+        end = self._window_end(entry)
+        return entry.closed or ts > end or (self.watermark is not None and self.watermark > end)
 
     def _pop_held(self, iid: str) -> list[Contribution]:
         """The rewards held for ``iid`` that have not expired (those that have are counted): the loop in

@@ -233,6 +233,22 @@ def test_a_reward_read_after_its_interactions_window_closed_is_late_and_not_appl
     assert (j.counters.late_rewards, j.counters.joined) == (1, 0)
 
 
+@pytest.mark.parametrize("step_first", [False, True])
+def test_a_reward_read_after_a_rated_interactions_window_ended_is_late_whether_or_not_a_step_came_first(step_first):
+    """a rated at 1 s, ready for a step; the clock at 12 s passes its window's end (10 s); a second
+    reward stamped 9 s is read then: it was averaged in (0.5, counted nowhere) unless a step had
+    taken a first (then late)."""
+    j = joiner(aggregation="mean")
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    j.add_reward(make_reward("a", 1.0), ts=1.0)
+    j.add_interaction(make_interaction("x"), ts=12.0)
+    taken = take_all(j) if step_first else []
+    j.add_reward(make_reward("a", 0.0, source="judge"), ts=9.0)
+    taken += take_all(j)
+    assert [(t.interaction.interaction_id, t.reward) for t in taken] == [("a", 1.0)]
+    assert j.counters.late_rewards == 1
+
+
 def test_state_round_trip_through_json_continues_identically():
     def feed_first(j):
         j.add_interaction(make_interaction("a", turn_ends=(0,)), ts=0.0)

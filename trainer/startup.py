@@ -127,11 +127,17 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     if ctx.is_main:
         rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
                               models.pad_token_id, models.trainables.algorithm.group_size, stop)
-        # never reuse a version number: the store, and the weights topic if the store was lost, may
-        # hold versions newer than the checkpoint
-        announced = newest_announced_version(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
-        version = max([version, *rank0.releases.publisher.store.versions(), announced])
-    version = broadcast_json(version, ctx)
+    try:  # until the learner's loop takes it over: a failure (or a stop) ends the run FAILED, frees the port
+        if rank0 is not None:
+            # never reuse a version number: the store, and the weights topic if the store was lost, may
+            # hold versions newer than the checkpoint
+            announced = newest_announced_version(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
+            version = max([version, *rank0.releases.publisher.store.versions(), announced])
+        version = broadcast_json(version, ctx)
+    except BaseException:
+        if rank0 is not None:
+            rank0.close("FAILED")
+        raise
     if ctx.is_main:
         log.info("learner on %d rank(s) from step %d, policy version %d", ctx.world_size, progress.step, version)
     at = Position(step=progress.step, version=version, checkpointed_step=progress.step,

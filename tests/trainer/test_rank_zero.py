@@ -130,3 +130,38 @@ def test_a_start_that_fails_after_the_run_opened_marks_it_failed_and_closes_what
     client = MlflowClient(cfg.mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"] and closed == ["producer"]
+
+
+def test_a_stop_in_resume_after_rank_zero_opened_marks_the_run_failed_and_closes_it(registry_cfg, monkeypatch):
+    """A Ctrl-C while resume read the weights topic, after RankZero.open and before the loop's own
+    try: the run stayed RUNNING and the producer open."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    import trainer.startup as startup
+    from trainer.distributed import DistContext
+
+    backend = InMemoryBackend(registry_cfg.kafka)
+    backend.ensure_topics()
+    closed: list[str] = []
+    producer = backend.producer
+
+    def tracked_producer():
+        made = producer()
+        close = made.close
+        made.close = lambda *args: (closed.append("producer"), close(*args))[1]
+        return made
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    backend.producer = tracked_producer
+    monkeypatch.setattr(startup, "newest_announced_version", interrupted)
+    models = SimpleNamespace(trainables=SimpleNamespace(algorithm=SimpleNamespace(group_size=1)), vocab_size=16,
+                             pad_token_id=0, drift=None)
+    with pytest.raises(KeyboardInterrupt):
+        startup.resume(registry_cfg, backend, models, DistContext(0, 1, torch.device("cpu")), threading.Event())
+    client = MlflowClient(registry_cfg.mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name(registry_cfg.mlflow.experiment).experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"] and closed == ["producer"]

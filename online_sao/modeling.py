@@ -26,18 +26,21 @@ def load_policy(model_dir: str | Path, dtype: str = "float32") -> PreTrainedMode
     return AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=DTYPES[dtype], use_safetensors=True)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
-"""The files a Hugging Face tokenizer is read from (fast, SentencePiece, byte-level BPE vocabulary): a
-model directory with none of them has no tokenizer, and ``AutoTokenizer`` made a Qwen2 one of a
-single token anyway (every text encoded to nothing, no chat template, padding with an ordinary id)."""
+TOKENIZER_PROBE = "Hello world"
+"""Text every real tokenizer encodes to at least one id. A model directory without tokenizer files gave
+``AutoTokenizer`` a Qwen2 tokenizer of one token anyway (every text encoded to nothing, no chat
+template, padding with an ordinary id); which files a tokenizer reads depends on its class (a
+tokenizer.json, SentencePiece's model, a vocab.txt, vocab.json and merges.txt, ...), so the
+tokenizer loaded is tested, not the files."""
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer stored in ``model_dir``; a model without a pad token pads with its eos token."""
-    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"{model_dir} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
-                          "model's tokenizer files beside its weights")
     tokenizer = AutoTokenizer.from_pretrained(Path(model_dir))
+    if not tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+        raise ConfigError(f"{model_dir} holds no usable tokenizer ({type(tokenizer).__name__} of {len(tokenizer)} "
+                          f"token(s) encodes {TOKENIZER_PROBE!r} to nothing): copy the model's tokenizer files "
+                          "beside its weights")
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -80,7 +80,13 @@ def test_a_model_directory_without_tokenizer_files_is_refused(tmp_path, tiny_mod
     from online_sao.config import ConfigError
     from online_sao.modeling import load_tokenizer
 
-    qwen2(0).save_pretrained(tmp_path)  # config and weights only, as an incomplete copy leaves them
-    with pytest.raises(ConfigError, match="holds no tokenizer"):
-        load_tokenizer(tmp_path)
+    qwen2(0).save_pretrained(tmp_path / "weights-only")  # as an incomplete copy leaves them
+    with pytest.raises(ConfigError, match="holds no usable tokenizer"):
+        load_tokenizer(tmp_path / "weights-only")
     assert load_tokenizer(tiny_model_dir)("Hello world", add_special_tokens=False)["input_ids"]
+    # a tokenizer of other files (a WordPiece vocab.txt) is one too
+    wordpiece = tmp_path / "wordpiece"
+    wordpiece.mkdir()
+    (wordpiece / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\nworld\n")
+    (wordpiece / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
+    assert load_tokenizer(wordpiece)("Hello world", add_special_tokens=False)["input_ids"] == [4, 5]

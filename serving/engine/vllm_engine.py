@@ -16,8 +16,9 @@ That is what makes the version of every token exact.
   request's top-p goes to :mod:`.vllm_nucleus`, a vLLM logits processor that
   masks every token outside the learner's nucleus before vLLM samples.
 - Seeds: the API's seeds (any 64-bit integer, signed or not) are handed to vLLM
-  modulo 2**64, the generator seed ``torch.Generator.manual_seed`` makes of
-  them in the native engine: vLLM would take -1 for "no seed".
+  as the signed 64-bit integer of their residue modulo 2**64 (the generator seed
+  ``torch.Generator.manual_seed`` makes of them in the native engine; vLLM's V2
+  runner stores seeds as int64), -1 set again after vLLM read it as "no seed".
 - Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
   vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
   copy of the model, so this engine always swaps in place (``stall_s`` is the
@@ -79,14 +80,21 @@ below this are refused; :meth:`VLLMEngine._sampling` also refuses any temperatur
 
 GENERATOR_SEEDS = 2 ** 64
 """How many generator seeds there are: ``torch.Generator.manual_seed`` (the native engine's) takes any
-64-bit integer, signed or not, and seeds with it modulo this; vLLM takes seeds in [0, this) the same
-way but reads -1 as "no seed" (``vllm.SamplingParams.__post_init__``), so the engine hands it the
-residue: seed -1 is then as reproducible as on the native engine."""
+64-bit integer, signed or not, and seeds with it modulo this."""
+VLLM_NO_SEED = -1
+"""The seed ``vllm.SamplingParams.__post_init__`` reads as "no seed": the engine sets it again after."""
 
 
 def generator_seed(seed: int | None) -> int | None:
-    """The seed vLLM gets for an API seed: its generator seed (:data:`GENERATOR_SEEDS`); None stays unseeded."""
-    return None if seed is None else seed % GENERATOR_SEEDS
+    """The seed vLLM gets for an API seed: the signed 64-bit integer with the bits of its generator seed
+    (the seed modulo :data:`GENERATOR_SEEDS`). Signed because vLLM's V2 model runner (its default on
+    GPUs) keeps seeds in an int64 array, where 2**63 and above overflowed and failed the whole step's
+    batch; torch's generator seeds a negative value as its unsigned residue, so the draws are the
+    native engine's. None stays unseeded."""
+    if seed is None:
+        return None
+    residue = seed % GENERATOR_SEEDS
+    return residue - GENERATOR_SEEDS if residue >= GENERATOR_SEEDS // 2 else residue
 
 
 def _ranked(logprobs: dict) -> list[tuple[int, float]]:
@@ -269,6 +277,8 @@ class VLLMEngine:
                                     extra_args=nucleus)
         except VLLMValidationError as exc:  # a request error, not vLLM's: a 400 like the prompt checks
             raise ValueError(f"the vLLM engine cannot sample this request: {exc}") from exc
+        if seed == VLLM_NO_SEED and params.seed is None:
+            params.seed = seed  # a seed like any other to both model runners (a generator, an int64 array)
         if params.temperature != temperature or params.top_p != NO_NUCLEUS or params.seed != seed:
             raise ValueError(f"vLLM would sample at temperature {params.temperature:g}, top_p {params.top_p:g} and "
                              f"seed {params.seed}, the engine asks for {temperature:g}, {NO_NUCLEUS:g} and {seed}")

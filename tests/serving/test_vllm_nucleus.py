@@ -92,3 +92,16 @@ def test_vllm_processors_keep_exactly_the_learners_nucleus(through):
     out = through(logits.clone(), rows)
     assert torch.equal(torch.isfinite(out), expected)
     assert torch.equal(out[expected], logits[expected])  # kept logits untouched: vLLM applies the temperature
+
+
+def test_every_api_seed_reaches_vllm_as_an_int64_of_its_generator_seed():
+    """vLLM's V2 model runner keeps seeds in an int64 array: the residues 2**63 and above (every
+    negative seed, handed over as its residue) overflowed it and failed the step's whole batch."""
+    from serving.engine.vllm_engine import generator_seed
+
+    for seed, expected in ((-1, -1), (-5, -5), (2 ** 64 - 5, -5), (2 ** 63, -(2 ** 63)), (-(2 ** 63), -(2 ** 63)),
+                           (2 ** 63 - 1, 2 ** 63 - 1), (0, 0), (None, None)):
+        assert generator_seed(seed) == expected
+        if seed is not None:
+            np.array([expected], dtype=np.int64)  # fits
+            assert torch.Generator().manual_seed(expected).initial_seed() == seed % 2 ** 64

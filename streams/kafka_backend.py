@@ -149,7 +149,8 @@ class KafkaBackend(StreamBackend):
                 for tp in tps:  # resolve the lazy seek now, so "latest" means "at creation"
                     c.position(tp)
         leave = (lambda: self.remove_static_member(group_id, instance_id)) if instance_id is not None else None
-        return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap, leave_group=leave)
+        return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap, leave_group=leave,
+                                   client_timeout_s=self.cfg.client_timeout_s)
 
     def remove_static_member(self, group_id: str, instance_id: str) -> None:
         """Take the static member ``instance_id`` out of ``group_id`` now (a static member does not
@@ -259,8 +260,10 @@ class KafkaStreamProducer(Producer):
 
 class KafkaStreamConsumer(Consumer):
     def __init__(self, consumer: KafkaConsumer, group_id: str | None, bootstrap: str,
-                 leave_group: Callable[[], None] | None = None) -> None:
-        """``leave_group``: how a static member leaves its group on close."""
+                 leave_group: Callable[[], None] | None = None, client_timeout_s: float = 30.0) -> None:
+        """``leave_group``: how a static member leaves its group on close; ``client_timeout_s``: how long a
+        call that asks the broker (:meth:`position`) may wait for it."""
+        self._client_timeout_s = client_timeout_s
         self._leave_group = leave_group
         self._consumer = consumer
         self._group_id = group_id
@@ -290,8 +293,14 @@ class KafkaStreamConsumer(Consumer):
         if KafkaTP(tp.topic, tp.partition) not in self._consumer.assignment():
             raise ValueError(f"{tp} is not assigned to this consumer")  # as the in-memory backend says
         with _mapped("looking up the consumer's position", self._bootstrap):
-            # asks the group's coordinator for a committed offset, else resets by auto_offset_reset
-            return self._consumer.position(KafkaTP(tp.topic, tp.partition))
+            # asks the group's coordinator for a committed offset, else resets by auto_offset_reset; bounded:
+            # without a timeout it waited for a broker gone away for as long as it stayed away
+            position = self._consumer.position(KafkaTP(tp.topic, tp.partition),
+                                               timeout_ms=int(self._client_timeout_s * 1000))
+        if position is None:
+            raise StreamUnavailable(f"the position of {tp.topic}[{tp.partition}] is not known within "
+                                    f"{self._client_timeout_s:.0f} s (broker {self._bootstrap})")
+        return position
 
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         with _mapped("looking up offsets by time", self._bootstrap):

@@ -333,3 +333,24 @@ def test_records_since_reads_a_range_longer_than_its_timeout_while_records_keep_
 
     got = records_since(Slow(), [t.rewards], 0, timeout_s=0.3)
     assert sorted(m.value for m in got) == [f"r{i}".encode() for i in range(6)]
+
+
+def test_a_position_the_broker_cannot_give_is_unavailable_within_the_client_timeout(free_port):
+    """kafka-python's position() without a timeout waited as long as the broker stayed away: the learner's
+    start hung there, deaf to its stop."""
+    from kafka import KafkaConsumer
+    from kafka import TopicPartition as KafkaTP
+
+    from streams.base import StreamUnavailable
+    from streams.kafka_backend import KafkaStreamConsumer
+
+    address = f"127.0.0.1:{free_port}"  # nothing listens there
+    client = KafkaConsumer(bootstrap_servers=address, group_id="g-position", enable_auto_commit=False,
+                           request_timeout_ms=3000, api_version=(2, 5, 0))  # no version probe at construction
+    client.assign([KafkaTP("t", 0)])
+    consumer = KafkaStreamConsumer(client, "g-position", address, client_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(StreamUnavailable, match=r"position of t\[0\] is not known within 1 s"):
+        consumer.position(TopicPartition("t", 0))
+    assert time.monotonic() - started < 30
+    client.close()

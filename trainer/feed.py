@@ -227,7 +227,8 @@ class Feed:
                 ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget or waited_long):
             return None
         self.ready_since = None
-        taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size)
+        taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size,
+                                      min_units=world_size)
         if self.sources is not None:
             for joined in taken:
                 self.sources.observe(joined.source_rewards)

@@ -250,24 +250,29 @@ class RewardJoiner(TrajectoryRules):
                            if turn not in observed)
         return len(entries), tokens
 
-    def pop_ready(self, max_rollouts: int, token_budget: int, group_size: int = 1) -> list[JoinedInteraction]:
+    def pop_ready(self, max_rollouts: int, token_budget: int, group_size: int = 1,
+                  min_units: int = 1) -> list[JoinedInteraction]:
         """Take ready interactions, oldest first, until ``max_rollouts`` or until
         ``token_budget`` action tokens are reached (whole grpo groups only when
-        ``group_size > 1``). Taken ids count as finished: later rewards are late."""
+        ``group_size > 1``), but at least ``min_units`` rollouts (groups) where that many are ready:
+        a step of several ranks needs one for each, and a step short of them was dropped. Taken ids
+        count as finished: later rewards are late."""
         taken: list[JoinedInteraction] = []
-        tokens = 0
+        tokens = units = 0
         ready = list(self._ready.values())
         groups = self._groups(ready, group_size) if group_size > 1 else [[e] for e in ready]
         for group_id, group in enumerate(groups):
-            if taken and (len(taken) + len(group) > max_rollouts or tokens >= token_budget):
+            if units >= min_units and (len(taken) + len(group) > max_rollouts or tokens >= token_budget):
                 break
             if group_size > 1:
                 self._count_group(group, group_size)
+            before = len(taken)
             for entry in group:
                 if entry.iid not in self._ready:
                     continue  # absorbed by a continuation taken before it in this pass
                 taken.append(self._take(entry, group_id if group_size > 1 else -1))
                 tokens += taken[-1].num_action_tokens
+            units += len(taken) > before
         return taken
 
     def drop_stale(self, min_version: int) -> int:

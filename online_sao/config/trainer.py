@@ -23,7 +23,8 @@ class TrainerConfig(Section):
     token_budget: int = Field(2048, ge=1)
     """... or once they hold this many action tokens, whichever comes first."""
     max_rollouts_per_step: int = Field(32, ge=1)
-    """Upper bound on a step's batch."""
+    """Upper bound on a step's batch, but for one rollout (grpo: one group) per rank, which a step of
+    several ranks always takes."""
     max_wait_s: float | None = Field(0.5, gt=0)
     """A step also starts, with fewer than min_rollouts, once rollouts have been
     ready this long (wall clock): light traffic must not leave them untrained, and a

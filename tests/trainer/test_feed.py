@@ -133,6 +133,23 @@ def test_an_incomplete_grpo_group_past_its_timeout_is_a_unit_of_a_step():
     assert sorted(r.interaction_id for r in feed(alone).take(world_size=1)) == ["9-0", "9-1", "9-2"]
 
 
+def test_a_step_of_two_ranks_takes_a_rollout_for_each_even_past_max_rollouts_per_step():
+    """max_rollouts_per_step 1 under two ranks: the step popped one rollout, too few for the ranks, and
+    dropped it (too_few_for_ranks) step after step, training nothing."""
+    cfg = Config()
+    joiner = RewardJoiner(cfg.reward)
+    for iid in ("a", "b", "c"):
+        joiner.add_interaction(make_interaction(iid, created_at=0.0), 0.0)
+        joiner.add_reward(make_reward(iid, 1.0), 1.0)
+    counters = {name: 0.0 for name in COUNTERS}
+    feed = Feed(cfg.trainer.model_copy(update={"min_rollouts": 1, "max_rollouts_per_step": 1}), KafkaConfig().topics,
+                joiner, InMemoryBackend().producer(), {}, counters, vocab_size=64, group_size=1,
+                stop=threading.Event())
+    taken = feed.take(world_size=2)
+    assert taken is not None and [r.interaction_id for r in taken] == ["a", "b"]
+    assert counters["too_few_for_ranks"] == 0 and joiner.ready_rollouts() == 1
+
+
 @pytest.mark.kafka
 def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
     """Under backpressure the feed stops polling, and its consumer stops hearing where the

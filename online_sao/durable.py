@@ -21,6 +21,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_with_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves the old file or the new one, whole: written to
+    a temporary file beside it (``<name>.tmp``, one of its own for every file), flushed to disk, then
+    renamed over it. OSError propagates."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """OS errors of a write that found no room: a full disk, a quota. An operator fixes them by making
 room; a restart then goes on (the learner's and serving's errors name the file)."""

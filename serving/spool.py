@@ -73,7 +73,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from online_sao.durable import fsync_dir
+from online_sao.durable import fsync_dir, replace_with_text
 from online_sao.schemas import DeadLetter, encode
 from serving.spool_format import HEADER_BYTES, Damage, SpoolEntry, decode_payload, scan_log
 from streams.records import dead_letter
@@ -389,13 +389,8 @@ class Spool:
 
     def _persist_watermark(self) -> None:
         """Best effort: a watermark that cannot be written only means re-sending after a crash."""
-        tmp = self.acked_path.with_suffix(".tmp")
         try:
-            with open(tmp, "w") as fh:
-                fh.write(f"{self._acked_seq}\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.acked_path)
+            replace_with_text(self.acked_path, f"{self._acked_seq}\n")
             self.watermark_error = None
         except OSError as exc:
             self.watermark_error = f"cannot write {self.acked_path}: {exc}"
@@ -425,13 +420,8 @@ class Spool:
             return None
 
     def _persist_window(self, window: int) -> None:
-        tmp = self.window_path.with_suffix(".window-tmp")
         try:
-            with open(tmp, "w") as fh:
-                fh.write(f"{window}\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.window_path)
+            replace_with_text(self.window_path, f"{window}\n")
         except OSError as exc:
             log.warning("cannot write %s (%s): after a crash, every pending record is read back", self.window_path, exc)
             try:  # a narrower window left there would be taken for this process's

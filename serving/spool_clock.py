@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from online_sao.durable import replace_with_text
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,8 @@ class ClockSteps:
             return ClockStep(floor_s=0.0, through_seq=restart_seq)
 
     def _write(self, step: ClockStep) -> None:
-        tmp = self._path.with_suffix(".tmp")
         try:
-            with open(tmp, "w") as fh:
-                json.dump({"floor_s": step.floor_s, "through_seq": step.through_seq}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._path)
+            replace_with_text(self._path, json.dumps({"floor_s": step.floor_s, "through_seq": step.through_seq}))
         except OSError as exc:  # best effort, like the watermark: the cost is a possible second copy
             log.warning("cannot write %s (%s): after a crash, a record sent since the clock stepped back "
                         "may reach its topic twice", self._path, exc)

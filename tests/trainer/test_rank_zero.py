@@ -96,6 +96,23 @@ def test_opening_with_a_canary_announces_the_registrys_champion(registry_cfg):
         rank0.close("FINISHED")
 
 
+def backend_telling_closes(cfg) -> tuple[InMemoryBackend, list[str]]:
+    """An in-memory backend whose producers say in the list when they are closed."""
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    closed: list[str] = []
+    producer = backend.producer
+
+    def tracked_producer():
+        made = producer()
+        close = made.close
+        made.close = lambda *args: (closed.append("producer"), close(*args))[1]
+        return made
+
+    backend.producer = tracked_producer
+    return backend, closed
+
+
 def test_a_start_that_fails_after_the_run_opened_marks_it_failed_and_closes_what_it_opened(registry_cfg):
     """The metrics port taken by another process: the run was left RUNNING and the producer open."""
     import socket
@@ -109,18 +126,7 @@ def test_a_start_that_fails_after_the_run_opened_marks_it_failed_and_closes_what
     taken.listen()
     cfg = registry_cfg.model_copy(update={"trainer": registry_cfg.trainer.model_copy(
         update={"metrics_host": "127.0.0.1", "metrics_port": taken.getsockname()[1]})})
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    closed: list[str] = []
-    producer = backend.producer
-
-    def tracked_producer():
-        made = producer()
-        close = made.close
-        made.close = lambda *args: (closed.append("producer"), close(*args))[1]
-        return made
-
-    backend.producer = tracked_producer
+    backend, closed = backend_telling_closes(cfg)
     try:
         with pytest.raises(ConfigError):
             RankZero.open(cfg, backend, Checkpointer(cfg.checkpoint_dir), RewardJoiner(cfg.reward, 100), Progress(),
@@ -142,21 +148,11 @@ def test_a_stop_in_resume_after_rank_zero_opened_marks_the_run_failed_and_closes
     import trainer.startup as startup
     from trainer.distributed import DistContext
 
-    backend = InMemoryBackend(registry_cfg.kafka)
-    backend.ensure_topics()
-    closed: list[str] = []
-    producer = backend.producer
-
-    def tracked_producer():
-        made = producer()
-        close = made.close
-        made.close = lambda *args: (closed.append("producer"), close(*args))[1]
-        return made
+    backend, closed = backend_telling_closes(registry_cfg)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    backend.producer = tracked_producer
     monkeypatch.setattr(startup, "newest_announced_version", interrupted)
     models = SimpleNamespace(trainables=SimpleNamespace(algorithm=SimpleNamespace(group_size=1)), vocab_size=16,
                              pad_token_id=0, drift=None)

@@ -218,7 +218,7 @@ def test_a_restarted_judge_keeps_its_rows_schedule_and_drop_decisions_exactly_on
     assert [r.preferred for r in rows] == [cfg.experiment.preferred_style(i) for i in range(9)]
     sent = {r.interaction_id: r.value for r in drain_memory(backend, cfg.kafka.topics.rewards)}
     assert sent == {r.interaction_id: r.reward for r in rows if r.delivered}  # the first life's scores
-    uninterrupted = random.Random(cfg.experiment.seed)
+    uninterrupted = random.Random(f"drops-{cfg.experiment.seed}")  # the drops' own stream
     assert [r.delivered for r in rows] == [uninterrupted.random() >= 0.5 for _ in range(9)]
 
 

@@ -16,9 +16,10 @@ That is what makes the version of every token exact.
   request's top-p goes to :mod:`.vllm_nucleus`, a vLLM logits processor that
   masks every token outside the learner's nucleus before vLLM samples.
 - Seeds: the API's seeds (any 64-bit integer, signed or not) are handed to vLLM
-  as the signed 64-bit integer of their residue modulo 2**64 (the generator seed
-  ``torch.Generator.manual_seed`` makes of them in the native engine; vLLM's V2
-  runner stores seeds as int64), -1 set again after vLLM read it as "no seed".
+  as their residue modulo 2**64, the generator seed ``torch.Generator.manual_seed``
+  makes of them in the native engine; to vLLM's V2 runner, which stores seeds as
+  int64, as the signed integer of the same bits, where -1 (vLLM's "no seed") is
+  refused.
 - Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
   vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
   copy of the model, so this engine always swaps in place (``stall_s`` is the
@@ -82,19 +83,25 @@ GENERATOR_SEEDS = 2 ** 64
 """How many generator seeds there are: ``torch.Generator.manual_seed`` (the native engine's) takes any
 64-bit integer, signed or not, and seeds with it modulo this."""
 VLLM_NO_SEED = -1
-"""The seed ``vllm.SamplingParams.__post_init__`` reads as "no seed": the engine sets it again after."""
+"""The seed ``vllm.SamplingParams`` reads as "no seed" (again in every copy it makes of itself)."""
 
 
-def generator_seed(seed: int | None) -> int | None:
-    """The seed vLLM gets for an API seed: the signed 64-bit integer with the bits of its generator seed
-    (the seed modulo :data:`GENERATOR_SEEDS`). Signed because vLLM's V2 model runner (its default on
-    GPUs) keeps seeds in an int64 array, where 2**63 and above overflowed and failed the whole step's
-    batch; torch's generator seeds a negative value as its unsigned residue, so the draws are the
-    native engine's. None stays unseeded."""
+def generator_seed(seed: int | None, signed: bool) -> int | None:
+    """The seed vLLM gets for an API seed: its generator seed (the seed modulo :data:`GENERATOR_SEEDS`),
+    which torch's generators seed with as the native engine's does. ``signed``: vLLM's V2 model runner
+    (its default on GPUs) keeps seeds in an int64 array, where a residue of 2**63 or more overflowed
+    and failed the whole step's batch: it gets the signed integer of the same bits, and the one seed
+    that is -1 there, which vLLM would take for none, is refused (ValueError: a 400). V1's runner
+    (the CPU build's) takes the residue, -1's included. None stays unseeded."""
     if seed is None:
         return None
     residue = seed % GENERATOR_SEEDS
-    return residue - GENERATOR_SEEDS if residue >= GENERATOR_SEEDS // 2 else residue
+    if not signed or residue < GENERATOR_SEEDS // 2:
+        return residue
+    if residue - GENERATOR_SEEDS == VLLM_NO_SEED:
+        raise ValueError("this vLLM engine cannot take the seed -1 (or 2**64 - 1): vLLM reads it as no seed; "
+                         "use another seed")
+    return residue - GENERATOR_SEEDS
 
 
 def _ranked(logprobs: dict) -> list[tuple[int, float]]:
@@ -191,6 +198,8 @@ class VLLMEngine:
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                               log_stats=False, multiprocess_mode=False)
         self._max_len = vllm_config.model_config.max_model_len
+        self._signed_seeds = bool(vllm_config.use_v2_model_runner)
+        """Whether this vLLM keeps seeds as int64 (:func:`generator_seed`)."""
         self._vocab = vllm_config.model_config.get_vocab_size()
         self._max_logprobs = vllm_config.model_config.max_logprobs
         hf_config = json.loads((self.model_dir / "config.json").read_text())
@@ -266,7 +275,7 @@ class VLLMEngine:
             raise ValueError(f"the vLLM engine lists at most {self._max_logprobs} top log-probabilities, "
                              f"{request.top_logprobs} were asked for")
         temperature = 0.0 if greedy else s.temperature  # vLLM's greedy decoding
-        seed = generator_seed(s.seed)
+        seed = generator_seed(s.seed, self._signed_seeds)
         # the nucleus is cut by vllm_nucleus as the learner cuts it, never by vLLM's own top-p; a greedy
         # row's alternatives are re-tempered and cut by _greedy_alternatives
         nucleus = None if greedy else nucleus_args(s.top_p)
@@ -277,8 +286,6 @@ class VLLMEngine:
                                     extra_args=nucleus)
         except VLLMValidationError as exc:  # a request error, not vLLM's: a 400 like the prompt checks
             raise ValueError(f"the vLLM engine cannot sample this request: {exc}") from exc
-        if seed == VLLM_NO_SEED and params.seed is None:
-            params.seed = seed  # a seed like any other to both model runners (a generator, an int64 array)
         if params.temperature != temperature or params.top_p != NO_NUCLEUS or params.seed != seed:
             raise ValueError(f"vLLM would sample at temperature {params.temperature:g}, top_p {params.top_p:g} and "
                              f"seed {params.seed}, the engine asks for {temperature:g}, {NO_NUCLEUS:g} and {seed}")

@@ -94,14 +94,22 @@ def test_vllm_processors_keep_exactly_the_learners_nucleus(through):
     assert torch.equal(out[expected], logits[expected])  # kept logits untouched: vLLM applies the temperature
 
 
-def test_every_api_seed_reaches_vllm_as_an_int64_of_its_generator_seed():
+def test_every_api_seed_reaches_vllm_as_its_generator_seed_and_v2_as_an_int64():
     """vLLM's V2 model runner keeps seeds in an int64 array: the residues 2**63 and above (every
-    negative seed, handed over as its residue) overflowed it and failed the step's whole batch."""
+    negative seed, handed over as its residue) overflowed it and failed the step's whole batch. V1
+    (a torch generator) takes the residue; -1 is what vLLM reads as no seed, so V2 cannot take it."""
     from serving.engine.vllm_engine import generator_seed
 
-    for seed, expected in ((-1, -1), (-5, -5), (2 ** 64 - 5, -5), (2 ** 63, -(2 ** 63)), (-(2 ** 63), -(2 ** 63)),
-                           (2 ** 63 - 1, 2 ** 63 - 1), (0, 0), (None, None)):
-        assert generator_seed(seed) == expected
-        if seed is not None:
-            np.array([expected], dtype=np.int64)  # fits
-            assert torch.Generator().manual_seed(expected).initial_seed() == seed % 2 ** 64
+    for seed, v1, v2 in ((-5, 2 ** 64 - 5, -5), (2 ** 64 - 5, 2 ** 64 - 5, -5), (2 ** 63, 2 ** 63, -(2 ** 63)),
+                         (-(2 ** 63), 2 ** 63, -(2 ** 63)), (2 ** 63 - 1, 2 ** 63 - 1, 2 ** 63 - 1), (0, 0, 0),
+                         (-1, 2 ** 64 - 1, None)):
+        assert generator_seed(seed, signed=False) == v1
+        assert torch.Generator().manual_seed(v1).initial_seed() == seed % 2 ** 64
+        if v2 is None:
+            with pytest.raises(ValueError, match="cannot take the seed -1"):
+                generator_seed(seed, signed=True)
+            continue
+        assert generator_seed(seed, signed=True) == v2
+        np.array([v2], dtype=np.int64)  # fits
+        assert torch.Generator().manual_seed(v2).initial_seed() == seed % 2 ** 64
+    assert generator_seed(None, signed=True) is None

@@ -76,6 +76,15 @@ class Following:
         self.follower.stop()
 
 
+def failing_first(call, errors: list[Exception]):
+    """``call``, raising (and taking) the last of ``errors`` instead while any are left."""
+    def wrapped(*args, **kwargs):
+        if errors:
+            raise errors.pop()
+        return call(*args, **kwargs)
+    return wrapped
+
+
 def test_plan_keeps_only_the_lasting_notice_first():
     def n(v, action="publish"):
         return WeightsNotice(action=action, version=v, location=f"mem://{v}", checksum="0" * 64)
@@ -270,14 +279,7 @@ def test_a_notice_the_store_cannot_parse_or_the_engine_fails_on_is_reported_and_
                                     checksum="0" * 64))
         f.caught_up(1)
         assert not f.results[-1].applied and "cannot load version 1" in f.results[-1].reason
-        swap, failures = f.engine.swap_weights, [RuntimeError("the engine failed (test)")]
-
-        def failing_once(*args, **kwargs):
-            if failures:
-                raise failures.pop()
-            return swap(*args, **kwargs)
-
-        f.engine.swap_weights = failing_once
+        f.engine.swap_weights = failing_first(f.engine.swap_weights, [RuntimeError("the engine failed (test)")])
         send(backend, notice(refs[2]))
         f.caught_up(2)
         assert not f.results[-1].applied and "the engine failed (test)" in f.results[-1].reason
@@ -321,14 +323,8 @@ def test_a_champion_swap_that_raises_is_reported_and_following_goes_on(backend, 
     store = InProcessWeightStore()
     refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
     c = Canary(backend, store, base_model)
-    swap, failures = c.engine.swap_champion, [torch.OutOfMemoryError("no room for the champion's spare (test)")]
-
-    def failing_once(*args, **kwargs):
-        if failures:
-            raise failures.pop()
-        return swap(*args, **kwargs)
-
-    c.engine.swap_champion = failing_once
+    c.engine.swap_champion = failing_first(c.engine.swap_champion,
+                                           [torch.OutOfMemoryError("no room for the champion's spare (test)")])
     try:
         send(backend, notice(refs[1], "champion"))
         c.caught_up(1)
@@ -348,14 +344,8 @@ def test_a_dead_letter_the_broker_refuses_is_retried_and_following_goes_on(backe
     store = InProcessWeightStore()
     ref = store.save(1, state_for(base_model, 1))
     producer = backend.producer()
-    send_letter, refusals = producer.send, [StreamUnavailable("broker unreachable (test)")] * 2
-
-    def refusing_twice(*args, **kwargs):
-        if refusals:
-            raise refusals.pop()
-        return send_letter(*args, **kwargs)
-
-    producer.send = refusing_twice
+    refusals = [StreamUnavailable("broker unreachable (test)")] * 2
+    producer.send = failing_first(producer.send, refusals)
     f = Following(backend, store, base_model, dead_letters=(producer, DEAD))
     try:
         send(backend, b"not json", notice(ref))

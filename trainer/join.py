@@ -228,27 +228,44 @@ class RewardJoiner(TrajectoryRules):
     # -- output --------------------------------------------------------------------------
     def ready_rollouts(self, group_size: int = 1) -> int:
         """Rollouts :meth:`pop_ready` could hand out now (:meth:`ready_stats` without the tokens)."""
-        return len(self._poppable(group_size))
+        units, _ = self._ready_pass(group_size)
+        return sum(len(unit) for unit in units)
 
     def ready_units(self, group_size: int = 1) -> int:
         """What :meth:`pop_ready` could hand out now, in the units a step shares among ranks: rollouts,
         or grpo groups when ``group_size > 1`` (complete ones, and incomplete ones past
         ``reward.group_timeout_s``; each goes whole to one rank)."""
-        if group_size <= 1:
-            return len(self._ready)
-        return len(self._groups(self._ready.values(), group_size))
+        units, _ = self._ready_pass(group_size)
+        return len(units)
 
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
-        entries = self._poppable(group_size)
+        units, tokens = self._ready_pass(group_size)
+        return sum(len(unit) for unit in units), tokens
+
+    def _ready_pass(self, group_size: int) -> tuple[list[list[Entry]], int]:
+        """The units (rollouts, or grpo groups) :meth:`pop_ready` would hand out now if nothing
+        stopped it, and their action tokens; no side effects. A ready answer whose turn a
+        continuation earlier in the pass trains is absorbed by it (:meth:`_train_turns`) and
+        handed out by no one: counted, a multi-rank step could count a unit for a rank that would
+        get none and drop the step's rollouts (trainer/feed.py)."""
+        units: list[list[Entry]] = []
         trained: set[str] = set()  # ids whose turns an entry before trains
         tokens = 0
-        for entry in entries:  # in the order pop_ready takes them: earlier ones train first
-            observed = self._trained_turns(entry, trained)
-            tokens += trained_action_tokens(entry.interaction, observed)
-            trained.update(origin.interaction_id for turn, origin in enumerate(entry.interaction.origins())
-                           if turn not in observed)
-        return len(entries), tokens
+        ready = list(self._ready.values())
+        for group in self._groups(ready, group_size) if group_size > 1 else [[e] for e in ready]:
+            unit = []
+            for entry in group:  # in the order pop_ready takes them: earlier ones train first
+                if entry.iid in trained:
+                    continue
+                observed = self._trained_turns(entry, trained)
+                tokens += trained_action_tokens(entry.interaction, observed)
+                trained.update(origin.interaction_id for turn, origin in enumerate(entry.interaction.origins())
+                               if turn not in observed)
+                unit.append(entry)
+            if unit:
+                units.append(unit)
+        return units, tokens
 
     def pop_ready(self, max_rollouts: int, token_budget: int, group_size: int = 1,
                   min_units: int = 1) -> list[JoinedInteraction]:
@@ -425,10 +442,3 @@ class RewardJoiner(TrajectoryRules):
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
                                  frozenset(observed), combine_scores(entry, self.cfg),
                                  rewards_by_source(entry, self.cfg))
-
-    def _poppable(self, group_size: int) -> list[Entry]:
-        if group_size <= 1:
-            return list(self._ready.values())
-        return [e for group in self._groups(self._ready.values(), group_size) for e in group]
-
-

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from online_sao.config import RewardConfig
 from online_sao.schemas import Interaction, Reward, SamplingParams, TurnReward
 from serving.trajectories import TrajectoryPrefix
+from trainer.join import RewardJoiner
 
 
 def make_interaction(iid: str, prompt=(5, 6, 7), response=(8, 9, 10), mask=None, logprobs=None,
@@ -41,3 +43,18 @@ def conversation(ids: list[str], prompt=(5, 6, 7), tokens_per_turn: int = 2,
                                  [0] * tokens_per_turn)
         records.append(Interaction(interaction_id=iid, model="tiny", **fields))
     return records
+
+
+def parent_ready_beside_its_continuation(cfg: RewardConfig) -> RewardJoiner:
+    """A join (``cfg``: a 10 s window, ``on_missing: drop``) where c1 and c2 continue p; c1 claimed p
+    but was dropped unrated when c2's reward, 10 s on, closed its window, so p, read last with its
+    reward, is ready beside c2, which trains p's turn when taken."""
+    p, c1 = conversation(["p", "c1"])
+    _, c2 = conversation(["p", "c2"])
+    j = RewardJoiner(cfg, max_pending=100)
+    j.add_interaction(c1, ts=0.5)  # p not read yet: c1 claims it
+    j.add_interaction(c2, ts=1.0)
+    j.add_reward(make_reward("c2", 1.0), ts=1.0 + cfg.window_s)  # c1's window closes unrated: dropped
+    j.add_reward(make_reward("p", 0.25), ts=1.0)  # held for p
+    j.add_interaction(p, ts=1.0)
+    return j

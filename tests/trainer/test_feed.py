@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from online_sao.config import Config, KafkaConfig
+from online_sao.config import Config, KafkaConfig, RewardConfig
 from streams.base import StreamBackend, TopicPartition
 from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
 from streams.records import publish
-from tests.trainer.records import make_interaction, make_reward
+from tests.trainer.records import make_interaction, make_reward, parent_ready_beside_its_continuation
 from trainer.feed import ENDS_EVERY_S, Feed, KeepingUp
 from trainer.join import RewardJoiner
 from trainer.rank_zero import COUNTERS
@@ -439,3 +439,14 @@ def test_catching_up_a_backlog_holds_the_joins_clock_until_every_partition_is_re
         feed.poll()
     assert (joiner.counters.joined, joiner.counters.dropped_no_reward, joiner.counters.expired_rewards) == (240, 0, 0)
     feed.close()
+
+
+def test_two_ranks_do_not_count_a_parent_its_continuation_trains_as_a_unit():
+    """A ready parent and its ready continuation counted as two units: the step of two ranks popped
+    the continuation alone (it trains the parent's turn) and dropped it as too few for the ranks."""
+    joiner = parent_ready_beside_its_continuation(RewardConfig(window_s=10.0, on_missing="drop"))
+    counters = {name: 0.0 for name in COUNTERS}
+    feed = Feed(Config().trainer.model_copy(update={"min_rollouts": 1}), KafkaConfig().topics, joiner,
+                InMemoryBackend().producer(), {}, counters, vocab_size=1000, group_size=1, stop=threading.Event())
+    assert feed.take(world_size=2) is None and counters["too_few_for_ranks"] == 0
+    assert [r.interaction_id for r in feed.take(world_size=1)] == ["c2"]

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from online_sao.config import RewardConfig
-from tests.trainer.records import conversation, make_interaction, make_reward
+from tests.trainer.records import conversation, make_interaction, make_reward, parent_ready_beside_its_continuation
 from trainer.join import RewardJoiner
 
 WINDOW_S = 10.0
@@ -314,3 +314,13 @@ def test_the_token_budget_counts_only_the_turns_a_continuation_trains():
     taken = j.pop_ready(max_rollouts=10, token_budget=3)  # c's 2 tokens leave room under the budget
     assert [x.interaction.interaction_id for x in taken] == ["c", "d"]
     assert [x.num_action_tokens for x in taken] == [2, 2]
+
+
+def test_a_ready_parent_absorbed_by_a_ready_continuation_is_not_counted_as_ready():
+    """ready_stats counted p and c2 (2 rollouts, 6 tokens) where pop_ready hands out c2 alone, which
+    trains p's turn (found by test_join_trajectories_properties.py)."""
+    j = parent_ready_beside_its_continuation(RewardConfig(window_s=WINDOW_S, on_missing="drop"))
+    assert j.ready_stats() == (1, 4) and j.ready_units() == 1 and j.ready_rollouts() == 1
+    (joined,) = take_all(j)
+    assert joined.interaction.interaction_id == "c2" and rewards_by_token(joined) == {101: 0.25, 201: 1.0}
+    assert j.ready_stats() == (0, 0)

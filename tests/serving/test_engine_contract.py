@@ -61,6 +61,8 @@ to sample: between the greedy threshold and vLLM's lowest (0.01), above vLLM's h
 highest."""
 SEED_RESIDUES = 2 ** 64
 """A torch generator seeds with its 64-bit seed modulo this (``manual_seed``): -1 and 2**64 - 1 are one seed."""
+SEED_TEMPERATURE = 2.0
+"""The seed test's temperature: vLLM's highest, where this model's draws are least certain."""
 TIE_DRAWS = 40
 """Requests (one token each, seeds 0..) drawn at a cut-off between two tied tokens: the kept one of the pair
 has probability about 1/4 in the nucleus, so all of them missing it would take about 1e-5 luck (and the
@@ -237,19 +239,23 @@ def test_stop_token_ends_generation(engine):
 def test_every_seed_the_api_accepts_reproduces_its_tokens(engine):
     """A seeded request gives the same tokens every time, for every seed the API accepts (any 64-bit
     integer, signed or not), -1 included (vLLM reads -1 as "no seed"); a seed and its residue modulo
-    2**64 are the same generator seed."""
-    seeds = (-1, -1, SEED_RESIDUES - 1)
+    2**64 are the same generator seed. Another seed gives other tokens: at SEED_TEMPERATURE the draws
+    are far from certain, so equal tokens say the seed fixed them (at this model's sharpened
+    temperature 1 an unseeded request gave the same tokens by chance)."""
+    seeds = (-1, -1, SEED_RESIDUES - 1, 7)
 
     async def main():
         await engine.start()
-        out = [await within(collect(engine, request(400 + k, PROMPTS[1], seed=seed, temperature=1.0, top_p=1.0)))
+        out = [await within(collect(engine, request(400 + k, PROMPTS[1], seed=seed, temperature=SEED_TEMPERATURE,
+                                                    top_p=1.0)))
                for k, seed in enumerate(seeds)]
         await engine.stop()
         return out
 
-    first, again, residue = ([e.token_id for e in events] for events in asyncio.run(main()))
-    assert len(first) == 12
+    first, again, residue, other = ([e.token_id for e in events] for events in asyncio.run(main()))
+    assert len(first) == len(other) == 12
     assert first == again == residue
+    assert other != first
 
 
 def test_greedy_decoding_logs_the_point_mass_and_lists_the_tempered_alternatives(engine, versions):

@@ -9,14 +9,16 @@ behind with every version, so the gate refuses for the rest of the phase (docs/D
 
 A **record** is a version's expected reward as last measured on traffic it could be scored on:
 its candidate-side estimate at the decision that promoted it, refreshed whenever a later
-decision scores the champion with an ESS above the floor. It lives on the champion's registry
+decision scores the champion with an ESS at the floor on a window that covers it
+(:func:`window_judges`). It lives on the champion's registry
 version as ``record.*`` tags. A drift restart becomes champion without one, so a record never
 crosses a detected preference change; at a decision where the restart cannot be scored and
 has none, its record is measured on the window's rollouts sampled since it (the new
 preference's traffic, on which it was not trained; trainer/publisher.py).
 
-When the champion's ESS is under the floor and it has a record, the candidate is compared
-with the record instead: ``D = V_cand - V_record``, two estimates on disjoint rollouts, so
+When the window cannot judge the champion (its ESS under the floor, or an undecided interval
+with the champion's unseen mass wider than the margin: :func:`champion_unscorable`) and it has a
+record, the candidate is compared with the record instead: ``D = V_cand - V_record``, two estimates on disjoint rollouts, so
 ``se^2 = se_cand^2 + se_record^2``, and the same non-inferiority rule
 (:func:`online_sao.gate.verdict`) **except that it never rolls back**: a record was measured
 under the rewards of its time, and a candidate falling short of it is exactly what a
@@ -176,17 +178,33 @@ def champion_record(evidence: GateEvidence, settings: GateSettings) -> ValueReco
     """The champion's side of a same-window decision as its refreshed record, if measured well
     enough to decide on; None for a decision on a record (nothing new was measured)."""
     if evidence.basis != "window" or not _meets_floors(evidence.n, evidence.champion_ess, settings,
-                                                       evidence.champion_coverage):
+                                                       evidence.champion_coverage) \
+            or not window_judges(evidence.champion_coverage, settings):
         return None
     return ValueRecord(evidence.champion_value, evidence.champion_se, evidence.n, evidence.champion_ess,
                        evidence.window, settings.reward_definition, evidence.champion_coverage)
 
 
+def window_judges(covered: float, settings: GateSettings) -> bool:
+    """Whether a window holding the share ``covered`` of a version's mass can judge the version: the
+    mass it does not hold could move the version's value by at most the gate's margin,
+    ``(1 - c)(r_max - r_min) <= margin`` (online_sao/gate.py, "What the window does not cover").
+    Always without a reward range (the coverage is not used then); never for a NaN coverage."""
+    low, high = value_bounds(0.0, covered, settings)
+    return high - low <= settings.margin
+
+
 def champion_unscorable(evidence: GateEvidence, settings: GateSettings) -> bool:
-    """The gate refused only because of the champion's ESS: enough rollouts, the candidate's ESS at
-    the floor, the champion's under it or NaN (log-ratios of ``-inf`` everywhere)."""
-    return (evidence.decision == "refused" and evidence.n >= settings.min_rollouts
-            and evidence.candidate_ess >= settings.min_ess and not evidence.champion_ess >= settings.min_ess)
+    """The window cannot judge the champion, and only the champion stands in the way: enough
+    rollouts and the candidate's ESS at the floor, and either the gate refused for the champion's
+    ESS (under the floor or NaN: log-ratios of ``-inf`` everywhere) or it is undecided with the
+    champion covered too little to be judged (:func:`window_judges`): an ESS at the floor from
+    weights that are small but even says nothing of the mass the window does not hold."""
+    if evidence.n < settings.min_rollouts or not evidence.candidate_ess >= settings.min_ess:
+        return False
+    if evidence.decision == "refused":
+        return not evidence.champion_ess >= settings.min_ess
+    return evidence.decision == "undecided" and not window_judges(evidence.champion_coverage, settings)
 
 
 def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, record: ValueRecord,

@@ -229,8 +229,9 @@ class OffPolicyGate:
         every answer weighed against the mixture the pool was drawn from, at the pool's own share of
         canary answers (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
         describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
-        many of them the champion sampled. When only the champion's ESS stood in the way
-        (``deploy.gate_champion_record`` on), ``record`` is asked for the champion's record (called
+        many of them the champion sampled. When only the champion stood in the way, the window
+        unable to judge it (:func:`~online_sao.gate_record.champion_unscorable`;
+        ``deploy.gate_champion_record`` on), ``record`` is asked for the champion's record (called
         only then: finding one may cost a pass over the window) and, if there is one, the candidate
         is decided against it instead (online_sao/gate_record.py: it never rolls back)."""
         newest = window.since(candidate.version)

@@ -37,11 +37,12 @@ class DeployConfig(Section):
     """Cap on each rollout's importance ratio pi/mu before self-normalising (None: no cap);
     a cap trades bias for variance when one rollout would carry the whole estimate."""
     gate_champion_record: bool = True
-    """When the champion's ESS on the window is under ``gate_min_ess`` (it is many versions behind
-    and no canary answers with it), compare the candidate with the champion's record instead: its
-    expected reward as last measured on traffic it could be scored on. A record never rolls a
-    candidate back, and a drift restart starts without one (online_sao/gate_record.py;
-    docs/DEPLOY.md, "The champion's record"). False: such decisions are refused."""
+    """When the window cannot judge the champion (it is many versions behind and no canary answers
+    with it: its ESS on the window under ``gate_min_ess``, or, with ``gate_coverage_bound``, so
+    little of it covered that the decision is undecided), compare the candidate with the champion's
+    record instead: its expected reward as last measured on traffic it could be scored on. A record
+    never rolls a candidate back, and a drift restart starts without one (online_sao/gate_record.py;
+    docs/DEPLOY.md, "The champion's record"). False: such decisions are refused or undecided."""
     gate_coverage_bound: bool = True
     """Widen the gate's interval by what the window cannot see: a version whose answers the window
     rarely samples (its mean importance weight, the share of its probability the window covers,

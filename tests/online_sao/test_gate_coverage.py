@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from online_sao.gate import GateSettings, coverage, decide, value_bounds, verdict
-from online_sao.gate_record import ValueRecord, champion_record, champion_unscorable, decide_against_record
+from online_sao.gate_record import (ValueRecord, champion_record, champion_unscorable, decide_against_record,
+                                    window_judges)
 
 UNBOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05)
 BOUNDED = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_min=0.0, reward_max=1.0)
@@ -47,6 +48,22 @@ def test_a_champion_the_window_hardly_covers_is_not_beaten_on_the_tenth_it_saw()
     tags = evidence.tags()
     assert float(tags["gate.candidate_coverage"]) == 1.0
     assert float(tags["gate.champion_coverage"]) == pytest.approx(0.1)
+    # its ESS is at the floor, but 90% of it unseen could move it by 0.9 > the margin 0.05: the window
+    # cannot judge it, so its record is asked for, and this window is no record to keep
+    assert not window_judges(0.1, BOUNDED) and champion_unscorable(evidence, BOUNDED)
+    assert champion_record(evidence, BOUNDED) is None
+
+
+def test_the_window_judges_a_version_whose_unseen_mass_moves_it_by_at_most_the_margin():
+    """[0, 1] rewards, margin 0.05: coverage 0.951 leaves 0.049 of the range unseen, 0.949 leaves 0.051."""
+    assert window_judges(1.0, BOUNDED) and window_judges(0.951, BOUNDED) and not window_judges(0.949, BOUNDED)
+    assert not window_judges(math.nan, BOUNDED)
+    assert window_judges(0.1, UNBOUNDED)  # no range: the coverage is not used
+    # undecided on a champion the window covers: the window's verdict stands, no record asked for
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    covered = decide(rewards, torch.zeros(4), torch.log(torch.tensor([1.2, 0.8, 0.8, 1.2])), BOUNDED)
+    assert covered.decision == "undecided" and covered.champion_coverage == 1.0
+    assert not champion_unscorable(covered, BOUNDED)
 
 
 def test_a_candidate_the_window_half_covers_cannot_be_promoted_on_its_half():
@@ -109,21 +126,22 @@ def test_a_reward_range_is_given_whole_and_in_order():
 
 
 def test_a_record_keeps_its_coverage_and_a_decision_on_it_widens_the_records_side():
-    """The champion's record is refreshed on a window that held a tenth of its mass: 100 rollouts,
-    rewards alternating 1, 0, champion ratio 0.1 each (coverage 0.1, V 0.5), candidate the behaviour.
-    Its value lies in [0.05, 0.95]. A later candidate at 0.6 (60 of 100, ratios 1, se
-    sqrt(0.24 / 100)) decided on that record: [0.6 - 0.95 - h, 0.6 - 0.05 + h], undecided; before,
-    the record was taken as 0.5 with coverage 1, and the candidate was promoted."""
+    """The champion's record is refreshed on a window that held 0.96 of its mass (its unseen 0.04 is
+    within the margin 0.05): 100 rollouts, rewards alternating 1, 0, champion ratio 0.96 each (V 0.5).
+    Its value lies in [0.48, 0.52]. A later candidate at 0.6 (60 of 100, ratios 1, se
+    sqrt(0.24 / 100)) decided on that record: [0.6 - 0.52 - h, 0.6 - 0.48 + h]. On a window that held
+    a tenth of it the champion is not judged and its old record is kept: that tenth is no record."""
     rewards = torch.tensor([float(i % 2) for i in range(100)])
-    refreshed = decide(rewards, torch.zeros(100), torch.full((100,), math.log(0.1)), BOUNDED, (5, 6))
-    assert refreshed.decision == "undecided"
+    refreshed = decide(rewards, torch.zeros(100), torch.full((100,), math.log(0.96)), BOUNDED, (5, 6))
     record = champion_record(refreshed, BOUNDED)
-    assert record is not None and record.coverage == pytest.approx(0.1) and record.value == pytest.approx(0.5)
+    assert record is not None and record.coverage == pytest.approx(0.96) and record.value == pytest.approx(0.5)
     assert ValueRecord.from_tags(record.tags()) == record  # it round-trips through the registry
     se_record = 0.5 / 10  # equal weights, V 0.5: sqrt(100 * 0.25) / 100
     assert record.se == pytest.approx(se_record)
     later = torch.tensor([1.0] * 60 + [0.0] * 40)
     evidence = decide_against_record(later, torch.zeros(100), record, BOUNDED, (7, 8))
     half = Z90 * math.hypot(math.sqrt(0.24 / 100), se_record)
-    assert (evidence.low, evidence.high) == (pytest.approx(0.6 - 0.95 - half), pytest.approx(0.6 - 0.05 + half))
-    assert evidence.decision == "undecided" and evidence.champion_coverage == pytest.approx(0.1)
+    assert (evidence.low, evidence.high) == (pytest.approx(0.6 - 0.52 - half), pytest.approx(0.6 - 0.48 + half))
+    assert evidence.champion_coverage == pytest.approx(0.96)
+    tenth = decide(rewards, torch.zeros(100), torch.full((100,), math.log(0.1)), BOUNDED, (5, 6))
+    assert tenth.decision == "undecided" and champion_record(tenth, BOUNDED) is None

@@ -94,6 +94,36 @@ def test_a_champion_scored_on_the_window_gets_its_record_refreshed(registry_cfg)
     assert all(n.action == "publish" for n in notices if isinstance(n, WeightsNotice))
 
 
+def test_a_champion_the_window_cannot_cover_is_judged_on_its_record(registry_cfg):
+    """Rewards pay B, nine B answers in ten; v1-5 sample B with probability 0.001 (all 40 answers A),
+    v6-12 with 0.999 (all B). On v6's and v7's answers the A champion v4's weights are small but even
+    (ESS 80, at the floor) and cover 0.001 of it: the window could not judge it, yet its ESS kept its
+    record from being asked for, every candidate stayed undecided for good, and the record (0 on 80
+    answers, coverage 1) was overwritten by that window's 0.9 at coverage 0.001."""
+    cfg = registry_cfg
+    prob_b = {v: 0.001 if v <= 5 else 0.999 for v in range(1, 13)}
+    backend, publisher, tracker, window = _registry_parts(cfg)
+    releases = Releases(publisher, tracker, OffPolicyGate(MixtureScorer(prob_b), cfg.deploy, reward_range=(0.0, 1.0)),
+                        window, cfg.deploy, register_every=2)
+    champions = []
+    for version in range(1, 13):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        champions.append(tracker.champion()[0] if tracker.champion() else None)
+        for i in range(40):
+            style = STYLE_B if (i + 0.5) / 40 < prob_b[version] else STYLE_A
+            p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
+            paid = style == STYLE_B and i % 10 != 0
+            window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(paid), logprob=math.log(p) / 2)])
+    assert champions == [None, None, None, 2, 2, 4, 4, 6, 6, 8, 8, 10]
+    by_policy = {int(v.tags["policy_version"]): v.tags for v in
+                 MlflowClient(tracking_uri=cfg.mlflow_uri).search_model_versions(
+                     f"name = '{cfg.mlflow.registered_model}'")}
+    switch = by_policy[6]  # 36 of 80 answers paid by v6 and v7 alike, against v4's record of 0 on 80
+    assert switch["decision"] == "promoted" and switch["gate.basis"] == "record"
+    assert float(switch["gate.candidate_value"]) == pytest.approx(0.9) and float(switch["gate.champion_value"]) == 0.0
+    assert by_policy[4]["record.window_versions"] == "4-5"  # v4's record kept: not refreshed on that window
+
+
 def test_a_drift_restart_is_judged_on_the_traffic_since_it(registry_cfg):
     """A-concentrated versions 1-8 (B with probability 0.01); B pays from v7's traffic on; the
     restart v9 samples B with probability 0.2 (8 of its 40 answers), v10-12 with 0.95 (38 of 40).

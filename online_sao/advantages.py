@@ -63,6 +63,14 @@ def _discounted_suffix_sum(delta: torch.Tensor, decay: torch.Tensor) -> torch.Te
     that a non-finite delta makes its whole block non-finite (0 * inf), which is
     fine: a step with non-finite advantages is refused by the caller.
     """
+    with torch.autocast(delta.device.type, enabled=False):
+        return _suffix_sum_blocks(delta, decay)
+
+
+def _suffix_sum_blocks(delta: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """:func:`_discounted_suffix_sum` outside autocast: the one-process learner runs its whole step
+    under bfloat16 autocast (trainer/startup.py), and ``bmm`` is an op autocast lowers, which rounded
+    every block sum to 8 bits of mantissa (critic targets of exactly 1 came out up to 1.0019)."""
     b, length = delta.shape
     out = torch.empty_like(delta)
     carry = delta.new_zeros(b)  # A at the first index after the current block

@@ -81,6 +81,21 @@ def test_gamma_lambda_one_telescopes_to_return_minus_value():
     assert ret.tolist() == [[0.0, 6.0, 0.0, 2.0, 2.0]]
 
 
+def test_under_bfloat16_autocast_the_solve_keeps_float32():
+    """The one-process learner runs its step under bfloat16 autocast, which lowers ``bmm``: the
+    Monte-Carlo targets (gamma = lambda = 1) of a reward 1 on the last of 500 action tokens are 1
+    on every one of them, whatever the values; in bfloat16 they came out 0.99996 to 1.0019."""
+    mask = torch.zeros(1, 600, dtype=torch.bool)
+    mask[0, 100:] = True
+    values = 0.5 + 0.01 * torch.randn(1, 600, generator=torch.Generator().manual_seed(0)).cumsum(1)
+    rewards = torch.zeros(1, 600)
+    rewards[0, -1] = 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, returns = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert returns.dtype == torch.float32
+    assert returns[mask] == pytest.approx(torch.ones(500), abs=1e-5)
+
+
 def test_reward_before_first_action_goes_to_first_action_and_empty_rows_are_zero():
     mask = torch.tensor([[False, False, True, True], [False, False, False, False]])
     rewards = torch.tensor([[4.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 7.0]])

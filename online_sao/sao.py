@@ -155,15 +155,15 @@ class SAO(ActorCritic):
         fit = self._fit(_joined(window, batch), timer)
         if not fit.stepped:  # a refused step's rollouts stay out of later fits and levels, as in a normal step
             return {**fit.metrics, "skipped_nonfinite": 1.0}
-        window.add(batch)
         with timer.phase("arithmetic"):
             advantages = self._advantages(batch, torch.full_like(batch.rewards, level), metrics)
         update = self._policy_update(batch, advantages, timer)
-        if not update["skipped_nonfinite"]:
+        if not update["skipped_nonfinite"]:  # refused at the policy update: refused too (not trained, not counted)
             self.regularizer.after_policy_update(self.policy)  # as after a normal step's applied update
-        self.rewarm_left = max(0, self.rewarm_left - round(taken))
-        if self.rewarm_left == 0:
-            window.clear()
+            window.add(batch)
+            self.rewarm_left = max(0, self.rewarm_left - round(taken))
+            if self.rewarm_left == 0:
+                window.clear()
         return {**fit.metrics, **update, "critic_updates_done": float(fit.updates_done), "critic_rewarm": 1.0,
                 "rewarm_level": level, "rewarm_left": float(self.rewarm_left)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import online_sao.sao as sao_module
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
 from tests.online_sao.test_sao import make_batch, make_sao
 
@@ -83,6 +84,26 @@ def test_a_refused_rewarm_step_leaves_its_rollouts_out_of_later_fits_and_levels(
     metrics = algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))
     assert metrics["rewarm_level"] == 1.0  # the first step's 1, 1 only: with the refused -1, -1 it would be 0
     assert len(algo.rewarm_window) == 4
+
+
+def test_a_rewarm_step_refused_at_its_policy_update_leaves_its_rollouts_out_too(tiny_qwen, monkeypatch):
+    """The critic's fit went through but the policy loss was not finite: the learner refuses the step,
+    so its rollouts join neither the window nor the count, as at a refused fit."""
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=16)
+    algo.forget()
+    algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))
+    policy_loss = sao_module.dis_policy_loss
+
+    def not_finite(*args, **kw):
+        loss, metrics = policy_loss(*args, **kw)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(sao_module, "dis_policy_loss", not_finite)
+    refused = algo.step(make_batch(tiny_qwen, rewards=(-1.0, -1.0)))
+    monkeypatch.setattr(sao_module, "dis_policy_loss", policy_loss)
+    assert refused["skipped_nonfinite"] == 1.0
+    assert len(algo.rewarm_window) == 2 and algo.rewarm_left == 14  # as before the refused step
+    assert algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))["rewarm_level"] == 1.0  # not (1 + 1 - 1 - 1) / 4
 
 
 def test_a_checkpoint_mid_rewarm_resumes_it(tiny_qwen):

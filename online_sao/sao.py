@@ -38,7 +38,7 @@ from online_sao.advantages import length_adaptive_lambda, skip_observation_gae, 
 from online_sao.algorithm import ActorCritic
 from online_sao.batch import RolloutBatch
 from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_critic_updates
-from online_sao.losses import dis_policy_loss, endpoint_squared_errors, value_loss
+from online_sao.losses import MIN_NORMALIZER, dis_policy_loss, endpoint_squared_errors, value_loss
 from online_sao.modeling import packing_verdict
 from online_sao.train_step import (PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward,
                                    policy_packs)
@@ -104,6 +104,8 @@ class SAO(ActorCritic):
             rewarm = self._rewarm(batch, timer, metrics)  # adds the advantages' metrics to ``metrics``
             return {**metrics, **rewarm, **timer.metrics()}
         window = self.window.batch() if self.cfg.critic_order == "replay_then_judge" else None
+        if window is not None:  # every rank's window is empty or not alike: they fill on the same steps
+            window.token_normalizer = self._spread_normalizer(window)
         judged = order_critic_updates(self.cfg.critic_order, batch, lambda b: self._fit(b, timer),
                                       lambda b: self._values(b, timer), window, self.cfg.critic_after_metrics)
         with timer.phase("arithmetic"):
@@ -147,12 +149,15 @@ class SAO(ActorCritic):
         step (the step's own mean for the first)."""
         window = self.rewarm_window
         earlier = window.batch() or batch
-        # one collective: the earlier rollouts' reward sum and count, and this step's rollout count
-        reward_sum, count, taken = self.sum_over_ranks(torch.tensor(
-            [float(earlier.rewards.sum()), float(earlier.batch_size), float(batch.batch_size)],
-            dtype=torch.float64)).tolist()
+        joined = _joined(window, batch)
+        # one collective: the earlier rollouts' reward sum and count, this step's rollout count, and
+        # the fit's action tokens and ranks (its normaliser: _spread_normalizer)
+        reward_sum, count, taken, tokens, ranks = self.sum_over_ranks(torch.tensor(
+            [float(earlier.rewards.sum()), float(earlier.batch_size), float(batch.batch_size),
+             float(joined.action_mask.sum()), 1.0], dtype=torch.float64)).tolist()
         level = reward_sum / count
-        fit = self._fit(_joined(window, batch), timer)
+        joined.token_normalizer = max(tokens, MIN_NORMALIZER) / ranks
+        fit = self._fit(joined, timer)
         if not fit.stepped:  # a refused step's rollouts stay out of later fits and levels, as in a normal step
             return {**fit.metrics, "skipped_nonfinite": 1.0}
         with timer.phase("arithmetic"):
@@ -166,6 +171,15 @@ class SAO(ActorCritic):
                 window.clear()
         return {**fit.metrics, **update, "critic_updates_done": float(fit.updates_done), "critic_rewarm": 1.0,
                 "rewarm_level": level, "rewarm_left": float(self.rewarm_left)}
+
+    def _spread_normalizer(self, window: RolloutBatch) -> float:
+        """The normaliser of a fit on ``window``, this rank's share of a fit on every rank's:
+        ``N_global / world_size``, as the step's own batch has (trainer/distributed.py; FSDP averages
+        the ranks' gradients, so each rank's own token mean weighed a rank's short window as much as
+        another's long one). Its own action-token count in one process. One collective."""
+        tokens, ranks = self.sum_over_ranks(torch.tensor([float(window.action_mask.sum()), 1.0],
+                                                         dtype=torch.float64)).tolist()
+        return max(tokens, MIN_NORMALIZER) / ranks
 
     def _values(self, batch: RolloutBatch, timer: PhaseTimer) -> torch.Tensor:
         with torch.no_grad(), timer.phase("critic_forward"):

@@ -8,6 +8,9 @@ import torch
 
 import online_sao.sao as sao_module
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
+from online_sao.algorithms import build_algorithm, build_optimizers
+from online_sao.config import AlgorithmConfig
+from online_sao.critic import ValueModel
 from tests.online_sao.test_sao import make_batch, make_sao
 
 
@@ -104,6 +107,45 @@ def test_a_rewarm_step_refused_at_its_policy_update_leaves_its_rollouts_out_too(
     assert refused["skipped_nonfinite"] == 1.0
     assert len(algo.rewarm_window) == 2 and algo.rewarm_left == 14  # as before the refused step
     assert algo.step(make_batch(tiny_qwen, rewards=(1.0, 1.0)))["rewarm_level"] == 1.0  # not (1 + 1 - 1 - 1) / 4
+
+
+def _beside_a_rank_with_ten_more_window_tokens(values: torch.Tensor) -> torch.Tensor:
+    """A SumOverRanks of two ranks: the other holds what this one does, but 10 action tokens more in
+    the window a critic fit normalises by (the last-but-one entry of the vectors sao.py sums for it:
+    [tokens, ranks] and the re-warm's [reward sum, count, taken, tokens, ranks])."""
+    other = values.clone()
+    if values.shape in ((2,), (5,)):
+        other[-2] += 10.0
+    return values + other
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_fit_on_a_window_is_normalised_over_every_ranks_window(tiny_qwen, monkeypatch, replay):
+    """The step's own batch divides by N_global / world_size (FSDP averages the ranks' gradients); a
+    fit on the re-warm or replay window divided by its rank's own count, weighing a rank's short
+    window as much as another's long one. Two ranks of N and N + 10 window tokens: N + 5 each."""
+    cfg = {"critic_order": "replay_then_judge"} if replay else {"critic_rewarm_rollouts": 16}
+    policy = tiny_qwen
+    critic_cfg = AlgorithmConfig(policy_lr=1e-3, critic_lr=5e-3, critic_warmup_steps=0, **cfg)
+    critic = ValueModel.from_policy(policy, freeze_attention=critic_cfg.freeze_critic_attention)
+    opt = build_optimizers(critic_cfg, policy, critic)
+    algo = build_algorithm(critic_cfg, policy, critic, opt.policy, opt.critic, opt.critic_scheduler,
+                           sum_over_ranks=_beside_a_rank_with_ten_more_window_tokens)
+    if not replay:
+        algo.forget()
+    algo.step(make_batch(policy))  # the first step: the replay window is empty until it is applied
+    normalizers = []
+    value_loss = sao_module.value_loss
+
+    def spy(values, returns, mask, normalizer=None):
+        normalizers.append((float(mask.sum()), normalizer))
+        return value_loss(values, returns, mask, normalizer)
+
+    monkeypatch.setattr(sao_module, "value_loss", spy)
+    algo.step(make_batch(policy))
+    window_tokens = 8.0 * (1 if replay else 2)  # two rollouts of 4 action tokens a step; re-warm: both steps
+    # the K = 2 critic updates on the window; the step's own batch (one process: no normaliser) as before
+    assert [(tokens, n) for tokens, n in normalizers if n is not None] == [(window_tokens, window_tokens + 5)] * 2
 
 
 def test_a_checkpoint_mid_rewarm_resumes_it(tiny_qwen):

@@ -33,6 +33,14 @@ distribution a near tie (logits within about 1e-3, common in bfloat16) gave the 
 the importance ratio against the engine's logged 0 was about 1/2 with identical weights."""
 
 
+def decodes_greedily(temperature: float) -> bool:
+    """Whether a request at ``temperature`` is decoded greedily, as :func:`sampled_logprobs` decides it:
+    on the float32 temperature the learner's batch holds (online_sao/batch.py). On the Python float a
+    temperature a hair above :data:`GREEDY_TEMPERATURE` (1.00000001e-4, which the API accepts) was
+    drawn, while the learner, for which it is 1e-4, scored the token as the point mass's."""
+    return bool(torch.tensor(temperature, dtype=torch.float32) <= GREEDY_TEMPERATURE)
+
+
 def nucleus_mask(logprobs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Which tokens the top-p nucleus keeps.
 

@@ -38,8 +38,9 @@ class GenerationRequest:
     """Token ids that end generation (the eos/end-of-turn ids); the stop token is
     sampled and logged as an action but not returned as text."""
     top_logprobs: int = 0
-    """How many of the most likely tokens (under the sampling distribution) each
-    :class:`TokenEvent` lists beside the sampled one; 0 lists none."""
+    """How many of the most likely tokens (under the tempered nucleus distribution:
+    :attr:`TokenEvent.top_logprobs`) each :class:`TokenEvent` lists beside the sampled
+    one; 0 lists none."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,13 @@ class TokenEvent:
     """None while generating; 'stop' or 'length' on the last token."""
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """The request's ``top_logprobs`` most likely tokens at this position as ``(token_id, logprob)``,
-    most likely first, under the same distribution as ``logprob``; tokens outside the top-p nucleus
-    (log-probability -inf) are left out, so there may be fewer."""
+    most likely first, under the tempered nucleus distribution (temperature and top-p applied); tokens
+    outside the nucleus (log-probability -inf) are left out, so there may be fewer. That is the
+    distribution of ``logprob`` except for a greedy token (temperature at most ``GREEDY_TEMPERATURE``):
+    its ``logprob`` is 0, that of the point mass at the arg-max that chose it, while its alternatives
+    are still the tempered ones, where the point mass would list the chosen token alone and say
+    nothing of the others. So there the chosen token's own entry (if listed) is its tempered
+    log-probability, not 0, and a tie rounded by the temperature may list another token first."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,11 @@ key/value heads), on the model object it is given.
 
 Every sampled token carries its behaviour log-probability under the exact
 sampling distribution (:mod:`.sampling`, drawn for the whole batch at once) and
-the version of the weights whose forward pass produced its logits. The events of
-one round go to each consumer's event loop in one hand-over (one wake-up of that
-loop per round, not one per token; :mod:`.outbox`).
+the version of the weights whose forward pass produced its logits; a sequence whose
+logits are not finite fails (``NonFiniteLogits``), alone in the padded layout, with its
+step in the flat one (:meth:`TorchEngine._flat_step` says why). The events of one round
+go to each consumer's event loop in one hand-over (one wake-up of that loop per round,
+not one per token; :mod:`.outbox`).
 
 Hot-swap: :meth:`TorchEngine.swap_weights` checks the state dict, loads it into a
 spare copy of the model (made once with ``copy.deepcopy``) on the caller's
@@ -68,7 +70,7 @@ from serving.engine.grouped_attention import use_grouped_sdpa
 from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.outbox import EngineSequence, Outbox
 from serving.engine.prefill_layout import left_padded, prefill_groups
-from serving.engine.sampling import RowSampling, Sampled, sample_tokens
+from serving.engine.sampling import NonFiniteLogits, RowSampling, Sampled, sample_tokens
 from serving.engine.self_check import check_engine
 from serving.engine.warm_up import warm_up
 from serving.engine.weights_check import complete_state_dict
@@ -290,7 +292,7 @@ class TorchEngine:
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                     use_cache=True, **{self._cache_arg: cache}, **extra)
-        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in seqs])
+        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in seqs], rows_apart=True)
         finished = [self._advance(seq, draw, version) for seq, draw in zip(seqs, sampled)]
         self._batch.append(cache, mask)
         self._rows.extend(seqs)
@@ -310,7 +312,7 @@ class TorchEngine:
         out = model(input_ids=ids, attention_mask=mask, position_ids=self._batch.positions(),
                     use_cache=True, **{self._cache_arg: self._batch.cache})
         self._batch.commit_step(mask)
-        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in rows])
+        sampled = sample_tokens(out.logits[:, -1], [seq.sampling for seq in rows], rows_apart=True)
         keep = [i for i, (seq, draw) in enumerate(zip(rows, sampled)) if not self._advance(seq, draw, version)]
         if len(keep) < len(rows):
             self._batch.select(keep)
@@ -340,6 +342,8 @@ class TorchEngine:
         everyone = rows + seqs
         self._rows = everyone
         logits = out.logits[0] if self._keep_last_logits else out.logits[0, step.last]
+        # not rows_apart: the whole step fails if one sequence's logits are not finite, its keys and values
+        # being in every sequence's attention (masked, weight 0, but 0 x inf is NaN): the others' are NaN too
         sampled = sample_tokens(logits, [seq.sampling for seq in everyone])
         keep = [i for i, (seq, draw) in enumerate(zip(everyone, sampled)) if not self._advance(seq, draw, version)]
         if len(keep) < len(everyone):
@@ -348,9 +352,13 @@ class TorchEngine:
         # a round with running rows is a decode step (new prompts ride in it); one without, a prefill
         self._report("decode" if rows else "prefill", len(everyone), time.perf_counter() - start)
 
-    def _advance(self, seq: EngineSequence, sampled: Sampled, version: int) -> bool:
+    def _advance(self, seq: EngineSequence, sampled: Sampled | NonFiniteLogits, version: int) -> bool:
         """Record and emit the token drawn for ``seq``; True when the sequence is finished (or its
-        consumer went away)."""
+        consumer went away, or its logits were not finite: it fails)."""
+        if isinstance(sampled, NonFiniteLogits):
+            log.error("request %s failed: %s", seq.request.request_id, sampled)
+            self._outbox.put(seq, sampled)
+            return True
         token, logprob, alternatives = sampled
         seq.generated += 1
         seq.last_token = token

@@ -64,6 +64,7 @@ import torch
 
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
+from online_sao.sampling import decodes_greedily
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
 from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits, nucleus_logprobs
@@ -158,7 +159,7 @@ class _Request:
 
     @property
     def greedy(self) -> bool:
-        return self.request.sampling.temperature <= GREEDY_TEMPERATURE
+        return decodes_greedily(self.request.sampling.temperature)
 
     def emit(self, event: TokenEvent | BaseException) -> None:
         """(loop thread) Hand ``event`` to the consumer's event loop."""
@@ -267,7 +268,7 @@ class VLLMEngine:
         from serving.engine.vllm_nucleus import NO_NUCLEUS, nucleus_args
 
         s = request.sampling
-        greedy = s.temperature <= GREEDY_TEMPERATURE
+        greedy = decodes_greedily(s.temperature)
         if not greedy and s.temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"the vLLM engine cannot sample at temperature {s.temperature:g}: vLLM samples at "
                              f"{VLLM_MIN_TEMPERATURE:g} or above; at {GREEDY_TEMPERATURE:g} or below it decodes greedily")

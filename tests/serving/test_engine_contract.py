@@ -61,6 +61,9 @@ to sample: between the greedy threshold and vLLM's lowest (0.01), above vLLM's h
 highest."""
 SEED_RESIDUES = 2 ** 64
 """A torch generator seeds with its 64-bit seed modulo this (``manual_seed``): -1 and 2**64 - 1 are one seed."""
+ABOVE_GREEDY_IN_FLOAT64 = 1.00000001e-4
+"""A temperature the API accepts that is above GREEDY_TEMPERATURE as a Python float and equal to it in
+float32, the learner's dtype: greedy."""
 SEED_TEMPERATURE = 2.0
 """The seed test's temperature: vLLM's highest, where this model's draws are least certain."""
 TIE_DRAWS = 40
@@ -260,10 +263,14 @@ def test_every_seed_the_api_accepts_reproduces_its_tokens(engine):
 
 def test_greedy_decoding_logs_the_point_mass_and_lists_the_tempered_alternatives(engine, versions):
     """At or below GREEDY_TEMPERATURE the arg-max is taken and its logged log-probability is 0 (the point
-    mass chose it); the alternatives are those of the request's tempered nucleus distribution."""
+    mass chose it); the alternatives are those of the request's tempered nucleus distribution. "At or
+    below" as the learner reads it, on the float32 temperature: ABOVE_GREEDY_IN_FLOAT64 too (the vLLM
+    engine refused it as a temperature it cannot sample)."""
     count = 5
-    requests = [GenerationRequest(f"greedy-{top_p}", PROMPTS[1], SamplingParams(
-        temperature=GREEDY_TEMPERATURE, top_p=top_p, max_tokens=8), top_logprobs=count) for top_p in (1.0, TOP_P)]
+    requests = [GenerationRequest(f"greedy-{temperature}-{top_p}", PROMPTS[1], SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=8), top_logprobs=count)
+        for temperature, top_p in ((GREEDY_TEMPERATURE, 1.0), (GREEDY_TEMPERATURE, TOP_P), (ABOVE_GREEDY_IN_FLOAT64, 1.0))]
+    assert ABOVE_GREEDY_IN_FLOAT64 > GREEDY_TEMPERATURE
 
     async def main():
         await engine.start()
@@ -275,7 +282,7 @@ def test_greedy_decoding_logs_the_point_mass_and_lists_the_tempered_alternatives
         assert len(events) == 8
         logits = replay_logits({engine.policy_version: versions[0]}, req.prompt_ids, events)
         for event, z in zip(events, logits):
-            reference = log_space_reference(z, GREEDY_TEMPERATURE, req.sampling.top_p)
+            reference = log_space_reference(z, req.sampling.temperature, req.sampling.top_p)
             assert event.logprob == 0.0 and event.token_id == int(z.argmax())
             ranked = [int(t) for t in np.argsort(-reference, kind="stable")[:count] if reference[t] > -np.inf]
             assert [t for t, _ in event.top_logprobs] == ranked

@@ -4,10 +4,13 @@ Requests accept (and ignore) OpenAI fields that change nothing here
 (``metadata``, ``store``, ...), so the official client works unchanged; fields
 that would change sampling in a way this service does not implement
 (penalties, ``logit_bias``, structured output) are declared so that the
-serving layer can refuse a non-default value by name. Two extensions arrive
-through the client's ``extra_body``: ``parent_interaction_id`` (continue an
-earlier interaction as one trajectory) and ``session_id``. Completion answers
-are in :mod:`serving.answers`.
+serving layer can refuse a non-default value by name. So are the extensions
+vLLM-compatible servers take through the client's ``extra_body`` (``top_k``,
+``min_p``, ``repetition_penalty``, ``guided_json``, ``structured_outputs``, ...):
+undeclared, they were silently dropped and the client got another distribution
+than it asked for. Two extensions of this service arrive the same way:
+``parent_interaction_id`` (continue an earlier interaction as one trajectory) and
+``session_id``. Completion answers are in :mod:`serving.answers`.
 """
 
 from __future__ import annotations
@@ -120,7 +123,9 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------- requests
 
 class _Request(BaseModel):
-    # extra="ignore": the official client may send fields we do not act on. strict: JSON types as
+    # extra="ignore": the official client may send fields we do not act on. Any field whose value could
+    # change what is sampled, where it stops, the prompt or the answer's text is declared instead, so that
+    # serving.request_checks refuses it by name (see SamplingRequest). strict: JSON types as
     # documented (no true for 1, no "yes" for true), found by fuzzing the OpenAPI schema.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
@@ -279,6 +284,75 @@ class SamplingRequest(_Request):
     """Refused unless 0, like ``presence_penalty``."""
     logit_bias: dict[str, float] | None = None
     """Refused unless empty, like ``presence_penalty``."""
+    response_format: ResponseFormat | None = None
+    """Only ``text``: structured output would constrain sampling (vLLM's completions take it too)."""
+
+    # vLLM's extensions (the official client sends them with ``extra_body``), declared so that
+    # serving.request_checks can refuse any value but the neutral one (given after each) by name: each
+    # would change the sampling distribution, where sampling stops, the prompt or the answer's text, and
+    # left undeclared it was dropped without a word. Left undeclared, and so accepted and ignored, are
+    # those that change none of these here: length_penalty (beam search only, as in vLLM; use_beam_search
+    # is refused), spaces_between_special_tokens (spaces special tokens the text keeps: it keeps none,
+    # skip_special_tokens false is refused), truncation_side, guided_decoding_backend and
+    # guided_whitespace_pattern (modifiers of a refused field), include_reasoning (no reasoning parser
+    # here: the content is the whole answer, as in vLLM without one), the media options (mm_processor_kwargs,
+    # media_io_kwargs, mm_payload, return_mm_kwargs: messages are text), and how the server runs rather
+    # than what it answers (priority, request_id, cache_salt, kv_transfer_params, ec_transfer_params,
+    # stream_interval, routed_experts_prompt_start).
+    top_k: int | None = None
+    """Null, 0 or -1 (vLLM's "every token")."""
+    min_p: float | None = None
+    """Null or 0."""
+    repetition_penalty: float | None = None
+    """Null or 1."""
+    use_beam_search: bool | None = None
+    """Null or false."""
+    watermarking: bool | None = None
+    """Null or false."""
+    bad_words: list[str] | None = None
+    """Null or empty."""
+    allowed_token_ids: list[int] | None = None
+    """Null or empty."""
+    logits_processors: list[str | dict] | None = None
+    """Null or empty (older vLLM's per-request logits processors)."""
+    vllm_xargs: dict | None = None
+    """Null or empty (arguments of vLLM's custom logits processors)."""
+    min_tokens: int | None = None
+    """Null or 0."""
+    thinking_token_budget: int | None = None
+    """Null or -1 (vLLM's "unlimited")."""
+    guided_json: str | dict | None = None
+    """Null (older vLLM's structured output, like the three below)."""
+    guided_regex: str | None = None
+    """Null."""
+    guided_choice: list[str] | None = None
+    """Null or empty."""
+    guided_grammar: str | None = None
+    """Null."""
+    structured_outputs: dict | None = None
+    """Null or empty (vLLM's structured output)."""
+    ignore_eos: bool | None = None
+    """Null or false."""
+    stop_token_ids: list[int] | None = None
+    """Null or empty."""
+    repetition_detection: dict[str, int] | None = None
+    """Null, or every size and count 0 (vLLM's "off")."""
+    truncate_prompt_tokens: int | None = None
+    """Null or -1 (vLLM's "to the context", where a prompt over it is refused here)."""
+    include_stop_str_in_output: bool | None = None
+    """Null or false."""
+    skip_special_tokens: bool | None = None
+    """Null or true."""
+    prompt_logprobs: int | None = None
+    """Null."""
+    logprob_token_ids: list[int] | None = None
+    """Null or empty."""
+    return_tokens_as_token_ids: bool | None = None
+    """Null or false."""
+    return_token_ids: bool | None = None
+    """Null or false."""
+    return_token_offsets: bool | None = None
+    """Null or false."""
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -300,8 +374,6 @@ class ChatCompletionRequest(SamplingRequest):
     """``auto`` (the default with tools) and ``none``; a forced call is refused (sampling is not constrained)."""
     parallel_tool_calls: bool | None = None
     """Accepted; the model may write several calls in one answer either way."""
-    response_format: ResponseFormat | None = None
-    """Only ``text``: structured output would constrain sampling."""
     modalities: list[str] | None = None
     """Only ``["text"]``."""
     audio: dict | None = None
@@ -312,6 +384,23 @@ class ChatCompletionRequest(SamplingRequest):
     """Refused unless ``none`` or ``auto``, like ``functions``."""
     web_search_options: dict | None = None
     """Refused: the model has no web search."""
+    # vLLM's chat extensions, refused but for the neutral value given (see SamplingRequest).
+    echo: bool | None = None
+    """Null or false (vLLM: the answer begins with the last message when it is the assistant's)."""
+    add_generation_prompt: bool | None = None
+    """Null or true."""
+    continue_final_message: bool | None = None
+    """Null or false."""
+    add_special_tokens: bool | None = None
+    """Null or false (the chat template writes the special tokens)."""
+    chat_template: str | None = None
+    """Null or empty."""
+    chat_template_kwargs: dict | None = None
+    """Null or empty."""
+    documents: list[dict] | None = None
+    """Null or empty."""
+    return_prompt_text: bool | None = None
+    """Null or false."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -348,6 +437,11 @@ class CompletionRequest(SamplingRequest):
     """Refused when true: the answer is the completion only."""
     suffix: str | None = None
     """Refused unless empty: no fill-in-the-middle."""
+    # vLLM's completions extensions, refused but for the neutral value given (see SamplingRequest).
+    add_special_tokens: bool | None = None
+    """Null or true (a text prompt gets the tokenizer's leading special tokens)."""
+    prompt_embeds: str | list[str] | None = None
+    """Null: prompts are text or token ids."""
 
     def requested_max_tokens(self) -> int | None:
         return COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens

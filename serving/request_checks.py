@@ -3,9 +3,12 @@
 Every refusal is a 400 naming the field. The service samples freely from the policy
 and logs the exact distribution each token was drawn from, because the learner's
 importance ratios need it: anything that would change that distribution without the
-learner knowing (penalties, logit bias, structured output, forced tool calls) is
-refused rather than silently ignored, and greedy decoding is refused because it has
-no distribution to learn from.
+learner knowing (penalties, logit bias, structured output, forced tool calls, and
+vLLM's extensions such as top_k, min_p or guided decoding) is refused rather than
+silently ignored, and greedy decoding is refused because it has no distribution to
+learn from. So is a vLLM extension that would change where sampling stops, the
+prompt, or the answer's text: the client would get something else than it asked
+for without being told. Their neutral values (top_k -1, min_p 0, ...) are accepted.
 """
 
 from __future__ import annotations
@@ -25,8 +28,88 @@ def _refuse(field: str, why: str) -> APIError:
     return APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
 
 
+_CONSTRAINS = f"structured output would constrain sampling, which {_CHANGES_DISTRIBUTION}"
+_STOPS = "an answer ends where the policy samples a stop token or stop string, or at max_tokens"
+_NO_LOGITS_PROCESSORS = f"a logits processor {_CHANGES_DISTRIBUTION}"
+
+_SAMPLING_EXTENSIONS: tuple[tuple[str, tuple, str], ...] = (
+    # (field, its neutral values, why another is refused): vLLM's extensions of both endpoints
+    ("top_k", (None, 0, -1), f"keeping only the k likeliest tokens {_CHANGES_DISTRIBUTION} (send 0 or -1, "
+                             "vLLM's 'every token', or leave it out)"),
+    ("min_p", (None, 0), f"dropping the tokens below a share of the likeliest {_CHANGES_DISTRIBUTION} "
+                         "(send 0 or leave it out)"),
+    ("repetition_penalty", (None, 1), f"a penalty {_CHANGES_DISTRIBUTION} (send 1 or leave it out)"),
+    ("use_beam_search", (None, False), "beam search picks tokens by a search, not by sampling from the policy as "
+                                       "online learning needs (send false or leave it out)"),
+    ("watermarking", (None, False), f"a watermark biases the tokens sampled, which {_CHANGES_DISTRIBUTION}"),
+    ("bad_words", (None, []), f"banning words {_CHANGES_DISTRIBUTION} (send [] or leave it out)"),
+    ("allowed_token_ids", (None, []), f"restricting the tokens {_CHANGES_DISTRIBUTION} (send [] or leave it out)"),
+    ("logits_processors", (None, []), f"{_NO_LOGITS_PROCESSORS} (send [] or leave it out)"),
+    ("vllm_xargs", (None, {}), f"these are arguments of custom logits processors; this service runs none, and "
+                               f"{_NO_LOGITS_PROCESSORS} (send {{}} or leave it out)"),
+    ("min_tokens", (None, 0), f"holding back the stop tokens until then {_CHANGES_DISTRIBUTION} (send 0 or leave "
+                              "it out)"),
+    ("thinking_token_budget", (None, -1), "ending the reasoning at a budget writes tokens the policy did not "
+                                          "sample (send -1 or leave it out)"),
+    ("guided_json", (None,), _CONSTRAINS),
+    ("guided_regex", (None,), _CONSTRAINS),
+    ("guided_choice", (None, []), _CONSTRAINS),
+    ("guided_grammar", (None,), _CONSTRAINS),
+    ("structured_outputs", (None, {}), _CONSTRAINS),
+    ("ignore_eos", (None, False), f"{_STOPS}; sampling on past the end-of-sequence token is not served (send false "
+                                  "or leave it out)"),
+    ("stop_token_ids", (None, []), f"{_STOPS}; other stop tokens are not served (send stop strings, or [])"),
+    ("truncate_prompt_tokens", (None, -1), "the prompt is never truncated: one over the context is refused (send -1 "
+                                           "or leave it out)"),
+    ("include_stop_str_in_output", (None, False), "the answer leaves out the stop string that ended it (send false "
+                                                  "or leave it out)"),
+    ("skip_special_tokens", (None, True), "the answer's text leaves out special tokens (send true or leave it out)"),
+    ("prompt_logprobs", (None,), "answers carry the log-probs of the sampled tokens only"),
+    ("logprob_token_ids", (None, []), "the log-probs listed are the sampled token's and its likeliest alternatives "
+                                      "(top_logprobs in chat, logprobs in completions)"),
+    ("return_tokens_as_token_ids", (None, False), "log-probs name their tokens as text"),
+    ("return_token_ids", (None, False), "answers carry no token ids"),
+    ("return_token_offsets", (None, False), "answers carry no token offsets"),
+)
+"""vLLM's extensions (sent with the client's ``extra_body``) that :func:`check_sampling` refuses unless
+neutral. Each would change the sampling distribution, where sampling stops, the prompt or the answer's
+text; this service does none of that, and answering as if the field had not been sent would give the
+client something else than it asked for without telling it. The vLLM fields accepted and ignored, and
+why, are listed in :class:`serving.protocol.SamplingRequest`."""
+
+_TEMPLATE = "prompts are rendered with the model's own chat template, as it is"
+_CHAT_EXTENSIONS: tuple[tuple[str, tuple, str], ...] = (
+    ("echo", (None, False), "the answer is the new message only (send false or leave it out)"),
+    ("add_generation_prompt", (None, True), "the prompt always ends with the template's generation prompt: the "
+                                            "answer is a new assistant message (send true or leave it out)"),
+    ("continue_final_message", (None, False), "the answer is a new assistant message; continuing the last one is "
+                                              "not served (send false or leave it out)"),
+    ("add_special_tokens", (None, False), "the chat template writes the special tokens; more would change the "
+                                          "prompt (send false or leave it out)"),
+    ("chat_template", (None, ""), _TEMPLATE),
+    ("chat_template_kwargs", (None, {}), f"{_TEMPLATE}, without other arguments"),
+    ("documents", (None, []), "documents are not rendered into the prompt (send them in a message)"),
+    ("return_prompt_text", (None, False), "answers carry no prompt text"),
+)
+"""The chat endpoint's vLLM extensions refused unless neutral, as :data:`_SAMPLING_EXTENSIONS`."""
+
+_COMPLETION_EXTENSIONS: tuple[tuple[str, tuple, str], ...] = (
+    ("add_special_tokens", (None, True), "a text prompt gets the special tokens the tokenizer puts before a text "
+                                         "(send token ids to choose them yourself)"),
+    ("prompt_embeds", (None,), "prompts are text or token ids"),
+)
+"""The completions endpoint's vLLM extensions refused unless neutral, as :data:`_SAMPLING_EXTENSIONS`."""
+
+
+def _check_extensions(request: SamplingRequest, extensions: tuple[tuple[str, tuple, str], ...]) -> None:
+    for field, neutral, why in extensions:
+        if getattr(request, field) not in neutral:
+            raise _refuse(field, why)
+
+
 def check_sampling(request: SamplingRequest) -> None:
-    """n, temperature, stream options, stop strings, penalties and logit bias."""
+    """n, temperature, stream options, stop strings, penalties, logit bias, response format and vLLM's
+    extensions of both endpoints."""
     if request.n not in (None, 1):
         raise _refuse("n", f"n={request.n} asks for several completions; each request samples one, logged as "
                            "one interaction with its own id (send several requests)")
@@ -45,15 +128,19 @@ def check_sampling(request: SamplingRequest) -> None:
             raise _refuse(name, f"a non-zero penalty {_CHANGES_DISTRIBUTION} (send 0 or leave it out)")
     if request.logit_bias:
         raise _refuse("logit_bias", f"a bias {_CHANGES_DISTRIBUTION} (send {{}} or leave it out)")
-
-
-def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
-    """The chat-only fields: log-probs, structured output, tools."""
-    if request.top_logprobs is not None and not request.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if request.response_format is not None and request.response_format.type != "text":
         raise _refuse("response_format", f"{request.response_format.type!r} would constrain sampling, which "
                                          f"{_CHANGES_DISTRIBUTION}; only 'text' is served")
+    _check_extensions(request, _SAMPLING_EXTENSIONS)
+    if request.repetition_detection and any(request.repetition_detection.values()):
+        raise _refuse("repetition_detection", f"{_STOPS}; stopping at a repeated pattern is not served (send "
+                                              "zeros, {}, or leave it out)")
+
+
+def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
+    """The chat-only fields: log-probs, tools, output modalities and vLLM's chat extensions."""
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if request.tools and tool_call_parser == "none":
         raise _refuse("tools", "this server reads no tool calls (serving.tool_call_parser is 'none')")
     if request.tool_choice is not None and request.tool_choice not in ("auto", "none"):
@@ -69,6 +156,7 @@ def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
         raise _refuse("audio", "this service answers with text only")
     if request.web_search_options is not None:
         raise _refuse("web_search_options", "the model has no web search")
+    _check_extensions(request, _CHAT_EXTENSIONS)
 
 
 def check_completion(request: CompletionRequest) -> None:
@@ -80,3 +168,4 @@ def check_completion(request: CompletionRequest) -> None:
         raise _refuse("echo", "the answer is the completion only")
     if request.suffix:
         raise _refuse("suffix", "there is no fill-in-the-middle")
+    _check_extensions(request, _COMPLETION_EXTENSIONS)

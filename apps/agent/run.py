@@ -52,7 +52,10 @@ def results_dir(cfg: AppConfig) -> Path:
 
 
 def agent_config(cfg: AppConfig, port: int) -> AppConfig:
-    """``cfg`` with topics, consumer group and state directories of this run, serving on ``port``."""
+    """``cfg`` with topics, consumer group, registered model and state directories of this run, serving
+    on ``port``. The registered model too: under the config's own name the run's versions went into the
+    production learner's model, and a rerun's first candidate was decided against the earlier run's
+    champion, whose weights the reset had deleted."""
     name, state = cfg.agent.name, results_dir(cfg) / "run"
     topics = cfg.kafka.topics.model_copy(update={
         key: f"{getattr(cfg.kafka.topics, key)}.agent.{name}" for key in ("interactions", "rewards", "weights")})
@@ -62,6 +65,7 @@ def agent_config(cfg: AppConfig, port: int) -> AppConfig:
             "consumer_group": f"{cfg.trainer.consumer_group}.agent.{name}",
             "weight_store": str(state / "weights"), "checkpoint_dir": state / "checkpoints"}),
         "serving": cfg.serving.model_copy(update={"spool_dir": state / "spool", "port": port}),
+        "mlflow": cfg.mlflow.model_copy(update={"registered_model": f"{cfg.mlflow.registered_model}.agent.{name}"}),
         # no judge runs here; a name of the run's own keeps the reset away from an experiment's judge group
         "experiment": cfg.experiment.model_copy(update={"judge_group": f"{cfg.experiment.judge_group}.agent.{name}"}),
     })
@@ -141,7 +145,8 @@ def _wait_for_training(cfg: AppConfig, episodes: list[Episode], check_alive: Cal
 def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
     """The whole scenario; returns the path of ``summary.json``."""
     from apps.default_model.builder import build_base_model
-    from apps.experiments.orchestrate import reset_arm, learner_counters, learner_threads, wait_for_consumers
+    from apps.experiments.orchestrate import (learner_counters, learner_threads, reset_arm, reset_registry,
+                                              wait_for_consumers)
     from apps.stack import Stack, free_port, threads_env, write_private
     from streams.kafka_backend import KafkaBackend
 
@@ -156,6 +161,7 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
         progress(f"model: {build_base_model(acfg, progress=progress)}")
         backend = KafkaBackend(acfg.kafka)
         reset_arm(acfg, backend, out / "run", progress)  # an earlier run's topics, group, weights, checkpoints
+        reset_registry(acfg, progress)  # and its registered model, whose aliases point at those weights
         backend.ensure_topics()
         (out / EPISODES_FILE).unlink(missing_ok=True)
         with Stack(config_path, {}, out / "run", progress=progress, resolved=True) as stack:

@@ -63,3 +63,4 @@ def test_the_run_has_topics_group_and_state_of_its_own(tmp_path):
     state = tmp_path.resolve() / "agent" / "a1" / "run"
     assert acfg.checkpoint_dir == state / "checkpoints" and acfg.serving.spool_dir == state / "spool"
     assert acfg.serving.port == 12345
+    assert acfg.mlflow.registered_model == f"{cfg.mlflow.registered_model}.agent.a1"  # not production's model

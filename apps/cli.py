@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import signal
 import sys
+import threading
 from typing import Callable
 
 from apps.config import AppConfig, load_app_config
+from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
 from online_sao.config.tree import setting_value
@@ -95,17 +98,33 @@ def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 INTERRUPTED = 130
 """Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
+TERMINATED = 128 + signal.SIGTERM
+"""Exit status of a sweep stopped by SIGTERM (an operator's kill, a CI timeout), as shells report it."""
+RESUME_HINT = "the runs that finished are kept: the same command with --resume runs the rest"
 
 
 def _resumable(sweep: Callable[[], object]) -> int:
-    """Run a sweep; on Ctrl-C say how to go on instead of printing where the wait was interrupted."""
+    """Run a sweep; on Ctrl-C or SIGTERM say how to go on instead of printing where the wait was
+    interrupted. SIGTERM is raised as ``SystemExit(TERMINATED)`` (as the live driver's stack and the
+    in-process workers' pool do while they run), so the sweep unwinds and stops what it started
+    rather than dying with its processes left running."""
+    previous = (signal.signal(signal.SIGTERM, exit_on_sigterm)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         sweep()
     except KeyboardInterrupt:
-        print("online-sao: interrupted; the runs that finished are kept: the same command with --resume "
-              "runs the rest", file=sys.stderr)
+        print(f"online-sao: interrupted; {RESUME_HINT}", file=sys.stderr)
         return INTERRUPTED
+    except SystemExit as exc:
+        if exc.code != TERMINATED:
+            raise
+        print(f"online-sao: terminated (SIGTERM); {RESUME_HINT}", file=sys.stderr)
+        return TERMINATED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
 
 
 def _weights(cfg: AppConfig, args: argparse.Namespace) -> int:

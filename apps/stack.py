@@ -140,15 +140,26 @@ class Stack:
 
     def stop(self, name: str) -> int | None:
         for comp in [c for c in self.components if c.name == name]:
-            _terminate(comp.process)
-            self.components.remove(comp)
+            try:
+                _terminate([comp.process])
+            finally:
+                self.components.remove(comp)
             return comp.process.returncode
         return None
 
     def stop_all(self) -> None:
-        for comp in reversed(list(self.components)):
-            _terminate(comp.process)
-        self.components.clear()
+        """Stop every component (together: see :func:`_terminate`), then the broker this run started.
+
+        Components were stopped one after the other, each waited on for up to STOP_TIMEOUT_S, and a
+        second Ctrl-C during a slow shutdown ended the wait with every component not yet stopped
+        left running (in sessions of their own, so the terminal's signals miss them): serving kept
+        its port and spool lock. Now none is left: an interrupt while waiting kills the rest before
+        it goes on, and the broker, then not stopped here, gets SIGTERM when this process exits
+        (its parent death signal)."""
+        try:
+            _terminate([comp.process for comp in reversed(self.components)])
+        finally:
+            self.components.clear()
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
@@ -157,7 +168,7 @@ class Stack:
         # A SIGTERM (an operator's kill, a CI timeout) would end this process without running
         # __exit__ and leave serving, learner and judge running; as SystemExit it unwinds here.
         if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,19 +200,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler: raise ``SystemExit(128 + SIGTERM)``, so the process unwinds and stops what it
+    started (SIGTERM's default action ends it at once, its children left running)."""
     raise SystemExit(128 + signum)
 
 
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process still running, then wait for all of them against one deadline
+    (STOP_TIMEOUT_S), then SIGKILL whoever is left: a slow one does not hold up the others' signal.
+    Interrupted while waiting (a second Ctrl-C, a SIGTERM), it kills every one still running before
+    the interrupt goes on, so none is left behind."""
+    running = [proc for proc in procs if proc.poll() is None]
     try:
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in running:
+            proc.wait()  # killed: no wait to speak of
 
 
 def tail(path: Path, lines: int = 15) -> str:

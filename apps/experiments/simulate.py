@@ -87,7 +87,7 @@ async def chat_once(client: AsyncOpenAI, model: str, prompt: str, max_tokens: in
 class SimulatedUsers:
     def __init__(self, base_url: str, api_key: str | None, scenario: ExperimentConfig, prompts: list[str],
                  on_response: OnResponse | None = None, model: str = "online-sao", repeats: int = 1,
-                 client: AsyncOpenAI | None = None) -> None:
+                 client: AsyncOpenAI | None = None, check_alive: Callable[[], None] | None = None) -> None:
         if not prompts:
             raise ValueError("the prompt pool is empty")
         if repeats < 1:
@@ -98,6 +98,7 @@ class SimulatedUsers:
         self.model = model
         self.repeats = repeats
         self.client = client or AsyncOpenAI(base_url=base_url, api_key=api_key or NO_API_KEY)
+        self.check_alive = check_alive
         self.stats = SimStats()
 
     def prompt_order(self) -> Iterator[str]:
@@ -109,6 +110,10 @@ class SimulatedUsers:
 
         A request the endpoint refuses (after the client's retries) is counted and
         replaced; MAX_CONSECUTIVE_FAILURES in a row raise. Errors of ``on_response`` raise.
+        ``check_alive``, when given, runs before every request is sent and after every request
+        ends, answered or failed, and raises when a process of the stack has exited: when serving
+        dies mid-traffic every request fails, and its error (the process, its exit status, its log's
+        tail) is what ends the run, not a RuntimeError that says only that requests failed.
         """
         total = self.scenario.rollouts_per_arm if total is None else total
         gaps = arrival_gaps(self.scenario.seed, self.scenario.requests_per_second)
@@ -141,6 +146,8 @@ class SimulatedUsers:
 
         try:
             while self.stats.answered < total:
+                if self.check_alive is not None:
+                    self.check_alive()
                 for task in [t for t in tasks if t.done()]:
                     tasks.discard(task)
                     task.result()
@@ -189,8 +196,10 @@ async def drive_arm(cfg: AppConfig, base_url: str, api_key: str | None, classifi
                     check_alive: Callable[[], None] | None = None) -> SimStats:
     """The client side of one arm: ``rollouts_per_arm`` simulated requests, and held-out style
     accuracy (EvalRow in ``results_path``) before the first and after every ``eval_every`` answers.
-    ``check_alive`` runs after every answer and raises when a process of the stack has exited
-    (traffic to a policy whose learner is gone measures nothing).
+    ``check_alive`` raises when a process of the stack has exited (traffic to a policy whose learner
+    is gone measures nothing); it runs around every request (SimulatedUsers.run), after every answer
+    and when a measurement fails, so a dead serving is reported as itself, not as the requests it
+    refused.
 
     ``cfg`` is the arm's configuration (scenario.arm_config); grpo arms repeat prompts in groups.
     """
@@ -201,7 +210,13 @@ async def drive_arm(cfg: AppConfig, base_url: str, api_key: str | None, classifi
 
     async def measure(rollout: int) -> None:
         preferred = exp.preferred_style(rollout)
-        accuracy, version = await measure_style_accuracy(users.client, model, evals, preferred, classifier, exp)
+        try:
+            accuracy, version = await measure_style_accuracy(users.client, model, evals, preferred, classifier,
+                                                             exp)
+        except openai.APIError:
+            if check_alive is not None:
+                check_alive()  # a process of the stack has exited: that is the error to report
+            raise
         append_row(results_path, EvalRow(rollout=rollout, t=time.time(), version=version or 0,
                                          style_accuracy=accuracy, preferred=preferred, prompts=len(evals)))
         progress(f"rollout {rollout}/{exp.rollouts_per_arm}: {accuracy:.0%} of held-out answers {preferred} "
@@ -211,12 +226,12 @@ async def drive_arm(cfg: AppConfig, base_url: str, api_key: str | None, classifi
         nonlocal answered
         answered += 1
         if check_alive is not None:
-            check_alive()
+            check_alive()  # before a measurement too, which runs here, ahead of run()'s next look
         if answered % exp.eval_every == 0 or answered == exp.rollouts_per_arm:
             await measure(answered)
 
     users = SimulatedUsers(base_url, api_key, exp, prompt_pool(exp, cfg.model.base.seed), on_response,
-                           model=model, repeats=prompt_repeats(cfg))
+                           model=model, repeats=prompt_repeats(cfg), check_alive=check_alive)
     try:
         await measure(0)
         return await users.run()

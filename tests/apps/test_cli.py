@@ -48,6 +48,32 @@ def test_an_interrupted_sweep_says_how_to_go_on_and_other_errors_propagate(tmp_p
         cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"])
 
 
+def test_a_terminated_sweep_says_how_to_go_on_with_143_and_puts_the_handler_back(tmp_path, monkeypatch, capsys):
+    """SIGTERM (an operator's kill, a CI timeout) ended an in-process sweep on the spot, silently and
+    with its side-by-side workers left running; it now unwinds as Ctrl-C does (the workers stopped:
+    tests/apps/experiments/test_parallel.py) and says how to go on."""
+    import os
+    import signal
+
+    from apps.experiments import orchestrate
+
+    def not_handled(signum, frame):  # where the sweep does not take SIGTERM, this test fails, not pytest
+        raise AssertionError("SIGTERM reached the handler the sweep found")
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(orchestrate, "run_simulation", terminated)
+    before = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        assert cli.main(["--set", f"paths.data_dir={tmp_path}", "simulate"]) == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is not_handled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "online-sao: terminated (SIGTERM); the runs that finished are kept: the same command with --resume runs the rest"]
+
+
 def test_a_report_without_results_says_where_it_looked(tmp_path, capsys):
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "report"]) == 1
     assert capsys.readouterr().err.startswith(

@@ -4,13 +4,109 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
 
+from apps import stack as stack_module
 from apps.config import load_app_config
 from apps.stack import Component, Stack
 from online_sao.config import dump_config
+
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD_S = 120
+"""How long a test's child sleeps at most: one a failing test leaves behind still ends."""
+WAIT_S = 60.0
+"""Bound on a child's or the parent's start, and on a stopped one's end."""
+DEAF = f"""
+import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *_: Path(sys.argv[1] + ".sigterm").touch())
+Path(sys.argv[1] + ".ready").touch()
+time.sleep({CHILD_S})
+"""
+"""``python -c DEAF PATH``: a child that notes a SIGTERM (PATH.sigterm) and goes on, as a process
+with a slow shutdown does; PATH.ready once it listens."""
+PARENT = f"""
+import sys, time
+from pathlib import Path
+import apps.stack as st
+
+where = Path(sys.argv[1])
+st.Stack._cli_args = lambda self, extra=None: [sys.executable, "-c"]
+with st.Stack(None, {{}}, where / "run", progress=lambda line: None) as stack:
+    quick = stack.start("quick", ["import time; time.sleep({CHILD_S})"])
+    slow = stack.start("slow", [sys.argv[2], str(where / "slow")])
+    (where / "pids").write_text(f"{{quick.process.pid}} {{slow.process.pid}}")
+    while True:
+        stack.check_alive()
+        time.sleep(0.1)
+"""
+"""``python -c PARENT WHERE DEAF``: a stack of a quick child and a slow one (DEAF), as ``demo`` or a
+live ``simulate`` holds serving, learner and judge, until an interrupt."""
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, not yet reaped by whoever inherited it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _wait_until(condition, timeout_s: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_second_ctrl_c_during_a_slow_shutdown_leaves_no_child_running(tmp_path):
+    """Ctrl-C, then Ctrl-C again while a child takes its time to stop: the second one raised inside
+    the wait for that child and abandoned it and every child after it (serving kept its port and
+    spool lock). Every child now has its SIGTERM at once, and the second interrupt kills the rest."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), DEAF], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    children: list[int] = []
+    try:
+        assert _wait_until(lambda: (tmp_path / "pids").exists() and (tmp_path / "slow.ready").exists())
+        children = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+        parent.send_signal(signal.SIGINT)
+        assert _wait_until(lambda: (tmp_path / "slow.sigterm").exists())  # stop_all is waiting for it
+        parent.send_signal(signal.SIGINT)
+        parent.wait(stack_module.STOP_TIMEOUT_S / 2)  # not the stop timeout: the second Ctrl-C cut it short
+        assert _wait_until(lambda: all(_gone(pid) for pid in children), 5.0), \
+            f"left running: {[pid for pid in children if not _gone(pid)]}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in children:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_all_signals_every_child_first_and_waits_for_them_together(tmp_path, monkeypatch):
+    """Three children that take their time (ignore SIGTERM) stop in about one STOP_TIMEOUT_S, not
+    three: each got its SIGTERM before the first was waited on, and the slow ones were killed."""
+    monkeypatch.setattr(stack_module, "STOP_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(Stack, "_cli_args", lambda self, extra=None: [sys.executable, "-c"])
+    stack = Stack(None, {}, tmp_path / "run", progress=lambda line: None)
+    children = [stack.start(f"deaf{i}", [DEAF, str(tmp_path / f"deaf{i}")]) for i in range(3)]
+    assert _wait_until(lambda: all((tmp_path / f"deaf{i}.ready").exists() for i in range(3)))
+    started = time.monotonic()
+    stack.stop_all()
+    took = time.monotonic() - started
+    assert all((tmp_path / f"deaf{i}.sigterm").exists() for i in range(3))
+    assert all(child.process.returncode == -signal.SIGKILL for child in children)
+    assert stack.components == []
+    assert took < 2 * stack_module.STOP_TIMEOUT_S, f"stopped in {took:.1f} s"
 
 
 def test_sigterm_inside_the_stack_stops_its_processes_and_restores_the_handler(tmp_path):

@@ -3,6 +3,13 @@ after the other, summaries beside them, and the configuration's limits."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -11,9 +18,15 @@ from apps.experiments.orchestrate import pretrains, seed_runs
 from apps.experiments.parallel import run_arms_inprocess
 from apps.experiments.results import decisions, read_arm, summary_path, write_scenario
 from apps.experiments.scenario import results_dir
+from tests.apps.experiments import sweep_jobs
 from tests.apps.experiments.test_inprocess import scenario
 from tests.fixtures.models import tiny_config
 
+REPO = Path(__file__).resolve().parents[3]
+STARTED_TIMEOUT_S = 120.0
+"""Bound on the workers' start (spawned interpreters importing the driver on two busy cores)."""
+STOPPED_TIMEOUT_S = 60.0
+"""Bound on the interrupted sweep's exit, and on its workers' end after it."""
 ARMS = [{"name": "sao"}, {"name": "rm", "algorithm": {"name": "running_mean", "running_mean_window": 4}}]
 
 
@@ -98,3 +111,61 @@ def test_side_by_side_a_seed_without_arms_to_run_is_left_alone(tmp_path, tiny_mo
     assert not (results_dir(second) / "arms" / "pretrain-data").exists()  # a running mean needs no critic data
     assert lines[0].startswith("1 runs over 1 seed(s), 2 at a time")
     assert lines[-1] == "=== 1/1 runs done ([seed 2/2 rm]) ==="
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, not yet reaped by whoever inherited it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                                (signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGKILL, -signal.SIGKILL, None)])
+def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_path, signum, code, said):
+    """SIGTERM to ``simulate --jobs N`` (an operator's kill) ended the parent alone: its workers ran
+    on as orphans appending to the results, beside the ``--resume`` that the operator started next.
+    Ctrl-C (SIGINT to the whole process group, as a terminal sends it) left the parent waiting for
+    the runs under way. Both now stop the workers at once and end with the resume hint; a SIGKILL,
+    which the parent cannot act on, ends the workers through their parent death signal."""
+    with (tmp_path / "out").open("wb") as out, (tmp_path / "err").open("wb") as err:
+        # a session of its own: its Ctrl-C reaches the sweep's process group, not pytest's
+        parent = subprocess.Popen([sys.executable, "-c", sweep_jobs.PARENT, str(tmp_path)], cwd=REPO,
+                                  stdout=out, stderr=err, start_new_session=True)
+    workers: list[int] = []
+    try:
+        assert _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 2, STARTED_TIMEOUT_S), \
+            (tmp_path / "err").read_text()
+        workers = [int(p.read_text()) for p in tmp_path.glob("started-*")]
+        if signum == signal.SIGINT:
+            os.killpg(parent.pid, signum)
+        else:
+            parent.send_signal(signum)
+        returned = parent.wait(STOPPED_TIMEOUT_S)
+        (tmp_path / "go").touch()  # a worker still running would write its result now
+        assert _wait_until(lambda: all(_gone(pid) for pid in workers), STOPPED_TIMEOUT_S), "a worker outlived the sweep"
+        assert not (tmp_path / "results.jsonl").exists()
+        assert sorted(p.name for p in tmp_path.glob("started-*")) == ["started-a", "started-b"]  # the rest cancelled
+        assert returned == code
+        if said is not None:
+            assert (tmp_path / "err").read_text().strip().splitlines()[-1] == \
+                f"online-sao: {said}; the runs that finished are kept: the same command with --resume runs the rest"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)

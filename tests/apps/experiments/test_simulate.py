@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import uvicorn
@@ -35,6 +36,11 @@ class FakeEndpoint:
     omit_id: bool = False
     in_flight: int = 0
     max_in_flight: int = 0
+    exit_at_traffic: bool = False
+    """Exit at the first request that is not a held-out measurement (as serving killed mid-run):
+    that request is answered 503, every later one finds nobody listening."""
+    exited: bool = False
+    server: Any = None
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -42,6 +48,9 @@ class FakeEndpoint:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             body = await request.json()
+            if self.exit_at_traffic and "session_id" not in body:
+                self.exited = self.server.should_exit = True
+                return JSONResponse({"error": {"message": "shutting down", "type": "server_error"}}, status_code=503)
             index = len(self.requests)
             self.requests.append(body)
             self.in_flight += 1
@@ -69,6 +78,7 @@ class FakeEndpoint:
 def endpoint(free_port) -> Iterator[tuple[FakeEndpoint, str]]:
     fake = FakeEndpoint()
     server = uvicorn.Server(uvicorn.Config(fake.app(), host="127.0.0.1", port=free_port, log_level="warning"))
+    fake.server = server
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -208,13 +218,55 @@ def test_drive_arm_stops_the_traffic_when_a_process_of_the_stack_has_exited(endp
                        "eval_prompts": 2, "prompt_pool_size": 4}})
     checks = []
 
-    def learner_gone_after_three_answers() -> None:
+    def learner_gone_at_the_third_look() -> None:
         checks.append(1)
         if len(checks) == 3:
             raise StackError("learner exited with 1")
 
     with pytest.raises(StackError, match="learner exited"):
         asyncio.run(drive_arm(cfg, url, None, style_classifier, tmp_path / "arm.jsonl", lambda _: None,
-                              check_alive=learner_gone_after_three_answers))
+                              check_alive=learner_gone_at_the_third_look))
     traffic = [r for r in fake.requests if "session_id" not in r]
     assert len(checks) == 3 and len(traffic) < 20
+
+
+def _arm_of(**experiment) -> "AppConfig":
+    from apps.config import load_app_config
+
+    return load_app_config(environ={}, overrides={
+        "experiment": {**scenario().model_dump(mode="json"), "eval_every": 50, "eval_prompts": 2,
+                       "prompt_pool_size": 4, **experiment}})
+
+
+def test_drive_arm_names_the_exited_process_when_serving_dies_mid_traffic(endpoint, style_classifier, tmp_path):
+    """Serving gone mid-run: every request failed, ``check_alive`` ran only after an answer, and the
+    run ended with a bare RuntimeError ("20 requests failed in a row") instead of the stack's error
+    naming the process and its log."""
+    from apps.experiments.simulate import drive_arm
+    from apps.stack import StackError
+
+    fake, url = endpoint
+    fake.exit_at_traffic = True
+
+    def serving_alive() -> None:
+        if fake.exited:
+            raise StackError("serving exited with -9; see logs/serving.log")
+
+    with pytest.raises(StackError, match="serving exited with -9"):
+        asyncio.run(drive_arm(_arm_of(concurrency=4, rollouts_per_arm=20), url, None, style_classifier,
+                              tmp_path / "arm.jsonl", lambda _: None, check_alive=serving_alive))
+
+
+def test_drive_arm_names_the_exited_process_when_a_measurement_finds_serving_gone(free_port, style_classifier,
+                                                                                 tmp_path):
+    """The held-out measurement is where a run may first meet a serving that has exited: its
+    connection error gives way to the stack's error."""
+    from apps.experiments.simulate import drive_arm
+    from apps.stack import StackError
+
+    def serving_gone() -> None:
+        raise StackError("serving exited with 1; see logs/serving.log")
+
+    with pytest.raises(StackError, match="serving exited with 1"):
+        asyncio.run(drive_arm(_arm_of(), f"http://127.0.0.1:{free_port}/v1", None,
+                              style_classifier, tmp_path / "arm.jsonl", lambda _: None, check_alive=serving_gone))

@@ -13,6 +13,7 @@ import yaml
 from apps import stack as stack_module
 from apps.config import load_app_config
 from apps.stack import Component, Stack
+from tests.fixtures.processes import gone, wait_until
 from online_sao.config import dump_config
 
 
@@ -49,24 +50,6 @@ with st.Stack(None, {{}}, where / "run", progress=lambda line: None) as stack:
 live ``simulate`` holds serving, learner and judge, until an interrupt."""
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or only its zombie (dead, not yet reaped by whoever inherited it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-def _wait_until(condition, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def test_a_second_ctrl_c_during_a_slow_shutdown_leaves_no_child_running(tmp_path):
     """Ctrl-C, then Ctrl-C again while a child takes its time to stop: the second one raised inside
     the wait for that child and abandoned it and every child after it (serving kept its port and
@@ -75,20 +58,20 @@ def test_a_second_ctrl_c_during_a_slow_shutdown_leaves_no_child_running(tmp_path
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     children: list[int] = []
     try:
-        assert _wait_until(lambda: (tmp_path / "pids").exists() and (tmp_path / "slow.ready").exists())
+        assert wait_until(lambda: (tmp_path / "pids").exists() and (tmp_path / "slow.ready").exists(), WAIT_S)
         children = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
         parent.send_signal(signal.SIGINT)
-        assert _wait_until(lambda: (tmp_path / "slow.sigterm").exists())  # stop_all is waiting for it
+        assert wait_until(lambda: (tmp_path / "slow.sigterm").exists(), WAIT_S)  # stop_all is waiting for it
         parent.send_signal(signal.SIGINT)
         parent.wait(stack_module.STOP_TIMEOUT_S / 2)  # not the stop timeout: the second Ctrl-C cut it short
-        assert _wait_until(lambda: all(_gone(pid) for pid in children), 5.0), \
-            f"left running: {[pid for pid in children if not _gone(pid)]}"
+        assert wait_until(lambda: all(gone(pid) for pid in children), 5.0), \
+            f"left running: {[pid for pid in children if not gone(pid)]}"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
         for pid in children:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -99,7 +82,7 @@ def test_stop_all_signals_every_child_first_and_waits_for_them_together(tmp_path
     monkeypatch.setattr(Stack, "_cli_args", lambda self, extra=None: [sys.executable, "-c"])
     stack = Stack(None, {}, tmp_path / "run", progress=lambda line: None)
     children = [stack.start(f"deaf{i}", [DEAF, str(tmp_path / f"deaf{i}")]) for i in range(3)]
-    assert _wait_until(lambda: all((tmp_path / f"deaf{i}.ready").exists() for i in range(3)))
+    assert wait_until(lambda: all((tmp_path / f"deaf{i}.ready").exists() for i in range(3)), WAIT_S)
     started = time.monotonic()
     stack.stop_all()
     took = time.monotonic() - started

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from serving.metrics import ServingMetrics
 from streams.base import Producer
 from streams.memory import InMemoryBackend
 from tests.serving.fakes import FakeEngine, FakeProducer
+from tests.fixtures.processes import wait_until
 
 if TYPE_CHECKING:
     import openai
@@ -243,16 +243,6 @@ def chat(stream: bool = False, **fields) -> dict:
 
 def metric(url: str, name: str) -> str:
     return [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name)][0]
-
-
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
-    """Poll ``predicate`` (for state owned by other threads) until true or timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 __all__ = ["ANSWER", "FakeProducer", "HELD_AFTER", "Harness", "MESSAGES", "MODEL", "Served", "chat", "metric",

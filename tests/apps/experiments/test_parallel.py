@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from apps.experiments.scenario import results_dir
 from tests.apps.experiments import sweep_jobs
 from tests.apps.experiments.test_inprocess import scenario
 from tests.fixtures.models import tiny_config
+from tests.fixtures.processes import gone, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 STARTED_TIMEOUT_S = 120.0
@@ -113,24 +113,6 @@ def test_side_by_side_a_seed_without_arms_to_run_is_left_alone(tmp_path, tiny_mo
     assert lines[-1] == "=== 1/1 runs done ([seed 2/2 rm]) ==="
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or only its zombie (dead, not yet reaped by whoever inherited it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-def _wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 @pytest.mark.parametrize("signum, code, said", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                                 (signal.SIGINT, 130, "interrupted"),
                                                 (signal.SIGKILL, -signal.SIGKILL, None)])
@@ -146,7 +128,7 @@ def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_
                                   stdout=out, stderr=err, start_new_session=True)
     workers: list[int] = []
     try:
-        assert _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 2, STARTED_TIMEOUT_S), \
+        assert wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 2, STARTED_TIMEOUT_S), \
             (tmp_path / "err").read_text()
         workers = [int(p.read_text()) for p in tmp_path.glob("started-*")]
         if signum == signal.SIGINT:
@@ -155,7 +137,7 @@ def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_
             parent.send_signal(signum)
         returned = parent.wait(STOPPED_TIMEOUT_S)
         (tmp_path / "go").touch()  # a worker still running would write its result now
-        assert _wait_until(lambda: all(_gone(pid) for pid in workers), STOPPED_TIMEOUT_S), "a worker outlived the sweep"
+        assert wait_until(lambda: all(gone(pid) for pid in workers), STOPPED_TIMEOUT_S), "a worker outlived the sweep"
         assert not (tmp_path / "results.jsonl").exists()
         assert sorted(p.name for p in tmp_path.glob("started-*")) == ["started-a", "started-b"]  # the rest cancelled
         assert returned == code
@@ -167,5 +149,5 @@ def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_
             parent.kill()
             parent.wait()
         for pid in workers:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -42,6 +42,14 @@ class TopicNotFound(StreamUnavailable):
     service's ``ensure_topics``, so a long-running reader waits and retries."""
 
 
+class GroupMembershipLost(RuntimeError):
+    """The consumer group dropped this member, so it refused a commit: the member did not poll for
+    longer than the group's poll interval (Kafka's ``max.poll.interval.ms``), or the group was
+    rebalancing. Not an outage: committing again fails until the consumer rejoins, which its next
+    :meth:`Consumer.poll` does; rejoining puts each partition it gets back at the group's committed
+    offset (see :meth:`Consumer.commit`). The message says the cause."""
+
+
 class TopicsMisconfigured(RuntimeError):
     """The topics cannot be created or used as configured (a replication factor above the cluster's
     broker count, interactions and rewards topics of unequal partition counts): a setting to change,
@@ -69,21 +77,57 @@ class Producer(ABC):
         """Block until every queued record is acknowledged; StreamUnavailable on timeout."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Send what is queued, waiting a bounded time; records still unsent then are dropped (and
+        said in the log), never raised about: closing during an outage must not fail its caller."""
 
 
 class Consumer(ABC):
-    """Reads topics; offsets are committed explicitly (never automatically)."""
+    """Reads topics; offsets are committed explicitly (never automatically).
+
+    A member of a consumer group stays in it only while it polls: one that does not call
+    :meth:`poll` for longer than the group's poll interval (Kafka's ``max.poll.interval.ms``, 300 s
+    by default) is dropped, its partitions go to the other members, and its next commit raises
+    :class:`GroupMembershipLost`. A reader that must stop reading for a while (backpressure) pauses
+    its partitions (:meth:`pause`) and goes on polling.
+
+    Once closed, a consumer holds no partitions (:meth:`assignment` is empty) and every other
+    call raises RuntimeError; closing it again does nothing."""
 
     @abstractmethod
-    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]: ...
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
+        """The records after each assigned, not paused, partition's position (up to
+        ``max_records``), waiting up to ``timeout_s`` for one. A group member also keeps its
+        membership here, and rejoins its group here after being dropped."""
 
     @abstractmethod
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
-        """Commit the next offset to read for each partition (consumer groups only)."""
+        """Commit the next offset to read for each partition (consumer groups only).
+
+        Raises :class:`GroupMembershipLost` when the group dropped this member (see the class):
+        nothing was committed. The next :meth:`poll` rejoins, and on rejoining every partition the
+        member gets is put at the group's committed offset, which may be behind what it had read:
+        a reader that keeps its own positions seeks back to them after that poll, then commits
+        again."""
 
     @abstractmethod
-    def seek(self, tp: TopicPartition, offset: int) -> None: ...
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Read assigned ``tp`` from ``offset`` on. An offset outside the partition's records (past
+        its end, or below its oldest kept one) is reset when the consumer next reads it, as
+        Kafka's ``auto.offset.reset`` does: to the oldest kept record with ``start="earliest"``,
+        to the end with ``"latest"`` (until then Kafka's :meth:`position` gives the offset sought,
+        the in-memory backend's the offset the read will start at)."""
+
+    @abstractmethod
+    def pause(self, tps: set[TopicPartition]) -> None:
+        """Stop returning records of the assigned partitions ``tps`` from :meth:`poll` (their
+        positions stay; ValueError for one not assigned) until :meth:`resume`: polling on keeps a
+        group member in its group. A partition taken away by a rebalance (and one got again after
+        a rejoin) comes back resumed, so a reader holding back pauses again before each poll."""
+
+    @abstractmethod
+    def resume(self, tps: set[TopicPartition]) -> None:
+        """Return records of the assigned partitions ``tps`` from :meth:`poll` again."""
 
     @abstractmethod
     def assignment(self) -> set[TopicPartition]: ...
@@ -115,7 +159,8 @@ class Consumer(ABC):
         block while the broker is away: a lag computed from it is as fresh as the last poll."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Leave the group (a static member too) and let go of the connections."""
 
 
 StartFrom = Literal["earliest", "latest"]

@@ -27,8 +27,8 @@ from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
-from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend, TopicNotFound,
-                          StreamMessage, StreamUnavailable, TopicPartition, TopicsMisconfigured)
+from streams.base import (Consumer, DeliveryReport, GroupMembershipLost, Producer, StartFrom, StreamBackend,
+                          TopicNotFound, StreamMessage, StreamUnavailable, TopicPartition, TopicsMisconfigured)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,19 @@ PRODUCER_LINGER_MS = 5
 MAX_IN_FLIGHT = 5
 """kafka-python keeps ordering under retries for an idempotent producer only up to 5."""
 TOPIC_CREATE_TIMEOUT_MS = 30_000
+MAX_POLL_INTERVAL_MS = 300_000
+"""A group member that does not poll for this long is dropped from its group (kafka-python's and Kafka's
+default, named here because the learner depends on it: its feed polls with its partitions paused under
+backpressure, and rejoins after a step or checkpoint longer than this; tests shorten it)."""
+FORCE_CLOSE_JOIN_S = 5.0
+"""How long a producer's close waits for its network thread to stop once told to drop what it holds (it
+stops within one network poll; bounded so a close never hangs)."""
 
+
+MEMBERSHIP_ERRORS = (kerr.CommitFailedError, kerr.RebalanceInProgressError, kerr.UnknownMemberIdError,
+                     kerr.IllegalGenerationError)
+"""kafka-python errors of a commit the group refused because this member is not in it (now): it rejoins
+at its next poll (kafka-python turns the last two into CommitFailedError; all four are named to be sure)."""
 
 UNAVAILABLE_ERRORS = (kerr.KafkaTimeoutError, kerr.KafkaConnectionError, kerr.NodeNotReadyError,
                       kerr.RequestTimedOutError, kerr.BrokerNotAvailableError, kerr.MetadataEmptyBrokerList)
@@ -130,7 +142,8 @@ class KafkaBackend(StreamBackend):
         with _mapped("creating a consumer", self.cfg.bootstrap), \
                 _building(self.client_options()) as options:
             c = KafkaConsumer(**options, group_id=group_id, group_instance_id=instance_id,
-                              enable_auto_commit=False, auto_offset_reset=start, allow_auto_create_topics=False)
+                              enable_auto_commit=False, auto_offset_reset=start, allow_auto_create_topics=False,
+                              max_poll_interval_ms=MAX_POLL_INTERVAL_MS)
             if group_id is not None:
                 c.subscribe(topics)
             else:
@@ -224,16 +237,25 @@ class KafkaStreamProducer(Producer):
         self._bootstrap = bootstrap
         self._close_timeout_s = close_timeout_s
         self._failures: list[Exception] = []
-        self._failures_lock = threading.Lock()  # errbacks run on kafka-python's I/O thread
+        self._unsettled = 0
+        """Records queued and neither acknowledged nor failed yet: what a forced close drops."""
+        self._failures_lock = threading.Lock()  # callbacks run on kafka-python's I/O thread
 
     def send(self, topic: str, value: bytes, key: bytes | None = None,
              on_delivery: DeliveryReport | None = None) -> None:
         with _mapped(f"sending to {topic}", self._bootstrap):
             future = self._producer.send(topic, value=value, key=key)
+        with self._failures_lock:
+            self._unsettled += 1
+        future.add_both(self._settled)
         future.add_errback(self._record_failure)
         if on_delivery is not None:
             future.add_callback(lambda _metadata: on_delivery(None))
             future.add_errback(on_delivery)
+
+    def _settled(self, _outcome: object) -> None:
+        with self._failures_lock:
+            self._unsettled -= 1
 
     def _record_failure(self, exc: Exception) -> None:
         with self._failures_lock:
@@ -254,8 +276,35 @@ class KafkaStreamProducer(Producer):
         raise RuntimeError(summary) from first
 
     def close(self) -> None:
-        """Sends what is queued, waiting at most client_timeout_s (unsent records are dropped)."""
-        self._producer.close(timeout=self._close_timeout_s)
+        """Sends what is queued, waiting about client_timeout_s; records still unsent then are dropped
+        (their delivery reports say so) and counted in the log. Never raises a Kafka error: a service
+        stopping during an outage must stop, not fail here.
+
+        kafka-python's close flushes first, with the same timeout, and a flush that times out raises
+        before the network thread is told to stop (even with timeout 0): the producer stayed open, its
+        thread running, and its KafkaTimeoutError escaped. Its thread is then stopped here."""
+        try:
+            self._producer.close(timeout=self._close_timeout_s)
+            return
+        except kerr.KafkaError as exc:
+            failure = exc
+        with self._failures_lock:
+            unsent = self._unsettled
+        log.warning("closing the producer (Kafka at %s): %d record(s) not acknowledged within %.0f s are "
+                    "dropped (%s)", self._bootstrap, unsent, self._close_timeout_s, failure)
+        self._force_close()
+
+    def _force_close(self) -> None:
+        """Stop the network thread without sending (it fails the batches it holds, waking their
+        futures), then let kafka-python's close finish, which now has nothing to wait for."""
+        sender = self._producer._sender  # no public way: close() raises before reaching it
+        sender.force_close()
+        sender.join(FORCE_CLOSE_JOIN_S)
+        try:
+            self._producer.close(timeout=0)
+        except kerr.KafkaError as exc:  # its thread did not stop in time; nothing more to do
+            log.warning("the producer's network thread (Kafka at %s) did not stop within %.0f s: %s",
+                        self._bootstrap, FORCE_CLOSE_JOIN_S, exc)
 
 
 class KafkaStreamConsumer(Consumer):
@@ -268,8 +317,24 @@ class KafkaStreamConsumer(Consumer):
         self._consumer = consumer
         self._group_id = group_id
         self._bootstrap = bootstrap
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """As the in-memory backend: kafka-python answered a closed consumer with IllegalStateError,
+        RuntimeError('NetworkSelector closed!') or its old assignment, call by call."""
+        if self._closed:
+            raise RuntimeError("consumer is closed")
+
+    def _assigned(self, tps: set[TopicPartition]) -> list[KafkaTP]:
+        self._check_open()
+        wanted, assigned = [KafkaTP(tp.topic, tp.partition) for tp in tps], self._consumer.assignment()
+        missing = sorted(tp for tp in tps if KafkaTP(tp.topic, tp.partition) not in assigned)
+        if missing:
+            raise ValueError(f"not assigned to this consumer: {missing}")
+        return wanted
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
+        self._check_open()
         with _mapped("polling", self._bootstrap):
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         return [StreamMessage(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
@@ -279,50 +344,71 @@ class KafkaStreamConsumer(Consumer):
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         if self._group_id is None:
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
-        with _mapped("committing offsets", self._bootstrap):
-            self._consumer.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(offset, "", -1)
-                                   for tp, offset in offsets.items()})
+        self._check_open()
+        try:
+            with _mapped("committing offsets", self._bootstrap):
+                self._consumer.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(offset, "", -1)
+                                       for tp, offset in offsets.items()})
+        except MEMBERSHIP_ERRORS as exc:
+            raise GroupMembershipLost(
+                f"group {self._group_id!r} refused the commit: this consumer is not in it now (it did not poll "
+                f"for {MAX_POLL_INTERVAL_MS / 1000:.0f} s, max.poll.interval.ms, or the group is rebalancing); "
+                f"its next poll rejoins. {type(exc).__name__}: {exc}") from exc
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._check_open()
         self._consumer.seek(KafkaTP(tp.topic, tp.partition), offset)
 
+    def pause(self, tps: set[TopicPartition]) -> None:
+        self._consumer.pause(*self._assigned(tps))
+
+    def resume(self, tps: set[TopicPartition]) -> None:
+        self._consumer.resume(*self._assigned(tps))
+
     def assignment(self) -> set[TopicPartition]:
+        if self._closed:
+            return set()
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
     def position(self, tp: TopicPartition) -> int:
-        if KafkaTP(tp.topic, tp.partition) not in self._consumer.assignment():
-            raise ValueError(f"{tp} is not assigned to this consumer")  # as the in-memory backend says
+        [assigned] = self._assigned({tp})  # ValueError when not, as the in-memory backend says
         with _mapped("looking up the consumer's position", self._bootstrap):
             # asks the group's coordinator for a committed offset, else resets by auto_offset_reset; bounded:
             # without a timeout it waited for a broker gone away for as long as it stayed away
-            position = self._consumer.position(KafkaTP(tp.topic, tp.partition),
-                                               timeout_ms=int(self._client_timeout_s * 1000))
+            position = self._consumer.position(assigned, timeout_ms=int(self._client_timeout_s * 1000))
         if position is None:
             raise StreamUnavailable(f"the position of {tp.topic}[{tp.partition}] is not known within "
                                     f"{self._client_timeout_s:.0f} s (broker {self._bootstrap})")
         return position
 
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
+        self._check_open()
         with _mapped("looking up offsets by time", self._bootstrap):
             found = self._consumer.offsets_for_times({tp: time_ms for tp in self._consumer.assignment()})
         return {TopicPartition(tp.topic, tp.partition): None if at is None else at.offset for tp, at in found.items()}
 
     def end_offsets(self) -> dict[TopicPartition, int]:
+        self._check_open()
         with _mapped("looking up end offsets", self._bootstrap):
             ends = self._consumer.end_offsets(list(self._consumer.assignment()))
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
 
     def beginning_offsets(self) -> dict[TopicPartition, int]:
+        self._check_open()
         with _mapped("looking up beginning offsets", self._bootstrap):
             starts = self._consumer.beginning_offsets(list(self._consumer.assignment()))
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
 
     def highwater(self) -> dict[TopicPartition, int | None]:
         # kafka-python keeps the high watermark of every fetch response it parses
+        self._check_open()
         return {TopicPartition(tp.topic, tp.partition): self._consumer.highwater(tp)
                 for tp in self._consumer.assignment()}
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._consumer.close(autocommit=False)
         if self._leave_group is not None:
             try:

@@ -15,7 +15,15 @@ Same behaviour as :mod:`streams.kafka_backend` where tests can observe it:
 * sending to a topic that does not exist raises StreamUnavailable (Kafka, with topic
   auto-creation off, times out waiting for its metadata);
 * with ``drop_committed`` records are deleted from the front of a partition (Kafka's log start
-  moves on) and a position below the log start moves up to it (``auto.offset.reset=earliest``).
+  moves on);
+* a position outside a partition's records (below its log start, or past its end after a seek) is
+  reset when read, by ``start`` (Kafka's ``auto.offset.reset``): the log start for "earliest", the
+  end for "latest";
+* a paused partition returns no records; with ``max_poll_interval_s`` a group member that did not
+  poll for that long is dropped from its group: its commit raises GroupMembershipLost, and its next
+  poll rejoins, every partition it gets put at the group's committed offset (kafka-python's reset
+  after a lost membership);
+* a closed consumer holds no partitions and refuses every other call (RuntimeError).
 
 Thread-safe: components under test may produce and consume from different threads.
 """
@@ -27,48 +35,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kafka.partitioner.default import murmur2
-
 from online_sao.config import KafkaConfig
-from streams.base import (Consumer, DeliveryReport, Producer, StartFrom, StreamBackend,
+from streams.base import (Consumer, DeliveryReport, GroupMembershipLost, Producer, StartFrom, StreamBackend,
                           StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition)
-
-
-def partition_for_key(key: bytes, partitions: int) -> int:
-    """Kafka's default partition of a key: positive murmur2 modulo the partition count."""
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
-
+from streams.memory_log import PartitionLog, partition_for_key
 
 KEEP_UNREAD = 16
 """Records ``drop_committed`` keeps per partition of a topic no consumer group reads (weight notices,
-dead letters): nobody commits there, so this count is its retention."""
-
-
-class _PartitionLog:
-    """A partition's records from offset ``start`` on. Offsets are absolute: deleting records from the
-    front moves ``start``, never renumbers what stays (Kafka's log start offset)."""
-
-    __slots__ = ("start", "records")
-
-    def __init__(self) -> None:
-        self.start = 0
-        self.records: list[StreamMessage] = []
-
-    @property
-    def end(self) -> int:
-        """The offset the next record gets."""
-        return self.start + len(self.records)
-
-    def read(self, offset: int, limit: int) -> list[StreamMessage]:
-        """Up to ``limit`` records from ``offset`` on (``offset`` at or above ``start``)."""
-        first = offset - self.start
-        return self.records[first:first + limit]
-
-    def delete_below(self, offset: int) -> None:
-        n = min(offset - self.start, len(self.records))
-        if n > 0:
-            del self.records[:n]
-            self.start += n
+dead letters; a topic before its first group's first member or commit): nobody commits there, so this
+count is its retention."""
 
 
 @dataclass
@@ -85,14 +60,24 @@ class InMemoryBackend(StreamBackend):
     last :data:`KEEP_UNREAD` records, so the broker's size stays flat while offsets keep counting
     (benchmarks/bench_learner_memory.py). Kafka deletes by time or size whoever has read a record;
     deleting what every reader committed is the retention that never loses a record a reader still
-    needs, so a test of a long run measures the reader, not the broker. Off (the default), nothing
-    is ever deleted, as on a Kafka topic within its retention.
+    needs, so a test of a long run measures the reader, not the broker. A group reads a topic while
+    it has an open member subscribed to it or committed offsets on it: a learner restarting resumes
+    at its committed offsets, and until 2026-12-06 the records past them were cut to the last
+    :data:`KEEP_UNREAD` while no member was open. Before a group's first member (or commit) the
+    topic counts as unread, so traffic logged before the first reader starts keeps its last
+    :data:`KEEP_UNREAD` records only. Off (the default), nothing is ever deleted, as on a Kafka
+    topic within its retention.
+
+    ``max_poll_interval_s`` (None: never) drops a group member that did not poll for that long, as
+    Kafka's ``max.poll.interval.ms`` does (see the module docstring).
     """
 
-    def __init__(self, cfg: KafkaConfig | None = None, *, drop_committed: bool = False) -> None:
+    def __init__(self, cfg: KafkaConfig | None = None, *, drop_committed: bool = False,
+                 max_poll_interval_s: float | None = None) -> None:
         self.cfg = cfg or KafkaConfig()
         self.drop_committed = drop_committed
-        self._logs: dict[str, list[_PartitionLog]] = {}
+        self.max_poll_interval_s = max_poll_interval_s
+        self._logs: dict[str, list[PartitionLog]] = {}
         self._groups: dict[str, _Group] = {}
         self._round_robin = itertools.count()
         self._lock = threading.Condition()
@@ -104,7 +89,7 @@ class InMemoryBackend(StreamBackend):
         if partitions < 1:
             raise ValueError("a topic needs at least one partition")
         with self._lock:
-            self._logs.setdefault(name, [_PartitionLog() for _ in range(partitions)])
+            self._logs.setdefault(name, [PartitionLog() for _ in range(partitions)])
 
     def ensure_topics(self) -> None:
         t = self.cfg.topics
@@ -178,8 +163,10 @@ class InMemoryBackend(StreamBackend):
             self._lock.notify_all()
 
     def _readers(self, topic: str) -> list[_Group]:
-        """The consumer groups with a member reading ``topic``."""
-        return [g for g in self._groups.values() if any(topic in m.topics for m in g.members)]
+        """The consumer groups reading ``topic``: an open member subscribed to it, or offsets committed
+        on it (a group whose members are all closed resumes there)."""
+        return [g for g in self._groups.values()
+                if any(topic in m.topics for m in g.members) or any(tp.topic == topic for tp in g.committed)]
 
     def _delete_committed(self, topic: str) -> None:
         """Delete the records of ``topic`` below the lowest offset its reading groups committed."""
@@ -189,7 +176,7 @@ class InMemoryBackend(StreamBackend):
             if groups and all(tp in g.committed for g in groups):
                 log.delete_below(min(g.committed[tp] for g in groups))
 
-    def _partition_log(self, tp: TopicPartition) -> _PartitionLog:
+    def _partition_log(self, tp: TopicPartition) -> PartitionLog:
         try:
             return self._logs[tp.topic][tp.partition]
         except (KeyError, IndexError):
@@ -204,6 +191,8 @@ class InMemoryBackend(StreamBackend):
         and of the rewards topic go to one member, as the join's co-partitioning needs. Dealt round-robin
         over all topics' partitions together, they went to different members."""
         members = self._groups[consumer.group_id].members
+        for member in list(members):
+            member._lapsed()  # one dropped for not polling leaves the group now
         share: set[TopicPartition] = set()
         for topic in consumer.topics:
             if topic not in self._logs:
@@ -251,12 +240,18 @@ class InMemoryConsumer(Consumer):
         self.instance_id = instance_id
         self._start = start
         self._positions: dict[TopicPartition, int] = {}
+        self._paused: set[TopicPartition] = set()
         self._closed = False
         self._fenced = False
         """Replaced by a newer consumer with the same instance id."""
+        self._dropped = False
+        """Dropped from its group for not polling within the backend's ``max_poll_interval_s``."""
+        self._last_poll = time.monotonic()
+        self._polling = False
+        """In :meth:`poll` (waiting for records counts as polling, as in kafka-python)."""
 
     def _take(self, tps: list[TopicPartition] | set[TopicPartition]) -> None:
-        """Own exactly ``tps``: keep positions of kept ones, initialise new ones."""
+        """Own exactly ``tps``: keep positions (and pauses) of kept ones, initialise new ones."""
         committed = self._backend._groups[self.group_id].committed if self.group_id else {}
         positions = {}
         for tp in sorted(tps):
@@ -268,45 +263,95 @@ class InMemoryConsumer(Consumer):
                 log = self._backend._partition_log(tp)
                 positions[tp] = log.start if self._start == "earliest" else log.end
         self._positions = positions
+        self._paused &= set(positions)
+
+    def _lapsed(self) -> bool:
+        """Whether the group dropped this member (it leaves the group the first time this is seen)."""
+        interval = self._backend.max_poll_interval_s
+        if (not self._dropped and self.group_id is not None and interval is not None and not self._closed
+                and not self._polling and time.monotonic() - self._last_poll > interval):
+            self._dropped = True
+            self._backend._leave(self)
+        return self._dropped
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("consumer is closed")
 
     def _rebalance(self) -> None:
+        self._check_open()
         if self._fenced:
             self._positions = {}
-        elif self.group_id is not None:
+        elif self.group_id is not None and not self._lapsed():  # dropped: holds its old share until it rejoins
             share = self._backend._group_share(self)
             if share != set(self._positions):
                 self._take(share)
 
+    def _rejoin(self) -> None:
+        """Back into the group after being dropped: every partition got starts at the group's committed
+        offset (kafka-python forgets the positions of a lost membership), none paused. A static member
+        whose instance id a newer consumer took meanwhile is fenced instead, as Kafka does."""
+        members = self._backend._groups[self.group_id].members
+        if self.instance_id is not None and any(m.instance_id == self.instance_id for m in members):
+            self._fenced = True
+            return
+        self._dropped, self._positions, self._paused = False, {}, set()
+        members.append(self)
+
+    def _readable(self, tp: TopicPartition, log: PartitionLog) -> int:
+        """Where a read of ``tp`` starts: its position, reset by ``start`` when outside the records."""
+        pos = self._positions[tp]
+        if log.start <= pos <= log.end:
+            return pos
+        return log.start if self._start == "earliest" else log.end
+
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
-        if self._closed:
-            raise RuntimeError("consumer is closed")
-        if self._fenced:
-            raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
+        self._check_open()
         deadline = time.monotonic() + timeout_s
         lock = self._backend._lock
         with lock:
-            while True:
-                self._rebalance()
-                out: list[StreamMessage] = []
-                for tp, pos in self._positions.items():
-                    log = self._backend._partition_log(tp)
-                    pos = max(pos, log.start)  # deleted records: Kafka's auto.offset.reset=earliest
-                    batch = log.read(pos, max_records - len(out))
-                    out += batch
-                    self._positions[tp] = pos + len(batch)
-                    if len(out) >= max_records:
-                        break
-                remaining = deadline - time.monotonic()
-                if out or remaining <= 0:
-                    return out
-                lock.wait(remaining)
+            if self._lapsed():
+                self._rejoin()
+            if self._fenced:
+                raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
+            self._polling = True
+            try:
+                return self._read(deadline, max_records)
+            finally:
+                self._polling, self._last_poll = False, time.monotonic()
+
+    def _read(self, deadline: float, max_records: int) -> list[StreamMessage]:
+        """Up to ``max_records`` records of the partitions not paused, waiting until ``deadline`` for one
+        (the caller holds the backend's lock)."""
+        while True:
+            if self._closed:  # by another thread while this one waited
+                return []
+            self._rebalance()
+            out: list[StreamMessage] = []
+            for tp in [tp for tp in self._positions if tp not in self._paused]:
+                log = self._backend._partition_log(tp)
+                pos = self._readable(tp, log)
+                batch = log.read(pos, max_records - len(out))
+                out += batch
+                self._positions[tp] = pos + len(batch)
+                if len(out) >= max_records:
+                    break
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0:
+                return out
+            self._backend._lock.wait(remaining)
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         if self.group_id is None:
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
+        self._check_open()
         if self._fenced:  # Kafka refuses it too (FencedInstanceIdError): the new member owns the offsets now
             raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
         with self._backend._lock:
+            if self._lapsed():
+                raise GroupMembershipLost(f"group {self.group_id!r} refused the commit: this consumer did not poll "
+                                          f"for {self._backend.max_poll_interval_s} s and was dropped from it; "
+                                          f"its next poll rejoins")
             self._backend._groups[self.group_id].committed.update(offsets)
             if self._backend.drop_committed:
                 for topic in {tp.topic for tp in offsets}:
@@ -317,21 +362,37 @@ class InMemoryConsumer(Consumer):
             raise ValueError("offset must be >= 0")
         with self._backend._lock:
             self._rebalance()
-            if tp not in self._positions:
-                raise ValueError(f"{tp} is not assigned to this consumer")
+            self._assigned({tp})
             self._positions[tp] = offset
+
+    def _assigned(self, tps: set[TopicPartition]) -> set[TopicPartition]:
+        missing = sorted(set(tps) - set(self._positions))
+        if missing:
+            raise ValueError(f"not assigned to this consumer: {', '.join(map(str, missing))}")
+        return set(tps)
+
+    def pause(self, tps: set[TopicPartition]) -> None:
+        with self._backend._lock:
+            self._rebalance()
+            self._paused |= self._assigned(tps)
+
+    def resume(self, tps: set[TopicPartition]) -> None:
+        with self._backend._lock:
+            self._rebalance()
+            self._paused -= self._assigned(tps)
 
     def assignment(self) -> set[TopicPartition]:
         with self._backend._lock:
+            if self._closed:
+                return set()
             self._rebalance()
             return set(self._positions)
 
     def position(self, tp: TopicPartition) -> int:
         with self._backend._lock:
             self._rebalance()
-            if tp not in self._positions:
-                raise ValueError(f"{tp} is not assigned to this consumer")
-            return max(self._positions[tp], self._backend._partition_log(tp).start)  # as poll reads it
+            self._assigned({tp})
+            return self._readable(tp, self._backend._partition_log(tp))  # as poll reads it
 
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         if time_ms < 0:  # as kafka-python does

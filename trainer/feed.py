@@ -5,8 +5,9 @@ Every pass of the learner loop, rank 0:
 1. polls interactions and rewards (one consumer in group ``trainer.consumer_group``),
    skips records a rebalance re-delivered (their offset is already in the state),
    decodes each record or dead-letters it (bad data never stops the learner) and
-   feeds the :class:`~trainer.join.RewardJoiner`. It stops polling while
-   ``READY_BACKLOG_STEPS`` full steps are ready (backpressure);
+   feeds the :class:`~trainer.join.RewardJoiner`. While ``READY_BACKLOG_STEPS`` full
+   steps are ready it polls with its partitions paused (backpressure): no records come,
+   but the consumer stays in its group;
 2. drops ready rollouts older than ``trainer.max_version_lag`` (counted);
 3. takes the ready rollouts for a step as soon as they are worth
    ``trainer.token_budget`` action tokens, or ``trainer.min_rollouts`` of them are
@@ -14,7 +15,10 @@ Every pass of the learner loop, rank 0:
    nothing else waits for groups); unusable ones are counted and left out.
 
 After a checkpoint, :meth:`Feed.commit` commits the offsets it covers (dead letters
-of the covered records are flushed first).
+of the covered records are flushed first). The feed does not poll during a step or a
+checkpoint; one longer than Kafka's ``max.poll.interval.ms`` (300 s) gets its consumer dropped
+from the group, and the commit that follows is refused: the feed then rejoins, puts every
+partition back at its own next offset, and commits again.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from online_sao.batch import Rollout
 from online_sao.config import TopicsConfig, TrainerConfig
 from online_sao.schemas import Interaction, Reward
-from streams.base import Consumer, Producer, StreamBackend, TopicPartition
+from streams.base import Consumer, GroupMembershipLost, Producer, StreamBackend, StreamMessage, TopicPartition
 from streams.ends import EndWatcher
 from streams.outbox import Outbox
 from streams.records import decode_or_dead_letter
@@ -50,12 +54,20 @@ the next 50 minutes. Hosts kept by NTP agree to milliseconds; a minute leaves ro
 MAX_POLL_RECORDS = 500
 """Records taken per poll; bounds the time between two readiness checks."""
 READY_BACKLOG_STEPS = 4
-"""Rank 0 stops polling while this many full steps of rollouts are ready: the
-join buffer then grows no further than the learner can train (backpressure)."""
+"""Rank 0 reads no records while this many full steps of rollouts are ready: the
+join buffer then grows no further than the learner can train (backpressure). It goes on
+polling, with its partitions paused: a consumer that stops polling for Kafka's
+``max.poll.interval.ms`` is dropped from its group, and its next commit is refused."""
+PAUSED_POLL_S = 0.0
+"""How long a poll with every partition paused waits: no record can come, the poll only keeps the
+consumer in its group, so the learner's loop does not wait on it."""
+REJOIN_POLL_S = 1.0
+"""How long the poll that rejoins the group after a refused commit waits (the commit is tried again
+after it, and the poll again while the group still refuses it, for ``ASSIGNMENT_TIMEOUT_S``)."""
 ENDS_EVERY_S = 2.0
 """How often the feed's :class:`~streams.ends.EndWatcher` asks the broker where the topics end: the
-unread counts lag the traffic by at most this while the feed does not poll (one small request
-every two seconds is nothing to a broker)."""
+unread counts lag the traffic by at most this while the feed's partitions are paused (one small
+request every two seconds is nothing to a broker)."""
 ASSIGNMENT_TIMEOUT_S = 60.0
 """How long the consumer may take to join its group and get partitions (a group
 whose previous member was killed waits for that member's session to expire)."""
@@ -126,6 +138,8 @@ class Feed:
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
         self.clock = JoinClock(max_behind_s(joiner.cfg.window_s))
         """Per partition, the newest record time read from it: how far the join's clock may move."""
+        self.held_back = False
+        """Whether the last poll had the partitions paused (backpressure)."""
 
     def start(self, backend: StreamBackend) -> None:
         """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
@@ -140,15 +154,24 @@ class Feed:
         self.last_activity = time.monotonic()
 
     def poll(self) -> None:
-        """Read one poll's records into the join, unless enough steps are ready already."""
-        if self.joiner.ready_rollouts(self.group_size) >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step:
-            return
-        messages = self.consumer.poll(timeout_s=self.tcfg.poll_timeout_s, max_records=MAX_POLL_RECORDS)
+        """Read one poll's records into the join; while enough steps are ready already, poll with
+        every partition paused (:data:`READY_BACKLOG_STEPS`). Paused again before each such poll: a
+        rebalance or a rejoin hands partitions back resumed."""
+        held_back = self.joiner.ready_rollouts(self.group_size) >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step
+        if held_back or self.held_back:
+            assigned = self.consumer.assignment()
+            (self.consumer.pause if held_back else self.consumer.resume)(assigned)
+        self.held_back = held_back
+        messages = self.consumer.poll(timeout_s=PAUSED_POLL_S if held_back else self.tcfg.poll_timeout_s,
+                                      max_records=MAX_POLL_RECORDS)
+        self._read(messages)
+
+    def _read(self, messages: list[StreamMessage]) -> None:
         left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
         for msg in messages:
             expected = self.offsets.get(msg.tp)
             if expected is not None and msg.offset < expected:
-                continue  # re-delivered after a rebalance: already in the state
+                continue  # re-delivered after a rebalance or a rejoin: already in the state
             left[msg.tp] = left.get(msg.tp, 1) - 1
             if expected is not None and msg.offset > expected:
                 self._skipped(msg.tp, expected, msg.offset)
@@ -250,10 +273,10 @@ class Feed:
     def unread_by_partition(self) -> dict[TopicPartition, int]:
         """Records per partition the learner has not read: its end less the next offset to read
         there. The end is the newer of what the consumer's last poll heard and what :attr:`ends`
-        last read (the feed stops polling while ``READY_BACKLOG_STEPS`` steps are ready), so it lags
-        the traffic by ``ENDS_EVERY_S`` at most and never waits on the broker. A partition not heard
-        from yet is left out; one never read from counts from its oldest kept record (as the watcher
-        last read it; offset 0 before its first read)."""
+        last read (the feed's partitions are paused while ``READY_BACKLOG_STEPS`` steps are ready, and
+        not read during a step), so it lags the traffic by ``ENDS_EVERY_S`` at most and never waits
+        on the broker. A partition not heard from yet is left out; one never read from counts from its
+        oldest kept record (as the watcher last read it; offset 0 before its first read)."""
         watched, begins = self.ends.ends(), self.ends.begins()
         unread: dict[TopicPartition, int] = {}
         for tp, heard in self.consumer.highwater().items():
@@ -280,9 +303,34 @@ class Feed:
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """After a checkpoint: flush the dead letters of the records it covers, then commit
-        ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage."""
+        ``offsets`` (the ones it holds) to Kafka; both wait out a broker outage. A commit refused
+        because the group dropped the consumer (a step or checkpoint longer than the group's poll
+        interval) is made again once it rejoined (:meth:`_rejoin`); it crashed the learner before."""
         self.flush_dead_letters()
-        until_broker_takes(lambda: self.consumer.commit(dict(offsets)), "committing offsets", self.stop)
+        until_broker_takes(lambda: self._commit(dict(offsets)), "committing offsets", self.stop)
+
+    def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        deadline = time.monotonic() + ASSIGNMENT_TIMEOUT_S
+        while True:
+            try:
+                self.consumer.commit(offsets)
+                return
+            except GroupMembershipLost as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("offsets not committed: %s; rejoining the group, then committing again", exc)
+                self._rejoin()
+
+    def _rejoin(self) -> None:
+        """Poll, which rejoins the group, then put every partition the consumer holds where the feed
+        reads next. The rejoin put them at the group's committed offsets, behind the feed's own (those
+        are the checkpoint's, which a restart resumes from, or past them), and the poll fetched on from
+        there; the records it fetched are not consumed (:func:`assign_and_seek`): left where the poll
+        put the partitions, the ones past the feed's offsets were never read."""
+        fetched: dict[TopicPartition, int] = {}
+        for msg in self.consumer.poll(timeout_s=REJOIN_POLL_S, max_records=MAX_POLL_RECORDS):
+            fetched.setdefault(msg.tp, msg.offset)
+        assign_and_seek(self.consumer, self.offsets, fetched)
 
     def close(self) -> None:
         if self.ends is not None:
@@ -312,7 +360,8 @@ def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], voca
     return rollouts
 
 
-def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> None:
+def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int],
+                    fetched: dict[TopicPartition, int] | None = None) -> None:
     """Wait for the group to assign partitions, then put every partition where the
     checkpoint says. Records fetched while joining the group are not consumed: a
     partition without a checkpointed offset is put back to the first of them. A checkpointed
@@ -322,8 +371,9 @@ def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int]) -> N
     already read and skipped it, uncounted. A partition the checkpoint does not name gets the
     consumer's position in ``offsets`` (a new checkpoint directory beside a group with committed
     offsets: until 2026-12-06 every record from the partition's start counted unread, and the join's
-    clock stood still until that partition had a new record)."""
-    first_fetched: dict[TopicPartition, int] = {}
+    clock stood still until that partition had a new record). ``fetched``: the first offset of each
+    partition a poll before this one fetched (not consumed either)."""
+    first_fetched: dict[TopicPartition, int] = dict(fetched or {})
     started = time.monotonic()
     deadline = started + ASSIGNMENT_TIMEOUT_S
     while not consumer.assignment():

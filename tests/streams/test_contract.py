@@ -354,3 +354,79 @@ def test_a_position_the_broker_cannot_give_is_unavailable_within_the_client_time
         consumer.position(TopicPartition("t", 0))
     assert time.monotonic() - started < 30
     client.close()
+
+
+def _one_partition_with(backend: StreamBackend, count: int) -> str:
+    """The rewards topic with ``count`` records, all on one partition (one key); returns the topic."""
+    topic = _topics(backend).rewards
+    producer = backend.producer()
+    for i in range(count):
+        producer.send(topic, str(i).encode(), key=b"one partition")
+    producer.flush(10)
+    producer.close()
+    return topic
+
+
+def _assigned(consumer, timeout_s: float = 60.0) -> set[TopicPartition]:
+    """The consumer's partitions once it has some (a Kafka group member gets them while polling)."""
+    deadline = time.monotonic() + timeout_s
+    while not consumer.assignment() and time.monotonic() < deadline:
+        consumer.poll(timeout_s=0.3)
+    return consumer.assignment()
+
+
+def test_a_paused_partition_returns_no_records_until_resumed(backend):
+    """The learner's feed pauses its partitions under backpressure and goes on polling (a member that
+    stops polling is dropped from its group)."""
+    topic = _one_partition_with(backend, 3)
+    consumer = backend.consumer([topic])
+    tps = consumer.assignment()
+    consumer.pause(tps)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert consumer.poll(timeout_s=0.3) == []
+    consumer.resume(tps)
+    assert [m.value for m in drain(consumer, 3)] == [b"0", b"1", b"2"]
+    with pytest.raises(ValueError):
+        consumer.pause({TopicPartition(_topics(backend).weights, 0)})
+    consumer.close()
+
+
+@pytest.mark.parametrize("start, expected", [("earliest", [b"0", b"1", b"2"]), ("latest", [b"3"])])
+def test_a_seek_past_the_end_is_reset_by_start_when_read(backend, start, expected):
+    """Kafka's auto.offset.reset: a position past the end reads from the oldest record ("earliest") or
+    from the end on ("latest"); the in-memory consumer waited at offset 10 and skipped records 3-9
+    silently when they came."""
+    topic = _one_partition_with(backend, 3)
+    consumer = backend.consumer([topic], start=start)
+    tp = TopicPartition(topic, partition_for_key(b"one partition", TEST_PARTITIONS))
+    consumer.seek(tp, 10)
+    got = drain(consumer, 3, timeout_s=5)
+    producer = backend.producer()
+    producer.send(topic, b"3", key=b"one partition")
+    producer.flush(10)
+    producer.close()
+    got += drain(consumer, len(expected) - len(got), timeout_s=20)
+    assert [m.value for m in got] == expected
+    consumer.close()
+
+
+@pytest.mark.parametrize("group", [None, "g-closed"])
+def test_a_closed_consumer_holds_no_partitions_and_refuses_every_call(backend, group):
+    """Kafka answered a closed consumer with its old assignment, IllegalStateError or 'NetworkSelector
+    closed!' call by call; the in-memory one raised ValueError ('not in list') from assignment() and
+    end_offsets(), and took a commit."""
+    topic = _one_partition_with(backend, 1)
+    consumer = backend.consumer([topic], group_id=group)
+    tp = next(iter(_assigned(consumer)))
+    consumer.close()
+    assert consumer.assignment() == set()
+    calls = [lambda: consumer.poll(timeout_s=0.1), consumer.end_offsets, consumer.beginning_offsets,
+             consumer.highwater, lambda: consumer.offsets_for_time(0), lambda: consumer.seek(tp, 0),
+             lambda: consumer.position(tp), lambda: consumer.pause({tp})]
+    if group is not None:
+        calls.append(lambda: consumer.commit({tp: 1}))
+    for call in calls:
+        with pytest.raises(RuntimeError, match="consumer is closed"):
+            call()
+    consumer.close()  # again: nothing happens

@@ -73,3 +73,42 @@ def test_without_drop_committed_nothing_is_deleted():
     assert group.beginning_offsets() == {TP: 0}
     reader = backend.consumer(["t"], group_id=None, start="earliest")
     assert [m.offset for m in reader.poll(timeout_s=0.0)] == list(range(KEEP_UNREAD + 5))
+
+
+def test_a_group_with_no_open_member_keeps_the_records_past_its_committed_offset():
+    """The learner checkpoints at 5 and restarts while serving logs 40 more: the group had no open
+    member, the topic counted as unread, and each record sent cut the partition to its last
+    KEEP_UNREAD, so the restarted learner lost offsets 5-28."""
+    backend = backend_with(5)
+    learner = backend.consumer(["t"], group_id="learner")
+    assert [m.offset for m in learner.poll(timeout_s=0.0)] == [0, 1, 2, 3, 4]
+    learner.commit({TP: 5})
+    learner.close()
+    producer = backend.producer()
+    for i in range(5, 45):
+        producer.send("t", str(i).encode())
+    again = backend.consumer(["t"], group_id="learner")
+    read = []
+    while batch := again.poll(timeout_s=0.0):
+        read += [m.offset for m in batch]
+    assert read == list(range(5, 45))
+
+
+def test_another_groups_commit_does_not_delete_past_a_closed_groups_committed_offset():
+    backend = backend_with(12)
+    closed = backend.consumer(["t"], group_id="closed")
+    closed.commit({TP: 3})
+    closed.close()
+    backend.consumer(["t"], group_id="open").commit({TP: 10})
+    assert backend.log_start(TP) == 3 and backend.records_held() == 9
+
+
+def test_a_group_that_never_committed_does_not_hold_records_once_closed():
+    """What counts as reading a topic: an open member, or committed offsets. Traffic logged before the
+    first reader (or after a reader that never committed) keeps its last KEEP_UNREAD records."""
+    backend = backend_with(2)
+    backend.consumer(["t"], group_id="g").close()
+    producer = backend.producer()
+    for i in range(2, KEEP_UNREAD + 7):
+        producer.send("t", str(i).encode())
+    assert backend.log_start(TP) == 7 and backend.records_held() == KEEP_UNREAD

@@ -450,3 +450,98 @@ def test_two_ranks_do_not_count_a_parent_its_continuation_trains_as_a_unit():
                 InMemoryBackend().producer(), {}, counters, vocab_size=1000, group_size=1, stop=threading.Event())
     assert feed.take(world_size=2) is None and counters["too_few_for_ranks"] == 0
     assert [r.interaction_id for r in feed.take(world_size=1)] == ["c2"]
+
+
+def _feed_on(backend: StreamBackend, **trainer) -> Feed:
+    cfg = Config()
+    return Feed(cfg.trainer.model_copy(update=trainer), backend.cfg.topics, RewardJoiner(cfg.reward),
+                backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1,
+                stop=threading.Event())
+
+
+def test_under_backpressure_the_feed_polls_paused_and_its_consumer_stays_in_the_group():
+    """The feed stopped polling while READY_BACKLOG_STEPS steps were ready; its consumer was dropped
+    from the group after max.poll.interval.ms, and the next commit crashed the learner."""
+    from trainer.feed import READY_BACKLOG_STEPS
+
+    backend = InMemoryBackend(KafkaConfig(partitions=1), max_poll_interval_s=1.0)
+    feed = _feed_on(backend, max_rollouts_per_step=1)  # held back from 4 ready rollouts on
+    feed.start(backend)
+    topics, producer, now = backend.cfg.topics, backend.producer(), time.time()
+    for i in range(READY_BACKLOG_STEPS + 1):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+    feed.poll()
+    assert feed.joiner.ready_rollouts() == 5 and feed.counters["records_read"] == 10
+    publish(producer, topics.interactions, make_interaction("later", created_at=now))
+    deadline = time.monotonic() + 2.5  # well past the group's poll interval
+    while time.monotonic() < deadline:
+        feed.poll()
+        time.sleep(0.05)
+    assert feed.counters["records_read"] == 10  # held back: nothing read
+    feed.commit(dict(feed.offsets))  # a member still: taken at once
+    feed.joiner.pop_ready(max_rollouts=5, token_budget=10**6)
+    feed.poll()  # no longer held back: resumed
+    assert feed.counters["records_read"] == 11 and feed.joiner.num_waiting == 1
+    feed.close()
+    again = backend.consumer([topics.interactions, topics.rewards], group_id=Config().trainer.consumer_group)
+    assert {tp.topic: again.position(tp) for tp in again.assignment()} == {topics.interactions: 5, topics.rewards: 5}
+
+
+def test_a_commit_refused_after_a_long_step_rejoins_and_reads_on_from_the_feeds_own_offsets():
+    """A step (or checkpoint) longer than the group's poll interval: the group dropped the consumer and
+    refused the commit after it, and the learner crashed. The feed rejoins and commits again; the rejoin
+    put the partitions back at the group's committed offsets, and the feed puts them back at its own."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1), max_poll_interval_s=1.0)
+    feed = _feed_on(backend)
+    feed.start(backend)
+    topics, producer, now = backend.cfg.topics, backend.producer(), time.time()
+    interactions, rewards = TopicPartition(topics.interactions, 0), TopicPartition(topics.rewards, 0)
+    for i in range(5):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    feed.poll()
+    assert feed.offsets == {interactions: 5, rewards: 0}
+    checkpointed = {interactions: 2, rewards: 0}  # staged before the last records were read
+    for i in range(5, 8):  # logged during the step, not read yet
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    time.sleep(2.0)  # the step: no poll
+    feed.commit(checkpointed)  # its rejoining poll fetched offsets 2-7; none of them is consumed
+    assert feed.consumer.position(interactions) == 5  # the feed's own next offset, not the committed 2
+    feed.poll()
+    assert feed.counters["records_read"] == 8 and feed.joiner.num_waiting == 8  # i5-i7 once, i2-i4 not again
+    feed.close()
+    again = backend.consumer([topics.interactions, topics.rewards], group_id=Config().trainer.consumer_group)
+    assert again.position(interactions) == 2  # the commit landed
+
+
+@pytest.mark.kafka
+def test_a_commit_refused_after_a_long_step_is_made_again_on_the_broker(kafka_config, monkeypatch):
+    """The same on Kafka, its poll interval shortened to 3 s: kafka-python's CommitFailedError crashed
+    the learner."""
+    monkeypatch.setattr("streams.kafka_backend.MAX_POLL_INTERVAL_MS", 3000)
+    backend = KafkaBackend(kafka_config)
+    feed = _feed_on(backend)
+    feed.start(backend)
+    topics, producer, now = kafka_config.topics, backend.producer(), time.time()
+    try:
+        for i in range(3):
+            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        producer.flush(10)
+        deadline = time.monotonic() + 20
+        while feed.joiner.num_waiting < 3 and time.monotonic() < deadline:
+            feed.poll()
+        checkpointed = dict(feed.offsets)
+        for i in range(3, 5):  # logged during the step, not read yet
+            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        producer.flush(10)
+        time.sleep(9.0)  # past the poll interval, and the heartbeat thread's next look (3 s)
+        feed.commit(checkpointed)  # its rejoining poll fetches from the start (nothing committed): not consumed
+        assert {tp: feed.consumer.position(tp) for tp in feed.consumer.assignment()} == feed.offsets
+        deadline = time.monotonic() + 20
+        while feed.counters["records_read"] < 5 and time.monotonic() < deadline:
+            feed.poll()
+        feed.poll()
+        assert feed.counters["records_read"] == 5 and feed.joiner.num_waiting == 5
+    finally:
+        producer.close()
+        feed.close()

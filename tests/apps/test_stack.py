@@ -13,7 +13,7 @@ import yaml
 from apps import stack as stack_module
 from apps.config import load_app_config
 from apps.stack import Component, Stack
-from tests.fixtures.processes import gone, wait_until
+from tests.fixtures.processes import gone, wait_until, with_terminal_sigint
 from online_sao.config import dump_config
 
 
@@ -55,7 +55,8 @@ def test_a_second_ctrl_c_during_a_slow_shutdown_leaves_no_child_running(tmp_path
     the wait for that child and abandoned it and every child after it (serving kept its port and
     spool lock). Every child now has its SIGTERM at once, and the second interrupt kills the rest."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), DEAF], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              preexec_fn=with_terminal_sigint, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     children: list[int] = []
     try:
         assert wait_until(lambda: (tmp_path / "pids").exists() and (tmp_path / "slow.ready").exists(), WAIT_S)

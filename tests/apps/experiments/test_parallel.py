@@ -20,7 +20,7 @@ from apps.experiments.scenario import results_dir
 from tests.apps.experiments import sweep_jobs
 from tests.apps.experiments.test_inprocess import scenario
 from tests.fixtures.models import tiny_config
-from tests.fixtures.processes import gone, wait_until
+from tests.fixtures.processes import gone, wait_until, with_terminal_sigint
 
 REPO = Path(__file__).resolve().parents[3]
 STARTED_TIMEOUT_S = 120.0
@@ -125,6 +125,7 @@ def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_
     with (tmp_path / "out").open("wb") as out, (tmp_path / "err").open("wb") as err:
         # a session of its own: its Ctrl-C reaches the sweep's process group, not pytest's
         parent = subprocess.Popen([sys.executable, "-c", sweep_jobs.PARENT, str(tmp_path)], cwd=REPO,
+                                  preexec_fn=with_terminal_sigint,
                                   stdout=out, stderr=err, start_new_session=True)
     workers: list[int] = []
     try:

@@ -192,7 +192,8 @@ class InMemoryBackend(StreamBackend):
         over all topics' partitions together, they went to different members."""
         members = self._groups[consumer.group_id].members
         for member in list(members):
-            member._lapsed()  # one dropped for not polling leaves the group now
+            if member is not consumer:  # it checked itself just before: a second look could drop it mid-rebalance
+                member._lapsed()  # one dropped for not polling leaves the group now
         share: set[TopicPartition] = set()
         for topic in consumer.topics:
             if topic not in self._logs:

@@ -1,7 +1,8 @@
 """Where each partition of some topics begins and ends, kept fresh by a thread of its own.
 
-A reader that stops polling (the learner's feed under backpressure) stops hearing where its
-partitions end, just when it is behind. :class:`EndWatcher` asks the broker every few seconds
+A reader that reads nothing for a while (the learner's feed under backpressure, its partitions
+paused, or during a step) stops hearing where its partitions end, just when it is behind.
+:class:`EndWatcher` asks the broker every few seconds
 with a consumer of its own (no group: it reads no records and commits nothing), so the reader can
 count what it has not read at any moment without waiting on the broker itself: while the broker
 is away, the ends stay as last read.

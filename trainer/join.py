@@ -50,8 +50,8 @@ and been forgotten (``forgotten_turns``; at most once rather than twice).
 Memory is bounded by ``max_pending`` per kind of held item (waiting
 interactions, held rewards, remembered finished ids); past it the oldest is
 given up and counted (for finished ids: the memory's floor rises). Ready
-interactions are not capped here: the learner stops polling while enough are
-ready. The full state round-trips through :meth:`state_dict` /
+interactions are not capped here: the learner reads no more records (its feed polls with its
+partitions paused) while enough are ready. The full state round-trips through :meth:`state_dict` /
 :meth:`load_state_dict` as JSON-serialisable data (:mod:`trainer.join_checkpoint`).
 """
 

@@ -152,8 +152,8 @@ def test_a_step_of_two_ranks_takes_a_rollout_for_each_even_past_max_rollouts_per
 
 @pytest.mark.kafka
 def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
-    """Under backpressure the feed stops polling, and its consumer stops hearing where the
-    partitions end; the unread count must still grow with the traffic (live, it stayed at 71 while
+    """Under backpressure the feed reads nothing (it polls with its partitions paused), and its
+    consumer stops hearing where the partitions end; the unread count must still grow with the traffic (live, it stayed at 71 while
     the learner fell minutes behind)."""
     backend = KafkaBackend(kafka_config)
     feed = _started_feed(backend)

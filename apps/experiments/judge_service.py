@@ -27,6 +27,7 @@ of the interaction.
 from __future__ import annotations
 
 import heapq
+import logging
 import random
 import re
 import signal
@@ -40,9 +41,11 @@ from apps.config import AppConfig
 from apps.experiments.judge import Judge, QualityStyleJudge, Raters
 from apps.experiments.results import RewardRow, append_row, read_reward_rows
 from online_sao.schemas import Interaction, Reward
-from streams.base import StreamBackend, StreamUnavailable, TopicPartition
+from streams.base import GroupMembershipLost, StreamBackend, StreamUnavailable, TopicPartition
 from streams.broker_wait import until_broker_takes
 from streams.records import decode_or_dead_letter, publish
+
+log = logging.getLogger(__name__)
 
 SOURCE = "judge"
 POLL_TIMEOUT_S = 0.5
@@ -230,7 +233,12 @@ class JudgeService:
         for item in self._pending:  # nothing at or after a reward still waiting is committed
             offsets[item.tp] = min(offsets[item.tp], item.offset)
         self.producer.flush()
-        self.consumer.commit(offsets)
+        try:
+            self.consumer.commit(offsets)
+        except GroupMembershipLost as exc:  # a step outlasted the poll interval: the next poll rejoins
+            # and gets these records again, which are neither judged nor rewarded twice; a later commit covers them
+            log.warning("judge: offsets not committed (%s); committing after the next poll", exc)
+            return
         self._last_commit = now
 
     def close(self) -> None:

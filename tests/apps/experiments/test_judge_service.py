@@ -175,6 +175,45 @@ def test_rewards_wait_for_the_delay_and_a_restarted_judge_sends_pending_ones_wit
     again.close()
 
 
+class SlowJudge(FixedJudge):
+    """Scores take longer than the group's poll interval of the test below."""
+
+    def score(self, prompt: str, answer: str, preferred_style: str) -> JudgeScore:
+        time.sleep(SLOW_SCORE_S)
+        return super().score(prompt, answer, preferred_style)
+
+
+POLL_INTERVAL_S = 0.2
+"""The in-memory group's poll interval in the test below (Kafka's max.poll.interval.ms, 300 s)."""
+SLOW_SCORE_S = 0.3
+"""How long SlowJudge takes per score: past POLL_INTERVAL_S, so the group drops the judge mid-step."""
+
+
+def test_a_judge_dropped_from_its_group_by_a_slow_step_goes_on_and_rewards_each_answer_once(tmp_path):
+    """A step's scores outlasted the group's poll interval: the group dropped the judge and refused its
+    commit (GroupMembershipLost), which ended the judge. It now skips that commit; the next poll
+    rejoins, the records it gets again are neither judged nor rewarded twice, and a later commit
+    covers them."""
+    backend = InMemoryBackend(max_poll_interval_s=POLL_INTERVAL_S)
+    backend.ensure_topics()
+    cfg = experiment_config(backend.cfg, reward_delay_s=0.0)
+    producer = backend.producer()
+    answers = [chat_interaction(*ANSWERS[k % len(ANSWERS)], completed_at=1000.0) for k in range(2)]
+    for interaction in answers:
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    service = JudgeService(cfg, SlowJudge(), backend, results_path=tmp_path / "arm.jsonl", clock=lambda: 2000.0)
+    service.step()  # polls, scores for 0.6 s, sends, and its commit is refused: dropped from the group
+    service.step()  # rejoins: both records come again, from the group's (empty) committed offsets
+    assert (service.counters.scored, service.counters.resumed, service.counters.sent) == (2, 2, 2)
+    service.close()
+    rewards = drain_memory(backend, cfg.kafka.topics.rewards)
+    assert sorted(r.interaction_id for r in rewards) == sorted(a.interaction_id for a in answers)
+    again = JudgeService(cfg, SlowJudge(), backend, results_path=tmp_path / "arm.jsonl", clock=lambda: 2000.0)
+    again.step()
+    assert again.counters.scored == again.counters.resumed == 0  # the refused commit was made later
+    again.close()
+
+
 class CountingJudge(FixedJudge):
     def __init__(self):
         self.calls = 0

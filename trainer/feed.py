@@ -239,14 +239,14 @@ class Feed:
         usable ones were taken for every rank to get one, a grpo group counting as one:
         FSDP needs every rank in every step)."""
         tcfg = self.tcfg
-        ready, ready_tokens = self.joiner.ready_stats(self.group_size)
+        units, ready, ready_tokens = self.joiner.ready_counts(self.group_size)
         now = time.monotonic()
         self.ready_since = (self.ready_since or now) if ready else None
         waited_long = self.ready_since is not None and tcfg.max_wait_s is not None and (
             now - self.ready_since >= tcfg.max_wait_s)
         # a unit for every rank, a grpo group counting as one: an incomplete group past its timeout
         # alone is a step in one process, as the in-process driver steps on it (apps/experiments/inprocess.py)
-        if self.joiner.ready_units(self.group_size) < world_size or not (
+        if units < world_size or not (
                 ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget or waited_long):
             return None
         self.ready_since = None

@@ -240,8 +240,13 @@ class RewardJoiner(TrajectoryRules):
 
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
+        _, rollouts, tokens = self.ready_counts(group_size)
+        return rollouts, tokens
+
+    def ready_counts(self, group_size: int = 1) -> tuple[int, int, int]:
+        """(:meth:`ready_units`, rollouts, action tokens) in one pass over what is ready."""
         units, tokens = self._ready_pass(group_size)
-        return sum(len(unit) for unit in units), tokens
+        return len(units), sum(len(unit) for unit in units), tokens
 
     def _ready_pass(self, group_size: int) -> tuple[list[list[Entry]], int]:
         """The units (rollouts, or grpo groups) :meth:`pop_ready` would hand out now if nothing

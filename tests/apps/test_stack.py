@@ -13,7 +13,7 @@ import yaml
 from apps import stack as stack_module
 from apps.config import load_app_config
 from apps.stack import Component, Stack
-from tests.fixtures.processes import gone, wait_until, with_terminal_sigint
+from tests.fixtures.processes import gone, kill_leftovers, wait_until, with_terminal_sigint
 from online_sao.config import dump_config
 
 
@@ -68,12 +68,7 @@ def test_a_second_ctrl_c_during_a_slow_shutdown_leaves_no_child_running(tmp_path
         assert wait_until(lambda: all(gone(pid) for pid in children), 5.0), \
             f"left running: {[pid for pid in children if not gone(pid)]}"
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for pid in children:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_leftovers(parent, children)
 
 
 def test_stop_all_signals_every_child_first_and_waits_for_them_together(tmp_path, monkeypatch):

@@ -150,6 +150,16 @@ def test_a_step_of_two_ranks_takes_a_rollout_for_each_even_past_max_rollouts_per
     assert counters["too_few_for_ranks"] == 0 and joiner.ready_rollouts() == 1
 
 
+def _log_and_read_three(feed: Feed, producer, topics, now: float) -> None:
+    """Log interactions i0..i2 on the broker and poll until the feed has read them (20 s at most)."""
+    for i in range(3):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+    producer.flush(10)
+    deadline = time.monotonic() + 20
+    while feed.joiner.num_waiting < 3 and time.monotonic() < deadline:
+        feed.poll()
+
+
 @pytest.mark.kafka
 def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_config):
     """Under backpressure the feed reads nothing (it polls with its partitions paused), and its
@@ -159,12 +169,7 @@ def test_records_arriving_while_the_feed_does_not_poll_count_as_unread(kafka_con
     feed = _started_feed(backend)
     topics, producer, now = kafka_config.topics, backend.producer(), time.time()
     try:
-        for i in range(3):
-            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
-        producer.flush(10)
-        deadline = time.monotonic() + 20
-        while feed.joiner.num_waiting < 3 and time.monotonic() < deadline:
-            feed.poll()
+        _log_and_read_three(feed, producer, topics, now)
         assert feed.joiner.num_waiting == 3
         for i in range(3, 8):
             publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
@@ -524,12 +529,7 @@ def test_a_commit_refused_after_a_long_step_is_made_again_on_the_broker(kafka_co
     feed.start(backend)
     topics, producer, now = kafka_config.topics, backend.producer(), time.time()
     try:
-        for i in range(3):
-            publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
-        producer.flush(10)
-        deadline = time.monotonic() + 20
-        while feed.joiner.num_waiting < 3 and time.monotonic() < deadline:
-            feed.poll()
+        _log_and_read_three(feed, producer, topics, now)
         checkpointed = dict(feed.offsets)
         for i in range(3, 5):  # logged during the step, not read yet
             publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))

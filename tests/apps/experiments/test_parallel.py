@@ -20,7 +20,7 @@ from apps.experiments.scenario import results_dir
 from tests.apps.experiments import sweep_jobs
 from tests.apps.experiments.test_inprocess import scenario
 from tests.fixtures.models import tiny_config
-from tests.fixtures.processes import gone, wait_until, with_terminal_sigint
+from tests.fixtures.processes import gone, kill_leftovers, wait_until, with_terminal_sigint
 
 REPO = Path(__file__).resolve().parents[3]
 STARTED_TIMEOUT_S = 120.0
@@ -146,9 +146,4 @@ def test_a_signal_to_the_sweep_stops_its_workers_and_no_run_writes_after_it(tmp_
             assert (tmp_path / "err").read_text().strip().splitlines()[-1] == \
                 f"online-sao: {said}; the runs that finished are kept: the same command with --resume runs the rest"
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for pid in workers:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_leftovers(parent, workers)

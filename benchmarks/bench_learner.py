@@ -25,6 +25,7 @@ come from the same machine clock.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import platform
 import shlex
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop_thread()
         traffic.producer.close()
 
-    lines = analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend)
+    lines = analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend, env)
     if broker is not None:
         broker.stop()
     print("\n".join(lines))
@@ -238,16 +239,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend) -> list[str]:
+def first_publication(published_steps: list[int], notices: dict[int, WeightsNotice],
+                      step: int) -> WeightsNotice | None:
+    """The notice of the first weights that hold what ``step`` trained: that step's own with
+    ``trainer.publish_every`` 1, a later step's otherwise; None when no later step published."""
+    at = bisect.bisect_left(published_steps, step)
+    return notices[published_steps[at]] if at < len(published_steps) else None
+
+
+def learner_threads(env: dict[str, str]) -> int:
+    """torch's thread count in a process started as the learner is (the learner sets none itself)."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                         env=env, check=True, capture_output=True, text=True)
+    return int(out.stdout.strip())
+
+
+def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend,
+            learner_env) -> list[str]:
     steps: dict[int, list[str]] = {}
     for step, iid in read_ledger(ledger):
         steps.setdefault(step, []).append(iid)
     consumer = backend.consumer([cfg.kafka.topics.weights], group_id=None, start="earliest")
-    notices: dict[int, WeightsNotice] = {}
+    notices: dict[int, WeightsNotice] = {}  # step -> the notice of the weights that step published
     for _ in range(10):
         for msg in consumer.poll(timeout_s=1.0):
             notice = decode(msg.value, WeightsNotice)
-            notices[notice.step] = notice
+            if notice.action == "publish":  # not a rollback, champion or hold notice
+                notices[notice.step] = notice
     consumer.close()
 
     client = MlflowClient(tracking_uri=cfg.mlflow_uri)
@@ -279,8 +297,11 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
     step_of = {iid: s for s, ids in steps.items() for iid in ids}
     to_publish, to_serve = [], []
     untrained = sorted(set(traffic.rewarded_at) - set(step_of))
+    published_steps = sorted(notices)
     for iid in set(traffic.rewarded_at) - backlog_ids - set(untrained):
-        notice = notices[step_of[iid]]
+        notice = first_publication(published_steps, notices, step_of[iid])
+        if notice is None:  # trained by a step after the last publication
+            continue
         to_publish.append(notice.created_at - traffic.rewarded_at[iid])
         served = [t for v, t in swaps.items() if v >= notice.version]
         if served:
@@ -304,7 +325,7 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         "",
         f"- command: `{command}`",
         f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} logical CPUs (shared; 1-min load "
-        f"average {load_before:.1f} at start), torch {torch.__version__}, {torch.get_num_threads()} torch threads",
+        f"average {load_before:.1f} at start), torch {torch.__version__}, {learner_threads(learner_env)} torch threads in the learner",
         f"- model: default model ({mc.model_type}, hidden {mc.hidden_size}, {mc.num_hidden_layers} layers, "
         f"vocab {mc.vocab_size}); algorithm {cfg.algorithm.name}, K = {cfg.algorithm.critic_updates}",
         f"- learner: its own process; min_rollouts {t.min_rollouts}, max_wait_s {t.max_wait_s}, "

@@ -296,7 +296,8 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
-        obj = json.loads(data, parse_constant=_refuse_constant)
+        # decoded here, not by json.loads: given bytes, it takes UTF-16 and UTF-32 too (and a BOM)
+        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise RecordError(f"not a JSON record: {exc}") from None
     except RecursionError:

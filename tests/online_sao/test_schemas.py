@@ -134,6 +134,15 @@ def test_malformed_input_is_rejected_with_the_reason(data, message):
         decode(data)
 
 
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+def test_a_valid_record_in_another_unicode_encoding_is_refused(codec):
+    # records are UTF-8 without a byte-order mark (docs/RECORDS.md); json.loads would take these
+    text = '{"schema_version":1,"kind":"reward","interaction_id":"x","value":1}'
+    assert decode(text.encode("utf-8")).interaction_id == "x"
+    with pytest.raises(RecordError, match="not a JSON record"):
+        decode(text.encode(codec))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=2_000))
 def test_random_bytes_raise_only_record_error(data):

@@ -19,6 +19,7 @@ Same behaviour as :mod:`streams.kafka_backend` where tests can observe it:
 * a position outside a partition's records (below its log start, or past its end after a seek) is
   reset when read, by ``start`` (Kafka's ``auto.offset.reset``): the log start for "earliest", the
   end for "latest";
+* a poll reads the partitions in turn, starting one further each poll that returned records;
 * a paused partition returns no records; with ``max_poll_interval_s`` a group member that did not
   poll for that long is dropped from its group: its commit raises GroupMembershipLost, and its next
   poll rejoins, every partition it gets put at the group's committed offset (kafka-python's reset
@@ -250,6 +251,9 @@ class InMemoryConsumer(Consumer):
         self._last_poll = time.monotonic()
         self._polling = False
         """In :meth:`poll` (waiting for records counts as polling, as in kafka-python)."""
+        self._first_read = 0
+        """Which readable partition a poll reads first: it moves on each poll, so a partition that always
+        holds ``max_records`` waiting does not starve the others (Kafka's fetcher rotates as well)."""
 
     def _take(self, tps: list[TopicPartition] | set[TopicPartition]) -> None:
         """Own exactly ``tps``: keep positions (and pauses) of kept ones, initialise new ones."""
@@ -329,7 +333,11 @@ class InMemoryConsumer(Consumer):
                 return []
             self._rebalance()
             out: list[StreamMessage] = []
-            for tp in [tp for tp in self._positions if tp not in self._paused]:
+            readable = [tp for tp in self._positions if tp not in self._paused]
+            if readable:
+                first = self._first_read % len(readable)
+                readable = readable[first:] + readable[:first]
+            for tp in readable:
                 log = self._backend._partition_log(tp)
                 pos = self._readable(tp, log)
                 batch = log.read(pos, max_records - len(out))
@@ -338,7 +346,10 @@ class InMemoryConsumer(Consumer):
                 if len(out) >= max_records:
                     break
             remaining = deadline - time.monotonic()
-            if out or remaining <= 0:
+            if out:
+                self._first_read += 1
+                return out
+            if remaining <= 0:
                 return out
             self._backend._lock.wait(remaining)
 

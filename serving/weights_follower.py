@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from online_sao.schemas import RecordError, WeightsNotice, decode
-from online_sao.weights import CorruptWeights, WeightStore
+from online_sao.weights import WeightStore
 from serving.engine.base import InferenceEngine, SwapResult
 from serving.engine.canary import ChampionServing
 from serving.weights_hold import HoldState
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
-LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportError)
-"""What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
-cannot parse, an fsspec protocol whose package is not installed): reported, and the engine keeps its
-weights."""
 
 
 class WeightsFollower:
@@ -170,7 +166,7 @@ class WeightsFollower:
         start = time.perf_counter()
         try:
             state = self.store.load(notice.location, notice.checksum)
-        except LOAD_ERRORS as exc:
+        except Exception as exc:  # as in _try
             log.error("cannot load champion v%d from %s: %s; the canary keeps v%s", notice.version,
                       notice.location, exc, self.engine.champion_version)
             return
@@ -190,8 +186,10 @@ class WeightsFollower:
         start = time.perf_counter()
         try:
             state = self.store.load(notice.location, notice.checksum)
-        except LOAD_ERRORS as exc:
-            reason = f"cannot load version {notice.version} from {notice.location}: {exc}"
+        except Exception as exc:  # one notice must not end the thread: a missing or corrupt file, and
+            # whatever fsspec raises for a location it cannot open (tarfile.ReadError, TypeError, an
+            # HTTP client's connection error) are the version's failure, not the follower's
+            reason = f"cannot load version {notice.version} from {notice.location}: {exc!r}"
             log.error("%s; keeping version %d", reason, self.engine.policy_version)
             return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)
         fetch_s = time.perf_counter() - start

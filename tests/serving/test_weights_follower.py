@@ -291,6 +291,27 @@ def test_a_notice_the_store_cannot_parse_or_the_engine_fails_on_is_reported_and_
         f.close()
 
 
+@pytest.mark.parametrize("location", ["tar://v00000001.safetensors::file://{not_a_tar}", "reference://x"])
+def test_a_location_fsspec_fails_on_with_its_own_error_is_reported_and_following_goes_on(
+        backend, base_model, tmp_path, location):
+    # tarfile.ReadError and TypeError: neither an OSError nor a ValueError
+    not_a_tar = tmp_path / "plain.txt"
+    not_a_tar.write_text("not a tar archive")
+    store = FileWeightStore(str(tmp_path / "weights"))
+    ref = store.save(2, state_for(base_model, 2))
+    f = Following(backend, store, base_model)
+    try:
+        send(backend, WeightsNotice(version=1, location=location.format(not_a_tar=not_a_tar), checksum="0" * 64))
+        f.caught_up(1)
+        assert not f.results[-1].applied and "cannot load version 1" in f.results[-1].reason
+        send(backend, notice(ref))
+        f.caught_up(2)
+        assert f.follower._thread.is_alive()
+        assert f.engine.policy_version == 2 and served(f.engine) == 2.0
+    finally:
+        f.close()
+
+
 def test_a_following_engine_is_held_and_released_and_a_restarted_one_replays_the_hold(backend, base_model):
     store = InProcessWeightStore()
     refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}

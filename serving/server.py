@@ -234,8 +234,9 @@ def follower_factory(cfg: Config, backend: StreamBackend):
     from serving.weights_follower import WeightsFollower
 
     def make(engine: InferenceEngine, metrics: ServingMetrics) -> WeightsFollower:
+        # the topic may carry other deployments' notices (keyed by model): follow this model's only
         follower = WeightsFollower(backend, cfg.kafka.topics.weights, open_weight_store(cfg.weight_store_url),
-                                   engine, on_result=metrics.observe_swap)
+                                   engine, on_result=metrics.observe_swap, model_name=cfg.serving.model_name)
         metrics.watch_hold(lambda: follower.holds.held_version)
         return follower
 

@@ -109,3 +109,42 @@ def test_a_sigterm_stops_serving_gracefully_runs_its_cleanup_and_exits_0(tmp_pat
             proc.communicate()
     assert proc.returncode == 0, output
     assert "serving stopped" in output  # run_server's cleanup after uvicorn, which the signal used to skip
+
+
+class RecordingEngine:
+    """What the weights follower needs of an engine: the version it serves, and swaps."""
+
+    policy_version = 0
+
+    def swap_weights(self, version, state, force=False):
+        self.policy_version = version
+        return SwapResult(version, True, 0.0, 0.0)
+
+
+def test_the_follower_of_serve_follows_its_own_models_notices_only(tmp_path):
+    import torch
+
+    from online_sao.schemas import WeightsNotice, encode
+    from online_sao.weights import open_weight_store
+    from serving.server import follower_factory
+    from tests.fixtures.models import tiny_config
+
+    cfg = tiny_config(tmp_path, **{"serving.model_name": "alpha"})
+    backend = InMemoryBackend()
+    backend.ensure_topics()
+    store = open_weight_store(cfg.weight_store_url)
+    refs = {v: store.save(v, {"w": torch.full((2,), float(v))}) for v in (3, 40)}
+    producer = backend.producer()
+    for model, version in (("beta", 40), ("alpha", 3)):  # another deployment on the same topic
+        ref = refs[version]
+        producer.send(cfg.kafka.topics.weights, encode(WeightsNotice(version=version, location=ref.location,
+                                                                     checksum=ref.checksum, model=model)),
+                      key=model.encode())
+    engine = RecordingEngine()
+    follower = follower_factory(cfg, backend)(engine, ServingMetrics(CollectorRegistry()))
+    follower.start()
+    try:
+        assert follower.wait_for(lambda: follower.consumed >= 2, 30.0)
+        assert engine.policy_version == 3
+    finally:
+        follower.stop()

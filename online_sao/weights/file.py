@@ -79,7 +79,7 @@ class FileWeightStore(WeightStore):
         return sorted(found)
 
     def delete(self, version: int) -> None:
-        self.fs.rm(self._path(version))
+        self._discard(self._path(version))  # another process pruning the same root may have been first
 
     def prune(self, keep_last: int, protected: set[int] = frozenset()) -> list[int]:
         """Also removes stale temporary files: a writer killed between writing and renaming

@@ -73,6 +73,14 @@ def test_missing_location_raises_file_not_found(store):
         store.load(ref.location, ref.checksum)
 
 
+def test_a_version_another_pruner_deleted_first_deletes_without_error(store):
+    # two learners on one store (one shutting down as its successor starts) may both prune it
+    store.save(1, _state())
+    store.delete(1)
+    store.delete(1)
+    assert store.versions() == []
+
+
 def test_prune_keeps_newest_and_protected(store):
     for v in range(1, 7):
         store.save(v, _state(v))

@@ -248,6 +248,18 @@ class DriftResponse:
                     ", critic reset" if self.critic_start is not None else "",
                     ", optimiser moments cleared" if self.cfg.reset_optimizers else "")
 
+    def after_registry_rollback(self) -> None:
+        """The registry rolled the learner back to its champion: the rewards and weight snapshots
+        gathered since belong to the rejected line. Tested against them, the champion's own rewards
+        (lower, when a monitor rejected a candidate that scored higher) raise an alarm that would
+        restart the champion or restore the rejected weights. The detector starts again from the
+        restored policy's rewards; a probation under way ends (its roll-back was undone too)."""
+        self.detector.history.clear()
+        self.detector.alarm_reference = []
+        self.scores.clear()
+        self.snapshots.clear()
+        self.probation = None
+
     def rollback(self, restored: Snapshot, next_version: int) -> None:
         t = self.trainables
         shrink_towards(t.policy, restored.policy, 0.0)

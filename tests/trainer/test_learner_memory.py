@@ -142,6 +142,23 @@ def _registry_rounds(tmp_path, model_dir, **overrides):
     return cfg, backend
 
 
+def test_a_registry_roll_back_starts_the_drift_detectors_books_again(tmp_path, tiny_model_dir, monkeypatch):
+    from trainer.plasticity import DriftResponse
+
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir, **{"drift.enabled": True})
+    histories = []
+    forget = DriftResponse.after_registry_rollback
+
+    def spied(self):
+        forget(self)
+        histories.append(list(self.detector.history))
+
+    monkeypatch.setattr(DriftResponse, "after_registry_rollback", spied)
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+    assert result.version == 4  # v2 rolled back to v1, republished as v4 (as in the test below)
+    assert histories == [[]]  # once, and the rejected line's rewards are gone
+
+
 def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_state(tmp_path, tiny_model_dir):
     # one partition: records are read in the order they were logged, so each step is one round;
     # round k is stamped as sampled by version k; round 2's answers are twice as long

@@ -225,6 +225,31 @@ def test_a_probation_still_below_the_reference_restarts():
     assert t.algorithm.forgotten == 1
 
 
+def test_after_a_registry_roll_back_the_champions_lower_rewards_are_not_tested_against_the_rejected_line():
+    # the registry rejected a candidate that scored higher (a monitor tripped on it) and the learner
+    # restored its champion: weights 2, earning 0 where the candidate (weights 3, 4) earned 1
+    t = trainables()
+    response = DriftResponse(settings(rollback_first=True), t)
+    for weight in (3.0, 4.0):
+        move(t, weight)
+        response.after_step([1.0, 1.0], [1, 1], next_version=2)
+    fill(t.policy, 2.0)
+    response.after_registry_rollback()
+    for _ in range(2):  # the detector's two windows, filled by the champion alone
+        metrics = response.after_step([0.0, 0.0], [3, 3], next_version=3)
+        assert metrics["drift_alarm"] == 0.0
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0))  # not restarted, not the rejected weights
+    assert t.algorithm.forgotten == 0
+
+
+def test_a_registry_roll_back_ends_a_drift_probation():
+    t, response, _ = rolled_back_after_a_drop()
+    response.after_registry_rollback()
+    assert response.probation is None
+    metrics = response.after_step([0.0, 0.1], [7, 7], next_version=8)  # a failed probation restarted here
+    assert metrics["drift_alarm"] == 0.0 and t.algorithm.forgotten == 0
+
+
 def test_without_a_snapshot_before_the_reference_window_an_alarm_restarts():
     t = trainables()
     response = DriftResponse(settings(rollback_first=True), t)

@@ -49,3 +49,16 @@ def test_pointwise_band_and_apart():
     assert not Interval(0.6, 0.35, 0.7, 5).apart_from(Interval(0.3, 0.2, 0.4, 5))
     with pytest.raises(ValueError):
         bootstrap_band(np.zeros((0, 3)))
+
+
+def test_a_long_band_equals_the_plain_enumeration_at_every_point():
+    # 3 seeds, 150 points (three blocks of BAND_COLUMNS): against every one of the 27 resamples' means
+    import itertools
+
+    values = np.random.default_rng(1).random((3, 150))
+    means = np.array([values[list(r)].mean(axis=0) for r in itertools.product(range(3), repeat=3)])
+    ordered = np.sort(means, axis=0)
+    # the inverted CDF's 2.5% and 97.5% quantiles of 27 equally likely means: the 1st and the 27th
+    low, high = bootstrap_band(values)
+    np.testing.assert_allclose(low, ordered[0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(high, ordered[26], rtol=0, atol=1e-12)

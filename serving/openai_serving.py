@@ -312,5 +312,9 @@ class OpenAIServing:
 
 
 def _text_length(turn: Turn, texts: TokenTexts, end: int) -> int:
-    """Characters of the texts of the turn's first ``end`` tokens (the completions' ``text_offset``)."""
-    return sum(len(texts.top(t, 0.0).token) for t in turn.token_ids[:end])
+    """Characters of the texts of the turn's first ``end`` tokens (the completions' ``text_offset``),
+    each token's text measured once (``Turn.token_text_ends``)."""
+    ends = turn.token_text_ends
+    for t in turn.token_ids[len(ends):end]:
+        ends.append((ends[-1] if ends else 0) + len(texts.top(t, 0.0).token))
+    return ends[end - 1] if end > 0 else 0

@@ -54,13 +54,16 @@ def test_completion_logprobs_plain_and_streamed_are_the_logged_ones(fake_http_se
     assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == len(lp.token_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
-    streamed, ids = [], set()
+    streamed, tokens, offsets, ids = [], [], [], set()
     for chunk in client.completions.create(model=MODEL, prompt="Tea", logprobs=0, max_tokens=50, stream=True):
         ids.add(chunk.interaction_id)
         for choice in chunk.choices:
             streamed += choice.logprobs.token_logprobs if choice.logprobs else []
+            tokens += choice.logprobs.tokens if choice.logprobs else []
+            offsets += choice.logprobs.text_offset if choice.logprobs else []
     [streamed_id] = ids
     assert streamed == _turn_logprobs(server, streamed_id)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # across chunks too
 
 
 @pytest.mark.parametrize("field, value", [

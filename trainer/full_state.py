@@ -7,6 +7,7 @@ collective under ``torchrun`` (every rank calls it); in one process it is a loca
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Collection
 
 import torch
@@ -21,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from trainer.distributed import DistContext, broadcast_json
+
+log = logging.getLogger(__name__)
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Gather unsharded tensors to CPU; with a process group only rank 0 receives them."""
@@ -123,23 +126,34 @@ def _undo_state_initialisation(optimizer: torch.optim.Optimizer) -> None:
 KERNEL_FLAGS = ("fused", "foreach")
 """Param-group settings of torch's optimisers that choose the implementation, not the update."""
 
+HYPERPARAMETERS = ("lr", "initial_lr", "weight_decay", "betas", "eps")
+"""Param-group settings of the update that the configuration chooses (``initial_lr``: the base rate
+of a learning-rate schedule, present when the optimiser has one)."""
+
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None,
-                         ctx: DistContext) -> None:
-    """Restore what :func:`optimizer_state` returned; rank 0's copy is broadcast. Collective."""
+                         ctx: DistContext, name: str = "optimizer") -> None:
+    """Restore what :func:`optimizer_state` returned; rank 0's copy is broadcast. Collective.
+
+    The moments and step counters are the checkpoint's; the kernel flags and hyper-parameters are
+    the optimiser's own, as constructed, but for a scheduled ``lr`` (:func:`_kept_settings`).
+    ``name`` says whose, in the log line of a hyper-parameter the checkpoint had otherwise."""
     if ctx.is_main and not state:
         raise ValueError("rank 0 needs the optimizer state to load")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.is_distributed)
-    # loading takes every param-group setting from the checkpoint, the kernel flags too: keep
-    # this process's (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes
-    # on the configured one
-    kernels = [{flag: group.get(flag) for flag in KERNEL_FLAGS} for group in optimizer.param_groups]
+    # loading takes every param-group setting from the checkpoint: keep this process's kernel flags
+    # (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes on the configured
+    # one, and its hyper-parameters, so an operator who lowers a rate (after a collapse, say) and
+    # restarts, or a roll-back, trains on the configured rate rather than the checkpoint's
+    configured = [_kept_settings(group) for group in optimizer.param_groups]
     fresh = broadcast_json(bool(ctx.is_main and not state["state"]), ctx)  # taken from an empty state
     set_optimizer_state_dict(model, optimizer, _containers_copied(state) if ctx.is_main else {}, options=options)
     if fresh:
         _undo_state_initialisation(optimizer)
-    for group, kernel in zip(optimizer.param_groups, kernels):
-        group.update(kernel)
+    for group, settings in zip(optimizer.param_groups, configured):
+        if ctx.is_main:
+            _log_overridden(name, group, settings)
+        group.update(settings)
     # Optimizer.load_state_dict keeps tensors that already have the right device and
     # dtype (the CPU step counters, a world-1 state): give the optimiser its own.
     given = _tree_storages(state) if ctx.is_main else set()
@@ -147,3 +161,25 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         for slot, value in slots.items():
             if isinstance(value, torch.Tensor) and _storage(value) in given:
                 slots[slot] = value.detach().clone()
+
+
+def _kept_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a freshly built ``group`` that a restore keeps (:func:`load_optimizer_state`)."""
+    keys = [key for key in (*KERNEL_FLAGS, *HYPERPARAMETERS) if key in group]
+    if "initial_lr" in group:
+        # a scheduled rate is where its schedule stands, which the checkpoint holds: the schedule's
+        # owner sets it again from the configured initial_lr (trainer.state), once the schedule is loaded
+        keys.remove("lr")
+    return {key: group[key] for key in keys}
+
+
+def _log_overridden(name: str, restored: dict[str, Any], configured: dict[str, Any]) -> None:
+    """One line for each hyper-parameter the checkpoint had otherwise than configured."""
+    for key in HYPERPARAMETERS:
+        if key not in configured or key not in restored:
+            continue
+        old, new = restored[key], configured[key]
+        if isinstance(new, tuple):
+            old = tuple(old)  # betas: a list after the checkpoint's JSON
+        if old != new:
+            log.info("%s %s %s in the checkpoint, %s configured: using %s", name, key, old, new, new)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
@@ -125,15 +126,33 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
     state from ``shared`` (:func:`_shared`). Collective."""
     t = trainables
     load_full_state_dict(t.policy, ckpt.models["policy"] if ckpt else None, ctx)
-    load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx)
+    load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx,
+                         name="policy")
     if t.critic is not None:
         load_full_state_dict(t.critic, ckpt.models["critic"] if ckpt else None, ctx)
-        load_optimizer_state(t.critic, t.optimizers.critic, ckpt.optimizers["critic"] if ckpt else None, ctx)
+        load_optimizer_state(t.critic, t.optimizers.critic, ckpt.optimizers["critic"] if ckpt else None, ctx,
+                             name="critic")
     if t.ema_reference is not None:
         load_full_state_dict(t.ema_reference, ckpt.models["reference"] if ckpt else None, ctx)
     if t.optimizers.critic_scheduler is not None and shared["scheduler"] is not None:
-        t.optimizers.critic_scheduler.load_state_dict(shared["scheduler"])
+        _load_warmup(t.optimizers.critic_scheduler, shared["scheduler"])
     t.algorithm.load_state_dict(shared["algorithm"])
+
+
+def _load_warmup(scheduler: LambdaLR, state: dict[str, Any]) -> None:
+    """The critic's warm-up (:func:`~online_sao.algorithms.linear_warmup`) at the step count of
+    ``state``, on the rate it was built on here.
+
+    Its state carries the rate of the run that saved it (``base_lrs``): kept, a restart with a
+    changed ``algorithm.critic_lr``, or a roll-back, would go on at the old rate, and one mid
+    warm-up would finish the ramp to the old rate."""
+    configured = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = configured
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(configured, scheduler.lr_lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() reports; LambdaLR's step() sets it the same way
 
 
 def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, progress: Progress | None,

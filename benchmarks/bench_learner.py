@@ -352,10 +352,10 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"| weights trained on it published | {dist(to_publish)} |",
         f"| serving switched to those weights | {dist(to_serve)} |",
         "",
-        f"Target (issue 17): p50 under 1 s to serving on a quiet machine. Rates are per cycle: waiting for data + training + publishing + "
-        f"checkpointing (MLflow logging between cycles is not counted). *checkpoint s*: what the learner's loop spends "
-        f"on a checkpoint (in the background: copying the state and waiting for the previous write, if any); "
-        f"*checkpoint write s*: the write itself (on its own thread in the background).",
+        "Target (issue 17): p50 under 1 s to serving on a quiet machine. Rates are per cycle: waiting for data + training + publishing + "
+        "checkpointing (MLflow logging between cycles is not counted). *checkpoint s*: what the learner's loop spends "
+        "on a checkpoint (in the background: copying the state and waiting for the previous write, if any); "
+        "*checkpoint write s*: the write itself (on its own thread in the background).",
     ]
 
 

@@ -73,7 +73,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from online_sao.durable import fsync_dir, replace_with_text
+from online_sao.durable import fsync_dir, naming_the_file, replace_with_text
 from online_sao.schemas import DeadLetter, encode
 from serving.spool_format import HEADER_BYTES, Damage, SpoolEntry, decode_payload, scan_log
 from streams.records import dead_letter
@@ -178,7 +178,7 @@ class Spool:
         for damage in damages:
             log.warning("spool %s: bytes %d-%d unreadable (%s)%s", self.log_path, damage.start, damage.end,
                         damage.reason, "; a write cut short, cut off" if damage.cut_short else "")
-            (self.directory / f"spool.corrupt-{stamp}-{damage.start}").write_bytes(data[damage.start:damage.end])
+            self._keep_aside(self.directory / f"spool.corrupt-{stamp}-{damage.start}", data[damage.start:damage.end])
         self.dropped_corrupt_bytes = sum(d.end - d.start for d in damages)
         if all(d.cut_short for d in damages):  # only the tail: cut it, nothing was lost
             with open(self.log_path, "r+b") as fh:
@@ -186,6 +186,19 @@ class Spool:
                 os.fsync(fh.fileno())
             return entries, damages[0].start
         return self._repair(data, entries, spans, damages)
+
+    @staticmethod
+    def _keep_aside(path: Path, damaged: bytes) -> None:
+        """A copy of damaged bytes for whoever investigates, if the disk takes it. Best effort: a start
+        on a full disk (a power loss during an outage that filled it) must still cut a torn tail, which
+        frees space, and send what the log holds; a damaged stretch that may hold records goes to the
+        dead letters with its bytes anyway (:meth:`_repair`)."""
+        try:
+            path.write_bytes(damaged)
+        except OSError as exc:
+            log.warning("spool: could not keep the unreadable bytes aside in %s (%s); going on without the copy",
+                        path, exc)
+            path.unlink(missing_ok=True)
 
     def _repair(self, data: bytes, entries: list[SpoolEntry], spans: list[tuple[int, int]],
                 damages: list[Damage]) -> tuple[list[SpoolEntry], int]:
@@ -202,10 +215,14 @@ class Spool:
             letters.append(SpoolEntry(seq, self.dead_letter_topic, None, encode(letter)).encode())
         repaired = b"".join(data[start:end] for start, end in spans) + b"".join(letters)
         tmp = self.log_path.with_name(self.log_path.name + ".repair")
-        with open(tmp, "wb") as fh:
-            fh.write(repaired)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with naming_the_file(tmp), open(tmp, "wb") as fh:  # a full disk: the error says which file
+                fh.write(repaired)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:  # the old log stays whole; a partial copy must not hold the space
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.log_path)
         fsync_dir(self.directory)
         self.dead_lettered_entries = len(letters)

@@ -72,6 +72,48 @@ def test_a_torn_tail_is_cut_and_kept_aside(tmp_path):
     assert [e.seq for e in Spool(tmp_path, 1 << 20, dead_letter_topic=DLQ).read_pending(10)] == [1, 2, 3]
 
 
+def test_a_torn_tail_is_cut_on_a_disk_too_full_to_keep_it_aside(tmp_path, monkeypatch):
+    # a power loss during an outage that filled the disk: the start must still cut the tail and go on
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    log = tmp_path / "spool.log"
+    log.write_bytes(log.read_bytes()[:-7])
+    write_bytes = type(log).write_bytes
+
+    def full(path, data):
+        if path.name.startswith("spool.corrupt-"):
+            path.touch()  # a partial file left behind, as a write cut short by ENOSPC can
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(type(log), "write_bytes", full)
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert [e.seq for e in reopened.read_pending(10)] == [1, 2]
+    assert not list(tmp_path.glob("spool.corrupt-*"))
+
+
+def test_a_repair_the_disk_cannot_hold_leaves_the_log_whole_and_no_partial_copy(tmp_path, monkeypatch):
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    spool.close()
+    log = tmp_path / "spool.log"
+    data = bytearray(log.read_bytes())
+    data[len(entries(1, 1)[0].encode()) - 3] ^= 0xFF  # the first entry damaged: the log must be rewritten
+    log.write_bytes(bytes(data))
+    real_fsync = os.fsync
+
+    def full(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".repair"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="spool.log.repair"):
+        Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert log.read_bytes() == bytes(data)
+    assert not (tmp_path / "spool.log.repair").exists()
+
+
 @pytest.mark.parametrize("cut", [0, 7], ids=["after-the-last-entry", "inside-the-last-entry"])
 def test_zeros_a_power_loss_left_at_the_end_are_cut_not_dead_lettered(tmp_path, cut):
     spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)

@@ -412,6 +412,10 @@ class Spool:
         except OSError as exc:
             self.watermark_error = f"cannot write {self.acked_path}: {exc}"
             log.warning("%s; acknowledged entries may be sent again after a restart", self.watermark_error)
+            # after a crash, entries the broker acknowledged come back as pending, beyond any window a
+            # process had with the producer: without a window written down, the start reads back every
+            # pending entry, and finds them on the topics instead of sending them twice
+            self.window_path.unlink(missing_ok=True)  # works on a full disk
 
     def readback_window(self, window: int) -> int:
         """How many of the oldest pending entries the read back after a restart must check: the most

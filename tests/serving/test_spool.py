@@ -449,3 +449,27 @@ def test_a_missing_read_back_window_reads_back_every_pending_entry(tmp_path):
     """No ``spool.window`` beside pending entries (an older version wrote the spool, or the write failed)."""
     Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).append(entries(1, 5))
     assert Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ).readback_window(2) == 5
+
+
+def test_after_a_watermark_the_disk_refused_a_restart_reads_back_every_pending_entry(tmp_path, monkeypatch):
+    import serving.spool as spool_module
+
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert spool.readback_window(2) == 2  # this process hands at most 2 entries to the producer at once
+    spool.append(entries(1, 10))
+    assert (tmp_path / "spool.window").read_text().split() == ["2"]
+    write = spool_module.replace_with_text
+
+    def full(path, text):
+        if path.name == "spool.acked":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(path, text)
+
+    monkeypatch.setattr(spool_module, "replace_with_text", full)
+    spool.ack_through(spool.read_pending(10)[7])  # the broker took 8; the watermark stays at 0
+    assert spool.watermark_error is not None
+    spool.close()  # a crash: the 8 come back as pending, where a window of 2 would check the first 2 only
+    monkeypatch.undo()
+    reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    assert reopened.pending_records == 10
+    assert reopened.readback_window(2) == 10

@@ -254,9 +254,9 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
     # the next number at once, the restored weights are what serving samples with, so its answers
     # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the
     # champion was dropped, no step ran, and serving stayed on the champion for good.
-    if models.drift is not None:  # every rank: they keep the same books
-        models.drift.after_registry_rollback()
     at.version += 1
+    if models.drift is not None:  # every rank: they keep the same books
+        models.drift.after_registry_rollback(at.version)
     republish(models.trainables.policy, ctx, rank0.releases if rank0 else None, at.version, at.step)
     at.rolled_back_as = at.version
     if rank0 is not None:

@@ -113,6 +113,9 @@ class DriftResponse:
         kept = (cfg.reference + cfg.recent) // cfg.recent + 2  # one at or before the reference window's start
         self.snapshots: deque[Snapshot] = deque(maxlen=kept)
         self.probation: Probation | None = None
+        self.version_floor = 0
+        """Rewards of answers sampled by an older version are left out of the test: a registry roll-back
+        sets it to the version the restored weights are published as (:meth:`after_registry_rollback`)."""
         self.scores: deque[float] = deque()
         """The newest trained rollouts' ``rollback_score`` (NaN where missing), oldest first;
         empty without a ``rollback_score``."""
@@ -121,12 +124,14 @@ class DriftResponse:
         """The books a checkpoint keeps (module docstring; not the weight snapshots)."""
         p = self.probation
         return {"detector": self.detector.state_dict(), "seen": self.seen, "scores": list(self.scores),
+                "version_floor": self.version_floor,
                 "probation": None if p is None else {"reference": p.reference, "from_version": p.from_version,
                                                      "rewards": p.rewards}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.detector.load_state_dict(state["detector"])
         self.seen = int(state["seen"])
+        self.version_floor = int(state.get("version_floor", 0))  # 0: a checkpoint from before the floor
         self.scores = deque(float(s) for s in state["scores"])
         p = state.get("probation")
         self.probation = None if p is None else Probation(list(p["reference"]), int(p["from_version"]),
@@ -183,11 +188,12 @@ class DriftResponse:
     def _within_lag(self, rewards: list[float], versions: list[int], next_version: int, scores: list[float] | None
                     ) -> tuple[list[float], list[int], list[float] | None, int]:
         """The step's rewards, versions and scores of answers sampled within ``max_version_lag`` of
-        ``next_version``, and how many were left out."""
+        ``next_version`` and not before :attr:`version_floor`, and how many were left out."""
         lag = self.cfg.max_version_lag
-        if lag is None:
+        if lag is None and self.version_floor == 0:
             return rewards, versions, scores, 0
-        keep = [i for i, v in enumerate(versions) if next_version - v <= lag]
+        keep = [i for i, v in enumerate(versions)
+                if v >= self.version_floor and (lag is None or next_version - v <= lag)]
         if len(keep) == len(rewards):
             return rewards, versions, scores, 0
         return ([rewards[i] for i in keep], [versions[i] for i in keep],
@@ -248,12 +254,15 @@ class DriftResponse:
                     ", critic reset" if self.critic_start is not None else "",
                     ", optimiser moments cleared" if self.cfg.reset_optimizers else "")
 
-    def after_registry_rollback(self) -> None:
-        """The registry rolled the learner back to its champion: the rewards and weight snapshots
-        gathered since belong to the rejected line. Tested against them, the champion's own rewards
-        (lower, when a monitor rejected a candidate that scored higher) raise an alarm that would
+    def after_registry_rollback(self, republished_as: int) -> None:
+        """The registry rolled the learner back to its champion, whose weights go out again as version
+        ``republished_as``: the rewards and weight snapshots gathered since belong to the rejected line,
+        and so do the rewards of its answers still on their way. Tested against them, the champion's own
+        rewards (lower, when a monitor rejected a candidate that scored higher) raise an alarm that would
         restart the champion or restore the rejected weights. The detector starts again from the
-        restored policy's rewards; a probation under way ends (its roll-back was undone too)."""
+        rewards of answers the restored weights sampled; a probation under way ends (its roll-back was
+        undone too)."""
+        self.version_floor = republished_as
         self.detector.history.clear()
         self.detector.alarm_reference = []
         self.scores.clear()

@@ -149,14 +149,14 @@ def test_a_registry_roll_back_starts_the_drift_detectors_books_again(tmp_path, t
     histories = []
     forget = DriftResponse.after_registry_rollback
 
-    def spied(self):
-        forget(self)
-        histories.append(list(self.detector.history))
+    def spied(self, republished_as):
+        forget(self, republished_as)
+        histories.append((republished_as, list(self.detector.history)))
 
     monkeypatch.setattr(DriftResponse, "after_registry_rollback", spied)
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
     assert result.version == 4  # v2 rolled back to v1, republished as v4 (as in the test below)
-    assert histories == [[]]  # once, and the rejected line's rewards are gone
+    assert histories == [(4, [])]  # once, and the rejected line's rewards are gone
 
 
 def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_state(tmp_path, tiny_model_dir):

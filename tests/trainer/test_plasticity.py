@@ -234,9 +234,11 @@ def test_after_a_registry_roll_back_the_champions_lower_rewards_are_not_tested_a
         move(t, weight)
         response.after_step([1.0, 1.0], [1, 1], next_version=2)
     fill(t.policy, 2.0)
-    response.after_registry_rollback()
+    response.after_registry_rollback(republished_as=4)
+    # the rejected line's answers still on their way (v2, v3), then the restored weights' own (v4)
+    assert response.after_step([1.0, 1.0], [2, 3], next_version=5)["drift_stale_rewards"] == 2.0
     for _ in range(2):  # the detector's two windows, filled by the champion alone
-        metrics = response.after_step([0.0, 0.0], [3, 3], next_version=3)
+        metrics = response.after_step([0.0, 0.0], [4, 4], next_version=5)
         assert metrics["drift_alarm"] == 0.0
     assert torch.equal(t.policy.weight, torch.full((1, 2), 2.0))  # not restarted, not the rejected weights
     assert t.algorithm.forgotten == 0
@@ -244,10 +246,23 @@ def test_after_a_registry_roll_back_the_champions_lower_rewards_are_not_tested_a
 
 def test_a_registry_roll_back_ends_a_drift_probation():
     t, response, _ = rolled_back_after_a_drop()
-    response.after_registry_rollback()
+    response.after_registry_rollback(republished_as=7)
     assert response.probation is None
     metrics = response.after_step([0.0, 0.1], [7, 7], next_version=8)  # a failed probation restarted here
     assert metrics["drift_alarm"] == 0.0 and t.algorithm.forgotten == 0
+
+
+def test_the_version_floor_of_a_registry_roll_back_is_checkpointed():
+    t = trainables()
+    response = DriftResponse(settings(), t)
+    response.after_registry_rollback(republished_as=9)
+    restored = DriftResponse(settings(), t)
+    restored.load_state_dict(response.state_dict())
+    assert restored.after_step([1.0, 1.0], [8, 9], next_version=10)["drift_stale_rewards"] == 1.0
+    older = response.state_dict()
+    del older["version_floor"]  # a checkpoint from before the floor
+    restored.load_state_dict(older)
+    assert restored.version_floor == 0
 
 
 def test_without_a_snapshot_before_the_reference_window_an_alarm_restarts():

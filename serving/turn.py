@@ -58,11 +58,11 @@ class Turn:
     parsed: ParsedAnswer | None = None
     """Chat with tools: the answer split into content and tool calls, once it ended."""
     receipt: Receipt | None = None
+    """Set when the interaction was submitted to the logger."""
     token_text_ends: list[int] = field(default_factory=list)
     """Where the texts of the first tokens end, in characters, as far as asked for (the completions'
     ``text_offset``): a stream asks at every chunk, and summing from the first token each time cost
     time in the square of the answer's length on the event loop."""
-    """Set when the interaction was submitted to the logger."""
 
     @property
     def path(self) -> str:

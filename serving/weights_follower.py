@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from online_sao.schemas import RecordError, WeightsNotice, decode
-from online_sao.weights import WeightStore
+from online_sao.weights import CorruptWeights, WeightStore
 from serving.engine.base import InferenceEngine, SwapResult
 from serving.engine.canary import ChampionServing
 from serving.weights_hold import HoldState
@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
+EXPECTED_LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportError)
+"""What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
+cannot parse, an fsspec protocol whose package is not installed): logged in a line. Anything else a
+load raises is that version's failure too (fsspec's backends raise errors of their own), logged with
+its traceback, as it may be a bug in the store."""
 
 
 class WeightsFollower:
@@ -167,8 +172,9 @@ class WeightsFollower:
         try:
             state = self.store.load(notice.location, notice.checksum)
         except Exception as exc:  # as in _try
-            log.error("cannot load champion v%d from %s: %s; the canary keeps v%s", notice.version,
-                      notice.location, exc, self.engine.champion_version)
+            reason = f"cannot load champion v{notice.version} from {notice.location}: {exc!r}"
+            _log_load_failure(exc, "%s; the canary keeps v%s", reason, self.engine.champion_version)
+            self.last_champion_result = SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason)
             return
         try:
             result = self.engine.swap_champion(notice.version, state)
@@ -190,7 +196,7 @@ class WeightsFollower:
             # whatever fsspec raises for a location it cannot open (tarfile.ReadError, TypeError, an
             # HTTP client's connection error) are the version's failure, not the follower's
             reason = f"cannot load version {notice.version} from {notice.location}: {exc!r}"
-            log.error("%s; keeping version %d", reason, self.engine.policy_version)
+            _log_load_failure(exc, "%s; keeping version %d", reason, self.engine.policy_version)
             return SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason=reason)
         fetch_s = time.perf_counter() - start
         try:
@@ -203,3 +209,11 @@ class WeightsFollower:
             log.warning("%s version %d: %s", notice.action, notice.version, result.reason)
         # the store read is part of loading off the request path
         return SwapResult(result.version, result.applied, fetch_s + result.load_s, result.stall_s, result.reason)
+
+
+def _log_load_failure(exc: Exception, message: str, *args: object) -> None:
+    """An error line for a failure a store expects (:data:`EXPECTED_LOAD_ERRORS`), with the traceback otherwise."""
+    if isinstance(exc, EXPECTED_LOAD_ERRORS):
+        log.error(message, *args)
+    else:
+        log.error(message, *args, exc_info=exc)

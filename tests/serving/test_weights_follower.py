@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -233,7 +234,9 @@ def test_champion_notices_load_the_canary_and_move_no_serving_version(backend, b
         missing = WeightsNotice(action="champion", version=5, location="mem://999", checksum="0" * 64)
         send(backend, missing)  # cannot be loaded: the canary keeps its champion
         c.caught_up(6)
-        assert c.engine.champion_version == 4 and c.follower.last_champion_result.version == 4
+        assert c.engine.champion_version == 4
+        result = c.follower.last_champion_result  # the failure is the newest champion notice's outcome
+        assert result.version == 5 and not result.applied and "cannot load champion v5" in result.reason
     finally:
         c.follower.stop()
 
@@ -293,7 +296,7 @@ def test_a_notice_the_store_cannot_parse_or_the_engine_fails_on_is_reported_and_
 
 @pytest.mark.parametrize("location", ["tar://v00000001.safetensors::file://{not_a_tar}", "reference://x"])
 def test_a_location_fsspec_fails_on_with_its_own_error_is_reported_and_following_goes_on(
-        backend, base_model, tmp_path, location):
+        backend, base_model, tmp_path, location, caplog):
     # tarfile.ReadError and TypeError: neither an OSError nor a ValueError
     not_a_tar = tmp_path / "plain.txt"
     not_a_tar.write_text("not a tar archive")
@@ -301,9 +304,12 @@ def test_a_location_fsspec_fails_on_with_its_own_error_is_reported_and_following
     ref = store.save(2, state_for(base_model, 2))
     f = Following(backend, store, base_model)
     try:
-        send(backend, WeightsNotice(version=1, location=location.format(not_a_tar=not_a_tar), checksum="0" * 64))
-        f.caught_up(1)
+        with caplog.at_level(logging.ERROR, logger="serving.weights_follower"):
+            send(backend, WeightsNotice(version=1, location=location.format(not_a_tar=not_a_tar), checksum="0" * 64))
+            f.caught_up(1)
         assert not f.results[-1].applied and "cannot load version 1" in f.results[-1].reason
+        [logged] = [r for r in caplog.records if "cannot load version 1" in r.getMessage()]
+        assert logged.exc_info is not None  # an error no store expects: its traceback is in the log
         send(backend, notice(ref))
         f.caught_up(2)
         assert f.follower._thread.is_alive()

@@ -292,7 +292,9 @@ class OpenAIServing:
             pieces = self._pieces(turn)
             # the engine takes the request (or refuses it: an APIError with its status) before any header
             # goes out; the first piece stays in ``turn.text`` for the stream's first chunk. Until then
-            # no response watches the client (it is not sent yet): ``disconnected`` does
+            # no response watches the client (it is not sent yet): ``disconnected`` does. The rest of the
+            # turn runs in a task of its own (streaming.TurnDriver), so it ends, is logged and leaves the
+            # batch, its deadline and the shutdown's cut reaching it, even while the client reads nothing
             with self._interruptible(turn, disconnected):
                 await anext(pieces, None)
             stream = AnswerStream(turn, fmt, self.cfg.model_name, include_usage,

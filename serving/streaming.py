@@ -7,10 +7,16 @@ may begin a tool call, and blank text before it, waits for the end of the answer
 chunk once the record is durable, the usage chunk when asked for, ``[DONE]``. Whatever stops it after the
 headers went out (a failure, the shutdown's cut, the request's deadline) ends it with a ``data: {"error": ...}``
 event instead.
+
+The turn itself (its pieces, then its record's durability) runs in a task of its own (:class:`TurnDriver`),
+not in the response's: a client that stops reading blocks only the sending of the lines (the server's
+``send()`` waits for the socket), while the answer is still sampled to its end, logged, and counted out
+of the engine's batch, and the request's deadline and the shutdown's cut still reach it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, aclosing
@@ -45,6 +51,63 @@ def stream_error(exc: Exception) -> dict:
     return (exc if isinstance(exc, APIError) else generation_failed(exc)).body()
 
 
+class TurnDriver:
+    """Runs the rest of a streamed turn in a task of its own (made on creation, on the running loop): reads
+    its pieces to the end, then waits for its record's durability, each await inside an ``interruptible``
+    section, so the shutdown's cut and the request's deadline interrupt it (in this task) and the record is
+    logged and the engine's slot freed whether or not the client reads the stream.
+
+    The response reads :meth:`progress`. :meth:`stop` (the response ended early: its client left) cancels
+    the task and waits for it, so the turn is logged once, as ``abort``."""
+
+    def __init__(self, turn: Turn, pieces: AsyncIterator[str], acknowledge: Callable[[], Awaitable[None]],
+                 interruptible: Callable[[], AbstractContextManager[None]]):
+        self._turn = turn
+        self._pieces = pieces
+        self._marks: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        self._marks.put_nowait((len(turn.text), len(turn.token_ids)))  # the piece read before the stream began
+        self.task = asyncio.get_running_loop().create_task(self._run(acknowledge, interruptible))
+        self.task.add_done_callback(_retrieve)
+
+    async def _run(self, acknowledge: Callable[[], Awaitable[None]],
+                   interruptible: Callable[[], AbstractContextManager[None]]) -> None:
+        turn = self._turn
+        try:
+            async with aclosing(self._pieces):
+                while True:
+                    with interruptible():
+                        piece = await anext(self._pieces, None)
+                    if piece is None:
+                        break
+                    self._marks.put_nowait((len(turn.text), len(turn.token_ids)))
+            with interruptible():
+                await acknowledge()
+        finally:
+            self._marks.put_nowait(None)
+
+    async def progress(self) -> AsyncIterator[tuple[int, int]]:
+        """The turn's characters of text and tokens after each piece, as the turn advances (however far
+        the reader lags behind); at the end, what ended the turn is raised (nothing: its record is
+        durable)."""
+        while (mark := await self._marks.get()) is not None:
+            yield mark
+        await asyncio.wait({self.task})  # it ends at once after the last mark; not cancelled with the reader
+        self.task.result()
+
+    async def stop(self) -> None:
+        """Cancel the turn unless it ended, and wait until it did (its record is then submitted)."""
+        if not self.task.done():
+            self.task.cancel()
+            await asyncio.wait({self.task})
+        await self._pieces.aclose()  # a task cancelled before its first step never opened them
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A driver's outcome is read by its stream, or nobody's once the stream ended: never reported as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class AnswerStream:
     """The SSE lines of one turn's streamed answer."""
@@ -55,8 +118,9 @@ class AnswerStream:
     include_usage: bool
     parser: ToolCallParser | None
     """The tool-call parser when the request has tools, else None."""
-    logprobs: Callable[[int], BaseModel | None]
-    """The endpoint's log-probs of the turn's tokens from an index on (None unless asked for)."""
+    logprobs: Callable[..., BaseModel | None]
+    """The endpoint's log-probs of the turn's tokens from an index on, to an index when given (else to the
+    end); None unless asked for."""
     acknowledge: Callable[[], Awaitable[None]]
     """Returns once the turn's record is durable; raises the 503 when it cannot be made so."""
     interruptible: Callable[[], AbstractContextManager[None]]
@@ -67,23 +131,19 @@ class AnswerStream:
         """The stream's SSE lines, ending with an error event when it fails, the shutdown cuts it or its
         deadline passes.
 
-        Each line is awaited inside :attr:`interruptible`, not the sending of it (an interruption there
-        could not be answered); the streaming response itself stops the stream when its client
-        disconnects. After ``[DONE]`` nothing is awaited: an interruption then would follow a complete
-        answer."""
-        lines = self._lines(pieces)
+        The turn runs in its :class:`TurnDriver` (started here, at the stream's first line), where the
+        interruptions reach it; the lines follow it, each sent as the client reads. The streaming response
+        itself stops the stream when its client disconnects, which cancels the driver. After ``[DONE]``
+        nothing is awaited: an interruption then would follow a complete answer."""
+        driver = TurnDriver(self.turn, pieces, self.acknowledge, self.interruptible)
         try:
-            async with aclosing(lines):
-                while True:
-                    with self.interruptible():
-                        line = await anext(lines, None)
-                    if line is None:
-                        break
+            async with aclosing(self._lines(driver)) as lines:
+                async for line in lines:
                     yield line
-                    if line == DONE:
-                        break
         except Exception as exc:  # headers are sent: the error travels as an SSE event
             yield sse(stream_error(exc))
+        finally:
+            await driver.stop()
 
     def _chunk(self, choice: BaseModel, final: bool = False) -> str:
         turn = self.turn
@@ -92,29 +152,32 @@ class AnswerStream:
                                   policy_version=max(turn.versions) if final else None,
                                   policy_versions=turn.policy_versions if final else None))
 
-    async def _lines(self, pieces: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The stream's SSE lines from ``pieces`` to ``[DONE]``."""
+    async def _lines(self, driver: TurnDriver) -> AsyncIterator[str]:
+        """The stream's SSE lines as ``driver`` advances the turn, to ``[DONE]``."""
         turn, fmt = self.turn, self.fmt
         sent_tokens, sent_text = 0, 0  # tokens whose log-probs went out; characters of turn.text that did
 
-        def ready_piece() -> str | None:
-            """The chunk of the text not yet sent, if any may go out (with tools, text that may be a
-            tool call waits for the end of the answer)."""
+        def ready_piece(text_end: int, token_end: int) -> str | None:
+            """The chunk of the text not yet sent, up to a piece that ended at ``text_end`` characters and
+            ``token_end`` tokens (the driver may be further on), if any may go out (with tools, text that
+            may be a tool call waits for the end of the answer)."""
             nonlocal sent_tokens, sent_text
-            ready = len(turn.text) if self.parser is None else self.parser.held_from(turn.text)
+            if self.parser is None:
+                ready = text_end
+            else:
+                ready = self.parser.held_from(turn.text if text_end == len(turn.text) else turn.text[:text_end])
             if ready <= sent_text:
                 return None
-            line = self._chunk(fmt.piece_choice(turn.text[sent_text:ready], self.logprobs(sent_tokens)))
-            sent_tokens, sent_text = len(turn.token_ids), ready
+            logprobs = None if turn.top_logprobs is None else self.logprobs(sent_tokens, token_end)
+            line = self._chunk(fmt.piece_choice(turn.text[sent_text:ready], logprobs))
+            sent_tokens, sent_text = token_end, ready
             return line
 
         if fmt.opening_choice is not None:
             yield self._chunk(fmt.opening_choice())
-        async with aclosing(pieces):
-            if (line := ready_piece()) is not None:  # the piece read before the stream began
-                yield line
-            async for _ in pieces:
-                if (line := ready_piece()) is not None:
+        async with aclosing(driver.progress()) as progress:
+            async for text_end, token_end in progress:  # at its end, the turn's record is durable
+                if (line := ready_piece(text_end, token_end)) is not None:
                     yield line
         if turn.parsed is not None:
             rest = turn.content[sent_text:] if turn.content.startswith(turn.text[:sent_text]) else ""
@@ -123,7 +186,6 @@ class AnswerStream:
                 sent_tokens = len(turn.token_ids)
             for index, call in enumerate(turn.parsed.calls):
                 yield self._chunk(fmt.tool_call_choice(index, call))
-        await self.acknowledge()
         yield self._chunk(fmt.final_choice(turn.answer_finish_reason, self.logprobs(sent_tokens)), final=True)
         if self.include_usage:
             yield sse(fmt.chunk(id=turn.interaction_id, created=turn.created, model=self.model, choices=[],

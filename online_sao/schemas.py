@@ -10,6 +10,7 @@ size, the JSON, the kind, the schema version and every field, and raises
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 import re
 import time
@@ -295,6 +296,8 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
                           else f"record value is {type(data).__name__}, not bytes")
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+    if data.startswith(codecs.BOM_UTF8):  # json's own message would advise decoding with utf-8-sig
+        raise RecordError("not a JSON record: it starts with a byte-order mark (records are UTF-8 without one)")
     try:
         # decoded here, not by json.loads: given bytes, it takes UTF-16 and UTF-32 too (and a BOM)
         obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)

@@ -139,8 +139,9 @@ def test_a_valid_record_in_another_unicode_encoding_is_refused(codec):
     # records are UTF-8 without a byte-order mark (docs/RECORDS.md); json.loads would take these
     text = '{"schema_version":1,"kind":"reward","interaction_id":"x","value":1}'
     assert decode(text.encode("utf-8")).interaction_id == "x"
-    with pytest.raises(RecordError, match="not a JSON record"):
+    with pytest.raises(RecordError, match="not a JSON record") as refused:
         decode(text.encode(codec))
+    assert "utf-8-sig" not in str(refused.value)  # not advice to read it another way
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

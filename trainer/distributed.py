@@ -50,9 +50,9 @@ loss 0 instead of 0/0 (same floor as online_sao.losses.MIN_NORMALIZER)."""
 
 T = TypeVar("T")
 
-SUMMED_METRICS = frozenset({"num_rollouts", "num_action_tokens"})
+SUMMED_METRICS = frozenset({"num_rollouts", "num_action_tokens", "num_groups", "singleton_groups"})
 """Metrics that count things on each rank's share: the step's value is the sum
-over ranks, not the mean."""
+over ranks, not the mean (a GRPO group is never split across ranks)."""
 MAXED_METRICS = frozenset({"version_lag_max"})
 """Metrics that are a maximum over each rank's share: the step's value is the maximum over ranks."""
 

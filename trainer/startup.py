@@ -47,13 +47,22 @@ and level windows would hold world_size times their rollouts (their sums are add
 a checkpoint keeps rank 0's windows only, which a restart gives every rank (docs/ALGORITHM.md)."""
 
 
+ONE_PROCESS_CRITIC_ORDERS = ("replay_then_judge",)
+"""Critic orders with such a window too: the replay window of ``critic_replay_rollouts`` (each rank
+would fit its critic on its own window, and a restart gives every rank rank 0's)."""
+
+
 def check_options_fit_the_ranks(cfg: AlgorithmConfig, world_size: int) -> None:
-    """Refuse :data:`ONE_PROCESS_OPTIONS` under several ranks (ConfigError naming them)."""
+    """Refuse :data:`ONE_PROCESS_OPTIONS` and :data:`ONE_PROCESS_CRITIC_ORDERS` under several ranks
+    (ConfigError naming them)."""
     used = [name for name in ONE_PROCESS_OPTIONS if getattr(cfg, name)]
+    if cfg.critic_order in ONE_PROCESS_CRITIC_ORDERS:
+        used.append(f"critic_order={cfg.critic_order}")
     if world_size > 1 and used:
         raise ConfigError(f"algorithm.{', algorithm.'.join(used)} run in one process only: each rank would keep a "
                           f"window of its own rollouts, {world_size} times the configured size, and a restart "
-                          "would give every rank rank 0's; set them to 0 or run the learner as one process")
+                          "would give every rank rank 0's; set them to 0 (another critic_order) or run the learner "
+                          "as one process")
 
 
 @dataclass

@@ -21,7 +21,8 @@ checkpoint relies on, and writes on rank 0, as safetensors under ``--out``:
   critic and reference bodies are compiled (``--compile``), the pre-training metrics,
   and whether pre-training refused per-rank shares (it must, in two ranks);
 - ``baselines.json``: for ``grpo`` and ``running_mean``, the advantage each rank's rule
-  gave every rollout of each step (grouped rollouts, gathered in the step's order);
+  gave every rollout of each step (grouped rollouts, gathered in the step's order), and under
+  ``<rule>_metrics`` each step's metrics reduced over ranks;
 - ``whitened_policy.safetensors`` and ``whitened`` in ``metrics.json``: the policy and the
   step metrics of SAO with ``normalize_advantages`` on, trained from fresh models;
 - ``restarted_policy.safetensors``, ``restarted_critic.safetensors`` and ``restart`` in
@@ -163,7 +164,7 @@ class Learner:
             gathered[position[iid]] = value
         if self.ctx.is_distributed:
             dist.all_reduce(gathered, op=dist.ReduceOp.SUM)
-        reduce_metrics(self.algorithm.step(batch), self.ctx)
+        self.last_metrics = reduce_metrics(self.algorithm.step(batch), self.ctx)
         return gathered.tolist()
 
     def gather(self) -> dict[str, dict]:
@@ -203,12 +204,14 @@ def baseline_advantages(ctx: DistContext, data: list[list[Rollout]] | None, step
     report = {}
     for name in ("grpo", "running_mean"):
         learner = Learner(AlgorithmConfig(name=name, group_size=GROUP_SIZE, running_mean_window=8), ctx, MODEL_SEED)
-        per_step = []
+        per_step, step_metrics = [], []
         for step in range(steps):
             grouped = None if data is None else [replace(r, group_id=i // GROUP_SIZE)
                                                  for i, r in enumerate(data[step])]
             per_step.append(learner.advantages_then_step(broadcast_rollouts(grouped, ctx), version=step))
+            step_metrics.append(learner.last_metrics)
         report[name] = per_step
+        report[f"{name}_metrics"] = step_metrics
     return report
 
 

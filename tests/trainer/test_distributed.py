@@ -260,6 +260,15 @@ def test_baselines_under_two_ranks_give_the_advantages_of_one_process(two_ranks,
     assert any(abs(a) > 0.1 for step in want for a in step)  # advantages that could differ
 
 
+def test_grpo_group_counts_under_two_ranks_are_the_whole_steps(two_ranks, one_process):
+    """Each rank counts the groups of its share: the step's count is their sum, not their mean."""
+    got = json.loads((two_ranks / "baselines.json").read_text())["grpo_metrics"]
+    want = json.loads((one_process / "baselines.json").read_text())["grpo_metrics"]
+    assert [m["num_groups"] for m in want] == [2.0, 2.0, 2.0]  # six rollouts of a step, groups of three
+    assert [(m["num_groups"], m["singleton_groups"]) for m in got] == \
+        [(m["num_groups"], m["singleton_groups"]) for m in want]
+
+
 def test_whitened_advantages_under_two_ranks_match_one_process(two_ranks, one_process):
     """normalize_advantages whitens with the moments of the whole step's action tokens, not
     of each rank's share: loss and trained policy are the single process's."""

@@ -8,7 +8,7 @@ versions and tags kept (the deploy decisions' record) and tagged ``weights_prune
 A registration stopped part way (the learner stopped while the artifact store failed its upload,
 or the undo of a refused registration could not delete) leaves a model directory no registry
 version refers to. The first pruning of each learner lifetime, and the first after a failed
-registration, deletes those of the learner's run.
+registration, deletes those of the learner's run that no version of any registered model refers to.
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ class RegistryRetention:
         """Delete the run's model directories that no registry version refers to (module docstring).
         Called only between registrations: the learner registers one at a time."""
         root = f"{self.client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/{POLICY_DIR}"
-        # by name within the run: a source written under another form of the store's address still counts
-        referenced = {found.source.rstrip("/").rsplit("/", 1)[-1] for found in self._search()
+        # by name within the run: a source written under another form of the store's address still counts;
+        # every registered model's versions: a run resumed under another mlflow.registered_model (or a
+        # version an operator registered from it) still refers to the directories of the first
+        referenced = {found.source.rstrip("/").rsplit("/", 1)[-1] for found in self._run_versions()
                       if found.run_id == self.run_id}
         for item in self.client.list_artifacts(self.run_id, POLICY_DIR):
             name = item.path.rsplit("/", 1)[-1]
@@ -103,6 +105,16 @@ class RegistryRetention:
             if WEIGHTS_PRUNED not in found.tags and "policy_version" in found.tags:
                 self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "false")
         self.client.set_registered_model_tag(self.model_name, RETENTION_MARKED, "true")
+
+    def _run_versions(self) -> list:
+        """The versions of every registered model made from the learner's run, all pages."""
+        found, token = [], None
+        while True:
+            page = self.client.search_model_versions(f"run_id = '{self.run_id}'", page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
 
     def _search(self, tag_filter: str | None = None) -> list:
         """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""

@@ -1,0 +1,36 @@
+"""Registry retention's sweep of a run's unregistered model directories, against a real MLflow SQLite
+store: a directory a version of another registered model refers to is not unregistered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from mlflow import MlflowClient
+
+from online_sao.config import load_config
+from online_sao.weights import FileWeightStore
+from trainer.tracking import RunTracker
+
+
+def test_a_run_resumed_under_another_registered_model_keeps_the_first_models_directories(tmp_path):
+    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                             "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    store = FileWeightStore(str(tmp_path / "weights"))
+    first = RunTracker(cfg)
+    for version in (1, 2):
+        ref = store.save(version, {"w": torch.full((2,), float(version))})
+        first.register(ref, 0.0)
+        if version == 1:
+            first.record_decision("promoted", {}, ref)
+    first.close()
+    renamed = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"registered_model": "policy-renamed"})})
+    resumed = RunTracker(renamed, run_id=first.run_id)  # a new lifetime: its first pruning sweeps the run
+    resumed.register(store.save(3, {"w": torch.full((2,), 3.0)}), 0.0)
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    champion = client.get_model_version_by_alias(cfg.mlflow.registered_model, "champion")
+    assert Path(champion.source.removeprefix("file://")).is_dir()
+    assert champion.tags["weights_pruned"] == "false"
+    resumed.close()

@@ -165,7 +165,8 @@ def learner_counters(acfg: AppConfig) -> dict[str, float]:
     run = learner_run(acfg)
     if run is None:
         return {}
-    steps = len(MlflowClient(tracking_uri=acfg.mlflow_uri).get_metric_history(run.info.run_id, "step_time_s"))
+    history = MlflowClient(tracking_uri=acfg.mlflow_uri).get_metric_history(run.info.run_id, "step_time_s")
+    steps = len({m.step for m in history})  # a learner restarted from a checkpoint logs the steps it replays again
     return {**run.data.metrics, "steps": float(steps)}
 
 

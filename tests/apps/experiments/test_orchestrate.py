@@ -102,7 +102,7 @@ def test_learner_counters_come_from_the_arms_newest_learner_run(tmp_path):
     for group, incomplete in (("sao-learner.drift.grpo", 1.0), ("sao-learner.drift.sao", 7.0),
                               ("sao-learner.drift.grpo", 3.0)):  # a rerun of the grpo arm: the newest counts
         tracker = RunTracker(arm_cfg(group))
-        for step in (1, 2):
+        for step in (1, 2, 2):  # a learner restarted from its step-1 checkpoint logs step 2 again
             tracker.log_metrics({"join_incomplete_groups": incomplete, "step_time_s": 0.1}, step=step)
         tracker.close("FINISHED")
     counters = learner_counters(arm_cfg("sao-learner.drift.grpo"))

@@ -15,9 +15,9 @@ scores it and the champion on the same recent rollouts, those sampled since the 
 published (trainer.deploy, online_sao.gate), and the monitors read its recent answers; it is
 promoted, rolled back (serving and the learner return to the champion), or left pending (the
 gate refused or could not tell; the next registration supersedes it). Unless it was rolled
-back, the new version is then registered as the next candidate. With a canary
-(``deploy.canary_share``) every new champion is also announced (``action="champion"``), and
-serving answers the canary share with it.
+back, the new version is then registered as the next candidate. Every new champion is also
+announced (``action="champion"``): with a canary (``deploy.canary_share``) serving answers the
+canary share with it, and ``online-sao weights hold --champion`` reads it there.
 """
 
 from __future__ import annotations
@@ -163,16 +163,17 @@ class Releases:
         self.window.mark_registration(reads)
 
     def _new_champion(self, ref: WeightsRef, step: int) -> None:
-        """With a canary, serving answers its share with the new champion from now on."""
-        if self.cfg.canary_share > 0:
-            self.publisher.announce_champion(ref, step)
+        """Announced on the weights topic: with a canary, serving answers its share with the new
+        champion from now on; without one, replicas ignore the notice, and ``online-sao weights hold
+        --champion`` reads the champion there (without it the topic named none, or an old one)."""
+        self.publisher.announce_champion(ref, step)
 
     def announce_champion_again(self, step: int) -> None:
-        """At a learner's start, with a canary: the registry's champion is announced again. A
-        promotion stopped after the registry recorded it and before its notice reached the broker
-        is never decided again (candidate and champion are one version), so nothing else would tell
-        serving; a notice of the champion serving already has changes nothing there."""
-        champion = self.tracker.champion() if self.cfg.canary_share > 0 else None
+        """At a learner's start: the registry's champion is announced again. A promotion stopped
+        after the registry recorded it and before its notice reached the broker is never decided
+        again (candidate and champion are one version), so nothing else would tell serving (or the
+        hold command); a notice of the champion serving already has changes nothing there."""
+        champion = self.tracker.champion()
         if champion is not None and champion[0] in self.publisher.store.versions():
             self.publisher.announce_champion(champion[1], step)
 

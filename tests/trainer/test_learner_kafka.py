@@ -77,9 +77,11 @@ def test_learner_trains_publishes_and_serving_follows(tmp_path, kafka_config, ti
 
     assert served == [0, 1, 2, 3, 4]
     weights = backend.consumer([topics.weights], group_id=None, start="earliest")
-    notices = [decode(m.value, WeightsNotice) for m in drain(weights, 4)]
+    announced = [decode(m.value, WeightsNotice) for m in drain(weights, 5)]
     weights.close()
+    notices = [n for n in announced if n.action != "champion"]  # what serving follows
     assert [(n.version, n.step, n.action) for n in notices] == [(v, v, "publish") for v in range(1, 5)]
+    assert [n.version for n in announced if n.action == "champion"] == [2]  # decided (promoted) at v4
     assert 2 in store.versions()  # registered: kept however far pruning goes
 
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)

@@ -168,9 +168,11 @@ def test_registry_gate_promotes_then_a_monitor_rolls_back_the_whole_training_sta
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
 
     assert result.version == 4  # the champion's restored weights, published again under the next number
-    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    announced = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    notices = [n for n in announced if n.action != "champion"]  # what serving follows
     assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
                                                         ("rollback", 1), ("publish", 4)]
+    assert [(n.version, n.step) for n in announced if n.action == "champion"] == [(1, 2)]  # v1 promoted at step 2
     store = FileWeightStore(cfg.weight_store_url)
     v1, v4 = (store.load(n.location, n.checksum) for n in (notices[0], notices[-1]))
     assert v1.keys() == v4.keys() and all(torch.equal(v4[k], v) for k, v in v1.items())
@@ -296,8 +298,10 @@ def test_a_reward_drop_restarts_the_policy_and_makes_the_restart_champion(tmp_pa
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=4))
 
     # publish_every 1: v1, v2 after steps 1-2, v3 the restart after step 3, v4 after step 4
-    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    announced = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    notices = [n for n in announced if n.action != "champion"]  # what serving follows
     assert [(n.action, n.version) for n in notices] == [("publish", v) for v in (1, 2, 3, 4)]
+    assert [(n.version, n.step) for n in announced if n.action == "champion"] == [(3, 3)]  # the restart
     store = FileWeightStore(cfg.weight_store_url)
     restart = store.load(notices[2].location, notices[2].checksum)
     assert all(torch.equal(restart[k], v) for k, v in base.state_dict().items())  # the starting weights
@@ -329,8 +333,10 @@ def test_with_rollback_first_a_reward_drop_publishes_the_weights_from_before_it_
 
     result = train(cfg, backend, init_distributed(), RunUntil(max_steps=6))
 
-    notices = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    announced = [n for n in _messages(backend, topics.weights) if isinstance(n, WeightsNotice)]
+    notices = [n for n in announced if n.action != "champion"]  # what serving follows
     assert [(n.action, n.version) for n in notices] == [("publish", v) for v in range(1, 7)]
+    assert [(n.version, n.step) for n in announced if n.action == "champion"] == [(6, 6)]  # the roll-back
     store = FileWeightStore(cfg.weight_store_url)
     versions = [store.load(n.location, n.checksum) for n in notices]
     same = [all(torch.equal(versions[-1][k], v) for k, v in w.items()) for w in versions[:-1]]

@@ -214,7 +214,8 @@ def test_a_promotion_whose_notice_was_lost_is_announced_when_the_learner_starts_
     assert [n.version for n in notices if n.action == "champion"] == [2]
 
 
-def test_without_a_canary_nothing_is_announced_at_start(registry_cfg):
+def test_without_a_canary_the_champion_is_announced_again_at_start_too(registry_cfg):
+    """Replicas without a canary ignore the notice; ``online-sao weights hold --champion`` reads it."""
     backend, publisher, tracker, window = _registry_parts(registry_cfg)
     releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), registry_cfg.deploy), window,
                         registry_cfg.deploy, 2)
@@ -223,7 +224,7 @@ def test_without_a_canary_nothing_is_announced_at_start(registry_cfg):
     tracker.record_decision("promoted", {}, ref)
     releases.announce_champion_again(step=1)
     notices = [decode(m.value) for m in backend.consumer([registry_cfg.kafka.topics.weights]).poll(0.1, 1000)]
-    assert not notices
+    assert [(n.action, n.version) for n in notices] == [("champion", 1)]
 
 
 class LoadingScorer(ScriptedScorer):

@@ -34,10 +34,16 @@ That is what makes the version of every token exact.
   :data:`VLLM_MIN_TEMPERATURE` (it would raise the temperature behind the
   record's back) nor above 2: such a request is refused in ``generate`` with a
   ValueError (a 400), on the caller's thread, before it reaches the loop.
-- Failures: a request vLLM refuses to add, or a step that raises or yields
-  non-finite log-probabilities (``NonFiniteLogits``), fails only the requests
-  it concerns; the loop goes on. Should the loop thread die anyway, every request
-  in flight or queued ends with ``EngineStopped`` and new ones are refused.
+- Failures: a request vLLM refuses to add fails alone; a step that raises fails
+  the requests in vLLM's running batch, not those still in its waiting queue
+  (``_served``); a request whose step output has non-finite log-probabilities
+  fails alone (``NonFiniteLogits``); the loop goes on. Should the loop thread
+  die anyway, every request in flight or queued ends with ``EngineStopped`` and
+  new ones are refused.
+- Whole prefills on CPU: vLLM's V1 runner rewinds a seeded request's generator
+  after a partial (chunked) prefill, which a CPU generator cannot do, failing
+  the step; on the CPU build chunked prefill is off and the step budget covers
+  the context (``_whole_prefills``).
 - Weight checks are the native engine's (:func:`.weights_check.check_state_dict`)
   against the model the native engine would load, built without memory on the
   meta device (:class:`.vllm_weights.ServedLayout`): the same names (tied ones as
@@ -105,6 +111,41 @@ def generator_seed(seed: int | None, signed: bool) -> int | None:
     return residue - GENERATOR_SEEDS
 
 
+def _whole_prefills(kwargs: dict) -> dict:
+    """``vllm.EngineArgs`` keywords for the CPU build, where vLLM must prefill every prompt in one step.
+
+    With chunked prefill on, vLLM prefills a prompt longer than the step's token budget
+    (``max_num_batched_tokens``; by default min(2048, max_num_seqs x max_model_len)), or longer than what
+    the step's other requests leave of it, over several steps, and for a seeded request the V1 model
+    runner then rewinds its generator after each partial step (``gen.set_offset``, vLLM 0.32's
+    ``gpu_model_runner``). A CPU ``torch.Generator`` has no offset and raises, which fails the whole step,
+    every request in it included. So on CPU chunked prefill is off (the scheduler then waits until a
+    prompt fits the step's budget whole), ``long_prefill_token_threshold`` (which would cut a prefill
+    anyway) is 0, and the budget is at least ``max_model_len``, so that every prompt the engine admits
+    fits one step (vLLM would refuse a smaller budget without chunking). Settings the caller gave
+    otherwise are overridden with a warning. GPUs are left as vLLM configures them: their generators
+    have offsets."""
+    kwargs = dict(kwargs)
+    if kwargs.get("enable_chunked_prefill"):
+        log.warning("vLLM engine on CPU: chunked prefill turned off (a seeded request's partial prefill "
+                    "fails the step there)")
+    kwargs["enable_chunked_prefill"] = False
+    if kwargs.get("long_prefill_token_threshold"):
+        log.warning("vLLM engine on CPU: long_prefill_token_threshold %s turned off (it would cut prefills)",
+                    kwargs["long_prefill_token_threshold"])
+    kwargs["long_prefill_token_threshold"] = 0
+    budget = kwargs.get("max_num_batched_tokens")
+    if budget is not None:  # vLLM's own default is at least max_model_len once chunked prefill is off
+        from vllm import EngineArgs
+
+        max_len = EngineArgs(**kwargs).create_model_config().max_model_len
+        if budget < max_len:
+            log.warning("vLLM engine on CPU: max_num_batched_tokens raised from %d to max_model_len %d, "
+                        "so that every prompt is prefilled in one step", budget, max_len)
+            kwargs["max_num_batched_tokens"] = max_len
+    return kwargs
+
+
 def _ranked(logprobs: dict) -> list[tuple[int, float]]:
     """One position of vLLM's output (``{token_id: Logprob}``: the top ``count`` plus the sampled token
     when it is not among them) as ``(token_id, logprob)``, most likely first, ties to the lower id."""
@@ -156,6 +197,9 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     events: "asyncio.Queue[TokenEvent | BaseException]"
     cancelled: threading.Event = field(default_factory=threading.Event)
+    core_id: str | None = None
+    """Its id in vLLM's engine core and scheduler (``add_request`` returns it: ``vllm_id`` with a random
+    suffix), set once vLLM took it."""
 
     @property
     def greedy(self) -> bool:
@@ -189,10 +233,25 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         # safetensors only: a model directory with pickled (.bin) weights is refused, as in the torch engine
-        args = EngineArgs(model=str(self.model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
-                          max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
-                          enable_prefix_caching=False, load_format="safetensors", **engine_kwargs)
-        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        kwargs = dict(model=str(self.model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
+                      max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
+                      enable_prefix_caching=False, load_format="safetensors", **engine_kwargs)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            kwargs = _whole_prefills(kwargs)
+        vllm_config = EngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
+        scheduler = vllm_config.scheduler_config
+        budget = min(scheduler.max_num_batched_tokens, scheduler.max_num_scheduled_tokens or math.inf)
+        if current_platform.is_cpu() and (scheduler.enable_chunked_prefill or scheduler.long_prefill_token_threshold
+                                          or budget < vllm_config.model_config.max_model_len):
+            # what _whole_prefills asked for did not hold (a budget below the context would also leave
+            # a longer prompt waiting for ever)
+            raise ValueError("the vLLM engine on CPU needs whole prefills (no chunked prefill, a step budget of at "
+                             "least max_model_len): vLLM configured chunked prefill "
+                             f"{scheduler.enable_chunked_prefill}, "
+                             f"long_prefill_token_threshold {scheduler.long_prefill_token_threshold}, a step budget "
+                             f"of {budget} tokens for max_model_len {vllm_config.model_config.max_model_len}")
         # the learner's nucleus (vllm_nucleus), in the interface of the model runner this configuration
         # runs, which only the finished configuration says; vLLM's own top-p is never used
         vllm_config.model_config.logits_processors = [processor_class(vllm_config)]
@@ -306,7 +365,7 @@ class VLLMEngine:
                     self._admit(live)
                 self._drop_cancelled()
                 if self._live:
-                    self._guarded(self._step, list(self._live))
+                    self._guarded(self._step)
         except BaseException as exc:
             failure = exc
             raise
@@ -318,7 +377,8 @@ class VLLMEngine:
         if live.cancelled.is_set():
             return
         try:
-            self._llm.add_request(live.vllm_id, {"prompt_token_ids": live.request.prompt_ids}, live.params)
+            live.core_id = self._llm.add_request(live.vllm_id, {"prompt_token_ids": live.request.prompt_ids},
+                                                 live.params)
         except Exception as exc:
             log.exception("vLLM refused request %s", live.request.request_id)
             live.emit(exc)
@@ -332,18 +392,42 @@ class VLLMEngine:
             for rid in gone:
                 del self._live[rid]
 
-    def _guarded(self, work: Callable[[], None], affected: list[str]) -> None:
+    def _guarded(self, work: Callable[[], None]) -> None:
         """Run one vLLM step; if it raises, the requests it served fail and the engine goes on (the
-        native engine's ``_guarded``)."""
+        native engine's ``_guarded``): those :meth:`_served` names, not the ones still waiting in vLLM's
+        queue, which the step computed nothing for."""
         try:
             work()
         except Exception as exc:
-            failed = [rid for rid in affected if rid in self._live]
-            log.exception("vLLM step failed; failing %d request(s)", len(failed))
+            failed = self._served()
+            log.exception("vLLM step failed; failing %d of %d request(s)", len(failed), len(self._live))
             for rid in failed:
                 self._live.pop(rid).emit(exc)
             if failed:
                 self._llm.abort_request(failed)
+
+    def _served(self) -> list[str]:
+        """(loop thread, after a step raised) The vLLM ids of the live requests the failing step may have
+        computed, read from vLLM's scheduler (the engine core runs in this process).
+
+        vLLM does not say which requests a step that raised had scheduled: its ``SchedulerOutput`` stays
+        inside ``EngineCore.step`` (and the step may have raised before or after scheduling). What can be
+        read is the scheduler's state: its running batch (``scheduler.running``) holds every request the
+        step scheduled (scheduling moves a waiting request there), plus, rarely, a running one the step's
+        token budget left out; its waiting queue holds those no step computed anything for, which are
+        kept. A request the scheduler no longer knows (finished or dropped by the step before it raised,
+        its final output lost) fails too, lest it wait for ever. Should that leave none, or should the
+        scheduler not be readable (another vLLM's internals), every live request fails, as before: a
+        step that fails before scheduling anything must not loop for ever over the same waiting ones."""
+        try:
+            scheduler = self._llm.engine_core.engine_core.scheduler
+            known = scheduler.requests
+            running = {request.request_id for request in scheduler.running}
+        except AttributeError:
+            log.warning("cannot read vLLM's scheduler: a failing step fails every request in vLLM")
+            return list(self._live)
+        served = [rid for rid, live in self._live.items() if live.core_id in running or live.core_id not in known]
+        return served or list(self._live)
 
     def _wind_down(self, failure: BaseException | None) -> None:
         """(loop thread, last) After a stop, or when the loop dies of ``failure``: refuse new requests,
@@ -368,10 +452,20 @@ class VLLMEngine:
     def _step(self) -> None:
         version = self._loop.version
         outputs = [(out, self._live[out.request_id]) for out in self._llm.step() if out.request_id in self._live]
-        broken = sum(not _finite(out.outputs[0]) for out, _ in outputs)
+        broken = [(out, live) for out, live in outputs if not _finite(out.outputs[0])]
         if broken:  # checked before any token of the step goes out, as the native engine's sample_tokens does
-            raise NonFiniteLogits(f"the model's log-probabilities are not finite for {broken} of {len(outputs)} "
-                                  "requests: the served weights or an activation overflowed")
+            # vLLM's rows cannot see each other (each sequence has its own KV blocks), so only the broken
+            # rows fail, as in the native engine's padded layout (sample_tokens' rows_apart)
+            failure = NonFiniteLogits(f"the model's log-probabilities are not finite for this request ({len(broken)} "
+                                      f"of {len(outputs)} in the step): the served weights or an activation overflowed")
+            log.error("%s", failure)
+            for out, live in broken:
+                del self._live[out.request_id]
+                live.emit(failure)
+            unfinished = [out.request_id for out, _ in broken if not out.finished]
+            if unfinished:
+                self._llm.abort_request(unfinished)
+            outputs = [(out, live) for out, live in outputs if out.request_id in self._live]
         for out, live in outputs:
             completion = out.outputs[0]
             n = len(completion.token_ids)

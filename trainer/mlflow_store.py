@@ -9,6 +9,10 @@ A store with no room for a write (a full disk under the SQLite file, or under a 
 ``OSError`` ENOSPC naming it, and one whose disk failed the write otherwise (SQLite's "disk I/O
 error": a full quota, EDQUOT, reads so) an ``OSError`` EIO naming it (:func:`store_refused`), like
 the learner's other disk errors.
+
+A SQLite database another writer holds locked past MLflow's busy timeout (SQLite's "database is
+locked": the arms of a ``simulate`` sharing one ``mlflow.db``, ``mlflow gc``, a backup) is waited out as
+an unreachable server is, as is a database server's operational error (:func:`is_temporarily_unavailable`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import requests
 from mlflow import MlflowClient
 from mlflow.entities import LifecycleStage
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, TEMPORARILY_UNAVAILABLE, ErrorCode
 
 from online_sao.config import Config, ConfigError
 from online_sao.durable import is_disk_full, naming_the_file
@@ -69,6 +73,26 @@ def is_unreachable(exc: MlflowException) -> bool:
     return isinstance(exc.__context__, requests.exceptions.RequestException)
 
 
+SQLITE_BUSY = "database is locked"
+"""SQLite's text for SQLITE_BUSY: another connection held the database's lock past MLflow's busy timeout
+(20 s, fixed in MLflow); MLflow passes it on as an MlflowException (TEMPORARILY_UNAVAILABLE)."""
+
+SQLITE_LOCKS = (SQLITE_BUSY, "database table is locked", "database schema is locked")
+"""SQLite's texts for a lock another connection holds (SQLITE_BUSY, SQLITE_LOCKED)."""
+
+
+def is_temporarily_unavailable(exc: MlflowException, uri: str) -> bool:
+    """Whether MLflow's store at ``uri`` said it is temporarily unavailable (TEMPORARILY_UNAVAILABLE, what
+    MLflow's SQL store raises for its driver's OperationalError): on SQLite, only when the database was
+    locked by another writer past the busy timeout (:data:`SQLITE_LOCKS`), since its other operational
+    errors ("no such table", "attempt to write a readonly database") do not pass with time; on a database
+    server (PostgreSQL, MySQL), any (a lost connection, a restart). Waited out like :func:`is_unreachable`:
+    check :func:`store_refused` first (a full disk reads so too, and is not waited for)."""
+    if not is_code(exc, TEMPORARILY_UNAVAILABLE):
+        return False
+    return not uri.startswith("sqlite:") or any(text in exc.message for text in SQLITE_LOCKS)
+
+
 def is_failing(exc: MlflowException) -> bool:
     """Whether MLflow's server answered, but only with errors its client retries until it gave up: the
     server is up and something under it failed. An artifact upload to a server whose artifact disk is
@@ -77,13 +101,23 @@ def is_failing(exc: MlflowException) -> bool:
 
 
 def unavailable(exc: MlflowException, uri: str) -> TrackingUnavailable:
-    """What the tracker waits out for an :func:`is_unreachable` ``exc``, saying which of the two it was."""
+    """What the tracker waits out for an :func:`is_unreachable` or :func:`is_temporarily_unavailable` ``exc``,
+    saying which it was (a locked SQLite database named as such)."""
     if is_failing(exc):
         spent = exc.__context__.args[0] if exc.__context__.args else None  # urllib3's MaxRetryError
         request, why = getattr(spent, "url", "a request"), getattr(spent, "reason", exc.__context__)
         return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) answers {request} with server errors "
                                    f"({why}; its client's retries spent): the server's log says why, a full "
                                    f"artifact disk answers so")
+    if not is_unreachable(exc) and is_temporarily_unavailable(exc, uri):
+        where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri
+        if any(text in exc.message for text in SQLITE_LOCKS):
+            return TrackingUnavailable(f"MLflow's SQLite database {where} (mlflow.tracking_uri) is locked: another "
+                                       f"writer (a learner on the same database, mlflow gc, a backup) held it past "
+                                       f"SQLite's busy timeout")
+        first = exc.message.strip().splitlines()[0][:300] if exc.message.strip() else "no message"
+        return TrackingUnavailable(f"MLflow's store at {where} (mlflow.tracking_uri) is temporarily unavailable: "
+                                   f"{first}")
     return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc.message[:300]}")
 
 
@@ -134,12 +168,13 @@ def disk_refused(exc: BaseException) -> bool:
 
 
 class _WithoutFullStoreTracebacks(logging.Filter):
-    """MLflow logs every SQL error with its traceback at ERROR before raising it: on a full disk, one
-    per metrics write the tracker retries. The tracker names the refusing store itself (trainer/tracking.py)."""
+    """MLflow logs every SQL error with its traceback at ERROR before raising it: on a full disk (or a
+    locked database), one per metrics write the tracker retries. The tracker names the refusing (or
+    locked) store itself (trainer/tracking.py)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(text in message for text in REFUSED_WRITES)
+        return not any(text in message for text in (*REFUSED_WRITES, *SQLITE_LOCKS))
 
 
 _WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()

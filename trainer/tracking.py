@@ -28,7 +28,8 @@ Promotion: a new registration takes the ``candidate`` alias. The learner decides
 promotion, ``candidate`` back to the champion's version on a roll-back (which the learner
 announces to serving).
 
-An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_requests`): the
+An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_requests`), or a SQLite
+store another writer holds locked past its busy timeout (MLflow's TEMPORARILY_UNAVAILABLE): the
 learner keeps training and keeps the steps' metrics, sent once the server answers again; a
 registry call waits for the server, and a stop request ends that wait with
 :class:`TrackingUnavailable`. Without a stop event (one-shot callers) nothing waits.
@@ -50,6 +51,7 @@ import logging
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -63,7 +65,8 @@ from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
 from trainer.mlflow_store import (TrackingUnavailable, artifact_root, artifacts_named, disk_refused, experiment_id,
-                                  is_code, is_unreachable, open_client, store_refused, unavailable)
+                                  is_code, is_temporarily_unavailable, is_unreachable, open_client, store_refused,
+                                  unavailable)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention, model_artifact_path
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ROLLBACK_CARRIED_OUT, ensure_registered_model, holds,
                                        newest_version_holding, policy_of, stage_model_directory, unregister,
@@ -126,6 +129,13 @@ class RunTracker:
         self._creating: WeightsRef | None = None
         """The weights whose registry version was asked for and not yet given its alias: a retry
         looks for that version first, as the server may have made it without answering."""
+        self._opening: tuple[Run, int] | None = None
+        """The run being opened and its restart count (0: a new run), once created or read: a retry of
+        the opening (an answer lost) goes on with them, neither creating a second run nor counting
+        the restart twice."""
+        self._run_token: str | None = None
+        """The ``learner_start`` tag of the run this start asked MLflow to create: a retry looks for that
+        run first, as the server may have made it without answering."""
         self.client = self._answered("opening the MLflow store", lambda: open_client(cfg.mlflow_uri))
         self._answered("opening the learner's MLflow run", lambda: self._open_run(run_id))
         self.retention = RegistryRetention(self.client, self.model_name, cfg.mlflow.keep_registered_artifacts,
@@ -140,7 +150,7 @@ class RunTracker:
             except MlflowException as exc:
                 if (refused := store_refused(exc, self.cfg.mlflow_uri)) is not None:
                     raise refused from exc  # not waited for: room is made by someone, not by time
-                if not is_unreachable(exc):
+                if not (is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)):
                     raise
                 raise unavailable(exc, self.cfg.mlflow_uri) from exc
         if self.stop is None or not wait:
@@ -148,25 +158,47 @@ class RunTracker:
         return until_reachable(attempt, what, (TrackingUnavailable,), TRACKING_RETRY_S, self.stop)
 
     def _open_run(self, run_id: str | None) -> None:
-        run = None if run_id is None else self._reopenable(run_id)
-        if run is not None:
-            self.run_id = run_id
-            self._resume(run)
+        """Open the checkpoint's run ``run_id`` (or a new one). Retried whole while the store does not
+        answer: the run created or read by an earlier attempt, and the restart count read then, are
+        kept (:attr:`_opening`), and the steps after it are each the same again (parameters of the same
+        value, the same artifact, tags and status)."""
+        if self._opening is None:
+            run = None if run_id is None else self._reopenable(run_id)
+            if run is not None:
+                self.resumed_tags = dict(run.data.tags)
+                self._opening = (run, int(run.data.tags.get("restarts", "0")) + 1)
+            else:
+                self._opening = (self._create_run(), 0)
+        run, restarts = self._opening
+        self.run_id = run.info.run_id
+        if restarts:
+            self._resume(run, restarts)
         else:
-            self.run_id = self._new_run()
+            self._set_up_new_run(run)
             if run_id is not None:
                 self.client.set_tag(self.run_id, "checkpoint_run_missing", run_id)
+        self._opening = None
 
     # -- run lifetime -----------------------------------------------------------------
-    def _new_run(self) -> str:
+    def _create_run(self) -> Run:
+        """A new run in the experiment, tagged ``learner_start`` with a token of this start: a retry
+        after a lost answer takes the run the store made, if it did, rather than make a second."""
         experiment = experiment_id(self.client, self.cfg.mlflow.experiment, artifact_root(self.cfg))
-        run = self.client.create_run(experiment, run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
-                                     tags={"component": "learner", "restarts": "0"})
+        if self._run_token is not None:
+            found = self.client.search_runs([experiment], f"tags.learner_start = '{self._run_token}'", max_results=1)
+            if found:
+                return found[0]
+        else:
+            self._run_token = uuid.uuid4().hex
+        return self.client.create_run(experiment, run_name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}",
+                                      tags={"component": "learner", "restarts": "0",
+                                            "learner_start": self._run_token})
+
+    def _set_up_new_run(self, run: Run) -> None:
         params = flatten_config(self.cfg)
         self._log_params(run.info.run_id, params)
         with artifacts_named(f"{run.info.artifact_uri}/config"):
             self.client.log_text(run.info.run_id, dump_config(self.cfg), "config/resolved.yaml")
-        return run.info.run_id
 
     def _reopenable(self, run_id: str) -> Run | None:
         """The checkpoint's run, if it can be reopened. A tracking store that lost it (a new
@@ -185,12 +217,10 @@ class RunTracker:
             return None
         return run
 
-    def _resume(self, run: Run) -> None:
-        """Reopen the run after a restart. Parameters are immutable in MLflow: new keys
-        are added, changed values are listed in the ``config_changed`` tag and the
-        restart's own YAML is logged next to the first one."""
-        self.resumed_tags = dict(run.data.tags)
-        restarts = int(run.data.tags.get("restarts", "0")) + 1
+    def _resume(self, run: Run, restarts: int) -> None:
+        """Reopen the run (as read before this restart's first write to it) after a restart, the
+        ``restarts``-th. Parameters are immutable in MLflow: new keys are added, changed values are
+        listed in the ``config_changed`` tag and the restart's own YAML is logged next to the first one."""
         params = flatten_config(self.cfg)
         logged = run.data.params
         self._log_params(self.run_id, {k: v for k, v in params.items() if k not in logged})
@@ -240,7 +270,7 @@ class RunTracker:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
             refused = store_refused(exc, self.cfg.mlflow_uri)
-            if refused is None and not is_unreachable(exc):
+            if refused is None and not (is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)):
                 raise
             # a store that refuses writes loses nothing kept here either: the learner trains on, and a write it
             # cannot go on without (the registry's, a checkpoint on the same disk) stops it
@@ -399,8 +429,31 @@ class RunTracker:
 
     @_waiting("reading the candidate")
     def candidate(self) -> tuple[int, WeightsRef] | None:
-        """(policy version, where its weights are published) of the candidate, if any."""
-        return policy_of(version_with_alias(self.client, self.model_name, CANDIDATE))
+        """(policy version, where its weights are published) of the candidate, if any. A roll-back
+        recorded without its alias move is finished first (:meth:`_finished_rollback`)."""
+        return policy_of(self._finished_rollback(version_with_alias(self.client, self.model_name, CANDIDATE)))
+
+    def _finished_rollback(self, candidate):
+        """``candidate`` (the registry version holding the ``candidate`` alias), unless it was already
+        decided ``rolled_back``: a learner stopped inside :meth:`record_decision`, after the decision's
+        tags and before the alias moved, left it there, where the next decision would take it for an
+        undecided candidate and could promote it. The move is finished here (``candidate`` back to the
+        champion's version, which is returned) and said in the log; without a champion to move it to,
+        the rejected version counts as no candidate (None)."""
+        if candidate is None or candidate.tags.get("decision") != "rolled_back":
+            return candidate
+        champion = version_with_alias(self.client, self.model_name, CHAMPION)
+        if champion is None:
+            log.error("registry: the candidate alias is on registry version %s (policy v%s), already rolled back, "
+                      "and there is no champion to move it back to: it counts as no candidate", candidate.version,
+                      candidate.tags.get("policy_version"))
+            return None
+        log.warning("registry: the candidate alias was left on registry version %s (policy v%s), rolled back by a "
+                    "learner stopped before moving it: moved back to the champion's registry version %s (policy "
+                    "v%s)", candidate.version, candidate.tags.get("policy_version"), champion.version,
+                    champion.tags.get("policy_version"))
+        self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+        return champion
 
     @_waiting("reading the champion")
     def champion(self) -> tuple[int, WeightsRef] | None:

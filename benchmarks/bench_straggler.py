@@ -110,12 +110,25 @@ def run_benchmark(args: argparse.Namespace, progress=print) -> list[LoopResult]:
         return run_loops(loop_specs(args, model_dir, Path(tmp)), threads=args.threads, progress=progress)
 
 
+def untrained_loops(results: list[LoopResult]) -> str | None:
+    """Why the report cannot be written when a loop trained nothing (its rates would divide by zero):
+    with ``--duration-s`` a synchronous loop ends before its first batch when the batch's longest
+    answer takes longer to sample than the duration. None when every loop trained."""
+    empty = [f"{i} ({r.spec.mode})" for i, r in enumerate(results) if r.trained == 0]
+    if not empty:
+        return None
+    return (f"loop(s) {', '.join(empty)} trained no rollout in --duration-s {results[0].spec.duration_s} s: "
+            "a synchronous loop trains only once its whole batch is answered; give a longer --duration-s")
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     results = run_benchmark(args)
+    if (why := untrained_loops(results)) is not None:
+        raise SystemExit(f"bench_straggler: {why}")
     plot = args.out.with_suffix(".png")
     write_plot(results, plot)
     write_report(args, argv if argv is not None else sys.argv[1:], results, plot, load_before, os.getloadavg()[0])

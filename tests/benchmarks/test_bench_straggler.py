@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench_straggler import loop_specs, parse_args, run_benchmark
+from benchmarks.bench_straggler import loop_specs, parse_args, run_benchmark, untrained_loops
 from benchmarks.straggler.learner import take
 from benchmarks.straggler.report import (balanced_ceiling, contention_free_estimate, pair_ratios, population_mean_length,
                                          write_plot, write_report)
@@ -97,6 +97,13 @@ def run(mode: str, rollouts: int, learner_cpu_s: float = 1.0, generator_cpu_s: f
 
 def test_pair_ratios_divide_stream_by_sync_whichever_ran_first():
     assert pair_ratios([run("sync", 10), run("stream", 30), run("stream", 20), run("sync", 40)]) == [3.0, 0.5]
+
+
+def test_a_loop_that_trained_nothing_is_named_instead_of_dividing_by_zero():
+    assert untrained_loops([run("sync", 10), run("stream", 30)]) is None
+    empty_sync = LoopResult(spec(mode="sync"), GeneratorReport([], {}, 0, 0.0, 1.0), LearnerReport(0.0, 1.0, [], {}))
+    why = untrained_loops([empty_sync, run("stream", 30)])
+    assert why is not None and "0 (sync)" in why and "--duration-s" in why
 
 
 def test_pair_ratios_count_tokens_unless_asked_for_rollouts():

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pathlib import PurePath
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key."""
+
+
+NUMBER_TYPES = (int, float)
+
+
+def _options(annotation: Any) -> list[Any]:
+    """The types a field's annotation allows, None left out (``int | None`` -> ``[int]``)."""
+    if get_origin(annotation) in (Union, UnionType):
+        return [a for a in get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _is_number(annotation: Any) -> bool:
+    """An int or float field (optional or not) that takes no boolean of its own."""
+    options = _options(annotation)
+    return bool(options) and all(o in NUMBER_TYPES for o in options)
+
+
+BOOLEAN_NUMBER = "a boolean is not a number (YAML reads yes/no/on/off/true/false as booleans)"
 
 
 class Section(BaseModel):
@@ -14,3 +41,35 @@ class Section(BaseModel):
     # and failed later, e.g. every learner step refused as non-finite
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
                               allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_value(cls, value: Any, info: ValidationInfo) -> Any:
+        """What YAML gives a field, before its type's own conversion: a section with nothing under it
+        (``serving:`` with every line commented out: None) is an empty section, as it is when an
+        environment variable or ``--set`` touches it; a boolean given to a number (``off`` -> 0: the
+        lax conversion turned ``metrics_port: off`` into "any free port") is refused."""
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is None:
+            return value
+        annotation = field.annotation
+        if value is None and _is_section(annotation):
+            return {}
+        if isinstance(value, bool) and _is_number(annotation):
+            raise ValueError(BOOLEAN_NUMBER)
+        if isinstance(value, dict) and get_origin(annotation) is dict and _is_number(get_args(annotation)[1]):
+            booleans = sorted(str(k) for k, v in value.items() if isinstance(v, bool))
+            if booleans:
+                raise ValueError(f"{BOOLEAN_NUMBER}: {', '.join(booleans)}")
+        return value
+
+
+def expand_home(value: Any) -> Any:
+    """A path field's value with ``~`` expanded (for a field read as is where it is used, not through
+    one of :class:`~online_sao.config.Config`'s path properties, which expand it themselves)."""
+    if not isinstance(value, PurePath):
+        return value
+    try:
+        return value.expanduser()
+    except RuntimeError as exc:  # ~user of no such user, or no home directory
+        raise ValueError(f"cannot expand {str(value)!r}: {exc}") from None

@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from online_sao.config.base import Section
+from online_sao.config.base import Section, expand_home
+
+
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI", "AWS_MSK_IAM"]
+"""The SASL mechanisms kafka-python knows (``kafka.net.sasl.SASL_MECHANISMS``), spelled as it spells
+them: any other name (``scram-sha-512``) failed only when a client first connected."""
+
+SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
 
 
 class TopicsConfig(Section):
@@ -50,8 +57,10 @@ class KafkaConfig(Section):
     """Topic names."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Passed through to kafka-python clients."""
-    sasl_mechanism: str | None = None
-    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) for SASL protocols."""
+    sasl_mechanism: SaslMechanism | None = None
+    """SASL mechanism, as kafka-python names it (exact case): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512,
+    OAUTHBEARER, GSSAPI or AWS_MSK_IAM. Required by the SASL protocols (SASL_SSL, SASL_PLAINTEXT);
+    with another protocol it, and ``sasl_username``, are refused: the clients would not use them."""
     sasl_username: str | None = None
     """SASL user name."""
     sasl_password: SecretStr | None = None
@@ -59,10 +68,25 @@ class KafkaConfig(Section):
     ssl_cafile: Path | None = None
     """CA bundle for SSL protocols."""
 
+    _ssl_cafile_home = field_validator("ssl_cafile")(expand_home)
+    """``~`` expanded: the path goes to kafka-python as given (streams/kafka_backend.py)."""
+
     @model_validator(mode="after")
     def _ports_differ(self) -> "KafkaConfig":
         if self.port == self.controller_port:
             raise ValueError("port and controller_port must differ")
+        return self
+
+    @model_validator(mode="after")
+    def _sasl_fits_the_protocol(self) -> "KafkaConfig":
+        if self.security_protocol in SASL_PROTOCOLS:
+            if self.sasl_mechanism is None:
+                raise ValueError(f"security_protocol {self.security_protocol} needs a sasl_mechanism")
+        else:
+            given = [name for name in ("sasl_mechanism", "sasl_username") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} set, but security_protocol {self.security_protocol} "
+                                 f"does not use SASL (one of {', '.join(SASL_PROTOCOLS)} does)")
         return self
 
     @property

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from online_sao.config.base import Section
+from online_sao.config.base import Section, expand_home
 
 
 class TrainerConfig(Section):
@@ -97,6 +97,9 @@ class TrainerConfig(Section):
     (benchmarks/results/compile.md); the first steps wait for the compilation (about a minute on
     2 cores, seconds from inductor's on-disk cache), which needs a C++ compiler (the service image
     has one). False runs eagerly."""
+
+    _pretrain_file_home = field_validator("pretrain_file")(expand_home)
+    """``~`` expanded: the learner opens the file as given (trainer/learner.py)."""
 
 
 class MLflowConfig(Section):

@@ -1,0 +1,40 @@
+"""An experiment arm's algorithm overrides are checked at load time together with the algorithm
+section they are applied to, not when the arm starts, hours into a sweep."""
+
+import pytest
+
+from apps.config import load_app_config
+from online_sao.config import ConfigError
+
+
+def test_an_arm_whose_overrides_clash_with_the_algorithm_section_is_refused_by_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  value_level_window: 16\nexperiment:\n  arms:\n"
+                    "    - name: a\n      algorithm: {name: sao}\n"
+                    "    - name: clashing_arm\n      algorithm: {name: sao, value_shrinkage_window: 16}\n")
+    with pytest.raises(ConfigError, match=r"experiment\.arms.*'clashing_arm'.*set one of them") as raised:
+        load_app_config(path, environ={})
+    assert "\n" not in str(raised.value)
+
+
+def test_the_clash_coming_from_an_override_of_the_algorithm_section_is_refused_too(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("experiment:\n  arms:\n    - name: b\n      algorithm: {value_shrinkage_window: 16}\n")
+    assert load_app_config(path, environ={}).experiment.arms[0].name == "b"
+    with pytest.raises(ConfigError, match=r"'b'"):
+        load_app_config(path, environ={"ONLINE_SAO__ALGORITHM__VALUE_LEVEL_WINDOW": "16"})
+
+
+def test_arms_that_fit_the_algorithm_section_still_load():
+    cfg = load_app_config(environ={})
+    assert [a.algorithm_config(cfg.algorithm).name for a in cfg.experiment.arms][:2] == ["sao", "running_mean"]
+
+
+def test_the_cli_reports_the_clashing_arm_in_one_line(tmp_path, capsys):
+    from apps import cli
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  value_level_window: 16\nexperiment:\n  arms:\n"
+                    "    - name: b\n      algorithm: {name: sao, value_shrinkage_window: 16}\n")
+    assert cli.main(["-c", str(path), "config", "show"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'b'" in err[0]

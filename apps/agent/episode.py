@@ -9,8 +9,10 @@ trajectory), from where serving sends it to Kafka's rewards topic.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict, dataclass
+from email.utils import parsedate_to_datetime
 
 import httpx
 from openai import AsyncOpenAI
@@ -22,6 +24,57 @@ from apps.default_model.tool_corpus import ToolTask
 
 FEEDBACK_SOURCE = "agent"
 """``source`` of the rewards the agent sends."""
+FEEDBACK_ATTEMPTS = 4
+"""Most POSTs of one reward to ``/v1/feedback`` (the first and 3 retries) on a 5xx, a 429 or a transport
+error, as the openai client retries the chat route (it makes 3). Serving answers 503 ``logging_unavailable``
+with ``Retry-After: 5`` when its log could not secure the reward within ``serving.log_ack_timeout_s``
+(a briefly slow broker); one more attempt than the chat client gives that broker ~15 s of waits besides
+the ack timeouts. Bounded because the task holds one of ``agent.concurrency`` slots meanwhile, and past
+that the route is down rather than slow: the task counts as failed (a chat API error does too), and
+``apps.agent.run.MAX_CONSECUTIVE_FAILURES`` of those in a row end the run. A retried reward the server
+had logged after all is joined once (the learner drops duplicate rewards)."""
+FEEDBACK_MAX_WAIT_S = 30.0
+"""Longest total sleep between one reward's attempts, for the same reason: a ``Retry-After`` that would
+take the total past it is not waited out, the task counts as failed at once."""
+FEEDBACK_BACKOFF_S = 0.5
+"""Wait before the first retry when the server names none (no ``Retry-After``, a transport error);
+doubled before each further retry, as the openai client does."""
+
+
+class FeedbackUnavailable(Exception):
+    """The reward was not accepted after :data:`FEEDBACK_ATTEMPTS` (a 5xx, 429 or transport error each
+    time, or a ``Retry-After`` beyond :data:`FEEDBACK_MAX_WAIT_S`): the run counts the task as failed."""
+
+
+class FeedbackRefused(Exception):
+    """Serving refused the reward with a 4xx other than 429 (an id it did not sign, a source it does
+    not allow, a reward out of range: ``serving/feedback.py``). Not retried, and it ends the run: it is a
+    bug or a misconfiguration of the run that every later reward would meet too."""
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """Seconds ``Retry-After`` asks for (a number or an HTTP date); None without a readable one."""
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _server_message(response: httpx.Response) -> str:
+    """``HTTP <status> <code>: <message>`` from serving's error body (``{"error": {"code", "message"}}``)."""
+    try:
+        error = response.json()["error"]
+        detail = f"{error.get('code') or error.get('type')}: {error['message']}"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        detail = response.text[:300] or response.reason_phrase
+    return f"HTTP {response.status_code} {detail}"
 
 
 @dataclass(frozen=True)
@@ -90,9 +143,7 @@ class Agent:
             ids.append(str(_extension(reply, "interaction_id")))
         final = reply.choices[0].message.content or ""
         verdict: Verdict = judge_episode(task, uses, final)
-        response = await self.http.post("/v1/feedback", json={"interaction_id": ids[-1], "reward": verdict.reward,
-                                                               "source": FEEDBACK_SOURCE})
-        response.raise_for_status()
+        await self._send_reward(ids[-1], verdict.reward)
         version = _extension(reply, "policy_version")
         return Episode(index=index, question=task.question, expected=task.result, tool_uses=uses,
                        final_answer=final, interaction_ids=ids,
@@ -100,6 +151,33 @@ class Agent:
                        called=verdict.called, call_correct=verdict.call_correct,
                        answer_correct=verdict.answer_correct, reward=verdict.reward, finished_at=time.time(),
                        latency_s=round(time.monotonic() - started, 3))
+
+    async def _send_reward(self, interaction_id: str, reward: float) -> None:
+        """POST the reward until accepted: retried on a 5xx, 429 or transport error, after the server's
+        ``Retry-After`` or else :data:`FEEDBACK_BACKOFF_S` doubling, within :data:`FEEDBACK_ATTEMPTS` and
+        :data:`FEEDBACK_MAX_WAIT_S`; raises :class:`FeedbackUnavailable` past those, :class:`FeedbackRefused`
+        on any other refusal."""
+        body = {"interaction_id": interaction_id, "reward": reward, "source": FEEDBACK_SOURCE}
+        waited = 0.0
+        for attempt in range(1, FEEDBACK_ATTEMPTS + 1):
+            try:
+                response = await self.http.post("/v1/feedback", json=body)
+            except httpx.TransportError as exc:
+                problem, wait = f"{type(exc).__name__}: {exc}", None
+            else:
+                if response.is_success:
+                    return
+                problem = _server_message(response)
+                if response.status_code != 429 and response.status_code < 500:
+                    raise FeedbackRefused(f"the reward for {interaction_id} was refused: {problem}")
+                wait = _retry_after_s(response)
+            if wait is None:
+                wait = FEEDBACK_BACKOFF_S * 2 ** (attempt - 1)
+            if attempt == FEEDBACK_ATTEMPTS or waited + wait > FEEDBACK_MAX_WAIT_S:
+                raise FeedbackUnavailable(f"the reward for {interaction_id} was not accepted after {attempt} "
+                                          f"attempt(s) and {waited:g} s of waits: {problem}")
+            await asyncio.sleep(wait)
+            waited += wait
 
     async def close(self) -> None:
         await self.client.close()

@@ -22,7 +22,7 @@ from typing import Callable
 
 import openai
 
-from apps.agent.episode import Agent, Episode
+from apps.agent.episode import Agent, Episode, FeedbackUnavailable
 from apps.agent.results import EPISODES_FILE, SUMMARY_FILE, window_points, write_results
 from apps.config import AgentConfig, AppConfig, client_api_key
 from apps.default_model.tool_corpus import ToolTask, draw_task
@@ -74,7 +74,8 @@ def agent_config(cfg: AppConfig, port: int) -> AppConfig:
 async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progress: Progress,
                 check_alive: Callable[[], None] = lambda: None) -> tuple[list[Episode], int]:
     """Run every task (seeded Poisson starts, at most ``concurrency`` in flight); returns the
-    episodes and the count of tasks that failed with an API error. ``check_alive`` raises when a
+    episodes and the count of tasks that failed with an API error or whose reward could not be posted
+    (:class:`~apps.agent.episode.FeedbackUnavailable`, after its retries). ``check_alive`` raises when a
     process of the stack has exited (no task starts then)."""
     from apps.experiments.scenario import arrival_gaps
 
@@ -86,7 +87,7 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
         nonlocal failed, failures_in_row
         try:
             episode = await agent.run(index, task)
-        except openai.APIError as exc:
+        except (openai.APIError, FeedbackUnavailable) as exc:
             failed += 1
             failures_in_row += 1
             progress(f"task {index} failed: {exc}")
@@ -111,7 +112,7 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
         check_alive()
         for started in running:
             if started.done():
-                started.result()  # an error other than the API's (a bug, a refused reward) ends the run
+                started.result()  # any other error (a bug, a refused reward: FeedbackRefused) ends the run
         if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
             raise RuntimeError(f"{failures_in_row} tasks failed in a row; see the serving log")
         running.append(asyncio.create_task(one(index, task)))

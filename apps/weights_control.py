@@ -9,6 +9,7 @@ must stay loadable for a replica that restarts during the hold), then announces 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from serving.weights_hold import plan
 from streams.base import StreamBackend
 from streams.records import publish
 from streams.tail import iter_records_since
+
+log = logging.getLogger(__name__)
 
 HELD_DIR = "held"
 """Folder of the weight store holding the held version's copy (at most the newest hold's)."""
@@ -60,8 +63,15 @@ def read_weights_topic(backend: StreamBackend, topic: str, model: str) -> Weight
             continue  # serving's follower dead-letters it
         if notice.model != model:
             continue
-        if notice.action in ("hold", "release"):
-            state.hold = notice if notice.action == "hold" else None
+        if notice.action == "hold":
+            state.hold = notice
+            continue
+        if notice.action == "release":
+            if state.hold is not None and notice.version != state.hold.version:  # as a replica does
+                log.warning("a release of v%d ignored: the hold in force is v%d's, which only a release of v%d "
+                            "ends", notice.version, state.hold.version, state.hold.version)
+            else:
+                state.hold = None
             continue
         state.by_version[notice.version] = notice
         if notice.action == "champion":

@@ -4,9 +4,11 @@
 own, so the newest hold or release is never compacted away): every replica loads the held version
 (forced, older or not) and stops following the learner's publishes and rollbacks; a canary's
 champion still follows ``champion`` notices but answers no request until the release.
-``online-sao weights release`` puts a ``release`` notice: the replica then goes where the notices
-it deferred lead, as if the hold had never been: back to what it served before the hold, or to what
-the learner published or rolled back to since.
+``online-sao weights release`` puts a ``release`` notice naming the held version: the replica then
+goes where the notices it deferred lead, as if the hold had never been: back to what it served
+before the hold, or to what the learner published or rolled back to since. A release naming another
+version (sent for an earlier hold, which another operator moved meanwhile) is ignored, with a log
+line, as a release with no hold in force is.
 
 A hold whose version cannot be loaded (its file gone, corrupt) leaves the replica where the notices
 before it led, still held: on the weights it has, or, when those notices come in the same poll (a
@@ -82,6 +84,11 @@ class HoldState:
         if mark.action == "release":
             if self.hold is None:  # a release without a hold changes nothing
                 return plan([*(notice for notice, _ in reversed(before)), *after], current)
+            if mark.version != self.hold.version:  # sent for an earlier hold (read before this one was made)
+                log.warning("a release of v%d ignored: the hold in force is v%d's, which only a release of v%d "
+                            "ends", mark.version, self.hold.version, self.hold.version)
+                self._deferred.extend(after)
+                return before
             log.warning("weights hold released; following the learner's versions again")
             self.hold = None
             pending = list(self._deferred)

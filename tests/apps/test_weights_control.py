@@ -178,3 +178,30 @@ def test_a_hold_without_a_version_during_a_hold_keeps_the_held_version(backend, 
     assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold == again
     assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
     assert "followed once released: v3" in capsys.readouterr().out
+
+
+def test_a_release_sent_for_an_earlier_hold_leaves_the_hold_that_replaced_it(backend, cfg, store, capsys, caplog):
+    """Operator A's release of v1 (the topic read while v1 was held) landed after operator B's hold of
+    v2: `status` said nothing was held, as every replica then did."""
+    published(backend, cfg, store, 1, 2, 3)
+    first = hold(cfg, backend, version=1, reason="A: incident")
+    stale = read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold  # what A's release reads ...
+    second = hold(cfg, backend, version=2, reason="B: pin v2")  # ... before B's hold lands
+    assert stale == first
+    weights_control._send(backend, cfg.kafka.topics.weights,
+                          weights_control._notice(stale, action="release", reason="A done"))  # as release() sends it
+    assert on_topic(backend, cfg)[-1][1].action == "release"
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold == second
+    assert "a release of v1 ignored: the hold in force is v2's" in caplog.text
+    assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
+    assert any(line.startswith("hold: v2 (") for line in capsys.readouterr().out.splitlines())
+    released = release(cfg, backend, reason="B done")  # the hold in force's release ends it
+    assert (released.action, released.version) == ("release", 2)
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold is None
+
+
+def test_a_release_of_the_hold_in_force_ends_it(backend, cfg, store):
+    published(backend, cfg, store, 1, 2)
+    hold(cfg, backend, version=1)
+    assert release(cfg, backend).version == 1
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold is None

@@ -128,3 +128,48 @@ def test_a_long_hold_keeps_the_newest_notices_for_its_release():
     assert loaded(state, [n(1), n(1, "hold")], current=0) == 1
     state.take([n(v) for v in range(2, MAX_DEFERRED + 50)], current=1)
     assert loaded(state, [n(1, "release")], current=1) == MAX_DEFERRED + 49
+
+
+def test_a_release_sent_for_an_earlier_hold_leaves_the_hold_that_replaced_it(caplog):
+    """Operator A's release of v1, built from the topic read before operator B moved the hold to v2,
+    landed after B's hold and ended it on every replica."""
+    state = HoldState()
+    assert loaded(state, [n(1), n(2), n(3)], current=0) == 3
+    assert loaded(state, [n(1, "hold")], current=3) == 1
+    assert loaded(state, [n(2, "hold")], current=1) == 2
+    assert state.take([n(4), n(1, "release"), n(5)], current=2) == []  # ignored: still held, nothing loads
+    assert state.held_version == 2
+    assert "a release of v1 ignored: the hold in force is v2's" in caplog.text
+    assert loaded(state, [n(2, "release")], current=2) == 5  # B's own release ends it: the learner's newest
+
+
+def test_a_release_of_the_hold_in_force_still_ends_it():
+    state = HoldState()
+    assert loaded(state, [n(1), n(2), n(3)], current=0) == 3
+    assert loaded(state, [n(1, "hold")], current=3) == 1
+    assert loaded(state, [n(1, "release")], current=1) == 3
+    assert state.held_version == -1
+
+
+def replayed_and_live(notices: list[WeightsNotice]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(served, held) of a replica that starts after ``notices`` and replays them in one poll, and of
+    one that followed them live, a poll each."""
+    replay, live = HoldState(), HoldState()
+    served = loaded(replay, notices, current=0)
+    current = 0
+    for notice in notices:
+        current = loaded(live, [notice], current)
+    return (served, replay.held_version), (current, live.held_version)
+
+
+def test_a_replica_replaying_the_topic_ends_where_one_that_followed_it_live_did():
+    race = [n(1), n(2), n(3), n(1, "hold"), n(2, "hold"), n(1, "release"), n(4)]
+    replayed, live = replayed_and_live(race)
+    assert replayed == live == (2, 2)
+    several = [*race, n(2, "release"), n(5), n(3, "hold"), n(2, "release"), n(6), n(3, "hold"), n(7)]
+    expected = {len(race) + 1: (4, -1), len(race) + 2: (5, -1), len(race) + 4: (3, 3), len(several): (3, 3)}
+    for end, (served, held) in expected.items():
+        replayed, live = replayed_and_live(several[:end])
+        assert replayed == live == (served, held), several[:end]
+    replayed, live = replayed_and_live([*several, n(3, "release")])
+    assert replayed == live == (7, -1)

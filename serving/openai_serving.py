@@ -141,8 +141,10 @@ class OpenAIServing:
 
     async def _pieces(self, turn: Turn) -> AsyncIterator[str]:
         """Yield the response text as it becomes final; log the interaction when it ends."""
+        origins = turn.prefix.turn_origins  # of a continuation's earlier turns; the first is the trajectory's
         request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
-                                    self.stop_token_ids, top_logprobs=turn.top_logprobs or 0)
+                                    self.stop_token_ids, top_logprobs=turn.top_logprobs or 0,
+                                    trajectory_id=origins[0].interaction_id if origins else None)
         decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids, turn.prefix.engine_prompt)
         stops = StopStrings(turn.sampling.stop)
         stream = self.engine.generate(request)

@@ -41,6 +41,11 @@ class GenerationRequest:
     """How many of the most likely tokens (under the tempered nucleus distribution:
     :attr:`TokenEvent.top_logprobs`) each :class:`TokenEvent` lists beside the sampled
     one; 0 lists none."""
+    trajectory_id: str | None = None
+    """For a continuation: the interaction id of its trajectory's first turn that sampled tokens
+    (``turn_origins[0]``); None when this request begins its trajectory (then ``request_id`` is
+    that id). A canary answers every turn of a trajectory with one engine
+    (:mod:`serving.engine.canary`)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,16 @@ of its own, so the champion's estimate rests on answers it sampled itself, at th
 for the same users as the candidate's. Every token still carries the version that sampled it;
 nothing else in the record changes.
 
+The draw is per trajectory, not per request: every turn of a multi-turn trajectory (a continuation,
+``parent_interaction_id``) goes to the engine that answered its first turn, so users see one policy
+for the whole conversation and the gate, which counts as the champion's own only trajectories whose
+every action token it sampled, gets ``share`` of them rather than ``share ** turns``. The draw is a
+hash of the trajectory's first interaction id (:attr:`GenerationRequest.trajectory_id`) and the
+seed, mapped to [0, 1) (:func:`canary_draw`): nothing is kept per trajectory, and the route does
+not depend on the order requests arrive in. A continuation whose champion changed since its first
+turn still goes to the champion engine (its tokens then carry two champion versions, so the gate
+counts it as neither's).
+
 :class:`CanaryEngine` is an ``InferenceEngine`` over two engines of any kind: ``newest`` follows
 the published versions (``swap_weights``, what the weights follower calls for ``publish`` and
 ``rollback`` notices) and ``champion`` takes ``champion`` notices (:meth:`swap_champion`). Until
@@ -19,8 +29,8 @@ answers, whatever the champion is.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 import torch
@@ -28,6 +38,16 @@ import torch
 from serving.engine.base import GenerationRequest, InferenceEngine, SwapResult, TokenEvent
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SEED = 0
+"""The seed of the draw when none is given (every replica draws alike)."""
+
+
+def canary_draw(trajectory_id: str, seed: int | None = None) -> float:
+    """A number in [0, 1), uniform over trajectory ids, fixed by ``trajectory_id`` and ``seed``: the
+    trajectory goes to the champion when it is under the share."""
+    key = f"{DEFAULT_SEED if seed is None else seed}\x1f{trajectory_id}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2.0 ** 64
 
 
 @runtime_checkable
@@ -43,7 +63,8 @@ class ChampionServing(Protocol):
 
 
 class CanaryEngine:
-    """Routes each request to the champion with probability ``share``, otherwise to the newest version."""
+    """Routes each trajectory to the champion with probability ``share``, otherwise to the newest version
+    (every turn of a trajectory alike: :func:`canary_draw` of its first interaction id and ``seed``)."""
 
     def __init__(self, newest: InferenceEngine, champion: InferenceEngine, share: float,
                  seed: int | None = None) -> None:
@@ -52,7 +73,7 @@ class CanaryEngine:
         self.newest = newest
         self.champion = champion
         self.share = share
-        self._rng = random.Random(seed)  # drawn on the event loop only: one thread
+        self.seed = seed
         self._champion_version: int | None = None
         self.routed = {"newest": 0, "champion": 0}
         """Requests sent to each engine so far."""
@@ -70,7 +91,9 @@ class CanaryEngine:
         return self._champion_version
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        to_champion = not self.held and self._champion_version is not None and self._rng.random() < self.share
+        trajectory = request.trajectory_id if request.trajectory_id is not None else request.request_id
+        to_champion = (not self.held and self._champion_version is not None
+                       and canary_draw(trajectory, self.seed) < self.share)
         engine = self.champion if to_champion else self.newest
         self.routed["champion" if to_champion else "newest"] += 1
         async for event in engine.generate(request):
@@ -85,7 +108,7 @@ class CanaryEngine:
         result = self.champion.swap_weights(version, state_dict, force=True)
         if result.applied:
             self._champion_version = version
-            log.info("canary: champion v%d answers %.0f%% of requests", version, 100 * self.share)
+            log.info("canary: champion v%d answers %.0f%% of trajectories", version, 100 * self.share)
         return result
 
     def hold_all_on_newest(self, held: bool) -> None:

@@ -1,16 +1,24 @@
-"""The canary engine: the champion answers its share once loaded; everything else goes to the newest."""
+"""The canary engine: the champion answers its share of trajectories once loaded; everything else goes to the newest."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
-from online_sao.schemas import SamplingParams
+from online_sao.batch import Rollout
+from online_sao.schemas import SamplingParams, decode
+from serving.app import build_app
 from serving.engine.base import GenerationRequest
-from serving.engine.canary import CanaryEngine, ChampionServing
+from serving.engine.canary import DEFAULT_SEED, CanaryEngine, ChampionServing, canary_draw
+from serving.interaction_log import InteractionLogger, LogSettings
+from serving.metrics import ServingMetrics
+from streams.memory import InMemoryBackend
+from tests.serving.conftest import ANSWER, serving_config
 from tests.serving.fakes import FakeEngine
+from trainer.deploy import RecentWindow
 
 
 def request(i: int) -> GenerationRequest:
@@ -37,18 +45,112 @@ def test_every_request_goes_to_the_newest_until_a_champion_is_loaded():
     assert len(champion.requests) == 0 and engine.routed == {"newest": 20, "champion": 0}
 
 
+SD_4000 = (0.25 * 0.75 / 4000) ** 0.5
+"""The binomial standard deviation of the share of 4000 draws at 0.25 (0.0068): the tests below
+allow four of them (a chance of 6e-5 of failing for a fair draw; the draws are fixed by the seed)."""
+
+
 def test_the_champion_answers_the_draws_under_its_share():
     newest, champion = FakeEngine([5, 6]), FakeEngine([5, 6])
     engine = CanaryEngine(newest, champion, share=0.25, seed=7)
     engine.swap_weights(9, {})
     result = engine.swap_champion(4, {})
     assert result.applied and engine.champion_version == 4 and engine.policy_version == 9
-    versions = asyncio.run(answer_all(engine, 200))
-    draws = random.Random(7)  # the same stream of draws: request i goes to the champion when its draw < 0.25
-    expected = [4 if draws.random() < 0.25 else 9 for _ in range(200)]
+    versions = asyncio.run(answer_all(engine, 4000))
+    # request i (a trajectory of its own) goes to the champion when the draw of its id is under 0.25
+    expected = [4 if canary_draw(f"r{i}", 7) < 0.25 else 9 for i in range(4000)]
     assert versions == expected
     assert engine.routed["champion"] == expected.count(4) == len(champion.requests)
-    assert 30 <= expected.count(4) <= 70  # a quarter of 200, give or take
+    assert abs(expected.count(4) / 4000 - 0.25) <= 4 * SD_4000  # single-turn traffic: the share, as before
+
+
+def test_the_draw_is_fixed_by_the_trajectory_and_the_seed():
+    ids = [f"sao-{i}" for i in range(2000)]
+    assert [canary_draw(t, 3) for t in ids] == [canary_draw(t, 3) for t in ids]  # a restart, another replica
+    assert [canary_draw(t) for t in ids] == [canary_draw(t, DEFAULT_SEED) for t in ids]
+    assert sum(canary_draw(t, 3) < 0.25 for t in ids) != sum(canary_draw(t, 4) < 0.25 for t in ids)
+    assert all(0 <= canary_draw(t, 3) < 1 for t in ids)
+
+
+async def turn(engine: CanaryEngine, request_id: str, trajectory_id: str | None) -> list[int]:
+    request = GenerationRequest(request_id, [1, 2], SamplingParams(max_tokens=2), trajectory_id=trajectory_id)
+    return [event.version async for event in engine.generate(request)]
+
+
+def test_every_turn_of_a_trajectory_goes_to_the_engine_of_its_first_turn():
+    """4000 two-turn trajectories at 0.25: each answered wholly by one engine, a quarter of them by the
+    champion, so the gate counts a quarter as the champion's own (drawn per request: 0.25 ** 2)."""
+    engine = CanaryEngine(FakeEngine([5, 6]), FakeEngine([5, 6]), share=0.25, seed=1)
+    engine.swap_weights(9, {})
+    engine.swap_champion(4, {})
+    window = RecentWindow(size=4000)
+
+    async def trajectories() -> list[set[int]]:
+        versions_of = []
+        for i in range(4000):
+            first = await turn(engine, f"t{i}.0", None)
+            second = await turn(engine, f"t{i}.1", f"t{i}.0")  # a continuation names its first turn
+            versions = [0, 0] + first + [0, 0] + second  # observation tokens between the turns
+            window.observe([Rollout(f"t{i}", list(range(len(versions))), [v != 0 for v in versions],
+                                    [0.0] * len(versions), versions, {})])
+            versions_of.append(set(first + second))
+        return versions_of
+
+    versions_of = asyncio.run(trajectories())
+    assert all(len(versions) == 1 for versions in versions_of)  # no trajectory mixes the engines
+    on_champion = sum(versions == {4} for versions in versions_of) / 4000
+    assert abs(on_champion - 0.25) <= 4 * SD_4000
+    assert len(window.canary(4)) == on_champion * 4000
+    assert engine.routed["champion"] == 2 * on_champion * 4000
+
+
+def test_a_continuation_follows_its_trajectory_through_a_new_champion_but_not_through_a_hold():
+    engine = CanaryEngine(FakeEngine([5]), FakeEngine([5]), share=0.25, seed=2)
+    engine.swap_weights(9, {})
+    engine.swap_champion(4, {})
+    champion_trajectory = next(f"t{i}" for i in range(100) if canary_draw(f"t{i}", 2) < 0.25)
+    newest_trajectory = next(f"t{i}" for i in range(100) if canary_draw(f"t{i}", 2) >= 0.25)
+    assert asyncio.run(turn(engine, champion_trajectory, None)) == [4]
+    assert asyncio.run(turn(engine, newest_trajectory, None)) == [9]
+    engine.swap_champion(6, {})  # a promotion between two turns: the champion's engine answers on
+    assert asyncio.run(turn(engine, "next-1", champion_trajectory)) == [6]
+    assert asyncio.run(turn(engine, "next-2", newest_trajectory)) == [9]
+    engine.hold_all_on_newest(True)  # a hold: one version answers everything
+    assert asyncio.run(turn(engine, "next-3", champion_trajectory)) == [9]
+
+
+def test_the_server_routes_a_conversation_by_its_first_turn(tmp_path, chat_tokenizer):
+    """Over the real app: each continuation (``parent_interaction_id``) is answered by the engine that
+    answered its trajectory's first turn, so every record's turns carry one version."""
+    cfg = serving_config(tmp_path, **{"serving.rate_limit_per_minute": 100_000, "serving.rate_limit_burst": 1_000})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    script = list(chat_tokenizer(ANSWER, add_special_tokens=False)["input_ids"]) + [chat_tokenizer.eos_token_id]
+    engine = CanaryEngine(FakeEngine(script), FakeEngine(script), share=0.5, seed=5)
+    engine.swap_weights(9, {})
+    engine.swap_champion(4, {})
+    logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
+                               LogSettings.from_config(cfg.serving))
+    app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=512)
+    last_turns = []
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for i in range(24):
+            messages, parent = [{"role": "user", "content": f"q{i}"}], {}
+            for t in range(3):
+                r = client.post("/v1/chat/completions", json={"model": "online-sao", "messages": messages, **parent})
+                assert r.status_code == 200, r.text
+                parent = {"parent_interaction_id": r.json()["interaction_id"]}
+                messages += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": f"more {t}"}]
+            last_turns.append(parent["parent_interaction_id"])
+        assert logger.flush(10.0)
+    consumer = backend.consumer([cfg.kafka.topics.interactions])
+    records = {r.interaction_id: r for r in map(decode, (m.value for m in consumer.poll(0.1, max_records=10_000)))}
+    consumer.close()
+    versions = [set(records[last].versions) for last in last_turns]
+    assert all(len(records[last].turn_ends) == 3 for last in last_turns)
+    assert all(len(v) == 1 for v in versions)  # three turns, one engine
+    assert {4} in versions and {9} in versions  # 24 trajectories at one half: both engines (p 1 - 2^-23)
+    assert engine.routed["champion"] == 3 * versions.count({4})
 
 
 def test_a_newer_publish_leaves_the_champion_and_a_champion_may_be_older():

@@ -16,9 +16,12 @@ the serving weights stay until a version is applied.
 
 ``champion`` notices (the registry's new champion) move no serving version: with a canary
 (:class:`~serving.engine.canary.CanaryEngine`) the newest of a poll is loaded into its champion
-engine; without one they are ignored. An operator's ``hold`` and ``release`` notices
-(:mod:`serving.weights_hold`) pin the serving version until released; a canary's champion answers
-nothing meanwhile.
+engine; without one they are ignored. The registry sends one per promotion, so a champion that
+cannot be loaded or swapped in (a store's transient error) stays pending and is tried again on later
+polls, after :data:`CHAMPION_RETRY_S` doubling up to :data:`CHAMPION_RETRY_MAX_S`, until it is
+applied, a later champion notice replaces it, or the engine refuses its weights. An operator's
+``hold`` and ``release`` notices (:mod:`serving.weights_hold`) pin the serving version until
+released; a canary's champion answers nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
+CHAMPION_RETRY_S = 2.0
+"""Wait before trying again a champion that could not be loaded; doubled after each failed try."""
+CHAMPION_RETRY_MAX_S = 60.0
+"""The longest wait between two tries of a pending champion."""
 EXPECTED_LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportError)
 """What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
 cannot parse, an fsspec protocol whose package is not installed): logged in a line. Anything else a
@@ -66,6 +73,11 @@ class WeightsFollower:
         self.last_result: SwapResult | None = None
         self.last_champion_result: SwapResult | None = None
         """The canary's last champion load (None: no champion notice was acted on)."""
+        self._champion_pending: WeightsNotice | None = None
+        """The newest champion notice not yet applied (its load or swap failed): tried again when due."""
+        self._champion_wait_s = CHAMPION_RETRY_S
+        self._champion_due = 0.0
+        """When (``time.monotonic``) the pending champion is tried next."""
         self.holds = HoldState()
         """The learner's notices followed, or an operator's hold (``holds.held_version``)."""
         self._progress = threading.Condition()
@@ -112,6 +124,7 @@ class WeightsFollower:
                     break
                 if notices:
                     self._apply(notices)
+                self._retry_champion()
                 with self._progress:
                     self.consumed += len(messages)
                     self._progress.notify_all()
@@ -143,7 +156,10 @@ class WeightsFollower:
     def _apply(self, notices: list[WeightsNotice]) -> None:
         champions = [n for n in notices if n.action == "champion"]
         if champions:
-            self._apply_champion(champions[-1])
+            self._champion_pending = champions[-1]  # the registry's newest word replaces any pending one
+            self._champion_wait_s = CHAMPION_RETRY_S
+            self._champion_due = 0.0
+            self._retry_champion()
         notices = [n for n in notices if n.action != "champion"]
         if not notices:
             return
@@ -164,10 +180,25 @@ class WeightsFollower:
                 self.holds.applied(notice)
                 return
 
-    def _apply_champion(self, notice: WeightsNotice) -> None:
-        """Load the newest champion into the canary's champion engine (if the engine has one)."""
-        if not isinstance(self.engine, ChampionServing) or self.engine.champion_version == notice.version:
+    def _retry_champion(self) -> None:
+        """Try the pending champion notice if its time has come; keep it pending (with a longer wait,
+        up to :data:`CHAMPION_RETRY_MAX_S`) when it fails again."""
+        notice = self._champion_pending
+        if notice is None or self._stop.is_set() or time.monotonic() < self._champion_due:
             return
+        if self._apply_champion(notice):
+            self._champion_pending = None
+            return
+        self._champion_due = time.monotonic() + self._champion_wait_s
+        log.warning("champion v%d will be tried again in %.0fs", notice.version, self._champion_wait_s)
+        self._champion_wait_s = min(2 * self._champion_wait_s, CHAMPION_RETRY_MAX_S)
+
+    def _apply_champion(self, notice: WeightsNotice) -> bool:
+        """Load the newest champion into the canary's champion engine (if the engine has one).
+        False: it may load on another try (the store or the swap failed); True: it is done with
+        (applied, already held, refused by the engine, or there is no canary)."""
+        if not isinstance(self.engine, ChampionServing) or self.engine.champion_version == notice.version:
+            return True
         start = time.perf_counter()
         try:
             state = self.store.load(notice.location, notice.checksum)
@@ -175,18 +206,19 @@ class WeightsFollower:
             reason = f"cannot load champion v{notice.version} from {notice.location}: {exc!r}"
             _log_load_failure(exc, "%s; the canary keeps v%s", reason, self.engine.champion_version)
             self.last_champion_result = SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason)
-            return
+            return False
         try:
             result = self.engine.swap_champion(notice.version, state)
         except Exception as exc:  # as in _try: one notice must not end the thread (an out-of-memory spare copy)
             reason = f"swapping in champion v{notice.version} failed: {exc!r}"
             log.exception("%s; the canary keeps v%s", reason, self.engine.champion_version)
             self.last_champion_result = SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason)
-            return
-        if not result.applied:
+            return False
+        if not result.applied:  # the engine judged the weights themselves (not finite, wrong shapes): final
             log.warning("champion v%d refused: %s", notice.version, result.reason)
         self.last_champion_result = SwapResult(result.version, result.applied,
                                                time.perf_counter() - start, result.stall_s, result.reason)
+        return True
 
     def _try(self, notice: WeightsNotice, force: bool) -> SwapResult:
         start = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from online_sao.modeling import load_policy
 from online_sao.schemas import DeadLetter, WeightsNotice, decode, encode
 from online_sao.weights import FileWeightStore, InProcessWeightStore, sha256_hex
 from serving.engine.canary import CanaryEngine
+from serving import weights_follower
 from serving.engine.torch_engine import TorchEngine
 from serving.weights_follower import WeightsFollower
 from serving.weights_hold import plan
@@ -207,10 +209,10 @@ def test_stop_joins_the_thread(backend, base_model):
 class Canary:
     """A canary engine (newest and champion TorchEngines) with a running follower."""
 
-    def __init__(self, backend, store, base_model):
+    def __init__(self, backend, store, base_model, **kwargs):
         self.engine = CanaryEngine(TorchEngine(copy.deepcopy(base_model)), TorchEngine(copy.deepcopy(base_model)),
                                    share=0.5, seed=0)
-        self.follower = WeightsFollower(backend, TOPIC, store, self.engine)
+        self.follower = WeightsFollower(backend, TOPIC, store, self.engine, **kwargs)
         self.follower.start()
 
     def caught_up(self, n_records: int) -> None:
@@ -237,6 +239,80 @@ def test_champion_notices_load_the_canary_and_move_no_serving_version(backend, b
         assert c.engine.champion_version == 4
         result = c.follower.last_champion_result  # the failure is the newest champion notice's outcome
         assert result.version == 5 and not result.applied and "cannot load champion v5" in result.reason
+    finally:
+        c.follower.stop()
+
+
+class FlakyStore:
+    """``store`` whose loads of a location fail (a transient error) as often as ``failing`` says."""
+
+    def __init__(self, store):
+        self.store = store
+        self.failing: dict[str, int] = {}
+        self.loads: list[str] = []
+        """Every location a load was asked for, in order."""
+
+    def load(self, location, checksum):
+        self.loads.append(location)
+        if self.failing.get(location, 0) > 0:
+            self.failing[location] -= 1
+            raise OSError(f"transient error reading {location} (test)")
+        return self.store.load(location, checksum)
+
+
+@pytest.fixture
+def quick_champion_retries(monkeypatch):
+    monkeypatch.setattr(weights_follower, "CHAMPION_RETRY_S", 0.02, raising=False)
+    monkeypatch.setattr(weights_follower, "CHAMPION_RETRY_MAX_S", 0.1, raising=False)
+
+
+def test_a_champion_whose_load_failed_is_tried_again_until_it_loads(backend, base_model, quick_champion_retries):
+    store = FlakyStore(InProcessWeightStore())
+    refs = {v: store.store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4)}
+    c = Canary(backend, store, base_model, poll_timeout_s=0.02)
+    try:
+        send(backend, notice(refs[1]), notice(refs[2]), notice(refs[2], "champion"))
+        c.caught_up(3)
+        assert c.engine.champion_version == 2
+        store.failing[refs[4].location] = 1  # the promotion's load meets a transient store error
+        send(backend, notice(refs[3]), notice(refs[4]), notice(refs[4], "champion"))
+        c.caught_up(6)
+        # no further notice: the pending champion is tried again and loads
+        result = lambda: c.follower.last_champion_result  # noqa: E731 (set once the swap is done)
+        assert c.follower.wait_for(lambda: result().version == 4 and result().applied, 10.0)
+        assert c.engine.champion_version == 4 and served(c.engine.champion) == 4.0 and c.engine.policy_version == 4
+        assert store.loads.count(refs[4].location) == 3  # the publish, the failed champion load, its retry
+    finally:
+        c.follower.stop()
+
+
+def test_a_pending_champion_gives_way_to_a_later_champion_notice(backend, base_model, quick_champion_retries):
+    store = FlakyStore(InProcessWeightStore())
+    refs = {v: store.store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4)}
+    c = Canary(backend, store, base_model, poll_timeout_s=0.02)
+    never = 10 ** 9
+    try:
+        send(backend, notice(refs[1], "champion"))
+        c.caught_up(1)
+        assert c.engine.champion_version == 1
+        store.failing[refs[2].location] = never
+        send(backend, notice(refs[2], "champion"))
+        c.caught_up(2)
+        assert c.follower.wait_for(lambda: store.loads.count(refs[2].location) >= 3, 10.0)  # pending: retried
+        send(backend, notice(refs[3], "champion"))  # a newer champion replaces the pending one
+        c.caught_up(3)
+        assert c.engine.champion_version == 3 and served(c.engine.champion) == 3.0
+        tried = store.loads.count(refs[2].location)
+        store.failing[refs[4].location] = never
+        send(backend, notice(refs[4], "champion"))
+        c.caught_up(4)
+        assert c.follower.wait_for(lambda: store.loads.count(refs[4].location) >= 2, 10.0)
+        send(backend, notice(refs[3], "champion"))  # the champion already held (a roll-back): nothing pending
+        c.caught_up(5)
+        tried_4 = store.loads.count(refs[4].location)
+        time.sleep(0.5)  # a dozen polls, several retry periods
+        assert store.loads.count(refs[2].location) == tried and store.loads.count(refs[4].location) == tried_4
+        assert c.engine.champion_version == 3
     finally:
         c.follower.stop()
 

@@ -85,7 +85,8 @@ def results_dir(cfg: AppConfig) -> Path:
 def arm_config(cfg: AppConfig, arm: ArmConfig) -> AppConfig:
     """``cfg`` for one arm: its algorithm overrides, and topics, consumer groups, state
     directories and registered model of its own, so arms that run one after the other never
-    read each other's records, weights or checkpoints, nor decide against each other's champion."""
+    read each other's records, weights or checkpoints, nor decide against each other's champion;
+    ``experiment.arms`` holds that arm alone."""
     suffix = f"{cfg.experiment.name}.{arm.name}"
     topics = cfg.kafka.topics.model_copy(update={
         "interactions": f"{cfg.kafka.topics.interactions}.{suffix}",
@@ -100,6 +101,9 @@ def arm_config(cfg: AppConfig, arm: ArmConfig) -> AppConfig:
             "consumer_group": f"{cfg.trainer.consumer_group}.{suffix}",
             "weight_store": str(arm_dir / "weights"), "checkpoint_dir": arm_dir / "checkpoints"}),
         "serving": cfg.serving.model_copy(update={"spool_dir": arm_dir / "spool"}),
-        "experiment": cfg.experiment.model_copy(update={"judge_group": f"{cfg.experiment.judge_group}.{suffix}"}),
+        # its own arm only: its algorithm section is the arm's already, against which another arm's
+        # overrides may clash (the arm's processes load this config again: apps/config.py checks every arm)
+        "experiment": cfg.experiment.model_copy(update={"judge_group": f"{cfg.experiment.judge_group}.{suffix}",
+                                                        "arms": [arm]}),
         "mlflow": cfg.mlflow.model_copy(update={"registered_model": f"{cfg.mlflow.registered_model}.{suffix}"}),
     })

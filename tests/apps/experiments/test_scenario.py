@@ -94,6 +94,25 @@ def test_arm_config_applies_overrides_and_separates_state(tmp_path):
     assert cfg.algorithm.name == "sao" and cfg.kafka.topics.interactions == "sao.interactions"  # untouched
 
 
+def test_an_arms_config_loads_again_when_the_sweeps_arms_clash_with_each_other(tmp_path):
+    # the live driver writes each arm's config for its serve and learn processes, which load it again:
+    # each arm fits the algorithm section, but one's level window and the other's shrinkage window
+    # cannot both be on, and the arm's config holds its own merged algorithm section
+    from online_sao.config import dump_config
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("experiment:\n  arms:\n"
+                     "    - {name: level, algorithm: {name: sao, value_level_window: 16}}\n"
+                     "    - {name: shrink, algorithm: {name: sao, value_shrinkage_window: 16}}\n")
+    cfg = load_app_config(sweep, environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    for arm in cfg.experiment.arms:
+        written = tmp_path / f"{arm.name}.yaml"
+        written.write_text(dump_config(arm_config(cfg, arm), reveal_secrets=True))
+        again = load_app_config(written, environ={})
+        assert [a.name for a in again.experiment.arms] == [arm.name]
+        assert again.algorithm == arm_config(cfg, arm).algorithm
+
+
 def test_prompts_train_on_the_pool_and_evaluate_on_held_out_prompts():
     assert BASE_MODEL_HELDOUT_FRACTION == base_model.HELDOUT_FRACTION
     exp = ExperimentConfig(prompt_pool_size=50, eval_prompts=10)

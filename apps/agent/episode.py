@@ -32,7 +32,9 @@ with ``Retry-After: 5`` when its log could not secure the reward within ``servin
 the ack timeouts. Bounded because the task holds one of ``agent.concurrency`` slots meanwhile, and past
 that the route is down rather than slow: the task counts as failed (a chat API error does too), and
 ``apps.agent.run.MAX_CONSECUTIVE_FAILURES`` of those in a row end the run. A retried reward the server
-had logged after all is joined once (the learner drops duplicate rewards)."""
+had logged after all reaches the learner twice (serving stamps each POST's record with its own time, so the
+join does not take it for a copy): the same value changes nothing under ``reward.aggregation`` ``last``
+(the default), ``first`` or ``mean``, and counts twice under ``sum``."""
 FEEDBACK_MAX_WAIT_S = 30.0
 """Longest total sleep between one reward's attempts, for the same reason: a ``Retry-After`` that would
 take the total past it is not waited out, the task counts as failed at once."""

@@ -125,6 +125,16 @@ def release(cfg: Config, backend: StreamBackend, reason: str | None = None) -> W
         return None
     notice = _notice(held, action="release", reason=reason, created_at=time.time())
     _send(backend, topic, notice)
+    now = read_weights_topic(backend, topic, model).hold
+    if now is not None:
+        # another operator's hold landed between the read and this release, which replicas ignore: it
+        # is the newest record under the hold key now, and compaction would keep it alone, so a replica
+        # starting later would not find the hold the others keep. The hold in force goes out again.
+        _send(backend, topic, _notice(now, created_at=time.time()))
+        raise HoldError(f"v{now.version} is held (another `weights hold` landed around this release of "
+                        f"v{held.version}, which only ends v{held.version}'s hold): replicas stay on v{now.version} "
+                        f"(its hold sent again, so a replica starting later finds it); `online-sao weights release` "
+                        f"again ends it")
     return notice
 
 

@@ -200,6 +200,30 @@ def test_a_release_sent_for_an_earlier_hold_leaves_the_hold_that_replaced_it(bac
     assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold is None
 
 
+def test_a_release_that_another_hold_overtook_sends_that_hold_again_and_says_so(backend, cfg, store, monkeypatch):
+    """Operator B's hold of v2 lands between operator A's read and A's release of v1: replicas ignore
+    the release, but it was the newest record under the hold key, which compaction would keep alone,
+    so a replica starting later would not be held. The hold in force goes out again and A is told."""
+    published(backend, cfg, store, 1, 2, 3)
+    hold(cfg, backend, version=1, reason="A: incident")
+    read = weights_control.read_weights_topic
+    calls = []
+
+    def b_holds_after_as_read(*args):
+        state = read(*args)
+        if not calls:  # A's first read: B's hold lands right after it
+            calls.append("B")
+            hold(cfg, backend, version=2, reason="B: pin v2")
+        return state
+
+    monkeypatch.setattr(weights_control, "read_weights_topic", b_holds_after_as_read)
+    assert run_weights_cli(cfg, backend, "release", None, False, "A done") == 1
+    monkeypatch.undo()
+    last = on_topic(backend, cfg)[-1][1]
+    assert (last.action, last.version) == ("hold", 2)  # the newest record under the hold key again
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold.version == 2
+
+
 def test_a_release_of_the_hold_in_force_ends_it(backend, cfg, store):
     published(backend, cfg, store, 1, 2)
     hold(cfg, backend, version=1)

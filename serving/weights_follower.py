@@ -196,7 +196,7 @@ class WeightsFollower:
     def _apply_champion(self, notice: WeightsNotice) -> bool:
         """Load the newest champion into the canary's champion engine (if the engine has one).
         False: it may load on another try (the store or the swap failed); True: it is done with
-        (applied, already held, refused by the engine, or there is no canary)."""
+        (applied, already held, refused by the engine or by its checksum, or there is no canary)."""
         if not isinstance(self.engine, ChampionServing) or self.engine.champion_version == notice.version:
             return True
         start = time.perf_counter()
@@ -206,7 +206,8 @@ class WeightsFollower:
             reason = f"cannot load champion v{notice.version} from {notice.location}: {exc!r}"
             _log_load_failure(exc, "%s; the canary keeps v%s", reason, self.engine.champion_version)
             self.last_champion_result = SwapResult(notice.version, False, time.perf_counter() - start, 0.0, reason)
-            return False
+            # bytes that fail their checksum (renamed into place whole) stay so: not read again every minute
+            return isinstance(exc, CorruptWeights)
         try:
             result = self.engine.swap_champion(notice.version, state)
         except Exception as exc:  # as in _try: one notice must not end the thread (an out-of-memory spare copy)

@@ -286,6 +286,23 @@ def test_a_champion_whose_load_failed_is_tried_again_until_it_loads(backend, bas
         c.follower.stop()
 
 
+def test_a_champion_whose_bytes_fail_their_checksum_is_not_read_again(backend, base_model, quick_champion_retries):
+    store = FlakyStore(InProcessWeightStore())
+    refs = {v: store.store.save(v, state_for(base_model, v)) for v in (1, 2)}
+    c = Canary(backend, store, base_model, poll_timeout_s=0.02)
+    try:
+        send(backend, notice(refs[1], "champion"))
+        c.caught_up(1)
+        bad = WeightsNotice(action="champion", version=2, location=refs[2].location, checksum="0" * 64)
+        send(backend, bad)
+        c.caught_up(2)
+        assert c.follower.wait_for(lambda: c.follower.last_champion_result.version == 2, 10.0)
+        time.sleep(0.5)  # five times the longest retry wait
+        assert store.loads.count(refs[2].location) == 1 and c.engine.champion_version == 1
+    finally:
+        c.follower.stop()
+
+
 def test_a_pending_champion_gives_way_to_a_later_champion_notice(backend, base_model, quick_champion_retries):
     store = FlakyStore(InProcessWeightStore())
     refs = {v: store.store.save(v, state_for(base_model, v)) for v in (1, 2, 3, 4)}

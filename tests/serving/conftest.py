@@ -198,27 +198,32 @@ class Served:
             consumer.close()
 
 
+def start_served(tmp_path, tokenizer, engine: FakeEngine, grace_s: float, max_model_len: int | None,
+                 **overrides) -> Served:
+    """The real app on uvicorn over ``engine``, logging into memory (``overrides``: config keys)."""
+    from serving.server import BackgroundServer
+
+    cfg = serving_config(tmp_path, **{"serving.log_durability": "memory", **overrides})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
+                               LogSettings.from_config(cfg.serving))
+    app = build_app(engine, logger, cfg, tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=max_model_len)
+    return Served(BackgroundServer(app, grace_s=grace_s).start(), engine, app.state.inflight, backend,
+                  cfg.kafka.topics.interactions)
+
+
 @pytest.fixture
 def serve(tmp_path, chat_tokenizer) -> Iterator:
     """The real app on uvicorn over a FakeEngine whose answers hold after :data:`HELD_AFTER` tokens."""
-    from serving.server import BackgroundServer
-
     started: list[Served] = []
 
     def make(slots: int, grace_s: float = 10.0, **overrides) -> Served:
-        cfg = serving_config(tmp_path, **{"serving.log_durability": "memory", **overrides})
-        backend = InMemoryBackend(cfg.kafka)
-        backend.ensure_topics()
-        logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
-                                   LogSettings.from_config(cfg.serving))
         engine = FakeEngine(list(chat_tokenizer(ANSWER, add_special_tokens=False)["input_ids"])
                             + [chat_tokenizer.eos_token_id])
         engine.slots, engine.hold_after = slots, HELD_AFTER
-        app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=512)
-        served = Served(BackgroundServer(app, grace_s=grace_s).start(), engine, app.state.inflight, backend,
-                        cfg.kafka.topics.interactions)
-        started.append(served)
-        return served
+        started.append(start_served(tmp_path, chat_tokenizer, engine, grace_s, 512, **overrides))
+        return started[-1]
 
     yield make
     for served in started:

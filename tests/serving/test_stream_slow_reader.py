@@ -16,14 +16,9 @@ import struct
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from serving.app import build_app
 from serving.engine.base import GenerationRequest, TokenEvent
-from serving.interaction_log import InteractionLogger, LogSettings
-from serving.metrics import ServingMetrics
-from streams.memory import InMemoryBackend
-from tests.serving.conftest import Served, chat, metric, serving_config, wait_until
+from tests.serving.conftest import Served, chat, metric, start_served, wait_until
 from tests.serving.fakes import FakeEngine
 
 TOKENS = 20_000
@@ -58,25 +53,15 @@ class YieldingEngine(FakeEngine):
 @pytest.fixture
 def serve_long(tmp_path, chat_tokenizer) -> Iterator:
     """The real app on uvicorn over a :class:`YieldingEngine` answering :data:`TOKENS` tokens."""
-    from serving.server import BackgroundServer
-
     started: list[Served] = []
 
     def make(hold_after: int | None = None, grace_s: float = 10.0, **overrides) -> Served:
-        cfg = serving_config(tmp_path, **{"serving.log_durability": "memory", "serving.max_new_tokens": TOKENS,
-                                          **overrides})
-        backend = InMemoryBackend(cfg.kafka)
-        backend.ensure_topics()
-        logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
-                                   LogSettings.from_config(cfg.serving))
         words = list(chat_tokenizer("Hello world, tea is nice. ", add_special_tokens=False)["input_ids"])
         engine = YieldingEngine((words * TOKENS)[:TOKENS - 1] + [chat_tokenizer.eos_token_id])
         engine.hold_after = hold_after
-        app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=None)
-        served = Served(BackgroundServer(app, grace_s=grace_s).start(), engine, app.state.inflight, backend,
-                        cfg.kafka.topics.interactions)
-        started.append(served)
-        return served
+        started.append(start_served(tmp_path, chat_tokenizer, engine, grace_s, None,
+                                    **{"serving.max_new_tokens": TOKENS, **overrides}))
+        return started[-1]
 
     yield make
     for served in started:

@@ -370,10 +370,9 @@ def test_non_finite_logits_fail_the_request_instead_of_logging_nan(engine, versi
     assert worst_error(events, replay_logprobs(served, PROMPTS[0], events, TEMPERATURE, TOP_P)) < LOGPROB_TOL
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, versions, monkeypatch):
-    """An exception in the model step fails the requests it was serving, not the engine."""
-    # the native engine's step ends in sample_tokens; vLLM's is LLMEngine.step
-    owner, name = (torch_engine, "sample_tokens") if isinstance(engine, TorchEngine) else (engine._llm, "step")
+def failing_once(monkeypatch, owner, name: str) -> threading.Event:
+    """``owner.name`` raises "injected step failure" once, the next time it is called after the returned
+    event is set."""
     original = getattr(owner, name)
     armed = threading.Event()
 
@@ -384,6 +383,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, vers
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, step)
+    return armed
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, versions, monkeypatch):
+    """An exception in the model step fails the requests it was serving, not the engine."""
+    # the native engine's step ends in sample_tokens; vLLM's is LLMEngine.step
+    owner, name = (torch_engine, "sample_tokens") if isinstance(engine, TorchEngine) else (engine._llm, "step")
+    armed = failing_once(monkeypatch, owner, name)
 
     async def main():
         await engine.start()

@@ -20,7 +20,7 @@ from online_sao.config import ServingConfig
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.sampling import NonFiniteLogits
-from tests.serving.test_engine_contract import VLLM_KV_CACHE_BYTES, VLLM_MEMORY_SHARE
+from tests.serving.test_engine_contract import VLLM_KV_CACHE_BYTES, VLLM_MEMORY_SHARE, failing_once
 
 pytestmark = pytest.mark.vllm
 
@@ -89,16 +89,7 @@ def test_a_seeded_prompt_longer_than_the_step_budget_is_served_beside_the_others
 def test_a_failing_step_fails_only_the_requests_vllm_was_running(engine, monkeypatch):
     """max_batch_size 2 and 6 requests: vLLM runs 2 and holds 4 in its waiting queue; a step failure
     fails at most the 2 it ran, and the 4 waiting ones are served in full."""
-    original = engine._llm.step
-    armed = threading.Event()
-
-    def step(*args, **kwargs):
-        if armed.is_set():
-            armed.clear()
-            raise RuntimeError("injected step failure")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(engine._llm, "step", step)
+    armed = failing_once(monkeypatch, engine._llm, "step")
     requests = [request(f"s{i}", [5 + i, 6, 7], max_tokens=20, seed=i) for i in range(6)]
 
     async def main():

@@ -8,16 +8,13 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 
-from online_sao.config import load_config
 from online_sao.weights import FileWeightStore
+from tests.fixtures.mlflow import tracker_config
 from trainer.tracking import RunTracker
 
 
 def test_a_run_resumed_under_another_registered_model_keeps_the_first_models_directories(tmp_path):
-    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
-                                             "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
-    cfg.model_dir.mkdir(parents=True)
-    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    cfg = tracker_config(tmp_path)
     store = FileWeightStore(str(tmp_path / "weights"))
     first = RunTracker(cfg)
     for version in (1, 2):

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from online_sao.config import load_config
 from online_sao.schemas import decode
+from tests.fixtures.mlflow import tracker_config
 from tests.trainer.test_deploy import STYLE_A, FixedKL, ScriptedScorer, _registry_parts, _rollout
 from trainer.deploy import OffPolicyGate
 from trainer.publisher import Releases
@@ -24,17 +24,8 @@ class Killed(BaseException):
     """The learner's process ends here (SIGKILL, an OOM kill, a lost node)."""
 
 
-def _config(tmp_path):
-    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
-                                             "mlflow.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-                                             "deploy.window": 120, "deploy.monitor_max_kl": 0.5})
-    cfg.model_dir.mkdir(parents=True)
-    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
-    return cfg
-
-
 def test_a_roll_back_killed_before_its_alias_moved_never_promotes_the_rejected_version(tmp_path, caplog):
-    cfg = _config(tmp_path)
+    cfg = tracker_config(tmp_path, **{"deploy.window": 120, "deploy.monitor_max_kl": 0.5})
     backend, publisher, tracker, window = _registry_parts(cfg)
     scorer = ScriptedScorer(dict.fromkeys(range(1, 12), STYLE_A))
 

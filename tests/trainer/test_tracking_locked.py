@@ -23,8 +23,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 import trainer.tracking as tracking
-from online_sao.config import load_config
 from online_sao.weights import FileWeightStore
+from tests.fixtures.mlflow import tracker_config
 from trainer.tracking import RunTracker
 
 BUSY_TIMEOUT_MS = 100
@@ -56,17 +56,9 @@ class Lock:
         self.connection.execute("COMMIT")
 
 
-def _config(tmp_path):
-    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
-                                             "mlflow.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
-    cfg.model_dir.mkdir(parents=True)
-    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
-    return cfg
-
-
 def test_a_locked_database_keeps_the_metrics_and_sends_them_once_it_is_released(
         short_busy_timeout, tmp_path, caplog):
-    cfg = _config(tmp_path)
+    cfg = tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
     tracker.log_metrics({"reward_mean": 0.1}, step=1)
     lock = Lock(str(tmp_path / "mlflow.db"))
@@ -92,7 +84,7 @@ def test_a_locked_database_keeps_the_metrics_and_sends_them_once_it_is_released(
 
 def test_a_registry_call_waits_for_a_locked_database_and_succeeds_once_it_is_released(
         short_busy_timeout, tmp_path, caplog):
-    cfg = _config(tmp_path)
+    cfg = tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
     ref = FileWeightStore(str(tmp_path / "weights")).save(1, {"w": torch.ones(2)})
     lock = Lock(str(tmp_path / "mlflow.db"))

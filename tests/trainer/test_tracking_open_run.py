@@ -11,17 +11,9 @@ import requests
 from mlflow.exceptions import MlflowException
 
 import trainer.tracking as tracking
-from online_sao.config import load_config
 from trainer.mlflow_store import open_client
+from tests.fixtures.mlflow import tracker_config
 from trainer.tracking import RunTracker
-
-
-def _config(tmp_path):
-    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
-                                             "mlflow.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
-    cfg.model_dir.mkdir(parents=True)
-    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
-    return cfg
 
 
 @pytest.fixture
@@ -60,7 +52,7 @@ def _runs(cfg):
 
 @pytest.mark.parametrize("method", ["create_run", "log_batch", "log_text"])
 def test_a_lost_answer_while_creating_the_run_makes_one_run(losing_one_answer, tmp_path, method):
-    cfg = _config(tmp_path)
+    cfg = tracker_config(tmp_path)
     lost = losing_one_answer(method)
     tracker = RunTracker(cfg, stop=threading.Event())
     assert lost == [method]
@@ -75,7 +67,7 @@ def test_a_lost_answer_while_creating_the_run_makes_one_run(losing_one_answer, t
 
 @pytest.mark.parametrize("method", ["set_tag", "update_run", "log_text"])
 def test_a_lost_answer_while_reopening_the_run_counts_the_restart_once(losing_one_answer, tmp_path, method):
-    cfg = _config(tmp_path)
+    cfg = tracker_config(tmp_path)
     first = RunTracker(cfg, stop=threading.Event())
     first.close()
 

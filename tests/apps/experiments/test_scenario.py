@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from apps.default_model import builder as base_model
-from apps.config import ExperimentConfig, load_app_config
+from apps.config import PRETRAIN_ARM, ArmConfig, ExperimentConfig, load_app_config
 from online_sao.config import ConfigError
 from apps.experiments.scenario import (BASE_MODEL_HELDOUT_FRACTION, arm_config, eval_prompts,
                                              heldout_prompts, prompt_pool, prompt_repeats, results_dir,
@@ -111,6 +111,10 @@ def test_an_arms_config_loads_again_when_the_sweeps_arms_clash_with_each_other(t
         again = load_app_config(written, environ={})
         assert [a.name for a in again.experiment.arms] == [arm.name]
         assert again.algorithm == arm_config(cfg, arm).algorithm
+    # the value pre-training pass runs serving from a config of its own too (apps/experiments/pretrain_data.py)
+    written = tmp_path / "pretrain.yaml"
+    written.write_text(dump_config(arm_config(cfg, ArmConfig(name=PRETRAIN_ARM)), reveal_secrets=True))
+    assert [a.name for a in load_app_config(written, environ={}).experiment.arms] == ["level", "shrink"]
 
 
 def test_prompts_train_on_the_pool_and_evaluate_on_held_out_prompts():

@@ -135,8 +135,11 @@ class Spool:
 
     @property
     def pending_records(self) -> int:
-        """Entries not yet acknowledged (on disk and held in memory)."""
-        return len(self._unacked) + len(self._overflow)
+        """Entries not yet acknowledged (on disk and held in memory). Read under the lock: an
+        acknowledgement of everything empties the list before it truncates the log (a watermark's fsync
+        between), and a logger's flush that read none pending then returned with the log still full."""
+        with self._lock:
+            return len(self._unacked) + len(self._overflow)
 
     @property
     def held_in_memory(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -473,3 +474,30 @@ def test_after_a_watermark_the_disk_refused_a_restart_reads_back_every_pending_e
     reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     assert reopened.pending_records == 10
     assert reopened.readback_window(2) == 10
+
+
+def test_no_entry_reads_as_pending_only_once_the_acknowledged_log_is_emptied(tmp_path, monkeypatch):
+    # a logger's flush returns when no entry is pending: acknowledging everything must not show that
+    # before the log is truncated (the watermark's fsync comes between them)
+    import threading
+
+    import serving.spool as spool_module
+
+    spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
+    spool.append(entries(1, 3))
+    last = spool.read_pending(10)[-1]
+    write, writing = spool_module.replace_with_text, threading.Event()
+
+    def slow_watermark(path, text):
+        writing.set()
+        time.sleep(0.3)  # a slow disk's fsync
+        return write(path, text)
+
+    monkeypatch.setattr(spool_module, "replace_with_text", slow_watermark)
+    acknowledging = threading.Thread(target=spool.ack_through, args=(last,))
+    acknowledging.start()
+    assert writing.wait(5)
+    while spool.pending_records:
+        time.sleep(0.01)
+    assert (tmp_path / "spool.log").stat().st_size == 0
+    acknowledging.join()

@@ -18,7 +18,7 @@ import re
 
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-from trainer.registry_versions import model_versions
+from trainer.registry_versions import model_versions, versions_matching
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class RegistryRetention:
         # by name within the run: a source written under another form of the store's address still counts;
         # every registered model's versions: a run resumed under another mlflow.registered_model (or a
         # version an operator registered from it) still refers to the directories of the first
-        referenced = {found.source.rstrip("/").rsplit("/", 1)[-1] for found in self._run_versions()
+        referenced = {found.source.rstrip("/").rsplit("/", 1)[-1]
+                      for found in versions_matching(self.client, f"run_id = '{self.run_id}'")
                       if found.run_id == self.run_id}
         for item in self.client.list_artifacts(self.run_id, POLICY_DIR):
             name = item.path.rsplit("/", 1)[-1]
@@ -105,16 +106,6 @@ class RegistryRetention:
             if WEIGHTS_PRUNED not in found.tags and "policy_version" in found.tags:
                 self.client.set_model_version_tag(self.model_name, found.version, WEIGHTS_PRUNED, "false")
         self.client.set_registered_model_tag(self.model_name, RETENTION_MARKED, "true")
-
-    def _run_versions(self) -> list:
-        """The versions of every registered model made from the learner's run, all pages."""
-        found, token = [], None
-        while True:
-            page = self.client.search_model_versions(f"run_id = '{self.run_id}'", page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                return found
 
     def _search(self, tag_filter: str | None = None) -> list:
         """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""

@@ -102,7 +102,12 @@ def version_with_alias(client, model_name: str, alias: str):
 
 def model_versions(client, model_name: str, tag_filter: str | None = None) -> list:
     """The registered model's versions, all pages (those matching ``tags.<tag_filter>``)."""
-    query = f"name = '{model_name}'" + ("" if tag_filter is None else f" AND tags.{tag_filter}")
+    tags = "" if tag_filter is None else f" AND tags.{tag_filter}"
+    return versions_matching(client, f"name = '{model_name}'{tags}")
+
+
+def versions_matching(client, query: str) -> list:
+    """Every registry version ``query`` (MLflow's model-version search filter) finds, all pages."""
     found, token = [], None
     while True:
         page = client.search_model_versions(query, page_token=token)

@@ -245,6 +245,8 @@ class NginxConf:
     listen: list[int]
     proxy_pass: list[str]
     client_max_body_size: int | None
+    proxy_read_timeout_s: float | None
+    """``proxy_read_timeout`` in seconds (plain seconds or an ``s``/``m`` suffix); None when unset."""
 
 
 _SIZE = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
@@ -258,11 +260,14 @@ def parse_nginx(text: str) -> NginxConf:
         statements = [st.split() for st in m.group(2).split(";")]
         upstreams[m.group(1)] = [st[1] for st in statements if len(st) > 1 and st[0] == "server"]
     size = re.search(r"\bclient_max_body_size\s+(\d+)([kKmMgG]?)\s*;", text)
+    read_timeout = re.search(r"\bproxy_read_timeout\s+(\d+)(s|m)?\s*;", text)
     return NginxConf(
         upstreams=upstreams,
         listen=[int(p) for p in re.findall(r"\blisten\s+(?:[\d.]+:)?(\d+)[^;]*;", text)],
         proxy_pass=re.findall(r"\bproxy_pass\s+([^;\s]+)\s*;", text),
         client_max_body_size=int(size.group(1)) * _SIZE[size.group(2).lower()] if size else None,
+        proxy_read_timeout_s=(float(read_timeout.group(1)) * (60 if read_timeout.group(2) == "m" else 1)
+                              if read_timeout else None),
     )
 
 

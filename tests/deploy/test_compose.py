@@ -227,6 +227,16 @@ def test_load_balancer_spreads_over_the_serving_replicas():
     assert set(lb["depends_on"]) == set(replicas)
 
 
+def test_the_load_balancer_waits_longer_than_a_replicas_deadline():
+    """A request near serving's deadline gets serving's JSON 504 (``request_timeout``), not nginx's
+    HTML one (docs/SERVING.md: keep the deadline below the timeouts of proxies in front)."""
+    lb = SERVICES["lb"]
+    conf_source = next(s for s, t, _ in volumes(lb) if t == "/etc/nginx/nginx.conf")
+    conf = parse_nginx((REPO / conf_source).read_text())
+    deadlines = {invocation(n).cfg.serving.request_timeout_s for n in with_command("serve")}
+    assert conf.proxy_read_timeout_s is not None and conf.proxy_read_timeout_s > max(deadlines)
+
+
 def test_dependencies_can_be_satisfied():
     for name, service in SERVICES.items():
         for target, spec in (service.get("depends_on") or {}).items():

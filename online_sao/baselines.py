@@ -6,7 +6,9 @@
 
 A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO, each
 adds the KL / entropy terms of its :class:`~online_sao.regularizers.PolicyRegularizer`
-(none unless configured) to every policy loss, and
+(none unless configured) to every policy loss, skips a policy update whose loss has no
+gradient on any rank (no token inside the DIS band, or no action token; no regularizer on:
+``policy_update_skipped_empty = 1``, the step not refused; :func:`online_sao.train_step.guarded_update`), and
 refuses a batch with non-finite inputs, losses or gradient norms
 (``skipped_nonfinite = 1``) before any optimiser step of the failing update, each
 check agreed across ranks through the ``vote`` they are given (see
@@ -33,7 +35,7 @@ from online_sao.losses import clipped_surrogate_loss, dis_policy_loss, explained
 from online_sao.modeling import packing_verdict
 from online_sao.regularizers import PolicyRegularizer
 from online_sao.train_step import (FiniteVote, batch_metrics, guarded_update, local_vote, nonfinite_inputs,
-                                   policy_forward, policy_packs)
+                                   policy_forward, policy_packs, policy_signal_tokens)
 
 GROUP_STD_EPS = 1e-6
 """Added to a group's reward standard deviation: a group of equal rewards has
@@ -82,7 +84,8 @@ class RunningMean(PolicyOnly):
 
     The baseline excludes the step's own rewards so a rollout never baselines
     against itself. The first step, with no history, uses its own mean. The
-    window advances only on steps that were applied. Under several ranks the
+    window advances only on steps that were not refused (a step whose policy update was
+    skipped for want of a kept token still saw its rewards). Under several ranks the
     window and the first step's mean follow the whole step
     (``batch.step_rewards``), not the rank's share, so every rank keeps the one
     window a single process would.
@@ -117,14 +120,17 @@ class RunningMean(PolicyOnly):
             logprobs, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_normalizer)
         extra, extra_metrics = self.regularizer.loss(batch, logprobs, entropy)
         loss = loss + extra
-        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
-        if result.stepped:
+        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote,
+                                signal_tokens=policy_signal_tokens(logprobs, batch, cfg, dis=True))
+        if not result.refused:
             self.window.extend(batch.step_rewards if batch.step_rewards is not None else rewards.tolist())
+        if result.stepped:
             self.regularizer.after_policy_update(self.policy)
         return {**metrics, **dis_metrics, **extra_metrics, "policy_loss": loss.item(),
                 "policy_grad_norm": result.grad_norm,
                 "baseline": baseline, "adv_mean": masked_mean(advantages, mask),  # per action token, as SAO's
-                "skipped_nonfinite": 0.0 if result.stepped else 1.0}
+                "skipped_nonfinite": 1.0 if result.refused else 0.0,
+                "policy_update_skipped_empty": 1.0 if result.empty else 0.0}
 
     def state_dict(self) -> dict[str, Any]:
         return {"reward_window": list(self.window)}
@@ -142,15 +148,20 @@ def _clipped_updates(
     cfg: AlgorithmConfig, use_dis: bool, vote: FiniteVote, regularizer: PolicyRegularizer, after_update=None,
 ) -> dict[str, float]:
     """``cfg.ppo_epochs`` clipped-surrogate updates (plus ``regularizer``'s terms) against the
-    step-start pi_old. ``after_update`` (optional) runs after each applied policy update and
+    step-start pi_old. ``after_update`` (optional) runs after each policy update not refused and
     returns False to refuse the rest of the step (it must decide the same on every rank).
 
     A refusal before any policy update refuses the step (``skipped_nonfinite``: no weight moved).
     One after an applied update ends the step there: the policy has moved, so the step counts as
-    trained (published, its rollouts trained) and says ``refused_after_update = 1``."""
+    trained (published, its rollouts trained) and says ``refused_after_update = 1``. An update
+    whose loss has no gradient on any rank (no token inside the DIS band with ``use_dis``, no
+    action token without) makes no optimiser step and is not a refusal: ``after_update`` still
+    runs (ppo's critic trains as in any epoch), and a step none of whose updates was applied for
+    that reason says ``policy_update_skipped_empty = 1`` (the policy as it was)."""
     old_logprobs = None
     metrics: dict[str, float] = {}
-    for epoch in range(cfg.ppo_epochs):
+    applied, skipped_empty = 0, False
+    for _ in range(cfg.ppo_epochs):
         logprobs, entropy = policy_forward(policy, batch, with_entropy=regularizer.needs_entropy)
         if old_logprobs is None:
             old_logprobs = logprobs.detach()
@@ -160,13 +171,17 @@ def _clipped_updates(
             eps_low=cfg.eps_low, eps_high=cfg.eps_high, normalizer=batch.token_normalizer)
         extra, extra_metrics = regularizer.loss(batch, logprobs, entropy)
         loss = loss + extra
-        result = guarded_update(loss, optimizer, cfg.max_grad_norm, vote=vote)
+        result = guarded_update(loss, optimizer, cfg.max_grad_norm, vote=vote,
+                                signal_tokens=policy_signal_tokens(logprobs, batch, cfg, dis=use_dis))
         if result.stepped:
             regularizer.after_policy_update(policy)
+            applied += 1
+        skipped_empty = skipped_empty or result.empty
         metrics.update(loss_metrics, **extra_metrics, policy_loss=loss.item(), policy_grad_norm=result.grad_norm,
-                       policy_updates_done=float(epoch + result.stepped))
-        if not result.stepped or (after_update is not None and not after_update(metrics)):
-            if metrics["policy_updates_done"] == 0:
+                       policy_updates_done=float(applied),
+                       policy_update_skipped_empty=float(skipped_empty and applied == 0))
+        if result.refused or (after_update is not None and not after_update(metrics)):
+            if applied == 0:
                 return {**metrics, **REFUSED}
             return {**metrics, "skipped_nonfinite": 0.0, "refused_after_update": 1.0}
     return {**metrics, "skipped_nonfinite": 0.0, "refused_after_update": 0.0}

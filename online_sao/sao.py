@@ -16,6 +16,11 @@ With ``cfg.critic_rewarm_rollouts``, for that many rollouts after :meth:`SAO.for
 restart, which also resets the critic) the K updates fit every rollout since the restart and
 the advantages take their mean reward as a constant baseline instead of the critic's values.
 
+A step none of whose action tokens is inside the DIS band (on any rank), with no regularizer on,
+gives the policy no gradient: its policy update is skipped (``policy_update_skipped_empty = 1``,
+no optimiser step, the policy bit-for-bit as it was); the critic trains on the step as usual and
+the step is not refused.
+
 A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch holds
 a non-finite reward or action-token behaviour log-prob, or when the first
 non-finite loss or gradient norm appears. Refusal happens before any optimiser
@@ -41,7 +46,7 @@ from online_sao.critic_order import CriticPass, FitOutcome, ReplayWindow, order_
 from online_sao.losses import MIN_NORMALIZER, dis_policy_loss, endpoint_squared_errors, value_loss
 from online_sao.modeling import packing_verdict
 from online_sao.train_step import (PhaseTimer, batch_metrics, guarded_update, nonfinite_inputs, policy_forward,
-                                   policy_packs)
+                                   policy_packs, policy_signal_tokens)
 from online_sao.value_shrinkage import ShrinkageWindow, anchor_level, rollout_sums, shrink
 
 
@@ -93,9 +98,10 @@ class SAO(ActorCritic):
         rewarm_level and rewarm_left (on a re-warm step, ``critic_rewarm_rollouts``), policy_grad_norm
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
-        skipped_nonfinite, and time_<phase>_s for the phases critic_forward, critic_backward,
-        critic_optimizer, policy_forward, policy_backward, policy_optimizer, arithmetic (GAE,
-        lambda, losses, metrics)."""
+        skipped_nonfinite, policy_update_skipped_empty (on a step that reaches the policy update:
+        1 when no action token had a gradient, the policy not updated), and time_<phase>_s for the
+        phases critic_forward, critic_backward, critic_optimizer, policy_forward, policy_backward,
+        policy_optimizer, arithmetic (GAE, lambda, losses, metrics)."""
         timer = PhaseTimer(synchronize=self.phase_sync)
         metrics = batch_metrics(batch, policy_packs(self.policy), packing_verdict(self.critic))
         if nonfinite_inputs(batch, self.vote):
@@ -119,7 +125,7 @@ class SAO(ActorCritic):
             advantages = self._advantages(batch, used, metrics)
         update = self._policy_update(batch, advantages, timer)
         if not update["skipped_nonfinite"]:
-            self.regularizer.after_policy_update(self.policy)
+            self._after_policy_update(update)
             if self.cfg.critic_order == "replay_then_judge":
                 self.window.add(batch)
             if self.shrinkage is not None:
@@ -164,7 +170,7 @@ class SAO(ActorCritic):
             advantages = self._advantages(batch, torch.full_like(batch.rewards, level), metrics)
         update = self._policy_update(batch, advantages, timer)
         if not update["skipped_nonfinite"]:  # refused at the policy update: refused too (not trained, not counted)
-            self.regularizer.after_policy_update(self.policy)  # as after a normal step's applied update
+            self._after_policy_update(update)  # as after a normal step's policy update
             window.add(batch)
             self.rewarm_left = max(0, self.rewarm_left - round(taken))
             if self.rewarm_left == 0:
@@ -255,11 +261,18 @@ class SAO(ActorCritic):
         with timer.phase("policy_forward"):  # the reference's forward, when the KL penalty is on
             extra, extra_metrics = self.regularizer.loss(batch, logprobs, entropy)
         loss = dis_loss + extra
-        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote)
+        result = guarded_update(loss, self.policy_optimizer, cfg.max_grad_norm, vote=self.vote,
+                                signal_tokens=policy_signal_tokens(logprobs, batch, cfg, dis=True))
         timer.add("policy_backward", result.backward_s)
         timer.add("policy_optimizer", result.step_s)
         return {**dis_metrics, **extra_metrics, "policy_loss": loss.item(), "policy_grad_norm": result.grad_norm,
-                "skipped_nonfinite": 0.0 if result.stepped else 1.0}
+                "skipped_nonfinite": 1.0 if result.refused else 0.0,
+                "policy_update_skipped_empty": 1.0 if result.empty else 0.0}
+
+    def _after_policy_update(self, update: dict[str, float]) -> None:
+        """After a policy update that was not refused: an EMA reference follows the policy only if it moved."""
+        if not update["policy_update_skipped_empty"]:
+            self.regularizer.after_policy_update(self.policy)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}

@@ -13,6 +13,11 @@ refuses the update or none does. A rank that refused alone would skip the
 backward whose reduce-scatter the others wait in (a hang), or step while its
 peers do not (diverged shards).
 
+A policy update whose loss has no gradient at all (every action token outside the
+DIS band, or none in the step, and no regularizer on) makes no optimiser step: AdamW
+would still move the weights by its momentum, on data DIS rejected (SAO.md section
+1). Whether any rank's loss has a gradient is agreed through the same vote.
+
 The learning rule as this project implements it: docs/ALGORITHM.md.
 """
 
@@ -29,7 +34,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from online_sao.batch import RolloutBatch, pack_layout, padded_share
-from online_sao.losses import action_entropy, nucleus_entropy, token_logprobs
+from online_sao.config import AlgorithmConfig
+from online_sao.losses import action_entropy, dis_band_mask, nucleus_entropy, token_logprobs
 from online_sao.modeling import packs_correctly
 from online_sao.sampling import sampled_logprobs
 
@@ -112,8 +118,9 @@ def policy_logprobs(policy: nn.Module, batch: RolloutBatch, packed: bool | None 
 
 
 FiniteVote = Callable[[bool], bool]
-"""Agrees on a finiteness check across the learner's ranks: called by every rank at
-the same point with its own result, returns True only when every rank passed True."""
+"""Agrees on a check across the learner's ranks (a finiteness check; whether no rank's policy loss
+has a gradient): called by every rank at the same point with its own result, returns True only
+when every rank passed True."""
 
 
 def local_vote(finite: bool) -> bool:
@@ -125,18 +132,40 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def policy_signal_tokens(logprobs: torch.Tensor, batch: RolloutBatch, cfg: AlgorithmConfig, dis: bool) -> int:
+    """This rank's action tokens that give a policy loss a gradient: with ``dis`` (the rule masks
+    tokens by the DIS band against ``batch.rollout_logprobs``) those inside the band of
+    ``logprobs``, else every action token; every action token too while a regularizer
+    (``kl_beta``, ``entropy_alpha``) is on, as its terms act on each. 0 means the loss's gradient
+    is exactly zero (the count may include tokens whose gradient vanishes for other reasons:
+    outside the nucleus, clipped against pi_old). Pass it to :func:`guarded_update`."""
+    regularized = cfg.kl_beta > 0 or cfg.entropy_alpha > 0
+    if not dis or regularized:
+        return int(batch.action_mask.sum())
+    kept = dis_band_mask(logprobs.detach() - batch.rollout_logprobs, batch.action_mask, cfg.eps_low, cfg.eps_high)
+    return int(kept.sum())
+
+
 @dataclass
 class UpdateResult:
     """What one guarded update did."""
 
     stepped: bool
-    """False when the loss or the gradient norm was not finite (no weight changed)."""
+    """False when the update was refused (the loss or the gradient norm was not finite) or
+    skipped as ``empty``: no weight changed."""
     grad_norm: float
     """Total gradient norm before clipping (NaN when the loss itself was not finite)."""
     backward_s: float
     """Seconds in backward and clipping."""
     step_s: float
     """Seconds in optimizer (and scheduler) step."""
+    empty: bool = False
+    """Skipped because no rank's loss had a gradient (``signal_tokens`` 0 on every rank): not a refusal."""
+
+    @property
+    def refused(self) -> bool:
+        """Refused as non-finite (the caller refuses its step)."""
+        return not self.stepped and not self.empty
 
 
 def guarded_update(
@@ -145,15 +174,25 @@ def guarded_update(
     max_grad_norm: float,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     vote: FiniteVote = local_vote,
+    signal_tokens: int | None = None,
 ) -> UpdateResult:
-    """Backward, clip to ``max_grad_norm``, step — unless anything is non-finite.
+    """Backward, clip to ``max_grad_norm``, step — unless anything is non-finite, or the loss
+    has no gradient on any rank.
 
     The loss is checked before backward and the gradient norm before the step, each
     check agreed through ``vote`` (collective under FSDP: every rank calls this
     function for the same update); a failed check drops the gradients
     (``zero_grad``), skips ``optimizer.step`` and the scheduler, and reports
     ``stepped=False`` (grad_norm NaN when the loss check failed, on every rank).
-    Gradients are always cleared on return.
+
+    ``signal_tokens``: this rank's tokens that give the loss a gradient
+    (:func:`policy_signal_tokens`; None, as for the critic: not asked). When it is 0 on every
+    rank (one more vote, after the gradient's) the gradient is exactly zero: no
+    ``optimizer.step`` (AdamW would move the weights by its momentum and weight decay alone)
+    and no scheduler step (a warm-up counts updates, and this is none), reported as ``empty``.
+    The backward still runs first: a policy whose forward gave NaN (every ratio NaN, so no
+    token kept) has a non-finite gradient and is refused, as before. Gradients are always
+    cleared on return.
     """
     params = optimizer_parameters(optimizer)
     optimizer.zero_grad(set_to_none=True)
@@ -166,6 +205,10 @@ def guarded_update(
     if not vote(math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0)
+    # the vote passes when every rank passes True: here, when no rank has a token with a gradient
+    if signal_tokens is not None and vote(signal_tokens == 0):
+        optimizer.zero_grad(set_to_none=True)
+        return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0, empty=True)
     start = time.perf_counter()
     optimizer.step()
     if scheduler is not None:

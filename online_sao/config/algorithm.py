@@ -8,6 +8,10 @@ from pydantic import Field, model_validator
 
 from online_sao.config.base import Section
 
+RULES_WITH_DIS = frozenset({"sao", "running_mean"})
+"""Rules whose policy loss is the DIS loss itself: they apply the DIS mask whatever ``use_dis``
+says (grpo puts it on top of its clip only with ``use_dis``; ppo never applies it)."""
+
 
 class AlgorithmConfig(Section):
     name: Literal["sao", "running_mean", "grpo", "ppo"] = "sao"
@@ -17,7 +21,9 @@ class AlgorithmConfig(Section):
     eps_high: float = Field(5.0, gt=0)
     """DIS band: a token is kept only when ratio < 1 + eps_high."""
     use_dis: bool = True
-    """Apply the DIS mask against the engine's behaviour log-probs (grpo may turn it off)."""
+    """Apply the DIS mask against the engine's behaviour log-probs. Only grpo can turn it off
+    (plain GRPO); sao and running_mean always apply it, so false is refused for them (an
+    ablation without DIS would silently run with it); ppo never applies it."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of token-level GAE."""
     lambda_alpha: float = Field(1.5, gt=0)
@@ -136,4 +142,11 @@ class AlgorithmConfig(Section):
         if self.value_shrinkage_window and self.value_level_window:
             raise ValueError("value_shrinkage_window and value_level_window are two ways to bring the "
                              "critic's values toward a running mean: set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _only_grpo_runs_without_dis(self) -> "AlgorithmConfig":
+        if not self.use_dis and self.name in RULES_WITH_DIS:
+            raise ValueError(f"use_dis: false is not possible with name: {self.name}: its policy loss is the DIS "
+                             "loss, applied always (only grpo can run without DIS)")
         return self

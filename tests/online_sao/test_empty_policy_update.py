@@ -1,0 +1,171 @@
+"""A policy update whose loss has no gradient (every action token outside the DIS band) is skipped:
+AdamW would still move the weights by its momentum, on data DIS rejected (SAO.md section 1)."""
+
+import math
+
+import pytest
+import torch
+
+from online_sao.algorithms import build_algorithm, build_critic, build_optimizers, linear_warmup
+from online_sao.batch import Rollout, collate
+from online_sao.config import AlgorithmConfig
+from online_sao.train_step import guarded_update, policy_logprobs
+
+MASKED = 5.0
+"""Behaviour log-probs this many nats above the policy's: ratio e^-5, below the band's 1 - eps_low."""
+KEPT = 0.0
+"""Behaviour log-probs equal to the policy's: ratio 1, inside the band."""
+
+
+def batch_of(policy, shifts, group_ids=None):
+    """One rollout per shift (a 3-token prompt, a 3-token answer, rewards +1, -1, ...) whose
+    behaviour log-probs are the policy's own plus that shift."""
+    rollouts = []
+    for i, shift in enumerate(shifts):
+        ids = [1, 2, 3, 10 + i, 11 + i, 12 + i]
+        rollouts.append(Rollout(f"r{i}", ids, [False] * 3 + [True] * 3, [0.0] * 6, [0] * 6,
+                                {5: 1.0 if i % 2 == 0 else -1.0}, group_id=-1 if group_ids is None else group_ids[i]))
+    batch = collate(rollouts, pad_token_id=0)
+    row_shifts = torch.tensor(shifts).view(-1, 1)
+    with torch.no_grad():
+        batch.rollout_logprobs = (policy_logprobs(policy, batch) + row_shifts) * batch.action_mask
+    return batch
+
+
+def build(name, policy, **overrides):
+    cfg = AlgorithmConfig(name=name, policy_lr=1e-3, critic_lr=5e-3, critic_warmup_steps=0, **overrides)
+    critic = build_critic(cfg, policy)
+    opt = build_optimizers(cfg, policy, critic)
+    return build_algorithm(cfg, policy, critic, opt.policy, opt.critic, opt.critic_scheduler)
+
+
+def adam_steps(optimizer):
+    return [float(state["step"]) for state in optimizer.state.values()]
+
+
+def moved(model, before):
+    return any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_sao_step_with_every_token_outside_the_band_leaves_the_policy_as_it_was(tiny_qwen, snapshot_weights):
+    algo = build("sao", tiny_qwen)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))  # an applied update: AdamW now has momentum
+    steps = adam_steps(algo.policy_optimizer)
+    unchanged = snapshot_weights(tiny_qwen)
+    critic_before = {n: p.detach().clone() for n, p in algo.critic.named_parameters()}
+    metrics = algo.step(batch_of(tiny_qwen, [MASKED, MASKED]))
+    unchanged()  # before the fix AdamW moved it by 0.67 lr on this step
+    assert adam_steps(algo.policy_optimizer) == steps
+    assert metrics["kept_frac"] == 0.0 and metrics["policy_grad_norm"] == 0.0
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+    assert moved(algo.critic, critic_before)  # the critic trains on every action token as ever
+    # one rollout inside the band: its tokens have a gradient, the policy steps
+    before = {n: p.detach().clone() for n, p in tiny_qwen.named_parameters()}
+    metrics = algo.step(batch_of(tiny_qwen, [KEPT, MASKED]))
+    assert metrics["kept_frac"] == 0.5 and metrics["policy_update_skipped_empty"] == 0.0
+    assert moved(tiny_qwen, before)
+
+
+def test_a_sao_step_with_no_action_token_leaves_the_policy_as_it_was(tiny_qwen, snapshot_weights):
+    algo = build("sao", tiny_qwen)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))
+    unchanged = snapshot_weights(tiny_qwen)
+    batch = collate([Rollout("prompt-only", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})], pad_token_id=0)
+    metrics = algo.step(batch)
+    unchanged()
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+
+
+def test_a_regularizer_gives_every_action_token_a_gradient_so_the_policy_steps(tiny_qwen):
+    algo = build("sao", tiny_qwen, entropy_alpha=0.1)
+    before = {n: p.detach().clone() for n, p in tiny_qwen.named_parameters()}
+    metrics = algo.step(batch_of(tiny_qwen, [MASKED, MASKED]))
+    assert metrics["kept_frac"] == 0.0 and metrics["policy_update_skipped_empty"] == 0.0
+    assert moved(tiny_qwen, before)
+
+
+def test_running_mean_skips_the_update_but_its_window_sees_the_rewards(tiny_qwen, snapshot_weights):
+    algo = build("running_mean", tiny_qwen, running_mean_window=8)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(batch_of(tiny_qwen, [MASKED, MASKED]))
+    unchanged()
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+    assert list(algo.window) == [1.0, -1.0, 1.0, -1.0]  # a step not refused: its rewards count
+
+
+def test_grpo_with_dis_skips_an_update_without_kept_tokens_and_without_dis_steps(tiny_qwen, snapshot_weights):
+    algo = build("grpo", tiny_qwen, group_size=2, ppo_epochs=2)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT], group_ids=[0, 0]))
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(batch_of(tiny_qwen, [MASKED, MASKED], group_ids=[0, 0]))
+    unchanged()
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["policy_updates_done"] == 0.0
+    assert metrics["skipped_nonfinite"] == 0.0 and metrics["refused_after_update"] == 0.0
+    # without DIS the behaviour log-probs play no part: every action token has a gradient
+    plain = build("grpo", tiny_qwen, group_size=2, ppo_epochs=1, use_dis=False)
+    before = {n: p.detach().clone() for n, p in tiny_qwen.named_parameters()}
+    metrics = plain.step(batch_of(tiny_qwen, [MASKED, MASKED], group_ids=[0, 0]))
+    assert metrics["policy_update_skipped_empty"] == 0.0 and metrics["policy_updates_done"] == 1.0
+    assert moved(tiny_qwen, before)
+
+
+def test_ppo_skips_the_policy_update_of_a_step_without_action_tokens(tiny_qwen, snapshot_weights):
+    algo = build("ppo", tiny_qwen, ppo_epochs=2)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))
+    unchanged = snapshot_weights(tiny_qwen)
+    batch = collate([Rollout("prompt-only", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})], pad_token_id=0)
+    metrics = algo.step(batch)
+    unchanged()
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+
+
+def _momentum_optimizer():
+    """A parameter, its AdamW after one applied update (momentum and a step count), and a warm-up."""
+    param = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    scheduler = linear_warmup(optimizer, warmup_steps=10)
+    assert guarded_update((param * 3.0).sum(), optimizer, max_grad_norm=1.0, scheduler=scheduler).stepped
+    return param, optimizer, scheduler
+
+
+def test_guarded_update_skips_an_update_no_token_gives_a_gradient():
+    param, optimizer, scheduler = _momentum_optimizer()
+    weights, lr = param.tolist(), optimizer.param_groups[0]["lr"]
+    result = guarded_update((param * 0.0).sum(), optimizer, 1.0, scheduler, signal_tokens=0)
+    assert result.empty and not result.stepped and not result.refused and result.grad_norm == 0.0
+    # no AdamW step (its momentum alone would have moved the weight), and the warm-up is not spent on it
+    assert param.tolist() == weights and adam_steps(optimizer) == [1.0]
+    assert optimizer.param_groups[0]["lr"] == lr and param.grad is None
+    result = guarded_update((param * 3.0).sum(), optimizer, 1.0, scheduler, signal_tokens=2)
+    assert result.stepped and not result.empty and param.tolist() != weights
+
+
+def test_guarded_update_steps_when_another_rank_has_a_token_with_a_gradient():
+    """The skip is agreed across ranks: a rank with no kept token steps with its peers (its zero
+    gradient joins theirs), else FSDP's shards would diverge."""
+    param, optimizer, _ = _momentum_optimizer()
+    weights = param.tolist()
+    # the peer's loss is finite, its gradient is finite, it has tokens with a gradient (not empty)
+    peer = iter([True, True, False])
+
+    def vote(mine: bool) -> bool:
+        theirs = next(peer)
+        return mine and theirs
+
+    result = guarded_update((param * 0.0).sum(), optimizer, 1.0, vote=vote, signal_tokens=0)
+    assert result.stepped and not result.empty and param.tolist() != weights
+    assert next(peer, None) is None  # every check voted on
+
+
+def test_a_nonfinite_loss_is_refused_not_skipped_as_empty():
+    param, optimizer, _ = _momentum_optimizer()
+    result = guarded_update((param * math.inf).sum(), optimizer, 1.0, signal_tokens=0)
+    assert result.refused and not result.empty and math.isnan(result.grad_norm)
+
+
+@pytest.mark.parametrize("name", ["sao", "running_mean", "grpo", "ppo"])
+def test_every_rule_reports_the_flag(tiny_qwen, name):
+    algo = build(name, tiny_qwen, group_size=2)
+    metrics = algo.step(batch_of(tiny_qwen, [KEPT, KEPT], group_ids=[0, 0] if name == "grpo" else None))
+    assert metrics["policy_update_skipped_empty"] == 0.0

@@ -125,8 +125,14 @@ class ArmConfig(Section):
     """Overrides of the ``algorithm`` section for this arm (validated against it)."""
 
     @model_validator(mode="after")
-    def _overrides_valid(self) -> "ArmConfig":
-        AlgorithmConfig.model_validate(self.algorithm)
+    def _overrides_name_fields(self) -> "ArmConfig":
+        """Only the names here: the values are validated applied to the ``algorithm`` section they
+        override (``AppConfig._arms_fit_the_algorithm``, ``algorithm_config``). Validated alone, on
+        top of the defaults, an override that fits its section was refused (``use_dis: false`` over a
+        grpo section read as sao without DIS)."""
+        unknown = sorted(set(self.algorithm) - set(AlgorithmConfig.model_fields))
+        if unknown:
+            raise ValueError(f"algorithm overrides name no algorithm field: {unknown}")
         return self
 
     def algorithm_config(self, base: AlgorithmConfig) -> AlgorithmConfig:

@@ -38,3 +38,26 @@ def test_the_cli_reports_the_clashing_arm_in_one_line(tmp_path, capsys):
     assert cli.main(["-c", str(path), "config", "show"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'b'" in err[0]
+
+
+def test_an_override_that_fits_its_section_but_not_the_defaults_loads(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  name: grpo\nexperiment:\n  arms:\n    - name: plain_grpo\n"
+                    "      algorithm: {use_dis: false}\n")
+    cfg = load_app_config(path, environ={})
+    assert cfg.experiment.arms[0].algorithm_config(cfg.algorithm).use_dis is False
+
+
+def test_an_override_that_does_not_fit_its_section_is_refused_by_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("experiment:\n  arms:\n    - name: sao_without_dis\n      algorithm: {use_dis: false}\n")
+    with pytest.raises(ConfigError, match=r"'sao_without_dis'.*use_dis"):
+        load_app_config(path, environ={})
+
+
+@pytest.mark.parametrize("override", ["{no_such_field: 1}", "{policy_lr: fast}"])
+def test_an_override_of_no_field_or_of_a_wrong_type_is_refused(tmp_path, override):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"experiment:\n  arms:\n    - name: bad\n      algorithm: {override}\n")
+    with pytest.raises(ConfigError):
+        load_app_config(path, environ={})

@@ -7,8 +7,10 @@ share of answered interactions also gets a reward through ``POST /v1/feedback``.
 Prompts come from the project's prompt pool (:func:`apps.default_model.corpus.iter_prompts`).
 
 Every request becomes a :class:`RequestRecord` (HTTP status, latency, interaction id,
-the policy versions that sampled it; :mod:`apps.load.stats`); a watcher polls
-``GET /v1/models`` to time the weight swaps. The run with its stack
+the policy versions that sampled it; :mod:`apps.load.stats`); a request slower than
+``request_timeout_s`` from send to its answer's last byte is abandoned as ``timeout``. A watcher
+polls ``GET /v1/models`` to time the weight swaps; on its own stack, another one stops the
+clients early once a process of the stack has exited. The run with its stack
 and the check against Kafka live in :mod:`apps.load.run`; the JSON and the
 plot in :mod:`apps.load.report`.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 import openai
@@ -38,6 +40,9 @@ default 5 s, two 30 s runs of 64 clients on 2 shared cores saw 9 and 1 connectio
 (ReadError) (docs/RELIABILITY.md, Load)."""
 DETAIL_CHARS = 300
 """Longest failure detail kept per request."""
+HALT_POLL_S = 1.0
+"""Seconds between two calls of the ``halt`` callback (a look at the stack's processes, cheap): a
+serving found dead stops the clients within this, not after the whole duration."""
 
 
 def load_prompts() -> list[str]:
@@ -59,6 +64,22 @@ def _detail(exc: BaseException) -> str:
     return text[:DETAIL_CHARS]
 
 
+def _timed_out(timeout_s: float) -> str:
+    return f"no whole answer within request_timeout_s ({timeout_s:g} s)"
+
+
+def _served_version(body: Any, model: str) -> int:
+    """The policy version ``GET /v1/models`` reports for ``model``; one of VERSION_POLL_FAILURES
+    when the answer holds none."""
+    return int(next(m["policy_version"] for m in body["data"] if m["id"] == model))
+
+
+VERSION_POLL_FAILURES = (httpx.HTTPError, KeyError, StopIteration, ValueError, TypeError, OverflowError)
+"""A look at /v1/models that gives no version: counted, the watcher goes on. TypeError is a body of
+another shape (a list, null data or version) and OverflowError an infinite version: both killed the
+watcher and with it the whole run, at its end."""
+
+
 def _failure(exc: openai.APIError) -> tuple[int, str]:
     """(status, category) of a failed request."""
     if isinstance(exc, openai.APIStatusError):
@@ -76,8 +97,12 @@ class LoadGenerator:
 
     def __init__(self, base_url: str, api_key: str | None, params: LoadParams,
                  progress: Callable[[str], None] = print, prompts: list[str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """``transport`` replaces the network (unit tests); by default requests go over TCP."""
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 halt: Callable[[], str | None] | None = None) -> None:
+        """``transport`` replaces the network (unit tests); by default requests go over TCP.
+        ``halt`` is called every HALT_POLL_S during the load: a reason it returns (a process of the
+        stack exited) stops the clients early (requests in flight end as they do) and is kept in
+        the result's ``stopped_early``."""
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.transport = transport
         self.params = params
@@ -88,6 +113,9 @@ class LoadGenerator:
         self.records: list[RequestRecord] = []
         self.versions: list[VersionPoint] = []
         self.version_poll_errors = 0
+        self.halt = halt
+        self.stopped_early: str | None = None
+        self.stopped_at_s: float | None = None
         self._t0 = 0.0
 
     def _now(self) -> float:
@@ -107,22 +135,27 @@ class LoadGenerator:
         done = asyncio.Event()
         watchers = [asyncio.create_task(self._watch_versions(http, done)),
                     asyncio.create_task(self._report_progress(done))]
+        if self.halt is not None:
+            watchers.append(asyncio.create_task(self._watch_halt(self.halt, done)))
         try:
             await asyncio.gather(*(self._client(i, client, http) for i in range(p.clients)))
+            # the load's span ends with the clients: a version poll still in flight (up to
+            # POLL_TIMEOUT_S) lengthened it and lowered the reported throughput
+            wall_s = self._now()
         finally:
             done.set()
             await asyncio.gather(*watchers)
             await http.aclose()
-        wall_s = self._now()
-        self.progress(self._progress_line(final=True))
+        self.progress(self._progress_line(final=True, now=wall_s))
         return LoadResult(p, self.base_url, started_at, wall_s, list(self.records), list(self.versions),
-                          self.version_poll_errors)
+                          self.version_poll_errors, self.stopped_early, self.stopped_at_s)
 
     async def _client(self, index: int, client: AsyncOpenAI, http: httpx.AsyncClient) -> None:
         p = self.params
         rng = random.Random(f"{p.seed}:{index}")
         sent = 0
-        while self._now() < p.duration_s and (p.requests_per_client is None or sent < p.requests_per_client):
+        while (self._now() < p.duration_s and self.stopped_early is None
+               and (p.requests_per_client is None or sent < p.requests_per_client)):
             sent += 1
             prompt = rng.choice(self.prompts)
             stream = rng.random() < p.stream_share
@@ -135,10 +168,14 @@ class LoadGenerator:
 
     async def _plain(self, index: int, client: AsyncOpenAI, prompt: str) -> RequestRecord:
         start = self._now()
+        timeout_s = self.params.request_timeout_s
         try:
-            reply = await client.chat.completions.create(
-                model=self.params.model, messages=[{"role": "user", "content": prompt}],
-                max_tokens=self.params.max_tokens, temperature=self.params.temperature)
+            async with asyncio.timeout(timeout_s):  # the client's own timeouts bound each read, not the whole
+                reply = await client.chat.completions.create(
+                    model=self.params.model, messages=[{"role": "user", "content": prompt}],
+                    max_tokens=self.params.max_tokens, temperature=self.params.temperature)
+        except TimeoutError:
+            return RequestRecord("chat", index, start, self._now() - start, 0, "timeout", detail=_timed_out(timeout_s))
         except openai.APIError as exc:
             status, error = _failure(exc)
             return RequestRecord("chat", index, start, self._now() - start, status, error, detail=_detail(exc))
@@ -152,22 +189,31 @@ class LoadGenerator:
 
     async def _stream(self, index: int, client: AsyncOpenAI, prompt: str) -> RequestRecord:
         start = self._now()
-        iid, versions, tokens, ttft, finished = None, (), 0, None, False
+        timeout_s = self.params.request_timeout_s
+        iid, versions, tokens, ttft, finished, status = None, (), 0, None, False, 0
         try:
-            events = await client.chat.completions.create(
-                model=self.params.model, messages=[{"role": "user", "content": prompt}],
-                max_tokens=self.params.max_tokens, temperature=self.params.temperature, stream=True,
-                stream_options={"include_usage": True})
-            async for chunk in events:
-                iid = _extension(chunk, "interaction_id") or iid
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    if ttft is None and choice.delta.content:
-                        ttft = self._now() - start
-                    if choice.finish_reason is not None:
-                        finished = True
-                        versions = tuple(_extension(chunk, "policy_versions") or ())
+            # the client's timeout bounds each read of a stream: one that keeps trickling events
+            # went on past request_timeout_s and was never counted as a timeout
+            async with asyncio.timeout(timeout_s):
+                events = await client.chat.completions.create(
+                    model=self.params.model, messages=[{"role": "user", "content": prompt}],
+                    max_tokens=self.params.max_tokens, temperature=self.params.temperature, stream=True,
+                    stream_options={"include_usage": True})
+                status = 200
+                async with events:  # the response is closed however the reading ends, a timeout included
+                    async for chunk in events:
+                        iid = _extension(chunk, "interaction_id") or iid
+                        if chunk.usage is not None:
+                            tokens = chunk.usage.completion_tokens
+                        for choice in chunk.choices:
+                            if ttft is None and choice.delta.content:
+                                ttft = self._now() - start
+                            if choice.finish_reason is not None:
+                                finished = True
+                                versions = tuple(_extension(chunk, "policy_versions") or ())
+        except TimeoutError:
+            return RequestRecord("stream", index, start, self._now() - start, status, "timeout",
+                                 iid if isinstance(iid, str) else None, versions, tokens, ttft, _timed_out(timeout_s))
         except openai.APIError as exc:
             status, error = _failure(exc)
             return RequestRecord("stream", index, start, self._now() - start, status, error,
@@ -181,7 +227,11 @@ class LoadGenerator:
         start = self._now()
         body = {"interaction_id": interaction_id, "reward": round(rng.uniform(-1.0, 1.0), 3), "source": "load"}
         try:
-            reply = await http.post("/v1/feedback", json=body)
+            async with asyncio.timeout(self.params.request_timeout_s):  # as a chat request's
+                reply = await http.post("/v1/feedback", json=body)
+        except TimeoutError:
+            return RequestRecord("feedback", index, start, self._now() - start, 0, "timeout", interaction_id,
+                                 detail=_timed_out(self.params.request_timeout_s))
         except httpx.TransportError as exc:
             error = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
             return RequestRecord("feedback", index, start, self._now() - start, 0, error, interaction_id,
@@ -196,15 +246,27 @@ class LoadGenerator:
             try:
                 reply = await http.get("/v1/models", timeout=POLL_TIMEOUT_S)
                 reply.raise_for_status()
-                version = int(next(m["policy_version"] for m in reply.json()["data"]
-                                   if m["id"] == self.params.model))
-            except (httpx.HTTPError, KeyError, StopIteration, ValueError):
+                version = _served_version(reply.json(), self.params.model)
+            except VERSION_POLL_FAILURES:
                 self.version_poll_errors += 1
             else:
                 if not self.versions or self.versions[-1].version != version:
                     self.versions.append(VersionPoint(round(self._now(), 3), version))
             try:
                 await asyncio.wait_for(done.wait(), self.params.version_poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _watch_halt(self, halt: Callable[[], str | None], done: asyncio.Event) -> None:
+        """Ask ``halt`` every HALT_POLL_S until the clients are done; its first reason stops them."""
+        while not done.is_set():
+            reason = halt()
+            if reason is not None:
+                self.stopped_early, self.stopped_at_s = reason, round(self._now(), 3)
+                self.progress(f"load stopped early at {self.stopped_at_s:.0f} s: {reason}")
+                return
+            try:
+                await asyncio.wait_for(done.wait(), HALT_POLL_S)
             except asyncio.TimeoutError:
                 pass
 
@@ -215,8 +277,8 @@ class LoadGenerator:
             except asyncio.TimeoutError:
                 self.progress(self._progress_line())
 
-    def _progress_line(self, final: bool = False) -> str:
-        now = self._now()
+    def _progress_line(self, final: bool = False, now: float | None = None) -> str:
+        now = self._now() if now is None else now
         s = summarize(self.records, max(now, 1e-9), self.versions)
         served = self.versions[-1].version if self.versions else "?"
         p50 = f"{s.latency_p50_s:.2f}" if s.latency_p50_s is not None else "-"
@@ -229,6 +291,6 @@ class LoadGenerator:
 
 
 def run_load(base_url: str, api_key: str | None, params: LoadParams,
-             progress: Callable[[str], None] = print) -> LoadResult:
-    """Run the load to completion (blocking)."""
-    return asyncio.run(LoadGenerator(base_url, api_key, params, progress).run())
+             progress: Callable[[str], None] = print, halt: Callable[[], str | None] | None = None) -> LoadResult:
+    """Run the load to completion, or until ``halt`` gives a reason (blocking)."""
+    return asyncio.run(LoadGenerator(base_url, api_key, params, progress, halt=halt).run())

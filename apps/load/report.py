@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,9 @@ from apps.load.stats import LoadResult, LoadSummary, percentile
 
 PLOT_BUCKET_S = 5.0
 """Width of the time buckets of the plot's percentile lines and throughput bars."""
+MIN_LAST_BUCKET_SHARE = 0.5
+"""The run's last bucket is cut by its end; one narrower than this share of PLOT_BUCKET_S joins
+the bucket before it, so that its rate (answers over its own width) rests on enough time."""
 
 
 def result_json(result: LoadResult, summary: LoadSummary, extra: dict[str, Any] | None = None,
@@ -24,6 +29,8 @@ def result_json(result: LoadResult, summary: LoadSummary, extra: dict[str, Any] 
         "summary": dataclasses.asdict(summary),
         "served_versions": [[p.t_s, p.version] for p in result.versions],
         "version_poll_errors": result.version_poll_errors,
+        "stopped_early": result.stopped_early,
+        "stopped_at_s": result.stopped_at_s,
     }
     if include_requests:
         data["requests"] = [dataclasses.asdict(r) for r in result.records]
@@ -40,16 +47,45 @@ def write_results(path: Path, result: LoadResult, summary: LoadSummary, extra: d
     return path, png
 
 
-def _buckets(result: LoadResult) -> list[tuple[float, list[float], int]]:
-    """(bucket middle, latencies of answers ending in it, answers in it) per PLOT_BUCKET_S."""
-    answered = [r for r in result.records if r.kind != "feedback" and r.ok]
-    count = int(result.wall_s // PLOT_BUCKET_S) + 1
-    out: list[tuple[float, list[float], int]] = [((i + 0.5) * PLOT_BUCKET_S, [], 0) for i in range(count)]
-    for r in answered:
-        i = min(int(r.end_s // PLOT_BUCKET_S), count - 1)
-        mid, lat, n = out[i]
-        lat.append(r.latency_s)
-        out[i] = (mid, lat, n + 1)
+@dataclasses.dataclass
+class Bucket:
+    """A span of the run and the answers that ended in it."""
+
+    start_s: float
+    end_s: float
+    latencies: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def mid_s(self) -> float:
+        return (self.start_s + self.end_s) / 2
+
+    @property
+    def width_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def answers_per_s(self) -> float:
+        return len(self.latencies) / self.width_s
+
+
+def _bucket_edges(wall_s: float) -> list[float]:
+    """0, PLOT_BUCKET_S, 2 PLOT_BUCKET_S, ... up to ``wall_s``, the last bucket cut at ``wall_s`` (it was
+    drawn as a whole one: its answers over the full width, a drop in throughput that never happened)."""
+    edges = [i * PLOT_BUCKET_S for i in range(math.ceil(wall_s / PLOT_BUCKET_S))] + [wall_s]
+    if len(edges) > 2 and edges[-1] - edges[-2] < MIN_LAST_BUCKET_SHARE * PLOT_BUCKET_S:
+        del edges[-2]
+    return edges
+
+
+def _buckets(result: LoadResult) -> list[Bucket]:
+    """The run cut into buckets (:func:`_bucket_edges`), each with the latencies of the answers
+    that ended in it."""
+    edges = _bucket_edges(result.wall_s)
+    out = [Bucket(start, end) for start, end in zip(edges, edges[1:])]
+    for r in result.records:
+        if r.kind != "feedback" and r.ok:
+            i = min(bisect.bisect_right(edges, r.end_s) - 1, len(out) - 1)
+            out[max(i, 0)].latencies.append(r.latency_s)
     return out
 
 
@@ -72,20 +108,22 @@ def plot_latency(result: LoadResult, path: Path) -> None:
         top.scatter([r.end_s for r in failed], [r.latency_s for r in failed], s=18, marker="x", color="red",
                     label=f"failed ({len(failed)})")
     buckets = _buckets(result)
-    with_answers = [(mid, lat) for mid, lat, _ in buckets if lat]
-    top.plot([m for m, _ in with_answers], [percentile(lat, 50) for _, lat in with_answers], color="black",
+    with_answers = [b for b in buckets if b.latencies]
+    top.plot([b.mid_s for b in with_answers], [percentile(b.latencies, 50) for b in with_answers], color="black",
              label=f"p50 per {PLOT_BUCKET_S:.0f} s")
-    top.plot([m for m, _ in with_answers], [percentile(lat, 99) for _, lat in with_answers], color="black",
+    top.plot([b.mid_s for b in with_answers], [percentile(b.latencies, 99) for b in with_answers], color="black",
              linestyle=":", label=f"p99 per {PLOT_BUCKET_S:.0f} s")
-    bottom.bar([mid for mid, _, _ in buckets], [n / PLOT_BUCKET_S for _, _, n in buckets], width=PLOT_BUCKET_S * 0.9,
-               color="tab:gray")
+    bottom.bar([b.mid_s for b in buckets], [b.answers_per_s for b in buckets],
+               width=[b.width_s * 0.9 for b in buckets], color="tab:gray")
     for i, point in enumerate(result.versions[1:]):
         for ax in (top, bottom):
             ax.axvline(point.t_s, color="tab:orange", linestyle="--", linewidth=0.8,
                        label="weights swapped" if (i == 0 and ax is top) else None)
+    stop_s = result.stopped_at_s if result.stopped_at_s is not None else result.params.duration_s
     for ax in (top, bottom):
-        ax.axvline(result.params.duration_s, color="tab:gray", linewidth=0.8,
-                   label="clients stop sending" if ax is top else None)
+        ax.axvline(stop_s, color="tab:gray", linewidth=0.8,
+                   label=("clients stopped early" if result.stopped_early else "clients stop sending")
+                   if ax is top else None)
     top.set_ylabel("latency (s)")
     top.set_title(f"{result.params.clients} clients, {result.params.duration_s:.0f} s against {result.url}")
     top.legend(loc="upper left", fontsize=8, markerscale=2)

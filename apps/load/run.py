@@ -14,13 +14,17 @@ Two ways to run it:
 After the load, the interactions topic is read back from the broker: every
 acknowledged interaction (a chat answer that arrived whole, with its id) must be
 there, with the policy versions the answer reported. Duplicates by id are counted.
-The run passes when requests were answered, none failed (so zero 5xx) and no acknowledged
-interaction is missing or logged with other versions.
+The run passes when requests were answered, none failed (so zero 5xx), no acknowledged
+interaction is missing or logged with other versions, and (own stack) every process of the stack
+ran to the end: one that exits stops the clients early. A run that does not pass still writes its
+results, whatever stopped it after the load began (a process that exited, a broker gone for the
+read back).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -140,13 +144,17 @@ class LoadRunReport:
     run_dir: Path | None = None
     kafka_check_error: str | None = None
     """Why the Kafka check asked for could not run (the broker unreachable): the run then did not pass."""
+    stack_error: str | None = None
+    """A process of the run's own stack that exited during the load or before the read back (which
+    one, its exit status, its log's tail): the run then did not pass."""
 
     @property
     def passed(self) -> bool:
-        """Something answered, no request failed (so zero 5xx), the Kafka check (if run) clean."""
+        """Something answered, no request failed (so zero 5xx), the Kafka check (if run) clean, every
+        process of the stack (if started) alive to the end."""
         s = self.summary
         return (s.answered > 0 and not s.errors and s.server_errors == 0 and self.kafka_check_error is None
-                and (self.logged is None or self.logged.ok))
+                and self.stack_error is None and (self.logged is None or self.logged.ok))
 
 
 def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
@@ -163,11 +171,16 @@ def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
 def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: Path, params: LoadParams,
                  progress: Callable[[str], None] = print) -> LoadRunReport:
     """Start serving and the learner (and the broker if the configuration has no cluster) with
-    ``overrides``, hold the load, read the interactions back, stop everything."""
+    ``overrides``, hold the load, read the interactions back, stop everything.
+
+    Once the load began, a process that exits (the load then stops early) or a broker that cannot be
+    read back is recorded in the report, which fails, rather than raised: the check ran only after the
+    whole load and its error unwound past the results, so none were written."""
     from apps.default_model.builder import build_base_model
     from apps.experiments.orchestrate import learner_threads, wait_for_consumers
     from apps.load.gen import run_load
-    from apps.stack import Stack, free_port, threads_env
+    from apps.stack import Stack, StackError, free_port, threads_env
+    from streams.base import StreamUnavailable
     from streams.kafka_backend import KafkaBackend
 
     port = free_port()
@@ -184,12 +197,26 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
         wait_for_consumers(backend, [cfg.trainer.consumer_group], stack.check_alive, LEARNER_READY_TIMEOUT_S)
         progress(f"serving ready and the learner holding its partitions {time.monotonic() - started:.1f} s after "
                  f"they started; {params.clients} clients start")
-        result = run_load(base_url, client_api_key(cfg), params, progress)
-        stack.check_alive()
+
+        def exited() -> str | None:
+            """Why the stack is broken (a process exited: name, status, log tail), or None."""
+            try:
+                stack.check_alive()
+            except StackError as exc:
+                return str(exc)
+            return None
+
+        result = run_load(base_url, client_api_key(cfg), params, progress, halt=exited)
+        stack_error = result.stopped_early or exited()
         acked = acked_interactions(result.records)
         progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
-        logged = check_logged(backend, cfg.kafka.topics.interactions, acked)
-    return LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir)
+        logged, check_error = None, None
+        try:  # with a process gone too: what serving acknowledged before it went must be there
+            logged = check_logged(backend, cfg.kafka.topics.interactions, acked)
+        except StreamUnavailable as exc:
+            check_error = f"the Kafka check could not run: {exc}"
+    return LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir,
+                         kafka_check_error=check_error, stack_error=stack_error)
 
 
 def describe(report: LoadRunReport) -> list[str]:
@@ -209,6 +236,8 @@ def describe(report: LoadRunReport) -> list[str]:
              f"across a swap"]
     details = Counter(f"{r.kind} {r.error}: {r.detail}" for r in report.result.records if r.error and r.detail)
     lines += [f"  {count} x {detail}" for detail, count in details.most_common(FAILURE_KINDS_SHOWN)]
+    if report.stack_error is not None:
+        lines.append(f"stack: {report.stack_error}")
     if report.kafka_check_error is not None:
         lines.append(f"kafka: {report.kafka_check_error}")
     if report.logged is not None:
@@ -217,8 +246,8 @@ def describe(report: LoadRunReport) -> list[str]:
                      f"{len(c.duplicates)} duplicated, {len(c.version_mismatches)} with other versions; "
                      f"{c.unacked_logged} logged but not acknowledged; {c.records_read} records read")
     lines.append("PASSED: no failed request (zero 5xx), every acknowledged interaction logged" if report.passed else
-                 "FAILED: nothing answered, failed requests, or acknowledged interactions missing from Kafka "
-                 "(see above)")
+                 "FAILED: nothing answered, failed requests, acknowledged interactions missing from Kafka, "
+                 "or a process of the stack exited (see above)")
     return lines
 
 
@@ -255,7 +284,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     for line in describe(report):
         print(line, flush=True)
     extra = {"command": shlex.join(["online-sao", *sys.argv[1:]]), "passed": report.passed,
-             "run_dir": str(report.run_dir) if report.run_dir else None,
+             "run_dir": str(report.run_dir) if report.run_dir else None, "stack_error": report.stack_error,
              "kafka_check": report.logged.to_json() if report.logged else report.kafka_check_error}
     out = Path(args.out)
     json_path, png = write_results(out, report.result, report.summary, extra, include_requests=not args.summary_only)
@@ -264,11 +293,13 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
 
 
 def positive(kind: type) -> Callable[[str], float]:
-    """An argparse type: a number of ``kind`` above 0 (a usage error otherwise)."""
+    """An argparse type: a finite number of ``kind`` above 0 (a usage error otherwise)."""
     def parse(text: str):
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        if not math.isfinite(value):  # --duration-s inf ran on and wrote Infinity, which is no JSON
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
         return value
     return parse
 

@@ -39,7 +39,8 @@ class LoadParams:
     feedback_share: float = 0.5
     """Share of answered interactions that get a reward through /v1/feedback."""
     request_timeout_s: float = 300.0
-    """Client timeout of one request: a request slower than this is counted as ``timeout``."""
+    """Client timeout of one request, from sending it to the end of its answer (a stream's last
+    event included): a request slower than this is abandoned and counted as ``timeout``."""
     failure_pause_s: float = 0.5
     """A client waits this long after a failed request, so that a server that is down is not
     hammered in a tight loop (the failure is recorded all the same)."""
@@ -53,13 +54,21 @@ class LoadParams:
     """Model name sent in requests."""
 
     def __post_init__(self) -> None:
-        if self.clients < 1 or self.duration_s <= 0 or self.max_tokens < 1 or (self.requests_per_client or 1) < 1:
-            raise ValueError("clients, duration_s, max_tokens and requests_per_client must be positive")
+        # `requests_per_client or 1` let 0 through: every client stopped before its first request
+        no_requests = self.requests_per_client is not None and self.requests_per_client < 1
+        if self.clients < 1 or not _finite_above_zero(self.duration_s) or self.max_tokens < 1 or no_requests:
+            raise ValueError("clients, duration_s, max_tokens and requests_per_client must be positive "
+                             "(and duration_s finite)")
         if not (0.0 <= self.stream_share <= 1.0 and 0.0 <= self.feedback_share <= 1.0):
             raise ValueError("stream_share and feedback_share must lie in [0, 1]")
-        if self.request_timeout_s <= 0 or self.progress_every_s <= 0 or self.version_poll_s <= 0 \
-                or self.failure_pause_s < 0:
-            raise ValueError("timeouts and intervals must be positive (failure_pause_s may be 0)")
+        intervals = (self.request_timeout_s, self.progress_every_s, self.version_poll_s)
+        if not all(map(_finite_above_zero, intervals)) or not 0 <= self.failure_pause_s < math.inf:
+            raise ValueError("timeouts and intervals must be finite and positive (failure_pause_s may be 0)")
+
+
+def _finite_above_zero(value: float) -> bool:
+    """NaN fails every comparison, so ``value <= 0`` let it through (as it did infinity)."""
+    return 0 < value < math.inf
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,12 @@ class LoadResult:
     versions: list[VersionPoint]
     """The served version each time it changed (and first), from GET /v1/models."""
     version_poll_errors: int = 0
+    """Looks at /v1/models that failed or gave no version of the model."""
+    stopped_early: str | None = None
+    """Why the clients stopped before ``params.duration_s`` (a process of the run's stack exited);
+    None when the run went its course."""
+    stopped_at_s: float | None = None
+    """When they stopped sending then, in seconds since the start."""
 
 
 @dataclass(frozen=True)

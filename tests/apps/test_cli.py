@@ -202,7 +202,10 @@ def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anythin
     (["lr-sweep", "--rates", "1e-4,nan"], "--rates: expected positive finite learning rates, got '1e-4,nan'"),
     (["lr-sweep", "--rates", "inf"], "--rates: expected positive finite learning rates, got 'inf'"),
     (["load", "--out", "."], "--out: names the results file, not a directory: . is one (e.g. load.json)"),
-], ids=["clients", "duration", "share", "plot-as-out", "rates", "nan-rate", "inf-rate", "directory-as-out"])
+    (["load", "--duration-s", "inf"], "--duration-s: must be finite, got inf"),  # ran on, then wrote Infinity
+    (["load", "--duration-s", "nan"], "--duration-s: must be above 0, got nan"),
+], ids=["clients", "duration", "share", "plot-as-out", "rates", "nan-rate", "inf-rate", "directory-as-out",
+        "inf-duration", "nan-duration"])
 def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)

@@ -221,3 +221,141 @@ def test_a_kafka_check_that_cannot_run_still_writes_the_results_and_fails_the_ru
     saved = json.loads(out.read_text())
     assert saved["summary"]["answered"] > 0 and "Kafka at 127.0.0.1:1 not reachable" in saved["kafka_check"]
     assert "kafka: the Kafka check could not run" in capsys.readouterr().out
+
+
+def _chat_answer(iid: str) -> dict:
+    return {"id": iid, "object": "chat.completion", "created": 0, "model": "online-sao",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            "interaction_id": iid, "policy_version": 0, "policy_versions": [0]}
+
+
+def _run(params: LoadParams, handler, **kwargs):
+    gen = LoadGenerator("http://fake", None, params, progress=lambda line: None, prompts=["p"],
+                        transport=httpx.MockTransport(handler), **kwargs)
+    return asyncio.run(gen.run())
+
+
+def _quick_params(**changes) -> LoadParams:
+    return LoadParams(**{"clients": 2, "duration_s": 0.3, "stream_share": 0.0, "feedback_share": 0.0,
+                         "version_poll_s": 0.05, "progress_every_s": 100.0, "failure_pause_s": 0.0, **changes})
+
+
+def test_wall_time_ends_with_the_clients_not_with_a_version_poll_still_in_flight():
+    """A busy server answers /v1/models slowly: the run waited for that poll (up to POLL_TIMEOUT_S)
+    and counted the wait in wall_s, lowering the reported throughput."""
+    poll_s = 2.0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            await asyncio.sleep(poll_s)
+            return httpx.Response(200, json={"data": [{"id": "online-sao", "policy_version": 0}]})
+        return httpx.Response(200, json=_chat_answer(f"sao-{id(request)}"))
+
+    result = _run(_quick_params(), handler)
+    last_answer_s = max(r.end_s for r in result.records)
+    assert result.wall_s < poll_s and result.wall_s - last_answer_s < 0.5, (result.wall_s, last_answer_s)
+
+
+@pytest.mark.parametrize("body", [
+    b"[]", b'{"data": null}', b'{"data": [{"id": "online-sao", "policy_version": null}]}',
+    b'{"data": ["online-sao"]}', b'{"data": [{"id": "online-sao", "policy_version": Infinity}]}',
+], ids=["list", "null-data", "null-version", "string-entry", "infinite-version"])
+def test_a_malformed_models_answer_is_a_poll_error_not_the_end_of_the_run(body):
+    """The TypeError (and OverflowError) of such a body ended the watcher and, at the run's end, the
+    whole run: no results."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+        return httpx.Response(200, json=_chat_answer("sao-1"))
+
+    result = _run(_quick_params(), handler)
+    assert result.version_poll_errors > 0 and result.versions == [] and result.records
+
+
+class _TricklingStream(httpx.AsyncByteStream):
+    """A stream that sends a content chunk every ``every_s``, ``chunks`` times, then its end: each read
+    is quick, the whole answer slow."""
+
+    def __init__(self, chunks: int, every_s: float) -> None:
+        self.chunks, self.every_s = chunks, every_s
+
+    async def __aiter__(self):
+        for _ in range(self.chunks):
+            await asyncio.sleep(self.every_s)
+            yield f"data: {json.dumps(FakeEndpoint._chunk('sao-1', {'content': 'x'}))}\n\n".encode()
+        yield f"data: {json.dumps(FakeEndpoint._chunk('sao-1', {}, 'stop', [0]))}\n\ndata: [DONE]\n\n".encode()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_a_request_slower_than_request_timeout_s_counts_as_a_timeout(stream):
+    """The client's timeout bounds each read, so a stream that trickles (or any request the transport
+    does not time) ran on past request_timeout_s and was counted as answered."""
+    timeout_s = 0.4
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "online-sao", "policy_version": 0}]})
+        if stream:
+            return httpx.Response(200, stream=_TricklingStream(chunks=20, every_s=0.05),
+                                  headers={"content-type": "text/event-stream"})
+        await asyncio.sleep(3 * timeout_s)
+        return httpx.Response(200, json=_chat_answer("sao-1"))
+
+    params = _quick_params(clients=1, requests_per_client=1, stream_share=1.0 if stream else 0.0,
+                           request_timeout_s=timeout_s)
+    [record] = _run(params, handler).records
+    assert record.error == "timeout" and record.latency_s < 2 * timeout_s, record
+    assert record.status == (200 if stream else 0)  # a stream's status line had arrived
+    assert "request_timeout_s (0.4 s)" in (record.detail or "")
+
+
+def test_halt_stops_the_clients_early_and_says_why():
+    """A process of the run's own stack that exits: the clients stop within HALT_POLL_S or so rather than
+    hammer a dead serving for the whole duration."""
+    from apps.load import gen
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "online-sao", "policy_version": 0}]})
+        await asyncio.sleep(0.01)
+        return httpx.Response(200, json=_chat_answer("sao-1"))
+
+    calls = itertools.count()
+    reason = "serving exited with -9; see serving.log"
+    result = _run(_quick_params(duration_s=60.0), handler, halt=lambda: reason if next(calls) >= 1 else None)
+    assert result.stopped_early == reason
+    assert result.stopped_at_s is not None and result.stopped_at_s < 3 * gen.HALT_POLL_S
+    assert result.wall_s < 3 * gen.HALT_POLL_S + 1.0
+    assert result_json(result, summarize(result.records, result.wall_s, result.versions))["stopped_early"] == reason
+
+
+@pytest.mark.parametrize("change", [{"requests_per_client": 0}, {"duration_s": float("nan")},
+                                    {"duration_s": float("inf")}, {"request_timeout_s": float("nan")}],
+                         ids=["no-requests", "nan-duration", "inf-duration", "nan-timeout"])
+def test_load_params_refuse_what_cannot_run(change):
+    """requests_per_client=0 went through ``or 1``: every client stopped before its first request."""
+    with pytest.raises(ValueError):
+        LoadParams(**change)
+
+
+def test_the_plot_draws_the_last_partial_bucket_at_its_own_rate(tmp_path, monkeypatch):
+    """A steady 10 answers/s for 32 s: the last bucket (30-32 s) was divided by the whole 5 s width
+    and drawn as 4 answers/s, a drop that never happened."""
+    import matplotlib.axes
+
+    from apps.load.report import plot_latency
+    from apps.load.stats import LoadResult
+
+    records = [RequestRecord("chat", 0, i / 10 - 0.05, 0.05, 200, None, f"i{i}", (0,), 1) for i in range(1, 321)]
+    result = LoadResult(LoadParams(duration_s=32.0), "http://x", 0.0, 32.0, records, [])
+    heights: list[float] = []
+    bar = matplotlib.axes.Axes.bar
+
+    def recording_bar(self, x, height, *args, **kwargs):
+        heights.extend(height)
+        return bar(self, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
+    plot_latency(result, tmp_path / "load.png")
+    assert heights and all(h == pytest.approx(10.0, rel=0.05) for h in heights), heights

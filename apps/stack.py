@@ -3,6 +3,12 @@
 Used by ``online-sao demo`` and the experiments. Every component is started as
 its own ``online-sao`` subprocess with the same configuration file and
 overrides, exactly as an operator would start it; logs go to ``<run_dir>/logs``.
+
+The components run in sessions of their own (a Ctrl-C at the terminal reaches only this process,
+which stops them in order) and get SIGTERM when this process dies, even by SIGKILL (Linux's parent
+death signal): they were left running, serving holding its port and spool lock. That signal
+follows the *thread* that started the child, so a stack starts its children only from the thread
+that created it, which holds it (``with``) as long as they run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ READY_POLL_S = 0.5
 """Pause between readiness probes of a starting process (no busy wait)."""
 STOP_TIMEOUT_S = 30.0
 """A process asked to stop (SIGTERM) that is still alive after this is killed."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that end this process without unwinding (an operator's kill, a CI timeout; the terminal
+closed, an ssh session dropped): inside a stack they raise SystemExit, so that it stops its
+components. SIGHUP is left ignored where it was (``nohup``)."""
 
 
 class StackError(RuntimeError):
@@ -63,7 +73,9 @@ class Stack:
     nor :attr:`cfg` apply ``ONLINE_SAO__*`` variables again, which would undo those changes."""
     components: list[Component] = field(default_factory=list)
     broker: Any = None
-    _previous_sigterm: Any = None
+    _previous_handlers: dict[signal.Signals, Any] = field(default_factory=dict)
+    _owner: threading.Thread = field(default_factory=threading.current_thread)
+    """The thread that created the stack, the only one that starts its children (see the module's doc)."""
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,10 +119,15 @@ class Stack:
     def start(self, name: str, command: list[str], extra_overrides: dict[str, Any] | None = None,
               env: dict[str, str] | None = None) -> Component:
         """Start ``online-sao <command...>`` as a subprocess logging to logs/<name>.log."""
+        if threading.current_thread() is not self._owner:
+            # the child's parent death signal would come when this thread ends, not the process
+            raise RuntimeError(f"{name}: a stack starts its processes from the thread that created it "
+                               f"({self._owner.name}), not from {threading.current_thread().name}")
         log_path = self.run_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         proc = subprocess.Popen(self._cli_args(extra_overrides) + command, stdout=log, stderr=subprocess.STDOUT,
-                                env=self._child_env(env), start_new_session=True)
+                                env=self._child_env(env), start_new_session=True,
+                                preexec_fn=_stop_with_parent(os.getpid()))
         log.close()
         comp = Component(name, proc, log_path)
         self.components.append(comp)
@@ -165,19 +182,22 @@ class Stack:
             self.broker = None
 
     def __enter__(self) -> "Stack":
-        # A SIGTERM (an operator's kill, a CI timeout) would end this process without running
-        # __exit__ and leave serving, learner and judge running; as SystemExit it unwinds here.
+        # A SIGTERM or SIGHUP would end this process without running __exit__: the components
+        # would get only their parent death signal, the broker this run started left to its own.
+        # As SystemExit the process unwinds here and stops them in order.
         if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, exit_on_sigterm)
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous_handlers[signum] = signal.signal(signum, exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.stop_all()
         finally:
-            if self._previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-                self._previous_sigterm = None
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+            self._previous_handlers.clear()
 
 
 def threads_env(threads: int) -> dict[str, str]:
@@ -201,9 +221,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def exit_on_sigterm(signum: int, frame: object) -> None:
-    """A SIGTERM handler: raise ``SystemExit(128 + SIGTERM)``, so the process unwinds and stops what it
-    started (SIGTERM's default action ends it at once, its children left running)."""
+    """A SIGTERM (or SIGHUP) handler: raise ``SystemExit(128 + signum)``, so the process unwinds and stops
+    what it started (the signal's default action ends it at once, its children left running)."""
     raise SystemExit(128 + signum)
+
+
+def _stop_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """Popen's preexec_fn for a component: SIGTERM when this process dies (the broker's parent death
+    signal), and an exit at once when it already died before the signal was set (no signal comes then)."""
+    from streams.broker import _parent_death_signal
+
+    set_parent_death_signal = _parent_death_signal()
+    if set_parent_death_signal is None:  # no prctl: not Linux
+        return None
+
+    def preexec() -> None:
+        set_parent_death_signal()
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return preexec
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:

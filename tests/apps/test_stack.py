@@ -1,4 +1,5 @@
-"""The stack of processes an experiment or the smoke run starts: a SIGTERM to the parent stops them."""
+"""The stack of processes an experiment or the smoke run starts: a SIGTERM or SIGHUP to the parent stops
+them, and they die with a parent killed outright."""
 
 import os
 import signal
@@ -88,18 +89,6 @@ def test_stop_all_signals_every_child_first_and_waits_for_them_together(tmp_path
     assert took < 2 * stack_module.STOP_TIMEOUT_S, f"stopped in {took:.1f} s"
 
 
-def test_sigterm_inside_the_stack_stops_its_processes_and_restores_the_handler(tmp_path):
-    before = signal.getsignal(signal.SIGTERM)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with pytest.raises(SystemExit) as exited:
-        with Stack(None, {}, tmp_path) as stack:
-            stack.components.append(Component("sleeper", child, tmp_path / "sleeper.log"))
-            os.kill(os.getpid(), signal.SIGTERM)
-    assert exited.value.code == 128 + signal.SIGTERM
-    assert child.poll() is not None  # terminated by stop_all, not left running
-    assert signal.getsignal(signal.SIGTERM) == before
-
-
 @pytest.mark.parametrize("already_running", [True, False])
 def test_a_run_stops_the_broker_it_started_and_leaves_one_it_found_running(tmp_path, monkeypatch, already_running):
     """`smoke`, `simulate`, `load` and `agent` next to a broker the operator started with `kafka up`."""
@@ -160,3 +149,95 @@ def test_overrides_reach_the_children_as_the_parent_read_them(tmp_path):
     assert shown["serving"]["deployment_id"] == "2024-01-01" and shown["serving"]["port"] == 8123
     assert stack.cfg.kafka.sasl_password.get_secret_value() == "p@ss #1"
     assert len(shown["serving"]["api_keys"]) == 2
+
+
+def _hangup_at_default() -> None:
+    """preexec_fn: SIGHUP at its default in the test's parent, also when pytest runs under nohup."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_children_do_not_outlive_a_parent_killed_or_hung_up(tmp_path, sig):
+    """A stack's parent killed (OOM killer, kill -9) or hung up (terminal closed, ssh dropped): its
+    children, in sessions of their own, ran on, serving holding its port and spool lock. They now get
+    their parent death signal, and a SIGHUP unwinds the parent as a SIGTERM does (exit 128 + 1)."""
+    quick = f"import time; time.sleep({CHILD_S})"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), quick], cwd=REPO,
+                              preexec_fn=_hangup_at_default, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    children: list[int] = []
+    try:
+        assert wait_until(lambda: (tmp_path / "pids").exists(), WAIT_S)
+        children = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+        parent.send_signal(sig)
+        parent.wait(WAIT_S)
+        assert parent.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGHUP)
+        assert wait_until(lambda: all(gone(pid) for pid in children), 10.0), \
+            f"left running: {[pid for pid in children if not gone(pid)]}"
+    finally:
+        kill_leftovers(parent, children)
+
+
+class OutsideHandler(Exception):
+    """Raised by the handler a test installs before the stack: the signal was not the stack's."""
+
+
+def _outside_handler(signum: int, frame: object) -> None:
+    raise OutsideHandler(signum)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_inside_the_stack_stops_its_processes_and_restores_the_handler(tmp_path, sig):
+    """SIGHUP (the terminal closed) ended the process at once, as SIGTERM did before it was handled."""
+    before = {s: signal.signal(s, _outside_handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(SystemExit) as exited:
+            with Stack(None, {}, tmp_path) as stack:
+                stack.components.append(Component("sleeper", child, tmp_path / "sleeper.log"))
+                os.kill(os.getpid(), sig)
+        assert exited.value.code == 128 + sig
+        assert child.poll() is not None  # terminated by stop_all, not left running
+        assert all(signal.getsignal(s) is _outside_handler for s in before)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_hangup_ignored_before_the_stack_stays_ignored(tmp_path):
+    """Under nohup the operator asked the run to outlive the terminal: the stack leaves SIGHUP ignored."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Stack(None, {}, tmp_path):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: nothing happens
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_children_are_started_only_from_the_thread_that_created_the_stack(tmp_path, monkeypatch):
+    """The parent death signal follows the thread that forked the child: a child started from a thread
+    that then ends got SIGTERM at once, though the stack and its process went on."""
+    import threading
+
+    monkeypatch.setattr(Stack, "_cli_args", lambda self, extra=None: [sys.executable, "-c"])
+    stack = Stack(None, {}, tmp_path / "run", progress=lambda line: None)
+    raised: list[BaseException] = []
+
+    def start_elsewhere() -> None:
+        try:
+            stack.start("elsewhere", [f"import time; time.sleep({CHILD_S})"])
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=start_elsewhere)
+    worker.start()
+    worker.join()
+    try:
+        assert raised and "thread that created it" in str(raised[0]) and stack.components == []
+    finally:
+        stack.stop_all()

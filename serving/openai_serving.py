@@ -144,7 +144,8 @@ class OpenAIServing:
         origins = turn.prefix.turn_origins  # of a continuation's earlier turns; the first is the trajectory's
         request = GenerationRequest(turn.interaction_id, turn.prefix.engine_prompt, turn.sampling,
                                     self.stop_token_ids, top_logprobs=turn.top_logprobs or 0,
-                                    trajectory_id=origins[0].interaction_id if origins else None)
+                                    trajectory_id=origins[0].interaction_id if origins else None,
+                                    previous_version=turn.prefix.versions[-1] if turn.prefix.versions else None)
         decoder = IncrementalDecoder(self.tokenizer, self.stop_token_ids, turn.prefix.engine_prompt)
         stops = StopStrings(turn.sampling.stop)
         stream = self.engine.generate(request)

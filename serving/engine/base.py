@@ -46,6 +46,10 @@ class GenerationRequest:
     (``turn_origins[0]``); None when this request begins its trajectory (then ``request_id`` is
     that id). A canary answers every turn of a trajectory with one engine
     (:mod:`serving.engine.canary`)."""
+    previous_version: int | None = None
+    """For a continuation: the policy version that sampled its trajectory's last sampled token (its previous
+    turn's); None when this request begins its trajectory. A canary keeps a continuation of a turn its newest
+    engine answered there while that engine serves this version (:mod:`serving.engine.canary`)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,17 @@ for the whole conversation and the gate, which counts as the champion's own only
 every action token it sampled, gets ``share`` of them rather than ``share ** turns``. The draw is a
 hash of the trajectory's first interaction id (:attr:`GenerationRequest.trajectory_id`) and the
 seed, mapped to [0, 1) (:func:`canary_draw`): nothing is kept per trajectory, and the route does
-not depend on the order requests arrive in. A continuation whose champion changed since its first
+not depend on the order requests arrive in.
+
+The draw alone would move a trajectory whose first turn the canary did not route (answered by the
+newest engine before the first champion was loaded, or during an operator's hold) to the champion
+at its next turn once the canary routes again. So a continuation drawn for the champion stays with
+the newest engine when that engine still serves the version that sampled its previous turn and the
+champion does not (:attr:`GenerationRequest.previous_version`, from the record it continues); a
+continuation drawn for the newest engine goes there, as every such turn did. A trajectory can still
+change engine across a transition when the newest engine moved on between two of its turns: one
+begun before the first champion, whose next turn comes after both the champion's loading and a newer
+version, goes to the champion by its draw. A continuation whose champion changed since its previous
 turn still goes to the champion engine (its tokens then carry two champion versions, so the gate
 counts it as neither's).
 
@@ -64,7 +74,8 @@ class ChampionServing(Protocol):
 
 class CanaryEngine:
     """Routes each trajectory to the champion with probability ``share``, otherwise to the newest version
-    (every turn of a trajectory alike: :func:`canary_draw` of its first interaction id and ``seed``)."""
+    (every turn of a trajectory alike: :func:`canary_draw` of its first interaction id and ``seed``; a
+    continuation of a turn the newest engine answered stays there while it serves that turn's version)."""
 
     def __init__(self, newest: InferenceEngine, champion: InferenceEngine, share: float,
                  seed: int | None = None) -> None:
@@ -91,13 +102,26 @@ class CanaryEngine:
         return self._champion_version
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        trajectory = request.trajectory_id if request.trajectory_id is not None else request.request_id
-        to_champion = (not self.held and self._champion_version is not None
-                       and canary_draw(trajectory, self.seed) < self.share)
+        to_champion = self._to_champion(request)
         engine = self.champion if to_champion else self.newest
         self.routed["champion" if to_champion else "newest"] += 1
         async for event in engine.generate(request):
             yield event
+
+    def _to_champion(self, request: GenerationRequest) -> bool:
+        """Whether the champion answers ``request``: never while held or before the first champion, else when
+        its trajectory's draw is under the share, unless it continues a turn the newest engine answered."""
+        if self.held or self._champion_version is None:
+            return False
+        trajectory = request.trajectory_id if request.trajectory_id is not None else request.request_id
+        return canary_draw(trajectory, self.seed) < self.share and not self._continues_on_newest(request)
+
+    def _continues_on_newest(self, request: GenerationRequest) -> bool:
+        """Whether the previous turn of a continuation drawn for the champion was the newest engine's (answered
+        before the first champion, or during a hold): the newest engine still serves the version that sampled
+        it and the champion does not."""
+        previous = request.previous_version
+        return previous is not None and previous == self.newest.policy_version and previous != self._champion_version
 
     def swap_weights(self, version: int, state_dict: dict[str, torch.Tensor], force: bool = False) -> SwapResult:
         return self.newest.swap_weights(version, state_dict, force)

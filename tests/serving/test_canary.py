@@ -72,8 +72,10 @@ def test_the_draw_is_fixed_by_the_trajectory_and_the_seed():
     assert all(0 <= canary_draw(t, 3) < 1 for t in ids)
 
 
-async def turn(engine: CanaryEngine, request_id: str, trajectory_id: str | None) -> list[int]:
-    request = GenerationRequest(request_id, [1, 2], SamplingParams(max_tokens=2), trajectory_id=trajectory_id)
+async def turn(engine: CanaryEngine, request_id: str, trajectory_id: str | None,
+               previous_version: int | None = None) -> list[int]:
+    request = GenerationRequest(request_id, [1, 2], SamplingParams(max_tokens=2), trajectory_id=trajectory_id,
+                                previous_version=previous_version)
     return [event.version async for event in engine.generate(request)]
 
 
@@ -119,6 +121,26 @@ def test_a_continuation_follows_its_trajectory_through_a_new_champion_but_not_th
     assert asyncio.run(turn(engine, "next-3", champion_trajectory)) == [9]
 
 
+def test_a_trajectory_begun_before_the_first_champion_or_during_a_hold_stays_on_the_newest_engine():
+    engine = CanaryEngine(FakeEngine([5]), FakeEngine([5]), share=0.5, seed=0)
+    engine.swap_weights(9, {})
+    drawn = [f"t{i}" for i in range(100) if canary_draw(f"t{i}", 0) < 0.5][:3]  # trajectories the champion draws
+    before, held, fresh = drawn
+
+    assert asyncio.run(turn(engine, before, None)) == [9]  # no champion yet
+    engine.swap_champion(4, {})
+    assert asyncio.run(turn(engine, f"{before}.1", before, previous_version=9)) == [9]  # not moved to the champion
+    engine.hold_all_on_newest(True)
+    assert asyncio.run(turn(engine, held, None)) == [9]
+    engine.hold_all_on_newest(False)
+    assert asyncio.run(turn(engine, f"{held}.1", held, previous_version=9)) == [9]
+    assert asyncio.run(turn(engine, fresh, None)) == [4]  # the canary routes new trajectories as before
+    assert asyncio.run(turn(engine, f"{fresh}.1", fresh, previous_version=4)) == [4]
+    engine.swap_weights(10, {})  # the newest engine moved on between two turns: the draw decides (docs)
+    assert asyncio.run(turn(engine, f"{before}.2", before, previous_version=9)) == [4]
+    assert engine.routed == {"newest": 4, "champion": 3}
+
+
 def test_the_server_routes_a_conversation_by_its_first_turn(tmp_path, chat_tokenizer):
     """Over the real app: each continuation (``parent_interaction_id``) is answered by the engine that
     answered its trajectory's first turn, so every record's turns carry one version."""
@@ -151,6 +173,42 @@ def test_the_server_routes_a_conversation_by_its_first_turn(tmp_path, chat_token
     assert all(len(v) == 1 for v in versions)  # three turns, one engine
     assert {4} in versions and {9} in versions  # 24 trajectories at one half: both engines (p 1 - 2^-23)
     assert engine.routed["champion"] == 3 * versions.count({4})
+
+
+def test_the_server_keeps_a_conversation_begun_before_the_first_champion_on_the_newest_engine(tmp_path,
+                                                                                              chat_tokenizer):
+    """Over the real app: a continuation carries the version of its previous turn, so conversations whose
+    first turn came before the champion are answered wholly by the newest engine, whatever their draw."""
+    cfg = serving_config(tmp_path, **{"serving.rate_limit_per_minute": 100_000, "serving.rate_limit_burst": 1_000})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    script = list(chat_tokenizer(ANSWER, add_special_tokens=False)["input_ids"]) + [chat_tokenizer.eos_token_id]
+    engine = CanaryEngine(FakeEngine(script), FakeEngine(script), share=0.5, seed=5)
+    engine.swap_weights(9, {})
+    logger = InteractionLogger(backend.producer(), cfg.kafka.topics, cfg.spool_dir,
+                               LogSettings.from_config(cfg.serving))
+    app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), max_model_len=512)
+    second_turns = []
+    with TestClient(app, raise_server_exceptions=False) as client:
+        firsts = []
+        for i in range(24):
+            messages = [{"role": "user", "content": f"q{i}"}]
+            r = client.post("/v1/chat/completions", json={"model": "online-sao", "messages": messages})
+            assert r.status_code == 200, r.text
+            firsts.append((messages + [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "more"}],
+                           r.json()["interaction_id"]))
+        engine.swap_champion(4, {})  # the first champion notice, between the turns
+        for messages, parent in firsts:
+            r = client.post("/v1/chat/completions", json={"model": "online-sao", "messages": messages,
+                                                         "parent_interaction_id": parent})
+            assert r.status_code == 200, r.text
+            second_turns.append(r.json()["interaction_id"])
+        assert logger.flush(10.0)
+    consumer = backend.consumer([cfg.kafka.topics.interactions])
+    records = {r.interaction_id: r for r in map(decode, (m.value for m in consumer.poll(0.1, max_records=10_000)))}
+    consumer.close()
+    assert all(len(records[i].turn_ends) == 2 and set(records[i].versions) == {9} for i in second_turns)
+    assert engine.routed["champion"] == 0
 
 
 def test_a_newer_publish_leaves_the_champion_and_a_champion_may_be_older():

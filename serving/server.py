@@ -33,6 +33,7 @@ from online_sao.config import Config, ConfigError
 from serving.app import Follower, build_app
 from serving.auth import check_exposure
 from serving.engine.base import InferenceEngine
+from serving.engine.self_check import served_context_length
 from serving.interaction_log import InteractionLogger, LogSettings
 from serving.metrics import ServingMetrics
 from streams.base import DeliveryReport, Producer, StreamBackend
@@ -146,7 +147,7 @@ def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: In
 
     tokenizer = load_tokenizer(model_dir)
     engine = engine if engine is not None else make_engine(cfg, model_dir, tokenizer)
-    max_model_len = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    max_model_len = served_context_length(AutoConfig.from_pretrained(model_dir))
     producer = LazyProducer(backend)
     logger = make_logger(cfg, producer, backend)
     metrics = ServingMetrics(CollectorRegistry())

@@ -17,6 +17,10 @@ a distribution the model never had, and nothing downstream could tell. Two check
   masks). It fails for models the cache handling cannot run at all (a state-space model such as
   Mamba keeps no key/value cache) and for any that it runs differently.
 
+The context the engines and the HTTP layer serve, :func:`served_context_length`, is chosen here for the
+same reason: a longrope model is served within its original positions, whose rope factors no batch
+changes (the check's short prompts could not see the difference).
+
 The prompts, the comparison and the verdict (:func:`check_prompts`, :func:`largest_difference`,
 :func:`refuse_a_difference`, :func:`refusal_of_a_failure`) are shared with the vLLM engine's check
 (:mod:`.vllm_self_check`), whose reference is the transformers model the learner loads.
@@ -81,6 +85,43 @@ def windowed_attention(config) -> str | None:
     if positions is not None and window >= positions:
         return None  # no sequence the model can hold outgrows it
     return f"sliding_window {window}"
+
+
+def served_context_length(config) -> int | None:
+    """The positions a sequence may fill when served (None: no limit known): the text config's
+    ``max_position_embeddings`` (a composite config, such as Gemma3's ...ForConditionalGeneration, keeps it
+    in ``text_config``), cut to ``original_max_position_embeddings`` for ``longrope`` rope scaling.
+
+    Longrope (Phi-3) picks its short or long rope factors from the largest position id of the whole
+    forward: in a batch, a short sequence beside one past the original length is computed with the long
+    factors, and a sequence crossing it while decoding has its earlier tokens' keys from the short ones,
+    while the learner's plain forward of the sequence uses one set throughout (0.58 nats apart in a test).
+    Within the original length every forward uses the short factors."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    original = longrope_original_length(text)
+    if original is not None and (positions is None or original < positions):
+        log.warning("%s uses longrope rope scaling, whose factors depend on the longest sequence of a batch: "
+                    "serving its original %d positions, not %s, so that every logged log-prob is the one a plain "
+                    "forward of the sequence gives", getattr(text, "model_type", "the model"), original, positions)
+        return original
+    return positions
+
+
+def longrope_original_length(text_config) -> int | None:
+    """``original_max_position_embeddings`` of a text config with ``longrope`` rope scaling, else None."""
+    parameters = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return None
+    # transformers 5 nests the parameters per layer type where those differ ({"full_attention": {...}, ...})
+    nested = [p for p in parameters.values() if isinstance(p, dict)]
+    lengths = []
+    for p in nested or [parameters]:
+        if (p.get("rope_type") or p.get("type")) == "longrope":
+            lengths.append(p.get("original_max_position_embeddings")
+                           or getattr(text_config, "original_max_position_embeddings", None))
+    lengths = [n for n in lengths if n is not None]
+    return min(lengths) if lengths else None
 
 
 def check_engine(model: nn.Module, kv_layout: str, first_round: FirstRound) -> None:

@@ -71,7 +71,7 @@ from serving.engine.kv_batch import RaggedKVBatch
 from serving.engine.outbox import EngineSequence, Outbox
 from serving.engine.prefill_layout import left_padded, prefill_groups
 from serving.engine.sampling import NonFiniteLogits, RowSampling, Sampled, sample_tokens
-from serving.engine.self_check import check_engine
+from serving.engine.self_check import check_engine, served_context_length
 from serving.engine.warm_up import warm_up
 from serving.engine.weights_check import complete_state_dict
 
@@ -102,7 +102,7 @@ class TorchEngine:
         self._on_step: Callable[[StepStats], None] | None = None
         self._device = next(model.parameters()).device
         self._vocab = model.get_input_embeddings().num_embeddings
-        self._max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._max_positions = served_context_length(model.config)
         params = inspect.signature(model.forward).parameters
         self._keep_last_logits = "logits_to_keep" in params
         # transformers renamed ``past_key_values`` to ``cache``; the cache object is
@@ -232,21 +232,40 @@ class TorchEngine:
                 if not self._loop.alive:
                     break
                 with self._step_lock:
-                    self._drop_cancelled()
-                    if self._flat:
-                        for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat) or [[]]:
-                            if group or self._rows:
-                                self._guarded(self._flat_step, list(self._rows) + group, group)
-                    else:
-                        for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat):
-                            self._guarded(self._prefill, group, group)
-                        if self._rows:
-                            self._guarded(self._decode_step, list(self._rows))
+                    try:
+                        self._round(admitted)
+                    except Exception as exc:
+                        self._fail_the_batch(admitted, exc)
                 self._outbox.flush()
         stopped = EngineStopped("the engine stopped")
         for seq in self._loop.take_waiting() + self._rows:
             self._outbox.put(seq, stopped)
         self._outbox.flush()
+        self._rows, self._batch = [], self._new_batch()
+
+    def _round(self, admitted: list[EngineSequence]) -> None:
+        """The model work of one round: drop cancelled rows, prefill ``admitted``, one decode step."""
+        self._drop_cancelled()
+        if self._flat:
+            for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat) or [[]]:
+                if group or self._rows:
+                    self._guarded(self._flat_step, list(self._rows) + group, group)
+        else:
+            for group in prefill_groups(admitted, self.cfg.max_prefill_tokens, self._flat):
+                self._guarded(self._prefill, group, group)
+            if self._rows:
+                self._guarded(self._decode_step, list(self._rows))
+
+    def _fail_the_batch(self, admitted: list[EngineSequence], exc: Exception) -> None:
+        """A failure outside :meth:`_guarded`'s model calls (selecting the cache's rows, as dropping cancelled
+        rows or a failed step's rows does: out of memory on a large batch) leaves the cache and the rows out of
+        step: every running request and those admitted this round fail, and the loop goes on with an empty
+        batch. A loop thread that died instead left every request waiting for its deadline and every swap
+        blocked, with nothing to say the engine was gone."""
+        failing = list({id(seq): seq for seq in self._rows + admitted}.values())
+        log.exception("engine round failed outside a model call; failing %d request(s)", len(failing))
+        for seq in failing:  # one that already finished never reads this (its stream ended at its last token)
+            self._outbox.put(seq, exc)
         self._rows, self._batch = [], self._new_batch()
 
     def _new_batch(self) -> RaggedKVBatch | FlatKVBatch:

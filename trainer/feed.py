@@ -6,8 +6,9 @@ Every pass of the learner loop, rank 0:
    skips records a rebalance re-delivered (their offset is already in the state),
    decodes each record or dead-letters it (bad data never stops the learner) and
    feeds the :class:`~trainer.join.RewardJoiner`. While ``READY_BACKLOG_STEPS`` full
-   steps are ready it polls with its partitions paused (backpressure): no records come,
-   but the consumer stays in its group;
+   steps are ready (and a step could start on them: at least ``trainer.min_rollouts``, a
+   unit for each rank) it polls with its partitions paused (backpressure): no records
+   come, but the consumer stays in its group;
 2. drops ready rollouts older than ``trainer.max_version_lag`` (counted);
 3. takes the ready rollouts for a step as soon as they are worth
    ``trainer.token_budget`` action tokens, or ``trainer.min_rollouts`` of them are
@@ -54,10 +55,10 @@ the next 50 minutes. Hosts kept by NTP agree to milliseconds; a minute leaves ro
 MAX_POLL_RECORDS = 500
 """Records taken per poll; bounds the time between two readiness checks."""
 READY_BACKLOG_STEPS = 4
-"""Rank 0 reads no records while this many full steps of rollouts are ready: the
-join buffer then grows no further than the learner can train (backpressure). It goes on
-polling, with its partitions paused: a consumer that stops polling for Kafka's
-``max.poll.interval.ms`` is dropped from its group, and its next commit is refused."""
+"""Rank 0 reads no records while this many full steps of rollouts are ready (and a step could
+start on them: :meth:`Feed.backlogged`): the join buffer then grows no further than the learner can
+train (backpressure). It goes on polling, with its partitions paused: a consumer that stops polling
+for Kafka's ``max.poll.interval.ms`` is dropped from its group, and its next commit is refused."""
 PAUSED_POLL_S = 0.0
 """How long a poll with every partition paused waits: no record can come, the poll only keeps the
 consumer in its group, so the learner's loop does not wait on it."""
@@ -140,6 +141,8 @@ class Feed:
         """Per partition, the newest record time read from it: how far the join's clock may move."""
         self.held_back = False
         """Whether the last poll had the partitions paused (backpressure)."""
+        self.step_units = 1
+        """Units (rollouts, grpo groups) a step needs, one per rank: as the last :meth:`take` was asked."""
 
     def start(self, backend: StreamBackend) -> None:
         """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
@@ -155,9 +158,9 @@ class Feed:
 
     def poll(self) -> None:
         """Read one poll's records into the join; while enough steps are ready already, poll with
-        every partition paused (:data:`READY_BACKLOG_STEPS`). Paused again before each such poll: a
+        every partition paused (:meth:`backlogged`). Paused again before each such poll: a
         rebalance or a rejoin hands partitions back resumed."""
-        held_back = self.joiner.ready_rollouts(self.group_size) >= READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step
+        held_back = self.backlogged()
         if held_back or self.held_back:
             assigned = self.consumer.assignment()
             (self.consumer.pause if held_back else self.consumer.resume)(assigned)
@@ -165,6 +168,16 @@ class Feed:
         messages = self.consumer.poll(timeout_s=PAUSED_POLL_S if held_back else self.tcfg.poll_timeout_s,
                                       max_records=MAX_POLL_RECORDS)
         self._read(messages)
+
+    def backlogged(self) -> bool:
+        """Whether :data:`READY_BACKLOG_STEPS` full steps of rollouts are ready, and a step could start
+        on what is ready whatever the clock says: ``trainer.min_rollouts`` of them, in a unit for each
+        rank. Short of either, reading on is what lets a step start: paused with fewer than
+        ``min_rollouts`` ready (above four steps of ``max_rollouts_per_step``), with ``max_wait_s`` None
+        and the token budget out of reach, the learner waited for good, its records unread."""
+        units, ready, _ = self.joiner.ready_counts(self.group_size)
+        backlog = max(READY_BACKLOG_STEPS * self.tcfg.max_rollouts_per_step, self.tcfg.min_rollouts)
+        return ready >= backlog and units >= self.step_units
 
     def _read(self, messages: list[StreamMessage]) -> None:
         left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
@@ -239,6 +252,7 @@ class Feed:
         usable ones were taken for every rank to get one, a grpo group counting as one:
         FSDP needs every rank in every step)."""
         tcfg = self.tcfg
+        self.step_units = world_size
         units, ready, ready_tokens = self.joiner.ready_counts(self.group_size)
         now = time.monotonic()
         self.ready_since = (self.ready_since or now) if ready else None

@@ -11,7 +11,12 @@ topics, the records' own times in a file); windows still open at the end close a
 the window had passed (default reward or drop, per ``reward.on_missing``). The topics' partitions
 are read one after another, so the join's clock is held as the learner's feed holds it
 (trainer/join_clock.py) until every partition is read to where it ended when the read began, and
-a record stamped by a slow clock is read as the feed reads it (``JoinClock.floor``).
+a record stamped by a slow clock is read as the feed reads it (``JoinClock.floor``). The read
+ends where the partitions ended when it began: serving may go on logging meanwhile (those records are
+the learner's to train on), and a read that waited for the topics to fall quiet never ended while it
+did. Rollouts unusable by the model (a token id past its vocabulary: a history logged under another
+model, a hand-made file) are counted in the log and left out, as the feed leaves them out
+(:func:`trainer.feed.to_rollouts`); one crashed the fit, at every restart.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pathlib import Path
 from online_sao.batch import Rollout
 from online_sao.config import Config
 from online_sao.schemas import Interaction, RecordError, Reward, decode
-from streams.base import StreamBackend
+from streams.base import Consumer, StreamBackend, TopicPartition
+from trainer.feed import to_rollouts
 from trainer.join import RewardJoiner
 from trainer.join_clock import JoinClock, max_behind_s
 
@@ -31,15 +37,25 @@ log = logging.getLogger(__name__)
 
 HISTORY_POLL_S = 1.0
 """Wait of one poll while reading the retained history."""
-HISTORY_EMPTY_POLLS = 3
-"""The history is read to its end once this many polls in a row return nothing
-(the first polls of a fresh consumer may be empty while it fetches metadata)."""
+HISTORY_STALLED_POLLS = 3
+"""The read also ends once this many polls in a row brought no record before the ends it aims for
+(the first polls of a fresh consumer may be empty while it fetches metadata): a partition whose last
+offsets hold no record a consumer returns (a transaction's markers, a compacted topic) is never
+read to its end."""
 
 
-def _joined_rollouts(joiner: RewardJoiner, version: int) -> list[Rollout]:
+def _joined_rollouts(joiner: RewardJoiner, version: int, vocab_size: int | None) -> list[Rollout]:
+    """The joined rollouts of policy ``version``; with ``vocab_size``, those the model can take
+    (others counted in the log)."""
     joiner.advance(math.inf)  # the end of the history: every window is over
     taken = joiner.pop_ready(max_rollouts=2**62, token_budget=2**62)
-    return [j.to_rollout() for j in taken if j.interaction.policy_version == version and j.num_action_tokens]
+    of_version = [j for j in taken if j.interaction.policy_version == version]
+    counts = {"invalid_rollouts": 0, "empty_rollouts": 0}
+    rollouts = to_rollouts(of_version, counts, math.inf if vocab_size is None else vocab_size)  # inf: no id past it
+    if counts["invalid_rollouts"]:
+        log.warning("pre-training data: %d rollouts of version %d left out as unusable (see above)",
+                    counts["invalid_rollouts"], version)
+    return rollouts
 
 
 def record_time(record: Interaction | Reward) -> float:
@@ -48,12 +64,14 @@ def record_time(record: Interaction | Reward) -> float:
     return record.completed_at if isinstance(record, Interaction) else record.created_at
 
 
-def rollouts_from_file(path: Path, cfg: Config, version: int) -> list[Rollout]:
+def rollouts_from_file(path: Path, cfg: Config, version: int, vocab_size: int | None = None) -> list[Rollout]:
     """Rollouts of policy ``version`` in a JSON-lines file of encoded records.
 
     Records are joined in order of their own times (:func:`record_time`; equal times keep
     the file's order), so the reward window is measured in seconds, as on the topics,
-    whatever order the file lists them in. Unreadable lines are skipped and counted in the log."""
+    whatever order the file lists them in. Unreadable lines are skipped and counted in the log;
+    with ``vocab_size`` (the model's), so are rollouts with a token id at or past it (None: not
+    checked, the caller's model takes any)."""
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     records: list[Interaction | Reward] = []
     bad = 0
@@ -73,14 +91,16 @@ def rollouts_from_file(path: Path, cfg: Config, version: int) -> list[Rollout]:
             joiner.add_interaction(record, record_time(record))
         else:
             joiner.add_reward(record, record_time(record))
-    rollouts = _joined_rollouts(joiner, version)
+    rollouts = _joined_rollouts(joiner, version, vocab_size)
     log.info("pre-training data from %s: %d rollouts of version %d (%d unreadable lines)",
              path, len(rollouts), version, bad)
     return rollouts
 
 
-def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> list[Rollout]:
-    """Rollouts of policy ``version`` in the retained history of the topics."""
+def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int,
+                         vocab_size: int | None = None) -> list[Rollout]:
+    """Rollouts of policy ``version`` in the retained history of the topics, up to where each
+    partition ended when the read began (``vocab_size`` as for :func:`rollouts_from_file`)."""
     topics = cfg.kafka.topics
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
     consumer = backend.consumer([topics.interactions, topics.rewards], group_id=None, start="earliest")
@@ -88,10 +108,11 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
     bad = floored = 0
     try:
         ends, next_offsets = consumer.end_offsets(), consumer.beginning_offsets()
-        empty = 0
-        while empty < HISTORY_EMPTY_POLLS:
-            messages = consumer.poll(timeout_s=HISTORY_POLL_S)
-            empty = 0 if messages else empty + 1
+        to_read = _not_read_to(ends, next_offsets, consumer)
+        stalled = 0
+        while to_read and stalled < HISTORY_STALLED_POLLS:
+            messages = [m for m in consumer.poll(timeout_s=HISTORY_POLL_S) if m.offset < ends.get(m.tp, 0)]
+            stalled = 0 if messages else stalled + 1  # records logged since the read began do not count
             for msg in messages:
                 next_offsets[msg.tp] = msg.offset + 1
                 ts = clock.floor(msg.tp, msg.timestamp_ms / 1000, joiner.watermark)
@@ -107,10 +128,25 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int) -> l
                     joiner.add_interaction(record, ts, clock=clock.limit(left))
                 else:
                     joiner.add_reward(record, ts, clock=clock.limit(left))
+            to_read = _not_read_to(ends, next_offsets, consumer, to_read)
+        if to_read:
+            log.warning("pre-training data: %d partitions not read to where they ended (%d polls in a row brought "
+                        "nothing of it): read as far as they came", len(to_read), HISTORY_STALLED_POLLS)
     finally:
         consumer.close()
-    rollouts = _joined_rollouts(joiner, version)
+    rollouts = _joined_rollouts(joiner, version, vocab_size)
     log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; %d stamped "
              "more than %.0f s behind the records before them, read as that far; join: %s)",
              len(rollouts), version, bad, floored, clock.max_behind_s, joiner.counters)
     return rollouts
+
+
+def _not_read_to(ends: dict[TopicPartition, int], next_offsets: dict[TopicPartition, int], consumer: Consumer,
+                 reading: set[TopicPartition] | None = None) -> set[TopicPartition]:
+    """The partitions of ``reading`` (default: all of ``ends``) not yet read to their end; the others
+    are paused, so the records logged there since the read began are not fetched for nothing."""
+    reading = set(ends) if reading is None else reading
+    done = {tp for tp in reading if next_offsets.get(tp, 0) >= ends[tp]}
+    if done:
+        consumer.pause(done)
+    return reading - done

@@ -23,8 +23,9 @@ until the other arrives:
 * grpo (``group_size > 1``): ready rollouts of one prompt are handed out in groups of
   ``group_size``; a group still incomplete ``reward.group_timeout_s`` after its oldest
   member became ready (a member's reward was dropped, say) is handed out as it is and
-  counted; the record time from a group's first member being ready to its handing out is
-  summed (``group_wait_s``).
+  counted, and so is the oldest incomplete group while more than ``max_pending`` members of
+  incomplete groups are held (with no timeout, too); the record time from a group's first
+  member being ready to its handing out is summed (``group_wait_s``).
 
 Clock: windows are measured on *record timestamps*, never on the wall clock.
 The joiner's clock (the watermark) is the largest timestamp of any record it was
@@ -51,8 +52,11 @@ Memory is bounded by ``max_pending`` per kind of held item (waiting
 interactions, held rewards, remembered finished ids); past it the oldest is
 given up and counted (for finished ids: the memory's floor rises). Ready
 interactions are not capped here: the learner reads no more records (its feed polls with its
-partitions paused) while enough are ready. The full state round-trips through :meth:`state_dict` /
-:meth:`load_state_dict` as JSON-serialisable data (:mod:`trainer.join_checkpoint`).
+partitions paused) while enough are ready that :meth:`pop_ready` could hand out. Members of
+incomplete grpo groups are not among those: past ``max_pending`` of them, the oldest incomplete
+group is handed out as it is (counted in ``incomplete_groups``). The full state round-trips
+through :meth:`state_dict` / :meth:`load_state_dict` as JSON-serialisable data
+(:mod:`trainer.join_checkpoint`).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import ABORTED, Interaction, Reward
-from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
+from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time, remembered_anchor
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
                                 combine_scores, complete_groups, prompt_group_key, reward_key,
@@ -108,7 +112,9 @@ class RewardJoiner(TrajectoryRules):
         (None: to ``ts``; readers hold it back while catching up: trainer/join_clock.py)."""
         self._tick(ts, clock)
         iid = interaction.interaction_id
-        anchor = anchor_time(interaction.created_at, ts)
+        # remembered under its creation time, refused by its arrival: every copy of a record stamped by a
+        # fast clock (read at most a minute ahead) is then remembered or refused (trainer/id_memory.py)
+        anchor = remembered_anchor(interaction.created_at, ts)
         self.counters.interactions += 1
         known = self.memory.get(iid)
         claim = self._claim_of(iid)
@@ -118,7 +124,7 @@ class RewardJoiner(TrajectoryRules):
         if known is not None or iid in self._claims:  # its turns are (or were) in a continuation
             self._arrived_superseded(iid, anchor)
             return
-        if self.memory.forgotten(anchor):
+        if self.memory.forgotten(anchor_time(interaction.created_at, ts)):
             self.counters.expired_interactions += 1
             log.info("interaction %s created before the id memory's floor: refused", iid)
             return
@@ -370,8 +376,35 @@ class RewardJoiner(TrajectoryRules):
         entry.ready_at = max(entry.ts, self.watermark if self.watermark is not None else entry.ts)
         self._ready[entry.iid] = entry
 
-    def _groups(self, ready: Iterable[Entry], group_size: int) -> list[list[Entry]]:
-        return complete_groups(ready, group_size, self.watermark, self.cfg.group_timeout_s)
+    def _groups(self, ready: list[Entry], group_size: int) -> list[list[Entry]]:
+        """The grpo units :meth:`pop_ready` hands out, in order of their oldest member: complete groups,
+        incomplete ones past ``reward.group_timeout_s``, and, while more than ``max_pending`` members of
+        incomplete groups are held, the oldest incomplete groups (:meth:`_overflowing_groups`)."""
+        groups = complete_groups(ready, group_size, self.watermark, self.cfg.group_timeout_s)
+        held = len(ready) - sum(len(group) for group in groups)
+        if held <= self.max_pending:
+            return groups
+        return self._overflowing_groups(ready, groups, held - self.max_pending)
+
+    def _overflowing_groups(self, ready: list[Entry], groups: list[list[Entry]], excess: int) -> list[list[Entry]]:
+        """``groups`` and, oldest first, incomplete groups of at least ``excess`` members in all, handed
+        out as they are (counted as incomplete, as a timeout would). The feed's backpressure counts only
+        what pop_ready could hand out: with unique prompts and no group timeout (or a long one) the
+        members of incomplete groups grew without bound, each readiness check scanning them all.
+        Pausing the feed instead would wait for good on groups that only more records complete."""
+        grouped = {entry.iid for group in groups for entry in group}
+        position = {entry.iid: at for at, entry in enumerate(ready)}
+        incomplete: dict[str, list[Entry]] = {}
+        for entry in ready:  # in ready order: each group's first member is its oldest
+            if entry.iid not in grouped:
+                incomplete.setdefault(prompt_group_key(entry.interaction), []).append(entry)
+        given_up = []
+        for group in incomplete.values():  # dicts keep insertion order: oldest first member first
+            if excess <= 0:
+                break
+            given_up.append(group)
+            excess -= len(group)
+        return sorted([*groups, *given_up], key=lambda group: position[group[0].iid])
 
     def _count_group(self, group: list[Entry], group_size: int) -> None:
         first = min(e.ready_at for e in group)

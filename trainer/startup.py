@@ -161,11 +161,13 @@ STARTING_VERSION = 0
 def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModels, version: int,
                        rank0: RankZero | None, ctx: DistContext) -> None:
     """Value pre-training on logged rollouts of the starting policy (every rank fits on
-    all of them, as trainer.pretrain requires)."""
+    all of them, as trainer.pretrain requires); rollouts the model cannot take (a token id past its
+    vocabulary) are left out, as the feed leaves them out: one crashed the fit at every restart."""
     logged = None
     if ctx.is_main:
-        logged = (rollouts_from_file(cfg.trainer.pretrain_file, cfg, version) if cfg.trainer.pretrain_file
-                  else rollouts_from_topics(backend, cfg, version))
+        vocab_size = models.vocab_size
+        logged = (rollouts_from_file(cfg.trainer.pretrain_file, cfg, version, vocab_size) if cfg.trainer.pretrain_file
+                  else rollouts_from_topics(backend, cfg, version, vocab_size))
     logged = broadcast_rollouts(logged, ctx)
     if not logged:
         if ctx.is_main:

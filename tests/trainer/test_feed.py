@@ -7,6 +7,7 @@ import dataclasses
 import math
 import threading
 import time
+import types
 
 import pytest
 
@@ -331,6 +332,37 @@ def test_a_record_stamped_far_ahead_does_not_move_the_joins_clock_past_this_host
     assert feed.joiner.watermark <= time.time() + 60.0
 
 
+def test_a_copy_of_a_fast_clocks_record_replayed_a_day_later_does_not_train_again(backend, monkeypatch):
+    """Serving's clock 600 s fast: the first copy of x was read 60 s ahead of the learner (capped) and x
+    remembered under that time; serving's spool replayed x a day and 200 s later, when the memory's
+    floor (a day behind the join's clock) had passed that time but not x's created_at, by which the
+    replay was judged: x trained twice."""
+    skew, start = 600.0, time.time()
+    learner_now = [start]
+    monkeypatch.setattr("trainer.feed.time", types.SimpleNamespace(time=lambda: learner_now[0],
+                                                                    monotonic=time.monotonic))
+    feed = _started_feed(backend)
+    topics = backend.cfg.topics
+    x, reward_x = make_interaction("x", created_at=start + skew), make_reward("x", 1.0)
+
+    def served(offset: int, at: float, interaction, reward) -> list:  # stamped by serving's clock
+        return [_message(topics.interactions, offset, interaction, at + skew),
+                _message(topics.rewards, offset, reward, at + skew)]
+
+    feed.consumer.close()
+    feed.consumer = ScriptedConsumer(served(0, start, x, reward_x))
+    feed.poll()
+    first = [j.interaction.interaction_id for j in feed.joiner.pop_ready(32, 10**9)]
+    learner_now[0] = later = start + feed.joiner.cfg.id_memory_s + 200.0
+    feed.consumer = ScriptedConsumer([*served(1, later, make_interaction("y", created_at=later + skew),
+                                              make_reward("y", 1.0)), *served(2, later, x, reward_x)])
+    feed.poll()
+    second = [j.interaction.interaction_id for j in feed.joiner.pop_ready(32, 10**9)]
+    assert first == ["x"] and second == ["y"]
+    assert feed.counters["records_ahead_of_clock"] == 6 and feed.counters["records_skipped"] == 0
+    assert feed.joiner.counters.duplicate_interactions + feed.joiner.counters.expired_interactions == 1
+
+
 def test_records_read_count_what_was_read_not_where_the_offsets_stand(backend):
     """The dead-letter monitor's denominator was the sum of the next offsets: a partition first read at
     offset 1000 (retention deleted the rest unread) added 1000 records that were never read."""
@@ -491,6 +523,70 @@ def test_under_backpressure_the_feed_polls_paused_and_its_consumer_stays_in_the_
     feed.close()
     again = backend.consumer([topics.interactions, topics.rewards], group_id=Config().trainer.consumer_group)
     assert {tp.topic: again.position(tp) for tp in again.assignment()} == {topics.interactions: 5, topics.rewards: 5}
+
+
+def _steps_on_a_thousand_rated_interactions(feed: Feed, backend: InMemoryBackend, world_size: int) -> int:
+    feed.start(backend)
+    topics, producer, now = backend.cfg.topics, backend.producer(), time.time()
+    for i in range(1000):
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=now))
+        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+    steps = 0
+    for _ in range(200):  # a learner's loop: poll, then a step if one can start
+        feed.poll()
+        steps += feed.take(world_size) is not None
+    return steps
+
+
+def test_backpressure_leaves_min_rollouts_above_four_steps_in_reach():
+    """min_rollouts 64 above READY_BACKLOG_STEPS x 8: the feed paused its partitions with 32 to 63 ready
+    and, with no max_wait_s and a token budget out of reach, no step ever started again; the records
+    it needed sat unread."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _feed_on(backend, min_rollouts=64, max_rollouts_per_step=8, max_wait_s=None, token_budget=10**6,
+                    poll_timeout_s=0.01)
+    steps = _steps_on_a_thousand_rated_interactions(feed, backend, world_size=1)
+    assert feed.unread() == {backend.cfg.topics.interactions: 0, backend.cfg.topics.rewards: 0}
+    assert feed.joiner.ready_rollouts() < 64 and steps == (1000 - feed.joiner.ready_rollouts()) // 8
+    feed.close()
+
+
+def test_backpressure_leaves_a_unit_for_each_rank_in_reach():
+    """Eight ranks, max_rollouts_per_step 1: the feed paused with four ready, and a step of eight ranks,
+    which needs a rollout for each, never started."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _feed_on(backend, min_rollouts=1, max_rollouts_per_step=1, max_wait_s=None, poll_timeout_s=0.01)
+    steps = _steps_on_a_thousand_rated_interactions(feed, backend, world_size=8)
+    assert feed.unread() == {backend.cfg.topics.interactions: 0, backend.cfg.topics.rewards: 0}
+    assert steps == 1000 // 8 and feed.joiner.ready_rollouts() == 0
+    feed.close()
+
+
+def test_grpo_without_a_group_timeout_holds_no_more_than_max_pending_of_incomplete_groups():
+    """Unique prompts, grpo groups of 4, no group timeout: every member sat in the join's ready buffer,
+    unseen by the backpressure (which counts what a step could take), and the buffer grew with every
+    record read (each readiness check scanning it all)."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    cfg = Config()
+    joiner = RewardJoiner(cfg.reward.model_copy(update={"group_timeout_s": None}), max_pending=50)
+    feed = Feed(cfg.trainer.model_copy(update={"poll_timeout_s": 0.01}), backend.cfg.topics, joiner,
+                backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=1000, group_size=4,
+                stop=threading.Event())
+    feed.start(backend)
+    topics, producer = backend.cfg.topics, backend.producer()
+    held, trained = [], 0
+    for batch in range(100):  # traffic: 10 rated answers to new prompts between two polls
+        for i in range(10 * batch, 10 * batch + 10):
+            publish(producer, topics.interactions,
+                    make_interaction(f"i{i}", prompt=(5, 6, 7 + i), created_at=time.time()))
+            publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+        feed.poll()
+        held.append(len(joiner._ready))
+        trained += len(feed.take(world_size=1) or [])
+    assert joiner.counters.joined == 1000 and trained == 1000 - 50
+    # max_pending members of incomplete groups, and the oldest of them handed out as they are
+    assert max(held) <= 50 + 10 and joiner.counters.incomplete_groups == 1000 - 50
+    feed.close()
 
 
 def test_a_commit_refused_after_a_long_step_rejoins_and_reads_on_from_the_feeds_own_offsets():

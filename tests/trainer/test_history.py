@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -44,6 +45,132 @@ def test_topic_history_reads_everything_retained_without_committing(tmp_path):
     assert sorted((r.interaction_id, r.total_reward) for r in rollouts) == [(f"i{i}", float(i)) for i in range(5)]
     dead = backend.consumer([topics.dead_letters]).poll(timeout_s=0.05)  # bad records are only skipped here
     assert dead == []
+
+
+class ServingLogsOn(InMemoryBackend):
+    """Serving keeps logging once the history read has asked where the topics end: an answer and its
+    rating every 20 ms, under ids ``live<k>``, until :attr:`stop` is set."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._traffic, daemon=True)
+
+    def consumer(self, *args, **kwargs):
+        consumer = super().consumer(*args, **kwargs)
+        ends = consumer.end_offsets
+
+        def end_offsets():
+            found = ends()
+            if not self.thread.is_alive():
+                self.thread.start()
+            return found
+
+        consumer.end_offsets = end_offsets
+        return consumer
+
+    def _traffic(self):
+        producer, topics, k = self.producer(), self.cfg.topics, 0
+        while not self.stop.is_set():
+            publish(producer, topics.interactions, make_interaction(f"live{k}", created_at=time.time()))
+            publish(producer, topics.rewards, make_reward(f"live{k}", 1.0))
+            k += 1
+            time.sleep(0.02)
+
+
+HISTORY_READ_TIMEOUT_S = 20.0
+"""Far above the read of ten records (well under a second); the read that waited for the topics to
+fall quiet never ended while serving logged."""
+
+
+def test_topic_history_ends_where_the_topics_ended_while_serving_logs_on(tmp_path):
+    """The read ended only after three empty 1 s polls in a row: with serving logging (a record at least
+    every few seconds) ``learn --pretrain-critic`` never got to its first step."""
+    cfg = _config(tmp_path, **{"kafka.partitions": 2})
+    backend = ServingLogsOn(cfg.kafka)
+    backend.ensure_topics()
+    producer, topics = backend.producer(), cfg.kafka.topics
+    for i in range(10):
+        publish(producer, topics.interactions, make_interaction(f"h{i}", created_at=time.time()))
+        publish(producer, topics.rewards, make_reward(f"h{i}", 1.0))
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(rollouts_from_topics(backend, cfg, version=0)),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=HISTORY_READ_TIMEOUT_S)
+    finished = not reader.is_alive()
+    backend.stop.set()
+    reader.join(timeout=10.0)
+    assert finished, "the history read went on while serving logged"
+    # what was logged after the read began is the learner's own to train on, not the history's
+    assert sorted(r.interaction_id for r in result[0]) == sorted(f"h{i}" for i in range(10))
+
+
+@pytest.mark.kafka
+def test_topic_history_ends_while_serving_logs_on_on_the_broker(tmp_path, kafka_config):
+    """The same on the broker, serving's answers there sampled by a later version (left out whether the
+    read takes them or not: what counts here is that it ends)."""
+    cfg = _config(tmp_path).model_copy(update={"kafka": kafka_config})
+    backend, topics = KafkaBackend(kafka_config), kafka_config.topics
+    producer = backend.producer()
+    for i in range(10):
+        publish(producer, topics.interactions, make_interaction(f"h{i}", created_at=time.time()))
+        publish(producer, topics.rewards, make_reward(f"h{i}", 1.0))
+    producer.flush()
+    stop = threading.Event()
+
+    def traffic():
+        k = 0
+        while not stop.is_set():
+            publish(producer, topics.interactions, make_interaction(f"live{k}", version=1, created_at=time.time()))
+            publish(producer, topics.rewards, make_reward(f"live{k}", 1.0))
+            producer.flush()
+            k += 1
+            time.sleep(0.05)
+
+    serving = threading.Thread(target=traffic, daemon=True)
+    serving.start()
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(rollouts_from_topics(backend, cfg, version=0)),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=HISTORY_READ_TIMEOUT_S)
+    finished = not reader.is_alive()
+    stop.set()
+    serving.join(timeout=10.0)
+    reader.join(timeout=10.0)
+    producer.close()
+    assert finished, "the history read went on while serving logged"
+    assert sorted(r.interaction_id for r in result[0]) == sorted(f"h{i}" for i in range(10))
+
+
+VOCAB = 64
+"""A small model's vocabulary."""
+
+
+def test_history_leaves_out_rollouts_past_the_models_vocabulary(tmp_path, caplog):
+    """One logged answer with a token id past the vocabulary (a history logged under another model):
+    the feed leaves it out, the history handed it to the critic's fit, whose embedding crashed, and the
+    learner crashed again at every restart."""
+    records = []
+    for i in range(4):
+        response = (8, 9, VOCAB + 100) if i == 0 else (8, 9, 10)
+        records += [make_interaction(f"i{i}", response=response, created_at=float(i)), make_reward(f"i{i}", 1.0)]
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
+    cfg = _config(tmp_path, **{"kafka.partitions": 2})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for record in records:
+        publish(producer, cfg.kafka.topics.interactions if record.kind == "interaction" else cfg.kafka.topics.rewards,
+                record)
+    with caplog.at_level("WARNING", logger="trainer.history"):
+        from_file = rollouts_from_file(path, cfg, version=0, vocab_size=VOCAB)
+        from_topics = rollouts_from_topics(backend, cfg, version=0, vocab_size=VOCAB)
+    for rollouts in (from_file, from_topics):
+        assert sorted(r.interaction_id for r in rollouts) == ["i1", "i2", "i3"]
+    assert caplog.text.count("1 rollouts of version 0 left out") == 2
 
 
 def test_file_history_measures_the_reward_window_in_record_time_not_lines(tmp_path):

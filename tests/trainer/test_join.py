@@ -187,6 +187,26 @@ def test_without_a_group_timeout_an_incomplete_group_waits_forever():
     assert j.ready_stats(group_size=2) == (0, 0) and j.counters.incomplete_groups == 0
 
 
+def test_past_max_pending_members_of_incomplete_groups_the_oldest_group_is_handed_out():
+    """No group timeout, prompts that rarely repeat: members of incomplete groups were never handed out,
+    and the feed's backpressure, which counts what pop_ready could hand out, never saw them: held
+    without bound, each readiness check scanning them all."""
+    j = joiner(group_timeout_s=None, max_pending=20)
+    _ready(j, "a1", (1,), 0.0)
+    for i in range(10):
+        _ready(j, f"u{i}", (100 + i,), 1.0 + i)
+    _ready(j, "a2", (1,), 11.0)
+    for i in range(10, 20):
+        _ready(j, f"u{i}", (100 + i,), 2.0 + i)
+    assert j.ready_counts(group_size=4) == (1, 2, 6)  # 22 held: a's group, the oldest, goes as it is
+    taken = take_all(j, group_size=4)
+    assert [(x.interaction.interaction_id, x.group_id) for x in taken] == [("a1", 0), ("a2", 0)]
+    assert (j.counters.complete_groups, j.counters.incomplete_groups) == (0, 1)
+    assert j.ready_counts(group_size=4) == (0, 0, 0)
+    _ready(j, "u20", (120,), 30.0)  # 21 held: u0, the oldest, goes alone
+    assert [x.interaction.interaction_id for x in take_all(j, group_size=4)] == ["u0"]
+
+
 def test_group_wait_state_survives_a_checkpoint():
     j = joiner(group_timeout_s=5.0)
     j.add_interaction(make_interaction("b1", prompt=(2,)), ts=0.0)

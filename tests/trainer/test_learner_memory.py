@@ -123,6 +123,25 @@ def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path
     assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
 
 
+def test_pretrain_critic_leaves_out_a_logged_rollout_past_the_models_vocabulary(tmp_path, tiny_model_dir):
+    """One retained answer with a token id past the model's vocabulary (logged under another model):
+    the feed leaves such a rollout out, value pre-training fed it to the critic, whose embedding
+    raised, and the learner crashed again at every restart (no checkpoint yet: step 0 again)."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 10, "trainer.max_rollouts_per_step": 10})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    traffic = sample_traffic(load_policy(tiny_model_dir), 11, prefix="p")
+    vocab_size = load_policy(tiny_model_dir).get_input_embeddings().num_embeddings
+    traffic[0] = traffic[0].model_copy(update={"response_ids": [*traffic[0].response_ids[:-1], vocab_size + 7]})
+    produce(backend.producer(), cfg.kafka.topics, traffic)
+
+    result = train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
+
+    run = MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(result.run_id)
+    assert run.data.metrics["pretrain_train_rollouts"] + run.data.metrics["pretrain_held_out_rollouts"] == 10
+    assert result.steps == 1
+
+
 def _registry_rounds(tmp_path, model_dir, **overrides):
     """One partition, one version per step, the length monitor at 9: four rounds of 4 rewarded
     rollouts on the broker, round k stamped as sampled by version k, round 2's answers twice as long.

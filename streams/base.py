@@ -50,6 +50,12 @@ class GroupMembershipLost(RuntimeError):
     offset (see :meth:`Consumer.commit`). The message says the cause."""
 
 
+class ConsumerFenced(RuntimeError):
+    """A newer consumer joined the group with this static member's instance id and took its place
+    (Kafka's FencedInstanceIdError): this one can no longer read or commit, for good. Not an outage
+    and not retried: two live consumers of one group must not share an instance id."""
+
+
 class TopicsMisconfigured(RuntimeError):
     """The topics cannot be created or used as configured (a replication factor above the cluster's
     broker count, interactions and rewards topics of unequal partition counts): a setting to change,
@@ -98,7 +104,9 @@ class Consumer(ABC):
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
         """The records after each assigned, not paused, partition's position (up to
         ``max_records``), waiting up to ``timeout_s`` for one. A group member also keeps its
-        membership here, and rejoins its group here after being dropped."""
+        membership here, and rejoins its group here after being dropped. Raises
+        :class:`ConsumerFenced` once a newer consumer took this static member's place (see
+        :meth:`StreamBackend.consumer`)."""
 
     @abstractmethod
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
@@ -108,7 +116,11 @@ class Consumer(ABC):
         nothing was committed. The next :meth:`poll` rejoins, and on rejoining every partition the
         member gets is put at the group's committed offset, which may be behind what it had read:
         a reader that keeps its own positions seeks back to them after that poll, then commits
-        again."""
+        again. Raises :class:`ConsumerFenced` once a newer consumer took this static member's place
+        (the offsets are the new member's now), and ValueError, committing nothing, for a partition
+        its topic does not have (a checkpoint's offsets of a topic made again with fewer partitions:
+        Kafka refuses them, and kafka-python retried that until it timed out, as if the broker were
+        down)."""
 
     @abstractmethod
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -180,7 +192,9 @@ class StreamBackend(ABC):
         ``instance_id`` (groups only) makes it a static member of its group: a consumer started
         with the id of one that died without closing takes its place and partitions at once,
         instead of after the dead member's session expired; two live consumers of one group
-        must not share an id (the newer one replaces the older). Closing it leaves the group."""
+        must not share an id (the newer one replaces the older, whose :meth:`Consumer.poll` and
+        :meth:`Consumer.commit` then raise :class:`ConsumerFenced`). Closing it leaves the group
+        (closing the replaced one leaves the newer one in it)."""
 
     @abstractmethod
     def ensure_topics(self) -> None:

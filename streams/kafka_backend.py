@@ -27,8 +27,9 @@ from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
-from streams.base import (Consumer, DeliveryReport, GroupMembershipLost, Producer, StartFrom, StreamBackend,
-                          TopicNotFound, StreamMessage, StreamUnavailable, TopicPartition, TopicsMisconfigured)
+from streams.base import (Consumer, ConsumerFenced, DeliveryReport, GroupMembershipLost, Producer, StartFrom,
+                          StreamBackend, TopicNotFound, StreamMessage, StreamUnavailable, TopicPartition,
+                          TopicsMisconfigured)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ MEMBERSHIP_ERRORS = (kerr.CommitFailedError, kerr.RebalanceInProgressError, kerr
 """kafka-python errors of a commit the group refused because this member is not in it (now): it rejoins
 at its next poll (kafka-python turns the last two into CommitFailedError; all four are named to be sure)."""
 
+GONE_ALREADY = (kerr.UnknownMemberIdError, kerr.FencedInstanceIdError)
+"""Answers to removing a static member that is not in its group (any more), or whose instance id a newer
+consumer holds now: nothing to remove."""
+
 UNAVAILABLE_ERRORS = (kerr.KafkaTimeoutError, kerr.KafkaConnectionError, kerr.NodeNotReadyError,
                       kerr.RequestTimedOutError, kerr.BrokerNotAvailableError, kerr.MetadataEmptyBrokerList)
 """kafka-python errors that mean "the cluster cannot be reached now" rather than "this
@@ -69,6 +74,22 @@ def _mapped(action: str, bootstrap: str) -> Iterator[None]:
         if _unavailable(exc):
             raise StreamUnavailable(f"{action}: Kafka at {bootstrap} not reachable: {exc}") from exc
         raise
+
+
+def _fenced_by_a_newer_member(consumer: KafkaConsumer) -> bool:
+    """Whether a newer consumer with this static member's instance id took its place in the group.
+
+    kafka-python 3.0 says it nowhere public: its heartbeat thread, answered FENCED_INSTANCE_ID, only stops
+    heartbeating (the Java client fails the next poll), and the member goes on fetching its old partitions
+    (group_metadata() still says stable). Fenced is the one state in which the coordinator is stable, needs
+    no rejoin and does not heartbeat: a rejoin stops the heartbeat with a rejoin pending, and losing or
+    leaving the group leaves the stable state. Private state, then; tests/streams/test_static_membership.py
+    checks it on a real broker, so a kafka-python release that changes it fails there."""
+    coordinator = consumer._coordinator
+    if coordinator.group_instance_id is None:
+        return False
+    with coordinator._lock:
+        return coordinator.stable() and not coordinator.need_rejoin() and not coordinator._heartbeat_enabled
 
 
 NETWORK_CLIENT = KafkaConsumer.DEFAULT_CONFIG["kafka_client"]
@@ -161,18 +182,24 @@ class KafkaBackend(StreamBackend):
                     c.seek_to_end(*tps)
                 for tp in tps:  # resolve the lazy seek now, so "latest" means "at creation"
                     c.position(tp)
-        leave = (lambda: self.remove_static_member(group_id, instance_id)) if instance_id is not None else None
+        leave = ((lambda member_id: self.remove_static_member(group_id, instance_id, member_id))
+                 if instance_id is not None else None)
         return KafkaStreamConsumer(c, group_id, self.cfg.bootstrap, leave_group=leave,
                                    client_timeout_s=self.cfg.client_timeout_s)
 
-    def remove_static_member(self, group_id: str, instance_id: str) -> None:
+    def remove_static_member(self, group_id: str, instance_id: str, member_id: str | None = None) -> None:
         """Take the static member ``instance_id`` out of ``group_id`` now (a static member does not
-        leave on close by itself: the group would keep its partitions until its session expired)."""
+        leave on close by itself: the group would keep its partitions until its session expired).
+
+        ``member_id``: the id the group gave the consumer leaving. The broker then removes the member
+        only while it is still the one holding ``instance_id``: a consumer replaced by a newer one
+        with its instance id took the newer one out of the group when it closed (by instance id alone,
+        which None or "", a consumer that never joined, still means)."""
+        member = MemberToRemove(member_id=member_id or None, group_instance_id=instance_id, reason="consumer closed")
         with self.admin() as admin:
-            outcome = admin.remove_group_members(group_id, [MemberToRemove(group_instance_id=instance_id,
-                                                                           reason="consumer closed")])
+            outcome = admin.remove_group_members(group_id, [member])
         for error in outcome.values():
-            if error is not kerr.NoError and error is not kerr.UnknownMemberIdError:  # unknown: gone already
+            if error not in (kerr.NoError, *GONE_ALREADY):
                 raise error(f"removing static member {instance_id!r} from group {group_id!r}")
 
     @contextmanager
@@ -309,15 +336,22 @@ class KafkaStreamProducer(Producer):
 
 class KafkaStreamConsumer(Consumer):
     def __init__(self, consumer: KafkaConsumer, group_id: str | None, bootstrap: str,
-                 leave_group: Callable[[], None] | None = None, client_timeout_s: float = 30.0) -> None:
-        """``leave_group``: how a static member leaves its group on close; ``client_timeout_s``: how long a
-        call that asks the broker (:meth:`position`) may wait for it."""
+                 leave_group: Callable[[str], None] | None = None, client_timeout_s: float = 30.0) -> None:
+        """``leave_group``: how a static member leaves its group on close (given the member id the group
+        gave it); ``client_timeout_s``: how long a call that asks the broker (:meth:`position`, the offset
+        look-ups) may wait for it."""
         self._client_timeout_s = client_timeout_s
         self._leave_group = leave_group
         self._consumer = consumer
         self._group_id = group_id
         self._bootstrap = bootstrap
         self._closed = False
+        self._fenced = False
+        """A newer consumer took this static member's place (seen once, for good)."""
+
+    @property
+    def _timeout_ms(self) -> int:
+        return int(self._client_timeout_s * 1000)
 
     def _check_open(self) -> None:
         """As the in-memory backend: kafka-python answered a closed consumer with IllegalStateError,
@@ -325,9 +359,34 @@ class KafkaStreamConsumer(Consumer):
         if self._closed:
             raise RuntimeError("consumer is closed")
 
+    def _is_fenced(self) -> bool:
+        self._fenced = self._fenced or _fenced_by_a_newer_member(self._consumer)
+        return self._fenced
+
+    def _fenced_error(self) -> ConsumerFenced:
+        instance_id = self._consumer.group_metadata().group_instance_id
+        return ConsumerFenced(f"consumer fenced: another consumer joined group {self._group_id!r} with instance id "
+                              f"{instance_id!r}")
+
+    def _check_not_fenced(self) -> None:
+        """As the in-memory backend: kafka-python's fenced member went on polling its old partitions, and
+        its commit raised FencedInstanceIdError."""
+        if self._is_fenced():
+            raise self._fenced_error()
+
+    @contextmanager
+    def _fencing(self) -> Iterator[None]:
+        """FencedInstanceIdError from kafka-python (a commit, or a rejoin of the fenced member) as ConsumerFenced."""
+        try:
+            yield
+        except kerr.FencedInstanceIdError as exc:
+            self._fenced = True
+            raise self._fenced_error() from exc
+
     def _assigned(self, tps: set[TopicPartition]) -> list[KafkaTP]:
         self._check_open()
-        wanted, assigned = [KafkaTP(tp.topic, tp.partition) for tp in tps], self._consumer.assignment()
+        wanted = [KafkaTP(tp.topic, tp.partition) for tp in tps]
+        assigned = set() if self._is_fenced() else self._consumer.assignment()
         missing = sorted(tp for tp in tps if KafkaTP(tp.topic, tp.partition) not in assigned)
         if missing:
             raise ValueError(f"not assigned to this consumer: {missing}")
@@ -335,8 +394,10 @@ class KafkaStreamConsumer(Consumer):
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[StreamMessage]:
         self._check_open()
-        with _mapped("polling", self._bootstrap):
+        self._check_not_fenced()
+        with self._fencing(), _mapped("polling", self._bootstrap):
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        self._check_not_fenced()  # fenced while it polled: what it fetched is the new member's to read
         return [StreamMessage(topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
                               value=r.value, timestamp_ms=r.timestamp)
                 for records in batches.values() for r in records]
@@ -345,8 +406,10 @@ class KafkaStreamConsumer(Consumer):
         if self._group_id is None:
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
         self._check_open()
+        self._check_not_fenced()
+        self._check_partitions_exist(set(offsets))
         try:
-            with _mapped("committing offsets", self._bootstrap):
+            with self._fencing(), _mapped("committing offsets", self._bootstrap):
                 self._consumer.commit({KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(offset, "", -1)
                                        for tp, offset in offsets.items()})
         except MEMBERSHIP_ERRORS as exc:
@@ -354,6 +417,18 @@ class KafkaStreamConsumer(Consumer):
                 f"group {self._group_id!r} refused the commit: this consumer is not in it now (it did not poll "
                 f"for {MAX_POLL_INTERVAL_MS / 1000:.0f} s, max.poll.interval.ms, or the group is rebalancing); "
                 f"its next poll rejoins. {type(exc).__name__}: {exc}") from exc
+
+    def _check_partitions_exist(self, tps: set[TopicPartition]) -> None:
+        """ValueError for a partition its topic does not have: Kafka refuses its commit with
+        UNKNOWN_TOPIC_OR_PARTITION, which kafka-python retries until its request timeout (30 s) and then
+        reports as a timeout, as if the broker were down; the learner's feed waited that out for ever.
+        The partitions of a topic the consumer reads come from the metadata it holds, without a request
+        (another topic costs one metadata request)."""
+        with _mapped("looking up the topics' partitions", self._bootstrap):
+            partitions = {topic: self._consumer.partitions_for_topic(topic) for topic in {tp.topic for tp in tps}}
+        missing = sorted(tp for tp in tps if tp.partition not in partitions[tp.topic])
+        if missing:
+            raise ValueError(f"cannot commit offsets of partitions that do not exist: {missing}")
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._check_open()
@@ -366,7 +441,7 @@ class KafkaStreamConsumer(Consumer):
         self._consumer.resume(*self._assigned(tps))
 
     def assignment(self) -> set[TopicPartition]:
-        if self._closed:
+        if self._closed or self._is_fenced():  # a fenced member's partitions are the new member's
             return set()
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
@@ -375,7 +450,7 @@ class KafkaStreamConsumer(Consumer):
         with _mapped("looking up the consumer's position", self._bootstrap):
             # asks the group's coordinator for a committed offset, else resets by auto_offset_reset; bounded:
             # without a timeout it waited for a broker gone away for as long as it stayed away
-            position = self._consumer.position(assigned, timeout_ms=int(self._client_timeout_s * 1000))
+            position = self._consumer.position(assigned, timeout_ms=self._timeout_ms)
         if position is None:
             raise StreamUnavailable(f"the position of {tp.topic}[{tp.partition}] is not known within "
                                     f"{self._client_timeout_s:.0f} s (broker {self._bootstrap})")
@@ -384,19 +459,20 @@ class KafkaStreamConsumer(Consumer):
     def offsets_for_time(self, time_ms: int) -> dict[TopicPartition, int | None]:
         self._check_open()
         with _mapped("looking up offsets by time", self._bootstrap):
-            found = self._consumer.offsets_for_times({tp: time_ms for tp in self._consumer.assignment()})
+            found = self._consumer.offsets_for_times({tp: time_ms for tp in self._consumer.assignment()},
+                                                     timeout_ms=self._timeout_ms)
         return {TopicPartition(tp.topic, tp.partition): None if at is None else at.offset for tp, at in found.items()}
 
     def end_offsets(self) -> dict[TopicPartition, int]:
         self._check_open()
         with _mapped("looking up end offsets", self._bootstrap):
-            ends = self._consumer.end_offsets(list(self._consumer.assignment()))
+            ends = self._consumer.end_offsets(list(self._consumer.assignment()), timeout_ms=self._timeout_ms)
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in ends.items()}
 
     def beginning_offsets(self) -> dict[TopicPartition, int]:
         self._check_open()
         with _mapped("looking up beginning offsets", self._bootstrap):
-            starts = self._consumer.beginning_offsets(list(self._consumer.assignment()))
+            starts = self._consumer.beginning_offsets(list(self._consumer.assignment()), timeout_ms=self._timeout_ms)
         return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in starts.items()}
 
     def highwater(self) -> dict[TopicPartition, int | None]:
@@ -409,10 +485,11 @@ class KafkaStreamConsumer(Consumer):
         if self._closed:
             return
         self._closed = True
+        member_id = self._consumer.group_metadata().member_id  # read before the close forgets it ("")
         self._consumer.close(autocommit=False)
         if self._leave_group is not None:
             try:
-                self._leave_group()
+                self._leave_group(member_id)
             except (kerr.KafkaError, StreamUnavailable) as exc:  # closed anyway; only the hand-over waits
                 log.warning("static member of group %s did not leave it (%s): its partitions wait for its "
                             "session to expire, or for a consumer with its instance id", self._group_id, exc)

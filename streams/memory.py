@@ -10,7 +10,8 @@ Same behaviour as :mod:`streams.kafka_backend` where tests can observe it:
   members of its group and starts each partition at the group's committed offset
   (else at ``start``); without a group it is assigned every partition;
 * a consumer with an ``instance_id`` (a static member) replaces the member of its group
-  with the same id, which can no longer poll (Kafka fences it);
+  with the same id, whose poll and commit then raise ConsumerFenced (Kafka fences it);
+* committing an offset of a partition that does not exist raises ValueError;
 * ``start="latest"`` means the end of each partition when the consumer gets it;
 * sending to a topic that does not exist raises StreamUnavailable (Kafka, with topic
   auto-creation off, times out waiting for its metadata);
@@ -37,8 +38,8 @@ import time
 from dataclasses import dataclass, field
 
 from online_sao.config import KafkaConfig
-from streams.base import (Consumer, DeliveryReport, GroupMembershipLost, Producer, StartFrom, StreamBackend,
-                          StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition)
+from streams.base import (Consumer, ConsumerFenced, DeliveryReport, GroupMembershipLost, Producer, StartFrom,
+                          StreamBackend, StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition)
 from streams.memory_log import PartitionLog, partition_for_key
 
 KEEP_UNREAD = 16
@@ -183,6 +184,9 @@ class InMemoryBackend(StreamBackend):
         except (KeyError, IndexError):
             raise ValueError(f"{tp} does not exist") from None
 
+    def _exists(self, tp: TopicPartition) -> bool:
+        return 0 <= tp.partition < len(self._logs.get(tp.topic, []))
+
     def _all_partitions(self, topics: list[str]) -> list[TopicPartition]:
         return [TopicPartition(t, p) for t in topics if t in self._logs for p in range(len(self._logs[t]))]
 
@@ -283,6 +287,11 @@ class InMemoryConsumer(Consumer):
         if self._closed:
             raise RuntimeError("consumer is closed")
 
+    def _check_not_fenced(self) -> None:
+        if self._fenced:
+            raise ConsumerFenced(f"consumer fenced: another consumer joined group {self.group_id!r} with instance id "
+                                 f"{self.instance_id!r}")
+
     def _rebalance(self) -> None:
         self._check_open()
         if self._fenced:
@@ -317,8 +326,7 @@ class InMemoryConsumer(Consumer):
         with lock:
             if self._lapsed():
                 self._rejoin()
-            if self._fenced:
-                raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
+            self._check_not_fenced()
             self._polling = True
             try:
                 return self._read(deadline, max_records)
@@ -357,9 +365,11 @@ class InMemoryConsumer(Consumer):
         if self.group_id is None:
             raise ValueError("commit needs a consumer group (this consumer has no group_id)")
         self._check_open()
-        if self._fenced:  # Kafka refuses it too (FencedInstanceIdError): the new member owns the offsets now
-            raise RuntimeError(f"consumer fenced: another consumer joined with instance id {self.instance_id!r}")
+        self._check_not_fenced()  # Kafka refuses it too (FencedInstanceIdError): the new member owns the offsets now
         with self._backend._lock:
+            missing = sorted(tp for tp in offsets if not self._backend._exists(tp))
+            if missing:  # as Kafka refuses them (UNKNOWN_TOPIC_OR_PARTITION)
+                raise ValueError(f"cannot commit offsets of partitions that do not exist: {missing}")
             if self._lapsed():
                 raise GroupMembershipLost(f"group {self.group_id!r} refused the commit: this consumer did not poll "
                                           f"for {self._backend.max_poll_interval_s} s and was dropped from it; "

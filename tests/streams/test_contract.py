@@ -356,6 +356,53 @@ def test_a_position_the_broker_cannot_give_is_unavailable_within_the_client_time
     client.close()
 
 
+OFFSET_LOOKUP_MAX_S = 10.0
+"""Bound on an offset look-up with client_timeout_s 1 s against no broker (kafka-python's default 30 s
+before; room for a loaded box)."""
+
+
+@pytest.mark.parametrize("lookup", ["end_offsets", "beginning_offsets", "offsets_for_time"])
+def test_an_offset_lookup_the_broker_cannot_answer_is_unavailable_within_the_client_timeout(free_port, lookup):
+    """They waited kafka-python's request timeout (30 s) whatever client_timeout_s said: the learner's feed,
+    which reads the ends at its start, sat there 30 s a call while the broker was down."""
+    from kafka import KafkaConsumer
+    from kafka import TopicPartition as KafkaTP
+
+    from streams.base import StreamUnavailable
+    from streams.kafka_backend import KafkaStreamConsumer
+
+    address = f"127.0.0.1:{free_port}"  # nothing listens there
+    client = KafkaConsumer(bootstrap_servers=address, enable_auto_commit=False,
+                           api_version=(2, 5, 0))  # no version probe at construction; request timeout 30 s
+    client.assign([KafkaTP("t", 0)])
+    consumer = KafkaStreamConsumer(client, None, address, client_timeout_s=1.0)
+    calls = {"end_offsets": consumer.end_offsets, "beginning_offsets": consumer.beginning_offsets,
+             "offsets_for_time": lambda: consumer.offsets_for_time(0)}
+    started = time.monotonic()
+    with pytest.raises(StreamUnavailable, match="not reachable"):
+        calls[lookup]()
+    assert time.monotonic() - started < OFFSET_LOOKUP_MAX_S
+    client.close()
+
+
+def test_a_commit_of_a_partition_that_does_not_exist_is_refused_at_once(backend):
+    """A checkpoint's offsets of a topic made again with fewer partitions: Kafka's UNKNOWN_TOPIC_OR_PARTITION
+    was retried for 30 s and raised as an unreachable broker, which the learner's feed waits out for ever;
+    the in-memory backend took the commit."""
+    t = _topics(backend)
+    consumer = backend.consumer([t.rewards], group_id="g-no-such-partition")
+    held = _assigned(consumer)
+    gone = TopicPartition(t.rewards, TEST_PARTITIONS)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"do not exist.*partition={TEST_PARTITIONS}"):
+        consumer.commit({**{tp: 0 for tp in held}, gone: 5})
+    with pytest.raises(ValueError, match="no-such-topic"):
+        consumer.commit({TopicPartition("no-such-topic", 0): 1})
+    assert time.monotonic() - started < OFFSET_LOOKUP_MAX_S
+    consumer.commit({tp: 0 for tp in held})  # the partitions it has are committed as before
+    consumer.close()
+
+
 def _one_partition_with(backend: StreamBackend, count: int) -> str:
     """The rewards topic with ``count`` records, all on one partition (one key); returns the topic."""
     topic = _topics(backend).rewards

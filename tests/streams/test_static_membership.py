@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from online_sao.config import KafkaConfig
-from streams.base import TopicPartition
+from streams.base import ConsumerFenced, StreamBackend, TopicPartition
 from streams.kafka_backend import KafkaBackend
 from streams.memory import InMemoryBackend
 from tests.fixtures.kafka import TEST_PARTITIONS
@@ -28,6 +28,18 @@ HANDOVER_MAX_S = 10.0
 rebalance on a loaded 2-core box; a session expiry takes 45 s)."""
 ASSIGNMENT_WAIT_S = 60.0
 """How long the consumer in the child process may take to join before the test gives up."""
+FENCE_NOTICE_S = 30.0
+"""How long a replaced Kafka member may take to learn it was fenced: its next heartbeat (every 3 s),
+with room for a loaded 2-core box; unbounded before (it went on reading its partitions)."""
+
+
+@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
+def backend(request) -> StreamBackend:
+    if request.param == "memory":
+        backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
+        backend.ensure_topics()
+        return backend
+    return KafkaBackend(request.getfixturevalue("kafka_config"))
 
 _MEMBER = """
 import sys, time
@@ -115,3 +127,47 @@ def test_in_memory_a_consumer_with_the_same_instance_id_takes_the_place_of_the_o
         dead.commit({next(iter(held)): 7})
     with pytest.raises(ValueError, match="group"):
         backend.consumer([rewards], instance_id="learner")
+
+
+def _replaced(backend: StreamBackend) -> tuple:
+    """A static member that held partitions, and the newer consumer with its instance id that took them."""
+    rewards, group = backend.cfg.topics.rewards, f"g-fenced-{uuid.uuid4().hex[:8]}"
+    old = backend.consumer([rewards], group_id=group, instance_id="learner")
+    _wait_assigned(old, ASSIGNMENT_WAIT_S)
+    new = backend.consumer([rewards], group_id=group, instance_id="learner")
+    _wait_assigned(new, ASSIGNMENT_WAIT_S)
+    return old, new
+
+
+def test_a_static_member_replaced_by_a_newer_one_can_neither_poll_nor_commit(backend):
+    """The learner's config says a second learner with the same instance id replaces the first: on Kafka
+    the first went on polling and reading its old partitions (kafka-python only stops its heartbeat), and
+    its commit raised kafka-python's FencedInstanceIdError; the in-memory one raised at once."""
+    old, new = _replaced(backend)
+    deadline = time.monotonic() + FENCE_NOTICE_S
+    with pytest.raises(ConsumerFenced, match="consumer fenced"):
+        while time.monotonic() < deadline:
+            old.poll(timeout_s=0.3)
+            new.poll(timeout_s=0.3)  # the new member polls on, as a learner does
+    assert isinstance(ConsumerFenced("x"), RuntimeError)  # what the in-memory backend always raised
+    assert old.assignment() == set()
+    tp = next(iter(new.assignment()))
+    with pytest.raises(ConsumerFenced, match="consumer fenced"):
+        old.commit({tp: 1})
+    with pytest.raises(ConsumerFenced):
+        old.poll(timeout_s=0.1)  # for good
+    new.commit({tp: 1})
+    new.close()
+    old.close()
+
+
+def test_closing_a_replaced_static_member_leaves_the_newer_one_in_its_group(backend):
+    """Closing removed the static member by instance id alone, so the old learner's close took its
+    replacement out of the group: the replacement's next commit was refused (GroupMembershipLost)."""
+    old, new = _replaced(backend)
+    held = new.assignment()
+    old.close()
+    tp = next(iter(held))
+    new.commit({tp: 1})
+    assert new.poll(timeout_s=0.5) == [] and new.assignment() == held
+    new.close()

@@ -90,8 +90,18 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> CompletionLo
         offsets.append(offset)
         offset += len(token.token)
     return CompletionLogprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
-                              top_logprobs=[{a.token: a.logprob for a in t.top_logprobs} for t in tokens],
+                              top_logprobs=[_by_text(t.top_logprobs) for t in tokens],
                               text_offset=offsets)
+
+
+def _by_text(alternatives: list) -> dict[str, float]:
+    """The completions shape of a token's alternatives, text -> log-prob, most likely first. Byte-level
+    tokens holding part of one character all read "\ufffd": the first (likeliest) of a text is kept, so
+    the map does not give the sampled token another log-prob than ``token_logprobs`` does."""
+    by_text: dict[str, float] = {}
+    for alternative in alternatives:
+        by_text.setdefault(alternative.token, alternative.logprob)
+    return by_text
 
 
 class FunctionCall(BaseModel):

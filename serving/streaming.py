@@ -41,9 +41,15 @@ class Streamed:
     events: AsyncIterator[str]
 
 
+LINE_BREAKS_ESCAPED = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+"""Characters that readers splitting on every Unicode line break (httpx's ``iter_lines``, many hand-written
+SSE readers) take for a line's end: written raw, an answer holding one cut its event's JSON in two.
+Escaped, the JSON is the same."""
+
+
 def sse(payload: object) -> str:
     data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(LINE_BREAKS_ESCAPED)}\n\n"
 
 
 def stream_error(exc: Exception) -> dict:

@@ -39,3 +39,15 @@ def test_a_special_token_is_its_own_text():
     tokenizer = byte_fallback_tokenizer()
     entry = TokenTexts(tokenizer).sampled(tokenizer.eos_token_id, -1.0, ())
     assert (entry.token, entry.bytes) == ("</s>", list(b"</s>"))
+
+
+def test_completions_alternatives_of_one_text_keep_the_likeliest():
+    """Byte-level tokens holding part of one character all read "\ufffd": the map keeps the first (likeliest)
+    of a text, so it gives the sampled token the log-prob token_logprobs gives it."""
+    from serving.answers import TokenLogprob, TopLogprob, completion_logprobs
+
+    alternatives = [TopLogprob(token="\ufffd", logprob=-0.5), TopLogprob(token="\ufffd", logprob=-2.0),
+                    TopLogprob(token="a", logprob=-3.0)]
+    shaped = completion_logprobs([TokenLogprob(token="\ufffd", logprob=-0.5, top_logprobs=alternatives)], 0)
+    assert shaped.token_logprobs == [-0.5]
+    assert shaped.top_logprobs == [{"\ufffd": -0.5, "a": -3.0}]

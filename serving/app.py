@@ -10,8 +10,9 @@ Completion responses carry ``X-Interaction-Id``; a response (or
 feedback 200) is sent only once its record is durable (see
 :mod:`serving.interaction_log`). The app's lifespan
 starts and stops the engine, the interaction logger (a clean shutdown flushes
-it) and the weights follower; the server tells ``app.state.inflight`` when it
-begins to shut down (:class:`serving.server.DrainingServer`).
+it) and the weights follower, and keeps ``/readyz`` at 503 ``catching_up_weights`` until the
+follower has caught up with the weights topic or ``serving.weights_catch_up_s`` passed; the server
+tells ``app.state.inflight`` when it begins to shut down (:class:`serving.server.DrainingServer`).
 
 Where things are: the routes in :mod:`serving.routes` (one router per concern),
 middleware and error handlers in :mod:`serving.middleware`, what a request does
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -51,27 +53,72 @@ _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/feedback", 
 """Paths counted by name in the request metrics (any other path counts as ``other``)."""
 
 
+CATCH_UP_CHECK_S = 0.05
+"""How often the app looks whether the weights follower caught up: readiness lags it by this much."""
+
+
 class Follower(Protocol):
-    """What the app needs of the weights follower: to start and stop it with the server."""
+    """What the app needs of the weights follower: to start and stop it with the server, and whether
+    it has caught up with the weights topic (:class:`serving.weights_follower.WeightsFollower`)."""
+
+    catch_up_state: str
+    """What it waits for while not caught up (the readiness probe's reason)."""
+
+    @property
+    def caught_up(self) -> bool: ...
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
 
+async def _caught_up_within(follower: Follower, limit_s: float | None) -> bool:
+    """Wait until ``follower`` caught up (True) or ``limit_s`` passed (False; None: no limit)."""
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    while not follower.caught_up:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(CATCH_UP_CHECK_S)
+    return True
+
+
+async def _ready_once_caught_up(follower: Follower, status: ServerStatus, engine: InferenceEngine,
+                                limit_s: float | None) -> None:
+    """Readiness waits for the weights follower's first pass, ``limit_s`` at most: a replica that
+    answered at once did so with the weights of ``model.path`` (version 0) while the topic named a
+    newer version, to users behind the load balancer and to the learner (a lag of every version)."""
+    started = time.monotonic()
+    if await _caught_up_within(follower, limit_s):
+        log.info("ready after %.1f s: the weights follower caught up, serving v%d", time.monotonic() - started,
+                 engine.policy_version)
+    else:
+        log.warning("ready on v%d without the newest published weights: the weights follower did not catch up "
+                    "with the weights topic within serving.weights_catch_up_s (%.0f s): %s. It goes on "
+                    "following and swaps the newest version in when it loads it", engine.policy_version,
+                    limit_s, follower.catch_up_state)
+    status.awaiting_weights = None
+
+
 def _lifespan(engine: InferenceEngine, logger: InteractionLogger, follower: Follower | None, status: ServerStatus,
-              shutdown_flush_s: float, inflight: InFlight):
+              shutdown_flush_s: float, inflight: InFlight, weights_catch_up_s: float | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         logger.start()
+        catching_up: asyncio.Task | None = None
         if follower is not None:
             follower.start()
+            if weights_catch_up_s != 0:
+                status.awaiting_weights = lambda: follower.catch_up_state  # before ready: never ready before it
+                catching_up = asyncio.create_task(_ready_once_caught_up(follower, status, engine,
+                                                                        weights_catch_up_s))
         status.ready = True
         try:
             yield
         finally:
             status.ready = False
+            if catching_up is not None:
+                catching_up.cancel()
             # a server that did not announce its shutdown (serving.server.DrainingServer does) admits nothing
             # from here on; requests still running are left to the engine's stop
             inflight.begin_shutdown(None)
@@ -110,7 +157,7 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
     status = ServerStatus(s.model_name)
 
     app = FastAPI(title="online-sao serving", lifespan=_lifespan(engine, logger, follower, status,
-                                                                 s.shutdown_flush_s, inflight))
+                                                                 s.shutdown_flush_s, inflight, s.weights_catch_up_s))
     install_openapi(app, ApiLimits(s.model_name, s.max_new_tokens, cfg.reward.min_value, cfg.reward.max_value),
                     auth_required=auth.required)
     app.add_middleware(BodyLimitMiddleware, max_bytes=s.max_request_bytes)

@@ -4,8 +4,9 @@ The routes read and validate their bodies themselves (:func:`parse_body`), so
 every error keeps the OpenAI shape and the body-size limit applies while the
 body is read; :mod:`serving.openapi` documents the models FastAPI cannot see.
 Completion responses carry ``X-Interaction-Id``. ``/readyz`` answers 503 while the
-engine is not started, the interaction log refuses work or the server shuts down; not
-while the engine is saturated (see :func:`status_routes`).
+engine is not started, the weights follower catches up with the weights topic (``catching_up_weights``),
+the interaction log refuses work or the server shuts down; not while the engine is saturated (see
+:func:`status_routes`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from serving.streaming import Streamed
 from serving.turn import Disconnected, InFlight
 
 INTERACTION_HEADER = "X-Interaction-Id"
+CATCHING_UP_WEIGHTS = "catching_up_weights"
+"""How ``/readyz``'s reason begins while readiness waits for the weights follower to catch up."""
 
 Authorize = Callable[[Request], str]
 """Raises the 401/429 :class:`APIError` for a request its API key (or rate limit) does not admit;
@@ -45,6 +48,9 @@ class ServerStatus:
     started_at: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
     """The engine runs: set and cleared by the app's lifespan."""
+    awaiting_weights: Callable[[], str] | None = None
+    """Set while readiness waits for the weights follower to catch up (see :mod:`serving.app`): what
+    it waits for. None: readiness does not wait for it (caught up, timed out, or no follower)."""
 
 
 def authorizer(auth: ApiKeyAuth) -> Authorize:
@@ -141,7 +147,10 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
     refuses only what exceeds ``serving.max_waiting`` (503 ``server_overloaded`` with Retry-After: the
     client's retry may reach a replica with room); ``/readyz`` and ``/metrics`` show how much waits.
     Readiness fails for what affects every request of this replica alone: the engine not started,
-    the log refusing work, the shutdown."""
+    the log refusing work, the shutdown, and, after a start, the weights follower not yet caught up
+    with the weights topic (``serving.weights_catch_up_s`` at most): until then the replica would answer
+    with older weights than the topic names, those of ``model.path`` after a restart. ``/healthz``
+    (liveness) answers 200 all along."""
     router = APIRouter()
 
     def card() -> ModelCard:
@@ -167,10 +176,16 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
 
     @router.get("/readyz")
     async def readyz() -> JSONResponse:
+        awaiting_weights = status.awaiting_weights  # the lifespan clears it meanwhile
         if inflight.draining:
             reason = "the server is shutting down"
+        elif not status.ready:
+            reason = "the engine is not started"
+        elif awaiting_weights is not None:
+            reason = (f"{CATCHING_UP_WEIGHTS}: serving v{engine.policy_version} until the weights follower "
+                      f"has read the weights topic and loaded the version in force there ({awaiting_weights()})")
         else:
-            reason = "the engine is not started" if not status.ready else logger.refusal()
+            reason = logger.refusal()
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "policy_version": engine.policy_version,

@@ -22,6 +22,16 @@ polls, after :data:`CHAMPION_RETRY_S` doubling up to :data:`CHAMPION_RETRY_MAX_S
 applied, a later champion notice replaces it, or the engine refuses its weights. An operator's
 ``hold`` and ``release`` notices (:mod:`serving.weights_hold`) pin the serving version until
 released; a canary's champion answers nothing meanwhile.
+
+The follower has *caught up* (:attr:`WeightsFollower.caught_up`) once its first pass read the topic
+up to the end offsets it had when the follower connected, the notice whose effect lasts among them
+was applied (or every one behind it failed to load) and no champion waits for a retry: the app's
+readiness waits for it (``serving.weights_catch_up_s``), so a restarted replica takes no traffic
+with the weights of ``model.path`` while the topic names a newer version. With the broker
+unreachable it cannot catch up: the weight store alone does not say which of its versions is in
+force (a rolled-back version's file stays in the store, whether a hold is in force only the topic
+says, a version saved by a learner killed before its notice was never published), and a notice's
+checksum is what vouches for a file's bytes, so the follower loads nothing from the store on its own.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from online_sao.weights import CorruptWeights, WeightStore
 from serving.engine.base import InferenceEngine, SwapResult
 from serving.engine.canary import ChampionServing
 from serving.weights_hold import HoldState
-from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable
+from streams.base import Consumer, Producer, StreamBackend, StreamUnavailable, TopicPartition
 from streams.broker_wait import until_broker_takes
 from streams.records import decode_or_dead_letter
 
@@ -80,6 +90,12 @@ class WeightsFollower:
         """When (``time.monotonic``) the pending champion is tried next."""
         self.holds = HoldState()
         """The learner's notices followed, or an operator's hold (``holds.held_version``)."""
+        self._catch_up_ends: dict[TopicPartition, int] | None = None
+        """The topic's end offsets when the consumer connected: the first pass ends there."""
+        self._caught_up = threading.Event()
+        self.catch_up_state = "connecting to the weights topic"
+        """What the first pass waits for (the topic unreachable, notices left to read, a champion to
+        load), or the version it caught up on: for the readiness probe's reason and the app's log."""
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,6 +115,12 @@ class WeightsFollower:
         self._thread.join(timeout_s)
         self._thread = None
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the first pass is done (see the module): the engine serves what the topic said
+        was in force when the follower connected, or the best of it that loads. Stays True."""
+        return self._caught_up.is_set()
+
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Block until ``predicate()`` holds after some processed poll (or the timeout)."""
         with self._progress:
@@ -113,8 +135,11 @@ class WeightsFollower:
                 try:
                     if consumer is None:
                         consumer = self.backend.consumer([self.topic], group_id=None, start="earliest")
+                    if self._catch_up_ends is None:
+                        self._catch_up_ends = consumer.end_offsets()
                     messages = consumer.poll(self.poll_timeout_s)
                 except StreamUnavailable as exc:
+                    self._behind(f"the weights topic is unreachable ({exc})")
                     log.warning("weights topic %s unreachable (%s); retrying in %.0fs", self.topic, exc, RETRY_S)
                     self._stop.wait(RETRY_S)
                     continue
@@ -125,12 +150,39 @@ class WeightsFollower:
                 if notices:
                     self._apply(notices)
                 self._retry_champion()
+                if not self._caught_up.is_set() and not self._stop.is_set():  # a stop may cut _apply short
+                    self._check_caught_up(consumer)
                 with self._progress:
                     self.consumed += len(messages)
                     self._progress.notify_all()
         finally:
             if consumer is not None:
                 consumer.close()
+
+    def _behind(self, why: str) -> None:
+        if not self._caught_up.is_set():
+            self.catch_up_state = why
+
+    def _check_caught_up(self, consumer: Consumer) -> None:
+        """Mark the first pass done once the consumer stands at the end offsets read when it
+        connected and no champion waits for a retry (the notices read up to there are applied:
+        this runs after the poll's notices were)."""
+        try:
+            left = sum(max(0, end - consumer.position(tp)) for tp, end in self._catch_up_ends.items())
+        except StreamUnavailable as exc:  # Kafka's position, when it does not know it, asks the broker
+            self._behind(f"the weights topic's position is not known ({exc})")
+            return
+        if left:
+            self._behind(f"{left} weights topic offsets left to read before where it ended at start")
+            return
+        if self._champion_pending is not None:
+            self._behind(f"champion v{self._champion_pending.version} not loaded yet: its load failed, "
+                         "it is tried again")
+            return
+        self.catch_up_state = f"caught up on v{self.engine.policy_version}"
+        self._caught_up.set()
+        log.info("weights topic %s read to where it ended at start: serving v%d", self.topic,
+                 self.engine.policy_version)
 
     def _read(self, message) -> WeightsNotice | None:
         if self.dead_letters is not None:

@@ -104,6 +104,19 @@ class ServingConfig(Section):
     (not measured on a 7B model; 1.5-3.8 s on the tiny test model, most of it serving the two
     prompts). A host whose available memory (a container's limit included) is under 1.5 times the
     weights skips it with a warning. False skips it silently."""
+    weights_catch_up_s: float | None = Field(120.0, ge=0)
+    """Seconds a starting replica stays unready (``/readyz`` 503 ``catching_up_weights``; ``/healthz``
+    stays 200) while its weights follower catches up: reads the weights topic up to where it ended
+    when the follower connected and loads the version in force there (the newest publish, a rollback,
+    an operator's hold, a canary's champion; a notice whose weights do not load gives way to the one
+    before it). A topic with no notice is caught up after its first read (well under a second). A
+    replica that has not caught up in time (the broker unreachable, a slow store) becomes ready on the
+    weights it has, at worst those of ``model.path`` (policy version 0), with a warning naming that
+    version and what it waited for; the follower goes on and swaps the newest version in once it can.
+    Default 120 s: connecting, reading the topic and one load of a version of several GB from a
+    network store, with room to spare, while replicas restarted during a broker outage still come back
+    (on the base model) within two minutes. None waits for ever (no answer from stale weights, but no
+    capacity from a replica restarted while the broker is away); 0 does not wait."""
     swap_in_place: bool = False
     """Memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the

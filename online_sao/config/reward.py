@@ -34,7 +34,9 @@ class RewardConfig(Section):
     """grpo: how long (record time) the oldest ready member of an incomplete group waits for the
     rest; then the group is trained on as it is and counted (``join_incomplete_groups``), a unit
     of a step like a complete group (alone, a step of one process). A group whose member lost its
-    reward would otherwise never complete. None waits forever."""
+    reward would otherwise never complete. None: no timeout; an incomplete group then waits until
+    more than ``trainer.join_max_pending`` members of incomplete groups are held, when the oldest is
+    handed out as it is (counted the same)."""
     train_aborted: bool = False
     """Whether an interaction whose answer was cut (``finish_reason`` ``abort``: its client left, or
     serving's deadline or shutdown ended it) is trained as a rollout of its own. Off: it is not

@@ -145,9 +145,13 @@ class Feed:
         """Units (rollouts, grpo groups) a step needs, one per rank: as the last :meth:`take` was asked."""
 
     def start(self, backend: StreamBackend) -> None:
-        """Create the topics, join the consumer group and seek to the offsets (waiting out a broker that
-        is down)."""
+        """Create the topics, forget the offsets of partitions that do not exist
+        (:func:`drop_gone_partitions`), join the consumer group and seek to the offsets (waiting out a
+        broker that is down)."""
         until_broker_takes(backend.ensure_topics, "creating the topics", self.stop)
+        if self.offsets:
+            partitions = until_broker_takes(backend.describe_topics, "looking up the topics' partitions", self.stop)
+            drop_gone_partitions(self.offsets, partitions)
         self.consumer = until_broker_takes(
             lambda: backend.consumer([self.topics.interactions, self.topics.rewards], group_id=self.tcfg.consumer_group,
                                      start="earliest", instance_id=self.tcfg.consumer_instance_id),
@@ -372,6 +376,20 @@ def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], voca
             continue
         rollouts.append(rollout)
     return rollouts
+
+
+def drop_gone_partitions(offsets: dict[TopicPartition, int], partitions: dict[str, int]) -> None:
+    """Remove from ``offsets`` every partition that does not exist (``partitions``: partition count per
+    topic), with an error in the log for each: a checkpoint from before the topics were made again with
+    fewer partitions (or under other names) names partitions no consumer is assigned, so
+    :func:`assign_and_seek` never sees them; kept, they were checkpointed again and committed, and a
+    commit naming a partition that does not exist is refused (ValueError): the learner crashed at every
+    checkpoint. Their records are gone with the partition: nothing is left to read there."""
+    for tp in sorted(offsets):
+        if tp.partition >= partitions.get(tp.topic, 0):
+            now = f"the topic has {partitions[tp.topic]} partitions" if tp.topic in partitions else "no such topic"
+            log.error("%s[%d]: the checkpoint's offset %d is of a partition that does not exist (%s): the topics "
+                      "were made again since; offset dropped", tp.topic, tp.partition, offsets.pop(tp), now)
 
 
 def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int],

@@ -77,6 +77,27 @@ def test_offsets_past_a_partitions_end_read_the_topic_made_again_from_its_start(
     feed.close()
 
 
+def test_offsets_of_partitions_gone_with_topics_made_again_with_fewer_are_dropped_not_committed(backend, caplog):
+    """The topics were made again with 2 partitions where they had 4, and the learner kept its checkpoint:
+    its offsets of partitions 2 and 3 stayed in the feed's (no consumer is assigned those), were checkpointed
+    again and committed, and the broker refuses a commit naming a partition that does not exist: the
+    learner crashed at every checkpoint."""
+    backend.ensure_topics()
+    topics = backend.cfg.topics
+    gone = {TopicPartition(topics.interactions, 3), TopicPartition(topics.rewards, 3),
+            TopicPartition("topic-deleted-since", 0)}
+    kept = {TopicPartition(topic, p): 0 for topic in (topics.interactions, topics.rewards) for p in range(2)}
+    cfg = Config()
+    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), backend.producer(), {**kept, **dict.fromkeys(gone, 7)},
+                {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
+    with caplog.at_level("ERROR", logger="trainer.feed"):
+        feed.start(backend)
+    feed.commit(dict(feed.offsets))  # refused (ValueError) with the gone partitions in it
+    assert feed.offsets == kept
+    assert sum("partition that does not exist" in r.getMessage() for r in caplog.records) == len(gone)
+    feed.close()
+
+
 def test_a_partition_the_checkpoint_does_not_name_counts_from_where_its_group_resumes():
     """A new checkpoint directory beside the learner's consumer group: the consumer resumes at the
     group's committed offsets, but the feed counted every record from the partition's start as

@@ -27,6 +27,20 @@ class TopicsConfig(Section):
     dead_letters: str = "sao.dead-letters"
     """Records that failed validation, with the reason."""
 
+    @model_validator(mode="after")
+    def _names_differ(self) -> "TopicsConfig":
+        # one topic under two names was made once, with one of the two specs (the rewards topic as one
+        # compacted partition, say: streams/kafka_backend.py topic_specs), and its readers took each
+        # other's records for their own
+        by_name: dict[str, list[str]] = {}
+        for role in ("interactions", "rewards", "weights", "dead_letters"):
+            by_name.setdefault(getattr(self, role), []).append(role)
+        clashes = [f"{', '.join(roles[:-1])} and {roles[-1]} are all {name!r}" for name, roles in by_name.items()
+                   if len(roles) > 1]
+        if clashes:
+            raise ValueError(f"every topic needs a name of its own: {'; '.join(clashes)}")
+        return self
+
 
 class KafkaConfig(Section):
     bootstrap_servers: str | None = None

@@ -154,3 +154,25 @@ def test_sasl_settings_under_a_protocol_without_sasl_are_refused(protocol, setti
            **{f"ONLINE_SAO__KAFKA__{k.upper()}": v for k, v in settings.items()}}
     with pytest.raises(ConfigError, match=rf"kafka: .*{protocol}"):
         load_config(environ=env)
+
+
+# --- Kafka topic names ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "clash"), [
+    ({"kafka.topics.rewards": "sao.interactions"}, "interactions and rewards are all 'sao.interactions'"),
+    ({"kafka.topics.dead_letters": "sao.weights"}, "weights and dead_letters are all 'sao.weights'"),
+    ({"kafka.topics.interactions": "t", "kafka.topics.rewards": "t", "kafka.topics.weights": "t"},
+     "interactions, rewards and weights are all 't'"),
+])
+def test_two_topics_under_one_name_are_refused_and_the_clash_named(overrides, clash):
+    """The backend made one topic for both (streams/kafka_backend.py topic_specs: the rewards topic as one
+    compacted partition, say), and their readers took each other's records for their own."""
+    with pytest.raises(ConfigError, match=rf"kafka\.topics: .*{clash}"):
+        load_config(environ={}, overrides=overrides)
+
+
+def test_topic_names_of_their_own_are_taken():
+    names = {"kafka.topics.interactions": "i", "kafka.topics.rewards": "r", "kafka.topics.weights": "w",
+             "kafka.topics.dead_letters": "d"}
+    assert load_config(environ={}, overrides=names).kafka.topics.weights == "w"

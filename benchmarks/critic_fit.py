@@ -111,17 +111,25 @@ def _critic_on_test(critic: ValueModel, test_batch: RolloutBatch, test_rewards: 
                                       test_rewards)
 
 
-def _collect(scenario: str, data_dir: str, rollouts: int) -> tuple[object, list[Rollout]]:
+def _collect(scenario: str, data_dir: str, rollouts: int) -> tuple[object, Path]:
+    """The scenario's config and the file of its starting policy's rollouts (the default model built)."""
     from apps.config import load_app_config
     from apps.experiments.inprocess import collect_pretrain_inprocess
     from apps.experiments.style import load_or_train
-    from trainer.history import rollouts_from_file
 
     cfg = load_app_config(scenario, overrides={
         "paths.data_dir": data_dir, "experiment.pretrain_rollouts": rollouts,
         "experiment.results_dir": str(Path(data_dir) / "critic-fit")})
     path = collect_pretrain_inprocess(cfg, load_or_train(cfg), progress=lambda line: print(line, file=sys.stderr))
-    return cfg, [r for r in rollouts_from_file(path, cfg, 0) if r.num_action_tokens > 0]
+    return cfg, path
+
+
+def _answered(path: Path, cfg, vocab_size: int) -> list[Rollout]:
+    """The rollouts of ``path`` with an answer, as the learner's value pre-training reads them (a token id
+    past the model's vocabulary leaves its rollout out, trainer/startup.py)."""
+    from trainer.history import rollouts_from_file
+
+    return [r for r in rollouts_from_file(path, cfg, 0, vocab_size) if r.num_action_tokens > 0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     started = time.time()
-    cfg, rollouts = _collect(args.scenario, args.data_dir, args.rollouts)
+    cfg, path = _collect(args.scenario, args.data_dir, args.rollouts)
+    policy = load_policy(cfg.model_dir, cfg.model.dtype)
+    rollouts = _answered(path, cfg, policy.get_input_embeddings().num_embeddings)
     if len(rollouts) <= args.test:
         raise SystemExit(f"{len(rollouts)} rollouts with an answer: fewer than --test {args.test} plus training data")
     test, pool = rollouts[-args.test:], rollouts[:-args.test]
     rewards = torch.tensor([r.total_reward for r in rollouts])
     print(f"{len(rollouts)} rollouts of the starting policy ({time.time() - started:.0f} s), reward mean "
           f"{rewards.mean():.3f}, variance {rewards.var():.4f}; test set: the last {len(test)}\n")
-    policy = load_policy(cfg.model_dir, cfg.model.dtype)
     pad = load_tokenizer(cfg.model_dir).pad_token_id
     test_batch = collate(test, pad)
     test_rewards = torch.tensor([r.total_reward for r in test])

@@ -356,7 +356,7 @@ def pretrain_critic(learner: InProcessLearner, pretrain_file: Path) -> dict[str,
     from trainer.history import rollouts_from_file
     from trainer.pretrain import pretrain_critic as fit_critic
 
-    logged = rollouts_from_file(pretrain_file, learner.cfg, learner.version)
+    logged = rollouts_from_file(pretrain_file, learner.cfg, learner.version, learner.models.vocab_size)
     if not logged:
         return {}
     trainables = learner.models.trainables

@@ -36,3 +36,29 @@ def test_records_carry_the_raters_scale_as_the_judge_service_sends_it():
 def test_no_arm_may_take_the_pre_training_pass_name():
     with pytest.raises(ValueError, match="reserved"):
         ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, arms=[ArmConfig(name="pretrain-data")])
+
+
+def test_the_in_process_value_pre_training_leaves_out_rollouts_past_the_models_vocabulary(tmp_path, monkeypatch):
+    """As the learner's (trainer/startup.py): a rollout with a token id past the vocabulary went to the
+    critic's fit, whose embedding lookup crashed."""
+    from types import SimpleNamespace
+
+    from apps.experiments.inprocess import pretrain_critic
+    from streams.records import encode
+    from tests.trainer.records import make_interaction, make_reward
+
+    vocab = 64
+    records = [make_interaction("fits", created_at=1.0), make_reward("fits", 1.0),
+               make_interaction("past", response=(8, 9, vocab + 100), created_at=2.0), make_reward("past", 1.0)]
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
+    fitted: list[list[str]] = []
+    monkeypatch.setattr("trainer.pretrain.pretrain_critic",
+                        lambda critic, optimizer, rollouts, *args, **kwargs: fitted.append(
+                            [r.interaction_id for r in rollouts]) or {})
+    optimizers = SimpleNamespace(critic=None, critic_scheduler=None)
+    models = SimpleNamespace(vocab_size=vocab, pad_token_id=0,
+                             trainables=SimpleNamespace(critic=None, optimizers=optimizers))
+    learner = SimpleNamespace(cfg=load_app_config(environ={}), version=0, models=models)
+    pretrain_critic(learner, path)
+    assert fitted == [["fits"]]

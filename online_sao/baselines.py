@@ -8,7 +8,8 @@ A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO
 adds the KL / entropy terms of its :class:`~online_sao.regularizers.PolicyRegularizer`
 (none unless configured) to every policy loss, skips a policy update whose loss has no
 gradient on any rank (no token inside the DIS band, or no action token; no regularizer on:
-``policy_update_skipped_empty = 1``, the step not refused; :func:`online_sao.train_step.guarded_update`), and
+``policy_update_skipped_empty = 1``, the step not refused; :func:`online_sao.train_step.guarded_update`; ppo's
+critic update likewise on a step without action tokens), and
 refuses a batch with non-finite inputs, losses or gradient norms
 (``skipped_nonfinite = 1``) before any optimiser step of the failing update, each
 check agreed across ranks through the ``vote`` they are given (see
@@ -244,11 +245,12 @@ class PPO(ActorCritic):
         def critic_update(step_metrics: dict[str, float]) -> bool:
             critic_loss, _ = value_loss(self.critic(batch.input_ids, batch.attention_mask), returns, mask,
                                         batch.token_normalizer)
+            # the value loss covers the action tokens: without one (on every rank) no step, as for the policy
             result = guarded_update(critic_loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler,
-                                    self.vote)
+                                    self.vote, signal_tokens=int(mask.sum()))
             step_metrics.setdefault("value_loss", critic_loss.item())
             step_metrics["critic_grad_norm"] = result.grad_norm
-            return result.stepped
+            return not result.refused
 
         update_metrics = _clipped_updates(self.policy, self.policy_optimizer, batch, advantages, cfg,
                                           use_dis=False, vote=self.vote, regularizer=self.regularizer,

@@ -44,7 +44,8 @@ class FitOutcome:
     """What the K critic updates on one batch did."""
 
     stepped: bool
-    """Every update was applied (False: one was refused as non-finite and the rest did not run)."""
+    """No update was refused (False: one was refused as non-finite and the rest did not run); updates
+    on a batch without action tokens are skipped, not applied (``updates_done`` counts the applied)."""
     updates_done: int
     """Updates applied."""
     metrics: dict[str, float]

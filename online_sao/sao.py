@@ -19,7 +19,9 @@ the advantages take their mean reward as a constant baseline instead of the crit
 A step none of whose action tokens is inside the DIS band (on any rank), with no regularizer on,
 gives the policy no gradient: its policy update is skipped (``policy_update_skipped_empty = 1``,
 no optimiser step, the policy bit-for-bit as it was); the critic trains on the step as usual and
-the step is not refused.
+the step is not refused. A batch the K updates fit with no action token (on any rank) gives the
+value loss no gradient either: those updates make no optimiser step and no warm-up step
+(``critic_updates_done = 0``, the critic bit-for-bit as it was), and the step is not refused.
 
 A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch holds
 a non-finite reward or action-token behaviour log-prob, or when the first
@@ -204,13 +206,19 @@ class SAO(ActorCritic):
                                                   cfg.lambda_critic)
                 loss, _ = value_loss(values, targets, batch.action_mask, batch.token_normalizer)
             first_loss = loss.item() if update == 0 else first_loss
-            result = guarded_update(loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler, self.vote)
+            # the value loss covers the action tokens: without one (on every rank) it has no gradient,
+            # and AdamW would move the critic by its momentum alone
+            result = guarded_update(loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler, self.vote,
+                                    signal_tokens=int(batch.action_mask.sum()))
             timer.add("critic_backward", result.backward_s)
             timer.add("critic_optimizer", result.step_s)
             norms.append(result.grad_norm)
-            if not result.stepped:
+            if result.refused:
                 return FitOutcome(False, update, {"critic_grad_norm": result.grad_norm,
                                                   "critic_fit_loss": first_loss}, first_values)
+            if result.empty:  # so is every later one (same batch, same critic): the fit stands, nothing applied
+                return FitOutcome(True, update, {"critic_grad_norm": sum(norms) / len(norms),
+                                                 "critic_fit_loss": first_loss}, first_values)
         return FitOutcome(True, cfg.critic_updates, {"critic_grad_norm": sum(norms) / len(norms),
                                                      "critic_fit_loss": first_loss}, first_values)
 

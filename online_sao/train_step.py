@@ -186,7 +186,7 @@ def guarded_update(
     ``stepped=False`` (grad_norm NaN when the loss check failed, on every rank).
 
     ``signal_tokens``: this rank's tokens that give the loss a gradient
-    (:func:`policy_signal_tokens`; None, as for the critic: not asked). When it is 0 on every
+    (:func:`policy_signal_tokens`; for the critic its action tokens, the value loss's; None: not asked). When it is 0 on every
     rank (one more vote, after the gradient's) the gradient is exactly zero: no
     ``optimizer.step`` (AdamW would move the weights by its momentum and weight decay alone)
     and no scheduler step (a warm-up counts updates, and this is none), reported as ``empty``.

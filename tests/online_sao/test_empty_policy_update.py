@@ -32,11 +32,18 @@ def batch_of(policy, shifts, group_ids=None):
     return batch
 
 
-def build(name, policy, **overrides):
-    cfg = AlgorithmConfig(name=name, policy_lr=1e-3, critic_lr=5e-3, critic_warmup_steps=0, **overrides)
+def build(name, policy, vote=None, **overrides):
+    cfg = AlgorithmConfig(**{"name": name, "policy_lr": 1e-3, "critic_lr": 5e-3, "critic_warmup_steps": 0,
+                             **overrides})
     critic = build_critic(cfg, policy)
     opt = build_optimizers(cfg, policy, critic)
-    return build_algorithm(cfg, policy, critic, opt.policy, opt.critic, opt.critic_scheduler)
+    voting = {} if vote is None else {"vote": vote}
+    return build_algorithm(cfg, policy, critic, opt.policy, opt.critic, opt.critic_scheduler, **voting)
+
+
+def prompt_only():
+    """A batch of one rollout without action tokens: no loss has a gradient."""
+    return collate([Rollout("prompt-only", [1, 2, 3], [False] * 3, [0.0] * 3, [0] * 3, {2: 1.0})], pad_token_id=0)
 
 
 def adam_steps(optimizer):
@@ -118,6 +125,45 @@ def test_ppo_skips_the_policy_update_of_a_step_without_action_tokens(tiny_qwen, 
     metrics = algo.step(batch)
     unchanged()
     assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+
+
+@pytest.mark.parametrize(("name", "overrides"), [
+    ("sao", {"critic_order": "judge_then_fit"}), ("sao", {"critic_order": "fit_then_judge"}),
+    ("sao", {"critic_rewarm_rollouts": 8}), ("ppo", {"ppo_epochs": 2})])
+def test_a_step_without_action_tokens_leaves_the_critic_as_it_was(tiny_qwen, snapshot_weights, name, overrides):
+    """The value loss covers the action tokens: without one it has no gradient, and AdamW moved the
+    critic by its momentum and weight decay alone, and the warm-up counted the update."""
+    algo = build(name, tiny_qwen, critic_warmup_steps=10, **overrides)
+    if overrides.get("critic_rewarm_rollouts"):
+        algo.forget()  # a drift restart: the critic re-warms on every rollout since
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))  # applied critic updates: AdamW now has momentum
+    if overrides.get("critic_rewarm_rollouts"):
+        algo.forget()  # the re-warm's fit then holds the empty step alone
+    steps, warmed = adam_steps(algo.critic_optimizer), algo.critic_scheduler.last_epoch
+    unchanged = snapshot_weights(algo.critic)
+    metrics = algo.step(prompt_only())
+    unchanged()
+    assert adam_steps(algo.critic_optimizer) == steps and algo.critic_scheduler.last_epoch == warmed
+    assert metrics["skipped_nonfinite"] == 0.0 and metrics.get("critic_updates_done", 0.0) == 0.0
+
+
+def test_a_rank_without_action_tokens_fits_the_critic_with_a_peer_that_has_some(tiny_qwen):
+    """The skip is agreed across ranks, and every rank votes as often: a rank with no action token
+    steps its critic with a peer that has some (FSDP's shards would diverge otherwise), through the
+    same K updates. The votes of a sao step (critic_updates 2): the inputs', then loss, gradient norm
+    and emptiness of each critic update and of the policy update."""
+    peer_says = [True, True, True, False, True, True, False, True, True, False]  # False: "I have tokens"
+    asked: list[bool] = []
+
+    def vote(mine: bool) -> bool:
+        asked.append(mine)
+        return mine and peer_says[len(asked) - 1]
+
+    algo = build("sao", tiny_qwen, vote=vote, critic_updates=2)
+    metrics = algo.step(prompt_only())
+    assert len(asked) == len(peer_says)  # as many votes as the peer with tokens casts
+    assert metrics["critic_updates_done"] == 2.0  # its zero gradient joined the peer's two steps
+    assert set(adam_steps(algo.critic_optimizer)) == {2.0}
 
 
 def _momentum_optimizer():

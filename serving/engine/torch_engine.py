@@ -100,6 +100,7 @@ class TorchEngine:
         self._spare: nn.Module | None = None
         self._loop: EngineLoop[EngineSequence] = EngineLoop(initial_version)
         self._on_step: Callable[[StepStats], None] | None = None
+        self._on_step_failed: set[str] = set()  # kinds of step after which on_step raised (each logged once)
         self._device = next(model.parameters()).device
         self._vocab = model.get_input_embeddings().num_embeddings
         self._max_positions = served_context_length(model.config)
@@ -289,8 +290,19 @@ class TorchEngine:
         self._report("switch", len(self._rows), job.seconds)
 
     def _report(self, kind: str, batch_size: int, seconds: float) -> None:
-        if self._on_step is not None:
+        """Tell ``on_step`` about a step. A callback that raises is logged, once per kind of step, and the
+        loop goes on: raised after a weight switch, it killed the loop thread (later switches never ran,
+        their swaps blocked, no request was served again); after a model step, it failed the step's
+        requests as if the model had."""
+        if self._on_step is None:
+            return
+        try:
             self._on_step(StepStats(kind, batch_size, seconds, time.perf_counter()))
+        except Exception:
+            if kind not in self._on_step_failed:
+                self._on_step_failed.add(kind)
+                log.exception("the engine's on_step callback failed after a %s step; the loop goes on "
+                              "(logged once per kind of step)", kind)
 
     def _drop_cancelled(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if not s.cancelled.is_set()]

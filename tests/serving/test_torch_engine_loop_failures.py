@@ -1,6 +1,7 @@
 """The native engine's loop survives a failure outside one model call (selecting the cache's rows: out of
 memory on a large batch): the requests in the batch fail, later ones are served and a swap goes through.
-A loop thread that died there left every request waiting for its deadline and every swap blocked."""
+A loop thread that died there left every request waiting for its deadline and every swap blocked. So does a
+step callback (``on_step``) that raises."""
 
 from __future__ import annotations
 
@@ -146,3 +147,36 @@ def test_a_failing_cache_selection_after_a_failed_step_fails_the_batch_and_the_l
     assert len(after) == 5 and after[-1].finish_reason == "length"
     assert swapped and engine.policy_version == 1
     assert engine.running == 0
+
+
+def test_a_step_callback_that_raises_is_logged_once_per_kind_and_the_loop_goes_on(model, kv_layout, caplog):
+    """The ``on_step`` metrics callback raising after a weight switch killed the loop thread: the next
+    switch never ran (its swap blocked) and no request was served again. After a model step, it failed the
+    batch's requests (the step's guard took it for the model's failure)."""
+    if kv_layout == "flat":  # it switches its model's attention function (grouped_attention.py)
+        model = copy.deepcopy(model)
+    called: list[str] = []
+
+    def on_step(stats: StepStats) -> None:
+        called.append(stats.kind)
+        raise InjectedFailure(f"the metrics callback failed after a {stats.kind}")
+
+    engine = TorchEngine(model, cfg=ServingConfig(kv_layout=kv_layout, max_batch_size=4), on_step=on_step)
+
+    async def main():
+        await engine.start()
+        try:
+            swapped = [await asyncio.to_thread(swap_within, engine, version, model) for version in (1, 2)]
+            served = [await asyncio.wait_for(collect(engine, GenerationRequest(
+                f"after{i}", [4, 5, 6], SamplingParams(max_tokens=5, seed=i))), WAIT_S) for i in range(2)]
+            return swapped, served
+        finally:
+            await engine.stop()
+
+    with caplog.at_level("ERROR", logger="serving.engine.torch_engine"):
+        swapped, served = asyncio.run(main())
+    assert swapped == [True, True] and engine.policy_version == 2
+    assert [len(events) for events in served] == [5, 5] and served[-1][-1].finish_reason == "length"
+    logged = [r.getMessage() for r in caplog.records if "on_step callback failed" in r.getMessage()]
+    assert called.count("switch") == 2 and len(logged) == len(set(called))  # once per kind
+    assert all(sum(f"after a {kind} step" in line for line in logged) == 1 for kind in set(called))

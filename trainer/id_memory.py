@@ -2,23 +2,16 @@
 
 Every interaction the join is done with (trained, dropped, stale, evicted, or
 trained as a turn of a continuation) is remembered by id with its *anchor*: the
-time the interaction was created, ``created_at``, but at most
-:data:`MAX_CREATED_AHEAD_S` past its record timestamp (:func:`remembered_anchor`), so
-a wrong clock cannot pin it in memory for long. A copy arriving is judged by its
-*arrival anchor*, ``min(created_at, record timestamp)`` (:func:`anchor_time`), never
-later than the anchor it is remembered under. The two differ only for a record whose
-``created_at`` lies ahead of its record time: the feed reads a record stamped by a fast
-clock at most a minute ahead of the learner's (trainer/feed.py), so the first copy's
-record time lies before its ``created_at``, and a copy replayed a day later reads a later
-one. Remembered under the first copy's (earlier) record time, the id was forgotten while
-the replay's arrival anchor still lay above the floor, and the replay trained again
-(until 2026-12-07); remembered under ``created_at``, every copy is remembered or refused.
+time the interaction was created, ``min(created_at, record timestamp)`` — the same
+for every copy of one record, however late a copy is replayed (a record whose
+``created_at`` lies in the future is anchored at its timestamp instead, so a wrong
+clock cannot pin it in memory).
 
 The memory is finite and forgets by anchor, oldest first: every id whose anchor
 is at or below :attr:`IdMemory.floor` is forgotten, and the floor only rises —
 to ``watermark - horizon_s`` as the record clock advances, and to the anchor of
 the id given up when more than ``capacity`` ids are held. An interaction that
-arrives with an arrival anchor at or below the floor is therefore one the memory could
+arrives with an anchor at or below the floor is therefore one the memory could
 no longer tell apart from a copy of a finished one: the join refuses it
 (counted), so no replay, however long after the first copy, trains an
 interaction twice. The price is that a record first delivered more than
@@ -56,27 +49,9 @@ class MemorySnapshot:
     ids: dict[str, Remembered]
 
 
-MAX_CREATED_AHEAD_S = 3600.0
-"""How far past its record timestamp a record's ``created_at`` may keep its id remembered. A broker
-refuses records stamped more than an hour ahead of its own clock (Kafka 4's default
-``message.timestamp.after.max.ms``), so serving's clock, which stamps both its records and their
-``created_at``, is at most that far ahead wherever serving can log at all: every copy of an id is
-then remembered or refused (module docstring). A ``created_at`` further ahead (a clock beyond what
-the broker takes, or a broken record) keeps its id an hour at most beyond ``reward.memory_s``; its
-copies replayed later than that may train again."""
-
-
 def anchor_time(created_at: float, timestamp: float) -> float:
-    """The arrival anchor of a record, which refuses it: its creation time, at most its record
-    timestamp (module docstring)."""
+    """The anchor of a record: its creation time, at most its record timestamp (module docstring)."""
     return min(created_at, timestamp)
-
-
-def remembered_anchor(created_at: float, timestamp: float) -> float:
-    """The anchor a finished id is remembered under: its creation time, at most
-    :data:`MAX_CREATED_AHEAD_S` past its record timestamp; never before :func:`anchor_time` (module
-    docstring)."""
-    return min(created_at, timestamp + MAX_CREATED_AHEAD_S)
 
 
 class IdMemory:

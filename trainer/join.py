@@ -69,7 +69,7 @@ from typing import Any, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import ABORTED, Interaction, Reward
-from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time, remembered_anchor
+from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_checkpoint import joiner_state, load_joiner_state
 from trainer.join_state import (Contribution, Entry, JoinCounters, JoinedInteraction, aggregate, combine_rewards,
                                 combine_scores, complete_groups, prompt_group_key, reward_key,
@@ -112,9 +112,7 @@ class RewardJoiner(TrajectoryRules):
         (None: to ``ts``; readers hold it back while catching up: trainer/join_clock.py)."""
         self._tick(ts, clock)
         iid = interaction.interaction_id
-        # remembered under its creation time, refused by its arrival: every copy of a record stamped by a
-        # fast clock (read at most a minute ahead) is then remembered or refused (trainer/id_memory.py)
-        anchor = remembered_anchor(interaction.created_at, ts)
+        anchor = anchor_time(interaction.created_at, ts)
         self.counters.interactions += 1
         known = self.memory.get(iid)
         claim = self._claim_of(iid)
@@ -124,7 +122,7 @@ class RewardJoiner(TrajectoryRules):
         if known is not None or iid in self._claims:  # its turns are (or were) in a continuation
             self._arrived_superseded(iid, anchor)
             return
-        if self.memory.forgotten(anchor_time(interaction.created_at, ts)):
+        if self.memory.forgotten(anchor):
             self.counters.expired_interactions += 1
             log.info("interaction %s created before the id memory's floor: refused", iid)
             return

@@ -186,17 +186,13 @@ class TrajectoryRules:
 
 
 def _trajectory_anchor(entry: Entry) -> float | None:
-    """The anchor the id memory remembers ``entry``'s first turn under, as near as the join can tell
-    (None: ``entry`` starts its trajectory): whether that turn may have been forgotten is whether this
-    anchor is at or below the memory's floor. ``trajectory_started_at`` is that turn's raw
-    ``created_at``, but a finished id is remembered under ``min(created_at, record time +
-    MAX_CREATED_AHEAD_S)`` (trainer/id_memory.py :func:`~trainer.id_memory.remembered_anchor`; a copy
-    is refused by ``min(created_at, record time)``, its arrival anchor, which this is not), and on a
-    server whose clock runs fast the feed reads record times at most a minute ahead of the learner's
-    (trainer/feed.py): a clock more than an hour ahead leaves its records' anchors before their
-    ``created_at``. A continuation is served by the process that holds its parent, so one clock stamped
-    every turn: the first turn's anchor lies before its ``created_at`` by about what ``entry``'s own
-    (remembered) anchor does."""
+    """The id memory's anchor of ``entry``'s first turn, as near as the join can tell (None: ``entry``
+    starts its trajectory). ``trajectory_started_at`` is that turn's raw ``created_at``, but a record
+    is remembered under ``min(created_at, record time)`` (trainer/id_memory.py), and on a server whose
+    clock runs fast the feed reads record times at most a minute ahead of the learner's
+    (trainer/feed.py): its records' anchors lie before their ``created_at``. A continuation is served
+    by the process that holds its parent, so one clock stamped every turn: the first turn's anchor
+    lies before its ``created_at`` by about what ``entry``'s own does."""
     started = entry.interaction.trajectory_started_at
     if started is None:
         return None

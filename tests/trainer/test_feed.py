@@ -7,7 +7,6 @@ import dataclasses
 import math
 import threading
 import time
-import types
 
 import pytest
 
@@ -351,37 +350,6 @@ def test_a_record_stamped_far_ahead_does_not_move_the_joins_clock_past_this_host
     assert feed.joiner.counters.joined == 5 and feed.joiner.counters.late_rewards == 0
     assert feed.counters["records_ahead_of_clock"] == 1
     assert feed.joiner.watermark <= time.time() + 60.0
-
-
-def test_a_copy_of_a_fast_clocks_record_replayed_a_day_later_does_not_train_again(backend, monkeypatch):
-    """Serving's clock 600 s fast: the first copy of x was read 60 s ahead of the learner (capped) and x
-    remembered under that time; serving's spool replayed x a day and 200 s later, when the memory's
-    floor (a day behind the join's clock) had passed that time but not x's created_at, by which the
-    replay was judged: x trained twice."""
-    skew, start = 600.0, time.time()
-    learner_now = [start]
-    monkeypatch.setattr("trainer.feed.time", types.SimpleNamespace(time=lambda: learner_now[0],
-                                                                    monotonic=time.monotonic))
-    feed = _started_feed(backend)
-    topics = backend.cfg.topics
-    x, reward_x = make_interaction("x", created_at=start + skew), make_reward("x", 1.0)
-
-    def served(offset: int, at: float, interaction, reward) -> list:  # stamped by serving's clock
-        return [_message(topics.interactions, offset, interaction, at + skew),
-                _message(topics.rewards, offset, reward, at + skew)]
-
-    feed.consumer.close()
-    feed.consumer = ScriptedConsumer(served(0, start, x, reward_x))
-    feed.poll()
-    first = [j.interaction.interaction_id for j in feed.joiner.pop_ready(32, 10**9)]
-    learner_now[0] = later = start + feed.joiner.cfg.id_memory_s + 200.0
-    feed.consumer = ScriptedConsumer([*served(1, later, make_interaction("y", created_at=later + skew),
-                                              make_reward("y", 1.0)), *served(2, later, x, reward_x)])
-    feed.poll()
-    second = [j.interaction.interaction_id for j in feed.joiner.pop_ready(32, 10**9)]
-    assert first == ["x"] and second == ["y"]
-    assert feed.counters["records_ahead_of_clock"] == 6 and feed.counters["records_skipped"] == 0
-    assert feed.joiner.counters.duplicate_interactions + feed.joiner.counters.expired_interactions == 1
 
 
 def test_records_read_count_what_was_read_not_where_the_offsets_stand(backend):

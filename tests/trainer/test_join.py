@@ -418,3 +418,17 @@ def test_the_deadline_heap_does_not_keep_every_closed_window():
         j.add_reward(make_reward(f"i{i}", 1.0), ts=float(i))
         j.pop_ready(10, 10**6)
     assert j.num_waiting == 0 and len(j._deadlines) <= DEADLINE_SLACK + 1
+
+
+def test_a_full_id_memory_of_a_fast_clocks_ids_refuses_no_fresh_interaction():
+    """A serving clock 30 minutes fast (its records read at the learner's time, their created_at ahead) and the
+    id memory at capacity: every interaction still trains. Ids remembered under their created_at (tried on
+    2026-12-07, reverted) raised the floor on overflow past every fresh record, which was then refused."""
+    j = joiner(max_pending=5)  # the id memory's capacity, standing for trainer.join_max_pending
+    trained = 0
+    for i in range(20):
+        t = float(i)
+        j.add_interaction(make_interaction(f"i{i}", created_at=t + 1800.0), ts=t)
+        j.add_reward(make_reward(f"i{i}", 1.0), ts=t)
+        trained += len(j.pop_ready(max_rollouts=1000, token_budget=10**9))
+    assert trained == 20 and j.counters.expired_interactions == 0

@@ -165,8 +165,10 @@ class WeightsFollower:
 
     def _check_caught_up(self, consumer: Consumer) -> None:
         """Mark the first pass done once the consumer stands at the end offsets read when it
-        connected and no champion waits for a retry (the notices read up to there are applied:
-        this runs after the poll's notices were)."""
+        connected (the notices read up to there are applied: this runs after the poll's notices
+        were). A canary's champion whose load failed does not hold it: it is retried meanwhile, the
+        newest version answering the canary's share (a champion whose file was gone kept every
+        replica start unready for the whole of ``serving.weights_catch_up_s``)."""
         try:
             left = sum(max(0, end - consumer.position(tp)) for tp, end in self._catch_up_ends.items())
         except StreamUnavailable as exc:  # Kafka's position, when it does not know it, asks the broker
@@ -175,11 +177,9 @@ class WeightsFollower:
         if left:
             self._behind(f"{left} weights topic offsets left to read before where it ended at start")
             return
-        if self._champion_pending is not None:
-            self._behind(f"champion v{self._champion_pending.version} not loaded yet: its load failed, "
-                         "it is tried again")
-            return
         self.catch_up_state = f"caught up on v{self.engine.policy_version}"
+        if self._champion_pending is not None:
+            self.catch_up_state += f" (champion v{self._champion_pending.version} not loaded: tried again)"
         self._caught_up.set()
         log.info("weights topic %s read to where it ended at start: serving v%d", self.topic,
                  self.engine.policy_version)

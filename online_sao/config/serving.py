@@ -109,8 +109,9 @@ class ServingConfig(Section):
     stays 200) while its weights follower catches up: reads the weights topic up to where it ended
     when the follower connected and loads the version in force there (the newest publish, a rollback,
     an operator's hold, a canary's champion; a notice whose weights do not load gives way to the one
-    before it). A topic with no notice is caught up after its first read (well under a second). A
-    replica that has not caught up in time (the broker unreachable, a slow store) becomes ready on the
+    before it, and a champion that does not load is retried meanwhile without holding the wait). A
+    topic with no notice is caught up after its first read (well under a second). A replica that
+    has not caught up in time (the broker unreachable, a slow store) becomes ready on the
     weights it has, at worst those of ``model.path`` (policy version 0), with a warning naming that
     version and what it waited for; the follower goes on and swaps the newest version in once it can.
     Default 120 s: connecting, reading the topic and one load of a version of several GB from a

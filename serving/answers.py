@@ -96,8 +96,9 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> CompletionLo
 
 def _by_text(alternatives: list) -> dict[str, float]:
     """The completions shape of a token's alternatives, text -> log-prob, most likely first. Byte-level
-    tokens holding part of one character all read "\ufffd": the first (likeliest) of a text is kept, so
-    the map does not give the sampled token another log-prob than ``token_logprobs`` does."""
+    tokens holding part of one character all read "\ufffd": the first (likeliest) of a text is kept (the
+    last was: fewer than k entries, and a sampled token likeliest among those of its text shown with the
+    log-prob of another)."""
     by_text: dict[str, float] = {}
     for alternative in alternatives:
         by_text.setdefault(alternative.token, alternative.logprob)

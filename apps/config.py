@@ -158,7 +158,7 @@ class ExperimentConfig(Section):
     name: str = Field("drift", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Names the experiment: results directory, report title, MLflow run."""
     styles: list[str] = list(STYLES)
-    """Styles the judge's classifier distinguishes (a subset of the corpus styles, at least two)."""
+    """Styles the judge's classifier distinguishes (a subset of the corpus styles, at least two, each named once)."""
     schedule: list[PreferencePhase] = [PreferencePhase(from_rollout=0, style="formal"),
                                        PreferencePhase(from_rollout=150, style="cute"),
                                        PreferencePhase(from_rollout=300, style="archaic")]
@@ -262,6 +262,8 @@ class ExperimentConfig(Section):
         unknown = set(self.styles) - set(STYLES)
         if unknown or len(set(self.styles)) < 2:
             raise ValueError(f"styles must be at least two of {list(STYLES)}, got {self.styles}")
+        if len(set(self.styles)) < len(self.styles):  # the judge's classifier takes each as a class of its own
+            raise ValueError(f"styles must each be named once, got {self.styles}")
         problems = schedule_problems(self.schedule, self.styles, self.rollouts_per_arm, 3, "the schedule")
         if problems:
             raise ValueError("; ".join(problems))

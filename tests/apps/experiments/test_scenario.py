@@ -42,6 +42,11 @@ def test_bad_schedules_are_named(schedule, message):
         load_app_config(environ={}, overrides={"experiment.schedule": schedule})
 
 
+def test_a_style_named_twice_is_refused():
+    with pytest.raises(ConfigError, match="named once"):
+        load_app_config(environ={}, overrides={"experiment.styles": ["formal", "cute", "formal", "archaic"]})
+
+
 def test_arm_overrides_are_validated_and_names_unique():
     with pytest.raises(ConfigError, match="running_mean_windw"):
         load_app_config(environ={}, overrides={"experiment.arms": [{"name": "a", "algorithm": {"running_mean_windw": 3}}]})

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from apps.default_model.builder import chat_text, train_tokenizer
 from online_sao.config import Config, load_config
+from online_sao.modeling import load_policy
 from apps.default_model.corpus import generate_corpus
 from online_sao.schemas import Interaction, Reward, decode
 from serving.app import build_app
@@ -348,3 +349,15 @@ def contract_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
         if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    """The tiny test model for the engine tests, in eval mode (one load per module)."""
+    return load_policy(tiny_model_dir).eval()
+
+
+@pytest.fixture(params=["padded", "flat"])
+def kv_layout(request) -> str:
+    """Every engine test runs with both cache layouts (serving/engine/kv_batch.py, flat_kv.py)."""
+    return request.param

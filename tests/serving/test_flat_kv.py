@@ -6,16 +6,10 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from online_sao.modeling import load_policy
 from serving.engine.flat_kv import COMPACT_SHARE, DEAD, FlatKVBatch
 
 LOGIT_TOL = 1e-4
 """float32 attention over a differently arranged cache against a forward of each sequence alone."""
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_policy(tiny_model_dir).eval()
 
 
 def forward(model, batch: FlatKVBatch, last_tokens: list[int], prompts: list[list[int]]) -> torch.Tensor:

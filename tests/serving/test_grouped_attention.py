@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
-from online_sao.modeling import load_policy
 from serving.engine.flat_kv import FlatKVBatch
 from serving.engine.grouped_attention import GROUPED_SDPA, use_grouped_sdpa
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_policy(tiny_model_dir).eval()
 
 
 def test_grouped_sdpa_gives_sdpa_logits_on_a_padded_batch(model):

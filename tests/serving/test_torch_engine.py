@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from online_sao.config import ServingConfig
-from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.sampling import nucleus_logprobs, sample_token
@@ -25,17 +24,6 @@ LOGPROB_TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # a tiny model gains nothing from intra-op threads
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_policy(tiny_model_dir).eval()
-
-
-@pytest.fixture(params=["padded", "flat"])
-def kv_layout(request) -> str:
-    """Every engine test runs with both cache layouts (serving/engine/kv_batch.py, flat_kv.py)."""
-    return request.param
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import threading
 import pytest
 
 from online_sao.config import ServingConfig
-from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.torch_engine import StepStats, TorchEngine
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # a tiny model gains n
 
 class InjectedFailure(RuntimeError):
     """The failure the test injects."""
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_policy(tiny_model_dir).eval()
-
-
-@pytest.fixture(params=["padded", "flat"])
-def kv_layout(request) -> str:
-    return request.param
 
 
 class Trap:

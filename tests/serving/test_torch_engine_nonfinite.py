@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from online_sao.config import ServingConfig
-from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
 from serving.engine.sampling import NonFiniteLogits, RowSampling, sample_tokens
@@ -29,11 +28,6 @@ INNOCENT = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 40, 10, 3]]
 """Prompts whose positions start at 8 and 5: they never meet an overflowing one."""
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # a tiny model gains nothing from intra-op threads
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_policy(tiny_model_dir).eval()
 
 
 def overflowing_at(model: torch.nn.Module, positions: tuple[int, ...]):

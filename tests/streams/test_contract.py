@@ -10,23 +10,12 @@ import time
 
 import pytest
 
-from online_sao.config import KafkaConfig
 from online_sao.schemas import DeadLetter, Interaction, Reward, WeightsNotice, decode
 from streams.base import StreamBackend, TopicPartition
-from streams.kafka_backend import KafkaBackend
-from streams.memory import InMemoryBackend, partition_for_key
+from streams.memory import partition_for_key
 from streams.records import decode_or_dead_letter, publish
 from streams.tail import records_since
 from tests.fixtures.kafka import TEST_PARTITIONS, drain
-
-
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def backend(request) -> StreamBackend:
-    if request.param == "memory":
-        backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
-        backend.ensure_topics()
-        return backend
-    return KafkaBackend(request.getfixturevalue("kafka_config"))
 
 
 def _topics(backend: StreamBackend):

@@ -5,25 +5,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from online_sao.config import KafkaConfig
 from streams.base import StreamUnavailable, TopicPartition
 from streams.ends import EndWatcher
-from streams.kafka_backend import KafkaBackend
-from streams.memory import InMemoryBackend
 from tests.fixtures.kafka import TEST_PARTITIONS
 
 EVERY_S = 0.05
-
-
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def backend(request):
-    if request.param == "memory":
-        backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
-        backend.ensure_topics()
-        return backend
-    return KafkaBackend(request.getfixturevalue("kafka_config"))
 
 
 def _until(condition, timeout_s: float = 15.0) -> bool:

@@ -32,15 +32,6 @@ FENCE_NOTICE_S = 30.0
 """How long a replaced Kafka member may take to learn it was fenced: its next heartbeat (every 3 s),
 with room for a loaded 2-core box; unbounded before (it went on reading its partitions)."""
 
-
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def backend(request) -> StreamBackend:
-    if request.param == "memory":
-        backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
-        backend.ensure_topics()
-        return backend
-    return KafkaBackend(request.getfixturevalue("kafka_config"))
-
 _MEMBER = """
 import sys, time
 from online_sao.config import KafkaConfig

@@ -16,7 +16,8 @@ from online_sao.config import RewardConfig
 from online_sao.schemas import Reward, TurnReward
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
-from serving.protocol import APIError, FeedbackRequest, FeedbackResponse, logging_unavailable
+from serving.errors import APIError, logging_unavailable
+from serving.protocol import FeedbackRequest, FeedbackResponse
 from serving.trajectories import TrajectoryCache
 
 

@@ -1,7 +1,7 @@
 """The app's ASGI middleware (body-size limit, request counts) and its error handlers.
 
 Every error is answered with an OpenAI-style body ``{"error": {message, type,
-param, code}}``: an :class:`~serving.protocol.APIError` as it says, an unknown
+param, code}}``: an :class:`~serving.errors.APIError` as it says, an unknown
 route or method as FastAPI's status (404 ``not_found_error``, else
 ``invalid_request_error``), anything unexpected as 500 ``server_error``.
 """
@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.metrics import ServingMetrics
-from serving.protocol import APIError
+from serving.errors import APIError
 
 log = logging.getLogger(__name__)
 

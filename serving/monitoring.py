@@ -11,7 +11,8 @@ from collections import deque
 
 from online_sao.monitors import mean_answer_length, repeated_ngram_share
 from online_sao.segments import SegmentCounter, segment_problem
-from serving.protocol import APIError, SamplingRequest
+from serving.errors import APIError
+from serving.protocol import SamplingRequest
 
 
 def request_segment(request: SamplingRequest, segment_field: str | None) -> str | None:

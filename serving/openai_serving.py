@@ -49,8 +49,8 @@ from serving.metrics import ServingMetrics
 from serving.monitoring import ServingMonitors, request_segment
 from serving.answers import (CHAT_FORMAT, COMPLETION_FORMAT, Answer, AnswerFormat, ChatCompletionResponse,
                              CompletionResponse, Reply)
-from serving.protocol import (REQUEST_TIMEOUT, APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
-                              generation_failed, logging_unavailable, message_key)
+from serving.errors import REQUEST_TIMEOUT, APIError, generation_failed, logging_unavailable
+from serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, message_key
 from serving.prompts import PromptBuilder, canonical_tools
 from serving.redaction import Redactor, RequestMetadata, Texts, apply_redactor
 from serving.request_checks import check_chat, check_completion, check_sampling

@@ -22,8 +22,9 @@ from pydantic.json_schema import models_json_schema
 
 from online_sao.schemas import MIN_TEMPERATURE
 from serving.answers import ChatCompletionResponse, CompletionResponse
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest,
-                              FeedbackResponse, ModelCard, ModelList, TurnRewardIn)
+from serving.errors import ErrorResponse
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard,
+                              ModelList, TurnRewardIn)
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 SECURITY_SCHEME = "apiKey"

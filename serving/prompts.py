@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from serving.ids import InteractionIdError, InteractionIdSigner
-from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from serving.errors import APIError
+from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix, chat_observation_text
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ for without being told. Their neutral values (top_k -1, min_p 0, ...) are accept
 from __future__ import annotations
 
 from online_sao.schemas import MIN_TEMPERATURE
-from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from serving.errors import APIError
+from serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request: each costs a scan of the held-back text per token."""

@@ -29,7 +29,8 @@ from serving.interaction_log import InteractionLogger
 from serving.metrics import ServingMetrics
 from serving.openai_serving import OpenAIServing
 from serving.answers import ChatCompletionResponse, CompletionResponse
-from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
+from serving.errors import APIError
+from serving.protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
 from serving.streaming import Streamed
 from serving.turn import Disconnected, InFlight
 

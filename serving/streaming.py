@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from serving.answers import AnswerFormat
-from serving.protocol import APIError, generation_failed
+from serving.errors import APIError, generation_failed
 from serving.tool_calls import ToolCallParser
 from serving.turn import Turn
 

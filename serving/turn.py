@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from online_sao.schemas import SamplingParams
 from serving.answers import UsageInfo
-from serving.protocol import APIError, client_disconnected, request_timed_out, server_overloaded, shutting_down
+from serving.errors import APIError, client_disconnected, request_timed_out, server_overloaded, shutting_down
 from serving.receipt import Receipt
 from serving.tool_calls import ParsedAnswer
 from serving.trajectories import TrajectoryPrefix

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from online_sao.config import load_config
-from serving.protocol import APIError
+from serving.errors import APIError
 from serving.turn import InFlight
 from tests.serving.conftest import ANSWER, HELD_AFTER, MESSAGES, MODEL, chat, metric, raw_post, wait_until
 

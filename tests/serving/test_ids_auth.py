@@ -160,7 +160,7 @@ def test_rate_limit_is_a_token_bucket_per_key():
 
 def test_retry_after_is_rounded_up_so_a_client_that_waits_that_long_is_admitted():
     """50 a minute: the next token comes 1.2 s after the burst's last; Retry-After said 1."""
-    from serving.protocol import APIError
+    from serving.errors import APIError
     from serving.routes import authorizer
 
     clock = Clock(0.0)

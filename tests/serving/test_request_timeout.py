@@ -16,7 +16,7 @@ import pytest
 
 from online_sao.schemas import SamplingParams
 from serving.answers import CHAT_FORMAT
-from serving.protocol import request_timed_out
+from serving.errors import request_timed_out
 from serving.streaming import DONE, AnswerStream
 from serving.trajectories import TrajectoryPrefix
 from serving.turn import Turn

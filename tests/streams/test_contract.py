@@ -331,7 +331,7 @@ def test_a_position_the_broker_cannot_give_is_unavailable_within_the_client_time
     from kafka import TopicPartition as KafkaTP
 
     from streams.base import StreamUnavailable
-    from streams.kafka_backend import KafkaStreamConsumer
+    from streams.kafka_consumer import KafkaStreamConsumer
 
     address = f"127.0.0.1:{free_port}"  # nothing listens there
     client = KafkaConsumer(bootstrap_servers=address, group_id="g-position", enable_auto_commit=False,
@@ -358,7 +358,7 @@ def test_an_offset_lookup_the_broker_cannot_answer_is_unavailable_within_the_cli
     from kafka import TopicPartition as KafkaTP
 
     from streams.base import StreamUnavailable
-    from streams.kafka_backend import KafkaStreamConsumer
+    from streams.kafka_consumer import KafkaStreamConsumer
 
     address = f"127.0.0.1:{free_port}"  # nothing listens there
     client = KafkaConsumer(bootstrap_servers=address, enable_auto_commit=False,

@@ -15,7 +15,8 @@ import kafka.errors as kerr
 import pytest
 
 from streams.broker import LocalBroker
-from streams.kafka_backend import FORCE_CLOSE_JOIN_S, KafkaBackend, KafkaStreamProducer
+from streams.kafka_backend import KafkaBackend
+from streams.kafka_producer import FORCE_CLOSE_JOIN_S, KafkaStreamProducer
 from tests.fixtures.kafka import local_broker_config
 
 CLIENT_TIMEOUT_S = 3.0

@@ -31,7 +31,7 @@ That is what makes the version of every token exact.
   engine: the HTTP layer passes the eos/end-of-turn ids explicitly.
 - Temperatures: at or below ``GREEDY_TEMPERATURE`` the engine decodes greedily
   and logs 0, as the native engine does. vLLM cannot sample between that and
-  :data:`VLLM_MIN_TEMPERATURE` (it would raise the temperature behind the
+  :data:`.vllm_settings.VLLM_MIN_TEMPERATURE` (it would raise the temperature behind the
   record's back) nor above 2: such a request is refused in ``generate`` with a
   ValueError (a 400), on the caller's thread, before it reaches the loop.
 - Failures: a request vLLM refuses to add fails alone; a step that raises fails
@@ -43,7 +43,7 @@ That is what makes the version of every token exact.
 - Whole prefills on CPU: vLLM's V1 runner rewinds a seeded request's generator
   after a partial (chunked) prefill, which a CPU generator cannot do, failing
   the step; on the CPU build chunked prefill is off and the step budget covers
-  the context (``_whole_prefills``).
+  the context (:func:`.vllm_settings.whole_prefills`).
 - Weight checks are the native engine's (:func:`.weights_check.check_state_dict`)
   against the model the native engine would load, built without memory on the
   meta device (:class:`.vllm_weights.ServedLayout`): the same names (tied ones as
@@ -73,118 +73,13 @@ from online_sao.modeling import load_tokenizer
 from online_sao.sampling import decodes_greedily
 from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
                                  check_prompt, relay_events)
-from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits, nucleus_logprobs
+from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits
+from serving.engine.vllm_outputs import alternatives, finite_output, greedy_alternatives
 from serving.engine.vllm_self_check import check_vllm_engine
+from serving.engine.vllm_settings import VLLM_MIN_TEMPERATURE, generator_seed, whole_prefills
 from serving.engine.vllm_weights import ServedLayout, refresh_tied_head
 
 log = logging.getLogger(__name__)
-
-VLLM_MIN_TEMPERATURE = 1e-2
-"""vLLM's lowest sampling temperature: ``vllm.SamplingParams.__post_init__`` raises any temperature in
-(0, this) to this (``vllm.sampling_params._MAX_TEMP``, vLLM 0.32) with only a warning, which would sample
-from another distribution than the one the record names. Temperatures above ``GREEDY_TEMPERATURE`` and
-below this are refused; :meth:`VLLMEngine._sampling` also refuses any temperature vLLM changes anyway."""
-
-
-GENERATOR_SEEDS = 2 ** 64
-"""How many generator seeds there are: ``torch.Generator.manual_seed`` (the native engine's) takes any
-64-bit integer, signed or not, and seeds with it modulo this."""
-VLLM_NO_SEED = -1
-"""The seed ``vllm.SamplingParams`` reads as "no seed" (again in every copy it makes of itself)."""
-
-
-def generator_seed(seed: int | None, signed: bool) -> int | None:
-    """The seed vLLM gets for an API seed: its generator seed (the seed modulo :data:`GENERATOR_SEEDS`),
-    which torch's generators seed with as the native engine's does. ``signed``: vLLM's V2 model runner
-    (its default on GPUs) keeps seeds in an int64 array, where a residue of 2**63 or more overflowed
-    and failed the whole step's batch: it gets the signed integer of the same bits, and the one seed
-    that is -1 there, which vLLM would take for none, is refused (ValueError: a 400). V1's runner
-    (the CPU build's) takes the residue, -1's included. None stays unseeded."""
-    if seed is None:
-        return None
-    residue = seed % GENERATOR_SEEDS
-    if not signed or residue < GENERATOR_SEEDS // 2:
-        return residue
-    if residue - GENERATOR_SEEDS == VLLM_NO_SEED:
-        raise ValueError("this vLLM engine cannot take the seed -1 (or 2**64 - 1): vLLM reads it as no seed; "
-                         "use another seed")
-    return residue - GENERATOR_SEEDS
-
-
-def _whole_prefills(kwargs: dict) -> dict:
-    """``vllm.EngineArgs`` keywords for the CPU build, where vLLM must prefill every prompt in one step.
-
-    With chunked prefill on, vLLM prefills a prompt longer than the step's token budget
-    (``max_num_batched_tokens``; by default min(2048, max_num_seqs x max_model_len)), or longer than what
-    the step's other requests leave of it, over several steps, and for a seeded request the V1 model
-    runner then rewinds its generator after each partial step (``gen.set_offset``, vLLM 0.32's
-    ``gpu_model_runner``). A CPU ``torch.Generator`` has no offset and raises, which fails the whole step,
-    every request in it included. So on CPU chunked prefill is off (the scheduler then waits until a
-    prompt fits the step's budget whole), ``long_prefill_token_threshold`` (which would cut a prefill
-    anyway) is 0, and the budget is at least ``max_model_len``, so that every prompt the engine admits
-    fits one step (vLLM would refuse a smaller budget without chunking). Settings the caller gave
-    otherwise are overridden with a warning. GPUs are left as vLLM configures them: their generators
-    have offsets."""
-    kwargs = dict(kwargs)
-    if kwargs.get("enable_chunked_prefill"):
-        log.warning("vLLM engine on CPU: chunked prefill turned off (a seeded request's partial prefill "
-                    "fails the step there)")
-    kwargs["enable_chunked_prefill"] = False
-    if kwargs.get("long_prefill_token_threshold"):
-        log.warning("vLLM engine on CPU: long_prefill_token_threshold %s turned off (it would cut prefills)",
-                    kwargs["long_prefill_token_threshold"])
-    kwargs["long_prefill_token_threshold"] = 0
-    budget = kwargs.get("max_num_batched_tokens")
-    if budget is not None:  # vLLM's own default is at least max_model_len once chunked prefill is off
-        from vllm import EngineArgs
-
-        max_len = EngineArgs(**kwargs).create_model_config().max_model_len
-        if budget < max_len:
-            log.warning("vLLM engine on CPU: max_num_batched_tokens raised from %d to max_model_len %d, "
-                        "so that every prompt is prefilled in one step", budget, max_len)
-            kwargs["max_num_batched_tokens"] = max_len
-    return kwargs
-
-
-def _ranked(logprobs: dict) -> list[tuple[int, float]]:
-    """One position of vLLM's output (``{token_id: Logprob}``: the top ``count`` plus the sampled token
-    when it is not among them) as ``(token_id, logprob)``, most likely first, ties to the lower id."""
-    return sorted(((int(t), float(lp.logprob)) for t, lp in logprobs.items()), key=lambda item: (-item[1], item[0]))
-
-
-def _alternatives(logprobs: dict, count: int) -> tuple[tuple[int, float], ...]:
-    """The ``count`` most likely tokens of one position of vLLM's output, leaving out tokens outside
-    the nucleus (-inf)."""
-    return tuple((t, min(lp, 0.0)) for t, lp in _ranked(logprobs)[:count] if math.isfinite(lp))
-
-
-def _greedy_alternatives(logprobs: dict, temperature: float, top_p: float,
-                         count: int) -> tuple[tuple[int, float], ...]:
-    """The alternatives of a greedy position, as the native engine lists them: under the request's own
-    tempered nucleus distribution (``sample_tokens`` takes the arg-max but lists ``nucleus_logprobs``).
-
-    vLLM reports a greedy row's log-probabilities at temperature 1 without a nucleus, so they are
-    re-tempered here over the tokens it listed. Tokens beyond the list are left out of the normaliser;
-    at a greedy temperature that moves the values only where an unlisted token's logit is within about
-    ``temperature * ln(vocabulary)`` of the largest one (a near tie).
-    """
-    if count <= 0:
-        return ()
-    ranked = _ranked(logprobs)
-    logp = nucleus_logprobs(torch.tensor([lp for _, lp in ranked]), temperature, top_p).tolist()
-    return tuple((t, min(lp, 0.0)) for (t, _), lp in zip(ranked[:count], logp) if math.isfinite(lp))
-
-
-def _finite(completion) -> bool:
-    """Whether every position of one request's step output has a finite sampled log-probability and no
-    NaN or +inf among its alternatives (-inf is a token outside the nucleus)."""
-    for token, logprobs in zip(completion.token_ids, completion.logprobs or []):
-        if not math.isfinite(logprobs[token].logprob):
-            return False
-        if any(math.isnan(lp.logprob) or lp.logprob == math.inf for lp in logprobs.values()):
-            return False
-    return True
-
 
 @dataclass
 class _Request:
@@ -239,13 +134,13 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            kwargs = _whole_prefills(kwargs)
+            kwargs = whole_prefills(kwargs)
         vllm_config = EngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
         scheduler = vllm_config.scheduler_config
         budget = min(scheduler.max_num_batched_tokens, scheduler.max_num_scheduled_tokens or math.inf)
         if current_platform.is_cpu() and (scheduler.enable_chunked_prefill or scheduler.long_prefill_token_threshold
                                           or budget < vllm_config.model_config.max_model_len):
-            # what _whole_prefills asked for did not hold (a budget below the context would also leave
+            # what whole_prefills asked for did not hold (a budget below the context would also leave
             # a longer prompt waiting for ever)
             raise ValueError("the vLLM engine on CPU needs whole prefills (no chunked prefill, a step budget of at "
                              "least max_model_len): vLLM configured chunked prefill "
@@ -452,7 +347,7 @@ class VLLMEngine:
     def _step(self) -> None:
         version = self._loop.version
         outputs = [(out, self._live[out.request_id]) for out in self._llm.step() if out.request_id in self._live]
-        broken = [(out, live) for out, live in outputs if not _finite(out.outputs[0])]
+        broken = [(out, live) for out, live in outputs if not finite_output(out.outputs[0])]
         if broken:  # checked before any token of the step goes out, as the native engine's sample_tokens does
             # vLLM's rows cannot see each other (each sequence has its own KV blocks), so only the broken
             # rows fail, as in the native engine's padded layout (sample_tokens' rows_apart)
@@ -477,11 +372,11 @@ class VLLMEngine:
                     break
                 if live.greedy:  # the point mass chose the token (serving.engine.sampling)
                     event = TokenEvent(int(token), 0.0, version, finish,
-                                       _greedy_alternatives(logprobs, sampling.temperature, sampling.top_p,
+                                       greedy_alternatives(logprobs, sampling.temperature, sampling.top_p,
                                                             live.request.top_logprobs))
                 else:
                     event = TokenEvent(int(token), min(float(logprobs[token].logprob), 0.0), version, finish,
-                                       _alternatives(logprobs, live.request.top_logprobs))
+                                       alternatives(logprobs, live.request.top_logprobs))
                 live.emit(event)
             if out.finished:
                 del self._live[out.request_id]

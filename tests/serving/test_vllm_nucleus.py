@@ -98,7 +98,7 @@ def test_every_api_seed_reaches_vllm_as_its_generator_seed_and_v2_as_an_int64():
     """vLLM's V2 model runner keeps seeds in an int64 array: the residues 2**63 and above (every
     negative seed, handed over as its residue) overflowed it and failed the step's whole batch. V1
     (a torch generator) takes the residue; -1 is what vLLM reads as no seed, so V2 cannot take it."""
-    from serving.engine.vllm_engine import generator_seed
+    from serving.engine.vllm_settings import generator_seed
 
     for seed, v1, v2 in ((-5, 2 ** 64 - 5, -5), (2 ** 64 - 5, 2 ** 64 - 5, -5), (2 ** 63, 2 ** 63, -(2 ** 63)),
                          (-(2 ** 63), 2 ** 63, -(2 ** 63)), (2 ** 63 - 1, 2 ** 63 - 1, 2 ** 63 - 1), (0, 0, 0),

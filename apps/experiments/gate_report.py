@@ -7,8 +7,9 @@ candidate and decides on it when it publishes the next multiple, ``register_ever
 later (trainer/publisher.py); a restart after a detected preference change is registered and made
 champion when it is published. The arm's resolved configuration
 (``<run>/arms/<arm>/config.yaml``) names the MLflow store, the registered model and the
-learner's consumer group, which identifies the arm's learner run; the registry versions that
-run created are the arm's. Arms of the in-process driver have no registry and are left out.
+learner's consumer group, which together identify the arm's learner run (each seed's run of an
+arm has a registered model of its own: orchestrate.seed_config); the registry versions that run
+created are the arm's. Arms of the in-process driver have no registry and are left out.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ the schedule prefers (with ``experiment.segments``: the schedule of the segment 
 record's ``user_id``, the OpenAI ``user`` field the simulated users send), and sends a Reward (source ``judge``) to the rewards topic
 ``experiment.reward_delay_s`` after the interaction completed; a seeded share
 ``experiment.drop_rate`` of rewards is withheld. Unreadable records go to the dead
-letter topic.
+letter topic, and so do interactions it cannot judge (:class:`Unjudgeable`: with segments, a
+``user_id`` that is empty or names no segment; a record with no text and no tokenizer): one
+stranger on the topic costs its own record, not the judge.
 
 The schedule's clock is the count of rollouts this judge has scored. Rollouts,
 unlike wall time, make arms of different speed meet the same preference at the
@@ -40,10 +42,10 @@ from typing import Callable, Protocol
 from apps.config import AppConfig
 from apps.experiments.judge import Judge, QualityStyleJudge, Raters
 from apps.experiments.results import RewardRow, append_row, read_reward_rows
-from online_sao.schemas import Interaction, Reward
-from streams.base import GroupMembershipLost, StreamBackend, StreamUnavailable, TopicPartition
+from online_sao.schemas import Interaction, Reward, encode
+from streams.base import GroupMembershipLost, StreamBackend, StreamMessage, StreamUnavailable, TopicPartition
 from streams.broker_wait import until_broker_takes
-from streams.records import decode_or_dead_letter, publish
+from streams.records import dead_letter_for, dead_letter_key, decode_or_dead_letter, publish
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,11 @@ COMMIT_EVERY_S = 1.0
 """Offsets are committed at most this often (each commit is a broker round trip)."""
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 _LAST_USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+
+
+class Unjudgeable(ValueError):
+    """An interaction the judge cannot score as it is (what it lacks is in the message); the
+    judge service dead-letters its record and goes on."""
 
 
 class Detokenizer(Protocol):
@@ -69,7 +76,7 @@ def interaction_texts(interaction: Interaction, tokenizer: Detokenizer | None) -
     prompt, response = interaction.prompt_text, interaction.response_text
     if prompt is None or response is None:
         if tokenizer is None:
-            raise ValueError(f"interaction {interaction.interaction_id} carries no text and no tokenizer was given")
+            raise Unjudgeable(f"interaction {interaction.interaction_id} carries no text and no tokenizer was given")
         prompt = tokenizer.decode(interaction.prompt_ids, skip_special_tokens=False)
         response = tokenizer.decode(interaction.response_ids, skip_special_tokens=False)
     turns = _LAST_USER_TURN.findall(prompt)
@@ -123,17 +130,21 @@ class ScheduleJudge:
 
     def segment_of(self, interaction: Interaction) -> str | None:
         """The user segment of ``interaction``: its ``user_id`` when the scenario has segments
-        (a record without one, or with a name the scenario lacks, raises: the simulated users
-        always send one), else None."""
+        (a record without one, or with a name the scenario lacks, raises :class:`Unjudgeable`: the
+        simulated users always send one), else None."""
         if not self.exp.segments:
             return None
         if interaction.user_id is None:
-            raise ValueError(f"interaction {interaction.interaction_id} names no user segment (user_id is empty)")
-        self.exp.segment_schedule(interaction.user_id)  # raises for a name the scenario lacks
+            raise Unjudgeable(f"interaction {interaction.interaction_id} names no user segment (user_id is empty)")
+        names = [s.name for s in self.exp.segments]
+        if interaction.user_id not in names:
+            raise Unjudgeable(f"interaction {interaction.interaction_id}: unknown user segment "
+                              f"{interaction.user_id!r}; the scenario has {names}")
         return interaction.user_id
 
     def score(self, interaction: Interaction) -> RewardRow:
-        """Judge an interaction not judged before: its row (recorded), the next rollout index."""
+        """Judge an interaction not judged before: its row (recorded), the next rollout index.
+        :class:`Unjudgeable` is raised before anything is recorded or drawn."""
         segment = self.segment_of(interaction)
         preferred = self.exp.preferred_style(self.rollout, segment)
         prompt, answer = interaction_texts(interaction, self.tokenizer)
@@ -183,21 +194,47 @@ class JudgeService:
     def step(self) -> None:
         now = self.clock()
         wait = POLL_TIMEOUT_S if not self._pending else min(POLL_TIMEOUT_S, max(0.0, self._pending[0].due - now))
-        for message in self.consumer.poll(timeout_s=wait):
-            self._read[message.tp] = message.offset + 1
-            interaction = decode_or_dead_letter(message, Interaction, self.producer, self.topics.dead_letters)
-            if interaction is None:
-                self.counters.dead_letters += 1
-            elif interaction.session_id == self.exp.eval_session_id:
-                self.counters.skipped += 1
-            elif interaction.interaction_id in self.scorer.judged:
-                self.counters.resumed += 1
-                self._schedule(self.scorer.judged[interaction.interaction_id], interaction, message.tp,
-                               message.offset)
-            else:
-                self._score(interaction, message.tp, message.offset)
+        messages = self.consumer.poll(timeout_s=wait)
+        for i, message in enumerate(messages):
+            try:
+                self._handle(message)
+            except BaseException:  # an outage (retried) or a bug: read again from here, never committed past
+                self._rewind(messages[i:])
+                raise
+            self._read[message.tp] = message.offset + 1  # read only once handled
         self._send_due()
         self._commit()
+
+    def _rewind(self, unhandled: list[StreamMessage]) -> None:
+        """Put each partition back at its first record of ``unhandled``: the step that failed on
+        them is retried after an outage (run_judge), and the consumer had read past them."""
+        first: dict[TopicPartition, int] = {}
+        for message in unhandled:
+            first.setdefault(message.tp, message.offset)
+        for tp, offset in first.items():
+            self.consumer.seek(tp, offset)
+
+    def _handle(self, message: StreamMessage) -> None:
+        interaction = decode_or_dead_letter(message, Interaction, self.producer, self.topics.dead_letters)
+        if interaction is None:
+            self.counters.dead_letters += 1
+        elif interaction.session_id == self.exp.eval_session_id:
+            self.counters.skipped += 1
+        elif interaction.interaction_id in self.scorer.judged:
+            self.counters.resumed += 1
+            self._schedule(self.scorer.judged[interaction.interaction_id], interaction, message.tp, message.offset)
+        else:
+            try:
+                self._score(interaction, message.tp, message.offset)
+            except Unjudgeable as exc:  # this record's fault: it goes aside, the judge goes on
+                self._dead_letter(message, f"not judged: {exc}")
+
+    def _dead_letter(self, message: StreamMessage, reason: str) -> None:
+        """Send ``message`` to the dead-letter topic, as decode_or_dead_letter does for unreadable ones."""
+        log.warning("judge: dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, reason)
+        self.producer.send(self.topics.dead_letters, encode(dead_letter_for(message, reason)),
+                           key=dead_letter_key(message.key))
+        self.counters.dead_letters += 1
 
     def _score(self, interaction: Interaction, tp: TopicPartition, offset: int) -> None:
         row = self.scorer.score(interaction)

@@ -125,7 +125,8 @@ def needs_critic(acfg: AppConfig) -> bool:
 
 def learner_run(acfg: AppConfig):
     """The arm's newest learner run in MLflow (an ``mlflow.entities.Run``), found by its consumer
-    group, which names the arm; None when there is none."""
+    group, which names the arm, and its registered model, which names the seed's run of it as well
+    (:func:`seed_config`); None when there is none."""
     from trainer.mlflow_store import open_client
 
     client = open_client(acfg.mlflow_uri)
@@ -133,7 +134,8 @@ def learner_run(acfg: AppConfig):
     if experiment is None:
         return None
     runs = client.search_runs([experiment.experiment_id],
-                              filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}'",
+                              filter_string=f"params.`trainer.consumer_group` = '{acfg.trainer.consumer_group}' AND "
+                                            f"params.`mlflow.registered_model` = '{acfg.mlflow.registered_model}'",
                               order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0] if runs else None
 
@@ -278,12 +280,18 @@ def pretrains(cfg: AppConfig, names: list[str]) -> bool:
 
 def seed_config(cfg: AppConfig, k: int, out: Path) -> AppConfig:
     """``cfg`` for seed ``k`` of the scenario: ``k`` added to the traffic, prompt and learner seeds,
-    results in ``out``."""
+    results in ``out``, and a registered model of its own (``<model>.seed-<k>``, which
+    :func:`~apps.experiments.scenario.arm_config` extends per arm). Every seed's run of an arm
+    shared one: each run deleted the model before it started (:func:`reset_registry`), so only the
+    last seed's decisions were left, and the report of seed 0 read the last seed's learner run."""
     exp = cfg.experiment
     return cfg.model_copy(update={
         "experiment": exp.model_copy(update={"seed": exp.seed + k, "prompt_seed": exp.prompt_seed + k,
                                              "results_dir": out}),
-        "trainer": cfg.trainer.model_copy(update={"seed": cfg.trainer.seed + k})})
+        "trainer": cfg.trainer.model_copy(update={"seed": cfg.trainer.seed + k}),
+        # the mlflow section says where things go, not what a run does (resume.OUTCOME_SECTIONS):
+        # a resumed sweep's finished seeds still match
+        "mlflow": cfg.mlflow.model_copy(update={"registered_model": f"{cfg.mlflow.registered_model}.seed-{k}"})})
 
 
 def seed_runs(cfg: AppConfig) -> list[AppConfig]:

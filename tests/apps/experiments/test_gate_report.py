@@ -30,10 +30,10 @@ LONG_FROM_VERSION = 6
 """Versions from here on answer with 10 tokens, over the length monitor's 5: candidate v6 trips it."""
 
 
-def _fill_registry(cfg) -> None:
-    """Versions 1-8 released as the learner does: candidates v2 and v4 pass (same answers as the
-    champion, no monitor over), v6's long answers trip the length monitor at v8's release. The
-    judge's quality of version v's answers is v / 8."""
+def _fill_registry(cfg, last_version: int = 8) -> None:
+    """Versions 1-8 (to ``last_version``) released as the learner does: candidates v2 and v4 pass (same
+    answers as the champion, no monitor over), v6's long answers trip the length monitor at v8's
+    release. The judge's quality of version v's answers is v / 8."""
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     publisher = Publisher(FileWeightStore(cfg.weight_store_url), backend.producer(), cfg.kafka.topics.weights, "m",
@@ -41,7 +41,7 @@ def _fill_registry(cfg) -> None:
     window = RecentWindow(cfg.deploy.window)
     releases = Releases(publisher, RunTracker(cfg), OffPolicyGate(ScriptedScorer(dict.fromkeys(range(1, 9), STYLE_A)),
                                                                   cfg.deploy), window, cfg.deploy, REGISTER_EVERY)
-    for version in range(1, 9):
+    for version in range(1, last_version + 1):
         releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
         answer = [5] * (8 if version >= LONG_FROM_VERSION else 0) + [5, STYLE_A]
         window.observe([replace(_rollout(f"v{version}-{i}", answer, version, 1.0, logprob=math.log(0.9) / len(answer)),
@@ -151,3 +151,41 @@ def test_a_decision_on_the_champions_record_says_so(tmp_path, empty_store):  # n
     rows = _sao_rows(results, tmp_path / "report")
     gates = {r[1]: (r[5], r[6]) for r in rows}
     assert gates["v6"] == ("promoted", "promoted on record") and gates["v4"] == ("promoted", "promoted")
+
+
+def test_a_multi_seed_report_reads_the_first_seeds_own_learner_and_registry(tmp_path, empty_store):  # noqa: F811
+    """Every seed's run of an arm had one consumer group and one registered model: each run deleted
+    the model first (as run_arm does), and the report of seed 0 read the newest learner run of the
+    group, the last seed's, whose decisions it showed against seed 0's rewards."""
+    from apps.experiments.orchestrate import learner_run, reset_registry, seed_runs
+    from apps.experiments.scenario import arm_config, results_dir
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(empty_store, db)
+    results = tmp_path / "results"
+    cfg = load_app_config(environ={}, overrides={
+        "paths.data_dir": str(tmp_path / "data"), "mlflow.tracking_uri": f"sqlite:///{db}",
+        "mlflow.register_every": REGISTER_EVERY, "deploy.window": 80, "deploy.monitor_max_mean_length": 5,
+        "experiment.seeds": 2, "experiment.results_dir": str(results)})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    arms = []
+    for k, run in enumerate(seed_runs(cfg)):  # one after the other, as the live driver runs them
+        acfg = arm_config(run, next(a for a in run.experiment.arms if a.name == "sao"))
+        write_run(results_dir(run), {"sao": synthetic_rewards(3, k)}, seed=k)
+        (results_dir(run) / "arms" / "sao").mkdir(parents=True)
+        (results_dir(run) / "arms" / "sao" / "config.yaml").write_text(dump_config(acfg))
+        reset_registry(acfg, lambda line: None)
+        _fill_registry(acfg, last_version=8 if k == 0 else 4)  # seed 1 decides one candidate only
+        arms.append(acfg)
+
+    assert [learner_run(a).data.params["trainer.seed"] for a in arms] == ["0", "1"]
+    assert [a.mlflow.registered_model for a in arms] == [f"{cfg.mlflow.registered_model}.seed-{k}.drift.sao"
+                                                         for k in (0, 1)]
+    assert arms[0].trainer.consumer_group == arm_config(cfg, cfg.experiment.arms[0]).trainer.consumer_group
+    assert arm_config(cfg, cfg.experiment.arms[0]).mlflow.registered_model == \
+        f"{cfg.mlflow.registered_model}.drift.sao"  # a single seed's names are as they were
+    assert "(seed directory seed-0)" in write_report(results, tmp_path / "report").read_text()
+    rows = _sao_rows(results, tmp_path / "report")
+    assert [r[1:6] for r in rows] == [["v2", "v4", "16", "16", "promoted"], ["v4", "v6", "24", "24", "promoted"],
+                                      ["v6", "v8", "32", "32", "rolled back"]]

@@ -425,3 +425,61 @@ def test_a_judge_stopped_while_waiting_for_the_broker_returns_without_judging(mo
                          progress=lines.append)
     assert counters.scored == 0
     assert lines[-1] == "judge: stopped before the broker came up; nothing judged"
+
+
+SEGMENTS = [{"name": "early", "share": 1.0, "schedule": [{"from_rollout": 0, "style": "formal"}]}]
+
+
+def test_an_interaction_of_no_known_segment_is_dead_lettered_and_the_judge_goes_on(tmp_path):
+    """With segments, a record whose ``user_id`` is missing or names no segment (another client of the
+    same serving) made the scorer raise: the judge died on it, and having marked it read committed
+    past it on the way out, so it was neither judged nor dead-lettered."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))  # one partition: offsets follow send order
+    backend.ensure_topics()
+    cfg = experiment_config(backend.cfg, reward_delay_s=0.0, segments=SEGMENTS)
+    producer = backend.producer()
+    good, stranger, anonymous, redacted, after = (
+        chat_interaction(*ANSWERS[k], user_id=user, completed_at=1000.0)
+        for k, user in enumerate(["early", "someone-else", None, "early", "early"]))
+    redacted = redacted.model_copy(update={"prompt_text": None, "response_text": None})  # and no tokenizer
+    for interaction in (good, stranger, anonymous, redacted, after):
+        publish(producer, cfg.kafka.topics.interactions, interaction)
+    results = tmp_path / "arm.jsonl"
+    service = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: 2000.0)
+    service.step()
+    service.close()
+    assert (service.counters.scored, service.counters.dead_letters, service.counters.sent) == (2, 3, 2)
+    assert [r.interaction_id for r in read_arm(results).rewards] == [good.interaction_id, after.interaction_id]
+    assert [r.rollout for r in read_arm(results).rewards] == [0, 1]  # a dead letter takes no rollout
+    letters = drain_memory(backend, cfg.kafka.topics.dead_letters)
+    assert [decode(letter.raw, Interaction).interaction_id for letter in letters] == [
+        stranger.interaction_id, anonymous.interaction_id, redacted.interaction_id]
+    assert "unknown user segment 'someone-else'" in letters[0].reason and "names no user segment" in letters[1].reason
+    assert "no text" in letters[2].reason
+    again = JudgeService(cfg, FixedJudge(), backend, results_path=results, clock=lambda: 2000.0)
+    again.step()  # everything was handled and committed: nothing comes again
+    assert again.counters == type(again.counters)()
+    again.close()
+
+
+def test_a_record_whose_handling_failed_is_read_again_not_committed_past(tmp_path):
+    """The dead letter of an unreadable record could not be sent (broker down): the step raised with
+    the record and the one after it read, run_judge retried, and the next poll started after them:
+    neither was handled, and the next commit went past both."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    backend.ensure_topics()
+    cfg = experiment_config(backend.cfg, reward_delay_s=0.0)
+    producer = backend.producer()
+    producer.send(cfg.kafka.topics.interactions, b"not a record", key=b"bad")
+    good = chat_interaction(*ANSWERS[0], completed_at=1000.0)
+    publish(producer, cfg.kafka.topics.interactions, good)
+    results = tmp_path / "arm.jsonl"
+    service = JudgeService(cfg, FixedJudge(), FlakyBackend(backend, failures=1), results_path=results,
+                           clock=lambda: 2000.0)
+    with pytest.raises(StreamUnavailable):
+        service.step()  # the dead letter's send is refused
+    service.step()  # as run_judge retries after an outage
+    service.close()
+    assert (service.counters.dead_letters, service.counters.scored, service.counters.sent) == (1, 1, 1)
+    assert [r.raw for r in drain_memory(backend, cfg.kafka.topics.dead_letters)] == [b"not a record"]
+    assert [r.interaction_id for r in drain_memory(backend, cfg.kafka.topics.rewards)] == [good.interaction_id]

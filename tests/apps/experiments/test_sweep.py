@@ -34,3 +34,29 @@ def test_names_round_trip_and_the_best_rate_has_the_highest_mean_reward():
 
     arms = [arm("sao_lr0.0001", 0.2), arm("sao_lr0.0003", 0.35), arm("sao_lr0.001", 0.3), arm("grpo_lr0.001", 0.1)]
     assert best_rates(arms) == {"sao": (3e-4, 0.35), "grpo": (1e-3, 0.1)}
+
+
+def test_rates_that_name_one_arm_are_refused_before_anything_is_written(tmp_path):
+    """Repeated rates, or rates equal to six significant digits, made two arms of one name (the arms
+    were copied in unvalidated): one ran twice, and the report could not read scenario.json."""
+    from online_sao.config import ConfigError
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"\[0\.0001, 0\.0001\] as 0\.0001"):
+        sweep_config(cfg, [1e-4, 1e-4], arms=["sao"])
+    with pytest.raises(ConfigError, match=r"\[0\.0003, 0\.00030000001\] as 0\.0003"):
+        sweep_config(cfg, [3e-4, 1e-3, 3.0000001e-4])
+    assert not (tmp_path / "experiments").exists()
+    assert [a.name for a in sweep_config(cfg, [3e-4, 3.001e-4], arms=["sao"]).experiment.arms] == [
+        "sao_lr0.0003", "sao_lr0.0003001"]
+
+
+def test_the_sweeps_scenario_is_validated_as_the_scenario_is(tmp_path, monkeypatch):
+    """Built by model_copy, the sweep's arms skipped the scenario's checks; without the rates' own
+    check, the scenario's refuses their clash all the same."""
+    from apps.experiments import sweep
+
+    monkeypatch.setattr(sweep, "clashing_rates", lambda rates: {}, raising=False)  # raising=False: absent before the fix
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="arm names must be unique"):
+        sweep_config(cfg, [1e-4, 1e-4], arms=["sao"])

@@ -23,12 +23,14 @@ the step is not refused. A batch the K updates fit with no action token (on any 
 value loss no gradient either: those updates make no optimiser step and no warm-up step
 (``critic_updates_done = 0``, the critic bit-for-bit as it was), and the step is not refused.
 
-A step is refused (``skipped_nonfinite = 1``, nothing updated) when the batch holds
+A step is refused (``skipped_nonfinite = 1``, the policy not updated) when the batch holds
 a non-finite reward or action-token behaviour log-prob, or when the first
 non-finite loss or gradient norm appears. Refusal happens before any optimiser
 step of that update; critic updates that already succeeded earlier in the same
-step stay (they were finite updates on finite data). Under FSDP each of these
-decisions is agreed across ranks through ``vote`` (see :mod:`online_sao.train_step`).
+step stay (they were finite updates on finite data): the K updates run before the
+policy update, so a step refused there has trained the critic (``critic_updates_done``).
+Under FSDP each of these decisions is agreed across ranks through ``vote`` (see
+:mod:`online_sao.train_step`).
 
 The learning rule as this project implements it: docs/ALGORITHM.md.
 """
@@ -195,7 +197,7 @@ class SAO(ActorCritic):
 
     def _fit(self, batch: RolloutBatch, timer: PhaseTimer) -> FitOutcome:
         """``cfg.critic_updates`` guarded value-loss updates toward ``batch``'s targets."""
-        cfg, norms, first_loss, first_values = self.cfg, [], math.nan, None
+        cfg, norms, rates, first_loss, first_values = self.cfg, [], [], math.nan, None
         for update in range(cfg.critic_updates):
             with timer.phase("critic_forward"):
                 values = self.critic(batch.input_ids, batch.attention_mask)
@@ -206,6 +208,7 @@ class SAO(ActorCritic):
                                                   cfg.lambda_critic)
                 loss, _ = value_loss(values, targets, batch.action_mask, batch.token_normalizer)
             first_loss = loss.item() if update == 0 else first_loss
+            rate = self._critic_rate()  # read before the update: an applied one steps the warm-up past it
             # the value loss covers the action tokens: without one (on every rank) it has no gradient,
             # and AdamW would move the critic by its momentum alone
             result = guarded_update(loss, self.critic_optimizer, cfg.max_grad_norm, self.critic_scheduler, self.vote,
@@ -213,18 +216,32 @@ class SAO(ActorCritic):
             timer.add("critic_backward", result.backward_s)
             timer.add("critic_optimizer", result.step_s)
             norms.append(result.grad_norm)
+            if result.stepped:
+                rates.append(rate)
             if result.refused:
-                return FitOutcome(False, update, {"critic_grad_norm": result.grad_norm,
-                                                  "critic_fit_loss": first_loss}, first_values)
+                return FitOutcome(False, update, {"critic_grad_norm": result.grad_norm, "critic_fit_loss": first_loss,
+                                                  "critic_lr": self._mean_rate(rates)}, first_values)
             if result.empty:  # so is every later one (same batch, same critic): the fit stands, nothing applied
-                return FitOutcome(True, update, {"critic_grad_norm": sum(norms) / len(norms),
-                                                 "critic_fit_loss": first_loss}, first_values)
-        return FitOutcome(True, cfg.critic_updates, {"critic_grad_norm": sum(norms) / len(norms),
-                                                     "critic_fit_loss": first_loss}, first_values)
+                return FitOutcome(True, update, self._fit_summary(norms, rates, first_loss), first_values)
+        return FitOutcome(True, cfg.critic_updates, self._fit_summary(norms, rates, first_loss), first_values)
+
+    def _critic_rate(self) -> float:
+        """The learning rate the critic's next update uses (the warm-up's current one)."""
+        return float(self.critic_optimizer.param_groups[0]["lr"])
+
+    def _mean_rate(self, rates: list[float]) -> float:
+        """Mean of the rates the applied updates used; with none applied, the rate the next one will use."""
+        return sum(rates) / len(rates) if rates else self._critic_rate()
+
+    def _fit_summary(self, norms: list[float], rates: list[float], first_loss: float) -> dict[str, float]:
+        """The K updates' metrics: mean gradient norm, first loss and the rate they used."""
+        return {"critic_grad_norm": sum(norms) / len(norms), "critic_fit_loss": first_loss,
+                "critic_lr": self._mean_rate(rates)}
 
     def _critic_metrics(self, batch: RolloutBatch, judged: CriticPass) -> dict[str, float]:
         """Value loss and explained variance of each set of values against this batch's targets."""
-        out: dict[str, float] = {"critic_lr": float(self.critic_optimizer.param_groups[0]["lr"]),
+        # without a fit (an empty replay window) the rate the next update will use; the fit's own replaces it
+        out: dict[str, float] = {"critic_lr": self._critic_rate(),
                                  "critic_updates_done": float(judged.fit.updates_done) if judged.fit else 0.0}
         if judged.fit is not None:
             out.update(judged.fit.metrics)

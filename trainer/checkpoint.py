@@ -33,8 +33,9 @@ segment it names to the length it recorded and deletes segments started after it
 lines of steps the checkpoint does not cover (a crash between 1 and 3) disappear with the steps
 themselves: an id is in the ledger once per time its training is part of the
 committed state. A step whose update was refused as non-finite still writes its
-line, marked ``"refused": true``: those ids were consumed exactly once too, but
-trained nothing (:func:`read_ledger` can tell the two apart).
+line, marked ``"refused": true``: those ids were consumed exactly once too, but the
+policy did not train on them (SAO's critic updates before the refusal stay,
+docs/ALGORITHM.md section 8; :func:`read_ledger` can tell the two apart).
 
 The current segment's length is what a checkpoint records of it, so its lines may not be
 deleted; to erase a user's ids, :func:`~trainer.ledger.redact_ledger` overwrites them in place
@@ -218,7 +219,8 @@ class Checkpointer:
     def record_trained(self, step: int, interaction_ids: list[str], refused: bool = False) -> None:
         """Note the ids a step took; they reach the ledger with the next :meth:`save`.
         ``refused``: the step's update was refused as non-finite, so these ids were
-        consumed but trained nothing (the line carries ``"refused": true``)."""
+        consumed but the policy did not train on them (SAO's critic updates before the
+        refusal stay, docs/ALGORITHM.md section 8; the line carries ``"refused": true``)."""
         entry: dict[str, Any] = {"step": step, "ids": interaction_ids}
         if refused:
             entry["refused"] = True

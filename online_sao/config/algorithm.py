@@ -12,6 +12,11 @@ RULES_WITH_DIS = frozenset({"sao", "running_mean"})
 """Rules whose policy loss is the DIS loss itself: they apply the DIS mask whatever ``use_dis``
 says (grpo puts it on top of its clip only with ``use_dis``; ppo never applies it)."""
 
+RULES_THAT_WHITEN = frozenset({"sao", "ppo"})
+"""Rules whose per-token advantages ``normalize_advantages`` whitens. running_mean's and grpo's
+advantages are one number per rollout (grpo's already normalised within each group) and never
+whitened, so the key is refused for them rather than silently ignored."""
+
 
 class AlgorithmConfig(Section):
     name: Literal["sao", "running_mean", "grpo", "ppo"] = "sao"
@@ -56,7 +61,9 @@ class AlgorithmConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping of both models."""
     normalize_advantages: bool = False
-    """Whiten advantages per step (the paper does not; off by default)."""
+    """Whiten the step's advantages to mean 0 and standard deviation 1 over its action tokens (the
+    paper does not; off by default). Only sao and ppo whiten; true is refused for running_mean and
+    grpo, which do not (an arm 'with whitening' would silently run without)."""
     critic_order: Literal["fit_then_judge", "judge_then_fit", "replay_then_judge"] = "judge_then_fit"
     """Where SAO's K critic updates run relative to the values its advantages use (SAO.md
     section 3). ``fit_then_judge``: K updates on the step's rollouts, then values and advantages
@@ -149,4 +156,11 @@ class AlgorithmConfig(Section):
         if not self.use_dis and self.name in RULES_WITH_DIS:
             raise ValueError(f"use_dis: false is not possible with name: {self.name}: its policy loss is the DIS "
                              "loss, applied always (only grpo can run without DIS)")
+        return self
+
+    @model_validator(mode="after")
+    def _only_rules_that_whiten_take_normalize_advantages(self) -> "AlgorithmConfig":
+        if self.normalize_advantages and self.name not in RULES_THAT_WHITEN:
+            raise ValueError(f"normalize_advantages: true is not possible with name: {self.name}: its advantages "
+                             "are one number per rollout and are never whitened (only sao and ppo whiten)")
         return self

@@ -143,3 +143,32 @@ def test_a_phase_sync_is_called_around_every_timed_phase(tiny_qwen):
     calls.clear()
     algo.step(make_batch(tiny_qwen))
     assert calls == []
+
+
+@pytest.mark.parametrize("order", ["judge_then_fit", "fit_then_judge"])
+def test_critic_lr_is_the_mean_rate_the_steps_critic_updates_used(tiny_qwen, order):
+    """Warm-up over 10 updates of 1e-3, K = 2: step 1's updates run at 1e-4 and 2e-4, step 2's at 3e-4
+    and 4e-4. The metric was read after the updates had stepped the warm-up: 3e-4 at step 1."""
+    cfg = AlgorithmConfig(policy_lr=1e-3, critic_lr=1e-3, critic_warmup_steps=10, critic_updates=2,
+                          critic_order=order)
+    critic = ValueModel.from_policy(tiny_qwen, freeze_attention=cfg.freeze_critic_attention)
+    opt = build_optimizers(cfg, tiny_qwen, critic)
+    algo = build_algorithm(cfg, tiny_qwen, critic, opt.policy, opt.critic, opt.critic_scheduler)
+    first = algo.step(make_batch(tiny_qwen))
+    assert first["critic_updates_done"] == 2.0 and first["critic_lr"] == pytest.approx(1.5e-4)
+    assert algo.step(make_batch(tiny_qwen))["critic_lr"] == pytest.approx(3.5e-4)
+
+
+def test_a_step_refused_at_the_policy_update_keeps_its_critic_updates(tiny_qwen, snapshot_weights):
+    """What ALGORITHM.md section 8, the learner's warning and the ledger say of a refused step: the
+    policy did not change, the K critic updates that ran before the refused policy update stay."""
+    algo = make_sao(tiny_qwen)  # the critic is copied from the policy before the policy is broken
+    batch = make_batch(tiny_qwen)
+    with torch.no_grad():
+        tiny_qwen.model.layers[0].mlp.down_proj.weight[0, 0] = float("inf")
+    policy_unchanged = snapshot_weights(tiny_qwen)
+    critic_before = {n: p.detach().clone() for n, p in algo.critic.named_parameters()}
+    metrics = algo.step(batch)
+    assert metrics["skipped_nonfinite"] == 1.0 and metrics["critic_updates_done"] == 2.0
+    policy_unchanged()
+    assert any(not torch.equal(p, critic_before[n]) for n, p in algo.critic.named_parameters())

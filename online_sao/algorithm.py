@@ -27,8 +27,9 @@ from online_sao.train_step import FiniteVote, local_vote
 class Algorithm(ABC):
     """One learning rule. ``step`` updates the models in place and returns float metrics.
 
-    A step whose loss or gradients are not finite must change no weights and
-    report ``skipped_nonfinite = 1.0`` in its metrics.
+    A step whose loss or gradients are not finite must not apply the failing update nor any
+    after it, and must report ``skipped_nonfinite = 1.0`` in its metrics; updates that finished
+    earlier in the step stay (SAO's critic updates, docs/ALGORITHM.md section 8).
     """
 
     needs_critic: ClassVar[bool]

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable
 
-from apps.config import AppConfig, load_app_config
+from apps.config import AppConfig, check_requests_fit_serving, load_app_config
 from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
@@ -93,6 +93,10 @@ def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
     redacted = redact_ledger(root, set(args.ids))
     print(f"{redacted} occurrence(s) of {len(set(args.ids))} id(s) redacted in {len(files)} ledger file(s) "
           f"under {root}")
+    if not redacted:  # an erasure request that erased nothing: a mistyped id, or the wrong data_dir
+        print(f"none of the ids is in the ledger under {root} (never trained on, already redacted, or another "
+              "checkpoint directory)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -141,12 +145,14 @@ def _weights(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 
 def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
+    check_requests_fit_serving(cfg, "experiment")
     from apps.experiments.orchestrate import run_simulation
 
     return _resumable(lambda: run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True)))
 
 
 def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
+    check_requests_fit_serving(cfg, "experiment")
     from apps.experiments.sweep import run_lr_sweep
 
     return _resumable(lambda: run_lr_sweep(cfg, args.rates, arms=args.arm or None,
@@ -154,6 +160,7 @@ def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 
 def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:
+    check_requests_fit_serving(cfg, "agent")
     from apps.agent.run import run_agent
 
     print(run_agent(cfg, progress=lambda line: print(line, flush=True)), flush=True)

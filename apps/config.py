@@ -13,8 +13,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from apps.default_model.corpus import STYLES
 from apps.default_model.corpus_content import TOPICS
-from online_sao.config import AlgorithmConfig, Config, ModelConfig, Section, load_config
-
+from online_sao.config import AlgorithmConfig, Config, ConfigError, ModelConfig, Section, load_config
 
 
 class BaseModelConfig(Section):
@@ -174,7 +173,8 @@ class ExperimentConfig(Section):
     prompt_seed: int = 0
     """Seed of the prompt pool's selection and of the order prompts are drawn in."""
     max_tokens: int = Field(64, ge=1)
-    """max_tokens of each simulated request."""
+    """max_tokens of each simulated request; at most ``serving.max_new_tokens`` (``simulate`` and
+    ``lr-sweep`` refuse more before they start)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of each simulated request."""
     reward_delay_s: float = Field(0.0, ge=0)
@@ -344,7 +344,8 @@ class AgentConfig(Section):
     progress_every: int = Field(20, ge=1)
     """A progress line every this many finished tasks."""
     max_tokens: int = Field(48, ge=1)
-    """max_tokens of each request (a call is about 25 tokens, a final answer under 15)."""
+    """max_tokens of each request (a call is about 25 tokens, a final answer under 15); at most
+    ``serving.max_new_tokens`` (``agent`` refuses more before it starts)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of each request."""
     max_tool_rounds: int = Field(2, ge=1)
@@ -380,6 +381,16 @@ class AppConfig(Config):
                 raise ValueError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top "
                                  f"of the algorithm section: {problems}") from None
         return self
+
+
+def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:
+    """ConfigError when ``<scenario>.max_tokens`` is above ``serving.max_new_tokens`` (serving refuses
+    each such request: the run died on its first one, after all its setup). Checked by the commands
+    that send them, not at load: a serving-only configuration with a small limit is valid."""
+    asked, limit = getattr(cfg, scenario).max_tokens, cfg.serving.max_new_tokens
+    if asked > limit:
+        raise ConfigError(f"{scenario}.max_tokens = {asked} is above serving.max_new_tokens = {limit}, the most "
+                          "a request may ask for: lower the one or raise the other")
 
 
 def client_api_key(cfg: Config) -> str | None:

@@ -25,6 +25,7 @@ import httpx
 
 from apps.config import AppConfig, client_api_key
 from apps.stack import Stack, free_port
+from online_sao.config.base import mask_uri_password
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from streams.base import Consumer
 from trainer.checkpoint import read_ledger
@@ -35,6 +36,9 @@ VERSION_WAIT_S = 240.0
 """How long the smoke run waits for serving to answer with weights trained on its feedback."""
 POLL_S = 2.0
 """Pause between two looks at serving's version, the weights notices and the ledger."""
+SMOKE_MAX_TOKENS = 48
+"""max_tokens of the smoke run's requests (a complete answer of about 20 words, which the stand-in
+feedback prefers), lowered to ``serving.max_new_tokens`` where that is less: serving refuses more."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
         for i in range(requests):
             stack.check_alive()
             reply = client.chat.completions.create(
-                model=cfg.serving.model_name, max_tokens=48, temperature=1.0,
+                model=cfg.serving.model_name, max_tokens=smoke_max_tokens(cfg), temperature=1.0,
                 messages=[{"role": "user", "content": prompts[i % len(prompts)]}])
             extra = reply.model_extra or {}
             answer = reply.choices[0].message.content or ""
@@ -127,8 +131,13 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
     print(f"smoke run finished in {time.monotonic() - started:.0f} s: serving answers with policy version "
           f"{evidence.served_version} (started at {start_version}), published at step "
           f"{evidence.version_steps[evidence.served_version]} after training on this run's feedback; "
-          f"logs in {run_dir / 'logs'}; MLflow at {cfg.mlflow_uri}")
+          f"logs in {run_dir / 'logs'}; MLflow at {mask_uri_password(cfg.mlflow_uri)}")
     return 0
+
+
+def smoke_max_tokens(cfg: AppConfig) -> int:
+    """max_tokens of the smoke run's requests: :data:`SMOKE_MAX_TOKENS`, at most what serving grants."""
+    return min(SMOKE_MAX_TOKENS, cfg.serving.max_new_tokens)
 
 
 def _served_version(base_url: str, model_name: str, headers: dict[str, str]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePath
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
@@ -73,3 +74,20 @@ def expand_home(value: Any) -> Any:
         return value.expanduser()
     except RuntimeError as exc:  # ~user of no such user, or no home directory
         raise ValueError(f"cannot expand {str(value)!r}: {exc}") from None
+
+
+MASKED_PASSWORD = "***"
+"""What a URL's password is shown as."""
+_URL_PASSWORD = re.compile(r"(?P<user>\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#:@\s'\"]*):[^/?#\s'\"]*@")
+"""A URL's scheme and user, then its password up to the last ``@`` of the authority (a raw ``@`` in a
+password stays masked)."""
+
+
+def mask_uri_password(text: str | None) -> str | None:
+    """``text`` with the password of every URL in it masked (``postgresql://user:pw@db/x`` ->
+    ``postgresql://user:***@db/x``): a configured URL, or a message quoting one (httpx's errors
+    name the URL they asked), for wherever it is shown or logged. Text without one is returned as
+    given."""
+    if not text:
+        return text
+    return _URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", text)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_serializer, field_validator
 
-from online_sao.config.base import Section, expand_home
+from online_sao.config.base import Section, expand_home, mask_uri_password
+
+STORE_NAME_PATTERN = r"[A-Za-z0-9_-]{1,100}"
+"""The ``<name>`` of a ``shm://<name>`` or ``cuda-ipc://<name>`` weight store: it becomes part of
+file names in ``/dev/shm``. Here, not in online_sao/weights, so the configuration checks it
+without importing torch; the stores match their names and locations with it."""
+STORE_NAME_RULE = "use 1-100 letters, digits, '_' or '-'"
+"""What :data:`STORE_NAME_PATTERN` allows, in words."""
+NAMED_STORE_SCHEMES = ("shm://", "cuda-ipc://")
+"""Weight-store URLs whose rest is a store name (online_sao/weights: open_weight_store)."""
 
 
 class TrainerConfig(Section):
@@ -48,7 +58,8 @@ class TrainerConfig(Section):
     weight_store: str | None = None
     """Directory or fsspec URL of published weights (default data_dir/weights);
     ``shm://<name>`` (host shared memory) or ``cuda-ipc://<name>`` (GPU memory)
-    skip the disk when learner and serving share a host (docs/SERVING.md)."""
+    skip the disk when learner and serving share a host (docs/SERVING.md); their ``<name>`` is 1-100
+    letters, digits, '_' or '-'. A password in a URL is shown and logged as ``user:***@``."""
     checkpoint_dir: Path | None = None
     """Learner checkpoints (default data_dir/checkpoints)."""
     ledger_segment_bytes: int = Field(64 * 2**20, ge=1)
@@ -101,10 +112,26 @@ class TrainerConfig(Section):
     _pretrain_file_home = field_validator("pretrain_file")(expand_home)
     """``~`` expanded: the learner opens the file as given (trainer/learner.py)."""
 
+    @field_validator("weight_store")
+    @classmethod
+    def _store_name_valid(cls, url: str | None) -> str | None:
+        """A shared-memory store's name checked at load: the store refused it only when the learner
+        opened it, with a traceback after the models were built."""
+        for scheme in NAMED_STORE_SCHEMES:
+            name = url[len(scheme):] if url is not None and url.startswith(scheme) else None
+            if name is not None and not re.fullmatch(STORE_NAME_PATTERN, name):
+                raise ValueError(f"{scheme}<name>: store name {name!r}: {STORE_NAME_RULE}")
+        return url
+
+    @field_serializer("weight_store", when_used="json")
+    def _store_password_masked(self, url: str | None) -> str | None:
+        return mask_uri_password(url)
+
 
 class MLflowConfig(Section):
     tracking_uri: str | None = None
-    """MLflow tracking URI; default a SQLite database data_dir/mlflow.db (no server)."""
+    """MLflow tracking URI; default a SQLite database data_dir/mlflow.db (no server). A password in
+    it (``postgresql://user:pw@db/mlflow``) is shown and logged as ``user:***@``."""
     experiment: str = "online-sao"
     """Experiment of learner and simulation runs."""
     registered_model: str = "online-sao-policy"
@@ -133,3 +160,10 @@ class MLflowConfig(Section):
     ``registry_monitor_*`` and pre-training metrics are logged when they happen. A learner
     killed (not stopped) loses the steps not yet logged. 1 logs every step (the experiments:
     their summaries count the learner's steps in MLflow)."""
+
+    @field_serializer("tracking_uri", when_used="json")
+    def _password_masked(self, uri: str | None) -> str | None:
+        """Masked wherever the configuration is dumped (``config show``, the learner's MLflow params
+        and ``config/resolved.yaml``), as the secrets are; ``dump_config(reveal_secrets=True)``
+        restores it for a child process."""
+        return mask_uri_password(uri)

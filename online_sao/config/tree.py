@@ -175,9 +175,20 @@ def setting_value(schema: type[BaseModel], keys: list[str], text: str, source: s
         raise ConfigError(f"{source}: not a YAML value{where}") from None
 
 
-def one_line(exc: BaseException) -> str:
-    """An error's message on one line (YAML's point at the column below the text)."""
-    return " ".join(str(exc).split())
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where (1-based line and column), without its quote of the
+    offending line: that line may hold a secret (an unclosed quote around a password)."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses
+        return f"{exc.reason} (character {exc.position + 1})"
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+    parts = [f"{text}{_yaml_where(mark)}" for text, mark in ((exc.context, exc.context_mark),
+                                                              (exc.problem, exc.problem_mark)) if text]
+    return ": ".join(parts) or type(exc).__name__
+
+
+def _yaml_where(mark: yaml.Mark | None) -> str:
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
 
 
 def _section(raw: dict[str, Any], keys: list[str], source: str) -> dict[str, Any]:
@@ -215,7 +226,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         try:
             loaded = _load_yaml(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {one_line(exc)}") from exc
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -260,9 +271,12 @@ def _reveal(model: BaseModel, data: dict[str, Any]) -> None:
 
 def _revealed(value: Any, dumped: Any) -> Any:
     """``dumped`` (``value``'s JSON dump) with every secret in it in clear: in sections, lists and
-    mappings alike (``serving.source_keys`` maps a source to a list of keys)."""
+    mappings alike (``serving.source_keys`` maps a source to a list of keys), and a URL's password
+    (masked by its section's serializer: ``mlflow.tracking_uri``)."""
     if isinstance(value, SecretStr):
         return value.get_secret_value()
+    if type(value) is str:  # a text dumps as itself, but for the password a serializer masked
+        return value
     if isinstance(value, BaseModel):
         _reveal(value, dumped)
         return dumped

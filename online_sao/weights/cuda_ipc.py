@@ -44,6 +44,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from online_sao.config.trainer import STORE_NAME_PATTERN, STORE_NAME_RULE
 from online_sao.weights.store import CorruptWeights, WeightsRef, WeightStore, verify_state_dict
 from online_sao.weights.layout import ALIGN_BYTES, Layout, pack, unpack
 from online_sao.weights.shm import DEFAULT_SHM_ROOT
@@ -51,8 +52,8 @@ from online_sao.weights.shm import DEFAULT_SHM_ROOT
 MAX_RECORD_BYTES = 128 * 1024 * 1024
 """Largest record file read (its layout table dominates; see weights_layout.MAX_TABLE_BYTES)."""
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
-_LOCATION = re.compile(r"^cuda-ipc://([A-Za-z0-9_-]{1,100})/v(\d{8,})$")
+_NAME = re.compile(STORE_NAME_PATTERN)
+_LOCATION = re.compile(rf"^cuda-ipc://({STORE_NAME_PATTERN})/v(\d{{8,}})$")
 
 
 def b64encode(data: bytes) -> str:
@@ -172,8 +173,8 @@ class CudaIpcWeightStore(WeightStore):
     def __init__(self, name: str, root: Path = DEFAULT_SHM_ROOT, device: torch.device | str | None = None,
                  ops: IpcOps | None = None):
         """``device`` holds published buffers (default: the current CUDA device, looked up at the first save)."""
-        if not _NAME.match(name):
-            raise ValueError(f"cuda-ipc store name {name!r}: use 1-100 letters, digits, '_' or '-'")
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"cuda-ipc store name {name!r}: {STORE_NAME_RULE}")
         if not Path(root).is_dir():
             raise FileNotFoundError(f"{root} does not exist: CUDA IPC records live in Linux's /dev/shm")
         self.name, self.root, self.url = name, Path(root), f"cuda-ipc://{name}"

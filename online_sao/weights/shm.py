@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from online_sao.config.trainer import STORE_NAME_PATTERN, STORE_NAME_RULE
 from online_sao.weights.store import CorruptWeights, WeightsRef, WeightStore, verify_state_dict
 from online_sao.weights.layout import Layout, align, pack, unpack
 
@@ -54,8 +55,8 @@ UNLOCKED_TEMP_GRACE_S = 60.0
 """A save creates its temporary segment and then locks it: an unlocked one younger than this may be
 between the two steps, so prune leaves it (the gap is microseconds; a minute is far beyond it)."""
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
-_LOCATION = re.compile(r"^shm://([A-Za-z0-9_-]{1,100})/v(\d{8,})$")
+_NAME = re.compile(STORE_NAME_PATTERN)
+_LOCATION = re.compile(rf"^shm://({STORE_NAME_PATTERN})/v(\d{{8,}})$")
 
 
 def segment_header(layout: Layout) -> bytes:
@@ -85,8 +86,8 @@ class ShmWeightStore(WeightStore):
     """Versions as shared-memory segments under ``root``; locations are ``shm://<name>/v00000012``."""
 
     def __init__(self, name: str, root: Path = DEFAULT_SHM_ROOT):
-        if not _NAME.match(name):
-            raise ValueError(f"shm store name {name!r}: use 1-100 letters, digits, '_' or '-'")
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"shm store name {name!r}: {STORE_NAME_RULE}")
         if not Path(root).is_dir():
             raise FileNotFoundError(f"{root} does not exist: host shared memory needs Linux's /dev/shm")
         self.name = name

@@ -246,3 +246,40 @@ def test_ledger_sealed_without_checkpoints_says_so_and_creates_nothing(tmp_path,
     argv = ["--set", f"paths.data_dir={tmp_path}", "ledger", "sealed"]
     assert cli.main(argv) == 1
     assert "no checkpoints in" in capsys.readouterr().err and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("argv", "runner", "key"), [
+    (["--set", "experiment.max_tokens=300", "simulate", "--driver", "inprocess"],
+     "apps.experiments.orchestrate.run_simulation", "experiment.max_tokens = 300"),
+    (["--set", "experiment.max_tokens=300", "lr-sweep", "--rates", "1e-4"], "apps.experiments.sweep.run_lr_sweep",
+     "experiment.max_tokens = 300"),
+    (["--set", "agent.max_tokens=40", "--set", "serving.max_new_tokens=32", "agent"], "apps.agent.run.run_agent",
+     "agent.max_tokens = 40"),
+], ids=["simulate", "lr-sweep", "agent"])
+def test_requests_above_what_serving_grants_stop_the_run_before_it_starts(monkeypatch, capsys, argv, runner, key):
+    """Serving refuses every request above serving.max_new_tokens: the run did all its setup, then the
+    in-process driver died on its first request with a traceback."""
+    started = []
+    monkeypatch.setattr(runner, lambda *args, **kwargs: started.append(args) or "")
+    assert cli.main(argv) == 2 and not started
+    assert capsys.readouterr().err == (f"online-sao: {key} is above serving.max_new_tokens = "
+                                       f"{256 if 'experiment' in key else 32}, the most a request may ask for: "
+                                       "lower the one or raise the other\n")
+
+
+def test_a_serving_limit_below_the_scenarios_defaults_still_serves(capsys):
+    """Only the commands that send the scenarios' requests check them: serving alone with a small limit
+    (the fault harness's 16) is a valid configuration."""
+    assert cli.main(["--set", "serving.max_new_tokens=16", "config", "show"]) == 0
+    assert "max_new_tokens: 16" in capsys.readouterr().out
+
+
+def test_ledger_redact_of_ids_the_ledger_lacks_fails(tmp_path, capsys):
+    """An erasure request that erased nothing (a mistyped id, another data_dir) exited 0."""
+    ledger = tmp_path / "checkpoints" / "ledger.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text('{"step":1,"ids":["sao-1","sao-2"]}\n')
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "ledger", "redact", "sao-9"]) == 1
+    out, err = capsys.readouterr()
+    assert "0 occurrence(s) of 1 id(s) redacted" in out and "none of the ids is in the ledger" in err
+    assert ledger.read_text() == '{"step":1,"ids":["sao-1","sao-2"]}\n'

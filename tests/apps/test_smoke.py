@@ -79,3 +79,11 @@ def test_the_smoke_client_sends_the_first_configured_key(free_port):
         assert keys == ["Bearer first"]
     finally:
         server.shutdown()
+
+
+def test_the_smoke_requests_ask_for_no_more_than_serving_grants():
+    """48 was hard-coded: with serving.max_new_tokens below it, serving refused every smoke request."""
+    from apps.smoke import SMOKE_MAX_TOKENS, smoke_max_tokens
+
+    assert smoke_max_tokens(load_app_config(environ={}, overrides={"serving.max_new_tokens": 16})) == 16
+    assert smoke_max_tokens(load_app_config(environ={})) == SMOKE_MAX_TOKENS

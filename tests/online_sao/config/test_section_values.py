@@ -176,3 +176,20 @@ def test_topic_names_of_their_own_are_taken():
     names = {"kafka.topics.interactions": "i", "kafka.topics.rewards": "r", "kafka.topics.weights": "w",
              "kafka.topics.dead_letters": "d"}
     assert load_config(environ={}, overrides=names).kafka.topics.weights == "w"
+
+
+# --- a shared-memory weight store's name ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["shm://online.sao", "cuda-ipc://a/b", "shm://", "cuda-ipc://" + "x" * 101,
+                                 "shm://name\n"])
+def test_a_weight_store_name_the_store_refuses_is_refused_at_load(url):
+    """The store refused it only when ``learn`` opened it, with a traceback after building the models."""
+    scheme = url.split("://")[0]
+    with pytest.raises(ConfigError, match=rf"trainer\.weight_store: .*{scheme}://<name>: store name .*1-100 letters"):
+        load_config(environ={}, overrides={"trainer.weight_store": url})
+
+
+@pytest.mark.parametrize("url", ["shm://online-sao_1", "cuda-ipc://gpu0", "/srv/weights", "s3://bucket/a.b"])
+def test_a_weight_store_the_stores_take_loads(url):
+    assert load_config(environ={}, overrides={"trainer.weight_store": url}).weight_store_url == url

@@ -218,3 +218,50 @@ def test_merge_keys_still_merge_and_a_list_as_a_key_is_still_a_config_error(tmp_
     path.write_text("serving:\n  ? [a]\n  : 1\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(path, environ={})
+
+
+def test_a_yaml_error_names_the_file_and_the_line_and_quotes_none_of_it(tmp_path):
+    """PyYAML's message quotes the offending line (here a secret with its closing quote missing) and
+    names "<unicode string>" instead of the file."""
+    path = tmp_path / "run.yaml"
+    path.write_text('serving:\n  feedback_secret: "s3cr3t-value-XYZ\n  port: 8000\n')
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, environ={})
+    message = str(refused.value)
+    assert message.startswith(f"{path}: not valid YAML: ") and "(line 2, column 20)" in message
+    assert "s3cr3t" not in message and "<unicode string>" not in message
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__  # no traceback quotes it either
+
+
+def test_a_password_in_a_configured_url_is_masked_wherever_the_tree_is_dumped():
+    """``config show``, the learner's MLflow params (the JSON dump, flattened) and config/resolved.yaml
+    showed ``mlflow.tracking_uri`` with its password; a child process's resolved file still has it."""
+    import yaml
+
+    uri, store = "postgresql://mlflow:S3cretPw@db:5432/mlflow", "ftp://user:Ftp:Pw@host/weights"
+    cfg = load_config(environ={"ONLINE_SAO__MLFLOW__TRACKING_URI": uri},
+                      overrides={"trainer.weight_store": store})
+    flat = flat_settings(cfg.model_dump(mode="json"))
+    assert flat["mlflow.tracking_uri"] == "postgresql://mlflow:***@db:5432/mlflow"
+    assert flat["trainer.weight_store"] == "ftp://user:***@host/weights"
+    assert "S3cretPw" not in dump_config(cfg) and "Ftp:Pw" not in dump_config(cfg)
+    revealed = yaml.safe_load(dump_config(cfg, reveal_secrets=True))
+    assert (revealed["mlflow"]["tracking_uri"], revealed["trainer"]["weight_store"]) == (uri, store)
+    assert (cfg.mlflow_uri, cfg.weight_store_url) == (uri, store)  # what the clients connect with
+
+
+@pytest.mark.parametrize("uri", ["sqlite:////srv/a@b/mlflow.db", "http://mlflow:5000", "postgresql://user@db/x",
+                                 "http://host:8080/path@x", None])
+def test_a_url_without_a_password_is_shown_as_given(uri):
+    from online_sao.config.base import mask_uri_password
+
+    assert mask_uri_password(uri) == uri
+
+
+def test_a_message_quoting_a_url_has_its_password_masked():
+    """httpx's errors name the URL they asked, userinfo included."""
+    from online_sao.config.base import mask_uri_password
+
+    message = "Client error '404 Not Found' for url 'http://ops:Pw@mlflow:5000/health'; then s3://k:S@b/w"
+    assert mask_uri_password(message) == ("Client error '404 Not Found' for url 'http://ops:***@mlflow:5000/health'; "
+                                          "then s3://k:***@b/w")

@@ -58,6 +58,15 @@ undecided. ``c`` is a sample mean of heavy-tailed ratios, so a well-covered vers
 falls a little under 1 by chance; the interval then widens by ``(1 - c)(r_max - r_min)``, which is
 why the reward range must be the rewards' real one (a range ten times too wide costs ten times
 the width). Without a range (``GateSettings.reward_min`` None) the coverage is reported, not used.
+
+The range bounds a rollout's **total** reward (:attr:`Rollout.total_reward`, what ``r_i`` is), not one
+reward record's: with ``reward.aggregation`` ``sum`` a total adds several records, and per-turn rewards
+add to it whatever the aggregation (the learner passes the range a total can reach:
+trainer/rank_zero.py, ``gate_reward_range``). A range the totals break cannot bound the unseen mass,
+so where the window holds a total outside it, or the range is not finite, a decision the range took
+part in (either coverage under 1) is not made on it: a promotion or roll-back becomes undecided and
+the reason says why (:func:`range_problem`). With both coverages 1 the range takes no part and the
+decision stands.
 A NaN anywhere (an ESS or a value from log-ratios that are ``-inf`` on every rollout: every
 answer holds a token outside the version's top-p nucleus) is refused, as an ESS under the floor.
 """
@@ -224,8 +233,8 @@ def coverage(log_ratio: torch.Tensor) -> float:
 def value_bounds(value: float, covered: float, settings: GateSettings) -> tuple[float, float]:
     """A version's value with ``1 - covered`` of its mass unseen: ``(c V + (1 - c) r_min,
     c V + (1 - c) r_max)``; ``(V, V)`` without a reward range in ``settings``."""
-    if settings.reward_min is None or settings.reward_max is None:
-        return value, value
+    if settings.reward_min is None or settings.reward_max is None or covered >= 1:
+        return value, value  # nothing unseen: an infinite range must not make it 0 * inf, NaN
     seen = covered * value
     return seen + (1 - covered) * settings.reward_min, seen + (1 - covered) * settings.reward_max
 
@@ -240,6 +249,33 @@ def _coverage_note(decision: GateDecision, candidate: float, champion: float, se
     if decision == "refused" or settings.reward_min is None or (candidate >= 1 and champion >= 1):
         return ""
     return f" (coverage: candidate {candidate:.3f}, champion {champion:.3f})"
+
+
+def range_problem(rewards: torch.Tensor, settings: GateSettings) -> str:
+    """Why the reward range in ``settings`` cannot bound what the window does not cover (module
+    docstring): it is not finite, or the window holds a total reward (``rewards`` ``[B]``) outside it;
+    empty when it can, or when there is no range."""
+    low, high = settings.reward_min, settings.reward_max
+    if low is None or high is None:
+        return ""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"no finite bound on a rollout's total reward is known (range [{low:g}, {high:g}])"
+    outside = rewards[(rewards < low) | (rewards > high)]
+    if outside.numel() == 0:
+        return ""
+    return (f"{outside.numel()} rollouts of the window have total rewards outside the range [{low:g}, {high:g}] "
+            f"the coverage bound assumes (from {float(outside.min()):g} to {float(outside.max()):g}: rewards "
+            f"summed, per turn or by reward.aggregation sum, or sent outside reward.min_value..max_value)")
+
+
+def not_on_a_broken_range(decision: GateDecision, reason: str, problem: str,
+                          coverages: tuple[float, float]) -> tuple[GateDecision, str]:
+    """``decision`` (and its ``reason``) unless the reward range took part in it (either of
+    ``coverages`` under 1) and cannot bound the unseen mass (``problem``, :func:`range_problem`):
+    then a promotion or roll-back becomes undecided, and an undecided one says why as well."""
+    if not problem or decision == "refused" or all(c >= 1 for c in coverages):
+        return decision, reason
+    return "undecided", f"not decided on the coverage bound: {problem} ({reason})"
 
 
 def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_champion: torch.Tensor,
@@ -258,6 +294,8 @@ def decide(rewards: torch.Tensor, log_ratio_candidate: torch.Tensor, log_ratio_c
     champ_low, champ_high = value_bounds(m["champion_value"], cover_champ, settings)
     low, high = cand_low - champ_high - z * se, cand_high - champ_low + z * se
     decision, reason = verdict(n, _smaller(m["candidate_ess"], m["champion_ess"]), low, high, settings)
+    decision, reason = not_on_a_broken_range(decision, reason, range_problem(rewards, settings),
+                                             (cover_cand, cover_champ))
     return GateEvidence(decision, reason + _coverage_note(decision, cover_cand, cover_champ, settings), n,
                         m["candidate_value"], m["champion_value"], diff, low, high, m["candidate_ess"],
                         m["champion_ess"], window, candidate_se=m["candidate_se"], champion_se=m["champion_se"],

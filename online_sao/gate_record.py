@@ -57,7 +57,8 @@ from statistics import NormalDist
 
 import torch
 
-from online_sao.gate import GateEvidence, GateSettings, coverage, snis_estimate, value_bounds, verdict
+from online_sao.gate import (GateEvidence, GateSettings, coverage, not_on_a_broken_range, range_problem, snis_estimate,
+                             value_bounds, verdict)
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,8 @@ def decide_against_record(rewards: torch.Tensor, log_ratio_candidate: torch.Tens
     record_low, record_high = value_bounds(record.value, record.coverage, settings)
     low_d, high_d = low - record_high - half, high - record_low + half
     decision, reason = verdict(n, metrics["ess"], low_d, high_d, settings, may_roll_back=False)
+    decision, reason = not_on_a_broken_range(decision, reason, range_problem(rewards, settings),
+                                             (covered, record.coverage))
     return GateEvidence(decision, f"{reason} (champion's record)", n, value, record.value, diff, low_d, high_d,
                         metrics["ess"], record.ess, window, candidate_se=se_candidate, champion_se=record.se,
                         basis="record", record_window=record.window, candidate_coverage=covered,

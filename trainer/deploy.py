@@ -208,8 +208,8 @@ class OffPolicyGate:
 
     def __init__(self, scorer: VersionScorer, cfg: DeployConfig,
                  reward_range: tuple[float, float] | None = None, reward_definition: str = "") -> None:
-        """``reward_range``: (lowest, highest) reward (``reward.min_value``, ``reward.max_value``) for
-        ``deploy.gate_coverage_bound``; None: the interval is not widened. ``reward_definition``: what
+        """``reward_range``: (lowest, highest) total reward of a rollout (trainer/rank_zero.py,
+        ``gate_reward_range``) for ``deploy.gate_coverage_bound``; None: the interval is not widened. ``reward_definition``: what
         the rewards mean (``RewardConfig.definition``), carried by the records this gate measures;
         empty: not known."""
         self.scorer = scorer

@@ -29,9 +29,11 @@ import requests
 from mlflow import MlflowClient
 from mlflow.entities import LifecycleStage
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, TEMPORARILY_UNAVAILABLE, ErrorCode
+from mlflow.protos.databricks_pb2 import (INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST,
+                                          TEMPORARILY_UNAVAILABLE, ErrorCode)
 
 from online_sao.config import Config, ConfigError
+from online_sao.config.base import mask_uri_password
 from online_sao.durable import is_disk_full, naming_the_file
 
 
@@ -65,6 +67,36 @@ def bound_mlflow_requests(environ: dict[str, str] | None = None) -> dict[str, st
 
 class TrackingUnavailable(RuntimeError):
     """The MLflow server does not answer."""
+
+
+class RunDeleted(TrackingUnavailable):
+    """The learner's MLflow run, or its experiment, was deleted while it ran: MLflow takes nothing for
+    the run until it is restored (:func:`deleted_run`)."""
+
+
+def deleted_run(client: MlflowClient, run_id: str, exc: MlflowException) -> RunDeleted | None:
+    """Why a write to run ``run_id`` failed with ``exc``, if it was because an operator deleted the run or
+    its experiment (MLflow: "must be in the 'active' state"), or deleted it for good (``mlflow gc``): what
+    happened and how to restore it. None for any other error, or when the run cannot be read to tell."""
+    if not (is_code(exc, INVALID_PARAMETER_VALUE) or is_code(exc, RESOURCE_DOES_NOT_EXIST)):
+        return None
+    try:
+        run = client.get_run(run_id)
+        experiment = client.get_experiment(run.info.experiment_id)
+    except MlflowException as probe:
+        if not is_code(probe, RESOURCE_DOES_NOT_EXIST):
+            return None
+        return RunDeleted(f"the learner's MLflow run {run_id} no longer exists (deleted for good): MLflow takes no "
+                          f"metrics for it, and the learner's next start logs to a new run")
+    if run.info.lifecycle_stage != LifecycleStage.DELETED:
+        return None
+    if experiment.lifecycle_stage == LifecycleStage.DELETED:
+        eid = experiment.experiment_id
+        how = (f" with its experiment {eid}: MLflow takes no metrics for it until the experiment is restored (mlflow "
+               f"experiments restore --experiment-id {eid}, which restores its runs)")
+    else:
+        how = f": MLflow takes no metrics for it until it is restored (mlflow runs restore --run-id {run_id})"
+    return RunDeleted(f"the learner's MLflow run {run_id} was deleted{how}")
 
 
 def is_unreachable(exc: MlflowException) -> bool:
@@ -103,11 +135,13 @@ def is_failing(exc: MlflowException) -> bool:
 def unavailable(exc: MlflowException, uri: str) -> TrackingUnavailable:
     """What the tracker waits out for an :func:`is_unreachable` or :func:`is_temporarily_unavailable` ``exc``,
     saying which it was (a locked SQLite database named as such)."""
+    uri = mask_uri_password(uri)  # said in logs: a password in it is not
     if is_failing(exc):
         spent = exc.__context__.args[0] if exc.__context__.args else None  # urllib3's MaxRetryError
         request, why = getattr(spent, "url", "a request"), getattr(spent, "reason", exc.__context__)
         return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) answers {request} with server errors "
-                                   f"({why}; its client's retries spent): the server's log says why, a full "
+                                   f"({mask_uri_password(str(why))}; its client's retries spent): the server's "
+                                   f"log says why, a full "
                                    f"artifact disk answers so")
     if not is_unreachable(exc) and is_temporarily_unavailable(exc, uri):
         where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri
@@ -115,10 +149,11 @@ def unavailable(exc: MlflowException, uri: str) -> TrackingUnavailable:
             return TrackingUnavailable(f"MLflow's SQLite database {where} (mlflow.tracking_uri) is locked: another "
                                        f"writer (a learner on the same database, mlflow gc, a backup) held it past "
                                        f"SQLite's busy timeout")
-        first = exc.message.strip().splitlines()[0][:300] if exc.message.strip() else "no message"
+        first = mask_uri_password(exc.message.strip().splitlines()[0][:300]) if exc.message.strip() else "no message"
         return TrackingUnavailable(f"MLflow's store at {where} (mlflow.tracking_uri) is temporarily unavailable: "
                                    f"{first}")
-    return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc.message[:300]}")
+    return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: "
+                               f"{mask_uri_password(exc.message[:300])}")
 
 
 SQLITE_FULL = "database or disk is full"
@@ -142,7 +177,7 @@ def store_refused(exc: MlflowException, uri: str) -> OSError | None:
     found = [text for text in REFUSED_WRITES if text in exc.message]
     if not found:
         return None
-    where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri
+    where = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else mask_uri_password(uri)
     code = REFUSED_WRITES[found[0]]
     hint = "" if code == errno.ENOSPC else "; a full disk quota (EDQUOT) reads so too"
     return OSError(code, f"{os.strerror(code)} (MLflow's store: {found[0]}{hint})", where)
@@ -185,7 +220,8 @@ def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
     try:
         httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as exc:
-        raise TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: {exc}") from None
+        raise TrackingUnavailable(f"MLflow at {mask_uri_password(uri)} (mlflow.tracking_uri) does not answer: "
+                                  f"{mask_uri_password(str(exc))}") from None
 
 
 def open_client(uri: str) -> MlflowClient:

@@ -20,7 +20,7 @@ from typing import Callable, Literal
 import torch
 
 from online_sao.batch import Rollout
-from online_sao.config import Config
+from online_sao.config import Config, RewardConfig
 from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
@@ -28,7 +28,7 @@ from streams.broker_wait import until_broker_takes
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_writer import CheckpointWriter
 from trainer.feed import Feed
-from trainer.join import RewardJoiner
+from trainer.join import MAX_REWARDS_PER_INTERACTION, RewardJoiner
 from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
 from trainer.exporter import LearnerExporter
 from trainer.publisher import Publisher, Releases
@@ -42,6 +42,21 @@ COUNTERS = ("dead_letters", "invalid_rollouts", "empty_rollouts", "too_few_for_r
             "skipped_nonfinite_steps", "drift_restarts", "drift_rollbacks", "records_skipped",
             "records_ahead_of_clock", "records_behind_clock", "records_read")
 """The learner's own counts (besides the join's); they survive restarts in the checkpoint."""
+
+
+def gate_reward_range(reward: RewardConfig) -> tuple[float, float]:
+    """The range of a rollout's total reward, which the gate's coverage bound takes (online_sao/gate.py,
+    "What the window does not cover"): one reward's, ``reward.min_value``..``max_value``, when one
+    reward stands for the rest (aggregation ``first``, ``last``, ``mean``); with ``sum`` the total adds
+    up to :data:`~trainer.join.MAX_REWARDS_PER_INTERACTION` of them (the join applies no more), so
+    anything from the fewest or most of them. Per-turn rewards add to a total as well, but the config
+    does not bound how many a rollout gets: the gate decides nothing on a range its window's totals
+    break (:func:`online_sao.gate.range_problem`)."""
+    low, high = reward.min_value, reward.max_value
+    if reward.aggregation != "sum":
+        return low, high
+    most = MAX_REWARDS_PER_INTERACTION
+    return min(low, most * low), max(high, most * high)
 
 
 @dataclass
@@ -115,8 +130,7 @@ class RankZero:
                 opened.append(("the metrics exporter", exporter.close))
                 log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
             scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-            gate = OffPolicyGate(scorer, cfg.deploy, (cfg.reward.min_value, cfg.reward.max_value),
-                                 cfg.reward.definition())
+            gate = OffPolicyGate(scorer, cfg.deploy, gate_reward_range(cfg.reward), cfg.reward.definition())
             releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
                                 reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                                 on_decision=None if exporter is None else exporter.decision)
@@ -146,7 +160,7 @@ class RankZero:
 
     def record_step(self, step: int, rollouts: list[Rollout], metrics: dict[str, float], refused: bool) -> None:
         """The step's ids go to the ledger; a refused step is counted and named, an applied one
-        adds its rollouts to the registry's window (refused data trained nothing)."""
+        adds its rollouts to the registry's window (the policy did not train on refused data)."""
         self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
         for rollout in rollouts:  # what users paid, whether or not the step could train on it
             self.segments.observe(rollout.segment, rollout.total_reward, rollout.scores)
@@ -154,7 +168,8 @@ class RankZero:
             self.releases.window.observe(rollouts)
             return
         self.counters["skipped_nonfinite_steps"] += 1
-        log.warning("step %d refused: non-finite %s; no weight changed, %d interactions not trained on "
+        log.warning("step %d refused: non-finite %s; the policy did not change (critic updates before the refusal "
+                    "stay, docs/ALGORITHM.md section 8), %d interactions the policy did not train on "
                     "(%d refused steps so far)", step,
                     "inputs" if metrics.get("nonfinite_inputs") else "loss or gradients",
                     len(rollouts), self.counters["skipped_nonfinite_steps"])

@@ -134,11 +134,30 @@ def versions_tagged(client, model_name: str, tag: str, value: str, run_id: str) 
     return [found for found in model_versions(client, model_name, f"{tag} = '{value}'") if found.run_id == run_id]
 
 
-def policy_of(found) -> tuple[int, WeightsRef] | None:
-    """(policy version, where its weights are published) of the registry version ``found``, if any."""
+POLICY_TAGS = ("policy_version", "weights_location", "checksum")
+"""The tags a learner's registration writes on a registry version: what it holds and where it was published."""
+
+
+def policy_of(found, alias: str) -> tuple[int, WeightsRef] | None:
+    """(policy version, where its weights are published) of the registry version ``found``, the one
+    holding ``alias``, if any. A version without the learner's :data:`POLICY_TAGS` (the alias set by hand
+    on a version registered otherwise), or with a policy version that is no number, counts as none, as a
+    champion whose weights the store lost does (trainer/publisher.py), and the log says so: the learner can
+    neither score it nor publish it."""
     if found is None:
         return None
-    version = int(found.tags["policy_version"])
+    problems = [f"no tag {tag}" for tag in POLICY_TAGS if tag not in found.tags]
+    try:
+        version = None if problems else int(found.tags["policy_version"])
+    except ValueError:
+        version, problems = None, [f"policy_version {found.tags['policy_version'][:40]!r} is not a number"]
+    if version is None:
+        log.error("registry: the %s alias is on registry version %s, which holds no policy a learner registered "
+                  "(%s): it counts as no %s%s. Point the alias at a version a learner registered, or delete it, "
+                  "to end this", alias, found.version, ", ".join(problems), alias,
+                  " (the candidate is decided as without one: promoted unless a monitor trips, and the champion "
+                  "alias moves to it)" if alias == CHAMPION else "")
+        return None
     return version, WeightsRef(version, found.tags["weights_location"], found.tags["checksum"])
 
 

@@ -28,9 +28,11 @@ Promotion: a new registration takes the ``candidate`` alias. The learner decides
 promotion, ``candidate`` back to the champion's version on a roll-back (which the learner
 announces to serving).
 
-An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_requests`), or a SQLite
-store another writer holds locked past its busy timeout (MLflow's TEMPORARILY_UNAVAILABLE): the
-learner keeps training and keeps the steps' metrics, sent once the server answers again; a
+An MLflow server that goes away mid-run (bounded requests: :func:`bound_mlflow_requests`), a SQLite
+store another writer holds locked past its busy timeout (MLflow's TEMPORARILY_UNAVAILABLE), or the
+run or its experiment deleted by an operator (:func:`~trainer.mlflow_store.deleted_run`: said once, at
+ERROR, with how to restore it): the learner keeps training and keeps the steps' metrics, sent once
+the server answers again (the run is restored); a
 registry call waits for the server, and a stop request ends that wait with
 :class:`TrackingUnavailable`. Without a stop event (one-shot callers) nothing waits.
 
@@ -64,9 +66,9 @@ from online_sao.durable import is_disk_full, naming_the_file
 from online_sao.gate_record import ValueRecord
 from online_sao.reachable import until_reachable
 from online_sao.weights import WeightsRef
-from trainer.mlflow_store import (TrackingUnavailable, artifact_root, artifacts_named, disk_refused, experiment_id,
-                                  is_code, is_temporarily_unavailable, is_unreachable, open_client, store_refused,
-                                  unavailable)
+from trainer.mlflow_store import (RunDeleted, TrackingUnavailable, artifact_root, artifacts_named, deleted_run,
+                                  disk_refused, experiment_id, is_code, is_temporarily_unavailable, is_unreachable,
+                                  open_client, store_refused, unavailable)
 from trainer.registry_retention import WEIGHTS_PRUNED, RegistryRetention, model_artifact_path
 from trainer.registry_versions import (CANDIDATE, CHAMPION, ROLLBACK_CARRIED_OUT, ensure_registered_model, holds,
                                        newest_version_holding, policy_of, stage_model_directory, unregister,
@@ -270,12 +272,18 @@ class RunTracker:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
             refused = store_refused(exc, self.cfg.mlflow_uri)
-            if refused is None and not (is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)):
+            outage = is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)
+            deleted = None if refused is not None or outage else deleted_run(self.client, self.run_id, exc)
+            if refused is None and not outage and deleted is None:
                 raise
             # a store that refuses writes loses nothing kept here either: the learner trains on, and a write it
-            # cannot go on without (the registry's, a checkpoint on the same disk) stops it
-            self._unlogged_why = refused or unavailable(exc, self.cfg.mlflow_uri)
-            if not failing and refused is not None:
+            # cannot go on without (the registry's, a checkpoint on the same disk) stops it; a run deleted by hand
+            # stops no training either (metrics are a side channel): kept until it is restored
+            newly_deleted = deleted is not None and not isinstance(self._unlogged_why, RunDeleted)
+            self._unlogged_why = refused or deleted or unavailable(exc, self.cfg.mlflow_uri)
+            if newly_deleted:
+                log.error("%s; the learner goes on and keeps each step's metrics to send once it can", deleted)
+            elif not failing and refused is not None:
                 log.warning("MLflow's store cannot write to its disk: %s; the learner goes on and keeps each step's "
                             "metrics to send once it can", refused)
             elif not failing:
@@ -305,6 +313,9 @@ class RunTracker:
                 raise
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
                         self.unlogged_steps + self._unlogged.dropped)
+        except MlflowException as exc:  # MLflow's own refusal (a run deleted by hand): said, not raised (above)
+            log.error("ending the MLflow run %s failed: %s; %d steps of metrics not logged", self.run_id,
+                      exc.message[:300], self.unlogged_steps + self._unlogged.dropped)
         self._closed = True
 
     def _send_all_unlogged(self) -> None:
@@ -431,7 +442,8 @@ class RunTracker:
     def candidate(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the candidate, if any. A roll-back
         recorded without its alias move is finished first (:meth:`_finished_rollback`)."""
-        return policy_of(self._finished_rollback(version_with_alias(self.client, self.model_name, CANDIDATE)))
+        candidate = self._finished_rollback(version_with_alias(self.client, self.model_name, CANDIDATE))
+        return policy_of(candidate, CANDIDATE)
 
     def _finished_rollback(self, candidate):
         """``candidate`` (the registry version holding the ``candidate`` alias), unless it was already
@@ -458,7 +470,7 @@ class RunTracker:
     @_waiting("reading the champion")
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
-        return policy_of(version_with_alias(self.client, self.model_name, CHAMPION))
+        return policy_of(version_with_alias(self.client, self.model_name, CHAMPION), CHAMPION)
 
     @_waiting("reading the champion's record")
     def champion_record(self) -> ValueRecord | None:

@@ -160,3 +160,44 @@ def test_a_record_keeps_its_coverage_and_a_decision_on_it_widens_the_records_sid
     assert evidence.champion_coverage == pytest.approx(0.96)
     tenth = decide(rewards, torch.zeros(100), torch.full((100,), math.log(0.1)), BOUNDED, (5, 6))
     assert tenth.decision == "undecided" and champion_record(tenth, BOUNDED) is None
+
+
+def test_a_window_whose_totals_break_the_range_decides_nothing_on_the_coverage_bound():
+    """Rewards 2, 0, 2, 0 (two rewards of 1 summed) against the range [0, 1]; candidate the behaviour,
+    champion ratio 0.9 everywhere: V both 1, se 0, champion coverage 0.9, its value "in" [0.9, 1.0]:
+    interval [0, 0.1], promoted before, though the unseen tenth may earn 2."""
+    rewards = torch.tensor([2.0, 0.0, 2.0, 0.0])
+    evidence = decide(rewards, torch.zeros(4), torch.full((4,), math.log(0.9)), BOUNDED)
+    assert (evidence.low, evidence.high) == (pytest.approx(0.0), pytest.approx(0.1))
+    assert evidence.decision == "undecided"
+    assert evidence.reason.startswith("not decided on the coverage bound: 2 rollouts of the window have total "
+                                      "rewards outside the range [0, 1] the coverage bound assumes (from 2 to 2")
+    assert "lower end 0.0000 >= -margin -0.05" in evidence.reason  # what it would have been
+    assert evidence.tags()["gate.decision"] == "undecided"
+
+
+def test_with_both_versions_covered_the_range_takes_no_part_and_the_decision_stands():
+    """The same rewards, champion ratios 1, 1.5, 1, 1.5 (mean 1.25: coverage 1): u = 0.2, 0.3, 0.2, 0.3,
+    V_champ 0.8, V_cand 1, D 0.2; se^2 = 4 * 0.01^2 (per rollout 0.25 - 0.24): se 0.02, promoted as
+    without a range."""
+    rewards = torch.tensor([2.0, 0.0, 2.0, 0.0])
+    champion = torch.log(torch.tensor([1.0, 1.5, 1.0, 1.5]))
+    evidence = decide(rewards, torch.zeros(4), champion, BOUNDED)
+    assert evidence.decision == "promoted" and evidence.difference == pytest.approx(0.2)
+    assert evidence.low == pytest.approx(0.2 - Z90 * 0.02)
+    assert evidence.reason == decide(rewards, torch.zeros(4), champion, UNBOUNDED).reason
+
+
+def test_without_a_finite_range_the_unseen_mass_is_unbounded_and_says_so():
+    """A range of (-inf, inf): the champion with a tenth covered lies anywhere, the interval is
+    [-inf, inf], undecided, with the reason; well-covered versions (the hand case above, coverage 1
+    both) keep the plain interval 1/6 +- z/36 (0 * inf made it NaN, refused)."""
+    infinite = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_min=-math.inf,
+                            reward_max=math.inf)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    evidence = decide(rewards, torch.zeros(4), torch.full((4,), math.log(0.1)), infinite)
+    assert (evidence.low, evidence.high) == (-math.inf, math.inf) and evidence.decision == "undecided"
+    assert evidence.reason.startswith("not decided on the coverage bound: no finite bound on a rollout's total "
+                                      "reward is known (range [-inf, inf])")
+    covered = decide(rewards, torch.log(torch.tensor([2.0, 1.0, 2.0, 1.0])), torch.zeros(4), infinite)
+    assert covered.decision == "promoted" and covered.low == pytest.approx(1 / 6 - Z90 / 36)

@@ -173,3 +173,21 @@ def test_a_record_or_gate_without_a_definition_is_taken_as_comparable():
     old = ValueRecord.from_tags(legacy)
     assert old == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2), "") and comparable(old, UNDER_B)
     assert comparable(ValueRecord(0.5, 0.05, 40, 30.0, (1, 2), "a" * 16), SETTINGS)
+
+
+def test_against_a_record_a_window_whose_totals_break_the_range_decides_nothing_on_the_coverage_bound():
+    """Totals of 2 (two rewards of 1 summed) against the range [0, 1]; the record covered half its
+    version (coverage 0.5, value 0.9, se 0): its value "in" 0.45 + 0.5 [0, 1] = [0.45, 0.95]. The
+    candidate: 1600 rollouts, rewards 2 and 0 alternating, even weights: V 1, se sqrt(1600) / 1600 =
+    0.025; lower end 1 - 0.95 - z 0.025 = 0.0089 >= -0.05: promoted before, on a bound the window
+    shows false (its unseen half may earn 2)."""
+    bounded = GateSettings(min_rollouts=4, min_ess=2.0, confidence=0.9, margin=0.05, reward_min=0.0,
+                           reward_max=1.0)
+    record = ValueRecord(0.9, 0.0, 40, 30.0, (3, 5), coverage=0.5)
+    rewards = torch.tensor([2.0, 0.0] * 800)
+    evidence = decide_against_record(rewards, torch.zeros(1600), record, bounded)
+    assert evidence.low == pytest.approx(1.0 - 0.95 - Z90 * 0.025)
+    assert evidence.decision == "undecided"
+    assert evidence.reason.startswith("not decided on the coverage bound: 800 rollouts of the window have total "
+                                      "rewards outside the range [0, 1]")
+    assert "lower end" in evidence.reason and evidence.reason.endswith("(champion's record)")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import pytest
 import torch
 
+from online_sao.config import RewardConfig
+from online_sao.gate import GateSettings, decide
 from online_sao.schemas import decode
 from online_sao.weights import FileWeightStore
 from streams.memory import InMemoryBackend
@@ -15,7 +18,7 @@ from tests.trainer.test_deploy import registry_cfg  # noqa: F401  (fixture)
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (fixture)
 from trainer.checkpoint import Checkpointer
 from trainer.join import RewardJoiner
-from trainer.rank_zero import RankZero
+from trainer.rank_zero import RankZero, gate_reward_range
 from trainer.state import Progress
 from trainer.tracking import RunTracker
 
@@ -161,3 +164,45 @@ def test_a_stop_in_resume_after_rank_zero_opened_marks_the_run_failed_and_closes
     client = MlflowClient(registry_cfg.mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name(registry_cfg.mlflow.experiment).experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"] and closed == ["producer"]
+
+
+def test_the_gate_is_given_the_range_of_a_rollouts_total_not_of_one_reward():
+    """With aggregation sum a total adds up to 64 rewards (MAX_REWARDS_PER_INTERACTION); first, last and
+    mean keep one reward's range."""
+    def reward(low, high, aggregation):
+        return RewardConfig(min_value=low, max_value=high, aggregation=aggregation, default_value=low)
+    assert gate_reward_range(reward(0.0, 1.0, "sum")) == (0.0, 64.0)
+    assert gate_reward_range(reward(-1.0, 2.0, "sum")) == (-64.0, 128.0)
+    assert gate_reward_range(reward(0.5, 1.0, "sum")) == (0.5, 64.0)  # at least one reward of 0.5
+    assert gate_reward_range(reward(-3.0, -1.0, "sum")) == (-192.0, -1.0)
+    for aggregation in ("first", "last", "mean"):
+        assert gate_reward_range(reward(0.0, 1.0, aggregation)) == (0.0, 1.0)
+
+
+def test_a_champion_worse_on_what_the_window_missed_is_not_promoted_under_summed_rewards(registry_cfg):
+    """The hunter's case in 20 rollouts, rewards of two sources summed (each in [0, 1]): the candidate
+    answers A (reward 0.5) twice and B (1.0) 18 times, its ratio 1; the champion puts 0.6 on A (ratio 6),
+    nothing on B and 0.4 on X, which pleases both sources (2.0) and the window never holds. V_cand 0.95,
+    V_champ 0.5 on 0.6 of its mass, se^2 = 2 * 0.0225^2 + 18 * 0.0025^2. Given [0, 1] the champion was
+    at most 0.3 + 0.4 = 0.7 and the candidate promoted (true D = 0.95 - 1.1 = -0.15); rank 0 gives the
+    gate [0, 64]: at most 0.3 + 0.4 * 64 = 25.9."""
+    cfg = registry_cfg.model_copy(update={"reward": RewardConfig(min_value=0.0, max_value=1.0, aggregation="sum")})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    rank0 = RankZero.open(cfg, backend, Checkpointer(cfg.checkpoint_dir), RewardJoiner(cfg.reward, 100), Progress(),
+                          vocab_size=16, pad_token_id=0, group_size=1, stop=threading.Event())
+    try:
+        settings = rank0.releases.gate.settings
+    finally:
+        rank0.close("FINISHED")
+    assert (settings.reward_min, settings.reward_max) == (0.0, 64.0)
+    settings = GateSettings(4, 2.0, 0.9, 0.05, reward_min=0.0, reward_max=64.0)  # the hand case's floors
+    rewards = torch.tensor([0.5] * 2 + [1.0] * 18)
+    champion = torch.tensor([math.log(6.0)] * 2 + [-math.inf] * 18)
+    se = math.sqrt(2 * 0.0225 ** 2 + 18 * 0.0025 ** 2)
+    z = 1.6448536269514722
+    evidence = decide(rewards, torch.zeros(20), champion, settings)
+    assert evidence.champion_coverage == pytest.approx(0.6) and evidence.candidate_value == pytest.approx(0.95)
+    assert evidence.low == pytest.approx(0.95 - 25.9 - z * se) and evidence.decision == "undecided"
+    narrow = decide(rewards, torch.zeros(20), champion, GateSettings(4, 2.0, 0.9, 0.05, reward_min=0.0, reward_max=1.0))
+    assert narrow.low == pytest.approx(0.95 - 0.7 - z * se) and narrow.decision == "promoted"

@@ -1,11 +1,17 @@
-"""The model directory a registry version copies (trainer/registry_versions.py)."""
+"""The model directory a registry version copies, and the policy an alias points at (trainer/registry_versions.py)."""
 
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
-from online_sao.weights import WeightsRef
-from trainer.registry_versions import stage_model_directory
+import torch
+from mlflow import MlflowClient
+
+from online_sao.weights import FileWeightStore, WeightsRef
+from tests.fixtures.mlflow import tracker_config
+from trainer.registry_versions import CHAMPION, policy_of, stage_model_directory
+from trainer.tracking import RunTracker
 
 
 def test_a_version_of_a_sharded_base_model_holds_the_published_weights_and_no_shard_index(tmp_path):
@@ -32,3 +38,37 @@ def test_a_version_of_a_sharded_base_model_holds_the_published_weights_and_no_sh
                                                          "tokenizer.json"]
     assert (staged / "model.safetensors").read_bytes() == b"the published weights of version 3"
     assert (staged / "config.json").read_text() == "the base model's config.json"
+
+
+def test_an_alias_on_a_version_without_the_learners_tags_counts_as_none_and_says_why(caplog):
+    """Before, ``found.tags["policy_version"]`` raised a bare KeyError at every learner start."""
+    tagged = {"policy_version": "3", "weights_location": "/w/v3.safetensors", "checksum": "ab"}
+    expected = (3, WeightsRef(3, "/w/v3.safetensors", "ab"))
+    assert policy_of(SimpleNamespace(version="4", tags=tagged), "candidate") == expected
+    with caplog.at_level("ERROR", logger="trainer.registry_versions"):
+        assert policy_of(SimpleNamespace(version="7", tags={"checksum": "ab"}), "champion") is None
+        assert policy_of(SimpleNamespace(version="8", tags={**tagged, "policy_version": "v3"}), "candidate") is None
+    first, second = caplog.messages
+    assert first.startswith("registry: the champion alias is on registry version 7, which holds no policy a learner "
+                            "registered (no tag policy_version, no tag weights_location): it counts as no champion "
+                            "(the candidate is decided as without one")
+    assert "registry version 8" in second and "policy_version 'v3' is not a number): it counts as no candidate." \
+        in second
+
+
+def test_a_champion_set_by_hand_on_a_foreign_version_lets_the_learner_start(tmp_path, caplog):
+    """An operator registers a model directory of their own and gives it the champion alias: the
+    learner's reads of the champion (its start pins the champion's weights) count it as none."""
+    cfg = tracker_config(tmp_path)
+    tracker = RunTracker(cfg)
+    ref = FileWeightStore(str(tmp_path / "weights")).save(1, {"w": torch.ones(2)})
+    tracker.register(ref, 0.0)
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
+    source = client.get_run(tracker.run_id).info.artifact_uri + "/policy/v00000001"
+    foreign = client.create_model_version(cfg.mlflow.registered_model, source, run_id=tracker.run_id)
+    client.set_registered_model_alias(cfg.mlflow.registered_model, CHAMPION, foreign.version)
+    with caplog.at_level("ERROR", logger="trainer.registry_versions"):
+        assert tracker.champion() is None
+    assert tracker.candidate() == (1, ref)
+    assert f"the champion alias is on registry version {foreign.version}, which holds no policy" in caplog.text
+    tracker.close()

@@ -142,3 +142,19 @@ def test_only_a_lock_of_a_sqlite_store_is_waited_for_a_database_servers_operatio
     assert is_temporarily_unavailable(raised("server closed the connection unexpectedly"), "postgresql://db/mlflow")
     why = unavailable(raised("database is locked"), sqlite)
     assert isinstance(why, TrackingUnavailable) and "/data/mlflow.db" in str(why) and "locked" in str(why)
+
+
+def test_what_the_tracker_says_of_an_unavailable_store_masks_the_password_of_its_uri():
+    """mlflow.tracking_uri may carry a database password (postgresql://user:pw@db/mlflow): config show and
+    the learner's params mask it, and so do the messages the tracker logs while it waits."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+    from trainer.mlflow_store import unavailable
+
+    uri = "postgresql://mlflow:S3cretPw@db:5432/mlflow"
+    lost = MlflowException(message=f"connection to {uri} lost", error_code=TEMPORARILY_UNAVAILABLE)
+    said = str(unavailable(lost, uri))
+    assert "S3cretPw" not in said and "postgresql://mlflow:***@db:5432/mlflow" in said
+    refused = MlflowException(message="no answer from postgresql://mlflow:S3cretPw@db:5432/mlflow")
+    assert "S3cretPw" not in str(unavailable(refused, uri))

@@ -13,7 +13,9 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import fsspec
 from pydantic import ValidationError
 
 from online_sao.config import Config
@@ -23,6 +25,9 @@ from serving.weights_hold import plan
 from streams.base import StreamBackend
 from streams.records import publish
 from streams.tail import iter_records_since
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +98,12 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
     state = read_weights_topic(backend, topic, model)
     target = _target(state, version, champion)
-    if state.hold is not None and target.version == state.hold.version:  # a new reason for the same hold
-        notice = _notice(state.hold, action="hold", reason=reason, created_at=time.time())
+    if state.hold is not None and target.version == state.hold.version and _copy_kept(state.hold):
+        notice = _notice(state.hold, action="hold", reason=reason, created_at=time.time())  # a new reason
         _send(backend, topic, notice)
         return notice
+    if target.action == "hold":  # the hold in force, its copy gone: copied again from the learner's store
+        target = _learners_notice(state, target)
     _hold_notice(target, target.location, target.checksum, reason)  # refused here, before the store is touched
     store = _file_store(cfg)
     if store is None:
@@ -111,10 +118,39 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     ref = held.save(target.version, weights)
     notice = _hold_notice(target, ref.location, ref.checksum, reason)
     _send(backend, topic, notice)
-    for older in held.versions():  # the newest hold replaces every earlier one (replicas have its notice now)
-        if older != target.version:
-            held.delete(older)
+    _keep_the_copy_in_force(backend, topic, model, held, target.version, weights)
     return notice
+
+
+def _copy_kept(notice: WeightsNotice) -> bool:
+    """Whether the held copy ``notice`` names is there (another operator's hold may have deleted it)."""
+    fs, path = fsspec.core.url_to_fs(notice.location)
+    return fs.exists(path)
+
+
+def _learners_notice(state: WeightsTopic, held: WeightsNotice) -> WeightsNotice:
+    """The learner's notice of the held version, whose copy is gone: where to copy it from again."""
+    found = state.by_version.get(held.version)
+    if found is None:
+        raise HoldError(f"v{held.version} is held but its copy is gone ({held.location}), and the weights topic "
+                        f"no longer names v{held.version} to copy it from again; hold another version "
+                        f"(versions it names: {sorted(state.by_version)}) or `online-sao weights release`")
+    return found
+
+
+def _keep_the_copy_in_force(backend: StreamBackend, topic: str, model: str, held: FileWeightStore, version: int,
+                            weights: dict[str, torch.Tensor]) -> None:
+    """Delete every copy under held/ but the hold in force's, read back once this hold was sent: another
+    operator's hold may have landed after it, and that hold's copy must stay (deleting every copy but
+    this hold's left the hold in force without one). When this hold is in force and another hold's
+    clean-up deleted its copy meanwhile, it is written again."""
+    in_force = read_weights_topic(backend, topic, model).hold
+    keep = None if in_force is None else in_force.version
+    for older in held.versions():
+        if older != keep:
+            held.delete(older)
+    if keep == version and version not in held.versions():
+        held.save(version, weights)
 
 
 def release(cfg: Config, backend: StreamBackend, reason: str | None = None) -> WeightsNotice | None:

@@ -230,14 +230,16 @@ def run_server(cfg: Config, model_dir: Path) -> int:
 
 def follower_factory(cfg: Config, backend: StreamBackend):
     """Makes the weights follower of ``online-sao serve``: the weights topic, the weight store,
-    swap outcomes and an operator's hold into the metrics."""
+    swap outcomes and an operator's hold into the metrics, unreadable notices to the dead-letter topic
+    (through a producer of its own, made on the first one: serving starts while the broker is down)."""
     from online_sao.weights import open_weight_store
     from serving.weights_follower import WeightsFollower
 
     def make(engine: InferenceEngine, metrics: ServingMetrics) -> WeightsFollower:
         # the topic may carry other deployments' notices (keyed by model): follow this model's only
         follower = WeightsFollower(backend, cfg.kafka.topics.weights, open_weight_store(cfg.weight_store_url),
-                                   engine, on_result=metrics.observe_swap, model_name=cfg.serving.model_name)
+                                   engine, on_result=metrics.observe_swap, model_name=cfg.serving.model_name,
+                                   dead_letters=(LazyProducer(backend), cfg.kafka.topics.dead_letters))
         metrics.watch_hold(lambda: follower.holds.held_version)
         return follower
 

@@ -35,7 +35,7 @@ from online_sao.config import DeployConfig
 from online_sao.gate import GateEvidence
 from online_sao.gate_record import ValueRecord, candidate_record, champion_record, comparable
 from online_sao.schemas import RecordError, WeightsNotice, decode
-from online_sao.weights import WeightsRef, WeightStore
+from online_sao.weights import CorruptWeights, WeightsRef, WeightStore
 from streams.base import Producer, StreamBackend
 from streams.broker_wait import until_broker_takes
 from streams.records import publish
@@ -209,14 +209,17 @@ class Releases:
         """Decide on the registered candidate (if one awaits a decision) and record it with its evidence.
         A tripped monitor rolls back whatever the gate says; without a champion the first
         candidate is promoted unless a monitor tripped (then it stays pending: nothing to return to).
-        A champion whose weights the store no longer holds (a lost store) counts as none; a
-        candidate whose weights it no longer holds stays pending (``candidate_weights_missing``).
-        The monitors' values also go to MLflow as ``registry_monitor_<name>`` metrics at ``step``.
+        A champion whose weights the store no longer holds (a lost store), or holds corrupt (a file
+        torn by a power loss), counts as none; a candidate whose weights it no longer holds stays
+        pending (``candidate_weights_missing``), as does one whose weights are corrupt
+        (``candidate_weights_corrupt``). The monitors' values also go to MLflow as
+        ``registry_monitor_<name>`` metrics at ``step``.
 
-        A roll-back is announced to serving *before* the registry records it: the decision moves the
-        ``candidate`` alias back to the champion, after which a restarted learner finds nothing to
-        decide. Stopped between the two, the candidate is still undecided and the restart decides
-        again (a second notice for the same version changes nothing in serving)."""
+        A roll-back is recorded in the registry *before* it is announced to serving, tagged
+        ``rollback_carried_out=false``: a learner stopped between the two carries it out when it
+        starts again (:meth:`rollback_due`). Announced first, a learner stopped before the record
+        found the candidate undecided, numbered its next version past the roll-back's notice, and
+        serving followed it back onto the rejected policy's line."""
         return self._decide(reads, step)[0]
 
     def _decide(self, reads: tuple[float, float], step: int) -> tuple[Decision, WeightsRef | None]:
@@ -236,6 +239,37 @@ class Releases:
             log.error("registry: champion v%d has no weights in the store (%s): candidate v%d is decided as "
                       "without a champion", champion[0], champion[1].location, candidate[0])
             lost, champion = {"gate.champion_weights_missing": f"v{champion[0]}"}, None
+        try:
+            decision, evidence = self._judge(candidate, champion, lost, reads, step)
+        except CorruptWeights as exc:  # a file torn by a power loss: it raised at every restart
+            if not self._loads(candidate[1]):
+                log.error("registry: candidate v%d's weights are corrupt (%s): left pending; the next registration "
+                          "supersedes it", candidate[0], exc)
+                self.tracker.record_decision("pending", {"gate.decision": "candidate_weights_corrupt"}, candidate[1])
+                return "pending", None
+            if champion is None or self._loads(champion[1]):
+                raise
+            log.error("registry: champion v%d's weights are corrupt (%s): candidate v%d is decided as without a "
+                      "champion", champion[0], exc, candidate[0])
+            lost, champion = {"gate.champion_weights_corrupt": f"v{champion[0]}"}, None
+            decision, evidence = self._judge(candidate, champion, lost, reads, step)
+        log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
+                 ", ".join(f"{k}={v}" for k, v in evidence.items()))
+        back = champion[1] if decision == "rolled_back" and champion is not None else None
+        if back is not None:
+            evidence[ROLLBACK_CARRIED_OUT] = "false"  # until its weights go out again (rollback_due)
+        self.tracker.record_decision(decision, evidence, candidate[1])
+        if back is not None:  # recorded first: see decide()
+            log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
+            self.publisher.rollback(back, step)
+        if decision == "promoted":
+            self._new_champion(candidate[1], step)
+        return decision, back
+
+    def _judge(self, candidate: tuple[int, WeightsRef], champion: tuple[int, WeightsRef] | None,
+               lost: dict[str, str], reads: tuple[float, float], step: int) -> tuple[Decision, dict[str, str]]:
+        """The monitors and the gate on ``candidate`` against ``champion`` (None: as without one): the
+        decision and its evidence (``lost``: what the evidence says of a champion counted as none)."""
         kl = None if self.reference is None else candidate_kl(self.reference, candidate, self.window)
         monitors = read_monitors(self.cfg, self.window, candidate[0], *reads, kl=kl)
         self.tracker.log_metrics({f"registry_monitor_{k}": v for k, v in monitors.values.items()}, step)
@@ -244,27 +278,23 @@ class Releases:
         if champion is None:
             decision: Decision = "pending" if monitors.tripped else "promoted"
             record = self.gate.record_of(candidate[1], self.window)
-            evidence = {"gate.decision": "no_champion", **lost, **monitors.tags(), **(record.tags() if record else {})}
-        else:
-            set_aside: dict[str, str] = {}
-            gate = self.gate.compare(candidate[1], champion[1], self.window,
-                                     lambda: self._champion_record(champion, set_aside))
-            decision = GATE_TO_REGISTRY[gate.decision]
-            if monitors.tripped:
-                decision = "rolled_back"
-            evidence = {**gate.tags(), **set_aside, **monitors.tags()}
-            self._keep_records(gate, decision, evidence)
-        log.info("registry: candidate v%d %s (%s)", candidate[0], decision,
-                 ", ".join(f"{k}={v}" for k, v in evidence.items()))
-        back = champion[1] if decision == "rolled_back" and champion is not None else None
-        if back is not None:  # announced first: see decide()
-            evidence[ROLLBACK_CARRIED_OUT] = "false"  # until its weights go out again (rollback_due)
-            log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
-            self.publisher.rollback(back, step)
-        self.tracker.record_decision(decision, evidence, candidate[1])
-        if decision == "promoted":
-            self._new_champion(candidate[1], step)
-        return decision, back
+            return decision, {"gate.decision": "no_champion", **lost, **monitors.tags(),
+                              **(record.tags() if record else {})}
+        set_aside: dict[str, str] = {}
+        gate = self.gate.compare(candidate[1], champion[1], self.window,
+                                 lambda: self._champion_record(champion, set_aside))
+        decision = "rolled_back" if monitors.tripped else GATE_TO_REGISTRY[gate.decision]
+        evidence = {**gate.tags(), **set_aside, **monitors.tags()}
+        self._keep_records(gate, decision, evidence)
+        return decision, evidence
+
+    def _loads(self, ref: WeightsRef) -> bool:
+        """Whether ``ref``'s weights load whole (read again only after a load raised CorruptWeights)."""
+        try:
+            self.publisher.store.load(ref.location, ref.checksum)
+        except (CorruptWeights, FileNotFoundError):
+            return False
+        return True
 
     def _champion_record(self, champion: tuple[int, WeightsRef], set_aside: dict[str, str]) -> ValueRecord | None:
         """The champion's record, asked for by the gate when it cannot score the champion. One measured

@@ -20,6 +20,7 @@ from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_packs
 from streams.base import StreamBackend
+from streams.broker_wait import until_broker_takes
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistContext, broadcast_json, broadcast_rollouts, finite_vote, rank_sum, shard_model
 from trainer.history import rollouts_from_file, rollouts_from_topics
@@ -140,7 +141,9 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
         if rank0 is not None:
             # never reuse a version number: the store, and the weights topic if the store was lost, may
             # hold versions newer than the checkpoint
-            announced = newest_announced_version(backend, cfg.kafka.topics.weights, cfg.serving.model_name)
+            announced = until_broker_takes(  # a broker restarting as the learner starts is waited for
+                lambda: newest_announced_version(backend, cfg.kafka.topics.weights, cfg.serving.model_name),
+                "reading the weights topic's newest version", stop)
             version = max([version, *rank0.releases.publisher.store.versions(), announced])
         version = broadcast_json(version, ctx)
     except BaseException:

@@ -1,6 +1,9 @@
 """Safetensors files on a local directory or any fsspec URL: the default weight store.
 
-A version is written to ``v00000012.safetensors.<uuid>.tmp`` and renamed into place. A failed
+A version is written to ``v00000012.safetensors.<uuid>.tmp`` and renamed into place; on a local
+directory the file is flushed to disk before the rename and the directory after it, so a power loss
+leaves the whole version or none (unflushed, a renamed file could come back empty under its final
+name, the registry and the weights topic naming it). A failed
 write removes its temporary file at once (its OS error names that file); one left by a writer
 killed before its rename is removed by a later :meth:`FileWeightStore.prune` once it is
 :data:`STALE_TEMP_AGE_S` old.
@@ -8,15 +11,17 @@ killed before its rename is removed by a later :meth:`FileWeightStore.prune` onc
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
+from pathlib import Path
 
 import fsspec
 import torch
 from safetensors.torch import load as load_safetensors
 
-from online_sao.durable import naming_the_file
+from online_sao.durable import fsync_dir, naming_the_file
 from online_sao.weights.store import CorruptWeights, WeightsRef, WeightStore, serialise, sha256_hex, verify_state_dict
 
 _VERSION_FILE = re.compile(r"v(\d{8,})\.safetensors$")
@@ -36,6 +41,8 @@ class FileWeightStore(WeightStore):
     def __init__(self, url: str):
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.url = url
+        self.local = self.fs.protocol in ("file", ("file", "local"))
+        """A directory of this host's: its writes are flushed to disk (fsspec's remote stores offer no fsync)."""
         self.fs.makedirs(self.root, exist_ok=True)
 
     def _path(self, version: int) -> str:
@@ -50,11 +57,17 @@ class FileWeightStore(WeightStore):
             with naming_the_file(tmp):
                 with self.fs.open(tmp, "wb") as fh:
                     fh.write(data)
+                    if self.local:  # on disk before the rename names it
+                        fh.flush()
+                        os.fsync(fh.fileno())
             self.fs.mv(tmp, final)  # a reader sees the whole file or none of it
+            if self.local:
+                with naming_the_file(self.root):
+                    fsync_dir(Path(self.root))  # the rename itself survives a power loss
         except BaseException:  # disk full, interrupted: a partial file must not hold the space
             self._discard(tmp)
             raise
-        location = final if self.fs.protocol in ("file", ("file", "local")) else self.fs.unstrip_protocol(final)
+        location = final if self.local else self.fs.unstrip_protocol(final)
         return WeightsRef(version, location, sha256_hex(data))
 
     def load(self, location: str, checksum: str) -> dict[str, torch.Tensor]:

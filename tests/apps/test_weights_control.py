@@ -229,3 +229,72 @@ def test_a_release_of_the_hold_in_force_ends_it(backend, cfg, store):
     hold(cfg, backend, version=1)
     assert release(cfg, backend).version == 1
     assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold is None
+
+
+def held_copies(cfg) -> FileWeightStore:
+    return FileWeightStore(f"{cfg.weight_store_url}/held")
+
+
+def test_a_hold_that_lands_during_another_holds_clean_up_keeps_its_copy(backend, cfg, store, monkeypatch):
+    """Operator B's whole hold of v3 ran between operator A's send of a hold of v1 and A's clean-up of
+    held/: A deleted every copy but v1's, so the hold in force (v3) had none, and a replica starting
+    during the hold could not load it."""
+    published(backend, cfg, store, 1, 2, 3)
+    send = weights_control._send
+
+    def b_holds_after_as_send(backend_, topic, notice):
+        send(backend_, topic, notice)
+        if notice.reason == "A":
+            hold(cfg, backend, version=3, reason="B")
+
+    monkeypatch.setattr(weights_control, "_send", b_holds_after_as_send)
+    hold(cfg, backend, version=1, reason="A")
+    in_force = read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold
+    assert (in_force.version, in_force.reason) == (3, "B")
+    assert held_copies(cfg).versions() == [3]
+    assert torch.equal(held_copies(cfg).load(in_force.location, in_force.checksum)["w"], weights(3)["w"])
+
+
+def test_a_hold_whose_copy_another_holds_clean_up_deleted_before_it_was_sent_writes_it_again(
+        backend, cfg, store, monkeypatch):
+    """Operator A's whole hold of v1 ran between operator B's copy of v2 and B's send: A's clean-up,
+    reading v1 in force, deleted B's copy, and B's hold went out naming a file that was gone."""
+    published(backend, cfg, store, 1, 2)
+    send = weights_control._send
+
+    def a_holds_before_bs_send(backend_, topic, notice):
+        if notice.reason == "B":
+            hold(cfg, backend, version=1, reason="A")
+        send(backend_, topic, notice)
+
+    monkeypatch.setattr(weights_control, "_send", a_holds_before_bs_send)
+    hold(cfg, backend, version=2, reason="B")
+    in_force = read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold
+    assert (in_force.version, in_force.reason) == (2, "B")
+    assert held_copies(cfg).versions() == [2]
+    held_copies(cfg).load(in_force.location, in_force.checksum)
+
+
+def test_holding_the_held_version_again_copies_it_again_when_its_copy_is_gone(backend, cfg, store):
+    """A held version whose copy is gone (deleted by hand, or by an older `weights hold` racing another):
+    holding it again only sent the notice again, naming the missing file."""
+    published(backend, cfg, store, 1, 2)
+    first = hold(cfg, backend, version=1, reason="incident")
+    held_copies(cfg).delete(1)
+    for version, reason in ((1, "repair"), (None, "repair, no version")):
+        again = hold(cfg, backend, version=version, reason=reason)
+        assert again.version == 1 and again.location == first.location
+        assert torch.equal(held_copies(cfg).load(again.location, again.checksum)["w"], weights(1)["w"])
+        held_copies(cfg).delete(1)
+    assert read_weights_topic(backend, cfg.kafka.topics.weights, MODEL).hold.reason == "repair, no version"
+
+
+def test_holding_the_held_version_again_when_its_copy_and_its_notices_are_gone_says_so(backend, cfg, store):
+    """Compaction kept the hold alone, and its copy is gone: nothing to copy from, said instead of
+    sending the hold again naming the missing file."""
+    store.save(1, weights(1))  # the learner's store still has it, but no notice on the topic names it
+    held = held_copies(cfg).save(1, weights(1))
+    announce(backend, cfg, held, action="hold")  # the topic after compaction: the hold, no learner notice of v1
+    held_copies(cfg).delete(1)
+    with pytest.raises(HoldError, match="copy is gone"):
+        hold(cfg, backend, version=None, reason="repair")

@@ -148,3 +148,27 @@ def test_the_follower_of_serve_follows_its_own_models_notices_only(tmp_path):
         assert engine.policy_version == 3
     finally:
         follower.stop()
+
+
+def test_the_follower_of_serve_dead_letters_an_unreadable_notice(tmp_path):
+    """docs/RECORDS.md says an unreadable record goes to the dead-letter topic; the follower of ``serve``
+    was built without one, so a notice from a newer writer was only logged and skipped."""
+    from online_sao.schemas import DeadLetter, decode
+    from serving.server import follower_factory
+    from tests.fixtures.models import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    backend = InMemoryBackend()
+    backend.ensure_topics()
+    producer = backend.producer()
+    producer.send(cfg.kafka.topics.weights, b'{"schema_version":2,"kind":"weights","version":9}', key=b"online-sao")
+    producer.flush()
+    follower = follower_factory(cfg, backend)(RecordingEngine(), ServingMetrics(CollectorRegistry()))
+    follower.start()
+    try:
+        assert follower.wait_for(lambda: follower.consumed >= 1, 30.0)
+    finally:
+        follower.stop()
+    consumer = backend.consumer([cfg.kafka.topics.dead_letters], group_id=None, start="earliest")
+    letters = [decode(m.value, DeadLetter) for m in consumer.poll(timeout_s=0.2, max_records=10)]
+    assert [(letter.source_topic, letter.offset) for letter in letters] == [(cfg.kafka.topics.weights, 0)]

@@ -16,13 +16,14 @@ from mlflow.exceptions import MlflowException
 import trainer.tracking as tracking
 
 from online_sao.gate_record import ValueRecord
-from online_sao.schemas import decode
+from online_sao.schemas import WeightsNotice, decode
+from serving.weights_hold import plan
 from tests.trainer.test_deploy import (STYLE_A, FixedKL, ScriptedScorer, _registry_parts, _rollout,  # noqa: F401
                                        registry_cfg)
 from tests.trainer.test_tracking import _client, _publish, cfg, empty_store, store  # noqa: F401  (fixtures)
 from trainer.deploy import OffPolicyGate
 from trainer.mlflow_store import TrackingUnavailable
-from trainer.publisher import Releases
+from trainer.publisher import ReleaseOutcome, Releases, newest_announced_version
 from trainer.tracking import RunTracker
 
 
@@ -37,22 +38,39 @@ def _kl_releases(config, publisher, tracker, window):
     return Releases(publisher, tracker, gate, window, config.deploy, 2, reference=FixedKL({2: 0.1, 4: 0.9}))
 
 
-@pytest.mark.parametrize("stopped_in", ["announcing", "recording"])
-def test_a_rollback_cut_short_is_announced_and_decided_again_after_a_restart(registry_cfg, stopped_in, monkeypatch):
-    """The learner is stopped inside the v4 roll-back: while announcing it (broker down), or after
-    announcing it, while recording it (MLflow down). Either way the registry has not moved: v4 is still
-    the undecided candidate, and the restarted learner decides again, rolls back and announces it."""
+def _serving_follows(notices) -> WeightsNotice | None:
+    """The notice a replica reading the topic's learner notices one by one ends on."""
+    current, followed = 0, None
+    for notice in notices:
+        if notice.action in ("publish", "rollback") and plan([notice], current):
+            current, followed = notice.version, notice
+    return followed
+
+
+@pytest.mark.parametrize("stopped_in", ["recording", "announcing"])
+def test_a_rollback_cut_short_is_carried_out_or_decided_again_after_a_restart(registry_cfg, stopped_in, monkeypatch):
+    """The learner is stopped inside the v4 roll-back, decided when v6 is published: while recording it
+    (MLflow down), or after recording it, while announcing it (broker down). Recorded, the restart
+    carries it out before it publishes anything; not recorded, nothing was announced either, and the
+    next registration point decides again. Before, the notice went out first: stopped before the
+    record, the restart numbered its next version (v7) past the notice, serving followed it back onto
+    the rejected policy's line and nothing decided again until v8."""
     config = registry_cfg.model_copy(update={"deploy": registry_cfg.deploy.model_copy(update={"monitor_max_kl": 0.5})})
     backend, publisher, tracker, window = _registry_parts(config)
     releases = _kl_releases(config, publisher, tracker, window)
+    client, name = _client(config), config.mlflow.registered_model
 
     def release(releases, version):
-        return releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        outcome = releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+        return outcome
+
+    def on_topic():
+        return [decode(m.value) for m in backend.consumer([config.kafka.topics.weights]).poll(0.1, 1000)]
 
     for version in range(1, 6):
         release(releases, version)
-        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
-                        for i in range(40)])
     def stop(*args):
         raise Stopped() if stopped_in == "announcing" else TrackingUnavailable("stopped")
 
@@ -60,20 +78,32 @@ def test_a_rollback_cut_short_is_announced_and_decided_again_after_a_restart(reg
                         stop)
     with pytest.raises(Stopped if stopped_in == "announcing" else TrackingUnavailable):
         release(releases, 6)
-    client, name = _client(config), config.mlflow.registered_model
-    assert tracker.candidate()[0] == 4 and tracker.champion()[0] == 2  # nothing moved
-    assert "decision" not in client.get_model_version_by_alias(name, "candidate").tags
-
     monkeypatch.undo()  # the restarted learner: the broker and MLflow answer again
+    assert [n.version for n in on_topic() if n.action == "rollback"] == []  # nothing announced unrecorded
+
+    # the restart, as trainer/startup.py resume() numbers it: past every version stored or announced
     restarted = _kl_releases(config, publisher, RunTracker(config, run_id=tracker.run_id), window)
-    outcome = release(restarted, 6)  # the learner republishes the version it was stopped in
-    assert outcome.rolled_back_to is not None and outcome.rolled_back_to.version == 2
+    following = max([*publisher.store.versions(),
+                     newest_announced_version(backend, config.kafka.topics.weights, publisher.model_name)]) + 1
+    assert following == 7
+    due = restarted.rollback_due()  # what trainer.learner.train carries out before its first publish
+    if stopped_in == "recording":
+        assert due is None and tracker.candidate()[0] == 4 and tracker.champion()[0] == 2  # nothing moved
+        assert "decision" not in client.get_model_version_by_alias(name, "candidate").tags
+        assert release(restarted, 7) == ReleaseOutcome()  # not a registration point
+        outcome = release(restarted, 8)  # decided again
+        assert outcome.rolled_back_to is not None and outcome.rolled_back_to.version == 2
+    else:
+        assert due is not None and due.version == 2
+        champion = publisher.store.load(due.location, due.checksum)
+        publisher.publish(champion, following, following)  # trainer.learner.roll_back: the champion again as v7
+        restarted.rollback_carried_out(following)
+        followed = _serving_follows(on_topic())
+        assert followed.version == following and followed.checksum == due.checksum
     assert tracker.candidate()[0] == 2 and tracker.champion()[0] == 2
     by_policy = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
     assert by_policy[4]["decision"] == "rolled_back" and by_policy[4]["monitor.tripped"] == "kl"
-    notices = [decode(m.value) for m in backend.consumer([config.kafka.topics.weights]).poll(0.1, 1000)]
-    rollbacks = [n.version for n in notices if n.action == "rollback"]
-    assert rollbacks == ([2] if stopped_in == "announcing" else [2, 2])  # announced before it was recorded
+    assert [n.version for n in on_topic() if n.action == "rollback"] == ([2] if stopped_in == "recording" else [])
 
 
 def test_a_decision_lands_on_the_version_decided_not_on_a_later_registration(cfg, store):
@@ -237,6 +267,35 @@ class LoadingScorer(ScriptedScorer):
     def log_ratios(self, ref, window):
         self.store.load(ref.location, ref.checksum)
         return super().log_ratios(ref, window)
+
+
+def test_a_torn_candidate_is_left_pending_and_a_torn_champion_counts_as_none(registry_cfg):
+    """A weights file that is there but torn (a power loss after an unflushed rename, before the store
+    fsynced): the gate's load raised CorruptWeights out of the decision, at every restart. A torn
+    candidate is left pending as a missing one is; a torn champion counts as none, as a missing one does."""
+    backend, publisher, tracker, window = _registry_parts(registry_cfg)
+    scorer = LoadingScorer(publisher.store, dict.fromkeys(range(1, 10), STYLE_A))
+    releases = Releases(publisher, tracker, OffPolicyGate(scorer, registry_cfg.deploy), window, registry_cfg.deploy, 2)
+
+    def release(version):
+        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
+        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
+                        for i in range(40)])
+
+    for version in range(1, 6):
+        release(version)
+    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
+    open(tracker.candidate()[1].location, "wb").close()  # renamed into place, its data never on disk
+    release(6)  # v4 decided
+    client, name = _client(registry_cfg), registry_cfg.mlflow.registered_model
+    tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
+    assert tags[4]["decision"] == "pending" and tags[4]["gate.decision"] == "candidate_weights_corrupt"
+    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 6
+    open(tracker.champion()[1].location, "wb").close()
+    release(7)
+    release(8)  # v6 decided: the champion's weights are torn, so as without one
+    assert tracker.champion()[0] == 6
+    assert client.get_model_version_by_alias(name, "champion").tags["gate.champion_weights_corrupt"] == "v2"
 
 
 def test_a_lost_store_leaves_the_candidate_pending_and_the_next_one_is_promoted(registry_cfg):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from online_sao.config import AlgorithmConfig, ConfigError
 from online_sao.modeling import is_compiled, load_policy
 from online_sao.weights import FileWeightStore
+from streams.base import StreamUnavailable
 from streams.memory import InMemoryBackend
 from tests.fixtures.models import tiny_config
 from tests.trainer.test_learner_memory import _config
@@ -98,3 +99,25 @@ def test_one_process_computes_in_the_deployments_bfloat16_and_trains_like_float3
     assert seen_bf16 == {torch.bfloat16} and seen_f32 == {torch.float32}
     assert float(expected.norm()) > 0
     assert float((update - expected).norm()) <= BF16_UPDATE_RTOL * float(expected.norm())
+
+
+def test_a_broker_restarting_as_the_learner_starts_is_waited_for_while_the_weights_topic_is_read(
+        tmp_path, tiny_model_dir):
+    """Every other start-time broker call waits the outage out; reading the weights topic's newest
+    version did not, so one StreamUnavailable there failed the learner's start."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"kafka.partitions": 1})
+
+    class RestartingBroker(InMemoryBackend):
+        outages = 1
+
+        def consumer(self, topics, *args, **kwargs):
+            if cfg.kafka.topics.weights in topics and self.outages:
+                self.outages -= 1
+                raise StreamUnavailable("broker restarting")
+            return super().consumer(topics, *args, **kwargs)
+
+    backend = RestartingBroker(cfg.kafka)
+    backend.ensure_topics()
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4))
+    assert train(cfg, backend, init_distributed(), RunUntil(max_steps=1)).version == 1
+    assert backend.outages == 0

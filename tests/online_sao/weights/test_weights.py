@@ -147,3 +147,26 @@ def test_prune_removes_a_dead_writers_temporary_file_once_it_is_stale(tmp_path):
     os.utime(foreign, (long_ago, long_ago))
     assert store.prune(keep_last=1) == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([recent.name, foreign.name, "v00000002.safetensors"])
+
+
+def test_a_local_save_reaches_the_disk_before_and_after_its_rename(tmp_path, monkeypatch):
+    """The temporary file was renamed unflushed: after a power loss the version could be an empty file
+    under its final name, which the registry and the weights topic named (the ledger and checkpoints
+    fsync theirs)."""
+    store = FileWeightStore(str(tmp_path / "w"))
+    events = []
+    fsync, mv = os.fsync, store.fs.mv
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_mv(src, dst, **kwargs):
+        events.append(("mv", src, dst))
+        mv(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(store.fs, "mv", recording_mv)
+    ref = store.save(3, {"w": torch.ones(2)})
+    (_, written), (_, tmp, final), (_, directory) = events
+    assert written == tmp and final == ref.location and directory == str(tmp_path / "w")

@@ -137,7 +137,9 @@ class RunningMean(PolicyOnly):
         return {"reward_window": list(self.window)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window = deque(state["reward_window"], maxlen=self.cfg.running_mean_window)
+        """``state`` of another rule (a checkpoint trained by sao, say) has no window: the baseline
+        starts from the next step's rewards, as on a first start (a bare KeyError at every restart)."""
+        self.window = deque(state.get("reward_window", ()), maxlen=self.cfg.running_mean_window)
 
     def forget(self) -> None:
         """The baseline restarts from the next step's own rewards."""

@@ -4,8 +4,9 @@ Every pass of the learner loop, rank 0:
 
 1. polls interactions and rewards (one consumer in group ``trainer.consumer_group``),
    skips records a rebalance re-delivered (their offset is already in the state),
-   decodes each record or dead-letters it (bad data never stops the learner) and
-   feeds the :class:`~trainer.join.RewardJoiner`. While ``READY_BACKLOG_STEPS`` full
+   decodes each record or dead-letters it (bad data never stops the learner), refuses
+   (counted) an interaction that can train nothing (:mod:`trainer.untrainable`) and
+   feeds the others to the :class:`~trainer.join.RewardJoiner`. While ``READY_BACKLOG_STEPS`` full
    steps are ready (and a step could start on them: at least ``trainer.min_rollouts``, a
    unit for each rank) it polls with its partitions paused (backpressure): no records
    come, but the consumer stays in its group;
@@ -13,7 +14,7 @@ Every pass of the learner loop, rank 0:
 3. takes the ready rollouts for a step as soon as they are worth
    ``trainer.token_budget`` action tokens, or ``trainer.min_rollouts`` of them are
    ready, or fewer have waited ``trainer.max_wait_s`` (whole groups for grpo;
-   nothing else waits for groups); unusable ones are counted and left out.
+   nothing else waits for groups), a unit (rollout, grpo group) for each rank.
 
 After a checkpoint, :meth:`Feed.commit` commits the offsets it covers (dead letters
 of the covered records are flushed first). The feed does not poll during a step or a
@@ -44,6 +45,7 @@ from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.join_clock import JoinClock, max_behind_s
 from trainer.rollouts import RolloutError
 from trainer.source_rewards import SourceRewards
+from trainer.untrainable import trainable
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +204,8 @@ class Feed:
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
-                self.joiner.add_interaction(record, ts, clock=self.clock.limit(left))
+                if trainable(record, self.vocab_size, self.counters):  # else counted: never a unit of a step
+                    self.joiner.add_interaction(record, ts, clock=self.clock.limit(left))
             else:
                 self.joiner.add_reward(record, ts, clock=self.clock.limit(left))
 
@@ -252,9 +255,10 @@ class Feed:
         self.last_activity = time.monotonic()
 
     def take(self, world_size: int, before_step: RolloutHook | None = None) -> list[Rollout] | None:
-        """The rollouts of the next step, or None while too few are ready (or too few
-        usable ones were taken for every rank to get one, a grpo group counting as one:
-        FSDP needs every rank in every step)."""
+        """The rollouts of the next step, or None while too few are ready: a unit for every rank (a
+        rollout with action tokens, or a grpo group: FSDP needs every rank in every step). Taken ones
+        left fewer units than ranks (:func:`to_rollouts` or ``before_step`` left some out, which no record
+        the feed read since 2026-12-07 makes it do) are not trained, counted in ``too_few_for_ranks``."""
         tcfg = self.tcfg
         self.step_units = world_size
         units, ready, ready_tokens = self.joiner.ready_counts(self.group_size)
@@ -277,7 +281,11 @@ class Feed:
         if before_step is not None:
             rollouts = before_step(rollouts)
         if len(shard_units(rollouts)) < world_size:  # a grpo group goes whole to one rank
+            # the read refused what trains nothing (trainer/untrainable.py) and the join counts a unit only
+            # with action tokens: left for before_step (tests), or a join state checkpointed before that
             self.counters["too_few_for_ranks"] += len(rollouts)
+            log.error("%d rollouts taken for a step of %d ranks are not trained: fewer units than ranks are left",
+                      len(rollouts), world_size)
             return None
         return rollouts
 

@@ -137,9 +137,16 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
 
     The moments and step counters are the checkpoint's; the kernel flags and hyper-parameters are
     the optimiser's own, as constructed, but for a scheduled ``lr`` (:func:`_kept_settings`).
-    ``name`` says whose, in the log line of a hyper-parameter the checkpoint had otherwise."""
+    ``name`` says whose, in the log line of a hyper-parameter the checkpoint had otherwise. A state that
+    lacks a parameter the optimiser trains leaves it empty, with a warning; one of more parameters
+    loads theirs (:func:`_of_trained_parameters`)."""
     if ctx.is_main and not state:
         raise ValueError("rank 0 needs the optimizer state to load")
+    if ctx.is_main:
+        state = _of_trained_parameters(model, optimizer, state, name)
+    if not broadcast_json(ctx.is_main and state is not None, ctx):
+        optimizer.state.clear()  # no moments rather than some: every parameter steps from the same start
+        return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.is_distributed)
     # loading takes every param-group setting from the checkpoint: keep this process's kernel flags
     # (``algorithm.optimizer_kernel``), so a checkpoint of another kernel resumes on the configured
@@ -161,6 +168,35 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         for slot, value in slots.items():
             if isinstance(value, torch.Tensor) and _storage(value) in given:
                 slots[slot] = value.detach().clone()
+
+
+def _of_trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                           name: str) -> dict[str, Any] | None:
+    """``state`` (rank 0's, from :func:`optimizer_state`) with only the parameters ``optimizer`` trains,
+    or None, with a warning, when it lacks one of them (or has other groups): the optimiser then starts
+    empty (:func:`load_optimizer_state`). ``algorithm.freeze_critic_attention`` changes which critic
+    parameters train: turned off, torch refused the state ("Missing optimizer state for parameter ...")
+    at every restart. A parameter is known by any of its names (tied weights have several; the state
+    names one)."""
+    names: dict[int, set[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), set()).add(param_name)
+    trained = [[names.get(id(param), set()) for param in group["params"]] for group in optimizer.param_groups]
+    saved = [set(group["params"]) for group in state["param_groups"]]
+    if len(saved) != len(trained) or not all(all(known & held for known in group)
+                                             for held, group in zip(saved, trained)):
+        log.warning("the checkpoint's %s optimizer state lacks parameters it trains now (%d saved, %d trained; "
+                    "algorithm.freeze_critic_attention changed?): its moments start empty", name,
+                    sum(map(len, saved)), sum(map(len, trained)))
+        return None
+    kept = set().union(*(known for group in trained for known in group))
+    left_out = sorted(set(state["state"]) - kept)
+    if left_out:
+        log.info("the checkpoint's %s optimizer state has moments of %d parameters it no longer trains "
+                 "(algorithm.freeze_critic_attention changed?): left out", name, len(left_out))
+    return {**state, "state": {k: v for k, v in state["state"].items() if k in kept},
+            "param_groups": [{**group, "params": [n for n in group["params"] if n in kept]}
+                             for group in state["param_groups"]]}
 
 
 def _kept_settings(group: dict[str, Any]) -> dict[str, Any]:

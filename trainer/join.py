@@ -232,15 +232,15 @@ class RewardJoiner(TrajectoryRules):
     # -- output --------------------------------------------------------------------------
     def ready_rollouts(self, group_size: int = 1) -> int:
         """Rollouts :meth:`pop_ready` could hand out now (:meth:`ready_stats` without the tokens)."""
-        units, _ = self._ready_pass(group_size)
+        units, _, _ = self._ready_pass(group_size)
         return sum(len(unit) for unit in units)
 
     def ready_units(self, group_size: int = 1) -> int:
         """What :meth:`pop_ready` could hand out now, in the units a step shares among ranks: rollouts,
         or grpo groups when ``group_size > 1`` (complete ones, and incomplete ones past
-        ``reward.group_timeout_s``; each goes whole to one rank)."""
-        units, _ = self._ready_pass(group_size)
-        return len(units)
+        ``reward.group_timeout_s``; each goes whole to one rank); only those with action tokens to train."""
+        _, trainable, _ = self._ready_pass(group_size)
+        return trainable
 
     def ready_stats(self, group_size: int = 1) -> tuple[int, int]:
         """(rollouts, action tokens) that :meth:`pop_ready` could hand out now."""
@@ -249,40 +249,43 @@ class RewardJoiner(TrajectoryRules):
 
     def ready_counts(self, group_size: int = 1) -> tuple[int, int, int]:
         """(:meth:`ready_units`, rollouts, action tokens) in one pass over what is ready."""
-        units, tokens = self._ready_pass(group_size)
-        return len(units), sum(len(unit) for unit in units), tokens
+        units, trainable, tokens = self._ready_pass(group_size)
+        return trainable, sum(len(unit) for unit in units), tokens
 
-    def _ready_pass(self, group_size: int) -> tuple[list[list[Entry]], int]:
+    def _ready_pass(self, group_size: int) -> tuple[list[list[Entry]], int, int]:
         """The units (rollouts, or grpo groups) :meth:`pop_ready` would hand out now if nothing
-        stopped it, and their action tokens; no side effects. A ready answer whose turn a
-        continuation earlier in the pass trains is absorbed by it (:meth:`_train_turns`) and
-        handed out by no one: counted, a multi-rank step could count a unit for a rank that would
-        get none and drop the step's rollouts (trainer/feed.py)."""
+        stopped it, how many of them have action tokens to train, and their action tokens; no side
+        effects. A ready answer whose turn a continuation earlier in the pass trains is absorbed by
+        it (:meth:`_train_turns`) and handed out by no one; one whose every action token is of a turn
+        trained before trains nothing. Counted as units, a multi-rank step could count a unit for a
+        rank that would get none and drop the step's rollouts (trainer/feed.py)."""
         units: list[list[Entry]] = []
         trained: set[str] = set()  # ids whose turns an entry before trains
-        tokens = 0
+        tokens = trainable = 0
         ready = list(self._ready.values())
         for group in self._groups(ready, group_size) if group_size > 1 else [[e] for e in ready]:
-            unit = []
+            unit, unit_tokens = [], 0
             for entry in group:  # in the order pop_ready takes them: earlier ones train first
                 if entry.iid in trained:
                     continue
                 observed = self._trained_turns(entry, trained)
-                tokens += trained_action_tokens(entry.interaction, observed)
+                unit_tokens += trained_action_tokens(entry.interaction, observed)
                 trained.update(origin.interaction_id for turn, origin in enumerate(entry.interaction.origins())
                                if turn not in observed)
                 unit.append(entry)
             if unit:
                 units.append(unit)
-        return units, tokens
+            tokens += unit_tokens
+            trainable += unit_tokens > 0
+        return units, trainable, tokens
 
     def pop_ready(self, max_rollouts: int, token_budget: int, group_size: int = 1,
                   min_units: int = 1) -> list[JoinedInteraction]:
         """Take ready interactions, oldest first, until ``max_rollouts`` or until
         ``token_budget`` action tokens are reached (whole grpo groups only when
-        ``group_size > 1``), but at least ``min_units`` rollouts (groups) where that many are ready:
-        a step of several ranks needs one for each, and a step short of them was dropped. Taken ids
-        count as finished: later rewards are late."""
+        ``group_size > 1``), but at least ``min_units`` rollouts (groups) with action tokens to train
+        where that many are ready: a step of several ranks needs one for each, and a step short of
+        them was dropped. Taken ids count as finished: later rewards are late."""
         taken: list[JoinedInteraction] = []
         tokens = units = 0
         ready = list(self._ready.values())
@@ -292,13 +295,14 @@ class RewardJoiner(TrajectoryRules):
                 break
             if group_size > 1:
                 self._count_group(group, group_size)
-            before = len(taken)
+            unit_tokens = 0
             for entry in group:
                 if entry.iid not in self._ready:
                     continue  # absorbed by a continuation taken before it in this pass
                 taken.append(self._take(entry, group_id if group_size > 1 else -1))
-                tokens += taken[-1].num_action_tokens
-            units += len(taken) > before
+                unit_tokens += taken[-1].num_action_tokens
+            tokens += unit_tokens
+            units += unit_tokens > 0
         return taken
 
     def drop_stale(self, min_version: int) -> int:

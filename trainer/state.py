@@ -9,6 +9,7 @@ collective: all ranks call it in the same order.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
 from trainer.distributed import DistContext, broadcast_json
 from trainer.full_state import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state
 from trainer.join import RewardJoiner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,31 +115,56 @@ def restore_version(checkpointer: Checkpointer | None, trainables: Trainables, v
 
 
 def _shared(ckpt: Checkpoint | None, ctx: DistContext) -> dict[str, Any] | None:
-    """Rank 0's checkpoint's small JSON values, on every rank (None: no checkpoint)."""
+    """Rank 0's checkpoint's small JSON values, and the names of its models, on every rank (None: no
+    checkpoint)."""
     shared = None
     if ckpt is not None:
         shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
-                  "scheduler": ckpt.optimizers.get("critic_scheduler"), "drift": ckpt.state.drift}
+                  "scheduler": ckpt.optimizers.get("critic_scheduler"), "drift": ckpt.state.drift,
+                  "models": sorted(ckpt.models)}
     return broadcast_json(shared, ctx)
 
 
 def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables: Trainables,
                     ctx: DistContext) -> None:
     """Models and optimisers from ``ckpt`` (rank 0; None elsewhere), scheduler and algorithm
-    state from ``shared`` (:func:`_shared`). Collective."""
+    state from ``shared`` (:func:`_shared`). Collective: every rank takes the same path, on
+    ``shared``. A checkpoint of another configuration (another rule, the KL's reference, which
+    critic parameters train) lacks what this one trains: a critic starts fresh, as on a first
+    start, and an EMA reference from the restored policy (each said in the log); an optimiser
+    whose parameters changed starts empty (:func:`~trainer.full_state.load_optimizer_state`).
+    Each was a bare KeyError (or torch's "Missing optimizer state") at every restart."""
     t = trainables
+    held = set(shared["models"])
     load_full_state_dict(t.policy, ckpt.models["policy"] if ckpt else None, ctx)
     load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx,
                          name="policy")
-    if t.critic is not None:
+    if t.critic is not None and "critic" in held:
         load_full_state_dict(t.critic, ckpt.models["critic"] if ckpt else None, ctx)
         load_optimizer_state(t.critic, t.optimizers.critic, ckpt.optimizers["critic"] if ckpt else None, ctx,
                              name="critic")
+    elif t.critic is not None and ctx.is_main:
+        log.warning("the checkpoint of step %d has no critic (its rule trained none): the critic is not "
+                    "restored (on a restart it starts fresh, as on a first start)", shared["step"])
     if t.ema_reference is not None:
-        load_full_state_dict(t.ema_reference, ckpt.models["reference"] if ckpt else None, ctx)
+        _load_ema_reference(ckpt, "reference" in held, shared["step"], t.ema_reference, ctx)
     if t.optimizers.critic_scheduler is not None and shared["scheduler"] is not None:
         _load_warmup(t.optimizers.critic_scheduler, shared["scheduler"])
     t.algorithm.load_state_dict(shared["algorithm"])
+
+
+def _load_ema_reference(ckpt: Checkpoint | None, held: bool, step: int, reference: nn.Module,
+                        ctx: DistContext) -> None:
+    """The KL's EMA reference from ``ckpt``, or, when it holds none (``held`` False: the KL was off or
+    had a fixed reference), from its restored policy: where an EMA of a policy that just started
+    from those weights stands. Collective."""
+    if held:
+        load_full_state_dict(reference, ckpt.models["reference"] if ckpt else None, ctx)
+        return
+    if ctx.is_main:
+        log.warning("the checkpoint of step %d has no EMA reference (algorithm.kl_reference was not ema): "
+                    "the reference starts from its policy", step)
+    load_full_state_dict(reference, ckpt.models["policy"] if ckpt else None, ctx)
 
 
 def _load_warmup(scheduler: LambdaLR, state: dict[str, Any]) -> None:

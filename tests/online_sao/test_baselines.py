@@ -74,6 +74,15 @@ def test_running_mean_window_excludes_the_current_batch(tiny_qwen):
     assert restored.baseline(torch.tensor([100.0])) == 5.0
 
 
+def test_running_mean_restored_from_another_rules_state_starts_its_window_afresh(tiny_qwen):
+    """A checkpoint trained by sao holds no reward window (its state: {} without a replay window):
+    a learner switched to running_mean baselines its first batch on its own mean, (1 + 3) / 2."""
+    algo = build("running_mean", tiny_qwen, running_mean_window=3)
+    algo.load_state_dict(build("sao", tiny_qwen).state_dict())
+    assert list(algo.window) == []
+    assert algo.step(make_batch(tiny_qwen, [1.0, 3.0]))["baseline"] == 2.0
+
+
 def test_running_mean_refused_step_keeps_window_and_weights(tiny_qwen, snapshot_weights):
     algo = build("running_mean", tiny_qwen, running_mean_window=4)
     algo.step(make_batch(tiny_qwen, [1.0, 0.0]))

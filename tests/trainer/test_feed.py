@@ -559,12 +559,12 @@ def test_grpo_without_a_group_timeout_holds_no_more_than_max_pending_of_incomple
     cfg = Config()
     joiner = RewardJoiner(cfg.reward.model_copy(update={"group_timeout_s": None}), max_pending=50)
     feed = Feed(cfg.trainer.model_copy(update={"poll_timeout_s": 0.01}), backend.cfg.topics, joiner,
-                backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=1000, group_size=4,
+                backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=2048, group_size=4,
                 stop=threading.Event())
     feed.start(backend)
     topics, producer = backend.cfg.topics, backend.producer()
     held, trained = [], 0
-    for batch in range(100):  # traffic: 10 rated answers to new prompts between two polls
+    for batch in range(100):  # traffic: 10 rated answers to new prompts (token ids to 1006) between two polls
         for i in range(10 * batch, 10 * batch + 10):
             publish(producer, topics.interactions,
                     make_interaction(f"i{i}", prompt=(5, 6, 7 + i), created_at=time.time()))
@@ -630,3 +630,58 @@ def test_a_commit_refused_after_a_long_step_is_made_again_on_the_broker(kafka_co
     finally:
         producer.close()
         feed.close()
+
+
+def _two_rank_feed(backend: InMemoryBackend, group_size: int = 1) -> Feed:
+    """A started feed of a model of 64 token ids whose steps start on one ready unit."""
+    cfg = Config()
+    feed = Feed(cfg.trainer.model_copy(update={"min_rollouts": 1, "poll_timeout_s": 0.01}), backend.cfg.topics,
+                RewardJoiner(cfg.reward), backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=64,
+                group_size=group_size, stop=threading.Event())
+    feed.start(backend)
+    return feed
+
+
+def _log_rated(feed: Feed, backend: InMemoryBackend, interactions: list) -> None:
+    topics, producer = backend.cfg.topics, backend.producer()
+    for interaction in interactions:
+        publish(producer, topics.interactions, interaction)
+        publish(producer, topics.rewards, make_reward(interaction.interaction_id, 1.0))
+    feed.poll()
+
+
+def test_two_ranks_lose_no_usable_rollout_taken_beside_ones_that_train_nothing():
+    """Two ranks, a usable rollout ready beside one with a token id outside the vocabulary and one
+    without an action token: the step took all three, left two out, had one unit for two ranks and
+    dropped it (too_few_for_ranks); the join had recorded it as trained, so it never trained."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _two_rank_feed(backend)
+    now = time.time()
+    _log_rated(feed, backend, [make_interaction("good", created_at=now),
+                               make_interaction("outside", response=(8, 9, 64), created_at=now),
+                               make_interaction("no-action", response=(8,), mask=(False,), created_at=now)])
+    assert feed.take(world_size=2) is None
+    assert (feed.counters["invalid_rollouts"], feed.counters["empty_rollouts"]) == (1, 1)
+    assert feed.counters["too_few_for_ranks"] == 0 and feed.joiner.ready_rollouts() == 1
+    _log_rated(feed, backend, [make_interaction("later", created_at=now)])
+    taken = feed.take(world_size=2)
+    assert taken is not None and sorted(r.interaction_id for r in taken) == ["good", "later"]
+    feed.close()
+
+
+def test_two_ranks_lose_no_grpo_group_taken_beside_one_that_trains_nothing():
+    """grpo groups of two, two ranks: a group whose answers both have a token id outside the vocabulary
+    beside a usable group. The step took both groups, left the first out whole, and dropped the
+    usable group with it."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _two_rank_feed(backend, group_size=2)
+    now = time.time()
+    _log_rated(feed, backend, [make_interaction(f"a{k}", prompt=(1, 2), response=(8, 99), created_at=now)
+                               for k in range(2)] +
+               [make_interaction(f"b{k}", prompt=(3, 4), created_at=now) for k in range(2)])
+    assert feed.take(world_size=2) is None and feed.counters["invalid_rollouts"] == 2
+    assert feed.counters["too_few_for_ranks"] == 0 and feed.joiner.ready_units(2) == 1
+    _log_rated(feed, backend, [make_interaction(f"c{k}", prompt=(5, 6), created_at=now) for k in range(2)])
+    taken = feed.take(world_size=2)
+    assert taken is not None and sorted(r.interaction_id for r in taken) == ["b0", "b1", "c0", "c1"]
+    feed.close()

@@ -432,3 +432,19 @@ def test_a_full_id_memory_of_a_fast_clocks_ids_refuses_no_fresh_interaction():
         j.add_reward(make_reward(f"i{i}", 1.0), ts=t)
         trained += len(j.pop_ready(max_rollouts=1000, token_budget=10**9))
     assert trained == 20 and j.counters.expired_interactions == 0
+
+
+def test_a_ready_interaction_without_action_tokens_is_no_unit_of_a_step():
+    """One that trains nothing (no action token left to train) counted as a unit: a step of two ranks
+    took it and one usable rollout, had one rollout for two ranks, and dropped the usable one with it
+    (trainer/feed.py). Taken with the units beside it, it is left out there."""
+    j = joiner()
+    j.add_interaction(make_interaction("nothing", response=(3,), mask=(False,)), ts=0.0)
+    j.add_interaction(make_interaction("a"), ts=0.0)
+    for iid in ("nothing", "a"):
+        j.add_reward(make_reward(iid, 1.0), ts=1.0)
+    assert j.ready_counts() == (1, 2, 3) and j.ready_units() == 1
+    j.add_interaction(make_interaction("b"), ts=2.0)
+    j.add_reward(make_reward("b", 1.0), ts=2.0)
+    taken = j.pop_ready(max_rollouts=1, token_budget=10**9, min_units=2)
+    assert [joined.interaction.interaction_id for joined in taken] == ["nothing", "a", "b"]

@@ -17,7 +17,8 @@
    first rolls it back to its weights before the drop (trainer/plasticity.py). A
    step whose inputs, loss or gradients are not finite is refused by every rank
    together (the rule's finiteness checks are all-reduced,
-   :func:`trainer.distributed.finite_vote`): no weight changes, its
+   :func:`trainer.distributed.finite_vote`): the policy does not change (SAO's
+   critic updates before the refusal stay, docs/ALGORITHM.md section 8), its
    ids go to the ledger marked refused, ``skipped_nonfinite_steps`` counts it and
    a warning names it (:func:`learn`);
 4. every ``publish_every`` steps the full policy is published (weight store +

@@ -23,14 +23,18 @@ def fsync_dir(path: Path) -> None:
 
 def replace_with_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a crash leaves the old file or the new one, whole: written to
-    a temporary file beside it (``<name>.tmp``, one of its own for every file), flushed to disk, then
-    renamed over it. OSError propagates."""
+    a temporary file beside it (``<name>.tmp``, one of its own for every file), flushed to disk, renamed
+    over it, and the directory flushed: without that a power loss could undo the rename after the
+    caller went on (the spool's watermark or read back window back at an older value: acknowledged
+    records sent again). OSError propagates, also when only the directory's flush failed (the new file
+    may then be in place or not)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

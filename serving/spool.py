@@ -21,7 +21,8 @@ Layout under ``directory``:
     :class:`~online_sao.schemas.DeadLetter` (its raw bytes, byte offset and the
     reason) appended as a new entry for the dead-letter topic, so it reaches
     the broker like any record; the intact entries after it are replayed in
-    order. The log is rewritten atomically (write, fsync, rename).
+    order. The log is rewritten atomically (write, fsync, rename;
+    :mod:`serving.spool_recovery`).
 
   Each damaged stretch is also copied whole to ``spool.corrupt-<time>-<offset>``
   for inspection. The format is the same as before this recovery existed, so
@@ -29,15 +30,20 @@ Layout under ``directory``:
   damaged to a larger value looks like a cut-short write and is cut off (its
   bytes are in the side file).
 * ``spool.acked``: the sequence number up to which every entry was acknowledged
-  by the broker, replaced atomically (write, fsync, rename). Entries at or below
+  by the broker, replaced atomically (write, fsync, rename, fsync the
+  directory). An unreadable one (empty, garbage) counts every entry as pending,
+  with a warning, and makes the read back window unknown. Entries at or below
   it are never sent again, also after a restart. When every entry on disk is
   acknowledged the log is emptied; when the acknowledged prefix is at least as
   large as the rest (and worth it, see :data:`COMPACT_MIN_BYTES`) the rest is
   copied to a new log that replaces the old one atomically (compaction), so a
-  log that is never fully acknowledged under steady traffic stays small.
+  log that is never fully acknowledged under steady traffic stays small. An
+  append that would pass ``max_bytes`` compacts by the same rule only: copying
+  a large rest to free a few entries' room, once per append, rewrote the quota
+  many times over while a full spool drained.
 * ``spool.window``: the most records a process may have had with the producer
   at once (``serving.log_window``) among the entries pending now, the widest of
-  every process since the spool was last found empty; written (fsynced, renamed)
+  every process since the spool was last found empty; written (as ``spool.acked``)
   before the process sends an entry of the spool: when it starts with entries
   pending, else with its first append. A restart reads back that many pending
   entries (:meth:`Spool.readback_window`), also when it runs with a smaller
@@ -55,10 +61,11 @@ in between) is pending again after a restart; the sender's read back of the
 topics (:mod:`serving.spool_readback`) finds it there and does not send it again.
 
 Writes that fail (disk full, quota ``max_bytes`` reached, I/O error) never
-raise: the entries are kept in memory, in order, after everything on disk,
-:attr:`Spool.error` says why, and the next append retries them first. Emptying
-the log when all of it is acknowledged never raises either: a log that cannot
-be truncated stays valid and is truncated (or compacted) later. A read of the
+raise: the entries are kept in memory, in order, after everything on disk
+(:mod:`serving.spool_overflow`), :attr:`Spool.error` says why, and the next
+append retries them first. Emptying the log when all of it is acknowledged
+never raises either: a log that cannot be truncated stays valid and is
+truncated (or compacted) later. A read of the
 log that fails (:meth:`Spool.read_pending`) raises, with :attr:`Spool.error`
 saying why until a read succeeds; the sender retries it.
 """
@@ -69,19 +76,16 @@ import io
 import logging
 import os
 import threading
-import time
 from collections import deque
 from pathlib import Path
 
-from online_sao.durable import fsync_dir, naming_the_file, replace_with_text
-from online_sao.schemas import DeadLetter, encode
-from serving.spool_format import HEADER_BYTES, Damage, SpoolEntry, decode_payload, scan_log
-from streams.records import dead_letter
+from online_sao.durable import fsync_dir, replace_with_text
+from serving.spool_format import HEADER_BYTES, SpoolEntry, decode_payload
+from serving.spool_overflow import Overflow
+from serving.spool_recovery import recover_log
 
 log = logging.getLogger(__name__)
 
-SPOOL_SOURCE = "serving-spool"
-"""``source_topic`` of the dead letter of a damaged spool entry (its own topic is unreadable)."""
 COMPACT_MIN_BYTES = 1 << 20
 """An acknowledged prefix smaller than this (or than a quarter of ``max_bytes``) is
 not worth copying the rest of the log for; it goes when the log empties."""
@@ -120,7 +124,9 @@ class Spool:
         the next append fsyncs the directory before it reports its entries written."""
         self._window_due: int | None = None
         """A read back window the next append writes down first (see :meth:`readback_window`)."""
-        self._overflow: list[SpoolEntry] = []
+        self._overflow = Overflow()
+        self._window_unknown = False
+        """``spool.acked`` was unreadable: how many entries an earlier process handed out is not known."""
         self._base = 0
         """Logical offset of the log file's first byte: offsets only grow, so an entry read
         before a compaction or reset never points into the wrong place."""
@@ -149,7 +155,7 @@ class Spool:
     @property
     def pending_bytes(self) -> int:
         with self._lock:
-            return self._log_size - self._acked_offset + sum(len(e.encode()) for e in self._overflow)
+            return self._log_size - self._acked_offset + self._overflow.bytes
 
     @property
     def file_bytes(self) -> int:
@@ -164,82 +170,25 @@ class Spool:
 
     def _read_watermark(self) -> int:
         try:
-            return int(self.acked_path.read_text().split()[0])
-        except (FileNotFoundError, ValueError, IndexError):
-            return 0
-
-    def _scan(self) -> tuple[list[SpoolEntry], int]:
-        """Every intact entry of the log and its size, after taking damaged entries out."""
-        try:
-            data = self.log_path.read_bytes()
+            text = self.acked_path.read_text(errors="replace")
         except FileNotFoundError:
-            return [], 0
-        entries, spans, damages = scan_log(data)
-        if not damages:
-            return entries, len(data)
-        stamp = int(time.time() * 1000)
-        for damage in damages:
-            log.warning("spool %s: bytes %d-%d unreadable (%s)%s", self.log_path, damage.start, damage.end,
-                        damage.reason, "; a write cut short, cut off" if damage.cut_short else "")
-            self._keep_aside(self.directory / f"spool.corrupt-{stamp}-{damage.start}", data[damage.start:damage.end])
-        self.dropped_corrupt_bytes = sum(d.end - d.start for d in damages)
-        if all(d.cut_short for d in damages):  # only the tail: cut it, nothing was lost
-            with open(self.log_path, "r+b") as fh:
-                fh.truncate(damages[0].start)
-                os.fsync(fh.fileno())
-            return entries, damages[0].start
-        return self._repair(data, entries, spans, damages)
-
-    @staticmethod
-    def _keep_aside(path: Path, damaged: bytes) -> None:
-        """A copy of damaged bytes for whoever investigates, if the disk takes it. Best effort: a start
-        on a full disk (a power loss during an outage that filled it) must still cut a torn tail, which
-        frees space, and send what the log holds; a damaged stretch that may hold records goes to the
-        dead letters with its bytes anyway (:meth:`_repair`)."""
+            return 0
         try:
-            path.write_bytes(damaged)
-        except OSError as exc:
-            log.warning("spool: could not keep the unreadable bytes aside in %s (%s); going on without the copy",
-                        path, exc)
-            path.unlink(missing_ok=True)
-
-    def _repair(self, data: bytes, entries: list[SpoolEntry], spans: list[tuple[int, int]],
-                damages: list[Damage]) -> tuple[list[SpoolEntry], int]:
-        """Rewrite the log as its intact entries followed by a dead letter for every damaged
-        stretch that may hold unacknowledged entries (atomically: a crash leaves the old log)."""
-        seq = max([self._acked_seq] + [e.seq for e in entries])
-        letters: list[bytes] = []
-        for damage in damages:
-            following = next((e for e in entries if e.end_offset > damage.end), None)
-            if damage.cut_short or (following is not None and following.seq <= self._acked_seq):
-                continue  # never reported written, or acknowledged by the broker already
-            seq += 1
-            letter = self._dead_letter(data, damage)
-            letters.append(SpoolEntry(seq, self.dead_letter_topic, None, encode(letter)).encode())
-        repaired = b"".join(data[start:end] for start, end in spans) + b"".join(letters)
-        tmp = self.log_path.with_name(self.log_path.name + ".repair")
-        try:
-            with naming_the_file(tmp), open(tmp, "wb") as fh:  # a full disk: the error says which file
-                fh.write(repaired)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except BaseException:  # the old log stays whole; a partial copy must not hold the space
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, self.log_path)
-        fsync_dir(self.directory)
-        self.dead_lettered_entries = len(letters)
-        return scan_log(repaired)[0], len(repaired)
-
-    def _dead_letter(self, data: bytes, damage: Damage) -> DeadLetter:
-        return dead_letter(data[damage.start:damage.end],
-                           f"spool entry unreadable at bytes {damage.start}-{damage.end} of {self.log_path}: "
-                           f"{damage.reason}", SPOOL_SOURCE, offset=damage.start)
+            return int(text.split()[0])
+        except (ValueError, IndexError):
+            # the window written down fits the watermark that was lost: every entry is pending now
+            log.warning("unreadable %s (%r): every entry of the log counts as pending, and a restart reads "
+                        "all of them back from the topics", self.acked_path, text[:40])
+            self._window_unknown = True
+            return 0
 
     def _recover(self) -> tuple[int, int, int]:
         """(acknowledged offset, log size, last sequence number) from the files; fills the
         pending entries' end offsets."""
-        entries, size = self._scan()
+        found = recover_log(self.log_path, self._acked_seq, self.dead_letter_topic)
+        self.dropped_corrupt_bytes = found.dropped_corrupt_bytes
+        self.dead_lettered_entries = found.dead_lettered_entries
+        entries, size = found.entries, found.size
         acked_offset = max((e.end_offset for e in entries if e.seq <= self._acked_seq), default=0)
         self._unacked.extend((e.seq, e.end_offset) for e in entries if e.end_offset > acked_offset)
         last_seq = max([self._acked_seq] + [e.seq for e in entries])
@@ -253,31 +202,37 @@ class Spool:
         with self._lock:
             if entries:
                 self.last_seq = max(self.last_seq, entries[-1].seq)
-            todo = self._overflow + list(entries)
-            self._overflow = []
-            if not todo:
+            self._overflow.hold(entries)  # each encoded once: retries and metrics reuse the bytes
+            if not self._overflow:
                 return True
             if self._window_due is not None:
                 self._persist_window(self._window_due)
                 self._window_due = None
-            encoded = [e.encode() for e in todo]
-            data = b"".join(encoded)
             try:
-                if self.file_bytes + len(data) > self.max_bytes and self._acked_offset > self._base:
-                    self._compact()  # the acknowledged prefix may make the room
-                if self.file_bytes + len(data) > self.max_bytes:
-                    raise SpoolFull(f"spool would grow to {self.file_bytes + len(data)} bytes, "
-                                    f"beyond serving.spool_max_bytes={self.max_bytes}")
-                self._write(data)
+                self._make_room(self._overflow.bytes)
+                self._write(self._overflow.data())
             except OSError as exc:
-                self._overflow = todo
                 self.error = f"cannot write the spool at {self.log_path}: {exc}"
                 return False
-            for entry, chunk in zip(todo, encoded):
+            for entry, chunk in self._overflow.take():
                 self._log_size += len(chunk)
                 self._unacked.append((entry.seq, self._log_size))
             self.error = None
             return True
+
+    def _make_room(self, size: int) -> None:
+        """SpoolFull unless ``size`` more bytes fit the quota, compacting first where that pays."""
+        if self.file_bytes + size > self.max_bytes and self._compaction_pays():
+            self._compact()  # else the entries wait in memory until acknowledgements free enough
+        if self.file_bytes + size > self.max_bytes:
+            raise SpoolFull(f"spool would grow to {self.file_bytes + size} bytes, "
+                            f"beyond serving.spool_max_bytes={self.max_bytes}")
+
+    def _compaction_pays(self) -> bool:
+        """The acknowledged prefix is worth copying the rest for: at least as large (so compactions copy
+        no more than was appended) and than :data:`COMPACT_MIN_BYTES` or a quarter of the quota."""
+        garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
+        return garbage > 0 and garbage >= max(rest, min(COMPACT_MIN_BYTES, self.max_bytes // 4))
 
     def _write(self, data: bytes) -> None:
         if self._log_file is None:
@@ -319,11 +274,7 @@ class Spool:
                 if self.error == self._read_error:  # an append's error since then stays
                     self.error = None
                 self._read_error = None
-            for entry in self._overflow:
-                if len(out) >= limit:
-                    break
-                out.append(entry)
-            return out
+            return out + self._overflow.oldest(limit - len(out))
 
     def _read_disk(self, limit: int) -> list[SpoolEntry]:
         """Up to ``limit`` unacknowledged entries of the log file, oldest first (caller holds the lock)."""
@@ -352,8 +303,7 @@ class Spool:
             if end_offset is None:  # read from memory; the writer may have put it on disk since
                 end_offset = next((end for seq, end in self._unacked if seq == entry.seq), None)
             if end_offset is None:  # still in memory: drop it and everything before it
-                index = next(i for i, e in enumerate(self._overflow) if e.seq == entry.seq)
-                self._overflow = self._overflow[index + 1:]
+                self._overflow.drop_through(entry.seq)
                 self._acked_offset = self._log_size
                 self._unacked.clear()
             else:
@@ -361,12 +311,11 @@ class Spool:
                     self._unacked.popleft()
                 self._acked_offset = end_offset
             self._acked_seq = entry.seq
-            garbage, rest = self._acked_offset - self._base, self._log_size - self._acked_offset
-            if rest == 0:  # all of the disk is acknowledged: give it back
+            if self._log_size == self._acked_offset:  # all of the disk is acknowledged: give it back
                 self._reset()
                 return
             self._persist_watermark()
-            if garbage >= max(rest, min(COMPACT_MIN_BYTES, self.max_bytes // 4)):
+            if self._compaction_pays():
                 try:
                     self._compact()
                 except OSError as exc:  # the old log stays valid: only space is not given back yet
@@ -438,6 +387,8 @@ class Spool:
             return widest
 
     def _read_window(self) -> int | None:
+        if self._window_unknown:
+            return None
         try:
             return int(self.window_path.read_text().split()[0])
         except (OSError, ValueError, IndexError):

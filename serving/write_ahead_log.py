@@ -155,7 +155,10 @@ class WriteAheadMode:
             if self.sender.stalled() and not self._unreachable:
                 self._set_reachable(False, "records unacknowledged for longer than serving.log_stall_s")
             if not progressed:
+                # read before taking the log's lock: the spool's lock is held through the writer's fsync,
+                # and submit() on the event loop needs the log's lock (a record appended meanwhile
+                # changes signal.events, so it is not slept over)
+                busy = self._spool.pending_records or state.closing
                 with signal.changed:
                     if signal.events == seen:
-                        busy = self._spool.pending_records or state.closing
                         signal.changed.wait(state.settings.retry_s if busy else None)

@@ -265,17 +265,6 @@ def test_entries_read_before_a_compaction_or_reset_still_acknowledge_the_right_p
     assert [e.seq for e in Spool(tmp_path, 8 * one, dead_letter_topic=DLQ).read_pending(10)] == [9]
 
 
-def test_a_full_quota_is_made_room_for_by_compacting_the_acknowledged_prefix(tmp_path):
-    one = len(entries(1, 1)[0].encode())
-    spool = Spool(tmp_path, max_bytes=4 * one, dead_letter_topic=DLQ)
-    spool.append(entries(1, 4))
-    spool.ack_through(spool.read_pending(10)[0])  # 1 acknowledged: too little to compact on its own
-    assert spool.compactions == 0
-    assert spool.append(entries(5, 1))  # the quota is reached: the acknowledged entry's room is reused
-    assert spool.compactions == 1 and spool.error is None
-    assert [e.seq for e in Spool(tmp_path, 4 * one, dead_letter_topic=DLQ).read_pending(10)] == [2, 3, 4, 5]
-
-
 def _entry_starts(data: bytes) -> list[int]:
     """Byte offset of every entry of an undamaged log (entries end with a newline)."""
     return [0] + [i + 1 for i, byte in enumerate(data[:-1]) if byte == ord("\n")]

@@ -41,7 +41,7 @@ from pydantic import BaseModel
 from online_sao.config import ServingConfig
 from online_sao.schemas import ABORTED, Interaction, SamplingParams
 from serving.detokenize import IncrementalDecoder, StopStrings, decode_after
-from serving.engine.base import GenerationRequest, InferenceEngine
+from serving.engine.base import GenerationRequest, InferenceEngine, RequestRefused
 from serving.ids import InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.logprobs import TokenTexts
@@ -60,6 +60,22 @@ from serving.trajectories import Trajectory, TrajectoryCache, TrajectoryPrefix
 from serving.turn import PROMPT_PARAMS, Disconnected, InFlight, Turn
 
 log = logging.getLogger(__name__)
+
+ENGINE_FIELD_PARAMS = {"top_logprobs": {"chat": "top_logprobs", "completions": "logprobs"}}
+"""The request parameter of each route behind an engine's ``RequestRefused.field`` where their names
+differ; the prompt's is ``Turn.prompt_param``, and the sampling fields (``temperature``, ``top_p``,
+``seed``) have the parameter's name."""
+
+
+def refused_param(turn: Turn, refusal: ValueError) -> str | None:
+    """The request parameter an engine's refusal names: its ``RequestRefused.field`` on the turn's route
+    (None: no one parameter); the prompt for a plain ValueError (an engine that names nothing refuses
+    the prompt's ids)."""
+    if not isinstance(refusal, RequestRefused) or refusal.field == "prompt_ids":
+        return turn.prompt_param
+    if refusal.field is None:
+        return None
+    return ENGINE_FIELD_PARAMS.get(refusal.field, {}).get(turn.route, refusal.field)
 
 
 @dataclass
@@ -180,8 +196,9 @@ class OpenAIServing:
             raise
         except Exception as exc:
             if isinstance(exc, ValueError) and not turn.token_ids:
-                # engines refuse input they cannot run (ids outside the vocabulary) before sampling
-                raise APIError(400, f"the engine refused the request: {exc}", param=turn.prompt_param) from exc
+                # engines refuse input they cannot run (ids outside the vocabulary, a temperature vLLM
+                # cannot sample) before sampling
+                raise APIError(400, f"the engine refused the request: {exc}", param=refused_param(turn, exc)) from exc
             # answered as an APIError: the app's handler sends it (a stream's error event after its first line);
             # any other exception would also be raised through the ASGI server after its 500
             log.error("request %s failed after %d tokens: %s: %s", turn.interaction_id, len(turn.token_ids),

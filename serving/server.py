@@ -115,17 +115,19 @@ def make_logger(cfg: Config, producer: Producer, backend: StreamBackend | None =
 
 def make_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
     """The configured engine over ``model_dir``; with ``deploy.canary_share`` above 0, two of
-    them behind a :class:`~serving.engine.canary.CanaryEngine` (the second answers with the champion)."""
+    them behind a :class:`~serving.engine.canary.CanaryEngine` (the second answers with the champion),
+    which share this process's memory (``serving.vllm_memory_share``)."""
     if cfg.deploy.canary_share > 0:
         from serving.engine.canary import CanaryEngine
 
-        return CanaryEngine(one_engine(cfg, model_dir, tokenizer), one_engine(cfg, model_dir, tokenizer),
-                            cfg.deploy.canary_share)
+        return CanaryEngine(one_engine(cfg, model_dir, tokenizer, engines=2),
+                            one_engine(cfg, model_dir, tokenizer, engines=2), cfg.deploy.canary_share)
     return one_engine(cfg, model_dir, tokenizer)
 
 
-def one_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
-    """One engine of the configured kind over ``model_dir``."""
+def one_engine(cfg: Config, model_dir: Path, tokenizer, engines: int = 1) -> InferenceEngine:
+    """One engine of the configured kind over ``model_dir``, one of ``engines`` in this process (a vLLM
+    engine takes its part of ``serving.vllm_memory_share``: :func:`.vllm_settings.memory_args`)."""
     if cfg.serving.engine == "vllm":
         try:
             from serving.engine.vllm_engine import VLLMEngine  # optional extra: imported only when chosen
@@ -133,7 +135,10 @@ def one_engine(cfg: Config, model_dir: Path, tokenizer) -> InferenceEngine:
             raise ConfigError(f"serving.engine is 'vllm' but vLLM does not import here ({exc}); install the "
                               "vllm extra (docs/SERVING.md) or use serving.engine: torch") from None
 
-        return VLLMEngine(model_dir, cfg.serving, dtype=cfg.model.dtype)
+        from serving.engine.vllm_settings import memory_args
+
+        return VLLMEngine(model_dir, cfg.serving, dtype=cfg.model.dtype,
+                          **memory_args(cfg.serving.vllm_memory_share, engines))
     from online_sao.modeling import load_policy
     from serving.engine.torch_engine import TorchEngine
 

@@ -104,6 +104,13 @@ class ServingConfig(Section):
     (not measured on a 7B model; 1.5-3.8 s on the tiny test model, most of it serving the two
     prompts). A host whose available memory (a container's limit included) is under 1.5 times the
     weights skips it with a warning. False skips it silently."""
+    vllm_memory_share: float | None = Field(None, gt=0, le=1)
+    """vLLM engine: the share of memory vLLM may take for the model's weights, activations and KV cache
+    (vLLM's ``gpu_memory_utilization``): of the GPU's memory on a GPU; of the host's total memory on
+    vLLM's CPU build, where that much must be available when the engine starts or it refuses to start.
+    With a canary (``deploy.canary_share`` above 0) the two engines in the process take half each. None
+    (default): vLLM's own default (0.92, half each with a canary), which on a CPU host fails the start
+    whenever other processes hold more than 8% of its memory."""
     weights_catch_up_s: float | None = Field(120.0, ge=0)
     """Seconds a starting replica stays unready (``/readyz`` 503 ``catching_up_weights``; ``/healthz``
     stays 200) while its weights follower catches up: reads the weights topic up to where it ended
@@ -212,6 +219,12 @@ class ServingConfig(Section):
     def _compile_fits_the_engine(self) -> "ServingConfig":
         if self.compile and self.engine != "torch":
             raise ValueError("serving.compile applies to the torch engine (vLLM compiles its own graphs)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_share_fits_the_engine(self) -> "ServingConfig":
+        if self.vllm_memory_share is not None and self.engine != "vllm":
+            raise ValueError("serving.vllm_memory_share applies to the vLLM engine (serving.engine: vllm)")
         return self
 
     @model_validator(mode="after")

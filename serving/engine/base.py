@@ -101,6 +101,18 @@ class LoopJob:
         self.done.set()
 
 
+class RequestRefused(ValueError):
+    """An engine cannot serve a request as asked; raised by ``generate`` before anything is sampled
+    (a 400). ``field`` names what it cannot serve: a :class:`GenerationRequest` field
+    (``prompt_ids``, ``top_logprobs``) or a :class:`~online_sao.schemas.SamplingParams` one
+    (``temperature``, ``seed``), so that the HTTP layer names the request's parameter; None when no one
+    field is to blame."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
 class EngineStopped(RuntimeError):
     """The engine stopped before the request finished."""
 
@@ -257,15 +269,15 @@ class InferenceEngine(Protocol):
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, max_positions: int | None) -> None:
     """Refuse a prompt the model cannot take: empty, ids outside the vocabulary, or no
-    position left to generate into. Raises ValueError naming the problem."""
+    position left to generate into. Raises RequestRefused naming the problem."""
     if not prompt_ids:
-        raise ValueError("the prompt has no tokens")
+        raise RequestRefused("the prompt has no tokens", "prompt_ids")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {vocab_size}")
+        raise RequestRefused(f"token ids {bad[:5]} are outside the vocabulary of {vocab_size}", "prompt_ids")
     if max_positions is not None and len(prompt_ids) >= max_positions:
-        raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                         f"{max_positions} positions")
+        raise RequestRefused(f"a prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                             f"{max_positions} positions", "prompt_ids")
 
 
 async def relay_events(events: "asyncio.Queue[TokenEvent | BaseException]",

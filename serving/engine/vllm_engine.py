@@ -19,7 +19,8 @@ That is what makes the version of every token exact.
   as their residue modulo 2**64, the generator seed ``torch.Generator.manual_seed``
   makes of them in the native engine; to vLLM's V2 runner, which stores seeds as
   int64, as the signed integer of the same bits, where -1 (vLLM's "no seed") is
-  refused.
+  refused. Unseeded requests draw from vLLM's global generators, seeded with a
+  random engine seed unless the caller gives one (:func:`.vllm_settings.engine_args`).
 - Weight updates: ``collective_rpc("reload_weights", weights_iterator=...)``,
   vLLM's in-place weight reload, run between two steps. vLLM keeps one resident
   copy of the model, so this engine always swaps in place (``stall_s`` is the
@@ -33,7 +34,7 @@ That is what makes the version of every token exact.
   and logs 0, as the native engine does. vLLM cannot sample between that and
   :data:`.vllm_settings.VLLM_MIN_TEMPERATURE` (it would raise the temperature behind the
   record's back) nor above 2: such a request is refused in ``generate`` with a
-  ValueError (a 400), on the caller's thread, before it reaches the loop.
+  ``RequestRefused`` (a 400 naming ``temperature``), before it reaches the loop.
 - Failures: a request vLLM refuses to add fails alone; a step that raises fails
   the requests in vLLM's running batch, not those still in its waiting queue
   (``_served``); a request whose step output has non-finite log-probabilities
@@ -71,12 +72,13 @@ import torch
 from online_sao.config import ServingConfig
 from online_sao.modeling import load_tokenizer
 from online_sao.sampling import decodes_greedily
-from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, SwapResult, TokenEvent,
-                                 check_prompt, relay_events)
-from serving.engine.sampling import GREEDY_TEMPERATURE, NonFiniteLogits
+from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, LoopJob, RequestRefused, SwapResult,
+                                 TokenEvent, check_prompt, relay_events)
+from serving.engine.sampling import NonFiniteLogits
 from serving.engine.vllm_outputs import alternatives, finite_output, greedy_alternatives
 from serving.engine.vllm_self_check import check_vllm_engine
-from serving.engine.vllm_settings import VLLM_MIN_TEMPERATURE, generator_seed, whole_prefills
+from serving.engine.vllm_settings import (check_temperature, check_unchanged, engine_args, generator_seed,
+                                         refused_field, whole_prefills)
 from serving.engine.vllm_weights import ServedLayout, refresh_tied_head
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,8 @@ class _Request:
 
 
 class VLLMEngine:
-    """``InferenceEngine`` over vLLM; ``engine_kwargs`` go to ``vllm.EngineArgs``."""
+    """``InferenceEngine`` over vLLM; ``engine_kwargs`` go to ``vllm.EngineArgs``, except those the engine
+    sets itself (:data:`.vllm_settings.ENGINE_ARGS_SET`: another value for one is a ValueError)."""
 
     def __init__(self, model_dir: str | Path, cfg: ServingConfig | None = None, dtype: str = "float32",
                  initial_version: int = 0, **engine_kwargs):
@@ -128,9 +131,10 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         # safetensors only: a model directory with pickled (.bin) weights is refused, as in the torch engine
-        kwargs = dict(model=str(self.model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
-                      max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
-                      enable_prefix_caching=False, load_format="safetensors", **engine_kwargs)
+        kwargs = engine_args(dict(model=str(self.model_dir), logprobs_mode="processed_logprobs",
+                                  max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
+                                  enable_prefix_caching=False, load_format="safetensors"),
+                             dict(engine_kwargs, dtype=dtype))
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
@@ -157,16 +161,16 @@ class VLLMEngine:
         """Whether this vLLM keeps seeds as int64 (:func:`generator_seed`)."""
         self._vocab = vllm_config.model_config.get_vocab_size()
         self._max_logprobs = vllm_config.model_config.max_logprobs
-        hf_config = json.loads((self.model_dir / "config.json").read_text())
-        self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._layout = ServedLayout.of(self.model_dir, vllm_config.model_config.dtype)
+        # tied as transformers resolves the config (a class's default when config.json omits the key: OPT, gpt2)
+        self._tied = len(self._layout.aliases.get("lm_head.weight", ())) > 1
         self._loop: EngineLoop[_Request] = EngineLoop(initial_version)
         self._live: dict[str, _Request] = {}  # by vLLM id; owned by the loop thread
         self._serial = itertools.count()
         self._ids_lock = threading.Lock()
         self._in_flight: set[str] = set()  # the callers' ids of the requests whose generate() runs
         if self.cfg.vllm_self_check:
-            self._check(vllm_config.model_config.dtype, hf_config)
+            self._check(vllm_config.model_config.dtype, json.loads((self.model_dir / "config.json").read_text()))
 
     def _check(self, dtype: torch.dtype, hf_config: dict) -> None:
         """(construction, before the loop runs) :func:`.vllm_self_check.check_vllm_engine`; a refused
@@ -223,12 +227,11 @@ class VLLMEngine:
 
         s = request.sampling
         greedy = decodes_greedily(s.temperature)
-        if not greedy and s.temperature < VLLM_MIN_TEMPERATURE:
-            raise ValueError(f"the vLLM engine cannot sample at temperature {s.temperature:g}: vLLM samples at "
-                             f"{VLLM_MIN_TEMPERATURE:g} or above; at {GREEDY_TEMPERATURE:g} or below it decodes greedily")
+        if not greedy:
+            check_temperature(s.temperature)
         if request.top_logprobs > self._max_logprobs:
-            raise ValueError(f"the vLLM engine lists at most {self._max_logprobs} top log-probabilities, "
-                             f"{request.top_logprobs} were asked for")
+            raise RequestRefused(f"the vLLM engine lists at most {self._max_logprobs} top log-probabilities, "
+                                 f"{request.top_logprobs} were asked for", "top_logprobs")
         temperature = 0.0 if greedy else s.temperature  # vLLM's greedy decoding
         seed = generator_seed(s.seed, self._signed_seeds)
         # the nucleus is cut by vllm_nucleus as the learner cuts it, never by vLLM's own top-p; a greedy
@@ -240,10 +243,9 @@ class VLLMEngine:
                                     ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
                                     extra_args=nucleus)
         except VLLMValidationError as exc:  # a request error, not vLLM's: a 400 like the prompt checks
-            raise ValueError(f"the vLLM engine cannot sample this request: {exc}") from exc
-        if params.temperature != temperature or params.top_p != NO_NUCLEUS or params.seed != seed:
-            raise ValueError(f"vLLM would sample at temperature {params.temperature:g}, top_p {params.top_p:g} and "
-                             f"seed {params.seed}, the engine asks for {temperature:g}, {NO_NUCLEUS:g} and {seed}")
+            raise RequestRefused(f"the vLLM engine cannot sample this request: {exc}",
+                                 refused_field(exc.parameter)) from exc
+        check_unchanged(params, temperature=temperature, top_p=NO_NUCLEUS, seed=seed)
         return params
 
     def _run(self) -> None:

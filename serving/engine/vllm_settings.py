@@ -1,9 +1,14 @@
 """What the vLLM engine hands vLLM beside the model: the seeds it can take, the lowest temperature it
-samples at, and the engine settings of the CPU build."""
+samples at, the engine arguments it sets itself, its engine seed, its memory share, and the engine
+settings of the CPU build."""
 
 from __future__ import annotations
 
 import logging
+import secrets
+
+from serving.engine.base import RequestRefused
+from serving.engine.sampling import GREEDY_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
@@ -11,7 +16,27 @@ VLLM_MIN_TEMPERATURE = 1e-2
 """vLLM's lowest sampling temperature: ``vllm.SamplingParams.__post_init__`` raises any temperature in
 (0, this) to this (``vllm.sampling_params._MAX_TEMP``, vLLM 0.32) with only a warning, which would sample
 from another distribution than the one the record names. Temperatures above ``GREEDY_TEMPERATURE`` and
-below this are refused; :meth:`~serving.engine.vllm_engine.VLLMEngine._sampling` also refuses any temperature vLLM changes anyway."""
+below this are refused (:func:`check_temperature`); :func:`check_unchanged` also refuses any temperature
+vLLM changes anyway."""
+
+
+def check_temperature(temperature: float) -> None:
+    """Refuse (``RequestRefused`` naming it) a temperature above ``GREEDY_TEMPERATURE`` that vLLM
+    would sample at another temperature (:data:`VLLM_MIN_TEMPERATURE`)."""
+    if temperature < VLLM_MIN_TEMPERATURE:
+        raise RequestRefused(f"the vLLM engine cannot sample at temperature {temperature:g}: vLLM samples at "
+                             f"{VLLM_MIN_TEMPERATURE:g} or above; at {GREEDY_TEMPERATURE:g} or below it decodes "
+                             "greedily", "temperature")
+
+
+def check_unchanged(params, **asked) -> None:
+    """Refuse (``RequestRefused`` naming the first) settings ``params`` (a ``vllm.SamplingParams``) holds
+    otherwise than ``asked``: vLLM changed them behind the record's back."""
+    changed = [name for name, value in asked.items() if getattr(params, name) != value]
+    if changed:
+        held = ", ".join(f"{name} {getattr(params, name)!r}" for name in asked)
+        raise RequestRefused(f"vLLM would sample with {held}; the engine asks for "
+                             + ", ".join(f"{name} {value!r}" for name, value in asked.items()), changed[0])
 
 
 GENERATOR_SEEDS = 2 ** 64
@@ -26,17 +51,75 @@ def generator_seed(seed: int | None, signed: bool) -> int | None:
     which torch's generators seed with as the native engine's does. ``signed``: vLLM's V2 model runner
     (its default on GPUs) keeps seeds in an int64 array, where a residue of 2**63 or more overflowed
     and failed the whole step's batch: it gets the signed integer of the same bits, and the one seed
-    that is -1 there, which vLLM would take for none, is refused (ValueError: a 400). V1's runner
-    (the CPU build's) takes the residue, -1's included. None stays unseeded."""
+    that is -1 there, which vLLM would take for none, is refused (``RequestRefused``: a 400 naming
+    ``seed``). V1's runner (the CPU build's) takes the residue, -1's included. None stays unseeded."""
     if seed is None:
         return None
     residue = seed % GENERATOR_SEEDS
     if not signed or residue < GENERATOR_SEEDS // 2:
         return residue
     if residue - GENERATOR_SEEDS == VLLM_NO_SEED:
-        raise ValueError("this vLLM engine cannot take the seed -1 (or 2**64 - 1): vLLM reads it as no seed; "
-                         "use another seed")
+        raise RequestRefused("this vLLM engine cannot take the seed -1 (or 2**64 - 1): vLLM reads it as no seed; "
+                             "use another seed", "seed")
     return residue - GENERATOR_SEEDS
+
+
+ENGINE_ARGS_SET = {
+    "model": "the engine's model directory",
+    "logprobs_mode": "behaviour log-probs after temperature and top-p",
+    "max_num_seqs": "serving.max_batch_size",
+    "async_scheduling": "off: a step's output could come from weights before a switch",
+    "enable_prefix_caching": "off: a new request could reuse KV computed by older weights",
+    "load_format": "safetensors only, as in the torch engine",
+}
+"""The ``vllm.EngineArgs`` keywords the engine sets itself, and why."""
+ENGINE_SEEDS = 2 ** 32
+"""Engine seeds drawn: vLLM seeds Python's, numpy's and torch's global generators with the engine
+seed, and numpy's takes seeds below this."""
+
+
+def engine_args(own: dict, caller: dict) -> dict:
+    """The ``vllm.EngineArgs`` keywords: the caller's, the engine's ``own`` (keys of
+    :data:`ENGINE_ARGS_SET`) and an engine seed. A caller's value for a key the engine sets is refused
+    (ValueError naming them), unless it is the engine's own value (nothing to do).
+
+    Without a caller's ``seed``, a random one (below :data:`ENGINE_SEEDS`): vLLM's default engine seed
+    is 0, and its global generators, which draw every unseeded request, would replay the same draws
+    after each restart and on every replica. A seeded request draws from a generator of its own, seeded
+    with the request's seed, so it reproduces whatever the engine seed."""
+    clashes = {key: value for key, value in caller.items() if key in own and value != own[key]}
+    if clashes:
+        raise ValueError("the vLLM engine sets " + "; ".join(
+            f"{key} itself ({own[key]!r}: {ENGINE_ARGS_SET.get(key, 'the engine needs it')}), {value!r} was given"
+            for key, value in sorted(clashes.items())) + ": leave them out of its engine arguments")
+    return {"seed": secrets.randbelow(ENGINE_SEEDS), **caller, **own}
+
+
+def memory_args(share: float | None, engines: int) -> dict:
+    """The ``vllm.EngineArgs`` keywords of the memory of one of ``engines`` vLLM engines in this process
+    (two behind a canary), ``share`` being ``serving.vllm_memory_share``: each engine gets its part of
+    it as ``gpu_memory_utilization`` (on GPUs a share of the GPU's memory; on vLLM's CPU build a share
+    of the host's memory, which must be available at start). None: vLLM's default share, split in the
+    same way (one engine: nothing passed)."""
+    if share is None:
+        if engines == 1:
+            return {}
+        from vllm import EngineArgs
+
+        share = EngineArgs.gpu_memory_utilization
+    return {"gpu_memory_utilization": share / engines}
+
+
+VLLM_PARAMETER_FIELDS = {"temperature": "temperature", "top_p": "top_p", "extra_args": "top_p",
+                         "max_tokens": "max_tokens", "seed": "seed", "logprobs": "top_logprobs"}
+"""The request field behind each ``vllm.SamplingParams`` parameter a ``VLLMValidationError`` may name
+that the engine fills from a request (``extra_args`` carries the request's top-p: :mod:`.vllm_nucleus`)."""
+
+
+def refused_field(parameter: str | None) -> str | None:
+    """The request field (``RequestRefused.field``) behind the vLLM parameter a refusal names; None for
+    one the engine does not fill from a request field, or none."""
+    return VLLM_PARAMETER_FIELDS.get(parameter or "")
 
 
 def whole_prefills(kwargs: dict) -> dict:

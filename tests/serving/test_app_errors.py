@@ -222,3 +222,23 @@ def test_input_the_engine_refuses_is_a_400(make_harness, ids):
     error = assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": ids}),
                                 400)
     assert "outside the vocabulary" in error["message"]
+
+
+@pytest.mark.parametrize("path, body, field, param", [
+    (CHAT, GOOD, "temperature", "temperature"),
+    (CHAT, GOOD, "seed", "seed"),
+    (CHAT, GOOD, "top_logprobs", "top_logprobs"),
+    ("/v1/completions", {"model": "online-sao", "prompt": "hi"}, "top_logprobs", "logprobs"),
+    ("/v1/completions", {"model": "online-sao", "prompt": "hi"}, "prompt_ids", "prompt"),
+    (CHAT, GOOD, "prompt_ids", "messages"),
+    (CHAT, GOOD, None, None),
+], ids=["temperature", "seed", "chat-top-logprobs", "completions-logprobs", "completions-prompt", "chat-prompt",
+        "no-field"])
+def test_an_engine_refusal_names_the_parameter_it_refuses(make_harness, path, body, field, param):
+    """The vLLM engine refuses a temperature it cannot sample: the 400 named the prompt."""
+    from serving.engine.base import RequestRefused
+
+    h = make_harness()
+    h.engine.fail_with = RequestRefused("the engine cannot serve this", field)
+    error = assert_openai_error(h.client.post(path, json=body), 400, code="invalid_value")
+    assert error["param"] == param and "cannot serve this" in error["message"]

@@ -317,7 +317,8 @@ def test_a_temperature_the_api_accepts_is_sampled_exactly_or_refused_alone(engin
         assert {t for t, (_, outcome) in outcomes.items() if isinstance(outcome, ValueError)} == set()
     served = {engine.policy_version: versions[0]}
     for temperature, (req, outcome) in outcomes.items():
-        if isinstance(outcome, ValueError):
+        if isinstance(outcome, ValueError):  # a 400 naming the temperature, not the prompt
+            assert getattr(outcome, "field", None) == "temperature", outcome
             continue
         assert len(outcome) == 12
         expected = replay_logprobs(served, req.prompt_ids, outcome, temperature, 1.0)

@@ -27,6 +27,35 @@ def test_stop_tokens_are_the_tokenizer_eos_and_every_generation_config_eos(tiny_
     assert ids == {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")}
 
 
+class RecordedVLLMEngine:
+    """Stands for serving.engine.vllm_engine.VLLMEngine (no vLLM here): keeps its arguments."""
+
+    def __init__(self, model_dir, cfg, **kwargs):
+        self.model_dir, self.cfg, self.kwargs = model_dir, cfg, kwargs
+
+
+@pytest.mark.parametrize("share, canary, expected", [
+    (None, 0.0, {}),
+    (0.5, 0.0, {"gpu_memory_utilization": 0.5}),
+    (0.5, 0.2, {"gpu_memory_utilization": 0.25}),
+])
+def test_the_vllm_engines_get_the_configured_memory_share(tmp_path, monkeypatch, share, canary, expected):
+    """vLLM's default (0.92 of the host's memory on its CPU build) failed the start on a host where other
+    processes held more than 8% of it, and no setting could lower it; a canary's two engines could never fit."""
+    from types import ModuleType
+
+    from serving.server import make_engine
+
+    fake = ModuleType("serving.engine.vllm_engine")
+    fake.VLLMEngine = RecordedVLLMEngine
+    monkeypatch.setitem(sys.modules, "serving.engine.vllm_engine", fake)
+    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path), "serving.engine": "vllm",
+                                             "serving.vllm_memory_share": share, "deploy.canary_share": canary})
+    built = make_engine(cfg, tmp_path, tokenizer=None)
+    engines = [built.newest, built.champion] if canary else [built]
+    assert [engine.kwargs for engine in engines] == [{"dtype": cfg.model.dtype, **expected}] * len(engines)
+
+
 def test_the_lazy_producer_waits_for_the_broker_to_exist():
     class Flaky(InMemoryBackend):
         reachable = False

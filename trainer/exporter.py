@@ -12,13 +12,18 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
   ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
 - ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
   ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``; and
-  the reward join's, ``join_*``: rewards read, joined, late, ignored, ...: ``JoinCounters``).
-- whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every step:
+  the reward join's, ``join_*``: rewards read, joined, late, ignored, ...: ``JoinCounters``). The
+  step, version and counters are there from the start, as restored (:meth:`LearnerExporter.position`),
+  and follow every pass of the loop, not only steps: a learner that never steps still shows a step
+  that does not change (the ``LearnerStalled`` alert) and counts what it reads; the reward mean is
+  the last step's.
+- whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every pass of the loop from its
+  first (:meth:`LearnerExporter.feed`):
   ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet; see
   :meth:`trainer.feed.Feed.unread`),
   ``sao_learner_join_records{state="waiting|ready"}`` (read, waiting for a reward or for a step)
-  and ``sao_learner_data_age_seconds{stat="mean|max"}`` (from serving's answer to the end of the
-  cycle that trained on it);
+  and, every step, ``sao_learner_data_age_seconds{stat="mean|max"}`` (from serving's answer to the
+  end of the cycle that trained on it);
 - ``sao_learner_source_reward{source, stat="mean|count"}``: each reward source's newest rewards on
   the interactions trained (trainer/source_rewards.py), every step.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -40,7 +46,8 @@ from trainer.feed import ENDS_EVERY_S, KeepingUp
 
 
 class LearnerExporter(Collector):
-    """The values of the newest step and decision, served over HTTP until :meth:`close`."""
+    """The values of the newest step and decision, and of the loop's newest pass, served over HTTP
+    until :meth:`close`. Set from the learner's thread, read from the server's: under one lock."""
 
     def __init__(self, host: str, port: int) -> None:
         self._lock = threading.Lock()
@@ -71,10 +78,25 @@ class LearnerExporter(Collector):
             self._window = dict(window_monitors)
             self._counts = dict(counts)
 
+    def position(self, step: int, version: int, counts: Mapping[str, float]) -> None:
+        """The step, version and counters now, between steps (at the start: as restored); the reward
+        mean stays the last step's."""
+        with self._lock:
+            self._learner = {**self._learner, "step": float(step), "policy_version": float(version)}
+            self._counts = dict(counts)
+
     def keeping_up(self, reading: KeepingUp) -> None:
         """Whether the learner kept up, at the end of a step."""
         with self._lock:
             self._keeping_up = reading
+
+    def feed(self, reading: KeepingUp) -> None:
+        """What the learner has not read and what it holds, between steps; the data ages stay the
+        last step's (none before the first: ``reading``'s, not measured)."""
+        with self._lock:
+            last = self._keeping_up
+            self._keeping_up = reading if last is None else replace(
+                reading, data_age_mean_s=last.data_age_mean_s, data_age_max_s=last.data_age_max_s)
 
     def sources(self, stats: Mapping[str, tuple[float, int]]) -> None:
         """Each reward source's recent (mean, count) (trainer/source_rewards.py), at the end of a step."""

@@ -188,6 +188,7 @@ def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: Di
         feed.drop_stale(at.version)
         stop = until.reached(at.steps_here, feed.idle_s())
         rollouts = None if stop else feed.take(ctx.world_size, before_step)
+        rank0.renew_metrics(at)  # between steps too: what it reads and holds while no step comes
     stop, go = broadcast_json([stop, rollouts is not None], ctx)
     return Taken(stop, go, rollouts)
 

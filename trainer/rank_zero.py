@@ -5,7 +5,9 @@ The other ranks train; rank 0 also reads Kafka (:class:`~trainer.feed.Feed`),
 writes the ledger and checkpoints (:class:`~trainer.checkpoint.Checkpointer`),
 puts policy versions out and meets the registry (:class:`~trainer.publisher.Releases`),
 and logs its cycles to MLflow (:class:`~trainer.tracking.RunTracker`, every
-``mlflow.log_every_steps`` steps) and to its Prometheus exporter (every step).
+``mlflow.log_every_steps`` steps) and to its Prometheus exporter (every step; the
+step, the counters and the feed's readings also on every pass of the loop, at most
+every :data:`METRICS_REFRESH_S`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ COUNTERS = ("dead_letters", "invalid_rollouts", "empty_rollouts", "too_few_for_r
             "skipped_nonfinite_steps", "drift_restarts", "drift_rollbacks", "records_skipped",
             "records_ahead_of_clock", "records_behind_clock", "records_read")
 """The learner's own counts (besides the join's); they survive restarts in the checkpoint."""
+METRICS_REFRESH_S = 1.0
+"""How often a pass of the loop without a step renews the exporter's step, counters and feed
+readings: Prometheus scrapes every 15 s, and a busy feed passes many times a second (each reading
+walks the join's ready rollouts)."""
 
 
 def gate_reward_range(reward: RewardConfig) -> tuple[float, float]:
@@ -102,6 +108,8 @@ class RankZero:
     ``trainer.checkpoint_in_background``)."""
     exporter: LearnerExporter | None = None
     """Serves the monitors and counters to Prometheus (``trainer.metrics_port``; None: off)."""
+    metrics_renewed_at: float = -math.inf
+    """``time.monotonic()`` of the exporter's last renewal between steps (:meth:`renew_metrics`)."""
 
     @classmethod
     def open(cls, cfg: Config, backend: StreamBackend, checkpointer: Checkpointer, joiner: RewardJoiner,
@@ -128,6 +136,8 @@ class RankZero:
             exporter = None if port is None else LearnerExporter(cfg.trainer.metrics_host, port)
             if exporter is not None:
                 opened.append(("the metrics exporter", exporter.close))
+                # before any step: as restored, so that a learner that never steps shows it
+                exporter.position(progress.step, progress.version, {**counters, **joiner.counters.metrics()})
                 log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
             scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
             gate = OffPolicyGate(scorer, cfg.deploy, gate_reward_range(cfg.reward), cfg.reward.definition())
@@ -174,6 +184,22 @@ class RankZero:
                     "inputs" if metrics.get("nonfinite_inputs") else "loss or gradients",
                     len(rollouts), self.counters["skipped_nonfinite_steps"])
 
+    def counts(self) -> dict[str, float]:
+        """The learner's counters and the join's (``join_*``), as exported."""
+        return {**self.counters, **self.feed.joiner.counters.metrics()}
+
+    def renew_metrics(self, at: Position) -> None:
+        """Between steps (every pass of the loop, at most every :data:`METRICS_REFRESH_S`): the
+        exporter's step, version, counters and feed readings as they are now. Without it they stood
+        still from one step to the next, and were absent until the first: a learner waiting for
+        rewards showed neither its step nor ``waiting`` growing."""
+        now = time.monotonic()
+        if self.exporter is None or now - self.metrics_renewed_at < METRICS_REFRESH_S:
+            return
+        self.metrics_renewed_at = now
+        self.exporter.position(at.step, at.version, self.counts())
+        self.exporter.feed(self.feed.keeping_up([], time.time()))
+
     def end_cycle(self, at: Position, rollouts: list[Rollout], metrics: dict[str, float], laps: Laps) -> None:
         """Log the cycle (Prometheus, a line, and MLflow's window: :meth:`RunTracker.log_step`); the
         idle timeout counts from now."""
@@ -186,7 +212,7 @@ class RankZero:
         if self.exporter is not None:
             self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
                                {k.removeprefix("monitor_"): v for k, v in monitors.items()},
-                               {**self.counters, **joiner.counters.metrics()})
+                               self.counts())
             self.exporter.keeping_up(keeping_up)
             self.exporter.sources(sources)
         self.tracker.log_step(at.step, averaged={  # the step's own figures: their mean over the window

@@ -87,3 +87,25 @@ def check_names(expr: str, exported: Exported, where: str) -> None:
                 else:
                     assert any(labels.get(label) == one for labels in label_sets), \
                         f"{where}: {name} never has {label}={one!r}"
+
+
+API_ROUTES = frozenset(route for route in _ROUTES if route.startswith("/v1/"))
+"""Serving's routes that users call (the rest are probes and Prometheus's scrape)."""
+_ROUTE_MATCH = {"=": lambda value, route: route == value, "!=": lambda value, route: route != value,
+                "=~": lambda value, route: re.fullmatch(value, route) is not None,
+                "!~": lambda value, route: re.fullmatch(value, route) is None}
+
+
+def request_routes(expr: str) -> list[set[str]]:
+    """For each selector of ``sao_serving_requests_total`` in ``expr``, the routes it counts (of
+    serving's paths and ``other``)."""
+    counted = []
+    for name, matchers in SELECTOR.findall(expr):
+        if name != "sao_serving_requests_total":
+            continue
+        routes = set(_ROUTES) | {"other"}
+        for label, op, value in MATCHER.findall(matchers):
+            if label == "route":
+                routes = {route for route in routes if _ROUTE_MATCH[op](value, route)}
+        counted.append(routes)
+    return counted

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import PurePosixPath
 from urllib.parse import urlparse
 
@@ -235,6 +239,82 @@ def test_the_load_balancer_waits_longer_than_a_replicas_deadline():
     conf = parse_nginx((REPO / conf_source).read_text())
     deadlines = {invocation(n).cfg.serving.request_timeout_s for n in with_command("serve")}
     assert conf.proxy_read_timeout_s is not None and conf.proxy_read_timeout_s > max(deadlines)
+
+
+class _CatchingUpReplica(BaseHTTPRequestHandler):
+    """A serving replica as its probes see it: alive all along (``/healthz`` 200), ready (``/readyz``
+    200) only once it serves the weights the weights topic names (503 ``catching_up_weights`` before)."""
+
+    ready = False
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response({"/healthz": 200, "/readyz": 200 if self.ready else 503}.get(self.path, 404))
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+HEALTHCHECK_TIMEOUT_S = 60
+"""Generous bound on the health-check subprocess (a Python start-up on a loaded machine)."""
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(text: str) -> float:
+    """Seconds of a compose (Go) duration such as ``240s`` or ``1m30s``."""
+    parts = _DURATION.findall(text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a duration: {text!r}"
+    return sum(float(n) * _DURATION_S[u] for n, u in parts)
+
+
+def health_check(name: str) -> tuple[list[str], dict[str, str]]:
+    """The command Docker runs as ``name``'s health check and its timings: compose's own, else the
+    image's ``HEALTHCHECK`` (flags as ``start_period``, ...)."""
+    own = SERVICES[name].get("healthcheck")
+    if own is not None:
+        test = own["test"]
+        assert test[0] == "CMD", f"{name}: a health check in exec form"
+        return test[1:], {k: str(v) for k, v in own.items() if k != "test"}
+    image = DOCKERFILE.stage(SERVICES[name]["build"]["target"]).last("HEALTHCHECK")
+    return image.health_command(), {k.replace("-", "_"): v for k, v in image.flags.items()}
+
+
+def _healthy(argv: list[str], ready: bool) -> bool:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Replica", (_CatchingUpReplica,), {"ready": ready}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        command = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+        env = {"ONLINE_SAO__SERVING__PORT": str(server.server_address[1]), "PATH": "/usr/bin:/bin"}
+        return subprocess.run(command, env=env, capture_output=True, timeout=HEALTHCHECK_TIMEOUT_S).returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_the_load_balancer_starts_once_the_replicas_are_ready_not_merely_alive(ready):
+    """nginx probes nothing: the only readiness compose honours is ``lb`` waiting for healthy replicas.
+    A replica catching up on weights (docs/SERVING.md, "After a start") answers with the base model,
+    so it must not count as healthy; the image's check (``/healthz``) did."""
+    for name in with_command("serve"):
+        assert SERVICES["lb"]["depends_on"][name] == {"condition": "service_healthy"}
+        argv, _ = health_check(name)
+        assert _healthy(argv, ready) is ready, f"{name}: healthy={not ready} while ready={ready}"
+
+
+def test_a_replicas_start_period_covers_its_weights_catch_up():
+    """Failures inside the start period do not count: past it, a replica still catching up would be
+    unhealthy and ``up`` would give up on ``lb``. /readyz says ready by ``serving.weights_catch_up_s``
+    after the start at the latest, so the period covers the image's start period (loading the model)
+    plus that bound."""
+    image_start_s = duration_s(DOCKERFILE.default_target.last("HEALTHCHECK").flags["start-period"])
+    for name in with_command("serve"):
+        catch_up_s = invocation(name).cfg.serving.weights_catch_up_s
+        assert catch_up_s is not None, f"{name}: with no bound on the catch-up no start period covers it"
+        _, timings = health_check(name)
+        assert duration_s(timings["start_period"]) >= image_start_s + catch_up_s
 
 
 def test_dependencies_can_be_satisfied():

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy.checks import REPO
-from tests.deploy.promql import SELECTOR, Exported, check_names, exported_samples
+from tests.deploy.promql import API_ROUTES, SELECTOR, Exported, check_names, exported_samples, request_routes
 from tests.deploy.test_compose import SERVICES
 
 GRAFANA = REPO / "docs" / "deploy" / "grafana"
@@ -57,6 +57,14 @@ def test_every_query_names_metrics_labels_and_values_the_project_exports(panel, 
         for label in re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", "")):
             assert label in result_labels(target["expr"], exported), \
                 f"{panel['title']}: the legend names {label}, which the query's series do not have"
+
+
+def test_the_5xx_share_counts_the_api_requests_only():
+    """The panel of the ServingErrors alert counts what the alert counts: no probes, no scrapes."""
+    panel, = (p for p in PANELS if "ServingErrors" in p.get("description", ""))
+    for target in panel["targets"]:
+        counted = request_routes(promql(target["expr"]))
+        assert counted and all(routes == API_ROUTES for routes in counted), (panel["title"], counted)
 
 
 def test_panels_use_the_provisioned_data_source_and_do_not_overlap():

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from pydantic import SecretStr
 
+from apps.experiments.scenario import results_dir
 from online_sao.config import KafkaConfig, load_config
 from serving.app import _ROUTES as SERVING_ROUTES
 from serving.auth import check_exposure
@@ -256,6 +257,24 @@ def test_learner_runs_torchrun_across_the_statefulset(configmap_files):
     assert mount_at(s_workload, s_container, s_cfg.weight_store_url).volume == weights.volume
 
 
+TORCHRUN_EXIT_S = 30
+"""What torchrun keeps of the pod's grace period for itself: its SIGKILL of the workers and its exit."""
+
+
+def test_torchrun_gives_the_workers_the_pods_grace_period(configmap_files):
+    """On SIGTERM torchrun sends the workers SIGTERM and SIGKILLs them after its shutdown timeout (30 s
+    by default, whatever the pod's grace period): the learner's graceful stop (finish the step,
+    checkpoint, commit the offsets) gets that, not the grace period."""
+    (workload, name), = with_command("learn", configmap_files)
+    c = next(c for c in containers(workload) if c["name"] == name)
+    _, run = invocation(workload, name, configmap_files)
+    timeout_s = run.options.shutdown_timeout
+    if timeout_s is None:  # as torch.distributed.launcher reads it
+        timeout_s = int(container_env(c).get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    grace_s = pod(workload)["terminationGracePeriodSeconds"]
+    assert grace_s - TORCHRUN_EXIT_S <= timeout_s < grace_s, (timeout_s, grace_s)
+
+
 def test_the_learner_metrics_service_reaches_rank_zero_alone(configmap_files):
     """Only rank 0 serves trainer.metrics_port: the Service selects pod 0 of the StatefulSet (a
     scrape of every pod would show the other ranks down) on the port rank 0 listens on."""
@@ -288,6 +307,20 @@ def test_every_process_reads_the_model_the_job_builds(configmap_files):
         for init in containers(w, init=True):  # a wait-for-model step waits for this very model
             assert f"{cfg.model_dir}/config.json" in " ".join(init["command"])
             assert mount_at(w, init, str(cfg.model_dir)).volume == built.volume
+
+
+def test_the_judge_keeps_its_results_on_a_claim_and_never_runs_twice(configmap_files):
+    """Its results file is its memory: the preference schedule counts the rollouts it scored, read back
+    at every start (a pod rescheduled onto a new emptyDir began the schedule again). One
+    judge at a time: a rolling update runs the new pod beside the old in one consumer group."""
+    (workload, name), = with_command("judge", configmap_files)
+    deployment = WORKLOADS[workload]
+    c = next(c for c in containers(workload) if c["name"] == name)
+    results = mount_at(workload, c, str(results_dir(invocation(workload, name, configmap_files)[0].cfg)))
+    assert results.volume.startswith("pvc:") and not results.read_only, results
+    assert results.volume.removeprefix("pvc:") in named("PersistentVolumeClaim")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"].get("strategy", {}).get("type") == "Recreate"
 
 
 def test_kafka_statefulset_is_the_configured_bootstrap(configmap_files):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy.checks import REPO, go_tool
-from tests.deploy.promql import Exported, check_names, exported_samples
+from tests.deploy.promql import API_ROUTES, Exported, check_names, exported_samples, request_routes
 from tests.deploy.test_compose import SERVICES, invocation, with_command
 
 RULES_DIR = REPO / "docs" / "deploy" / "prometheus"
@@ -34,6 +34,15 @@ def test_every_rule_parses_and_says_how_bad_it_is(rule):
 @pytest.mark.parametrize("rule", RULES, ids=[r["alert"] for r in RULES])
 def test_every_rule_names_metrics_labels_and_values_the_project_exports(rule, exported):
     check_names(rule["expr"], exported, rule["alert"])
+
+
+def test_serving_errors_counts_the_api_requests_only():
+    """A replica held unready answers its own readiness probe 503, a third of its requests with the
+    liveness probe and the scrape (and 12 of 20 a minute under Kubernetes' probes): counted, the ratio
+    fired a critical alert on probes; probes answering 200 diluted the users' errors."""
+    rule, = (r for r in RULES if r["alert"] == "ServingErrors")
+    counted = request_routes(rule["expr"])
+    assert len(counted) == 2 and all(routes == API_ROUTES for routes in counted), counted
 
 
 def test_the_prometheus_config_scrapes_where_compose_runs_the_processes():

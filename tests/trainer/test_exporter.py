@@ -12,10 +12,14 @@ from mlflow import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from online_sao.config import ConfigError
+from online_sao.modeling import load_policy
+from streams.memory import InMemoryBackend
+from tests.fixtures.models import tiny_config
 from tests.trainer.test_learner_memory import _registry_rounds
+from tests.trainer.traffic import produce, sample_traffic
 from trainer.distributed import init_distributed
 from trainer.exporter import LearnerExporter
-from trainer.feed import KeepingUp
+from trainer.feed import Feed, KeepingUp
 from trainer import learner
 from trainer.learner import RunUntil, train
 
@@ -147,3 +151,104 @@ def test_a_metrics_port_in_use_is_a_config_error_naming_the_setting(free_port):
             LearnerExporter("127.0.0.1", free_port)
     finally:
         first.close()
+
+
+def test_between_steps_the_exporter_keeps_the_reward_mean_and_the_data_ages_of_the_last_step(free_port):
+    exporter = LearnerExporter("127.0.0.1", free_port)
+    try:
+        exporter.position(5, 6, {"records_read": 40.0})  # as restored, before any step
+        exporter.feed(KeepingUp(unread_interactions=3, unread_rewards=1, waiting=9, ready=0,
+                                data_age_mean_s=math.nan, data_age_max_s=math.nan))
+        opened = _scrape(free_port)
+        assert opened[("sao_learner_step", ())] == 5 and opened[("sao_learner_policy_version", ())] == 6
+        assert ("sao_learner_reward_mean", ()) not in opened
+        assert opened[("sao_learner_count", (("name", "records_read"),))] == 40.0
+        assert opened[("sao_learner_join_records", (("state", "waiting"),))] == 9
+        assert not any(name == "sao_learner_data_age_seconds" for name, _ in opened)  # no step yet
+        exporter.step(6, 7, 0.5, {}, {"records_read": 44.0})
+        exporter.keeping_up(KeepingUp(0, 0, 5, 0, data_age_mean_s=2.0, data_age_max_s=3.0))
+        exporter.position(6, 7, {"records_read": 60.0})
+        exporter.feed(KeepingUp(2, 0, 21, 1, data_age_mean_s=math.nan, data_age_max_s=math.nan))
+        later = _scrape(free_port)
+        assert later[("sao_learner_reward_mean", ())] == 0.5  # the last step's
+        assert later[("sao_learner_count", (("name", "records_read"),))] == 60.0
+        assert later[("sao_learner_join_records", (("state", "waiting"),))] == 21
+        assert later[("sao_learner_unread_records", (("topic", "interactions"),))] == 2
+        assert later[("sao_learner_data_age_seconds", (("stat", "mean"),))] == 2.0
+        assert later[("sao_learner_data_age_seconds", (("stat", "max"),))] == 3.0
+    finally:
+        exporter.close()
+
+
+def _until_scraped(port: int, wanted, timeout_s: float = 60.0) -> dict:
+    """The first scrape for which ``wanted(scrape)`` holds; the last one seen in the failure."""
+    deadline, found = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            found = _scrape(port)
+        except OSError:  # not listening yet
+            found = {}
+        if found and wanted(found):
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no scrape in {timeout_s:g} s showed it; the last: {found}")
+
+
+def _waiting(found: dict) -> float | None:
+    return found.get(("sao_learner_join_records", (("state", "waiting"),)))
+
+
+def test_a_learner_that_does_not_step_shows_its_step_and_what_it_reads(tmp_path, tiny_model_dir, free_port,
+                                                                       monkeypatch):
+    """Rewards that do not come: the step stands still and ``waiting`` grows, on /metrics from the first
+    pass of the loop (the ``LearnerStalled`` alert needs the step; "waiting growing with no ready" is
+    what it tells to look for); a restarted learner shows its restored step before it reads anything."""
+    cfg = tiny_config(tmp_path, **{"model.path": str(tiny_model_dir), "kafka.partitions": 2,
+                                   "trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4,
+                                   "trainer.poll_timeout_s": 0.05, "mlflow.register_every": 100,
+                                   "trainer.metrics_port": free_port})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer, base, topics = backend.producer(), load_policy(tiny_model_dir), cfg.kafka.topics
+
+    def run(until: RunUntil) -> threading.Thread:
+        thread = threading.Thread(target=train, args=(cfg, backend, init_distributed(), until), daemon=True)
+        thread.start()
+        return thread
+
+    produce(producer, topics, sample_traffic(base, 20, prefix="a"), rewarded=False)
+    first = RunUntil()
+    thread = run(first)
+    try:
+        waiting = _until_scraped(free_port, lambda f: _waiting(f) == 20)
+        assert waiting[("sao_learner_step", ())] == 0
+        assert waiting[("sao_learner_count", (("name", "join_interactions"),))] == 20
+        produce(producer, topics, sample_traffic(base, 4, prefix="b"), rewarded=True)
+        _until_scraped(free_port, lambda f: f.get(("sao_learner_step", ())) == 1)
+        produce(producer, topics, sample_traffic(base, 30, prefix="c"), rewarded=False)
+        grown = _until_scraped(free_port, lambda f: _waiting(f) == 50)
+        assert grown[("sao_learner_step", ())] == 1
+        assert grown[("sao_learner_join_records", (("state", "ready"),))] == 0
+        assert grown[("sao_learner_count", (("name", "join_interactions"),))] == 54
+        version = grown[("sao_learner_policy_version", ())]
+    finally:
+        first.stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+
+    seen_at_start: list[dict] = []
+    start = Feed.start
+
+    def scraped_first(self, backend):  # the exporter is up, the loop not started: what it shows now
+        seen_at_start.append(_scrape(free_port))
+        start(self, backend)
+
+    monkeypatch.setattr(Feed, "start", scraped_first)
+    second = RunUntil(max_steps=1, idle_timeout_s=2.0)
+    thread = run(second)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    restored = seen_at_start[0]
+    assert restored[("sao_learner_step", ())] == 1 and restored[("sao_learner_policy_version", ())] == version
+    # the counters of the checkpoint (step 1's): the 30 read after it are read again from its offsets
+    assert restored[("sao_learner_count", (("name", "join_interactions"),))] == 24

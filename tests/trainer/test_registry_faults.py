@@ -269,10 +269,9 @@ class LoadingScorer(ScriptedScorer):
         return super().log_ratios(ref, window)
 
 
-def test_a_torn_candidate_is_left_pending_and_a_torn_champion_counts_as_none(registry_cfg):
-    """A weights file that is there but torn (a power loss after an unflushed rename, before the store
-    fsynced): the gate's load raised CorruptWeights out of the decision, at every restart. A torn
-    candidate is left pending as a missing one is; a torn champion counts as none, as a missing one does."""
+def _loading_releases(registry_cfg):
+    """(publisher, tracker, release): ``release(v)`` publishes version ``v`` through a gate whose scorer
+    loads each version's weights, then observes 40 rollouts of it (every other one registers)."""
     backend, publisher, tracker, window = _registry_parts(registry_cfg)
     scorer = LoadingScorer(publisher.store, dict.fromkeys(range(1, 10), STYLE_A))
     releases = Releases(publisher, tracker, OffPolicyGate(scorer, registry_cfg.deploy), window, registry_cfg.deploy, 2)
@@ -282,6 +281,14 @@ def test_a_torn_candidate_is_left_pending_and_a_torn_champion_counts_as_none(reg
         window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
                         for i in range(40)])
 
+    return publisher, tracker, release
+
+
+def test_a_torn_candidate_is_left_pending_and_a_torn_champion_counts_as_none(registry_cfg):
+    """A weights file that is there but torn (a power loss after an unflushed rename, before the store
+    fsynced): the gate's load raised CorruptWeights out of the decision, at every restart. A torn
+    candidate is left pending as a missing one is; a torn champion counts as none, as a missing one does."""
+    publisher, tracker, release = _loading_releases(registry_cfg)
     for version in range(1, 6):
         release(version)
     assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
@@ -302,15 +309,7 @@ def test_a_lost_store_leaves_the_candidate_pending_and_the_next_one_is_promoted(
     """The weight store lost every file (a new volume): the candidate's weights are gone with the
     champion's. Deciding on it loaded them and raised, at every restart; it is now left pending, and
     the next registration, published after the loss, is promoted as without a champion."""
-    backend, publisher, tracker, window = _registry_parts(registry_cfg)
-    scorer = LoadingScorer(publisher.store, dict.fromkeys(range(1, 10), STYLE_A))
-    releases = Releases(publisher, tracker, OffPolicyGate(scorer, registry_cfg.deploy), window, registry_cfg.deploy, 2)
-
-    def release(version):
-        releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
-        window.observe([_rollout(f"v{version}-{i}", [5, STYLE_A], version, 1.0, logprob=math.log(0.9) / 2)
-                        for i in range(40)])
-
+    publisher, tracker, release = _loading_releases(registry_cfg)
     for version in range(1, 6):
         release(version)
     assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4

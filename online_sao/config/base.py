@@ -79,8 +79,14 @@ def expand_home(value: Any) -> Any:
 MASKED_PASSWORD = "***"
 """What a URL's password is shown as."""
 _URL_PASSWORD = re.compile(r"(?P<user>\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#:@\s'\"]*):[^/?#\s'\"]*@")
-"""A URL's scheme and user, then its password up to the last ``@`` of the authority (a raw ``@`` in a
-password stays masked)."""
+"""A URL's scheme and user, then its password up to the last ``@`` of the authority, which ends at the
+first ``/``, ``?`` or ``#`` (as urllib and requests read a URL; a raw ``@`` in a password stays masked)."""
+_DATABASE_URL_PASSWORD = re.compile(
+    r"(?P<user>\b(?:postgres(?:ql)?|mysql|mariadb|mssql|oracle|sqlite|cockroachdb)(?:\+\w+)?://[^/?#:@\s'\"]*)"
+    r":[^\s'\"]*@")
+"""A database URL's scheme and user, then its password up to the URL's last ``@``: SQLAlchemy (MLflow's
+database stores) takes everything after the user's ``:`` up to an ``@`` as the password, ``/``, ``?``
+and ``#`` included, where the rule above would stop and leave such a password in clear."""
 
 
 def mask_uri_password(text: str | None) -> str | None:
@@ -90,4 +96,5 @@ def mask_uri_password(text: str | None) -> str | None:
     given."""
     if not text:
         return text
-    return _URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", text)
+    masked = _DATABASE_URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", text)
+    return _URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", masked)

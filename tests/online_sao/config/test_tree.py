@@ -265,3 +265,13 @@ def test_a_message_quoting_a_url_has_its_password_masked():
     message = "Client error '404 Not Found' for url 'http://ops:Pw@mlflow:5000/health'; then s3://k:S@b/w"
     assert mask_uri_password(message) == ("Client error '404 Not Found' for url 'http://ops:***@mlflow:5000/health'; "
                                           "then s3://k:***@b/w")
+
+
+@pytest.mark.parametrize("password", ["pa/ss", "p#ss", "p?ss", "p@ss", "a/b+c=="])
+def test_a_database_password_is_masked_whatever_characters_it_holds(password):
+    """SQLAlchemy reads everything between the user's ':' and the '@' as the password, '/', '#' and '?'
+    included (a base64 password holds '/'): the URL rule, which ends the authority at them, left it clear."""
+    from online_sao.config.base import mask_uri_password
+
+    message = f"MLflow at postgresql+psycopg2://user:{password}@db:5432/mlflow failed"
+    assert mask_uri_password(message) == "MLflow at postgresql+psycopg2://user:***@db:5432/mlflow failed"

@@ -94,10 +94,11 @@ class GateSettings:
     margin: float
     weight_clip: float | None = None
     reward_min: float | None = None
-    """Smallest reward there is (``reward.min_value``): the value of mass the window does not cover
-    is at least this (module docstring); None, with ``reward_max``: the interval is not widened."""
+    """Smallest total reward a rollout can have (trainer/rank_zero.py, ``gate_reward_range``): the value
+    of mass the window does not cover is at least this (module docstring); None, with ``reward_max``:
+    the interval is not widened."""
     reward_max: float | None = None
-    """Largest reward there is (``reward.max_value``)."""
+    """Largest total reward a rollout can have."""
     reward_definition: str = ""
     """What the rewards mean (``RewardConfig.definition``): records measured here carry it, and a
     record measured under another is not decided on (online_sao/gate_record.py). Empty: unknown."""

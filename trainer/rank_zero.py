@@ -22,7 +22,7 @@ from typing import Callable, Literal
 import torch
 
 from online_sao.batch import Rollout
-from online_sao.config import Config, RewardConfig
+from online_sao.config import Config, DeployConfig, RewardConfig
 from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
@@ -50,17 +50,24 @@ readings: Prometheus scrapes every 15 s, and a busy feed passes many times a sec
 walks the join's ready rollouts)."""
 
 
-def gate_reward_range(reward: RewardConfig) -> tuple[float, float]:
+def gate_reward_range(reward: RewardConfig, deploy: DeployConfig) -> tuple[float, float]:
     """The range of a rollout's total reward, which the gate's coverage bound takes (online_sao/gate.py,
-    "What the window does not cover"): one reward's, ``reward.min_value``..``max_value``, when one
-    reward stands for the rest (aggregation ``first``, ``last``, ``mean``); with ``sum`` the total adds
-    up to :data:`~trainer.join.MAX_REWARDS_PER_INTERACTION` of them (the join applies no more), so
-    anything from the fewest or most of them. Per-turn rewards add to a total as well, but the config
-    does not bound how many a rollout gets: the gate decides nothing on a range its window's totals
-    break (:func:`online_sao.gate.range_problem`)."""
+    "What the window does not cover"): ``deploy.gate_total_range`` where it is set; else one reward's,
+    ``reward.min_value``..``max_value``, when one reward stands for the rest (aggregation ``first``,
+    ``last``, ``mean``); with ``sum`` the total adds up to :data:`~trainer.join.MAX_REWARDS_PER_INTERACTION`
+    of them (the join applies no more), so anything from the fewest or most of them. Per-turn rewards add
+    to a total as well, but the config does not bound how many a rollout gets: the gate decides nothing
+    on a range its window's totals break (:func:`online_sao.gate.range_problem`)."""
+    if deploy.gate_total_range is not None:
+        return deploy.gate_total_range
     low, high = reward.min_value, reward.max_value
     if reward.aggregation != "sum":
         return low, high
+    if deploy.gate_coverage_bound:
+        log.warning("reward.aggregation sum: the gate bounds a rollout's total by %d rewards (%g..%g), and "
+                    "decides seldom on a window that does not cover both versions; set "
+                    "deploy.gate_total_range to the totals your sources give", MAX_REWARDS_PER_INTERACTION,
+                    min(low, MAX_REWARDS_PER_INTERACTION * low), max(high, MAX_REWARDS_PER_INTERACTION * high))
     most = MAX_REWARDS_PER_INTERACTION
     return min(low, most * low), max(high, most * high)
 
@@ -140,7 +147,7 @@ class RankZero:
                 exporter.position(progress.step, progress.version, {**counters, **joiner.counters.metrics()})
                 log.info("learner metrics on http://%s:%d/metrics", cfg.trainer.metrics_host, exporter.port)
             scorer = StoredPolicyScorer(store, cfg.model_dir, cfg.model.dtype, pad_token_id, cfg.deploy.gate_chunk)
-            gate = OffPolicyGate(scorer, cfg.deploy, gate_reward_range(cfg.reward), cfg.reward.definition())
+            gate = OffPolicyGate(scorer, cfg.deploy, gate_reward_range(cfg.reward, cfg.deploy), cfg.reward.definition())
             releases = Releases(publisher, tracker, gate, window, cfg.deploy, cfg.mlflow.register_every,
                                 reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                                 on_decision=None if exporter is None else exporter.decision)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from online_sao.config.base import Section
 from online_sao.schemas import MAX_SCORES_PER_REWARD, ScoreName
@@ -46,10 +46,17 @@ class DeployConfig(Section):
     gate_coverage_bound: bool = True
     """Widen the gate's interval by what the window cannot see: a version whose answers the window
     rarely samples (its mean importance weight, the share of its probability the window covers,
-    under 1) may earn anything in ``reward.min_value``..``reward.max_value`` on the rest
-    (online_sao/gate.py, "What the window does not cover"). Set the reward range to the rewards'
+    under 1) may earn any total reward a rollout can have on the rest (``gate_total_range``;
+    online_sao/gate.py, "What the window does not cover"). Set the reward range to the rewards'
     real one: a range wider than they span makes the gate slower to decide. False: the coverage is
     reported, not used."""
+    gate_total_range: tuple[float, float] | None = None
+    """The smallest and largest total reward a rollout can have, for ``gate_coverage_bound``, where you
+    know it better than the configuration says: with ``reward.aggregation`` ``sum`` over several
+    sources (two judges rating 0..1: ``[0, 2]``), or with per-turn rewards. None: ``reward.min_value``..
+    ``reward.max_value``, and with ``sum`` that range times the 64 rewards the join applies to one
+    interaction at most, under which the gate seldom decides on a window that does not cover both
+    versions. A window holding a total outside the range decides nothing on the bound (its reason says so)."""
     gate_chunk: int = Field(16, ge=1)
     """Rollouts scored per forward pass when the gate computes a version's log-probs."""
     canary_share: float = Field(0.0, ge=0, lt=1)
@@ -88,6 +95,13 @@ class DeployConfig(Section):
     """Newest rewards per segment over which the learner's ``segment.slot<k>.reward`` (and
     ``segment.other.reward``) is the mean; run tags ``segment.slot<k>`` name each slot's segment.
     The same number of each reward source's newest rewards makes its ``source.<name>.reward``."""
+
+    @field_validator("gate_total_range")
+    @classmethod
+    def _total_range_is_a_range(cls, bounds: tuple[float, float] | None) -> tuple[float, float] | None:
+        if bounds is not None and not bounds[0] < bounds[1]:  # each finite already (the sections refuse inf, NaN)
+            raise ValueError(f"gate_total_range must be [low, high] with low < high, got {list(bounds)}")
+        return bounds
 
     @model_validator(mode="after")
     def _window_holds_a_decision(self) -> "DeployConfig":

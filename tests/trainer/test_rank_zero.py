@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from online_sao.config import RewardConfig
+from online_sao.config import DeployConfig, RewardConfig
 from online_sao.gate import GateSettings, decide
 from online_sao.schemas import decode
 from online_sao.weights import FileWeightStore
@@ -168,15 +168,24 @@ def test_a_stop_in_resume_after_rank_zero_opened_marks_the_run_failed_and_closes
 
 def test_the_gate_is_given_the_range_of_a_rollouts_total_not_of_one_reward():
     """With aggregation sum a total adds up to 64 rewards (MAX_REWARDS_PER_INTERACTION); first, last and
-    mean keep one reward's range."""
+    mean keep one reward's range; deploy.gate_total_range, where set, is the range."""
     def reward(low, high, aggregation):
         return RewardConfig(min_value=low, max_value=high, aggregation=aggregation, default_value=low)
-    assert gate_reward_range(reward(0.0, 1.0, "sum")) == (0.0, 64.0)
-    assert gate_reward_range(reward(-1.0, 2.0, "sum")) == (-64.0, 128.0)
-    assert gate_reward_range(reward(0.5, 1.0, "sum")) == (0.5, 64.0)  # at least one reward of 0.5
-    assert gate_reward_range(reward(-3.0, -1.0, "sum")) == (-192.0, -1.0)
+    derived = DeployConfig()
+    assert gate_reward_range(reward(0.0, 1.0, "sum"), derived) == (0.0, 64.0)
+    assert gate_reward_range(reward(-1.0, 2.0, "sum"), derived) == (-64.0, 128.0)
+    assert gate_reward_range(reward(0.5, 1.0, "sum"), derived) == (0.5, 64.0)  # at least one reward of 0.5
+    assert gate_reward_range(reward(-3.0, -1.0, "sum"), derived) == (-192.0, -1.0)
     for aggregation in ("first", "last", "mean"):
-        assert gate_reward_range(reward(0.0, 1.0, aggregation)) == (0.0, 1.0)
+        assert gate_reward_range(reward(0.0, 1.0, aggregation), derived) == (0.0, 1.0)
+    two_judges = DeployConfig(gate_total_range=[0, 2])
+    assert gate_reward_range(reward(0.0, 1.0, "sum"), two_judges) == (0.0, 2.0)
+
+
+@pytest.mark.parametrize("bounds", [[1, 1], [2, 0], [0, float("inf")], [float("nan"), 1]])
+def test_a_total_range_that_is_no_range_is_refused(bounds):
+    with pytest.raises(ValueError, match="gate_total_range"):
+        DeployConfig(gate_total_range=bounds)
 
 
 def test_a_champion_worse_on_what_the_window_missed_is_not_promoted_under_summed_rewards(registry_cfg):

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from online_sao.batch import Rollout
 from online_sao.config import TopicsConfig, TrainerConfig
@@ -129,6 +130,8 @@ class Feed:
         """The learner's counters; the feed adds dead_letters, invalid_rollouts, empty_rollouts,
         too_few_for_ranks, records_skipped, records_read."""
         self.vocab_size = vocab_size
+        self._trainable = partial(trainable, vocab_size=vocab_size, counters=counters)
+        """Whether an interaction can train anything (the join refuses, counted, one that cannot)."""
         self.group_size = group_size
         self.stop = stop
         """Set when the learner is asked to stop: a commit then stops waiting for the broker."""
@@ -204,8 +207,7 @@ class Feed:
             if record is None:
                 self.counters["dead_letters"] += 1
             elif isinstance(record, Interaction):
-                if trainable(record, self.vocab_size, self.counters):  # else counted: never a unit of a step
-                    self.joiner.add_interaction(record, ts, clock=self.clock.limit(left))
+                self.joiner.add_interaction(record, ts, clock=self.clock.limit(left), admit=self._trainable)
             else:
                 self.joiner.add_reward(record, ts, clock=self.clock.limit(left))
 

@@ -65,7 +65,7 @@ import heapq
 import logging
 import math
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from online_sao.config import RewardConfig
 from online_sao.schemas import ABORTED, Interaction, Reward
@@ -107,9 +107,13 @@ class RewardJoiner(TrajectoryRules):
         self._deadlines: list[tuple[float, str]] = []  # heap over waiting windows (lazy deletion)
 
     # -- input ---------------------------------------------------------------------------
-    def add_interaction(self, interaction: Interaction, ts: float, clock: float | None = None) -> None:
+    def add_interaction(self, interaction: Interaction, ts: float, clock: float | None = None,
+                        admit: Callable[[Interaction], bool] | None = None) -> None:
         """``interaction`` read with record time ``ts``; ``clock``: how far the join's clock may move
-        (None: to ``ts``; readers hold it back while catching up: trainer/join_clock.py)."""
+        (None: to ``ts``; readers hold it back while catching up: trainer/join_clock.py). ``admit``:
+        whether a new interaction can train at all (trainer/untrainable.py; it counts what it refuses):
+        one it refuses is finished untrained, as a cut answer is, so its copies count as duplicates
+        and its rewards as late."""
         self._tick(ts, clock)
         iid = interaction.interaction_id
         anchor = anchor_time(interaction.created_at, ts)
@@ -128,6 +132,10 @@ class RewardJoiner(TrajectoryRules):
             return
         if interaction.finish_reason == ABORTED and not self.cfg.train_aborted:
             self._refuse_aborted(iid, anchor)
+            return
+        if admit is not None and not admit(interaction):
+            self.counters.late_rewards += len(self._held.pop(iid, []))
+            self.memory.remember(iid, anchor, trained=False, seen=True)
             return
         entry = Entry(interaction, ts, anchor)
         for contribution in self._pop_held(iid):

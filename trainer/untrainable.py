@@ -7,7 +7,8 @@ step, then left out when the step turned them into rollouts (:func:`trainer.feed
 still checks, for the other readers of logged rollouts). Under several ranks a step needs a unit (a
 rollout, a grpo group) for each rank; one left with fewer after that was dropped whole, and its usable
 rollouts, which the join had recorded as trained, were never trained: lost for good after the next
-checkpoint. Refused here, they never count toward a step.
+checkpoint. Refused as the join meets them (``RewardJoiner.add_interaction``'s ``admit``), they never
+count toward a step, and are finished untrained as a cut answer is: a copy is a duplicate, a reward late.
 """
 
 from __future__ import annotations

@@ -669,6 +669,24 @@ def test_two_ranks_lose_no_usable_rollout_taken_beside_ones_that_train_nothing()
     feed.close()
 
 
+def test_a_refused_interaction_is_finished_so_its_copy_is_a_duplicate_and_its_reward_late():
+    """An interaction that can train nothing, sent twice (at least once) and rated: refused before the
+    join, the copy was refused and counted again and its reward held as early, for an interaction that
+    never comes, until it expired (taking a place among max_pending held rewards meanwhile)."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _two_rank_feed(backend)
+    outside = make_interaction("outside", response=(8, 9, 64), created_at=time.time())
+    producer, topics = backend.producer(), backend.cfg.topics
+    publish(producer, topics.interactions, outside)
+    publish(producer, topics.interactions, outside)
+    publish(producer, topics.rewards, make_reward("outside", 1.0))
+    feed.poll()
+    joined = feed.joiner.counters
+    assert feed.counters["invalid_rollouts"] == 1 and joined.duplicate_interactions == 1
+    assert (joined.early_rewards, feed.joiner.num_held_rewards, joined.late_rewards) == (0, 0, 1)
+    feed.close()
+
+
 def test_two_ranks_lose_no_grpo_group_taken_beside_one_that_trains_nothing():
     """grpo groups of two, two ranks: a group whose answers both have a token id outside the vocabulary
     beside a usable group. The step took both groups, left the first out whole, and dropped the

@@ -56,6 +56,10 @@ class Rollout:
     completed_at: float | None = None
     """When serving finished the interaction (``Interaction.completed_at``, serving's clock, Unix
     seconds); books for the learner's data-age metrics only, no training input."""
+    defaulted: bool = False
+    """Its final reward is ``reward.default_value``: its window closed with no reward of its own
+    (``reward.on_missing`` default). Trained on like any other; the drift detector leaves it out
+    (trainer/plasticity.py): a placeholder says nothing about the policy."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -489,4 +489,5 @@ class RewardJoiner(TrajectoryRules):
         self.counters.trained_turn_rewards += dropped
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
                                  frozenset(observed), combine_scores(entry, self.cfg),
-                                 rewards_by_source(entry, self.cfg))
+                                 rewards_by_source(entry, self.cfg),
+                                 defaulted=entry.defaulted and not entry.own_rewarded)  # as combine_rewards

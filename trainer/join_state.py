@@ -151,6 +151,8 @@ class JoinedInteraction:
     """Its own rewards' named scores, combined (:func:`combine_scores`); books only."""
     source_rewards: dict[str, float] = field(default_factory=dict)
     """Its own rewards by source, each source's combined (:func:`rewards_by_source`); books only."""
+    defaulted: bool = False
+    """``reward`` is ``reward.default_value``: its window closed with no reward of its own."""
 
     @property
     def num_action_tokens(self) -> int:
@@ -159,7 +161,7 @@ class JoinedInteraction:
 
     def to_rollout(self) -> Rollout:
         return interaction_to_rollout(self.interaction, self.reward, self.turn_rewards, self.group_id,
-                                      self.observed_turns, self.scores)
+                                      self.observed_turns, self.scores, self.defaulted)
 
 
 def trained_action_tokens(interaction: Interaction, observed_turns: Collection[int]) -> int:

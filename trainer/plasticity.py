@@ -1,7 +1,10 @@
 """What the learner does when the users' preference moved: restore its ability to explore.
 
 :class:`DriftResponse` watches the rewards of every trained step with
-:class:`online_sao.drift.RewardDropDetector` (config ``drift.*``). On an alarm it
+:class:`online_sao.drift.RewardDropDetector` (config ``drift.*``), except rewards the join gave
+by default (``Rollout.defaulted``: no reward arrived, ``reward.on_missing`` default) and those of
+answers sampled more than ``drift.max_version_lag`` versions back: neither says anything about the
+current policy. On an alarm it
 
 - moves the policy back towards its starting weights, ``start + policy_shrink * (policy - start)``
   (0: a restart; the starting policy samples every style at its starting share, so the newly
@@ -141,10 +144,16 @@ class DriftResponse:
     def after_rollouts(self, rollouts: list[Rollout], next_version: int) -> dict[str, float]:
         """:meth:`after_step` on one trained step's rollouts: their rewards, the versions that
         sampled them and their ``rollback_score``. Both learners call this (trainer/learner.py and
-        the in-process driver), so that both feed the detector and a probation alike."""
+        the in-process driver), so that both feed the detector and a probation alike. Rollouts whose
+        reward is the join's default (``Rollout.defaulted``) are left out, counted in the metric
+        ``drift_defaulted_rewards``: a reward outage gives every answer the default, whose run
+        otherwise read as a preference change and restarted a policy whose users did not change."""
+        rated = [r for r in rollouts if not r.defaulted]
         score = self.cfg.rollback_score
-        return self.after_step([r.total_reward for r in rollouts], [r.policy_version for r in rollouts], next_version,
-                               None if score is None else [r.scores.get(score, math.nan) for r in rollouts])
+        metrics = self.after_step([r.total_reward for r in rated], [r.policy_version for r in rated], next_version,
+                                  None if score is None else [r.scores.get(score, math.nan) for r in rated])
+        metrics["drift_defaulted_rewards"] = float(len(rollouts) - len(rated))
+        return metrics
 
     def after_step(self, rewards: list[float], versions: list[int] | None = None,
                    next_version: int = 0, scores: list[float] | None = None) -> dict[str, float]:

@@ -47,11 +47,12 @@ def response_turns(interaction: Interaction) -> list[int | None]:
 def interaction_to_rollout(interaction: Interaction, reward: float | None,
                            turn_rewards: Mapping[int, float] | None = None, group_id: int = -1,
                            observed_turns: Collection[int] = (),
-                           scores: Mapping[str, float] | None = None) -> Rollout:
+                           scores: Mapping[str, float] | None = None, defaulted: bool = False) -> Rollout:
     """The rollout of ``interaction`` with its final ``reward`` (None: no reward on the
     last token) and ``turn_rewards`` (assistant turn index -> value); the action tokens
     of ``observed_turns`` become observations; ``scores`` are its rewards' named scores
-    (books). Raises RolloutError for a turn the interaction does not have."""
+    (books); ``defaulted``: ``reward`` is the join's default (``Rollout.defaulted``).
+    Raises RolloutError for a turn the interaction does not have."""
     prompt_len = len(interaction.prompt_ids)
     token_ids = list(interaction.prompt_ids) + list(interaction.response_ids)
     n = len(token_ids)
@@ -82,4 +83,4 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
                    logprobs=logprobs, versions=versions, rewards=rewards, temperatures=temperatures,
                    top_ps=top_ps, group_id=group_id, segment=interaction.segment,
                    completed_at=interaction.completed_at,
-                   scores=dict(scores or {}))
+                   scores=dict(scores or {}), defaulted=defaulted)

@@ -155,10 +155,19 @@ class DriftConfig(Section):
     about ``recent`` more rollouts of delay. Keeps about ``(reference + recent) / recent + 2``
     snapshots of policy and critic in memory."""
     rollback_score: str | None = None
-    """With ``rollback_first``: roll back only when this named score of the rewards
+    """With ``rollback_first`` (refused without it): roll back only when this named score of the rewards
     (``Reward.scores``, e.g. a judge's ``quality``) fell over the alarm's two windows as well, by
     at least ``rollback_score_z`` Welch standard errors; an alarm with the score held restarts at
     once, since a preference change leaves the answers' quality as it was. Where either window has
     fewer than two rollouts with the score, the alarm rolls back. None: every alarm rolls back first."""
     rollback_score_z: float = Field(2.0, gt=0)
     """The score's fall, in standard errors, that makes an alarm a roll-back (``rollback_score``)."""
+
+    @model_validator(mode="after")
+    def _rollback_score_needs_rollback_first(self) -> "DriftConfig":
+        # without rollback_first every alarm restarts: the score would be read by nothing, and a
+        # config asking for roll-backs tested by a score would silently get none
+        if self.rollback_score is not None and not self.rollback_first:
+            raise ValueError(f"rollback_score ({self.rollback_score!r}) needs rollback_first: true "
+                             "(without it every alarm restarts and the score is never tested)")
+        return self

@@ -6,6 +6,10 @@ from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
 from online_sao.batch import Rollout
 from online_sao.config import DriftConfig
+from online_sao.config.reward import RewardConfig
+from online_sao.schemas import Interaction, Reward
+from trainer.feed import to_rollouts
+from trainer.join import RewardJoiner
 from trainer.plasticity import DriftResponse, shrink_towards
 from trainer.state import Trainables
 
@@ -319,3 +323,58 @@ def test_after_rollouts_reads_rewards_sampling_versions_and_the_score_from_rollo
     held = response.after_rollouts([rollout(0.0, 0.9, version=6), rollout(1.0, 0.9, version=7),
                                     rollout(1.0, 0.9, version=7)], next_version=8)
     assert held["drift_alarm"] == 0.0 and held["drift_probation_drop"] == 0.0
+
+
+def outage_steps(joiner: RewardJoiner, rated: int, unrated: int) -> list[list[Rollout]]:
+    """Interactions every 0.5 s through the real join and feed: the first ``rated`` get a judge's
+    reward of 1 or 0.8 with a ``quality`` of 0.9, then the judge is down for ``unrated`` more and
+    the flush that follows; each step takes two ready rollouts (``to_rollouts``, as the learners)."""
+    steps, counters, now = [], {"invalid_rollouts": 0.0, "empty_rollouts": 0.0}, 1000.0
+    for i in range(rated + unrated + 8):  # the last 8: time for the outage's windows to close
+        now += 0.5
+        if i < rated + unrated:
+            joiner.add_interaction(Interaction(interaction_id=f"i{i}", created_at=now, completed_at=now, model="m",
+                                               prompt_ids=[1], response_ids=[2, 3], action_mask=[True, True],
+                                               logprobs=[-1.0, -1.0], versions=[1, 1]), now)
+        if i < rated:
+            joiner.add_reward(Reward(interaction_id=f"i{i}", value=1.0 - 0.2 * (i % 2), source="judge",
+                                     created_at=now, scores={"quality": 0.9}), now)
+        joiner.advance(now)
+        while joiner.ready_stats()[0] >= 2:
+            steps.append(to_rollouts(joiner.pop_ready(2, 10**6), counters, 100))
+    return steps
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rollback_first": True, "rollback_score": "quality"}],
+                         ids=["restart", "rollback_first"])
+def test_a_reward_outage_with_default_rewards_neither_restarts_nor_rolls_back(overrides):
+    """reward.on_missing default: while the only source is down every answer gets the default 0 when
+    its window closes. Without rewards no step trains, versions stand still, so the defaults passed
+    the lag filter: their run read as a preference change and restarted the policy (or rolled it back
+    and then failed the probation on more defaults)."""
+    joiner = RewardJoiner(RewardConfig(min_value=0.0, max_value=1.0, on_missing="default", default_value=0.0,
+                                       window_s=2.0))
+    t = trainables()
+    response = DriftResponse(settings(**overrides), t)
+    move(t, 5.0)  # a trained policy
+    steps = outage_steps(joiner, rated=8, unrated=12)
+    metrics = [response.after_rollouts(step, next_version=2) for step in steps]
+    assert [m["drift_alarm"] for m in metrics] == [0.0] * len(steps)
+    assert torch.equal(t.policy.weight, torch.full((1, 2), 5.0)) and torch.equal(t.critic.weight, torch.full((1, 2), 5.0))
+    assert t.algorithm.forgotten == 0 and response.probation is None
+    assert joiner.counters.defaulted == 12 and sum(m["drift_defaulted_rewards"] for m in metrics) == 12.0
+    outage = [r for step in steps for r in step if r.defaulted]
+    assert len(outage) == 12 and all(r.total_reward == 0.0 for r in outage)
+    assert not any(r.defaulted for step in steps for r in step if r.total_reward > 0)
+
+
+def test_rated_rewards_after_an_outage_are_still_tested():
+    """Leaving the defaults out does not blind the detector: a real fall after the outage alarms."""
+    joiner = RewardJoiner(RewardConfig(min_value=0.0, max_value=1.0, on_missing="default", default_value=0.0,
+                                       window_s=2.0))
+    t = trainables()
+    response = DriftResponse(settings(), t)
+    steps = outage_steps(joiner, rated=4, unrated=6)
+    assert all(response.after_rollouts(step, next_version=2)["drift_alarm"] == 0.0 for step in steps)
+    fell = [Rollout(f"f{i}", [5, 6], [False, True], [0.0, -1.0], [0, 1], {1: 0.0}) for i in range(2)]
+    assert response.after_rollouts(fell, next_version=2)["drift_alarm"] == 1.0

@@ -36,3 +36,11 @@ def test_usable_edges_are_accepted():
     cfg = load_config(environ={}, overrides={"deploy.gate_margin": 0.0, "deploy.gate_confidence": 0.5,
                                              "deploy.monitor_min_scores": {"quality": -1e6}}).deploy
     assert (cfg.gate_margin, cfg.gate_confidence, cfg.monitor_min_scores) == (0.0, 0.5, {"quality": -1e6})
+
+
+def test_a_rollback_score_without_rollback_first_is_refused():
+    # without rollback_first every alarm restarts: the score would never be tested
+    with pytest.raises(ConfigError, match=r"drift: .*rollback_score \('quality'\) needs rollback_first"):
+        load_config(environ={}, overrides={"drift.enabled": True, "drift.rollback_score": "quality"})
+    cfg = load_config(environ={}, overrides={"drift.rollback_first": True, "drift.rollback_score": "quality"}).drift
+    assert (cfg.rollback_first, cfg.rollback_score) == (True, "quality")

@@ -241,7 +241,7 @@ class OpenAIServing:
             keys = turn.message_keys + [message_key("assistant", turn.content, calls)]  # as returned
             self.trajectories.put(turn.interaction_id, Trajectory(record, template_messages=tuple(messages),
                                                                   message_keys=tuple(keys),
-                                                                  tools=canonical_tools(turn.tools)))
+                                                                  tools=canonical_tools(turn.rendered_tools)))
         else:
             visible = None if turn.prompt_text is None else turn.prompt_text + turn.text
             self.trajectories.put(turn.interaction_id, Trajectory(record, visible_text=visible))
@@ -267,9 +267,9 @@ class OpenAIServing:
         self.check_request(request)
         self.prompts.check_chat()
         self.inflight.admit()  # before the tokenizer: an overloaded server refuses cheaply
-        prefix, messages, keys = self.prompts.chat(request)
+        prefix, messages, keys, rendered = self.prompts.chat(request)
         turn = self._admit(request, "chat", prefix, template_messages=messages, message_keys=keys,
-                           tools=request.active_tools())
+                           tools=request.active_tools(), rendered_tools=rendered)
         return await self._serve(request, turn, CHAT_FORMAT, disconnected)
 
     async def completion(self, request: CompletionRequest,

@@ -112,14 +112,15 @@ class PromptBuilder:
                            param="parent_interaction_id")
         return parent
 
-    def chat(self, request: ChatCompletionRequest) -> tuple[TrajectoryPrefix, list[dict], list[tuple]]:
-        """The prefix, the conversation as the template renders it and each message's key."""
+    def chat(self, request: ChatCompletionRequest
+             ) -> tuple[TrajectoryPrefix, list[dict], list[tuple], list[dict] | None]:
+        """The prefix, the conversation as the template renders it, each message's key, and the tools
+        the template rendered (the trajectory's: stored with the turn, a continuation renders them again)."""
         messages = [m.as_template_message() for m in request.messages]
         keys = [m.key() for m in request.messages]
-        tools = request.active_tools()
-        render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
         if request.parent_interaction_id is None:
-            return TrajectoryPrefix(self._encode(render(messages, True))), messages, keys
+            tools = request.active_tools()
+            return TrajectoryPrefix(self._encode(self._render(messages, True, tools))), messages, keys, tools
         parent = self._parent(request.parent_interaction_id, "chat")
         stored, stored_keys = list(parent.template_messages), list(parent.message_keys)
         if keys[:len(stored)] != stored_keys or len(messages) <= len(stored):
@@ -128,9 +129,8 @@ class PromptBuilder:
                            param="messages")
         if messages[-1]["role"] == "assistant":
             raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
-        if canonical_tools(tools) != parent.tools:
-            raise APIError(400, f"tools must be the ones of interaction {parent.record.interaction_id}: they are "
-                                "part of the trajectory's prompt", param="tools")
+        tools = self._continued_tools(request, parent)
+        render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
         messages = stored + messages[len(stored):]
         last = parent.record.response_ids[-1] if parent.record.response_ids else None
         stop_text = self.tokenizer.decode([last]) if last in self.stop_token_ids else None
@@ -138,7 +138,20 @@ class PromptBuilder:
         if observation is None:
             raise APIError(400, "the chat template does not render this conversation as an extension of "
                                 f"interaction {parent.record.interaction_id}", param="messages")
-        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages, keys
+        return TrajectoryPrefix.continuing(parent.record, self._encode(observation)), messages, keys, tools
+
+    def _continued_tools(self, request: ChatCompletionRequest, parent: Trajectory) -> list[dict] | None:
+        """The tools a continuation renders: the trajectory's, which the request must send. With
+        ``tool_choice`` ``none`` they are still rendered (they are part of the prompt the trajectory
+        began with) and no call is parsed from the answer (``active_tools`` is None)."""
+        listed, known = request.listed_tools(), parent.tools  # every turn stores the trajectory's tools
+        if request.tool_choice == "none" and listed is not None and canonical_tools(listed) == known:
+            return listed
+        tools = request.active_tools()
+        if canonical_tools(tools) != known:
+            raise APIError(400, f"tools must be the ones of interaction {parent.record.interaction_id}: they are "
+                                "part of the trajectory's prompt", param="tools")
+        return tools
 
     def completion(self, request: CompletionRequest) -> tuple[TrajectoryPrefix, str | None]:
         """The prefix and the prompt's text (None for token ids)."""

@@ -321,11 +321,15 @@ class ChatCompletionRequest(SamplingRequest):
         """Alternatives per token when log-probs are asked for, else None."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def listed_tools(self) -> list[dict] | None:
+        """The request's tools as the chat template renders them; None when it sends none."""
+        return [tool.template_tool() for tool in self.tools] if self.tools else None
+
     def active_tools(self) -> list[dict] | None:
-        """The tools the chat template renders: none when absent or ``tool_choice`` is ``none``."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [tool.template_tool() for tool in self.tools]
+        """The tools whose calls are parsed from the answer (and that a new conversation's template
+        renders): none when absent or ``tool_choice`` is ``none``. A continuation with ``none`` still
+        renders its trajectory's tools (``serving.prompts``)."""
+        return None if self.tool_choice == "none" else self.listed_tools()
 
 
 COMPLETIONS_MAX_TOKENS = 16

@@ -40,7 +40,10 @@ class Turn:
     template_messages: list[dict] | None = None
     message_keys: list[tuple] | None = None
     tools: list[dict] | None = None
-    """Chat: the tools the template rendered; their calls are parsed from the answer."""
+    """Chat: the tools whose calls are parsed from the answer (None with ``tool_choice`` ``none``)."""
+    rendered_tools: list[dict] | None = None
+    """Chat: the tools the template rendered, the trajectory's (stored with the turn: a continuation
+    renders them again, also one with ``tool_choice`` ``none``, which parses no call)."""
     prompt_text: str | None = None
     top_logprobs: int | None = None
     """Alternatives per token when the client asked for log-probs, else None."""

@@ -249,3 +249,49 @@ def test_history_call_arguments_no_template_can_render_are_refused(fake_http_ser
             messages=QUESTION + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": "5"}])
     assert refused.value.body["param"] == "messages"
     assert fake_http_server.engine.requests == []  # nothing was sampled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continuation_with_tool_choice_none_keeps_the_tools_in_the_prompt_and_parses_no_call(
+        fake_http_server, stream):
+    """The agent pattern that forces a final answer after the tool's result: the parent's tools with
+    ``tool_choice`` ``none``. The trajectory's prompt keeps them (the logged ids are the engine's prompt),
+    a call the model writes anyway is content, and the conversation goes on with the tools."""
+    import openai
+
+    server = fake_http_server
+    client = server.openai()
+    server.script(CALL_TEXT)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    tool = {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "5"}
+    server.script(CALL_TEXT)
+    forced = dict(model=MODEL, messages=QUESTION + [assistant, tool], tools=TOOLS, tool_choice="none",
+                  extra_body={"parent_interaction_id": first.interaction_id})
+    if stream:
+        content, calls, finish, second_id = _streamed(client, **forced)
+    else:
+        second = client.chat.completions.create(**forced)
+        content, calls, finish, second_id = (second.choices[0].message.content, second.choices[0].message.tool_calls,
+                                             second.choices[0].finish_reason, second.interaction_id)
+    assert (content, finish) == (CALL_TEXT, "stop") and not calls
+
+    record = {r.interaction_id: r for r in server.harness.interactions()}[second_id]
+    tokenizer = server.harness.tokenizer
+    answer_ids = tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompted = server.engine.requests[1].prompt_ids
+    assert record.prompt_ids + record.response_ids == list(prompted) + answer_ids
+    assert "<tools>" in tokenizer.decode(prompted)
+    observation = record.response_ids[len(answer_ids):-len(answer_ids)]
+    assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+    history = QUESTION + [assistant, tool, {"role": "assistant", "content": CALL_TEXT}]
+    follow_up = {"parent_interaction_id": second_id}
+    with pytest.raises(openai.BadRequestError) as other_tools:
+        client.chat.completions.create(model=MODEL, messages=history + QUESTION, extra_body=follow_up,
+                                       tools=[{"type": "function", "function": {"name": "sub"}}], tool_choice="none")
+    assert other_tools.value.body["param"] == "tools"
+    server.script(CALL_TEXT)
+    third = client.chat.completions.create(model=MODEL, messages=history + QUESTION, extra_body=follow_up,
+                                           tools=TOOLS)
+    assert third.choices[0].finish_reason == "tool_calls"

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable
 
-from apps.config import AppConfig, check_requests_fit_serving, load_app_config
+from apps.config import AppConfig, check_agent_rewards_are_taken, check_requests_fit_serving, load_app_config
 from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
@@ -161,6 +161,7 @@ def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:
     check_requests_fit_serving(cfg, "agent")
+    check_agent_rewards_are_taken(cfg)
     from apps.agent.run import run_agent
 
     print(run_agent(cfg, progress=lambda line: print(line, flush=True)), flush=True)
@@ -370,15 +371,17 @@ def main(argv: list[str] | None = None) -> int:
 def _operator_errors() -> tuple[type[BaseException], ...]:
     """What an operator can fix and a traceback does not help with: the broker unreachable or not
     starting, a process of the stack not starting, the MLflow server not answering, a directory that
-    cannot be written. Imported
+    cannot be written, serving refusing the agent's rewards or its tasks failing in a row. Imported
     only when an error is being matched (``--help`` and ``config show`` stay light)."""
+    from apps.agent.episode import FeedbackRefused
+    from apps.agent.run import TasksFailing
     from apps.stack import StackError
     from streams.base import StreamUnavailable, TopicsMisconfigured
     from streams.broker import BrokerError
     from trainer.mlflow_store import TrackingUnavailable
 
     return (StreamUnavailable, TopicsMisconfigured, BrokerError, StackError, TrackingUnavailable, PermissionError,
-            NotADirectoryError, FileExistsError)
+            NotADirectoryError, FileExistsError, FeedbackRefused, TasksFailing)
 
 
 if __name__ == "__main__":

@@ -393,6 +393,31 @@ def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "
                           "a request may ask for: lower the one or raise the other")
 
 
+def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
+    """ConfigError when the rewards ``online-sao agent`` sends (``source``
+    ``apps.agent.episode.FEEDBACK_SOURCE``, with the key :func:`client_api_key` names) would be refused by
+    serving (``serving.feedback_sources``, ``serving.source_keys``: the rule of ``serving/feedback.py``)
+    or ignored by the learner (``reward.sources``). Either way the run did all its setup, then died on its
+    first reward (403) or trained on nothing without a word."""
+    from apps.agent.episode import FEEDBACK_SOURCE  # imported here: the agent imports this module
+    from serving.auth import key_name, source_callers
+
+    source, serving = FEEDBACK_SOURCE, cfg.serving
+    if serving.feedback_sources is not None and source not in serving.feedback_sources:
+        raise ConfigError(f"serving.feedback_sources ({serving.feedback_sources}) does not allow {source!r}, the "
+                          "source of the agent's rewards: serving would refuse every one (403); add it")
+    owners = source_callers(serving.source_keys).get(source)
+    key = client_api_key(cfg)
+    caller = None if key is None else key_name(key.encode("utf-8"))  # the name serving's ApiKeyAuth gives it
+    if owners is not None and caller not in owners:
+        raise ConfigError(f"serving.source_keys.{source} does not hold the key the agent sends (the first of "
+                          "serving.api_keys): serving would refuse every reward of the agent (403); add it there")
+    trusted = cfg.reward.sources
+    if trusted is not None and source not in trusted:
+        raise ConfigError(f"reward.sources ({trusted}) does not include {source!r}, the source of the agent's "
+                          "rewards: the learner would ignore every one and train on nothing; add it")
+
+
 def client_api_key(cfg: Config) -> str | None:
     """The key a run's own client sends to the serving it started: the first of ``serving.api_keys``
     (None without keys: serving then asks loopback callers for none)."""

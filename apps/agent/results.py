@@ -68,6 +68,8 @@ def summarize(episodes: list[Episode], window: int, failed: int) -> dict:
         "correct_call_rate": _rate(ordered, "call_correct"), "answer_correct_rate": _rate(ordered, "answer_correct"),
         "first_window_success_rate": _rate(first, "reward"), "last_window_success_rate": _rate(last, "reward"),
         "first_window_call_rate": _rate(first, "called"), "last_window_call_rate": _rate(last, "called"),
+        "first_window_correct_call_rate": _rate(first, "call_correct"),
+        "last_window_correct_call_rate": _rate(last, "call_correct"),
         "policy_versions": sorted({e.policy_version for e in episodes if e.policy_version is not None}),
         "points": [asdict(p) for p in window_points(ordered, window)],
         "by_version": [asdict(p) for p in version_points(ordered)],

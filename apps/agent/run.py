@@ -40,6 +40,11 @@ MAX_CONSECUTIVE_FAILURES = 10
 """Tasks failing in a row (after the client's own retries) that end the run: the endpoint is down."""
 
 
+class TasksFailing(RuntimeError):
+    """:data:`MAX_CONSECUTIVE_FAILURES` tasks failed in a row: the endpoint is down (its log says why),
+    which the operator mends; ``online-sao agent`` says so in one line."""
+
+
 def agent_tasks(seed: int, count: int) -> list[ToolTask]:
     """The run's tasks: the corpus's generator on a stream of its own, so tasks are not the
     corpus's examples (a few may coincide by chance: the operands are two-digit numbers)."""
@@ -114,7 +119,7 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
             if started.done():
                 started.result()  # any other error (a bug, a refused reward: FeedbackRefused) ends the run
         if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
-            raise RuntimeError(f"{failures_in_row} tasks failed in a row; see the serving log")
+            raise TasksFailing(f"{failures_in_row} tasks failed in a row; see the serving log")
         running.append(asyncio.create_task(one(index, task)))
     await asyncio.gather(*running)
     return episodes, failed

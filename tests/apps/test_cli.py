@@ -283,3 +283,53 @@ def test_ledger_redact_of_ids_the_ledger_lacks_fails(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "0 occurrence(s) of 1 id(s) redacted" in out and "none of the ids is in the ledger" in err
     assert ledger.read_text() == '{"step":1,"ids":["sao-1","sao-2"]}\n'
+
+
+@pytest.mark.parametrize(("settings", "line"), [
+    (["serving.feedback_sources=[user]"], "serving.feedback_sources (['user']) does not allow 'agent', the source of "
+     "the agent's rewards: serving would refuse every one (403); add it"),
+    (["serving.api_keys=[key-one, key-two]", "serving.source_keys={agent: [key-two]}"],
+     "serving.source_keys.agent does not hold the key the agent sends (the first of serving.api_keys): serving would "
+     "refuse every reward of the agent (403); add it there"),
+    (["reward.sources=[user]"], "reward.sources (['user']) does not include 'agent', the source of the agent's "
+     "rewards: the learner would ignore every one and train on nothing; add it"),
+], ids=["feedback_sources", "source_keys", "reward.sources"])
+def test_an_agent_whose_rewards_would_be_refused_or_ignored_stops_before_it_starts(monkeypatch, capsys, settings,
+                                                                                   line):
+    """Serving refused every reward (the run died after its setup with a traceback), or the learner
+    ignored every one (the run ended with nothing trained and no word why)."""
+    started = []
+    monkeypatch.setattr("apps.agent.run.run_agent", lambda *args, **kwargs: started.append(args) or "")
+    argv = [arg for setting in settings for arg in ("--set", setting)]
+    assert cli.main(argv + ["agent"]) == 2 and not started
+    assert capsys.readouterr().err == f"online-sao: {line}\n"
+
+
+@pytest.mark.parametrize("settings", [
+    [], ["serving.feedback_sources=[user, agent]", "reward.sources=[user, agent]"],
+    ["serving.api_keys=[key-one, key-two]", "serving.source_keys={agent: [key-one]}"],
+], ids=["defaults", "listed", "the agent's key"])
+def test_an_agent_whose_rewards_are_taken_starts(monkeypatch, settings):
+    started = []
+    monkeypatch.setattr("apps.agent.run.run_agent", lambda *args, **kwargs: started.append(args) or "")
+    assert cli.main([arg for setting in settings for arg in ("--set", setting)] + ["agent"]) == 0 and started
+
+
+def _agent_fails_in_one_line(monkeypatch, capsys, error: Exception) -> None:
+    def failing(cfg, progress=print):
+        raise error
+    monkeypatch.setattr("apps.agent.run.run_agent", failing)
+    assert cli.main(["agent"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"online-sao: {error}"]
+
+
+def test_a_refused_reward_ends_the_agent_in_one_line(monkeypatch, capsys):
+    from apps.agent.episode import FeedbackRefused
+
+    _agent_fails_in_one_line(monkeypatch, capsys, FeedbackRefused("the reward for x was refused: 403 nope"))
+
+
+def test_tasks_failing_in_a_row_end_the_agent_in_one_line(monkeypatch, capsys):
+    from apps.agent import run
+
+    _agent_fails_in_one_line(monkeypatch, capsys, run.TasksFailing("10 tasks failed in a row; see the serving log"))

@@ -48,3 +48,13 @@ def test_writes_json_and_png(tmp_path):
     assert (tmp_path / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(RuntimeError, match="no task finished"):
         write_results([], window=3, failed=0, out=tmp_path)
+
+
+def test_summary_has_the_correct_call_rate_of_the_first_and_last_window():
+    # rewards 0 for the first 6 tasks, 1 after: call_correct follows the reward (see episode())
+    episodes = [episode(i, 1.0 if i >= 6 else 0.0, 0) for i in range(10)]
+    summary = summarize(episodes, window=4, failed=0)
+    assert summary["correct_call_rate"] == 0.4
+    assert summary["first_window_correct_call_rate"] == 0.0 and summary["last_window_correct_call_rate"] == 1.0
+    episodes[8] = episode(8, 0.0, 0)
+    assert summarize(episodes, window=4, failed=0)["last_window_correct_call_rate"] == 0.75

@@ -490,4 +490,4 @@ class RewardJoiner(TrajectoryRules):
         return JoinedInteraction(entry.interaction, reward, turns, entry.own_rewarded, entry.ts, group_id,
                                  frozenset(observed), combine_scores(entry, self.cfg),
                                  rewards_by_source(entry, self.cfg),
-                                 defaulted=entry.defaulted and not entry.own_rewarded)  # as combine_rewards
+                                 defaulted=entry.defaulted and not entry.contributions)  # no reward at all

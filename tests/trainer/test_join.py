@@ -9,7 +9,7 @@ import pytest
 from online_sao.config import RewardConfig
 from trainer.join import RewardJoiner, aggregate
 from online_sao.schemas import Reward
-from tests.trainer.records import make_interaction, make_reward
+from tests.trainer.records import conversation, make_interaction, make_reward
 
 
 def joiner(**kw) -> RewardJoiner:
@@ -448,3 +448,23 @@ def test_a_ready_interaction_without_action_tokens_is_no_unit_of_a_step():
     j.add_reward(make_reward("b", 1.0), ts=2.0)
     taken = j.pop_ready(max_rollouts=1, token_budget=10**9, min_units=2)
     assert [joined.interaction.interaction_id for joined in taken] == ["nothing", "a", "b"]
+
+
+def test_a_continuation_whose_earlier_turn_was_rated_is_not_marked_defaulted():
+    """The user rated q, then went on with d, which no one rated: under on_missing default d's own reward
+    is the default, but its trajectory holds q's real 1.0, so its rollout is no reward outage's and the
+    drift detector must see it (marked defaulted, it was left out)."""
+    joiner = RewardJoiner(RewardConfig(window_s=10.0, on_missing="default", default_value=0.0), max_pending=100)
+    q, d = conversation(["q", "d"])
+    joiner.add_interaction(q, ts=101.0)
+    joiner.add_interaction(d, ts=102.0)
+    joiner.add_reward(make_reward("q", 1.0), ts=103.0)
+    joiner.advance(200.0)
+    (joined,) = joiner.pop_ready(max_rollouts=1000, token_budget=10**9)
+    rollout = joined.to_rollout()
+    assert rollout.total_reward == 1.0 and not rollout.defaulted
+    alone = RewardJoiner(RewardConfig(window_s=10.0, on_missing="default", default_value=0.0), max_pending=100)
+    alone.add_interaction(make_interaction("unrated"), ts=101.0)
+    alone.advance(200.0)
+    (unrated,) = alone.pop_ready(max_rollouts=1000, token_budget=10**9)
+    assert unrated.to_rollout().defaulted

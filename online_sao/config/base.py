@@ -83,10 +83,10 @@ _URL_PASSWORD = re.compile(r"(?P<user>\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#:@\s'\"]*
 first ``/``, ``?`` or ``#`` (as urllib and requests read a URL; a raw ``@`` in a password stays masked)."""
 _DATABASE_URL_PASSWORD = re.compile(
     r"(?P<user>\b(?:postgres(?:ql)?|mysql|mariadb|mssql|oracle|sqlite|cockroachdb)(?:\+\w+)?://[^/?#:@\s'\"]*)"
-    r":[^\s'\"]*@")
+    r":\S*@")
 """A database URL's scheme and user, then its password up to the URL's last ``@``: SQLAlchemy (MLflow's
-database stores) takes everything after the user's ``:`` up to an ``@`` as the password, ``/``, ``?``
-and ``#`` included, where the rule above would stop and leave such a password in clear."""
+database stores) takes everything after the user's ``:`` up to an ``@`` as the password, ``/``, ``?``,
+``#`` and quotes included, where the rule above would stop and leave such a password in clear."""
 
 
 def mask_uri_password(text: str | None) -> str | None:

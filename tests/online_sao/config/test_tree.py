@@ -267,7 +267,7 @@ def test_a_message_quoting_a_url_has_its_password_masked():
                                           "then s3://k:***@b/w")
 
 
-@pytest.mark.parametrize("password", ["pa/ss", "p#ss", "p?ss", "p@ss", "a/b+c=="])
+@pytest.mark.parametrize("password", ["pa/ss", "p#ss", "p?ss", "p@ss", "a/b+c==", "pa'ss", 'pa"ss'])
 def test_a_database_password_is_masked_whatever_characters_it_holds(password):
     """SQLAlchemy reads everything between the user's ':' and the '@' as the password, '/', '#' and '?'
     included (a base64 password holds '/'): the URL rule, which ends the authority at them, left it clear."""

@@ -397,9 +397,10 @@ def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
     """ConfigError when the rewards ``online-sao agent`` sends (``source``
     ``apps.agent.episode.FEEDBACK_SOURCE``, with the key :func:`client_api_key` names) would be refused by
     serving (``serving.feedback_sources``, ``serving.source_keys``: the rule of ``serving/feedback.py``)
-    or ignored by the learner (``reward.sources``). Either way the run did all its setup, then died on its
+    or ignored by the learner (``reward.sources``), or whose values (0 and 1) lie outside the reward range. Either way the run did all its setup, then died on its
     first reward (403) or trained on nothing without a word."""
     from apps.agent.episode import FEEDBACK_SOURCE  # imported here: the agent imports this module
+    from apps.agent.judge import FAILURE_REWARD, SUCCESS_REWARD
     from serving.auth import key_name, source_callers
 
     source, serving = FEEDBACK_SOURCE, cfg.serving
@@ -412,6 +413,11 @@ def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
     if owners is not None and caller not in owners:
         raise ConfigError(f"serving.source_keys.{source} does not hold the key the agent sends (the first of "
                           "serving.api_keys): serving would refuse every reward of the agent (403); add it there")
+    low, high = cfg.reward.min_value, cfg.reward.max_value
+    outside = [value for value in (FAILURE_REWARD, SUCCESS_REWARD) if not low <= value <= high]
+    if outside:
+        raise ConfigError(f"reward.min_value..max_value ({low:g}..{high:g}) leaves out the agent's reward "
+                          f"{outside[0]:g}: serving would refuse it (422); widen the range")
     trusted = cfg.reward.sources
     if trusted is not None and source not in trusted:
         raise ConfigError(f"reward.sources ({trusted}) does not include {source!r}, the source of the agent's "

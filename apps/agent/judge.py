@@ -18,6 +18,8 @@ separators (``1,820``), a fraction, an exponent (``4.2e+42`` is one number, not 
 PART_OF_AN_EXPRESSION = "/^"
 """What before a number makes it the denominator or power of an expression (``1/42``), not the value
 the answer states."""
+SUCCESS_REWARD, FAILURE_REWARD = 1.0, 0.0
+"""The rewards of a solved task and of any other (the agent sends no other values)."""
 RESULT_TOLERANCE = 1e-6
 """A stated number counts as the result when it is this close (``42.0`` states ``42``)."""
 CALCULATOR = CALCULATOR_TOOL["function"]["name"]
@@ -70,7 +72,7 @@ class Verdict:
 
     @property
     def reward(self) -> float:
-        return 1.0 if self.called and self.call_correct and self.answer_correct else 0.0
+        return SUCCESS_REWARD if self.called and self.call_correct and self.answer_correct else FAILURE_REWARD
 
 
 def judge_episode(task: ToolTask, uses: list[ToolUse], final_answer: str) -> Verdict:

@@ -293,7 +293,10 @@ def test_ledger_redact_of_ids_the_ledger_lacks_fails(tmp_path, capsys):
      "refuse every reward of the agent (403); add it there"),
     (["reward.sources=[user]"], "reward.sources (['user']) does not include 'agent', the source of the agent's "
      "rewards: the learner would ignore every one and train on nothing; add it"),
-], ids=["feedback_sources", "source_keys", "reward.sources"])
+    (["reward.min_value=-1", "reward.max_value=0.5", "reward.default_value=0"],
+     "reward.min_value..max_value (-1..0.5) leaves out the agent's reward 1: serving would refuse it (422); "
+     "widen the range"),
+], ids=["feedback_sources", "source_keys", "reward.sources", "reward range"])
 def test_an_agent_whose_rewards_would_be_refused_or_ignored_stops_before_it_starts(monkeypatch, capsys, settings,
                                                                                    line):
     """Serving refused every reward (the run died after its setup with a traceback), or the learner

@@ -166,15 +166,20 @@ def test_a_block_that_is_no_call_reaches_the_client_as_content(fake_http_server,
     assert (content, finish) == (NOT_CALLS[label], "stop") and not calls
 
 
+def _called_with_result(server, client):
+    """A first turn that calls the tool: (its answer, the assistant message, the tool's result message)."""
+    server.script(CALL_TEXT)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    return first, assistant, {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "5"}
+
+
 def test_a_continuation_with_other_tools_or_an_edited_call_is_refused(fake_http_server):
     import openai
 
     server = fake_http_server
     client = server.openai()
-    server.script(CALL_TEXT)
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
-    assistant = first.choices[0].message.model_dump(exclude_none=True)
-    tool = {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "5"}
+    first, assistant, tool = _called_with_result(server, client)
     parent = {"parent_interaction_id": first.interaction_id}
     with pytest.raises(openai.BadRequestError) as other_tools:
         client.chat.completions.create(model=MODEL, messages=QUESTION + [assistant, tool], extra_body=parent,
@@ -261,10 +266,7 @@ def test_a_continuation_with_tool_choice_none_keeps_the_tools_in_the_prompt_and_
 
     server = fake_http_server
     client = server.openai()
-    server.script(CALL_TEXT)
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
-    assistant = first.choices[0].message.model_dump(exclude_none=True)
-    tool = {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "5"}
+    first, assistant, tool = _called_with_result(server, client)
     server.script(CALL_TEXT)
     forced = dict(model=MODEL, messages=QUESTION + [assistant, tool], tools=TOOLS, tool_choice="none",
                   extra_body={"parent_interaction_id": first.interaction_id})

@@ -41,6 +41,8 @@ def is_code(exc: MlflowException, code: int) -> bool:
     return exc.error_code == ErrorCode.Name(code)
 
 
+MAX_VALUE_LENGTH = 6000
+"""MLflow's limit on a parameter value; longer parameter and tag values are cut (the full YAML is an artifact)."""
 TRACKING_PROBE_S = 10.0
 """How long the first request to an MLflow server may take before it counts as unreachable: MLflow's
 own client retries an unreachable server for minutes, deaf to a SIGTERM meanwhile."""

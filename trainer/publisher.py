@@ -43,8 +43,9 @@ from streams.tail import iter_records_since
 from trainer.deploy import OffPolicyGate, RecentWindow, ReferenceScorer, candidate_kl, read_monitors
 from trainer.distributed import DistContext, broadcast_json
 from trainer.full_state import full_state_dict
+from trainer.registry import Decision
 from trainer.registry_versions import ROLLBACK_CARRIED_OUT
-from trainer.tracking import Decision, RunTracker
+from trainer.tracking import RunTracker
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Releases:
         """Scores the KL monitor (None: the monitor is off)."""
         self.publisher = publisher
         self.tracker = tracker
+        self.registry = tracker.registry
         self.gate = gate
         self.window = window
         self.cfg = cfg
@@ -159,7 +161,7 @@ class Releases:
 
     def _register(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float]) -> None:
         """``ref`` becomes the registry's candidate; the window marks where its evidence starts."""
-        self.tracker.register(ref, metrics.get("reward_mean", math.nan))
+        self.registry.register(ref, metrics.get("reward_mean", math.nan))
         self.window.mark_registration(reads)
 
     def _new_champion(self, ref: WeightsRef, step: int) -> None:
@@ -173,7 +175,7 @@ class Releases:
         after the registry recorded it and before its notice reached the broker is never decided
         again (candidate and champion are one version), so nothing else would tell serving (or the
         hold command); a notice of the champion serving already has changes nothing there."""
-        champion = self.tracker.champion()
+        champion = self.registry.champion()
         if champion is not None and champion[0] in self.publisher.store.versions():
             self.publisher.announce_champion(champion[1], step)
 
@@ -201,7 +203,7 @@ class Releases:
                     **{f"drift.{k.removeprefix('drift_')}": repr(float(v)) for k, v in drift.items()}}
         log.warning("registry: %s v%d is champion after a detected reward drop",
                     "roll-back" if rolled_back else "restart", ref.version)
-        self.tracker.record_decision("promoted", evidence, ref)
+        self.registry.record_decision("promoted", evidence, ref)
         self._new_champion(ref, step)
         return ReleaseOutcome(registered=True)
 
@@ -224,14 +226,14 @@ class Releases:
 
     def _decide(self, reads: tuple[float, float], step: int) -> tuple[Decision, WeightsRef | None]:
         """:meth:`decide`, and the champion's weights it rolled back to (None unless rolled back)."""
-        candidate, champion = self.tracker.candidate(), self.tracker.champion()
+        candidate, champion = self.registry.candidate(), self.registry.champion()
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending", None
         held = self.publisher.store.versions()
         if candidate[0] not in held:  # a lost store: nothing to score it with, and serving cannot load it
             log.error("registry: candidate v%d has no weights in the store (%s): left pending; the next "
                       "registration supersedes it", candidate[0], candidate[1].location)
-            self.tracker.record_decision("pending", {"gate.decision": "candidate_weights_missing"}, candidate[1])
+            self.registry.record_decision("pending", {"gate.decision": "candidate_weights_missing"}, candidate[1])
             return "pending", None
         lost = {}
         if champion is not None and champion[0] not in held:
@@ -245,7 +247,7 @@ class Releases:
             if not self._loads(candidate[1]):
                 log.error("registry: candidate v%d's weights are corrupt (%s): left pending; the next registration "
                           "supersedes it", candidate[0], exc)
-                self.tracker.record_decision("pending", {"gate.decision": "candidate_weights_corrupt"}, candidate[1])
+                self.registry.record_decision("pending", {"gate.decision": "candidate_weights_corrupt"}, candidate[1])
                 return "pending", None
             if champion is None or self._loads(champion[1]):
                 raise
@@ -258,7 +260,7 @@ class Releases:
         back = champion[1] if decision == "rolled_back" and champion is not None else None
         if back is not None:
             evidence[ROLLBACK_CARRIED_OUT] = "false"  # until its weights go out again (rollback_due)
-        self.tracker.record_decision(decision, evidence, candidate[1])
+        self.registry.record_decision(decision, evidence, candidate[1])
         if back is not None:  # recorded first: see decide()
             log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
             self.publisher.rollback(back, step)
@@ -302,7 +304,7 @@ class Releases:
         ``set_aside`` (the decision's evidence). A champion without a usable one (a drift restart, or
         that) gets one measured on the window's rollouts sampled since it, rollouts it was not
         trained on, once that meets the gate's floors (online_sao/gate_record.py)."""
-        record = self.tracker.champion_record()
+        record = self.registry.champion_record()
         if record is not None and not comparable(record, self.gate.settings):
             log.warning("registry: champion v%d's record was measured under other rewards (reward definition %s; "
                         "the learner's is %s): not decided on. The candidate is decided on the window alone "
@@ -312,7 +314,7 @@ class Releases:
             set_aside["gate.record_set_aside"] = f"reward definition {record.reward_definition}"
             record = None
         if record is None and (record := self.gate.record_of(champion[1], self.window)) is not None:
-            self.tracker.tag_champion(record.tags())
+            self.registry.tag_champion(record.tags())
         return record
 
     def _keep_records(self, gate: GateEvidence, decision: Decision, evidence: dict[str, str]) -> None:
@@ -323,23 +325,23 @@ class Releases:
             record = candidate_record(gate, self.gate.settings)
             evidence.update(record.tags() if record else {})
         elif (fresh := champion_record(gate, self.gate.settings)) is not None:
-            self.tracker.tag_champion(fresh.tags())
+            self.registry.tag_champion(fresh.tags())
 
     def rollback_due(self) -> WeightsRef | None:
         """The champion to return to, when a roll-back this run recorded was not carried out (the
         learner stopped after the registry recorded it, before the champion's weights went out again
         under the next number: on a restart its checkpoint is the rejected policy's line, which would
         go out next, newer than the champion serving went back to); else None."""
-        champion = self.tracker.champion() if self.tracker.unfinished_rollback() else None
+        champion = self.registry.champion() if self.registry.unfinished_rollback() else None
         return None if champion is None else champion[1]
 
     def rollback_carried_out(self, version: int) -> None:
         """The champion's weights went out again as ``version``: the roll-back is done."""
-        self.tracker.rollback_carried_out(version)
+        self.registry.rollback_carried_out(version)
 
     def pinned_versions(self) -> set[int]:
         """Policy versions whose checkpoints and weights must stay: the candidate's and the champion's."""
-        return {found[0] for found in (self.tracker.candidate(), self.tracker.champion()) if found is not None}
+        return {found[0] for found in (self.registry.candidate(), self.registry.champion()) if found is not None}
 
 
 GATE_TO_REGISTRY: dict[str, Decision] = {"promoted": "promoted", "rolled_back": "rolled_back",

@@ -80,7 +80,7 @@ def test_a_champion_scored_on_the_window_gets_its_record_refreshed(registry_cfg)
             p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
             paid = i % 4 != 0 if style == STYLE_B else i % 4 == 0
             window.observe([_rollout(f"v{version}-{i}", [5, style], version, float(paid), logprob=math.log(p) / 2)])
-    assert tracker.champion()[0] == 2
+    assert tracker.registry.champion()[0] == 2
     by_policy = {int(v.tags["policy_version"]): v.tags for v in
                  MlflowClient(tracking_uri=cfg.mlflow_uri).search_model_versions(
                      f"name = '{cfg.mlflow.registered_model}'")}
@@ -108,7 +108,7 @@ def test_a_champion_the_window_cannot_cover_is_judged_on_its_record(registry_cfg
     champions = []
     for version in range(1, 13):
         releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
-        champions.append(tracker.champion()[0] if tracker.champion() else None)
+        champions.append(tracker.registry.champion()[0] if tracker.registry.champion() else None)
         for i in range(40):
             style = STYLE_B if (i + 0.5) / 40 < prob_b[version] else STYLE_A
             p = prob_b[version] if style == STYLE_B else 1 - prob_b[version]
@@ -160,7 +160,7 @@ def test_a_drift_restart_is_judged_on_the_traffic_since_it(registry_cfg):
     first = by_policy[10]
     assert first["decision"] == "promoted" and first["gate.basis"] == "record"
     assert first["gate.record_window_versions"] == "9-11" and float(first["gate.champion_value"]) == pytest.approx(0.2)
-    assert tracker.champion()[0] == 10
+    assert tracker.registry.champion()[0] == 10
 
 
 def test_a_record_measured_under_other_rewards_is_set_aside(registry_cfg, caplog):

@@ -129,7 +129,7 @@ def test_preference_switch_promotes_the_realigned_policy_and_never_rolls_back(re
     for version in range(1, 17):
         outcome = releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0))
         assert outcome.rolled_back_to is None, f"rolled back at v{version}"
-        found = tracker.champion()
+        found = tracker.registry.champion()
         champions.append(found[0] if found else None)
         preferred = STYLE_A if version <= 6 else STYLE_B
         for i in range(40):  # the traffic this version serves before the next one is out
@@ -263,7 +263,7 @@ def test_a_drift_restart_becomes_champion_and_the_gate_goes_on_from_it(registry_
                                    (0.0, 0.0), drift if version == 9 else None)
         assert outcome.rolled_back_to is None, f"rolled back at v{version}"
         assert outcome.registered == (version == 9 or version % 2 == 0)
-        found = tracker.champion()
+        found = tracker.registry.champion()
         champions.append(found[0] if found else None)
         for i in range(40):  # B on every i < 40 * p_B, A otherwise: the version's own mixture, exactly
             style = STYLE_B if i < round(40 * prob_b[version]) else STYLE_A
@@ -317,7 +317,7 @@ def _stale_champion_scenario(cfg, prob_b: dict[int, float] | None = None):
     for version in range(1, 13):
         assert releases.release({"w": torch.full((2,), float(version))}, version, version, {}, (0.0, 0.0)) \
             .rolled_back_to is None
-        found = tracker.champion()
+        found = tracker.registry.champion()
         champions.append(found[0] if found else None)
         for i in range(40):
             server = found[0] if cfg.deploy.canary_share > 0 and found and i % 5 == 0 else version
@@ -385,7 +385,7 @@ def test_with_a_canary_a_drift_restart_is_announced_as_champion(registry_cfg):
     notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
     assert [(n.action, n.version) for n in notices] == [("publish", 1), ("publish", 2), ("publish", 3),
                                                          ("champion", 3)]
-    assert notices[-1].step == 7 and tracker.champion()[0] == 3
+    assert notices[-1].step == 7 and tracker.registry.champion()[0] == 3
 
 
 def test_the_gate_weighs_a_canary_pool_at_its_own_share_not_the_traffics(registry_cfg):

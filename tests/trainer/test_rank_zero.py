@@ -87,8 +87,8 @@ def test_opening_with_a_canary_announces_the_registrys_champion(registry_cfg):
     backend.ensure_topics()
     ref = FileWeightStore(cfg.weight_store_url).save(1, {"w": torch.ones(2)})
     tracker = RunTracker(cfg)
-    tracker.register(ref, 0.0)
-    tracker.record_decision("promoted", {}, ref)
+    tracker.registry.register(ref, 0.0)
+    tracker.registry.record_decision("promoted", {}, ref)
     rank0 = RankZero.open(cfg, backend, Checkpointer(cfg.checkpoint_dir), RewardJoiner(cfg.reward, 100),
                           Progress(mlflow_run_id=tracker.run_id), vocab_size=16, pad_token_id=0, group_size=1,
                           stop=threading.Event())

@@ -74,8 +74,8 @@ def test_a_rollback_cut_short_is_carried_out_or_decided_again_after_a_restart(re
     def stop(*args):
         raise Stopped() if stopped_in == "announcing" else TrackingUnavailable("stopped")
 
-    monkeypatch.setattr(*((publisher, "rollback") if stopped_in == "announcing" else (tracker, "record_decision")),
-                        stop)
+    stopped = (publisher, "rollback") if stopped_in == "announcing" else (tracker.registry, "record_decision")
+    monkeypatch.setattr(*stopped, stop)
     with pytest.raises(Stopped if stopped_in == "announcing" else TrackingUnavailable):
         release(releases, 6)
     monkeypatch.undo()  # the restarted learner: the broker and MLflow answer again
@@ -88,7 +88,8 @@ def test_a_rollback_cut_short_is_carried_out_or_decided_again_after_a_restart(re
     assert following == 7
     due = restarted.rollback_due()  # what trainer.learner.train carries out before its first publish
     if stopped_in == "recording":
-        assert due is None and tracker.candidate()[0] == 4 and tracker.champion()[0] == 2  # nothing moved
+        registry = tracker.registry
+        assert due is None and registry.candidate()[0] == 4 and registry.champion()[0] == 2  # nothing moved
         assert "decision" not in client.get_model_version_by_alias(name, "candidate").tags
         assert release(restarted, 7) == ReleaseOutcome()  # not a registration point
         outcome = release(restarted, 8)  # decided again
@@ -100,7 +101,7 @@ def test_a_rollback_cut_short_is_carried_out_or_decided_again_after_a_restart(re
         restarted.rollback_carried_out(following)
         followed = _serving_follows(on_topic())
         assert followed.version == following and followed.checksum == due.checksum
-    assert tracker.candidate()[0] == 2 and tracker.champion()[0] == 2
+    assert tracker.registry.candidate()[0] == 2 and tracker.registry.champion()[0] == 2
     by_policy = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
     assert by_policy[4]["decision"] == "rolled_back" and by_policy[4]["monitor.tripped"] == "kl"
     assert [n.version for n in on_topic() if n.action == "rollback"] == ([2] if stopped_in == "recording" else [])
@@ -112,23 +113,23 @@ def test_a_decision_lands_on_the_version_decided_not_on_a_later_registration(cfg
     registration stays the undecided candidate, for a promotion and for a roll-back alike."""
     ours, other = RunTracker(cfg), RunTracker(cfg)
     first, second, third = _publish(store, 1), _publish(store, 2), _publish(store, 3)
-    ours.register(first, 0.0)
-    ours.record_decision("promoted", {}, first)
-    scored = ours.register(second, 0.0)
-    raced = other.register(_publish(store, 99), 0.0)  # lands while v2 is being scored
-    ours.record_decision("promoted", {"gate.window_versions": "2-3"}, second)
+    ours.registry.register(first, 0.0)
+    ours.registry.record_decision("promoted", {}, first)
+    scored = ours.registry.register(second, 0.0)
+    raced = other.registry.register(_publish(store, 99), 0.0)  # lands while v2 is being scored
+    ours.registry.record_decision("promoted", {"gate.window_versions": "2-3"}, second)
     client, name = _client(cfg), cfg.mlflow.registered_model
     assert client.get_model_version(name, scored).tags["gate.window_versions"] == "2-3"
     assert client.get_model_version(name, scored).tags["decision"] == "promoted"
     assert "decision" not in client.get_model_version(name, raced).tags
-    assert ours.champion()[0] == 2 and ours.candidate()[0] == 99
+    assert ours.registry.champion()[0] == 2 and ours.registry.candidate()[0] == 99
 
-    rejected = ours.register(third, 0.0)
-    raced_again = other.register(_publish(store, 100), 0.0)
-    ours.record_decision("rolled_back", {"gate.decision": "rolled_back"}, third)
+    rejected = ours.registry.register(third, 0.0)
+    raced_again = other.registry.register(_publish(store, 100), 0.0)
+    ours.registry.record_decision("rolled_back", {"gate.decision": "rolled_back"}, third)
     assert client.get_model_version(name, rejected).tags["decision"] == "rolled_back"
     assert "decision" not in client.get_model_version(name, raced_again).tags
-    assert ours.champion()[0] == 2 and ours.candidate()[0] == 100  # the newer registration keeps the alias
+    assert ours.registry.champion()[0] == 2 and ours.registry.candidate()[0] == 100  # the newer registration keeps the alias
 
 
 def test_a_champion_record_written_in_part_reads_as_none(cfg, store, caplog):
@@ -136,15 +137,15 @@ def test_a_champion_record_written_in_part_reads_as_none(cfg, store, caplog):
     the learner decides as for a champion without a record instead of raising KeyError."""
     tracker = RunTracker(cfg)
     ref = _publish(store, 1)
-    tracker.register(ref, 0.0)
-    tracker.record_decision("promoted", {}, ref)
+    tracker.registry.register(ref, 0.0)
+    tracker.registry.record_decision("promoted", {}, ref)
     tags = ValueRecord(0.5, 0.05, 40, 30.0, (1, 2)).tags()
-    tracker.tag_champion({key: tags[key] for key in ("record.value", "record.se")})
+    tracker.registry.tag_champion({key: tags[key] for key in ("record.value", "record.se")})
     with caplog.at_level("WARNING", logger="online_sao.gate_record"):
-        assert tracker.champion_record() is None
+        assert tracker.registry.champion_record() is None
     assert "missing record.n, record.ess, record.window_versions" in caplog.text
-    tracker.tag_champion(tags)  # the next refresh completes it
-    assert tracker.champion_record() == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2))
+    tracker.registry.tag_champion(tags)  # the next refresh completes it
+    assert tracker.registry.champion_record() == ValueRecord(0.5, 0.05, 40, 30.0, (1, 2))
 
 
 def test_a_refresh_cut_short_leaves_the_old_record_whole(cfg, store):
@@ -153,14 +154,14 @@ def test_a_refresh_cut_short_leaves_the_old_record_whole(cfg, store):
     (before: a record with the new value and the old standard error)."""
     tracker = RunTracker(cfg)
     ref = _publish(store, 1)
-    tracker.register(ref, 0.0)
-    tracker.record_decision("promoted", {}, ref)
+    tracker.registry.register(ref, 0.0)
+    tracker.registry.record_decision("promoted", {}, ref)
     old, new = ValueRecord(0.5, 0.05, 40, 30.0, (1, 2)), ValueRecord(0.9, 0.2, 12, 5.0, (3, 4))
-    tracker.tag_champion(old.tags())
-    tracker.tag_champion({key: value for key, value in new.tags().items() if key != "record"})
-    assert tracker.champion_record() == old
-    tracker.tag_champion(new.tags())
-    assert tracker.champion_record() == new
+    tracker.registry.tag_champion(old.tags())
+    tracker.registry.tag_champion({key: value for key, value in new.tags().items() if key != "record"})
+    assert tracker.registry.champion_record() == old
+    tracker.registry.tag_champion(new.tags())
+    assert tracker.registry.champion_record() == new
 
 
 def _unanswered_once(monkeypatch, client, method: str) -> None:
@@ -188,12 +189,12 @@ def test_a_registration_retried_after_an_unanswered_call_registers_the_policy_on
     tracker = RunTracker(cfg, stop=threading.Event())  # waits out an unanswered call
     _unanswered_once(monkeypatch, tracker.client, lost)
     first = _publish(store, 1)
-    assert tracker.register(first, 0.0) == "1"
-    tracker.record_decision("promoted", {}, first)
+    assert tracker.registry.register(first, 0.0) == "1"
+    tracker.registry.record_decision("promoted", {}, first)
     client, name = _client(cfg), cfg.mlflow.registered_model
     assert [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
     for version in (2, 3):
-        tracker.register(_publish(store, version), 0.0)
+        tracker.registry.register(_publish(store, version), 0.0)
     champion = client.get_model_version_by_alias(name, "champion")
     assert Path(champion.source.removeprefix("file://")).is_dir()
     assert champion.tags["weights_pruned"] == "false"
@@ -205,13 +206,13 @@ def test_retention_keeps_a_directory_a_kept_version_shares(cfg, store):
     cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"keep_registered_artifacts": 1})})
     tracker = RunTracker(cfg)
     ref = _publish(store, 1)
-    tracker.register(ref, 0.0)
+    tracker.registry.register(ref, 0.0)
     client, name = _client(cfg), cfg.mlflow.registered_model
     first = client.get_model_version(name, "1")
     duplicate = client.create_model_version(name, first.source, run_id=tracker.run_id, tags=first.tags).version
     client.set_registered_model_alias(name, "champion", duplicate)
     for version in (2, 3):
-        tracker.register(_publish(store, version), 0.0)
+        tracker.registry.register(_publish(store, version), 0.0)
     assert Path(first.source.removeprefix("file://")).is_dir()
 
 
@@ -235,7 +236,7 @@ def test_a_promotion_whose_notice_was_lost_is_announced_when_the_learner_starts_
     with pytest.raises(Stopped):
         release(releases, 4)  # v2 promoted in the registry; its notice never sent
     monkeypatch.undo()
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 2
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 2
 
     restarted = Releases(publisher, RunTracker(config, run_id=tracker.run_id), OffPolicyGate(scorer, config.deploy),
                          window, config.deploy, 2)
@@ -250,8 +251,8 @@ def test_without_a_canary_the_champion_is_announced_again_at_start_too(registry_
     releases = Releases(publisher, tracker, OffPolicyGate(ScriptedScorer({}), registry_cfg.deploy), window,
                         registry_cfg.deploy, 2)
     ref = publisher.store.save(1, {"w": torch.ones(2)})
-    tracker.register(ref, 0.0)
-    tracker.record_decision("promoted", {}, ref)
+    tracker.registry.register(ref, 0.0)
+    tracker.registry.record_decision("promoted", {}, ref)
     releases.announce_champion_again(step=1)
     notices = [decode(m.value) for m in backend.consumer([registry_cfg.kafka.topics.weights]).poll(0.1, 1000)]
     assert [(n.action, n.version) for n in notices] == [("champion", 1)]
@@ -291,17 +292,17 @@ def test_a_torn_candidate_is_left_pending_and_a_torn_champion_counts_as_none(reg
     publisher, tracker, release = _loading_releases(registry_cfg)
     for version in range(1, 6):
         release(version)
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
-    open(tracker.candidate()[1].location, "wb").close()  # renamed into place, its data never on disk
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 4
+    open(tracker.registry.candidate()[1].location, "wb").close()  # renamed into place, its data never on disk
     release(6)  # v4 decided
     client, name = _client(registry_cfg), registry_cfg.mlflow.registered_model
     tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
     assert tags[4]["decision"] == "pending" and tags[4]["gate.decision"] == "candidate_weights_corrupt"
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 6
-    open(tracker.champion()[1].location, "wb").close()
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 6
+    open(tracker.registry.champion()[1].location, "wb").close()
     release(7)
     release(8)  # v6 decided: the champion's weights are torn, so as without one
-    assert tracker.champion()[0] == 6
+    assert tracker.registry.champion()[0] == 6
     assert client.get_model_version_by_alias(name, "champion").tags["gate.champion_weights_corrupt"] == "v2"
 
 
@@ -312,15 +313,15 @@ def test_a_lost_store_leaves_the_candidate_pending_and_the_next_one_is_promoted(
     publisher, tracker, release = _loading_releases(registry_cfg)
     for version in range(1, 6):
         release(version)
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 4
     for version in publisher.store.versions():
         publisher.store.delete(version)
     release(6)  # v4 decided: its weights are gone
     client, name = _client(registry_cfg), registry_cfg.mlflow.registered_model
     tags = {int(v.tags["policy_version"]): v.tags for v in client.search_model_versions(f"name = '{name}'")}
     assert tags[4]["decision"] == "pending" and tags[4]["gate.decision"] == "candidate_weights_missing"
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 6
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 6
     release(7)
     release(8)  # v6 decided: the champion's weights are gone, so as without one
-    assert tracker.champion()[0] == 6
+    assert tracker.registry.champion()[0] == 6
     assert client.get_model_version_by_alias(name, "champion").tags["gate.champion_weights_missing"] == "v2"

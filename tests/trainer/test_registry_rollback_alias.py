@@ -41,7 +41,7 @@ def test_a_roll_back_killed_before_its_alias_moved_never_promotes_the_rejected_v
     releases = releases_with(tracker, {2: 0.1, 4: 0.9})  # v4's KL trips the monitor
     for v in range(1, 6):
         release(releases, v)
-    assert tracker.champion()[0] == 2 and tracker.candidate()[0] == 4
+    assert tracker.registry.champion()[0] == 2 and tracker.registry.candidate()[0] == 4
 
     real = tracker.client.set_registered_model_alias
 
@@ -73,7 +73,7 @@ def test_a_roll_back_killed_before_its_alias_moved_never_promotes_the_rejected_v
     due = releases.rollback_due()
     assert due is not None and due.version == 2
     with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
-        assert restarted.candidate()[0] == 2  # the roll-back's move finished
+        assert restarted.registry.candidate()[0] == 2  # the roll-back's move finished
     assert any("rolled back" in r.message and "candidate" in r.message for r in caplog.records)
     assert client.get_registered_model(name).aliases == {CHAMPION: v2.version, CANDIDATE: v2.version}
 
@@ -85,7 +85,7 @@ def test_a_roll_back_killed_before_its_alias_moved_never_promotes_the_rejected_v
     assert outcome.registered and outcome.rolled_back_to is None
 
     v4, v8 = registry_version(4), registry_version(8)
-    assert restarted.champion()[0] == 2 and restarted.candidate()[0] == 8
+    assert restarted.registry.champion()[0] == 2 and restarted.registry.candidate()[0] == 8
     assert client.get_registered_model(name).aliases == {CHAMPION: v2.version, CANDIDATE: v8.version}
     assert v4.tags["decision"] == "rolled_back" and v4.tags["rollback_carried_out"] == "v7"
     notices = [decode(m.value) for m in backend.consumer([cfg.kafka.topics.weights]).poll(0.1, 1000)]
@@ -97,5 +97,5 @@ def test_a_roll_back_killed_before_its_alias_moved_never_promotes_the_rejected_v
 
     for v in (9, 10):  # and on: v8 is decided on its own evidence, v4 never comes back
         release(releases, v)
-    assert restarted.champion()[0] != 4
+    assert restarted.registry.champion()[0] != 4
     assert registry_version(4).tags["decision"] == "rolled_back"

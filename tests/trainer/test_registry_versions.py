@@ -62,13 +62,13 @@ def test_a_champion_set_by_hand_on_a_foreign_version_lets_the_learner_start(tmp_
     cfg = tracker_config(tmp_path)
     tracker = RunTracker(cfg)
     ref = FileWeightStore(str(tmp_path / "weights")).save(1, {"w": torch.ones(2)})
-    tracker.register(ref, 0.0)
+    tracker.registry.register(ref, 0.0)
     client = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri)
     source = client.get_run(tracker.run_id).info.artifact_uri + "/policy/v00000001"
     foreign = client.create_model_version(cfg.mlflow.registered_model, source, run_id=tracker.run_id)
     client.set_registered_model_alias(cfg.mlflow.registered_model, CHAMPION, foreign.version)
     with caplog.at_level("ERROR", logger="trainer.registry_versions"):
-        assert tracker.champion() is None
-    assert tracker.candidate() == (1, ref)
+        assert tracker.registry.champion() is None
+    assert tracker.registry.candidate() == (1, ref)
     assert f"the champion alias is on registry version {foreign.version}, which holds no policy" in caplog.text
     tracker.close()

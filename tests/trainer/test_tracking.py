@@ -187,7 +187,7 @@ def test_registered_version_is_a_loadable_model_directory(tmp_path, empty_store,
     ref = store.save(7, policy.state_dict())
 
     tracker = RunTracker(cfg)
-    assert tracker.register(ref, recent_reward=0.4) == "1"
+    assert tracker.registry.register(ref, recent_reward=0.4) == "1"
     client = _client(cfg)
     version = client.get_model_version_by_alias(cfg.mlflow.registered_model, "candidate")
     assert str(version.version) == "1" and version.run_id == tracker.run_id
@@ -208,31 +208,32 @@ def test_register_refuses_weights_that_fail_their_checksum(cfg, store):
     ref = _publish(store, 1)
     tracker = RunTracker(cfg)
     with pytest.raises(CorruptWeights, match="checksum"):
-        tracker.register(WeightsRef(ref.version, ref.location, "0" * 64), recent_reward=0.0)
+        tracker.registry.register(WeightsRef(ref.version, ref.location, "0" * 64), recent_reward=0.0)
     assert _client(cfg).search_model_versions(f"name = '{cfg.mlflow.registered_model}'") == []
 
 
 def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
     tracker = RunTracker(cfg)
-    assert tracker.champion() is None and tracker.candidate() is None
+    assert tracker.registry.champion() is None and tracker.registry.candidate() is None
     first = _publish(store, 1)
     with pytest.raises(ValueError, match="policy version 1 .* is not registered"):
-        tracker.record_decision("promoted", {}, first)
+        tracker.registry.record_decision("promoted", {}, first)
 
-    tracker.register(first, recent_reward=0.0)
-    assert tracker.candidate() == (1, first)
-    tracker.record_decision("promoted", {"gate.decision": "no_champion"}, first)
-    assert tracker.champion() == (1, first)
+    tracker.registry.register(first, recent_reward=0.0)
+    assert tracker.registry.candidate() == (1, first)
+    tracker.registry.record_decision("promoted", {"gate.decision": "no_champion"}, first)
+    assert tracker.registry.champion() == (1, first)
 
     second = _publish(store, 2)
-    second_registry_version = tracker.register(second, recent_reward=0.0)
-    tracker.record_decision("pending", {"gate.decision": "refused", "gate.reason": "ess=1.20 < min_ess=8.0"}, second)
-    assert tracker.champion() == (1, first) and tracker.candidate() == (2, second)  # nothing moved
+    second_registry_version = tracker.registry.register(second, recent_reward=0.0)
+    evidence = {"gate.decision": "refused", "gate.reason": "ess=1.20 < min_ess=8.0"}
+    tracker.registry.record_decision("pending", evidence, second)
+    assert tracker.registry.champion() == (1, first) and tracker.registry.candidate() == (2, second)  # nothing moved
 
     third = _publish(store, 3)
-    third_registry_version = tracker.register(third, recent_reward=0.0)
-    tracker.record_decision("rolled_back", {"gate.decision": "rolled_back", "gate.difference": "-0.3"}, third)
-    assert tracker.champion() == (1, first) and tracker.candidate() == (1, first)
+    third_registry_version = tracker.registry.register(third, recent_reward=0.0)
+    tracker.registry.record_decision("rolled_back", {"gate.decision": "rolled_back", "gate.difference": "-0.3"}, third)
+    assert tracker.registry.champion() == (1, first) and tracker.registry.candidate() == (1, first)
     client = _client(cfg)
     name = cfg.mlflow.registered_model
     rejected = client.get_model_version(name, third_registry_version)
@@ -245,10 +246,10 @@ def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
 def test_champion_survives_a_restart(cfg, store):
     first = RunTracker(cfg)
     ref = _publish(store, 4)
-    first.register(ref, recent_reward=0.0)
-    first.record_decision("promoted", {}, ref)
+    first.registry.register(ref, recent_reward=0.0)
+    first.registry.record_decision("promoted", {}, ref)
     first.close()
-    assert RunTracker(cfg, run_id=first.run_id).champion() == (4, ref)
+    assert RunTracker(cfg, run_id=first.run_id).registry.champion() == (4, ref)
 
 
 def _open_and_create_experiment(uri: str) -> None:
@@ -326,14 +327,14 @@ def test_registration_keeps_the_newest_model_directories_and_the_aliased_ones(tm
     tracker = RunTracker(cfg)
     for version in range(1, 13):
         ref = _publish(store, version)
-        tracker.register(ref, recent_reward=0.0)
+        tracker.registry.register(ref, recent_reward=0.0)
         if version == 3:
-            tracker.record_decision("promoted", {"gate.decision": "no_champion"}, ref)
+            tracker.registry.record_decision("promoted", {"gate.decision": "no_champion"}, ref)
         elif version > 3:
-            tracker.record_decision("pending", {"gate.decision": "refused"}, ref)
+            tracker.registry.record_decision("pending", {"gate.decision": "refused"}, ref)
         assert len(_registered_dirs(cfg)) <= cfg.mlflow.keep_registered_artifacts + 2
     assert _registered_dirs(cfg) == {"v00000003", "v00000011", "v00000012"}  # champion, the newest two
-    assert tracker.champion()[0] == 3 and tracker.candidate()[0] == 12
+    assert tracker.registry.champion()[0] == 3 and tracker.registry.candidate()[0] == 12
     tags = _by_policy(cfg)
     assert sorted(tags) == list(range(1, 13))  # every version and its decision stay
     assert [v for v, t in sorted(tags.items()) if t["weights_pruned"] == "true"] == [1, 2, *range(4, 11)]
@@ -342,7 +343,7 @@ def test_registration_keeps_the_newest_model_directories_and_the_aliased_ones(tm
     # registry version n holds policy version n here
     _client(cfg).set_registered_model_alias(cfg.mlflow.registered_model, "keep-by-hand", "11")
     for version in (13, 14, 15):
-        tracker.register(_publish(store, version), recent_reward=0.0)
+        tracker.registry.register(_publish(store, version), recent_reward=0.0)
     assert _registered_dirs(cfg) == {"v00000003", "v00000011", "v00000014", "v00000015"}
     # the champion's directory is still what the registry hands out (models:/ URIs resolve against
     # the process-wide registry URI)
@@ -357,7 +358,7 @@ def test_versions_registered_before_retention_are_pruned_as_well(cfg, store):
     tag. The first learner that prunes marks them once and prunes them like its own."""
     tracker = RunTracker(cfg)
     for version in range(1, 5):
-        tracker.register(_publish(store, version), recent_reward=0.0)
+        tracker.registry.register(_publish(store, version), recent_reward=0.0)
     client, name = _client(cfg), cfg.mlflow.registered_model
     for found in client.search_model_versions(f"name = '{name}'"):
         client.delete_model_version_tag(name, found.version, "weights_pruned")
@@ -366,7 +367,7 @@ def test_versions_registered_before_retention_are_pruned_as_well(cfg, store):
 
     later = RunTracker(cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(
         update={"keep_registered_artifacts": 1})}), run_id=tracker.run_id)
-    later.register(_publish(store, 5), recent_reward=0.0)
+    later.registry.register(_publish(store, 5), recent_reward=0.0)
     assert _registered_dirs(cfg) == {"v00000005"}
     assert {v: t.get("weights_pruned") for v, t in _by_policy(cfg).items()} == {
         1: "true", 2: "true", 3: "true", 4: "true", 5: "false"}
@@ -376,7 +377,7 @@ def test_a_model_directory_a_stopped_registration_left_is_deleted_in_the_next_li
     """A learner stopped while the artifact store failed its upload leaves part of a model directory
     that no registry version refers to; the restarted learner's first registration deletes it."""
     tracker = RunTracker(cfg)
-    tracker.register(_publish(store, 1), recent_reward=0.0)
+    tracker.registry.register(_publish(store, 1), recent_reward=0.0)
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "config.json").write_text('{"model_type": "fake"}')
@@ -386,6 +387,6 @@ def test_a_model_directory_a_stopped_registration_left_is_deleted_in_the_next_li
     assert _registered_dirs(cfg) == {"v00000001", "v00000002"}
 
     later = RunTracker(cfg, run_id=tracker.run_id)
-    later.register(_publish(store, 3), recent_reward=0.0)
+    later.registry.register(_publish(store, 3), recent_reward=0.0)
     assert _registered_dirs(cfg) == {"v00000001", "v00000003"}
     assert [a.path for a in client.list_artifacts(tracker.run_id, "policy/notes")] == ["policy/notes/config.json"]

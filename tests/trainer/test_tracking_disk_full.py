@@ -143,18 +143,18 @@ def test_a_registration_whose_copy_finds_no_room_leaves_no_version_and_no_partia
     cfg = _tracker_config(tmp_path)
     tracker = RunTracker(cfg, stop=threading.Event())
     store = FileWeightStore(str(tmp_path / "weights"))
-    tracker.register(store.save(1, {"w": torch.ones(2)}), 0.1)
+    tracker.registry.register(store.save(1, {"w": torch.ones(2)}), 0.1)
     target = Path(_client(cfg).get_run(tracker.run_id).info.artifact_uri.removeprefix("file://")) / "policy/v00000002"
     target.mkdir()
     (target / "model.safetensors").symlink_to("/dev/full")  # the weights do not fit; config.json may
 
     started = time.monotonic()
     with pytest.raises(OSError) as failure:
-        tracker.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.2)
+        tracker.registry.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.2)
     assert time.monotonic() - started < 5  # a full disk is not waited for like a server that does not answer
     assert failure.value.errno == errno.ENOSPC and str(target) in str(failure.value)
     assert _model_dirs(cfg, tracker) == ["v00000001"]  # the partial directory is gone, holding no space
-    assert _registered(cfg) == {1: "1"} and tracker.candidate()[0] == 1
+    assert _registered(cfg) == {1: "1"} and tracker.registry.candidate()[0] == 1
 
 
 @pytest.mark.parametrize("message, code", REFUSALS)
@@ -165,18 +165,18 @@ def test_a_registration_whose_alias_finds_no_room_leaves_no_version_the_gate_or_
     tracker = RunTracker(cfg, stop=threading.Event())
     store = FileWeightStore(str(tmp_path / "weights"))
     first = store.save(1, {"w": torch.ones(2)})
-    tracker.register(first, 0.1)
-    tracker.record_decision("promoted", {"gate.decision": "no_champion"}, first)
+    tracker.registry.register(first, 0.1)
+    tracker.registry.record_decision("promoted", {"gate.decision": "no_champion"}, first)
     # the version and its tags fit, the alias not (and, when the disk is still full, not its deletion:
     # MLflow marks a deleted version with an update)
     database.fill("INSERT INTO REGISTERED_MODEL_ALIASES", "UPDATE REGISTERED_MODEL_ALIASES",
                   *(("UPDATE MODEL_VERSIONS", "DELETE") if delete_refused else ()), message=message)
     with caplog.at_level(logging.WARNING), pytest.raises(OSError) as failure:
-        tracker.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.2)
+        tracker.registry.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.2)
     database.free()
 
     assert (failure.value.errno, failure.value.filename) == (code, _db(cfg))
-    assert tracker.candidate()[0] == 1 and tracker.champion()[0] == 1
+    assert tracker.registry.candidate()[0] == 1 and tracker.registry.champion()[0] == 1
     assert _model_dirs(cfg, tracker) == ["v00000001"]
     if delete_refused:  # left, named, and read by nothing: no alias points at it
         assert _registered(cfg) == {1: "1", 2: "2"}

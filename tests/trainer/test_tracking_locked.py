@@ -95,7 +95,7 @@ def test_a_registry_call_waits_for_a_locked_database_and_succeeds_once_it_is_rel
 
     def register() -> None:
         try:
-            registered.append(tracker.register(ref, 0.4))
+            registered.append(tracker.registry.register(ref, 0.4))
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             failed.append(exc)
 
@@ -108,11 +108,11 @@ def test_a_registry_call_waits_for_a_locked_database_and_succeeds_once_it_is_rel
         waiting.join(30)
     assert not failed and registered == ["1"]
     assert any("locked" in r.message and str(tmp_path / "mlflow.db") in r.message for r in caplog.records)
-    assert tracker.candidate()[0] == 1
+    assert tracker.registry.candidate()[0] == 1
 
     lock.hold()
     champion: list = []
-    waiting = threading.Thread(target=lambda: champion.append(tracker.champion()))
+    waiting = threading.Thread(target=lambda: champion.append(tracker.registry.champion()))
     waiting.start()
     waiting.join(1.0)
     assert waiting.is_alive()  # a read waits too

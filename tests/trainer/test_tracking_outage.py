@@ -93,7 +93,7 @@ def test_an_mlflow_outage_keeps_metrics_waits_for_the_registry_and_a_stop_ends_t
     store = FileWeightStore(str(tmp_path / "weights"))
     ref = store.save(1, {"w": torch.ones(2)})
     registered: list[str] = []
-    waiting = threading.Thread(target=lambda: registered.append(tracker.register(ref, 0.4)))
+    waiting = threading.Thread(target=lambda: registered.append(tracker.registry.register(ref, 0.4)))
     waiting.start()
     waiting.join(2)
     assert waiting.is_alive() and not registered  # the registry call waits for the server
@@ -113,7 +113,7 @@ def test_an_mlflow_outage_keeps_metrics_waits_for_the_registry_and_a_stop_ends_t
     stop.set()
     started = time.monotonic()
     with pytest.raises(TrackingUnavailable, match="does not answer"):
-        tracker.champion()
+        tracker.registry.champion()
     assert time.monotonic() - started < 5  # a stop request is not deaf to the outage
     with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
         tracker.close("KILLED")  # no raise: named in the log with what was missed
@@ -147,10 +147,10 @@ def test_a_proxied_server_deletes_pruned_artifacts_and_an_outage_leaves_them_to_
     tracker = RunTracker(cfg, stop=threading.Event())
     store = FileWeightStore(str(tmp_path / "weights"))
     refs = {v: store.save(v, {"w": torch.full((2,), float(v))}) for v in range(1, 6)}
-    tracker.register(refs[1], 0.0)
-    tracker.record_decision("promoted", {"gate.decision": "no_champion"}, refs[1])
+    tracker.registry.register(refs[1], 0.0)
+    tracker.registry.record_decision("promoted", {"gate.decision": "no_champion"}, refs[1])
     for version in (2, 3, 4):
-        tracker.register(refs[version], 0.0)
+        tracker.registry.register(refs[version], 0.0)
     root = tmp_path / "mlflow-server"
     assert _model_dirs(root) == {"v00000001", "v00000004"}  # the champion and the newest
     assert _pruned(direct, cfg) == {1: "false", 2: "true", 3: "true", 4: "false"}
@@ -160,14 +160,14 @@ def test_a_proxied_server_deletes_pruned_artifacts_and_an_outage_leaves_them_to_
     relay.down()
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
-        tracker.prune_registered()
+        tracker.registry.prune_registered()
         for step in (1, 2, 3):
             tracker.log_step(step, averaged={"value_loss": float(step)}, latest={"policy_version": float(step)})
     assert time.monotonic() - started < 15  # the learner goes on
     assert "pruned at the next registration" in caplog.text
     assert _model_dirs(root) == {"v00000001", "v00000004"} and tracker.unlogged_steps == 1
     relay.up()
-    tracker.register(refs[5], 0.0)
+    tracker.registry.register(refs[5], 0.0)
     assert _model_dirs(root) == {"v00000004", "v00000005"}
     assert _pruned(direct, cfg) == {1: "true", 2: "true", 3: "true", 4: "false", 5: "false"}
     tracker.close()
@@ -222,12 +222,12 @@ def test_a_server_that_refuses_deletion_is_named_once_and_registration_goes_on(
         store = FileWeightStore(str(tmp_path / "weights"))
         with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
             for version in (1, 2, 3, 4):
-                tracker.register(store.save(version, {"w": torch.full((2,), float(version))}), 0.0)
+                tracker.registry.register(store.save(version, {"w": torch.full((2,), float(version))}), 0.0)
         refused = [r.getMessage() for r in caplog.records if "retention is off" in r.getMessage()]
         assert len(refused) == 1 and "403" in refused[0] and "not allowed" in refused[0], refused
         assert _model_dirs(tmp_path / "mlflow-server") == {f"v0000000{v}" for v in (1, 2, 3, 4)}
         assert set(_pruned(proxy.url, cfg).values()) == {"false"}  # nothing claims to be gone
-        assert tracker.candidate()[0] == 4
+        assert tracker.registry.candidate()[0] == 4
         tracker.close()
     finally:
         proxy.server.shutdown()
@@ -242,7 +242,7 @@ def test_a_server_whose_artifact_store_fails_is_named_as_failing_and_registratio
     cfg = _config(tmp_path, f"http://127.0.0.1:{mlflow_server}")
     tracker = RunTracker(cfg, stop=threading.Event())
     store = FileWeightStore(str(tmp_path / "weights"))
-    tracker.register(store.save(1, {"w": torch.ones(2)}), 0.0)
+    tracker.registry.register(store.save(1, {"w": torch.ones(2)}), 0.0)
     run = MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(tracker.run_id)
     in_the_way = (tmp_path / "mlflow-server/artifacts" / run.info.experiment_id / tracker.run_id
                   / "artifacts/policy/v00000002")
@@ -250,13 +250,13 @@ def test_a_server_whose_artifact_store_fails_is_named_as_failing_and_registratio
     registered: list[str] = []
     with caplog.at_level(logging.WARNING):
         waiting = threading.Thread(target=lambda: registered.append(
-            tracker.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.0)))
+            tracker.registry.register(store.save(2, {"w": torch.full((2,), 2.0)}), 0.0)))
         waiting.start()
         waiting.join(5)
         assert waiting.is_alive() and not registered  # waited for, like a server that does not answer
         in_the_way.unlink()  # the operator made room
         waiting.join(30)
-    assert registered == ["2"] and tracker.candidate()[0] == 2
+    assert registered == ["2"] and tracker.registry.candidate()[0] == 2
     named = [m for m in (r.getMessage() for r in caplog.records) if "v00000002/" in m and "with server errors" in m]
     assert len(named) == 1 and "500" in named[0] and "does not answer" not in caplog.text, caplog.text[-2000:]
     tracker.close()

@@ -7,6 +7,7 @@
     data/                log.dirs: the topics' data, formatted once (meta.properties)
     broker.log           the JVM's stdout/stderr (log4j2 writes to stdout)
     broker.pid           pid of the running JVM
+    broker.start.lock    held by a start until its broker serves or failed: starts take turns
 
 ``online-sao kafka up|down|status`` is streams/broker_cli.py.
 """
@@ -83,6 +84,7 @@ class LocalBroker:
         self.properties_file = self.root / "server.properties"
         self.log_file = self.root / "broker.log"
         self.pid_file = self.root / "broker.pid"
+        self.start_lock_file = self.root / "broker.start.lock"
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -170,18 +172,31 @@ class LocalBroker:
         return pid if _is_our_broker(pid, self.properties_file) else None
 
     def start(self) -> bool:
-        """Start the broker and wait until it serves; False when it was already running."""
+        """Start the broker and wait until it serves; False when it was already running.
+
+        Starts of one data directory take turns (two ``kafka up`` at once, two stacks on one data_dir):
+        each holds the start lock from its pid check until its broker serves or failed, so a second
+        start waits for the first and then finds its broker running. Without the lock both passed the
+        checks, both launched a JVM, and the loser's clean-up removed the pid file of the winner's
+        broker, which then ran with nothing tracking it (``kafka down`` said it was not running)."""
         if not self.kafka.is_local:
             raise BrokerError(f"kafka.bootstrap_servers is set ({self.kafka.bootstrap}); no local broker is started")
-        if self.pid() is not None:
-            return False
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.start_lock_file, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes; the JVM does not inherit it
+            if self.pid() is not None:
+                return False
+            self._launch()
+        return True
+
+    def _launch(self) -> None:
+        """Check the ports, format, start the JVM and wait until it serves (the caller holds the start lock)."""
         java = _require_tool("java", "Java 17+", env_home="JAVA_HOME")
         for name, port in (("kafka.port", self.kafka.port), ("kafka.controller_port", self.kafka.controller_port)):
             if not _port_free(self.kafka.host, port):
                 raise BrokerError(f"port {port} on {self.kafka.host} is already in use ({name}); "
                                   f"stop what listens there or choose another port")
         self.resolve_jars()
-        self.root.mkdir(parents=True, exist_ok=True)
         self.properties_file.write_text(self.server_properties())
         self.format_storage(java)
         cmd = [java, *self._jvm_flags(self.kafka.heap_mb), "kafka.Kafka", str(self.properties_file)]
@@ -190,15 +205,23 @@ class LocalBroker:
             log.flush()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     cwd=self.root, start_new_session=True,
-                                    preexec_fn=_parent_death_signal() if self.stop_with_parent else None)
+                                    preexec_fn=_stop_with_parent(os.getpid()) if self.stop_with_parent else None)
         self.pid_file.write_text(f"{proc.pid}\n")
         try:
             self._wait_ready(proc.pid)
         except (BrokerError, KeyboardInterrupt):  # an operator's Ctrl-C too: no half-started broker left behind
             self._terminate(proc.pid, timeout_s=10.0)
-            self.pid_file.unlink(missing_ok=True)
+            self._forget_pid(proc.pid)
             raise
-        return True
+
+    def _forget_pid(self, pid: int) -> None:
+        """Remove the pid file while it names ``pid``: one naming another broker keeps tracking that one."""
+        try:
+            named = self.pid_file.read_text().strip()
+        except FileNotFoundError:
+            return
+        if named == str(pid):
+            self.pid_file.unlink(missing_ok=True)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """SIGTERM (controlled shutdown), SIGKILL after ``timeout_s``; False when not running."""
@@ -308,6 +331,21 @@ def _parent_death_signal():
         return None
     pr_set_pdeathsig = 1
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _stop_with_parent(parent_pid: int):
+    """Popen's preexec_fn for the broker: SIGTERM when this process dies (:func:`_parent_death_signal`),
+    and an exit at once when it died already, between the fork and the prctl: no signal comes then,
+    and the broker ran on with no one to stop it. None where there is no prctl."""
+    set_parent_death_signal = _parent_death_signal()
+    if set_parent_death_signal is None:
+        return None
+
+    def preexec() -> None:
+        set_parent_death_signal()
+        if os.getppid() != parent_pid:  # reparented: the parent is gone
+            os._exit(1)
+    return preexec
 
 
 def _port_free(host: str, port: int) -> bool:

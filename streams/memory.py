@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 from online_sao.config import KafkaConfig
 from streams.base import (Consumer, ConsumerFenced, DeliveryReport, GroupMembershipLost, Producer, StartFrom,
-                          StreamBackend, StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition)
+                          StreamBackend, StreamMessage, StreamUnavailable, TopicNotFound, TopicPartition,
+                          TopicsMisconfigured)
 from streams.memory_log import PartitionLog, partition_for_key
 
 KEEP_UNREAD = 16
@@ -98,6 +99,11 @@ class InMemoryBackend(StreamBackend):
         for name, partitions in ((t.interactions, self.cfg.partitions), (t.rewards, self.cfg.partitions),
                                  (t.weights, 1), (t.dead_letters, 1)):
             self.create_topic(name, partitions)
+        counts = self.describe_topics()
+        if counts[t.interactions] != counts[t.rewards]:  # one made with another kafka.partitions: as Kafka refuses
+            raise TopicsMisconfigured(f"topics {t.interactions!r} ({counts[t.interactions]} partitions) and "
+                                      f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
+                                      f"to stay co-partitioned by interaction id")
 
     def list_topics(self) -> list[str]:
         with self._lock:
@@ -139,7 +145,7 @@ class InMemoryBackend(StreamBackend):
                 members = self._groups.setdefault(group_id, _Group()).members
                 for old in [m for m in members if instance_id is not None and m.instance_id == instance_id]:
                     old._fenced = True
-                    members[members.index(old)] = consumer  # its place, so every share stays where it was
+                    members[members.index(old)] = consumer  # in its place: the same id, the same share
                 if consumer not in members:
                     members.append(consumer)
             else:
@@ -192,7 +198,7 @@ class InMemoryBackend(StreamBackend):
 
     def _group_share(self, consumer: "InMemoryConsumer") -> set[TopicPartition]:
         """The partitions this member owns: per topic, contiguous ranges over the members subscribed to
-        it, in the order they joined (Kafka's default range assignor), so partition p of the interactions
+        it in :func:`_range_order` (Kafka's default range assignor), so partition p of the interactions
         and of the rewards topic go to one member, as the join's co-partitioning needs. Dealt round-robin
         over all topics' partitions together, they went to different members."""
         members = self._groups[consumer.group_id].members
@@ -203,7 +209,7 @@ class InMemoryBackend(StreamBackend):
         for topic in consumer.topics:
             if topic not in self._logs:
                 continue
-            subscribed = [m for m in members if topic in m.topics]
+            subscribed = _range_order([m for m in members if topic in m.topics])
             index = subscribed.index(consumer)
             per, extra = divmod(len(self._logs[topic]), len(subscribed))
             start = index * per + min(index, extra)
@@ -215,6 +221,14 @@ class InMemoryBackend(StreamBackend):
             members = self._groups[consumer.group_id].members
             if consumer in members:
                 members.remove(consumer)
+
+
+def _range_order(members: list["InMemoryConsumer"]) -> list["InMemoryConsumer"]:
+    """The order kafka-python's RangePartitionAssignor deals partitions in: static members by instance
+    id (a restarted one gets the share its id always had), then dynamic ones. Kafka sorts those by member
+    id, which the broker makes up at each join; join order stands in for it here."""
+    static = sorted((m for m in members if m.instance_id is not None), key=lambda m: m.instance_id)
+    return static + [m for m in members if m.instance_id is None]
 
 
 class InMemoryProducer(Producer):
@@ -340,6 +354,7 @@ class InMemoryConsumer(Consumer):
             if self._closed:  # by another thread while this one waited
                 return []
             self._rebalance()
+            self._check_not_fenced()  # replaced while it waited: Kafka's poll raises after it returns too
             out: list[StreamMessage] = []
             readable = [tp for tp in self._positions if tp not in self._paused]
             if readable:

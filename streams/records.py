@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 from typing import TypeVar
 
+from pydantic_core import PydanticSerializationError
+
+from online_sao import schemas
 from online_sao.config import TopicsConfig
-from online_sao.schemas import (DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode,
-                                encode)
+from online_sao.schemas import DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode
 from streams.base import Producer, StreamMessage
 
 R = TypeVar("R", bound=Record)
@@ -60,6 +62,16 @@ def record_topic(record: Record, topics: TopicsConfig) -> str:
     raise TypeError(f"no topic for a {type(record).__name__}")
 
 
+def encode(record: Record) -> bytes:
+    """:func:`online_sao.schemas.encode`, with a record pydantic cannot serialize refused as a RecordError
+    too (text with a lone surrogate: a non-UTF-8 file name as Python decodes it), not a pydantic error
+    that callers catching RecordError let through."""
+    try:
+        return schemas.encode(record)
+    except PydanticSerializationError as exc:
+        raise RecordError(f"{type(record).__name__} cannot be encoded: {exc}") from exc
+
+
 def publish(producer: Producer, topic: str, record: Record, key: bytes | None = None) -> None:
     """Encode ``record`` and queue it, keyed by :func:`record_key` unless ``key`` is given."""
     producer.send(topic, encode(record), key=key if key is not None else record_key(record))
@@ -67,13 +79,21 @@ def publish(producer: Producer, topic: str, record: Record, key: bytes | None = 
 
 def dead_letter(raw: bytes, reason: str, source_topic: str, partition: int | None = None,
                 offset: int | None = None) -> DeadLetter:
-    """A DeadLetter of ``raw`` saying why it could not be used, cut to fit a record."""
+    """A DeadLetter of ``raw`` saying why it could not be used, cut to fit a record; a lone surrogate
+    in ``reason`` or ``source_topic`` (a non-UTF-8 path Python decoded) is written as its escape, so the
+    letter always encodes."""
+    reason, source_topic = _utf8_text(reason), _utf8_text(source_topic)
     if len(raw) > MAX_DEAD_LETTER_RAW_BYTES:
         reason = f"{reason} (raw truncated to {MAX_DEAD_LETTER_RAW_BYTES} of {len(raw)} bytes)"
         raw = raw[:MAX_DEAD_LETTER_RAW_BYTES]
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 3] + "..."
     return DeadLetter(raw=raw, source_topic=source_topic, partition=partition, offset=offset, reason=reason)
+
+
+def _utf8_text(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates) written as backslash escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def dead_letter_for(message: StreamMessage, reason: str) -> DeadLetter:

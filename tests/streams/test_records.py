@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
+import streams.records
 from online_sao.config import KafkaConfig, TopicsConfig
-from online_sao.schemas import MAX_RECORD_BYTES, DeadLetter, Interaction, Reward, WeightsNotice, decode, encode
+from online_sao.schemas import (MAX_RECORD_BYTES, DeadLetter, Interaction, RecordError, Reward, WeightsNotice, decode,
+                                encode)
 from streams.base import StreamMessage, TopicPartition
 from streams.memory import InMemoryBackend
-from streams.records import (MAX_DEAD_LETTER_KEY_BYTES, MAX_DEAD_LETTER_RAW_BYTES, decode_or_dead_letter,
+from streams.records import (MAX_DEAD_LETTER_KEY_BYTES, MAX_DEAD_LETTER_RAW_BYTES, dead_letter, decode_or_dead_letter,
                              publish, record_key, record_topic)
+
+NON_UTF8_PATH = os.fsdecode(b"/data/sp\xffool/interactions.log")
+"""A file name with a byte UTF-8 cannot read, as Python holds it: a lone surrogate (surrogateescape)."""
 from tests.fixtures.kafka import drain
 
 
@@ -87,3 +96,17 @@ def test_a_valid_record_is_returned_and_nothing_is_dead_lettered():
                             timestamp_ms=1)
     assert decode_or_dead_letter(message, Reward, producer, cfg.topics.dead_letters) == reward
     assert backend.end_offset(TopicPartition(cfg.topics.dead_letters, 0)) == 0
+
+
+def test_a_dead_letter_naming_a_non_utf8_path_encodes_with_the_byte_escaped():
+    """Spool recovery puts the spool log's path in the reason: a lone surrogate built the DeadLetter,
+    then its encode raised a PydanticSerializationError, which no caller catching RecordError caught."""
+    letter = dead_letter(b"garbage", f"spool entry unreadable in {NON_UTF8_PATH}", NON_UTF8_PATH, offset=0)
+    back = decode(encode(letter), DeadLetter)
+    assert back.reason == "spool entry unreadable in /data/sp\\udcffool/interactions.log"
+    assert back.source_topic == "/data/sp\\udcffool/interactions.log"
+
+
+def test_a_record_pydantic_cannot_serialize_is_refused_as_a_record_error():
+    with pytest.raises(RecordError, match="DeadLetter cannot be encoded"):
+        streams.records.encode(DeadLetter(raw=b"", source_topic="t", reason=NON_UTF8_PATH))

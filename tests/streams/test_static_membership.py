@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -28,6 +29,8 @@ HANDOVER_MAX_S = 10.0
 rebalance on a loaded 2-core box; a session expiry takes 45 s)."""
 ASSIGNMENT_WAIT_S = 60.0
 """How long the consumer in the child process may take to join before the test gives up."""
+IN_MEMORY_POLL_S = 5.0
+"""How long the in-memory member's poll waits for a record: it ends with the record sent, far sooner."""
 FENCE_NOTICE_S = 30.0
 """How long a replaced Kafka member may take to learn it was fenced: its next heartbeat (every 3 s),
 with room for a loaded 2-core box; unbounded before (it went on reading its partitions)."""
@@ -162,3 +165,31 @@ def test_closing_a_replaced_static_member_leaves_the_newer_one_in_its_group(back
     new.commit({tp: 1})
     assert new.poll(timeout_s=0.5) == [] and new.assignment() == held
     new.close()
+
+
+def test_in_memory_a_static_member_replaced_while_it_waits_in_poll_is_fenced_by_that_poll():
+    """Kafka's consumer raises ConsumerFenced from the poll during which it was replaced (it checks
+    after polling); the in-memory one returned [] and raised only from the next poll."""
+    backend = InMemoryBackend(KafkaConfig(partitions=TEST_PARTITIONS))
+    backend.ensure_topics()
+    rewards = backend.cfg.topics.rewards
+    old = backend.consumer([rewards], group_id="g", instance_id="learner")
+    outcome: list[object] = []
+
+    def waiting_poll() -> None:
+        try:
+            outcome.append(old.poll(timeout_s=IN_MEMORY_POLL_S))
+        except ConsumerFenced as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=waiting_poll)
+    waiting.start()
+    deadline = time.monotonic() + IN_MEMORY_POLL_S
+    while not old._polling:  # replaced inside that poll, not before it
+        assert time.monotonic() < deadline, "the poll never started"
+        time.sleep(0.01)
+    new = backend.consumer([rewards], group_id="g", instance_id="learner")
+    backend.producer().send(rewards, b"new work", key=b"k")  # wakes the waiting poll
+    waiting.join(2 * IN_MEMORY_POLL_S)
+    assert len(outcome) == 1 and isinstance(outcome[0], ConsumerFenced), outcome
+    assert [m.value for m in new.poll(timeout_s=0)] == [b"new work"]  # the new member's to read

@@ -12,6 +12,10 @@ targets do not vary (every logged answer rated alike), explained variance is und
 epochs are compared by held-out squared error: the level is then all there is to learn (compared
 by explained variance, every epoch was rejected and the critic went back to its cold weights).
 
+Each batch is collated onto the device when it is used, training and held-out ones alike, so the
+device holds one batch of rollouts at a time: collated up front, a long history filled it before the
+first update.
+
 In a multi-rank learner every rank must pass the same (unsharded) rollouts
 (checked; ValueError otherwise): the work is replicated, FSDP's average of
 identical gradients is the single-process gradient, and every rank takes the
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,8 +55,18 @@ DEFAULT_BATCH_SIZE = 16
 """Rollouts per critic update."""
 
 
-def _batches(rollouts: list[Rollout], batch_size: int, pad_token_id: int, device: torch.device) -> list[RolloutBatch]:
-    return [collate(rollouts[i:i + batch_size], pad_token_id).to(device) for i in range(0, len(rollouts), batch_size)]
+def _chunks(rollouts: list[Rollout], batch_size: int) -> list[list[Rollout]]:
+    """The rollouts of each batch, not collated yet (:func:`_on_device` does it when the batch is used)."""
+    return [rollouts[i:i + batch_size] for i in range(0, len(rollouts), batch_size)]
+
+
+def _on_device(chunk: list[Rollout], pad_token_id: int, device: torch.device) -> RolloutBatch:
+    return collate(chunk, pad_token_id).to(device)
+
+
+def _each_on_device(chunks: list[list[Rollout]], pad_token_id: int, device: torch.device) -> Iterator[RolloutBatch]:
+    """The batches one after another, each collated when the one before is done with."""
+    return (_on_device(chunk, pad_token_id, device) for chunk in chunks)
 
 
 def _targets(batch: RolloutBatch, values: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
@@ -62,7 +76,7 @@ def _targets(batch: RolloutBatch, values: torch.Tensor, cfg: AlgorithmConfig) ->
 
 
 @torch.no_grad()
-def _held_out_fit(critic: nn.Module, batches: list[RolloutBatch], cfg: AlgorithmConfig) -> tuple[float, float]:
+def _held_out_fit(critic: nn.Module, batches: Iterable[RolloutBatch], cfg: AlgorithmConfig) -> tuple[float, float]:
     """Explained variance (NaN when undefined) and mean squared error of the values against their
     targets, over the action tokens of all batches pooled."""
     values, targets = [], []
@@ -145,23 +159,22 @@ def pretrain_critic(
 
     device = next(critic.parameters()).device
     _require_same_rollouts_on_every_rank(data, device)
-    train_batches = _batches(training, batch_size, pad_token_id, device)
-    eval_batches = _batches(held_out, batch_size, pad_token_id, device)
+    train_chunks, eval_chunks = _chunks(training, batch_size), _chunks(held_out, batch_size)
     generator = torch.Generator().manual_seed(0)  # a fixed shuffle keeps pre-training reproducible
 
     # each part's own mode, as the learner trains it (a critic's copied body stays in eval: no dropout
     # where the policy had none when it sampled); critic.train() would turn the body's dropout on
     modes = [(module, module.training) for module in critic.modules()]
     critic.eval()  # no dropout in evaluation
-    ev_before, loss_before = _held_out_fit(critic, eval_batches, cfg)
+    ev_before, loss_before = _held_out_fit(critic, _each_on_device(eval_chunks, pad_token_id, device), cfg)
     by_loss = math.isnan(ev_before)  # targets without variance: nothing to explain, a level to learn
     best, best_loss = ev_before, loss_before
     best_state = _trainable_state(critic)
     best_epoch, since_best, epochs, skipped, last_loss = 0, 0, 0, 0, math.nan
     for epoch in range(1, max_epochs + 1):
         _restore_modes(modes)
-        for index in torch.randperm(len(train_batches), generator=generator).tolist():
-            batch = train_batches[index]
+        for index in torch.randperm(len(train_chunks), generator=generator).tolist():
+            batch = _on_device(train_chunks[index], pad_token_id, device)
             values = critic(batch.input_ids, batch.attention_mask)
             loss, _ = value_loss(values, _targets(batch, values, cfg), batch.action_mask)
             result = guarded_update(loss, critic_optimizer, cfg.max_grad_norm, scheduler)
@@ -169,7 +182,7 @@ def pretrain_critic(
             last_loss = float(loss.detach())
         critic.eval()
         epochs = epoch
-        ev, loss = _held_out_fit(critic, eval_batches, cfg)
+        ev, loss = _held_out_fit(critic, _each_on_device(eval_chunks, pad_token_id, device), cfg)
         if _lowers(loss, best_loss) if by_loss else _improves(ev, best):
             best, best_loss, best_epoch, since_best = ev, loss, epoch, 0
             best_state = _trainable_state(critic)

@@ -67,8 +67,9 @@ class TrainerConfig(Section):
     segment file, named by its first step: the next checkpoint appends to a new segment once the
     current one holds this many bytes. Only the current segment is ever read or truncated by the
     learner; older (sealed) ones may be archived or deleted (``online-sao ledger sealed``,
-    docs/RELIABILITY.md). At 10 rollouts/s of 70-character ids the ledger grows about 60 MB a day:
-    the default 64 MiB makes about one segment a day (1 starts a segment at every checkpoint).
+    docs/RELIABILITY.md). A trained rollout costs about 116 bytes of ledger (serving's ids have 113
+    characters): at 10 rollouts/s the ledger grows about 100 MB a day, and the default 64 MiB makes
+    a segment about every 16 hours (1 starts a segment at every checkpoint).
     Checkpoint directories of the layout before segments (one ``ledger.jsonl``) are migrated on the
     learner's start: that file becomes the first segment."""
     seed: int = 0
@@ -101,6 +102,14 @@ class TrainerConfig(Section):
     """JSON-lines file of encoded interaction and reward records for
     ``learn --pretrain-critic`` (joined on the records' own times, in any line order);
     None reads the retained history of the topics."""
+    pretrain_max_rollouts: int = Field(4096, gt=0)
+    """Most logged rollouts ``learn --pretrain-critic`` fits the critic on: the newest usable ones of
+    the starting version, in the order the reward join hands them out (the order their records were
+    read: offsets within a partition; record time in a file). The read holds no more than these (and
+    the rollouts of the join's open windows) whatever the topics retain: holding all of a week's
+    retention ran the learner out of memory before its first step. A rollout of 1,000 tokens takes
+    about 130 kB of host memory: the default about 0.5 GB; each training batch is put on the device
+    only when it trains."""
     compile: bool = False
     """Compile the transformer bodies of the policy, the critic and the KL reference with
     ``torch.compile`` (dynamic shapes, in place: parameter names and checkpoints unchanged). On

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import weakref
 
 import pytest
 import torch
@@ -129,3 +130,29 @@ def test_pretraining_trains_each_part_in_its_own_mode_and_leaves_them_so():
     pretrain_critic(critic, optimizer, _rollouts(10), cfg, PAD_ID, max_epochs=2, patience=2, batch_size=8)
     assert {name: module.training for name, module in critic.named_modules()} == modes
     assert (True, False) in seen and (True, True) not in seen  # trained with its body in eval
+
+
+MOST_BATCHES_AT_ONCE = 2
+"""Batches a fit may hold collated at once: the one it uses and the one before, whose last reference
+(a loop's variable) goes when the next takes its place."""
+
+
+def test_pretraining_collates_each_batch_when_it_uses_it(monkeypatch):
+    """Every training and held-out batch was collated onto the device up front: a long history
+    filled the device before the first update. Counted by weak references to each batch's tokens."""
+    import trainer.pretrain
+
+    batches: list[weakref.ref] = []
+    most = [0]
+
+    def collating(*args, **kwargs):
+        most[0] = max(most[0], sum(ref() is not None for ref in batches))
+        batch = collate(*args, **kwargs)
+        batches.append(weakref.ref(batch.input_ids))
+        return batch
+
+    monkeypatch.setattr(trainer.pretrain, "collate", collating)
+    critic, optimizer, cfg = _critic_and_optimizer(critic_lr=1e-2)
+    metrics = pretrain_critic(critic, optimizer, _rollouts(40), cfg, PAD_ID, max_epochs=2, patience=2, batch_size=4)
+    assert most[0] <= MOST_BATCHES_AT_ONCE
+    assert metrics["train_rollouts"] == 32 and len(batches) > 10  # 8 training and 2 held-out batches an epoch

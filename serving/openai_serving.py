@@ -123,7 +123,7 @@ class OpenAIServing:
                 raise APIError(400, f"the prompt has {prompt_len} tokens and the model's context is "
                                     f"{self.max_model_len}", param=prompt_field, code="context_length_exceeded")
             room = min(room, self.max_model_len - prompt_len)
-        asked, field = request.requested_max_tokens(), request.max_tokens_field()
+        asked, field = request.requested_max_tokens(), request.max_tokens_field()  # None: the client sent none
         if asked is not None and asked > self.cfg.max_new_tokens:
             raise APIError(400, f"{field} is {asked}; this server allows at most {self.cfg.max_new_tokens}",
                            param=field, code="max_tokens_too_large")
@@ -136,7 +136,8 @@ class OpenAIServing:
             raise logging_unavailable(reason)
         sampling = SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                                   top_p=1.0 if request.top_p is None else request.top_p,
-                                  max_tokens=asked or room, seed=request.seed, stop=request.stop_list())
+                                  max_tokens=_max_tokens(asked, request.default_max_tokens(), room),
+                                  seed=request.seed, stop=request.stop_list())
         return Turn(self.signer.mint(), route, prefix, sampling, request.user, request.session_id,
                     timeout_s=self.cfg.request_timeout_s, segment=request_segment(request, self.cfg.segment_field),
                     top_logprobs=request.requested_top_logprobs(), **extra)
@@ -331,6 +332,15 @@ class OpenAIServing:
         return fmt.answer(id=turn.interaction_id, created=turn.created, model=self.cfg.model_name, usage=turn.usage(),
                           choices=[fmt.answer_choice(reply)], interaction_id=turn.interaction_id,
                           policy_version=max(turn.versions), policy_versions=turn.policy_versions)
+
+
+def _max_tokens(asked: int | None, default: int | None, room: int) -> int:
+    """The tokens an answer may sample: what the client sent (checked against ``room`` already), else the
+    endpoint's default within ``room`` (a default is the service's choice: it never exceeds a limit,
+    where checking it as if sent refused a request for a value the client never named)."""
+    if asked is not None:
+        return asked
+    return room if default is None else min(default, room)
 
 
 def _text_length(turn: Turn, texts: TokenTexts, end: int) -> int:

@@ -12,12 +12,20 @@ tokens, tokenised without special tokens (:mod:`serving.trajectories`).
 
 A tokenizer without a chat template (most base models) serves completions only: chat requests are
 answered 404 ``chat_template_missing``, as OpenAI answers a completions model on the chat route.
+
+Chat text that spells one of the tokenizer's special tokens (``<|im_end|>``, ...) is refused (400
+``special_token_in_message``, naming the message's field): the tokenizer would read it as that token, not
+as text, so a message could close its turn and open others (a forged assistant or system turn) in the
+prompt the policy answers and in the trajectory the learner trains on. A completions text prompt is the
+client's whole prompt by design and is tokenised as sent, special tokens included.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -34,6 +42,35 @@ tokens tells how many the post-processor puts in front of a text."""
 
 CHAT_TEMPLATE_MISSING = "chat_template_missing"
 """The ``code`` of a chat request to a model whose tokenizer has no chat template."""
+
+SPECIAL_TOKEN_IN_MESSAGE = "special_token_in_message"
+"""The ``code`` of a chat request whose text spells one of the tokenizer's special tokens."""
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The texts a tokenizer reads as its special tokens, longest first (so that a match names the whole
+    token): its named special tokens and the added tokens marked special. Empty where it splits them as
+    plain text (``split_special_tokens``): no text can then spell one."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return []
+    texts = set(getattr(tokenizer, "all_special_tokens", ()))
+    texts |= {added.content for added in getattr(tokenizer, "added_tokens_decoder", {}).values() if added.special}
+    return sorted((text for text in texts if text), key=len, reverse=True)
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string in a message as the template gets it (a dict's keys included), walked without
+    recursion: a tool call's arguments may nest as deep as the JSON parser goes."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
 
 
 def canonical_tools(tools: list[dict] | None) -> str | None:
@@ -54,6 +91,9 @@ class PromptBuilder:
         if not self.chat_available:
             log.warning("the model's tokenizer has no chat template: /v1/chat/completions answers 404 %s; "
                         "/v1/completions works", CHAT_TEMPLATE_MISSING)
+        texts = special_token_texts(self.tokenizer)
+        self._special_tokens = re.compile("|".join(map(re.escape, texts))) if texts else None
+        """Matches the text of any of the tokenizer's special tokens (None: it has none)."""
 
     def check_chat(self) -> None:
         """Refuse a chat request when there is no template to render it with."""
@@ -69,6 +109,31 @@ class PromptBuilder:
                                                       tokenize=False, **extra)
         except Exception as exc:  # jinja templates raise their own errors for conversations they refuse
             raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
+
+    def _special_token_in(self, value: object) -> str | None:
+        """The first special token's text that a string in ``value`` spells, None if none does."""
+        if self._special_tokens is None:
+            return None
+        for text in _strings(value):
+            found = self._special_tokens.search(text)
+            if found:
+                return found.group()
+        return None
+
+    def _refuse_special_tokens(self, messages: list[dict], first: int, tools: list[dict] | None) -> None:
+        """400 for the first of ``messages[first:]`` (or of ``tools``: the template renders them too) with text
+        that spells a special token; only what is tokenised is looked at (a continuation's earlier messages
+        are the parent's recorded tokens)."""
+        fields = [(f"messages[{i}].{key}", value) for i, message in enumerate(messages) if i >= first
+                  for key, value in message.items()]
+        fields += [(f"tools[{i}]", tool) for i, tool in enumerate(tools or [])]
+        for param, value in fields:
+            token = self._special_token_in(value)
+            if token is not None:
+                raise APIError(400, f"{param} contains {token!r}, the text of one of the model's special tokens: "
+                                    "the tokenizer would read it as that token, not as text, and so a message "
+                                    "could end its turn and write others into the conversation; write it "
+                                    "otherwise", param=param, code=SPECIAL_TOKEN_IN_MESSAGE)
 
     def _encode(self, text: str, special_tokens: bool = False) -> list[int]:
         # verbose=False: an over-long prompt is refused at admission (serving.max_prompt_tokens), not warned about here
@@ -120,6 +185,7 @@ class PromptBuilder:
         keys = [m.key() for m in request.messages]
         if request.parent_interaction_id is None:
             tools = request.active_tools()
+            self._refuse_special_tokens(messages, 0, tools)
             return TrajectoryPrefix(self._encode(self._render(messages, True, tools))), messages, keys, tools
         parent = self._parent(request.parent_interaction_id, "chat")
         stored, stored_keys = list(parent.template_messages), list(parent.message_keys)
@@ -129,6 +195,7 @@ class PromptBuilder:
                            param="messages")
         if messages[-1]["role"] == "assistant":
             raise APIError(400, "a continued conversation must end with a user or tool message", param="messages")
+        self._refuse_special_tokens(messages, len(stored), None)
         tools = self._continued_tools(request, parent)
         render = lambda msgs, gen: self._render(msgs, gen, tools)  # noqa: E731
         messages = stored + messages[len(stored):]
@@ -157,8 +224,8 @@ class PromptBuilder:
         """The prefix and the prompt's text (None for token ids)."""
         prompt = request.prompt
         ids: list[int] | None = None
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            ids, text = list(prompt), None
+        if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+            ids, text = list(prompt), None  # [] too: refused as the empty prompt it is (not as several)
         elif isinstance(prompt, list):
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")

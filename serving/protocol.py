@@ -1,7 +1,7 @@
 """Wire models of the OpenAI-compatible API and the feedback API (errors: :mod:`serving.errors`).
 
 Requests accept (and ignore) OpenAI fields that change nothing here
-(``metadata``, ``store``, ...), so the official client works unchanged; fields
+(``store``, ``service_tier``, ...), so the official client works unchanged; fields
 that would change sampling in a way this service does not implement
 (penalties, ``logit_bias``, structured output) are declared so that the
 serving layer can refuse a non-default value by name. So are the extensions
@@ -40,6 +40,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = False
+    """vLLM's extension (usage on every chunk): null or false, usage comes with the final chunk only."""
 
 
 class TextPart(_Request):
@@ -132,12 +134,13 @@ class ChatMessage(_Request):
         return self
 
     def text(self) -> str:
-        """The message content as one string (text parts joined)."""
+        """The message content as one string: text parts joined with a newline, as vLLM joins them (joined
+        with nothing, "Summarise the text below." and "The cat sat" rendered as "below.The cat")."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
     def as_template_message(self) -> dict[str, str]:
         """The dict a tokenizer chat template renders."""
@@ -194,6 +197,8 @@ class SamplingRequest(_Request):
     """Refused unless empty, like ``presence_penalty``."""
     response_format: ResponseFormat | None = None
     """Only ``text``: structured output would constrain sampling (vLLM's completions take it too)."""
+    best_of: int | None = None
+    """Only 1, like ``n`` (OpenAI's completions field; vLLM's chat takes it too)."""
 
     # vLLM's extensions (the official client sends them with ``extra_body``), declared so that
     # serving.request_checks can refuse any value but the neutral one (given after each) by name: each
@@ -239,6 +244,8 @@ class SamplingRequest(_Request):
     """Null."""
     structured_outputs: dict | None = None
     """Null or empty (vLLM's structured output)."""
+    structural_tag: str | dict | None = None
+    """Null (vLLM's structured output between trigger tags)."""
     ignore_eos: bool | None = None
     """Null or false."""
     stop_token_ids: list[int] | None = None
@@ -313,6 +320,10 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def default_max_tokens(self) -> int | None:
+        """None: an answer may use the room left (OpenAI's chat default)."""
+        return None
+
     def max_tokens_field(self) -> str:
         """The name under which the client sent its token limit (for errors about it)."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -339,12 +350,11 @@ COMPLETIONS_MAX_TOKENS = 16
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int]
     """One prompt: text, a one-element list of text, or token ids."""
-    max_tokens: int | None = Field(COMPLETIONS_MAX_TOKENS, ge=1)
-    """OpenAI's default for the completions endpoint is 16; null means it too."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Absent or null: :data:`COMPLETIONS_MAX_TOKENS`, or the server's limit where lower (only a value sent
+    is checked against the limits: the default was refused where ``serving.max_new_tokens`` is below it)."""
     logprobs: int | None = Field(None, ge=0, le=5)
     """Log-probs of the sampled tokens and this many alternatives each."""
-    best_of: int | None = None
-    """Only 1, like ``n``."""
     echo: bool | None = None
     """Refused when true: the answer is the completion only."""
     suffix: str | None = None
@@ -356,7 +366,10 @@ class CompletionRequest(SamplingRequest):
     """Null: prompts are text or token ids."""
 
     def requested_max_tokens(self) -> int | None:
-        return COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.max_tokens
+
+    def default_max_tokens(self) -> int | None:
+        return COMPLETIONS_MAX_TOKENS
 
     def max_tokens_field(self) -> str:
         return "max_tokens"

@@ -57,6 +57,7 @@ _SAMPLING_EXTENSIONS: tuple[tuple[str, tuple, str], ...] = (
     ("guided_choice", (None, []), _CONSTRAINS),
     ("guided_grammar", (None,), _CONSTRAINS),
     ("structured_outputs", (None, {}), _CONSTRAINS),
+    ("structural_tag", (None,), _CONSTRAINS),
     ("ignore_eos", (None, False), f"{_STOPS}; sampling on past the end-of-sequence token is not served (send false "
                                   "or leave it out)"),
     ("stop_token_ids", (None, []), f"{_STOPS}; other stop tokens are not served (send stop strings, or [])"),
@@ -109,16 +110,22 @@ def _check_extensions(request: SamplingRequest, extensions: tuple[tuple[str, tup
 
 
 def check_sampling(request: SamplingRequest) -> None:
-    """n, temperature, stream options, stop strings, penalties, logit bias, response format and vLLM's
-    extensions of both endpoints."""
+    """n, best_of, temperature, stream options, stop strings, penalties, logit bias, response format and
+    vLLM's extensions of both endpoints."""
     if request.n not in (None, 1):
         raise _refuse("n", f"n={request.n} asks for several completions; each request samples one, logged as "
                            "one interaction with its own id (send several requests)")
+    if request.best_of not in (None, 1):
+        raise _refuse("best_of", "each request samples one completion, logged as one interaction (send several "
+                                 "requests and keep the best)")
     if request.temperature == 0:
         raise _refuse("temperature", "temperature 0 (greedy decoding) leaves no sampling distribution, which "
                                      "online learning needs; use a small positive temperature")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise _refuse("stream_options.continuous_usage_stats", "usage comes once, with the final chunk, when "
+                                                               "include_usage is true (send false or leave it out)")
     if request.temperature is not None and request.temperature < MIN_TEMPERATURE:
         raise APIError(400, f"temperature {request.temperature:g} is below the smallest supported, "
                             f"{MIN_TEMPERATURE:g}", param="temperature")
@@ -162,9 +169,6 @@ def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
 
 def check_completion(request: CompletionRequest) -> None:
     """The completions-only fields."""
-    if request.best_of not in (None, 1):
-        raise _refuse("best_of", "each request samples one completion, logged as one interaction (send several "
-                                 "requests and keep the best)")
     if request.echo:
         raise _refuse("echo", "the answer is the completion only")
     if request.suffix:

@@ -117,6 +117,21 @@ def test_text_completions_default_to_16_tokens_absent_or_null(make_harness, fiel
     assert r.status_code == 200 and h.engine.requests[0].sampling.max_tokens == 16
 
 
+def test_the_completions_default_stays_within_the_servers_limit_and_the_context(make_harness):
+    """The default of 16 was checked as if the client had sent it: below it, serving.max_new_tokens or the room
+    the context leaves refused a request without max_tokens, naming a max_tokens of 16 it never sent."""
+    h = make_harness(**{"serving.max_new_tokens": 8})
+    r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "Once upon"})
+    assert r.status_code == 200, r.text
+    assert h.engine.requests[-1].sampling.max_tokens == 8
+    r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "Once upon", "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "max_tokens_too_large"  # as sent: checked
+    h = make_harness()
+    r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [5] * 505})  # 7 of 512 left
+    assert r.status_code == 200, r.text
+    assert h.engine.requests[-1].sampling.max_tokens == 7
+
+
 def test_text_completions_plain_streamed_and_from_token_ids(make_harness):
     h = make_harness()
     r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "Once upon", "max_tokens": 50})

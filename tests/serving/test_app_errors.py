@@ -82,6 +82,9 @@ def test_completion_prompt_errors(make_harness):
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": ["a", "b"]}),
                         400, param="prompt")
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": ""}), 400)
+    empty = assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": []}),
+                                400, param="prompt")
+    assert empty["message"] == "the prompt is empty"  # was "only one prompt per request is supported"
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [1] * 1100}),
                         400, param="prompt", code="prompt_too_long")
     assert_openai_error(h.client.post("/v1/completions", json={"model": "online-sao", "prompt": [1] * 600}),

@@ -8,6 +8,7 @@ that are accepted and ignored. Before, every one of them was dropped without a w
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import openai
 import pytest
@@ -28,7 +29,8 @@ REFUSED_ON_BOTH = [
     ("ignore_eos", True), ("stop_token_ids", [7]), ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}),
     ("truncate_prompt_tokens", 8), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
     ("prompt_logprobs", 0), ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
-    ("return_token_ids", True), ("return_token_offsets", True),
+    ("return_token_ids", True), ("return_token_offsets", True), ("structural_tag", '{"type": "structural_tag"}'),
+    ("structural_tag", {"type": "structural_tag", "structures": [], "triggers": []}), ("best_of", 3),
 ]
 """vLLM's extensions of both endpoints, each with a value this service does not honour."""
 REFUSED_ON_CHAT = [
@@ -47,7 +49,7 @@ NEUTRAL_ON_BOTH = [
      "stop_token_ids": [], "repetition_detection": {"max_pattern_size": 0, "min_pattern_size": 0, "min_count": 0},
      "truncate_prompt_tokens": -1, "include_stop_str_in_output": False, "skip_special_tokens": True,
      "logprob_token_ids": [], "return_tokens_as_token_ids": False, "return_token_ids": False,
-     "return_token_offsets": False},
+     "return_token_offsets": False, "best_of": 1},
     {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "repetition_detection": {}},
     {name: None for name, _ in REFUSED_ON_BOTH},
 ]
@@ -102,6 +104,20 @@ def test_a_refused_extension_is_a_400_before_any_stream_begins(server, stream):
         model=MODEL, messages=MESSAGES, stream=stream, extra_body={"top_k": 1}), "top_k")
     _assert_refused(server, lambda: client.completions.create(
         model=MODEL, prompt="Tea", stream=stream, extra_body={"guided_regex": "a+"}), "guided_regex")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_usage_on_every_chunk_is_refused_and_off_is_served(server, route):
+    """``continuous_usage_stats`` was dropped: the stream carried usage on its final chunk only."""
+    client = server.openai()
+    create = (partial(client.chat.completions.create, messages=MESSAGES) if route == "chat"
+              else partial(client.completions.create, prompt="Tea"))
+    field = "stream_options.continuous_usage_stats"
+    _assert_refused(server, lambda: create(model=MODEL, stream=True, max_tokens=50, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}), field)
+    chunks = list(create(model=MODEL, stream=True, max_tokens=50,
+                         stream_options={"include_usage": True, "continuous_usage_stats": False}))
+    assert [chunk.usage is not None for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
 def test_the_refusal_says_why(server):

@@ -48,9 +48,9 @@ from serving.turn import InFlight
 
 log = logging.getLogger(__name__)
 
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/feedback", "/v1/models", "/healthz",
-                     "/readyz", "/metrics"})
-"""Paths counted by name in the request metrics (any other path counts as ``other``)."""
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/feedback", "/v1/models", "/v1/models/{model}",
+                     "/healthz", "/readyz", "/metrics"})
+"""Routes counted by name in the request metrics (serving.middleware.route_label: any other path is ``other``)."""
 
 
 CATCH_UP_CHECK_S = 0.05

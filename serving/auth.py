@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,13 @@ class AuthError(Exception):
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+def retry_after_header_s(wait_s: float) -> int:
+    """Whole seconds a rate-limited client is told to wait, in its message and its Retry-After: rounded up
+    (a client that waits as long as it is told finds a token; 1.2 s rounded to 1 did not), at least 1 (the
+    header takes whole seconds, and the message said "retry in 0.0 s" beside a Retry-After of 1)."""
+    return max(1, math.ceil(wait_s))
 
 
 def is_loopback(host: str) -> bool:
@@ -164,8 +172,9 @@ class ApiKeyAuth:
                 bucket = self._buckets[caller] = TokenBucket(self._burst, self._rate_per_s, self._burst, now)
             wait_s = bucket.take(now)
         if wait_s > 0:
+            retry_s = retry_after_header_s(wait_s)
             raise AuthError(429, "rate_limit_exceeded",
-                            f"rate limit exceeded: retry in {wait_s:.1f} s", retry_after_s=wait_s)
+                            f"rate limit exceeded: retry in {retry_s} s", retry_after_s=retry_s)
 
     def _forget_refilled(self, now: float) -> None:
         full = [caller for caller, b in self._buckets.items()

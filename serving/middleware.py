@@ -63,16 +63,30 @@ class BodyLimitMiddleware(HttpOnlyMiddleware):
         return await self.app(scope, limited_receive, send)
 
 
+def route_label(path: str, routes: frozenset[str]) -> str:
+    """The ``route`` label of a request to ``path``: the path itself when ``routes`` names it, the template
+    whose last segment is a parameter (``/v1/models/{model}``) for a path it matches, else ``other``
+    (never the raw path: every unknown path or model name would be a series of its own)."""
+    if path in routes:
+        return path
+    head, _, last = path.rpartition("/")
+    if last:
+        for template in routes:
+            if template.startswith(f"{head}/{{") and template.endswith("}") and template.count("/") == path.count("/"):
+                return template
+    return "other"
+
+
 @dataclass
 class RequestMetricsMiddleware(HttpOnlyMiddleware):
-    """Counts answered requests by route (``other`` for a path not in ``routes``) and status."""
+    """Counts answered requests by route (:func:`route_label`) and status."""
 
     app: ASGIApp
     metrics: ServingMetrics
     routes: frozenset[str]
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = scope["path"] if scope["path"] in self.routes else "other"
+        route = route_label(scope["path"], self.routes)
         answered = False
 
         async def counting_send(message):

@@ -134,7 +134,8 @@ class ServingConfig(Section):
     (None keeps torch's default). On a busy small machine 1 is often fastest:
     spinning OpenMP workers that wait for a core cost more than they save."""
     max_prompt_tokens: int = Field(1024, ge=1)
-    """Longest prompt accepted (413 above)."""
+    """Longest prompt accepted, in tokens (400 ``prompt_too_long`` above, as OpenAI answers a prompt over the
+    context)."""
     max_new_tokens: int = Field(256, ge=1)
     """Largest max_tokens a request may ask for. Its sum with ``max_prompt_tokens`` may be at most
     32768 (``online_sao.schemas.MAX_TOKENS_PER_RECORD``), the longest trajectory one interaction

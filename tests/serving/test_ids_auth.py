@@ -158,6 +158,20 @@ def test_rate_limit_is_a_token_bucket_per_key():
         auth.check("Bearer a")
 
 
+def test_a_rate_limited_client_is_told_the_same_whole_seconds_in_the_message_and_retry_after():
+    """The message said "retry in 0.0 s" (a wait under 50 ms) beside a Retry-After of 1."""
+    clock = Clock(0.0)
+    auth = ApiKeyAuth(["a"], rate_per_minute=60, burst=1, clock=clock)  # one token per second
+    auth.check("Bearer a")
+    for elapsed, told in ((0.96, 1), (0.0, 1)):
+        clock.now += elapsed
+        with pytest.raises(AuthError) as err:
+            auth.check("Bearer a")
+        assert err.value.retry_after_s == told and f"retry in {told} s" in err.value.message
+    clock.now += 1.0  # a client that waits as long as it was told finds a token
+    auth.check("Bearer a")
+
+
 def test_retry_after_is_rounded_up_so_a_client_that_waits_that_long_is_admitted():
     """50 a minute: the next token comes 1.2 s after the burst's last; Retry-After said 1."""
     from serving.errors import APIError

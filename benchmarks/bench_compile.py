@@ -5,8 +5,8 @@ packed rows: K critic updates' forward and backward, the critic's no-grad forwar
 forward and backward), once with the bodies of policy and critic compiled in place
 (:func:`online_sao.modeling.compile_body`) and once eagerly: the same modules, run eagerly
 under ``torch.compiler.set_stance("force_eager")``. The two take turns on the same batches.
-The compilation (the first batch of the compiled run, and any later recompilation the timed
-batches needed) is reported apart.
+The compilation of the first batch of the compiled run is reported apart; any later recompilation
+is not: the timed batches include it.
 
     .venv/bin/python benchmarks/bench_compile.py [--batches 24] [--out benchmarks/results/compile.md]
 """

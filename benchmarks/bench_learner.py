@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -61,11 +62,14 @@ from trainer.checkpoint import read_ledger
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "learner.md"
 WAIT_S = 900.0
-SETTLE_S = 20.0
-"""No new rollout trained for this long (ten times max_wait_s): the learner has trained all it will.
-An interaction read after its reward window closed (the backlog took longer than reward.window_s to
-make on a busy machine) or with an empty answer is not trained; the report counts those."""
 """Longest wait for the learner to catch up with what was logged."""
+SETTLE_S = 20.0
+"""No new rollout trained for this long (ten times max_wait_s) since the last one was: the learner has
+trained all it will. An interaction read after its reward window closed (the backlog took longer than
+reward.window_s to make on a busy machine) or with an empty answer is not trained; the report counts
+those. The countdown starts at the first rollout trained, not when the wait starts: a learner still
+loading its model and opening MLflow after SETTLE_S had trained nothing, the live traffic started on top
+of the backlog, and steps that trained both counted in neither phase."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,18 +116,26 @@ class Traffic:
         self.rewarded_at[iid] = time.time()
 
 
-def wait_until_trained(ids: set[str], trained, learner: subprocess.Popen) -> None:
-    """Until every id in ``ids`` is trained, or nothing new was trained for SETTLE_S seconds."""
-    last, changed = -1, time.monotonic()
+def settled_check(ids: set[str], trained: Callable[[], set[str]], clock: Callable[[], float]) -> Callable[[], bool]:
+    """A predicate: True once every id in ``ids`` is trained, or once SETTLE_S seconds passed since the
+    last change of what ``trained`` returns, counted from the first rollout trained (none trained yet:
+    the learner may still be starting, so it waits on)."""
+    last, changed = 0, None
 
     def settled() -> bool:
         nonlocal last, changed
         done = trained()
         if len(done) != last:
-            last, changed = len(done), time.monotonic()
-        return ids <= done or time.monotonic() - changed > SETTLE_S
+            last, changed = len(done), clock()
+        return ids <= done or (changed is not None and clock() - changed > SETTLE_S)
 
-    wait_until(settled, WAIT_S, learner)
+    return settled
+
+
+def wait_until_trained(ids: set[str], trained: Callable[[], set[str]], learner: subprocess.Popen) -> None:
+    """Until every id in ``ids`` is trained, or nothing new was trained for SETTLE_S seconds since the
+    first rollout was (at most WAIT_S)."""
+    wait_until(settled_check(ids, trained, time.monotonic), WAIT_S, learner)
 
 
 def wait_until(predicate, timeout_s: float, learner: subprocess.Popen) -> None:
@@ -254,6 +266,46 @@ def learner_threads(env: dict[str, str]) -> int:
     return int(out.stdout.strip())
 
 
+History = dict[str, dict[int, float]]
+"""The learner's MLflow metrics: name -> step -> value."""
+PHASE_FIGURES = 9
+"""Columns of a phase's row after its name and step count."""
+
+
+def phase(history: History, step_numbers: list[int]) -> dict[str, float] | None:
+    """The figures of the learner's steps ``step_numbers``; None when there are none (every rollout of the
+    phase trained in steps shared with the other phase, or none trained): their rates divided by zero
+    and the benchmark died after the whole run, with no report."""
+    if not step_numbers:
+        return None
+    cycle = [history["num_rollouts"][s] / history["rollouts_per_s"][s] for s in step_numbers]
+    waited = [history["data_wait_share"][s] * c for s, c in zip(step_numbers, cycle)]
+    rollouts = sum(history["num_rollouts"][s] for s in step_numbers)
+    tokens = sum(history["num_action_tokens"][s] for s in step_numbers)
+    return {
+        "steps": len(step_numbers),
+        "rollouts": rollouts,
+        "tokens": tokens,
+        "seconds": sum(cycle),
+        "rollouts_per_s": rollouts / sum(cycle),
+        "tokens_per_s": tokens / sum(cycle),
+        "wait_share": sum(waited) / sum(cycle),
+        "step_p50": statistics.median(history["step_time_s"][s] for s in step_numbers),
+        "publish_p50": statistics.median(history["publish_time_s"][s] for s in step_numbers),
+        "checkpoint_p50": statistics.median(history["checkpoint_time_s"][s] for s in step_numbers),
+        "write_p50": statistics.median(history["checkpoint_write_s"][s] for s in step_numbers),
+    }
+
+
+def phase_row(name: str, p: dict[str, float] | None) -> str:
+    """The report's table row of a phase (:func:`phase`); n/a figures for a phase with no steps."""
+    if p is None:
+        return f"| {name} | 0 |" + " n/a |" * PHASE_FIGURES
+    return (f"| {name} | {p['steps']} | {p['rollouts']:.0f} | {p['tokens']:.0f} | {p['rollouts_per_s']:.2f} | "
+            f"{p['tokens_per_s']:.1f} | {100 * p['wait_share']:.1f}% | {p['step_p50']:.3f} | "
+            f"{p['publish_p50']:.3f} | {p['checkpoint_p50']:.3f} | {p['write_p50']:.3f} |")
+
+
 def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, live_s, load_before, backend,
             learner_env) -> list[str]:
     steps: dict[int, list[str]] = {}
@@ -270,30 +322,14 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
 
     client = MlflowClient(tracking_uri=cfg.mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
-    history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-               for name in ("num_rollouts", "num_action_tokens", "step_time_s", "publish_time_s",
-                            "checkpoint_time_s", "checkpoint_write_s", "data_wait_share", "rollouts_per_s",
-                            "tokens_per_s")}
-
-    def phase(step_numbers: list[int]) -> dict[str, float]:
-        cycle = [history["num_rollouts"][s] / history["rollouts_per_s"][s] for s in step_numbers]
-        waited = [history["data_wait_share"][s] * c for s, c in zip(step_numbers, cycle)]
-        return {
-            "steps": len(step_numbers),
-            "rollouts": sum(history["num_rollouts"][s] for s in step_numbers),
-            "tokens": sum(history["num_action_tokens"][s] for s in step_numbers),
-            "seconds": sum(cycle),
-            "rollouts_per_s": sum(history["num_rollouts"][s] for s in step_numbers) / sum(cycle),
-            "tokens_per_s": sum(history["num_action_tokens"][s] for s in step_numbers) / sum(cycle),
-            "wait_share": sum(waited) / sum(cycle),
-            "step_p50": statistics.median(history["step_time_s"][s] for s in step_numbers),
-            "publish_p50": statistics.median(history["publish_time_s"][s] for s in step_numbers),
-            "checkpoint_p50": statistics.median(history["checkpoint_time_s"][s] for s in step_numbers),
-            "write_p50": statistics.median(history["checkpoint_write_s"][s] for s in step_numbers),
-        }
+    history: History = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+                        for name in ("num_rollouts", "num_action_tokens", "step_time_s", "publish_time_s",
+                                     "checkpoint_time_s", "checkpoint_write_s", "data_wait_share", "rollouts_per_s",
+                                     "tokens_per_s")}
 
     backlog_steps = sorted(s for s, ids in steps.items() if set(ids) <= backlog_ids)
     live_steps = sorted(s for s, ids in steps.items() if not set(ids) & backlog_ids)
+    mixed_steps = len(steps) - len(backlog_steps) - len(live_steps)
     step_of = {iid: s for s, ids in steps.items() for iid in ids}
     to_publish, to_serve = [], []
     untrained = sorted(set(traffic.rewarded_at) - set(step_of))
@@ -306,13 +342,8 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         served = [t for v, t in swaps.items() if v >= notice.version]
         if served:
             to_serve.append(min(served) - traffic.rewarded_at[iid])
-    b, live = phase(backlog_steps), phase(live_steps)
+    b, live = phase(history, backlog_steps), phase(history, live_steps)
     mc = AutoConfig.from_pretrained(model_dir)
-
-    def row(name, p):
-        return (f"| {name} | {p['steps']} | {p['rollouts']:.0f} | {p['tokens']:.0f} | {p['rollouts_per_s']:.2f} | "
-                f"{p['tokens_per_s']:.1f} | {100 * p['wait_share']:.1f}% | {p['step_p50']:.3f} | "
-                f"{p['publish_p50']:.3f} | {p['checkpoint_p50']:.3f} | {p['write_p50']:.3f} |")
 
     def dist(values):
         return (f"{percentile(values, 0.5):.2f} | {percentile(values, 0.9):.2f} | {max(values):.2f} | {len(values)}"
@@ -337,13 +368,14 @@ def analyse(args, argv, cfg, model_dir, ledger, backlog_ids, traffic, swaps, liv
         f"serving: TorchEngine + WeightsFollower in the benchmark process; broker: local single node",
         f"- traffic: {args.backlog} backlog interactions, then {len(traffic.rewarded_at) - args.backlog} live ones "
         f"over {live_s:.0f} s (at most {args.rate}/s, one at a time, up to {args.max_new_tokens} new tokens each); "
-        f"not trained: {len(untrained)} (read after their reward window closed, or empty answers)",
+        f"not trained: {len(untrained)} (read after their reward window closed, or empty answers); "
+        f"steps that trained backlog and live rollouts together (counted in neither phase): {mixed_steps}",
         "",
         "| phase | steps | rollouts | action tokens | rollouts/s | tokens/s | waiting for data | step s (p50) | "
         "publish s (p50) | checkpoint s (p50) | checkpoint write s (p50) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        row("backlog (capacity)", b),
-        row("live", live),
+        phase_row("backlog (capacity)", b),
+        phase_row("live", live),
         "",
         "Freshness of live rewards, seconds from the reward being acknowledged by the broker:",
         "",

@@ -53,6 +53,8 @@ from streams.kafka_backend import KafkaBackend
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("off", "on")
+WARM_UP_REQUESTS = 4
+"""Requests each server answers before the rounds (the first calls pay one-off costs); logged, not timed."""
 
 
 def start_server(spool_dir: Path, args, bootstrap: str | None) -> tuple[subprocess.Popen, str]:
@@ -162,6 +164,12 @@ def requests_per_round(requests: int, concurrency: int) -> int:
     return max(requests, 4 * concurrency)
 
 
+def round_prompts(corpus: list[str], requests: int, concurrency: int) -> list[str]:
+    """The prompts of a round at ``concurrency``: :func:`requests_per_round` of them, or the whole corpus
+    when it holds fewer (what is sent, and counted, is this list)."""
+    return corpus[:requests_per_round(requests, concurrency)]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_base_model(cfg, progress=lambda line: print(line, flush=True))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     corpus = [prompt for _, _, prompt in iter_prompts()]
-    prompts = corpus[:args.requests]
+    warm_up = corpus[:WARM_UP_REQUESTS]
+    per_round = {c: round_prompts(corpus, args.requests, c) for c in concurrencies}
     load_before = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
@@ -215,16 +224,16 @@ def main(argv: list[str] | None = None) -> int:
             for trial in range(args.trials):
                 proc, url = start_server(workdir / f"spool-{trial}", args, bootstrap)
                 try:
-                    run_round(url, prompts[:4], 1, args.max_tokens)  # warm-up: first calls pay one-off costs
-                    logged += 4
+                    # counted as sent: a fixed 4 counted with --requests below 4 sent fewer, and the Kafka
+                    # check reported interactions lost that were never sent
+                    logged += len(run_round(url, warm_up, 1, args.max_tokens))
                     for c in concurrencies:
                         this_trial = {mode: [] for mode in MODES}
-                        round_prompts = corpus[:requests_per_round(args.requests, c)]
                         for r in range(args.rounds):
                             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
                                 set_logging(url, mode)
-                                this_trial[mode] += run_round(url, round_prompts, c, args.max_tokens)
-                            logged += len(round_prompts)
+                                this_trial[mode] += run_round(url, per_round[c], c, args.max_tokens)
+                            logged += len(per_round[c])
                             print(f"trial {trial + 1}/{args.trials} concurrency {c} round {r + 1}/{args.rounds} done",
                                   flush=True)
                         for mode in MODES:
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                              for mode in MODES})
                     if trial == 0:
                         set_logging(url, "off")
-                        record = sample_record(url, prompts[0], args.max_tokens)
+                        record = sample_record(url, corpus[0], args.max_tokens)
                 finally:
                     stop_server(proc)
             on_topic = count_on_topic(KafkaBackend(kafka), kafka.topics.interactions, logged) if bootstrap else None
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             if broker is not None:
                 broker.stop()
 
-    lines = report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_before)
+    lines = report(args, argv, cfg, model_dir, per_round, results, trial_p50, load_before)
     for interval, (process_ms, broker_ms) in cpu.items():
         broker_part = "" if broker_ms is None else f", the broker {broker_ms:.2f} ms"
         lines.append(f"- CPU per logged record with `serving.log_ship_interval_s` = {interval:g}: the serving "
@@ -262,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_before) -> list[str]:
+def report(args, argv, cfg, model_dir, per_round: dict[int, list[str]], results, trial_p50,
+           load_before) -> list[str]:
+    """The report's lines; ``per_round``: the prompts of a round at each concurrency (what was sent)."""
+    concurrencies = list(per_round)
+    sizes = ", ".join(f"{len(prompts)} at concurrency {c}" for c, prompts in per_round.items())
     command = "python benchmarks/bench_serving.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     base = cfg.model.base
     lines = [
@@ -274,8 +287,9 @@ def report(args, argv, cfg, model_dir, concurrencies, results, trial_p50, load_b
         f"- model: default model from {model_dir} ({base.architecture}, hidden {base.hidden_size}, "
         f"{base.num_layers} layers, vocab {base.vocab_size})",
         f"- workload: non-streaming chat requests, max_tokens {args.max_tokens}, temperature 1.0, seeded; "
-        f"{args.trials} trials (a fresh server process each) x {args.rounds} rounds x {args.requests} requests "
-        f"(at least 4 x the concurrency) per mode and concurrency, the process's logging switched between rounds, "
+        f"{args.trials} trials (a fresh server process each) x {args.rounds} rounds x the requests of a round "
+        f"per mode ({sizes}: --requests {args.requests}, at least 4 x the concurrency), after {WARM_UP_REQUESTS} "
+        f"warm-up requests per server; the process's logging switched between rounds, "
         f"modes alternating; `on` logs write-ahead (`serving.log_ship_interval_s` = "
         f"{cfg.serving.log_ship_interval_s:g}) to {'Kafka' if args.on_backend == 'kafka' else 'an in-process stream'}"
         + (f"; the local broker runs at nice {args.broker_nice}" if args.broker_nice else ""),

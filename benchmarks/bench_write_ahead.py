@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from apps.default_model.builder import build_base_model
 from apps.config import AppConfig, load_app_config
+from apps.load.stats import percentile
 from online_sao.modeling import load_tokenizer
 from online_sao.schemas import Interaction
 from serving.app import build_app
@@ -80,11 +81,6 @@ def broker(cfg: AppConfig) -> InMemoryBackend:
     backend = InMemoryBackend(cfg.kafka)
     backend.ensure_topics()
     return backend
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def sample_record(i: int) -> Interaction:
@@ -183,27 +179,28 @@ def report(argv, level, results, concurrencies, load_before) -> list[str]:
              f"- machine: {platform.platform()}, {os.cpu_count()} logical CPUs (shared with other work; 1-min load "
              f"average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at the end), spool on "
              f"{REPO / 'data'} (ext4, virtual disk)",
-             f"- measured: {time.strftime('%Y-%m-%d %H:%M')}", "",
+             f"- measured: {time.strftime('%Y-%m-%d %H:%M')}; percentiles linear between the two closest ranks",
+             "",
              "## Logger level: submit -> durable (fsynced in the spool)", "",
              "| client threads | records | fsyncs | records per fsync | p50 ms | p99 ms | mean ms |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for threads, (lat, records, fsyncs) in level.items():
         ms = [x * 1000 for x in lat]
         lines.append(f"| {threads} | {records} | {fsyncs} | {records / max(fsyncs, 1):.1f} | "
-                     f"{percentile(ms, 0.5):.2f} | {percentile(ms, 0.99):.2f} | {statistics.mean(ms):.2f} |")
+                     f"{percentile(ms, 50):.2f} | {percentile(ms, 99):.2f} | {statistics.mean(ms):.2f} |")
     lines += ["", "memory mode: 0 by construction (the receipt is durable when submit returns).", "",
               "## Request level: non-streaming chat, instant engine, in-memory broker", "",
               "| concurrency | durability | requests | p50 ms | p99 ms | mean ms |", "|---:|---|---:|---:|---:|---:|"]
     for c in concurrencies:
         for mode in MODES:
             ms = [x * 1000 for x in results[(mode, c)]]
-            lines.append(f"| {c} | {mode} | {len(ms)} | {percentile(ms, 0.5):.2f} | {percentile(ms, 0.99):.2f} | "
+            lines.append(f"| {c} | {mode} | {len(ms)} | {percentile(ms, 50):.2f} | {percentile(ms, 99):.2f} | "
                          f"{statistics.mean(ms):.2f} |")
     lines.append("")
     for c in concurrencies:
         wal, mem = results[("write_ahead", c)], results[("memory", c)]
-        lines.append(f"- concurrency {c}: write_ahead adds {1000 * (percentile(wal, 0.5) - percentile(mem, 0.5)):+.2f} "
-                     f"ms at p50, {1000 * (percentile(wal, 0.99) - percentile(mem, 0.99)):+.2f} ms at p99")
+        lines.append(f"- concurrency {c}: write_ahead adds {1000 * (percentile(wal, 50) - percentile(mem, 50)):+.2f} "
+                     f"ms at p50, {1000 * (percentile(wal, 99) - percentile(mem, 99)):+.2f} ms at p99")
     lines += ["", "What is added is the wait for the spool's fsync (a request arriving during an fsync waits for "
               "it and then for its own, shared with everything that arrived meanwhile). Against a real model "
               "the same milliseconds add to the generation time (see serving.md for the default model's request "

@@ -120,8 +120,16 @@ def arms(reward_range: tuple[float, float]) -> dict[str, tuple[float, float] | N
 
 
 def parse_range(text: str) -> tuple[float, float]:
-    """``LOW,HIGH`` -> ``(LOW, HIGH)``."""
-    return tuple(float(x) for x in text.split(",", 1))  # type: ignore[return-value]
+    """``LOW,HIGH`` -> ``(LOW, HIGH)``: two finite numbers, LOW below HIGH (an argparse usage error
+    otherwise; ``0`` raised an IndexError and ``1,0`` a ValueError, each as a traceback)."""
+    wanted = f"wants LOW,HIGH: two finite numbers, LOW below HIGH; got {text!r}"
+    try:
+        low, high = map(float, text.split(","))  # a ValueError too when there are not two
+    except ValueError:
+        raise argparse.ArgumentTypeError(wanted) from None
+    if not -math.inf < low < high < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(wanted)
+    return low, high
 
 
 def gate_settings(reward_range: tuple[float, float] | None) -> GateSettings:

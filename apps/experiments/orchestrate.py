@@ -308,7 +308,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     results directory with this run's settings are kept, not run again (apps/experiments/resume.py)."""
     from apps.default_model.builder import build_base_model
     from apps.experiments.pretrain_data import collect_pretrain_rollouts
-    from apps.experiments.report import write_report
+    from apps.experiments.report import MlflowTarget, write_report
     from apps.experiments.style import load_or_train
 
     out = results_dir(cfg)
@@ -348,7 +348,7 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
                 for i, name in enumerate(todo, 1):
                     progress(f"=== seed {k + 1}/{len(runs)}, arm {i}/{len(todo)}: {name} ===")
                     run_arm(run, name, progress, pretrain_file)
-    report = write_report(out, out / "report", mlflow_uri=cfg.mlflow_uri)
+    report = write_report(out, out / "report", MlflowTarget.of(cfg))
     progress(f"report: {report}")
     return report
 

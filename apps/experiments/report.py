@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from apps.config import AppConfig, ExperimentConfig
@@ -155,9 +155,23 @@ def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, ex
     return run_id
 
 
-def write_report(results_dir: Path, out_dir: Path, mlflow_uri: str | None = None,
-                 mlflow_experiment: str = "online-sao") -> Path:
-    """Write the report of ``results_dir`` into ``out_dir`` (and MLflow when a URI is given)."""
+@dataclass(frozen=True)
+class MlflowTarget:
+    """Where a report is logged: a tracking URI and an experiment, both given (a default experiment,
+    "online-sao", sent the reports of ``simulate`` and ``lr-sweep`` there whatever ``mlflow.experiment``
+    said, while ``online-sao report`` logged to the configured one)."""
+
+    uri: str
+    experiment: str
+
+    @classmethod
+    def of(cls, cfg: AppConfig) -> MlflowTarget:
+        """The configuration's ``mlflow.tracking_uri`` (or its default) and ``mlflow.experiment``."""
+        return cls(cfg.mlflow_uri, cfg.mlflow.experiment)
+
+
+def write_report(results_dir: Path, out_dir: Path, mlflow: MlflowTarget | None = None) -> Path:
+    """Write the report of ``results_dir`` into ``out_dir`` (and to MLflow when ``mlflow`` is given)."""
     runs = load_runs(results_dir)
     arms = summarize(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -167,8 +181,8 @@ def write_report(results_dir: Path, out_dir: Path, mlflow_uri: str | None = None
     names = [a.name for a in arms]
     sections = write_segment_report(runs, names, out_dir) + write_gate_report(runs, names, out_dir)
     path.write_text(markdown(arms, runs) + "\n".join(sections))
-    if mlflow_uri is not None:
-        log_to_mlflow(out_dir, arms, mlflow_uri, mlflow_experiment, f"{runs[0].scenario.name}-report")
+    if mlflow is not None:
+        log_to_mlflow(out_dir, arms, mlflow.uri, mlflow.experiment, f"{runs[0].scenario.name}-report")
     return path
 
 
@@ -178,7 +192,7 @@ def run_report_cli(cfg: AppConfig) -> int:
 
     source = results_dir(cfg)
     try:
-        path = write_report(source, source / "report", cfg.mlflow_uri, cfg.mlflow.experiment)
+        path = write_report(source, source / "report", MlflowTarget.of(cfg))
     except NoResults as exc:
         print(f"online-sao: {exc}\n(`online-sao simulate` writes results, with --resume it finishes runs cut short; "
               "the report reads experiment.results_dir, default <data_dir>/experiments/<experiment.name>)",

@@ -3,7 +3,8 @@
 ``clients`` simulated users each send one chat completion after another (plain or
 streaming, chosen per request with ``stream_share``) through the official ``openai``
 AsyncOpenAI client with its retries off, so every failure is seen and counted; a
-share of answered interactions also gets a reward through ``POST /v1/feedback``.
+share of answered interactions also gets a reward through ``POST /v1/feedback``, drawn in the
+configured reward range (``LoadParams.reward_range``).
 Prompts come from the project's prompt pool (:func:`apps.default_model.corpus.iter_prompts`).
 
 Every request becomes a :class:`RequestRecord` (HTTP status, latency, interaction id,
@@ -40,6 +41,8 @@ default 5 s, two 30 s runs of 64 clients on 2 shared cores saw 9 and 1 connectio
 (ReadError) (docs/RELIABILITY.md, Load)."""
 DETAIL_CHARS = 300
 """Longest failure detail kept per request."""
+REWARD_DECIMALS = 3
+"""Decimals of a reward sent: short request bodies, values still spread over the range."""
 HALT_POLL_S = 1.0
 """Seconds between two calls of the ``halt`` callback (a look at the stack's processes, cheap): a
 serving found dead stops the clients within this, not after the whole duration."""
@@ -222,10 +225,16 @@ class LoadGenerator:
         return RequestRecord("stream", index, start, self._now() - start, 200, error,
                              iid if isinstance(iid, str) else None, versions, tokens, ttft)
 
+    def _reward(self, rng: random.Random) -> float:
+        """A reward drawn uniformly in ``params.reward_range``, rounded to REWARD_DECIMALS (kept inside
+        the range: rounding could step past a bound serving checks)."""
+        low, high = self.params.reward_range
+        return min(high, max(low, round(rng.uniform(low, high), REWARD_DECIMALS)))
+
     async def _feedback(self, index: int, http: httpx.AsyncClient, interaction_id: str,
                         rng: random.Random) -> RequestRecord:
         start = self._now()
-        body = {"interaction_id": interaction_id, "reward": round(rng.uniform(-1.0, 1.0), 3), "source": "load"}
+        body = {"interaction_id": interaction_id, "reward": self._reward(rng), "source": "load"}
         try:
             async with asyncio.timeout(self.params.request_timeout_s):  # as a chat request's
                 reply = await http.post("/v1/feedback", json=body)

@@ -262,7 +262,8 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     params = LoadParams(clients=args.clients, duration_s=args.duration_s,
                         requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                         stream_share=args.stream_share, feedback_share=args.feedback_share,
-                        seed=args.seed, model=cfg.serving.model_name)
+                        seed=args.seed, model=cfg.serving.model_name,
+                        reward_range=(cfg.reward.min_value, cfg.reward.max_value))
     progress = lambda line: print(line, flush=True)  # noqa: E731
     if args.url:
         result = run_load(args.url, args.api_key, params, progress)
@@ -327,7 +328,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``online-sao load``."""
     defaults = LoadParams()
     parser.add_argument("--url", help="an endpoint already running (e.g. http://127.0.0.1:8000); "
-                                      "without it serving and the learner are started for the run")
+                                      "without it serving and the learner are started for the run. Either way "
+                                      "the rewards sent are drawn in the configuration's reward.min_value.."
+                                      "reward.max_value (with --url, give that server's configuration)")
     parser.add_argument("--api-key", help="API key for --url (a started stack is sent the first of "
                                           "serving.api_keys, when any are configured)")
     parser.add_argument("--clients", type=positive(int), default=defaults.clients, help="concurrent clients")

@@ -50,6 +50,10 @@ class LoadParams:
     """Seconds between two looks at the served policy version (swap times)."""
     seed: int = 0
     """Seed of prompt, kind, feedback and reward choices (per client)."""
+    reward_range: tuple[float, float] = (-1.0, 1.0)
+    """(low, high): rewards are drawn uniformly in it. ``online-sao load`` gives the configuration's
+    ``reward.min_value``, ``reward.max_value``, those serving accepts: a fixed [-1, 1] under a 0..1
+    range had every negative reward refused (422) and the run FAILED though serving behaved."""
     model: str = "online-sao"
     """Model name sent in requests."""
 
@@ -64,6 +68,9 @@ class LoadParams:
         intervals = (self.request_timeout_s, self.progress_every_s, self.version_poll_s)
         if not all(map(_finite_above_zero, intervals)) or not 0 <= self.failure_pause_s < math.inf:
             raise ValueError("timeouts and intervals must be finite and positive (failure_pause_s may be 0)")
+        low, high = self.reward_range
+        if not -math.inf < low < high < math.inf:  # NaN fails too
+            raise ValueError(f"reward_range must be two finite numbers, low below high, got {self.reward_range}")
 
 
 def _finite_above_zero(value: float) -> bool:

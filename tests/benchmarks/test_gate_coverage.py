@@ -1,8 +1,11 @@
-"""The gate-coverage benchmark (benchmarks/gate_coverage.py) runs end to end on a few windows."""
+"""The gate-coverage benchmark (benchmarks/gate_coverage.py) runs end to end on a few windows; a
+reward range it cannot use is a usage error."""
 
 from __future__ import annotations
 
-from benchmarks.gate_coverage import REWARD_RANGE, all_cases, arms, main
+import pytest
+
+from benchmarks.gate_coverage import REWARD_RANGE, all_cases, arms, main, parse_range
 
 
 def _row(section: str, arm: str) -> list[str]:
@@ -35,3 +38,16 @@ def test_the_report_has_every_case_and_the_support_case_is_never_promoted_with_t
     assert _row(support, after)[1] == "0.0%"
     s1 = sections["S1 identical versions"]  # identical versions: always promoted, with or without the range
     assert _row(s1, before)[1] == _row(s1, after)[1] == "100.0%"
+
+
+@pytest.mark.parametrize("text", ["0", "1,0", "0,0", "0,1,2", "a,1", "nan,1", "0,inf", ""])
+def test_a_reward_range_that_is_not_two_increasing_finite_numbers_is_a_usage_error(text, tmp_path, capsys):
+    """``0`` raised an IndexError and ``1,0`` a ValueError, each as a traceback, not a usage error."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--windows", "1", "--reward-range", text, "--out", str(tmp_path / "gate.md")])
+    assert exited.value.code == 2 and "LOW,HIGH" in capsys.readouterr().err
+    assert not (tmp_path / "gate.md").exists()
+
+
+def test_a_reward_range_is_read_as_two_numbers():
+    assert parse_range("-1,2.5") == (-1.0, 2.5)

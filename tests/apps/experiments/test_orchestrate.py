@@ -250,3 +250,33 @@ def test_a_live_summary_takes_the_learners_counters_and_leaves_out_what_it_did_n
     assert (summary.complete_groups, summary.incomplete_groups, summary.group_wait_s) == (6, 2, 1.5)  # 12 s / 8 groups
     sao = live_summary(cfg, "sao", 600, 0, 1.0, 1.0, {"steps": 40.0})  # an older learner's run: no drift counters
     assert (sao.drift_restarts, sao.drift_rollbacks, sao.rollbacks, sao.complete_groups) == (None, None, None, None)
+
+
+def test_the_simulations_report_is_logged_to_the_configured_mlflow_experiment(tmp_path, monkeypatch):
+    """``simulate`` (and ``lr-sweep``, through it) logged its report to the experiment "online-sao"
+    whatever ``mlflow.experiment`` said, while ``online-sao report`` logged to the configured one."""
+    from apps.default_model import builder
+    from apps.experiments import parallel, report, style
+    from apps.experiments.results import RewardRow, append_row
+    from apps.experiments.scenario import results_dir
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path), "experiment.driver": "inprocess",
+                                                 "mlflow.experiment": "my-drift-exp"})
+    scenario = cfg.experiment
+
+    def run_arms(plan, *args, **kwargs):  # the arms' results, without running them
+        for run, todo in plan:
+            for name in todo:
+                for i in range(scenario.rollouts_per_arm):
+                    append_row(results_dir(run) / f"{name}.jsonl",
+                               RewardRow(rollout=i, t=1000.0 + i, version=0, reward=0.5, quality=1.0, style=0.5,
+                                         preferred=scenario.preferred_style(i)))
+
+    logged = []
+    monkeypatch.setattr(parallel, "run_arms_inprocess", run_arms)
+    monkeypatch.setattr(builder, "build_base_model", lambda *args, **kwargs: tmp_path / "model")
+    monkeypatch.setattr(style, "load_or_train", lambda *args, **kwargs: None)
+    monkeypatch.setattr(report, "log_to_mlflow", lambda out_dir, arms, uri, experiment, run_name:
+                        logged.append((uri, experiment)))
+    orchestrate.run_simulation(cfg, arms=["sao"], progress=lambda line: None)
+    assert logged == [(cfg.mlflow_uri, "my-drift-exp")]

@@ -15,7 +15,7 @@ from apps.experiments.intervals import interval
 from apps.experiments.metrics import phase_metrics, post_switch_mean
 from apps.experiments.plots import PLOTS
 from apps.experiments.aggregate import NoResults
-from apps.experiments.report import write_report
+from apps.experiments.report import MlflowTarget, write_report
 from apps.experiments.results import (ArmSummary, EvalRow, RewardRow, append_row, count_reward_rows, read_arm,
                                       write_scenario, write_summary)
 
@@ -229,7 +229,7 @@ def test_levels_are_on_the_judges_value_when_raters_scale_the_reward(tmp_path):
 def test_report_is_logged_to_mlflow(results, tmp_path):
     directory, series = results
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    write_report(directory, tmp_path / "report", mlflow_uri=uri, mlflow_experiment="exp-test")
+    write_report(directory, tmp_path / "report", MlflowTarget(uri, "exp-test"))
     client = MlflowClient(tracking_uri=uri)
     run = client.search_runs([client.get_experiment_by_name("exp-test").experiment_id])[0]
     assert run.info.run_name == "synthetic-report"

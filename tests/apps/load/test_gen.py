@@ -359,3 +359,40 @@ def test_the_plot_draws_the_last_partial_bucket_at_its_own_rate(tmp_path, monkey
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
     plot_latency(result, tmp_path / "load.png")
     assert heights and all(h == pytest.approx(10.0, rel=0.05) for h in heights), heights
+
+
+def test_load_draws_its_rewards_in_the_configured_range(tmp_path, monkeypatch):
+    """reward.min_value 0, max_value 1: the load sent rewards in [-1, 1] whatever the range, serving
+    refused the negatives (422) and the run FAILED though serving behaved."""
+    from apps import cli
+
+    low, high = 0.0, 1.0
+    rewards: list[float] = []
+
+    def serving_like(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "online-sao", "policy_version": 0}]})
+        if request.url.path == "/v1/feedback":
+            reward = json.loads(request.content)["reward"]
+            rewards.append(reward)
+            return httpx.Response(200 if low <= reward <= high else 422, json={"status": "accepted"})
+        return httpx.Response(200, json=_chat_answer(f"sao-{len(rewards)}-{id(request)}"))
+
+    def run_against_fake(base_url, api_key, params, progress=print, halt=None):
+        return asyncio.run(LoadGenerator(base_url, api_key, params, progress=lambda line: None, prompts=["p"],
+                                         transport=httpx.MockTransport(serving_like)).run())
+
+    monkeypatch.setattr("apps.load.gen.run_load", run_against_fake)
+    out = tmp_path / "load.json"
+    code = cli.main(["--set", f"reward.min_value={low}", "--set", f"reward.max_value={high}", "load",
+                     "--url", "http://fake", "--clients", "2", "--requests-per-client", "20", "--stream-share", "0",
+                     "--feedback-share", "1", "--no-kafka-check", "--summary-only", "--out", str(out)])
+    assert len(rewards) == 40 and all(low <= reward <= high for reward in rewards), sorted(rewards)[:3]
+    assert max(rewards) - min(rewards) > (high - low) / 2  # spread over the range, not pinned to a bound
+    assert code == 0 and json.loads(out.read_text())["passed"]
+
+
+@pytest.mark.parametrize("reward_range", [(1.0, 0.0), (0.0, 0.0), (float("nan"), 1.0), (0.0, float("inf"))])
+def test_load_params_refuse_a_reward_range_to_draw_nothing_from(reward_range):
+    with pytest.raises(ValueError, match="reward_range"):
+        LoadParams(reward_range=reward_range)

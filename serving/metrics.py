@@ -14,7 +14,11 @@ from serving.engine.base import SwapResult
 from serving.monitoring import ServingMonitors
 from serving.turn import ROUTE_PATHS
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 180.0,
+                    300.0, 600.0)
+"""Up to 600 s, twice ``serving.request_timeout_s``'s default (300 s): a request's latency is bounded
+by its deadline, and one past the top bucket lands in +Inf, where ``histogram_quantile`` reports the
+top bucket's bound (60 s, when it was the top, for a request of 200 s)."""
 _SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 TIMEOUT_STAGES = ("queued", "running")
 """Where a request was when its deadline passed: no token sampled yet (queued for a batch slot, or being

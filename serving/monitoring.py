@@ -2,7 +2,9 @@
 length and repetition of its recent answers (docs/DEPLOY.md, "Segments" and "Monitors in
 /metrics"). The books are pure (:mod:`online_sao.segments`, :mod:`online_sao.monitors`);
 this module derives a request's segment key and keeps the books behind a lock, because
-answers are logged on the event loop while ``/metrics`` may be read from a worker thread."""
+answers are logged on the event loop while ``/metrics`` is read from a worker thread (its route
+runs in FastAPI's threadpool). The monitors copy the window under the lock and compute outside
+it: computed under it, a scrape over long answers held the event loop's next ``observe``."""
 
 from __future__ import annotations
 
@@ -53,10 +55,13 @@ class ServingMonitors:
 
     def mean_length(self) -> float:
         """Mean sampled tokens per recent answer (NaN before the first)."""
-        with self._lock:
-            return mean_answer_length(list(self._answers))
+        return mean_answer_length(self._recent_answers())
 
     def repetition(self) -> float:
         """Share of repeated ``ngram``-grams in the recent answers (NaN without any)."""
+        return repeated_ngram_share(self._recent_answers(), self.ngram)
+
+    def _recent_answers(self) -> list[list[int]]:
+        """The window's answers now; each is a copy made by :meth:`observe` that nobody changes."""
         with self._lock:
-            return repeated_ngram_share(list(self._answers), self.ngram)
+            return list(self._answers)

@@ -12,7 +12,6 @@ the interaction log refuses work or the server shuts down; not while the engine 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -59,8 +58,7 @@ def authorizer(auth: ApiKeyAuth) -> Authorize:
         try:
             return auth.check(request.headers.get("authorization"), request.client.host if request.client else None)
         except AuthError as exc:
-            # rounded up: a client that waits as long as it says finds a token (1.2 s rounded to 1 did not)
-            headers = {"Retry-After": f"{max(1, math.ceil(exc.retry_after_s))}"} if exc.retry_after_s else {}
+            headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}  # whole seconds already
             kind = "rate_limit_error" if exc.status == 429 else "authentication_error"
             raise APIError(exc.status, exc.message, type=kind, code=exc.code, headers=headers) from None
 
@@ -193,7 +191,10 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
                              "spooling": logger.spooling, "waiting": inflight.waiting, "running": inflight.running})
 
     @router.get("/metrics")
-    async def prometheus() -> Response:
+    def prometheus() -> Response:
+        # a plain def: FastAPI renders it in its threadpool. Rendering waits for the spool's lock
+        # (held across a write's fsync and a compaction) and computes the answer monitors over the
+        # window: on the event loop, a scrape stalled every request meanwhile
         return Response(metrics.render(), media_type=ServingMetrics.CONTENT_TYPE)
 
     return router

@@ -1,15 +1,15 @@
 """Rank 0's Prometheus metrics (``trainer.metrics_port``): what only the learner knows.
 
 Serving's ``/metrics`` shows what every replica answers now (length and repetition of its own
-recent answers). The registry's monitors that need the learner (the KL from the reference, the
-dead-letter share, the scores that rewards carry, each over the learner's window) and the
-learner's own counters are served here, on a port of rank 0, for the same Prometheus:
+recent answers). The registry's monitors that need the learner (the dead-letter share and the
+scores that rewards carry over the learner's window; the KL from the reference over a candidate's
+answers) and the learner's own counters are served here, on a port of rank 0, for the same Prometheus:
 
 - ``sao_learner_monitor{monitor, scope="window"}``: each monitor over the whole recent window,
-  every step (the ``monitor_*`` MLflow metrics);
+  every step (the ``monitor_*`` MLflow metrics; no ``kl``: it is measured at decisions only);
 - ``sao_learner_monitor{monitor, scope="candidate"}``: each monitor over the last decided
-  candidate's answers, at its decision (``registry_monitor_*``), and
-  ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
+  candidate's answers, at its decision (``registry_monitor_*``, ``kl`` with ``deploy.monitor_max_kl``),
+  and ``sao_learner_monitor_tripped{monitor}`` 1 for those over their threshold then;
 - ``sao_learner_step``, ``sao_learner_policy_version``, ``sao_learner_reward_mean`` and
   ``sao_learner_count{name}`` (dead letters, roll-backs, drift restarts, ...: ``COUNTERS``; and
   the reward join's, ``join_*``: rewards read, joined, late, ignored, ...: ``JoinCounters``). The
@@ -17,6 +17,12 @@ learner's own counters are served here, on a port of rank 0, for the same Promet
   and follow every pass of the loop, not only steps: a learner that never steps still shows a step
   that does not change (the ``LearnerStalled`` alert) and counts what it reads; the reward mean is
   the last step's.
+- ``sao_learner_events_total{name}``: the same counters as Prometheus counters, what each grew by
+  in this process (:class:`EventCounts`). ``sao_learner_count`` are lifetime totals as the last
+  checkpoint had them, so they go *down* at a restart (what was counted after that checkpoint is
+  lost, and counted again as the records are read again); ``increase()`` takes a drop for a counter
+  reset and adds the whole total before it. These start at 0 in each process: a restart is a reset
+  that ``increase()`` and ``rate()`` handle, and alerts and panels read them.
 - whether the learner keeps up (:class:`~trainer.feed.KeepingUp`), every pass of the loop from its
   first (:meth:`LearnerExporter.feed`):
   ``sao_learner_unread_records{topic="interactions|rewards"}`` (on Kafka, not read yet; see
@@ -38,11 +44,34 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from online_sao.config import ConfigError
 from trainer.feed import ENDS_EVERY_S, KeepingUp
+
+
+class EventCounts:
+    """What each of the learner's totals grew by since this process first reported it: the first
+    total reported is the baseline (as restored), so every name starts at 0, and only rises count.
+    A total that falls (a counter restored in-process) is not subtracted: a Prometheus counter never
+    decreases, and the next rises count from the lower total."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._grown: dict[str, float] = {}
+
+    def observe(self, totals: Mapping[str, float]) -> None:
+        for name, total in totals.items():
+            last = self._last.get(name)
+            if last is None:
+                self._grown[name] = 0.0
+            elif total > last:
+                self._grown[name] += total - last
+            self._last[name] = total
+
+    def grown(self) -> dict[str, float]:
+        return dict(self._grown)
 
 
 class LearnerExporter(Collector):
@@ -56,6 +85,7 @@ class LearnerExporter(Collector):
         self._tripped: dict[str, float] = {}
         self._learner: dict[str, float] = {}
         self._counts: dict[str, float] = {}
+        self._events = EventCounts()
         self._keeping_up: KeepingUp | None = None
         self._sources: dict[str, tuple[float, int]] = {}
         registry = CollectorRegistry()
@@ -76,14 +106,19 @@ class LearnerExporter(Collector):
         with self._lock:
             self._learner = {"step": float(step), "policy_version": float(version), "reward_mean": reward_mean}
             self._window = dict(window_monitors)
-            self._counts = dict(counts)
+            self._set_counts(counts)
 
     def position(self, step: int, version: int, counts: Mapping[str, float]) -> None:
         """The step, version and counters now, between steps (at the start: as restored); the reward
         mean stays the last step's."""
         with self._lock:
             self._learner = {**self._learner, "step": float(step), "policy_version": float(version)}
-            self._counts = dict(counts)
+            self._set_counts(counts)
+
+    def _set_counts(self, counts: Mapping[str, float]) -> None:
+        """Under the lock: the totals, and what they grew by since the first."""
+        self._counts = dict(counts)
+        self._events.observe(counts)
 
     def keeping_up(self, reading: KeepingUp) -> None:
         """Whether the learner kept up, at the end of a step."""
@@ -109,11 +144,11 @@ class LearnerExporter(Collector):
             self._candidate = dict(monitors)
             self._tripped = {name: float(name in tripped) for name in monitors}
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         with self._lock:
             learner, window, candidate = dict(self._learner), dict(self._window), dict(self._candidate)
             tripped, counts, keeping_up = dict(self._tripped), dict(self._counts), self._keeping_up
-            sources = dict(self._sources)
+            sources, events = dict(self._sources), self._events.grown()
         for name, value in learner.items():
             if math.isfinite(value):
                 yield GaugeMetricFamily(f"sao_learner_{name}", f"the learner's {name.replace('_', ' ')}",
@@ -131,11 +166,17 @@ class LearnerExporter(Collector):
         for name, value in sorted(tripped.items()):
             flags.add_metric([name], value)
         yield flags
-        count = GaugeMetricFamily("sao_learner_count", "the learner's counters (they survive restarts)",
-                                  labels=["name"])
+        count = GaugeMetricFamily("sao_learner_count", "the learner's counters, lifetime totals as of the last "
+                                  "checkpoint (they go down at a restart: use sao_learner_events_total in "
+                                  "increase() and rate())", labels=["name"])
         for name, value in sorted(counts.items()):
             count.add_metric([name], value)
         yield count
+        event = CounterMetricFamily("sao_learner_events", "what each of the learner's counters grew by in this "
+                                    "process (0 at its start)", labels=["name"])
+        for name, value in sorted(events.items()):
+            event.add_metric([name], value)
+        yield event
         if keeping_up is not None:
             yield from keeping_up_families(keeping_up)
         source = GaugeMetricFamily("sao_learner_source_reward", "each reward source's newest rewards on the "

@@ -64,16 +64,16 @@ class BodyLimitMiddleware(HttpOnlyMiddleware):
 
 
 def route_label(path: str, routes: frozenset[str]) -> str:
-    """The ``route`` label of a request to ``path``: the path itself when ``routes`` names it, the template
-    whose last segment is a parameter (``/v1/models/{model}``) for a path it matches, else ``other``
+    """The ``route`` label of a request to ``path``: the path itself when ``routes`` names it; for a
+    template ending in a parameter (``/v1/models/{model}``, a path parameter: model names hold slashes,
+    ``Qwen/Qwen2.5-0.5B-Instruct``), the template for any path below its fixed part; else ``other``
     (never the raw path: every unknown path or model name would be a series of its own)."""
     if path in routes:
         return path
-    head, _, last = path.rpartition("/")
-    if last:
-        for template in routes:
-            if template.startswith(f"{head}/{{") and template.endswith("}") and template.count("/") == path.count("/"):
-                return template
+    for template in routes:
+        fixed, brace, _ = template.partition("/{")
+        if brace and template.endswith("}") and path.startswith(f"{fixed}/") and len(path) > len(fixed) + 1:
+            return template
     return "other"
 
 

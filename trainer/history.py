@@ -85,6 +85,16 @@ class HistoryJoiner(RewardJoiner):
                                     None if owner is None else self._pending(owner)) if e is not None]
         return all(self._past_window(e, -math.inf) for e in touched)
 
+    def close_open_windows(self) -> None:
+        """The end of the history: every window still open is over. The clock moves just past the last
+        window's end, not to infinity: the id memory forgets what is older than its horizon behind the
+        clock, and at infinity it forgot every finished id, so a continuation taken at the end observed
+        the turns of an unrated first answer that the same continuation taken mid-read trained."""
+        ends = [self._window_end(e) for e in (*self._waiting.values(), *self._ready.values())]
+        ends += [c.ts + self.cfg.window_s for held in self._held.values() for c in held]
+        if ends:
+            self.advance(math.nextafter(max(ends), math.inf))
+
 
 class NewestRollouts:
     """The newest ``keep`` usable rollouts of policy ``version`` among those the join hands out (with
@@ -107,7 +117,7 @@ class NewestRollouts:
 
 def _rollouts_at_end(joiner: HistoryJoiner, newest: NewestRollouts) -> list[Rollout]:
     """``newest`` once the history is read: every window still open is over."""
-    joiner.advance(math.inf)
+    joiner.close_open_windows()
     newest.add(joiner.pop_settled())
     if newest.counts["invalid_rollouts"]:
         log.warning("pre-training data: %d rollouts of version %d left out as unusable (see above)",

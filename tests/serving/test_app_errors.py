@@ -168,14 +168,15 @@ def test_models_readyz_and_metrics(make_harness):
     h.client.post(CHAT, json={**GOOD, "model": "nope"})
     assert h.client.get("/v1/models/online-sao").status_code == 200
     assert h.client.get("/v1/models/nope").status_code == 404
-    assert h.client.get("/v1/models/online-sao/x").status_code == 404
+    assert h.client.get("/v1/models/Qwen/Qwen2.5-0.5B-Instruct").status_code == 404  # names hold slashes
+    assert h.client.get("/v2/models").status_code == 404
     h.interactions()
     text = h.client.get("/metrics").text
     # a model card under its route's template whatever the name (never the name: one series per name sent)
     assert 'sao_serving_requests_total{route="/v1/models/{model}",status="200"} 1.0' in text
-    assert 'sao_serving_requests_total{route="/v1/models/{model}",status="404"} 1.0' in text
+    assert 'sao_serving_requests_total{route="/v1/models/{model}",status="404"} 2.0' in text
     assert 'sao_serving_requests_total{route="other",status="404"} 1.0' in text
-    assert "nope" not in text
+    assert "nope" not in text and "Qwen" not in text
     assert 'sao_serving_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'sao_serving_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert f"sao_serving_completion_tokens_total {float(len(h.engine.script))}" in text

@@ -205,3 +205,23 @@ def test_ready_rollouts_past_the_joins_bound_are_taken_before_their_windows_end(
     rollouts = rollouts_from_file(path, cfg, version=0)
     assert [r.interaction_id for r in rollouts] == [f"i{k}" for k in range(HISTORY) if k % 3 != 1]
     assert held.most_records <= bound + 2  # and the interaction and the reward just read
+
+
+@pytest.mark.parametrize("records_after", [False, True])
+def test_a_continuation_trains_the_same_turns_at_the_end_of_the_history_as_before_it(tmp_path, records_after):
+    """p is answered and never rated (``on_missing: drop``), the user goes on 30 s later (c, rated). The
+    read closed the windows still open at its end by moving the join's clock to infinity, which made the
+    id memory forget every finished id: c, taken at the end, observed p's turn instead of training it;
+    taken earlier (more history after it) it trained it."""
+    from tests.trainer.records import conversation
+
+    p, c = conversation(["p", "c"])
+    at = lambda record, ts: record.model_copy(update={"created_at": ts, "completed_at": ts})  # noqa: E731
+    records = [(START, at(p, START)), (START + 30.0, at(c, START + 30.0)),
+               (START + 31.0, make_reward("c", 1.0).model_copy(update={"created_at": START + 31.0}))]
+    if records_after:
+        records += [(START + 200.0, make_interaction("later", created_at=START + 200.0)),
+                    (START + 201.0, make_reward("later", 0.5).model_copy(update={"created_at": START + 201.0}))]
+    cfg = _config(tmp_path, **{"reward.window_s": 10.0})
+    continued = next(r for r in rollouts_from_file(_file(tmp_path, records), cfg, 0) if r.interaction_id == "c")
+    assert int(sum(continued.action_mask)) == 4  # both turns sampled by the policy train: p's and c's

@@ -69,7 +69,7 @@ def _learn(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
     from trainer.checkpoint import Checkpointer
-    from trainer.ledger import ledger_files, redact_ledger
+    from trainer.ledger import ledger_files, redact_ledger, torn_files
 
     root = cfg.checkpoint_dir
     if args.action == "sealed":  # paths on stdout (for xargs), what else is said on stderr
@@ -93,6 +93,9 @@ def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
     redacted = redact_ledger(root, set(args.ids))
     print(f"{redacted} occurrence(s) of {len(set(args.ids))} id(s) redacted in {len(files)} ledger file(s) "
           f"under {root}")
+    for torn in torn_files(root):  # an append the learner was making when it stopped (a full disk, a kill)
+        print(f"{torn} ends in a torn line, which no checkpoint covers: left as it is (not JSON to redact in); "
+              "the learner's next start cuts it, ids in it included", file=sys.stderr)
     if not redacted:  # an erasure request that erased nothing: a mistyped id, or the wrong data_dir
         print(f"none of the ids is in the ledger under {root} (never trained on, already redacted, or another "
               "checkpoint directory)", file=sys.stderr)

@@ -191,6 +191,12 @@ class Interaction(Record):
             raise ValueError("a log-probability is above 0")
         if any(not 0 <= e < n for e in self.turn_ends):
             raise ValueError("turn_ends points outside response_ids")
+        # each turn ends after the one before (serving adds an end only for a turn that sampled tokens):
+        # out of order or repeated, the learner would credit rewards to the wrong turn and train a turn on none
+        for turn, (earlier, later) in enumerate(zip(self.turn_ends, self.turn_ends[1:]), start=1):
+            if later <= earlier:
+                raise ValueError(f"turn_ends must increase strictly (one end per turn, in order): turn {turn} "
+                                 f"ends at {later}, not after turn {turn - 1}'s end {earlier}")
         if self.turn_origins is not None and len(self.turn_origins) != len(self.turn_ends):
             raise ValueError(f"turn_origins has {len(self.turn_origins)} entries for {len(self.turn_ends)} turns")
         return self

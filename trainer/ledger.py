@@ -157,7 +157,9 @@ class Ledger:
 def ledger_files(path: Path) -> list[Path]:
     """The files of the ledger at ``path``, oldest first. ``path`` is a checkpoint directory, its
     ``ledger/`` directory, one segment file, or ``<checkpoint_dir>/ledger.jsonl`` (the name of the
-    layout before segments: the ledger of that checkpoint directory, migrated or not)."""
+    layout before segments: the ledger of that checkpoint directory, migrated or not). The old name
+    left beside the first segment by a migration that was stopped before removing it
+    (:meth:`Ledger.migrate`) is not one of them: it holds that segment's lines."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -165,17 +167,43 @@ def ledger_files(path: Path) -> list[Path]:
         path = path.parent
     if (path / LEDGER_DIR).is_dir() or (path / LEDGER_FILE).is_file():
         legacy = path / LEDGER_FILE
-        return ([legacy] if legacy.is_file() else []) + segments(path / LEDGER_DIR)
+        unmigrated = legacy.is_file() and _left_by_migration(path) is None
+        return ([legacy] if unmigrated else []) + segments(path / LEDGER_DIR)
     return segments(path)
+
+
+def _left_by_migration(root: Path) -> Path | None:
+    """``root``'s ``ledger.jsonl`` where a stopped migration left it: the first segment holds the same
+    bytes (a link to it, or its copy), which the learner's next start removes (:meth:`Ledger.migrate`)."""
+    legacy, migrated = root / LEDGER_FILE, root / LEDGER_DIR / LEGACY_SEGMENT
+    if legacy.is_file() and migrated.is_file() and (
+            legacy.samefile(migrated) or filecmp.cmp(legacy, migrated, shallow=False)):
+        return legacy
+    return None
+
+
+def _whole_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """``data``'s newline-terminated lines, and what follows the last of them: the torn line of an
+    append the learner was making when it stopped (a full disk, a kill), b"" when there is none. No
+    checkpoint covers a torn line (a checkpoint records the length after its whole lines), so the
+    learner's next start cuts it (:meth:`Ledger.cut_back`)."""
+    end = data.rfind(b"\n") + 1
+    return data[:end].splitlines(keepends=True), data[end:]
+
+
+def torn_files(path: Path) -> list[Path]:
+    """The files of the ledger at ``path`` (:func:`ledger_files`) that end in a torn line (:func:`_whole_lines`)."""
+    return [file for file in ledger_files(path) if _whole_lines(file.read_bytes())[1]]
 
 
 def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:
     """(step, interaction id) of every line of the ledger at ``path`` (:func:`ledger_files`), in
     order: every id a step took (``refused=None``), only those of refused steps (True) or only those
-    actually trained on (False). Archived or deleted sealed segments are not there to read."""
+    actually trained on (False). Archived or deleted sealed segments are not there to read, and a
+    torn last line (:func:`_whole_lines`) is not read: no checkpoint covers it."""
     out = []
     for file in ledger_files(path):
-        for line in file.read_text().splitlines():
+        for line in _whole_lines(file.read_bytes())[0]:
             entry = json.loads(line)
             if refused is None or entry.get("refused", False) == refused:
                 out.extend((entry["step"], iid) for iid in entry["ids"])
@@ -192,13 +220,23 @@ def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
     keeps its length (the newest checkpoint records the current one's); returns the number of ids
     redacted. Each segment is written to a new file and renamed over the old one: run it with the
     learner stopped (a step appended meanwhile would be lost, and the learner would then refuse to
-    start)."""
-    return sum(_redact_file(file, {json.dumps(iid) for iid in interaction_ids}) for file in ledger_files(path))
+    start). A torn last line (:func:`_whole_lines`, :func:`torn_files`) is left as it is: it is
+    not JSON to read ids from, and the learner's next start cuts it. The old name a stopped
+    migration left beside the first segment is redacted too, not counted: it stays that segment's
+    copy, which the learner's next start removes (redacted alone, the learner would refuse to
+    start, the two differing)."""
+    wanted = {json.dumps(iid) for iid in interaction_ids}
+    files = ledger_files(path)  # before the old name is rewritten: it is then no longer the segment's link
+    left = _left_by_migration(Path(path)) if Path(path).is_dir() else None
+    if left is not None:
+        _redact_file(left, wanted)
+    return sum(_redact_file(file, wanted) for file in files)
 
 
 def _redact_file(path: Path, wanted: set[str]) -> int:
     redacted, lines = 0, []
-    for line in path.read_bytes().splitlines(keepends=True):
+    whole, torn = _whole_lines(path.read_bytes())
+    for line in whole:
         entry: dict[str, Any] = json.loads(line)
         ids = [json.dumps(iid) for iid in entry["ids"]]
         hits = [encoded for encoded in ids if encoded in wanted]
@@ -214,7 +252,7 @@ def _redact_file(path: Path, wanted: set[str]) -> int:
     if redacted:
         scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         with open(scratch, "wb") as fh:
-            fh.writelines(lines)
+            fh.writelines(lines + [torn])
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(scratch, path)

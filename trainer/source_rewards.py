@@ -7,6 +7,14 @@ keeps them: :attr:`~trainer.join_state.JoinedInteraction.source_rewards`); this 
 ``window`` of each source's and reports their mean and count, in MLflow (``source.<name>.reward``,
 ``source.<name>.count``) and Prometheus (``sao_learner_source_reward{source, stat}``).
 
+MLflow refuses a metric key with characters outside its set, or one that names another path once
+read as a file path (``judge//v2``, ``a/./b``, ``x/../y``), and ``/v1/feedback`` takes any source
+name up to 128 characters: a refused key would end the learner's loop, and the source would stay
+in the window to refuse it again. A name of letters, digits and ``_-.`` is the metric's ``<name>``
+as it is; any other has every other character (``/`` too) written ``_`` and the first 8 hex digits
+of its SHA-256 appended (``https://judge.example/v2`` -> ``https___judge.example_v2-<hash>``), so
+two names that clean to the same text keep their own keys. The Prometheus label is the name itself.
+
 Sources are named by clients, so their number is bounded: with ``reward.sources`` set, those are
 the ones shown (no other is applied); otherwise the first :data:`MAX_SOURCES_SHOWN` seen since the
 learner started, and every later one is folded into ``other``.
@@ -14,6 +22,7 @@ learner started, and every later one is folded into ``other``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections import deque
@@ -24,8 +33,13 @@ MAX_SOURCES_SHOWN = 8
 two MLflow metrics, and a client can name as many as it likes."""
 OTHER = "other"
 """The label of every source past the bound."""
-_NOT_IN_METRIC_NAMES = re.compile(r"[^A-Za-z0-9_\-. :/]")
-"""What MLflow refuses in a metric name (it takes letters, digits and ``_-. :/``)."""
+_NOT_PLAIN = re.compile(r"[^A-Za-z0-9_.-]")
+"""What a source name shown as it is may not hold: MLflow takes ``/`` too, but reads a key as a
+file path and refuses one that resolves to another (module docstring); a space and ``:`` it
+refuses on Windows."""
+HASH_HEX_DIGITS = 8
+"""Hex digits of the SHA-256 of a name that is not plain, appended to its cleaned text: tells
+apart the few names shown (at most :data:`MAX_SOURCES_SHOWN` and ``other``) that clean alike."""
 
 
 class SourceRewards:
@@ -55,11 +69,30 @@ class SourceRewards:
                 for label, values in sorted(self.rewards.items())}
 
     def metrics(self) -> dict[str, float]:
-        """``source.<label>.reward`` and ``source.<label>.count`` (characters MLflow refuses in a
-        name become ``_``)."""
+        """``source.<name>.reward`` and ``source.<name>.count``, ``<name>`` as
+        :func:`metric_names` gives it."""
+        stats = self.stats()
+        names = metric_names(stats)
         out: dict[str, float] = {}
-        for label, (mean, count) in self.stats().items():
-            name = _NOT_IN_METRIC_NAMES.sub("_", label)
-            out[f"source.{name}.reward"] = mean
-            out[f"source.{name}.count"] = float(count)
+        for label, (mean, count) in stats.items():
+            out[f"source.{names[label]}.reward"] = mean
+            out[f"source.{names[label]}.count"] = float(count)
         return out
+
+
+def metric_names(labels: Iterable[str]) -> dict[str, str]:
+    """Each label's ``<name>`` in its metric keys, one of its own (module docstring): a plain label
+    as it is, any other cleaned and hashed, and a plain label that spells another's hashed name
+    (a client may send one) hashed as well."""
+    names = {label: label if _is_plain(label) else _hashed(label) for label in labels}
+    taken = {name for label, name in names.items() if name != label}
+    return {label: _hashed(label) if name == label and name in taken else name for label, name in names.items()}
+
+
+def _is_plain(label: str) -> bool:
+    return _NOT_PLAIN.search(label) is None
+
+
+def _hashed(label: str) -> str:
+    digest = hashlib.sha256(label.encode()).hexdigest()[:HASH_HEX_DIGITS]
+    return f"{_NOT_PLAIN.sub('_', label)}-{digest}"

@@ -242,6 +242,19 @@ def test_ledger_redact_covers_every_segment_and_sealed_lists_the_old_ones(tmp_pa
     assert capsys.readouterr().out.split() == [str(segments / "00000001.jsonl"), str(segments / "00000002.jsonl")]
 
 
+def test_ledger_redact_leaves_a_torn_last_line_and_says_so(tmp_path, capsys):
+    """A learner stopped mid-append (a full disk) leaves a torn last line, which its next start cuts:
+    redaction failed on it with a bare JSONDecodeError and erased nothing."""
+    segment = tmp_path / "checkpoints" / "ledger" / "00000001.jsonl"
+    segment.parent.mkdir(parents=True)
+    segment.write_bytes(b'{"step":1,"ids":["sao-1","sao-2"]}\n{"step":2,"ids":["sao-2","sao')
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "ledger", "redact", "sao-2"]) == 0
+    out, err = capsys.readouterr()
+    assert "1 occurrence(s) of 1 id(s) redacted" in out
+    assert f"{segment} ends in a torn line" in err and "the learner's next start cuts it" in err
+    assert segment.read_bytes() == b'{"step":1,"ids":["sao-1","-----"]}\n{"step":2,"ids":["sao-2","sao'
+
+
 def test_ledger_sealed_without_checkpoints_says_so_and_creates_nothing(tmp_path, capsys):
     argv = ["--set", f"paths.data_dir={tmp_path}", "ledger", "sealed"]
     assert cli.main(argv) == 1

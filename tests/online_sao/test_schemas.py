@@ -71,6 +71,21 @@ def test_lengths_that_disagree_are_rejected(overrides, message):
         decode(json.dumps(obj).encode())
 
 
+@pytest.mark.parametrize("turn_ends, message", [
+    ([3, 1], "turn 1 ends at 1, not after turn 0's end 3"),
+    ([1, 1], "turn 1 ends at 1, not after turn 0's end 1"),
+    ([0, 2, 1], "turn 2 ends at 1, not after turn 1's end 2"),
+])
+def test_turn_ends_out_of_order_or_repeated_are_rejected(turn_ends, message):
+    # accepted, the learner credited a turn's reward to another turn's last token and trained a turn on no tokens
+    obj = json.loads(encode(interaction()))
+    obj["turn_ends"] = turn_ends
+    with pytest.raises(RecordError, match=f"turn_ends must increase strictly.*{message}"):
+        decode(json.dumps(obj).encode())
+    obj["turn_ends"] = sorted(set(turn_ends))
+    assert decode(json.dumps(obj).encode()).turn_ends == sorted(set(turn_ends))
+
+
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
 def test_non_finite_numbers_are_rejected(literal):
     data = b'{"schema_version":1,"kind":"reward","interaction_id":"x","value":' + literal + b"}"

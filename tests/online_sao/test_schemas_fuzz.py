@@ -47,7 +47,7 @@ def interactions(draw) -> Interaction:
         response_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)), action_mask=mask,
         logprobs=draw(st.lists(st.floats(MIN_LOGPROB, 0.0, allow_nan=False), min_size=actions, max_size=actions)),
         versions=draw(st.lists(versions, min_size=actions, max_size=actions)),
-        turn_ends=draw(st.lists(st.integers(0, n - 1), max_size=3)) if n else [],
+        turn_ends=draw(st.lists(st.integers(0, n - 1), max_size=3, unique=True).map(sorted)) if n else [],
         sampling=SamplingParams(temperature=draw(st.floats(MIN_TEMPERATURE, 10)),
                                 top_p=draw(st.floats(0, 1, exclude_min=True)), max_tokens=draw(st.integers(1, 10**6)),
                                 seed=draw(st.none() | st.integers()),

@@ -4,13 +4,15 @@ across a rotation, and checkpoint directories of the layout before segments (one
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
 from streams.base import TopicPartition
-from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState, read_ledger
+from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState, read_ledger, redact_ledger
+from trainer.ledger import torn_files
 
 
 def _save(checkpointer: Checkpointer, step: int, ids: list[str], version: int | None = None) -> None:
@@ -117,3 +119,43 @@ def test_a_ledger_and_a_different_old_ledger_file_are_not_merged(tmp_path):
     with pytest.raises(RuntimeError, match="both exist"):
         Checkpointer(tmp_path).resume()
     assert (tmp_path / "ledger.jsonl").exists()
+
+
+@pytest.mark.parametrize("left_as", ["link", "copy"])
+def test_a_migration_cut_short_is_read_once_and_redacted_in_both_names(tmp_path, left_as):
+    """Killed between the rename of the new directory and the old name's removal (Ledger.migrate): the
+    old name is the first segment's link (or copy). Read as a file of its own, every id it held was
+    listed twice; redacted in one name alone, the learner would refuse to start (the two differing)."""
+    checkpointer = Checkpointer(tmp_path)
+    _save(checkpointer, 1, ["a", "b"])
+    _to_old_layout(tmp_path, uncommitted=b"")
+    (tmp_path / "ledger").mkdir()
+    place = os.link if left_as == "link" else shutil.copyfile
+    place(tmp_path / "ledger.jsonl", tmp_path / "ledger" / "00000000.jsonl")
+
+    assert read_ledger(tmp_path) == [(1, "a"), (1, "b")]
+    assert redact_ledger(tmp_path, {"b"}) == 1  # counted once, though written in both names
+    assert (tmp_path / "ledger.jsonl").read_bytes() == (tmp_path / "ledger" / "00000000.jsonl").read_bytes()
+    assert Checkpointer(tmp_path).resume().state.step == 1  # the next start finishes the migration
+    assert not (tmp_path / "ledger.jsonl").exists() and read_ledger(tmp_path) == [(1, "a"), (1, "-")]
+
+
+TORN = b'{"step":3,"ids":["c","d'
+"""What an append the learner was making when it stopped (a full disk, a kill) may leave: no newline."""
+
+
+def test_a_torn_last_line_is_not_read_and_redaction_leaves_it_to_the_next_start(tmp_path):
+    checkpointer = Checkpointer(tmp_path)
+    _save(checkpointer, 1, ["a", "b"])
+    _save(checkpointer, 2, ["c"])
+    (segment,) = checkpointer.ledger.segments()
+    committed = segment.read_bytes()
+    with open(segment, "ab") as fh:
+        fh.write(TORN)
+
+    assert read_ledger(tmp_path) == [(1, "a"), (1, "b"), (2, "c")]  # raised a bare JSONDecodeError
+    assert torn_files(tmp_path) == [segment]
+    assert redact_ledger(tmp_path, {"c"}) == 1
+    assert segment.read_bytes() == committed.replace(b'"c"', b'"-"') + TORN  # the torn line as it was
+    assert Checkpointer(tmp_path).resume().state.step == 2  # which the next start cuts
+    assert segment.read_bytes() == committed.replace(b'"c"', b'"-"') and torn_files(tmp_path) == []

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
+import pytest
+from mlflow import MlflowClient
+
+from online_sao.config import Config, load_config
 from trainer.source_rewards import MAX_SOURCES_SHOWN, SourceRewards
+from trainer.tracking import RunTracker
+
+NAMES_MLFLOW_WOULD_REFUSE = ["https://judge.example/v2", "a/./b", "x/../y", "a?b", "a!b"]
+"""Names ``/v1/feedback`` takes: MLflow refuses ``//``, ``/./`` and ``/../`` in a key (it would name
+another path), and ``?``/``!`` at all; the last two also clean to the same text."""
+
+
+@pytest.fixture
+def tracking_cfg(tmp_path) -> Config:
+    """A config on an empty MLflow SQLite store of its own, with a model directory holding a config file."""
+    db = tmp_path / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    cfg = load_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                             "mlflow.tracking_uri": f"sqlite:///{db}"})
+    cfg.model_dir.mkdir(parents=True)
+    (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
+    return cfg
 
 
 def test_each_source_keeps_its_newest_rewards():
@@ -38,8 +60,37 @@ def test_listed_sources_are_shown_from_the_start_and_only_they():
     assert sources.stats()["judge"] == (1.0, 1) and set(sources.stats()) == {"judge", "user", "other"}
 
 
-def test_names_mlflow_refuses_are_written_with_underscores():
+def test_plain_names_keep_their_keys_and_others_are_cleaned_and_hashed():
     sources = SourceRewards(window=2)
-    sources.observe({"judge (v2)!": 0.5, "team/a b:c-d.e_f": 1.0})
-    assert sources.metrics() == {"source.judge _v2__.reward": 0.5, "source.judge _v2__.count": 1.0,
-                                 "source.team/a b:c-d.e_f.reward": 1.0, "source.team/a b:c-d.e_f.count": 1.0}
+    sources.observe({"judge-v2.1_a": 0.5, "team/a b:c": 1.0})
+    hashed = f"team_a_b_c-{_sha8('team/a b:c')}"
+    assert sources.metrics() == {"source.judge-v2.1_a.reward": 0.5, "source.judge-v2.1_a.count": 1.0,
+                                 f"source.{hashed}.reward": 1.0, f"source.{hashed}.count": 1.0}
+
+
+def test_a_plain_name_that_spells_another_names_key_gets_a_key_of_its_own():
+    mimic = f"a_b-{_sha8('a?b')}"  # a client may send another name's cleaned, hashed text as its own name
+    sources = SourceRewards(window=2)
+    sources.observe({"a?b": 1.0, mimic: 0.0})
+    assert sources.metrics() == {f"source.{mimic}.reward": 1.0, f"source.{mimic}.count": 1.0,
+                                 f"source.{mimic}-{_sha8(mimic)}.reward": 0.0,
+                                 f"source.{mimic}-{_sha8(mimic)}.count": 1.0}
+
+
+def test_names_mlflow_would_refuse_are_logged_each_under_its_own_key(tracking_cfg):
+    sources = SourceRewards(window=4)
+    for value, name in enumerate(NAMES_MLFLOW_WOULD_REFUSE):
+        sources.observe({name: float(value)})
+    metrics = sources.metrics()
+    tracker = RunTracker(tracking_cfg)
+    try:
+        tracker.log_metrics(metrics, step=1)  # refused keys raised here and ended the learner's loop
+        logged = MlflowClient(tracking_uri=tracking_cfg.mlflow_uri).get_run(tracker.run_id).data.metrics
+    finally:
+        tracker.close()
+    assert logged == metrics and len(logged) == 2 * len(NAMES_MLFLOW_WOULD_REFUSE)  # no two share a key
+    assert sorted(v for k, v in logged.items() if k.endswith(".reward")) == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def _sha8(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:8]

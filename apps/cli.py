@@ -95,7 +95,8 @@ def _ledger(cfg: AppConfig, args: argparse.Namespace) -> int:
           f"under {root}")
     for torn in torn_files(root):  # an append the learner was making when it stopped (a full disk, a kill)
         print(f"{torn} ends in a torn line, which no checkpoint covers: left as it is (not JSON to redact in); "
-              "the learner's next start cuts it, ids in it included", file=sys.stderr)
+              "in the current segment the learner's next start cuts it, ids in it included; in a sealed one "
+              "(`online-sao ledger sealed`) nothing does: edit it by hand", file=sys.stderr)
     if not redacted:  # an erasure request that erased nothing: a mistyped id, or the wrong data_dir
         print(f"none of the ids is in the ledger under {root} (never trained on, already redacted, or another "
               "checkpoint directory)", file=sys.stderr)

@@ -10,9 +10,12 @@ lists cost the learner's thread about 0.2 s and every checkpoint 10 MB of meta.j
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import OrderedDict
 from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from online_sao.schemas import Interaction
 from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
@@ -20,6 +23,8 @@ from trainer.join_state import Claim, Contribution, Entry, JoinCounters
 
 if TYPE_CHECKING:
     from trainer.join import RewardJoiner
+
+log = logging.getLogger(__name__)
 
 LEGACY_FINISHED_MEMORY_WINDOWS = 2.0
 """Checkpoints written before the id memory remembered finished ids until ``ts + 2 windows``;
@@ -45,8 +50,8 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
     from ``state``). Also reads checkpoints written before trajectories and the id memory (their
     finished ids count as trained, their entries as claiming nothing)."""
     joiner.watermark = state["watermark"]
-    joiner._waiting = {e.iid: e for e in map(entry_from, state["waiting"])}
-    joiner._ready = OrderedDict((e.iid, e) for e in map(entry_from, state["ready"]))
+    joiner._waiting = {e.iid: e for e in _entries(state["waiting"])}
+    joiner._ready = OrderedDict((e.iid, e) for e in _entries(state["ready"]))
     joiner._held = OrderedDict((iid, [contribution_from(c) for c in cs]) for iid, cs in state["held"])
     joiner._claims = {a: e.iid for e in [*joiner._waiting.values(), *joiner._ready.values()] for a in e.claimed}
     joiner._deadlines = [(joiner._window_end(e), iid) for iid, e in joiner._waiting.items()]
@@ -61,6 +66,20 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
                                trained=True, seen=True)
     known = {f.name for f in fields(JoinCounters)}
     joiner.counters = JoinCounters(**{k: v for k, v in state["counters"].items() if k in known})
+
+
+def _entries(states: list[dict[str, Any]]) -> list[Entry]:
+    """The checkpoint's entries (:func:`entry_from`). One whose interaction today's record checks refuse
+    (a checkpoint of an older version, which took it: ``turn_ends`` out of order, say) is left out and
+    named: it could not be trained as it is, and the learner could not start at all."""
+    entries = []
+    for s in states:
+        try:
+            entries.append(entry_from(s))
+        except ValidationError as exc:
+            log.error("checkpoint: interaction %s of the join buffer is left out: the record checks refuse it "
+                      "(%s)", s.get("interaction", {}).get("interaction_id"), exc.errors()[0]["msg"][:300])
+    return entries
 
 
 def contribution_state(c: Contribution) -> dict[str, Any]:

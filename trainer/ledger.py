@@ -161,10 +161,10 @@ def ledger_files(path: Path) -> list[Path]:
     left beside the first segment by a migration that was stopped before removing it
     (:meth:`Ledger.migrate`) is not one of them: it holds that segment's lines."""
     path = Path(path)
-    if path.is_file():
-        return [path]
     if path.name == LEDGER_FILE:
         path = path.parent
+    elif path.is_file():
+        return [path]
     if (path / LEDGER_DIR).is_dir() or (path / LEDGER_FILE).is_file():
         legacy = path / LEDGER_FILE
         unmigrated = legacy.is_file() and _left_by_migration(path) is None
@@ -188,7 +188,19 @@ def _whole_lines(data: bytes) -> tuple[list[bytes], bytes]:
     checkpoint covers a torn line (a checkpoint records the length after its whole lines), so the
     learner's next start cuts it (:meth:`Ledger.cut_back`)."""
     end = data.rfind(b"\n") + 1
-    return data[:end].splitlines(keepends=True), data[end:]
+    lines, tail = data[:end].splitlines(keepends=True), data[end:]
+    if tail and _is_entry(tail):  # a whole line without its newline (a sealed segment edited by hand): read
+        return lines + [tail], b""
+    return lines, tail
+
+
+def _is_entry(line: bytes) -> bool:
+    """Whether ``line`` is a whole ledger entry (a JSON object with its ids)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(entry, dict) and "ids" in entry
 
 
 def torn_files(path: Path) -> list[Path]:
@@ -227,7 +239,9 @@ def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
     start, the two differing)."""
     wanted = {json.dumps(iid) for iid in interaction_ids}
     files = ledger_files(path)  # before the old name is rewritten: it is then no longer the segment's link
-    left = _left_by_migration(Path(path)) if Path(path).is_dir() else None
+    path = Path(path)
+    root = path.parent if path.name in (LEDGER_FILE, LEDGER_DIR) else path  # any path ledger_files takes
+    left = _left_by_migration(root) if root.is_dir() else None
     if left is not None:
         _redact_file(left, wanted)
     return sum(_redact_file(file, wanted) for file in files)
@@ -243,7 +257,8 @@ def _redact_file(path: Path, wanted: set[str]) -> int:
         if hits:
             entry["ids"] = [json.loads(encoded) if encoded not in wanted else REDACTED_CHAR * (len(encoded) - 2)
                             for encoded in ids]
-            new = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+            newline = b"\n" if line.endswith(b"\n") else b""  # a sealed segment's last line may lack it
+            new = json.dumps(entry, separators=(",", ":")).encode() + newline
             if len(new) != len(line):
                 raise ValueError(f"redacting {hits} would change a line's length in {path}; nothing was written "
                                  "to it (segments before it in step order were redacted)")

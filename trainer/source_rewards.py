@@ -11,7 +11,7 @@ MLflow refuses a metric key with characters outside its set, or one that names a
 read as a file path (``judge//v2``, ``a/./b``, ``x/../y``), and ``/v1/feedback`` takes any source
 name up to 128 characters: a refused key would end the learner's loop, and the source would stay
 in the window to refuse it again. A name of letters, digits and ``_-.`` is the metric's ``<name>``
-as it is; any other has every other character (``/`` too) written ``_`` and the first 8 hex digits
+as it is (unless it ends as a hashed name does, below); any other has every other character (``/`` too) written ``_`` and the first 8 hex digits
 of its SHA-256 appended (``https://judge.example/v2`` -> ``https___judge.example_v2-<hash>``), so
 two names that clean to the same text keep their own keys. The Prometheus label is the name itself.
 
@@ -40,6 +40,9 @@ refuses on Windows."""
 HASH_HEX_DIGITS = 8
 """Hex digits of the SHA-256 of a name that is not plain, appended to its cleaned text: tells
 apart the few names shown (at most :data:`MAX_SOURCES_SHOWN` and ``other``) that clean alike."""
+_LOOKS_HASHED = re.compile(rf"-[0-9a-f]{{{HASH_HEX_DIGITS}}}$")
+"""The end of a hashed name: a plain label ending so is hashed too (a client may send one to take
+another source's key)."""
 
 
 class SourceRewards:
@@ -81,12 +84,12 @@ class SourceRewards:
 
 
 def metric_names(labels: Iterable[str]) -> dict[str, str]:
-    """Each label's ``<name>`` in its metric keys, one of its own (module docstring): a plain label
-    as it is, any other cleaned and hashed, and a plain label that spells another's hashed name
-    (a client may send one) hashed as well."""
-    names = {label: label if _is_plain(label) else _hashed(label) for label in labels}
-    taken = {name for label, name in names.items() if name != label}
-    return {label: _hashed(label) if name == label and name in taken else name for label, name in names.items()}
+    """Each label's ``<name>`` in its metric keys (module docstring): a plain label as it is, any other
+    cleaned and hashed, and so is a plain label that ends like a hashed name (``-`` and 8 hex digits),
+    so that no label can take another's key. Each name depends on its label alone: a source's keys stay
+    the same whatever other sources come and go."""
+    return {label: label if _is_plain(label) and not _LOOKS_HASHED.search(label) else _hashed(label)
+            for label in labels}
 
 
 def _is_plain(label: str) -> bool:

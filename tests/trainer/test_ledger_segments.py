@@ -159,3 +159,31 @@ def test_a_torn_last_line_is_not_read_and_redaction_leaves_it_to_the_next_start(
     assert segment.read_bytes() == committed.replace(b'"c"', b'"-"') + TORN  # the torn line as it was
     assert Checkpointer(tmp_path).resume().state.step == 2  # which the next start cuts
     assert segment.read_bytes() == committed.replace(b'"c"', b'"-"') and torn_files(tmp_path) == []
+
+
+def test_a_sealed_segments_last_line_without_its_newline_is_read_and_redacted(tmp_path):
+    """A sealed segment edited by hand may lose its final newline: its last (whole) line was taken for a
+    torn one, left out of the ledger and of an erasure, which then said the id was never trained on."""
+    checkpointer = Checkpointer(tmp_path, ledger_segment_bytes=1)
+    for step, ids in ((1, ["a"]), (2, ["b", "c"]), (3, ["d"])):
+        _save(checkpointer, step, ids)
+    sealed = checkpointer.ledger.segments()[1]
+    sealed.write_bytes(sealed.read_bytes().rstrip(b"\n"))
+
+    assert read_ledger(tmp_path) == [(1, "a"), (2, "b"), (2, "c"), (3, "d")]
+    assert torn_files(tmp_path) == []
+    assert redact_ledger(tmp_path, {"c"}) == 1
+    assert sealed.read_bytes() == b'{"step":2,"ids":["b","-"]}'
+
+
+@pytest.mark.parametrize("given", ["ledger", "ledger.jsonl"])
+def test_a_migration_cut_short_is_redacted_in_both_names_whichever_ledger_path_is_given(tmp_path, given):
+    checkpointer = Checkpointer(tmp_path)
+    _save(checkpointer, 1, ["a", "b"])
+    _to_old_layout(tmp_path, uncommitted=b"")
+    (tmp_path / "ledger").mkdir()
+    os.link(tmp_path / "ledger.jsonl", tmp_path / "ledger" / "00000000.jsonl")
+
+    assert redact_ledger(tmp_path / given, {"b"}) == 1
+    assert (tmp_path / "ledger.jsonl").read_bytes() == (tmp_path / "ledger" / "00000000.jsonl").read_bytes()
+    assert Checkpointer(tmp_path).resume().state.step == 1  # refused: "both exist"

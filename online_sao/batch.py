@@ -60,6 +60,10 @@ class Rollout:
     """Its final reward is ``reward.default_value``: its window closed with no reward of its own
     (``reward.on_missing`` default). Trained on like any other; the drift detector leaves it out
     (trainer/plasticity.py): a placeholder says nothing about the policy."""
+    turns_of: list[str] = field(default_factory=list)
+    """Ids of the earlier interactions of its conversation whose sampled turns train here (an unrated
+    first turn its continuation absorbed), in turn order; the ledger lists them beside its own id
+    (trainer/ledger.py). Books only, no training input."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

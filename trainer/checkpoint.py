@@ -216,12 +216,17 @@ class Checkpointer:
         """The ledger's directory of segments (:func:`read_ledger` reads it)."""
         return self.ledger.directory
 
-    def record_trained(self, step: int, interaction_ids: list[str], refused: bool = False) -> None:
+    def record_trained(self, step: int, interaction_ids: list[str], refused: bool = False,
+                       turns_of: list[str] | None = None) -> None:
         """Note the ids a step took; they reach the ledger with the next :meth:`save`.
         ``refused``: the step's update was refused as non-finite, so these ids were
         consumed but the policy did not train on them (SAO's critic updates before the
-        refusal stay, docs/ALGORITHM.md section 8; the line carries ``"refused": true``)."""
+        refusal stay, docs/ALGORITHM.md section 8; the line carries ``"refused": true``).
+        ``turns_of``: ids of earlier turns that trained inside those rollouts (:attr:`Rollout.turns_of`;
+        the line's ``"turns"``)."""
         entry: dict[str, Any] = {"step": step, "ids": interaction_ids}
+        if turns_of:
+            entry["turns"] = turns_of
         if refused:
             entry["refused"] = True
         self._unsaved_ledger.append((step, json.dumps(entry, separators=(",", ":"))))

@@ -208,17 +208,19 @@ def torn_files(path: Path) -> list[Path]:
     return [file for file in ledger_files(path) if _whole_lines(file.read_bytes())[1]]
 
 
-def read_ledger(path: Path, refused: bool | None = None) -> list[tuple[int, str]]:
+def read_ledger(path: Path, refused: bool | None = None, turns: bool = False) -> list[tuple[int, str]]:
     """(step, interaction id) of every line of the ledger at ``path`` (:func:`ledger_files`), in
     order: every id a step took (``refused=None``), only those of refused steps (True) or only those
-    actually trained on (False). Archived or deleted sealed segments are not there to read, and a
-    torn last line (:func:`_whole_lines`) is not read: no checkpoint covers it."""
+    actually trained on (False). A line's ``ids`` are its rollouts; with ``turns``, also the ids of
+    earlier turns that trained inside them (its ``"turns"``: an unrated first turn its continuation
+    absorbed), after them. Archived or deleted sealed segments are not there to read, and a torn last
+    line (:func:`_whole_lines`) is not read: no checkpoint covers it."""
     out = []
     for file in ledger_files(path):
         for line in _whole_lines(file.read_bytes())[0]:
             entry = json.loads(line)
             if refused is None or entry.get("refused", False) == refused:
-                out.extend((entry["step"], iid) for iid in entry["ids"])
+                out.extend((entry["step"], iid) for iid in entry["ids"] + (entry.get("turns", []) if turns else []))
     return out
 
 
@@ -252,11 +254,13 @@ def _redact_file(path: Path, wanted: set[str]) -> int:
     whole, torn = _whole_lines(path.read_bytes())
     for line in whole:
         entry: dict[str, Any] = json.loads(line)
-        ids = [json.dumps(iid) for iid in entry["ids"]]
-        hits = [encoded for encoded in ids if encoded in wanted]
+        hits = []
+        for key in ("ids", "turns"):  # the rollouts, and the earlier turns that trained inside them
+            encoded = [json.dumps(iid) for iid in entry.get(key, [])]
+            hits += [e for e in encoded if e in wanted]
+            if key in entry:
+                entry[key] = [json.loads(e) if e not in wanted else REDACTED_CHAR * (len(e) - 2) for e in encoded]
         if hits:
-            entry["ids"] = [json.loads(encoded) if encoded not in wanted else REDACTED_CHAR * (len(encoded) - 2)
-                            for encoded in ids]
             newline = b"\n" if line.endswith(b"\n") else b""  # a sealed segment's last line may lack it
             new = json.dumps(entry, separators=(",", ":")).encode() + newline
             if len(new) != len(line):

@@ -178,7 +178,8 @@ class RankZero:
     def record_step(self, step: int, rollouts: list[Rollout], metrics: dict[str, float], refused: bool) -> None:
         """The step's ids go to the ledger; a refused step is counted and named, an applied one
         adds its rollouts to the registry's window (the policy did not train on refused data)."""
-        self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused)
+        self.checkpointer.record_trained(step, [r.interaction_id for r in rollouts], refused=refused,
+                                         turns_of=[iid for r in rollouts for iid in r.turns_of])
         for rollout in rollouts:  # what users paid, whether or not the step could train on it
             self.segments.observe(rollout.segment, rollout.total_reward, rollout.scores)
         if not refused:

@@ -71,6 +71,9 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
         setting = origins[turn] if turn is not None else own
         temperatures[position], top_ps[position] = setting.temperature, setting.top_p
 
+    own_id = interaction.interaction_id
+    turns_of = list(dict.fromkeys(origin.interaction_id for turn, origin in enumerate(origins)  # trained here
+                                  if turn not in observed_turns and origin.interaction_id != own_id))
     rewards: dict[int, float] = {} if reward is None else {n - 1: float(reward)}
     for turn, value in (turn_rewards or {}).items():
         if not 0 <= turn < len(interaction.turn_ends):
@@ -83,4 +86,4 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
                    logprobs=logprobs, versions=versions, rewards=rewards, temperatures=temperatures,
                    top_ps=top_ps, group_id=group_id, segment=interaction.segment,
                    completed_at=interaction.completed_at,
-                   scores=dict(scores or {}), defaulted=defaulted)
+                   scores=dict(scores or {}), defaulted=defaulted, turns_of=turns_of)

@@ -50,8 +50,9 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
     from ``state``). Also reads checkpoints written before trajectories and the id memory (their
     finished ids count as trained, their entries as claiming nothing)."""
     joiner.watermark = state["watermark"]
-    joiner._waiting = {e.iid: e for e in _entries(state["waiting"])}
-    joiner._ready = OrderedDict((e.iid, e) for e in _entries(state["ready"]))
+    left_out: list[dict[str, Any]] = []
+    joiner._waiting = {e.iid: e for e in _entries(state["waiting"], left_out)}
+    joiner._ready = OrderedDict((e.iid, e) for e in _entries(state["ready"], left_out))
     joiner._held = OrderedDict((iid, [contribution_from(c) for c in cs]) for iid, cs in state["held"])
     joiner._claims = {a: e.iid for e in [*joiner._waiting.values(), *joiner._ready.values()] for a in e.claimed}
     joiner._deadlines = [(joiner._window_end(e), iid) for iid, e in joiner._waiting.items()]
@@ -64,21 +65,29 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
     for iid, forget_after in state.get("finished", []):
         joiner.memory.remember(iid, forget_after - LEGACY_FINISHED_MEMORY_WINDOWS * joiner.cfg.window_s,
                                trained=True, seen=True)
+    for s in left_out:  # finished untrained, as the join finishes one it gives up: a later reward is late
+        for iid, anchor in [(s["interaction"]["interaction_id"], s.get("anchor", s["ts"])),
+                            *((iid, anchor) for iid, anchor, _ in s.get("claimed", []))]:
+            joiner.memory.remember(iid, anchor, trained=False, seen=True)
     known = {f.name for f in fields(JoinCounters)}
     joiner.counters = JoinCounters(**{k: v for k, v in state["counters"].items() if k in known})
 
 
-def _entries(states: list[dict[str, Any]]) -> list[Entry]:
+def _entries(states: list[dict[str, Any]], left_out: list[dict[str, Any]]) -> list[Entry]:
     """The checkpoint's entries (:func:`entry_from`). One whose interaction today's record checks refuse
-    (a checkpoint of an older version, which took it: ``turn_ends`` out of order, say) is left out and
-    named: it could not be trained as it is, and the learner could not start at all."""
+    (a checkpoint of an older version, which took it: ``turn_ends`` out of order, say) goes to
+    ``left_out`` and is named, with the earlier turns it holds: it could not be trained as it is, and
+    the learner could not start at all."""
     entries = []
     for s in states:
         try:
             entries.append(entry_from(s))
         except ValidationError as exc:
-            log.error("checkpoint: interaction %s of the join buffer is left out: the record checks refuse it "
-                      "(%s)", s.get("interaction", {}).get("interaction_id"), exc.errors()[0]["msg"][:300])
+            left_out.append(s)
+            log.error("checkpoint: interaction %s of the join buffer is left out, with the earlier turns it holds "
+                      "(%s) and %d rewards joined to it: the record checks refuse it (%s)",
+                      s["interaction"]["interaction_id"], [c[0] for c in s.get("claimed", [])] or "none",
+                      len(s.get("contributions", [])), exc.errors()[0]["msg"][:300])
     return entries
 
 

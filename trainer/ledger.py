@@ -175,6 +175,8 @@ def ledger_files(path: Path) -> list[Path]:
 def _left_by_migration(root: Path) -> Path | None:
     """``root``'s ``ledger.jsonl`` where a stopped migration left it: the first segment holds the same
     bytes (a link to it, or its copy), which the learner's next start removes (:meth:`Ledger.migrate`)."""
+    if not root.is_dir():
+        return None
     legacy, migrated = root / LEDGER_FILE, root / LEDGER_DIR / LEGACY_SEGMENT
     if legacy.is_file() and migrated.is_file() and (
             legacy.samefile(migrated) or filecmp.cmp(legacy, migrated, shallow=False)):
@@ -182,16 +184,22 @@ def _left_by_migration(root: Path) -> Path | None:
     return None
 
 
-def _whole_lines(data: bytes) -> tuple[list[bytes], bytes]:
+def _whole_lines(data: bytes, sealed: bool) -> tuple[list[bytes], bytes]:
     """``data``'s newline-terminated lines, and what follows the last of them: the torn line of an
     append the learner was making when it stopped (a full disk, a kill), b"" when there is none. No
     checkpoint covers a torn line (a checkpoint records the length after its whole lines), so the
-    learner's next start cuts it (:meth:`Ledger.cut_back`)."""
+    learner's next start cuts it (:meth:`Ledger.cut_back`). In a ``sealed`` segment (not the newest
+    file) no append was under way: a whole entry without its newline there (edited by hand) is a line."""
     end = data.rfind(b"\n") + 1
     lines, tail = data[:end].splitlines(keepends=True), data[end:]
-    if tail and _is_entry(tail):  # a whole line without its newline (a sealed segment edited by hand): read
+    if sealed and tail and _is_entry(tail):
         return lines + [tail], b""
     return lines, tail
+
+
+def _with_sealed(files: list[Path]) -> list[tuple[Path, bool]]:
+    """Each of the ledger's ``files`` and whether it is sealed: every one but the newest."""
+    return [(file, index < len(files) - 1) for index, file in enumerate(files)]
 
 
 def _is_entry(line: bytes) -> bool:
@@ -205,7 +213,7 @@ def _is_entry(line: bytes) -> bool:
 
 def torn_files(path: Path) -> list[Path]:
     """The files of the ledger at ``path`` (:func:`ledger_files`) that end in a torn line (:func:`_whole_lines`)."""
-    return [file for file in ledger_files(path) if _whole_lines(file.read_bytes())[1]]
+    return [file for file, sealed in _with_sealed(ledger_files(path)) if _whole_lines(file.read_bytes(), sealed)[1]]
 
 
 def read_ledger(path: Path, refused: bool | None = None, turns: bool = False) -> list[tuple[int, str]]:
@@ -216,8 +224,8 @@ def read_ledger(path: Path, refused: bool | None = None, turns: bool = False) ->
     absorbed), after them. Archived or deleted sealed segments are not there to read, and a torn last
     line (:func:`_whole_lines`) is not read: no checkpoint covers it."""
     out = []
-    for file in ledger_files(path):
-        for line in _whole_lines(file.read_bytes())[0]:
+    for file, sealed in _with_sealed(ledger_files(path)):
+        for line in _whole_lines(file.read_bytes(), sealed)[0]:
             entry = json.loads(line)
             if refused is None or entry.get("refused", False) == refused:
                 out.extend((entry["step"], iid) for iid in entry["ids"] + (entry.get("turns", []) if turns else []))
@@ -241,17 +249,23 @@ def redact_ledger(path: Path, interaction_ids: set[str]) -> int:
     start, the two differing)."""
     wanted = {json.dumps(iid) for iid in interaction_ids}
     files = ledger_files(path)  # before the old name is rewritten: it is then no longer the segment's link
-    path = Path(path)
-    root = path.parent if path.name in (LEDGER_FILE, LEDGER_DIR) else path  # any path ledger_files takes
-    left = _left_by_migration(root) if root.is_dir() else None
+    left = _left_by_migration(_checkpoint_root(Path(path)))
     if left is not None:
-        _redact_file(left, wanted)
-    return sum(_redact_file(file, wanted) for file in files)
+        _redact_file(left, wanted, sealed=False)
+    return sum(_redact_file(file, wanted, sealed) for file, sealed in _with_sealed(files))
 
 
-def _redact_file(path: Path, wanted: set[str]) -> int:
+def _checkpoint_root(path: Path) -> Path:
+    """The checkpoint directory of any path :func:`ledger_files` takes: itself, its ``ledger/``,
+    ``ledger.jsonl`` or a segment file in ``ledger/``."""
+    if path.is_file() and path.parent.name == LEDGER_DIR:
+        return path.parent.parent
+    return path.parent if path.name in (LEDGER_FILE, LEDGER_DIR) else path
+
+
+def _redact_file(path: Path, wanted: set[str], sealed: bool) -> int:
     redacted, lines = 0, []
-    whole, torn = _whole_lines(path.read_bytes())
+    whole, torn = _whole_lines(path.read_bytes(), sealed)
     for line in whole:
         entry: dict[str, Any] = json.loads(line)
         hits = []

@@ -12,7 +12,7 @@ read as a file path (``judge//v2``, ``a/./b``, ``x/../y``), and ``/v1/feedback``
 name up to 128 characters: a refused key would end the learner's loop, and the source would stay
 in the window to refuse it again. A name of letters, digits and ``_-.`` is the metric's ``<name>``
 as it is (unless it ends as a hashed name does, below); any other has every other character (``/`` too) written ``_`` and the first 8 hex digits
-of its SHA-256 appended (``https://judge.example/v2`` -> ``https___judge.example_v2-<hash>``), so
+of its SHA-256 appended after ``-h`` (``https://judge.example/v2`` -> ``https___judge.example_v2-h<hash>``), so
 two names that clean to the same text keep their own keys. The Prometheus label is the name itself.
 
 Sources are named by clients, so their number is bounded: with ``reward.sources`` set, those are
@@ -40,7 +40,7 @@ refuses on Windows."""
 HASH_HEX_DIGITS = 8
 """Hex digits of the SHA-256 of a name that is not plain, appended to its cleaned text: tells
 apart the few names shown (at most :data:`MAX_SOURCES_SHOWN` and ``other``) that clean alike."""
-_LOOKS_HASHED = re.compile(rf"-[0-9a-f]{{{HASH_HEX_DIGITS}}}$")
+_LOOKS_HASHED = re.compile(rf"-h[0-9a-f]{{{HASH_HEX_DIGITS}}}$")
 """The end of a hashed name: a plain label ending so is hashed too (a client may send one to take
 another source's key)."""
 
@@ -85,7 +85,7 @@ class SourceRewards:
 
 def metric_names(labels: Iterable[str]) -> dict[str, str]:
     """Each label's ``<name>`` in its metric keys (module docstring): a plain label as it is, any other
-    cleaned and hashed, and so is a plain label that ends like a hashed name (``-`` and 8 hex digits),
+    cleaned and hashed, and so is a plain label that ends like a hashed name (``-h`` and 8 hex digits),
     so that no label can take another's key. Each name depends on its label alone: a source's keys stay
     the same whatever other sources come and go."""
     return {label: label if _is_plain(label) and not _LOOKS_HASHED.search(label) else _hashed(label)
@@ -98,4 +98,4 @@ def _is_plain(label: str) -> bool:
 
 def _hashed(label: str) -> str:
     digest = hashlib.sha256(label.encode()).hexdigest()[:HASH_HEX_DIGITS]
-    return f"{_NOT_PLAIN.sub('_', label)}-{digest}"
+    return f"{_NOT_PLAIN.sub('_', label)}-h{digest}"  # "-h": a dated name (judge-20240513) is no hashed one

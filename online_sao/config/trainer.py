@@ -67,8 +67,8 @@ class TrainerConfig(Section):
     segment file, named by its first step: the next checkpoint appends to a new segment once the
     current one holds this many bytes. Only the current segment is ever read or truncated by the
     learner; older (sealed) ones may be archived or deleted (``online-sao ledger sealed``,
-    docs/RELIABILITY.md). A trained rollout costs about 116 bytes of ledger (serving's ids have 113
-    characters): at 10 rollouts/s the ledger grows about 100 MB a day, and the default 64 MiB makes
+    docs/RELIABILITY.md). A trained rollout costs about 116 bytes of ledger, and as much again per
+    earlier turn it absorbed (serving's ids have 113 characters): at 10 rollouts/s the ledger grows about 100 MB a day, and the default 64 MiB makes
     a segment about every 16 hours (1 starts a segment at every checkpoint).
     Checkpoint directories of the layout before segments (one ``ledger.jsonl``) are migrated on the
     learner's start: that file becomes the first segment."""

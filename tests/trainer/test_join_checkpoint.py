@@ -28,3 +28,23 @@ def test_an_entry_the_record_checks_now_refuse_is_left_out_and_named_not_a_learn
         load_joiner_state(restored, state)
     assert set(restored._waiting) == {"good"} and list(restored._ready) == ["rated"]
     assert any("bad" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records)
+
+
+def test_a_left_out_continuation_leaves_its_earlier_turns_finished_not_waiting_for_ever():
+    """The continuation held its first turn p (and p's reward): left out alone, p was nowhere, and a
+    later reward for it waited as an early reward that could never join."""
+    from tests.trainer.records import conversation
+
+    p, c = conversation(["p", "c"])
+    joiner = RewardJoiner(RewardConfig(window_s=60.0), max_pending=100)
+    joiner.add_interaction(p, ts=1.0)
+    joiner.add_interaction(c, ts=2.0)  # c holds the waiting p
+    state = json.loads(json.dumps(joiner_state(joiner)))
+    (entry,) = state["waiting"]
+    entry["interaction"]["turn_ends"] = [entry["interaction"]["turn_ends"][0]] * 2  # refused since
+
+    restored = RewardJoiner(RewardConfig(window_s=60.0), max_pending=100)
+    load_joiner_state(restored, state)
+    restored.add_reward(make_reward("p", 1.0), ts=3.0)
+    assert not restored._held and restored.counters.early_rewards == 0
+    assert "p" in restored.memory and "c" in restored.memory

@@ -176,7 +176,7 @@ def test_a_sealed_segments_last_line_without_its_newline_is_read_and_redacted(tm
     assert sealed.read_bytes() == b'{"step":2,"ids":["b","-"]}'
 
 
-@pytest.mark.parametrize("given", ["ledger", "ledger.jsonl"])
+@pytest.mark.parametrize("given", ["ledger", "ledger.jsonl", "ledger/00000000.jsonl"])
 def test_a_migration_cut_short_is_redacted_in_both_names_whichever_ledger_path_is_given(tmp_path, given):
     checkpointer = Checkpointer(tmp_path)
     _save(checkpointer, 1, ["a", "b"])
@@ -187,3 +187,13 @@ def test_a_migration_cut_short_is_redacted_in_both_names_whichever_ledger_path_i
     assert redact_ledger(tmp_path / given, {"b"}) == 1
     assert (tmp_path / "ledger.jsonl").read_bytes() == (tmp_path / "ledger" / "00000000.jsonl").read_bytes()
     assert Checkpointer(tmp_path).resume().state.step == 1  # refused: "both exist"
+
+
+def test_the_current_segments_last_line_without_its_newline_stays_torn(tmp_path):
+    """An append cut just before its newline: no checkpoint covers it and the next start cuts it."""
+    checkpointer = Checkpointer(tmp_path)
+    _save(checkpointer, 1, ["a"])
+    (segment,) = checkpointer.ledger.segments()
+    with open(segment, "ab") as fh:
+        fh.write(b'{"step":2,"ids":["b"]}')
+    assert read_ledger(tmp_path) == [(1, "a")] and torn_files(tmp_path) == [segment]

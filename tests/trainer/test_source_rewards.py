@@ -62,22 +62,24 @@ def test_listed_sources_are_shown_from_the_start_and_only_they():
 
 def test_plain_names_keep_their_keys_and_others_are_cleaned_and_hashed():
     sources = SourceRewards(window=2)
-    sources.observe({"judge-v2.1_a": 0.5, "team/a b:c": 1.0})
-    hashed = f"team_a_b_c-{_sha8('team/a b:c')}"
+    sources.observe({"judge-v2.1_a": 0.5, "team/a b:c": 1.0, "judge-20240513": 0.0})
+    hashed = f"team_a_b_c-h{_sha8('team/a b:c')}"
     assert sources.metrics() == {"source.judge-v2.1_a.reward": 0.5, "source.judge-v2.1_a.count": 1.0,
-                                 f"source.{hashed}.reward": 1.0, f"source.{hashed}.count": 1.0}
+                                 f"source.{hashed}.reward": 1.0, f"source.{hashed}.count": 1.0,
+                                 "source.judge-20240513.reward": 0.0,  # a dated name is no hashed one
+                                 "source.judge-20240513.count": 1.0}
 
 
 def test_a_name_keeps_its_keys_whatever_other_names_come_and_none_shares_a_key():
     """A plain name that spells another's cleaned, hashed text (a client may send one) kept it until the
     other came, which then took its keys: one series carried two sources; a third name could share a key."""
-    mimic = f"a_b-{_sha8('a?b')}"
+    mimic = f"a_b-h{_sha8('a?b')}"
     sources = SourceRewards(window=2)
     sources.observe({mimic: 0.0})
     before = set(sources.metrics())
-    sources.observe({"a?b": 1.0, f"{mimic}-{_sha8(mimic)}": 0.5})
+    sources.observe({"a?b": 1.0, f"{mimic}-h{_sha8(mimic)}": 0.5})
     after = sources.metrics()
-    assert before <= set(after) and after[f"source.{mimic}-{_sha8(mimic)}.reward"] == 0.0  # the mimic's own
+    assert before <= set(after) and after[f"source.{mimic}-h{_sha8(mimic)}.reward"] == 0.0  # the mimic's own
     assert after[f"source.{mimic}.reward"] == 1.0  # a?b's
     assert len(after) == 2 * 3  # three sources, each its own two keys
 

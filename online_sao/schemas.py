@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter,
                       ValidationError, field_validator, model_validator)
+from pydantic_core import PydanticSerializationError
 
 from online_sao.segments import SEGMENT_MAX_CHARS, segment_problem
 
@@ -288,8 +289,13 @@ _ANY = TypeAdapter(Annotated[AnyRecord, Field(discriminator="kind")])
 
 
 def encode(record: Record) -> bytes:
-    """Compact UTF-8 JSON of a record; refuses records over MAX_RECORD_BYTES."""
-    data = record.model_dump_json(exclude_none=True).encode("utf-8")
+    """Compact UTF-8 JSON of a record; refuses records over MAX_RECORD_BYTES, and one pydantic cannot
+    serialize (text with a lone surrogate: a non-UTF-8 file name as Python decodes it) as a RecordError
+    too, not a pydantic error that callers catching RecordError let through."""
+    try:
+        data = record.model_dump_json(exclude_none=True).encode("utf-8")
+    except PydanticSerializationError as exc:
+        raise RecordError(f"{type(record).__name__} cannot be encoded: {exc}") from exc
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"{type(record).__name__} of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     return data

@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 from typing import TypeVar
 
-from pydantic_core import PydanticSerializationError
-
-from online_sao import schemas
 from online_sao.config import TopicsConfig
-from online_sao.schemas import DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode
+from online_sao.schemas import (DeadLetter, Interaction, Record, RecordError, Reward, WeightsNotice, decode,
+                                encode)
 from streams.base import Producer, StreamMessage
 
 R = TypeVar("R", bound=Record)
@@ -60,16 +58,6 @@ def record_topic(record: Record, topics: TopicsConfig) -> str:
     if isinstance(record, DeadLetter):
         return topics.dead_letters
     raise TypeError(f"no topic for a {type(record).__name__}")
-
-
-def encode(record: Record) -> bytes:
-    """:func:`online_sao.schemas.encode`, with a record pydantic cannot serialize refused as a RecordError
-    too (text with a lone surrogate: a non-UTF-8 file name as Python decodes it), not a pydantic error
-    that callers catching RecordError let through."""
-    try:
-        return schemas.encode(record)
-    except PydanticSerializationError as exc:
-        raise RecordError(f"{type(record).__name__} cannot be encoded: {exc}") from exc
 
 
 def publish(producer: Producer, topic: str, record: Record, key: bytes | None = None) -> None:

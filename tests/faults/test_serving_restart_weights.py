@@ -29,6 +29,8 @@ CATCH_UP_S = 4.0
 CONVERGE_S = 60.0
 """The broker back: time for the follower to reconnect (a failed connect takes kafka.client_timeout_s) and load."""
 PROBE_S = 0.02
+READY_SEEN_S = 10.0
+"""The replica answered the harness ready: time for the probe thread to see that too."""
 
 
 def publish_versions(stack: LiveStack, count: int) -> int:
@@ -96,6 +98,14 @@ class Probes:
                     continue
                 self.seen.append(Probe(time.monotonic(), ready.status_code, ready.json(), health))
 
+    def wait_ready(self, timeout_s: float = READY_SEEN_S) -> None:
+        """Until a probe of the restarted process saw ``/readyz`` 200. ``restart`` returns on the
+        harness's own 200; the probe thread may have been mid-request then, its last answer a 503."""
+        deadline = time.monotonic() + timeout_s
+        while not any(probe.ready == 200 for probe in self.after_restart()):
+            assert time.monotonic() < deadline, self.seen[-10:]
+            time.sleep(PROBE_S)
+
     def after_restart(self) -> list[Probe]:
         """The probes from the first one the restarted process answered (the old one's end left out)."""
         down = max((k for k, probe in enumerate(self.seen) if probe.ready is None), default=-1)
@@ -113,6 +123,7 @@ def test_a_restarted_replica_is_ready_only_on_the_newest_published_version(live_
     assert served_version(stack) == newest
     with Probes(stack.base_url) as probes:
         stack.restart("serving")  # returns once /readyz answers 200
+        probes.wait_ready()
     first_ready = next(probe for probe in probes.after_restart() if probe.ready == 200)
     # before the fix: ready (and answering) on version 0 until the follower had loaded the newest
     assert first_ready.body["policy_version"] == newest, (first_ready, stack.log_tail("serving"))
@@ -127,6 +138,7 @@ def test_a_replica_restarted_while_the_broker_is_down_waits_weights_catch_up_s_t
     stack.stop_broker()
     with Probes(stack.base_url) as probes:
         stack.restart("serving", {"serving.weights_catch_up_s": CATCH_UP_S})
+        probes.wait_ready()
     catching_up = probes.catching_up()
     log = stack.log_tail("serving", 300)
     assert catching_up, (probes.seen[-10:], log)  # before the fix: ready at once, on version 0

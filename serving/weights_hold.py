@@ -64,7 +64,8 @@ class HoldState:
     @property
     def held_version(self) -> int:
         """The held version, -1 when none is held (for the metrics)."""
-        return -1 if self.hold is None else self.hold.version
+        hold = self.hold  # read once: the metrics scrape runs in another thread than the follower's release
+        return -1 if hold is None else hold.version
 
     def take(self, notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
         """``(notice, force)`` to try for these notices, given the version the engine serves now:

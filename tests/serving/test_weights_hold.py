@@ -173,3 +173,23 @@ def test_a_replica_replaying_the_topic_ends_where_one_that_followed_it_live_did(
         assert replayed == live == (served, held), several[:end]
     replayed, live = replayed_and_live([*several, n(3, "release")])
     assert replayed == live == (7, -1)
+
+
+class ReleasedBetweenReads(HoldState):
+    """A hold the follower releases right after the metrics thread's first look at it."""
+
+    def __init__(self, hold: WeightsNotice) -> None:
+        super().__init__()
+        self._reads = iter([hold])
+
+    @property
+    def hold(self) -> WeightsNotice | None:
+        return next(self._reads, None)
+
+    @hold.setter
+    def hold(self, value: WeightsNotice | None) -> None:
+        pass
+
+
+def test_held_version_reads_the_hold_once_so_a_release_meanwhile_gives_a_version_not_an_error():
+    assert ReleasedBetweenReads(n(3, "hold")).held_version == 3

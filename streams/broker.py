@@ -7,7 +7,7 @@
     data/                log.dirs: the topics' data, formatted once (meta.properties)
     broker.log           the JVM's stdout/stderr (log4j2 writes to stdout)
     broker.pid           pid of the running JVM
-    broker.start.lock    held by a start until its broker serves or failed: starts take turns
+    broker.start.lock    held by a start until its broker serves or failed: starts take turns, a stop waits
 
 ``online-sao kafka up|down|status`` is streams/broker_cli.py.
 """
@@ -224,7 +224,18 @@ class LocalBroker:
             self.pid_file.unlink(missing_ok=True)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-        """SIGTERM (controlled shutdown), SIGKILL after ``timeout_s``; False when not running."""
+        """SIGTERM (controlled shutdown), SIGKILL after ``timeout_s``; False when not running.
+
+        Takes the start lock, so a stop during a start (``kafka down`` while ``kafka up`` waits for its
+        broker) waits for it and stops the broker it started. Without the lock the stop said "not
+        running" before the start had written its pid file, and the broker ran on after the stop."""
+        if not self.root.exists():  # never started here: nothing to wait for, no directory to create
+            return self._stop(timeout_s)
+        with open(self.start_lock_file, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float) -> bool:
         pid = self.pid()
         if pid is None:
             self.pid_file.unlink(missing_ok=True)

@@ -30,6 +30,8 @@ FORK_TO_PRCTL_WINDOW_S = 1.0
 parent surely dies inside it."""
 PARENT_DEATH_WAIT_S = 10.0
 """How long the broker may take to go once its parent died in that window."""
+STOP_CHANCE_S = 3.0
+"""How long a start waits, after its pid check, for a stop that does not wait for it to return."""
 
 _STAND_IN_JVM = '''
 import fcntl, os, signal, socket, sys, time
@@ -226,3 +228,26 @@ def test_a_broker_whose_parent_died_before_the_parent_death_signal_was_set_exits
     if not gone:
         _stop(broker_pid)
     assert gone, "the broker ran on after its parent died"
+
+
+def test_a_stop_during_a_start_waits_for_it_and_stops_the_broker_it_started(stand_in, monkeypatch):
+    """``kafka down`` while ``kafka up`` was between its pid check and its pid file: the stop said
+    "not running" and the broker came up after it, running on untracked by the operator's down."""
+    launching, stopped = threading.Event(), threading.Event()
+    real_launch = LocalBroker._launch
+
+    def launch_after_the_stop_had_its_chance(self) -> None:
+        launching.set()
+        stopped.wait(STOP_CHANCE_S)  # before the fix the stop returned inside this wait
+        real_launch(self)
+
+    monkeypatch.setattr(LocalBroker, "_launch", launch_after_the_stop_had_its_chance)
+    starter = threading.Thread(target=stand_in.broker().start)
+    starter.start()
+    assert launching.wait(START_WAIT_S)
+    stop_result = stand_in.broker().stop()
+    stopped.set()
+    starter.join(START_WAIT_S)
+    assert stop_result is True  # it waited for the start and stopped that broker
+    assert stand_in.running() == []
+    assert not stand_in.broker().pid_file.exists()

@@ -230,7 +230,8 @@ class ExperimentConfig(Section):
     pretrain_rollouts: int = Field(64, ge=0)
     """Rollouts of the starting policy, answered through serving and scored under the first
     phase's preference before the arms run, on which every arm with a critic pre-trains its
-    value model (``learn --pretrain-critic``; SAO.md section 3). 0: no value pre-training."""
+    value model (``learn --pretrain-critic``; SAO.md section 3). 0: no value pre-training. At most
+    ``trainer.pretrain_max_rollouts``, the most the pass reads."""
     judge_group: str = Field("sao-judge", min_length=1)
     """Kafka consumer group of the judge."""
     results_dir: Path | None = None
@@ -380,6 +381,16 @@ class AppConfig(Config):
                                      for e in exc.errors())
                 raise ValueError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top "
                                  f"of the algorithm section: {problems}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _pretraining_reads_every_pretrain_rollout(self) -> "AppConfig":
+        """The value pre-training pass reads at most ``trainer.pretrain_max_rollouts`` rollouts: more
+        ``experiment.pretrain_rollouts`` were answered and scored, then left out without a word."""
+        asked, kept = self.experiment.pretrain_rollouts, self.trainer.pretrain_max_rollouts
+        if asked > kept:
+            raise ValueError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
+                             "the most value pre-training reads: lower the one or raise the other")
         return self
 
 

@@ -1,5 +1,5 @@
-"""An experiment arm's algorithm overrides are checked at load time together with the algorithm
-section they are applied to, not when the arm starts, hours into a sweep."""
+"""An experiment's settings that clash with other sections (an arm's algorithm overrides, its value
+pre-training's size) are refused at load time, not when the arm starts, hours into a sweep."""
 
 import pytest
 
@@ -61,3 +61,12 @@ def test_an_override_of_no_field_or_of_a_wrong_type_is_refused(tmp_path, overrid
     path.write_text(f"experiment:\n  arms:\n    - name: bad\n      algorithm: {override}\n")
     with pytest.raises(ConfigError):
         load_app_config(path, environ={})
+
+
+def test_more_pretrain_rollouts_than_pretraining_reads_are_refused_at_load(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  pretrain_max_rollouts: 100\nexperiment:\n  pretrain_rollouts: 101\n")
+    with pytest.raises(ConfigError, match=r"experiment\.pretrain_rollouts = 101 .* trainer\.pretrain_max_rollouts = 100"):
+        load_app_config(path, environ={})
+    path.write_text("trainer:\n  pretrain_max_rollouts: 100\nexperiment:\n  pretrain_rollouts: 100\n")
+    assert load_app_config(path, environ={}).experiment.pretrain_rollouts == 100

@@ -126,11 +126,12 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
 
 
 def trained_evidence(cfg: AppConfig, episodes: list[Episode]) -> dict:
-    """What the learner's ledger says it trained on (as of its last checkpoint): interactions, and
-    how many of them are the final turn of a trajectory with a tool result in it."""
+    """What the learner's ledger says it trained on (as of its last checkpoint): interactions (an
+    unrated tool-calling turn trained inside its continuation counts too), and how many of them are
+    the final turn of a trajectory with a tool result in it."""
     from trainer.checkpoint import read_ledger
 
-    trained = {iid for _, iid in read_ledger(cfg.checkpoint_dir, refused=False)}
+    trained = {iid for _, iid in read_ledger(cfg.checkpoint_dir, refused=False, turns=True)}
     with_tool = {e.interaction_ids[-1] for e in episodes if len(e.interaction_ids) > 1}
     rewarded = {e.interaction_ids[-1] for e in episodes}
     return {"trained_interactions": len(trained), "trained_rewarded_trajectories": len(trained & rewarded),

@@ -64,3 +64,24 @@ def test_the_run_has_topics_group_and_state_of_its_own(tmp_path):
     assert acfg.checkpoint_dir == state / "checkpoints" and acfg.serving.spool_dir == state / "spool"
     assert acfg.serving.port == 12345
     assert acfg.mlflow.registered_model == f"{cfg.mlflow.registered_model}.agent.a1"  # not production's model
+
+
+def test_trained_evidence_counts_the_tool_calling_turns_trained_inside_their_continuations(tmp_path):
+    """A trajectory's unrated first turn trains inside the rewarded continuation: the ledger lists
+    it among the step's ``turns``, and it was trained on (it was missing from the count)."""
+    import torch
+
+    from apps.agent.run import trained_evidence
+    from streams.base import TopicPartition
+    from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    checkpointer = Checkpointer(cfg.checkpoint_dir)
+    checkpointer.record_trained(1, ["second-turn"], turns_of=["first-turn"])
+    state = LearnerState(step=1, version=1, offsets={TopicPartition("sao.interactions", 0): 1}, joiner={"waiting": []})
+    checkpointer.save(Checkpoint(state, models={"policy": {"w": torch.zeros(2)}}, optimizers={}))
+    with_tool = Episode(index=0, question="q", expected="4", tool_uses=[], final_answer="4",
+                        interaction_ids=["first-turn", "second-turn"], policy_version=1, called=True,
+                        call_correct=True, answer_correct=True, reward=1.0, finished_at=0.0, latency_s=0.0)
+    assert trained_evidence(cfg, [with_tool]) == {"trained_interactions": 2, "trained_rewarded_trajectories": 1,
+                                                  "trained_tool_trajectories": 1, "tool_trajectories": 1}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -142,7 +143,23 @@ def one_engine(cfg: Config, model_dir: Path, tokenizer, engines: int = 1) -> Inf
     from online_sao.modeling import load_policy
     from serving.engine.torch_engine import TorchEngine
 
-    return TorchEngine(load_policy(model_dir, cfg.model.dtype), tokenizer, cfg.serving)
+    device = engine_device(cfg.serving.device)
+    return TorchEngine(load_policy(model_dir, cfg.model.dtype).to(device), tokenizer, cfg.serving)
+
+
+def engine_device(setting: str) -> torch.device:
+    """The torch device ``serving.device`` names on this host (``auto``: the first GPU torch sees, else
+    the CPU). ConfigError for a GPU where torch sees none or fewer: the engine would fail on its first
+    request, after the server had said it was ready."""
+    if setting == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(setting)
+    if device.type == "cuda":
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= seen:
+            raise ConfigError(f"serving.device is {setting!r} but torch sees {seen} CUDA GPU(s) here; "
+                              "use 'auto' or 'cpu', or make the GPU visible (CUDA_VISIBLE_DEVICES)")
+    return device
 
 
 def build_stack(cfg: Config, model_dir: Path, backend: StreamBackend, engine: InferenceEngine | None = None,

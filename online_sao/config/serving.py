@@ -85,6 +85,11 @@ class ServingConfig(Section):
     within its positions, as Mistral v0.1 and Qwen2 with ``use_sliding_window``; ``layer_types`` with
     sliding layers, as Gemma2/3) is refused at start, ``padded`` serves it. Either layout checks at
     start that two prompts it serves get a plain forward's log-probs (serving/engine/self_check.py)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    """Torch engine: where the model runs. ``auto``: the first CUDA GPU when torch sees one (the
+    learner's rule, trainer/distributed.py), else the CPU; or ``cpu``, ``cuda``, ``cuda:<index>``. A
+    GPU named where torch sees none is refused at start. (vLLM places its model itself; the
+    in-process experiment driver runs everything on the CPU.)"""
     compile: bool = False
     """Torch engine: compile the model's transformer body with ``torch.compile`` (dynamic shapes)
     when the engine is built; the hot-swap's spare copy is compiled too and shares the graphs. The

@@ -98,6 +98,7 @@ class TorchEngine:
         self.cfg = cfg or ServingConfig()
         self._model = model.eval()
         self._spare: nn.Module | None = None
+        self._spare_lock = threading.Lock()  # a start with compile and a swap replaying the topic may both make it
         self._loop: EngineLoop[EngineSequence] = EngineLoop(initial_version)
         self._on_step: Callable[[StepStats], None] | None = None
         self._on_step_failed: set[str] = set()  # kinds of step after which on_step raised (each logged once)
@@ -164,10 +165,12 @@ class TorchEngine:
 
     def _make_spare(self) -> None:
         """The hot-swap's second copy of the model, compiled like the first when ``compile``."""
-        if self._spare is None:
-            self._spare = copy.deepcopy(self._model)
-            if self.cfg.compile:
-                compile_body(self._spare)
+        with self._spare_lock:
+            if self._spare is None:
+                spare = copy.deepcopy(self._model)
+                if self.cfg.compile:
+                    compile_body(spare)
+                self._spare = spare  # only once compiled: a swap must not load into a half-made copy
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_thread)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from online_sao.config import ServingConfig
 from online_sao.modeling import load_policy
 from online_sao.schemas import SamplingParams
 from serving.engine.base import GenerationRequest
+import serving.engine.torch_engine as torch_engine
 from serving.engine.torch_engine import TorchEngine
 from tests.fixtures.engine_reference import collect, replay_logprobs
 from tests.serving.fakes import StepGate
@@ -205,3 +208,24 @@ def test_the_flat_layout_with_nothing_to_run_runs_no_forward(base_model):
     engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig(kv_layout="flat"))
     engine._flat_step([])  # raised "cannot reshape tensor of 0 elements" and was logged as a failed step
     assert engine._rows == []
+
+
+def test_the_spare_copy_is_made_once_when_a_start_and_a_swap_both_want_it(base_model, monkeypatch):
+    """A start with ``compile`` makes the spare on a worker thread while the follower, replaying the
+    weights topic, may swap: both found no spare and each made one (twice the time and memory)."""
+    engine = TorchEngine(copy.deepcopy(base_model), cfg=ServingConfig())
+    real_deepcopy, copies = copy.deepcopy, []
+
+    def slow_deepcopy(obj, *rest):
+        if obj is engine._model:
+            copies.append(obj)
+            time.sleep(0.2)  # the other caller arrives while this copy is being made
+        return real_deepcopy(obj, *rest)
+
+    monkeypatch.setattr(torch_engine.copy, "deepcopy", slow_deepcopy)
+    makers = [threading.Thread(target=engine._make_spare) for _ in range(2)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join(30)
+    assert len(copies) == 1 and engine._spare is not None

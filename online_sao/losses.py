@@ -144,8 +144,9 @@ def clipped_surrogate_loss(
     of ``exp(logprobs_t - rollout_logprobs_t)`` with ``eps_low``/``eps_high`` ("GRPO
     with DIS"). A token outside the current or pi_old's nucleus (log-prob ``-inf``)
     is masked out (module docstring). Shapes: all ``[B, T]``.
-    Metrics: clip_frac (tokens where the clipped branch is taken), ratio_mean,
-    approx_kl against pi_old and outside_nucleus_frac; with DIS also kept_frac.
+    Metrics: clip_frac (the share of the tokens that enter the loss, ``d_t`` 1 and inside both
+    nuclei, where the clipped branch is taken; 0 without such a token), ratio_mean, approx_kl
+    against pi_old and outside_nucleus_frac; with DIS also kept_frac.
     """
     old = old_logprobs.detach()
     adv = advantages.detach()
@@ -165,7 +166,8 @@ def clipped_surrogate_loss(
         metrics["kept_frac"] = _fraction(keep, action_mask)
     loss = -torch.where(keep, surrogate, zeros).sum() / loss_normalizer(action_mask, normalizer)
     with torch.no_grad():
-        metrics["clip_frac"] = _fraction((clipped_term < unclipped_term) & inside, action_mask)
+        # over the tokens the loss takes: one DIS dropped has no clipped branch to take
+        metrics["clip_frac"] = _fraction((clipped_term < unclipped_term) & keep, keep)
         metrics.update(_ratio_metrics(log_ratio.detach(), logprobs.detach(), action_mask))
     return loss, metrics
 

@@ -17,10 +17,12 @@ restart, which also resets the critic) the K updates fit every rollout since the
 the advantages take their mean reward as a constant baseline instead of the critic's values.
 
 A step none of whose action tokens is inside the DIS band (on any rank), with no regularizer on,
-gives the policy no gradient: its policy update is skipped (``policy_update_skipped_empty = 1``,
-no optimiser step, the policy bit-for-bit as it was); the critic trains on the step as usual and
-the step is not refused. A batch the K updates fit with no action token (on any rank) gives the
-value loss no gradient either: those updates make no optimiser step and no warm-up step
+gives the policy no gradient, as does one whose policy gradient is exactly zero for another
+reason (every advantage 0, greedy tokens): its policy update is skipped
+(``policy_update_skipped_empty = 1``, no optimiser step, the policy bit-for-bit as it was); the
+critic trains on the step as usual and the step is not refused. A batch the K updates fit with no
+action token (on any rank), or with a value-loss gradient of exactly zero, gives the critic no
+gradient either: those updates make no optimiser step and no warm-up step
 (``critic_updates_done = 0``, the critic bit-for-bit as it was), and the step is not refused.
 
 A step is refused (``skipped_nonfinite = 1``, the policy not updated) when the batch holds
@@ -61,9 +63,10 @@ def _suffixed(metrics: dict[str, float], suffix: str) -> dict[str, float]:
 
 
 def _joined(window: ReplayWindow, batch: RolloutBatch) -> RolloutBatch:
-    """``window``'s rollouts and then ``batch``'s, as one batch of the window's capacity (the
-    oldest fall out), leaving ``window`` as it was: the fit that needs them may yet be refused."""
-    joined = ReplayWindow(window.rows.maxlen)
+    """``window``'s rollouts and then every one of ``batch``'s, as one batch, leaving ``window`` as
+    it was: the fit that needs them may yet be refused. Past the window's capacity too: the re-warm's
+    fit takes every rollout since the restart, and the window is cleared once they reach it."""
+    joined = ReplayWindow(len(window) + batch.batch_size)
     joined.rows.extend(window.rows)
     joined.add(batch)
     return joined.batch()
@@ -103,7 +106,7 @@ class SAO(ActorCritic):
         (before clipping), the DIS metrics, the regularizer's metrics, lambda_mean, adv_mean,
         reward_mean, num_rollouts, num_action_tokens, version_lag_mean/max,
         skipped_nonfinite, policy_update_skipped_empty (on a step that reaches the policy update:
-        1 when no action token had a gradient, the policy not updated), and time_<phase>_s for the
+        1 when the policy loss had no gradient, the policy not updated), and time_<phase>_s for the
         phases critic_forward, critic_backward, critic_optimizer, policy_forward, policy_backward,
         policy_optimizer, arithmetic (GAE, lambda, losses, metrics)."""
         timer = PhaseTimer(synchronize=self.phase_sync)

@@ -14,9 +14,10 @@ backward whose reduce-scatter the others wait in (a hang), or step while its
 peers do not (diverged shards).
 
 A policy update whose loss has no gradient at all (every action token outside the
-DIS band, or none in the step, and no regularizer on) makes no optimiser step: AdamW
-would still move the weights by its momentum, on data DIS rejected (SAO.md section
-1). Whether any rank's loss has a gradient is agreed through the same vote.
+DIS band, or none in the step, and no regularizer on; or a gradient of exactly zero:
+every advantage 0, greedy tokens whose log-prob is the constant 0) makes no optimiser
+step: AdamW would still move the weights by its momentum, on data that teaches nothing
+(SAO.md section 1). Whether any rank's loss has a gradient is agreed through the same vote.
 
 The learning rule as this project implements it: docs/ALGORITHM.md.
 """
@@ -138,7 +139,8 @@ def policy_signal_tokens(logprobs: torch.Tensor, batch: RolloutBatch, cfg: Algor
     ``logprobs``, else every action token; every action token too while a regularizer
     (``kl_beta``, ``entropy_alpha``) is on, as its terms act on each. 0 means the loss's gradient
     is exactly zero (the count may include tokens whose gradient vanishes for other reasons:
-    outside the nucleus, clipped against pi_old). Pass it to :func:`guarded_update`."""
+    outside the nucleus, clipped against pi_old, greedy, advantage 0; :func:`guarded_update`
+    also skips an update whose gradient norm is exactly 0). Pass it to :func:`guarded_update`."""
     regularized = cfg.kl_beta > 0 or cfg.entropy_alpha > 0
     if not dis or regularized:
         return int(batch.action_mask.sum())
@@ -160,7 +162,8 @@ class UpdateResult:
     step_s: float
     """Seconds in optimizer (and scheduler) step."""
     empty: bool = False
-    """Skipped because no rank's loss had a gradient (``signal_tokens`` 0 on every rank): not a refusal."""
+    """Skipped because no rank's loss had a gradient (``signal_tokens`` 0, or a gradient norm of
+    exactly 0, on every rank): not a refusal."""
 
     @property
     def refused(self) -> bool:
@@ -186,10 +189,13 @@ def guarded_update(
     ``stepped=False`` (grad_norm NaN when the loss check failed, on every rank).
 
     ``signal_tokens``: this rank's tokens that give the loss a gradient
-    (:func:`policy_signal_tokens`; for the critic its action tokens, the value loss's; None: not asked). When it is 0 on every
-    rank (one more vote, after the gradient's) the gradient is exactly zero: no
-    ``optimizer.step`` (AdamW would move the weights by its momentum and weight decay alone)
-    and no scheduler step (a warm-up counts updates, and this is none), reported as ``empty``.
+    (:func:`policy_signal_tokens`; for the critic its action tokens, the value loss's; None: not
+    asked, and no update is skipped as empty). When on every rank it is 0, or the gradient norm is
+    exactly 0 (every advantage 0; greedy tokens, whose log-prob is the constant 0), the gradient is
+    exactly zero (one more vote, after the gradient's): no ``optimizer.step`` (AdamW would move the
+    weights by its momentum and weight decay alone) and no scheduler step (a warm-up counts
+    updates, and this is none), reported as ``empty``. Under FSDP the norm is already the global
+    one; the vote keeps the decision the same on every rank whatever the norm is.
     The backward still runs first: a policy whose forward gave NaN (every ratio NaN, so no
     token kept) has a non-finite gradient and is refused, as before. Gradients are always
     cleared on return.
@@ -205,8 +211,8 @@ def guarded_update(
     if not vote(math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0)
-    # the vote passes when every rank passes True: here, when no rank has a token with a gradient
-    if signal_tokens is not None and vote(signal_tokens == 0):
+    # the vote passes when every rank passes True: here, when no rank's loss has a gradient
+    if signal_tokens is not None and vote(signal_tokens == 0 or grad_norm == 0.0):
         optimizer.zero_grad(set_to_none=True)
         return UpdateResult(stepped=False, grad_norm=grad_norm, backward_s=backward_s, step_s=0.0, empty=True)
     start = time.perf_counter()

@@ -9,8 +9,10 @@ import torch
 import online_sao.sao as sao_module
 from online_sao.advantages import length_adaptive_lambda, skip_observation_gae
 from online_sao.algorithms import build_algorithm, build_optimizers
+from online_sao.batch import Rollout, collate
 from online_sao.config import AlgorithmConfig
 from online_sao.critic import ValueModel
+from online_sao.train_step import policy_logprobs
 from tests.online_sao.test_sao import make_batch, make_sao
 
 
@@ -72,6 +74,39 @@ def test_each_rewarm_step_fits_every_rollout_since_the_restart(tiny_qwen):
     metrics = algo.step(second)
     assert abs(metrics["critic_fit_loss"] - expected) < 1e-5
     assert len(algo.rewarm_window) == 4
+
+
+def _batch_of_rewards(policy, rewards):
+    """One on-policy rollout per reward (a 3-token prompt, a 2-token answer, the reward on its last token)."""
+    rollouts = [Rollout(f"w{i}", [1, 2, 3, 10 + i, 20 + i], [False] * 3 + [True] * 2, [0.0] * 5, [5] * 5,
+                        {4: reward}) for i, reward in enumerate(rewards)]
+    batch = collate(rollouts, pad_token_id=0, policy_version=5)
+    with torch.no_grad():
+        batch.rollout_logprobs = policy_logprobs(policy, batch) * batch.action_mask
+    return batch
+
+
+@pytest.mark.parametrize("earlier", [(), (0.25, 0.75)])
+def test_a_rewarm_step_past_the_count_fits_every_rollout_since_the_restart(tiny_qwen, monkeypatch, earlier):
+    """N = 4 and a step of 6 rollouts, after 0 or 2 earlier re-warm rollouts: its K updates fit all of
+    them (the joined window was capped at N, and the oldest fell out before the fit)."""
+    algo = make_sao(tiny_qwen, critic_rewarm_rollouts=4)
+    algo.forget()
+    if earlier:
+        algo.step(_batch_of_rewards(tiny_qwen, earlier))
+    fitted: list[list[float]] = []
+    fit = algo._fit
+
+    def spy(batch, timer):
+        fitted.append(batch.rewards.sum(dim=1).tolist())
+        return fit(batch, timer)
+
+    monkeypatch.setattr(algo, "_fit", spy)
+    rewards = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+    metrics = algo.step(_batch_of_rewards(tiny_qwen, rewards))
+    assert fitted == [list(earlier) + list(rewards)]
+    assert metrics["critic_rewarm"] == 1.0 and metrics["critic_updates_done"] == 2.0
+    assert algo.rewarm_left == 0 and len(algo.rewarm_window) == 0  # the N are done: the window is let go
 
 
 def test_a_refused_rewarm_step_leaves_its_rollouts_out_of_later_fits_and_levels(tiny_qwen):

@@ -17,14 +17,15 @@ KEPT = 0.0
 """Behaviour log-probs equal to the policy's: ratio 1, inside the band."""
 
 
-def batch_of(policy, shifts, group_ids=None):
-    """One rollout per shift (a 3-token prompt, a 3-token answer, rewards +1, -1, ...) whose
-    behaviour log-probs are the policy's own plus that shift."""
+def batch_of(policy, shifts, group_ids=None, rewards=None):
+    """One rollout per shift (a 3-token prompt, a 3-token answer, rewards +1, -1, ... unless
+    ``rewards`` are given) whose behaviour log-probs are the policy's own plus that shift."""
     rollouts = []
     for i, shift in enumerate(shifts):
         ids = [1, 2, 3, 10 + i, 11 + i, 12 + i]
+        reward = (1.0 if i % 2 == 0 else -1.0) if rewards is None else rewards[i]
         rollouts.append(Rollout(f"r{i}", ids, [False] * 3 + [True] * 3, [0.0] * 6, [0] * 6,
-                                {5: 1.0 if i % 2 == 0 else -1.0}, group_id=-1 if group_ids is None else group_ids[i]))
+                                {5: reward}, group_id=-1 if group_ids is None else group_ids[i]))
     batch = collate(rollouts, pad_token_id=0)
     row_shifts = torch.tensor(shifts).view(-1, 1)
     with torch.no_grad():
@@ -202,6 +203,73 @@ def test_guarded_update_steps_when_another_rank_has_a_token_with_a_gradient():
     result = guarded_update((param * 0.0).sum(), optimizer, 1.0, vote=vote, signal_tokens=0)
     assert result.stepped and not result.empty and param.tolist() != weights
     assert next(peer, None) is None  # every check voted on
+
+
+def test_guarded_update_skips_an_update_whose_gradient_is_exactly_zero_though_tokens_count():
+    """Tokens inside the DIS band whose gradient is 0 all the same (advantage 0, greedy): AdamW's
+    momentum and weight decay would still move the weights."""
+    param, optimizer, scheduler = _momentum_optimizer()
+    weights, lr = param.tolist(), optimizer.param_groups[0]["lr"]
+    result = guarded_update((param * 0.0).sum(), optimizer, 1.0, scheduler, signal_tokens=3)
+    assert result.empty and not result.stepped and not result.refused and result.grad_norm == 0.0
+    assert param.tolist() == weights and adam_steps(optimizer) == [1.0] and optimizer.param_groups[0]["lr"] == lr
+    # not asked (signal_tokens None, the critic's pre-training): it steps as before
+    assert guarded_update((param * 0.0).sum(), optimizer, 1.0, scheduler).stepped
+
+
+def greedy_batch(policy, rewards):
+    """Rollouts whose answer is the policy's own greedy continuation, sampled at temperature 1e-4:
+    each token's log-prob is the point mass's constant 0, ratio 1 (kept), gradient 0."""
+    rollouts = []
+    for i, reward in enumerate(rewards):
+        ids = [1, 2, 3 + i]
+        with torch.no_grad():
+            for _ in range(3):
+                ids.append(int(policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        rollouts.append(Rollout(f"g{i}", ids, [False] * 3 + [True] * 3, [0.0] * 6, [0] * 6, {5: reward},
+                                temperatures=[1e-4] * 6))
+    batch = collate(rollouts, pad_token_id=0)
+    with torch.no_grad():
+        batch.rollout_logprobs = policy_logprobs(policy, batch) * batch.action_mask
+    return batch
+
+
+def test_a_sao_step_of_greedy_answers_leaves_the_policy_as_it_was(tiny_qwen, snapshot_weights):
+    algo = build("sao", tiny_qwen)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT]))  # an applied update: AdamW now has momentum
+    steps = adam_steps(algo.policy_optimizer)
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(greedy_batch(tiny_qwen, [1.0, -1.0]))
+    unchanged()  # before the fix AdamW's momentum moved most weights
+    assert metrics["kept_frac"] == 1.0 and metrics["adv_mean"] != 0.0 and metrics["policy_grad_norm"] == 0.0
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+    assert adam_steps(algo.policy_optimizer) == steps
+
+
+def test_running_mean_skips_a_step_whose_rewards_equal_the_baseline(tiny_qwen, snapshot_weights):
+    algo = build("running_mean", tiny_qwen, running_mean_window=8)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT], rewards=[1.0, 0.0]))  # applied; the baseline is now 0.5
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(batch_of(tiny_qwen, [KEPT, KEPT], rewards=[0.5, 0.5]))  # every advantage 0
+    unchanged()
+    assert metrics["kept_frac"] == 1.0 and metrics["baseline"] == 0.5 and metrics["policy_grad_norm"] == 0.0
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["skipped_nonfinite"] == 0.0
+    assert list(algo.window) == [1.0, 0.0, 0.5, 0.5]  # not refused: its rewards count
+    # rewards off the baseline: a gradient, the policy steps
+    before = {n: p.detach().clone() for n, p in tiny_qwen.named_parameters()}
+    metrics = algo.step(batch_of(tiny_qwen, [KEPT, KEPT], rewards=[1.0, 0.0]))
+    assert metrics["policy_update_skipped_empty"] == 0.0 and moved(tiny_qwen, before)
+
+
+def test_grpo_skips_a_group_of_equal_rewards(tiny_qwen, snapshot_weights):
+    algo = build("grpo", tiny_qwen, group_size=2, ppo_epochs=2)
+    algo.step(batch_of(tiny_qwen, [KEPT, KEPT], group_ids=[0, 0]))
+    unchanged = snapshot_weights(tiny_qwen)
+    metrics = algo.step(batch_of(tiny_qwen, [KEPT, KEPT], group_ids=[0, 0], rewards=[1.0, 1.0]))
+    unchanged()
+    assert metrics["kept_frac"] == 1.0 and metrics["degenerate_group_frac"] == 1.0
+    assert metrics["policy_update_skipped_empty"] == 1.0 and metrics["policy_updates_done"] == 0.0
+    assert metrics["skipped_nonfinite"] == 0.0
 
 
 def test_a_nonfinite_loss_is_refused_not_skipped_as_empty():

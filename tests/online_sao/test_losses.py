@@ -158,6 +158,29 @@ def test_clipped_surrogate_with_dis_drops_tokens_outside_the_band():
         clipped_surrogate_loss(logprobs, old, torch.ones(1, 3), mask, 0.2, 0.28, rollout_logprobs=rollout)
 
 
+def test_clip_frac_counts_only_the_tokens_the_loss_takes():
+    """A token DIS drops, or outside the current nucleus, has no clipped branch to take: clip_frac is
+    the share of the kept tokens where the clip binds (it was over every action token, DIS-dropped
+    ones counted)."""
+    ln = math.log
+    # pi_old log-probs 0, advantages +1, clip range [0.8, 1.28], DIS band (0.7, 2):
+    # t1 rho 1.5, behaviour ratio 1 (kept, clipped); t2 rho 1.5, behaviour ratio 3 (dropped by DIS);
+    # t3 rho 1 (kept); t4 outside the current nucleus (-inf, dropped); t5 rho 0.5 (kept, not clipped)
+    logprobs = torch.tensor([[0.0, ln(1.5), ln(1.5), 0.0, -math.inf, ln(0.5)]], requires_grad=True)
+    rollout = torch.tensor([[0.0, ln(1.5), ln(1.5) - ln(3.0), 0.0, 0.0, ln(0.5)]])
+    mask = torch.tensor([[False, True, True, True, True, True]])
+    loss, metrics = clipped_surrogate_loss(logprobs, torch.zeros(1, 6), torch.ones(1, 6), mask, 0.2, 0.28,
+                                           rollout_logprobs=rollout, eps_low=0.3, eps_high=1.0)
+    # L = -(1.28 + 1 + 0.5) / 5 = -0.556
+    assert loss.item() == pytest.approx(-0.556)
+    assert metrics["kept_frac"] == pytest.approx(3 / 5)
+    assert metrics["clip_frac"] == pytest.approx(1 / 3)  # t1 of t1, t3, t5 (was 2 / 5)
+    # every token outside the band: none enters the loss, none is clipped
+    _, metrics = clipped_surrogate_loss(logprobs, torch.zeros(1, 6), torch.ones(1, 6), mask, 0.2, 0.28,
+                                        rollout_logprobs=rollout + 5.0, eps_low=0.3, eps_high=1.0)
+    assert metrics["kept_frac"] == 0.0 and metrics["clip_frac"] == 0.0
+
+
 def test_value_loss_literal_and_explained_variance():
     values = torch.tensor([[9.0, 1.0, 2.0, 3.0]], requires_grad=True)
     returns = torch.tensor([[0.0, 0.0, 2.0, 5.0]])

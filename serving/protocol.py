@@ -100,6 +100,8 @@ class FunctionSpec(_Request):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict | None = None
+    strict: bool | None = None
+    """Null or false: strict schema adherence would constrain sampling (``serving.request_checks``)."""
 
 
 class ToolSpec(_Request):
@@ -286,7 +288,8 @@ class ChatCompletionRequest(SamplingRequest):
     """Needs ``logprobs``; how many alternatives each token lists."""
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    """``auto`` (the default with tools) and ``none``; a forced call is refused (sampling is not constrained)."""
+    """``auto`` (the default with tools) and ``none``, only with ``tools``; a forced call is refused (sampling
+    is not constrained)."""
     parallel_tool_calls: bool | None = None
     """Accepted; the model may write several calls in one answer either way."""
     modalities: list[str] | None = None

@@ -9,13 +9,17 @@ silently ignored, and greedy decoding is refused because it has no distribution 
 learn from. So is a vLLM extension that would change where sampling stops, the
 prompt, or the answer's text: the client would get something else than it asked
 for without being told. Their neutral values (top_k -1, min_p 0, ...) are accepted.
+
+A chat request is also refused (400 naming the message's field) where its tool messages do not answer
+its assistant messages' calls, as OpenAI refuses it: such a conversation was rendered and logged as
+one the model never had.
 """
 
 from __future__ import annotations
 
 from online_sao.schemas import MIN_TEMPERATURE
 from serving.errors import APIError
-from serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request: each costs a scan of the held-back text per token."""
@@ -146,7 +150,8 @@ def check_sampling(request: SamplingRequest) -> None:
 
 
 def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
-    """The chat-only fields: log-probs, tools, output modalities and vLLM's chat extensions."""
+    """The chat-only fields: log-probs, tools, the calls and results in messages, output modalities and vLLM's
+    chat extensions."""
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if request.tools and tool_call_parser == "none":
@@ -154,6 +159,8 @@ def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
     if request.tool_choice is not None and request.tool_choice not in ("auto", "none"):
         raise _refuse("tool_choice", "forcing a tool call would constrain sampling, which "
                                      f"{_CHANGES_DISTRIBUTION}; send 'auto' or 'none'")
+    _check_tools(request)
+    _check_tool_conversation(request.messages)
     if request.functions:
         raise _refuse("functions", "send the functions as tools")
     if request.function_call is not None and request.function_call not in ("auto", "none"):
@@ -165,6 +172,72 @@ def check_chat(request: ChatCompletionRequest, tool_call_parser: str) -> None:
     if request.web_search_options is not None:
         raise _refuse("web_search_options", "the model has no web search")
     _check_extensions(request, _CHAT_EXTENSIONS)
+
+
+def _check_tools(request: ChatCompletionRequest) -> None:
+    """``tools`` lists at least one tool, none strict, and ``tool_choice`` comes with them (OpenAI answers 400
+    to both; accepted, a ``tool_choice`` without tools chose among nothing)."""
+    if request.tool_choice is not None and not request.tools:
+        raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+    if request.tools is not None and not request.tools:
+        raise APIError(400, "tools must list at least one tool (leave it out to offer none)", param="tools")
+    for i, tool in enumerate(request.tools or []):
+        if tool.function.strict:
+            raise _refuse(f"tools[{i}].function.strict", "strict adherence to the parameters' schema would "
+                                                         f"constrain sampling, which {_CHANGES_DISTRIBUTION} "
+                                                         "(send false or leave it out)")
+
+
+def _check_tool_conversation(messages: list[ChatMessage]) -> None:
+    """Tool results answer calls, as OpenAI checks a conversation: only an assistant message calls tools, each
+    call with an id; the tool messages right after it answer each of its calls once, before any other message.
+    A result that answers no call was rendered into the prompt and logged in the trajectory the learner trains
+    on as if the model had called for it."""
+    caller: int | None = None  # the assistant message whose calls the tool messages that follow answer
+    unanswered: set[str] = set()  # the ids of its calls no tool message has answered yet
+    for i, message in enumerate(messages):
+        if message.tool_calls and message.role != "assistant":
+            raise APIError(400, f"messages[{i}] is a {message.role} message with tool_calls; only an assistant "
+                                "message calls tools", param=f"messages[{i}].tool_calls")
+        if message.role == "tool":
+            _check_tool_result(messages, i, caller, unanswered)
+            unanswered.discard(message.tool_call_id)
+            continue
+        if unanswered:
+            raise _unanswered(caller, unanswered)
+        caller, unanswered = (i, _call_ids(message, i)) if message.tool_calls else (None, set())
+    if unanswered:
+        raise _unanswered(caller, unanswered)
+
+
+def _call_ids(message: ChatMessage, index: int) -> set[str]:
+    """The ids of an assistant message's calls; each needs one, which the tool message answering it names."""
+    if any(call.id is None for call in message.tool_calls):
+        raise APIError(400, f"a tool call of messages[{index}] has no id: the tool message answering it names "
+                            "the call by its id", param=f"messages[{index}].tool_calls")
+    return {call.id for call in message.tool_calls}
+
+
+def _check_tool_result(messages: list[ChatMessage], index: int, caller: int | None, unanswered: set[str]) -> None:
+    """The tool message ``messages[index]`` answers a call of ``messages[caller]`` not answered yet."""
+    message = messages[index]
+    if message.tool_call_id is None:
+        raise APIError(400, f"the tool message messages[{index}] has no tool_call_id: it must name the call it "
+                            "answers", param=f"messages[{index}].tool_call_id")
+    if caller is None:
+        raise APIError(400, f"the tool message messages[{index}] answers no call: tool messages must follow an "
+                            "assistant message with tool_calls", param=f"messages[{index}]")
+    if message.tool_call_id not in unanswered:
+        known = sorted(call.id for call in messages[caller].tool_calls)
+        raise APIError(400, f"the tool message messages[{index}] answers tool_call_id {message.tool_call_id!r}, "
+                            f"which is no call of messages[{caller}] waiting for its result (its calls: "
+                            f"{', '.join(known)}; each is answered once)", param=f"messages[{index}].tool_call_id")
+
+
+def _unanswered(caller: int, unanswered: set[str]) -> APIError:
+    return APIError(400, f"the tool calls of messages[{caller}] ({', '.join(sorted(unanswered))}) have no result: "
+                         "an assistant message with tool_calls must be followed by a tool message answering each "
+                         "call's id, before any other message", param=f"messages[{caller}].tool_calls")
 
 
 def check_completion(request: CompletionRequest) -> None:

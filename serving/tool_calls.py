@@ -8,8 +8,10 @@ other text. Parsers are picked by ``serving.tool_call_parser``.
 ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format
 Qwen-family (and Hermes) templates teach. A block is a call only as OpenAI defines one:
 it names a function of the request's ``tools`` and its arguments are a JSON object
-(NaN and infinities are not JSON). Any other block stays in the content as it was
-written: a client would otherwise run a tool it never offered or fail on the arguments.
+(NaN and infinities are not JSON; left out, they are ``{}``), and it holds nothing else.
+Any other block stays in the content as it was written: a client would otherwise run a
+tool it never offered, fail on the arguments, or run a call whose arguments the model
+wrote under another key (``"parameters"``, or beside the name) as a call with none.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class ToolCallParser(Protocol):
         holds it back; ``len(text)`` when everything is plain content. Blank text before it is held too:
         beside calls it is no content (:meth:`parse`), so once sent a stream could not take it back."""
         ...
+
+
+CALL_KEYS = frozenset({"name", "arguments"})
+"""The keys a block's JSON object may hold to be a call: a block with others wrote its arguments
+somewhere else, and taking it as a call with ``{}`` would run the tool on arguments the model never gave."""
 
 
 def new_call_id() -> str:
@@ -93,12 +100,13 @@ class HermesToolCallParser:
     @staticmethod
     def _call(body: str, names: frozenset[str]) -> ToolCall | None:
         """The call a block's body makes, or None when it is not a call to one of ``names`` with
-        a JSON object as arguments (absent arguments are an empty object)."""
+        a JSON object as arguments (absent arguments are an empty object) and no other key."""
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return None
-        if not (isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] in names):
+        if not (isinstance(data, dict) and data.keys() <= CALL_KEYS and isinstance(data.get("name"), str)
+                and data["name"] in names):
             return None
         arguments = arguments_json(data.get("arguments", {}))
         if arguments is None:

@@ -2,7 +2,8 @@
 a fake engine with the default model's tokenizer: text that spells a special token is refused, naming the
 field, before anything is tokenised, sampled or logged (it was read as that token, so a user message could
 forge assistant and system turns in the prompt and in the trajectory the learner trains on); a completions
-text prompt keeps its special tokens; text parts are joined with a newline, as vLLM joins them."""
+text prompt keeps its special tokens; text parts are joined with a newline, as vLLM joins them; tool results
+answer the calls right before them, each call answered (serving/request_checks.py)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,46 @@ def test_a_conversation_in_text_parts_continues(make_harness):
     observation = [t for t, action in zip(continued.response_ids, continued.action_mask) if not action]
     assert h.tokenizer.decode(observation) == "\n<|im_start|>user\nShorter.<|im_end|>\n<|im_start|>assistant\n"
     assert continued.parent_id == first["id"]
+
+
+def _call(call_id: str | None) -> dict:
+    call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
+    return call if call_id is None else {"id": call_id, **call}
+
+
+def _asked(*call_ids: str | None) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [_call(i) for i in call_ids]}
+
+
+def _result(call_id: str | None) -> dict:
+    result = {"role": "tool", "content": "5"}
+    return result if call_id is None else {**result, "tool_call_id": call_id}
+
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+UNANSWERING_CONVERSATIONS = {  # label: (messages, the param of the 400)
+    "result without tool_call_id": (QUESTION + [_asked("c1"), _result(None)], "messages[2].tool_call_id"),
+    "result naming no call": (QUESTION + [_asked("c1"), _result("c2")], "messages[2].tool_call_id"),
+    "result answered twice": (QUESTION + [_asked("c1"), _result("c1"), _result("c1")], "messages[3].tool_call_id"),
+    "result with no call before it": (QUESTION + [_result("c1")], "messages[1]"),
+    "result after another message": (QUESTION + [_asked("c1"), _result("c1"), {"role": "assistant", "content": "5"},
+                                                 _result("c1")], "messages[4]"),
+    "calls on a user message": ([{**QUESTION[0], "tool_calls": [_call("c1")]}], "messages[0].tool_calls"),
+    "call without id": (QUESTION + [_asked(None), _result("c1")], "messages[1].tool_calls"),
+    "call unanswered before a user message": (QUESTION + [_asked("c1", "c2"), _result("c1"),
+                                                          {"role": "user", "content": "And?"}], "messages[1].tool_calls"),
+    "call unanswered at the end": (QUESTION + [_asked("c1")], "messages[1].tool_calls"),
+}
+
+
+@pytest.mark.parametrize("messages, param", UNANSWERING_CONVERSATIONS.values(), ids=UNANSWERING_CONVERSATIONS.keys())
+def test_tool_results_that_answer_no_call_or_calls_left_unanswered_are_refused(make_harness, messages, param):
+    """As OpenAI checks a conversation: such a result was rendered and logged as if the model had called for it."""
+    h = make_harness()
+    r = chat(h, messages, tools=TOOLS)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "invalid_value")
+    assert h.engine.requests == [] and h.interactions() == []
+    answered = QUESTION + [_asked("c1", "c2"), _result("c2"), _result("c1"), {"role": "user", "content": "Thanks."},
+                           _asked("c3"), _result("c3")]
+    assert chat(h, answered, tools=TOOLS).status_code == 200

@@ -130,12 +130,12 @@ def test_a_continued_chat_is_logged_as_one_trajectory_with_its_action_mask(make_
     h.engine.version = 2
     messages = [{"role": "user", "content": "Plan a trip."},
                 {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                {"role": "tool", "content": "weather: sunny"},
+                {"role": "user", "content": "weather: sunny"},  # a tool result answers a call (test_tool_calling.py)
                 {"role": "user", "content": "And then?"}]
     second = ask(h, messages, parent_interaction_id=first["interaction_id"])
     parent, child = h.interactions()
     script = h.engine.script
-    observation = h.tokenizer("\n<|im_start|>tool\nweather: sunny<|im_end|>\n<|im_start|>user\nAnd then?"
+    observation = h.tokenizer("\n<|im_start|>user\nweather: sunny<|im_end|>\n<|im_start|>user\nAnd then?"
                               "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert child.parent_id == parent.interaction_id == first["interaction_id"]
     assert child.prompt_ids == parent.prompt_ids

@@ -83,6 +83,34 @@ def test_a_field_the_service_cannot_honour_is_a_400_naming_it(fake_http_server, 
     assert fake_http_server.engine.requests == []
 
 
+ADD = {"type": "function", "function": {"name": "add"}}
+STRICT_SUB = {"type": "function", "function": {"name": "sub", "parameters": {"type": "object"}, "strict": True}}
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    # strict schema adherence constrains sampling like json_schema structured output; it was accepted, rendered
+    # into the prompt and not enforced
+    ({"tools": [ADD, STRICT_SUB]}, "tools[1].function.strict", "unsupported_parameter"),
+    # as OpenAI answers: tool_choice only with tools, and tools lists at least one (both were accepted)
+    ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),
+    ({"tool_choice": "none"}, "tool_choice", "invalid_value"),
+    ({"tool_choice": "auto", "tools": []}, "tool_choice", "invalid_value"),
+    ({"tools": []}, "tools", "invalid_value"),
+], ids=["strict", "choice-without-tools", "none-without-tools", "choice-with-empty-tools", "empty-tools"])
+def test_tool_fields_openai_refuses_are_a_400_naming_the_field(fake_http_server, fields, param, code):
+    client = fake_http_server.openai()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, **fields)
+    assert (refused.value.body["param"], refused.value.body["code"]) == (param, code)
+    assert param in refused.value.body["message"]
+    assert fake_http_server.engine.requests == []
+    fake_http_server.script(ANSWER)
+    not_strict = {"type": "function", "function": {**STRICT_SUB["function"], "strict": False}}
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[ADD, not_strict],
+                                            tool_choice="auto")
+    assert answer.choices[0].message.content == ANSWER
+
+
 @pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", 0.1),
                                           ("logit_bias", {"7": -100}), ("best_of", 2), ("echo", True),
                                           ("suffix", " and more"), ("n", 2)])

@@ -53,6 +53,10 @@ NOT_CALLS = {
     "arguments a list": '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
     "arguments text of a list": '<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>',
     "arguments a number": '<tool_call>{"name": "add", "arguments": 5}</tool_call>',
+    # the arguments written elsewhere: they were dropped and the block was a call with {} (add({}))
+    "arguments under another key": '<tool_call>{"name": "add", "parameters": {"a": 2, "b": 3}}</tool_call>',
+    "arguments beside the name": '<tool_call>{"name": "add", "a": 2, "b": 3}</tool_call>',
+    "another key beside the arguments": '<tool_call>{"name": "add", "arguments": {}, "a": 2}</tool_call>',
     "NaN argument": '<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 3}}</tool_call>',
     "infinite argument in text": '<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
     "half an escaped emoji": '<tool_call>{"name": "add", "arguments": {"a": "\\ud83d", "b": 3}}</tool_call>',
@@ -152,7 +156,8 @@ def test_tool_call_round_trip_logs_the_tool_result_as_observation(fake_http_serv
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("label", ["undeclared tool", "arguments text not JSON", "NaN argument",
-                                   "half an escaped emoji"])
+                                   "half an escaped emoji", "arguments under another key",
+                                   "arguments beside the name"])
 def test_a_block_that_is_no_call_reaches_the_client_as_content(fake_http_server, stream, label):
     server = fake_http_server
     client = server.openai()

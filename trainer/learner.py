@@ -240,7 +240,8 @@ def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics
 def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: DistContext,
               back: WeightsRef) -> None:
     """Restore champion ``back``'s whole training state from its checkpoint (only its weights, from
-    the store, when none is kept) and publish it again as the next version; the registry notes the
+    the store, when none is kept: they become the KL's EMA reference too, as at a start from a
+    checkpoint without one) and publish it again as the next version; the registry notes the
     roll-back carried out once a checkpoint holds the restored state (:func:`checkpoint`): until
     then the newest checkpoint is the rejected policy's line, and a learner restarted from it must
     roll back again. Collective."""
@@ -250,8 +251,10 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
         if rank0 is not None:
             log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
         store = rank0.releases.publisher.store if rank0 else None
-        load_full_state_dict(models.trainables.policy, store.load(back.location, back.checksum) if store else None,
-                             ctx)
+        weights = store.load(back.location, back.checksum) if store else None
+        load_full_state_dict(models.trainables.policy, weights, ctx)
+        if models.trainables.ema_reference is not None:  # the rejected line's EMA would pull the policy back to it
+            load_full_state_dict(models.trainables.ema_reference, weights, ctx)
     # Serving went back to the champion's old number; the learner's own is past it. Published under
     # the next number at once, the restored weights are what serving samples with, so its answers
     # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the

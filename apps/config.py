@@ -383,15 +383,16 @@ class AppConfig(Config):
                                  f"of the algorithm section: {problems}") from None
         return self
 
-    @model_validator(mode="after")
-    def _pretraining_reads_every_pretrain_rollout(self) -> "AppConfig":
-        """The value pre-training pass reads at most ``trainer.pretrain_max_rollouts`` rollouts: more
-        ``experiment.pretrain_rollouts`` were answered and scored, then left out without a word."""
-        asked, kept = self.experiment.pretrain_rollouts, self.trainer.pretrain_max_rollouts
-        if asked > kept:
-            raise ValueError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
-                             "the most value pre-training reads: lower the one or raise the other")
-        return self
+
+def check_pretraining_reads_every_rollout(cfg: AppConfig) -> None:
+    """ConfigError when ``experiment.pretrain_rollouts`` is above ``trainer.pretrain_max_rollouts``, the
+    most the value pre-training pass reads: the rest were answered and scored, then left out without a
+    word. Checked by the experiment when it pre-trains, not at load: a cap set for ``learn
+    --pretrain-critic`` alone is valid for every other command."""
+    asked, kept = cfg.experiment.pretrain_rollouts, cfg.trainer.pretrain_max_rollouts
+    if asked > kept:
+        raise ConfigError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
+                          "the most value pre-training reads: lower the one or raise the other")
 
 
 def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:

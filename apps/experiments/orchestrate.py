@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from apps.config import AppConfig
+from apps.config import AppConfig, check_pretraining_reads_every_rollout
 from online_sao.config import ConfigError, dump_config
 from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, refuse_other_seeds,
                                       summary_path, write_scenario, write_summary)
@@ -316,6 +316,8 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
         raise ConfigError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
+    if pretrains(cfg, names):
+        check_pretraining_reads_every_rollout(cfg)
     refuse_other_seeds(out, cfg.experiment.seeds)
     runs = seed_runs(cfg)
     finished = finished_before(runs, names, progress) if cfg.experiment.resume else {}

@@ -1,5 +1,6 @@
-"""An experiment's settings that clash with other sections (an arm's algorithm overrides, its value
-pre-training's size) are refused at load time, not when the arm starts, hours into a sweep."""
+"""An experiment's settings that clash with other sections are refused before it runs, not when the
+arm starts, hours into a sweep: an arm's algorithm overrides at load, its value pre-training's size
+when the experiment starts."""
 
 import pytest
 
@@ -63,10 +64,14 @@ def test_an_override_of_no_field_or_of_a_wrong_type_is_refused(tmp_path, overrid
         load_app_config(path, environ={})
 
 
-def test_more_pretrain_rollouts_than_pretraining_reads_are_refused_at_load(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("trainer:\n  pretrain_max_rollouts: 100\nexperiment:\n  pretrain_rollouts: 101\n")
+def test_more_pretrain_rollouts_than_pretraining_reads_are_refused_by_an_experiment_that_pretrains(tmp_path):
+    """Refused before anything is run or written; any other command loads such a configuration
+    (a cap set for ``learn --pretrain-critic`` alone stopped serve, learn and kafka at load)."""
+    from apps.experiments.orchestrate import run_simulation
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                                 "trainer.pretrain_max_rollouts": 100,
+                                                 "experiment.pretrain_rollouts": 101})
     with pytest.raises(ConfigError, match=r"experiment\.pretrain_rollouts = 101 .* trainer\.pretrain_max_rollouts = 100"):
-        load_app_config(path, environ={})
-    path.write_text("trainer:\n  pretrain_max_rollouts: 100\nexperiment:\n  pretrain_rollouts: 100\n")
-    assert load_app_config(path, environ={}).experiment.pretrain_rollouts == 100
+        run_simulation(cfg, arms=["sao"], progress=lambda line: None)
+    assert not (tmp_path / "data").exists()

@@ -7,7 +7,8 @@
 A rollout's reward here is the sum of the rewards placed on its tokens. Like SAO, each
 adds the KL / entropy terms of its :class:`~online_sao.regularizers.PolicyRegularizer`
 (none unless configured) to every policy loss, skips a policy update whose loss has no
-gradient on any rank (no token inside the DIS band, or no action token; no regularizer on:
+gradient on any rank (no token inside the DIS band, or no action token, with no regularizer on;
+or a gradient of exactly zero, every advantage 0:
 ``policy_update_skipped_empty = 1``, the step not refused; :func:`online_sao.train_step.guarded_update`; ppo's
 critic update likewise on a step without action tokens), and
 refuses a batch with non-finite inputs, losses or gradient norms
@@ -158,7 +159,7 @@ def _clipped_updates(
     One after an applied update ends the step there: the policy has moved, so the step counts as
     trained (published, its rollouts trained) and says ``refused_after_update = 1``. An update
     whose loss has no gradient on any rank (no token inside the DIS band with ``use_dis``, no
-    action token without) makes no optimiser step and is not a refusal: ``after_update`` still
+    action token without, a gradient of exactly zero: every advantage 0, every token clipped) makes no optimiser step and is not a refusal: ``after_update`` still
     runs (ppo's critic trains as in any epoch), and a step none of whose updates was applied for
     that reason says ``policy_update_skipped_empty = 1`` (the policy as it was)."""
     old_logprobs = None

@@ -100,13 +100,28 @@ class LearnerExporter(Collector):
     def port(self) -> int:
         return self._server.server_port
 
+    def end_of_step(self, step: int, version: int, reward_mean: float, window_monitors: Mapping[str, float],
+                    counts: Mapping[str, float], keeping_up: KeepingUp,
+                    sources: Mapping[str, tuple[float, int]]) -> None:
+        """Every reading of a step's end (:meth:`step`, :meth:`keeping_up`, :meth:`sources`) under one
+        lock: set one by one, a scrape between them showed step N with step N-1's feed and sources."""
+        with self._lock:
+            self._set_step(step, version, reward_mean, window_monitors, counts)
+            self._keeping_up = keeping_up
+            self._sources = dict(sources)
+
     def step(self, step: int, version: int, reward_mean: float, window_monitors: Mapping[str, float],
              counts: Mapping[str, float]) -> None:
         """The values at the end of a learner step."""
         with self._lock:
-            self._learner = {"step": float(step), "policy_version": float(version), "reward_mean": reward_mean}
-            self._window = dict(window_monitors)
-            self._set_counts(counts)
+            self._set_step(step, version, reward_mean, window_monitors, counts)
+
+    def _set_step(self, step: int, version: int, reward_mean: float, window_monitors: Mapping[str, float],
+                  counts: Mapping[str, float]) -> None:
+        """Under the lock: a step's own values."""
+        self._learner = {"step": float(step), "policy_version": float(version), "reward_mean": reward_mean}
+        self._window = dict(window_monitors)
+        self._set_counts(counts)
 
     def position(self, step: int, version: int, counts: Mapping[str, float]) -> None:
         """The step, version and counters now, between steps (at the start: as restored); the reward

@@ -218,11 +218,9 @@ class RankZero:
         keeping_up = self.feed.keeping_up(rollouts, time.time())
         sources = self.feed.sources.stats() if self.feed.sources is not None else {}
         if self.exporter is not None:
-            self.exporter.step(at.step, at.version, metrics.get("reward_mean", math.nan),
-                               {k.removeprefix("monitor_"): v for k, v in monitors.items()},
-                               self.counts())
-            self.exporter.keeping_up(keeping_up)
-            self.exporter.sources(sources)
+            self.exporter.end_of_step(at.step, at.version, metrics.get("reward_mean", math.nan),
+                                      {k.removeprefix("monitor_"): v for k, v in monitors.items()},
+                                      self.counts(), keeping_up, sources)
         self.tracker.log_step(at.step, averaged={  # the step's own figures: their mean over the window
             **metrics, "step_time_s": laps.seconds["step"],
             "publish_time_s": laps.seconds["publish"], "checkpoint_time_s": laps.seconds["checkpoint"],

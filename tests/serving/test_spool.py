@@ -13,6 +13,8 @@ from online_sao.schemas import DeadLetter, decode
 from serving.spool import Spool, SpoolEntry
 
 DLQ = "dead-letters"
+ACK_WAIT_S = 10.0
+"""Until an acknowledgement with a slow (0.3 s) watermark write is done, on a loaded box."""
 
 
 @pytest.fixture(autouse=True)
@@ -486,7 +488,10 @@ def test_no_entry_reads_as_pending_only_once_the_acknowledged_log_is_emptied(tmp
     acknowledging = threading.Thread(target=spool.ack_through, args=(last,))
     acknowledging.start()
     assert writing.wait(5)
+    deadline = time.monotonic() + ACK_WAIT_S
     while spool.pending_records:
+        assert time.monotonic() < deadline, f"{spool.pending_records} records still pending {ACK_WAIT_S:g} s on"
         time.sleep(0.01)
     assert (tmp_path / "spool.log").stat().st_size == 0
-    acknowledging.join()
+    acknowledging.join(ACK_WAIT_S)
+    assert not acknowledging.is_alive(), f"ack_through still running {ACK_WAIT_S:g} s on"

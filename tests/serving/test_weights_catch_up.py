@@ -34,6 +34,15 @@ from tests.serving.test_weights_follower import TOPIC, WAIT_S, Canary, FlakyStor
 POLL_S = 0.02
 """The follower's poll timeout in these tests: a fresh topic is read at once."""
 
+UNREACHABLE_CATCH_UP_S = 3.0
+"""``serving.weights_catch_up_s`` with the broker unreachable: long enough that the test sees the
+replica unready (the follower's first failed connect included) on a loaded box."""
+UNREACHABLE_SEEN_S = 2.0
+"""Until ``/readyz`` says the topic is unreachable (the follower's first connect failed: at once
+unloaded); within :data:`UNREACHABLE_CATCH_UP_S`, so that the replica is still unready then."""
+CLOCK_STARTED_BEFORE_S = 1.0
+"""The app's catch-up clock starts inside ``start_app``, before the test's own clock."""
+
 
 def tiny_state(version: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((2,), float(version))}
@@ -117,6 +126,17 @@ def ready_within(client: TestClient, timeout_s: float) -> dict | None:
     return None
 
 
+def until_catching_up_says(client: TestClient, wanted: str, timeout_s: float) -> str:
+    """``/readyz``'s catching-up reason once it says ``wanted`` (503 all along); the last one after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    reason = assert_catching_up(client)
+    while wanted not in reason and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        reason = assert_catching_up(client)
+    return reason
+
+
 def assert_catching_up(client: TestClient) -> str:
     """``/readyz`` is 503 ``catching_up_weights`` and ``/healthz`` 200; returns the reason."""
     ready = client.get("/readyz")
@@ -158,15 +178,15 @@ def test_a_fresh_weights_topic_is_ready_after_its_first_read(start_app):
 
 def test_an_unreachable_broker_keeps_the_replica_unready_for_weights_catch_up_s_then_it_serves_what_it_has(
         start_app, quick_retries, caplog):
-    catch_up_s = 0.6
     caplog.set_level(logging.WARNING, logger="serving.app")
-    client, _ = start_app(UnreachableBackend(), InProcessWeightStore(), **{"serving.weights_catch_up_s": catch_up_s})
+    client, _ = start_app(UnreachableBackend(), InProcessWeightStore(),
+                          **{"serving.weights_catch_up_s": UNREACHABLE_CATCH_UP_S})
     started = time.monotonic()
-    time.sleep(0.2)
-    assert "the weights topic is unreachable" in assert_catching_up(client)
+    reason = until_catching_up_says(client, "the weights topic is unreachable", UNREACHABLE_SEEN_S)
+    assert "the weights topic is unreachable" in reason, reason
     body = ready_within(client, WAIT_S)
     assert body is not None and body["policy_version"] == 0
-    assert time.monotonic() - started >= catch_up_s - 0.2
+    assert time.monotonic() - started >= UNREACHABLE_CATCH_UP_S - CLOCK_STARTED_BEFORE_S
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "serving.app"]
     assert any("ready on v0 without the newest published weights" in m and "serving.weights_catch_up_s" in m
                and "unreachable" in m for m in warning), warning

@@ -123,6 +123,58 @@ def test_the_learner_serves_its_monitors_while_it_trains(tmp_path, tiny_model_di
         _scrape(free_port)  # train() closed it
 
 
+class ScrapedAtEachRelease:
+    """The exporter's lock, with a scrape right after each release by the thread that made it (the
+    learner's): what Prometheus sees when it comes between two of the learner's updates."""
+
+    def __init__(self, port: int) -> None:
+        self._lock, self._port, self._owner = threading.Lock(), port, threading.get_ident()
+        self.scrapes: list[dict] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        if threading.get_ident() == self._owner:  # the server's own collect() passes through too
+            self.scrapes.append(_scrape(self._port))
+
+
+def test_a_scrape_between_the_learners_updates_never_shows_a_step_with_the_previous_steps_readings(
+        tmp_path, tiny_model_dir, free_port, monkeypatch):
+    """The end of a step sets the step and its feed readings (unread, join, data ages) and sources at
+    once: set in three lock acquisitions, a scrape between them showed step N with step N-1's."""
+    cfg, backend = _registry_rounds(tmp_path, tiny_model_dir, **{"trainer.metrics_port": free_port})
+    locks: list[ScrapedAtEachRelease] = []
+    readings: list[KeepingUp] = []
+    init, keeping_up = LearnerExporter.__init__, Feed.keeping_up
+
+    def instrumented(self, host, port):
+        init(self, host, port)
+        self._lock = ScrapedAtEachRelease(self.port)
+        locks.append(self._lock)
+
+    def recorded(self, trained, now):  # with rollouts: the reading of a step's end
+        reading = keeping_up(self, trained, now)
+        if trained:
+            readings.append(reading)
+        return reading
+
+    monkeypatch.setattr(LearnerExporter, "__init__", instrumented)
+    monkeypatch.setattr(Feed, "keeping_up", recorded)
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=3))
+    [lock] = locks
+    first_with_step: dict[int, dict] = {}
+    for scrape in lock.scrapes:
+        first_with_step.setdefault(int(scrape[("sao_learner_step", ())]), scrape)
+    assert len(readings) == 3 and sorted(first_with_step) == [0, 1, 2, 3], sorted(first_with_step)
+    for step, reading in enumerate(readings, start=1):
+        seen = first_with_step[step]
+        assert (seen.get(("sao_learner_data_age_seconds", (("stat", "max"),))),
+                seen[("sao_learner_join_records", (("state", "ready"),))]) == \
+            (reading.data_age_max_s, reading.ready), f"step {step}'s first scrape shows another step's readings"
+
+
 def test_a_failing_value_pretraining_still_ends_the_run_and_frees_the_port(tmp_path, tiny_model_dir, free_port,
                                                                           monkeypatch):
     """Pre-training runs inside the loop's cleanup: its error propagates, and the MLflow run is marked

@@ -4,14 +4,19 @@ Broker up, default model built, serving and learner started as their own
 processes; simulated users chat through the official ``openai`` client and send
 feedback; the learner trains with SAO and publishes; serving hot-swaps. Prints
 progress and a summary; everything it ran is in MLflow and under
-``<data_dir>/runs/smoke``.
+``<data_dir>/runs/smoke-<time>``.
+
+The run has state of its own (:func:`apps.stack.own_state_overrides`): topics, consumer
+group, weights, checkpoints, spool, MLflow experiment and registered model. It starts
+from the base model and leaves the deployment's learner, topics and registry alone: it
+resumed the deployment's checkpoint, trained it on made-up rewards and published onto
+the weights topic every replica follows. An operator's hold on the deployment's weights
+is on the deployment's topic, which the run's serving does not follow.
 
 It passes only when serving answers with weights trained on this run's feedback
-(:func:`smoke_verdict`): a version above the one serving started with, published
-at or after the first learner step whose ledger lists one of this run's
-interactions. A second run resumes from the first one's checkpoint, so serving
-starting above version 0, or rising on interactions left from an earlier run,
-proves nothing about this one.
+(:func:`smoke_verdict`), read from the run's own topic and ledger: a version above the
+one serving started with, published at or after the first learner step whose ledger
+lists one of this run's interactions.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from apps.config import AppConfig, client_api_key
-from apps.stack import Stack, free_port
+from apps.stack import Stack, free_port, own_state_overrides
 from online_sao.config.base import mask_uri_password
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from streams.base import Consumer
@@ -90,10 +95,14 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
 
     started = time.monotonic()
     port = free_port()
-    # a checkpoint every step keeps the ledger (what was trained, by step) current for the verdict
-    overrides = {**(overrides or {}), "serving.port": port, "trainer.min_rollouts": 4, "trainer.checkpoint_every": 1}
-    run_dir = cfg.data_dir / "runs" / "smoke"
+    run_id = time.strftime("smoke-%Y%m%d-%H%M%S")
+    run_dir = cfg.data_dir / "runs" / run_id
+    # its own state over the operator's --set too (which may name the deployment's topics); a
+    # checkpoint every step keeps the ledger (what was trained, by step) current for the verdict
+    overrides = {**(overrides or {}), **own_state_overrides(cfg, run_id, run_dir),
+                 "serving.port": port, "trainer.min_rollouts": 4, "trainer.checkpoint_every": 1}
     with Stack(config_path, overrides, run_dir) as stack:
+        cfg = stack.cfg  # the run's: every read below goes to its own topics, ledger and registry
         stack.start_broker()
         print(f"model: {build_base_model(cfg)}", flush=True)
         server = stack.start("serving", ["serve"])
@@ -131,7 +140,8 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
     print(f"smoke run finished in {time.monotonic() - started:.0f} s: serving answers with policy version "
           f"{evidence.served_version} (started at {start_version}), published at step "
           f"{evidence.version_steps[evidence.served_version]} after training on this run's feedback; "
-          f"logs in {run_dir / 'logs'}; MLflow at {mask_uri_password(cfg.mlflow_uri)}")
+          f"logs in {run_dir / 'logs'}; MLflow at {mask_uri_password(cfg.mlflow_uri)}, experiment "
+          f"{cfg.mlflow.experiment}")
     return 0
 
 

@@ -28,7 +28,7 @@ import httpx
 import yaml
 
 from apps.config import AppConfig, load_app_config
-from online_sao.config import ENV_PREFIX
+from online_sao.config import ENV_PREFIX, Config, TopicsConfig
 
 READY_POLL_S = 0.5
 """Pause between readiness probes of a starting process (no busy wait)."""
@@ -198,6 +198,30 @@ class Stack:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers.clear()
+
+
+def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, Any]:
+    """Overrides that give a run beside the deployment (``online-sao smoke``, ``online-sao load``) state
+    of its own, named after ``run_id`` and kept under ``run_dir``: topics, the learner's consumer
+    group, weight store, checkpoints (the learner's ledger with them), serving's spool, an MLflow
+    experiment and registered model (``<cfg's name>.<run_id>``), and a free port for the learner's
+    metrics where ``cfg`` serves them.
+
+    Smoke's learner resumed the deployment's checkpoint, trained it on made-up rewards and published
+    onto the weights topic every replica follows; both runs registered versions into the deployment's
+    registered model, whose aliases (champion, candidate) production's canary and the learner's
+    roll-back read. The tracking URI stays ``cfg``'s: the run still exercises the configured server."""
+    overrides: dict[str, Any] = {
+        **{f"kafka.topics.{role}": f"{run_id}.{role.replace('_', '-')}" for role in TopicsConfig.model_fields},
+        "trainer.consumer_group": f"{run_id}-learner",
+        "trainer.weight_store": str(run_dir / "weights"),
+        "trainer.checkpoint_dir": str(run_dir / "checkpoints"),
+        "serving.spool_dir": str(run_dir / "spool"),
+        "mlflow.experiment": f"{cfg.mlflow.experiment}.{run_id}",
+        "mlflow.registered_model": f"{cfg.mlflow.registered_model}.{run_id}"}
+    if cfg.trainer.metrics_port is not None:  # the deployment's learner may hold that port
+        overrides["trainer.metrics_port"] = 0
+    return overrides
 
 
 def threads_env(threads: int) -> dict[str, str]:

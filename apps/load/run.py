@@ -4,8 +4,10 @@ Two ways to run it:
 
 * against your own stack (no ``--url``): the broker (unless the configuration names a
   cluster), ``online-sao serve`` and ``online-sao learn`` start as subprocesses
-  (:class:`apps.stack.Stack`) on topics, consumer group, weights, checkpoints and
-  spool of their own for this run (``<data_dir>/runs/load-<time>``); traffic starts
+  (:class:`apps.stack.Stack`) on topics, consumer group, weights, checkpoints,
+  spool, MLflow experiment and registered model of their own for this run
+  (``<data_dir>/runs/load-<time>``; :func:`apps.stack.own_state_overrides`): the
+  deployment's learner, topics and registry are left alone; traffic starts
   once the learner holds its partitions; the clients' rewards (``/v1/feedback``) make
   the learner step and publish, serving hot-swaps under load.
 * against a running endpoint (``--url``): only the clients; the interactions topic of
@@ -35,6 +37,7 @@ from typing import Any, Callable
 
 from apps.config import AppConfig, client_api_key
 from apps.load.stats import LoadParams, LoadResult, LoadSummary, RequestRecord, summarize, versions_text
+from online_sao.config import Config
 from streams.base import StreamBackend
 
 SERVING_READY_TIMEOUT_S = 300.0
@@ -157,15 +160,13 @@ class LoadRunReport:
                 and self.stack_error is None and (self.logged is None or self.logged.ok))
 
 
-def run_own_stack_overrides(run_id: str, run_dir: Path) -> dict[str, Any]:
-    """State of this run only: topics, consumer group, weights, checkpoints, spool."""
-    return {**LOAD_STACK_OVERRIDES,
-            **{f"kafka.topics.{name}": f"{run_id}.{name.replace('_', '-')}"
-               for name in ("interactions", "rewards", "weights", "dead_letters")},
-            "trainer.consumer_group": f"{run_id}-learner",
-            "trainer.weight_store": str(run_dir / "weights"),
-            "trainer.checkpoint_dir": str(run_dir / "checkpoints"),
-            "serving.spool_dir": str(run_dir / "spool")}
+def run_own_stack_overrides(run_id: str, run_dir: Path, cfg: Config | None = None) -> dict[str, Any]:
+    """:data:`LOAD_STACK_OVERRIDES` and state of this run only (:func:`apps.stack.own_state_overrides`:
+    topics, consumer group, weights, checkpoints, spool, MLflow experiment and registered model),
+    its MLflow names derived from ``cfg``'s (the defaults' when None)."""
+    from apps.stack import own_state_overrides
+
+    return {**LOAD_STACK_OVERRIDES, **own_state_overrides(cfg or Config(), run_id, run_dir)}
 
 
 def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: Path, params: LoadParams,
@@ -256,6 +257,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     """``online-sao load``: returns 0 when the run passed, 1 otherwise."""
     from apps.load.gen import run_load
     from apps.load.report import write_results
+    from apps.stack import own_state_overrides
     from streams.base import StreamUnavailable
     from streams.kafka_backend import KafkaBackend
 
@@ -280,8 +282,10 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
     else:
         run_id = time.strftime("load-%Y%m%d-%H%M%S")
         run_dir = cfg.data_dir / "runs" / run_id
-        report = run_on_stack(Path(config_path) if config_path else None,
-                              {**run_own_stack_overrides(run_id, run_dir), **overrides}, run_dir, params, progress)
+        # the operator's --set over the load's serving settings, the run's own state over both (a --set
+        # naming the deployment's topics or registered model would put the run back on them)
+        run_overrides = {**LOAD_STACK_OVERRIDES, **overrides, **own_state_overrides(cfg, run_id, run_dir)}
+        report = run_on_stack(Path(config_path) if config_path else None, run_overrides, run_dir, params, progress)
     for line in describe(report):
         print(line, flush=True)
     extra = {"command": shlex.join(["online-sao", *sys.argv[1:]]), "passed": report.passed,

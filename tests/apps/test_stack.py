@@ -241,3 +241,25 @@ def test_children_are_started_only_from_the_thread_that_created_the_stack(tmp_pa
         assert raised and "thread that created it" in str(raised[0]) and stack.components == []
     finally:
         stack.stop_all()
+
+
+def test_own_state_overrides_name_every_piece_of_state_after_the_run(tmp_path):
+    """What smoke and load run on beside the deployment: one helper, so neither forgets a piece (both
+    forgot MLflow: their learners registered into the deployment's registered model)."""
+    from online_sao.config import TopicsConfig
+
+    deployment = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                                        "mlflow.tracking_uri": "http://mlflow:5000"})
+    run_dir = tmp_path / "runs" / "r-1"
+    overrides = stack_module.own_state_overrides(deployment, "r-1", run_dir)
+    run = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path / "data"),
+                                                 "mlflow.tracking_uri": "http://mlflow:5000", **overrides})
+
+    assert {getattr(run.kafka.topics, role) for role in TopicsConfig.model_fields} == {
+        "r-1.interactions", "r-1.rewards", "r-1.weights", "r-1.dead-letters"}
+    assert run.trainer.consumer_group == "r-1-learner"
+    assert (run.weight_store_url, run.checkpoint_dir, run.spool_dir) == (
+        str(run_dir / "weights"), run_dir / "checkpoints", run_dir / "spool")
+    assert (run.mlflow.experiment, run.mlflow.registered_model) == ("online-sao.r-1", "online-sao-policy.r-1")
+    assert run.mlflow_uri == "http://mlflow:5000"
+    assert "trainer.metrics_port" not in overrides  # off in the deployment: off in the run

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from apps import cli
+from apps.config import load_app_config
 from apps.load.gen import LoadGenerator
 from apps.stack import StackError
 from streams.base import StreamUnavailable
@@ -132,3 +133,34 @@ def test_positive_refuses_infinity(text):
 
     with pytest.raises(argparse.ArgumentTypeError, match="must be finite"):
         positive(float)(text)
+
+
+def test_load_on_its_own_stack_leaves_the_deployments_registry_and_state_alone(tmp_path, monkeypatch):
+    """The load's learner registered versions into the deployment's mlflow.registered_model and could
+    move its aliases (champion, candidate), which production's canary and the learner's roll-back read;
+    a --set naming the deployment's topics put the run back on them."""
+    _own_stack(monkeypatch, DyingServing(answers=10**9), lambda *args, **kwargs: None)
+    import apps.stack
+
+    made = []
+
+    class Recording(apps.stack.Stack):  # the fake stack of _own_stack
+        def __init__(self, config_path, overrides, run_dir, progress=print):
+            super().__init__(config_path, overrides, run_dir, progress)
+            made.append((self.cfg, run_dir))
+
+    monkeypatch.setattr("apps.stack.Stack", Recording)
+    deployment = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+
+    cli.main(["--set", f"paths.data_dir={tmp_path}", "--set", "mlflow.registered_model=prod-policy",
+              "--set", "kafka.topics.weights=prod.weights", "load", "--clients", "1", "--requests-per-client", "1",
+              "--stream-share", "0", "--feedback-share", "0", "--out", str(tmp_path / "load.json")])
+
+    run, run_dir = made[0]
+    assert run_dir.parent == tmp_path / "runs" and run_dir.name.startswith("load-")
+    assert run.mlflow.registered_model == f"prod-policy.{run_dir.name}"
+    assert run.mlflow.experiment == f"{deployment.mlflow.experiment}.{run_dir.name}"
+    assert run.mlflow_uri == deployment.mlflow_uri  # the configured tracking server, still exercised
+    assert run.kafka.topics.weights == f"{run_dir.name}.weights"
+    assert run.checkpoint_dir == run_dir / "checkpoints"
+    assert run.serving.torch_threads == 1  # the load's own serving settings still apply

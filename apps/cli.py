@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import math
 import signal
 import sys
@@ -46,13 +47,28 @@ def _base_model(cfg: AppConfig, args: argparse.Namespace) -> int:
     return run_base_model(cfg, force=args.force)
 
 
-def _serve(cfg: AppConfig, args: argparse.Namespace) -> int:
-    import logging
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The long-running commands' log lines, as the learner's: when, how bad, which part."""
+SERVICE_LOG_LEVEL = logging.INFO
+"""serve, judge: their INFO lines say what they do ("ready after", "spool replayed", "serving stopped")."""
+DRIVER_LOG_LEVEL = logging.WARNING
+"""simulate, lr-sweep, agent, load print their progress; at INFO the in-process driver's serving and
+learner (in its process) would add a line per weight swap and per late reward."""
 
+
+def _log_to_stderr(level: int) -> None:
+    """Log to stderr from ``level`` up, with time and level (with nothing set up, serve's INFO lines never
+    showed and its warnings came out bare); a no-op where logging is set up already (pytest)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
+
+
+def _serve(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.default_model.builder import build_base_model
     from serving.server import check_exposure, run_server
     from serving.spool_lock import exclusive_spool
 
+    _log_to_stderr(SERVICE_LOG_LEVEL)
     check_exposure(cfg.serving)  # before any build
     log = logging.getLogger("serving.server")
     with exclusive_spool(cfg.spool_dir):  # held from before any build: a second process is refused at once
@@ -150,6 +166,7 @@ def _weights(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
     check_requests_fit_serving(cfg, "experiment")
+    _log_to_stderr(DRIVER_LOG_LEVEL)
     from apps.experiments.orchestrate import run_simulation
 
     return _resumable(lambda: run_simulation(cfg, arms=args.arm or None, progress=lambda line: print(line, flush=True)))
@@ -157,6 +174,7 @@ def _simulate(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
     check_requests_fit_serving(cfg, "experiment")
+    _log_to_stderr(DRIVER_LOG_LEVEL)
     from apps.experiments.sweep import run_lr_sweep
 
     return _resumable(lambda: run_lr_sweep(cfg, args.rates, arms=args.arm or None,
@@ -166,6 +184,7 @@ def _lr_sweep(cfg: AppConfig, args: argparse.Namespace) -> int:
 def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:
     check_requests_fit_serving(cfg, "agent")
     check_agent_rewards_are_taken(cfg)
+    _log_to_stderr(DRIVER_LOG_LEVEL)
     from apps.agent.run import run_agent
 
     print(run_agent(cfg, progress=lambda line: print(line, flush=True)), flush=True)
@@ -175,6 +194,7 @@ def _agent(cfg: AppConfig, args: argparse.Namespace) -> int:
 def _judge(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.judge_service import run_judge_cli
 
+    _log_to_stderr(SERVICE_LOG_LEVEL)
     return run_judge_cli(cfg, arm=args.arm)
 
 
@@ -193,6 +213,7 @@ def _smoke(cfg: AppConfig, args: argparse.Namespace) -> int:
 def _load(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.load.run import run_load_cli
 
+    _log_to_stderr(DRIVER_LOG_LEVEL)
     return run_load_cli(cfg, args, config_path=args.config, overrides=_overrides(args))
 
 
@@ -205,6 +226,17 @@ def _rates(text: str) -> list[float]:
     if not all(math.isfinite(r) and r > 0 for r in rates):  # nan passed "<= 0" and reached pydantic's traceback
         raise argparse.ArgumentTypeError(f"expected positive finite learning rates, got {text!r}")
     return rates
+
+
+def _version(text: str) -> int:
+    """``weights hold VERSION``: 0 or above (-5 was taken, and said to be compacted away)."""
+    try:
+        version = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a version number, got {text!r}") from None
+    if version < 0:
+        raise argparse.ArgumentTypeError(f"versions are numbered from 0, got {version}")
+    return version
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "[VERSION | --champion] makes every replica answer with one version (by "
                                       "default the one they follow now) until release")
     weights.add_argument("action", choices=["status", "hold", "release"])
-    weights.add_argument("version", nargs="?", type=int, metavar="VERSION", help="hold: the version to hold")
+    weights.add_argument("version", nargs="?", type=_version, metavar="VERSION", help="hold: the version to hold")
     weights.add_argument("--champion", action="store_true", help="hold: the registry's champion")
     weights.add_argument("--reason", help="hold, release: why (logged by every replica, kept on the topic)")
     weights.set_defaults(run=_weights)

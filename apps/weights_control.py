@@ -95,9 +95,11 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     replicas serve now: the held one during a hold) and return the hold notice sent. Nothing is copied,
     deleted or sent unless the notice can be sent (a bad reason is refused first); the copy of an
     earlier hold is deleted only once the broker has the new notice."""
+    if version is not None and version < 0:
+        raise HoldError(f"versions are numbered from 0, got {version}")
     topic, model = cfg.kafka.topics.weights, cfg.serving.model_name
     state = read_weights_topic(backend, topic, model)
-    target = _target(state, version, champion)
+    target = _target(cfg, state, version, champion)
     if state.hold is not None and target.version == state.hold.version and _copy_kept(state.hold):
         notice = _notice(state.hold, action="hold", reason=reason, created_at=time.time())  # a new reason
         _send(backend, topic, notice)
@@ -190,7 +192,7 @@ def _notice(base: WeightsNotice, **changes) -> WeightsNotice:
         raise HoldError(f"the notice cannot be sent ({problems})") from None
 
 
-def _target(state: WeightsTopic, version: int | None, champion: bool) -> WeightsNotice:
+def _target(cfg: Config, state: WeightsTopic, version: int | None, champion: bool) -> WeightsNotice:
     if champion:
         if state.champion is None:
             raise HoldError("the weights topic names no champion yet (the registry promotes one at its first "
@@ -203,9 +205,27 @@ def _target(state: WeightsTopic, version: int | None, champion: bool) -> Weights
             raise HoldError("nothing is published yet: serving answers with its base model")
         return state.following
     if version not in state.by_version:
-        raise HoldError(f"the weights topic no longer names v{version} (compaction keeps the newest notice and "
-                        f"the champion's); versions it names: {sorted(state.by_version)}")
+        raise _not_on_topic(cfg, state, version)
     return state.by_version[version]
+
+
+def _not_on_topic(cfg: Config, state: WeightsTopic, version: int) -> HoldError:
+    """Why ``version``, which the topic does not name, cannot be held: never published (above every
+    version the topic and the learner's store know: a rolled-back version's notice may be compacted
+    away, its file stays) or compacted away; with the versions that can be (as ``status`` lists them)."""
+    store = _file_store(cfg)
+    holdable = holdable_versions(cfg, state)
+    if holdable is None:  # no store to tell which have their weights: the hold needs one anyway
+        can = f"versions the topic names: {', '.join(f'v{v}' for v in sorted(state.by_version)) or 'none'}"
+    else:
+        can = f"versions that can be held: {', '.join(f'v{v}' for v in holdable) or 'none'}"
+    held = () if state.hold is None else (state.hold.version,)
+    newest = max((*state.by_version, *held, *(() if store is None else store.versions())), default=None)
+    if newest is None or version > newest:
+        return HoldError(f"v{version} was never published "
+                         f"({'nothing is published yet' if newest is None else f'newest v{newest}'}); {can}")
+    return HoldError(f"the weights topic no longer names v{version} (compaction keeps the newest notice and the "
+                     f"champion's); {can}")
 
 
 def _send(backend: StreamBackend, topic: str, notice: WeightsNotice) -> None:

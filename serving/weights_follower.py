@@ -88,8 +88,9 @@ class WeightsFollower:
         self._champion_wait_s = CHAMPION_RETRY_S
         self._champion_due = 0.0
         """When (``time.monotonic``) the pending champion is tried next."""
-        self.holds = HoldState()
-        """The learner's notices followed, or an operator's hold (``holds.held_version``)."""
+        self.holds = HoldState(replaying=True)
+        """The learner's notices followed, or an operator's hold (``holds.held_version``); replaying the
+        topic until the first pass is done."""
         self._catch_up_ends: dict[TopicPartition, int] | None = None
         """The topic's end offsets when the consumer connected: the first pass ends there."""
         self._caught_up = threading.Event()
@@ -183,6 +184,7 @@ class WeightsFollower:
         self._caught_up.set()
         log.info("weights topic %s read to where it ended at start: serving v%d", self.topic,
                  self.engine.policy_version)
+        self.holds.end_replay()  # the hold the topic's history ends in, once (not each hold and release in it)
 
     def _read(self, message) -> WeightsNotice | None:
         if self.dead_letters is not None:

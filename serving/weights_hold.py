@@ -8,7 +8,8 @@ champion still follows ``champion`` notices but answers no request until the rel
 goes where the notices it deferred lead, as if the hold had never been: back to what it served
 before the hold, or to what the learner published or rolled back to since. A release naming another
 version (sent for an earlier hold, which another operator moved meanwhile) is ignored, with a log
-line, as a release with no hold in force is.
+line, as a release with no hold in force is. A replica replaying the topic as it starts logs the
+hold the replay ends in (if any), not each hold and release of the topic's history.
 
 A hold whose version cannot be loaded (its file gone, corrupt) leaves the replica where the notices
 before it led, still held: on the weights it has, or, when those notices come in the same poll (a
@@ -32,6 +33,9 @@ MAX_DEFERRED = 256
 the publishes after it decide where a release goes; a hold that outlasts this many notices forgets
 the oldest (the newest publish is still among those kept)."""
 
+HELD = "weights held at v%d by an operator (%s); the learner's versions are not followed until a release"
+"""The warning of a hold in force (its version, its reason)."""
+
 
 def plan(notices: list[WeightsNotice], current: int) -> list[tuple[WeightsNotice, bool]]:
     """``(notice, force)`` to try, most lasting first, for notices read in this order."""
@@ -52,9 +56,15 @@ class HoldState:
 
     :meth:`take` reads one poll's ``publish``, ``rollback``, ``hold`` and ``release`` notices in
     topic order and says which to try to load, most lasting first (:func:`plan`); :meth:`applied`
-    is told which one was loaded."""
+    is told which one was loaded.
 
-    def __init__(self) -> None:
+    ``replaying``: the notices come from a replica's replay of the topic at its start (the follower's
+    first pass), history rather than news: the holds and releases in it are not logged one by one (a
+    restarted replica logged every hold and release ever made as if made now); :meth:`end_replay`
+    logs the state the replay ends in."""
+
+    def __init__(self, replaying: bool = False) -> None:
+        self.replaying = replaying
         self.hold: WeightsNotice | None = None
         """The hold in force (None: following the learner)."""
         self._serving: WeightsNotice | None = None
@@ -86,11 +96,11 @@ class HoldState:
             if self.hold is None:  # a release without a hold changes nothing
                 return plan([*(notice for notice, _ in reversed(before)), *after], current)
             if mark.version != self.hold.version:  # sent for an earlier hold (read before this one was made)
-                log.warning("a release of v%d ignored: the hold in force is v%d's, which only a release of v%d "
-                            "ends", mark.version, self.hold.version, self.hold.version)
+                self._news("a release of v%d ignored: the hold in force is v%d's, which only a release of v%d "
+                           "ends", mark.version, self.hold.version, self.hold.version)
                 self._deferred.extend(after)
                 return before
-            log.warning("weights hold released; following the learner's versions again")
+            self._news("weights hold released; following the learner's versions again")
             self.hold = None
             pending = list(self._deferred)
             self._deferred.clear()
@@ -108,11 +118,22 @@ class HoldState:
             self._deferred.extend(notice for notice, _ in reversed(before))
         self.hold = mark
         self._deferred.extend(after)
-        log.warning("weights held at v%d by an operator (%s); the learner's versions are not followed until a "
-                    "release", mark.version, mark.reason or "no reason given")
+        self._news(HELD, mark.version, mark.reason or "no reason given")
         if current == mark.version:  # a hold re-sent (a new reason) or of the version served: no reload
             return []
         return [(mark, True), *before]
+
+    def end_replay(self) -> None:
+        """The replay of the topic is over: say the hold it ended in, if any; later notices are news."""
+        hold = self.hold
+        if self.replaying and hold is not None:
+            log.warning(HELD, hold.version, hold.reason or "no reason given")
+        self.replaying = False
+
+    def _news(self, message: str, *args: object) -> None:
+        """A warning for a hold's change made now, not one replayed from the topic's history."""
+        if not self.replaying:
+            log.warning(message, *args)
 
     def applied(self, notice: WeightsNotice) -> None:
         """``notice``'s weights are now served."""

@@ -204,8 +204,9 @@ def test_learn_with_a_pretrain_file_that_is_not_there_is_one_line_before_anythin
     (["load", "--out", "."], "--out: names the results file, not a directory: . is one (e.g. load.json)"),
     (["load", "--duration-s", "inf"], "--duration-s: must be finite, got inf"),  # ran on, then wrote Infinity
     (["load", "--duration-s", "nan"], "--duration-s: must be above 0, got nan"),
+    (["weights", "hold", "-5"], "argument VERSION: versions are numbered from 0, got -5"),  # said "compacted"
 ], ids=["clients", "duration", "share", "plot-as-out", "rates", "nan-rate", "inf-rate", "directory-as-out",
-        "inf-duration", "nan-duration"])
+        "inf-duration", "nan-duration", "negative-version"])
 def test_an_argument_out_of_its_range_is_a_usage_error(capsys, argv, says):
     with pytest.raises(SystemExit) as usage:
         cli.main(argv)
@@ -349,3 +350,24 @@ def test_tasks_failing_in_a_row_end_the_agent_in_one_line(monkeypatch, capsys):
     from apps.agent import run
 
     _agent_fails_in_one_line(monkeypatch, capsys, run.TasksFailing("10 tasks failed in a row; see the serving log"))
+
+
+def test_serve_logs_info_lines_with_time_and_level(monkeypatch, tmp_path):
+    """`online-sao serve` set no logging up: "ready after", "spool replayed", "serving stopped" never
+    showed, and its warnings came out without time or level."""
+    import logging
+    from contextlib import nullcontext
+
+    root, kafka = logging.getLogger(), logging.getLogger("kafka")
+    monkeypatch.setattr(root, "handlers", [])  # as in a fresh process (pytest's capture handlers put aside)
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    monkeypatch.setattr(kafka, "level", logging.NOTSET)
+    served = []
+    monkeypatch.setattr("apps.default_model.builder.build_base_model", lambda cfg, progress: tmp_path)
+    monkeypatch.setattr("serving.spool_lock.exclusive_spool", lambda path: nullcontext())
+    monkeypatch.setattr("serving.server.run_server", lambda cfg, model_dir: served.append(model_dir) or 0)
+    assert cli.main(["--set", f"paths.data_dir={tmp_path}", "serve"]) == 0 and served == [tmp_path]
+    assert root.level == logging.INFO and logging.getLogger("serving.server").isEnabledFor(logging.INFO)
+    assert [handler.formatter._fmt for handler in root.handlers] == [cli.LOG_FORMAT]
+    assert "%(asctime)s %(levelname)s" in cli.LOG_FORMAT
+    assert kafka.level == logging.WARNING  # kafka-python's connection chatter stays out

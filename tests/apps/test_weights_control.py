@@ -127,7 +127,7 @@ def test_holds_that_cannot_be_made_say_why_and_send_nothing(backend, cfg, store,
     with pytest.raises(HoldError, match="names no champion"):
         hold(cfg, backend, champion=True)
     published(backend, cfg, store, 1, 2)
-    with pytest.raises(HoldError, match=r"no longer names v7 .*versions it names: \[1, 2\]"):
+    with pytest.raises(HoldError, match=r"^v7 was never published \(newest v2\); versions that can be held: v1, v2$"):
         hold(cfg, backend, version=7)
     store.delete(1)
     with pytest.raises(HoldError, match="v1's weights cannot be loaded .*trainer.keep_versions"):
@@ -137,7 +137,7 @@ def test_holds_that_cannot_be_made_say_why_and_send_nothing(backend, cfg, store,
         hold(in_memory, backend, version=2)
     assert [n.action for _, n in on_topic(backend, cfg)] == ["publish", "publish"]
     assert run_weights_cli(cfg, backend, "hold", 7, False, None) == 1
-    assert "online-sao weights hold: the weights topic no longer names v7" in capsys.readouterr().err
+    assert "online-sao weights hold: v7 was never published (newest v2)" in capsys.readouterr().err
 
 
 def test_a_reason_too_long_is_refused_before_anything_is_copied_deleted_or_sent(backend, cfg, store):
@@ -298,3 +298,25 @@ def test_holding_the_held_version_again_when_its_copy_and_its_notices_are_gone_s
     held_copies(cfg).delete(1)
     with pytest.raises(HoldError, match="copy is gone"):
         hold(cfg, backend, version=None, reason="repair")
+
+
+def test_a_version_the_topic_does_not_name_is_said_never_published_or_compacted_with_what_can_be_held(
+        backend, cfg, store, capsys):
+    """`weights hold 999` (above anything published) and `weights hold -5` both said the topic "no longer
+    names" them, listing every version the topic names where `weights status` lists fewer as holdable."""
+    refs = {v: store.save(v, weights(v)) for v in (1, 2, 3, 4)}
+    for v in (1, 3, 4):  # v2's notice compacted away (its file kept)
+        announce(backend, cfg, refs[v])
+    store.delete(1)  # pruned by the learner: named on the topic, but not holdable
+    assert run_weights_cli(cfg, backend, "status", None, False, None) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("can be held: v3, v4 (")
+    with pytest.raises(HoldError) as never:
+        hold(cfg, backend, version=999)
+    assert str(never.value) == "v999 was never published (newest v4); versions that can be held: v3, v4"
+    with pytest.raises(HoldError) as compacted:
+        hold(cfg, backend, version=2)
+    assert str(compacted.value) == ("the weights topic no longer names v2 (compaction keeps the newest notice and "
+                                    "the champion's); versions that can be held: v3, v4")
+    with pytest.raises(HoldError, match="^versions are numbered from 0, got -5$"):
+        hold(cfg, backend, version=-5)
+    assert [n.action for _, n in on_topic(backend, cfg)] == ["publish"] * 3  # nothing sent

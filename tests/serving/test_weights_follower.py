@@ -476,3 +476,30 @@ def test_a_dead_letter_the_broker_refuses_is_retried_and_following_goes_on(backe
         assert [decode(m.value, DeadLetter).raw for m in letters] == [b"not json"]
     finally:
         f.close()
+
+
+def test_a_restarted_replica_logs_the_hold_its_replay_ends_in_once_and_live_changes_as_they_come(
+        backend, base_model, caplog):
+    """A replica replaying the topic logged every hold and release ever made, each as if made now."""
+    store = InProcessWeightStore()
+    refs = {v: store.save(v, state_for(base_model, v)) for v in (1, 2, 3)}
+
+    def hold(version: int, action: str, reason: str) -> WeightsNotice:
+        return notice(refs[version], action=action).model_copy(update={"reason": reason})
+
+    send(backend, notice(refs[1]), hold(1, "hold", "walk test"), hold(1, "release", "done"), notice(refs[2]),
+         hold(3, "hold", "restart test"))
+    caplog.set_level(logging.WARNING, logger="serving.weights_hold")
+    f = Following(backend, store, base_model)
+    try:
+        assert f.follower.wait_for(lambda: f.follower.caught_up, WAIT_S)
+        assert (f.engine.policy_version, served(f.engine)) == (3, 3.0)
+        lines = [r.getMessage() for r in caplog.records if r.name == "serving.weights_hold"]
+        assert lines == ["weights held at v3 by an operator (restart test); the learner's versions are not "
+                         "followed until a release"]
+        send(backend, hold(3, "release", "over"))  # news: said as it comes
+        f.caught_up(6)
+        lines = [r.getMessage() for r in caplog.records if r.name == "serving.weights_hold"]
+        assert lines[1:] == ["weights hold released; following the learner's versions again"]
+    finally:
+        f.close()

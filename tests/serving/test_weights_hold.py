@@ -193,3 +193,15 @@ class ReleasedBetweenReads(HoldState):
 
 def test_held_version_reads_the_hold_once_so_a_release_meanwhile_gives_a_version_not_an_error():
     assert ReleasedBetweenReads(n(3, "hold")).held_version == 3
+
+
+def test_a_replay_that_ends_released_logs_nothing_and_later_holds_are_logged(caplog):
+    """A replica's replay of the topic at its start: history, not news (each hold and release of it was
+    logged as if made now)."""
+    state = HoldState(replaying=True)
+    assert loaded(state, [n(1), n(2, "hold"), n(2, "release"), n(1, "hold")], current=0) == 1
+    assert loaded(state, [n(1, "release"), n(3)], current=1) == 3
+    state.end_replay()
+    assert caplog.text == ""
+    assert loaded(state, [n(3, "hold")], current=3) == 3
+    assert "weights held at v3 by an operator (no reason given)" in caplog.text

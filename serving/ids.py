@@ -86,6 +86,8 @@ class InteractionIdSigner:
                                      f"(at most {MAX_ISSUED_AHEAD_S:.0f} s is accepted)")
         if age > self._window_s:
             raise InteractionIdError(410, "interaction_expired",
-                                     f"interaction_id was issued {age:.0f} s ago, beyond the reward window "
-                                     f"of {self._window_s:.0f} s")
+                                     # :g, not :.0f: a window under a second read "issued 0 s ago, beyond
+                                     # the reward window of 0 s"
+                                     f"interaction_id was issued {age:g} s ago, beyond the reward window "
+                                     f"of {self._window_s:g} s")
         return VerifiedId(interaction_id, issued_at)

@@ -90,14 +90,23 @@ def plot_success(summary: dict, path: Path) -> None:
     bottom.bar([v["policy_version"] for v in versions], [v["success_rate"] for v in versions], width=0.8)
     bottom.set(xlabel="policy version of the final answer", ylabel="success rate", ylim=(0, 1.02))
     fig.suptitle(f"agent: {summary['tasks']} calculator tasks, success {summary['success_rate'] or 0:.0%}")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # the format named: a temporary name does not end in .png
+
+
+PARTIAL_SUFFIX = ".partial"
+"""The results are written under this suffix and renamed once both are whole: a run stopped while
+writing them leaves no half file under a result's name."""
 
 
 def write_results(episodes: list[Episode], window: int, failed: int, out: Path, extra: dict | None = None) -> dict:
-    """``summary.json`` (with ``extra`` fields) and ``success.png`` in ``out``; returns the summary."""
+    """``summary.json`` (with ``extra`` fields) and ``success.png`` in ``out``; returns the summary.
+    ``summary.json`` is renamed into place last: it is there only when both are."""
     if not episodes:
         raise RuntimeError("no task finished: nothing to summarise")
     summary = {**summarize(episodes, window, failed), **(extra or {})}
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    plot_success(summary, out / PLOT_FILE)
+    summary_partial, plot_partial = (out / f"{name}{PARTIAL_SUFFIX}" for name in (SUMMARY_FILE, PLOT_FILE))
+    summary_partial.write_text(json.dumps(summary, indent=1) + "\n")
+    plot_success(summary, plot_partial)
+    plot_partial.replace(out / PLOT_FILE)
+    summary_partial.replace(out / SUMMARY_FILE)
     return summary

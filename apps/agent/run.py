@@ -18,15 +18,19 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import openai
 
 from apps.agent.episode import Agent, Episode, FeedbackUnavailable
-from apps.agent.results import EPISODES_FILE, SUMMARY_FILE, window_points, write_results
+from apps.agent.results import (EPISODES_FILE, PARTIAL_SUFFIX, PLOT_FILE, SUMMARY_FILE, window_points,
+                                write_results)
 from apps.config import AgentConfig, AppConfig, client_api_key
 from apps.default_model.tool_corpus import ToolTask, draw_task
 from online_sao.config import dump_config
+
+if TYPE_CHECKING:
+    from streams.kafka_backend import KafkaBackend
 
 Progress = Callable[[str], None]
 READY_TIMEOUT_S = 300.0
@@ -41,8 +45,13 @@ MAX_CONSECUTIVE_FAILURES = 10
 
 
 class TasksFailing(RuntimeError):
-    """:data:`MAX_CONSECUTIVE_FAILURES` tasks failed in a row: the endpoint is down (its log says why),
-    which the operator mends; ``online-sao agent`` says so in one line."""
+    """:data:`MAX_CONSECUTIVE_FAILURES` tasks failed in a row, or every task failed: the endpoint is
+    down or refuses every task (its log says why), which the operator mends; ``online-sao agent`` says
+    so in one line, with the last failure's message."""
+
+
+def _failing(what: str, last_failure: str) -> TasksFailing:
+    return TasksFailing(f"{what}; last error: {last_failure}; see the serving log")
 
 
 def agent_tasks(seed: int, count: int) -> list[ToolTask]:
@@ -81,21 +90,24 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
     """Run every task (seeded Poisson starts, at most ``concurrency`` in flight); returns the
     episodes and the count of tasks that failed with an API error or whose reward could not be posted
     (:class:`~apps.agent.episode.FeedbackUnavailable`, after its retries). ``check_alive`` raises when a
-    process of the stack has exited (no task starts then)."""
+    process of the stack has exited (no task starts then); :class:`TasksFailing` when
+    :data:`MAX_CONSECUTIVE_FAILURES` tasks failed in a row or every task failed."""
     from apps.experiments.scenario import arrival_gaps
 
     episodes: list[Episode] = []
     failed = failures_in_row = 0
+    last_failure = ""
     slots = asyncio.Semaphore(settings.concurrency)
 
     async def one(index: int, task: ToolTask) -> None:
-        nonlocal failed, failures_in_row
+        nonlocal failed, failures_in_row, last_failure
         try:
             episode = await agent.run(index, task)
         except (openai.APIError, FeedbackUnavailable) as exc:
             failed += 1
             failures_in_row += 1
-            progress(f"task {index} failed: {exc}")
+            last_failure = " ".join(str(exc).split())  # serving's message, on one line
+            progress(f"task {index} failed: {last_failure}")
             return
         finally:
             slots.release()
@@ -119,10 +131,36 @@ async def drive(agent: Agent, settings: AgentConfig, episodes_path: Path, progre
             if started.done():
                 started.result()  # any other error (a bug, a refused reward: FeedbackRefused) ends the run
         if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
-            raise TasksFailing(f"{failures_in_row} tasks failed in a row; see the serving log")
+            raise _failing(f"{failures_in_row} tasks failed in a row", last_failure)
         running.append(asyncio.create_task(one(index, task)))
     await asyncio.gather(*running)
+    if not episodes:  # fewer tasks than MAX_CONSECUTIVE_FAILURES, all failed: nothing to summarise
+        raise _failing(f"all {failed} tasks failed", last_failure)
     return episodes, failed
+
+
+def clear_results(out: Path) -> None:
+    """Delete an earlier run's results (and a half-written one's): a rerun that fails then leaves none,
+    not the earlier run's ``summary.json`` and ``success.png`` beside its own episodes or none."""
+    for name in (EPISODES_FILE, SUMMARY_FILE, PLOT_FILE):
+        (out / name).unlink(missing_ok=True)
+        (out / f"{name}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
+
+
+def earlier_run_left(backend: KafkaBackend, acfg: AppConfig) -> bool:
+    """Whether the run's consumer groups exist or its topics ever held a record: what an earlier run
+    leaves. The broker's start ensures the run's topics (``Stack.start_broker``), so on a fresh data
+    directory they exist, empty, and the reset's "deleted the earlier run's topics" was untrue."""
+    topics = acfg.kafka.topics
+    groups = {acfg.trainer.consumer_group, acfg.experiment.judge_group}
+    with backend.admin() as admin:
+        if any(g["group_id"] in groups for g in admin.list_groups()):
+            return True
+    consumer = backend.consumer([topics.interactions, topics.rewards, topics.weights])
+    try:
+        return any(consumer.end_offsets().values())  # an end offset above 0: records were written, kept or not
+    finally:
+        consumer.close()
 
 
 def trained_evidence(cfg: AppConfig, episodes: list[Episode]) -> dict:
@@ -167,10 +205,11 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
         base.start_broker()
         progress(f"model: {build_base_model(acfg, progress=progress)}")
         backend = KafkaBackend(acfg.kafka)
-        reset_arm(acfg, backend, out / "run", progress)  # an earlier run's topics, group, weights, checkpoints
+        # an earlier run's topics, group, weights, checkpoints; said only when there was one
+        reset_arm(acfg, backend, out / "run", progress if earlier_run_left(backend, acfg) else lambda _: None)
         reset_registry(acfg, progress)  # and its registered model, whose aliases point at those weights
         backend.ensure_topics()
-        (out / EPISODES_FILE).unlink(missing_ok=True)
+        clear_results(out)  # and its results
         with Stack(config_path, {}, out / "run", progress=progress, resolved=True) as stack:
             server = stack.start("serving", ["serve"])
             base_url = f"http://127.0.0.1:{acfg.serving.port}"

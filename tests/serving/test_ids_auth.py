@@ -69,6 +69,18 @@ def test_an_id_older_than_the_window_is_refused_with_410():
     assert err.value.status == 410 and "301 s ago" in err.value.message
 
 
+def test_a_sub_second_window_is_named_as_it_is_set_in_the_410():
+    """The ages and the window were rounded to whole seconds: "issued 0 s ago, beyond the reward window of 0 s"."""
+    clock = Clock()
+    signer = InteractionIdSigner(b"secret", "dep", window_s=0.25, clock=clock)
+    issued = signer.mint()
+    clock.now += 0.5
+    with pytest.raises(InteractionIdError) as err:
+        signer.verify(issued)
+    assert err.value.status == 410
+    assert err.value.message.endswith("issued 0.5 s ago, beyond the reward window of 0.25 s")
+
+
 def test_an_id_issued_ahead_of_the_clock_by_more_than_the_skew_is_refused_with_403():
     """An id dated in the future used to pass whatever its date, and so never expired (a replica
     with a wrong clock, or ids minted with a leaked secret)."""

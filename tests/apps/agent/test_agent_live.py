@@ -4,6 +4,7 @@ writes, tool-use trajectories trained on by the learner, rewards joined."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -52,6 +53,7 @@ def test_agent_command_reports_success_over_time_and_the_learner_trains_on_tool_
         "trainer.min_rollouts": 2, "trainer.max_wait_s": 1.0, "trainer.checkpoint_every": 1,
         "agent.name": name, "agent.tasks": 24, "agent.requests_per_second": 4.0, "agent.window": 8,
         "agent.progress_every": 8, "agent.max_tokens": 40,
+        "mlflow.log_every_steps": 10,  # the default: summary.json's steps counted only the logged ones
     }
     args = [sys.executable, "-m", "apps.cli", "--config", "configs/agent.yaml"]
     for key, value in settings.items():
@@ -61,6 +63,8 @@ def test_agent_command_reports_success_over_time_and_the_learner_trains_on_tool_
     out = tmp_path / "data" / "agent" / name
     assert run.stdout.strip().splitlines()[-1] == str(out / SUMMARY_FILE)
     assert any(line.startswith("task 8/24: success") for line in run.stdout.splitlines()), run.stdout
+    # a fresh run: the topics the broker's start had just created are not "the earlier run's"
+    assert not any(line.startswith("deleted the earlier run's") for line in run.stdout.splitlines()), run.stdout
 
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["tasks"] + summary["failed_tasks"] == 24 and summary["tasks"] > 0
@@ -79,3 +83,5 @@ def test_agent_command_reports_success_over_time_and_the_learner_trains_on_tool_
     assert trained & with_tool
     assert summary["learner"]["trained_tool_trajectories"] == len(trained & with_tool)
     assert summary["learner"]["steps"] >= 1
+    stopped = re.search(r"learner stopped after (\d+) steps", (out / "run" / "logs" / "learner.log").read_text())
+    assert stopped and summary["learner"]["steps"] == int(stopped.group(1))

@@ -46,6 +46,7 @@ def test_writes_json_and_png(tmp_path):
     on_disk = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert on_disk == summary and on_disk["learner"] == {"steps": 2} and len(on_disk["points"]) == 9
     assert (tmp_path / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([SUMMARY_FILE, PLOT_FILE])  # written whole, renamed
     with pytest.raises(RuntimeError, match="no task finished"):
         write_results([], window=3, failed=0, out=tmp_path)
 

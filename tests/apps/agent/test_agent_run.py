@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -85,3 +86,140 @@ def test_trained_evidence_counts_the_tool_calling_turns_trained_inside_their_con
                         call_correct=True, answer_correct=True, reward=1.0, finished_at=0.0, latency_s=0.0)
     assert trained_evidence(cfg, [with_tool]) == {"trained_interactions": 2, "trained_rewarded_trajectories": 1,
                                                   "trained_tool_trajectories": 1, "tool_trajectories": 1}
+
+
+def _api_error(message: str):
+    import httpx
+    import openai
+
+    return openai.APIError(message, httpx.Request("POST", "http://127.0.0.1/v1/chat/completions"), body=None)
+
+
+class RefusedAgent:
+    """Every task refused as serving refuses a prompt over ``serving.max_prompt_tokens``."""
+
+    async def run(self, index, task) -> Episode:
+        raise _api_error(f"Error code: 400 - the prompt has {90 + index} tokens; this server accepts at most 50\n"
+                         "(serving.max_prompt_tokens)")
+
+
+def test_every_task_failing_ends_the_run_with_the_operator_error_and_the_last_failure():
+    """Fewer tasks than MAX_CONSECUTIVE_FAILURES, all failing: the run ended in write_results' bare
+    ``RuntimeError: no task finished`` (a traceback) instead of the one-line operator error."""
+    from apps.agent.run import TasksFailing
+
+    settings = AgentConfig(tasks=5, requests_per_second=1000.0, concurrency=1)
+    with pytest.raises(TasksFailing) as failing:
+        asyncio.run(drive(RefusedAgent(), settings, None, lambda _: None))
+    assert str(failing.value) == ("all 5 tasks failed; last error: Error code: 400 - the prompt has 94 tokens; this "
+                                  "server accepts at most 50 (serving.max_prompt_tokens); see the serving log")
+    settings = AgentConfig(tasks=12, requests_per_second=1000.0, concurrency=1)
+    with pytest.raises(TasksFailing, match=r"^10 tasks failed in a row; last error: .* 99 tokens; .*serving log$"):
+        asyncio.run(drive(RefusedAgent(), settings, None, lambda _: None))
+
+
+class FakeStack:
+    """The stack's processes, none started."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def start_broker(self):
+        return "127.0.0.1:9092"
+
+    def start(self, name, command, env=None):
+        return name
+
+    def wait_http(self, component, url, timeout_s):
+        pass
+
+    def check_alive(self):
+        pass
+
+
+class FakeBroker:
+    """What the broker holds of the run: its consumer groups and its topics' end offsets."""
+
+    def __init__(self, groups: list[str], end_offset: int):
+        self.groups, self.end_offset = groups, end_offset
+
+    def admin(self):
+        from contextlib import nullcontext
+        from types import SimpleNamespace
+
+        return nullcontext(SimpleNamespace(list_groups=lambda: [{"group_id": g} for g in self.groups]))
+
+    def consumer(self, topics, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(end_offsets=lambda: {(t, 0): self.end_offset for t in topics}, close=lambda: None)
+
+    def ensure_topics(self):
+        pass
+
+
+def _stackless_run(monkeypatch, broker: FakeBroker, drive_with):
+    """``run_agent``'s own steps, on a fake stack and broker: its lines and the reset's."""
+    from apps.agent import run
+    from apps.default_model import builder
+    from apps.experiments import orchestrate
+    from apps import stack
+    from streams import kafka_backend
+
+    monkeypatch.setattr(stack, "Stack", FakeStack)
+    monkeypatch.setattr(kafka_backend, "KafkaBackend", lambda cfg: broker)
+    monkeypatch.setattr(builder, "build_base_model", lambda cfg, progress: "base")
+    monkeypatch.setattr(orchestrate, "reset_arm", lambda acfg, backend, arm_dir, progress: progress(
+        "deleted the earlier run's topics ['sao.interactions.agent.agent'] and consumer groups []"))
+    monkeypatch.setattr(orchestrate, "reset_registry", lambda acfg, progress: None)
+    monkeypatch.setattr(orchestrate, "wait_for_consumers", lambda *args: 0.1)
+    monkeypatch.setattr(orchestrate, "learner_counters", lambda acfg: {"steps": 3.0})
+    monkeypatch.setattr(run, "_drive_with", drive_with)
+    monkeypatch.setattr(run, "_wait_for_training", lambda cfg, episodes, check_alive: {
+        "trained_tool_trajectories": 0, "tool_trajectories": 0})
+
+
+def test_a_rerun_that_fails_leaves_none_of_the_earlier_runs_results(tmp_path, monkeypatch):
+    """The reset deleted episodes.jsonl but kept summary.json and success.png: a rerun that failed left
+    the earlier run's summary beside no episodes."""
+    from apps.agent.results import PLOT_FILE, SUMMARY_FILE
+    from apps.agent.run import TasksFailing, results_dir, run_agent
+
+    async def failing(*args):
+        raise TasksFailing("10 tasks failed in a row; see the serving log")
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    out = results_dir(cfg)
+    out.mkdir(parents=True)
+    for name in ("episodes.jsonl", SUMMARY_FILE, PLOT_FILE, f"{SUMMARY_FILE}.partial"):
+        (out / name).write_text("the earlier run's\n")
+    _stackless_run(monkeypatch, FakeBroker(["sao-learner.agent.agent"], 40), failing)
+    with pytest.raises(TasksFailing):
+        run_agent(cfg, progress=lambda _: None)
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["config.yaml"]
+
+
+@pytest.mark.parametrize("groups, end_offset, said", [([], 0, False), ([], 3, True), (["sao-learner.agent.agent"], 0, True)])
+def test_the_reset_names_deleted_topics_only_when_an_earlier_run_left_something(tmp_path, monkeypatch, groups,
+                                                                                end_offset, said):
+    """On a fresh data directory the broker's start had just created the run's topics, and the reset said
+    "deleted the earlier run's topics [...]" of them."""
+    from apps.agent.results import SUMMARY_FILE
+    from apps.agent.run import run_agent
+
+    async def answered(base_url, acfg, api_key, episodes_path, progress, check_alive):
+        agent = CountingAgent()
+        return [await agent.run(i, task) for i, task in enumerate(agent_tasks(0, 3))], 0
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    _stackless_run(monkeypatch, FakeBroker(groups, end_offset), answered)
+    lines: list[str] = []
+    summary = run_agent(cfg, progress=lines.append)
+    assert any(line.startswith("deleted the earlier run's topics") for line in lines) == said
+    assert summary.name == SUMMARY_FILE and json.loads(summary.read_text())["learner"]["steps"] == 3.0

@@ -110,6 +110,20 @@ def test_learner_counters_come_from_the_arms_newest_learner_run(tmp_path):
     assert learner_counters(arm_cfg("sao-learner.drift.nobody")) == {}
 
 
+def test_learner_counters_count_the_steps_the_learner_ran_not_the_steps_it_logged(tmp_path):
+    """The learner logs every ``mlflow.log_every_steps``-th step and its last one as it stops: 12 steps
+    at 10 log steps 10 and 12, which were counted as 2 steps (the agent's summary.json said 2)."""
+    from apps.experiments.orchestrate import learner_counters
+    from trainer.tracking import RunTracker
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path), "mlflow.log_every_steps": 10})
+    tracker = RunTracker(cfg)
+    for step in range(1, 13):
+        tracker.log_step(step, averaged={"step_time_s": 0.1}, latest={"policy_version": float(step)})
+    tracker.close("FINISHED")
+    assert learner_counters(cfg)["steps"] == 12.0
+
+
 def test_reset_registry_deletes_the_arms_registered_model_only(tmp_path):
     from mlflow import MlflowClient
 

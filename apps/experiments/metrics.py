@@ -109,11 +109,20 @@ def post_switch_mean(rewards: Sequence[float], first_switch: int) -> float | Non
     return _mean(rewards[first_switch:]) if len(rewards) > first_switch else None
 
 
+def lag_measurable(start: int, end: int, window: int) -> bool:
+    """Whether ``[start, end)`` holds a full window, so that :func:`realign_lag` can find a lag in it:
+    a shorter phase's None says nothing about the arm."""
+    return end - start >= window
+
+
 @dataclass(frozen=True)
 class Collapse:
     collapsed: bool
     at_rollout: int | None
     reason: str
+    measurable: bool = True
+    """False when the run is too short to tell (under two windows): ``collapsed`` is False then
+    without having been checked."""
 
 
 def detect_collapse(rewards: Sequence[float], quality: Sequence[float], window: int,
@@ -125,7 +134,7 @@ def detect_collapse(rewards: Sequence[float], quality: Sequence[float], window: 
         if not (math.isfinite(r) and math.isfinite(q)):
             return Collapse(True, i, f"non-finite reward or quality at rollout {i}")
     if len(quality) < 2 * window:
-        return Collapse(False, None, f"too short to tell ({len(quality)} rollouts < 2 windows)")
+        return Collapse(False, None, f"too short to tell ({len(quality)} rollouts < 2 windows)", measurable=False)
     moving = moving_average(quality, window)
     floor = fraction * moving[window - 1]
     start = None

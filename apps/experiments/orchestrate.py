@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable
 from apps.config import AppConfig, check_pretraining_reads_every_rollout
 from online_sao.config import ConfigError, dump_config
 from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, refuse_other_seeds,
-                                      summary_path, write_scenario, write_summary)
+                                      replace_scenario, summary_path, write_summary)
 from apps.experiments.resume import finished_arms, outcome_settings
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
@@ -330,12 +330,13 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     runs = seed_runs(cfg)
     finished = finished_before(runs, names, progress) if cfg.experiment.resume else {}
     plan = [(run, [n for n in names if n not in finished.get(results_dir(run), [])]) for run in runs]
-    # every directory's scenario settled before any is written: a mismatch leaves the earlier run as it was
+    # every directory's scenario settled before any is written: a mismatch leaves the earlier run as it was;
+    # a replaced scenario takes the earlier arms' files with it (they are all rewritten)
     scenarios = {d: merged_scenario(d, scenario, running)
                  for d, (scenario, running) in {out: (cfg.experiment, names),
                                                 **{results_dir(r): (r.experiment, todo) for r, todo in plan}}.items()}
     for directory, scenario in scenarios.items():
-        write_scenario(directory, scenario)
+        replace_scenario(directory, scenario)
     if cfg.experiment.driver == "inprocess":
         from apps.experiments.parallel import run_arms_inprocess
 

@@ -7,8 +7,9 @@ Layout of a results directory:
   rollout, an :class:`EvalRow` for every held-out style measurement and (in-process
   driver) a :class:`StepRow` for every learner step.
 * ``<arm>.summary.json`` -- an :class:`ArmSummary` either driver writes when an arm ends
-  (traffic counts, learner steps, grpo's group counters from the reward join, the settings it ran
-  with) and deletes before an arm starts, so it marks a finished run.
+  (traffic counts, learner steps, grpo's group counters from the reward join, the settings and the
+  scenario it ran with) and deletes before an arm starts, so it marks a finished run of the
+  directory's scenario.
 
 A run of several seeds (``online-sao simulate --seeds N``) keeps one such directory per
 seed, ``seed-<k>/``, under the scenario's results directory.
@@ -16,6 +17,7 @@ seed, ``seed-<k>/``, under the scenario's results directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -143,6 +145,10 @@ class ArmSummary(_Row):
     here, and a resumed run compares it (empty in older files)."""
     algorithm: dict[str, Any] = {}
     """Older files only (written on 2026-12-04): the ``algorithm`` section alone, before ``settings``."""
+    scenario_sha256: str | None = None
+    """:func:`scenario_key` of the directory's ``scenario.json`` when the summary was written (the run
+    writes it before any arm starts): a summary marks a finished run of that scenario only (None in
+    files written before 2026-12-07, and where the directory had no scenario)."""
 
 
 class ArmResults(BaseModel):
@@ -172,26 +178,36 @@ def summary_path(results_dir: Path, arm: str) -> Path:
 
 
 def write_summary(results_dir: Path, summary: ArmSummary) -> None:
-    """Written whole or not at all (a summary marks a finished run: apps/experiments/resume.py)."""
+    """Written whole or not at all (a summary marks a finished run: apps/experiments/resume.py), with
+    the key of the scenario it finished under (:func:`directory_scenario_key`)."""
     path = summary_path(results_dir, summary.name)
     partial = path.with_name(path.name + ".partial")
     legacy = set() if summary.algorithm else {"algorithm"}
-    partial.write_text(summary.model_dump_json(indent=2, exclude=legacy) + "\n")
+    stamped = summary.model_copy(update={"scenario_sha256": directory_scenario_key(results_dir)})
+    partial.write_text(stamped.model_dump_json(indent=2, exclude=legacy) + "\n")
     partial.replace(path)
 
 
 def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
-    """The summary of the finished run of ``arm`` in ``results_dir``, None when it did not finish.
+    """The summary of the finished run of ``arm`` in ``results_dir``, None when it did not finish under
+    the directory's current scenario.
 
     A run of an arm deletes its summary before it writes anything and writes it, whole, after its
     results are complete (both drivers), so a summary marks a finished run. Files' times are not
-    compared: a copied directory's are those of the copy. (Code before `simulate --resume` did not delete the
-    summary first, so a rerun it cut short kept the earlier run's: such summaries have no ``settings``
-    and a resumed run does them again.)"""
+    compared: a copied directory's are those of the copy. The summary's scenario key must be that of
+    the directory's ``scenario.json``: a run of another scenario, left by one cut short before it
+    reached the arm, is not this scenario's. A summary without one (written before 2026-12-07) cannot
+    tell, and older code left such runs under the replacing scenario: it counts as not finished, and
+    a resumed run does it again. (Code before `simulate --resume` did not delete the summary first
+    either, so a rerun it cut short kept the earlier run's.)"""
     summary_file, results_file = summary_path(results_dir, arm), results_dir / f"{arm}.jsonl"
     if not (summary_file.is_file() and results_file.is_file()):
         return None
-    return ArmSummary.model_validate_json(summary_file.read_text())
+    summary = ArmSummary.model_validate_json(summary_file.read_text())
+    current = directory_scenario_key(results_dir)
+    if summary.scenario_sha256 is None or summary.scenario_sha256 != current:
+        return None
+    return summary
 
 
 def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:
@@ -250,11 +266,38 @@ def read_scenario(results_dir: Path) -> ExperimentConfig:
     return ExperimentConfig.model_validate(json.loads((results_dir / SCENARIO_FILE).read_text()))
 
 
+def replace_scenario(results_dir: Path, scenario: ExperimentConfig) -> None:
+    """Write ``scenario`` (what :func:`merged_scenario` settled) as the directory's ``scenario.json``.
+    When it replaces another scenario, every arm's summary and results there go first: merged_scenario
+    allowed the replacement only because this run rewrites each of them, and a run cut short before it
+    reached an arm left that arm's earlier run, finished, under this scenario, where `--resume` kept it
+    and the report read it as this scenario's."""
+    if (results_dir / SCENARIO_FILE).is_file() and scenario_differences(read_scenario(results_dir), scenario):
+        # summaries first: a run without one is unfinished, whatever else is left if this stops midway
+        for summary in sorted(results_dir.glob("*.summary.json")):
+            summary.unlink()
+        for results in sorted(results_dir.glob("*.jsonl")):
+            results.unlink()
+    write_scenario(results_dir, scenario)
+
+
 RUN_ONLY_FIELDS = frozenset({"arms", "jobs", "resume", "results_dir", "reference_arm"})
 """Scenario fields that may differ between runs whose arms share one results directory: which arms a
 run adds, how many run side by side, whether it keeps finished runs, where the directory is, which
 arm the report compares with.
 Every other field changes what an arm's results mean (schedule, traffic, seeds, driver, ...)."""
+
+
+def scenario_key(scenario: ExperimentConfig) -> str:
+    """SHA-256 of ``scenario`` without :data:`RUN_ONLY_FIELDS` (canonical JSON): equal for two scenarios
+    that :func:`scenario_differences` finds no difference in."""
+    fields = {k: v for k, v in scenario.model_dump(mode="json").items() if k not in RUN_ONLY_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def directory_scenario_key(results_dir: Path) -> str | None:
+    """:func:`scenario_key` of ``results_dir``'s ``scenario.json``; None without one."""
+    return scenario_key(read_scenario(results_dir)) if (results_dir / SCENARIO_FILE).is_file() else None
 
 
 class ScenarioMismatch(ConfigError):

@@ -3,7 +3,9 @@ and whether they ran with the settings this run would use.
 
 A multi-seed sweep runs for hours (six arms of drift.yaml on twenty seeds, in process, about an hour
 on two cores; live, about half a day); a crash, a reboot or an interrupt should cost the run under way, not the
-runs already done. A run counts as finished when its summary says so (results.finished_summary).
+runs already done. A run counts as finished when its summary says so and was written under the
+directory's current scenario (results.finished_summary: a run of a scenario since replaced is not
+this one's, and a summary from before summaries recorded their scenario is run again).
 
 What a finished run is compared on: ``scenario.json`` for the experiment section (the run refuses, as
 any run into the directory does, when the scenario differs: results/merged_scenario) and the
@@ -65,9 +67,9 @@ def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> li
 
 def finished_arms(directory: Path, arms: Iterable[str], settings_of: Callable[[str], dict[str, Any]]) -> list[str]:
     """The arms of ``arms`` whose run in ``directory`` finished with the settings this run would use
-    (``settings_of(arm)``, :func:`outcome_settings`). A finished run without recorded settings (an
-    older file) counts as not finished, so it runs again; one with other settings raises
-    :class:`ResumeMismatch`."""
+    (``settings_of(arm)``, :func:`outcome_settings`). A finished run without recorded settings or
+    scenario (an older file), or of another scenario than the directory's (results.finished_summary),
+    counts as not finished, so it runs again; one with other settings raises :class:`ResumeMismatch`."""
     done = []
     for arm in arms:
         summary = finished_summary(directory, arm)

@@ -300,3 +300,109 @@ def test_report_command_reads_the_configured_results(results, tmp_path, capsys):
 def test_a_non_finite_reward_is_refused_when_written_not_when_read(tmp_path):
     with pytest.raises(ValueError, match="finite number"):
         RewardRow(rollout=0, t=1000.0, version=0, reward=float("nan"), quality=1.0, style=0.5, preferred="formal")
+
+
+def test_the_reports_mlflow_artifacts_go_to_the_data_dirs_artifact_root(results, tmp_path, monkeypatch):
+    """The report, the first to create the MLflow experiment with the in-process driver, created it without
+    the learner's artifact root: MLflow put the report's artifacts, and every later run's of the experiment,
+    in ./mlruns of whatever directory the command ran in."""
+    from apps.config import load_app_config
+    from apps.experiments.report import run_report_cli
+
+    directory, _ = results
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    data_dir = tmp_path / "data"
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(data_dir), "experiment.results_dir": str(directory)})
+    assert run_report_cli(cfg) == 0
+    assert not (cwd / "mlruns").exists()
+    assert list((data_dir / "mlflow-artifacts").rglob("report.md"))
+    client = MlflowClient(tracking_uri=cfg.mlflow_uri)
+    assert client.get_experiment_by_name(cfg.mlflow.experiment).artifact_location == \
+        (data_dir / "mlflow-artifacts").as_uri()
+
+
+def test_the_report_command_reads_with_the_report_settings_its_configuration_sets(results, tmp_path, capsys):
+    """`online-sao report --set experiment.reference_arm=...` (and the threshold, window and collapse
+    fraction) was accepted and ignored: the report read them from the results' scenario.json."""
+    from apps.config import load_app_config
+    from apps.experiments.report import run_report_cli
+
+    directory, series = results
+    overrides = {"paths.data_dir": str(tmp_path), "experiment.results_dir": str(directory),
+                 "experiment.reference_arm": "running_mean_w8", "experiment.realign_threshold": 0.8,
+                 "experiment.metrics_window": 2, "experiment.collapse_fraction": 0.5}  # 0.5 is the run's
+    assert run_report_cli(load_app_config(environ={}, overrides=overrides)) == 0
+    text = (directory / "report" / "report.md").read_text()
+    assert ("**Read with other settings than the run's** (this command's configuration): experiment.reference_arm "
+            "running_mean_w8 (the run's: sao); experiment.realign_threshold 0.8 (the run's: 0.5); "
+            "experiment.metrics_window 2 (the run's: 4).") in text
+    assert "## running_mean_w8 against each arm" in text and "## sao against each arm" not in text
+    assert "(W=2, rollouts of the phase only) first reaches 0.8" in text
+    phases = phase_metrics(series["sao"], STARTS, STYLES, 2, 0.8)
+    assert table_row(section(text, "Re-alignment lag"), "sao")[1:4] == [f"{p.lag} (1/1)" for p in phases]
+    # without them the run's own, as simulate reports its run
+    assert run_report_cli(load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path),
+                                                                 "experiment.results_dir": str(directory)})) == 0
+    text = (directory / "report" / "report.md").read_text()
+    assert "Read with other settings" not in text and "## sao against each arm" in text and "(W=4," in text
+
+
+def test_a_reference_arm_the_results_do_not_have_is_refused(results, tmp_path):
+    from apps.config import load_app_config
+    from apps.experiments.report import run_report_cli
+    from online_sao.config import ConfigError
+
+    directory, _ = results
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path), "experiment.results_dir": str(directory),
+                                                 "experiment.reference_arm": "grpo"})
+    with pytest.raises(ConfigError, match=r"experiment.reference_arm 'grpo': .* has no finished run of it "
+                                          r"\(its arms: sao, running_mean_w8\)"):
+        run_report_cli(cfg)
+
+
+def test_what_a_short_run_cannot_measure_reads_n_a_not_zero(tmp_path):
+    """A window of 32: the run of 60 rollouts is shorter than the collapse check's two windows, and every
+    phase of 20 is shorter than one, so no lag can be found. The report said "0/1" collapsed and
+    "- (0/1)" re-aligned, as if measured."""
+    directory = tmp_path / "results"
+    write_run(directory, {"sao": [0.9] * 60})
+    write_scenario(directory, SCENARIO.model_copy(update={"metrics_window": 32}))
+    text = write_report(directory, tmp_path / "report").read_text()
+    assert table_row(section(text, "Summary"), "sao")[5] == "n/a"
+    assert "Collapsed: n/a, or counted over fewer seeds (\"too short\"), where a run is shorter than two " \
+           "windows (64 rollouts): too short to tell." in text
+    assert table_row(section(text, "Re-alignment lag"), "sao")[1:] == ["n/a"] * 4
+    assert "Lag: n/a, or counted over fewer seeds (\"too short\"), where a phase is shorter than the window (W=32)" in text
+    write_scenario(directory, SCENARIO)  # a window of 4: everything measured, no note
+    text = write_report(directory, tmp_path / "measured").read_text()
+    assert "too short" not in text and table_row(section(text, "Summary"), "sao")[5] == "0/1"
+
+
+def test_seeds_a_short_phase_leaves_unmeasured_are_counted_apart(tmp_path):
+    """A window of 20, phases of 20: seed 1's run finished one rollout short (a request failed), so its last
+    phase (19 rollouts) holds no full window; seed 0's does."""
+    directory = tmp_path / "results"
+    scenario = SCENARIO.model_copy(update={"metrics_window": 20})
+    write_scenario(directory, scenario)
+    for k, length in ((0, 60), (1, 59)):
+        write_run(directory / f"seed-{k}", {"sao": [0.9] * length}, seed=k)
+        write_scenario(directory / f"seed-{k}", scenario.model_copy(update={"seed": k}))
+    write_summary(directory / "seed-1", ArmSummary(name="sao", driver="live", answered=59, failed=1, wall_s=1.0,
+                                                  traffic_s=1.0))
+    text = write_report(directory, tmp_path / "report").read_text()
+    assert table_row(section(text, "Re-alignment lag"), "sao")[1:] == [
+        "20 [20, 20] (2/2)", "20 [20, 20] (2/2)", "20 (1/1, 1 too short)", "1/1, 1 too short"]
+    assert table_row(section(text, "Summary"), "sao")[5] == "0/2"  # 59 rollouts are two windows
+
+
+def test_the_header_lists_only_the_seeds_with_a_finished_run(tmp_path):
+    """seed 1's only run was cut short: the report leaves it out, and its header listed its seed all the same."""
+    directory = tmp_path / "results"
+    write_scenario(directory, SCENARIO)
+    write_run(directory / "seed-0", {"sao": synthetic_rewards(3, 10)}, seed=0)
+    write_run(directory / "seed-1", {"sao": synthetic_rewards(3, 11)[:25]}, seed=1)
+    text = write_report(directory, tmp_path / "report").read_text()
+    assert "Seeds: 1 (experiment.seed 0; prompt and learner seeds shifted alike)" in text
+    assert "seed-1 sao (25 of 60 rollouts)" in text

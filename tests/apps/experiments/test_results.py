@@ -11,8 +11,8 @@ import pytest
 
 from apps.config import ArmConfig, ExperimentConfig
 from apps.experiments.results import (SCENARIO_FILE, ArmSummary, ScenarioMismatch, finished_summary,
-                                      merged_scenario, read_scenario, refuse_other_seeds, scenario_differences,
-                                      summary_path, write_scenario, write_summary)
+                                      merged_scenario, read_scenario, refuse_other_seeds, replace_scenario,
+                                      scenario_differences, summary_path, write_scenario, write_summary)
 
 SAO = ArmConfig(name="sao", algorithm={"name": "sao"})
 MEAN = ArmConfig(name="mean", algorithm={"name": "running_mean", "running_mean_window": 8})
@@ -72,6 +72,33 @@ def test_a_run_of_another_scenario_that_rewrites_every_arm_replaces_the_earlier_
     assert read_scenario(tmp_path) == other
 
 
+def test_a_replaced_scenario_takes_the_earlier_arms_files_with_it(tmp_path):
+    """simulate writes every directory's scenario before any arm starts; an arm's earlier files went only
+    when that arm started, so a run cut short before then left the earlier scenario's finished runs under
+    the new scenario.json, for `--resume` to keep and the report to read as the new scenario's."""
+    for arm in ("sao", "mean"):
+        finish_arm(tmp_path, FIRST, arm)
+    replace_scenario(tmp_path, merged_scenario(tmp_path, changed(drop_rate=0.5), ["sao", "mean"]))
+    assert read_scenario(tmp_path).drop_rate == 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SCENARIO_FILE]
+    assert finished_summary(tmp_path, "sao") is None
+
+
+def test_the_same_scenario_keeps_the_finished_runs_when_rewritten(tmp_path):
+    for arm in ("sao", "mean"):
+        finish_arm(tmp_path, FIRST, arm)
+    replace_scenario(tmp_path, merged_scenario(tmp_path, changed(arms=[VARIANT], jobs=2, resume=True), ["sao_rewarm"]))
+    assert [a.name for a in read_scenario(tmp_path).arms] == ["sao", "mean", "sao_rewarm"]
+    assert finished_summary(tmp_path, "sao").answered == 7 and finished_summary(tmp_path, "mean").answered == 7
+
+
+def finish_arm(directory, scenario: ExperimentConfig, arm: str) -> None:
+    """A finished run of ``arm`` under ``scenario``: results file, then summary."""
+    record_scenario(directory, scenario, [arm])
+    (directory / f"{arm}.jsonl").write_text("{}\n")
+    write_summary(directory, ArmSummary(name=arm, driver="inprocess", answered=7, wall_s=1.0, traffic_s=1.0))
+
+
 def test_the_run_only_fields_are_the_ones_that_may_differ():
     assert scenario_differences(FIRST, changed(arms=[VARIANT], jobs=4, results_dir="/elsewhere",
                                                reference_arm=None)) == []
@@ -87,7 +114,8 @@ def test_a_directory_without_a_scenario_gets_this_runs(tmp_path):
 
 
 def finish(directory) -> None:
-    """What a finished run of arm ``sao`` leaves: its results file, then its summary."""
+    """What a finished run of arm ``sao`` leaves: the scenario, its results file, then its summary."""
+    write_scenario(directory, FIRST)
     (directory / "sao.jsonl").write_text("{}\n")
     write_summary(directory, ArmSummary(name="sao", driver="inprocess", answered=7, wall_s=1.0, traffic_s=1.0))
 

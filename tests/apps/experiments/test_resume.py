@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from apps.config import ExperimentConfig
 from apps.experiments.resume import ResumeMismatch, finished_arms, outcome_settings, setting_differences
-from apps.experiments.results import ArmSummary, write_summary
+from apps.experiments.results import ArmSummary, summary_path, write_scenario, write_summary
 from apps.experiments.scenario import arm_config
 from tests.fixtures.models import tiny_config
 
@@ -47,8 +48,14 @@ def test_setting_differences_name_each_changed_added_and_removed_key():
     assert setting_differences(recorded, dict(recorded)) == []
 
 
+SCENARIO = ExperimentConfig(driver="inprocess")
+
+
 def finish(directory, arm: str, settings: dict | None = None) -> None:
-    """What a finished run of ``arm`` leaves: its results file, then its summary."""
+    """What a finished run of ``arm`` leaves: the directory's scenario (written before any arm starts),
+    its results file, then its summary."""
+    if not (directory / "scenario.json").is_file():
+        write_scenario(directory, SCENARIO)
     (directory / f"{arm}.jsonl").write_text("{}\n")
     write_summary(directory, ArmSummary(name=arm, driver="inprocess", answered=1, wall_s=1.0, traffic_s=1.0,
                                         settings=SETTINGS if settings is None else settings))
@@ -83,3 +90,27 @@ def test_a_long_list_of_differences_is_cut_and_counted(tmp_path):
                                              r"\(and 4 more\)\. Resuming"):
         finished_arms(tmp_path, ["sao"], lambda arm: {k: v + 1 for k, v in many.items()})
 
+
+
+def test_a_finished_run_of_a_replaced_scenario_is_not_kept(tmp_path):
+    """A run of another scenario that reruns every arm wrote its scenario.json into the seed directory and
+    was cut short before it reached sao: sao's finished run there is the earlier scenario's (drop rate 0),
+    and a resume kept it, reported with the new drop rate."""
+    seed_dir = tmp_path / "seed-0"
+    seed_dir.mkdir()
+    finish(seed_dir, "sao")
+    assert finished_arms(seed_dir, ["sao"], lambda arm: dict(SETTINGS)) == ["sao"]
+    write_scenario(seed_dir, SCENARIO.model_copy(update={"drop_rate": 0.5}))  # the cut-short run's
+    assert finished_arms(seed_dir, ["sao"], lambda arm: dict(SETTINGS)) == []
+    # what decides is the scenario, not the arms it lists, how many run side by side or resuming
+    write_scenario(seed_dir, SCENARIO.model_copy(update={"jobs": 2, "resume": True, "arms": [{"name": "w8"}]}))
+    assert finished_arms(seed_dir, ["sao"], lambda arm: dict(SETTINGS)) == ["sao"]
+
+
+def test_a_summary_without_its_scenario_is_run_again(tmp_path):
+    """Written before summaries recorded their scenario: the directory cannot tell whether its scenario was
+    replaced since (older code left such runs under the replacing scenario.json)."""
+    finish(tmp_path, "sao")
+    path = summary_path(tmp_path, "sao")
+    path.write_text(ArmSummary.model_validate_json(path.read_text()).model_dump_json(exclude={"scenario_sha256"}))
+    assert finished_arms(tmp_path, ["sao"], lambda arm: dict(SETTINGS)) == []

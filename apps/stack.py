@@ -202,8 +202,9 @@ class Stack:
 
 def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, Any]:
     """Overrides that give a run beside the deployment (``online-sao smoke``, ``online-sao load``) state
-    of its own, named after ``run_id`` and kept under ``run_dir``: topics, the learner's consumer
-    group, weight store, checkpoints (the learner's ledger with them), serving's spool, an MLflow
+    of its own, named after ``run_id`` and kept under ``run_dir``: topics and the learner's consumer
+    group (``<cfg's name>.<run_id>``; left on the cluster after the run, as its MLflow experiment and
+    ``run_dir`` are), weight store, checkpoints (the learner's ledger with them), serving's spool, an MLflow
     experiment and registered model (``<cfg's name>.<run_id>``), and a free port for the learner's
     metrics where ``cfg`` serves them.
 
@@ -212,8 +213,10 @@ def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, An
     registered model, whose aliases (champion, candidate) production's canary and the learner's
     roll-back read. The tracking URI stays ``cfg``'s: the run still exercises the configured server."""
     overrides: dict[str, Any] = {
-        **{f"kafka.topics.{role}": f"{run_id}.{role.replace('_', '-')}" for role in TopicsConfig.model_fields},
-        "trainer.consumer_group": f"{run_id}-learner",
+        # the deployment's names with the run's after them, as an experiment's arm has: a cluster that
+        # grants topics and groups by prefix grants these too
+        **{f"kafka.topics.{role}": f"{getattr(cfg.kafka.topics, role)}.{run_id}" for role in TopicsConfig.model_fields},
+        "trainer.consumer_group": f"{cfg.trainer.consumer_group}.{run_id}",
         "trainer.weight_store": str(run_dir / "weights"),
         "trainer.checkpoint_dir": str(run_dir / "checkpoints"),
         "serving.spool_dir": str(run_dir / "spool"),

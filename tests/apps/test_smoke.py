@@ -133,7 +133,7 @@ def test_smoke_runs_on_state_of_its_own_and_leaves_the_deployments_alone(tmp_pat
 
     for role in ("interactions", "rewards", "weights", "dead_letters"):
         assert getattr(run.kafka.topics, role) != getattr(deployment.kafka.topics, role)
-        assert getattr(run.kafka.topics, role).startswith(run_dir.name)
+        assert getattr(run.kafka.topics, role) == f"{getattr(deployment.kafka.topics, role)}.{run_dir.name}"
     assert run_dir.parent == tmp_path / "runs" and run_dir.name.startswith("smoke-")
     assert run.trainer.consumer_group != deployment.trainer.consumer_group
     assert run.checkpoint_dir == run_dir / "checkpoints" and run.spool_dir == run_dir / "spool"
@@ -210,4 +210,4 @@ def test_the_smoke_verdict_reads_the_runs_own_weights_topic_and_ledger(tmp_path,
 
     run_dir = read["run_dir"]
     assert read["ledger"] == run_dir / "checkpoints" != deployment.checkpoint_dir
-    assert read["topics"] == [f"{run_dir.name}.weights"] != [deployment.kafka.topics.weights]
+    assert read["topics"] == [f"{deployment.kafka.topics.weights}.{run_dir.name}"] != [deployment.kafka.topics.weights]

@@ -256,8 +256,8 @@ def test_own_state_overrides_name_every_piece_of_state_after_the_run(tmp_path):
                                                  "mlflow.tracking_uri": "http://mlflow:5000", **overrides})
 
     assert {getattr(run.kafka.topics, role) for role in TopicsConfig.model_fields} == {
-        "r-1.interactions", "r-1.rewards", "r-1.weights", "r-1.dead-letters"}
-    assert run.trainer.consumer_group == "r-1-learner"
+        f"{getattr(deployment.kafka.topics, role)}.r-1" for role in TopicsConfig.model_fields}
+    assert run.trainer.consumer_group == f"{deployment.trainer.consumer_group}.r-1"  # a prefix grant covers it
     assert (run.weight_store_url, run.checkpoint_dir, run.spool_dir) == (
         str(run_dir / "weights"), run_dir / "checkpoints", run_dir / "spool")
     assert (run.mlflow.experiment, run.mlflow.registered_model) == ("online-sao.r-1", "online-sao-policy.r-1")

@@ -161,6 +161,6 @@ def test_load_on_its_own_stack_leaves_the_deployments_registry_and_state_alone(t
     assert run.mlflow.registered_model == f"prod-policy.{run_dir.name}"
     assert run.mlflow.experiment == f"{deployment.mlflow.experiment}.{run_dir.name}"
     assert run.mlflow_uri == deployment.mlflow_uri  # the configured tracking server, still exercised
-    assert run.kafka.topics.weights == f"{run_dir.name}.weights"
+    assert run.kafka.topics.weights == f"prod.weights.{run_dir.name}"
     assert run.checkpoint_dir == run_dir / "checkpoints"
     assert run.serving.torch_threads == 1  # the load's own serving settings still apply

@@ -241,7 +241,7 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
               back: WeightsRef) -> None:
     """Restore champion ``back``'s whole training state from its checkpoint (only its weights, from
     the store, when none is kept: they become the KL's EMA reference too, as at a start from a
-    checkpoint without one) and publish it again as the next version; the registry notes the
+    checkpoint without one, and the policy's optimiser starts without moments) and publish it again as the next version; the registry notes the
     roll-back carried out once a checkpoint holds the restored state (:func:`checkpoint`): until
     then the newest checkpoint is the rejected policy's line, and a learner restarted from it must
     roll back again. Collective."""
@@ -253,8 +253,10 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
         store = rank0.releases.publisher.store if rank0 else None
         weights = store.load(back.location, back.checksum) if store else None
         load_full_state_dict(models.trainables.policy, weights, ctx)
-        if models.trainables.ema_reference is not None:  # the rejected line's EMA would pull the policy back to it
+        # the rejected line's EMA and Adam moments would pull the restored policy back toward it
+        if models.trainables.ema_reference is not None:
             load_full_state_dict(models.trainables.ema_reference, weights, ctx)
+        models.trainables.optimizers.policy.state.clear()  # every rank: each holds its shards' moments
     # Serving went back to the champion's old number; the learner's own is past it. Published under
     # the next number at once, the restored weights are what serving samples with, so its answers
     # are not stale: with trainer.max_version_lag under the gap, every answer sampled by the

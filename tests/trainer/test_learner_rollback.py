@@ -1,5 +1,6 @@
 """The learner's roll-back to a champion whose checkpoint is no longer kept: its weights come from
-the weight store, and the KL's EMA reference starts from them (it stayed the rejected line's)."""
+the weight store, and the KL's EMA reference starts from them and the policy's optimiser without
+moments (both stayed the rejected line's and pulled the restored policy back toward it)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class Publisher:
         pass
 
 
-def test_a_roll_back_without_the_champions_checkpoint_restarts_the_ema_reference_from_its_weights():
+def test_a_roll_back_without_the_champions_checkpoint_restarts_the_ema_reference_and_the_moments():
     t = trainables(ema_reference=True)
+    t.policy(torch.ones(1, 2)).sum().backward()
+    t.optimizers.policy.step()  # the rejected line's moments
+    assert t.optimizers.policy.state
     for model, value in ((t.policy, 5.0), (t.ema_reference, 4.0)):  # the rejected line and its EMA
         with torch.no_grad():
             for p in model.parameters():
@@ -45,4 +49,5 @@ def test_a_roll_back_without_the_champions_checkpoint_restarts_the_ema_reference
               WeightsRef(3, "mem://3", "0" * 64))
     for model in (t.policy, t.ema_reference):
         assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+    assert not t.optimizers.policy.state
     assert publisher.published == [10] and at.rolled_back_as == 10 and rank0.counters["rollbacks"] == 1

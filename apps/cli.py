@@ -229,9 +229,10 @@ def _rates(text: str) -> list[float]:
 
 
 def _version(text: str) -> int:
-    """``weights hold VERSION``: 0 or above (-5 was taken, and said to be compacted away)."""
+    """``weights hold VERSION``: 0 or above (-5 was taken, and said to be compacted away), as a number or
+    as ``weights status`` writes it (``v3``)."""
     try:
-        version = int(text)
+        version = int(text.removeprefix("v"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a version number, got {text!r}") from None
     if version < 0:

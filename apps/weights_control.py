@@ -219,6 +219,8 @@ def _not_on_topic(cfg: Config, state: WeightsTopic, version: int) -> HoldError:
         can = f"versions the topic names: {', '.join(f'v{v}' for v in sorted(state.by_version)) or 'none'}"
     else:
         can = f"versions that can be held: {', '.join(f'v{v}' for v in holdable) or 'none'}"
+    if version == 0:
+        return HoldError(f"v0 is the base model (model.path), which the learner never publishes: it cannot be held; {can}")
     held = () if state.hold is None else (state.hold.version,)
     newest = max((*state.by_version, *held, *(() if store is None else store.versions())), default=None)
     if newest is None or version > newest:

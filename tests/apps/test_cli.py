@@ -371,3 +371,9 @@ def test_serve_logs_info_lines_with_time_and_level(monkeypatch, tmp_path):
     assert [handler.formatter._fmt for handler in root.handlers] == [cli.LOG_FORMAT]
     assert "%(asctime)s %(levelname)s" in cli.LOG_FORMAT
     assert kafka.level == logging.WARNING  # kafka-python's connection chatter stays out
+
+
+@pytest.mark.parametrize("text, version", [("3", 3), ("v3", 3), ("0", 0)])
+def test_weights_hold_takes_a_version_as_weights_status_writes_it(text, version):
+    """`weights status` lists "can be held: v1, v2, v3"; `weights hold v3` was a usage error."""
+    assert cli.build_parser().parse_args(["weights", "hold", text]).version == version

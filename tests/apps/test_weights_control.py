@@ -319,4 +319,8 @@ def test_a_version_the_topic_does_not_name_is_said_never_published_or_compacted_
                                     "the champion's); versions that can be held: v3, v4")
     with pytest.raises(HoldError, match="^versions are numbered from 0, got -5$"):
         hold(cfg, backend, version=-5)
+    with pytest.raises(HoldError) as base:  # said "no longer names v0 (compaction ...)"
+        hold(cfg, backend, version=0)
+    assert str(base.value) == ("v0 is the base model (model.path), which the learner never publishes: it cannot be "
+                               "held; versions that can be held: v3, v4")
     assert [n.action for _, n in on_topic(backend, cfg)] == ["publish"] * 3  # nothing sent

@@ -16,7 +16,8 @@ import sys
 import threading
 from typing import Callable
 
-from apps.config import AppConfig, check_agent_rewards_are_taken, check_requests_fit_serving, load_app_config
+from apps.config import AppConfig, load_app_config
+from apps.config_checks import check_agent_rewards_are_taken, check_requests_fit_serving
 from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from apps.default_model.corpus import STYLES
 from apps.default_model.corpus_content import TOPICS
-from online_sao.config import AlgorithmConfig, Config, ConfigError, ModelConfig, Section, load_config
+from online_sao.config import AlgorithmConfig, Config, ModelConfig, Section, load_config
 
 
 class BaseModelConfig(Section):
@@ -382,58 +382,6 @@ class AppConfig(Config):
                 raise ValueError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top "
                                  f"of the algorithm section: {problems}") from None
         return self
-
-
-def check_pretraining_reads_every_rollout(cfg: AppConfig) -> None:
-    """ConfigError when ``experiment.pretrain_rollouts`` is above ``trainer.pretrain_max_rollouts``, the
-    most the value pre-training pass reads: the rest were answered and scored, then left out without a
-    word. Checked by the experiment when it pre-trains, not at load: a cap set for ``learn
-    --pretrain-critic`` alone is valid for every other command."""
-    asked, kept = cfg.experiment.pretrain_rollouts, cfg.trainer.pretrain_max_rollouts
-    if asked > kept:
-        raise ConfigError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
-                          "the most value pre-training reads: lower the one or raise the other")
-
-
-def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:
-    """ConfigError when ``<scenario>.max_tokens`` is above ``serving.max_new_tokens`` (serving refuses
-    each such request: the run died on its first one, after all its setup). Checked by the commands
-    that send them, not at load: a serving-only configuration with a small limit is valid."""
-    asked, limit = getattr(cfg, scenario).max_tokens, cfg.serving.max_new_tokens
-    if asked > limit:
-        raise ConfigError(f"{scenario}.max_tokens = {asked} is above serving.max_new_tokens = {limit}, the most "
-                          "a request may ask for: lower the one or raise the other")
-
-
-def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
-    """ConfigError when the rewards ``online-sao agent`` sends (``source``
-    ``apps.agent.episode.FEEDBACK_SOURCE``, with the key :func:`client_api_key` names) would be refused by
-    serving (``serving.feedback_sources``, ``serving.source_keys``: the rule of ``serving/feedback.py``)
-    or ignored by the learner (``reward.sources``), or whose values (0 and 1) lie outside the reward range. Either way the run did all its setup, then died on its
-    first reward (403) or trained on nothing without a word."""
-    from apps.agent.episode import FEEDBACK_SOURCE  # imported here: the agent imports this module
-    from apps.agent.judge import FAILURE_REWARD, SUCCESS_REWARD
-    from serving.auth import key_name, source_callers
-
-    source, serving = FEEDBACK_SOURCE, cfg.serving
-    if serving.feedback_sources is not None and source not in serving.feedback_sources:
-        raise ConfigError(f"serving.feedback_sources ({serving.feedback_sources}) does not allow {source!r}, the "
-                          "source of the agent's rewards: serving would refuse every one (403); add it")
-    owners = source_callers(serving.source_keys).get(source)
-    key = client_api_key(cfg)
-    caller = None if key is None else key_name(key.encode("utf-8"))  # the name serving's ApiKeyAuth gives it
-    if owners is not None and caller not in owners:
-        raise ConfigError(f"serving.source_keys.{source} does not hold the key the agent sends (the first of "
-                          "serving.api_keys): serving would refuse every reward of the agent (403); add it there")
-    low, high = cfg.reward.min_value, cfg.reward.max_value
-    outside = [value for value in (FAILURE_REWARD, SUCCESS_REWARD) if not low <= value <= high]
-    if outside:
-        raise ConfigError(f"reward.min_value..max_value ({low:g}..{high:g}) leaves out the agent's reward "
-                          f"{outside[0]:g}: serving would refuse it (422); widen the range")
-    trusted = cfg.reward.sources
-    if trusted is not None and source not in trusted:
-        raise ConfigError(f"reward.sources ({trusted}) does not include {source!r}, the source of the agent's "
-                          "rewards: the learner would ignore every one and train on nothing; add it")
 
 
 def client_api_key(cfg: Config) -> str | None:

@@ -40,13 +40,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from apps.config import AppConfig, check_pretraining_reads_every_rollout
-from online_sao.config import ConfigError, dump_config
+from apps.config import AppConfig
+from apps.config_checks import check_pretraining_reads_every_rollout
 from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, refuse_other_seeds,
                                       replace_scenario, summary_path, write_summary)
 from apps.experiments.resume import finished_arms, outcome_settings
 from apps.experiments.scenario import arm_config, results_dir
 from apps.stack import Stack, free_port, threads_env, write_private
+from online_sao.config import ConfigError, dump_config
 
 if TYPE_CHECKING:
     from streams.kafka_backend import KafkaBackend

@@ -1,0 +1,62 @@
+"""Checks of an application's configuration that its command makes before it starts anything: each
+setting is valid alone and at load, but together they would fail the run after all its setup (or
+leave part of it out without a word). A command that does not run that part does not check it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from apps.config import AppConfig, client_api_key
+from online_sao.config import ConfigError
+
+
+def check_pretraining_reads_every_rollout(cfg: AppConfig) -> None:
+    """ConfigError when ``experiment.pretrain_rollouts`` is above ``trainer.pretrain_max_rollouts``, the
+    most the value pre-training pass reads: the rest were answered and scored, then left out without a
+    word. Checked by the experiment when it pre-trains, not at load: a cap set for ``learn
+    --pretrain-critic`` alone is valid for every other command."""
+    asked, kept = cfg.experiment.pretrain_rollouts, cfg.trainer.pretrain_max_rollouts
+    if asked > kept:
+        raise ConfigError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
+                          "the most value pre-training reads: lower the one or raise the other")
+
+
+def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:
+    """ConfigError when ``<scenario>.max_tokens`` is above ``serving.max_new_tokens`` (serving refuses
+    each such request: the run died on its first one, after all its setup). Checked by the commands
+    that send them, not at load: a serving-only configuration with a small limit is valid."""
+    asked, limit = getattr(cfg, scenario).max_tokens, cfg.serving.max_new_tokens
+    if asked > limit:
+        raise ConfigError(f"{scenario}.max_tokens = {asked} is above serving.max_new_tokens = {limit}, the most "
+                          "a request may ask for: lower the one or raise the other")
+
+
+def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
+    """ConfigError when the rewards ``online-sao agent`` sends (``source``
+    ``apps.agent.episode.FEEDBACK_SOURCE``, with the key :func:`client_api_key` names) would be refused by
+    serving (``serving.feedback_sources``, ``serving.source_keys``: the rule of ``serving/feedback.py``)
+    or ignored by the learner (``reward.sources``), or whose values (0 and 1) lie outside the reward range. Either way the run did all its setup, then died on its
+    first reward (403) or trained on nothing without a word."""
+    from apps.agent.episode import FEEDBACK_SOURCE  # imported here: the agent imports this module
+    from apps.agent.judge import FAILURE_REWARD, SUCCESS_REWARD
+    from serving.auth import key_name, source_callers
+
+    source, serving = FEEDBACK_SOURCE, cfg.serving
+    if serving.feedback_sources is not None and source not in serving.feedback_sources:
+        raise ConfigError(f"serving.feedback_sources ({serving.feedback_sources}) does not allow {source!r}, the "
+                          "source of the agent's rewards: serving would refuse every one (403); add it")
+    owners = source_callers(serving.source_keys).get(source)
+    key = client_api_key(cfg)
+    caller = None if key is None else key_name(key.encode("utf-8"))  # the name serving's ApiKeyAuth gives it
+    if owners is not None and caller not in owners:
+        raise ConfigError(f"serving.source_keys.{source} does not hold the key the agent sends (the first of "
+                          "serving.api_keys): serving would refuse every reward of the agent (403); add it there")
+    low, high = cfg.reward.min_value, cfg.reward.max_value
+    outside = [value for value in (FAILURE_REWARD, SUCCESS_REWARD) if not low <= value <= high]
+    if outside:
+        raise ConfigError(f"reward.min_value..max_value ({low:g}..{high:g}) leaves out the agent's reward "
+                          f"{outside[0]:g}: serving would refuse it (422); widen the range")
+    trusted = cfg.reward.sources
+    if trusted is not None and source not in trusted:
+        raise ConfigError(f"reward.sources ({trusted}) does not include {source!r}, the source of the agent's "
+                          "rewards: the learner would ignore every one and train on nothing; add it")

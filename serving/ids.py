@@ -86,8 +86,12 @@ class InteractionIdSigner:
                                      f"(at most {MAX_ISSUED_AHEAD_S:.0f} s is accepted)")
         if age > self._window_s:
             raise InteractionIdError(410, "interaction_expired",
-                                     # :g, not :.0f: a window under a second read "issued 0 s ago, beyond
-                                     # the reward window of 0 s"
-                                     f"interaction_id was issued {age:g} s ago, beyond the reward window "
-                                     f"of {self._window_s:g} s")
+                                     f"interaction_id was issued {_seconds(age)} s ago, beyond the reward "
+                                     f"window of {_seconds(self._window_s)} s")
         return VerifiedId(interaction_id, issued_at)
+
+
+def _seconds(value: float) -> str:
+    """Whole seconds from 10 s up, three significant digits below: ``:.0f`` read a window under a second
+    as "0 s", ``:g`` a fortnight as "1.2096e+06 s"."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"

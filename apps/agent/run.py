@@ -197,6 +197,7 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
 
     out = results_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    clear_results(out)  # the earlier run's results: a rerun that fails at any step leaves none of them
     acfg = agent_config(cfg, free_port())
     config_path = out / "config.yaml"
     write_private(config_path, dump_config(acfg, reveal_secrets=True))
@@ -209,7 +210,6 @@ def run_agent(cfg: AppConfig, progress: Progress = print) -> Path:
         reset_arm(acfg, backend, out / "run", progress if earlier_run_left(backend, acfg) else lambda _: None)
         reset_registry(acfg, progress)  # and its registered model, whose aliases point at those weights
         backend.ensure_topics()
-        clear_results(out)  # and its results
         with Stack(config_path, {}, out / "run", progress=progress, resolved=True) as stack:
             server = stack.start("serving", ["serve"])
             base_url = f"http://127.0.0.1:{acfg.serving.port}"

@@ -194,10 +194,11 @@ def _comparison(arms: list[ArmSummaryAcrossSeeds], runs: list[Run], reference: s
 
 
 def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, experiment: str, run_name: str,
-                  artifact_location: str | None = None) -> str:
+                  artifact_location: str | None = None, window: int | None = None) -> str:
     """One MLflow run holding the report directory as artifacts and each arm's mean measures; returns its id.
     ``artifact_location``: where the experiment keeps artifacts if this creates it (the learner's,
-    trainer.mlflow_store.artifact_root); an existing experiment keeps its own."""
+    trainer.mlflow_store.artifact_root); an existing experiment keeps its own. ``window``: the runs'
+    ``metrics_window``, for the seeds a re-alignment could be measured on (not logged without it)."""
     from trainer.mlflow_store import experiment_id, open_client  # MLflow loads only when a report logs
 
     client = open_client(uri)
@@ -211,8 +212,12 @@ def log_to_mlflow(out_dir: Path, arms: list[ArmSummaryAcrossSeeds], uri: str, ex
         for key, value in values.items():
             if value is not None:
                 client.log_metric(run_id, f"{a.name}.{key}", value.mean)
+        # with the seeds each could be measured on: 0 of 0 is not "never" (report.md reads n/a)
         client.log_metric(run_id, f"{a.name}.collapsed_seeds", float(a.collapsed))
+        client.log_metric(run_id, f"{a.name}.collapse_measured_seeds", float(collapse_measured(a)))
         client.log_metric(run_id, f"{a.name}.realigned_seeds", float(a.realigned))
+        if window is not None:
+            client.log_metric(run_id, f"{a.name}.realign_measured_seeds", float(realign_measured(a, window)))
     client.log_artifacts(run_id, str(out_dir), artifact_path="report")
     client.set_terminated(run_id)
     return run_id
@@ -277,7 +282,7 @@ def write_report(results_dir: Path, out_dir: Path, mlflow: MlflowTarget | None =
     path.write_text(markdown(arms, runs, read_with) + "\n".join(sections))
     if mlflow is not None:
         log_to_mlflow(out_dir, arms, mlflow.uri, mlflow.experiment, f"{runs[0].scenario.name}-report",
-                      mlflow.artifact_location)
+                      mlflow.artifact_location, window=runs[0].scenario.metrics_window)
     return path
 
 

@@ -17,13 +17,12 @@ seed, ``seed-<k>/``, under the scenario's results directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from apps.config import ExperimentConfig
 from online_sao.config import ConfigError
@@ -145,10 +144,12 @@ class ArmSummary(_Row):
     here, and a resumed run compares it (empty in older files)."""
     algorithm: dict[str, Any] = {}
     """Older files only (written on 2026-12-04): the ``algorithm`` section alone, before ``settings``."""
-    scenario_sha256: str | None = None
-    """:func:`scenario_key` of the directory's ``scenario.json`` when the summary was written (the run
-    writes it before any arm starts): a summary marks a finished run of that scenario only (None in
-    files written before 2026-12-07, and where the directory had no scenario)."""
+    scenario: dict[str, Any] | None = None
+    """The directory's ``scenario.json`` when the summary was written (the run writes it before any arm
+    starts), without :data:`RUN_ONLY_FIELDS` (:func:`scenario_fields`): a summary marks a finished run
+    of that scenario only (None in files written before 2026-12-07, and where the directory had no
+    scenario). The fields themselves, not a hash of them: a field a later version of the code adds, with
+    its default, is no difference (:func:`finished_summary`)."""
 
 
 class ArmResults(BaseModel):
@@ -179,11 +180,12 @@ def summary_path(results_dir: Path, arm: str) -> Path:
 
 def write_summary(results_dir: Path, summary: ArmSummary) -> None:
     """Written whole or not at all (a summary marks a finished run: apps/experiments/resume.py), with
-    the key of the scenario it finished under (:func:`directory_scenario_key`)."""
+    the scenario it finished under (:func:`scenario_fields` of the directory's)."""
     path = summary_path(results_dir, summary.name)
     partial = path.with_name(path.name + ".partial")
     legacy = set() if summary.algorithm else {"algorithm"}
-    stamped = summary.model_copy(update={"scenario_sha256": directory_scenario_key(results_dir)})
+    scenario = scenario_fields(read_scenario(results_dir)) if (results_dir / SCENARIO_FILE).is_file() else None
+    stamped = summary.model_copy(update={"scenario": scenario})
     partial.write_text(stamped.model_dump_json(indent=2, exclude=legacy) + "\n")
     partial.replace(path)
 
@@ -194,9 +196,10 @@ def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
 
     A run of an arm deletes its summary before it writes anything and writes it, whole, after its
     results are complete (both drivers), so a summary marks a finished run. Files' times are not
-    compared: a copied directory's are those of the copy. The summary's scenario key must be that of
-    the directory's ``scenario.json``: a run of another scenario, left by one cut short before it
-    reached the arm, is not this scenario's. A summary without one (written before 2026-12-07) cannot
+    compared: a copied directory's are those of the copy. The summary's scenario must be the
+    directory's ``scenario.json`` (:func:`scenario_differences`, a field the summary does not record
+    taken as the directory's: code that added it came later): a run of another scenario, left by one
+    cut short before it reached the arm, is not this scenario's. A summary without one (written before 2026-12-07) cannot
     tell, and older code left such runs under the replacing scenario: it counts as not finished, and
     a resumed run does it again. (Code before `simulate --resume` did not delete the summary first
     either, so a rerun it cut short kept the earlier run's.)"""
@@ -204,10 +207,15 @@ def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
     if not (summary_file.is_file() and results_file.is_file()):
         return None
     summary = ArmSummary.model_validate_json(summary_file.read_text())
-    current = directory_scenario_key(results_dir)
-    if summary.scenario_sha256 is None or summary.scenario_sha256 != current:
+    if summary.scenario is None or not (results_dir / SCENARIO_FILE).is_file():
         return None
-    return summary
+    current = read_scenario(results_dir)
+    known = {k: v for k, v in summary.scenario.items() if k in ExperimentConfig.model_fields}
+    try:
+        recorded = ExperimentConfig.model_validate({**current.model_dump(mode="json"), **known})
+    except ValidationError:  # values this code no longer accepts: not this scenario's run
+        return None
+    return None if scenario_differences(recorded, current) else summary
 
 
 def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:
@@ -288,16 +296,10 @@ arm the report compares with.
 Every other field changes what an arm's results mean (schedule, traffic, seeds, driver, ...)."""
 
 
-def scenario_key(scenario: ExperimentConfig) -> str:
-    """SHA-256 of ``scenario`` without :data:`RUN_ONLY_FIELDS` (canonical JSON): equal for two scenarios
-    that :func:`scenario_differences` finds no difference in."""
-    fields = {k: v for k, v in scenario.model_dump(mode="json").items() if k not in RUN_ONLY_FIELDS}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def directory_scenario_key(results_dir: Path) -> str | None:
-    """:func:`scenario_key` of ``results_dir``'s ``scenario.json``; None without one."""
-    return scenario_key(read_scenario(results_dir)) if (results_dir / SCENARIO_FILE).is_file() else None
+def scenario_fields(scenario: ExperimentConfig) -> dict[str, Any]:
+    """``scenario`` as JSON without :data:`RUN_ONLY_FIELDS`: what a summary records of the scenario it
+    finished under."""
+    return {k: v for k, v in scenario.model_dump(mode="json").items() if k not in RUN_ONLY_FIELDS}
 
 
 class ScenarioMismatch(ConfigError):
@@ -316,12 +318,19 @@ SEED_DIR = re.compile(r"^seed-(\d+)$")
 
 
 def refuse_other_seeds(results_dir: Path, seeds: int) -> None:
-    """:class:`ScenarioMismatch` when ``results_dir`` holds a seed's run (a ``seed-<k>/`` with its
-    scenario) that a run of ``seeds`` seeds would not write: the report reads every seed directory,
+    """:class:`ScenarioMismatch` when ``results_dir`` holds a one-seed run's results and this run has
+    several seeds (its scenario would replace that run's and delete them), or a seed's run (a
+    ``seed-<k>/`` with its scenario) that a run of ``seeds`` seeds would not write: the report reads every seed directory,
     so a seed left from an earlier run with more seeds (or any seed, under a one-seed run, whose
     results the report would then skip) would be reported as this run's."""
     if not results_dir.is_dir():
         return
+    one_seed_run = sorted(p.name for pattern in ("*.jsonl", "*.summary.json") for p in results_dir.glob(pattern))
+    if seeds > 1 and one_seed_run:  # its seed-<k>/ would replace the scenario, taking these files with it
+        raise ScenarioMismatch(
+            f"{results_dir} holds the results of an earlier one-seed run ({', '.join(one_seed_run[:4])}"
+            f"{', ...' if len(one_seed_run) > 4 else ''}); a run of {seeds} seeds writes seed-<k>/ directories "
+            f"and would delete them. Write this run elsewhere (experiment.results_dir), or move them away.")
     written = range(seeds) if seeds > 1 else range(0)
     others = sorted((p.name for p in results_dir.iterdir() if p.is_dir() and (match := SEED_DIR.match(p.name))
                      and (p / SCENARIO_FILE).is_file() and int(match.group(1)) not in written),

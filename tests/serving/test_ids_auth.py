@@ -224,3 +224,14 @@ def test_an_exposed_server_refuses_the_placeholder_secret_and_keys():
     with pytest.raises(ValueError, match="1 of serving.api_keys is a placeholder"):
         check_exposure(_serving("0.0.0.0", ["key", "sk-compose-change-me"]))
     check_exposure(_serving("127.0.0.1", [], default_secret))  # on loopback the default is fine
+
+
+def test_a_long_window_is_named_in_whole_seconds_in_the_410():
+    """``:g`` read a fortnight as "1.2096e+06 s"."""
+    clock = Clock()
+    signer = InteractionIdSigner(b"secret", "dep", window_s=14 * 86_400, clock=clock)
+    issued = signer.mint()
+    clock.now += 14 * 86_400 + 100
+    with pytest.raises(InteractionIdError) as err:
+        signer.verify(issued)
+    assert err.value.message.endswith("issued 1209700 s ago, beyond the reward window of 1209600 s")

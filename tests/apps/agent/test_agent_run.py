@@ -205,6 +205,28 @@ def test_a_rerun_that_fails_leaves_none_of_the_earlier_runs_results(tmp_path, mo
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["config.yaml"]
 
 
+def test_a_rerun_that_fails_before_its_tasks_leaves_none_of_the_earlier_runs_results(tmp_path, monkeypatch):
+    """Cleared only after the broker, the model and the reset: a rerun whose broker did not start kept the
+    earlier run's summary, plot and episodes."""
+    from apps.agent.results import PLOT_FILE, SUMMARY_FILE
+    from apps.agent.run import results_dir, run_agent
+    from apps.experiments import orchestrate
+
+    def broker_fails(*args):
+        raise RuntimeError("kafka: port 9092 in use")
+
+    cfg = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    out = results_dir(cfg)
+    out.mkdir(parents=True)
+    for name in ("episodes.jsonl", SUMMARY_FILE, PLOT_FILE):
+        (out / name).write_text("the earlier run's\n")
+    _stackless_run(monkeypatch, FakeBroker([], 0), None)
+    monkeypatch.setattr(orchestrate, "reset_arm", broker_fails)  # the first step that talks to the broker
+    with pytest.raises(RuntimeError, match="port 9092"):
+        run_agent(cfg, progress=lambda _: None)
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["config.yaml"]
+
+
 @pytest.mark.parametrize("groups, end_offset, said", [([], 0, False), ([], 3, True), (["sao-learner.agent.agent"], 0, True)])
 def test_the_reset_names_deleted_topics_only_when_an_earlier_run_left_something(tmp_path, monkeypatch, groups,
                                                                                 end_offset, said):

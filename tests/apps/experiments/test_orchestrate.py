@@ -290,7 +290,7 @@ def test_the_simulations_report_is_logged_to_the_configured_mlflow_experiment(tm
     monkeypatch.setattr(parallel, "run_arms_inprocess", run_arms)
     monkeypatch.setattr(builder, "build_base_model", lambda *args, **kwargs: tmp_path / "model")
     monkeypatch.setattr(style, "load_or_train", lambda *args, **kwargs: None)
-    monkeypatch.setattr(report, "log_to_mlflow", lambda out_dir, arms, uri, experiment, run_name, artifacts:
+    monkeypatch.setattr(report, "log_to_mlflow", lambda out_dir, arms, uri, experiment, run_name, artifacts, **_:
                         logged.append((uri, experiment, artifacts)))
     orchestrate.run_simulation(cfg, arms=["sao"], progress=lambda line: None)
     assert logged == [(cfg.mlflow_uri, "my-drift-exp", (cfg.data_dir / "mlflow-artifacts").as_uri())]

@@ -237,6 +237,9 @@ def test_report_is_logged_to_mlflow(results, tmp_path):
     assert {"report/report.md", *(f"report/{png}" for png in PLOTS)} <= artifacts
     assert run.data.metrics["sao.level_20"] == pytest.approx(phase_metrics(series["sao"], STARTS, STYLES, 4, 0.5)[1].level)
     assert run.data.metrics["sao.realigned_seeds"] == 1.0  # 0.1 for 3 rollouts after each switch, then 0.9
+    # with the seeds each count was measured on: a 0 of 0 read as "never" where report.md says n/a
+    assert run.data.metrics["sao.realign_measured_seeds"] == 1.0
+    assert "sao.collapse_measured_seeds" in run.data.metrics
 
 
 def test_results_rows_deduplicate_and_must_be_dense(tmp_path):

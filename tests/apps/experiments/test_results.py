@@ -149,3 +149,15 @@ def test_seed_directories_a_run_would_not_write_are_refused(tmp_path):
     with pytest.raises(ScenarioMismatch, match=r"run\(s\) of seed-0, seed-1, seed-2, seed-10 from"):
         refuse_other_seeds(tmp_path, 1)
     refuse_other_seeds(tmp_path / "not-there", 1)
+
+
+def test_a_run_of_several_seeds_over_a_one_seed_runs_results_is_refused(tmp_path):
+    """A one-seed run keeps its results at the top of the directory; a run of several seeds replaced its
+    scenario (it writes only seed-<k>/) and so deleted them, hours of finished work."""
+    write_scenario(tmp_path, FIRST)
+    (tmp_path / "sao.jsonl").write_text("{}\n")
+    (tmp_path / "sao.summary.json").write_text("{}\n")
+    refuse_other_seeds(tmp_path, 1)  # the same one-seed run again, or with --resume: its own files
+    with pytest.raises(ScenarioMismatch, match=r"earlier one-seed run \(sao\.jsonl, sao\.summary\.json\); a run of 2"):
+        refuse_other_seeds(tmp_path, 2)
+    assert (tmp_path / "sao.jsonl").is_file()

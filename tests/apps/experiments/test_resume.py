@@ -112,5 +112,18 @@ def test_a_summary_without_its_scenario_is_run_again(tmp_path):
     replaced since (older code left such runs under the replacing scenario.json)."""
     finish(tmp_path, "sao")
     path = summary_path(tmp_path, "sao")
-    path.write_text(ArmSummary.model_validate_json(path.read_text()).model_dump_json(exclude={"scenario_sha256"}))
+    path.write_text(ArmSummary.model_validate_json(path.read_text()).model_dump_json(exclude={"scenario"}))
     assert finished_arms(tmp_path, ["sao"], lambda arm: dict(SETTINGS)) == []
+
+
+def test_a_field_a_later_version_of_the_code_adds_leaves_a_finished_run_finished(tmp_path, monkeypatch):
+    """A hash of the scenario changed with every field the code added (with its default): every run stopped
+    counting as finished and --resume ran them all again, with nothing said."""
+    import json
+
+    finish(tmp_path, "sao")
+    path = summary_path(tmp_path, "sao")
+    summary = json.loads(path.read_text())
+    del summary["scenario"]["drop_rate"]  # a summary written by code that did not have the field yet
+    path.write_text(json.dumps(summary))
+    assert finished_arms(tmp_path, ["sao"], lambda arm: dict(SETTINGS)) == ["sao"]

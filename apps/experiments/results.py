@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from apps.config import ExperimentConfig
 from online_sao.config import ConfigError
@@ -197,8 +197,8 @@ def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
     A run of an arm deletes its summary before it writes anything and writes it, whole, after its
     results are complete (both drivers), so a summary marks a finished run. Files' times are not
     compared: a copied directory's are those of the copy. The summary's scenario must be the
-    directory's ``scenario.json`` (:func:`scenario_differences`, a field the summary does not record
-    taken as the directory's: code that added it came later): a run of another scenario, left by one
+    directory's ``scenario.json`` in every field the summary records (one it does not record, added
+    by later code, is no difference): a run of another scenario, left by one
     cut short before it reached the arm, is not this scenario's. A summary without one (written before 2026-12-07) cannot
     tell, and older code left such runs under the replacing scenario: it counts as not finished, and
     a resumed run does it again. (Code before `simulate --resume` did not delete the summary first
@@ -209,13 +209,9 @@ def finished_summary(results_dir: Path, arm: str) -> ArmSummary | None:
     summary = ArmSummary.model_validate_json(summary_file.read_text())
     if summary.scenario is None or not (results_dir / SCENARIO_FILE).is_file():
         return None
-    current = read_scenario(results_dir)
-    known = {k: v for k, v in summary.scenario.items() if k in ExperimentConfig.model_fields}
-    try:
-        recorded = ExperimentConfig.model_validate({**current.model_dump(mode="json"), **known})
-    except ValidationError:  # values this code no longer accepts: not this scenario's run
-        return None
-    return None if scenario_differences(recorded, current) else summary
+    current = scenario_fields(read_scenario(results_dir))
+    same = all(current[k] == v for k, v in summary.scenario.items() if k in current)
+    return summary if same else None
 
 
 def append_row(path: Path, row: RewardRow | EvalRow | StepRow) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from apps.config import AppConfig, client_api_key
-from apps.stack import Stack, free_port, own_state_overrides
+from apps.stack import Stack, free_port, new_run, own_state_overrides
 from online_sao.config.base import mask_uri_password
 from online_sao.schemas import RecordError, WeightsNotice, decode
 from streams.base import Consumer
@@ -95,8 +95,7 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
 
     started = time.monotonic()
     port = free_port()
-    run_id = time.strftime("smoke-%Y%m%d-%H%M%S")
-    run_dir = cfg.data_dir / "runs" / run_id
+    run_id, run_dir = new_run(cfg.data_dir / "runs", "smoke")
     # its own state over the operator's --set too (which may name the deployment's topics); a
     # checkpoint every step keeps the ledger (what was trained, by step) current for the verdict
     overrides = {**(overrides or {}), **own_state_overrides(cfg, run_id, run_dir),

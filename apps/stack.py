@@ -13,6 +13,7 @@ that created it, which holds it (``with``) as long as they run.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -198,6 +199,24 @@ class Stack:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers.clear()
+
+
+def new_run(runs_dir: Path, kind: str) -> tuple[str, Path]:
+    """A run id (``<kind>-<UTC date>-<time>``) and its directory under ``runs_dir``, created here.
+
+    Two runs started in the same second (two operators, a retry in a script) would share the id, and so
+    the topics, consumer group, ledger and MLflow experiment :func:`own_state_overrides` names after it:
+    the second gets ``-2`` (``-3``, ...) after the time, taken by creating its directory exclusively."""
+    stem = time.strftime(f"{kind}-%Y%m%d-%H%M%S", time.gmtime())
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in itertools.count(1):
+        run_id = stem if attempt == 1 else f"{stem}-{attempt}"
+        try:
+            (runs_dir / run_id).mkdir()
+        except FileExistsError:
+            continue
+        return run_id, runs_dir / run_id
+    raise AssertionError("unreachable")
 
 
 def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, Any]:

@@ -280,8 +280,9 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
         report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged,
                                kafka_check_error=check_error)
     else:
-        run_id = time.strftime("load-%Y%m%d-%H%M%S")
-        run_dir = cfg.data_dir / "runs" / run_id
+        from apps.stack import new_run
+
+        run_id, run_dir = new_run(cfg.data_dir / "runs", "load")
         # the operator's --set over the load's serving settings, the run's own state over both (a --set
         # naming the deployment's topics or registered model would put the run back on them)
         run_overrides = {**LOAD_STACK_OVERRIDES, **overrides, **own_state_overrides(cfg, run_id, run_dir)}

@@ -263,3 +263,17 @@ def test_own_state_overrides_name_every_piece_of_state_after_the_run(tmp_path):
     assert (run.mlflow.experiment, run.mlflow.registered_model) == ("online-sao.r-1", "online-sao-policy.r-1")
     assert run.mlflow_uri == "http://mlflow:5000"
     assert "trainer.metrics_port" not in overrides  # off in the deployment: off in the run
+
+
+def test_runs_started_in_the_same_second_get_ids_and_directories_of_their_own(tmp_path, monkeypatch):
+    """Smoke's and load's run id names their topics, consumer group, ledger and MLflow experiment: two
+    runs in one second shared all of them."""
+    monkeypatch.setattr(stack_module.time, "gmtime", lambda: time.struct_time((2026, 12, 7, 9, 5, 3, 0, 341, 0)))
+
+    first = stack_module.new_run(tmp_path / "runs", "smoke")
+    second = stack_module.new_run(tmp_path / "runs", "smoke")
+    third = stack_module.new_run(tmp_path / "runs", "smoke")
+
+    assert [run_id for run_id, _ in (first, second, third)] == [
+        "smoke-20261207-090503", "smoke-20261207-090503-2", "smoke-20261207-090503-3"]
+    assert all(run_dir == tmp_path / "runs" / run_id and run_dir.is_dir() for run_id, run_dir in (first, second, third))

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from apps import cli
+from apps import cli, commands
 
 DRIFT_SHORT = Path(__file__).resolve().parents[2] / "configs" / "drift-short.yaml"
 
 
 def test_the_resume_flag_sets_the_configured_resume():
     args = cli.build_parser().parse_args(["simulate", "--resume"])
-    assert cli._overrides(args) == {"experiment.resume": True}
-    assert cli._overrides(cli.build_parser().parse_args(["simulate"])) == {}
-    assert cli._overrides(cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--resume"])) == {
+    assert commands.overrides(args) == {"experiment.resume": True}
+    assert commands.overrides(cli.build_parser().parse_args(["simulate"])) == {}
+    assert commands.overrides(cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--resume"])) == {
         "experiment.resume": True}
 
 
@@ -126,7 +126,7 @@ def test_a_set_text_field_is_taken_as_written_and_a_bad_value_never_echoed(capsy
                      "config", "show"]) == 0
     assert "deployment_id: '2024-01-01'" in capsys.readouterr().out
     args = cli.build_parser().parse_args(["--set", "kafka.sasl_password=p@ss #1", "config", "show"])
-    assert cli._overrides(args)["kafka.sasl_password"] == "p@ss #1"
+    assert commands.overrides(args)["kafka.sasl_password"] == "p@ss #1"
     assert cli.main(["--set", "serving.api_keys=[!s3cret, x", "config", "show"]) == 2
     assert "s3cret" not in capsys.readouterr().err
 
@@ -142,7 +142,7 @@ def test_the_outside_world_failing_is_one_line_and_exit_1_and_an_interrupt_130(m
 
     for run, code, line in ((unreachable, 1, "online-sao: creating a producer: Kafka at 127.0.0.1:1 not reachable"),
                             (interrupted, 130, "online-sao: interrupted")):
-        monkeypatch.setattr(cli, "_config", run)
+        monkeypatch.setattr(commands, "config", run)
         assert cli.main(["config", "show"]) == code
         assert capsys.readouterr().err.strip().splitlines() == [line]
 
@@ -151,7 +151,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_other_os_errors_
     def full(cfg, args):
         raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/.tmp-1/optim.safetensors")
 
-    monkeypatch.setattr(cli, "_config", full)
+    monkeypatch.setattr(commands, "config", full)
     assert cli.main(["config", "show"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "online-sao: [Errno 28] No space left on device: '/ckpt/.tmp-1/optim.safetensors'"]
@@ -159,7 +159,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_other_os_errors_
     def disk_error(cfg, args):  # MLflow's SQLite store: "disk I/O error", which a full quota reads as
         raise OSError(errno.EIO, "Input/output error (MLflow's store: disk I/O error)")
 
-    monkeypatch.setattr(cli, "_config", disk_error)
+    monkeypatch.setattr(commands, "config", disk_error)
     assert cli.main(["config", "show"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "online-sao: [Errno 5] Input/output error (MLflow's store: disk I/O error)"]
@@ -167,7 +167,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_exit_1_and_other_os_errors_
     def broken_pipe(cfg, args):  # not the operator's to fix by making room: a traceback, as before
         raise OSError(errno.EPIPE, "Broken pipe")
 
-    monkeypatch.setattr(cli, "_config", broken_pipe)
+    monkeypatch.setattr(commands, "config", broken_pipe)
     with pytest.raises(OSError, match="Broken pipe"):
         cli.main(["config", "show"])
 
@@ -368,8 +368,8 @@ def test_serve_logs_info_lines_with_time_and_level(monkeypatch, tmp_path):
     monkeypatch.setattr("serving.server.run_server", lambda cfg, model_dir: served.append(model_dir) or 0)
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "serve"]) == 0 and served == [tmp_path]
     assert root.level == logging.INFO and logging.getLogger("serving.server").isEnabledFor(logging.INFO)
-    assert [handler.formatter._fmt for handler in root.handlers] == [cli.LOG_FORMAT]
-    assert "%(asctime)s %(levelname)s" in cli.LOG_FORMAT
+    assert [handler.formatter._fmt for handler in root.handlers] == [commands.LOG_FORMAT]
+    assert "%(asctime)s %(levelname)s" in commands.LOG_FORMAT
     assert kafka.level == logging.WARNING  # kafka-python's connection chatter stays out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from apps import cli
+from apps import cli, commands
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ENV_PREFIX, ConfigError
 from tests.deploy.dockerfile import Dockerfile
@@ -128,7 +128,7 @@ def resolve_invocation(argv: list[str], mounts: Mapping[str, Path], env: Mapping
         if not path.is_file():
             raise DeployCheckError(f"--config {args.config} is mounted from {path}, which does not exist")
     try:
-        cfg = load_app_config(path, environ=online_sao_env(env), overrides=cli._overrides(args))
+        cfg = load_app_config(path, environ=online_sao_env(env), overrides=commands.overrides(args))
     except ConfigError as exc:
         raise DeployCheckError(f"online-sao {' '.join(argv)}: {exc}") from None
     return Invocation(args, cfg)

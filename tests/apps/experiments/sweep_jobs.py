@@ -21,14 +21,14 @@ POLL_S = 0.05
 
 PARENT = """
 import sys, types
-from apps import cli
+from apps import commands
 from apps.experiments import parallel
 from tests.apps.experiments import sweep_jobs
 
 parallel._arm_job = sweep_jobs.arm_waiting_for_go
 run = types.SimpleNamespace(serving=types.SimpleNamespace(torch_threads=1), where=sys.argv[1])
 plan = [(run, ["a", "b", "c", "d"])]
-sys.exit(cli._resumable(lambda: parallel.run_arms_inprocess(plan, None, 2, lambda run, names: False,
+sys.exit(commands.resumable(lambda: parallel.run_arms_inprocess(plan, None, 2, lambda run, names: False,
                                                             lambda line: print(line, flush=True))))
 """
 """``python -c PARENT WHERE``: a sweep of four such jobs, two at a time, as ``online-sao simulate``

@@ -88,12 +88,12 @@ def test_jobs_need_the_inprocess_driver():
 
 
 def test_the_jobs_flag_sets_the_configured_jobs():
-    from apps import cli
+    from apps import cli, commands
 
     args = cli.build_parser().parse_args(["simulate", "--driver", "inprocess", "--seeds", "4", "--jobs", "2"])
-    assert cli._overrides(args) == {"experiment.seeds": 4, "experiment.driver": "inprocess", "experiment.jobs": 2}
+    assert commands.overrides(args) == {"experiment.seeds": 4, "experiment.driver": "inprocess", "experiment.jobs": 2}
     args = cli.build_parser().parse_args(["lr-sweep", "--rates", "1e-4", "--jobs", "3"])
-    assert cli._overrides(args)["experiment.jobs"] == 3
+    assert commands.overrides(args)["experiment.jobs"] == 3
 
 
 def test_side_by_side_a_seed_without_arms_to_run_is_left_alone(tmp_path, tiny_model_dir, style_classifier):

@@ -83,7 +83,8 @@ from trainer.mlflow_store import bound_mlflow_requests
 from trainer.plasticity import drift_counter
 from trainer.publisher import release_policy, republish
 from trainer.rank_zero import Laps, RankZero
-from trainer.startup import STARTING_VERSION, LearnerModels, build_models, pretrain_on_logged, resume
+from trainer.startup import (STARTING_VERSION, LearnerModels, build_models, pretrain_on_logged, pretrain_skipped_because,
+                             resume)
 from trainer.state import Position, gather_training_state, restore_version
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
             # no checkpoint: the policy is model_dir's, the version serving starts on, whatever
             # versions a life that died before its first checkpoint published
             pretrain_on_logged(cfg, backend, models, STARTING_VERSION, rank0, ctx)
+        elif pretrain_critic and ctx.is_main:  # the flag stays in a restart script: say it did nothing
+            log.warning("value pre-training skipped: %s", pretrain_skipped_because(at, models))
         if rank0 is not None:
             rank0.feed.start(backend)                            # join the consumer group at the offsets
         while True:

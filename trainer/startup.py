@@ -183,3 +183,13 @@ def pretrain_on_logged(cfg: Config, backend: StreamBackend, models: LearnerModel
     if ctx.is_main:
         log.info("value pre-training on %d rollouts: %s", len(logged), fit)
         rank0.tracker.log_metrics({f"pretrain_{k}": float(v) for k, v in fit.items()}, step=0)
+
+
+def pretrain_skipped_because(at: Position, models: LearnerModels) -> str:
+    """Why ``learn --pretrain-critic`` did not pre-train (it does on a fresh start of a critic's learner
+    only): the flag stays in a restart script, and a run that said nothing looked pre-trained."""
+    if models.trainables.critic is None:
+        return "this algorithm trains no critic"
+    if at.step:
+        return f"resuming from step {at.step}; pre-training runs only on a fresh start (no checkpoint)"
+    return f"the policy was just rolled back to champion v{at.rolled_back_as}, not the starting policy"

@@ -123,6 +123,24 @@ def test_pretrain_critic_fits_on_retained_history_before_the_first_step(tmp_path
     assert [m.step for m in client.get_metric_history(result.run_id, "value_loss")] == [1]
 
 
+def test_pretrain_critic_on_a_restart_says_it_did_not_pre_train(tmp_path, tiny_model_dir, caplog):
+    """The flag stays in an operator's restart script; the resumed learner went straight to its next step
+    and said nothing, so the run looked pre-trained."""
+    cfg = _config(tmp_path, tiny_model_dir, **{"trainer.min_rollouts": 4, "trainer.max_rollouts_per_step": 4})
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 8, prefix="p"))
+    train(cfg, backend, init_distributed(), RunUntil(max_steps=1))
+
+    with caplog.at_level("WARNING", logger="trainer.learner"):
+        result = train(cfg, backend, init_distributed(), RunUntil(max_steps=1), pretrain_critic=True)
+
+    assert result.steps == 1
+    assert [r.getMessage() for r in caplog.records if "pre-training" in r.getMessage()] == [
+        "value pre-training skipped: resuming from step 1; pre-training runs only on a fresh start (no checkpoint)"]
+    assert "pretrain_epochs" not in MlflowClient(tracking_uri=cfg.mlflow_uri).get_run(result.run_id).data.metrics
+
+
 def test_pretrain_critic_leaves_out_a_logged_rollout_past_the_models_vocabulary(tmp_path, tiny_model_dir):
     """One retained answer with a token id past the model's vocabulary (logged under another model):
     the feed leaves such a rollout out, value pre-training fed it to the critic, whose embedding

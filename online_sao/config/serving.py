@@ -131,13 +131,17 @@ class ServingConfig(Section):
     (on the base model) within two minutes. None waits for ever (no answer from stale weights, but no
     capacity from a replica restarted while the broker is away); 0 does not wait."""
     swap_in_place: bool = False
-    """Memory-short hot-swap: copy new weights into the serving model between two
+    """Torch engine: memory-short hot-swap: copy new weights into the serving model between two
     decode steps instead of loading a second copy off the request path (half the
-    weight memory, a stall as long as the copy)."""
+    weight memory, a stall as long as the copy). The vLLM engine always swaps in place (vLLM holds one
+    copy): its decoding stalls for the copy whatever this says."""
     torch_threads: int | None = Field(None, ge=1)
-    """Intra-op CPU threads of torch, set process-wide when the engine starts
+    """Torch engine: intra-op CPU threads of torch, set process-wide when the engine starts
     (None keeps torch's default). On a busy small machine 1 is often fastest:
-    spinning OpenMP workers that wait for a core cost more than they save."""
+    spinning OpenMP workers that wait for a core cost more than they save. The vLLM engine does not
+    read it (vLLM sets this process to one thread and its worker's threads itself: on its CPU build
+    ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU``, vLLM's environment variables,
+    choose its cores); the experiment drivers and the load test still size their own threads by it."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Longest prompt accepted, in tokens (400 ``prompt_too_long`` above, as OpenAI answers a prompt over the
     context)."""

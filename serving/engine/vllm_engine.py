@@ -76,9 +76,9 @@ from serving.engine.base import (EngineLoop, EngineStopped, GenerationRequest, L
                                  TokenEvent, check_prompt, relay_events)
 from serving.engine.sampling import NonFiniteLogits
 from serving.engine.vllm_outputs import alternatives, finite_output, greedy_alternatives
-from serving.engine.vllm_self_check import check_vllm_engine
-from serving.engine.vllm_settings import (check_temperature, check_unchanged, engine_args, generator_seed,
-                                         refused_field, whole_prefills)
+from serving.engine.vllm_self_check import available_host_memory, check_vllm_engine
+from serving.engine.vllm_settings import (check_host_memory_share, check_temperature, check_unchanged, engine_args,
+                                         generator_seed, refused_field, whole_prefills)
 from serving.engine.vllm_weights import ServedLayout, refresh_tied_head
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class VLLMEngine:
                                   max_num_seqs=self.cfg.max_batch_size, async_scheduling=False,
                                   enable_prefix_caching=False, load_format="safetensors"),
                              dict(engine_kwargs, dtype=dtype))
+        import psutil  # a dependency of vLLM's
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
@@ -154,6 +155,9 @@ class VLLMEngine:
         # the learner's nucleus (vllm_nucleus), in the interface of the model runner this configuration
         # runs, which only the finished configuration says; vLLM's own top-p is never used
         vllm_config.model_config.logits_processors = [processor_class(vllm_config)]
+        if current_platform.is_cpu():  # vLLM's worker would refuse it in a traceback that names its own flag
+            check_host_memory_share(vllm_config.cache_config.gpu_memory_utilization,
+                                    psutil.virtual_memory().total, available_host_memory())
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                               log_stats=False, multiprocess_mode=False)
         self._max_len = vllm_config.model_config.max_model_len

@@ -5,6 +5,7 @@ settings of the CPU build."""
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 
 from serving.engine.base import RequestRefused
@@ -108,6 +109,28 @@ def memory_args(share: float | None, engines: int) -> dict:
 
         share = EngineArgs.gpu_memory_utilization
     return {"gpu_memory_utilization": share / engines}
+
+
+GIB = 1 << 30
+
+
+def check_host_memory_share(share: float, total_bytes: int, available_bytes: int | None) -> None:
+    """On vLLM's CPU build, refuse before vLLM starts when one engine's ``share`` (its
+    ``gpu_memory_utilization``: :func:`memory_args`) of the host's ``total_bytes`` is more than is
+    available now. vLLM's worker process raised it, and ``serve`` died on a 95-line traceback whose
+    advice named vLLM's own ``--gpu-memory-utilization``, not the setting to change. ``available_bytes``
+    None (not readable): nothing to check."""
+    from online_sao.config import ConfigError
+
+    wanted = share * total_bytes
+    if available_bytes is None or wanted <= available_bytes:
+        return
+    fits = math.floor(available_bytes / total_bytes * 100) / 100
+    raise ConfigError(
+        f"serving.vllm_memory_share: the vLLM engine on CPU takes {share:.2f} of the host's {total_bytes / GIB:.1f} "
+        f"GiB ({wanted / GIB:.1f} GiB) at start, and {available_bytes / GIB:.1f} GiB is available: set it so that "
+        f"each engine's part is at most {fits:.2f} (the whole share with one engine, half of it for each of the "
+        "two behind a canary; less leaves room for the rest of the process)")
 
 
 VLLM_PARAMETER_FIELDS = {"temperature": "temperature", "top_p": "top_p", "extra_args": "top_p",

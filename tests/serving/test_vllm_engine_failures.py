@@ -143,3 +143,14 @@ def test_a_non_finite_row_fails_its_request_alone(engine, monkeypatch):
     ok, nan = asyncio.run(main())
     assert isinstance(nan, NonFiniteLogits), outcomes([nan])
     assert not isinstance(ok, BaseException) and len(ok) == 16, outcomes([ok])
+
+
+def test_a_memory_share_the_host_cannot_give_is_refused_before_vllm_starts(contract_model_dir):
+    """All but nothing of the host's memory: vLLM's worker refused it in a traceback naming vLLM's own flag;
+    the engine now refuses it first, naming serving.vllm_memory_share."""
+    from online_sao.config import ConfigError
+    from serving.engine.vllm_engine import VLLMEngine
+
+    with pytest.raises(ConfigError, match=r"^serving\.vllm_memory_share: the vLLM engine on CPU takes 0\.99 "):
+        VLLMEngine(contract_model_dir, ServingConfig(max_batch_size=2, vllm_self_check=False), max_model_len=64,
+                   enforce_eager=True, gpu_memory_utilization=0.99)

@@ -42,3 +42,26 @@ def test_a_canary_without_a_share_splits_vllms_default():
     from vllm import EngineArgs
 
     assert memory_args(None, 2) == {"gpu_memory_utilization": EngineArgs.gpu_memory_utilization / 2}
+
+
+def test_a_host_memory_share_that_is_not_available_is_refused_naming_the_setting_and_what_fits():
+    """On CPU, 0.97 of a 24 GiB host with 12 GiB free: vLLM's worker died on a traceback that advised its
+    own --gpu-memory-utilization."""
+    from online_sao.config import ConfigError
+    from serving.engine.vllm_settings import check_host_memory_share
+
+    gib = 1 << 30
+    with pytest.raises(ConfigError) as refused:
+        check_host_memory_share(0.97, 24 * gib, 12 * gib)
+    message = str(refused.value)
+    assert message.startswith("serving.vllm_memory_share: ")
+    assert "takes 0.97 of the host's 24.0 GiB (23.3 GiB) at start, and 12.0 GiB is available" in message
+    assert "each engine's part is at most 0.50" in message
+
+
+def test_a_host_memory_share_that_fits_or_memory_that_cannot_be_read_passes():
+    from serving.engine.vllm_settings import check_host_memory_share
+
+    gib = 1 << 30
+    check_host_memory_share(0.5, 24 * gib, 12 * gib)  # exactly what is free
+    check_host_memory_share(0.97, 24 * gib, None)  # neither /proc/meminfo nor a cgroup readable

@@ -3,8 +3,9 @@
 Every record is a pydantic model with a ``kind`` and a ``schema_version``.
 Encoding (documented in docs/RECORDS.md): UTF-8 JSON, keys in declaration
 order, no whitespace, floats as JSON numbers (finite only). Decoding checks the
-size, the JSON, the kind, the schema version and every field, and raises
-:class:`RecordError` with a message that says what is wrong.
+size, the JSON, the schema version, the kind and every field, strictly (no type is
+coerced: a string or ``true`` is no number, ``1.0`` no integer; a JSON integer is a
+float's number), and raises :class:`RecordError` with a message that says what is wrong.
 """
 
 from __future__ import annotations
@@ -324,13 +325,24 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
     version = obj.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1 in Python
         raise RecordError(f"unknown schema_version {version!r} (this build reads {SCHEMA_VERSION})")
+    kind = None if expected is None else _kind_of(expected)
+    if kind is not None and obj.get("kind") != kind:  # before the fields: which ones a record has depends on it
+        raise RecordError(f"expected a {expected.__name__} record, got kind {obj.get('kind')!r}")
     try:
-        record = _ANY.validate_python(obj)
+        # strict: JSON types as written, no coercion (true or "0.5" is no reward, 1.0 no token id; a JSON
+        # integer is still a number for a float field); what the codec wrote is always of the right types
+        record = _ANY.validate_python(obj, strict=True)
     except ValidationError as exc:
         raise RecordError(_describe(exc)) from None
     if expected is not None and not isinstance(record, expected):
         raise RecordError(f"expected a {expected.__name__} record, got kind {obj.get('kind')!r}")
     return record
+
+
+def _kind_of(model: type[Record]) -> str | None:
+    """The ``kind`` a record model's records carry (None for one without: :class:`Record` itself)."""
+    field = model.model_fields.get("kind")
+    return None if field is None else field.default
 
 
 def _refuse_constant(name: str) -> float:

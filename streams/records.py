@@ -98,9 +98,15 @@ def decode_or_dead_letter(message: StreamMessage, expected: type[R], producer: P
     try:
         return decode(message.value, expected)  # type: ignore[return-value]
     except RecordError as exc:
-        letter = dead_letter_for(message, str(exc))
-    producer.send(dead_letter_topic, encode(letter), key=dead_letter_key(message.key))
+        reason = str(exc)
+    send_dead_letter(message, reason, producer, dead_letter_topic)
     return None
+
+
+def send_dead_letter(message: StreamMessage, reason: str, producer: Producer, dead_letter_topic: str) -> None:
+    """Queue the DeadLetter of ``message`` saying ``reason``, keyed by :func:`dead_letter_key`: for a record
+    the codec refused, or a valid one its consumer cannot use (a reward outside the learner's range)."""
+    producer.send(dead_letter_topic, encode(dead_letter_for(message, reason)), key=dead_letter_key(message.key))
 
 
 def dead_letter_key(key: bytes | None) -> bytes | None:

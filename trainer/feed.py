@@ -4,7 +4,8 @@ Every pass of the learner loop, rank 0:
 
 1. polls interactions and rewards (one consumer in group ``trainer.consumer_group``),
    skips records a rebalance re-delivered (their offset is already in the state),
-   decodes each record or dead-letters it (bad data never stops the learner), refuses
+   decodes each record or dead-letters it (bad data never stops the learner), dead-letters a
+   reward outside ``reward.min_value``..``max_value`` (:func:`reward_out_of_range`), refuses
    (counted) an interaction that can train nothing (:mod:`trainer.untrainable`) and
    feeds the others to the :class:`~trainer.join.RewardJoiner`. While ``READY_BACKLOG_STEPS`` full
    steps are ready (and a step could start on them: at least ``trainer.min_rollouts``, a
@@ -39,22 +40,18 @@ from online_sao.schemas import Interaction, Reward
 from streams.base import Consumer, GroupMembershipLost, Producer, StreamBackend, StreamMessage, TopicPartition
 from streams.ends import EndWatcher
 from streams.outbox import Outbox
-from streams.records import decode_or_dead_letter
+from streams.records import decode_or_dead_letter, send_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
 from trainer.join import JoinedInteraction, RewardJoiner
-from trainer.join_clock import JoinClock, max_behind_s
+from trainer.join_clock import JoinClock, max_ahead_s, max_behind_s
+from trainer.reward_range import reward_out_of_range
 from trainer.rollouts import RolloutError
 from trainer.source_rewards import SourceRewards
 from trainer.untrainable import trainable
 
 log = logging.getLogger(__name__)
 
-MAX_RECORD_AHEAD_S = 60.0
-"""How far ahead of this host's clock a record's timestamp may put the join's clock. The join runs on
-record time (trainer/join.py), and one record stamped 50 minutes ahead (a producer with a fast clock;
-Kafka 4 accepts up to an hour ahead by default) closed every window and expired every held reward of
-the next 50 minutes. Hosts kept by NTP agree to milliseconds; a minute leaves room for worse."""
 MAX_POLL_RECORDS = 500
 """Records taken per poll; bounds the time between two readiness checks."""
 READY_BACKLOG_STEPS = 4
@@ -144,6 +141,8 @@ class Feed:
         """When a record last arrived or a step last ended (the idle timeout counts from it)."""
         self.clock = JoinClock(max_behind_s(joiner.cfg.window_s))
         """Per partition, the newest record time read from it: how far the join's clock may move."""
+        self.max_ahead_s = max_ahead_s(joiner.cfg.window_s)
+        """How far ahead of this host's clock a record is read (:func:`~trainer.join_clock.max_ahead_s`)."""
         self.held_back = False
         """Whether the last poll had the partitions paused (backpressure)."""
         self.step_units = 1
@@ -202,6 +201,10 @@ class Feed:
             self.last_activity = time.monotonic()
             kind = Interaction if msg.topic == self.topics.interactions else Reward
             record = decode_or_dead_letter(msg, kind, self.dead_letters, self.topics.dead_letters)
+            problem = reward_out_of_range(record, self.joiner.cfg) if isinstance(record, Reward) else None
+            if problem is not None:  # valid as a record, but on another scale than the learner trains on
+                send_dead_letter(msg, problem, self.dead_letters, self.topics.dead_letters)
+                record = None
             ts = self._record_time(msg)
             self.clock.read(msg.tp, ts)
             if record is None:
@@ -212,15 +215,15 @@ class Feed:
                 self.joiner.add_reward(record, ts, clock=self.clock.limit(left))
 
     def _record_time(self, msg) -> float:
-        """The record's timestamp as the join reads it: at most :data:`MAX_RECORD_AHEAD_S` ahead of this
-        host's clock (counted: ``records_ahead_of_clock``), at most
+        """The record's timestamp as the join reads it: at most :func:`~trainer.join_clock.max_ahead_s`
+        ahead of this host's clock (counted: ``records_ahead_of_clock``), at most
         :func:`~trainer.join_clock.max_behind_s` behind the join's clock or its partition's newest
         record (counted: ``records_behind_clock``)."""
         stamped = msg.timestamp_ms / 1000
-        ts = min(stamped, time.time() + MAX_RECORD_AHEAD_S)
+        ts = min(stamped, time.time() + self.max_ahead_s)
         if ts < stamped:
             self._off_clock("records_ahead_of_clock", msg, f"stamped {stamped - time.time():.0f} s ahead of this "
-                            f"host's clock: read as {MAX_RECORD_AHEAD_S:.0f} s ahead (a producer with a fast clock?)")
+                            f"host's clock: read as {self.max_ahead_s:.0f} s ahead (a producer with a fast clock?)")
         floored = self.clock.floor(msg.tp, ts, self.joiner.watermark)
         behind = self.clock.max_behind_s
         if floored > ts:

@@ -42,6 +42,7 @@ from trainer.feed import to_rollouts
 from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.join_clock import JoinClock, max_behind_s
 from trainer.join_state import Entry
+from trainer.reward_range import reward_out_of_range
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +148,22 @@ def rollouts_from_file(path: Path, cfg: Config, version: int, vocab_size: int | 
     joiner = HistoryJoiner(cfg.reward, cfg.trainer.join_max_pending)
     newest = NewestRollouts(version, vocab_size, cfg.trainer.pretrain_max_rollouts)
     in_time_order, bad = _times_and_offsets(path)
+    out_of_range = 0
     with Path(path).open("rb") as file:
         for _, offset in sorted(in_time_order):  # ties keep the file's order: offsets grow along it
             file.seek(offset)
             record = decode(file.readline())
             if isinstance(record, Interaction):
                 joiner.add_interaction(record, record_time(record))
+            elif (problem := reward_out_of_range(record, cfg.reward)) is not None:
+                out_of_range += 1
+                log.warning("%s: a reward left out: %s", path, problem)
             else:
                 joiner.add_reward(record, record_time(record))
             newest.add(joiner.pop_settled())
     rollouts = _rollouts_at_end(joiner, newest)
-    log.info("pre-training data from %s: %d rollouts of version %d (%d unreadable lines)",
-             path, len(rollouts), version, bad)
+    log.info("pre-training data from %s: %d rollouts of version %d (%d unreadable lines, %d rewards outside "
+             "reward.min_value..max_value left out)", path, len(rollouts), version, bad, out_of_range)
     return rollouts
 
 
@@ -211,6 +216,9 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int,
                 except RecordError:
                     bad += 1
                     continue
+                if isinstance(record, Reward) and reward_out_of_range(record, cfg.reward) is not None:
+                    bad += 1  # the learner's feed dead-letters it: it trains nothing there either
+                    continue
                 left = {tp: end - next_offsets.get(tp, 0) for tp, end in ends.items()}
                 if isinstance(record, Interaction):
                     joiner.add_interaction(record, ts, clock=clock.limit(left))
@@ -224,7 +232,8 @@ def rollouts_from_topics(backend: StreamBackend, cfg: Config, version: int,
     finally:
         consumer.close()
     rollouts = _rollouts_at_end(joiner, newest)
-    log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records; %d stamped "
+    log.info("pre-training data from the topics: %d rollouts of version %d (%d unreadable records or rewards outside "
+             "reward.min_value..max_value; %d stamped "
              "more than %.0f s behind the records before them, read as that far; join: %s)",
              len(rollouts), version, bad, floored, clock.max_behind_s, joiner.counters)
     return rollouts

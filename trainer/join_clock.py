@@ -21,6 +21,12 @@ while catching up), so neither was set by a record the broker took much after th
 producer that alone writes a partition is not corrected until the join's clock passes it. The
 newest times per partition are not checkpointed: a restarted learner floors by the join's clock
 alone until it has read from a partition again.
+
+A record stamped by a producer whose clock runs ahead moves the join's clock ahead with it, closing
+the windows of the records read before it. The feed reads such a record as at most
+:func:`max_ahead_s` ahead of its host's clock: :data:`MAX_RECORD_AHEAD_S`, and at most half a reward
+window where the window is shorter than two minutes (a minute ahead, every open 20 s window closed:
+on-time rewards of the records read before counted late).
 """
 
 from __future__ import annotations
@@ -40,9 +46,27 @@ for its reward (a window of 20 s left a record read a minute behind none: closed
 reward late). Short of MAX_RECORD_BEHIND_S only for windows under two minutes."""
 
 
+MAX_RECORD_AHEAD_S = 60.0
+"""How far ahead of this host's clock a record's timestamp may put the join's clock. The join runs on
+record time (trainer/join.py), and one record stamped 50 minutes ahead (a producer with a fast clock;
+Kafka 4 accepts up to an hour ahead by default) closed every window and expired every held reward of
+the next 50 minutes. Hosts kept by NTP agree to milliseconds; a minute leaves room for worse."""
+MAX_WINDOW_SHARE_AHEAD = 0.5
+"""The most of their reward windows a record read as ahead may take from the records read before it:
+the join's clock moves ahead by its lead, so every open window loses that much, and one that had just
+opened keeps at least half for its reward (a record read a minute ahead closed every open 20 s window:
+the on-time rewards that followed counted late). Short of MAX_RECORD_AHEAD_S only for windows under
+two minutes."""
+
+
 def max_behind_s(window_s: float) -> float:
     """How far behind :meth:`JoinClock.floor` may read a record when reward windows last ``window_s``."""
     return min(MAX_RECORD_BEHIND_S, MAX_WINDOW_SHARE_BEHIND * window_s)
+
+
+def max_ahead_s(window_s: float) -> float:
+    """How far ahead of the reading host's clock a record may be read when reward windows last ``window_s``."""
+    return min(MAX_RECORD_AHEAD_S, MAX_WINDOW_SHARE_AHEAD * window_s)
 
 
 class JoinClock:

@@ -19,9 +19,12 @@ before intervening, at the size of a day's ids (bounded anyway by the join's max
 
 class RewardConfig(Section):
     min_value: float = Field(-10.0, ge=-MAX_ABS_REWARD)
-    """Smallest reward accepted (422 below); no lower than the records allow (-1e6)."""
+    """Smallest reward accepted: serving's feedback endpoint refuses one below it (422), and the
+    learner dead-letters a reward record below it (its value or a turn's) untrained, whoever
+    produced it; no lower than the records allow (-1e6)."""
     max_value: float = Field(10.0, le=MAX_ABS_REWARD)
-    """Largest reward accepted (422 above); no higher than the records allow (1e6)."""
+    """Largest reward accepted (422 above; the learner dead-letters a reward record above it, as
+    below ``min_value``); no higher than the records allow (1e6)."""
     window_s: float = Field(300.0, gt=0)
     """How long after an interaction a reward is accepted and joined."""
     aggregation: Literal["first", "last", "sum", "mean"] = "last"

@@ -239,3 +239,59 @@ def test_reward_scores_are_few_named_and_bounded(scores, message):
     data["scores"] = scores
     with pytest.raises(RecordError, match=message):
         decode(json.dumps(data).encode())
+
+
+REWARD_JSON = '{"schema_version":1,"kind":"reward","interaction_id":"i-1","value":0.5,"source":"judge",' \
+              '"created_at":3.0,"turn_rewards":[{"turn":0,"value":1.0}]}'
+INTERACTION_JSON = '{"schema_version":1,"kind":"interaction","interaction_id":"i-1","created_at":1.5,' \
+                   '"completed_at":2.5,"model":"m","prompt_ids":[1,2],"response_ids":[3,4],' \
+                   '"action_mask":[true,false],"logprobs":[-0.5],"versions":[1],"turn_ends":[0],' \
+                   '"sampling":{"temperature":1.0,"top_p":1.0,"max_tokens":8}}'
+
+
+@pytest.mark.parametrize("text, old, new, where", [
+    (REWARD_JSON, '"value":0.5', '"value":true', "value"),
+    (REWARD_JSON, '"value":0.5', '"value":"0.5"', "value"),
+    (REWARD_JSON, '"created_at":3.0', '"created_at":"1.0"', "created_at"),
+    (REWARD_JSON, '"turn":0', '"turn":"0"', "turn_rewards.0.turn"),
+    (REWARD_JSON, '"turn":0', '"turn":0.0', "turn_rewards.0.turn"),
+    (REWARD_JSON, '"turn":0', '"turn":false', "turn_rewards.0.turn"),
+    (REWARD_JSON, '"value":1.0}', '"value":"1"}', "turn_rewards.0.value"),
+    (INTERACTION_JSON, '"versions":[1]', '"versions":[true]', "versions.0"),
+    (INTERACTION_JSON, '"versions":[1]', '"versions":[1.0]', "versions.0"),
+    (INTERACTION_JSON, '"action_mask":[true,false]', '"action_mask":["true","false"]', "action_mask.0"),
+    (INTERACTION_JSON, '"action_mask":[true,false]', '"action_mask":[1,0]', "action_mask.0"),
+    (INTERACTION_JSON, '"logprobs":[-0.5]', '"logprobs":["-0.5"]', "logprobs.0"),
+    (INTERACTION_JSON, '"prompt_ids":[1,2]', '"prompt_ids":["1",2]', "prompt_ids.0"),
+    (INTERACTION_JSON, '"prompt_ids":[1,2]', '"prompt_ids":[1.0,2]', "prompt_ids.0"),
+    (INTERACTION_JSON, '"turn_ends":[0]', '"turn_ends":[0.0]', "turn_ends.0"),
+    (INTERACTION_JSON, '"max_tokens":8', '"max_tokens":"8"', "sampling.max_tokens"),
+    (INTERACTION_JSON, '"completed_at":2.5', '"completed_at":true', "completed_at"),
+])
+def test_json_of_the_wrong_type_is_refused_not_coerced(text, old, new, where):
+    # a judge writing true or "0.5" trained as 1.0 or 0.5, a turn of 1.0 as turn 1: the records say
+    # numbers are JSON numbers, and a decoded record must encode to what was written
+    assert decode(text.encode()) is not None  # the literal itself is a valid record
+    with pytest.raises(RecordError, match=rf"invalid record: {where}: Input should be a valid"):
+        decode(text.replace(old, new).encode())
+
+
+@pytest.mark.parametrize("text, old, new", [
+    (REWARD_JSON, '"value":0.5', '"value":1'),
+    (REWARD_JSON, '"created_at":3.0', '"created_at":3'),
+    (INTERACTION_JSON, '"logprobs":[-0.5]', '"logprobs":[-1]'),
+    (INTERACTION_JSON, '"temperature":1.0', '"temperature":1'),
+])
+def test_a_json_integer_is_a_number_for_a_float_field(text, old, new):
+    # the same record as with the float written out, which it then encodes as
+    assert decode(text.replace(old, new).encode()) == decode(text.replace(old, new.replace("1", "1.0")
+                                                                        .replace("3", "3.0")).encode())
+
+
+def test_a_record_of_another_kind_is_refused_by_its_kind_not_its_fields():
+    # a reward's fields under "kind":"interaction" on the rewards topic: the kind is what is wrong
+    wrong = REWARD_JSON.replace('"kind":"reward"', '"kind":"interaction"').encode()
+    with pytest.raises(RecordError, match=r"^expected a Reward record, got kind 'interaction'$"):
+        decode(wrong, Reward)
+    with pytest.raises(RecordError, match=r"^expected a Reward record, got kind None$"):
+        decode(REWARD_JSON.replace('"kind":"reward",', "").encode(), Reward)

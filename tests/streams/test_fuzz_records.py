@@ -101,6 +101,30 @@ def test_an_unprintable_reason_still_makes_a_valid_dead_letter():
             _check_one(value, b"k", kind)
 
 
+@pytest.mark.parametrize("kind, value, reason", [
+    (Reward, b'{"schema_version":1,"kind":"reward","interaction_id":"i-1","value":true}',
+     "invalid record: value: Input should be a valid number"),
+    (Reward, b'{"schema_version":1,"kind":"reward","interaction_id":"i-1","value":"0.5"}',
+     "invalid record: value: Input should be a valid number"),
+    (Reward, b'{"schema_version":1,"kind":"reward","interaction_id":"i-1","value":1,'
+             b'"turn_rewards":[{"turn":1.0,"value":1}]}',
+     "invalid record: turn_rewards.0.turn: Input should be a valid integer"),
+    (Interaction, b'{"schema_version":1,"kind":"interaction","interaction_id":"i-1","model":"m","prompt_ids":[1],'
+                  b'"response_ids":[2],"action_mask":["true"],"logprobs":[-0.5],"versions":[0]}',
+     "invalid record: action_mask.0: Input should be a valid boolean"),
+    (Reward, b'{"schema_version":1,"kind":"interaction","interaction_id":"i-1","value":1}',
+     "expected a Reward record, got kind 'interaction'"),
+])
+def test_wrong_json_types_and_kinds_are_dead_lettered_with_the_reason(kind, value, reason):
+    """An integrator's record with a boolean or string for a number (or a float for an integer, or the
+    wrong kind) is dead-lettered saying so: it was coerced and trained (true as a reward of 1.0)."""
+    producer = RecordingProducer()
+    assert decode_or_dead_letter(_message(value, b"i-1"), kind, producer, DEAD_LETTERS) is None
+    [(_, sent, _)] = producer.sent
+    assert decode(sent, DeadLetter).reason == reason
+    _check_one(value, b"i-1", kind)
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
 def test_a_tombstone_is_dead_lettered_not_raised(kind):
     """Kafka hands a null value (a tombstone, e.g. sent to "erase" a key) over as None; it used to

@@ -408,7 +408,8 @@ def test_with_a_short_reward_window_a_slow_clocks_record_still_gets_its_reward_w
                 vocab_size=64, group_size=1, stop=threading.Event())
     feed.start(backend)
     feed.consumer.close()
-    feed.consumer = ScriptedConsumer(_slow_replica_traffic(backend.cfg.topics, time.time()))
+    # stamped in the past: a record ahead of this host's clock is read at most half a window (10 s) ahead
+    feed.consumer = ScriptedConsumer(_slow_replica_traffic(backend.cfg.topics, time.time() - 100))
     feed.poll()
     counters = joiner.counters
     assert (counters.joined, counters.dropped_no_reward, counters.late_rewards) == (12, 0, 0)

@@ -47,6 +47,29 @@ def test_topic_history_reads_everything_retained_without_committing(tmp_path):
     assert dead == []
 
 
+def test_history_leaves_out_rewards_outside_the_configured_range_as_the_feed_does(tmp_path):
+    """The feed dead-letters a reward outside reward.min_value..max_value (a judge on a 0-100 scale);
+    value pre-training read the same reward from the topics or a file and fitted the critic to it."""
+    cfg = _config(tmp_path, **{"reward.min_value": 0.0, "reward.max_value": 1.0})
+    records = [make_interaction("in", version=0, created_at=1.0), make_reward("in", 0.5),
+               make_interaction("over", version=0, created_at=1.0), make_reward("over", 95.0),
+               make_interaction("turn", version=0, created_at=1.0), make_reward("turn", 0.5, turns={0: -3.0})]
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for record in records:
+        publish(producer, cfg.kafka.topics.interactions if record.kind == "interaction" else cfg.kafka.topics.rewards,
+                record)
+
+    from_file = rollouts_from_file(path, cfg, version=0)
+    from_topics = rollouts_from_topics(backend, cfg, version=0)
+
+    assert [(r.interaction_id, r.total_reward) for r in from_file] == [("in", 0.5)]
+    assert [(r.interaction_id, r.total_reward) for r in from_topics] == [("in", 0.5)]
+
+
 class ServingLogsOn(InMemoryBackend):
     """Serving keeps logging once the history read has asked where the topics end: an answer and its
     rating every 20 ms, under ids ``live<k>``, until :attr:`stop` is set."""

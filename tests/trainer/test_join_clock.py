@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from streams.base import TopicPartition
-from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock, max_behind_s
+from trainer.join_clock import MAX_RECORD_BEHIND_S, JoinClock, max_ahead_s, max_behind_s
 
 A, B = TopicPartition("interactions", 0), TopicPartition("rewards", 0)
 
@@ -49,3 +49,8 @@ def test_with_a_short_reward_window_a_record_is_read_at_most_half_a_window_behin
     clock.read(A, 250.0)
     assert clock.floor(A, 100.0, None) == 240.0  # its partition's newest, 250, less 10 s
     assert clock.floor(A, 245.0, None) == 245.0  # 5 s behind: as stamped
+
+
+def test_with_a_short_reward_window_a_record_is_read_at_most_half_a_window_ahead():
+    """A minute ahead, a record closed every open 20 s window: the on-time rewards after it were late."""
+    assert (max_ahead_s(300.0), max_ahead_s(120.0), max_ahead_s(20.0)) == (60.0, 60.0, 10.0)

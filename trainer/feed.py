@@ -145,6 +145,8 @@ class Feed:
         """How far ahead of this host's clock a record is read (:func:`~trainer.join_clock.max_ahead_s`)."""
         self.held_back = False
         """Whether the last poll had the partitions paused (backpressure)."""
+        self.told_short_of_ranks = False
+        """Whether the wait for a unit per rank was logged (once per wait)."""
         self.step_units = 1
         """Units (rollouts, grpo groups) a step needs, one per rank: as the last :meth:`take` was asked."""
 
@@ -273,10 +275,12 @@ class Feed:
             now - self.ready_since >= tcfg.max_wait_s)
         # a unit for every rank, a grpo group counting as one: an incomplete group past its timeout
         # alone is a step in one process, as the in-process driver steps on it (apps/experiments/inprocess.py)
-        if units < world_size or not (
-                ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget or waited_long):
+        due = ready >= tcfg.min_rollouts or ready_tokens >= tcfg.token_budget or waited_long
+        if due and units < world_size:
+            self._say_waiting_for_ranks(units, world_size)
+        if units < world_size or not due:
             return None
-        self.ready_since = None
+        self.ready_since, self.told_short_of_ranks = None, False
         taken = self.joiner.pop_ready(tcfg.max_rollouts_per_step, tcfg.token_budget, self.group_size,
                                       min_units=world_size)
         if self.sources is not None:
@@ -293,6 +297,15 @@ class Feed:
                       len(rollouts), world_size)
             return None
         return rollouts
+
+    def _say_waiting_for_ranks(self, units: int, world_size: int) -> None:
+        """Log once per wait that a step is due but the ranks outnumber what is ready: under light traffic
+        a lone rewarded answer waited for a second one with no word of why (``trainer.max_wait_s`` said
+        it would start a step)."""
+        if not self.told_short_of_ranks:
+            self.told_short_of_ranks = True
+            log.info("a step is due but %d unit(s) of rollouts are ready for %d ranks (each rank needs one): "
+                     "waiting for more traffic", units, world_size)
 
     def unread(self) -> dict[str, int]:
         """Records per topic the learner has not read (:meth:`unread_by_partition`, summed)."""

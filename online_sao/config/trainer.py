@@ -41,7 +41,9 @@ class TrainerConfig(Section):
     reward should reach serving within about a second (issue 17: freshness p50 was
     1.08 s with 2.0 at 2 requests/s, the wait for four rollouts;
     benchmarks/results/learner.md). Under load the batch fills before the deadline.
-    None waits for min_rollouts or token_budget however long it takes."""
+    None waits for min_rollouts or token_budget however long it takes. On several ranks (torchrun) a
+    step needs a rollout (grpo: a group) for every rank whatever this says: fewer wait for more traffic
+    (logged once per wait)."""
     max_version_lag: int | None = Field(None, ge=0)
     """Drop rollouts sampled more than this many versions ago (None keeps all; 0 trains only
     rollouts of the learner's current version)."""

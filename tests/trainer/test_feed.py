@@ -704,3 +704,24 @@ def test_two_ranks_lose_no_grpo_group_taken_beside_one_that_trains_nothing():
     taken = feed.take(world_size=2)
     assert taken is not None and sorted(r.interaction_id for r in taken) == ["b0", "b1", "c0", "c1"]
     feed.close()
+
+
+def test_a_lone_ready_rollout_on_two_ranks_waits_and_says_so_once(caplog):
+    """A lone rewarded answer under torchrun waited for a second one (every rank needs a unit) with no
+    word of why, while trainer.max_wait_s said a step would start."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _two_rank_feed(backend)
+    now = time.time()
+    _log_rated(feed, backend, [make_interaction("lone", created_at=now)])
+
+    with caplog.at_level("INFO", logger="trainer.feed"):
+        assert feed.take(world_size=2) is None
+        assert feed.take(world_size=2) is None
+    waits = [r.getMessage() for r in caplog.records if "waiting for more traffic" in r.getMessage()]
+    assert waits == ["a step is due but 1 unit(s) of rollouts are ready for 2 ranks (each rank needs one): "
+                     "waiting for more traffic"]
+
+    _log_rated(feed, backend, [make_interaction("second", created_at=now)])
+    taken = feed.take(world_size=2)
+    assert taken is not None and sorted(r.interaction_id for r in taken) == ["lone", "second"]
+    feed.close()

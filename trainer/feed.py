@@ -43,10 +43,10 @@ from streams.outbox import Outbox
 from streams.records import decode_or_dead_letter, send_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
-from trainer.join import JoinedInteraction, RewardJoiner
+from trainer.join import RewardJoiner
 from trainer.join_clock import JoinClock, max_ahead_s, max_behind_s
 from trainer.reward_range import reward_out_of_range
-from trainer.rollouts import RolloutError
+from trainer.rollouts import to_rollouts
 from trainer.source_rewards import SourceRewards
 from trainer.untrainable import trainable
 
@@ -381,27 +381,6 @@ class Feed:
             self.ends.close()
         if self.consumer is not None:
             self.consumer.close()
-
-
-def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], vocab_size: int) -> list[Rollout]:
-    """Rollouts of the joined interactions; unusable ones are counted and left out (a token id
-    outside the model's vocabulary passes the record codec, which does not know the model)."""
-    rollouts = []
-    for joined in taken:
-        try:
-            rollout = joined.to_rollout()
-            if max(rollout.token_ids, default=0) >= vocab_size:
-                raise RolloutError(f"interaction {rollout.interaction_id}: token id {max(rollout.token_ids)} "
-                                   f"outside the model's vocabulary ({vocab_size})")
-        except RolloutError as exc:
-            counters["invalid_rollouts"] += 1
-            log.warning("interaction not trained on: %s", exc)
-            continue
-        if rollout.num_action_tokens == 0:
-            counters["empty_rollouts"] += 1
-            continue
-        rollouts.append(rollout)
-    return rollouts
 
 
 def drop_gone_partitions(offsets: dict[TopicPartition, int], partitions: dict[str, int]) -> None:

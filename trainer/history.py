@@ -38,7 +38,7 @@ from online_sao.batch import Rollout
 from online_sao.config import Config
 from online_sao.schemas import Interaction, RecordError, Reward, decode
 from streams.base import Consumer, StreamBackend, TopicPartition
-from trainer.feed import to_rollouts
+from trainer.rollouts import to_rollouts
 from trainer.join import JoinedInteraction, RewardJoiner
 from trainer.join_clock import JoinClock, max_behind_s
 from trainer.join_state import Entry

@@ -22,10 +22,17 @@ Two rewards on one token add up.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from online_sao.batch import Rollout
 from online_sao.schemas import Interaction
+
+if TYPE_CHECKING:
+    from trainer.join_state import JoinedInteraction
+
+log = logging.getLogger(__name__)
 
 
 class RolloutError(ValueError):
@@ -87,3 +94,24 @@ def interaction_to_rollout(interaction: Interaction, reward: float | None,
                    top_ps=top_ps, group_id=group_id, segment=interaction.segment,
                    completed_at=interaction.completed_at,
                    scores=dict(scores or {}), defaulted=defaulted, turns_of=turns_of)
+
+
+def to_rollouts(taken: list[JoinedInteraction], counters: dict[str, float], vocab_size: int) -> list[Rollout]:
+    """Rollouts of the joined interactions; unusable ones are counted and left out (a token id
+    outside the model's vocabulary passes the record codec, which does not know the model)."""
+    rollouts = []
+    for joined in taken:
+        try:
+            rollout = joined.to_rollout()
+            if max(rollout.token_ids, default=0) >= vocab_size:
+                raise RolloutError(f"interaction {rollout.interaction_id}: token id {max(rollout.token_ids)} "
+                                   f"outside the model's vocabulary ({vocab_size})")
+        except RolloutError as exc:
+            counters["invalid_rollouts"] += 1
+            log.warning("interaction not trained on: %s", exc)
+            continue
+        if rollout.num_action_tokens == 0:
+            counters["empty_rollouts"] += 1
+            continue
+        rollouts.append(rollout)
+    return rollouts

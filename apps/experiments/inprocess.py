@@ -77,7 +77,7 @@ from serving.protocol import ChatCompletionRequest
 from serving.receipt import Receipt
 from serving.trajectories import TrajectoryCache
 from trainer.distributed import DistContext
-from trainer.feed import to_rollouts
+from trainer.rollouts import to_rollouts
 from trainer.join import RewardJoiner
 from trainer.plasticity import drift_counter
 from trainer.startup import build_models

@@ -12,7 +12,7 @@ from online_sao.config import RewardConfig
 from streams.base import TopicPartition
 from tests.trainer.records import conversation, make_reward
 from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState, read_ledger, redact_ledger
-from trainer.feed import to_rollouts
+from trainer.rollouts import to_rollouts
 from trainer.join import RewardJoiner
 from trainer.rank_zero import RankZero
 

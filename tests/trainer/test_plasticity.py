@@ -8,7 +8,7 @@ from online_sao.batch import Rollout
 from online_sao.config import DriftConfig
 from online_sao.config.reward import RewardConfig
 from online_sao.schemas import Interaction, Reward
-from trainer.feed import to_rollouts
+from trainer.rollouts import to_rollouts
 from trainer.join import RewardJoiner
 from trainer.plasticity import DriftResponse, shrink_towards
 from trainer.state import Trainables

@@ -227,13 +227,15 @@ class OffPolicyGate:
         """The decision on ``window.since(candidate.version)`` and, with a canary, the champion's
         own answers observed since the candidate's registration (:meth:`RecentWindow.canary`),
         every answer weighed against the mixture the pool was drawn from, at the pool's own share of
-        canary answers (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` and window versions
-        describe the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how
-        many of them the champion sampled. When only the champion stood in the way, the window
-        unable to judge it (:func:`~online_sao.gate_record.champion_unscorable`;
-        ``deploy.gate_champion_record`` on), ``record`` is asked for the champion's record (called
-        only then: finding one may cost a pass over the window) and, if there is one, the candidate
-        is decided against it instead (online_sao/gate_record.py: it never rolls back)."""
+        canary answers (:func:`~online_sao.gate.mixture_log_ratios`). The evidence's ``n`` counts
+        the rollouts used (fewer than ``gate_min_rollouts``: refused), ``canary_n`` how many of them
+        the champion sampled, and its window versions span the others (the candidate's side: the
+        champion's version among them hid a window that lost the candidate's answers). When only the
+        champion stood in the way, the window unable to judge it
+        (:func:`~online_sao.gate_record.champion_unscorable`; ``deploy.gate_champion_record`` on),
+        ``record`` is asked for the champion's record (called only then: finding one may cost a pass
+        over the window) and, if there is one, the candidate is decided against it instead
+        (online_sao/gate_record.py: it never rolls back)."""
         newest = window.since(candidate.version)
         canary = window.canary(champion.version) if self.canary_share > 0 else []
         rollouts = newest + canary
@@ -244,10 +246,12 @@ class OffPolicyGate:
         share = len(canary) / len(rollouts) if canary else 0.0
         log_cand, log_champ = mixture_log_ratios(self.scorer.log_ratios(candidate, rollouts),
                                                  self.scorer.log_ratios(champion, rollouts), from_canary, share)
-        evidence = decide(rewards, log_cand, log_champ, self.settings, versions_of(rollouts))
+        # the versions of the candidate's side only: canary answers are the champion's (canary_n counts them)
+        serving = versions_of(newest)
+        evidence = decide(rewards, log_cand, log_champ, self.settings, serving)
         if record is not None and self.use_records and champion_unscorable(evidence, self.settings) \
                 and (found := record()) is not None:
-            evidence = decide_against_record(rewards, log_cand, found, self.settings, versions_of(rollouts))
+            evidence = decide_against_record(rewards, log_cand, found, self.settings, serving)
         return replace(evidence, canary_n=len(canary))
 
     def record_of(self, version: WeightsRef, window: RecentWindow) -> ValueRecord | None:

@@ -4,10 +4,11 @@ Order of a publish (rank 0): the full state dict is written atomically, with its
 checksum, to the weight store; then a :class:`~online_sao.schemas.WeightsNotice`
 is produced on the weights topic and flushed, so a notice never points at weights
 that are not complete; then old versions are pruned, keeping the newest
-``keep_versions`` and the pinned ones: the registry's candidate and champion, what a decision
-or a roll-back may need (older registered versions are in MLflow's artifacts, not the store). A rollback announces
-an older, already stored version with ``action="rollback"``; serving obeys it
-even though the version is older than the one it runs.
+``keep_versions`` and the pinned ones: the registry's candidate and champion as read at the last
+registration point (a publish between asks MLflow nothing), what a decision or a roll-back may
+need (older registered versions are in MLflow's artifacts, not the store). A rollback announces
+an older, already stored version with ``action="rollback"``; serving obeys it even though the
+version is older than the one it runs.
 
 Registry cadence (:class:`Releases`): every ``mlflow.register_every``
 versions, the candidate registered last time is decided on first: the off-policy gate
@@ -17,7 +18,8 @@ promoted, rolled back (serving and the learner return to the champion), or left 
 gate refused or could not tell; the next registration supersedes it). Unless it was rolled
 back, the new version is then registered as the next candidate. Every new champion is also
 announced (``action="champion"``): with a canary (``deploy.canary_share``) serving answers the
-canary share with it, and ``online-sao weights hold --champion`` reads it there.
+canary share with it, and ``online-sao weights hold --champion`` reads it there; so is a champion
+moved by hand, once a registry read finds it (the next decision).
 """
 
 from __future__ import annotations
@@ -138,6 +140,14 @@ class Releases:
         self.register_every = register_every
         self.on_decision = on_decision
         """Told the monitors' values and the tripped ones at each decision (the learner's exporter)."""
+        self._pinned: set[int] = set()
+        """The registry's candidate and champion as last read (:meth:`refresh_pinned`). Kept: a publish
+        between registrations asks the registry nothing, as a registry read waits while MLflow does not
+        answer (reading them after every publish stopped training one step after the server went away)."""
+        self._announced: int | None = None
+        """The champion this learner last announced to serving (None: none)."""
+        self._champion_read = False
+        """Whether the registry's champion was read yet (the first read announces it: a start)."""
 
     def release(self, state: dict[str, torch.Tensor], version: int, step: int, metrics: dict[str, float],
                 reads: tuple[float, float], drift: dict[str, float] | None = None) -> ReleaseOutcome:
@@ -156,7 +166,7 @@ class Releases:
             else:
                 self._register(ref, metrics, reads)
                 outcome = ReleaseOutcome(registered=True)
-        self.publisher.pin(self.pinned_versions())  # the aliases moved: prune what they left
+        self.publisher.pin(self.refresh_pinned(step))  # the aliases moved: prune what they left
         return outcome
 
     def _register(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float]) -> None:
@@ -169,15 +179,37 @@ class Releases:
         champion from now on; without one, replicas ignore the notice, and ``online-sao weights hold
         --champion`` reads the champion there (without it the topic named none, or an old one)."""
         self.publisher.announce_champion(ref, step)
+        self._announced, self._champion_read = ref.version, True
 
     def announce_champion_again(self, step: int) -> None:
-        """At a learner's start: the registry's champion is announced again. A promotion stopped
-        after the registry recorded it and before its notice reached the broker is never decided
-        again (candidate and champion are one version), so nothing else would tell serving (or the
-        hold command); a notice of the champion serving already has changes nothing there."""
-        champion = self.registry.champion()
+        """At a learner's start (its first registry read does it: :meth:`refresh_pinned`): the
+        registry's champion is announced again. A promotion stopped after the registry recorded it
+        and before its notice reached the broker is never decided again (candidate and champion are
+        one version), so nothing else would tell serving (or the hold command); a notice of the
+        champion serving already has changes nothing there."""
+        self._follow_champion(self.registry.champion(), step)
+
+    def _follow_champion(self, champion: tuple[int, WeightsRef] | None, step: int) -> None:
+        """Announce the registry's ``champion`` (just read) unless this learner already did: the first
+        read is the start's (:meth:`announce_champion_again`); after it, another champion was moved by
+        hand (docs/DEPLOY.md). The gate decides against it and pinning keeps it, so serving's canary
+        must answer with it too: left on the old one, whose weights pinning then pruned, a restarted
+        replica loaded nothing and served no canary share."""
+        version, before, moved = None if champion is None else champion[0], self._announced, self._champion_read
+        if moved and version == before:
+            return
         if champion is not None and champion[0] in self.publisher.store.versions():
+            if moved:
+                log.warning("registry: the champion alias was moved outside the learner from v%s to v%d: announced "
+                            "to serving", before, version)
             self.publisher.announce_champion(champion[1], step)
+        elif champion is not None and moved:  # serving could not load it
+            log.error("registry: the champion alias was moved outside the learner to v%d, whose weights the store "
+                      "does not hold (%s): serving is not told", version, champion[1].location)
+        elif moved:
+            log.warning("registry: the champion alias was removed outside the learner; serving's canary keeps v%s",
+                        before)
+        self._announced, self._champion_read = version, True
 
     def rebase(self, ref: WeightsRef, metrics: dict[str, float], reads: tuple[float, float],
                drift: dict[str, float], step: int = 0) -> ReleaseOutcome:
@@ -227,6 +259,7 @@ class Releases:
     def _decide(self, reads: tuple[float, float], step: int) -> tuple[Decision, WeightsRef | None]:
         """:meth:`decide`, and the champion's weights it rolled back to (None unless rolled back)."""
         candidate, champion = self.registry.candidate(), self.registry.champion()
+        self._follow_champion(champion, step)
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending", None
         held = self.publisher.store.versions()
@@ -340,8 +373,18 @@ class Releases:
         self.registry.rollback_carried_out(version)
 
     def pinned_versions(self) -> set[int]:
-        """Policy versions whose checkpoints and weights must stay: the candidate's and the champion's."""
-        return {found[0] for found in (self.registry.candidate(), self.registry.champion()) if found is not None}
+        """Policy versions whose checkpoints and weights must stay: the candidate's and the champion's,
+        as last read (:meth:`refresh_pinned`); asks the registry nothing (called after every publish)."""
+        return set(self._pinned)
+
+    def refresh_pinned(self, step: int = 0) -> set[int]:
+        """Read the candidate and the champion again (waiting while MLflow does not answer) and keep them
+        as :meth:`pinned_versions`: at start and after each decision or registration, the only times
+        this learner moves an alias. A champion moved by hand is announced (:meth:`_follow_champion`)."""
+        candidate, champion = self.registry.candidate(), self.registry.champion()
+        self._follow_champion(champion, step)
+        self._pinned = {found[0] for found in (candidate, champion) if found is not None}
+        return set(self._pinned)
 
 
 GATE_TO_REGISTRY: dict[str, Decision] = {"promoted": "promoted", "rolled_back": "rolled_back",

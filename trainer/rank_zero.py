@@ -152,11 +152,11 @@ class RankZero:
                                 reference=scorer if cfg.deploy.monitor_max_kl is not None else None,
                                 on_decision=None if exporter is None else exporter.decision)
             # read from the registry, not the checkpoint: a learner whose checkpoints were lost must not
-            # prune the champion's weights
-            pinned = releases.pinned_versions()
+            # prune the champion's weights; this first read announces the champion again
+            # (Releases.announce_champion_again)
+            pinned = releases.refresh_pinned(progress.step)
             publisher.pin(pinned)
             checkpointer.pinned_versions = pinned
-            releases.announce_champion_again(progress.step)
             segments = SegmentRewards(cfg.deploy.segments_top_n, cfg.deploy.segments_window, tracker.resumed_tags)
             writer = CheckpointWriter(checkpointer, cfg.trainer.checkpoint_in_background)
         except BaseException:

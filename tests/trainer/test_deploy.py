@@ -355,7 +355,7 @@ def test_with_a_canary_the_gate_compares_with_the_champions_own_answers(registry
     assert all(c is None or c >= 6 for c in champions[7:])  # and never goes back
     decided = by_policy[6]  # at v8: v6's and v7's 64 answers (60 B, 4 A) and v4's 16 canary answers (all A)
     assert decided["gate.decision"] == "promoted" and decided["gate.n"] == "80" and decided["gate.canary_n"] == "16"
-    assert decided["gate.window_versions"] == "4-7"
+    assert decided["gate.window_versions"] == "6-7"  # the candidate's side: canary answers are canary_n
     # weights against q = 0.8 pi_serving + 0.2 pi_champ, per answer divided by the behaviour mu:
     # a B answer of v6/v7: q/mu = 0.8 + 0.2 * 0.001/0.95; an A answer of v6/v7: 0.8 + 0.2 * 0.999/0.05;
     # a canary A answer (mu = v4's 0.999; v6 stands in for the serving version): 0.8 * 0.05/0.999 + 0.2

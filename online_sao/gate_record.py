@@ -14,7 +14,7 @@ decision scores the champion with an ESS at the floor on a window that covers it
 version as ``record.*`` tags. A drift restart becomes champion without one, so a record never
 crosses a detected preference change; at a decision where the restart cannot be scored and
 has none, its record is measured on the window's rollouts sampled since it (the new
-preference's traffic, on which it was not trained; trainer/publisher.py).
+preference's traffic, on which it was not trained; trainer/releases.py).
 
 When the window cannot judge the champion (its ESS under the floor, or an undecided interval
 on a window holding less than half of the champion: :func:`champion_unscorable`) and it has a

@@ -26,7 +26,7 @@
    publishes nothing); every ``mlflow.register_every`` versions it is registered as
    candidate (and checkpointed) after the previous candidate was promoted or rolled back
    on the gate's evidence; a roll-back restores the champion's whole training state
-   (:func:`publish`, :class:`trainer.publisher.Releases`); a drift restart or
+   (:func:`publish`, :class:`trainer.releases.Releases`); a drift restart or
    roll-back is published at once and becomes the champion; so is the first step after a
    restart whose weight store holds versions newer than its checkpoint (published, then lost
    in a crash): its version number names weights this policy does not have;
@@ -81,7 +81,7 @@ from trainer.feed import RolloutHook
 from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
 from trainer.plasticity import drift_counter
-from trainer.publisher import release_policy, republish
+from trainer.releases import release_policy, republish
 from trainer.rank_zero import Laps, RankZero
 from trainer.startup import (STARTING_VERSION, LearnerModels, build_models, pretrain_on_logged, pretrain_skipped_because,
                              resume)
@@ -217,13 +217,13 @@ def learn(models: LearnerModels, taken: Taken, at: Position, rank0: RankZero | N
 
 def publish(models: LearnerModels, at: Position, rank0: RankZero | None, metrics: dict[str, float],
             ctx: DistContext, restarted: bool = False) -> None:
-    """The policy goes out as the next version (:func:`trainer.publisher.release_policy`). A version
+    """The policy goes out as the next version (:func:`trainer.releases.release_policy`). A version
     the registry just made its candidate is checkpointed at once (kept while candidate or
     champion); a roll-back restores the champion's whole training state from its checkpoint
     (only its weights, from the store, when none is kept) and publishes it again as the next
     version. ``restarted``: the step restarted (or
     rolled back) the policy after a detected reward drop; the registry makes this version its champion
-    (:meth:`trainer.publisher.Releases.rebase`). Collective."""
+    (:meth:`trainer.releases.Releases.rebase`). Collective."""
     at.changed_since_publish = at.publish_due = False
     at.version += 1
     drift = {k: v for k, v in metrics.items() if k.startswith("drift_")} if restarted else None
@@ -275,7 +275,7 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
 
 def rollback_due(rank0: RankZero | None, ctx: DistContext) -> WeightsRef | None:
     """The champion of a roll-back the registry recorded and the learner never carried out (it
-    stopped in between: :meth:`trainer.publisher.Releases.rollback_due`), on every rank."""
+    stopped in between: :meth:`trainer.releases.Releases.rollback_due`), on every rank."""
     due = rank0.releases.rollback_due() if rank0 is not None else None
     shared = broadcast_json(None if due is None else [due.version, due.location, due.checksum], ctx)
     return None if shared is None else WeightsRef(*shared)

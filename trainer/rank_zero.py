@@ -3,7 +3,7 @@ store and the MLflow run, and the books it keeps about each step.
 
 The other ranks train; rank 0 also reads Kafka (:class:`~trainer.feed.Feed`),
 writes the ledger and checkpoints (:class:`~trainer.checkpoint.Checkpointer`),
-puts policy versions out and meets the registry (:class:`~trainer.publisher.Releases`),
+puts policy versions out and meets the registry (:class:`~trainer.releases.Releases`),
 and logs its cycles to MLflow (:class:`~trainer.tracking.RunTracker`, every
 ``mlflow.log_every_steps`` steps) and to its Prometheus exporter (every step; the
 step, the counters and the feed's readings also on every pass of the loop, at most
@@ -33,7 +33,8 @@ from trainer.feed import Feed
 from trainer.join import MAX_REWARDS_PER_INTERACTION, RewardJoiner
 from trainer.deploy import OffPolicyGate, RecentWindow, StoredPolicyScorer, read_monitors
 from trainer.exporter import LearnerExporter
-from trainer.publisher import Publisher, Releases
+from trainer.publisher import Publisher
+from trainer.releases import Releases
 from trainer.source_rewards import SourceRewards
 from trainer.state import Position, Progress
 from trainer.tracking import RunTracker

@@ -13,7 +13,7 @@ Retention (:meth:`PolicyRegistry.prune_registered`, trainer/registry_retention.p
 registration the model directories of older versions without an alias leave the artifacts.
 
 Promotion: a new registration takes the ``candidate`` alias. The learner decides on it
-(:class:`trainer.publisher.Releases`: the off-policy gate and the monitors) and calls
+(:class:`trainer.releases.Releases`: the off-policy gate and the monitors) and calls
 :meth:`PolicyRegistry.record_decision`, which writes the evidence as ``gate.*`` and
 ``monitor.*`` tags on the candidate's version and moves the aliases: ``champion`` on a
 promotion, ``candidate`` back to the champion's version on a roll-back (which the learner

@@ -142,7 +142,7 @@ def policy_of(found, alias: str) -> tuple[int, WeightsRef] | None:
     """(policy version, where its weights are published) of the registry version ``found``, the one
     holding ``alias``, if any. A version without the learner's :data:`POLICY_TAGS` (the alias set by hand
     on a version registered otherwise), or with a policy version that is no number, counts as none, as a
-    champion whose weights the store lost does (trainer/publisher.py), and the log says so: the learner can
+    champion whose weights the store lost does (trainer/releases.py), and the log says so: the learner can
     neither score it nor publish it."""
     if found is None:
         return None

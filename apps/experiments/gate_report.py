@@ -4,7 +4,7 @@ a reward-over-time plot (docs/DEPLOY.md, "Reading the evidence in MLflow").
 
 A live arm's learner registers every ``mlflow.register_every``-th published version as the
 candidate and decides on it when it publishes the next multiple, ``register_every`` versions
-later (trainer/publisher.py); a restart after a detected preference change is registered and made
+later (trainer/releases.py); a restart after a detected preference change is registered and made
 champion when it is published. The arm's resolved configuration
 (``<run>/arms/<arm>/config.yaml``) names the MLflow store, the registered model and the
 learner's consumer group, which together identify the arm's learner run (each seed's run of an
@@ -66,7 +66,7 @@ class RegistryDecision:
 
 DRIFT_CHANGES = ("drift_restart", "drift_rollback")
 """``gate.decision`` of versions the learner published as champion at once after a detected reward
-drop: a restart or a roll-back (trainer/publisher.py, Releases.rebase)."""
+drop: a restart or a roll-back (trainer/releases.py, Releases.rebase)."""
 
 
 def _number(tags: dict[str, str], key: str) -> float:

@@ -15,7 +15,7 @@ from tests.trainer.test_deploy import (STYLE_A, STYLE_B, MixtureScorer, _registr
                                        _stale_champion_scenario, registry_cfg)
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from trainer.deploy import OffPolicyGate
-from trainer.publisher import Releases
+from trainer.releases import Releases
 
 Z90 = 1.6448536269514722
 """Two-sided 90% normal quantile (the default ``deploy.gate_confidence``)."""

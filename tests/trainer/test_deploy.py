@@ -17,7 +17,8 @@ from online_sao.weights import FileWeightStore, WeightsRef
 from streams.memory import InMemoryBackend
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from trainer.deploy import OffPolicyGate, RecentWindow, read_monitors
-from trainer.publisher import Publisher, Releases
+from trainer.publisher import Publisher
+from trainer.releases import Releases
 from trainer.tracking import RunTracker
 
 STYLE_A, STYLE_B = 11, 22

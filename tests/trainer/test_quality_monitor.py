@@ -14,7 +14,7 @@ from online_sao.config import ConfigError, load_config
 from tests.trainer.test_deploy import STYLE_A, ScriptedScorer, _registry_parts, _rollout, registry_cfg  # noqa: F401
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (registry_cfg's template store)
 from trainer.deploy import OffPolicyGate, RecentWindow, read_monitors
-from trainer.publisher import Releases
+from trainer.releases import Releases
 
 
 def _scored(iid: str, version: int, reward: float, **scores: float):

@@ -23,7 +23,8 @@ from tests.trainer.test_deploy import (STYLE_A, FixedKL, ScriptedScorer, _regist
 from tests.trainer.test_tracking import _client, _publish, cfg, empty_store, store  # noqa: F401  (fixtures)
 from trainer.deploy import OffPolicyGate
 from trainer.mlflow_store import TrackingUnavailable
-from trainer.publisher import ReleaseOutcome, Releases, newest_announced_version
+from trainer.publisher import newest_announced_version
+from trainer.releases import ReleaseOutcome, Releases
 from trainer.tracking import RunTracker
 
 

@@ -15,7 +15,7 @@ from online_sao.schemas import decode
 from tests.fixtures.mlflow import tracker_config
 from tests.trainer.test_deploy import STYLE_A, FixedKL, ScriptedScorer, _registry_parts, _rollout
 from trainer.deploy import OffPolicyGate
-from trainer.publisher import Releases
+from trainer.releases import Releases
 from trainer.registry_versions import CANDIDATE, CHAMPION
 from trainer.tracking import RunTracker
 

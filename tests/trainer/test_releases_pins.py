@@ -16,7 +16,7 @@ from tests.trainer.test_deploy import (STYLE_A, STYLE_B, MixtureScorer, Scripted
 from tests.trainer.test_tracking import _client, empty_store  # noqa: F401  (fixtures)
 from trainer.deploy import OffPolicyGate, RecentWindow
 from trainer.mlflow_store import TrackingUnavailable
-from trainer.publisher import ReleaseOutcome, Releases
+from trainer.releases import ReleaseOutcome, Releases
 
 
 class DownRegistry:

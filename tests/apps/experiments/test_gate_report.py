@@ -22,7 +22,8 @@ from tests.apps.experiments.test_report import section, synthetic_rewards, write
 from tests.trainer.test_deploy import STYLE_A, ScriptedScorer, _rollout, _stale_champion_scenario
 from tests.trainer.test_tracking import empty_store  # noqa: F401  (the module-scoped template store)
 from trainer.deploy import OffPolicyGate, RecentWindow
-from trainer.publisher import Publisher, Releases
+from trainer.publisher import Publisher
+from trainer.releases import Releases
 from trainer.tracking import RunTracker
 
 REGISTER_EVERY = 2

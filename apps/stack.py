@@ -13,8 +13,8 @@ that created it, which holds it (``with``) as long as they run.
 
 from __future__ import annotations
 
-import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -201,22 +201,28 @@ class Stack:
             self._previous_handlers.clear()
 
 
-def new_run(runs_dir: Path, kind: str) -> tuple[str, Path]:
-    """A run id (``<kind>-<UTC date>-<time>``) and its directory under ``runs_dir``, created here.
+RUN_ID_RANDOM_BYTES = 2
+"""Random bytes at the end of a run id: with the second it starts in, 65536 ids per second, enough for
+the operators of one cluster."""
 
-    Two runs started in the same second (two operators, a retry in a script) would share the id, and so
-    the topics, consumer group, ledger and MLflow experiment :func:`own_state_overrides` names after it:
-    the second gets ``-2`` (``-3``, ...) after the time, taken by creating its directory exclusively."""
+
+def new_run(runs_dir: Path, kind: str) -> tuple[str, Path]:
+    """A run id (``<kind>-<UTC date>-<time>-<4 hex digits>``) and its directory under ``runs_dir``, created here.
+
+    The id names the run's topics, consumer group, ledger and MLflow experiment
+    (:func:`own_state_overrides`): two runs started in the same second (two operators, a retry in a
+    script) shared them all. The random digits keep runs on different hosts or data directories apart
+    on a shared broker and MLflow; creating the directory exclusively keeps two with the same digits on
+    one data directory apart (the second draws again)."""
     stem = time.strftime(f"{kind}-%Y%m%d-%H%M%S", time.gmtime())
     runs_dir.mkdir(parents=True, exist_ok=True)
-    for attempt in itertools.count(1):
-        run_id = stem if attempt == 1 else f"{stem}-{attempt}"
+    while True:
+        run_id = f"{stem}-{secrets.token_hex(RUN_ID_RANDOM_BYTES)}"
         try:
             (runs_dir / run_id).mkdir()
         except FileExistsError:
             continue
         return run_id, runs_dir / run_id
-    raise AssertionError("unreachable")
 
 
 def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, Any]:

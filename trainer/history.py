@@ -16,7 +16,7 @@ ends where the partitions ended when it began: serving may go on logging meanwhi
 the learner's to train on), and a read that waited for the topics to fall quiet never ended while it
 did. Rollouts unusable by the model (a token id past its vocabulary: a history logged under another
 model, a hand-made file) are counted in the log and left out, as the feed leaves them out
-(:func:`trainer.feed.to_rollouts`); one crashed the fit, at every restart.
+(:func:`trainer.rollouts.to_rollouts`); one crashed the fit, at every restart.
 
 The read keeps the newest ``trainer.pretrain_max_rollouts`` usable rollouts of the version, in the
 order the join hands them out (as a learner step takes them: the order their records were read,

@@ -192,4 +192,5 @@ def pretrain_skipped_because(at: Position, models: LearnerModels) -> str:
         return "this algorithm trains no critic"
     if at.step:
         return f"resuming from step {at.step}; pre-training runs only on a fresh start (no checkpoint)"
-    return f"the policy was just rolled back to champion v{at.rolled_back_as}, not the starting policy"
+    return (f"a roll-back just republished the champion's weights as v{at.rolled_back_as}: the policy is not the "
+            "starting one")

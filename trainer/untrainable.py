@@ -3,7 +3,7 @@
 
 The record codec cannot know the model: a token id outside its vocabulary passes it, and so does a
 record without an action token (nothing the policy sampled). Both used to join and be taken for a
-step, then left out when the step turned them into rollouts (:func:`trainer.feed.to_rollouts`, which
+step, then left out when the step turned them into rollouts (:func:`trainer.rollouts.to_rollouts`, which
 still checks, for the other readers of logged rollouts). Under several ranks a step needs a unit (a
 rollout, a grpo group) for each rank; one left with fewer after that was dropped whole, and its usable
 rollouts, which the join had recorded as trained, were never trained: lost for good after the next

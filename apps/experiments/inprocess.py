@@ -15,7 +15,7 @@ machine. This driver runs the same parts without the transport and the clock:
   :func:`trainer.startup.build_models`, interactions and rewards through
   :class:`~trainer.join.RewardJoiner`, a step when ``trainer.min_rollouts``,
   ``trainer.token_budget`` or ``trainer.max_wait_s`` say so (trainer/feed.py's rule),
-  the joined rollouts converted by :func:`trainer.feed.to_rollouts`, one
+  the joined rollouts converted by :func:`trainer.rollouts.to_rollouts`, one
   ``Algorithm.step``, and the new weights handed to the engine's hot-swap (what the
   weights follower does after a publish).
 

@@ -267,13 +267,15 @@ def test_own_state_overrides_name_every_piece_of_state_after_the_run(tmp_path):
 
 def test_runs_started_in_the_same_second_get_ids_and_directories_of_their_own(tmp_path, monkeypatch):
     """Smoke's and load's run id names their topics, consumer group, ledger and MLflow experiment: two
-    runs in one second shared all of them."""
+    runs in one second shared all of them, on one data directory or on two against one cluster."""
     monkeypatch.setattr(stack_module.time, "gmtime", lambda: time.struct_time((2026, 12, 7, 9, 5, 3, 0, 341, 0)))
+    draws = iter(["0a0a", "0a0a", "1b1b", "2c2c"])  # the second draw repeats the first: drawn again
+    monkeypatch.setattr(stack_module.secrets, "token_hex", lambda nbytes: next(draws))
 
     first = stack_module.new_run(tmp_path / "runs", "smoke")
     second = stack_module.new_run(tmp_path / "runs", "smoke")
-    third = stack_module.new_run(tmp_path / "runs", "smoke")
+    elsewhere = stack_module.new_run(tmp_path / "other-host" / "runs", "smoke")
 
-    assert [run_id for run_id, _ in (first, second, third)] == [
-        "smoke-20261207-090503", "smoke-20261207-090503-2", "smoke-20261207-090503-3"]
-    assert all(run_dir == tmp_path / "runs" / run_id and run_dir.is_dir() for run_id, run_dir in (first, second, third))
+    assert [run_id for run_id, _ in (first, second, elsewhere)] == [
+        "smoke-20261207-090503-0a0a", "smoke-20261207-090503-1b1b", "smoke-20261207-090503-2c2c"]
+    assert all(run_dir.name == run_id and run_dir.is_dir() for run_id, run_dir in (first, second, elsewhere))

@@ -330,6 +330,24 @@ def test_the_raters_scale_is_validated():
         ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_offset={"cooking": -11.0})
 
 
+def test_raters_whose_rewards_leave_the_reward_range_are_refused():
+    """drift.yaml's range is [0, 1]; a topic rated 1.5 times gave its good answers rewards above it, which the
+    learner dead-letters: the topic kept only its poor answers' rewards, and the experiment ran on."""
+    from apps.config import load_app_config
+    from online_sao.config import ConfigError
+
+    def loaded(**experiment):
+        overrides = {"reward.min_value": 0.0, "reward.max_value": 1.0}
+        overrides.update({f"experiment.{key}": value for key, value in experiment.items()})
+        return load_app_config(environ={}, overrides=overrides)
+
+    assert loaded(rater_scale={"cooking": 0.5}, rater_offset={"cooking": 0.5}).experiment.rater_scale == {"cooking": 0.5}
+    with pytest.raises(ConfigError, match=r"raters of topic 'cooking' give rewards in \[0, 1.5\] .*\[0, 1\]"):
+        loaded(rater_scale={"cooking": 1.5})
+    with pytest.raises(ConfigError, match=r"raters of topic 'tech' give rewards in \[-0.25, 0.75\]"):
+        loaded(rater_offset={"tech": -0.25})
+
+
 class FlakyBackend:
     """The in-memory backend whose producer refuses the first ``failures`` sends, as Kafka
     does while the broker is down."""

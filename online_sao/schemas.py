@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValida
                       ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticSerializationError
 
+from online_sao.json_depth import MAX_JSON_DEPTH, too_deep
 from online_sao.segments import SEGMENT_MAX_CHARS, segment_problem
 
 SCHEMA_VERSION = 1
@@ -313,10 +314,13 @@ def decode(data: bytes, expected: type[Record] | None = None) -> AnyRecord:
         raise RecordError("not a JSON record: it starts with a byte-order mark (records are UTF-8 without one)")
     try:
         # decoded here, not by json.loads: given bytes, it takes UTF-16 and UTF-32 too (and a BOM)
-        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
+        text = bytes(data).decode("utf-8")
+        if too_deep(text):  # measured, not parsed: the parser recurses to the interpreter's limit first
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        obj = json.loads(text, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise RecordError(f"not a JSON record: {exc}") from None
-    except RecursionError:
+    except RecursionError:  # only past the depth check with a recursion limit set far below Python's default
         raise RecordError("not a JSON record: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RecordError("record is not a JSON object")

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from online_sao.json_depth import MAX_JSON_DEPTH, too_deep
 from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName, has_lone_surrogate
 from serving.errors import APIError
 
@@ -59,6 +60,9 @@ def decoded_arguments(arguments: str) -> object:
     goes (RecursionError, no ValueError: it was a 500) or decodes to a lone UTF-16 surrogate: an escape
     escaped twice (``"\\\\ud83d"``) passes the body's check and the tokenizer then failed on the rendered
     text (500). This server never returns such arguments (:func:`serving.tool_calls.arguments_json`)."""
+    if too_deep(arguments):  # measured, not parsed: the parser recurses to the interpreter's limit first
+        raise APIError(400, f"the arguments of a tool call in messages nest deeper than {MAX_JSON_DEPTH} levels",
+                       param="messages")
     try:
         value = json.loads(arguments)
     except ValueError:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from online_sao.json_depth import MAX_JSON_DEPTH, too_deep
 from online_sao.schemas import has_lone_surrogate
 from serving.auth import ApiKeyAuth, AuthError
 from serving.engine.base import InferenceEngine
@@ -70,7 +71,10 @@ async def parse_body(request: Request, model: type[BaseModel], invalid_status: i
     try:
         # strict UTF-8 (a surrogate encoded in the bytes is not text); ValueError also covers an integer
         # longer than Python converts (4300 digits)
-        data = json.loads(body.decode("utf-8-sig"))
+        text = body.decode("utf-8-sig")
+        if too_deep(text):  # measured, not parsed: the parser recurses to the interpreter's limit first
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        data = json.loads(text)
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:

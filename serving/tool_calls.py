@@ -22,6 +22,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
+from online_sao.json_depth import too_deep
 from online_sao.schemas import has_lone_surrogate
 from serving.answers import FunctionCall, ToolCall
 
@@ -67,6 +68,8 @@ def arguments_json(arguments: object) -> str | None:
     that escapes an emoji as ``"\\ud83d\\ude00"`` may write half of it), which no UTF-8 answer can
     hold: the answer failed with 500 after it was logged, and each retry of the client logged it again."""
     if isinstance(arguments, str):
+        if too_deep(arguments):  # measured, not parsed: the parser recurses to the interpreter's limit first
+            return None
         try:
             arguments = json.loads(arguments)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
@@ -101,6 +104,8 @@ class HermesToolCallParser:
     def _call(body: str, names: frozenset[str]) -> ToolCall | None:
         """The call a block's body makes, or None when it is not a call to one of ``names`` with
         a JSON object as arguments (absent arguments are an empty object) and no other key."""
+        if too_deep(body):  # measured, not parsed (as in arguments_json)
+            return None
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes

@@ -253,3 +253,14 @@ def test_a_body_with_a_utf8_byte_order_mark_is_still_read(make_harness):
     h = make_harness()
     body = b'\xef\xbb\xbf{"model": "online-sao", "prompt": "hi"}'
     assert h.client.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_a_body_nested_deeper_than_the_limit_is_refused_by_its_depth(make_harness):
+    """Refused before parsing: the parser recursed to the interpreter's limit first (online_sao/json_depth.py)."""
+    h = make_harness()
+    body = b'{"model": "online-sao", "prompt": "hi", "stop": ' + b"[" * 5000 + b"}"
+    response = h.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {**response.json()["error"], "code": "invalid_json",
+                                        "message": "the request body nests deeper than 200 levels"}
+    assert h.engine.requests == []

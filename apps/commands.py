@@ -18,6 +18,7 @@ from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
 from online_sao.config.tree import setting_value
+from online_sao.log_setup import log_to_stderr
 
 REFERENCE_TITLE = "Configuration reference"
 """Title of ``config reference``'s Markdown (docs/CONFIG.md is that output)."""
@@ -44,20 +45,11 @@ def base_model(cfg: AppConfig, args: argparse.Namespace) -> int:
     return run_base_model(cfg, force=args.force)
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-"""The long-running commands' log lines, as the learner's: when, how bad, which part."""
 SERVICE_LOG_LEVEL = logging.INFO
 """serve, judge: their INFO lines say what they do ("ready after", "spool replayed", "serving stopped")."""
 DRIVER_LOG_LEVEL = logging.WARNING
 """simulate, lr-sweep, agent, load print their progress; at INFO the in-process driver's serving and
 learner (in its process) would add a line per weight swap and per late reward."""
-
-
-def log_to_stderr(level: int) -> None:
-    """Log to stderr from ``level`` up, with time and level (with nothing set up, serve's INFO lines never
-    showed and its warnings came out bare); a no-op where logging is set up already (pytest)."""
-    logging.basicConfig(level=level, format=LOG_FORMAT)
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
 
 
 def serve(cfg: AppConfig, args: argparse.Namespace) -> int:

@@ -156,8 +156,11 @@ def build_app(engine: InferenceEngine, logger: InteractionLogger, cfg: Config, t
                              lambda: engine.routed["champion"])
     status = ServerStatus(s.model_name)
 
-    app = FastAPI(title="online-sao serving", lifespan=_lifespan(engine, logger, follower, status,
-                                                                 s.shutdown_flush_s, inflight, s.weights_catch_up_s))
+    # no /docs, /redoc (nor /docs/oauth2-redirect): they answered without a key, and Swagger UI loads its
+    # scripts from a CDN; /openapi.json stays, read by clients and the fuzz tests (serving/openapi.py)
+    app = FastAPI(title="online-sao serving", docs_url=None, redoc_url=None,
+                  lifespan=_lifespan(engine, logger, follower, status, s.shutdown_flush_s, inflight,
+                                     s.weights_catch_up_s))
     install_openapi(app, ApiLimits(s.model_name, s.max_new_tokens, cfg.reward.min_value, cfg.reward.max_value),
                     auth_required=auth.required)
     app.add_middleware(BodyLimitMiddleware, max_bytes=s.max_request_bytes)

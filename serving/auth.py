@@ -11,6 +11,11 @@ loopback address (this machine's own processes, which is every direct caller of
 a server bound to loopback) is not limited at all; any other address (a reverse
 proxy forwarding from elsewhere shows its own address) has its own bucket;
 callers whose address is unknown share one ``anonymous`` bucket.
+
+Failed authentications (a missing or wrong key) are limited per client address too, loopback
+included, with the same rate and burst: a refused key takes no token of a key's bucket, and
+1000 guesses from one address all got 401. Once an address has spent its failures, a failing
+request is answered 429 instead of 401; a request with a valid key is never held back by them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ PLACEHOLDER_MARK = "change-me"
 """Marks the project's placeholder secrets: the built-in feedback secret and those of the compose
 and Kubernetes examples, all public in the repository. On an exposed server anyone could sign
 interaction ids with such a secret (and log rewards for them), or call it with such a key."""
+FAILED_AUTHENTICATION = "failed authentication from"
+"""Names the bucket of one client address's failed authentications, apart from every key's and address's own."""
 MAX_TRACKED_CALLERS = 10_000
 """Buckets kept before refilled ones are forgotten: a full bucket is the same as a
 new one, so forgetting it changes no decision, and many client addresses cannot
@@ -161,20 +168,22 @@ class ApiKeyAuth:
 
     def admit(self, caller: str) -> None:
         """Take one token from the caller's bucket, or AuthError 429 with a retry hint."""
-        if caller == LOOPBACK:
-            return
+        if caller != LOOPBACK:
+            self._take(caller, "rate limit exceeded")
+
+    def _take(self, bucket_name: str, refusal: str) -> None:
+        """Take one token from bucket ``bucket_name``, or AuthError 429 saying ``refusal`` and when to retry."""
         now = self._clock()
         with self._lock:
-            bucket = self._buckets.get(caller)
+            bucket = self._buckets.get(bucket_name)
             if bucket is None:
                 if len(self._buckets) >= MAX_TRACKED_CALLERS:
                     self._forget_refilled(now)
-                bucket = self._buckets[caller] = TokenBucket(self._burst, self._rate_per_s, self._burst, now)
+                bucket = self._buckets[bucket_name] = TokenBucket(self._burst, self._rate_per_s, self._burst, now)
             wait_s = bucket.take(now)
         if wait_s > 0:
             retry_s = retry_after_header_s(wait_s)
-            raise AuthError(429, "rate_limit_exceeded",
-                            f"rate limit exceeded: retry in {retry_s} s", retry_after_s=retry_s)
+            raise AuthError(429, "rate_limit_exceeded", f"{refusal}: retry in {retry_s} s", retry_after_s=retry_s)
 
     def _forget_refilled(self, now: float) -> None:
         full = [caller for caller, b in self._buckets.items()
@@ -183,7 +192,12 @@ class ApiKeyAuth:
             del self._buckets[caller]
 
     def check(self, authorization: str | None, client: str | None = None) -> str:
-        """Authenticate and rate-limit one request; ``client`` is its network address."""
-        caller = self.identify(authorization, client)
+        """Authenticate and rate-limit one request; ``client`` is its network address. A failed
+        authentication takes a token of its address's failures, or is AuthError 429 once they are spent."""
+        try:
+            caller = self.identify(authorization, client)
+        except AuthError:
+            self._take(f"{FAILED_AUTHENTICATION} {client or ANONYMOUS}", "too many failed authentications")
+            raise
         self.admit(caller)
         return caller

@@ -60,8 +60,8 @@ from safetensors.torch import load_file, save_file
 from online_sao.durable import fsync_dir, naming_the_file
 from streams.base import TopicPartition
 from trainer.id_memory import MemorySnapshot, decode_snapshot, encode_snapshot
-from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, read_ledger,
-                            redact_ledger)
+from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, private_opener,
+                            read_ledger, redact_ledger)
 
 __all__ = ["Checkpoint", "Checkpointer", "LearnerState", "StagedCheckpoint", "LEDGER_DIR", "LEDGER_FILE",
            "read_ledger", "redact_ledger", "flatten_tensors", "unflatten_tensors"]
@@ -368,7 +368,8 @@ def _write_files(tmp: Path, staged: StagedCheckpoint) -> None:
     written = [*tensors, *texts]
     if staged.id_memory is not None:
         with naming_the_file(tmp / MEMORY_FILE):
-            (tmp / MEMORY_FILE).write_bytes(encode_snapshot(staged.id_memory))
+            with open(tmp / MEMORY_FILE, "wb", opener=private_opener) as fh:  # interaction ids: users' data
+                fh.write(encode_snapshot(staged.id_memory))
         written.append(MEMORY_FILE)
     for name in written:
         with naming_the_file(tmp / name):

@@ -73,6 +73,7 @@ import torch
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
 from online_sao.durable import is_disk_full
+from online_sao.log_setup import log_to_stderr
 from online_sao.weights import WeightsRef
 from streams.base import StreamBackend
 from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, local_batch, reduce_metrics,
@@ -314,8 +315,7 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
     if pretrain_critic and pretrain_file is not None and not pretrain_file.is_file():
         raise ConfigError(f"trainer.pretrain_file {pretrain_file} is not a file: learn --pretrain-critic reads "
                           "its logged rollouts there (unset it to read the topics' retained history)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
+    log_to_stderr(logging.INFO)
     bound_mlflow_requests()  # an MLflow server that stops answering costs seconds per request, not minutes
     until = RunUntil(max_steps=cfg.trainer.max_steps, idle_timeout_s=cfg.trainer.idle_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -36,6 +36,15 @@ LEGACY_SEGMENT = "00000000.jsonl"
 """The segment the single ledger file becomes; checkpoints written before segments name it."""
 SEGMENT_NAME = re.compile(r"^(\d{8,})\.jsonl$")
 SCRATCH_PREFIX = ".tmp-"
+PRIVATE_FILE_MODE = 0o600
+"""The mode of the files of user data the learner writes (the ledger's segments, a checkpoint's id
+memory): the interaction ids it trained on are its users', for its own user alone whatever the umask."""
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file it creates is :data:`PRIVATE_FILE_MODE` (umask 022 made
+    it world-readable); an existing file keeps its mode."""
+    return os.open(path, flags, PRIVATE_FILE_MODE)
 
 
 def segment_name(first_step: int) -> str:
@@ -90,7 +99,7 @@ class Ledger:
             fsync_dir(self.root)
         path = self.directory / segment
         created = not path.exists()
-        with open(path, "ab") as fh:
+        with open(path, "ab", opener=private_opener) as fh:
             fh.write(lines)
             fh.flush()
             os.fsync(fh.fileno())
@@ -284,7 +293,7 @@ def _redact_file(path: Path, wanted: set[str], sealed: bool) -> int:
         lines.append(line)
     if redacted:
         scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        with open(scratch, "wb") as fh:
+        with open(scratch, "wb", opener=private_opener) as fh:
             fh.writelines(lines + [torn])
             fh.flush()
             os.fsync(fh.fileno())

@@ -29,8 +29,8 @@ import requests
 from mlflow import MlflowClient
 from mlflow.entities import LifecycleStage
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import (INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST,
-                                          TEMPORARILY_UNAVAILABLE, ErrorCode)
+from mlflow.protos.databricks_pb2 import (INVALID_PARAMETER_VALUE, PERMISSION_DENIED, RESOURCE_ALREADY_EXISTS,
+                                          RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE, UNAUTHENTICATED, ErrorCode)
 
 from online_sao.config import Config, ConfigError
 from online_sao.config.base import mask_uri_password
@@ -151,11 +151,39 @@ def unavailable(exc: MlflowException, uri: str) -> TrackingUnavailable:
             return TrackingUnavailable(f"MLflow's SQLite database {where} (mlflow.tracking_uri) is locked: another "
                                        f"writer (a learner on the same database, mlflow gc, a backup) held it past "
                                        f"SQLite's busy timeout")
-        first = mask_uri_password(exc.message.strip().splitlines()[0][:300]) if exc.message.strip() else "no message"
+        first = mask_uri_password(exc.message.strip().splitlines()[0])[:300] if exc.message.strip() else "no message"
         return TrackingUnavailable(f"MLflow's store at {where} (mlflow.tracking_uri) is temporarily unavailable: "
                                    f"{first}")
     return TrackingUnavailable(f"MLflow at {uri} (mlflow.tracking_uri) does not answer: "
-                               f"{mask_uri_password(exc.message[:300])}")
+                               f"{mask_uri_password(exc.message)[:300]}")
+
+
+UNAUTHORIZED, FORBIDDEN = 401, 403
+"""The HTTP statuses of a server that refuses the credentials it was given (or that none were given),
+and of one that refuses their user the request."""
+
+
+def refused_credentials(uri: str, status: int) -> ConfigError:
+    """What the learner stops with when its MLflow server at ``uri`` answered ``status``
+    (:data:`UNAUTHORIZED`, :data:`FORBIDDEN`): one line naming the setting (its password masked),
+    not MLflow's traceback. Time does not mend credentials, so nothing waits."""
+    where = f"MLflow at {mask_uri_password(uri)} (mlflow.tracking_uri)"
+    if status == FORBIDDEN:
+        return ConfigError(f"{where} refuses its user this request (HTTP 403): give the user permission on the "
+                           f"experiment mlflow.experiment and the model mlflow.registered_model, or set another user")
+    return ConfigError(f"{where} refuses the credentials it was given (HTTP 401): set the server's user and password "
+                       f"in mlflow.tracking_uri (http://user:password@host) or in MLFLOW_TRACKING_USERNAME and "
+                       f"MLFLOW_TRACKING_PASSWORD")
+
+
+def credentials_refused(exc: MlflowException, uri: str) -> ConfigError | None:
+    """:func:`refused_credentials` when ``exc`` says the server refused the credentials or their user
+    (UNAUTHENTICATED: HTTP 401, PERMISSION_DENIED: HTTP 403); None for any other error."""
+    if is_code(exc, UNAUTHENTICATED):
+        return refused_credentials(uri, UNAUTHORIZED)
+    if is_code(exc, PERMISSION_DENIED):
+        return refused_credentials(uri, FORBIDDEN)
+    return None
 
 
 SQLITE_FULL = "database or disk is full"
@@ -218,10 +246,19 @@ _WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()
 
 
 def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
-    """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer."""
+    """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer,
+    a ConfigError when it refuses the credentials (:func:`refused_credentials`).
+    The URI's user and password go as basic auth beside a URL without them: httpx names the URL it asked
+    in its log lines and errors."""
+    url = httpx.URL(uri)
+    auth = (url.username, url.password) if url.username or url.password else None
+    bare = str(url.copy_with(userinfo=b"")).rstrip("/")
     try:
-        httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+        httpx.get(f"{bare}/health", auth=auth, timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as exc:
+        status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+        if status in (UNAUTHORIZED, FORBIDDEN):
+            raise refused_credentials(uri, status) from None
         raise TrackingUnavailable(f"MLflow at {mask_uri_password(uri)} (mlflow.tracking_uri) does not answer: "
                                   f"{mask_uri_password(str(exc))}") from None
 

@@ -37,6 +37,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from online_sao.config import Config
+from online_sao.config.base import mask_uri_password
 from online_sao.durable import is_disk_full, naming_the_file
 from online_sao.gate_record import ValueRecord
 from online_sao.weights import WeightsRef
@@ -144,12 +145,12 @@ class PolicyRegistry:
         except OSError as exc:  # requests.HTTPError is one: the proxied server answered with a refusal
             if is_disk_full(exc):  # deleting is what makes room: tried again at the next registration
                 log.warning("registry retention could not record its pruning: %s; the registered artifacts "
-                            "are pruned at the next registration", exc)
+                            "are pruned at the next registration", mask_uri_password(str(exc)))
                 return
             self._pruning_refused = True
             log.warning("registry retention is off until the learner restarts: the artifact store refused to "
                         "delete a registered model directory (%s: %s); MLflow's artifacts keep one model per "
-                        "registration meanwhile", type(exc).__name__, str(exc)[:300])
+                        "registration meanwhile", type(exc).__name__, mask_uri_password(str(exc))[:300])
 
     @_waiting("recording the gate's decision")
     def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef) -> None:

@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
+from online_sao.config.base import mask_uri_password
 from online_sao.weights import CorruptWeights, WeightsRef, sha256_hex
 from trainer.mlflow_store import is_code
 
@@ -70,7 +71,7 @@ def unregister(client, model_name: str, ref: WeightsRef, source: str, version: s
         get_artifact_repository(parent, tracking_uri=tracking_uri).delete_artifacts(name)
     except (MlflowException, OSError) as exc:
         log.warning("registry: the model directory %s of the failed registration of policy v%d is left: %s",
-                    source, ref.version, str(exc)[:300])
+                    source, ref.version, mask_uri_password(str(exc))[:300])
     if version is None:
         return
     try:
@@ -78,7 +79,7 @@ def unregister(client, model_name: str, ref: WeightsRef, source: str, version: s
     except MlflowException as exc:
         log.warning("registry: version %s (policy v%d) was created but never became the candidate; it could "
                     "not be deleted (%s): nothing reads it, retention tags it weights_pruned later",
-                    version, ref.version, exc.message[:200])
+                    version, ref.version, mask_uri_password(exc.message)[:200])
 
 
 def is_weights_file(name: str) -> bool:

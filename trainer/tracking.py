@@ -28,6 +28,10 @@ file (:func:`~trainer.mlflow_store.store_refused`), which stops the learner like
 disks. A registration that fails so deletes the model directory it had begun to copy, and
 the registry version if one was created without its ``candidate`` alias: no half-registered
 version is left for the gate or serving to use, nor a partial directory holding space.
+
+A server that refuses the credentials (HTTP 401) or their user (HTTP 403) stops the learner with a
+one-line ConfigError naming ``mlflow.tracking_uri``, its password masked
+(:func:`~trainer.mlflow_store.credentials_refused`): nothing waits, as time does not mend them.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
-from online_sao.config import Config, dump_config, flat_settings
+from online_sao.config import Config, ConfigError, dump_config, flat_settings
+from online_sao.config.base import mask_uri_password
 from online_sao.reachable import until_reachable
 from trainer.mlflow_store import (MAX_VALUE_LENGTH, RunDeleted, TrackingUnavailable, artifact_root, artifacts_named,
-                                  deleted_run, disk_refused, experiment_id, is_code, is_temporarily_unavailable,
-                                  is_unreachable, open_client, store_refused, unavailable)
+                                  credentials_refused, deleted_run, disk_refused, experiment_id, is_code,
+                                  is_temporarily_unavailable, is_unreachable, open_client, store_refused, unavailable)
 from trainer.registry import PolicyRegistry
 from trainer.step_window import StepWindow, Unsent
 
@@ -107,6 +112,8 @@ class RunTracker:
             except MlflowException as exc:
                 if (refused := store_refused(exc, self.cfg.mlflow_uri)) is not None:
                     raise refused from exc  # not waited for: room is made by someone, not by time
+                if (refused := credentials_refused(exc, self.cfg.mlflow_uri)) is not None:
+                    raise refused from exc  # nor are new credentials
                 if not (is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)):
                     raise
                 raise unavailable(exc, self.cfg.mlflow_uri) from exc
@@ -167,7 +174,7 @@ class RunTracker:
             if not is_code(exc, RESOURCE_DOES_NOT_EXIST):
                 raise
             log.warning("MLflow run %s of the checkpoint does not exist on %s: the learner logs to a new run",
-                        run_id, self.cfg.mlflow_uri)
+                        run_id, mask_uri_password(self.cfg.mlflow_uri))
             return None
         if run.info.lifecycle_stage == "deleted":
             log.warning("MLflow run %s of the checkpoint was deleted: the learner logs to a new run", run_id)
@@ -226,6 +233,8 @@ class RunTracker:
         try:
             self._unlogged.send(self.client, self.run_id)
         except MlflowException as exc:
+            if (credentials := credentials_refused(exc, self.cfg.mlflow_uri)) is not None:
+                raise credentials from exc  # not kept for later, as for an outage: no time mends it
             refused = store_refused(exc, self.cfg.mlflow_uri)
             outage = is_unreachable(exc) or is_temporarily_unavailable(exc, self.cfg.mlflow_uri)
             deleted = None if refused is not None or outage else deleted_run(self.client, self.run_id, exc)
@@ -268,9 +277,12 @@ class RunTracker:
                 raise
             log.warning("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
                         self.unlogged_steps + self._unlogged.dropped)
+        except ConfigError as exc:  # the server refused the credentials: said, not raised (above)
+            log.error("%s; the run %s stays open, %d steps of metrics not logged", exc, self.run_id,
+                      self.unlogged_steps + self._unlogged.dropped)
         except MlflowException as exc:  # MLflow's own refusal (a run deleted by hand): said, not raised (above)
             log.error("ending the MLflow run %s failed: %s; %d steps of metrics not logged", self.run_id,
-                      exc.message[:300], self.unlogged_steps + self._unlogged.dropped)
+                      mask_uri_password(exc.message)[:300], self.unlogged_steps + self._unlogged.dropped)
         self._closed = True
 
     def _send_all_unlogged(self) -> None:

@@ -87,14 +87,20 @@ _DATABASE_URL_PASSWORD = re.compile(
 """A database URL's scheme and user, then its password up to the URL's last ``@``: SQLAlchemy (MLflow's
 database stores) takes everything after the user's ``:`` up to an ``@`` as the password, ``/``, ``?``,
 ``#`` and quotes included, where the rule above would stop and leave such a password in clear."""
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd)=)[^&#\s'\"]+", re.IGNORECASE)
+"""A password given as a URL's query parameter (``postgresql://db/mlflow?user=ml&password=pw``, as the
+database drivers behind SQLAlchemy take it; ``passwd`` for MySQL's, ``pwd`` for ODBC's), up to the next
+parameter."""
 
 
 def mask_uri_password(text: str | None) -> str | None:
     """``text`` with the password of every URL in it masked (``postgresql://user:pw@db/x`` ->
-    ``postgresql://user:***@db/x``): a configured URL, or a message quoting one (httpx's errors
+    ``postgresql://user:***@db/x``; a query parameter ``password``, ``passwd`` or ``pwd``:
+    ``?user=ml&password=***``): a configured URL, or a message quoting one (httpx's errors
     name the URL they asked), for wherever it is shown or logged. Text without one is returned as
     given."""
     if not text:
         return text
     masked = _DATABASE_URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", text)
+    masked = _QUERY_PASSWORD.sub(rf"\g<key>{MASKED_PASSWORD}", masked)
     return _URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", masked)

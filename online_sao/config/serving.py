@@ -42,10 +42,11 @@ class ServingConfig(Section):
     every key, within ``feedback_sources``."""
     rate_limit_per_minute: int = Field(600, ge=1)
     """Requests per minute per API key; without keys, per client address (loopback callers
-    are not limited; docs/SERVING.md, Access)."""
+    are not limited; docs/SERVING.md, Access). With keys, failed authentications (a missing or wrong
+    key) are limited at the same rate per client address, loopback included: past them, 429."""
     rate_limit_burst: int = Field(20, ge=1)
     """Requests a key (or address) may send at once before the per-minute rate applies
-    (token-bucket size)."""
+    (token-bucket size); the same for an address's failed authentications."""
     max_batch_size: int = Field(16, ge=1)
     """Sequences decoded together (continuous batching)."""
     max_waiting: int | None = Field(None, ge=0)

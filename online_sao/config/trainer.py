@@ -142,7 +142,8 @@ class TrainerConfig(Section):
 class MLflowConfig(Section):
     tracking_uri: str | None = None
     """MLflow tracking URI; default a SQLite database data_dir/mlflow.db (no server). A password in
-    it (``postgresql://user:pw@db/mlflow``) is shown and logged as ``user:***@``."""
+    it (``postgresql://user:pw@db/mlflow``) is shown and logged as ``user:***@``, one given as a
+    query parameter ``password``, ``passwd`` or ``pwd`` (``?user=ml&password=pw``) as ``password=***``."""
     experiment: str = "online-sao"
     """Experiment of learner and simulation runs."""
     registered_model: str = "online-sao-policy"

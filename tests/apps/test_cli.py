@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from apps import cli, commands
+from online_sao import log_setup
 
 DRIFT_SHORT = Path(__file__).resolve().parents[2] / "configs" / "drift-short.yaml"
 
@@ -362,15 +363,18 @@ def test_serve_logs_info_lines_with_time_and_level(monkeypatch, tmp_path):
     monkeypatch.setattr(root, "handlers", [])  # as in a fresh process (pytest's capture handlers put aside)
     monkeypatch.setattr(root, "level", logging.WARNING)
     monkeypatch.setattr(kafka, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger("httpx"), "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger("httpcore"), "level", logging.NOTSET)  # set back after the test
     served = []
     monkeypatch.setattr("apps.default_model.builder.build_base_model", lambda cfg, progress: tmp_path)
     monkeypatch.setattr("serving.spool_lock.exclusive_spool", lambda path: nullcontext())
     monkeypatch.setattr("serving.server.run_server", lambda cfg, model_dir: served.append(model_dir) or 0)
     assert cli.main(["--set", f"paths.data_dir={tmp_path}", "serve"]) == 0 and served == [tmp_path]
     assert root.level == logging.INFO and logging.getLogger("serving.server").isEnabledFor(logging.INFO)
-    assert [handler.formatter._fmt for handler in root.handlers] == [commands.LOG_FORMAT]
-    assert "%(asctime)s %(levelname)s" in commands.LOG_FORMAT
+    assert [handler.formatter._fmt for handler in root.handlers] == [log_setup.LOG_FORMAT]
+    assert "%(asctime)s %(levelname)s" in log_setup.LOG_FORMAT
     assert kafka.level == logging.WARNING  # kafka-python's connection chatter stays out
+    assert logging.getLogger("httpx").level == logging.WARNING  # its INFO lines name URLs, passwords in them
 
 
 @pytest.mark.parametrize("text, version", [("3", 3), ("v3", 3), ("0", 0)])

@@ -125,7 +125,7 @@ def test_engine_failures_are_500_with_a_body_and_the_server_stays_up(make_harnes
 
 
 def test_api_keys_and_rate_limits(make_harness):
-    h = make_harness(**{"serving.api_keys": ["sk-good"], "serving.rate_limit_burst": 2,
+    h = make_harness(**{"serving.api_keys": ["sk-good"], "serving.rate_limit_burst": 3,  # 3 failures from one address
                         "serving.rate_limit_per_minute": 1})
     assert_openai_error(h.client.post(CHAT, json=GOOD), 401, code="missing_api_key")
     assert_openai_error(h.client.post(CHAT, json=GOOD, headers={"Authorization": "Bearer sk-bad"}), 401,
@@ -134,6 +134,7 @@ def test_api_keys_and_rate_limits(make_harness):
     auth = {"Authorization": "Bearer sk-good"}
     assert h.client.post(CHAT, json=GOOD, headers=auth).status_code == 200
     assert h.client.get("/v1/models", headers=auth).status_code == 200
+    assert h.client.get("/v1/models", headers=auth).status_code == 200  # the failures took none of the key's tokens
     r = h.client.post(CHAT, json=GOOD, headers=auth)
     assert_openai_error(r, 429, code="rate_limit_exceeded")
     assert int(r.headers["Retry-After"]) >= 1

@@ -275,3 +275,28 @@ def test_a_database_password_is_masked_whatever_characters_it_holds(password):
 
     message = f"MLflow at postgresql+psycopg2://user:{password}@db:5432/mlflow failed"
     assert mask_uri_password(message) == "MLflow at postgresql+psycopg2://user:***@db:5432/mlflow failed"
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("postgresql://db/mlflow?user=ml&password=Pg5ecret", "postgresql://db/mlflow?user=ml&password=***"),
+    ("sqlite:///x.db?password=Sq5ecret", "sqlite:///x.db?password=***"),
+    ("mysql+pymysql://db/mlflow?passwd=My5ecret&charset=utf8", "mysql+pymysql://db/mlflow?passwd=***&charset=utf8"),
+    ("mssql+pyodbc://db/mlflow?UID=ml&PWD=Ms5ecret#x", "mssql+pyodbc://db/mlflow?UID=ml&PWD=***#x"),
+    ("postgresql://ml:Pg5ecret@db/mlflow?password=Pg5ecret", "postgresql://ml:***@db/mlflow?password=***"),
+])
+def test_a_password_given_as_a_query_parameter_is_masked(uri, shown):
+    """Only ``user:pw@`` was masked: a password as a query parameter showed in ``config show``, the MLflow
+    param mlflow.tracking_uri, resolved.yaml and logs."""
+    from online_sao.config.base import mask_uri_password
+
+    assert mask_uri_password(f"MLflow at {uri} failed") == f"MLflow at {shown} failed"
+    cfg = load_config(environ={}, overrides={"mlflow.tracking_uri": uri})
+    assert "5ecret" not in dump_config(cfg) and cfg.mlflow_uri == uri
+
+
+@pytest.mark.parametrize("text", ["http://host/path?user=ml&passwords_seen=3", "http://host/?pwdx=1",
+                                  "set password=on the server"])
+def test_a_query_without_a_password_parameter_is_shown_as_given(text):
+    from online_sao.config.base import mask_uri_password
+
+    assert mask_uri_password(text) == text

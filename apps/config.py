@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from apps.default_model.corpus import STYLES
 from apps.default_model.corpus_content import TOPICS
@@ -126,8 +126,8 @@ class ArmConfig(Section):
     @model_validator(mode="after")
     def _overrides_name_fields(self) -> "ArmConfig":
         """Only the names here: the values are validated applied to the ``algorithm`` section they
-        override (``AppConfig._arms_fit_the_algorithm``, ``algorithm_config``). Validated alone, on
-        top of the defaults, an override that fits its section was refused (``use_dis: false`` over a
+        override (``algorithm_config``; ``apps.config_checks.check_arms_fit_the_algorithm``). Validated
+        alone, on top of the defaults, an override that fits its section was refused (``use_dis: false`` over a
         grpo section read as sao without DIS)."""
         unknown = sorted(set(self.algorithm) - set(AlgorithmConfig.model_fields))
         if unknown:
@@ -366,23 +366,6 @@ class AppConfig(Config):
     """The drifting-preference experiment (simulated users, judge, report)."""
     agent: AgentConfig = AgentConfig()
     """The simulated agent scenario (tool use through the live stack)."""
-
-    @model_validator(mode="after")
-    def _arms_fit_the_algorithm(self) -> "AppConfig":
-        """Each arm's overrides applied to this ``algorithm`` section, as the arm will run
-        (``ArmConfig.algorithm_config``): an arm's overrides are valid alone but may clash with the
-        section (``value_shrinkage_window`` on top of a ``value_level_window``), which surfaced only
-        when that arm started, hours into a sweep."""
-        for index, arm in enumerate(self.experiment.arms):
-            try:
-                arm.algorithm_config(self.algorithm)
-            except ValidationError as exc:
-                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'algorithm'}: {e['msg']}"
-                                     for e in exc.errors())
-                raise ValueError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top "
-                                 f"of the algorithm section: {problems}") from None
-        return self
-
 
     @model_validator(mode="after")
     def _raters_fit_the_reward_range(self) -> "AppConfig":

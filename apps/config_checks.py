@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import ValidationError
+
 from apps.config import AppConfig, client_api_key
 from online_sao.config import ConfigError
 
@@ -19,6 +21,23 @@ def check_pretraining_reads_every_rollout(cfg: AppConfig) -> None:
     if asked > kept:
         raise ConfigError(f"experiment.pretrain_rollouts = {asked} is above trainer.pretrain_max_rollouts = {kept}, "
                           "the most value pre-training reads: lower the one or raise the other")
+
+
+def check_arms_fit_the_algorithm(cfg: AppConfig) -> None:
+    """ConfigError naming the first arm whose algorithm overrides, applied to ``cfg``'s ``algorithm``
+    section as the arm will run (``ArmConfig.algorithm_config``), clash with it (``value_shrinkage_window``
+    on top of a ``value_level_window``): the arm failed only when it started, hours into a sweep. Checked
+    by the simulation before it runs arms (``simulate``, ``lr-sweep``), not at load: the default arms
+    made ``learn`` and ``serve`` refuse valid settings of their own (``algorithm.critic_trainable_layers``
+    clashed with the default ``sao_unfrozen_attention`` arm)."""
+    for index, arm in enumerate(cfg.experiment.arms):
+        try:
+            arm.algorithm_config(cfg.algorithm)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'algorithm'}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ConfigError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top of "
+                              f"the algorithm section: {problems}") from None
 
 
 def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:
@@ -35,8 +54,9 @@ def check_agent_rewards_are_taken(cfg: AppConfig) -> None:
     """ConfigError when the rewards ``online-sao agent`` sends (``source``
     ``apps.agent.episode.FEEDBACK_SOURCE``, with the key :func:`client_api_key` names) would be refused by
     serving (``serving.feedback_sources``, ``serving.source_keys``: the rule of ``serving/feedback.py``)
-    or ignored by the learner (``reward.sources``), or whose values (0 and 1) lie outside the reward range. Either way the run did all its setup, then died on its
-    first reward (403) or trained on nothing without a word."""
+    or ignored by the learner (``reward.sources``), or whose values (0 and 1) lie outside the reward range.
+    Either way the run did all its setup, then died on its first reward (403) or trained on nothing
+    without a word."""
     from apps.agent.episode import FEEDBACK_SOURCE  # imported here: the agent imports this module
     from apps.agent.judge import FAILURE_REWARD, SUCCESS_REWARD
     from serving.auth import key_name, source_callers

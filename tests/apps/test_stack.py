@@ -279,3 +279,15 @@ def test_runs_started_in_the_same_second_get_ids_and_directories_of_their_own(tm
     assert [run_id for run_id, _ in (first, second, elsewhere)] == [
         "smoke-20261207-090503-0a0a", "smoke-20261207-090503-1b1b", "smoke-20261207-090503-2c2c"]
     assert all(run_dir.name == run_id and run_dir.is_dir() for run_id, run_dir in (first, second, elsewhere))
+
+
+def test_a_private_file_left_readable_by_an_earlier_run_is_made_private_again(tmp_path):
+    """The run's config holds secrets; O_CREAT's mode applied to a new file only, so a config left 0644
+    (by hand, or by an older build) stayed readable by others when rewritten."""
+    path = tmp_path / "config.yaml"
+    path.write_text("old")
+    path.chmod(0o644)
+
+    stack_module.write_private(path, "kafka:\n  sasl_password: secret\n")
+
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_text().endswith("secret\n")

@@ -14,6 +14,8 @@ from online_sao.schemas import RecordError, decode
     ('["[[[[", "{{{"]', 1),            # brackets inside strings do not count
     ('["a\\"[[[", 2]', 1),             # nor after an escaped quote
     ("]]][[", 2),                      # closing more than opened never goes below 0
+    ('[["a\\"[[', 2),                   # an unterminated string runs to the end: its brackets do not count
+    ('[["x\\\\"]]', 2),                # an escaped backslash ends before the closing quote
 ])
 def test_nesting_depth_on_hand_written_texts(text, depth):
     assert nesting_depth(text) == depth
@@ -44,3 +46,10 @@ def test_measuring_never_recurses_where_the_parser_would():
 def test_a_record_nested_too_deeply_is_refused_by_its_depth():
     with pytest.raises(RecordError, match=f"^not a JSON record: nested deeper than {MAX_JSON_DEPTH} levels$"):
         decode(b'{"kind": "reward", "x": ' + b"[" * 5000 + b"}")
+
+
+def test_an_unterminated_string_after_many_brackets_is_measured_in_one_pass():
+    """201 brackets, then a quote and escaped quotes to the end: the string pattern was tried again from
+    every quote (quadratic: 32 KB held serving's event loop 4 s); the brackets before it still count."""
+    text = "[" * (MAX_JSON_DEPTH + 1) + '"' + '\\"' * 100_000
+    assert nesting_depth(text) == MAX_JSON_DEPTH + 1 and too_deep(text)

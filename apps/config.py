@@ -367,22 +367,6 @@ class AppConfig(Config):
     agent: AgentConfig = AgentConfig()
     """The simulated agent scenario (tool use through the live stack)."""
 
-    @model_validator(mode="after")
-    def _raters_fit_the_reward_range(self) -> "AppConfig":
-        """The rewards a topic's raters give (the judge's value in [0, 1] x ``rater_scale`` +
-        ``rater_offset``) within ``reward.min_value``..``max_value``: the learner dead-letters a reward
-        outside it, so a generous topic lost only its good answers' rewards (the live driver; the
-        in-process one trained them) and the experiment ran on, biased."""
-        exp, reward = self.experiment, self.reward
-        for topic in sorted(set(exp.rater_scale) | set(exp.rater_offset)):
-            scale, offset = exp.rater_scale.get(topic, 1.0), exp.rater_offset.get(topic, 0.0)
-            low, high = offset, scale + offset
-            if low < reward.min_value or high > reward.max_value:
-                raise ValueError(f"experiment raters of topic {topic!r} give rewards in [{low:g}, {high:g}] (the "
-                                 f"judge's 0..1 x {scale:g} {offset:+g}), outside reward.min_value..max_value "
-                                 f"[{reward.min_value:g}, {reward.max_value:g}], whose rewards the learner refuses")
-        return self
-
 
 def client_api_key(cfg: Config) -> str | None:
     """The key a run's own client sends to the serving it started: the first of ``serving.api_keys``

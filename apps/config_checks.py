@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from apps.config import AppConfig, client_api_key
+from apps.default_model.corpus_content import TOPICS
 from online_sao.config import ConfigError
 
 
@@ -23,14 +24,16 @@ def check_pretraining_reads_every_rollout(cfg: AppConfig) -> None:
                           "the most value pre-training reads: lower the one or raise the other")
 
 
-def check_arms_fit_the_algorithm(cfg: AppConfig) -> None:
+def check_arms_fit_the_algorithm(cfg: AppConfig, names: list[str] | None = None) -> None:
     """ConfigError naming the first arm whose algorithm overrides, applied to ``cfg``'s ``algorithm``
     section as the arm will run (``ArmConfig.algorithm_config``), clash with it (``value_shrinkage_window``
     on top of a ``value_level_window``): the arm failed only when it started, hours into a sweep. Checked
     by the simulation before it runs arms (``simulate``, ``lr-sweep``), not at load: the default arms
     made ``learn`` and ``serve`` refuse valid settings of their own (``algorithm.critic_trainable_layers``
-    clashed with the default ``sao_unfrozen_attention`` arm)."""
+    clashed with the default ``sao_unfrozen_attention`` arm). ``names``: the arms to run (None: all)."""
     for index, arm in enumerate(cfg.experiment.arms):
+        if names is not None and arm.name not in names:
+            continue
         try:
             arm.algorithm_config(cfg.algorithm)
         except ValidationError as exc:
@@ -38,6 +41,23 @@ def check_arms_fit_the_algorithm(cfg: AppConfig) -> None:
                                  for e in exc.errors())
             raise ConfigError(f"experiment.arms[{index}] (arm {arm.name!r}): its algorithm overrides on top of "
                               f"the algorithm section: {problems}") from None
+
+
+def check_raters_fit_the_reward_range(cfg: AppConfig) -> None:
+    """ConfigError when the rewards the experiment's raters give (the judge's value in [0, 1] x a topic's
+    ``rater_scale`` + its ``rater_offset``; 1 and 0 for a topic not named) leave ``reward.min_value``..
+    ``max_value``: the learner dead-letters such a reward, so a generous topic lost only its good answers'
+    rewards (the live driver; the in-process one trained them) and the experiment ran on, biased. Checked
+    by the simulation when it starts, not at load: a narrow range is valid for a learner that runs no
+    experiment."""
+    exp, reward = cfg.experiment, cfg.reward
+    for topic in [t.name for t in TOPICS]:
+        scale, offset = exp.rater_scale.get(topic, 1.0), exp.rater_offset.get(topic, 0.0)
+        low, high = offset, scale + offset
+        if low < reward.min_value or high > reward.max_value:
+            raise ConfigError(f"the experiment's raters of topic {topic!r} give rewards in [{low:g}, {high:g}] (the "
+                              f"judge's 0..1 x {scale:g} {offset:+g}), outside reward.min_value..max_value "
+                              f"[{reward.min_value:g}, {reward.max_value:g}], whose rewards the learner refuses")
 
 
 def check_requests_fit_serving(cfg: AppConfig, scenario: Literal["experiment", "agent"]) -> None:

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from apps.config import AppConfig
-from apps.config_checks import check_arms_fit_the_algorithm, check_pretraining_reads_every_rollout
+from apps.config_checks import (check_arms_fit_the_algorithm, check_pretraining_reads_every_rollout,
+                                check_raters_fit_the_reward_range)
 from apps.experiments.results import (ArmSummary, count_reward_rows, merged_scenario, refuse_other_seeds,
                                       replace_scenario, summary_path, write_summary)
 from apps.experiments.resume import finished_arms, outcome_settings
@@ -325,7 +326,8 @@ def run_simulation(cfg: AppConfig, arms: list[str] | None = None, progress: Call
     unknown = set(names) - {a.name for a in cfg.experiment.arms}
     if unknown:
         raise ConfigError(f"unknown arm(s) {sorted(unknown)}; the scenario has {[a.name for a in cfg.experiment.arms]}")
-    check_arms_fit_the_algorithm(cfg)
+    check_arms_fit_the_algorithm(cfg, names)
+    check_raters_fit_the_reward_range(cfg)
     if pretrains(cfg, names):
         check_pretraining_reads_every_rollout(cfg)
     refuse_other_seeds(out, cfg.experiment.seeds)

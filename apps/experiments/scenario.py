@@ -102,8 +102,8 @@ def arm_config(cfg: AppConfig, arm: ArmConfig) -> AppConfig:
             "weight_store": str(arm_dir / "weights"), "checkpoint_dir": arm_dir / "checkpoints"}),
         "serving": cfg.serving.model_copy(update={"spool_dir": arm_dir / "spool"}),
         # its own arm only: its algorithm section is the arm's already, against which another arm's
-        # overrides may clash (the arm's processes load this config again: apps/config.py checks every
-        # arm); the value pre-training pass, not an arm of the sweep (its name is reserved), keeps the
+        # overrides may clash (checked for the sweep's arms when it starts:
+        # apps/config_checks.py); the value pre-training pass, not an arm of the sweep (its name is reserved), keeps the
         # sweep's arms, which its algorithm section (the file's) fits
         "experiment": cfg.experiment.model_copy(update={
             "judge_group": f"{cfg.experiment.judge_group}.{suffix}",

@@ -97,3 +97,12 @@ def test_the_default_arms_do_not_refuse_a_learners_own_algorithm_settings(settin
 
     argv = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     assert cli.main([*argv, "config", "show"]) == 0, capsys.readouterr().err
+
+
+def test_only_the_arms_a_simulation_runs_are_checked():
+    """`simulate --arm sao` with critic_trainable_layers set was refused for the default arm
+    sao_unfrozen_attention, which it was not going to run."""
+    cfg = load_app_config(environ={}, overrides={"algorithm.critic_trainable_layers": 2})
+    check_arms_fit_the_algorithm(cfg, ["sao"])
+    with pytest.raises(ConfigError, match="'sao_unfrozen_attention'"):
+        check_arms_fit_the_algorithm(cfg)

@@ -330,22 +330,27 @@ def test_the_raters_scale_is_validated():
         ExperimentConfig(schedule=SCHEDULE, rollouts_per_arm=6, rater_offset={"cooking": -11.0})
 
 
-def test_raters_whose_rewards_leave_the_reward_range_are_refused():
+def test_raters_whose_rewards_leave_the_reward_range_are_refused_when_the_simulation_starts():
     """drift.yaml's range is [0, 1]; a topic rated 1.5 times gave its good answers rewards above it, which the
-    learner dead-letters: the topic kept only its poor answers' rewards, and the experiment ran on."""
+    learner dead-letters: the topic kept only its poor answers' rewards, and the experiment ran on. A topic
+    not named gets the judge's own 0..1; a learner that runs no experiment may narrow its range."""
     from apps.config import load_app_config
+    from apps.config_checks import check_raters_fit_the_reward_range
     from online_sao.config import ConfigError
 
-    def loaded(**experiment):
-        overrides = {"reward.min_value": 0.0, "reward.max_value": 1.0}
+    def loaded(low=0.0, high=1.0, **experiment):
+        overrides = {"reward.min_value": low, "reward.max_value": high}
         overrides.update({f"experiment.{key}": value for key, value in experiment.items()})
         return load_app_config(environ={}, overrides=overrides)
 
-    assert loaded(rater_scale={"cooking": 0.5}, rater_offset={"cooking": 0.5}).experiment.rater_scale == {"cooking": 0.5}
+    check_raters_fit_the_reward_range(loaded(rater_scale={"cooking": 0.5}, rater_offset={"cooking": 0.5}))
     with pytest.raises(ConfigError, match=r"raters of topic 'cooking' give rewards in \[0, 1.5\] .*\[0, 1\]"):
-        loaded(rater_scale={"cooking": 1.5})
+        check_raters_fit_the_reward_range(loaded(rater_scale={"cooking": 1.5}))
     with pytest.raises(ConfigError, match=r"raters of topic 'tech' give rewards in \[-0.25, 0.75\]"):
-        loaded(rater_offset={"tech": -0.25})
+        check_raters_fit_the_reward_range(loaded(rater_offset={"tech": -0.25}))
+    narrow = loaded(high=0.5, rater_scale={"cooking": 0.4})  # loads: a learner alone may narrow it
+    with pytest.raises(ConfigError, match=r"give rewards in \[0, 1\] \(the judge's 0..1 x 1 \+0\)"):
+        check_raters_fit_the_reward_range(narrow)  # every other topic rates 0..1
 
 
 class FlakyBackend:

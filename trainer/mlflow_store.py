@@ -245,16 +245,32 @@ class _WithoutFullStoreTracebacks(logging.Filter):
 _WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()
 
 
+def _environment_credentials() -> tuple[tuple[str, str] | None, dict[str, str]]:
+    """(basic auth, headers) from the environment variables MLflow's client reads: the user and password
+    ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD``, else the bearer token
+    ``MLFLOW_TRACKING_TOKEN``; neither: (None, {})."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user or password:
+        return (user or "", password or ""), {}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    return None, ({"Authorization": f"Bearer {token}"} if token else {})
+
+
 def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
     """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer,
     a ConfigError when it refuses the credentials (:func:`refused_credentials`).
     The URI's user and password go as basic auth beside a URL without them: httpx names the URL it asked
-    in its log lines and errors."""
+    in its log lines and errors. A URI without them uses what MLflow's own client would
+    (:func:`_environment_credentials`): a proxy that guards ``/health`` too refused the probe what the
+    client then sends."""
     url = httpx.URL(uri)
+    headers: dict[str, str] = {}
     auth = (url.username, url.password) if url.username or url.password else None
+    if auth is None:
+        auth, headers = _environment_credentials()
     bare = str(url.copy_with(userinfo=b"")).rstrip("/")
     try:
-        httpx.get(f"{bare}/health", auth=auth, timeout=timeout_s).raise_for_status()
+        httpx.get(f"{bare}/health", auth=auth, headers=headers, timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as exc:
         status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
         if status in (UNAUTHORIZED, FORBIDDEN):

@@ -73,6 +73,21 @@ def test_a_probe_refused_for_its_credentials_names_the_setting(free_port):
     assert PASSWORD not in str(raised.value)
 
 
+@pytest.mark.parametrize("environment, header", [
+    ({"MLFLOW_TRACKING_USERNAME": "mluser", "MLFLOW_TRACKING_PASSWORD": "pw"}, "Basic bWx1c2VyOnB3"),
+    ({"MLFLOW_TRACKING_TOKEN": "tok"}, "Bearer tok"),
+])
+def test_a_uri_without_credentials_probes_with_those_mlflow_s_client_reads(free_port, monkeypatch, environment,
+                                                                           header):
+    """A proxy guarding /health as well refused the probe the environment's credentials, which MLflow's
+    client then sends: the learner stopped, told to set exactly those variables."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with mlflow_server(free_port, 200) as seen:
+        probe_server(f"http://127.0.0.1:{free_port}")
+    assert seen == [header]
+
+
 def test_wrong_credentials_stop_the_tracker_with_one_line_naming_the_setting(tmp_path, free_port):
     """A 401 from the server was re-raised as MLflow's exception: a 22-frame traceback."""
     cfg = tracker_config(tmp_path, **{"mlflow.tracking_uri": _uri(free_port)})

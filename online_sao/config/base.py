@@ -87,10 +87,15 @@ _DATABASE_URL_PASSWORD = re.compile(
 """A database URL's scheme and user, then its password up to the URL's last ``@``: SQLAlchemy (MLflow's
 database stores) takes everything after the user's ``:`` up to an ``@`` as the password, ``/``, ``?``,
 ``#`` and quotes included, where the rule above would stop and leave such a password in clear."""
-_QUERY_PASSWORD = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd)=)[^&#\s'\"]+", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd|sslpassword)=)[^&\s'\"]+", re.IGNORECASE)
 """A password given as a URL's query parameter (``postgresql://db/mlflow?user=ml&password=pw``, as the
-database drivers behind SQLAlchemy take it; ``passwd`` for MySQL's, ``pwd`` for ODBC's), up to the next
-parameter."""
+database drivers behind SQLAlchemy take it; ``passwd`` for MySQL's, ``pwd`` for ODBC's, ``sslpassword``
+for libpq's client key), up to the next parameter: a ``#`` is the password's (SQLAlchemy reads the query
+to the URL's end)."""
+_ENCODED_ODBC_PASSWORD = re.compile(r"(?P<key>(?:%3B|[=;&?])(?:pwd|password)%3D)(?:(?!%3B)[^&\s'\"])+",
+                                    re.IGNORECASE)
+"""The password inside a percent-encoded ODBC connection string (``?odbc_connect=DRIVER%3D...%3BPWD%3Dpw``,
+the form SQLAlchemy's documentation gives for pyodbc), up to its next ``;`` (``%3B``)."""
 
 
 def mask_uri_password(text: str | None) -> str | None:
@@ -103,4 +108,5 @@ def mask_uri_password(text: str | None) -> str | None:
         return text
     masked = _DATABASE_URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", text)
     masked = _QUERY_PASSWORD.sub(rf"\g<key>{MASKED_PASSWORD}", masked)
+    masked = _ENCODED_ODBC_PASSWORD.sub(rf"\g<key>{MASKED_PASSWORD}", masked)
     return _URL_PASSWORD.sub(rf"\g<user>:{MASKED_PASSWORD}@", masked)

@@ -281,7 +281,11 @@ def test_a_database_password_is_masked_whatever_characters_it_holds(password):
     ("postgresql://db/mlflow?user=ml&password=Pg5ecret", "postgresql://db/mlflow?user=ml&password=***"),
     ("sqlite:///x.db?password=Sq5ecret", "sqlite:///x.db?password=***"),
     ("mysql+pymysql://db/mlflow?passwd=My5ecret&charset=utf8", "mysql+pymysql://db/mlflow?passwd=***&charset=utf8"),
-    ("mssql+pyodbc://db/mlflow?UID=ml&PWD=Ms5ecret#x", "mssql+pyodbc://db/mlflow?UID=ml&PWD=***#x"),
+    ("mssql+pyodbc://db/mlflow?UID=ml&PWD=Ms5ecret#x", "mssql+pyodbc://db/mlflow?UID=ml&PWD=***"),  # '#' is its
+    ("postgresql://db/mlflow?sslpassword=Ke5ecret&sslmode=require",
+     "postgresql://db/mlflow?sslpassword=***&sslmode=require"),
+    ("mssql+pyodbc:///?odbc_connect=DRIVER%3DODBC%3BUID%3Dml%3BPWD%3DOd5ecret%3BDatabase%3Dx",
+     "mssql+pyodbc:///?odbc_connect=DRIVER%3DODBC%3BUID%3Dml%3BPWD%3D***%3BDatabase%3Dx"),
     ("postgresql://ml:Pg5ecret@db/mlflow?password=Pg5ecret", "postgresql://ml:***@db/mlflow?password=***"),
 ])
 def test_a_password_given_as_a_query_parameter_is_masked(uri, shown):

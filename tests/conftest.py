@@ -1,7 +1,8 @@
 """Fixtures shared by every test package.
 
 Kafka fixtures (a real broker started once per session) live in
-tests/fixtures/kafka.py; model fixtures in tests/fixtures/models.py.
+tests/fixtures/kafka.py; model fixtures in tests/fixtures/models.py; the umask fixture in
+tests/fixtures/files.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from apps import stack
 
-pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.models"]
+pytest_plugins = ["tests.fixtures.files", "tests.fixtures.kafka", "tests.fixtures.models"]
 
 # Two CPU cores are shared by the broker, servers, subprocesses and the test process:
 # one intra-op thread avoids OpenMP workers spinning for a core another process holds.

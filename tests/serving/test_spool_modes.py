@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import stat
-
-import pytest
-
 from serving.spool import Spool, SpoolEntry
+from tests.fixtures.files import file_mode
 
 DLQ = "dead-letters"
-
-
-@pytest.fixture
-def umask_022():
-    """The usual umask, under which a file created without a mode was world-readable (0644)."""
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
-
-
-def _mode(path) -> int:
-    return stat.S_IMODE(os.stat(path).st_mode)
 
 
 def _entries(first: int, count: int) -> list[SpoolEntry]:
@@ -33,7 +17,7 @@ def test_the_spool_log_is_readable_by_its_owner_alone(tmp_path, umask_022):
     spool = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     try:
         spool.append(_entries(1, 3))
-        assert _mode(spool.log_path) == 0o600
+        assert file_mode(spool.log_path) == 0o600
     finally:
         spool.close()
 
@@ -44,6 +28,6 @@ def test_a_compacted_spool_log_stays_readable_by_its_owner_alone(tmp_path, umask
     try:
         spool.append(_entries(1, 6))
         spool.ack_through(spool.read_pending(10)[3])  # 4 acknowledged of 6: the rest is copied to a new file
-        assert spool.compactions == 1 and _mode(spool.log_path) == 0o600
+        assert spool.compactions == 1 and file_mode(spool.log_path) == 0o600
     finally:
         spool.close()

@@ -3,27 +3,12 @@ are readable by its own user alone, whatever the umask; the weights keep the mod
 
 from __future__ import annotations
 
-import os
-import stat
-
-import pytest
 import torch
 
 from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
 from trainer.id_memory import IdMemory
 from trainer.ledger import redact_ledger
-
-
-@pytest.fixture
-def umask_022():
-    """The usual umask, under which a file created without a mode was world-readable (0644)."""
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
-
-
-def _mode(path) -> int:
-    return stat.S_IMODE(os.stat(path).st_mode)
+from tests.fixtures.files import file_mode
 
 
 def _save(checkpointer: Checkpointer, step: int, ids: list[str]):
@@ -38,12 +23,12 @@ def _save(checkpointer: Checkpointer, step: int, ids: list[str]):
 def test_the_ledger_and_the_id_memory_are_readable_by_their_owner_alone(tmp_path, umask_022):
     path = _save(Checkpointer(tmp_path), 1, ["sao-a", "sao-b"])
     segments = list((tmp_path / "ledger").glob("*.jsonl"))
-    assert segments and [_mode(s) for s in segments] == [0o600] * len(segments)
-    assert _mode(path / "id_memory.bin") == 0o600
+    assert segments and [file_mode(s) for s in segments] == [0o600] * len(segments)
+    assert file_mode(path / "id_memory.bin") == 0o600
 
 
 def test_a_redacted_ledger_segment_stays_readable_by_its_owner_alone(tmp_path, umask_022):
     _save(Checkpointer(tmp_path), 1, ["sao-a", "sao-b"])
     segment = next((tmp_path / "ledger").glob("*.jsonl"))
     assert redact_ledger(segment, {"sao-a"}) == 1  # rewritten through a scratch file
-    assert _mode(segment) == 0o600
+    assert file_mode(segment) == 0o600

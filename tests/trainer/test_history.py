@@ -21,6 +21,19 @@ def _config(tmp_path, **overrides):
     return load_config(environ={}, overrides={"paths.data_dir": str(tmp_path), **overrides})
 
 
+def _on_file_and_topics(tmp_path, cfg, records):
+    """``records`` in a pre-training file and on an in-memory broker's topics: (the file, the backend)."""
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    producer = backend.producer()
+    for record in records:
+        publish(producer, cfg.kafka.topics.interactions if record.kind == "interaction" else cfg.kafka.topics.rewards,
+                record)
+    return path, backend
+
+
 def test_file_history_joins_and_keeps_only_the_starting_version(tmp_path):
     records = [make_interaction("a", version=0), make_reward("a", 1.0), make_interaction("b", version=3),
                make_reward("b", 2.0), make_interaction("c", version=0)]
@@ -54,14 +67,7 @@ def test_history_leaves_out_rewards_outside_the_configured_range_as_the_feed_doe
     records = [make_interaction("in", version=0, created_at=1.0), make_reward("in", 0.5),
                make_interaction("over", version=0, created_at=1.0), make_reward("over", 95.0),
                make_interaction("turn", version=0, created_at=1.0), make_reward("turn", 0.5, turns={0: -3.0})]
-    path = tmp_path / "history.jsonl"
-    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    producer = backend.producer()
-    for record in records:
-        publish(producer, cfg.kafka.topics.interactions if record.kind == "interaction" else cfg.kafka.topics.rewards,
-                record)
+    path, backend = _on_file_and_topics(tmp_path, cfg, records)
 
     from_file = rollouts_from_file(path, cfg, version=0)
     from_topics = rollouts_from_topics(backend, cfg, version=0)
@@ -179,15 +185,8 @@ def test_history_leaves_out_rollouts_past_the_models_vocabulary(tmp_path, caplog
     for i in range(4):
         response = (8, 9, VOCAB + 100) if i == 0 else (8, 9, 10)
         records += [make_interaction(f"i{i}", response=response, created_at=float(i)), make_reward(f"i{i}", 1.0)]
-    path = tmp_path / "history.jsonl"
-    path.write_bytes(b"\n".join(encode(r) for r in records) + b"\n")
     cfg = _config(tmp_path, **{"kafka.partitions": 2})
-    backend = InMemoryBackend(cfg.kafka)
-    backend.ensure_topics()
-    producer = backend.producer()
-    for record in records:
-        publish(producer, cfg.kafka.topics.interactions if record.kind == "interaction" else cfg.kafka.topics.rewards,
-                record)
+    path, backend = _on_file_and_topics(tmp_path, cfg, records)
     with caplog.at_level("WARNING", logger="trainer.history"):
         from_file = rollouts_from_file(path, cfg, version=0, vocab_size=VOCAB)
         from_topics = rollouts_from_topics(backend, cfg, version=0, vocab_size=VOCAB)

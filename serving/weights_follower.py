@@ -32,6 +32,10 @@ unreachable it cannot catch up: the weight store alone does not say which of its
 force (a rolled-back version's file stays in the store, whether a hold is in force only the topic
 says, a version saved by a learner killed before its notice was never published), and a notice's
 checksum is what vouches for a file's bytes, so the follower loads nothing from the store on its own.
+
+With ``model_name`` set, notices for other models are ignored (a topic may carry several models'
+notices), each other name warned about once and named in :attr:`WeightsFollower.catch_up_state`:
+a ``serving.model_name`` that is not the learner's leaves the server on ``model.path``'s weights.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ CHAMPION_RETRY_S = 2.0
 """Wait before trying again a champion that could not be loaded; doubled after each failed try."""
 CHAMPION_RETRY_MAX_S = 60.0
 """The longest wait between two tries of a pending champion."""
+OTHER_MODELS_NOTE = "; notices ignored for other models (serving.model_name must match the learner's): "
+"""How :attr:`WeightsFollower.catch_up_state` names the other models whose notices it ignored."""
 EXPECTED_LOAD_ERRORS = (FileNotFoundError, CorruptWeights, OSError, ValueError, ImportError)
 """What a weight store raises for a version it cannot give (a missing or corrupt file, a location it
 cannot parse, an fsspec protocol whose package is not installed): logged in a line. Anything else a
@@ -94,9 +100,10 @@ class WeightsFollower:
         self._catch_up_ends: dict[TopicPartition, int] | None = None
         """The topic's end offsets when the consumer connected: the first pass ends there."""
         self._caught_up = threading.Event()
-        self.catch_up_state = "connecting to the weights topic"
-        """What the first pass waits for (the topic unreachable, notices left to read, a champion to
-        load), or the version it caught up on: for the readiness probe's reason and the app's log."""
+        self.other_models: frozenset[str] = frozenset()
+        """Model names of notices ignored as not ``model_name``'s (each warned about once); replaced
+        whole, not changed in place, as the app's thread reads it."""
+        self._catch_up_reason = "connecting to the weights topic"
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,6 +122,15 @@ class WeightsFollower:
         self._stop.set()
         self._thread.join(timeout_s)
         self._thread = None
+
+    @property
+    def catch_up_state(self) -> str:
+        """What the first pass waits for (the topic unreachable, notices left to read, a champion to
+        load), or the version it caught up on, then the other models whose notices were ignored: for
+        the readiness probe's reason and the app's log."""
+        if not self.other_models:
+            return self._catch_up_reason
+        return f"{self._catch_up_reason}{OTHER_MODELS_NOTE}{', '.join(sorted(self.other_models))}"
 
     @property
     def caught_up(self) -> bool:
@@ -162,7 +178,7 @@ class WeightsFollower:
 
     def _behind(self, why: str) -> None:
         if not self._caught_up.is_set():
-            self.catch_up_state = why
+            self._catch_up_reason = why
 
     def _check_caught_up(self, consumer: Consumer) -> None:
         """Mark the first pass done once the consumer stands at the end offsets read when it
@@ -178,12 +194,11 @@ class WeightsFollower:
         if left:
             self._behind(f"{left} weights topic offsets left to read before where it ended at start")
             return
-        self.catch_up_state = f"caught up on v{self.engine.policy_version}"
+        self._catch_up_reason = f"caught up on v{self.engine.policy_version}"
         if self._champion_pending is not None:
-            self.catch_up_state += f" (champion v{self._champion_pending.version} not loaded: tried again)"
+            self._catch_up_reason += f" (champion v{self._champion_pending.version} not loaded: tried again)"
         self._caught_up.set()
-        log.info("weights topic %s read to where it ended at start: serving v%d", self.topic,
-                 self.engine.policy_version)
+        log.info("weights topic %s read to where it ended at start: %s", self.topic, self.catch_up_state)
         self.holds.end_replay()  # the hold the topic's history ends in, once (not each hold and release in it)
 
     def _read(self, message) -> WeightsNotice | None:
@@ -204,8 +219,19 @@ class WeightsFollower:
                             message.partition, message.offset, exc)
                 return None
         if notice is not None and self.model_name is not None and notice.model != self.model_name:
+            self._note_other_model(notice.model)
             return None
         return notice
+
+    def _note_other_model(self, model: str) -> None:
+        """Warn once per other model name: a topic may carry several models' notices, but a renamed
+        ``serving.model_name`` (or the learner's) leaves this server on its weights for good, silently."""
+        if model in self.other_models:
+            return
+        self.other_models = self.other_models | {model}
+        log.warning("weights notices for model %r ignored: this server follows %r (serving.model_name), and "
+                    "the learner names its notices with its own serving.model_name: the two must be the same "
+                    "for the learner's weights to be served", model, self.model_name)
 
     def _apply(self, notices: list[WeightsNotice]) -> None:
         champions = [n for n in notices if n.action == "champion"]

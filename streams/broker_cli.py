@@ -31,8 +31,7 @@ def kafka_up(cfg: Config, out: TextIO | None = None) -> int:
         if not cfg.kafka.is_local:
             print(f"kafka.bootstrap_servers is set: using the cluster at {cfg.kafka.bootstrap}; "
                   f"no local broker started", file=out)
-            KafkaBackend(cfg.kafka).ensure_topics()
-            print(f"topics ready: {', '.join(_topic_names(cfg))}", file=out)
+            _topics_ready(cfg, KafkaBackend(cfg.kafka).ensure_topics(), out)
             return 0
         broker = LocalBroker(cfg)
         started_at = time.monotonic()
@@ -41,13 +40,20 @@ def kafka_up(cfg: Config, out: TextIO | None = None) -> int:
                   f"(pid {broker.pid()})", file=out)
         else:
             print(f"Kafka broker already running (pid {broker.pid()})", file=out)
-        KafkaBackend(cfg.kafka).ensure_topics()
+        warnings = KafkaBackend(cfg.kafka).ensure_topics()
         print(f"bootstrap: {cfg.kafka.bootstrap}", file=out)
         print(f"log: {broker.log_file}", file=out)
-        print(f"topics ready: {', '.join(_topic_names(cfg))}", file=out)
+        _topics_ready(cfg, warnings, out)
         return 0
     except (BrokerError, StreamUnavailable) as exc:
         return _fail(exc, err)
+
+
+def _topics_ready(cfg: Config, warnings: list[str], out: TextIO) -> None:
+    """Say the topics are there, and which of them keep another partition count than configured."""
+    print(f"topics ready: {', '.join(_topic_names(cfg))}", file=out)
+    for warning in warnings:  # logged too; here as well, as "topics ready" alone said all was as configured
+        print(f"warning: {warning}", file=out)
 
 
 def kafka_down(cfg: Config, out: TextIO | None = None) -> int:

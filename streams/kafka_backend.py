@@ -16,6 +16,7 @@ The producer and the consumer are in :mod:`streams.kafka_producer` and :mod:`str
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,8 @@ from streams.base import StartFrom, StreamBackend, TopicNotFound, TopicsMisconfi
 from streams.kafka_consumer import KafkaStreamConsumer
 from streams.kafka_errors import as_stream_errors
 from streams.kafka_producer import KafkaStreamProducer
+
+log = logging.getLogger(__name__)
 
 PRODUCER_LINGER_MS = 5
 """Small batching window: a record waits at most 5 ms for others before it is sent."""
@@ -183,7 +186,10 @@ class KafkaBackend(StreamBackend):
             c.topics.dead_letters: {"num_partitions": 1, "replication_factor": rf, "configs": retained},
         }
 
-    def ensure_topics(self) -> None:
+    def ensure_topics(self) -> list[str]:
+        """Create the missing topics; an existing one keeps its partition count (Kafka never changes
+        it by itself). Returns the warnings, each logged, for topics whose count is not the
+        configured one (:func:`partition_count_warnings`)."""
         specs = self.topic_specs()
         with self.admin() as admin:
             result = admin.create_topics(specs, timeout_ms=TOPIC_CREATE_TIMEOUT_MS, raise_errors=False)
@@ -199,6 +205,10 @@ class KafkaBackend(StreamBackend):
             raise TopicsMisconfigured(f"topics {t.interactions!r} ({counts[t.interactions]} partitions) and "
                                       f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
                                       f"to stay co-partitioned by interaction id")
+        warnings = partition_count_warnings(specs, counts, (t.interactions, t.rewards))
+        for warning in warnings:
+            log.warning("%s", warning)
+        return warnings
 
     def describe_topics(self) -> dict[str, int]:
         """Partition count of every non-internal topic."""
@@ -209,3 +219,27 @@ class KafkaBackend(StreamBackend):
     def list_topics(self) -> list[str]:
         with self.admin() as admin:
             return sorted(name for name in admin.list_topics() if not name.startswith("__"))
+
+
+def partition_count_warnings(specs: dict[str, dict[str, Any]], counts: dict[str, int],
+                             co_partitioned: tuple[str, str]) -> list[str]:
+    """One line per topic of ``specs`` whose partition count in ``counts`` is not the one it would be
+    created with: a raised ``kafka.partitions`` does not raise the count of topics that exist, and
+    ``kafka up`` said "topics ready" over them. ``co_partitioned`` (interactions, rewards) must be
+    raised together, as their counts must stay equal."""
+    warnings = []
+    for topic, spec in specs.items():
+        wanted, held = spec["num_partitions"], counts.get(topic)
+        if held is None or held == wanted:
+            continue
+        if held > wanted:
+            warnings.append(f"topic {topic!r} has {held} partitions, more than the {wanted} configured "
+                            f"(kafka.partitions for interactions and rewards): Kafka cannot lower a count, "
+                            f"and the clients use the topic's {held}")
+            continue
+        how = (f"raise {' and '.join(repr(t) for t in co_partitioned)} together (their counts must stay equal)"
+               if topic in co_partitioned else f"raise {topic!r}")
+        warnings.append(f"topic {topic!r} keeps its {held} partitions, not the {wanted} configured: an existing "
+                        f"topic's count is not changed; {how} with kafka-topics.sh --alter --topic <name> "
+                        f"--partitions {wanted}")
+    return warnings

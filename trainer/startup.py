@@ -29,7 +29,7 @@ from trainer.plasticity import DriftResponse
 from trainer.publisher import newest_announced_version
 from trainer.pretrain import pretrain_critic as fit_critic
 from trainer.rank_zero import RankZero
-from trainer.state import Position, Trainables, restore_training_state
+from trainer.state import CheckpointMismatch, Position, Trainables, restore_training_state
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,14 @@ def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: Dist
     checkpointer = (Checkpointer(cfg.checkpoint_dir, ledger_segment_bytes=cfg.trainer.ledger_segment_bytes)
                     if ctx.is_main else None)
     joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
-    progress = restore_training_state(checkpointer, models.trainables, joiner, ctx, models.drift)
+    try:
+        progress = restore_training_state(checkpointer, models.trainables, joiner, ctx, models.drift)
+    except CheckpointMismatch as exc:
+        raise ConfigError(
+            f"the newest checkpoint in trainer.checkpoint_dir ({cfg.checkpoint_dir}) holds a policy that does not fit "
+            f"the model of model.path ({cfg.model_dir}), another architecture or size: {exc}. To start from "
+            f"this model, point trainer.checkpoint_dir at an empty directory; to go on from the checkpoint, "
+            f"set model.path back to the model it was trained from") from exc
     rank0, version = None, progress.version
     if ctx.is_main:
         rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,

@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from online_sao.algorithm import Algorithm
 from online_sao.algorithms import Optimizers
+from online_sao.config import ConfigError
 from streams.base import TopicPartition
 from trainer.checkpoint import Checkpoint, Checkpointer, LearnerState
 from trainer.distributed import DistContext, broadcast_json
@@ -25,6 +26,15 @@ from trainer.full_state import full_state_dict, load_full_state_dict, load_optim
 from trainer.join import RewardJoiner
 
 log = logging.getLogger(__name__)
+
+MISMATCHES_NAMED = 3
+"""How many mismatching parameters a :class:`CheckpointMismatch` names: enough to tell two
+architectures or sizes apart, and the error stays one line."""
+
+
+class CheckpointMismatch(ConfigError):
+    """The checkpoint's policy does not fit the model built from ``model.path`` (another architecture
+    or size): ``load_state_dict(strict=True)`` raised a 30-line traceback for it at every start."""
 
 
 @dataclass
@@ -89,6 +99,9 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
     shared = _shared(ckpt, ctx)
     if shared is None:
         return Progress()
+    if ctx.is_main:  # a model.path changed since is not read: say so, as nothing else would
+        log.info("resuming the policy of the checkpoint of step %d (model.path's weights are not used; "
+                 "to start from them, point trainer.checkpoint_dir at an empty directory)", shared["step"])
     load_trainables(ckpt, shared, trainables, ctx)
     if drift is not None and shared.get("drift"):
         drift.load_state_dict(shared["drift"])
@@ -121,8 +134,27 @@ def _shared(ckpt: Checkpoint | None, ctx: DistContext) -> dict[str, Any] | None:
     if ckpt is not None:
         shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
                   "scheduler": ckpt.optimizers.get("critic_scheduler"), "drift": ckpt.state.drift,
-                  "models": sorted(ckpt.models)}
+                  "models": sorted(ckpt.models), "policy_shapes": _shapes(ckpt.models["policy"])}
     return broadcast_json(shared, ctx)
+
+
+def _shapes(state: dict[str, Any]) -> dict[str, list[int]]:
+    """Each tensor's (full: a sharded parameter's global) shape, by name."""
+    return {name: list(tensor.shape) for name, tensor in state.items()}
+
+
+def check_policy_fits(policy: nn.Module, checkpoint_shapes: dict[str, list[int]]) -> None:
+    """Raise :class:`CheckpointMismatch` naming the first parameters that differ (missing from the
+    checkpoint, not in the model, or of another shape) when the checkpoint's policy is not one of
+    ``policy``'s architecture and size. Every rank decides alike: the shapes are rank 0's, broadcast."""
+    own = _shapes(policy.state_dict())
+    differences = [f"{name} {checkpoint_shapes[name]} in the checkpoint, {shape} in the model"
+                   for name, shape in own.items() if name in checkpoint_shapes and checkpoint_shapes[name] != shape]
+    differences += [f"{name} only in the model" for name in own if name not in checkpoint_shapes]
+    differences += [f"{name} only in the checkpoint" for name in checkpoint_shapes if name not in own]
+    if differences:
+        more = len(differences) - MISMATCHES_NAMED
+        raise CheckpointMismatch("; ".join(differences[:MISMATCHES_NAMED]) + (f" (and {more} more)" if more > 0 else ""))
 
 
 def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables: Trainables,
@@ -136,6 +168,7 @@ def load_trainables(ckpt: Checkpoint | None, shared: dict[str, Any], trainables:
     Each was a bare KeyError (or torch's "Missing optimizer state") at every restart."""
     t = trainables
     held = set(shared["models"])
+    check_policy_fits(t.policy, shared["policy_shapes"])
     load_full_state_dict(t.policy, ckpt.models["policy"] if ckpt else None, ctx)
     load_optimizer_state(t.policy, t.optimizers.policy, ckpt.optimizers["policy"] if ckpt else None, ctx,
                          name="policy")

@@ -37,10 +37,14 @@ one-line ConfigError naming ``mlflow.tracking_uri``, its password masked
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Literal
+
+import yaml
 
 from mlflow.entities import Metric, Param, Run, RunStatus
 from mlflow.exceptions import MlflowException
@@ -64,6 +68,18 @@ PARAMS_PER_BATCH = 100
 def flatten_config(cfg: Config) -> dict[str, str]:
     """The resolved configuration as ``section.field`` -> string (secrets masked)."""
     return {key: str(value)[:MAX_VALUE_LENGTH] for key, value in flat_settings(cfg.model_dump(mode="json")).items()}
+
+
+def changed_settings_tag(previous: dict[str, str], current: dict[str, str]) -> str:
+    """The ``config_changed.restart-N`` tag's value: ``key: old -> new`` for each setting whose value
+    differs from ``previous`` (settings new to the run are left out), separated by ``; ``; only the keys,
+    comma-separated (cut to :data:`MAX_VALUE_LENGTH`), when the values do not fit in a tag. Empty: none
+    changed."""
+    changed = sorted(k for k, v in current.items() if k in previous and previous[k] != v)
+    with_values = "; ".join(f"{k}: {previous[k]} -> {current[k]}" for k in changed)
+    if len(with_values) <= MAX_VALUE_LENGTH:
+        return with_values
+    return ",".join(changed)[:MAX_VALUE_LENGTH]
 
 
 TRACKING_RETRY_S = 5.0
@@ -183,18 +199,34 @@ class RunTracker:
 
     def _resume(self, run: Run, restarts: int) -> None:
         """Reopen the run (as read before this restart's first write to it) after a restart, the
-        ``restarts``-th. Parameters are immutable in MLflow: new keys are added, changed values are
-        listed in the ``config_changed`` tag and the restart's own YAML is logged next to the first one."""
+        ``restarts``-th. Parameters are immutable in MLflow (they keep the first lifetime's values):
+        new keys are added, the restart's own YAML is logged next to the first one, and the settings
+        that differ from the previous lifetime's (its YAML) are listed in the
+        ``config_changed.restart-N`` tag, with their values (:func:`changed_settings_tag`)."""
         params = flatten_config(self.cfg)
         logged = run.data.params
         self._log_params(self.run_id, {k: v for k, v in params.items() if k not in logged})
-        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        previous = self._previous_settings(run, restarts)
         with artifacts_named(f"{run.info.artifact_uri}/config"):
             self.client.log_text(self.run_id, dump_config(self.cfg), f"config/resolved-restart-{restarts}.yaml")
         self.client.set_tag(self.run_id, "restarts", str(restarts))
-        if changed:
-            self.client.set_tag(self.run_id, f"config_changed.restart-{restarts}", ",".join(changed)[:MAX_VALUE_LENGTH])
+        if tag := changed_settings_tag(previous, params):
+            self.client.set_tag(self.run_id, f"config_changed.restart-{restarts}", tag)
         self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+
+    def _previous_settings(self, run: Run, restarts: int) -> dict[str, str]:
+        """The settings of the lifetime before the ``restarts``-th restart: the newest resolved YAML of
+        the run logged by an earlier lifetime (one small artifact read; a retried opening may have
+        logged this restart's already). The run's parameters (the first lifetime's) if it has none."""
+        logged = {info.path for info in self.client.list_artifacts(self.run_id, "config")}
+        earlier = [f"config/resolved-restart-{n}.yaml" for n in range(restarts - 1, 0, -1)] + ["config/resolved.yaml"]
+        newest = next((name for name in earlier if name in logged), None)
+        if newest is None:
+            return dict(run.data.params)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = self.client.download_artifacts(self.run_id, newest, tmp)
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        return {key: str(value)[:MAX_VALUE_LENGTH] for key, value in flat_settings(tree).items()}
 
     def _log_params(self, run_id: str, params: dict[str, str]) -> None:
         items = [Param(k, v) for k, v in params.items()]

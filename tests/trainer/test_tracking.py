@@ -118,7 +118,7 @@ def test_restart_resumes_the_same_run(cfg):
     run = client.get_run(first.run_id)
     assert run.info.status == "RUNNING"
     assert run.data.tags["restarts"] == "1"
-    assert run.data.tags["config_changed.restart-1"] == "algorithm.policy_lr"
+    assert run.data.tags["config_changed.restart-1"] == "algorithm.policy_lr: 1e-05 -> 2e-05"
     assert run.data.params["algorithm.policy_lr"] == "1e-05"  # parameters keep the first lifetime's value
     assert [m.step for m in client.get_metric_history(first.run_id, "reward_mean")] == [1, 2]
     experiment = client.get_experiment_by_name(cfg.mlflow.experiment)

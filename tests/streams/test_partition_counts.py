@@ -1,0 +1,45 @@
+"""Topics that exist with another partition count than configured: ``kafka up`` said "topics ready"
+and exited 0 over a raised ``kafka.partitions``, the topics keeping their old count, silently."""
+
+from __future__ import annotations
+
+import io
+
+from online_sao.config import load_config
+from streams import broker_cli
+from streams import kafka_backend
+from streams.kafka_backend import KafkaBackend
+
+
+def _specs(partitions: int):
+    cfg = load_config(environ={}, overrides={"kafka.partitions": partitions})
+    return cfg, KafkaBackend(cfg.kafka).topic_specs()
+
+
+def test_a_raised_partition_count_over_existing_topics_is_named_with_how_to_raise_it():
+    cfg, specs = _specs(4)
+    t = cfg.kafka.topics
+    counts = {t.interactions: 2, t.rewards: 2, t.weights: 1, t.dead_letters: 1}
+    warnings = kafka_backend.partition_count_warnings(specs, counts, (t.interactions, t.rewards))
+    assert len(warnings) == 2
+    assert f"topic {t.interactions!r} keeps its 2 partitions, not the 4 configured" in warnings[0]
+    assert "kafka-topics.sh --alter" in warnings[0] and "--partitions 4" in warnings[0]
+    assert f"{t.interactions!r} and {t.rewards!r} together" in warnings[0]
+    assert kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 4, t.rewards: 4}, (t.interactions, t.rewards)) == []
+    lowered = kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 8, t.rewards: 8}, (t.interactions, t.rewards))
+    assert len(lowered) == 2 and "Kafka cannot lower a count" in lowered[0]
+
+
+def test_kafka_up_prints_the_partition_warnings_after_topics_ready(monkeypatch):
+    cfg = load_config(environ={}, overrides={"kafka.bootstrap_servers": "broker:9092", "kafka.partitions": 4})
+
+    class Existing(KafkaBackend):
+        def ensure_topics(self):
+            return ["topic 'sao.interactions' keeps its 2 partitions, not the 4 configured"]
+
+    monkeypatch.setattr(broker_cli, "KafkaBackend", Existing)
+    out = io.StringIO()
+    assert broker_cli.kafka_up(cfg, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[-2].startswith("topics ready: ")
+    assert lines[-1] == "warning: topic 'sao.interactions' keeps its 2 partitions, not the 4 configured"

@@ -81,6 +81,10 @@ class LazyProducer(Producer):
         if self._producer is not None:
             self._producer.close()
 
+    def abandon(self) -> None:
+        if self._producer is not None:
+            self._producer.abandon()
+
 
 @dataclass
 class ServingStack:
@@ -244,8 +248,8 @@ def run_server(cfg: Config, model_dir: Path) -> int:
     finally:
         if stack.logger.spool_records == 0:
             stack.producer.close()
-        # else: records the producer still holds are also in the spool; leaving it unclosed lets
-        # the process exit now instead of waiting out the producer's delivery timeout.
+        else:  # what the producer still holds is also in the spool: stop now, not after its delivery timeout
+            stack.producer.abandon()
         log.info("serving stopped")
     return 0
 

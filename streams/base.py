@@ -87,6 +87,12 @@ class Producer(ABC):
         """Send what is queued, waiting a bounded time; records still unsent then are dropped (and
         said in the log), never raised about: closing during an outage must not fail its caller."""
 
+    def abandon(self) -> None:
+        """Close without waiting for what is queued, which is dropped (said in the log): for a caller
+        that keeps those records elsewhere (serving's spool) and must stop now. By default
+        :meth:`close`, for a producer that holds nothing unsent."""
+        self.close()
+
 
 class Consumer(ABC):
     """Reads topics; offsets are committed explicitly (never automatically).

@@ -81,6 +81,17 @@ class KafkaStreamProducer(Producer):
                     "dropped (%s)", self._bootstrap, unsent, self._close_timeout_s, failure)
         self._force_close()
 
+    def abandon(self) -> None:
+        """Stop at once, dropping what is queued (logged with its count). Left unclosed instead (serving,
+        its records in the spool), kafka-python's own exit hook closed it and printed an "Exception
+        ignored in atexit" traceback for the flush that timed out."""
+        with self._failures_lock:
+            unsent = self._unsettled
+        if unsent:
+            log.info("closing the producer (Kafka at %s) without waiting: %d record(s) not acknowledged are "
+                     "dropped here", self._bootstrap, unsent)
+        self._force_close()
+
     def _force_close(self) -> None:
         """Stop the network thread without sending (it fails the batches it holds, waking their
         futures), then let kafka-python's close finish, which now has nothing to wait for."""

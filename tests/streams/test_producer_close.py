@@ -86,3 +86,39 @@ def test_closing_with_records_a_stopped_broker_never_took_drops_them_and_stops_t
         assert took < 2 * CLIENT_TIMEOUT_S + FORCE_CLOSE_JOIN_S  # kafka-python's close waits twice at most
     finally:
         broker.stop()
+
+
+def test_abandoning_forces_the_network_thread_down_at_once(caplog):
+    """Serving, its records kept in the spool, stops without the bounded wait of close()."""
+    stuck = _StuckProducer()
+    producer = KafkaStreamProducer(stuck, "nowhere:9092", close_timeout_s=CLIENT_TIMEOUT_S)
+    producer._unsettled = 2  # two sends the broker never acknowledged
+    with caplog.at_level("INFO", logger="streams.kafka_producer"):
+        producer.abandon()
+    assert stuck._sender.forced and stuck.closes == [0]  # no flush of CLIENT_TIMEOUT_S first
+    assert "without waiting: 2 record(s) not acknowledged are dropped here" in caplog.text
+
+
+@pytest.mark.kafka
+def test_an_abandoned_producer_is_closed_so_its_exit_hook_has_nothing_to_say(tmp_path, kafka_lib_dir):
+    """Serving left its producer unclosed when records were spooled; kafka-python's atexit hook then
+    closed it and printed "Exception ignored in atexit callback" with the flush's KafkaTimeoutError."""
+    cfg = local_broker_config(tmp_path / "broker")
+    broker = LocalBroker(cfg, lib_dir=kafka_lib_dir, stop_with_parent=True)
+    broker.start()
+    try:
+        kcfg = cfg.kafka.model_copy(update={"client_timeout_s": CLIENT_TIMEOUT_S})
+        backend = KafkaBackend(kcfg)
+        backend.ensure_topics()
+        producer = backend.producer()
+        producer.send(kcfg.topics.weights, b"taken", key=b"k")
+        producer.flush(10)
+        broker.stop()
+        producer.send(kcfg.topics.weights, b"never taken", key=b"k")
+
+        producer.abandon()
+
+        assert producer._producer._closed  # the exit hook's close returns at once
+        producer._producer.close(timeout=1)  # what the hook calls: nothing raised
+    finally:
+        broker.stop()

@@ -13,7 +13,8 @@ import threading
 from typing import Callable
 
 from apps.config import AppConfig
-from apps.config_checks import check_agent_rewards_are_taken, check_requests_fit_serving
+from apps.config_checks import (check_agent_rewards_are_taken, check_raters_fit_the_reward_range,
+                                check_requests_fit_serving)
 from apps.stack import exit_on_sigterm
 from online_sao.config import ConfigError, dump_config
 from online_sao.config.reference import reference
@@ -182,6 +183,8 @@ def agent(cfg: AppConfig, args: argparse.Namespace) -> int:
 
 def judge(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.experiments.judge_service import run_judge_cli
+
+    check_raters_fit_the_reward_range(cfg)  # a judge started alone rates the experiment's traffic too
 
     log_to_stderr(SERVICE_LOG_LEVEL)
     return run_judge_cli(cfg, arm=args.arm)

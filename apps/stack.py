@@ -261,8 +261,8 @@ def write_private(path: Path, text: str) -> None:
     """Write a run's config, which holds secrets: readable by this user only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # O_CREAT's mode applies to a new file only: one left by an earlier run kept its own
-    with os.fdopen(fd, "w") as fh:
+    with os.fdopen(fd, "w") as fh:  # closes the descriptor whatever fails below
+        os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode applies to a new file only: an earlier run's kept its own
         fh.write(text)
 
 

@@ -224,22 +224,29 @@ class KafkaBackend(StreamBackend):
 def partition_count_warnings(specs: dict[str, dict[str, Any]], counts: dict[str, int],
                              co_partitioned: tuple[str, str]) -> list[str]:
     """One line per topic of ``specs`` whose partition count in ``counts`` is not the one it would be
-    created with: a raised ``kafka.partitions`` does not raise the count of topics that exist, and
-    ``kafka up`` said "topics ready" over them. ``co_partitioned`` (interactions, rewards) must be
-    raised together, as their counts must stay equal."""
+    created with: a changed ``kafka.partitions`` does not change the count of topics that exist, and
+    ``kafka up`` said "topics ready" over them. ``co_partitioned`` (interactions, rewards) are sized by
+    ``kafka.partitions``; the other topics have one partition, which their readers' order relies on."""
     warnings = []
     for topic, spec in specs.items():
         wanted, held = spec["num_partitions"], counts.get(topic)
         if held is None or held == wanted:
             continue
-        if held > wanted:
-            warnings.append(f"topic {topic!r} has {held} partitions, more than the {wanted} configured "
-                            f"(kafka.partitions for interactions and rewards): Kafka cannot lower a count, "
-                            f"and the clients use the topic's {held}")
+        if topic not in co_partitioned:
+            warnings.append(f"topic {topic!r} has {held} partitions, not 1: records of different keys lose their "
+                            f"order across them (weights notices: a hold, a champion, a publish); recreate it "
+                            f"with one partition")
             continue
-        how = (f"raise {' and '.join(repr(t) for t in co_partitioned)} together (their counts must stay equal)"
-               if topic in co_partitioned else f"raise {topic!r}")
-        warnings.append(f"topic {topic!r} keeps its {held} partitions, not the {wanted} configured: an existing "
-                        f"topic's count is not changed; {how} with kafka-topics.sh --alter --topic <name> "
-                        f"--partitions {wanted}")
+        pair = " and ".join(repr(t) for t in co_partitioned)
+        if held > wanted:
+            warnings.append(f"topic {topic!r} has {held} partitions, more than kafka.partitions = {wanted}: Kafka "
+                            f"cannot lower a count and the clients use the topic's {held}; set kafka.partitions "
+                            f"to {held}")
+            continue
+        warnings.append(f"topic {topic!r} keeps its {held} partitions, not kafka.partitions = {wanted}: an "
+                        f"existing topic's count is not changed. Set kafka.partitions back to {held}, or raise "
+                        f"{pair} together (kafka-topics.sh --alter --partitions {wanted}) knowing that a key "
+                        f"then maps to another partition: records written before stay on the old one, so an "
+                        f"interaction and its later reward can sit apart, and erasure by key must look in "
+                        f"every partition")
     return warnings

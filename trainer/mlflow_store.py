@@ -21,6 +21,7 @@ import errno
 import fcntl
 import logging
 import os
+import ssl
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -245,32 +246,42 @@ class _WithoutFullStoreTracebacks(logging.Filter):
 _WITHOUT_FULL_STORE_TRACEBACKS = _WithoutFullStoreTracebacks()
 
 
-def _environment_credentials() -> tuple[tuple[str, str] | None, dict[str, str]]:
-    """(basic auth, headers) from the environment variables MLflow's client reads: the user and password
-    ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD``, else the bearer token
-    ``MLFLOW_TRACKING_TOKEN``; neither: (None, {})."""
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    if user or password:
-        return (user or "", password or ""), {}
-    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
-    return None, ({"Authorization": f"Bearer {token}"} if token else {})
+def _tls(creds) -> bool | ssl.SSLContext:
+    """httpx's ``verify`` for MLflow's host credentials: off with ``MLFLOW_TRACKING_INSECURE_TLS``, else the
+    server certificate (``MLFLOW_TRACKING_SERVER_CERT_PATH``) and client certificate
+    (``MLFLOW_TRACKING_CLIENT_CERT_PATH``) it names, else the system's CAs."""
+    if creds.ignore_tls_verification:
+        return False
+    if not (creds.server_cert_path or creds.client_cert_path):
+        return True
+    context = ssl.create_default_context(cafile=creds.server_cert_path)
+    if creds.client_cert_path:
+        context.load_cert_chain(creds.client_cert_path)
+    return context
 
 
 def probe_server(uri: str, timeout_s: float = TRACKING_PROBE_S) -> None:
     """Ask an MLflow server's ``/health``; TrackingUnavailable, naming the setting, when it does not answer,
     a ConfigError when it refuses the credentials (:func:`refused_credentials`).
     The URI's user and password go as basic auth beside a URL without them: httpx names the URL it asked
-    in its log lines and errors. A URI without them uses what MLflow's own client would
-    (:func:`_environment_credentials`): a proxy that guards ``/health`` too refused the probe what the
-    client then sends."""
+    in its log lines and errors. Otherwise it sends what MLflow's own client would, as MLflow reads it
+    from the environment (:func:`mlflow.utils.credentials.get_default_host_creds`): basic auth when both
+    user and password are set, else the token; its TLS settings too. A proxy that guards ``/health``
+    refused a probe without them, and a private CA's certificate failed it, which MLflow's client took."""
+    from mlflow.utils.credentials import get_default_host_creds
+
     url = httpx.URL(uri)
+    creds = get_default_host_creds(uri)
     headers: dict[str, str] = {}
     auth = (url.username, url.password) if url.username or url.password else None
-    if auth is None:
-        auth, headers = _environment_credentials()
+    if auth is None and creds.username and creds.password:
+        auth = (creds.username, creds.password)
+    elif auth is None and creds.token:
+        headers["Authorization"] = f"Bearer {creds.token}"
     bare = str(url.copy_with(userinfo=b"")).rstrip("/")
     try:
-        httpx.get(f"{bare}/health", auth=auth, headers=headers, timeout=timeout_s).raise_for_status()
+        answer = httpx.get(f"{bare}/health", auth=auth, headers=headers, verify=_tls(creds), timeout=timeout_s)
+        answer.raise_for_status()
     except httpx.HTTPError as exc:
         status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
         if status in (UNAUTHORIZED, FORBIDDEN):

@@ -217,15 +217,28 @@ class RunTracker:
     def _previous_settings(self, run: Run, restarts: int) -> dict[str, str]:
         """The settings of the lifetime before the ``restarts``-th restart: the newest resolved YAML of
         the run logged by an earlier lifetime (one small artifact read; a retried opening may have
-        logged this restart's already). The run's parameters (the first lifetime's) if it has none."""
-        logged = {info.path for info in self.client.list_artifacts(self.run_id, "config")}
-        earlier = [f"config/resolved-restart-{n}.yaml" for n in range(restarts - 1, 0, -1)] + ["config/resolved.yaml"]
-        newest = next((name for name in earlier if name in logged), None)
-        if newest is None:
+        logged this restart's already). The run's parameters (the first lifetime's) if it has none.
+        The tag only informs: an artifact store that fails (its own errors, not MLflow's) or a YAML that
+        does not read falls back to the parameters, with a warning, rather than stopping the start."""
+        try:
+            logged = {info.path for info in self.client.list_artifacts(self.run_id, "config")}
+            earlier = [f"config/resolved-restart-{n}.yaml" for n in range(restarts - 1, 0, -1)]
+            newest = next((name for name in [*earlier, "config/resolved.yaml"] if name in logged), None)
+            if newest is None:
+                return dict(run.data.params)
+            with tempfile.TemporaryDirectory() as tmp:
+                tree = yaml.safe_load(Path(self.client.download_artifacts(self.run_id, newest, tmp)).read_text())
+        except (MlflowException, OSError, yaml.YAMLError) as exc:  # requests' errors are OSErrors
+            if isinstance(exc, MlflowException) and (is_unreachable(exc) or
+                                                     is_temporarily_unavailable(exc, self.cfg.mlflow_uri)):
+                raise  # an outage: waited out like any other call of the start
+            log.warning("the previous lifetime's settings could not be read (%s): config_changed.restart-%d "
+                        "compares with the first lifetime's", mask_uri_password(str(exc))[:300], restarts)
             return dict(run.data.params)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = self.client.download_artifacts(self.run_id, newest, tmp)
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(tree, dict):
+            log.warning("the previous lifetime's settings are not a mapping: config_changed.restart-%d compares "
+                        "with the first lifetime's", restarts)
+            return dict(run.data.params)
         return {key: str(value)[:MAX_VALUE_LENGTH] for key, value in flat_settings(tree).items()}
 
     def _log_params(self, run_id: str, params: dict[str, str]) -> None:

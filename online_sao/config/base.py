@@ -92,10 +92,12 @@ _QUERY_PASSWORD = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd|sslpassword)=
 database drivers behind SQLAlchemy take it; ``passwd`` for MySQL's, ``pwd`` for ODBC's, ``sslpassword``
 for libpq's client key), up to the next parameter: a ``#`` is the password's (SQLAlchemy reads the query
 to the URL's end)."""
-_ENCODED_ODBC_PASSWORD = re.compile(r"(?P<key>(?:%3B|[=;&?])(?:pwd|password)%3D)(?:(?!%3B)[^&\s'\"])+",
-                                    re.IGNORECASE)
+_ENCODED_ODBC_PASSWORD = re.compile(
+    r"(?P<key>(?:%3B|[=;&?])(?:pwd|password)%3D)(?:%7B(?:(?!%7D)[^\s'\"]|%7D%7D)*(?:%7D)?|(?:(?!%3B)[^&\s'\"])+)",
+    re.IGNORECASE)
 """The password inside a percent-encoded ODBC connection string (``?odbc_connect=DRIVER%3D...%3BPWD%3Dpw``,
-the form SQLAlchemy's documentation gives for pyodbc), up to its next ``;`` (``%3B``)."""
+the form SQLAlchemy's documentation gives for pyodbc), up to its next ``;`` (``%3B``), or in braces
+(``%7B...%7D``, ODBC's quoting of a password holding ``;``, a ``}`` in it doubled) to the closing one."""
 
 
 def mask_uri_password(text: str | None) -> str | None:

@@ -381,3 +381,12 @@ def test_serve_logs_info_lines_with_time_and_level(monkeypatch, tmp_path):
 def test_weights_hold_takes_a_version_as_weights_status_writes_it(text, version):
     """`weights status` lists "can be held: v1, v2, v3"; `weights hold v3` was a usage error."""
     assert cli.build_parser().parse_args(["weights", "hold", text]).version == version
+
+
+def test_a_judge_started_alone_refuses_raters_outside_the_reward_range(tmp_path, capsys):
+    """`online-sao judge` runs beside an experiment's arms without run_simulation, whose check it skipped:
+    the learner then dead-lettered the generous topic's good answers' rewards."""
+    argv = ["--set", f"paths.data_dir={tmp_path}", "--set", "reward.min_value=0", "--set", "reward.max_value=1",
+            "--set", "experiment.rater_scale={cooking: 1.5}", "judge"]
+    assert cli.main(argv) == 2
+    assert "raters of topic 'cooking' give rewards in [0, 1.5]" in capsys.readouterr().err

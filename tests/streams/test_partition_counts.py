@@ -16,18 +16,29 @@ def _specs(partitions: int):
     return cfg, KafkaBackend(cfg.kafka).topic_specs()
 
 
-def test_a_raised_partition_count_over_existing_topics_is_named_with_how_to_raise_it():
+def test_a_raised_partition_count_over_existing_topics_is_named_with_what_raising_it_costs():
     cfg, specs = _specs(4)
     t = cfg.kafka.topics
+    pair = (t.interactions, t.rewards)
     counts = {t.interactions: 2, t.rewards: 2, t.weights: 1, t.dead_letters: 1}
-    warnings = kafka_backend.partition_count_warnings(specs, counts, (t.interactions, t.rewards))
+    warnings = kafka_backend.partition_count_warnings(specs, counts, pair)
     assert len(warnings) == 2
-    assert f"topic {t.interactions!r} keeps its 2 partitions, not the 4 configured" in warnings[0]
-    assert "kafka-topics.sh --alter" in warnings[0] and "--partitions 4" in warnings[0]
-    assert f"{t.interactions!r} and {t.rewards!r} together" in warnings[0]
-    assert kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 4, t.rewards: 4}, (t.interactions, t.rewards)) == []
-    lowered = kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 8, t.rewards: 8}, (t.interactions, t.rewards))
+    assert f"topic {t.interactions!r} keeps its 2 partitions, not kafka.partitions = 4" in warnings[0]
+    assert "Set kafka.partitions back to 2" in warnings[0] and "--partitions 4" in warnings[0]
+    assert f"{t.interactions!r} and {t.rewards!r} together" in warnings[0] and "erasure by key must look" in warnings[0]
+    assert kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 4, t.rewards: 4}, pair) == []
+    lowered = kafka_backend.partition_count_warnings(specs, {**counts, t.interactions: 8, t.rewards: 8}, pair)
     assert len(lowered) == 2 and "Kafka cannot lower a count" in lowered[0]
+    assert "set kafka.partitions to 8" in lowered[0]
+
+
+def test_a_single_partition_topic_with_more_is_told_to_be_recreated_not_blamed_on_kafka_partitions():
+    cfg, specs = _specs(2)
+    t = cfg.kafka.topics
+    counts = {t.interactions: 2, t.rewards: 2, t.weights: 3, t.dead_letters: 1}
+    [warning] = kafka_backend.partition_count_warnings(specs, counts, (t.interactions, t.rewards))
+    assert warning.startswith(f"topic {t.weights!r} has 3 partitions, not 1") and "recreate it" in warning
+    assert "kafka.partitions" not in warning
 
 
 def test_kafka_up_prints_the_partition_warnings_after_topics_ready(monkeypatch):

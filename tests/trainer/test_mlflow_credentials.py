@@ -76,6 +76,8 @@ def test_a_probe_refused_for_its_credentials_names_the_setting(free_port):
 @pytest.mark.parametrize("environment, header", [
     ({"MLFLOW_TRACKING_USERNAME": "mluser", "MLFLOW_TRACKING_PASSWORD": "pw"}, "Basic bWx1c2VyOnB3"),
     ({"MLFLOW_TRACKING_TOKEN": "tok"}, "Bearer tok"),
+    # MLflow's client sends basic auth only with both: a stray user beside a token is the token
+    ({"MLFLOW_TRACKING_TOKEN": "tok", "MLFLOW_TRACKING_USERNAME": "svc"}, "Bearer tok"),
 ])
 def test_a_uri_without_credentials_probes_with_those_mlflow_s_client_reads(free_port, monkeypatch, environment,
                                                                            header):
@@ -86,6 +88,18 @@ def test_a_uri_without_credentials_probes_with_those_mlflow_s_client_reads(free_
     with mlflow_server(free_port, 200) as seen:
         probe_server(f"http://127.0.0.1:{free_port}")
     assert seen == [header]
+
+
+def test_the_probe_takes_mlflow_s_tls_settings(monkeypatch):
+    """A self-signed server with MLFLOW_TRACKING_INSECURE_TLS: MLflow's client answered, the probe said
+    the server did not answer, and the learner waited for ever."""
+    from mlflow.utils.credentials import get_default_host_creds
+
+    from trainer.mlflow_store import _tls
+
+    assert _tls(get_default_host_creds("https://mlflow.example")) is True
+    monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+    assert _tls(get_default_host_creds("https://mlflow.example")) is False
 
 
 def test_wrong_credentials_stop_the_tracker_with_one_line_naming_the_setting(tmp_path, free_port):

@@ -32,3 +32,25 @@ def test_the_tag_lists_only_the_keys_when_the_values_do_not_fit():
     assert tracking.changed_settings_tag(previous, current) == "a.long,b.short"
     assert tracking.changed_settings_tag({"b.short": "1"}, {"b.short": "2"}) == "b.short: 1 -> 2"
     assert tracking.changed_settings_tag(previous, previous) == ""
+
+
+def test_an_artifact_store_that_fails_on_restart_falls_back_to_the_first_lifetime(cfg, monkeypatch,  # noqa: F811
+                                                                                   caplog):
+    """The tag only informs: a proxied artifact store's 503 (a requests error, no MlflowException) stopped
+    the restart with a traceback."""
+    import requests
+
+    first = RunTracker(cfg)  # policy_lr 1e-5
+    first.close("KILLED")
+
+    def unavailable(*args, **kwargs):
+        raise requests.HTTPError("503 Server Error: Service Unavailable")
+
+    from mlflow import MlflowClient
+
+    monkeypatch.setattr(MlflowClient, "download_artifacts", unavailable)
+    with caplog.at_level("WARNING", logger="trainer.tracking"):
+        RunTracker(_with_lr(cfg, 1e-4), run_id=first.run_id).close("KILLED")
+    tags = _client(cfg).get_run(first.run_id).data.tags
+    assert tags["config_changed.restart-1"] == "algorithm.policy_lr: 1e-05 -> 0.0001"  # against the params
+    assert "could not be read (503 Server Error" in caplog.text

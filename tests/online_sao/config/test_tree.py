@@ -286,6 +286,8 @@ def test_a_database_password_is_masked_whatever_characters_it_holds(password):
      "postgresql://db/mlflow?sslpassword=***&sslmode=require"),
     ("mssql+pyodbc:///?odbc_connect=DRIVER%3DODBC%3BUID%3Dml%3BPWD%3DOd5ecret%3BDatabase%3Dx",
      "mssql+pyodbc:///?odbc_connect=DRIVER%3DODBC%3BUID%3Dml%3BPWD%3D***%3BDatabase%3Dx"),
+    ("mssql+pyodbc:///?odbc_connect=UID%3Dml%3BPWD%3D%7BOd%3B5ecret%7D%7Dx%7D%3BEncrypt%3Dyes",  # ';' and '}' in it
+     "mssql+pyodbc:///?odbc_connect=UID%3Dml%3BPWD%3D***%3BEncrypt%3Dyes"),
     ("postgresql://ml:Pg5ecret@db/mlflow?password=Pg5ecret", "postgresql://ml:***@db/mlflow?password=***"),
 ])
 def test_a_password_given_as_a_query_parameter_is_masked(uri, shown):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import kafka.errors as kerr
 import pytest
@@ -59,8 +60,9 @@ def test_a_close_whose_flush_times_out_forces_the_network_thread_down_and_raises
 
 
 @pytest.mark.kafka
-def test_closing_with_records_a_stopped_broker_never_took_drops_them_and_stops_the_producer(
-        tmp_path, kafka_lib_dir, caplog):
+@contextmanager
+def a_producer_whose_broker_stopped(tmp_path, kafka_lib_dir):
+    """(the weights topic's name, a producer that had one record taken before its broker stopped)."""
     cfg = local_broker_config(tmp_path / "broker")
     broker = LocalBroker(cfg, lib_dir=kafka_lib_dir, stop_with_parent=True)
     broker.start()
@@ -71,11 +73,19 @@ def test_closing_with_records_a_stopped_broker_never_took_drops_them_and_stops_t
         producer = backend.producer()
         producer.send(kcfg.topics.weights, b"taken", key=b"k")
         producer.flush(10)
-        network_thread = producer._producer._sender
         broker.stop()
+        yield kcfg.topics.weights, producer
+    finally:
+        broker.stop()
+
+
+def test_closing_with_records_a_stopped_broker_never_took_drops_them_and_stops_the_producer(
+        tmp_path, kafka_lib_dir, caplog):
+    with a_producer_whose_broker_stopped(tmp_path, kafka_lib_dir) as (topic, producer):
+        network_thread = producer._producer._sender
         reports: list[BaseException | None] = []
         for _ in range(2):
-            producer.send(kcfg.topics.weights, b"never taken", key=b"k", on_delivery=reports.append)
+            producer.send(topic, b"never taken", key=b"k", on_delivery=reports.append)
         started = time.monotonic()
         with caplog.at_level("WARNING", logger="streams.kafka_backend"):
             producer.close()
@@ -84,8 +94,6 @@ def test_closing_with_records_a_stopped_broker_never_took_drops_them_and_stops_t
         assert len(reports) == 2 and all(isinstance(r, Exception) for r in reports)  # each told it failed
         assert not network_thread.is_alive() and network_thread not in threading.enumerate()
         assert took < 2 * CLIENT_TIMEOUT_S + FORCE_CLOSE_JOIN_S  # kafka-python's close waits twice at most
-    finally:
-        broker.stop()
 
 
 def test_abandoning_forces_the_network_thread_down_at_once(caplog):
@@ -103,22 +111,10 @@ def test_abandoning_forces_the_network_thread_down_at_once(caplog):
 def test_an_abandoned_producer_is_closed_so_its_exit_hook_has_nothing_to_say(tmp_path, kafka_lib_dir):
     """Serving left its producer unclosed when records were spooled; kafka-python's atexit hook then
     closed it and printed "Exception ignored in atexit callback" with the flush's KafkaTimeoutError."""
-    cfg = local_broker_config(tmp_path / "broker")
-    broker = LocalBroker(cfg, lib_dir=kafka_lib_dir, stop_with_parent=True)
-    broker.start()
-    try:
-        kcfg = cfg.kafka.model_copy(update={"client_timeout_s": CLIENT_TIMEOUT_S})
-        backend = KafkaBackend(kcfg)
-        backend.ensure_topics()
-        producer = backend.producer()
-        producer.send(kcfg.topics.weights, b"taken", key=b"k")
-        producer.flush(10)
-        broker.stop()
-        producer.send(kcfg.topics.weights, b"never taken", key=b"k")
+    with a_producer_whose_broker_stopped(tmp_path, kafka_lib_dir) as (topic, producer):
+        producer.send(topic, b"never taken", key=b"k")
 
         producer.abandon()
 
         assert producer._producer._closed  # the exit hook's close returns at once
         producer._producer.close(timeout=1)  # what the hook calls: nothing raised
-    finally:
-        broker.stop()

@@ -30,6 +30,7 @@ import yaml
 
 from apps.config import AppConfig, load_app_config
 from online_sao.config import ENV_PREFIX, Config, TopicsConfig
+from online_sao.durable import PRIVATE_FILE_MODE, private_opener
 
 READY_POLL_S = 0.5
 """Pause between readiness probes of a starting process (no busy wait)."""
@@ -260,9 +261,8 @@ def threads_env(threads: int) -> dict[str, str]:
 def write_private(path: Path, text: str) -> None:
     """Write a run's config, which holds secrets: readable by this user only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:  # closes the descriptor whatever fails below
-        os.fchmod(fh.fileno(), 0o600)  # O_CREAT's mode applies to a new file only: an earlier run's kept its own
+    with open(path, "w", opener=private_opener) as fh:
+        os.fchmod(fh.fileno(), PRIVATE_FILE_MODE)  # the opener's applies to a new file only
         fh.write(text)
 
 

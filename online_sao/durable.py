@@ -12,6 +12,18 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 
+PRIVATE_FILE_MODE = 0o600
+"""The mode of files of users' data (serving's spool of prompts and answers, the learner's ledger of
+the interaction ids it trained on, a checkpoint's id memory): their writer's user alone may read them,
+whatever the umask (022 made them world-readable)."""
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file it creates is :data:`PRIVATE_FILE_MODE`; an existing
+    file keeps its mode."""
+    return os.open(path, flags, PRIVATE_FILE_MODE)
+
+
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (a rename or a new file in it) to disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -79,22 +79,12 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from online_sao.durable import fsync_dir, replace_with_text
+from online_sao.durable import fsync_dir, private_opener, replace_with_text
 from serving.spool_format import HEADER_BYTES, SpoolEntry, decode_payload
 from serving.spool_overflow import Overflow
 from serving.spool_recovery import recover_log
 
 log = logging.getLogger(__name__)
-
-SPOOL_FILE_MODE = 0o600
-"""The spool log's mode: it holds whole prompts and answers, for the server's user alone whatever
-the umask (022 made it world-readable)."""
-
-
-def _private(path: str, flags: int) -> int:
-    """``open``'s opener: a file it creates is :data:`SPOOL_FILE_MODE`; an existing file keeps its mode."""
-    return os.open(path, flags, SPOOL_FILE_MODE)
-
 
 COMPACT_MIN_BYTES = 1 << 20
 """An acknowledged prefix smaller than this (or than a quarter of ``max_bytes``) is
@@ -248,7 +238,7 @@ class Spool:
         if self._log_file is None:
             if not self.log_path.exists():
                 self._dir_sync_due = True  # the new file's name must survive a power loss too
-            self._log_file = open(self.log_path, "ab", buffering=0, opener=_private)
+            self._log_file = open(self.log_path, "ab", buffering=0, opener=private_opener)
         fh = self._log_file
         start = os.fstat(fh.fileno()).st_size  # not tell(): a reset truncates the file under this handle
         try:
@@ -338,7 +328,7 @@ class Spool:
             src.seek(self._acked_offset - self._base)
             rest = src.read(self._log_size - self._acked_offset)
         try:
-            with open(tmp, "wb", opener=_private) as fh:
+            with open(tmp, "wb", opener=private_opener) as fh:
                 fh.write(rest)
                 fh.flush()
                 os.fsync(fh.fileno())

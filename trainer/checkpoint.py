@@ -57,11 +57,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from online_sao.durable import fsync_dir, naming_the_file
+from online_sao.durable import fsync_dir, naming_the_file, private_opener
 from streams.base import TopicPartition
 from trainer.id_memory import MemorySnapshot, decode_snapshot, encode_snapshot
-from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, private_opener,
-                            read_ledger, redact_ledger)
+from trainer.ledger import (LEDGER_DIR, LEDGER_FILE, LEGACY_SEGMENT, SCRATCH_PREFIX, Ledger, read_ledger,
+                            redact_ledger)
 
 __all__ = ["Checkpoint", "Checkpointer", "LearnerState", "StagedCheckpoint", "LEDGER_DIR", "LEDGER_FILE",
            "read_ledger", "redact_ledger", "flatten_tensors", "unflatten_tensors"]

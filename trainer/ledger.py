@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from online_sao.durable import fsync_dir
+from online_sao.durable import fsync_dir, private_opener
 
 LEDGER_DIR = "ledger"
 """Directory of the segments, in the checkpoint directory."""
@@ -36,15 +36,6 @@ LEGACY_SEGMENT = "00000000.jsonl"
 """The segment the single ledger file becomes; checkpoints written before segments name it."""
 SEGMENT_NAME = re.compile(r"^(\d{8,})\.jsonl$")
 SCRATCH_PREFIX = ".tmp-"
-PRIVATE_FILE_MODE = 0o600
-"""The mode of the files of user data the learner writes (the ledger's segments, a checkpoint's id
-memory): the interaction ids it trained on are its users', for its own user alone whatever the umask."""
-
-
-def private_opener(path: str, flags: int) -> int:
-    """``open(..., opener=private_opener)``: a file it creates is :data:`PRIVATE_FILE_MODE` (umask 022 made
-    it world-readable); an existing file keeps its mode."""
-    return os.open(path, flags, PRIVATE_FILE_MODE)
 
 
 def segment_name(first_step: int) -> str:

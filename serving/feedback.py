@@ -17,7 +17,7 @@ from online_sao.schemas import Reward, TurnReward
 from serving.ids import InteractionIdError, InteractionIdSigner
 from serving.interaction_log import InteractionLogger
 from serving.errors import APIError, logging_unavailable
-from serving.protocol import FeedbackRequest, FeedbackResponse
+from serving.service_models import FeedbackRequest, FeedbackResponse
 from serving.trajectories import TrajectoryCache
 
 

@@ -23,8 +23,8 @@ from pydantic.json_schema import models_json_schema
 from online_sao.schemas import MIN_TEMPERATURE
 from serving.answers import ChatCompletionResponse, CompletionResponse
 from serving.errors import ErrorResponse
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard,
-                              ModelList, TurnRewardIn)
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+from serving.service_models import FeedbackRequest, FeedbackResponse, ModelCard, ModelList, TurnRewardIn
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 SECURITY_SCHEME = "apiKey"

@@ -1,4 +1,5 @@
-"""Wire models of the OpenAI-compatible API and the feedback API (errors: :mod:`serving.errors`).
+"""Wire models of the OpenAI-compatible API (the feedback API and the model list: :mod:`serving.service_models`;
+errors: :mod:`serving.errors`).
 
 Requests accept (and ignore) OpenAI fields that change nothing here
 (``store``, ``service_tier``, ...), so the official client works unchanged; fields
@@ -21,7 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_sao.json_depth import MAX_JSON_DEPTH, too_deep
-from online_sao.schemas import MAX_SCORES_PER_REWARD, FiniteFloat, RewardValue, ScoreName, has_lone_surrogate
+from online_sao.schemas import has_lone_surrogate
 from serving.errors import APIError
 
 
@@ -384,40 +385,3 @@ class CompletionRequest(SamplingRequest):
     def requested_top_logprobs(self) -> int | None:
         return self.logprobs
 
-
-class TurnRewardIn(_Request):
-    turn: int = Field(ge=0)
-    """Index of the assistant turn in the trajectory (0 = first)."""
-    value: FiniteFloat
-
-
-class FeedbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    interaction_id: str = Field(min_length=1, max_length=256)
-    reward: FiniteFloat
-    source: str = Field("user", min_length=1, max_length=128)
-    turn_rewards: list[TurnRewardIn] = []
-    scores: dict[ScoreName, RewardValue] | None = Field(None, max_length=MAX_SCORES_PER_REWARD)
-    """Named measurements behind the reward (``quality``, say), kept on the reward record for the
-    learner's monitors and per-segment metrics; names of lower-case letters, digits and ``_``."""
-
-
-# ----------------------------------------------------------------------------- other answers
-
-class FeedbackResponse(BaseModel):
-    object: Literal["feedback"] = "feedback"
-    interaction_id: str
-    status: Literal["accepted"] = "accepted"
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "online-sao"
-    policy_version: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -30,7 +30,8 @@ from serving.metrics import ServingMetrics
 from serving.openai_serving import OpenAIServing
 from serving.answers import ChatCompletionResponse, CompletionResponse
 from serving.errors import APIError
-from serving.protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest, ModelCard, ModelList
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+from serving.service_models import FeedbackRequest, ModelCard, ModelList
 from serving.streaming import Streamed
 from serving.turn import Disconnected, InFlight
 

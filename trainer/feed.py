@@ -43,6 +43,7 @@ from streams.outbox import Outbox
 from streams.records import decode_or_dead_letter, send_dead_letter
 from streams.broker_wait import until_broker_takes
 from trainer.distributed import shard_units
+from trainer.partitions import ASSIGNMENT_TIMEOUT_S, assign_and_seek, drop_gone_partitions
 from trainer.join import RewardJoiner
 from trainer.join_clock import JoinClock, max_ahead_s, max_behind_s
 from trainer.reward_range import reward_out_of_range
@@ -69,9 +70,6 @@ ENDS_EVERY_S = 2.0
 """How often the feed's :class:`~streams.ends.EndWatcher` asks the broker where the topics end: the
 unread counts lag the traffic by at most this while the feed's partitions are paused (one small
 request every two seconds is nothing to a broker)."""
-ASSIGNMENT_TIMEOUT_S = 60.0
-"""How long the consumer may take to join its group and get partitions (a group
-whose previous member was killed waits for that member's session to expire)."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +150,8 @@ class Feed:
 
     def start(self, backend: StreamBackend) -> None:
         """Create the topics, forget the offsets of partitions that do not exist
-        (:func:`drop_gone_partitions`), join the consumer group and seek to the offsets (waiting out a
-        broker that is down)."""
+        (:func:`~trainer.partitions.drop_gone_partitions`), join the consumer group and seek to the
+        offsets (waiting out a broker that is down)."""
         until_broker_takes(backend.ensure_topics, "creating the topics", self.stop)
         if self.offsets:
             partitions = until_broker_takes(backend.describe_topics, "looking up the topics' partitions", self.stop)
@@ -369,8 +367,8 @@ class Feed:
         """Poll, which rejoins the group, then put every partition the consumer holds where the feed
         reads next. The rejoin put them at the group's committed offsets, behind the feed's own (those
         are the checkpoint's, which a restart resumes from, or past them), and the poll fetched on from
-        there; the records it fetched are not consumed (:func:`assign_and_seek`): left where the poll
-        put the partitions, the ones past the feed's offsets were never read."""
+        there; the records it fetched are not consumed (:func:`~trainer.partitions.assign_and_seek`):
+        left where the poll put the partitions, the ones past the feed's offsets were never read."""
         fetched: dict[TopicPartition, int] = {}
         for msg in self.consumer.poll(timeout_s=REJOIN_POLL_S, max_records=MAX_POLL_RECORDS):
             fetched.setdefault(msg.tp, msg.offset)
@@ -382,55 +380,3 @@ class Feed:
         if self.consumer is not None:
             self.consumer.close()
 
-
-def drop_gone_partitions(offsets: dict[TopicPartition, int], partitions: dict[str, int]) -> None:
-    """Remove from ``offsets`` every partition that does not exist (``partitions``: partition count per
-    topic), with an error in the log for each: a checkpoint from before the topics were made again with
-    fewer partitions (or under other names) names partitions no consumer is assigned, so
-    :func:`assign_and_seek` never sees them; kept, they were checkpointed again and committed, and a
-    commit naming a partition that does not exist is refused (ValueError): the learner crashed at every
-    checkpoint. Their records are gone with the partition: nothing is left to read there."""
-    for tp in sorted(offsets):
-        if tp.partition >= partitions.get(tp.topic, 0):
-            now = f"the topic has {partitions[tp.topic]} partitions" if tp.topic in partitions else "no such topic"
-            log.error("%s[%d]: the checkpoint's offset %d is of a partition that does not exist (%s): the topics "
-                      "were made again since; offset dropped", tp.topic, tp.partition, offsets.pop(tp), now)
-
-
-def assign_and_seek(consumer: Consumer, offsets: dict[TopicPartition, int],
-                    fetched: dict[TopicPartition, int] | None = None) -> None:
-    """Wait for the group to assign partitions, then put every partition where the
-    checkpoint says. Records fetched while joining the group are not consumed: a
-    partition without a checkpointed offset is put back to the first of them. A checkpointed
-    offset past its partition's end (the topics were deleted and made again, under the same
-    names) is read from the partition's start, with an error in the log: Kafka would reset it to
-    the start by itself, and the feed then took every record before the old offset for one
-    already read and skipped it, uncounted. A partition the checkpoint does not name gets the
-    consumer's position in ``offsets`` (a new checkpoint directory beside a group with committed
-    offsets: until 2026-12-06 every record from the partition's start counted unread, and the join's
-    clock stood still until that partition had a new record). ``fetched``: the first offset of each
-    partition a poll before this one fetched (not consumed either)."""
-    first_fetched: dict[TopicPartition, int] = dict(fetched or {})
-    started = time.monotonic()
-    deadline = started + ASSIGNMENT_TIMEOUT_S
-    while not consumer.assignment():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no partitions assigned within {ASSIGNMENT_TIMEOUT_S} s")
-        for msg in consumer.poll(timeout_s=0.5):
-            first_fetched.setdefault(msg.tp, msg.offset)
-    ends, starts = consumer.end_offsets(), consumer.beginning_offsets()
-    for tp in consumer.assignment():
-        if tp in offsets and offsets[tp] > ends.get(tp, offsets[tp]):
-            log.error("%s[%d]: the checkpoint's offset %d is past the partition's end %d: the topic was made again "
-                      "since; reading it from its start (%d)", tp.topic, tp.partition, offsets[tp], ends[tp],
-                      starts.get(tp, 0))
-            offsets[tp] = starts.get(tp, 0)
-        if tp in offsets:
-            consumer.seek(tp, offsets[tp])
-        else:
-            if tp in first_fetched:
-                consumer.seek(tp, first_fetched[tp])
-            # where it reads from (its group's committed offset, when nothing was fetched): the unread
-            # count, and the join's clock held at the partition read least far, start there, not at 0
-            offsets[tp] = consumer.position(tp)
-    log.info("consumer holds %d partitions after %.1f s", len(consumer.assignment()), time.monotonic() - started)

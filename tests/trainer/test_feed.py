@@ -68,7 +68,7 @@ def test_offsets_past_a_partitions_end_read_the_topic_made_again_from_its_start(
     cfg = Config()
     feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), producer, dict(stale),
                 {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
-    with caplog.at_level("ERROR", logger="trainer.feed"):
+    with caplog.at_level("ERROR", logger="trainer.partitions"):
         feed.start(backend)
     assert "past the partition's end" in caplog.text
     feed.poll()
@@ -89,7 +89,7 @@ def test_offsets_of_partitions_gone_with_topics_made_again_with_fewer_are_droppe
     cfg = Config()
     feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward), backend.producer(), {**kept, **dict.fromkeys(gone, 7)},
                 {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1, stop=threading.Event())
-    with caplog.at_level("ERROR", logger="trainer.feed"):
+    with caplog.at_level("ERROR", logger="trainer.partitions"):
         feed.start(backend)
     feed.commit(dict(feed.offsets))  # refused (ValueError) with the gone partitions in it
     assert feed.offsets == kept

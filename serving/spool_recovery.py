@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from online_sao.durable import fsync_dir, naming_the_file
+from online_sao.durable import fsync_dir, naming_the_file, private_opener
 from online_sao.schemas import DeadLetter, encode
 from serving.spool_format import Damage, SpoolEntry, scan_log
 from streams.records import dead_letter
@@ -67,9 +67,11 @@ def _keep_aside(path: Path, damaged: bytes) -> None:
     """A copy of damaged bytes for whoever investigates, if the disk takes it. Best effort: a start
     on a full disk (a power loss during an outage that filled it) must still cut a torn tail, which
     frees space, and send what the log holds; a damaged stretch that may hold records goes to the
-    dead letters with its bytes anyway (:func:`_dead_letters`)."""
+    dead letters with its bytes anyway (:func:`_dead_letters`). Readable by its owner alone, as the log
+    it comes from (whole prompts and answers)."""
     try:
-        path.write_bytes(damaged)
+        with open(path, "wb", opener=private_opener) as fh:
+            fh.write(damaged)
     except OSError as exc:
         log.warning("spool: could not keep the unreadable bytes aside in %s (%s); going on without the copy",
                     path, exc)
@@ -99,10 +101,10 @@ def _dead_letter(log_path: Path, data: bytes, damage: Damage) -> DeadLetter:
 
 
 def _replace_log(log_path: Path, repaired: bytes) -> None:
-    """Atomically: a crash leaves the old log."""
+    """Atomically: a crash leaves the old log. The new log is readable by its owner alone, as the old one."""
     tmp = log_path.with_name(log_path.name + ".repair")
     try:
-        with naming_the_file(tmp), open(tmp, "wb") as fh:  # a full disk: the error says which file
+        with naming_the_file(tmp), open(tmp, "wb", opener=private_opener) as fh:  # a full disk: the error says which file
             fh.write(repaired)
             fh.flush()
             os.fsync(fh.fileno())

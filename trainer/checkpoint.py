@@ -362,9 +362,9 @@ def _write_files(tmp: Path, staged: StagedCheckpoint) -> None:
     for name, state in tensors.items():
         with naming_the_file(tmp / name):
             save_file(state, str(tmp / name))
-    for name, text in texts.items():
-        with naming_the_file(tmp / name):
-            (tmp / name).write_text(text)
+    for name, text in texts.items():  # meta.json holds the join's waiting interactions: users' data
+        with naming_the_file(tmp / name), open(tmp / name, "w", opener=private_opener) as fh:
+            fh.write(text)
     written = [*tensors, *texts]
     if staged.id_memory is not None:
         with naming_the_file(tmp / MEMORY_FILE):

@@ -10,6 +10,7 @@ import pytest
 
 from online_sao.durable import fsync_dir
 from online_sao.schemas import DeadLetter, decode
+from serving import spool_recovery
 from serving.spool import Spool, SpoolEntry
 
 DLQ = "dead-letters"
@@ -81,15 +82,15 @@ def test_a_torn_tail_is_cut_on_a_disk_too_full_to_keep_it_aside(tmp_path, monkey
     spool.append(entries(1, 3))
     log = tmp_path / "spool.log"
     log.write_bytes(log.read_bytes()[:-7])
-    write_bytes = type(log).write_bytes
+    opener = spool_recovery.private_opener
 
-    def full(path, data):
-        if path.name.startswith("spool.corrupt-"):
-            path.touch()  # a partial file left behind, as a write cut short by ENOSPC can
+    def full(path, flags):
+        if os.path.basename(path).startswith("spool.corrupt-"):
+            os.close(opener(path, flags))  # a partial file left behind, as a write cut short by ENOSPC can
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write_bytes(path, data)
+        return opener(path, flags)
 
-    monkeypatch.setattr(type(log), "write_bytes", full)
+    monkeypatch.setattr(spool_recovery, "private_opener", full)
     reopened = Spool(tmp_path, max_bytes=1 << 20, dead_letter_topic=DLQ)
     assert [e.seq for e in reopened.read_pending(10)] == [1, 2]
     assert not list(tmp_path.glob("spool.corrupt-*"))

@@ -9,10 +9,11 @@ refuses to start otherwise).
 Without configured keys the limit applies per client address: a caller on a
 loopback address (this machine's own processes, which is every direct caller of
 a server bound to loopback) is not limited at all; any other address (a reverse
-proxy forwarding from elsewhere shows its own address) has its own bucket;
-callers whose address is unknown share one ``anonymous`` bucket.
+proxy forwarding from elsewhere shows its own address) has its own bucket, an IPv6
+address its /64 network's (:func:`client_bucket`); callers whose address is unknown
+share one ``anonymous`` bucket.
 
-Failed authentications (a missing or wrong key) are limited per client address too, loopback
+Failed authentications (a missing or wrong key) are limited per client address too (IPv6 per /64), loopback
 included, with the same rate and burst: a refused key takes no token of a key's bucket, and
 1000 guesses from one address all got 401. Once an address has spent its failures, a failing
 request is answered 429 instead of 401; a request with a valid key is never held back by them.
@@ -47,6 +48,10 @@ MAX_TRACKED_CALLERS = 10_000
 """Buckets kept before refilled ones are forgotten: a full bucket is the same as a
 new one, so forgetting it changes no decision, and many client addresses cannot
 grow the table without bound."""
+IPV6_CLIENT_PREFIX = 64
+"""IPv6 clients are counted per /64 network: one subscriber is routinely given a whole /64 (2**64
+addresses), and a bucket per address let one client spread its requests, and its key guesses, over
+as many buckets as it liked."""
 
 
 class AuthError(Exception):
@@ -72,6 +77,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def client_bucket(client: str) -> str:
+    """The name under which ``client``'s requests are counted: an IPv4 address as it is (also when
+    written IPv4-mapped, ``::ffff:a.b.c.d``), an IPv6 address as its /64 network
+    (:data:`IPV6_CLIENT_PREFIX`), anything else (not an IP address) as given."""
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:
+        return client
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network((int(address), IPV6_CLIENT_PREFIX), strict=False))
+    return str(address)
 
 
 def check_exposure(cfg: ServingConfig) -> None:
@@ -154,7 +174,7 @@ class ApiKeyAuth:
         if not self._keys:
             if client is None:
                 return ANONYMOUS
-            return LOOPBACK if is_loopback(client) else f"address {client}"
+            return LOOPBACK if is_loopback(client) else f"address {client_bucket(client)}"
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise AuthError(401, "missing_api_key", "missing API key: send 'Authorization: Bearer <key>'")
@@ -197,7 +217,8 @@ class ApiKeyAuth:
         try:
             caller = self.identify(authorization, client)
         except AuthError:
-            self._take(f"{FAILED_AUTHENTICATION} {client or ANONYMOUS}", "too many failed authentications")
+            self._take(f"{FAILED_AUTHENTICATION} {client_bucket(client) if client else ANONYMOUS}",
+                       "too many failed authentications")
             raise
         self.admit(caller)
         return caller

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serving import auth as auth_module
-from serving.auth import ANONYMOUS, ApiKeyAuth, AuthError, check_exposure, is_loopback
+from serving.auth import ANONYMOUS, ApiKeyAuth, AuthError, check_exposure, client_bucket, is_loopback
 from online_sao.config import ServingConfig
 from serving.ids import InteractionIdError, InteractionIdSigner
 
@@ -118,6 +118,39 @@ def test_without_keys_each_client_address_has_its_own_bucket_and_loopback_none()
         auth.check(None)
     with pytest.raises(AuthError):  # callers of unknown address share one bucket
         auth.check(None)
+
+
+@pytest.mark.parametrize("client, bucket", [
+    ("10.0.0.1", "10.0.0.1"),
+    ("::ffff:10.0.0.1", "10.0.0.1"),  # the same IPv4 client, written IPv4-mapped by a dual-stack socket
+    ("2001:db8:1:2:aaaa:bbbb:cccc:dddd", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2::1", "2001:db8:1:2::/64"),
+    ("fe80::1%eth0", "fe80::/64"),
+    ("testclient", "testclient"),  # not an IP address (Starlette's test client)
+])
+def test_a_client_is_counted_by_its_ipv4_address_or_its_ipv6_slash_64(client, bucket):
+    assert client_bucket(client) == bucket
+
+
+def test_an_ipv6_client_cannot_escape_its_limits_by_changing_address_within_its_slash_64():
+    """One subscriber holds a whole /64: a bucket per address gave it 2**64 of them, for requests without
+    keys and for key guesses alike."""
+    clock = Clock(0.0)
+    open_auth = ApiKeyAuth([], rate_per_minute=60, burst=3, clock=clock)
+    keyed_auth = ApiKeyAuth(["sk-real"], rate_per_minute=60, burst=3, clock=clock)
+    for k in range(3):
+        open_auth.check(None, client=f"2001:db8::{k + 1}")
+        with pytest.raises(AuthError) as refused:
+            keyed_auth.check("Bearer sk-guess", client=f"2001:db8::{k + 1}")
+        assert refused.value.status == 401
+    with pytest.raises(AuthError) as limited:
+        open_auth.check(None, client="2001:db8::ffff")
+    assert limited.value.status == 429
+    with pytest.raises(AuthError) as limited:
+        keyed_auth.check("Bearer sk-guess", client="2001:db8::ffff")
+    assert limited.value.status == 429
+    open_auth.check(None, client="2001:db8:0:1::1")  # the next /64 is another client
+    assert keyed_auth.check("Bearer sk-real", client="2001:db8::ffff")  # a valid key is never held back
 
 
 def test_many_client_addresses_do_not_grow_the_buckets_without_bound(monkeypatch):

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from apps.config import AppConfig, client_api_key
 from apps.load.stats import LoadParams, LoadResult, LoadSummary, RequestRecord, summarize, versions_text
 from online_sao.config import Config
-from streams.base import StreamBackend
+from streams.base import StreamBackend, TopicPartition
 
 SERVING_READY_TIMEOUT_S = 300.0
 """Serving loads the model and connects to the broker before /readyz answers."""
@@ -102,16 +102,34 @@ def acked_interactions(records: list[RequestRecord]) -> dict[str, tuple[int, ...
             if r.kind != "feedback" and r.ok and r.interaction_id}
 
 
+def topic_ends(backend: StreamBackend, topic: str) -> dict[TopicPartition, int]:
+    """Where each partition of ``topic`` ends now: a load against a running deployment reads back from
+    there (:func:`check_logged`), past the deployment's earlier traffic."""
+    consumer = backend.consumer([topic], group_id=None, start="latest")
+    try:
+        return consumer.end_offsets()
+    finally:
+        consumer.close()
+
+
 def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int, ...]],
-                 timeout_s: float = READBACK_TIMEOUT_S, quiet_s: float = READBACK_QUIET_S) -> LoggedCheck:
-    """Read ``topic`` from the start until every id of ``acked`` was seen and the topic stayed quiet
-    ``quiet_s``, or ``timeout_s`` passed; compare with ``acked``."""
+                 timeout_s: float = READBACK_TIMEOUT_S, quiet_s: float = READBACK_QUIET_S,
+                 since: dict[TopicPartition, int] | None = None) -> LoggedCheck:
+    """Read ``topic`` from the start, or from the offsets ``since`` (:func:`topic_ends` before the load;
+    a partition it does not name from its start), until every id of ``acked`` was seen and the topic
+    stayed quiet ``quiet_s``, or ``timeout_s`` passed; compare with ``acked``. Read from the start, a
+    deployment's topic counted all its earlier traffic as logged but not acknowledged, and one holding
+    more than ``timeout_s`` of reading ran the clock out before the run's records at its end: all
+    reported missing."""
     from online_sao.schemas import Interaction, RecordError, decode
 
     copies: Counter[str] = Counter()
     logged_versions: dict[str, tuple[int, ...]] = {}
     unreadable = 0
     consumer = backend.consumer([topic], group_id=None, start="earliest")
+    for tp, offset in (since or {}).items():
+        if tp in consumer.assignment():
+            consumer.seek(tp, offset)
     deadline = time.monotonic() + timeout_s
     last_read = time.monotonic()
     try:
@@ -268,13 +286,18 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
                         reward_range=(cfg.reward.min_value, cfg.reward.max_value))
     progress = lambda line: print(line, flush=True)  # noqa: E731
     if args.url:
-        result = run_load(args.url, args.api_key, params, progress)
-        logged, check_error = None, None
+        logged, check_error, since = None, None, None
         if not args.no_kafka_check:
+            try:  # the deployment's earlier traffic is not this run's
+                since = topic_ends(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions)
+            except StreamUnavailable as exc:
+                check_error = f"the Kafka check could not run: {exc}"
+        result = run_load(args.url, args.api_key, params, progress)
+        if since is not None:
             acked = acked_interactions(result.records)
             progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
             try:
-                logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked)
+                logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked, since=since)
             except StreamUnavailable as exc:  # the load's results are still worth writing
                 check_error = f"the Kafka check could not run: {exc}"
         report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged,

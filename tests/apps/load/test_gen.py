@@ -12,7 +12,7 @@ import pytest
 
 from apps.load.gen import LoadGenerator
 from apps.load.report import result_json, write_results
-from apps.load.run import acked_interactions, check_logged
+from apps.load.run import acked_interactions, check_logged, topic_ends
 from apps.load.stats import LoadParams, RequestRecord, VersionPoint, percentile, summarize, versions_text
 from online_sao.schemas import Interaction, encode
 from streams.memory import InMemoryBackend
@@ -106,6 +106,26 @@ def test_check_logged_finds_missing_duplicated_and_mismatched_ids():
     assert not check.ok
     complete = check_logged(backend, "interactions", {"a": (0,), "b": (0,)}, timeout_s=5.0, quiet_s=0.0)
     assert complete.ok and complete.missing == [] and complete.duplicates == {"b": 2}
+
+
+def test_a_load_against_a_deployment_reads_back_from_where_the_topic_ended_before_it():
+    """``load --url`` read the deployment's interactions topic from its start: all the earlier traffic
+    counted as logged but not acknowledged, and a topic holding more than the read back's time limit
+    ran the clock out before the run's records at its end, every one reported missing."""
+    backend = InMemoryBackend()
+    backend.create_topic("interactions", 2)
+    producer = backend.producer()
+    for k in range(500):  # the deployment's earlier traffic
+        producer.send("interactions", encode(_interaction(f"old{k}", [0])), key=f"old{k}".encode())
+    since = topic_ends(backend, "interactions")
+    assert sum(since.values()) == 500
+    for iid in ("a", "b"):  # the load's
+        producer.send("interactions", encode(_interaction(iid, [1])), key=iid.encode())
+
+    check = check_logged(backend, "interactions", {"a": (1,), "b": (1,)}, timeout_s=5.0, quiet_s=0.0, since=since)
+    assert check.ok and check.found == 2 and check.records_read == 2 and check.unacked_logged == 0
+    from_start = check_logged(backend, "interactions", {"a": (1,), "b": (1,)}, timeout_s=5.0, quiet_s=0.0)
+    assert from_start.unacked_logged > 0  # the earlier traffic, counted as the run's when read from the start
 
 
 class FakeEndpoint:
@@ -215,6 +235,7 @@ def test_a_kafka_check_that_cannot_run_still_writes_the_results_and_fails_the_ru
         raise StreamUnavailable("Kafka at 127.0.0.1:1 not reachable")
 
     monkeypatch.setattr("apps.load.gen.run_load", lambda *args, **kwargs: ran)
+    monkeypatch.setattr("apps.load.run.topic_ends", unreachable)  # where the read back would start
     monkeypatch.setattr("apps.load.run.check_logged", unreachable)
     out = tmp_path / "load.json"
     assert cli.main(["load", "--url", "http://fake", "--out", str(out)]) == 1

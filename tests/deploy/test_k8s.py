@@ -334,7 +334,10 @@ def test_kafka_statefulset_is_the_configured_bootstrap(configmap_files):
     advertised = check_kafka_kraft(props, local_keys)
     host = advertised["PLAINTEXT"].partition(":")[0]
     assert re.fullmatch(rf"online-sao-kafka-\d+\.{sts['spec']['serviceName']}", host)
-    assert mount_at("online-sao-kafka", c, props["log.dirs"]).volume.startswith("template:")
+    log_dir = mount_at("online-sao-kafka", c, props["log.dirs"])
+    assert log_dir.volume.startswith("template:")
+    # a block volume's root holds lost+found, which the broker takes for a partition and stops: fatal at start
+    assert log_dir.inside != ".", f"log.dirs {props['log.dirs']} is the root of its volume"
     for w, n in app_containers():
         assert invocation(w, n, configmap_files)[0].cfg.kafka.bootstrap_servers == advertised["PLAINTEXT"]
 
@@ -345,6 +348,8 @@ def test_mlflow_runs_on_postgres_and_admits_the_processes(configmap_files):
     params = mlflow_params([k8s_expand(a, container_env(c)) for a in c["args"]])
     db = urlparse(params["backend_store_uri"])
     pg = container_env(containers("online-sao-postgres")[0])
+    pg_data = mount_at("online-sao-postgres", containers("online-sao-postgres")[0], pg["PGDATA"])
+    assert pg_data.inside != ".", "PGDATA is the root of its volume, where lost+found makes initdb refuse it"
     pg_service = named("Service")[db.hostname]
     assert (db.username, db.password, db.path.lstrip("/")) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"],
                                                                pg["POSTGRES_DB"])

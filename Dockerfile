@@ -10,7 +10,8 @@
 # only provides the driver (NVIDIA Container Toolkit, `docker run --gpus all`).
 # No weights are baked in: mount a model directory (model.path) and the weight store, or download
 # a registered version first with `mlflow artifacts download` (docs/DEPLOY.md). Run-time settings come from
-# --config FILE and ONLINE_SAO__SECTION__FIELD variables.
+# --config FILE and ONLINE_SAO__SECTION__FIELD variables; a variable wins over the file, so the two set
+# below (paths.data_dir, serving.host) are changed with -e or --set, not in the file.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

@@ -127,7 +127,8 @@ class MemoryMode:
             self._state.queue.clear()
             self._spooling = True
         self._spool.append([p.entry() for p in records])
-        log.warning("broker unreachable: %d records spooled to %s", len(records), self._spool.directory)
+        log.warning("broker unreachable, or a topic missing: %d records spooled to %s", len(records),
+                    self._spool.directory)
 
     def _spool_queue(self) -> bool:
         with self._signal.lock:

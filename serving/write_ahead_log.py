@@ -101,7 +101,9 @@ class WriteAheadMode:
         if reachable:
             log.info("broker reachable again: %d records waiting in the spool", self._spool.pending_records)
         else:
-            log.warning("broker unreachable (%s): records wait in the spool %s", why, self._spool.directory)
+            # kafka-python times out on a topic that does not exist as on a broker it cannot reach
+            log.warning("broker unreachable, or a topic missing (%s; `online-sao kafka up` creates the topics): "
+                        "records wait in the spool %s", why, self._spool.directory)
 
     # ------------------------------------------------------------------ threads
 

@@ -37,6 +37,11 @@ READ_TIMEOUT_S = 30.0
 """Longest wait for the next record while reading the weights topic (compacted: a few records)."""
 SEND_TIMEOUT_S = 30.0
 """Longest wait for the broker to acknowledge a hold or release."""
+HOLD_RETARGETS = 3
+"""Times a hold of the version served now copies again when the learner published a newer one during
+the copy (seconds on a busy machine): the hold then lands on what replicas serve when it is sent, not
+on what they served when the command began, to which it took them back. After these it holds the
+last version copied, with a warning."""
 
 
 class HoldError(Exception):
@@ -111,17 +116,35 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     if store is None:
         raise HoldError(f"a hold copies the version out of the learner's pruning, which needs the file weight "
                         f"store; trainer.weight_store is {cfg.weight_store_url!r}")
-    try:
-        weights = store.load(target.location, target.checksum)
-    except (FileNotFoundError, CorruptWeights) as exc:
-        raise HoldError(f"v{target.version}'s weights cannot be loaded ({exc}); the learner keeps the newest "
-                        f"trainer.keep_versions versions and the registry's candidate and champion") from None
+    weights = _load(store, target)
+    following_served = version is None and not champion and state.hold is None  # not a named or held version
+    for retarget in range(HOLD_RETARGETS + 1 if following_served else 0):
+        now = read_weights_topic(backend, topic, model)  # the learner may have published since
+        served = now.following
+        if now.hold is not None or served is None or served.version == target.version:
+            break  # another operator's hold landed meanwhile: this one goes out after it, as before
+        if retarget == HOLD_RETARGETS:
+            log.warning("replicas moved on to v%d while v%d was copied, %d times: holding v%d takes them back to it",
+                        served.version, target.version, HOLD_RETARGETS, target.version)
+            break
+        log.info("replicas moved on to v%d while v%d was copied: holding v%d", served.version, target.version,
+                 served.version)
+        target = served
+        weights = _load(store, target)
     held = FileWeightStore(f"{cfg.weight_store_url.rstrip('/')}/{HELD_DIR}")
     ref = held.save(target.version, weights)
     notice = _hold_notice(target, ref.location, ref.checksum, reason)
     _send(backend, topic, notice)
     _keep_the_copy_in_force(backend, topic, model, held, target.version, weights)
     return notice
+
+
+def _load(store: FileWeightStore, target: WeightsNotice) -> dict[str, torch.Tensor]:
+    try:
+        return store.load(target.location, target.checksum)
+    except (FileNotFoundError, CorruptWeights) as exc:
+        raise HoldError(f"v{target.version}'s weights cannot be loaded ({exc}); the learner keeps the newest "
+                        f"trainer.keep_versions versions and the registry's candidate and champion") from None
 
 
 def _copy_kept(notice: WeightsNotice) -> bool:

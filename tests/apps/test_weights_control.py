@@ -91,6 +91,56 @@ def test_a_hold_copies_the_version_out_of_the_learners_pruning_and_announces_the
     assert state.hold == sent
 
 
+def test_a_hold_of_what_is_served_lands_on_the_version_the_learner_published_during_the_copy(
+        backend, cfg, store, monkeypatch):
+    """A learner publishing every few seconds moved serving from v3 to v4 while the hold copied v3 (15-20 s
+    on a busy machine), and the hold of "what the replicas follow now" took every replica back to v3."""
+    published(backend, cfg, store, 1, 2, 3)
+    load = weights_control._load
+    copied = []
+
+    def learner_publishes_during_the_copy(store_, target):
+        copied.append(target.version)
+        if target.version == 3:
+            published(backend, cfg, store, 4)
+        return load(store_, target)
+
+    monkeypatch.setattr(weights_control, "_load", learner_publishes_during_the_copy)
+    sent = hold(cfg, backend)
+    assert copied == [3, 4] and sent.version == 4
+    assert torch.equal(held_copies(cfg).load(sent.location, sent.checksum)["w"], weights(4)["w"])
+
+
+def test_a_hold_of_what_is_served_outrun_by_the_learner_holds_the_last_copy_and_says_so(
+        backend, cfg, store, monkeypatch, caplog):
+    published(backend, cfg, store, 1)
+    load = weights_control._load
+    copied = []
+
+    def a_publish_during_every_copy(store_, target):
+        copied.append(target.version)
+        published(backend, cfg, store, target.version + 1)
+        return load(store_, target)
+
+    monkeypatch.setattr(weights_control, "_load", a_publish_during_every_copy)
+    with caplog.at_level("WARNING", logger="apps.weights_control"):
+        sent = hold(cfg, backend)
+    assert copied == [1, 2, 3, 4] and sent.version == 4  # HOLD_RETARGETS (3) copies again, then it holds
+    assert "moved on to v5 while v4 was copied, 3 times: holding v4 takes them back to it" in caplog.text
+
+
+def test_a_named_version_is_held_whatever_the_learner_publishes_during_the_copy(backend, cfg, store, monkeypatch):
+    published(backend, cfg, store, 1, 2, 3)
+    load = weights_control._load
+
+    def learner_publishes_during_the_copy(store_, target):
+        published(backend, cfg, store, 4)
+        return load(store_, target)
+
+    monkeypatch.setattr(weights_control, "_load", learner_publishes_during_the_copy)
+    assert hold(cfg, backend, version=2).version == 2
+
+
 def test_a_new_hold_replaces_the_earlier_copy_and_a_release_ends_the_hold(backend, cfg, store):
     published(backend, cfg, store, 1, 2)
     first = hold(cfg, backend, version=1)

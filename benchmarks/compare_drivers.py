@@ -22,8 +22,14 @@ from apps.experiments.aggregate import Run, load_runs, seed_metrics  # noqa: E40
 from apps.experiments.intervals import cell, interval  # noqa: E402
 
 
-def runs_by_seed(directories: list[str]) -> dict[int, Run]:
-    return {run.scenario.seed: run for d in directories for run in load_runs(Path(d))}
+def runs_by_seed(directories: list[str], driver: str) -> dict[int, Run]:
+    """The runs of ``directories`` by seed; each must have been run with ``driver`` (a live directory
+    given as in-process, or the reverse, compared a driver with itself)."""
+    runs = [run for d in directories for run in load_runs(Path(d))]
+    wrong = sorted({str(run.directory) for run in runs if run.scenario.driver != driver})
+    if wrong:
+        raise SystemExit(f"not run with --driver {driver}: {', '.join(wrong)}")
+    return {run.scenario.seed: run for run in runs}
 
 
 def comparison(live: dict[int, Run], inprocess: dict[int, Run]) -> str:
@@ -33,6 +39,8 @@ def comparison(live: dict[int, Run], inprocess: dict[int, Run]) -> str:
     scenario = live[seeds[0]].scenario
     arms = [a.name for a in scenario.arms if all(a.name in live[s].arms and a.name in inprocess[s].arms
                                                   for s in seeds)]
+    if not arms:
+        raise SystemExit(f"no arm finished under both drivers in every seed of {seeds}")
     head = ["arm", "measure", *(f"live s{s}" for s in seeds), *(f"in-process s{s}" for s in seeds),
             "live mean", "in-process mean", "in-process minus live"]
     lines = [f"Seeds {seeds}; level = mean reward of the phase's last quarter.", "",
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--live", nargs="+", required=True)
     parser.add_argument("--inprocess", nargs="+", required=True)
     args = parser.parse_args(argv)
-    print(comparison(runs_by_seed(args.live), runs_by_seed(args.inprocess)))
+    print(comparison(runs_by_seed(args.live, "live"), runs_by_seed(args.inprocess, "inprocess")))
     return 0
 
 

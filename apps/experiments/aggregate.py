@@ -17,6 +17,7 @@ from apps.experiments.intervals import Interval, bootstrap_band, interval
 from apps.experiments.metrics import (Collapse, PhaseMetrics, detect_collapse, moving_average, phase_metrics,
                                       post_switch_mean, style_shares)
 from apps.experiments.results import SCENARIO_FILE, SEED_DIR, ArmResults, read_arm, read_scenario
+from apps.experiments.same_scenario import refuse_mixed
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class NoResults(FileNotFoundError):
 
 def load_runs(results_dir: Path) -> list[Run]:
     """The runs of ``results_dir``: its ``seed-<k>/`` directories in seed order, or itself (:class:`NoResults`
-    when there are none)."""
+    when there are none; :class:`~apps.experiments.same_scenario.MixedRuns` when its seeds ran different
+    scenarios or settings)."""
     if not results_dir.is_dir():
         raise NoResults(f"no experiment results in {results_dir}: it does not exist")
     seeded = sorted((p for p in results_dir.iterdir() if p.is_dir() and SEED_DIR.match(p.name)
@@ -61,6 +63,7 @@ def load_runs(results_dir: Path) -> list[Run]:
     if not (seeded or (results_dir / SCENARIO_FILE).is_file()):
         raise NoResults(f"no experiment results in {results_dir}: no {SCENARIO_FILE} there or in a seed-<k>/ in it")
     runs = [_read_run(p) for p in seeded] if seeded else [_read_run(results_dir)]
+    refuse_mixed(runs)
     if not any(run.arms for run in runs):
         left = unfinished_runs(runs)
         raise NoResults(f"no per-arm results (*.jsonl) in {results_dir}" if not left else

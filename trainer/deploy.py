@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +35,7 @@ from online_sao.gate_record import ValueRecord, champion_unscorable, decide_agai
 from online_sao.modeling import load_policy
 from online_sao.monitors import (dead_letter_share, mean_answer_length, mean_scores, reference_kl,
                                  repeated_ngram_share)
+from online_sao.segments import SCORE_NAMES_TRACKED
 from online_sao.train_step import policy_logprobs
 from online_sao.weights import WeightsRef, WeightStore
 
@@ -56,10 +57,22 @@ class RecentWindow:
         """Rollouts observed so far (the window keeps the newest of them)."""
         self.registered_at = 0
         """:attr:`observed` when the candidate was registered."""
+        self.score_names: list[str] = []
+        """The first :data:`~online_sao.segments.SCORE_NAMES_TRACKED` score names the rewards carried
+        (checkpointed): the monitors read these and ``deploy.monitor_min_scores``'s. Each becomes an MLflow
+        metric, a registry tag and a Prometheus series, and the names are the feedback callers' to
+        choose: one new name per reward grew all three without bound."""
 
     def observe(self, rollouts: list[Rollout]) -> None:
         self.rollouts.extend(rollouts)
         self.observed += len(rollouts)
+        self._track_score_names(rollouts)
+
+    def _track_score_names(self, rollouts: Iterable[Rollout]) -> None:
+        for rollout in rollouts:
+            for name in rollout.scores:
+                if name not in self.score_names and len(self.score_names) < SCORE_NAMES_TRACKED:
+                    self.score_names.append(name)
 
     def mark_registration(self, reads: tuple[float, float]) -> None:
         """A candidate was registered now; ``reads``: (records read, dead letters) so far."""
@@ -90,7 +103,7 @@ class RecentWindow:
     def state_dict(self) -> dict[str, Any]:
         return {"window": rollouts_to_json(list(self.rollouts)), "since_registration": list(self.since_registration),
                 "observed": self.observed, "registered_at": self.registered_at,
-                "reward_definition": self.reward_definition}
+                "reward_definition": self.reward_definition, "score_names": list(self.score_names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpointed window. Its rollouts are left out if they were rewarded under another
@@ -110,6 +123,10 @@ class RecentWindow:
         # a checkpoint from before the canary: every kept rollout counts as observed since registration
         self.observed = int(state.get("observed", len(self.rollouts)))
         self.registered_at = int(state.get("registered_at", 0))
+        # a checkpoint from before the names were kept: those of the restored rollouts, in their order
+        self.score_names = list(state.get("score_names", []))[:SCORE_NAMES_TRACKED]
+        if "score_names" not in state:
+            self._track_score_names(self.rollouts)
 
 
 def versions_of(rollouts: list[Rollout]) -> tuple[int, int]:
@@ -280,7 +297,8 @@ class MonitorReading:
 def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, records_read: float,
                   dead_letters: float, kl: float | None = None) -> MonitorReading:
     """Length and repetition of the answers sampled by ``since_version`` or newer, the mean of
-    each named score their rewards carried (``score_<name>``), the dead-letter share since the
+    each named score their rewards carried (``score_<name>``: the window's first
+    SCORE_NAMES_TRACKED names and ``deploy.monitor_min_scores``'s), the dead-letter share since the
     candidate's registration and, when given, ``kl`` (the candidate's KL from the reference on
     those answers, :func:`candidate_kl`), against ``deploy.monitor_*``: a ceiling for each
     ``monitor_max_*``, a floor for each score of ``monitor_min_scores``. A monitor without a
@@ -295,7 +313,8 @@ def read_monitors(cfg: DeployConfig, window: RecentWindow, since_version: int, r
     if kl is not None:
         values["kl"], ceilings["kl"] = kl, cfg.monitor_max_kl
     scores = mean_scores([r.scores for r in window.since(since_version)])
-    values.update({f"score_{name}": scores.get(name, math.nan) for name in sorted({*scores, *cfg.monitor_min_scores})})
+    names = {*cfg.monitor_min_scores, *(name for name in scores if name in window.score_names)}
+    values.update({f"score_{name}": scores.get(name, math.nan) for name in sorted(names)})
     floors = {f"score_{name}": floor for name, floor in cfg.monitor_min_scores.items()}
     tripped = [name for name, limit in ceilings.items()
                if limit is not None and math.isfinite(values[name]) and values[name] > limit]

@@ -86,8 +86,9 @@ class DeployConfig(Section):
     """Roll back a candidate when the mean of a named score (``Reward.scores``: what the reward's
     source measured besides the reward, e.g. the judge's ``quality``) over its recent answers falls
     below the floor given here, name -> finite floor (empty: off). Answers whose rewards carried no such
-    score do not count; with none, the monitor has no value and cannot trip. Every score the window's
-    rewards carry is shown as ``monitor_score_<name>`` whether or not it has a floor."""
+    score do not count; with none, the monitor has no value and cannot trip. The scores the window's
+    rewards carry are shown as ``monitor_score_<name>`` whether or not they have a floor: the 16 names
+    seen first, and every name given here."""
     segments_top_n: int = Field(8, ge=1)
     """Segments shown by name in serving's ``/metrics`` and the learner's MLflow metrics, the
     largest by traffic; every other segment is folded into ``other`` (at most N + 1 labels)."""

@@ -39,6 +39,25 @@ def test_score_floors_trip_below_and_every_carried_score_is_shown():
     assert read_monitors(cfg, window, since_version=5, records_read=0.0, dead_letters=0.0).tripped == []
 
 
+def test_score_names_the_callers_invent_stop_at_the_first_sixteen_and_the_floors_always_show():
+    """Each score name a reward carried became a monitor: an MLflow metric, a registry tag and a Prometheus
+    series. A feedback caller that sent a new name with every reward grew all three without bound (40 names:
+    40 of each)."""
+    cfg = load_config(environ={}, overrides={"deploy.monitor_min_scores": {"quality": 0.5}}).deploy
+    window = RecentWindow(64)
+    window.observe([_scored(f"i{k}", 1, 1.0, **{f"made_up_{k}": 0.5}) for k in range(40)])
+    window.observe([_scored("q", 1, 1.0, quality=0.9)])
+    reading = read_monitors(cfg, window, since_version=0, records_read=0.0, dead_letters=0.0)
+    scored = sorted(name for name in reading.values if name.startswith("score_"))
+    assert scored == sorted(["score_quality", *(f"score_made_up_{k}" for k in range(16))])
+    assert reading.values["score_quality"] == 0.9  # a floor's name is read whatever came first
+
+    restored = RecentWindow(64)
+    restored.load_state_dict(window.state_dict())  # across a restart too
+    restored.observe([_scored("new", 2, 1.0, another=0.1)])
+    assert restored.score_names == window.score_names and "another" not in restored.score_names
+
+
 def test_config_refuses_a_score_name_that_cannot_be_a_metric():
     with pytest.raises(ConfigError, match="monitor_min_scores"):
         load_config(environ={}, overrides={"deploy.monitor_min_scores": {"Quality!": 0.5}})

@@ -50,6 +50,17 @@ def test_server_properties_describe_a_single_loopback_kraft_node(tmp_path):
     assert props["transaction.state.log.replication.factor"] == "1"
 
 
+def test_a_failed_start_shows_the_last_lines_of_a_long_log(tmp_path):
+    """The log is appended to at every start and never rotated: its end is read, not all of it."""
+    broker = LocalBroker(local_broker_config(tmp_path))
+    broker.log_file.parent.mkdir(parents=True, exist_ok=True)
+    broker.log_file.write_text("".join(f"line {k} {'x' * 200}\n" for k in range(20_000)))  # about 4 MB
+    tail = broker._log_tail().splitlines()
+    assert len(tail) == 20 and tail[-1].startswith("line 19999 ") and tail[0].startswith("line 19980 ")
+    broker.log_file.unlink()
+    assert broker._log_tail() == ""
+
+
 @pytest.mark.parametrize("which", ["port", "controller_port"])
 def test_a_port_in_use_is_named_in_one_clear_error(tmp_path, which):
     cfg = local_broker_config(tmp_path)

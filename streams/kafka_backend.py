@@ -43,6 +43,11 @@ MAX_POLL_INTERVAL_MS = 300_000
 """A group member that does not poll for this long is dropped from its group (kafka-python's and Kafka's
 default, named here because the learner depends on it: its feed polls with its partitions paused under
 backpressure, and rejoins after a step or checkpoint longer than this; tests shorten it)."""
+WEIGHTS_SEGMENT_MS = 3600 * 1000
+"""The weights topic rolls a segment every hour. Compaction never touches the open segment, and at Kafka's
+default (7 days) a serving start replayed every notice of up to a week (at a publish a second, about
+600,000); now the open segment holds at most an hour of notices, and the rolled ones are compacted to the
+newest per key once the log cleaner gets to them (Kafka's default: when half the log is uncompacted)."""
 
 GONE_ALREADY = (kerr.UnknownMemberIdError, kerr.FencedInstanceIdError)
 """Answers to removing a static member that is not in its group (any more), or whose instance id a newer
@@ -182,7 +187,8 @@ class KafkaBackend(StreamBackend):
             c.topics.interactions: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
             c.topics.rewards: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
             c.topics.weights: {"num_partitions": 1, "replication_factor": rf,
-                               "configs": {"cleanup.policy": "compact", **insync}},
+                               "configs": {"cleanup.policy": "compact", "segment.ms": str(WEIGHTS_SEGMENT_MS),
+                                           **insync}},
             c.topics.dead_letters: {"num_partitions": 1, "replication_factor": rf, "configs": retained},
         }
 

@@ -202,6 +202,8 @@ def test_a_configured_cluster_is_used_as_is(tmp_path, kafka_broker):
 
 @pytest.mark.kafka
 def test_weights_topic_is_compacted_and_others_retained(kafka_config):
+    """The weights topic also rolls a segment an hour: at Kafka's 7 days, a week of notices sat in the open
+    segment, which compaction never touches, and every serving start replayed them."""
     from kafka.admin import ConfigResource
 
     backend = KafkaBackend(kafka_config)
@@ -212,6 +214,7 @@ def test_weights_topic_is_compacted_and_others_retained(kafka_config):
     configs = {name: {key: entry["value"] for key, entry in topic.items()}
                for name, topic in described["topic"].items()}
     assert configs[t.weights]["cleanup.policy"] == "compact"
+    assert configs[t.weights]["segment.ms"] == "3600000"  # compaction reaches all but the newest hour
     for name in (t.interactions, t.rewards, t.dead_letters):
         assert configs[name]["cleanup.policy"] == "delete"
         assert configs[name]["retention.ms"] == str(kafka_config.retention_ms)

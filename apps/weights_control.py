@@ -116,10 +116,14 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
     if store is None:
         raise HoldError(f"a hold copies the version out of the learner's pruning, which needs the file weight "
                         f"store; trainer.weight_store is {cfg.weight_store_url!r}")
-    weights = _load(store, target)
+    held = FileWeightStore(f"{cfg.weight_store_url.rstrip('/')}/{HELD_DIR}")
     following_served = version is None and not champion and state.hold is None  # not a named or held version
-    for retarget in range(HOLD_RETARGETS + 1 if following_served else 0):
-        now = read_weights_topic(backend, topic, model)  # the learner may have published since
+    for retarget in range(HOLD_RETARGETS + 1):
+        weights = _load(store, target)
+        ref = held.save(target.version, weights)
+        if not following_served:
+            break
+        now = read_weights_topic(backend, topic, model)  # the learner may have published during the copy
         served = now.following
         if now.hold is not None or served is None or served.version == target.version:
             break  # another operator's hold landed meanwhile: this one goes out after it, as before
@@ -129,10 +133,8 @@ def hold(cfg: Config, backend: StreamBackend, version: int | None = None, champi
             break
         log.info("replicas moved on to v%d while v%d was copied: holding v%d", served.version, target.version,
                  served.version)
+        held.delete(target.version)  # no hold is in force, and this one will not name it
         target = served
-        weights = _load(store, target)
-    held = FileWeightStore(f"{cfg.weight_store_url.rstrip('/')}/{HELD_DIR}")
-    ref = held.save(target.version, weights)
     notice = _hold_notice(target, ref.location, ref.checksum, reason)
     _send(backend, topic, notice)
     _keep_the_copy_in_force(backend, topic, model, held, target.version, weights)

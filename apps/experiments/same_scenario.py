@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from apps.experiments.resume import setting_differences
+from apps.experiments.resume import PER_RUN_FIELDS, setting_differences
 from apps.experiments.results import scenario_fields
 from online_sao.config import ConfigError
 
@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 PER_SEED_SCENARIO_FIELDS = frozenset({"seed", "prompt_seed", "seeds"})
 """Scenario fields each seed has its own of (``orchestrate.seed_config``), or that count the seeds."""
-PER_SEED_SETTINGS = frozenset({"trainer.seed"})
-"""An arm's recorded settings (``ArmSummary.settings``) each seed has its own of."""
+PER_SEED_SETTINGS = frozenset({"trainer.seed"}) | PER_RUN_FIELDS
+"""An arm's recorded settings (``ArmSummary.settings``) each seed has its own of: its learner seed, and
+what a driver sets per run (the arm's state directories under the seed's, which summaries written on
+2026-12-05 and 2026-12-06 recorded)."""
 MAX_SHOWN = 6
 """Differences named in the refusal; the rest are counted."""
 
@@ -33,8 +35,8 @@ class MixedRuns(ConfigError):
 
 def differences(runs: list[Run]) -> list[str]:
     """What sets each run after the first apart from the first: ``<seed dir>: experiment.<field>`` for a
-    scenario field, ``<seed dir> <arm>: <key>: <first> -> <its>`` for an arm's recorded settings (runs
-    whose summary records none, from before 2026-12-04, are not compared)."""
+    scenario field, ``<seed dir> <arm>: <key>: <first> -> <its>`` for an arm's recorded settings that both
+    record (runs whose summary records none, from before 2026-12-04, are not compared)."""
     if len(runs) < 2:
         return []
     first = runs[0]
@@ -47,8 +49,10 @@ def differences(runs: list[Run]) -> list[str]:
                   for key in sorted(base.keys() | own.keys()) if base.get(key) != own.get(key)]
         for name, arm in run.arms.items():
             theirs, ours = base_settings.get(name), _settings(arm.summary)
-            if theirs and ours:
-                found += [f"{run.directory.name} {name}: {line}" for line in setting_differences(theirs, ours)]
+            if theirs and ours:  # a setting one summary does not record came with later code, at its default
+                shared = theirs.keys() & ours.keys()
+                found += [f"{run.directory.name} {name}: {line}" for line in
+                          setting_differences({k: theirs[k] for k in shared}, {k: ours[k] for k in shared})]
     return found
 
 

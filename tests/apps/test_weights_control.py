@@ -111,6 +111,23 @@ def test_a_hold_of_what_is_served_lands_on_the_version_the_learner_published_dur
     assert torch.equal(held_copies(cfg).load(sent.location, sent.checksum)["w"], weights(4)["w"])
 
 
+def test_a_publish_while_the_held_copy_is_written_moves_the_hold_too(backend, cfg, store, monkeypatch):
+    """The topic was read again after loading the version, before writing its copy (the slow part): a publish
+    during the write still took replicas back."""
+    published(backend, cfg, store, 1, 2)
+    save = FileWeightStore.save
+
+    def learner_publishes_during_the_held_write(self, version, tensors):
+        ref = save(self, version, tensors)
+        if self.root.rstrip("/").endswith("/held") and version == 2:
+            published(backend, cfg, store, 3)
+        return ref
+
+    monkeypatch.setattr(FileWeightStore, "save", learner_publishes_during_the_held_write)
+    sent = hold(cfg, backend)
+    assert sent.version == 3 and held_copies(cfg).versions() == [3]  # v2's copy, never held, is gone
+
+
 def test_a_hold_of_what_is_served_outrun_by_the_learner_holds_the_last_copy_and_says_so(
         backend, cfg, store, monkeypatch, caplog):
     published(backend, cfg, store, 1)

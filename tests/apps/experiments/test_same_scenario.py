@@ -53,6 +53,21 @@ def test_a_seed_whose_arm_ran_with_another_learning_rate_is_refused_naming_the_s
         load_runs(tmp_path)
 
 
+def test_per_run_state_directories_and_settings_added_since_are_not_differences(tmp_path):
+    """Summaries of 2026-12-05/06 recorded each seed's own state directories, and a seed added later on newer
+    code records settings the older seeds' summaries lack: a real ``simulate --seeds N`` directory (and its
+    ``--resume``, at the end of hours of runs) was refused."""
+    for k in range(3):
+        write_run(tmp_path / f"seed-{k}", {"sao": synthetic_rewards(3, k)}, seed=k)
+        settings = {"algorithm.critic_lr": 0.0015, "trainer.seed": k,
+                    "trainer.checkpoint_dir": f"{tmp_path}/seed-{k}/arms/sao/checkpoints",
+                    "serving.spool_dir": f"{tmp_path}/seed-{k}/arms/sao/spool"}
+        if k == 2:
+            settings["serving.device"] = "auto"  # a field added after seeds 0 and 1 ran
+        write_summary(tmp_path / f"seed-{k}", _summary(settings))
+    assert len(load_runs(tmp_path)) == 3
+
+
 def test_a_run_from_before_summaries_recorded_settings_is_not_compared(tmp_path):
     _seeds(tmp_path)
     write_summary(tmp_path / "seed-1", _summary({}))

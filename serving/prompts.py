@@ -168,9 +168,11 @@ class PromptBuilder:
             raise APIError(exc.status, exc.message, param="parent_interaction_id", code=exc.code) from None
         parent = self.trajectories.get(parent_id)
         if parent is None:
-            raise APIError(404, f"interaction {parent_id} is not held by this server (it keeps the "
-                                f"{self.trajectories.capacity} most recent trajectories in memory); "
-                                "send the conversation without parent_interaction_id to start a new one",
+            raise APIError(404, f"interaction {parent_id} is not held by this server: another replica served "
+                                f"it (behind a load balancer, send the conversation's X-Session-Id header with "
+                                f"every turn), this server restarted since, or it is older than the "
+                                f"{self.trajectories.capacity} most recent trajectories it keeps in memory; send "
+                                "the conversation without parent_interaction_id to start a new one",
                            param="parent_interaction_id", code="interaction_not_found")
         if (route == "chat") != (parent.template_messages is not None):
             raise APIError(400, f"interaction {parent_id} was not made by the {route} endpoint",

@@ -200,6 +200,7 @@ def test_unknown_forged_and_evicted_parents_are_refused(make_harness):
     r = h.client.post(CHAT, json={"model": "online-sao", "messages": follow_up, "parent_interaction_id": ids[0]})
     error = assert_openai_error(r, 404, param="parent_interaction_id", code="interaction_not_found")
     assert "2 most recent" in error["message"]
+    assert "another replica served it" in error["message"] and "X-Session-Id" in error["message"]  # all causes
     r = h.client.post(CHAT, json={"model": "online-sao", "messages": follow_up, "parent_interaction_id": "fake"})
     assert_openai_error(r, 403, param="parent_interaction_id")
     r = h.client.post("/v1/completions", json={"model": "online-sao", "prompt": "x", "parent_interaction_id": ids[2]})

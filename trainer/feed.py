@@ -66,6 +66,11 @@ consumer in its group, so the learner's loop does not wait on it."""
 REJOIN_POLL_S = 1.0
 """How long the poll that rejoins the group after a refused commit waits (the commit is tried again
 after it, and the poll again while the group still refuses it, for ``ASSIGNMENT_TIMEOUT_S``)."""
+UNHEARD_PARTITION = 1 << 62
+"""The records left to read of an assigned partition whose end the feed has not heard yet: as many as
+can be, so that it holds the join's clock (:meth:`~trainer.join_clock.JoinClock.limit`) until it is
+heard. A learner restarted over a backlog read one topic's partition before the other's end was known,
+its clock ran 25 minutes on, and the reward windows closed with the rewards unread (620 dropped)."""
 ENDS_EVERY_S = 2.0
 """How often the feed's :class:`~streams.ends.EndWatcher` asks the broker where the topics end: the
 unread counts lag the traffic by at most this while the feed's partitions are paused (one small
@@ -189,6 +194,10 @@ class Feed:
 
     def _read(self, messages: list[StreamMessage]) -> None:
         left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
+        for tp in self.consumer.assignment() - left.keys():
+            # not heard from yet (kafka-python knows a partition's end once it parsed a fetch of it, and the
+            # end watcher's first read may be still to come): it may hold records older than the clock
+            left[tp] = UNHEARD_PARTITION
         for msg in messages:
             expected = self.offsets.get(msg.tp)
             if expected is not None and msg.offset < expected:

@@ -323,6 +323,9 @@ class ScriptedConsumer:
     def highwater(self):
         return {}  # nothing heard: the records handed over are all there is
 
+    def assignment(self):
+        return set()  # no partition the feed should wait for
+
     def close(self):
         pass
 
@@ -465,6 +468,74 @@ def test_catching_up_a_backlog_holds_the_joins_clock_until_every_partition_is_re
     for _ in range(5):
         feed.poll()
     assert (joiner.counters.joined, joiner.counters.dropped_no_reward, joiner.counters.expired_rewards) == (240, 0, 0)
+    feed.close()
+
+
+class HeardWhenPolled:
+    """A consumer that, as kafka-python's, knows a partition's end only once it handed over that
+    partition's records (a fetch response is parsed when its records are drained), one partition per poll."""
+
+    def __init__(self, consumer) -> None:
+        self.consumer, self.heard = consumer, set()
+
+    def poll(self, timeout_s, max_records=None):
+        messages = self.consumer.poll(timeout_s, max_records)
+        first = messages[0].tp if messages else None
+        kept = [m for m in messages if m.tp == first]
+        for m in messages[len(kept):]:  # left for a later poll, as a fetch not drained yet
+            self.consumer.seek(m.tp, min(m.offset, self.consumer.position(m.tp)))
+        self.heard.update({first} if first else set())
+        return kept
+
+    def highwater(self):
+        return {tp: end for tp, end in self.consumer.highwater().items() if tp in self.heard}
+
+    def __getattr__(self, name):
+        return getattr(self.consumer, name)
+
+
+class NeverRead:
+    """An end watcher whose first read has not come yet (it runs every ENDS_EVERY_S on a thread of its own)."""
+
+    def ends(self):
+        return {}
+
+    def begins(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_a_partition_not_heard_from_yet_holds_the_joins_clock(backend, monkeypatch):
+    """A learner restarted over a backlog polled its interactions partition first, before its end watcher's
+    first read and before any fetch of the rewards partition had been parsed: the rewards partition, not
+    heard from, did not hold the clock, which the interactions moved 25 minutes on, and their windows
+    closed with every reward unread (a live resume dropped 620 rewarded interactions)."""
+    import streams.memory
+
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    backend.ensure_topics()
+    start, clock = time.time() - 1500, [0.0]
+    monkeypatch.setattr(streams.memory.time, "time", lambda: start + clock[0])
+    topics, producer = backend.cfg.topics, backend.producer()
+    for i in range(50):  # one every 30 s; each reward 1 s after its interaction, window 60 s
+        clock[0] = 30.0 * i
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=start + clock[0]))
+        clock[0] += 1.0
+        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+    monkeypatch.undo()
+    cfg = Config()
+    joiner = RewardJoiner(cfg.reward.model_copy(update={"window_s": 60.0}))
+    feed = Feed(cfg.trainer, topics, joiner, backend.producer(), {}, {name: 0.0 for name in COUNTERS},
+                vocab_size=64, group_size=1, stop=threading.Event())
+    feed.start(backend)
+    feed.ends.close()
+    feed.ends = NeverRead()
+    feed.consumer = HeardWhenPolled(feed.consumer)
+    for _ in range(6):
+        feed.poll()
+    assert (joiner.counters.joined, joiner.counters.dropped_no_reward, joiner.counters.expired_rewards) == (50, 0, 0)
     feed.close()
 
 

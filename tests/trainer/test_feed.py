@@ -443,27 +443,35 @@ def test_a_slow_replicas_record_gets_its_reward_window_on_the_broker(kafka_confi
         feed.close()
 
 
+def _started_on_backlog(backend: StreamBackend, monkeypatch, count: int, reward_after_s: float) -> Feed:
+    """A feed started over ``count`` interactions logged one every 30 s, ending now, each rewarded
+    ``reward_after_s`` after it; reward windows of 60 s."""
+    import streams.memory
+
+    backend.ensure_topics()
+    start, clock = time.time() - 30.0 * count, [0.0]
+    monkeypatch.setattr(streams.memory.time, "time", lambda: start + clock[0])
+    topics, producer = backend.cfg.topics, backend.producer()
+    for i in range(count):
+        clock[0] = 30.0 * i
+        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=start + clock[0]))
+        clock[0] += reward_after_s
+        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
+    monkeypatch.undo()
+    cfg = Config()
+    feed = Feed(cfg.trainer, topics, RewardJoiner(cfg.reward.model_copy(update={"window_s": 60.0})),
+                backend.producer(), {}, {name: 0.0 for name in COUNTERS}, vocab_size=64, group_size=1,
+                stop=threading.Event())
+    feed.start(backend)
+    return feed
+
+
 def test_catching_up_a_backlog_holds_the_joins_clock_until_every_partition_is_read(backend, monkeypatch):
     """Two hours of traffic, each interaction rewarded 5 s after it, read by a learner that was away:
     a poll hands over every interaction before any reward (the in-memory backend reads partition by
     partition), and a clock moved by them closed the windows of the rewards still unread."""
-    import streams.memory
-
-    backend.ensure_topics()
-    start, clock = time.time() - 7200, [0.0]
-    monkeypatch.setattr(streams.memory.time, "time", lambda: start + clock[0])
-    topics, producer = backend.cfg.topics, backend.producer()
-    for i in range(240):  # one every 30 s; each reward 5 s after its interaction, window 60 s
-        clock[0] = 30.0 * i
-        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=start + clock[0]))
-        clock[0] += 5.0
-        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
-    monkeypatch.undo()
-    cfg = Config()
-    joiner = RewardJoiner(cfg.reward.model_copy(update={"window_s": 60.0}))
-    feed = Feed(cfg.trainer, topics, joiner, backend.producer(), {}, {name: 0.0 for name in COUNTERS},
-                vocab_size=64, group_size=1, stop=threading.Event())
-    feed.start(backend)
+    feed = _started_on_backlog(backend, monkeypatch, 240, reward_after_s=5.0)
+    joiner = feed.joiner
     assert feed.ends.wait_for_first_read(10)
     for _ in range(5):
         feed.poll()
@@ -512,24 +520,8 @@ def test_a_partition_not_heard_from_yet_holds_the_joins_clock(backend, monkeypat
     first read and before any fetch of the rewards partition had been parsed: the rewards partition, not
     heard from, did not hold the clock, which the interactions moved 25 minutes on, and their windows
     closed with every reward unread (a live resume dropped 620 rewarded interactions)."""
-    import streams.memory
-
-    backend = InMemoryBackend(KafkaConfig(partitions=1))
-    backend.ensure_topics()
-    start, clock = time.time() - 1500, [0.0]
-    monkeypatch.setattr(streams.memory.time, "time", lambda: start + clock[0])
-    topics, producer = backend.cfg.topics, backend.producer()
-    for i in range(50):  # one every 30 s; each reward 1 s after its interaction, window 60 s
-        clock[0] = 30.0 * i
-        publish(producer, topics.interactions, make_interaction(f"i{i}", created_at=start + clock[0]))
-        clock[0] += 1.0
-        publish(producer, topics.rewards, make_reward(f"i{i}", 1.0))
-    monkeypatch.undo()
-    cfg = Config()
-    joiner = RewardJoiner(cfg.reward.model_copy(update={"window_s": 60.0}))
-    feed = Feed(cfg.trainer, topics, joiner, backend.producer(), {}, {name: 0.0 for name in COUNTERS},
-                vocab_size=64, group_size=1, stop=threading.Event())
-    feed.start(backend)
+    feed = _started_on_backlog(InMemoryBackend(KafkaConfig(partitions=1)), monkeypatch, 50, reward_after_s=1.0)
+    joiner = feed.joiner
     feed.ends.close()
     feed.ends = NeverRead()
     feed.consumer = HeardWhenPolled(feed.consumer)

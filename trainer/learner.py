@@ -72,6 +72,7 @@ import torch
 
 from online_sao.batch import Rollout
 from online_sao.config import Config, ConfigError
+from online_sao.config.unused import unread_settings
 from online_sao.durable import is_disk_full
 from online_sao.log_setup import log_to_stderr
 from online_sao.weights import WeightsRef
@@ -321,6 +322,10 @@ def run_learner(cfg: Config, pretrain_critic: bool = False, before_step: Rollout
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: until.stop.set())
     def work(ctx: DistContext) -> LearnerResult:
+        unread = unread_settings(cfg.algorithm, cfg.drift)
+        if ctx.is_main and unread:
+            log.warning("settings that change nothing here, though MLflow records them: %s (algorithm.name is %s, "
+                        "drift.enabled %s)", ", ".join(unread), cfg.algorithm.name, cfg.drift.enabled)
         try:
             result = train(cfg, KafkaBackend(cfg.kafka), ctx, until, pretrain_critic=pretrain_critic,
                            before_step=before_step)

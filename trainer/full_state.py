@@ -193,7 +193,8 @@ def _of_trained_parameters(model: nn.Module, optimizer: torch.optim.Optimizer, s
     left_out = sorted(set(state["state"]) - kept)
     if left_out:
         log.info("the checkpoint's %s optimizer state has moments of %d parameters it no longer trains "
-                 "(algorithm.freeze_critic_attention changed?): left out", name, len(left_out))
+                 "(algorithm.freeze_critic_attention or critic_trainable_layers changed?): left out", name,
+                 len(left_out))
     return {**state, "state": {k: v for k, v in state["state"].items() if k in kept},
             "param_groups": [{**group, "params": [n for n in group["params"] if n in kept]}
                              for group in state["param_groups"]]}

@@ -73,6 +73,17 @@ def gate_reward_range(reward: RewardConfig, deploy: DeployConfig) -> tuple[float
     return min(low, most * low), max(high, most * high)
 
 
+STEP_READINGS = (("kept", "kept_frac", "%.2f"), ("value loss", "value_loss", "%.4f"),
+                 ("critic EV", "explained_variance", "%.2f"))
+"""The step's readings its log line shows, when the step has them: running_mean and grpo have no critic,
+ppo no DIS mask, and a re-warm step after a drift restart no value loss (each used to print nan)."""
+
+
+def step_readings(metrics: dict[str, float]) -> str:
+    """``kept 0.97, value loss 0.0123, critic EV 0.41, `` for the readings ``metrics`` has."""
+    return "".join(f"{label} {form % metrics[key]}, " for label, key, form in STEP_READINGS if key in metrics)
+
+
 @dataclass
 class Laps:
     """Seconds spent in each part of one learner cycle: waiting for data, then training,
@@ -233,12 +244,10 @@ class RankZero:
             **keeping_up.metrics(), **monitors, **self.segments.metrics(),
             **(self.feed.sources.metrics() if self.feed.sources is not None else {}),
         }, tags=self.segments.slots.tags(at.step))  # which label each segment.slot<k> shows
-        log.info("step %d -> v%d: %d rollouts, reward %.3f, kept %.2f, value loss %.4f, critic EV %.2f, %.2f s; "
-                 "unread %d interactions %d rewards, data %.1f s old; segments %s", at.step, at.version,
-                 len(rollouts), metrics.get("reward_mean", math.nan), metrics.get("kept_frac", math.nan),
-                 metrics.get("value_loss", math.nan), metrics.get("explained_variance", math.nan),
-                 laps.seconds["step"], keeping_up.unread_interactions, keeping_up.unread_rewards,
-                 keeping_up.data_age_mean_s, self.segment_summary())
+        log.info("step %d -> v%d: %d rollouts, reward %.3f, %s%.2f s; unread %d interactions %d rewards, data "
+                 "%.1f s old; segments %s", at.step, at.version, len(rollouts), metrics.get("reward_mean", math.nan),
+                 step_readings(metrics), laps.seconds["step"], keeping_up.unread_interactions,
+                 keeping_up.unread_rewards, keeping_up.data_age_mean_s, self.segment_summary())
         self.feed.step_ended()
 
     def segment_summary(self) -> str:

@@ -215,3 +215,13 @@ def test_a_champion_worse_on_what_the_window_missed_is_not_promoted_under_summed
     assert evidence.low == pytest.approx(0.95 - 25.9 - z * se) and evidence.decision == "undecided"
     narrow = decide(rewards, torch.zeros(20), champion, GateSettings(4, 2.0, 0.9, 0.05, reward_min=0.0, reward_max=1.0))
     assert narrow.low == pytest.approx(0.95 - 0.7 - z * se) and narrow.decision == "promoted"
+
+
+def test_the_step_line_shows_the_readings_the_step_has_and_no_nan_for_the_others():
+    """Every running_mean and grpo step logged "value loss nan, critic EV nan", every ppo step "kept nan"."""
+    from trainer.rank_zero import step_readings
+
+    assert step_readings({"kept_frac": 0.97, "value_loss": 0.01234, "explained_variance": 0.4}) == \
+        "kept 0.97, value loss 0.0123, critic EV 0.40, "
+    assert step_readings({"kept_frac": 1.0, "reward_mean": 0.5}) == "kept 1.00, "  # running_mean: no critic
+    assert step_readings({}) == ""

@@ -63,6 +63,8 @@ class Follower(Protocol):
 
     catch_up_state: str
     """What it waits for while not caught up (the readiness probe's reason)."""
+    other_models_note: str | None
+    """The other models whose notices it ignored (None: none), which a ready ``/readyz`` shows."""
 
     @property
     def caught_up(self) -> bool: ...
@@ -108,6 +110,7 @@ def _lifespan(engine: InferenceEngine, logger: InteractionLogger, follower: Foll
         catching_up: asyncio.Task | None = None
         if follower is not None:
             follower.start()
+            status.weights_note = lambda: follower.other_models_note
             if weights_catch_up_s != 0:
                 status.awaiting_weights = lambda: follower.catch_up_state  # before ready: never ready before it
                 catching_up = asyncio.create_task(_ready_once_caught_up(follower, status, engine,

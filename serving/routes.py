@@ -53,6 +53,10 @@ class ServerStatus:
     awaiting_weights: Callable[[], str] | None = None
     """Set while readiness waits for the weights follower to catch up (see :mod:`serving.app`): what
     it waits for. None: readiness does not wait for it (caught up, timed out, or no follower)."""
+    weights_note: Callable[[], str | None] | None = None
+    """What the weights follower has to say about the notices it ignored (None: no follower), which a
+    ready ``/readyz`` shows as ``weights_note``: a replica whose ``serving.model_name`` is not the
+    learner's stays ready on v0, and only its start-up log said why."""
 
 
 def authorizer(auth: ApiKeyAuth) -> Authorize:
@@ -192,7 +196,9 @@ def status_routes(status: ServerStatus, engine: InferenceEngine, logger: Interac
             reason = logger.refusal()
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ready", "policy_version": engine.policy_version,
+        note = None if status.weights_note is None else status.weights_note()
+        weights = {} if note is None else {"weights_note": note}
+        return JSONResponse({"status": "ready", "policy_version": engine.policy_version, **weights,
                              "spooling": logger.spooling, "waiting": inflight.waiting, "running": inflight.running})
 
     @router.get("/metrics")

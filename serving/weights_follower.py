@@ -128,9 +128,15 @@ class WeightsFollower:
         """What the first pass waits for (the topic unreachable, notices left to read, a champion to
         load), or the version it caught up on, then the other models whose notices were ignored: for
         the readiness probe's reason and the app's log."""
+        note = self.other_models_note
+        return self._catch_up_reason if note is None else f"{self._catch_up_reason}; {note}"
+
+    @property
+    def other_models_note(self) -> str | None:
+        """The other models whose notices were ignored, said as ``/readyz`` says it (None: none)."""
         if not self.other_models:
-            return self._catch_up_reason
-        return f"{self._catch_up_reason}{OTHER_MODELS_NOTE}{', '.join(sorted(self.other_models))}"
+            return None
+        return f"{OTHER_MODELS_NOTE.removeprefix('; ')}{', '.join(sorted(self.other_models))}"
 
     @property
     def caught_up(self) -> bool:

@@ -91,18 +91,20 @@ def tiny_policy(tiny_model_dir):
 
 @pytest.fixture
 def start_app(tmp_path, chat_tokenizer):
-    """``start(backend, store, **config overrides)``: the app over a FakeEngine with a real weights
-    follower on ``backend``'s weights topic, started (its lifespan runs) under a TestClient."""
+    """``start(backend, store, model_name=None, **config overrides)``: the app over a FakeEngine with a real
+    weights follower (of ``model_name``'s notices; None: every notice) on ``backend``'s weights topic,
+    started (its lifespan runs) under a TestClient."""
     opened: list[TestClient] = []
 
-    def start(backend: InMemoryBackend, store, **overrides) -> tuple[TestClient, FakeEngine]:
+    def start(backend: InMemoryBackend, store, model_name: str | None = None,
+              **overrides) -> tuple[TestClient, FakeEngine]:
         cfg = serving_config(tmp_path, **overrides)
         engine = FakeEngine([chat_tokenizer.eos_token_id])
         producer = InMemoryBackend(cfg.kafka)
         producer.ensure_topics()
         logger = InteractionLogger(producer.producer(), cfg.kafka.topics, cfg.spool_dir,
                                    LogSettings.from_config(cfg.serving))
-        follower = WeightsFollower(backend, TOPIC, store, engine, poll_timeout_s=POLL_S)
+        follower = WeightsFollower(backend, TOPIC, store, engine, model_name=model_name, poll_timeout_s=POLL_S)
         app = build_app(engine, logger, cfg, chat_tokenizer, ServingMetrics(CollectorRegistry()), follower,
                         max_model_len=512)
         client = TestClient(app, raise_server_exceptions=False)
@@ -174,6 +176,25 @@ def test_a_fresh_weights_topic_is_ready_after_its_first_read(start_app):
     body = ready_within(client, 5.0)
     assert body is not None and body["policy_version"] == 0
     assert time.monotonic() - started < 2.0
+
+
+def test_a_ready_replica_says_which_other_models_notices_it_ignored(start_app):
+    """A replica whose serving.model_name is not the learner's is ready on v0 for good; its /readyz said
+    ready and nothing else, the reason only in its start-up log."""
+    backend = InMemoryBackend()
+    backend.ensure_topics()
+    store = InProcessWeightStore()
+    ref = store.save(1, tiny_state(1))
+    send(backend, notice(ref).model_copy(update={"model": "old-name"}))
+    client, _ = start_app(backend, store, model_name="new-name")
+    body = ready_within(client, 5.0)
+    assert body is not None and body["policy_version"] == 0
+    assert "old-name" in body["weights_note"] and "serving.model_name" in body["weights_note"]
+
+    plain = InMemoryBackend()
+    plain.ensure_topics()
+    client, _ = start_app(plain, InProcessWeightStore())
+    assert "weights_note" not in ready_within(client, 5.0)  # nothing to say: not said
 
 
 def test_an_unreachable_broker_keeps_the_replica_unready_for_weights_catch_up_s_then_it_serves_what_it_has(

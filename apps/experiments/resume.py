@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +54,24 @@ def outcome_settings(acfg: AppConfig) -> dict[str, Any]:
     return {key: value for key, value in flat.items() if key not in PER_RUN_FIELDS}
 
 
+@cache
+def default_settings() -> dict[str, Any]:
+    """:func:`outcome_settings` of the default configuration."""
+    return outcome_settings(AppConfig())
+
+
 def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: recorded -> current`` for every key whose value differs or that only one side has."""
+    """``key: recorded -> current`` for every key whose value differs or that only one side has, unless that
+    side has it at its default: a summary written before a setting existed does not record it, and code
+    that has it records its default (a run of ``serving.device`` "auto" is the run of before). An entry of
+    a mapping setting has no default (an empty mapping records no key), so one side's entry counts."""
     missing = object()
+    defaults = default_settings()
     lines = []
     for key in sorted(recorded.keys() | current.keys()):
         before, after = recorded.get(key, missing), current.get(key, missing)
-        if before != after:
+        one_sided = after if before is missing else before if after is missing else missing
+        if before != after and not (one_sided is not missing and defaults.get(key, missing) == one_sided):
             show = [("(absent)" if v is missing else json.dumps(v)) for v in (before, after)]
             lines.append(f"{key}: {show[0]} -> {show[1]}")
     return lines

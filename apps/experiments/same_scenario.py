@@ -35,8 +35,9 @@ class MixedRuns(ConfigError):
 
 def differences(runs: list[Run]) -> list[str]:
     """What sets each run after the first apart from the first: ``<seed dir>: experiment.<field>`` for a
-    scenario field, ``<seed dir> <arm>: <key>: <first> -> <its>`` for an arm's recorded settings that both
-    record (runs whose summary records none, from before 2026-12-04, are not compared)."""
+    scenario field, ``<seed dir> <arm>: <key>: <first> -> <its>`` for an arm's recorded settings
+    (:func:`~apps.experiments.resume.setting_differences`: a setting one summary does not record counts
+    at its default; runs whose summary records none, from before 2026-12-04, are not compared)."""
     if len(runs) < 2:
         return []
     first = runs[0]
@@ -49,10 +50,8 @@ def differences(runs: list[Run]) -> list[str]:
                   for key in sorted(base.keys() | own.keys()) if base.get(key) != own.get(key)]
         for name, arm in run.arms.items():
             theirs, ours = base_settings.get(name), _settings(arm.summary)
-            if theirs and ours:  # a setting one summary does not record came with later code, at its default
-                shared = theirs.keys() & ours.keys()
-                found += [f"{run.directory.name} {name}: {line}" for line in
-                          setting_differences({k: theirs[k] for k in shared}, {k: ours[k] for k in shared})]
+            if theirs and ours:
+                found += [f"{run.directory.name} {name}: {line}" for line in setting_differences(theirs, ours)]
     return found
 
 

@@ -46,6 +46,9 @@ def test_setting_differences_name_each_changed_added_and_removed_key():
                                                       "drift.enabled: true -> (absent)",
                                                       "serving.top_p: (absent) -> 0.9"]
     assert setting_differences(recorded, dict(recorded)) == []
+    # a setting a summary written before it existed does not record counts at its default (serving.device "auto")
+    assert setting_differences(recorded, {**recorded, "serving.device": "auto"}) == []
+    assert setting_differences(recorded, {**recorded, "serving.device": "cpu"}) == ['serving.device: (absent) -> "cpu"']
 
 
 SCENARIO = ExperimentConfig(driver="inprocess")

@@ -68,6 +68,24 @@ def test_per_run_state_directories_and_settings_added_since_are_not_differences(
     assert len(load_runs(tmp_path)) == 3
 
 
+def test_a_mapping_setting_one_seed_sets_and_another_leaves_empty_is_a_difference(tmp_path):
+    """An empty mapping records no key: compared on the keys both record, seeds with and without a quality
+    floor were one experiment."""
+    _seeds(tmp_path)
+    write_summary(tmp_path / "seed-2", _summary({"algorithm.critic_lr": 0.0015, "trainer.seed": 2,
+                                                 "deploy.monitor_min_scores.quality": 0.9}))
+    with pytest.raises(MixedRuns, match=r"seed-2 sao: deploy.monitor_min_scores.quality: \(absent\) -> 0.9"):
+        load_runs(tmp_path)
+
+
+def test_a_setting_added_since_counts_only_at_its_default(tmp_path):
+    _seeds(tmp_path)
+    write_summary(tmp_path / "seed-2", _summary({"algorithm.critic_lr": 0.0015, "trainer.seed": 2,
+                                                 "serving.device": "cpu"}))  # not the default, "auto"
+    with pytest.raises(MixedRuns, match=r'serving.device: \(absent\) -> "cpu"'):
+        load_runs(tmp_path)
+
+
 def test_a_run_from_before_summaries_recorded_settings_is_not_compared(tmp_path):
     _seeds(tmp_path)
     write_summary(tmp_path / "seed-1", _summary({}))

@@ -66,6 +66,10 @@ consumer in its group, so the learner's loop does not wait on it."""
 REJOIN_POLL_S = 1.0
 """How long the poll that rejoins the group after a refused commit waits (the commit is tried again
 after it, and the poll again while the group still refuses it, for ``ASSIGNMENT_TIMEOUT_S``)."""
+UNHEARD_HOLD_S = 30.0
+"""How long after the feed joins its group a partition not heard from yet holds the join's clock: both
+ways of hearing (a parsed fetch, the end watcher's read every ENDS_EVERY_S) take seconds; a partition
+offline (its only replica's broker down) is never heard, and held the clock, so no reward window closed."""
 UNHEARD_PARTITION = 1 << 62
 """The records left to read of an assigned partition whose end the feed has not heard yet: as many as
 can be, so that it holds the join's clock (:meth:`~trainer.join_clock.JoinClock.limit`) until it is
@@ -150,6 +154,11 @@ class Feed:
         """Whether the last poll had the partitions paused (backpressure)."""
         self.told_short_of_ranks = False
         """Whether the wait for a unit per rank was logged (once per wait)."""
+        self.unheard_until = math.inf
+        """Until when (monotonic) an assigned partition not heard from yet holds the join's clock
+        (:data:`UNHEARD_HOLD_S` after the feed joined its group, or rejoined it)."""
+        self.told_unheard = False
+        """Whether partitions still not heard from when the hold ended were logged (once per join)."""
         self.step_units = 1
         """Units (rollouts, grpo groups) a step needs, one per rank: as the last :meth:`take` was asked."""
 
@@ -168,6 +177,7 @@ class Feed:
         assign_and_seek(self.consumer, self.offsets)
         self.ends = EndWatcher(backend, [self.topics.interactions, self.topics.rewards], ENDS_EVERY_S)
         self.last_activity = time.monotonic()
+        self.unheard_until, self.told_unheard = self.last_activity + UNHEARD_HOLD_S, False
 
     def poll(self) -> None:
         """Read one poll's records into the join; while enough steps are ready already, poll with
@@ -194,10 +204,16 @@ class Feed:
 
     def _read(self, messages: list[StreamMessage]) -> None:
         left = self.unread_by_partition()  # these records included: the ends are as the poll heard them
-        for tp in self.consumer.assignment() - left.keys():
+        unheard = self.consumer.assignment() - left.keys()
+        if unheard and time.monotonic() < self.unheard_until:
             # not heard from yet (kafka-python knows a partition's end once it parsed a fetch of it, and the
             # end watcher's first read may be still to come): it may hold records older than the clock
-            left[tp] = UNHEARD_PARTITION
+            left.update(dict.fromkeys(unheard, UNHEARD_PARTITION))
+        elif unheard and not self.told_unheard:
+            self.told_unheard = True  # once per join of the group
+            log.warning("partitions %s not heard from %.0f s after joining the group (offline? the end watcher "
+                        "cannot read their ends): the join's clock no longer waits for them, and records they "
+                        "hold older than it may be read late", sorted(unheard), UNHEARD_HOLD_S)
         for msg in messages:
             expected = self.offsets.get(msg.tp)
             if expected is not None and msg.offset < expected:
@@ -382,6 +398,7 @@ class Feed:
         for msg in self.consumer.poll(timeout_s=REJOIN_POLL_S, max_records=MAX_POLL_RECORDS):
             fetched.setdefault(msg.tp, msg.offset)
         assign_and_seek(self.consumer, self.offsets, fetched)
+        self.unheard_until, self.told_unheard = time.monotonic() + UNHEARD_HOLD_S, False
 
     def close(self) -> None:
         if self.ends is not None:

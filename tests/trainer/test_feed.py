@@ -531,6 +531,30 @@ def test_a_partition_not_heard_from_yet_holds_the_joins_clock(backend, monkeypat
     feed.close()
 
 
+@pytest.mark.parametrize("hold_over", [False, True], ids=["holding", "hold-over"])
+def test_a_partition_never_heard_from_holds_the_clock_only_for_a_while(monkeypatch, caplog, hold_over):
+    """A partition offline (its only replica's broker down) is never heard from: holding the clock for it
+    for good, no reward window closed, and nothing was defaulted or timed out."""
+    backend = InMemoryBackend(KafkaConfig(partitions=1))
+    feed = _started_on_backlog(backend, monkeypatch, 10, reward_after_s=1.0)
+    feed.joiner.cfg = feed.joiner.cfg.model_copy(update={"on_missing": "default"})
+    feed.ends.close()
+    feed.ends = NeverRead()
+    feed.consumer = HeardWhenPolled(feed.consumer)
+    feed.consumer.seek(TopicPartition(backend.cfg.topics.rewards, 0), 10)  # its rewards: never fetched
+    if hold_over:
+        feed.unheard_until = time.monotonic() - 1.0
+    with caplog.at_level("WARNING", logger="trainer.feed"):
+        for _ in range(3):
+            feed.poll()
+    if hold_over:
+        assert feed.joiner.counters.defaulted == 7  # windows of 60 s, one every 30 s: all but the newest 3 closed
+        assert "not heard from 30 s after joining the group" in caplog.text
+    else:
+        assert feed.joiner.counters.defaulted == 0 and feed.joiner.watermark is None
+    feed.close()
+
+
 def test_two_ranks_do_not_count_a_parent_its_continuation_trains_as_a_unit():
     """A ready parent and its ready continuation counted as two units: the step of two ranks popped
     the continuation alone (it trains the parent's turn) and dropped it as too few for the ranks."""

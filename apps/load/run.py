@@ -49,6 +49,9 @@ READBACK_TIMEOUT_S = 120.0
 READBACK_QUIET_S = 3.0
 """Once every acknowledged id was read, the check keeps reading until the topic stayed
 quiet this long (late duplicates)."""
+STAMP_SLACK_S = 60.0
+"""How long before the load began a record may be stamped and still be read back as the run's, when where
+the topic ended could not be read before the load (the broker's clock against this host's)."""
 READBACK_POLL_S = 0.5
 """Longest wait of one poll of the read back."""
 FAILURE_KINDS_SHOWN = 5
@@ -108,6 +111,17 @@ def topic_ends(backend: StreamBackend, topic: str) -> dict[TopicPartition, int]:
     consumer = backend.consumer([topic], group_id=None, start="latest")
     try:
         return consumer.end_offsets()
+    finally:
+        consumer.close()
+
+
+def stamped_since(backend: StreamBackend, topic: str, since_s: float) -> dict[TopicPartition, int]:
+    """Each partition's first record stamped at or after ``since_s`` (its end when there is none)."""
+    consumer = backend.consumer([topic], group_id=None, start="latest")
+    try:
+        ends = consumer.end_offsets()
+        return {tp: ends[tp] if offset is None else offset
+                for tp, offset in consumer.offsets_for_time(int(since_s * 1000)).items()}
     finally:
         consumer.close()
 
@@ -293,14 +307,19 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
             except TopicNotFound:
                 pass  # serving cannot log to it yet either: whatever it holds after the load is the run's
             except StreamUnavailable as exc:  # the read back may still work once the load is over
+                since = None
                 progress(f"where {cfg.kafka.topics.interactions} ends before the load could not be read ({exc}): "
-                         f"it will be read back from its start")
+                         f"it will be read back from the records stamped since the load began")
+        began = time.time()
         result = run_load(args.url, args.api_key, params, progress)
         if not args.no_kafka_check:
             acked = acked_interactions(result.records)
             progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
             try:
-                logged = check_logged(KafkaBackend(cfg.kafka), cfg.kafka.topics.interactions, acked, since=since)
+                backend = KafkaBackend(cfg.kafka)
+                if since is None:  # the broker's stamps on the run's records are after the load began
+                    since = stamped_since(backend, cfg.kafka.topics.interactions, began - STAMP_SLACK_S)
+                logged = check_logged(backend, cfg.kafka.topics.interactions, acked, since=since)
             except StreamUnavailable as exc:  # the load's results are still worth writing
                 check_error = f"the Kafka check could not run: {exc}"
         report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged,

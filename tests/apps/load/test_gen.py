@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 
 import httpx
 import pytest
 
 from apps.load.gen import LoadGenerator
 from apps.load.report import result_json, write_results
-from apps.load.run import acked_interactions, check_logged, topic_ends
+from apps.load.run import acked_interactions, check_logged, stamped_since, topic_ends
 from apps.load.stats import LoadParams, RequestRecord, VersionPoint, percentile, summarize, versions_text
 from online_sao.schemas import Interaction, encode
 from streams.memory import InMemoryBackend
@@ -128,6 +129,27 @@ def test_a_load_against_a_deployment_reads_back_from_where_the_topic_ended_befor
     assert from_start.unacked_logged > 0  # the earlier traffic, counted as the run's when read from the start
 
 
+def test_without_where_the_topic_ended_the_read_back_starts_at_the_records_stamped_since_the_load(monkeypatch):
+    """Where the topic ended before the load could not be read (the broker briefly away): the read back
+    started at the topic's start, with the same two failures as without the mark."""
+    import streams.memory
+
+    backend = InMemoryBackend()
+    backend.create_topic("interactions", 2)
+    producer = backend.producer()
+    monkeypatch.setattr(streams.memory.time, "time", lambda: 1_000_000.0)  # the deployment's earlier traffic
+    for k in range(300):
+        producer.send("interactions", encode(_interaction(f"old{k}", [0])), key=f"old{k}".encode())
+    monkeypatch.undo()
+    began = time.time()
+    for iid in ("a", "b"):
+        producer.send("interactions", encode(_interaction(iid, [1])), key=iid.encode())
+
+    since = stamped_since(backend, "interactions", began - 60.0)
+    check = check_logged(backend, "interactions", {"a": (1,), "b": (1,)}, timeout_s=5.0, quiet_s=0.0, since=since)
+    assert check.ok and check.records_read == 2 and check.unacked_logged == 0
+
+
 class FakeEndpoint:
     """Answers like serving: every 5th chat 503, every 4th stream an error event after its first
     chunk, every 6th stream cut without a final chunk; the version rises every 10 answers."""
@@ -236,6 +258,7 @@ def test_a_kafka_check_that_cannot_run_still_writes_the_results_and_fails_the_ru
 
     monkeypatch.setattr("apps.load.gen.run_load", lambda *args, **kwargs: ran)
     monkeypatch.setattr("apps.load.run.topic_ends", unreachable)  # where the read back would start
+    monkeypatch.setattr("apps.load.run.stamped_since", unreachable)  # its stand-in after the load
     monkeypatch.setattr("apps.load.run.check_logged", unreachable)
     out = tmp_path / "load.json"
     assert cli.main(["load", "--url", "http://fake", "--out", str(out)]) == 1

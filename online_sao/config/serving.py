@@ -84,7 +84,8 @@ class ServingConfig(Section):
     cheaper. It switches the model from transformers' ``sdpa`` to serving/engine/grouped_attention.py.
     Its mask has no attention window: a model with sliding-window attention (``sliding_window``
     within its positions, as Mistral v0.1 and Qwen2 with ``use_sliding_window``; ``layer_types`` with
-    sliding layers, as Gemma2/3) is refused at start, ``padded`` serves it. Either layout checks at
+    sliding layers, as Gemma2/3; GPT-Neo, which masks with a buffer of its own) is refused at start,
+    ``padded`` serves it. Either layout checks at
     start that two prompts it serves get a plain forward's log-probs (serving/engine/self_check.py)."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Torch engine: where the model runs. ``auto``: the first CUDA GPU when torch sees one (the

@@ -68,10 +68,21 @@ FirstRound = Callable[[list[GenerationRequest]], Awaitable[list[list[TokenEvent]
 """Serves requests admitted together in the engine loop's first round; the loop stops after."""
 
 
+MASK_FROM_A_BUFFER_MODEL_TYPES = frozenset({"gpt_neo"})
+"""Models whose attention takes its causal (and local) mask from a buffer of ``max_position_embeddings``
+columns indexed by key position (GPT-Neo's ``bias``), not from the mask the engine passes: the flat
+layout's row, every sequence's cache side by side, is wider than that, and its mask is not applied
+(a hunt served GPT-Neo flat: log-probs 0.35 nats off, then 500s once rows outgrew 512 columns)."""
+
+
 def windowed_attention(config) -> str | None:
-    """What makes ``config``'s attention windowed (layer types of :data:`WINDOWED_LAYER_TYPES`, or a
-    sliding window for every layer that a sequence within the model's positions can outgrow), or None."""
+    """What makes ``config``'s attention windowed (layer types of :data:`WINDOWED_LAYER_TYPES`, GPT-Neo's
+    ``local`` attention layers, or a sliding window for every layer that a sequence within the model's
+    positions can outgrow), or None."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    local = [kind for kind in getattr(config, "attention_layers", None) or () if kind == "local"]
+    if local:  # gpt_neo: attention_types expanded to one kind per layer
+        return f"{len(local)} local attention_layers, window_size {getattr(config, 'window_size', None)}"
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     positions = getattr(config, "max_position_embeddings", None)
@@ -132,6 +143,10 @@ def check_engine(model: nn.Module, kv_layout: str, first_round: FirstRound) -> N
     if kv_layout == "flat" and (window := windowed_attention(model.config)) is not None:
         raise ConfigError(f"{what} has windowed attention ({window}), which {where} does not apply (its mask "
                           "has no window): set serving.kv_layout: padded")
+    if kv_layout == "flat" and getattr(model.config, "model_type", None) in MASK_FROM_A_BUFFER_MODEL_TYPES:
+        raise ConfigError(f"{what} masks its attention with a buffer of max_position_embeddings columns, not the "
+                          f"mask {where} passes (its rows hold every sequence's cache side by side): set "
+                          "serving.kv_layout: padded")
     prompts = check_prompts(model.get_input_embeddings().num_embeddings)
     requests = check_requests(prompts)
     try:

@@ -9,8 +9,8 @@ import functools
 
 import pytest
 import torch
-from transformers import (Gemma2Config, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config)
+from transformers import (Gemma2Config, GPTNeoConfig, GPTNeoForCausalLM, MambaConfig, MambaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config)
 
 from online_sao.config import ConfigError, ServingConfig
 from online_sao.schemas import SamplingParams
@@ -25,6 +25,8 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=64)
 WINDOW = 4
 """Shorter than the self-check's prompts and than the answers below: the window binds."""
+GPT_NEO = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+               bos_token_id=0, eos_token_id=0)
 
 
 def tiny_mistral(sliding_window: int | None) -> MistralForCausalLM:
@@ -59,6 +61,17 @@ def test_flat_refuses_a_sliding_window_model_that_padded_serves_with_its_own_dis
         assert event.logprob == pytest.approx(reference_logprob(z, event.token_id, 1.0, 1.0), abs=1e-4)
 
 
+def test_flat_refuses_gpt_neo_whose_attention_masks_with_a_buffer_of_its_own():
+    """GPT-Neo's local layers were not seen as windowed, and its mask, a buffer of max_position_embeddings
+    columns, ignores the flat layout's: served flat, log-probs 0.35 nats off, then 500s once a row outgrew it.
+    A GPT-Neo of global layers alone masks with that buffer too."""
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(**GPT_NEO, attention_types=[[["global"], 2]])).eval()
+    with pytest.raises(ConfigError, match="buffer of max_position_embeddings columns.*serving.kv_layout: padded"):
+        TorchEngine(model, cfg=ServingConfig(kv_layout="flat"))
+    TorchEngine(model, cfg=ServingConfig(kv_layout="padded"))
+
+
 def test_a_model_without_a_window_is_served_in_either_layout():
     for layout in ("padded", "flat"):
         TorchEngine(tiny_mistral(None), cfg=ServingConfig(kv_layout=layout))
@@ -72,7 +85,10 @@ def test_a_model_without_a_window_is_served_in_either_layout():
     (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), True),
     (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), False),
     (Gemma2Config(**TINY, head_dim=8, sliding_window=WINDOW), True),  # every other layer
-], ids=["mistral", "mistral-none", "mistral-long", "qwen2-off", "qwen2-upper-layer", "qwen2-no-layer", "gemma2"])
+    (GPTNeoConfig(**GPT_NEO, attention_types=[[["global", "local"], 1]], window_size=WINDOW), True),
+    (GPTNeoConfig(**GPT_NEO, attention_types=[[["global"], 2]]), False),
+], ids=["mistral", "mistral-none", "mistral-long", "qwen2-off", "qwen2-upper-layer", "qwen2-no-layer", "gemma2",
+        "gpt-neo-local", "gpt-neo-global"])
 def test_which_configs_have_windowed_attention(config, windowed):
     assert (windowed_attention(config) is not None) == windowed
 

@@ -118,7 +118,9 @@ class TorchEngine:
             use_grouped_sdpa(model)
         self._dtype = next(model.parameters()).dtype
         self._batch = self._new_batch()
+        self._checking = True  # a failing step is the check's to report, in one line
         check_engine(model, self.cfg.kv_layout, self._first_round)  # eager: compiling is not what it checks
+        self._checking = False
         self._on_step = on_step  # after the check: its steps are no one's
         if self.cfg.compile:
             compile_body(model)
@@ -280,7 +282,10 @@ class TorchEngine:
         try:
             work(*args)
         except Exception as exc:
-            log.exception("engine step failed; failing %d request(s)", len(affected))
+            # during the construction's self-check the refusal names the failure: a traceback before it
+            # read as a crash
+            (log.debug if self._checking else log.exception)("engine step failed; failing %d request(s)",
+                                                             len(affected), exc_info=True)
             for seq in affected:
                 self._outbox.put(seq, exc)
             failed = {id(s) for s in affected}

@@ -94,12 +94,14 @@ def test_which_configs_have_windowed_attention(config, windowed):
 
 
 @pytest.mark.parametrize("kv_layout", ["padded", "flat"])
-def test_a_model_the_cache_handling_cannot_run_is_refused_at_construction(kv_layout):
+def test_a_model_the_cache_handling_cannot_run_is_refused_at_construction(kv_layout, caplog):
     torch.manual_seed(0)
     mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)).eval()
     with pytest.raises(ConfigError, match=f"MambaForCausalLM.*'mamba'.*serving.kv_layout: {kv_layout}.*self-check"
                                           ".*failed with IndexError"):
         TorchEngine(mamba, cfg=ServingConfig(kv_layout=kv_layout))
+    # the refusal says what failed: no ERROR and traceback of the failed step before it, which read as a crash
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def skewed_when_masked(model: torch.nn.Module) -> torch.nn.Module:

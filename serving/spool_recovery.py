@@ -104,7 +104,8 @@ def _replace_log(log_path: Path, repaired: bytes) -> None:
     """Atomically: a crash leaves the old log. The new log is readable by its owner alone, as the old one."""
     tmp = log_path.with_name(log_path.name + ".repair")
     try:
-        with naming_the_file(tmp), open(tmp, "wb", opener=private_opener) as fh:  # a full disk: the error says which file
+        # a full disk: the error says which file
+        with naming_the_file(tmp), open(tmp, "wb", opener=private_opener) as fh:
             fh.write(repaired)
             fh.flush()
             os.fsync(fh.fileno())

@@ -110,7 +110,9 @@ def _lifespan(engine: InferenceEngine, logger: InteractionLogger, follower: Foll
         catching_up: asyncio.Task | None = None
         if follower is not None:
             follower.start()
-            status.weights_note = lambda: follower.other_models_note
+            # only while none of its own model's versions is served: a topic may carry several models'
+            # notices, and a replica that follows its own has nothing to be told
+            status.weights_note = lambda: follower.other_models_note if engine.policy_version == 0 else None
             if weights_catch_up_s != 0:
                 status.awaiting_weights = lambda: follower.catch_up_state  # before ready: never ready before it
                 catching_up = asyncio.create_task(_ready_once_caught_up(follower, status, engine,

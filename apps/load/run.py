@@ -49,9 +49,11 @@ READBACK_TIMEOUT_S = 120.0
 READBACK_QUIET_S = 3.0
 """Once every acknowledged id was read, the check keeps reading until the topic stayed
 quiet this long (late duplicates)."""
-STAMP_SLACK_S = 60.0
-"""How long before the load began a record may be stamped and still be read back as the run's, when where
-the topic ended could not be read before the load (the broker's clock against this host's)."""
+STAMP_SLACK_S = 600.0
+"""How long before the load began a record may be stamped and still be read back, when where the topic
+ended could not be read before the load: records carry their producer's time (the serving replicas'
+clocks), which may run behind this host's. Earlier records read only count as logged but not
+acknowledged, which fails no run; a run's own records stamped before the start read went missing."""
 READBACK_POLL_S = 0.5
 """Longest wait of one poll of the read back."""
 FAILURE_KINDS_SHOWN = 5
@@ -309,7 +311,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
             except StreamUnavailable as exc:  # the read back may still work once the load is over
                 since = None
                 progress(f"where {cfg.kafka.topics.interactions} ends before the load could not be read ({exc}): "
-                         f"it will be read back from the records stamped since the load began")
+                         f"it will be read back from the records stamped since {STAMP_SLACK_S:.0f} s before the load")
         began = time.time()
         result = run_load(args.url, args.api_key, params, progress)
         if not args.no_kafka_check:
@@ -317,7 +319,7 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
             progress(f"reading {cfg.kafka.topics.interactions} back for {len(acked)} acknowledged interactions")
             try:
                 backend = KafkaBackend(cfg.kafka)
-                if since is None:  # the broker's stamps on the run's records are after the load began
+                if since is None:  # the run's records are stamped by serving's clock, after the load began
                     since = stamped_since(backend, cfg.kafka.topics.interactions, began - STAMP_SLACK_S)
                 logged = check_logged(backend, cfg.kafka.topics.interactions, acked, since=since)
             except StreamUnavailable as exc:  # the load's results are still worth writing

@@ -2,7 +2,7 @@
 
 Each is valid, but set away from its default under a rule (``algorithm.name``) or a drift response
 (``drift.enabled``) that never reads it, it changes nothing: ``critic_order`` on ppo, a critic's
-learning rate on running_mean, ``drift.rollback_first`` with the drift response off. MLflow records the
+learning rate on running_mean, any ``drift.*`` setting with the drift response off. MLflow records the
 value as a parameter of the run all the same, so an ablation read from there looked as if it had run
 with it. The learner names them in one warning at start rather than refusing them: one configuration
 serves every arm of an experiment (a critic's learning rate set for sao is there for the running-mean
@@ -25,11 +25,13 @@ READ_BY = {
     "group_size": frozenset({"grpo"}),
     **dict.fromkeys(("clip_low", "clip_high", "ppo_epochs"), frozenset({"grpo", "ppo"})),
     "ppo_lambda": frozenset({"ppo"}),
+    "gamma": frozenset({"sao", "ppo"}),  # the critic's targets, and value pre-training's
 }
 """``algorithm.<key>`` -> the rules (``algorithm.name``) that read it (online_sao/sao.py, online_sao/baselines.py,
 online_sao/algorithms.py). Keys every rule reads are not listed."""
-DRIFT_RESPONSE_SETTINGS = ("drift.rollback_first", "algorithm.critic_rewarm_rollouts")
-"""Settings only the drift response reads (trainer/plasticity.py, built with ``drift.enabled`` alone)."""
+DRIFT_RESPONSE_ALGORITHM_SETTINGS = ("critic_rewarm_rollouts",)
+"""``algorithm.<key>`` only the drift response reads (trainer/plasticity.py, built with ``drift.enabled``
+alone), besides every other ``drift.*`` setting."""
 
 
 def unread_settings(algorithm: AlgorithmConfig, drift: DriftConfig) -> list[str]:
@@ -38,9 +40,9 @@ def unread_settings(algorithm: AlgorithmConfig, drift: DriftConfig) -> list[str]
     unread = [f"algorithm.{key}" for key, rules in READ_BY.items()
               if algorithm.name not in rules and _changed(algorithm, key)]
     if not drift.enabled:
-        changed = {"drift.rollback_first": _changed(drift, "rollback_first"),
-                   "algorithm.critic_rewarm_rollouts": _changed(algorithm, "critic_rewarm_rollouts")}
-        unread += [key for key in DRIFT_RESPONSE_SETTINGS if changed[key] and key not in unread]
+        unread += [f"drift.{key}" for key in type(drift).model_fields if key != "enabled" and _changed(drift, key)]
+        unread += [f"algorithm.{key}" for key in DRIFT_RESPONSE_ALGORITHM_SETTINGS
+                   if _changed(algorithm, key) and f"algorithm.{key}" not in unread]
     return unread
 
 

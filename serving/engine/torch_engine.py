@@ -269,7 +269,8 @@ class TorchEngine:
         batch. A loop thread that died instead left every request waiting for its deadline and every swap
         blocked, with nothing to say the engine was gone."""
         failing = list({id(seq): seq for seq in self._rows + admitted}.values())
-        log.exception("engine round failed outside a model call; failing %d request(s)", len(failing))
+        (log.debug if self._checking else log.exception)(  # the self-check's refusal says what failed
+            "engine round failed outside a model call; failing %d request(s)", len(failing), exc_info=True)
         for seq in failing:  # one that already finished never reads this (its stream ended at its last token)
             self._outbox.put(seq, exc)
         self._rows, self._batch = [], self._new_batch()

@@ -196,6 +196,15 @@ def test_a_ready_replica_says_which_other_models_notices_it_ignored(start_app):
     client, _ = start_app(plain, InProcessWeightStore())
     assert "weights_note" not in ready_within(client, 5.0)  # nothing to say: not said
 
+    shared = InMemoryBackend()  # a topic carrying two models' notices, the replica following its own
+    shared.ensure_topics()
+    store = InProcessWeightStore()
+    send(shared, notice(store.save(1, tiny_state(1))).model_copy(update={"model": "new-name"}),
+         notice(store.save(2, tiny_state(2))).model_copy(update={"model": "other"}))
+    client, _ = start_app(shared, store, model_name="new-name")
+    body = ready_within(client, 5.0)
+    assert body["policy_version"] == 1 and "weights_note" not in body
+
 
 def test_an_unreachable_broker_keeps_the_replica_unready_for_weights_catch_up_s_then_it_serves_what_it_has(
         start_app, quick_retries, caplog):

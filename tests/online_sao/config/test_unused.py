@@ -38,9 +38,14 @@ def test_each_rule_names_the_settings_of_the_others(name, unread):
 
 
 def test_the_drift_responses_settings_without_it_are_named():
-    settings = {"drift.rollback_first": True, "algorithm.critic_rewarm_rollouts": 8}
-    assert _unread(**settings) == ["drift.rollback_first", "algorithm.critic_rewarm_rollouts"]
+    settings = {"drift.rollback_first": True, "drift.z_threshold": 4.0, "algorithm.critic_rewarm_rollouts": 8}
+    assert _unread(**settings) == ["drift.z_threshold", "drift.rollback_first", "algorithm.critic_rewarm_rollouts"]
     assert _unread(**settings, **{"drift.enabled": True}) == []
+
+
+@pytest.mark.parametrize("name, named", [("running_mean", True), ("grpo", True), ("sao", False), ("ppo", False)])
+def test_a_discount_the_rules_without_a_critic_never_read_is_named(name, named):
+    assert (_unread(**{"algorithm.name": name, "algorithm.gamma": 0.9}) == ["algorithm.gamma"]) == named
 
 
 def test_every_listed_setting_is_an_algorithm_setting():

@@ -1,9 +1,11 @@
-"""How the long-running commands (serve, learn, judge, the drivers) log: one line format, and the
-libraries whose INFO lines are turned down."""
+"""How the long-running commands (serve, learn, judge, the drivers) log: one line format, the
+libraries whose INFO lines are turned down, and the library lines held back when they repeat."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """The long-running commands' log lines: when, how bad, which part."""
@@ -14,10 +16,50 @@ logs every request's full URL at INFO (``HTTP Request: GET http://user:password@
 MLflow server's password in clear), httpcore its connections at DEBUG."""
 
 
+REPEATING_LINES = {"kafka.cluster": ("Topic %s not found in cluster metadata",
+                                     "Topic %s is not available during auto-create initialization")}
+"""Library lines logged on every metadata refresh, about ten a second, for as long as their cause
+lasts: kafka-python's for a topic a producer waits on that the cluster lacks (a replica started
+before ``online-sao kafka up`` made its topics wrote 36,000 ERROR lines an hour). The project's own
+warning says what to do (``serving.write_ahead_log``: records wait in the spool)."""
+
+REPEAT_EVERY_S = 60.0
+"""A line of :data:`REPEATING_LINES` passes once, then at most once per this many seconds."""
+
+
+class ThrottleRepeats(logging.Filter):
+    """Lets a line whose template is in ``templates`` through the first time its arguments appear,
+    then once per ``every_s``, saying how many like it were held back; other lines pass as they are."""
+
+    def __init__(self, templates: tuple[str, ...], every_s: float = REPEAT_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.templates, self.every_s, self.clock = templates, every_s, clock
+        self._last: dict[str, tuple[float, int]] = {}  # message -> (when it last passed, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in self.templates:
+            return True
+        message, now = record.getMessage(), self.clock()
+        passed_at, held = self._last.get(message, (None, 0))
+        if passed_at is not None and now - passed_at < self.every_s:
+            self._last[message] = (passed_at, held + 1)
+            return False
+        self._last[message] = (now, 0)
+        if held:
+            record.msg, record.args = f"{message} ({held} more like it in the last {now - passed_at:.0f} s)", None
+        return True
+
+
 def quiet_chatty_libraries() -> None:
-    """Log :data:`QUIET_LOGGERS` from WARNING up, whatever the root logger's level."""
+    """Log :data:`QUIET_LOGGERS` from WARNING up, whatever the root logger's level, and hold back the
+    :data:`REPEATING_LINES` (one filter per logger, however often this runs)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name, templates in REPEATING_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ThrottleRepeats) for f in logger.filters):
+            logger.addFilter(ThrottleRepeats(templates))
 
 
 def log_to_stderr(level: int) -> None:

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
 """Wait before reconnecting after the stream backend was unreachable."""
+UNREACHABLE_LOG_EVERY_S = 60.0
+"""During an outage (or while the topic is missing), the warning is logged on the first failed try
+and then once per this many seconds, not on every try."""
 CHAMPION_RETRY_S = 2.0
 """Wait before trying again a champion that could not be loaded; doubled after each failed try."""
 CHAMPION_RETRY_MAX_S = 60.0
@@ -98,6 +101,8 @@ class WeightsFollower:
         """The learner's notices followed, or an operator's hold (``holds.held_version``); replaying the
         topic until the first pass is done."""
         self._catch_up_ends: dict[TopicPartition, int] | None = None
+        self._outage: tuple[float, float] | None = None
+        """(since, last warned), ``time.monotonic``, while the backend is unreachable."""
         """The topic's end offsets when the consumer connected: the first pass ends there."""
         self._caught_up = threading.Event()
         self.other_models: frozenset[str] = frozenset()
@@ -162,10 +167,12 @@ class WeightsFollower:
                         self._catch_up_ends = consumer.end_offsets()
                     messages = consumer.poll(self.poll_timeout_s)
                 except StreamUnavailable as exc:
-                    self._behind(f"the weights topic is unreachable ({exc})")
-                    log.warning("weights topic %s unreachable (%s); retrying in %.0fs", self.topic, exc, RETRY_S)
-                    self._stop.wait(RETRY_S)
+                    self._unreachable(exc)
                     continue
+                if self._outage is not None:
+                    log.info("weights topic %s reachable again after %.0f s", self.topic,
+                             time.monotonic() - self._outage[0])
+                    self._outage = None
                 try:
                     notices = [n for n in map(self._read, messages) if n is not None]
                 except StreamUnavailable:  # only once stopping: _read waits out an outage until then
@@ -181,6 +188,17 @@ class WeightsFollower:
         finally:
             if consumer is not None:
                 consumer.close()
+
+    def _unreachable(self, exc: StreamUnavailable) -> None:
+        self._behind(f"the weights topic is unreachable ({exc})")
+        now = time.monotonic()
+        since, warned = self._outage or (now, None)
+        if warned is None or now - warned >= UNREACHABLE_LOG_EVERY_S:
+            still = f" for {now - since:.0f} s" if warned is not None else ""
+            log.warning("weights topic %s unreachable%s (%s); retrying every %.0f s", self.topic, still, exc, RETRY_S)
+            warned = now
+        self._outage = (since, warned)
+        self._stop.wait(RETRY_S)
 
     def _behind(self, why: str) -> None:
         if not self._caught_up.is_set():

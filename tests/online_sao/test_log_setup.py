@@ -19,3 +19,38 @@ def test_libraries_that_log_request_urls_are_turned_down_to_warning(monkeypatch)
     assert root.level == logging.INFO
     assert [logging.getLogger(name).getEffectiveLevel() for name in ("kafka", "httpx", "httpcore")] == [
         logging.WARNING] * 3
+
+
+def _cluster_line(topic: str) -> logging.LogRecord:
+    return logging.LogRecord("kafka.cluster", logging.ERROR, "cluster.py", 591,
+                             "Topic %s not found in cluster metadata", (topic,), None)
+
+
+def test_a_line_kafka_repeats_every_metadata_refresh_passes_once_a_minute_with_a_count():
+    """kafka-python logged "Topic sao.interactions not found in cluster metadata" at ERROR about ten
+    times a second while a replica waited for topics the cluster lacked."""
+    now = [0.0]
+    throttle = log_setup.ThrottleRepeats(log_setup.REPEATING_LINES["kafka.cluster"], every_s=60.0,
+                                         clock=lambda: now[0])
+    passed = []
+    for t in (0.0, 0.1, 0.2, 30.0, 60.5, 61.0):
+        now[0] = t
+        for topic in ("sao.interactions", "sao.rewards"):
+            record = _cluster_line(topic)
+            if throttle.filter(record):
+                passed.append((t, record.getMessage()))
+    assert passed == [
+        (0.0, "Topic sao.interactions not found in cluster metadata"),
+        (0.0, "Topic sao.rewards not found in cluster metadata"),
+        (60.5, "Topic sao.interactions not found in cluster metadata (3 more like it in the last 60 s)"),
+        (60.5, "Topic sao.rewards not found in cluster metadata (3 more like it in the last 60 s)")]
+    other = logging.LogRecord("kafka.cluster", logging.ERROR, "cluster.py", 1, "Something else %s", ("x",), None)
+    assert all(throttle.filter(other) for _ in range(3))
+
+
+def test_the_throttle_is_installed_once_on_kafkas_cluster_logger(monkeypatch):
+    logger = logging.getLogger("kafka.cluster")
+    monkeypatch.setattr(logger, "filters", [])
+    log_setup.quiet_chatty_libraries()
+    log_setup.quiet_chatty_libraries()
+    assert [type(f) for f in logger.filters] == [log_setup.ThrottleRepeats]

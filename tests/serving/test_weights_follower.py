@@ -503,3 +503,23 @@ def test_a_restarted_replica_logs_the_hold_its_replay_ends_in_once_and_live_chan
         assert lines[1:] == ["weights hold released; following the learner's versions again"]
     finally:
         f.close()
+
+
+def test_an_unreachable_weights_topic_is_warned_about_once_a_minute_not_on_every_retry(
+        backend, base_model, monkeypatch, caplog):
+    """A replica started before its cluster had the weights topic logged a warning every 2 s for as
+    long as the topic was missing; it says so once, then once a minute, and the retries go on."""
+    monkeypatch.setattr(weights_follower, "RETRY_S", 0.005)
+    refusals = [StreamUnavailable("topic 'sao.weights' does not exist (test)")] * 40
+    backend.consumer = failing_first(backend.consumer, refusals)
+    caplog.set_level(logging.WARNING, logger="serving.weights_follower")
+    store = InProcessWeightStore()
+    send(backend, notice(store.save(1, state_for(base_model, 1))))
+    f = Following(backend, store, base_model)
+    try:
+        f.caught_up(1)
+        assert not refusals and f.engine.policy_version == 1
+        lines = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(lines) == 1 and "does not exist (test)" in lines[0]
+    finally:
+        f.close()

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(run=commands.report)
 
     smoke = command("smoke", help="a quick end-to-end check of the stack: chat, feedback, a new policy version")
+    smoke.add_argument("--keep-state", action="store_true",
+                       help="keep the run's topics, consumer group, registered model, weights and checkpoints after "
+                            "a run that passed (a failed run keeps them anyway)")
     smoke.set_defaults(run=commands.smoke)
 
     from apps.load.run import add_load_arguments

@@ -199,7 +199,7 @@ def report(cfg: AppConfig, args: argparse.Namespace) -> int:
 def smoke(cfg: AppConfig, args: argparse.Namespace) -> int:
     from apps.smoke import run_smoke
 
-    return run_smoke(cfg, config_path=args.config, overrides=overrides(args))
+    return run_smoke(cfg, config_path=args.config, overrides=overrides(args), keep_state=args.keep_state)
 
 
 def load(cfg: AppConfig, args: argparse.Namespace) -> int:

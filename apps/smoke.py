@@ -7,7 +7,8 @@ progress and a summary; everything it ran is in MLflow and under
 ``<data_dir>/runs/smoke-<time>``.
 
 The run has state of its own (:func:`apps.stack.own_state_overrides`): topics, consumer
-group, weights, checkpoints, spool, MLflow experiment and registered model. It starts
+group, weights, checkpoints, spool, MLflow experiment and registered model. A run that passed
+removes it but for its logs and MLflow experiment (:mod:`apps.run_state`; ``--keep-state`` keeps it). It starts
 from the base model and leaves the deployment's learner, topics and registry alone: it
 resumed the deployment's checkpoint, trained it on made-up rewards and published onto
 the weights topic every replica follows. An operator's hold on the deployment's weights
@@ -88,10 +89,12 @@ def _reward(answer: str, rng: random.Random) -> float:
 
 
 def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict | None = None,
-              requests: int = SMOKE_REQUESTS) -> int:
+              requests: int = SMOKE_REQUESTS, keep_state: bool = False) -> int:
+    """``keep_state``: leave the run's own state (:mod:`apps.run_state`) after a run that passed too."""
     from openai import OpenAI
 
     from apps.default_model.builder import build_base_model
+    from apps.run_state import remove_run_state_of
 
     started = time.monotonic()
     port = free_port()
@@ -133,6 +136,9 @@ def run_smoke(cfg: AppConfig, config_path: Path | None = None, overrides: dict |
                   flush=True)
 
         evidence, failure = _wait_for_training_on_this_run(stack, base_url, auth, start_version, frozenset(run_ids))
+        if failure is None and not keep_state:  # before the broker this run started stops
+            stack.stop_components()
+            remove_run_state_of(cfg, run_dir)
     if failure is not None:
         print(f"smoke run FAILED after {time.monotonic() - started:.0f} s: {failure}; logs in {run_dir / 'logs'}")
         return 1

@@ -166,6 +166,13 @@ class Stack:
             return comp.process.returncode
         return None
 
+    def stop_components(self) -> None:
+        """Stop every component (together: see :func:`_terminate`); the broker stays up."""
+        try:
+            _terminate([comp.process for comp in reversed(self.components)])
+        finally:
+            self.components.clear()
+
     def stop_all(self) -> None:
         """Stop every component (together: see :func:`_terminate`), then the broker this run started.
 
@@ -175,10 +182,7 @@ class Stack:
         its port and spool lock. Now none is left: an interrupt while waiting kills the rest before
         it goes on, and the broker, then not stopped here, gets SIGTERM when this process exits
         (its parent death signal)."""
-        try:
-            _terminate([comp.process for comp in reversed(self.components)])
-        finally:
-            self.components.clear()
+        self.stop_components()
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
@@ -229,8 +233,8 @@ def new_run(runs_dir: Path, kind: str) -> tuple[str, Path]:
 def own_state_overrides(cfg: Config, run_id: str, run_dir: Path) -> dict[str, Any]:
     """Overrides that give a run beside the deployment (``online-sao smoke``, ``online-sao load``) state
     of its own, named after ``run_id`` and kept under ``run_dir``: topics and the learner's consumer
-    group (``<cfg's name>.<run_id>``; left on the cluster after the run, as its MLflow experiment and
-    ``run_dir`` are), weight store, checkpoints (the learner's ledger with them), serving's spool, an MLflow
+    group (``<cfg's name>.<run_id>``; a run that passed removes them with what :mod:`apps.run_state`
+    names), weight store, checkpoints (the learner's ledger with them), serving's spool, an MLflow
     experiment and registered model (``<cfg's name>.<run_id>``), and a free port for the learner's
     metrics where ``cfg`` serves them.
 

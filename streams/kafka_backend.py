@@ -216,6 +216,26 @@ class KafkaBackend(StreamBackend):
             log.warning("%s", warning)
         return warnings
 
+    def delete_topics(self, names: list[str]) -> dict[str, str]:
+        """Delete ``names`` (a topic already gone counts as deleted). Returns, for each topic the
+        cluster refused to delete, why (the Kafka error's name and message)."""
+        with self.admin() as admin:
+            result = admin.delete_topics(names, timeout_ms=TOPIC_CREATE_TIMEOUT_MS, raise_errors=False)
+        refused = {}
+        for topic in result["topics"]:
+            error = kerr.for_code(topic["error_code"])
+            if error not in (kerr.NoError, kerr.UnknownTopicOrPartitionError):
+                refused[topic["name"]] = f"{error.__name__}: {topic.get('error_message') or ''}".rstrip(": ")
+        return refused
+
+    def delete_group(self, group_id: str) -> str | None:
+        """Delete the consumer group ``group_id`` and its committed offsets (a group already gone counts
+        as deleted); why the cluster refused otherwise (a group with live members is not deleted)."""
+        with self.admin() as admin:
+            outcome = admin.delete_groups([group_id])  # group id -> "OK" or the error's name
+        answer = outcome.get(group_id, "OK")
+        return None if answer in ("OK", kerr.GroupIdNotFoundError.__name__) else answer
+
     def describe_topics(self) -> dict[str, int]:
         """Partition count of every non-internal topic."""
         with self.admin() as admin:

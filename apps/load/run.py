@@ -7,7 +7,8 @@ Two ways to run it:
   (:class:`apps.stack.Stack`) on topics, consumer group, weights, checkpoints,
   spool, MLflow experiment and registered model of their own for this run
   (``<data_dir>/runs/load-<time>``; :func:`apps.stack.own_state_overrides`): the
-  deployment's learner, topics and registry are left alone; traffic starts
+  deployment's learner, topics and registry are left alone, and a run that passed removes
+  them but for its logs and MLflow experiment (``--keep-state`` keeps them); traffic starts
   once the learner holds its partitions; the clients' rewards (``/v1/feedback``) make
   the learner step and publish, serving hot-swaps under load.
 * against a running endpoint (``--url``): only the clients; the interactions topic of
@@ -36,30 +37,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from apps.config import AppConfig, client_api_key
-from apps.load.stats import LoadParams, LoadResult, LoadSummary, RequestRecord, summarize, versions_text
+from apps.load.readback import (STAMP_SLACK_S, LoggedCheck, acked_interactions, check_logged, stamped_since,
+                                topic_ends)
+from apps.load.stats import LoadParams, LoadResult, LoadSummary, summarize, versions_text
 from online_sao.config import Config
-from streams.base import StreamBackend, TopicPartition
 
 SERVING_READY_TIMEOUT_S = 300.0
 """Serving loads the model and connects to the broker before /readyz answers."""
 LEARNER_READY_TIMEOUT_S = 300.0
 """The learner loads the model and opens MLflow before it joins its group (slow on a busy machine)."""
-READBACK_TIMEOUT_S = 120.0
-"""How long the check reads the interactions topic for acknowledged ids still missing."""
-READBACK_QUIET_S = 3.0
-"""Once every acknowledged id was read, the check keeps reading until the topic stayed
-quiet this long (late duplicates)."""
-STAMP_SLACK_S = 600.0
-"""How long before the load began a record may be stamped and still be read back, when where the topic
-ended could not be read before the load: records carry their producer's time (the serving replicas'
-clocks), which may run behind this host's. Earlier records read only count as logged but not
-acknowledged, which fails no run; a run's own records stamped before the start read went missing."""
-READBACK_POLL_S = 0.5
-"""Longest wait of one poll of the read back."""
 FAILURE_KINDS_SHOWN = 5
 """Distinct failure details printed after a run (all of them are in the results JSON)."""
-LISTED_IDS = 20
-"""Missing / duplicated ids written to the results by name (the counts are always complete)."""
 LOAD_STACK_OVERRIDES: dict[str, Any] = {
     "serving.rate_limit_per_minute": 10_000_000,
     "serving.rate_limit_burst": 100_000,
@@ -67,110 +55,6 @@ LOAD_STACK_OVERRIDES: dict[str, Any] = {
 }
 """Serving under load: the per-key rate limit (all loopback clients share one bucket) lifted so
 that the run measures the service, not the limiter; one torch thread beside the learner."""
-
-
-@dataclass(frozen=True)
-class LoggedCheck:
-    """What the interactions topic holds of the acknowledged interactions."""
-
-    acked: int
-    found: int
-    missing: list[str]
-    duplicates: dict[str, int]
-    """Acknowledged ids logged more than once: id -> copies."""
-    version_mismatches: list[str]
-    """Acknowledged ids whose logged versions differ from those the answer reported."""
-    unacked_logged: int
-    """Interactions on the topic that no client saw acknowledged (e.g. a stream cut by an error)."""
-    records_read: int
-    unreadable: int = 0
-    """Records on the topic that are no interaction this code can read (another schema version,
-    garbage): skipped and counted, as serving's readers dead-letter them."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.missing and not self.version_mismatches
-
-    def to_json(self) -> dict[str, Any]:
-        return {"acked": self.acked, "found": self.found, "missing": len(self.missing),
-                "missing_ids": self.missing[:LISTED_IDS], "duplicates": len(self.duplicates),
-                "duplicate_ids": dict(list(self.duplicates.items())[:LISTED_IDS]),
-                "version_mismatches": len(self.version_mismatches),
-                "version_mismatch_ids": self.version_mismatches[:LISTED_IDS],
-                "unacked_logged": self.unacked_logged, "records_read": self.records_read,
-                "unreadable": self.unreadable}
-
-
-def acked_interactions(records: list[RequestRecord]) -> dict[str, tuple[int, ...]]:
-    """Acknowledged interaction id -> the policy versions its answer reported."""
-    return {r.interaction_id: r.policy_versions for r in records
-            if r.kind != "feedback" and r.ok and r.interaction_id}
-
-
-def topic_ends(backend: StreamBackend, topic: str) -> dict[TopicPartition, int]:
-    """Where each partition of ``topic`` ends now: a load against a running deployment reads back from
-    there (:func:`check_logged`), past the deployment's earlier traffic."""
-    consumer = backend.consumer([topic], group_id=None, start="latest")
-    try:
-        return consumer.end_offsets()
-    finally:
-        consumer.close()
-
-
-def stamped_since(backend: StreamBackend, topic: str, since_s: float) -> dict[TopicPartition, int]:
-    """Each partition's first record stamped at or after ``since_s`` (its end when there is none)."""
-    consumer = backend.consumer([topic], group_id=None, start="latest")
-    try:
-        ends = consumer.end_offsets()
-        return {tp: ends[tp] if offset is None else offset
-                for tp, offset in consumer.offsets_for_time(int(since_s * 1000)).items()}
-    finally:
-        consumer.close()
-
-
-def check_logged(backend: StreamBackend, topic: str, acked: dict[str, tuple[int, ...]],
-                 timeout_s: float = READBACK_TIMEOUT_S, quiet_s: float = READBACK_QUIET_S,
-                 since: dict[TopicPartition, int] | None = None) -> LoggedCheck:
-    """Read ``topic`` from the start, or from the offsets ``since`` (:func:`topic_ends` before the load;
-    a partition it does not name from its start), until every id of ``acked`` was seen and the topic
-    stayed quiet ``quiet_s``, or ``timeout_s`` passed; compare with ``acked``. Read from the start, a
-    deployment's topic counted all its earlier traffic as logged but not acknowledged, and one holding
-    more than ``timeout_s`` of reading ran the clock out before the run's records at its end: all
-    reported missing."""
-    from online_sao.schemas import Interaction, RecordError, decode
-
-    copies: Counter[str] = Counter()
-    logged_versions: dict[str, tuple[int, ...]] = {}
-    unreadable = 0
-    consumer = backend.consumer([topic], group_id=None, start="earliest")
-    for tp, offset in (since or {}).items():
-        if tp in consumer.assignment():
-            consumer.seek(tp, offset)
-    deadline = time.monotonic() + timeout_s
-    last_read = time.monotonic()
-    try:
-        while time.monotonic() < deadline:
-            if not (acked.keys() - copies.keys()) and time.monotonic() - last_read >= quiet_s:
-                break
-            messages = consumer.poll(timeout_s=READBACK_POLL_S)
-            if messages:
-                last_read = time.monotonic()
-            for message in messages:
-                try:
-                    record = decode(message.value, Interaction)
-                except RecordError:  # it crashed the read back, after the whole run, with no results written
-                    unreadable += 1
-                    continue
-                copies[record.interaction_id] += 1
-                logged_versions[record.interaction_id] = tuple(sorted(set(record.versions)))
-    finally:
-        consumer.close()
-    found = [i for i in acked if i in copies]
-    return LoggedCheck(
-        acked=len(acked), found=len(found), missing=sorted(acked.keys() - copies.keys()),
-        duplicates={i: copies[i] for i in sorted(found) if copies[i] > 1},
-        version_mismatches=sorted(i for i in found if logged_versions[i] != tuple(sorted(acked[i]))),
-        unacked_logged=len(copies.keys() - acked.keys()), records_read=sum(copies.values()), unreadable=unreadable)
 
 
 @dataclass
@@ -204,9 +88,10 @@ def run_own_stack_overrides(run_id: str, run_dir: Path, cfg: Config | None = Non
 
 
 def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: Path, params: LoadParams,
-                 progress: Callable[[str], None] = print) -> LoadRunReport:
+                 progress: Callable[[str], None] = print, keep_state: bool = False) -> LoadRunReport:
     """Start serving and the learner (and the broker if the configuration has no cluster) with
-    ``overrides``, hold the load, read the interactions back, stop everything.
+    ``overrides``, hold the load, read the interactions back, stop everything. A run that passed
+    removes the state it made for itself unless ``keep_state`` (:mod:`apps.run_state`).
 
     Once the load began, a process that exits (the load then stops early) or a broker that cannot be
     read back is recorded in the report, which fails, rather than raised: the check ran only after the
@@ -250,8 +135,14 @@ def run_on_stack(config_path: Path | None, overrides: dict[str, Any], run_dir: P
             logged = check_logged(backend, cfg.kafka.topics.interactions, acked)
         except StreamUnavailable as exc:
             check_error = f"the Kafka check could not run: {exc}"
-    return LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir,
-                         kafka_check_error=check_error, stack_error=stack_error)
+        report = LoadRunReport(result, summarize(result.records, result.wall_s, result.versions), logged, run_dir,
+                               kafka_check_error=check_error, stack_error=stack_error)
+        if report.passed and not keep_state:  # before the broker this run started stops
+            from apps.run_state import remove_run_state_of
+
+            stack.stop_components()
+            remove_run_state_of(cfg, run_dir, progress)
+    return report
 
 
 def describe(report: LoadRunReport) -> list[str]:
@@ -333,7 +224,8 @@ def run_load_cli(cfg: AppConfig, args: argparse.Namespace, config_path: str | No
         # the operator's --set over the load's serving settings, the run's own state over both (a --set
         # naming the deployment's topics or registered model would put the run back on them)
         run_overrides = {**LOAD_STACK_OVERRIDES, **overrides, **own_state_overrides(cfg, run_id, run_dir)}
-        report = run_on_stack(Path(config_path) if config_path else None, run_overrides, run_dir, params, progress)
+        report = run_on_stack(Path(config_path) if config_path else None, run_overrides, run_dir, params, progress,
+                              keep_state=args.keep_state)
     for line in describe(report):
         print(line, flush=True)
     extra = {"command": shlex.join(["online-sao", *sys.argv[1:]]), "passed": report.passed,
@@ -397,6 +289,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the clients' choices")
     parser.add_argument("--out", default="load-results.json", type=results_path,
                         help="results JSON (the plot goes beside it, .png)")
+    parser.add_argument("--keep-state", action="store_true",
+                        help="own stack: keep the run's topics, consumer group, registered model, weights and "
+                             "checkpoints after a run that passed (a failed run keeps them anyway)")
     parser.add_argument("--summary-only", action="store_true", help="leave the per-request records out of the JSON")
     parser.add_argument("--no-kafka-check", action="store_true",
                         help="with --url: skip reading the interactions topic back")

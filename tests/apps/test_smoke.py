@@ -172,6 +172,9 @@ def test_the_smoke_verdict_reads_the_runs_own_weights_topic_and_ledger(tmp_path,
         def check_alive(self):
             pass
 
+        def stop_components(self):
+            read.setdefault("events", []).append("stopped")
+
     class Notices:
         def consumer(self, topics, group_id, start):
             read["topics"] = topics
@@ -203,11 +206,14 @@ def test_the_smoke_verdict_reads_the_runs_own_weights_topic_and_ledger(tmp_path,
     monkeypatch.setattr("streams.kafka_backend.KafkaBackend", lambda kafka: Notices())
     monkeypatch.setattr("apps.smoke._published_steps", lambda consumer, model: {1: 1})
     monkeypatch.setattr("apps.smoke.read_ledger", ledger)
+    monkeypatch.setattr("apps.run_state.remove_run_state_of",
+                        lambda cfg, run_dir: read.setdefault("events", []).append(("removed", run_dir)))
     settings = {"paths.data_dir": str(tmp_path)}
     deployment = load_app_config(environ={}, overrides=settings)
 
     assert run_smoke(deployment, overrides=settings, requests=2) == 0
 
     run_dir = read["run_dir"]
+    assert read["events"] == ["stopped", ("removed", run_dir)]  # the passed run's own state, processes first
     assert read["ledger"] == run_dir / "checkpoints" != deployment.checkpoint_dir
     assert read["topics"] == [f"{deployment.kafka.topics.weights}.{run_dir.name}"] != [deployment.kafka.topics.weights]

@@ -13,7 +13,7 @@ import pytest
 
 from apps.load.gen import LoadGenerator
 from apps.load.report import result_json, write_results
-from apps.load.run import acked_interactions, check_logged, stamped_since, topic_ends
+from apps.load.readback import acked_interactions, check_logged, stamped_since, topic_ends
 from apps.load.stats import LoadParams, RequestRecord, VersionPoint, percentile, summarize, versions_text
 from online_sao.schemas import Interaction, encode
 from streams.memory import InMemoryBackend

@@ -45,8 +45,11 @@ class DyingServing:
             "interaction_id": iid, "policy_version": 0, "policy_versions": [0]})
 
 
-def _own_stack(monkeypatch, serving: DyingServing, check_logged) -> None:
-    """Stand in for the stack's processes, the model build, the wait for the learner and Kafka."""
+def _own_stack(monkeypatch, serving: DyingServing, check_logged) -> list[tuple[str, object]]:
+    """Stand in for the stack's processes, the model build, the wait for the learner and Kafka.
+    Returns what happened to the stack and the run's state, in order: ("stopped", None) when its
+    processes were stopped, ("removed", run_dir) when the run's own state was removed."""
+    events: list[tuple[str, object]] = []
 
     class FakeStack:
         def __init__(self, config_path, overrides, run_dir, progress=print):
@@ -73,6 +76,9 @@ def _own_stack(monkeypatch, serving: DyingServing, check_logged) -> None:
             if serving.exited:
                 raise StackError("serving exited with -9; see serving.log")
 
+        def stop_components(self):
+            events.append(("stopped", None))
+
     def run_load(base_url, api_key, params, progress=print, **halt):
         return asyncio.run(LoadGenerator(base_url, api_key, params, progress, prompts=["p"],
                                          transport=httpx.MockTransport(serving), **halt).run())
@@ -83,6 +89,9 @@ def _own_stack(monkeypatch, serving: DyingServing, check_logged) -> None:
     monkeypatch.setattr("streams.kafka_backend.KafkaBackend", lambda *args, **kwargs: None)
     monkeypatch.setattr("apps.load.gen.run_load", run_load)
     monkeypatch.setattr("apps.load.run.check_logged", check_logged)
+    monkeypatch.setattr("apps.run_state.remove_run_state_of",
+                        lambda cfg, run_dir, progress=print: events.append(("removed", run_dir)))
+    return events
 
 
 def _load(tmp_path, *extra: str) -> tuple[int, dict]:
@@ -97,11 +106,12 @@ def test_a_process_that_exits_during_the_load_stops_it_and_the_results_are_still
     """The stack was looked at only after the whole load (a dead serving hammered to the end), and its
     StackError unwound past the results: no JSON, no plot."""
     serving = DyingServing(answers=5)
-    _own_stack(monkeypatch, serving, lambda *args, **kwargs: None)
+    events = _own_stack(monkeypatch, serving, lambda *args, **kwargs: None)
 
     rc, saved = _load(tmp_path)
 
     assert rc == 1 and saved["passed"] is False
+    assert events == []  # a failed run keeps its state for whoever looks into why
     assert "serving exited with -9" in saved["stack_error"] and "serving exited" in saved["stopped_early"]
     assert saved["summary"]["answered"] >= 5  # a request in flight when it "exited" may still be answered
     assert saved["summary"]["wall_s"] < DURATION_S / 2  # stopped early, not at the end of the duration
@@ -123,6 +133,19 @@ def test_a_broker_gone_for_the_read_back_fails_the_run_and_the_results_are_still
     assert rc == 1 and saved["passed"] is False and saved["stack_error"] is None
     assert saved["summary"]["answered"] > 0
     assert "Kafka at 127.0.0.1:1 not reachable" in saved["kafka_check"]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_run_that_passed_removes_the_state_it_made_after_stopping_its_processes(tmp_path, monkeypatch, keep):
+    """A smoke or load run in a cron left four topics, a consumer group, a registered model and its
+    model directories behind, every time."""
+    events = _own_stack(monkeypatch, DyingServing(answers=10**9), lambda *args, **kwargs: None)
+
+    rc, saved = _load(tmp_path, "--requests-per-client", "2", *(["--keep-state"] if keep else []))
+
+    assert rc == 0 and saved["passed"] is True
+    run_dir = tmp_path / "runs" / saved["run_dir"].rsplit("/", 1)[-1]
+    assert events == ([] if keep else [("stopped", None), ("removed", run_dir)])
 
 
 @pytest.mark.parametrize("text", ["inf", "1e400"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import kafka.errors as kerr
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.admin import MemberToRemove
+from kafka.admin import ConfigResource, ConfigResourceType, MemberToRemove
 from kafka.structs import TopicPartition as KafkaTP
 
 from online_sao.config import KafkaConfig
@@ -39,6 +39,8 @@ PRODUCER_LINGER_MS = 5
 MAX_IN_FLIGHT = 5
 """kafka-python keeps ordering under retries for an idempotent producer only up to 5."""
 TOPIC_CREATE_TIMEOUT_MS = 30_000
+MIN_INSYNC = "min.insync.replicas"
+"""The topic setting that makes ``acks=all`` wait for a second replica (:meth:`KafkaBackend.topic_specs`)."""
 MAX_POLL_INTERVAL_MS = 300_000
 """A group member that does not poll for this long is dropped from its group (kafka-python's and Kafka's
 default, named here because the learner depends on it: its feed polls with its partitions paused under
@@ -181,7 +183,7 @@ class KafkaBackend(StreamBackend):
         # acks=all waits for the in-sync replicas only, and Kafka's default minimum of them is 1: with
         # replicas, a write the leader alone held could be acknowledged (and serving's spool then
         # drops it) and lost with that broker. Two whenever there is a second replica.
-        insync = {"min.insync.replicas": str(min(2, rf))}
+        insync = {MIN_INSYNC: str(min(2, rf))}
         retained = {"cleanup.policy": "delete", "retention.ms": str(c.retention_ms), **insync}
         return {
             c.topics.interactions: {"num_partitions": c.partitions, "replication_factor": rf, "configs": retained},
@@ -212,6 +214,7 @@ class KafkaBackend(StreamBackend):
                                       f"{t.rewards!r} ({counts[t.rewards]}) must have the same partition count "
                                       f"to stay co-partitioned by interaction id")
         warnings = partition_count_warnings(specs, counts, (t.interactions, t.rewards))
+        warnings += replication_warnings(specs, self.replication(list(specs)))
         for warning in warnings:
             log.warning("%s", warning)
         return warnings
@@ -241,6 +244,19 @@ class KafkaBackend(StreamBackend):
         with self.admin() as admin:
             topics = admin.describe_topics()
         return {t["name"]: len(t["partitions"]) for t in topics if not t.get("is_internal")}
+
+    def replication(self, names: list[str]) -> dict[str, tuple[int, int | None]]:
+        """Per topic of ``names`` that exists: the fewest replicas any of its partitions has, and its
+        ``min.insync.replicas`` (None when the cluster did not say)."""
+        with self.admin() as admin:
+            topics = {t["name"]: t for t in admin.describe_topics(names) if t["error_code"] == 0}
+            configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name, {MIN_INSYNC: None})
+                                              for name in topics], config_filter="all") if topics else {}
+        by_topic = configs.get("topic", {})
+        insync = {name: by_topic.get(name, {}).get(MIN_INSYNC, {}).get("value") for name in topics}
+        return {name: (min(len(p["replica_nodes"]) for p in t["partitions"]),
+                       int(insync[name]) if insync[name] is not None else None)
+                for name, t in topics.items() if t["partitions"]}
 
     def list_topics(self) -> list[str]:
         with self.admin() as admin:
@@ -275,4 +291,26 @@ def partition_count_warnings(specs: dict[str, dict[str, Any]], counts: dict[str,
                         f"then maps to another partition: records written before stay on the old one, so an "
                         f"interaction and its later reward can sit apart, and erasure by key must look in "
                         f"every partition")
+    return warnings
+
+
+def replication_warnings(specs: dict[str, dict[str, Any]], held: dict[str, tuple[int, int | None]]) -> list[str]:
+    """One line per topic of ``specs`` that exists (``held``: fewest replicas of a partition, its
+    ``min.insync.replicas``) with fewer replicas, or a lower minimum, than it would be created with:
+    Kafka changes neither on an existing topic, and ``kafka up`` said "topics ready" over topics made
+    with one replica before ``kafka.replication_factor`` was raised, whose broker's loss loses them."""
+    warnings = []
+    for topic, spec in specs.items():
+        if topic not in held:
+            continue
+        replicas, insync = held[topic]
+        wanted_replicas, wanted_insync = spec["replication_factor"], int(spec["configs"][MIN_INSYNC])
+        if replicas < wanted_replicas:
+            warnings.append(f"topic {topic!r} has {replicas} replica(s) of some partition, not "
+                            f"kafka.replication_factor = {wanted_replicas}: an existing topic's replication is not "
+                            f"changed; add replicas with kafka-reassign-partitions.sh (docs/DEPLOY.md)")
+        if insync is not None and insync < wanted_insync:
+            warnings.append(f"topic {topic!r} has min.insync.replicas = {insync}, not {wanted_insync}: a write only "
+                            f"the leader holds is acknowledged and lost with that broker; kafka-configs.sh --alter "
+                            f"--entity-type topics --entity-name {topic} --add-config {MIN_INSYNC}={wanted_insync}")
     return warnings

@@ -221,6 +221,19 @@ def test_weights_topic_is_compacted_and_others_retained(kafka_config):
 
 
 @pytest.mark.kafka
+def test_the_replication_an_existing_topic_holds_is_read_from_the_cluster(kafka_config):
+    """What `kafka up` compares with kafka.replication_factor (streams.kafka_backend.replication_warnings)."""
+    from kafka.admin import ConfigResource
+
+    backend = KafkaBackend(kafka_config)
+    t = kafka_config.topics
+    with backend.admin() as admin:
+        admin.alter_configs([ConfigResource("topic", t.rewards, {"min.insync.replicas": "3"})])
+    held = backend.replication([t.interactions, t.rewards, "no-such-topic"])
+    assert held == {t.interactions: (1, 1), t.rewards: (1, 3)}
+
+
+@pytest.mark.kafka
 def test_topics_the_cluster_cannot_hold_are_a_setting_to_change_not_an_outage(kafka_broker):
     """Three replicas on one broker: the error was a bare RuntimeError (a traceback from ``kafka up``)."""
     backend = KafkaBackend(kafka_broker.kafka_config(replication_factor=3))

@@ -54,3 +54,22 @@ def test_kafka_up_prints_the_partition_warnings_after_topics_ready(monkeypatch):
     lines = out.getvalue().splitlines()
     assert lines[-2].startswith("topics ready: ")
     assert lines[-1] == "warning: topic 'sao.interactions' keeps its 2 partitions, not the 4 configured"
+
+
+def test_topics_with_fewer_replicas_or_a_lower_insync_minimum_than_configured_are_named():
+    """On a three-broker cluster, topics a first `kafka up` made with one replica stayed at one after
+    kafka.replication_factor was raised to 3, and `kafka up` said "topics ready" over them."""
+    cfg = load_config(environ={}, overrides={"kafka.replication_factor": 3})
+    specs = KafkaBackend(cfg.kafka).topic_specs()
+    t = cfg.kafka.topics
+    as_configured = {name: (3, 2) for name in specs}
+    assert kafka_backend.replication_warnings(specs, as_configured) == []
+    assert kafka_backend.replication_warnings(specs, {}) == []  # topics not there yet: nothing to say
+    made_with_one = {**as_configured, t.interactions: (1, 1)}
+    [replicas, insync] = kafka_backend.replication_warnings(specs, made_with_one)
+    assert replicas.startswith(f"topic {t.interactions!r} has 1 replica(s) of some partition, not "
+                               f"kafka.replication_factor = 3") and "kafka-reassign-partitions.sh" in replicas
+    assert insync.startswith(f"topic {t.interactions!r} has min.insync.replicas = 1, not 2")
+    assert f"--entity-name {t.interactions} --add-config min.insync.replicas=2" in insync
+    single_node = KafkaBackend(load_config(environ={}).kafka).topic_specs()
+    assert kafka_backend.replication_warnings(single_node, {name: (1, 1) for name in single_node}) == []

@@ -311,6 +311,7 @@ def replication_warnings(specs: dict[str, dict[str, Any]], held: dict[str, tuple
                             f"changed; add replicas with kafka-reassign-partitions.sh (docs/DEPLOY.md)")
         if insync is not None and insync < wanted_insync:
             warnings.append(f"topic {topic!r} has min.insync.replicas = {insync}, not {wanted_insync}: a write only "
-                            f"the leader holds is acknowledged and lost with that broker; kafka-configs.sh --alter "
+                            f"the leader holds is acknowledged and lost with that broker; kafka-configs.sh "
+                            f"--bootstrap-server HOST:PORT --alter "
                             f"--entity-type topics --entity-name {topic} --add-config {MIN_INSYNC}={wanted_insync}")
     return warnings

@@ -194,6 +194,16 @@ def finite_vote(ctx: DistContext) -> FiniteVote:
     return vote
 
 
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is set on any rank (a maximum all-reduce). Collective. One process gets its
+    own flag back."""
+    if not ctx.is_distributed:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def rank_sum(ctx: DistContext) -> SumOverRanks:
     """The learning rules' sum over ranks (whitening's moments of the whole step): a float64
     all-reduce on ``ctx.device``. Collective: every rank calls it at the same point. One

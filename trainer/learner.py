@@ -77,8 +77,8 @@ from online_sao.durable import is_disk_full
 from online_sao.log_setup import log_to_stderr
 from online_sao.weights import WeightsRef
 from streams.base import StreamBackend
-from trainer.distributed import (DistContext, broadcast_json, broadcast_rollouts, local_batch, reduce_metrics,
-                                 run_on_ranks)
+from trainer.distributed import (DistContext, any_rank, broadcast_json, broadcast_rollouts, local_batch,
+                                 reduce_metrics, run_on_ranks)
 from trainer.feed import RolloutHook
 from trainer.full_state import load_full_state_dict
 from trainer.mlflow_store import bound_mlflow_requests
@@ -185,14 +185,21 @@ def train(cfg: Config, backend: StreamBackend, ctx: DistContext, until: RunUntil
 
 def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: DistContext,
                   before_step: RolloutHook | None) -> Taken:
-    """Rank 0 reads, joins and decides: stop, wait, or train on these rollouts. Collective."""
-    stop, rollouts = False, None
+    """Rank 0 reads, joins and decides: stop, wait, or train on these rollouts; a stop signal to any
+    rank stops them all, before rank 0 takes rollouts it would not train. Collective."""
+    stop, rollouts = until.stop.is_set(), None
     if rank0 is not None:
-        feed = rank0.feed
-        feed.poll()
-        feed.drop_stale(at.version)
-        stop = until.reached(at.steps_here, feed.idle_s())
-        rollouts = None if stop else feed.take(ctx.world_size, before_step)
+        rank0.feed.poll()
+        rank0.feed.drop_stale(at.version)
+        stop = until.reached(at.steps_here, rank0.feed.idle_s())
+    # a signal to one rank alone (its pod stopped by a node drain or a StatefulSet's update) stopped
+    # nothing: that rank went on until its SIGKILL, and the others then failed in a collective,
+    # without a checkpoint
+    if any_rank(stop, ctx) and not stop:
+        stop = True
+        log.info("stopping: another rank received a stop signal")
+    if rank0 is not None:
+        rollouts = None if stop else rank0.feed.take(ctx.world_size, before_step)
         rank0.renew_metrics(at)  # between steps too: what it reads and holds while no step comes
     stop, go = broadcast_json([stop, rollouts is not None], ctx)
     return Taken(stop, go, rollouts)

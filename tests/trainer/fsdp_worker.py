@@ -52,6 +52,7 @@ from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_logprobs
 from trainer.distributed import (
     DistContext,
+    any_rank,
     broadcast_rollouts,
     finite_vote,
     init_distributed,
@@ -285,6 +286,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
     baselines = baseline_advantages(ctx, data if ctx.is_main else None, steps)
     whitened_policy, whitened = whitened_training(ctx, data if ctx.is_main else None)
     restarted, cleared = restarted_training(ctx, data if ctx.is_main else None)
+    stop_votes = [any_rank(ctx.rank == 1, ctx), any_rank(False, ctx)]  # rank 1's flag alone, then none
 
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -301,7 +303,8 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
         save_file(restarted["critic"], out / "restarted_critic.safetensors")
         compiled = [is_compiled(model) for model in (learner.policy, learner.critic, learner.reference)]
         report = {"steps": metrics, "compiled": compiled, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
-                  "whitened": whitened, "restart": {"optimizers_cleared": cleared}}
+                  "whitened": whitened, "restart": {"optimizers_cleared": cleared},
+                  "stop_votes": stop_votes}
         (out / "metrics.json").write_text(json.dumps(report))
         (out / "baselines.json").write_text(json.dumps(baselines))
     shutdown_distributed(ctx)

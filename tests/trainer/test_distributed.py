@@ -168,6 +168,14 @@ def _load(directory: Path, name: str) -> dict[str, torch.Tensor]:
     return load_file(directory / f"{name}.safetensors")
 
 
+def test_a_flag_set_on_one_rank_alone_is_seen_on_every_rank(two_ranks, one_process):
+    """The learner's stop vote: a SIGTERM to rank 1 alone (its pod stopped by a node drain) stopped
+    nothing, rank 0 deciding alone; rank 1 ran on until its SIGKILL, and rank 0 then failed in a
+    collective without a checkpoint."""
+    assert json.loads((two_ranks / "metrics.json").read_text())["stop_votes"] == [True, False]
+    assert json.loads((one_process / "metrics.json").read_text())["stop_votes"] == [False, False]
+
+
 def test_two_cpu_ranks_match_one_process(two_ranks, one_process):
     for model in ("policy", "critic", "reference"):
         _assert_states_close(_load(two_ranks, model), _load(one_process, model), WEIGHT_RTOL, WEIGHT_ATOL, model)

@@ -167,3 +167,16 @@ def test_a_learner_stopped_inside_the_detectors_window_raises_the_same_alarm_aft
     champion = MlflowClient(tracking_uri=cfg.mlflow_uri, registry_uri=cfg.mlflow_uri).get_model_version_by_alias(
         cfg.mlflow.registered_model, "champion")
     assert champion.tags["gate.decision"] == "drift_restart" and champion.tags["policy_version"] == "3"
+
+
+def test_a_stop_signal_to_a_rank_other_than_rank_0_stops_the_loop():
+    """Only rank 0's stop signal counted: a rank whose pod alone was stopped (a node drain, a
+    StatefulSet's rolling update) went on until its SIGKILL. Rank 1's view, on one process: its
+    own signal is its stop vote (trainer.distributed.any_rank carries it to the other ranks)."""
+    from trainer.distributed import DistContext
+
+    rank1 = DistContext(rank=1, world_size=1, device=torch.device("cpu"))  # not distributed: its own vote back
+    until = RunUntil()
+    assert learner_module.next_rollouts(None, None, until, rank1, None).stop is False
+    until.stop.set()  # its SIGTERM handler
+    assert learner_module.next_rollouts(None, None, until, rank1, None).stop is True

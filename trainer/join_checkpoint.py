@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -54,6 +54,7 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
     joiner._waiting = {e.iid: e for e in _entries(state["waiting"], left_out)}
     joiner._ready = OrderedDict((e.iid, e) for e in _entries(state["ready"], left_out))
     joiner._held = OrderedDict((iid, [contribution_from(c) for c in cs]) for iid, cs in state["held"])
+    refused = _drop_refused(joiner)
     joiner._claims = {a: e.iid for e in [*joiner._waiting.values(), *joiner._ready.values()] for a in e.claimed}
     joiner._deadlines = [(joiner._window_end(e), iid) for iid, e in joiner._waiting.items()]
     heapq.heapify(joiner._deadlines)
@@ -71,6 +72,66 @@ def load_joiner_state(joiner: "RewardJoiner", state: dict[str, Any], memory: Mem
             joiner.memory.remember(iid, anchor, trained=False, seen=True)
     known = {f.name for f in fields(JoinCounters)}
     joiner.counters = JoinCounters(**{k: v for k, v in state["counters"].items() if k in known})
+    joiner.counters.refused_on_resume += refused.count
+    joiner.counters.joined -= refused.unjoined
+
+
+@dataclass
+class Refused:
+    """What :func:`_drop_refused` took out of a restored join buffer."""
+
+    count: int = 0
+    """Rewards not applied."""
+    unjoined: int = 0
+    """Ready interactions (counted joined) left with no reward, waiting again."""
+    why: dict[str, int] = field(default_factory=dict)
+    """Reason -> rewards."""
+
+
+def _drop_refused(joiner: "RewardJoiner") -> Refused:
+    """Take out the rewards the joiner's ``reward.*`` settings refuse, as :meth:`RewardJoiner.add_reward`
+    and the feed's range check would now: the checkpoint's join buffer was read under the settings of
+    its time, and a narrowed ``reward.min_value``..``max_value`` or a source dropped from
+    ``reward.sources`` let the rewards it held train after the restart. A ready interaction left with
+    no reward of any kind waits again (its window closes it as the settings say: a default, or dropped)."""
+    refused = Refused()
+
+    def kept(contributions: list[Contribution]) -> list[Contribution]:
+        out = []
+        for c in contributions:
+            why = _refusal(c, joiner.cfg)
+            if why is None:
+                out.append(c)
+            else:
+                refused.count += 1
+                refused.why[why] = refused.why.get(why, 0) + 1
+        return out
+
+    for entry in [*joiner._waiting.values(), *joiner._ready.values()]:
+        entry.contributions = kept(entry.contributions)
+    for iid in list(joiner._held):
+        joiner._held[iid] = kept(joiner._held[iid])
+        if not joiner._held[iid]:
+            del joiner._held[iid]
+    for entry in [e for e in joiner._ready.values() if not e.contributions and not e.defaulted]:
+        del joiner._ready[entry.iid]
+        entry.closed, entry.ready_at = False, 0.0
+        joiner._waiting[entry.iid] = entry
+        refused.unjoined += 1
+    if refused.count:
+        log.warning("checkpoint: %d rewards of the join buffer are not applied, refused by today's reward.* "
+                    "settings (%s)%s", refused.count, ", ".join(f"{n} {why}" for why, n in sorted(refused.why.items())),
+                    f"; {refused.unjoined} interactions left without a reward wait again" if refused.unjoined else "")
+    return refused
+
+
+def _refusal(c: Contribution, cfg) -> str | None:
+    """Why ``cfg`` (:class:`~online_sao.config.RewardConfig`) refuses contribution ``c``, or None."""
+    if cfg.sources is not None and c.source not in cfg.sources:
+        return "from a source reward.sources leaves out"
+    if any(not cfg.min_value <= v <= cfg.max_value for v in (c.value, *c.turns.values())):
+        return f"outside reward.min_value..max_value [{cfg.min_value:g}, {cfg.max_value:g}]"
+    return None
 
 
 def _entries(states: list[dict[str, Any]], left_out: list[dict[str, Any]]) -> list[Entry]:

@@ -40,6 +40,9 @@ class JoinCounters:
     """Rewards past ``MAX_REWARDS_PER_INTERACTION`` for one interaction (not applied, not held)."""
     ignored_rewards: int = 0
     """Rewards from a source ``reward.sources`` leaves out (not applied)."""
+    refused_on_resume: int = 0
+    """Rewards a checkpoint's join buffer held that the learner's ``reward.*`` settings now refuse
+    (outside a narrowed range, or from a source ``reward.sources`` no longer reads; not applied)."""
     missing_sources: int = 0
     """Interactions whose window closed before every source of ``reward.wait_for_sources`` rated
     them (trained on the rewards they had)."""

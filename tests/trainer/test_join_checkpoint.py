@@ -48,3 +48,36 @@ def test_a_left_out_continuation_leaves_its_earlier_turns_finished_not_waiting_f
     restored.add_reward(make_reward("p", 1.0), ts=3.0)
     assert not restored._held and restored.counters.early_rewards == 0
     assert "p" in restored.memory and "c" in restored.memory
+
+
+def test_rewards_held_in_the_buffer_are_checked_against_todays_range_and_sources_on_a_restart(caplog):
+    """A learner restarted with a narrowed reward range (or a rater removed from reward.sources) trained
+    the rewards its checkpoint's join buffer held under the old settings: serving refused the same value
+    with 422 by then."""
+    wide = RewardConfig(window_s=60.0, min_value=-10.0, max_value=10.0)
+    joiner = RewardJoiner(wide, max_pending=100)
+    for iid in ("in-range", "too-high", "rater", "waits"):
+        joiner.add_interaction(make_interaction(iid, response=[5, 6, 7]), ts=1.0)
+    joiner.add_reward(make_reward("in-range", 0.5), ts=2.0)
+    joiner.add_reward(make_reward("too-high", 8.0), ts=2.0)
+    joiner.add_reward(make_reward("rater", -0.9, source="spammy_judge"), ts=2.0)
+    joiner.add_reward(make_reward("early", 9.0), ts=2.0)  # held: its interaction comes later
+    state = json.loads(json.dumps(joiner_state(joiner)))
+    assert state["counters"]["joined"] == 3
+
+    narrowed = RewardConfig(window_s=60.0, min_value=-1.0, max_value=1.0, sources=["user"])
+    restored = RewardJoiner(narrowed, max_pending=100)
+    with caplog.at_level(logging.WARNING, logger="trainer.join_checkpoint"):
+        load_joiner_state(restored, state)
+
+    assert list(restored._ready) == ["in-range"]
+    assert set(restored._waiting) == {"too-high", "rater", "waits"}  # their windows close them as settings say
+    assert not restored._held
+    assert restored.counters.refused_on_resume == 3 and restored.counters.joined == 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("checkpoint: 3 rewards of the join buffer are not applied")
+    assert "1 from a source reward.sources leaves out" in line and "2 outside reward.min_value..max_value" in line
+    restored.add_interaction(make_interaction("early", response=[5, 6, 7]), ts=3.0)
+    restored.advance(100.0)  # every window closed: nothing refused trains, the rest is dropped unrewarded
+    assert [j.interaction.interaction_id for j in restored.pop_ready(10, 10_000)] == ["in-range"]
+    assert restored.counters.dropped_no_reward == 4

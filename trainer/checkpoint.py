@@ -103,6 +103,10 @@ class LearnerState:
     drift: dict[str, Any] = field(default_factory=dict)
     """The reward-drift detector's books (:meth:`trainer.plasticity.DriftResponse.state_dict`); empty
     without ``drift.enabled`` and in checkpoints from before they were kept."""
+    reward_definition: str = ""
+    """:meth:`~online_sao.config.RewardConfig.definition` of the rewards the state was learned from
+    (empty in checkpoints from before it was kept): a restart under another one does not restore
+    the reward statistics (:func:`trainer.state.restore_training_state`)."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -103,7 +103,10 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
         log.info("resuming the policy of the checkpoint of step %d (model.path's weights are not used; "
                  "to start from them, point trainer.checkpoint_dir at an empty directory)", shared["step"])
     load_trainables(ckpt, shared, trainables, ctx)
-    if drift is not None and shared.get("drift"):
+    rescaled = _reward_definition_changed(shared, joiner.cfg.definition(), drift is not None, ctx)
+    if rescaled:
+        trainables.algorithm.forget()
+    if drift is not None and shared.get("drift") and not rescaled:
         drift.load_state_dict(shared["drift"])
     if ckpt is None:
         return Progress(step=shared["step"], version=shared["version"])
@@ -111,6 +114,22 @@ def restore_training_state(checkpointer: Checkpointer | None, trainables: Traina
     s = ckpt.state
     return Progress(s.step, s.version, dict(s.offsets), dict(s.counters), s.mlflow_run_id,
                     list(s.protected_versions), dict(s.candidate))
+
+
+def _reward_definition_changed(shared: dict[str, Any], definition: str, drift: bool, ctx: DistContext) -> bool:
+    """Whether the checkpoint's rewards were defined otherwise than today's (``reward.*``: another range,
+    sources, aggregation, ``reward.revision``). Its reward statistics are then on another scale: a
+    rescaled judge (0..10 to 0..1) made the drift detector see a fall at the first step and reset the
+    policy to its start, and the rules' baselines mixed both scales. Said on rank 0."""
+    saved = shared.get("reward_definition", "")
+    if not saved or saved == definition:
+        return False
+    if ctx.is_main:
+        log.warning("the checkpoint of step %d learned from rewards of another definition (%s; now %s: the "
+                    "reward.* settings or reward.revision changed): the learning rule's reward statistics start "
+                    "over%s; the critic keeps its values, on the old scale until it fits the new rewards",
+                    shared["step"], saved, definition, ", and so do the drift detector's books" if drift else "")
+    return True
 
 
 def restore_version(checkpointer: Checkpointer | None, trainables: Trainables, version: int,
@@ -132,8 +151,11 @@ def _shared(ckpt: Checkpoint | None, ctx: DistContext) -> dict[str, Any] | None:
     checkpoint)."""
     shared = None
     if ckpt is not None:
+        # a checkpoint from before the definition was kept: the gate's window names it too
+        definition = ckpt.state.reward_definition or ckpt.state.candidate.get("reward_definition", "")
         shared = {"step": ckpt.state.step, "version": ckpt.state.version, "algorithm": ckpt.state.algorithm,
                   "scheduler": ckpt.optimizers.get("critic_scheduler"), "drift": ckpt.state.drift,
+                  "reward_definition": definition,
                   "models": sorted(ckpt.models), "policy_shapes": _shapes(ckpt.models["policy"])}
     return broadcast_json(shared, ctx)
 
@@ -241,5 +263,6 @@ def gather_training_state(trainables: Trainables, joiner: RewardJoiner | None, p
                          joiner=joiner.state_dict(with_memory=False), algorithm=t.algorithm.state_dict(),
                          mlflow_run_id=p.mlflow_run_id, protected_versions=sorted(p.protected_versions),
                          counters=dict(p.counters), candidate=dict(p.candidate),
-                         drift=drift.state_dict() if drift is not None else {})
+                         drift=drift.state_dict() if drift is not None else {},
+                         reward_definition=joiner.cfg.definition())
     return Checkpoint(state, models, optimizers, joiner.memory.snapshot())

@@ -259,7 +259,8 @@ def roll_back(models: LearnerModels, at: Position, rank0: RankZero | None, ctx: 
     roll back again. Collective."""
     if rank0 is not None:  # the champion's checkpoint may be the one being written
         rank0.writer.wait()
-    if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx):
+    definition = rank0.feed.joiner.cfg.definition() if rank0 is not None else ""
+    if not restore_version(rank0.checkpointer if rank0 else None, models.trainables, back.version, ctx, definition):
         if rank0 is not None:
             log.warning("no checkpoint of champion v%d kept: restoring its weights only", back.version)
         store = rank0.releases.publisher.store if rank0 else None

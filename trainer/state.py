@@ -120,29 +120,33 @@ def _reward_definition_changed(shared: dict[str, Any], definition: str, drift: b
     """Whether the checkpoint's rewards were defined otherwise than today's (``reward.*``: another range,
     sources, aggregation, ``reward.revision``). Its reward statistics are then on another scale: a
     rescaled judge (0..10 to 0..1) made the drift detector see a fall at the first step and reset the
-    policy to its start, and the rules' baselines mixed both scales. Said on rank 0."""
+    policy to its start, and the rules' baselines mixed both scales. Decided and said on rank 0 (the
+    others may pass any ``definition``). Collective."""
     saved = shared.get("reward_definition", "")
-    if not saved or saved == definition:
-        return False
-    if ctx.is_main:
+    changed = bool(saved) and saved != definition
+    if ctx.is_main and changed:
         log.warning("the checkpoint of step %d learned from rewards of another definition (%s; now %s: the "
                     "reward.* settings or reward.revision changed): the learning rule's reward statistics start "
                     "over%s; the critic keeps its values, on the old scale until it fits the new rewards",
                     shared["step"], saved, definition, ", and so do the drift detector's books" if drift else "")
-    return True
+    return bool(broadcast_json(changed, ctx))
 
 
 def restore_version(checkpointer: Checkpointer | None, trainables: Trainables, version: int,
-                    ctx: DistContext) -> bool:
+                    ctx: DistContext, reward_definition: str = "") -> bool:
     """A whole roll-back: policy, critic, optimisers, scheduler and algorithm state from the
     checkpoint of published ``version`` (rank 0 finds it). The join buffer, offsets, counters
-    and ledger stay as they are: the learner goes on reading where it is. Returns False on
-    every rank, changing nothing, when no checkpoint of that version is kept."""
+    and ledger stay as they are: the learner goes on reading where it is. A checkpoint learned
+    under another ``reward_definition`` than the learner's now (rank 0's) leaves the rule's reward
+    statistics empty (:func:`_reward_definition_changed`). Returns False on every rank, changing
+    nothing, when no checkpoint of that version is kept."""
     ckpt = checkpointer.checkpoint_of_version(version) if ctx.is_main else None
     shared = _shared(ckpt, ctx)
     if shared is None:
         return False
     load_trainables(ckpt, shared, trainables, ctx)
+    if _reward_definition_changed(shared, reward_definition, False, ctx):  # a champion of before the change
+        trainables.algorithm.forget()
     return True
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from online_sao.config import RewardConfig
 from online_sao.weights import WeightsRef
 from tests.trainer.test_plasticity import constant_linear, trainables
 from trainer.distributed import DistContext
@@ -42,6 +43,7 @@ def test_a_roll_back_without_the_champions_checkpoint_restarts_the_ema_reference
     rank0 = SimpleNamespace(writer=SimpleNamespace(wait=lambda: None),
                             checkpointer=SimpleNamespace(checkpoint_of_version=lambda version: None),
                             releases=SimpleNamespace(publisher=publisher, pinned_versions=lambda: []),
+                            feed=SimpleNamespace(joiner=SimpleNamespace(cfg=RewardConfig())),
                             counters={"rollbacks": 0})
     models = LearnerModels(trainables=t, pad_token_id=0, vocab_size=2)
     at = Position(step=7, version=9, checkpointed_step=7, changed_since_publish=True)

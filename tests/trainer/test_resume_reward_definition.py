@@ -4,7 +4,13 @@ the reward statistics learned on the old scale are not restored (trainer/state.p
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
+from online_sao.algorithm import Algorithm
+from online_sao.algorithms import build_optimizers
+from online_sao.config import RewardConfig
+from online_sao.config.algorithm import AlgorithmConfig
 from online_sao.modeling import load_policy
 from online_sao.schemas import Reward
 from streams.memory import InMemoryBackend
@@ -12,12 +18,15 @@ from streams.records import publish
 from tests.trainer.test_learner_memory import _config
 from tests.trainer.traffic import sample_traffic
 from trainer.checkpoint import Checkpointer
-from trainer.distributed import init_distributed
+from trainer.distributed import DistContext, init_distributed
+from trainer.join import RewardJoiner
 from trainer.learner import RunUntil, train
+from trainer.state import Progress, Trainables, gather_training_state, restore_version
 
 ZERO_TO_TEN = {"reward.min_value": 0.0, "reward.max_value": 10.0}
 ZERO_TO_ONE = {"reward.min_value": 0.0, "reward.max_value": 1.0}  # the judge rescaled: the same preference
 SMALL_DRIFT = {"drift.enabled": True, "drift.recent": 4, "drift.reference": 4}
+ONE_PROCESS = DistContext(0, 1, torch.device("cpu"))
 
 
 def _send(backend, cfg, base, prefix: str, n: int, scale: float) -> None:
@@ -67,3 +76,38 @@ def test_the_running_means_reward_window_starts_over_under_a_new_reward_definiti
     window = after.state.algorithm["reward_window"]
     assert len(window) == (8 if same else 4)  # the first life's four, under the same definition only
     assert max(window[-4:]) < 1.0
+
+
+class Forgetful(Algorithm):
+    """A rule that counts :meth:`forget` calls."""
+
+    def __init__(self) -> None:
+        self.forgotten = 0
+
+    def step(self, batch):
+        raise AssertionError("not trained here")
+
+    def forget(self) -> None:
+        self.forgotten += 1
+
+
+def _rule_after_roll_back(tmp_path, definition: str) -> Forgetful:
+    """The rule of a learner rolled back, under ``definition``, to a champion checkpointed under 0..10."""
+    policy = nn.Linear(2, 1)
+    cfg = AlgorithmConfig(optimizer_kernel="for_loop")
+    saved = Trainables(policy, None, build_optimizers(cfg, policy, None), Forgetful())
+    state = gather_training_state(saved, RewardJoiner(RewardConfig(**_fields(ZERO_TO_TEN)), 10),
+                                  Progress(step=2, version=7), ONE_PROCESS)
+    Checkpointer(tmp_path).save(state)
+    live = Trainables(policy, None, build_optimizers(cfg, policy, None), Forgetful())
+    assert restore_version(Checkpointer(tmp_path), live, 7, ONE_PROCESS, definition)
+    return live.algorithm
+
+
+def _fields(overrides: dict) -> dict:
+    return {key.removeprefix("reward."): value for key, value in overrides.items()}
+
+
+def test_a_roll_back_to_a_champion_of_another_reward_definition_starts_the_rules_statistics_over(tmp_path):
+    assert _rule_after_roll_back(tmp_path / "same", RewardConfig(**_fields(ZERO_TO_TEN)).definition()).forgotten == 0
+    assert _rule_after_roll_back(tmp_path / "new", RewardConfig(**_fields(ZERO_TO_ONE)).definition()).forgotten == 1

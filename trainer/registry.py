@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 Decision = Literal["promoted", "rolled_back", "pending"]
 
+UNCHECKED = object()
+"""``record_decision``'s ``against`` when no champion is to be checked (a drift restart's own
+promotion, a candidate left pending for its weights)."""
+
 Answered = Callable[..., object]
 """``answered(what, action, wait=True)``: ``action()``, waiting while the MLflow server does not answer
 (:meth:`trainer.tracking.RunTracker._answered`)."""
@@ -153,11 +157,20 @@ class PolicyRegistry:
                         "registration meanwhile", type(exc).__name__, mask_uri_password(str(exc))[:300])
 
     @_waiting("recording the gate's decision")
-    def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef) -> None:
+    def record_decision(self, decision: Decision, evidence: dict[str, str], decided: WeightsRef,
+                        against: WeightsRef | None | object = UNCHECKED) -> bool:
         """Write the decision and its ``evidence`` (the gate's and the monitors' tags) onto the
         registry version of ``decided``, the policy the gate scored, then move the aliases:
         ``promoted`` makes it ``champion``; ``rolled_back`` points ``candidate`` back at the
         champion's version; ``pending`` moves nothing (a newer registration supersedes it).
+        Returns whether the decision stands (False: nothing moves, nor may anything follow from it).
+
+        ``against``: the champion the gate scored ``decided`` against (None: there was none). When the
+        ``champion`` alias no longer holds it, an operator moved (or deleted) it while the gate scored:
+        the verdict is set aside, written as ``pending`` with ``gate.set_aside`` saying why, and False
+        returned. Before, a promotion scored against the old champion undid the operator's roll-back,
+        and a roll-back to it undid their promotion. ``decided`` no longer registered (deleted by
+        hand meanwhile) writes nothing and returns False; it stopped the learner.
 
         The version is the one ``candidate`` points at when it holds ``decided`` (policy version
         and checksum), else the newest registry version that does: a second writer on the same
@@ -168,7 +181,14 @@ class PolicyRegistry:
         target = (candidate if candidate is not None and holds(candidate, decided)
                   else newest_version_holding(self.client, self.model_name, decided))
         if target is None:
-            raise ValueError(f"policy version {decided.version} ({decided.checksum}) is not registered")
+            log.warning("registry: policy v%d (%s) is no longer registered (deleted while it was decided): its "
+                        "decision, %s, is not recorded", decided.version, decided.checksum, decision)
+            return False
+        stands = True
+        if against is not UNCHECKED and (why := _champion_moved(self._champion_version(), against)):
+            log.warning("registry: candidate v%d %s set aside: %s; left pending (the next decision scores it against "
+                        "the champion of now)", decided.version, decision, why)
+            decision, evidence, stands = "pending", {**evidence, "gate.set_aside": why}, False
         moved = target is not candidate
         if moved:
             log.warning("registry: the candidate alias moved to registry version %s while policy v%d was decided; "
@@ -184,6 +204,10 @@ class PolicyRegistry:
                 raise ValueError("cannot roll back without a champion")
             if not moved:
                 self.client.set_registered_model_alias(self.model_name, CANDIDATE, champion.version)
+        return stands
+
+    def _champion_version(self):
+        return version_with_alias(self.client, self.model_name, CHAMPION)
 
     @_waiting("reading for a roll-back not carried out")
     def unfinished_rollback(self) -> bool:
@@ -214,6 +238,8 @@ class PolicyRegistry:
         if candidate is None or candidate.tags.get("decision") != "rolled_back":
             return candidate
         champion = version_with_alias(self.client, self.model_name, CHAMPION)
+        if champion is not None and champion.version == candidate.version:
+            return candidate  # the champion itself (an operator promoted a rejected version): nothing to move
         if champion is None:
             log.error("registry: the candidate alias is on registry version %s (policy v%s), already rolled back, "
                       "and there is no champion to move it back to: it counts as no candidate", candidate.version,
@@ -238,11 +264,27 @@ class PolicyRegistry:
         return None if found is None else ValueRecord.from_tags(found.tags)
 
     @_waiting("tagging the champion")
-    def tag_champion(self, tags: dict[str, str]) -> None:
+    def tag_champion(self, tags: dict[str, str], scored: WeightsRef | None = None) -> None:
         """Write ``tags`` onto the champion's registry version (its refreshed record), one registry
-        call each, in ``tags``' order (a record's ``record`` tag last: online_sao/gate_record.py)."""
+        call each, in ``tags``' order (a record's ``record`` tag last: online_sao/gate_record.py).
+        ``scored``: the champion the record was measured on; when the alias no longer holds it (an
+        operator moved or deleted it meanwhile) nothing is written: the record is not the new
+        champion's (it was written onto it; without a champion the learner stopped)."""
         champion = version_with_alias(self.client, self.model_name, CHAMPION)
+        if scored is not None and (why := _champion_moved(champion, scored)):
+            log.warning("registry: the record measured on champion v%d is not written: %s", scored.version, why)
+            return
         if champion is None:
             raise ValueError("no champion to tag")
         for key, value in tags.items():
             self.client.set_model_version_tag(self.model_name, champion.version, key, value[:MAX_VALUE_LENGTH])
+
+
+def _champion_moved(now, scored: WeightsRef | None) -> str | None:
+    """Why the registry version ``now`` holding the ``champion`` alias (None: no alias) is not the
+    champion ``scored`` (None: there was none), or None when it is."""
+    if (now is None and scored is None) or (now is not None and scored is not None and holds(now, scored)):
+        return None
+    was = "no champion" if scored is None else f"policy v{scored.version}"
+    is_now = "none" if now is None else f"policy v{now.tags.get('policy_version')} (registry version {now.version})"
+    return f"the champion alias moved while it was decided, outside the learner: it was {was}, it is {is_now}"

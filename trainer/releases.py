@@ -192,6 +192,7 @@ class Releases:
         self._follow_champion(champion, step)
         if candidate is None or (champion is not None and champion[0] == candidate[0]):
             return "pending", None
+        scored_against = champion[1] if champion is not None else None  # the alias, whatever the store holds
         held = self.publisher.store.versions()
         if candidate[0] not in held:  # a lost store: nothing to score it with, and serving cannot load it
             log.error("registry: candidate v%d has no weights in the store (%s): left pending; the next "
@@ -223,7 +224,8 @@ class Releases:
         back = champion[1] if decision == "rolled_back" and champion is not None else None
         if back is not None:
             evidence[ROLLBACK_CARRIED_OUT] = "false"  # until its weights go out again (rollback_due)
-        self.registry.record_decision(decision, evidence, candidate[1])
+        if not self.registry.record_decision(decision, evidence, candidate[1], against=scored_against):
+            return "pending", None  # an operator moved the champion meanwhile, or deleted the candidate
         if back is not None:  # recorded first: see decide()
             log.warning("candidate rolled back to champion v%d (candidate v%d)", back.version, candidate[0])
             self.publisher.rollback(back, step)
@@ -250,7 +252,7 @@ class Releases:
                                  lambda: self._champion_record(champion, set_aside))
         decision = "rolled_back" if monitors.tripped else GATE_TO_REGISTRY[gate.decision]
         evidence = {**gate.tags(), **set_aside, **monitors.tags()}
-        self._keep_records(gate, decision, evidence)
+        self._keep_records(gate, decision, evidence, champion[1])
         return decision, evidence
 
     def _loads(self, ref: WeightsRef) -> bool:
@@ -277,18 +279,19 @@ class Releases:
             set_aside["gate.record_set_aside"] = f"reward definition {record.reward_definition}"
             record = None
         if record is None and (record := self.gate.record_of(champion[1], self.window)) is not None:
-            self.registry.tag_champion(record.tags())
+            self.registry.tag_champion(record.tags(), champion[1])
         return record
 
-    def _keep_records(self, gate: GateEvidence, decision: Decision, evidence: dict[str, str]) -> None:
+    def _keep_records(self, gate: GateEvidence, decision: Decision, evidence: dict[str, str],
+                      champion: WeightsRef) -> None:
         """A candidate promoted takes its side of the decision as its record (into ``evidence``,
-        written onto it); otherwise a champion scored well enough on this window has its record
-        refreshed (online_sao/gate_record.py)."""
+        written onto it); otherwise ``champion``, scored well enough on this window, has its record
+        refreshed (online_sao/gate_record.py), if it is still the champion."""
         if decision == "promoted":
             record = candidate_record(gate, self.gate.settings)
             evidence.update(record.tags() if record else {})
         elif (fresh := champion_record(gate, self.gate.settings)) is not None:
-            self.registry.tag_champion(fresh.tags())
+            self.registry.tag_champion(fresh.tags(), champion)
 
     def rollback_due(self) -> WeightsRef | None:
         """The champion to return to, when a roll-back this run recorded was not carried out (the

@@ -72,7 +72,7 @@ def test_a_rollback_cut_short_is_carried_out_or_decided_again_after_a_restart(re
 
     for version in range(1, 6):
         release(releases, version)
-    def stop(*args):
+    def stop(*args, **kwargs):
         raise Stopped() if stopped_in == "announcing" else TrackingUnavailable("stopped")
 
     stopped = (publisher, "rollback") if stopped_in == "announcing" else (tracker.registry, "record_decision")

@@ -216,8 +216,8 @@ def test_decisions_move_the_aliases_and_carry_their_evidence(cfg, store):
     tracker = RunTracker(cfg)
     assert tracker.registry.champion() is None and tracker.registry.candidate() is None
     first = _publish(store, 1)
-    with pytest.raises(ValueError, match="policy version 1 .* is not registered"):
-        tracker.registry.record_decision("promoted", {}, first)
+    assert tracker.registry.record_decision("promoted", {}, first) is False  # not registered: nothing written
+    assert tracker.registry.champion() is None
 
     tracker.registry.register(first, recent_reward=0.0)
     assert tracker.registry.candidate() == (1, first)

@@ -11,13 +11,12 @@ long as it runs, and a second process is refused at start. The lock is the opera
 
 from __future__ import annotations
 
-import fcntl
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from online_sao.config import ConfigError
+from online_sao.dir_lock import DirectoryLock
 
 LOCK_FILE = "spool.lock"
 
@@ -29,17 +28,9 @@ class SpoolInUse(ConfigError):
 @contextmanager
 def exclusive_spool(directory: Path) -> Iterator[None]:
     """Hold ``directory``'s spool lock for the block; :class:`SpoolInUse` when another holder has it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise SpoolInUse(f"serving.spool_dir {directory} is in use by another serving process (pid {holder}): "
-                             "give each replica a spool directory of its own") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    def refused(holder: str) -> SpoolInUse:
+        return SpoolInUse(f"serving.spool_dir {directory} is in use by another serving process (pid {holder}): "
+                          "give each replica a spool directory of its own")
+
+    with DirectoryLock.acquire(directory, LOCK_FILE, refused):
         yield
-    finally:
-        os.close(fd)  # releases the lock

@@ -23,6 +23,7 @@ import torch
 
 from online_sao.batch import Rollout
 from online_sao.config import Config, DeployConfig, RewardConfig
+from online_sao.dir_lock import DirectoryLock
 from online_sao.segments import SegmentRewards
 from online_sao.weights import open_weight_store
 from streams.base import Producer, StreamBackend
@@ -127,6 +128,8 @@ class RankZero:
     ``trainer.checkpoint_in_background``)."""
     exporter: LearnerExporter | None = None
     """Serves the monitors and counters to Prometheus (``trainer.metrics_port``; None: off)."""
+    lock: DirectoryLock | None = None
+    """This learner's hold on ``trainer.checkpoint_dir`` (trainer/startup.py), released by :meth:`close`."""
     metrics_renewed_at: float = -math.inf
     """``time.monotonic()`` of the exporter's last renewal between steps (:meth:`renew_metrics`)."""
 
@@ -271,6 +274,8 @@ class RankZero:
             parts.append(("the metrics exporter", self.exporter.close))
         parts += [("the Kafka consumer", self.feed.close), ("the Kafka producer", self.producer.close),
                   ("the MLflow run", lambda: self.tracker.close(status))]
+        if self.lock is not None:  # last: a learner waiting for the directory starts once all is closed
+            parts.append(("the checkpoint directory's lock", self.lock.release))
         first: Exception | None = None
         for what, close in parts:
             try:

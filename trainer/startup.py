@@ -10,12 +10,14 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from online_sao.algorithms import build_algorithm, build_critic, build_optimizers
 from online_sao.config import AlgorithmConfig, Config, ConfigError
 from online_sao.critic import ValueModel
+from online_sao.dir_lock import DirectoryLock
 from online_sao.modeling import compile_body, load_policy, load_tokenizer
 from online_sao.regularizers import build_reference
 from online_sao.train_step import policy_packs
@@ -125,25 +127,55 @@ def build_models(cfg: Config, ctx: DistContext) -> LearnerModels:
     return LearnerModels(trainables, pad_token_id, vocab_size, drift, one_process)
 
 
+CHECKPOINT_LOCK = "learner.lock"
+"""The lock file in ``trainer.checkpoint_dir`` (online_sao/dir_lock.py)."""
+
+
+class CheckpointDirInUse(ConfigError):
+    """Another learner holds ``trainer.checkpoint_dir``."""
+
+
+def hold_checkpoint_dir(directory: Path) -> DirectoryLock:
+    """This learner's exclusive hold on its checkpoint directory. Two learners on one (a replacement
+    started before the learner it replaces stopped) resumed the same checkpoint, decided on the same
+    candidate with different evidence, published one version number with different weights, and then
+    both stopped: the old one fenced out of its consumer group, the new one refusing a checkpoint step
+    the old one had written. The second is refused at its start instead; started again once the first
+    has stopped (a supervisor's restart), it resumes from the first's last checkpoint."""
+    def refused(holder: str) -> CheckpointDirInUse:
+        return CheckpointDirInUse(f"trainer.checkpoint_dir {directory} is in use by another learner (pid {holder}): "
+                                  f"stop it first; one learner per checkpoint directory")
+
+    return DirectoryLock.acquire(directory, CHECKPOINT_LOCK, refused)
+
+
 def resume(cfg: Config, backend: StreamBackend, models: LearnerModels, ctx: DistContext,
            stop: threading.Event) -> tuple[Position, RankZero | None]:
     """Load the newest checkpoint into every rank (or start fresh); rank 0 then opens its
-    streams, weight store and MLflow run (None on the other ranks)."""
-    checkpointer = (Checkpointer(cfg.checkpoint_dir, ledger_segment_bytes=cfg.trainer.ledger_segment_bytes)
-                    if ctx.is_main else None)
-    joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+    streams, weight store and MLflow run (None on the other ranks). Rank 0 holds the checkpoint
+    directory first (:func:`hold_checkpoint_dir`), until ``RankZero.close``."""
+    lock = hold_checkpoint_dir(cfg.checkpoint_dir) if ctx.is_main else None
     try:
-        progress = restore_training_state(checkpointer, models.trainables, joiner, ctx, models.drift)
-    except CheckpointMismatch as exc:
-        raise ConfigError(
-            f"the newest checkpoint in trainer.checkpoint_dir ({cfg.checkpoint_dir}) holds a policy that does not fit "
-            f"the model of model.path ({cfg.model_dir}), another architecture or size: {exc}. To start from "
-            f"this model, point trainer.checkpoint_dir at an empty directory; to go on from the checkpoint, "
-            f"set model.path back to the model it was trained from") from exc
-    rank0, version = None, progress.version
-    if ctx.is_main:
-        rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
-                              models.pad_token_id, models.trainables.algorithm.group_size, stop)
+        checkpointer = (Checkpointer(cfg.checkpoint_dir, ledger_segment_bytes=cfg.trainer.ledger_segment_bytes)
+                        if ctx.is_main else None)
+        joiner = RewardJoiner(cfg.reward, cfg.trainer.join_max_pending)
+        try:
+            progress = restore_training_state(checkpointer, models.trainables, joiner, ctx, models.drift)
+        except CheckpointMismatch as exc:
+            raise ConfigError(
+                f"the newest checkpoint in trainer.checkpoint_dir ({cfg.checkpoint_dir}) holds a policy that does not "
+                f"fit the model of model.path ({cfg.model_dir}), another architecture or size: {exc}. To start from "
+                f"this model, point trainer.checkpoint_dir at an empty directory; to go on from the checkpoint, "
+                f"set model.path back to the model it was trained from") from exc
+        rank0, version = None, progress.version
+        if ctx.is_main:
+            rank0 = RankZero.open(cfg, backend, checkpointer, joiner, progress, models.vocab_size,
+                                  models.pad_token_id, models.trainables.algorithm.group_size, stop)
+            rank0.lock = lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:  # until the learner's loop takes it over: a failure (or a stop) ends the run FAILED, frees the port
         if rank0 is not None:
             # never reuse a version number: the store, and the weights topic if the store was lost, may

@@ -180,3 +180,21 @@ def test_a_stop_signal_to_a_rank_other_than_rank_0_stops_the_loop():
     assert learner_module.next_rollouts(None, None, until, rank1, None).stop is False
     until.stop.set()  # its SIGTERM handler
     assert learner_module.next_rollouts(None, None, until, rank1, None).stop is True
+
+
+def test_a_second_learner_on_one_checkpoint_directory_is_refused_until_the_first_stops(tmp_path, tiny_model_dir):
+    """A replacement started before the learner it replaces stopped: both resumed the same checkpoint,
+    published one version number with different weights, and then both stopped (the old one fenced
+    out of its group, the new one refusing a checkpoint step the old one had written)."""
+    from online_sao.config import ConfigError
+    from trainer.startup import hold_checkpoint_dir
+
+    cfg = _config(tmp_path, tiny_model_dir)
+    backend = InMemoryBackend(cfg.kafka)
+    backend.ensure_topics()
+    with hold_checkpoint_dir(cfg.checkpoint_dir):  # the first learner, running
+        with pytest.raises(ConfigError, match=r"checkpoint_dir .* is in use by another learner \(pid \d+\)"):
+            train(cfg, backend, init_distributed(), RunUntil(max_steps=1, idle_timeout_s=1))
+    produce(backend.producer(), cfg.kafka.topics, sample_traffic(load_policy(tiny_model_dir), 4, prefix="a"))
+    assert train(cfg, backend, init_distributed(), RunUntil(max_steps=1)).steps == 1  # once it has stopped
+    assert train(cfg, backend, init_distributed(), RunUntil(max_steps=1, idle_timeout_s=1)).steps == 0  # released

@@ -114,8 +114,9 @@ class KafkaStreamConsumer(Consumer):
                                        for tp, offset in offsets.items()})
         except MEMBERSHIP_ERRORS as exc:
             raise GroupMembershipLost(
-                f"group {self._group_id!r} refused the commit: this consumer is not in it now (it did not poll "
-                f"for {self._consumer.config['max_poll_interval_ms'] / 1000:.0f} s, max.poll.interval.ms, or the group is rebalancing); "
+                f"group {self._group_id!r} refused the commit: this consumer is not in it now (the group is "
+                f"rebalancing, its coordinator moved to another broker, or it did not poll for "
+                f"{self._consumer.config['max_poll_interval_ms'] / 1000:.0f} s, max.poll.interval.ms); "
                 f"its next poll rejoins. {type(exc).__name__}: {exc}") from exc
 
     def _check_partitions_exist(self, tps: set[TopicPartition]) -> None:

@@ -200,7 +200,9 @@ class ServingConfig(Section):
     """On shutdown, how long to keep delivering before the rest is left in the spool."""
     max_trajectories: int = Field(1024, ge=1)
     """Recent trajectories kept in memory so a request can continue one (parent_interaction_id);
-    an older or evicted parent is refused with 404."""
+    an older or evicted parent is refused with 404. Each holds its conversation's records (token
+    ids, log-probs, texts): about 77 KiB for a 1,024-token prompt and 256 new tokens (measured with
+    tracemalloc, 2026-12-07), so about 77 MiB of a replica's memory at the default when full."""
     tool_call_parser: Literal["hermes", "none"] = "hermes"
     """How tool calls are read from a chat answer when the request has ``tools``: ``hermes`` is
     ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen-family templates); ``none`` refuses

@@ -185,9 +185,13 @@ class PolicyRegistry:
                         "decision, %s, is not recorded", decided.version, decided.checksum, decision)
             return False
         stands = True
-        if against is not UNCHECKED and (why := _champion_moved(self._champion_version(), against)):
-            log.warning("registry: candidate v%d %s set aside: %s; left pending (the next decision scores it against "
-                        "the champion of now)", decided.version, decision, why)
+        now = self._champion_version() if against is not UNCHECKED else None
+        own_move = decision == "promoted" and now is not None and holds(now, decided)  # a retry of this call
+        if against is not UNCHECKED and not own_move and (why := _champion_moved(now, against)):
+            log.warning("registry: candidate v%d %s set aside: %s; left pending (the next registration supersedes "
+                        "it, decided against the champion of now)", decided.version, decision, why)
+            # nothing to carry out: a roll-back set aside left as "not carried out" rolled back at the next start
+            evidence = {k: v for k, v in evidence.items() if k != ROLLBACK_CARRIED_OUT}
             decision, evidence, stands = "pending", {**evidence, "gate.set_aside": why}, False
         moved = target is not candidate
         if moved:

@@ -85,6 +85,8 @@ def test_an_operators_promotion_during_the_decision_is_not_undone_by_a_roll_back
 
     assert outcome.rolled_back_to is None and ("rollback", 4) not in d.announced()
     assert d.alias("champion") == 6  # the operator's
+    # no roll-back left "not carried out": the next start rolled back to the operator's champion
+    assert d.releases.rollback_due() is None and "rollback_carried_out" not in d.registered(6).tags
     tags = d.registered(6).tags
     assert tags["decision"] == "pending" and "it was policy v4, it is policy v6" in tags["gate.set_aside"]
     assert any("candidate v6 rolled_back set aside" in r.getMessage() for r in caplog.records)
@@ -132,3 +134,17 @@ def test_a_rejected_version_an_operator_made_champion_raises_no_warning_of_a_sto
     with caplog.at_level(logging.WARNING, logger="trainer.registry"):
         assert d.tracker.registry.candidate()[0] == 6
     assert not [r for r in caplog.records if "stopped before moving it" in r.getMessage()]
+
+
+def test_a_promotion_retried_after_its_alias_move_went_through_stands(registry_cfg):
+    """An MLflow reply lost after the champion alias moved: the retry read the learner's own move as an
+    operator's, tagged the new champion pending and set aside, and skipped announcing it."""
+    d = Deployment(registry_cfg)
+    for version in range(1, 6):
+        d.release(version)  # champion v2 or v4, candidate v4
+    candidate = d.tracker.registry.candidate()[1]
+    before = d.tracker.registry.champion()[1]
+    assert d.tracker.registry.record_decision("promoted", {}, candidate, against=before)
+    assert d.tracker.registry.record_decision("promoted", {}, candidate, against=before)  # the retry
+    tags = d.registered(candidate.version).tags
+    assert tags["decision"] == "promoted" and "gate.set_aside" not in tags

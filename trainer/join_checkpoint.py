@@ -83,7 +83,8 @@ class Refused:
     count: int = 0
     """Rewards not applied."""
     unjoined: int = 0
-    """Ready interactions (counted joined) left with no reward, waiting again."""
+    """Ready interactions (counted joined) waiting again: no reward left, or no longer rated by every
+    source they wait for."""
     why: dict[str, int] = field(default_factory=dict)
     """Reason -> rewards."""
 
@@ -107,13 +108,20 @@ def _drop_refused(joiner: "RewardJoiner") -> Refused:
                 refused.why[why] = refused.why.get(why, 0) + 1
         return out
 
+    touched = []
     for entry in [*joiner._waiting.values(), *joiner._ready.values()]:
+        before = len(entry.contributions)
         entry.contributions = kept(entry.contributions)
+        if len(entry.contributions) < before:
+            touched.append(entry)
     for iid in list(joiner._held):
         joiner._held[iid] = kept(joiner._held[iid])
         if not joiner._held[iid]:
             del joiner._held[iid]
-    for entry in [e for e in joiner._ready.values() if not e.contributions and not e.defaulted]:
+    # ready but no longer so by today's settings: no reward left, or, its window still open, no longer
+    # rated by every source it waits for (it trained mid-window, and a valid reward in time came late)
+    for entry in [e for e in touched if e.iid in joiner._ready and not e.defaulted
+                  and (not e.contributions or (not e.closed and not joiner._rated(e)))]:
         del joiner._ready[entry.iid]
         entry.closed, entry.ready_at = False, 0.0
         joiner._waiting[entry.iid] = entry
@@ -121,13 +129,13 @@ def _drop_refused(joiner: "RewardJoiner") -> Refused:
     if refused.count:
         log.warning("checkpoint: %d rewards of the join buffer are not applied, refused by today's reward.* "
                     "settings (%s)%s", refused.count, ", ".join(f"{n} {why}" for why, n in sorted(refused.why.items())),
-                    f"; {refused.unjoined} interactions left without a reward wait again" if refused.unjoined else "")
+                    f"; {refused.unjoined} interactions no longer ready wait again" if refused.unjoined else "")
     return refused
 
 
 def _refusal(c: Contribution, cfg) -> str | None:
     """Why ``cfg`` (:class:`~online_sao.config.RewardConfig`) refuses contribution ``c``, or None."""
-    if cfg.sources is not None and c.source not in cfg.sources:
+    if cfg.sources is not None and c.source is not None and c.source not in cfg.sources:  # None: from before sources
         return "from a source reward.sources leaves out"
     if any(not cfg.min_value <= v <= cfg.max_value for v in (c.value, *c.turns.values())):
         return f"outside reward.min_value..max_value [{cfg.min_value:g}, {cfg.max_value:g}]"

@@ -81,3 +81,35 @@ def test_rewards_held_in_the_buffer_are_checked_against_todays_range_and_sources
     restored.advance(100.0)  # every window closed: nothing refused trains, the rest is dropped unrewarded
     assert [j.interaction.interaction_id for j in restored.pop_ready(10, 10_000)] == ["in-range"]
     assert restored.counters.dropped_no_reward == 4
+
+
+def test_a_ready_interaction_no_longer_rated_by_every_source_it_waits_for_waits_again():
+    """It was ready because the judge and the user had both rated it; the user's reward, outside the
+    narrowed range, is not applied, and it trained at once, mid-window, with a valid reward still to come."""
+    both = dict(window_s=60.0, wait_for_sources=["judge", "user"])
+    joiner = RewardJoiner(RewardConfig(**both), max_pending=100)
+    joiner.add_interaction(make_interaction("a", response=[5, 6, 7]), ts=1.0)
+    joiner.add_reward(make_reward("a", 0.5, source="judge"), ts=2.0)
+    joiner.add_reward(make_reward("a", 5.0, source="user"), ts=2.0)
+    state = json.loads(json.dumps(joiner_state(joiner)))
+    assert [e["interaction"]["interaction_id"] for e in state["ready"]] == ["a"]
+
+    restored = RewardJoiner(RewardConfig(**both, min_value=-1.0, max_value=1.0), max_pending=100)
+    load_joiner_state(restored, state)
+    assert not restored._ready and set(restored._waiting) == {"a"} and restored.counters.joined == 0
+    restored.add_reward(make_reward("a", 0.9, source="user"), ts=3.0)  # in time, in range
+    [taken] = restored.pop_ready(10, 10_000)
+    assert taken.interaction.interaction_id == "a" and restored.counters.late_rewards == 0
+
+
+def test_rewards_of_a_checkpoint_from_before_sources_were_kept_are_not_refused_by_reward_sources():
+    joiner = RewardJoiner(RewardConfig(window_s=60.0), max_pending=100)
+    joiner.add_interaction(make_interaction("a", response=[5, 6, 7]), ts=1.0)
+    joiner.add_reward(make_reward("a", 0.5), ts=2.0)
+    state = json.loads(json.dumps(joiner_state(joiner)))
+    for contribution in state["ready"][0]["contributions"]:
+        del contribution["source"]  # written before rewards carried their source
+
+    restored = RewardJoiner(RewardConfig(window_s=60.0, sources=["user"]), max_pending=100)
+    load_joiner_state(restored, state)
+    assert list(restored._ready) == ["a"] and restored.counters.refused_on_resume == 0

@@ -29,13 +29,16 @@ class DirectoryLock:
         path = directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, HOLDER_BYTES, 0).decode(errors="replace").strip() or "unknown"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, HOLDER_BYTES, 0).decode(errors="replace").strip() or "unknown"
+                raise refused(holder) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:  # refused, or the pid could not be written (a full disk): held by no one
             os.close(fd)
-            raise refused(holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            raise
         return cls(fd, path)
 
     def release(self) -> None:

@@ -17,17 +17,21 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from kafka.errors import KafkaError
 from mlflow.exceptions import MlflowException
 
-from online_sao.config import Config
+from online_sao.config import Config, ConfigError
 from online_sao.config.base import mask_uri_password
 from streams.base import StreamUnavailable
+from trainer.mlflow_store import TrackingUnavailable
 
 RUN_DIRS = ("weights", "checkpoints", "spool")
 """The run directory's parts :func:`remove_run_state` deletes (``logs`` and the config stay)."""
+LEFT_BEHIND = (StreamUnavailable, KafkaError, MlflowException, TrackingUnavailable, ConfigError, OSError)
+"""Errors that leave a part of the state (said, not raised): the cluster or MLflow unreachable or
+refusing (credentials, ACLs), a file the disk refuses to delete."""
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,18 @@ class RunState:
 
     @classmethod
     def of(cls, cfg: Config, run_dir: Path) -> "RunState":
+        """The state ``cfg`` names for the run in ``run_dir``. ValueError when a name is not the run's
+        own (``<name>.<run id>``, :func:`apps.stack.own_state_overrides`): given the deployment's config,
+        this would delete production's topics, group and registered model."""
         topics = cfg.kafka.topics
-        return cls(topics=(topics.interactions, topics.rewards, topics.weights, topics.dead_letters),
-                   group=cfg.trainer.consumer_group, registered_model=cfg.mlflow.registered_model,
-                   experiment=cfg.mlflow.experiment, tracking_uri=cfg.mlflow_uri,
-                   paths=tuple(run_dir / name for name in RUN_DIRS))
+        state = cls(topics=(topics.interactions, topics.rewards, topics.weights, topics.dead_letters),
+                    group=cfg.trainer.consumer_group, registered_model=cfg.mlflow.registered_model,
+                    experiment=cfg.mlflow.experiment, tracking_uri=cfg.mlflow_uri,
+                    paths=tuple(run_dir / name for name in RUN_DIRS))
+        names = (*state.topics, state.group, state.registered_model, state.experiment)
+        if not_the_runs := [name for name in names if not name.endswith(f".{run_dir.name}")]:
+            raise ValueError(f"not the state of run {run_dir.name}, not removed: {', '.join(not_the_runs)}")
+        return state
 
 
 def remove_run_state_of(cfg: Config, run_dir: Path, progress: Callable[[str], None] = print) -> list[str]:
@@ -56,20 +67,23 @@ def remove_run_state_of(cfg: Config, run_dir: Path, progress: Callable[[str], No
     from streams.kafka_backend import KafkaBackend
     from trainer.mlflow_store import open_client
 
-    return remove_run_state(RunState.of(cfg, run_dir), KafkaBackend(cfg.kafka), open_client(cfg.mlflow_uri), progress)
+    return remove_run_state(RunState.of(cfg, run_dir), lambda: KafkaBackend(cfg.kafka),
+                            lambda: open_client(cfg.mlflow_uri), progress)
 
 
-def remove_run_state(state: RunState, kafka, mlflow_client, progress: Callable[[str], None] = print) -> list[str]:
-    """Delete ``state`` (module docstring) through ``kafka`` (a :class:`streams.kafka_backend.KafkaBackend`)
-    and ``mlflow_client``. Every part is tried; returns one line per part left, saying why (the run's
-    check has passed: what is left is for the operator to delete, not a failed run)."""
+def remove_run_state(state: RunState, kafka: Callable[[], Any], mlflow_client: Callable[[], Any],
+                     progress: Callable[[str], None] = print) -> list[str]:
+    """Delete ``state`` (module docstring) through ``kafka()`` (a :class:`streams.kafka_backend.KafkaBackend`)
+    and ``mlflow_client()``, each made by the part that needs it (an MLflow server that does not answer
+    leaves the registry, not the topics). Every part is tried; returns one line per part left, saying
+    why (the run's check has passed: what is left is for the operator to delete, not a failed run)."""
     left = []
-    for part, remove in (("topics", lambda: _topics(state, kafka)), ("consumer group", lambda: _group(state, kafka)),
-                         ("registered model", lambda: _registry(state, mlflow_client)),
-                         ("files", lambda: _files(state))):
+    parts = (("topics", lambda: _topics(state, kafka())), ("consumer group", lambda: _group(state, kafka())),
+             ("registered model", lambda: _registry(state, mlflow_client())), ("files", lambda: _files(state)))
+    for part, remove in parts:
         try:
             why = remove()
-        except (StreamUnavailable, KafkaError, MlflowException, OSError) as exc:  # the next part is tried still
+        except LEFT_BEHIND as exc:  # the next part is tried still
             why = f"{type(exc).__name__}: {mask_uri_password(str(exc))}"
         if why:
             left.append(f"{part} left: {why}")

@@ -25,14 +25,14 @@ GONE_WAIT_S = 20.0
 def run(tmp_path, kafka_broker):
     """A run's config on the session broker and a SQLite MLflow store, with its topics and consumer
     group on the cluster, two registered versions and the run directory's parts on disk."""
-    suffix = uuid.uuid4().hex[:8]
+    run_id = f"smoke-{uuid.uuid4().hex[:8]}"
     kafka = kafka_broker.kafka_config()
     cfg = load_app_config(environ={}, overrides={
         "paths.data_dir": str(tmp_path / "data"), "mlflow.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "kafka.bootstrap_servers": kafka.bootstrap_servers, "kafka.partitions": kafka.partitions,
-        **{f"kafka.topics.{role}": name for role, name in kafka.topics.model_dump().items()},
-        "trainer.consumer_group": f"learner.smoke-{suffix}", "mlflow.experiment": f"online-sao.smoke-{suffix}",
-        "mlflow.registered_model": f"online-sao-policy.smoke-{suffix}"})
+        **{f"kafka.topics.{role}": f"{name}.{run_id}" for role, name in kafka.topics.model_dump().items()},
+        "trainer.consumer_group": f"learner.{run_id}", "mlflow.experiment": f"online-sao.{run_id}",
+        "mlflow.registered_model": f"online-sao-policy.{run_id}"})
     backend = KafkaBackend(cfg.kafka)
     backend.ensure_topics()
     learner = backend.consumer([cfg.kafka.topics.interactions], group_id=cfg.trainer.consumer_group)
@@ -40,11 +40,11 @@ def run(tmp_path, kafka_broker):
     learner.close()  # the group stays, with its (empty) membership, as a stopped learner's does
     cfg.model_dir.mkdir(parents=True)
     (cfg.model_dir / "config.json").write_text('{"model_type": "fake"}')
-    store = FileWeightStore(str(tmp_path / "run" / "weights"))
+    store = FileWeightStore(str(tmp_path / run_id / "weights"))
     tracker = RunTracker(cfg)
     for version in (1, 2):
         tracker.registry.register(store.save(version, {"w": torch.full((2, 2), float(version))}), recent_reward=0.0)
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / run_id
     for part in ("checkpoints", "spool", "logs"):
         (run_dir / part).mkdir(parents=True)
         (run_dir / part / "file").write_text(part)
@@ -102,3 +102,26 @@ def test_a_part_the_cluster_refuses_is_reported_and_the_other_parts_are_still_re
     assert left == [f"consumer group left: {cfg.trainer.consumer_group} (NonEmptyGroupError)"]
     assert lines[-1] == f"warning: {left[0]}" and "but for 1 part(s)" in lines[0]
     assert _model_dirs(cfg) == set() and sorted(p.name for p in run_dir.iterdir()) == ["logs"]
+
+
+def test_mlflow_not_answering_leaves_the_registry_and_removes_the_rest(run):
+    """An MLflow server down at clean-up raised out of the run that had passed: smoke failed, and a
+    load that had passed wrote no results."""
+    cfg, run_dir, _ = run
+    down = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"tracking_uri": "http://127.0.0.1:1"})})
+    lines = []
+
+    left = remove_run_state_of(down, run_dir, lines.append)
+
+    assert len(left) == 1 and left[0].startswith("registered model left: TrackingUnavailable: MLflow at")
+    assert _topics_left(cfg) == set() and sorted(p.name for p in run_dir.iterdir()) == ["logs"]
+
+
+def test_the_deployments_own_state_is_refused(tmp_path):
+    """Given the deployment's config (not the run's), the clean-up would delete production's topics,
+    consumer group and registered model."""
+    from apps.run_state import RunState
+
+    deployment = load_app_config(environ={}, overrides={"paths.data_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"not the state of run smoke-1234, not removed: sao.interactions, "):
+        RunState.of(deployment, tmp_path / "smoke-1234")

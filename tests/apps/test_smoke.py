@@ -206,8 +206,10 @@ def test_the_smoke_verdict_reads_the_runs_own_weights_topic_and_ledger(tmp_path,
     monkeypatch.setattr("streams.kafka_backend.KafkaBackend", lambda kafka: Notices())
     monkeypatch.setattr("apps.smoke._published_steps", lambda consumer, model: {1: 1})
     monkeypatch.setattr("apps.smoke.read_ledger", ledger)
-    monkeypatch.setattr("apps.run_state.remove_run_state_of",
-                        lambda cfg, run_dir: read.setdefault("events", []).append(("removed", run_dir)))
+    from apps.run_state import RunState  # its check: the state named is the run's own, not the deployment's
+
+    monkeypatch.setattr("apps.run_state.remove_run_state_of", lambda cfg, run_dir: read.setdefault(
+        "events", []).append(("removed", RunState.of(cfg, run_dir).paths[0].parent)))
     settings = {"paths.data_dir": str(tmp_path)}
     deployment = load_app_config(environ={}, overrides=settings)
 

@@ -89,8 +89,10 @@ def _own_stack(monkeypatch, serving: DyingServing, check_logged) -> list[tuple[s
     monkeypatch.setattr("streams.kafka_backend.KafkaBackend", lambda *args, **kwargs: None)
     monkeypatch.setattr("apps.load.gen.run_load", run_load)
     monkeypatch.setattr("apps.load.run.check_logged", check_logged)
-    monkeypatch.setattr("apps.run_state.remove_run_state_of",
-                        lambda cfg, run_dir, progress=print: events.append(("removed", run_dir)))
+    from apps.run_state import RunState  # its check: the state named is the run's own, not the deployment's
+
+    monkeypatch.setattr("apps.run_state.remove_run_state_of", lambda cfg, run_dir, progress=print: events.append(
+        ("removed", RunState.of(cfg, run_dir).paths[0].parent)))
     return events
 
 

@@ -187,7 +187,7 @@ def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: Di
                   before_step: RolloutHook | None) -> Taken:
     """Rank 0 reads, joins and decides: stop, wait, or train on these rollouts; a stop signal to any
     rank stops them all, before rank 0 takes rollouts it would not train. Collective."""
-    stop, rollouts = until.stop.is_set(), None
+    signalled_here, stop, rollouts = until.stop.is_set(), False, None
     if rank0 is not None:
         rank0.feed.poll()
         rank0.feed.drop_stale(at.version)
@@ -195,9 +195,10 @@ def next_rollouts(rank0: RankZero | None, at: Position, until: RunUntil, ctx: Di
     # a signal to one rank alone (its pod stopped by a node drain or a StatefulSet's update) stopped
     # nothing: that rank went on until its SIGKILL, and the others then failed in a collective,
     # without a checkpoint
-    if any_rank(stop, ctx) and not stop:
+    if any_rank(signalled_here, ctx):
+        if not signalled_here:
+            log.info("stopping: another rank received a stop signal")
         stop = True
-        log.info("stopping: another rank received a stop signal")
     if rank0 is not None:
         rollouts = None if stop else rank0.feed.take(ctx.world_size, before_step)
         rank0.renew_metrics(at)  # between steps too: what it reads and holds while no step comes

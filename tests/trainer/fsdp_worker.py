@@ -287,6 +287,7 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
     whitened_policy, whitened = whitened_training(ctx, data if ctx.is_main else None)
     restarted, cleared = restarted_training(ctx, data if ctx.is_main else None)
     stop_votes = [any_rank(ctx.rank == 1, ctx), any_rank(False, ctx)]  # rank 1's flag alone, then none
+    loop_stop = loop_stop_vote(ctx)
 
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -304,10 +305,28 @@ def run_training(out: Path, steps: int = 3, seed: int = 1, compile: bool = False
         compiled = [is_compiled(model) for model in (learner.policy, learner.critic, learner.reference)]
         report = {"steps": metrics, "compiled": compiled, "pretrain": pretrain, "pretrain_refused_shares": refused_shares,
                   "whitened": whitened, "restart": {"optimizers_cleared": cleared},
-                  "stop_votes": stop_votes}
+                  "stop_votes": stop_votes, "loop_stop": loop_stop}
         (out / "metrics.json").write_text(json.dumps(report))
         (out / "baselines.json").write_text(json.dumps(baselines))
     shutdown_distributed(ctx)
+
+
+def loop_stop_vote(ctx: DistContext) -> dict[str, bool]:
+    """The learner loop's decision (trainer.learner.next_rollouts) with a stop signal to rank 1 alone
+    (none in one process), rank 0's feed stood in for: whether it stopped, and whether rank 0 took
+    rollouts it would then not train."""
+    from types import SimpleNamespace
+
+    from trainer.learner import RunUntil, next_rollouts
+
+    until, took = RunUntil(), []
+    if ctx.rank == 1:
+        until.stop.set()
+    feed = SimpleNamespace(poll=lambda: None, drop_stale=lambda version: None, idle_s=lambda: 0.0,
+                           take=lambda ranks, hook: took.append(ranks))
+    rank0 = SimpleNamespace(feed=feed, renew_metrics=lambda at: None) if ctx.is_main else None
+    taken = next_rollouts(rank0, SimpleNamespace(steps_here=0, version=0), until, ctx, None)
+    return {"stop": taken.stop, "took": bool(took)}
 
 
 def main() -> None:

@@ -174,6 +174,9 @@ def test_a_flag_set_on_one_rank_alone_is_seen_on_every_rank(two_ranks, one_proce
     collective without a checkpoint."""
     assert json.loads((two_ranks / "metrics.json").read_text())["stop_votes"] == [True, False]
     assert json.loads((one_process / "metrics.json").read_text())["stop_votes"] == [False, False]
+    # the learner loop: rank 0 stops on rank 1's signal, before taking rollouts it would not train
+    assert json.loads((two_ranks / "metrics.json").read_text())["loop_stop"] == {"stop": True, "took": False}
+    assert json.loads((one_process / "metrics.json").read_text())["loop_stop"] == {"stop": False, "took": True}
 
 
 def test_two_cpu_ranks_match_one_process(two_ranks, one_process):

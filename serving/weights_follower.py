@@ -101,9 +101,9 @@ class WeightsFollower:
         """The learner's notices followed, or an operator's hold (``holds.held_version``); replaying the
         topic until the first pass is done."""
         self._catch_up_ends: dict[TopicPartition, int] | None = None
+        """The topic's end offsets when the consumer connected: the first pass ends there."""
         self._outage: tuple[float, float] | None = None
         """(since, last warned), ``time.monotonic``, while the backend is unreachable."""
-        """The topic's end offsets when the consumer connected: the first pass ends there."""
         self._caught_up = threading.Event()
         self.other_models: frozenset[str] = frozenset()
         """Model names of notices ignored as not ``model_name``'s (each warned about once); replaced

@@ -234,6 +234,21 @@ def test_the_replication_an_existing_topic_holds_is_read_from_the_cluster(kafka_
 
 
 @pytest.mark.kafka
+def test_a_cluster_that_will_not_describe_topic_configs_still_gets_its_topics(kafka_broker):
+    """The replication check is advisory: a Kafka-compatible service without DescribeConfigs stopped
+    `kafka up` and the learner's start over it."""
+    import kafka.errors as kerr
+
+    class NoDescribeConfigs(KafkaBackend):
+        def replication(self, names):
+            raise kerr.UnsupportedVersionError("DescribeConfigs")
+
+    warnings = NoDescribeConfigs(kafka_broker.kafka_config()).ensure_topics()
+    assert warnings == ["the topics' replication was not checked (UnsupportedVersionError: "
+                        "[Error 35] UnsupportedVersionError: DescribeConfigs)"]
+
+
+@pytest.mark.kafka
 def test_topics_the_cluster_cannot_hold_are_a_setting_to_change_not_an_outage(kafka_broker):
     """Three replicas on one broker: the error was a bare RuntimeError (a traceback from ``kafka up``)."""
     backend = KafkaBackend(kafka_broker.kafka_config(replication_factor=3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -16,29 +17,37 @@ logs every request's full URL at INFO (``HTTP Request: GET http://user:password@
 MLflow server's password in clear), httpcore its connections at DEBUG."""
 
 
-REPEATING_LINES = {"kafka.cluster": ("Topic %s not found in cluster metadata",
-                                     "Topic %s is not available during auto-create initialization")}
-"""Library lines logged on every metadata refresh, about ten a second, for as long as their cause
-lasts: kafka-python's for a topic a producer waits on that the cluster lacks (a replica started
-before ``online-sao kafka up`` made its topics wrote 36,000 ERROR lines an hour). The project's own
-warning says what to do (``serving.write_ahead_log``: records wait in the spool)."""
+REPEATING_LINES: dict[str, tuple[str, ...] | None] = {
+    "kafka.cluster": None, "kafka.coordinator": None, "kafka.net.manager": None, "kafka.net.connection": None,
+    "kafka.net.transport": None, "kafka.producer.sender": None, "kafka.consumer.fetcher": None}
+"""Library loggers (name -> the line templates held back when they repeat; None: every line) that
+log on every retry for as long as their cause lasts. kafka-python's: a replica started before
+``online-sao kafka up`` made its topics wrote "Topic ... not found in cluster metadata" at ERROR ten
+times a second (36,000 lines an hour); a learner on a three-broker cluster with one broker down
+wrote about 200 ERROR lines a minute ("Connection failed", "Marking the coordinator dead", "No node
+available"). The project's own warnings say what happened and what to do (records wait in the
+spool; the broker unreachable)."""
 
 REPEAT_EVERY_S = 60.0
-"""A line of :data:`REPEATING_LINES` passes once, then at most once per this many seconds."""
+"""A line held back when it repeats passes once, then at most once per this many seconds."""
+TRACKED_LINES = 1024
+"""Distinct lines a :class:`ThrottleRepeats` remembers (the least recently passed go first): lines
+that name a connection's port differ every time, and a long outage would grow the memory for ever."""
 
 
 class ThrottleRepeats(logging.Filter):
-    """Lets a line whose template is in ``templates`` through the first time its arguments appear,
-    then once per ``every_s``, saying how many like it were held back; other lines pass as they are."""
+    """Lets a line (one whose template is in ``templates``; None: any) through the first time its
+    text appears, then once per ``every_s``, saying how many like it were held back; other lines
+    pass as they are."""
 
-    def __init__(self, templates: tuple[str, ...], every_s: float = REPEAT_EVERY_S,
+    def __init__(self, templates: tuple[str, ...] | None = None, every_s: float = REPEAT_EVERY_S,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.templates, self.every_s, self.clock = templates, every_s, clock
-        self._last: dict[str, tuple[float, int]] = {}  # message -> (when it last passed, held back since)
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()  # text -> (last passed, held since)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg not in self.templates:
+        if self.templates is not None and record.msg not in self.templates:
             return True
         message, now = record.getMessage(), self.clock()
         passed_at, held = self._last.get(message, (None, 0))
@@ -46,6 +55,9 @@ class ThrottleRepeats(logging.Filter):
             self._last[message] = (passed_at, held + 1)
             return False
         self._last[message] = (now, 0)
+        self._last.move_to_end(message)
+        while len(self._last) > TRACKED_LINES:
+            self._last.popitem(last=False)
         if held:
             record.msg, record.args = f"{message} ({held} more like it in the last {now - passed_at:.0f} s)", None
         return True

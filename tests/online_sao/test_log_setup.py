@@ -30,7 +30,7 @@ def test_a_line_kafka_repeats_every_metadata_refresh_passes_once_a_minute_with_a
     """kafka-python logged "Topic sao.interactions not found in cluster metadata" at ERROR about ten
     times a second while a replica waited for topics the cluster lacked."""
     now = [0.0]
-    throttle = log_setup.ThrottleRepeats(log_setup.REPEATING_LINES["kafka.cluster"], every_s=60.0,
+    throttle = log_setup.ThrottleRepeats(("Topic %s not found in cluster metadata",), every_s=60.0,
                                          clock=lambda: now[0])
     passed = []
     for t in (0.0, 0.1, 0.2, 30.0, 60.5, 61.0):
@@ -48,9 +48,26 @@ def test_a_line_kafka_repeats_every_metadata_refresh_passes_once_a_minute_with_a
     assert all(throttle.filter(other) for _ in range(3))
 
 
-def test_the_throttle_is_installed_once_on_kafkas_cluster_logger(monkeypatch):
-    logger = logging.getLogger("kafka.cluster")
-    monkeypatch.setattr(logger, "filters", [])
+def test_the_throttle_is_installed_once_on_each_of_kafkas_repeating_loggers(monkeypatch):
+    for name in ("kafka.cluster", "kafka.coordinator", "kafka.net.manager"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
     log_setup.quiet_chatty_libraries()
     log_setup.quiet_chatty_libraries()
-    assert [type(f) for f in logger.filters] == [log_setup.ThrottleRepeats]
+    for name in ("kafka.cluster", "kafka.coordinator", "kafka.net.manager"):
+        assert [type(f) for f in logging.getLogger(name).filters] == [log_setup.ThrottleRepeats]
+
+
+def test_every_line_of_a_repeating_logger_is_held_back_and_the_memory_of_lines_is_bounded(monkeypatch):
+    """A learner beside a lost broker: "Connection failed: KafkaConnectionError: 111 ECONNREFUSED" and
+    its like, about 200 ERROR lines a minute; lines naming a connection's port differ every time."""
+    now = [0.0]
+    throttle = log_setup.ThrottleRepeats(None, every_s=60.0, clock=lambda: now[0])
+
+    def line(text: str) -> logging.LogRecord:
+        return logging.LogRecord("kafka.net.manager", logging.ERROR, "manager.py", 1, text, None, None)
+
+    passed = [throttle.filter(line("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")) for _ in range(5)]
+    assert passed == [True, False, False, False, False]
+    monkeypatch.setattr(log_setup, "TRACKED_LINES", 3)
+    assert all(throttle.filter(line(f"socket disconnected [127.0.0.1:{port}]")) for port in range(10))
+    assert len(throttle._last) == 3

@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 from online_sao.config import Config, ConfigError
 from online_sao.config.base import mask_uri_password
 from streams.base import StreamUnavailable
-from trainer.mlflow_store import TrackingUnavailable
+from trainer.mlflow_store import TrackingUnavailable, is_code
 
 RUN_DIRS = ("weights", "checkpoints", "spool")
 """The run directory's parts :func:`remove_run_state` deletes (``logs`` and the config stay)."""
@@ -112,7 +112,6 @@ def _registry(state: RunState, client) -> str | None:
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    from trainer.mlflow_store import is_code
     from trainer.registry_retention import POLICY_DIR
 
     experiment = client.get_experiment_by_name(state.experiment)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from online_sao.schemas import Interaction
 from trainer.id_memory import IdMemory, MemorySnapshot, anchor_time
 from trainer.join_state import Claim, Contribution, Entry, JoinCounters
+from trainer.reward_range import outside_range
 
 if TYPE_CHECKING:
     from trainer.join import RewardJoiner
@@ -137,7 +138,7 @@ def _refusal(c: Contribution, cfg) -> str | None:
     """Why ``cfg`` (:class:`~online_sao.config.RewardConfig`) refuses contribution ``c``, or None."""
     if cfg.sources is not None and c.source is not None and c.source not in cfg.sources:  # None: from before sources
         return "from a source reward.sources leaves out"
-    if any(not cfg.min_value <= v <= cfg.max_value for v in (c.value, *c.turns.values())):
+    if outside_range([("value", c.value), *((f"turn {t}", v) for t, v in c.turns.items())], cfg) is not None:
         return f"outside reward.min_value..max_value [{cfg.min_value:g}, {cfg.max_value:g}]"
     return None
 

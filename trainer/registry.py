@@ -203,7 +203,7 @@ class PolicyRegistry:
         if decision == "promoted":
             self.client.set_registered_model_alias(self.model_name, CHAMPION, target.version)
         elif decision == "rolled_back":
-            champion = version_with_alias(self.client, self.model_name, CHAMPION)
+            champion = now if against is not UNCHECKED else self._champion_version()  # read above when checked
             if champion is None:
                 raise ValueError("cannot roll back without a champion")
             if not moved:
@@ -241,7 +241,7 @@ class PolicyRegistry:
         the rejected version counts as no candidate (None)."""
         if candidate is None or candidate.tags.get("decision") != "rolled_back":
             return candidate
-        champion = version_with_alias(self.client, self.model_name, CHAMPION)
+        champion = self._champion_version()
         if champion is not None and champion.version == candidate.version:
             return candidate  # the champion itself (an operator promoted a rejected version): nothing to move
         if champion is None:
@@ -259,12 +259,12 @@ class PolicyRegistry:
     @_waiting("reading the champion")
     def champion(self) -> tuple[int, WeightsRef] | None:
         """(policy version, where its weights are published) of the champion, if any."""
-        return policy_of(version_with_alias(self.client, self.model_name, CHAMPION), CHAMPION)
+        return policy_of(self._champion_version(), CHAMPION)
 
     @_waiting("reading the champion's record")
     def champion_record(self) -> ValueRecord | None:
         """The champion's record (its ``record`` tag: online_sao/gate_record.py), if it has one."""
-        found = version_with_alias(self.client, self.model_name, CHAMPION)
+        found = self._champion_version()
         return None if found is None else ValueRecord.from_tags(found.tags)
 
     @_waiting("tagging the champion")
@@ -274,7 +274,7 @@ class PolicyRegistry:
         ``scored``: the champion the record was measured on; when the alias no longer holds it (an
         operator moved or deleted it meanwhile) nothing is written: the record is not the new
         champion's (it was written onto it; without a champion the learner stopped)."""
-        champion = version_with_alias(self.client, self.model_name, CHAMPION)
+        champion = self._champion_version()
         if scored is not None and (why := _champion_moved(champion, scored)):
             log.warning("registry: the record measured on champion v%d is not written: %s", scored.version, why)
             return

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from online_sao.algorithm import Algorithm
 from online_sao.algorithms import build_optimizers
 from online_sao.config import RewardConfig
 from online_sao.config.algorithm import AlgorithmConfig
@@ -16,6 +15,7 @@ from online_sao.schemas import Reward
 from streams.memory import InMemoryBackend
 from streams.records import publish
 from tests.trainer.test_learner_memory import _config
+from tests.trainer.test_plasticity import ForgetfulRule
 from tests.trainer.traffic import sample_traffic
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistContext, init_distributed
@@ -78,28 +78,15 @@ def test_the_running_means_reward_window_starts_over_under_a_new_reward_definiti
     assert max(window[-4:]) < 1.0
 
 
-class Forgetful(Algorithm):
-    """A rule that counts :meth:`forget` calls."""
-
-    def __init__(self) -> None:
-        self.forgotten = 0
-
-    def step(self, batch):
-        raise AssertionError("not trained here")
-
-    def forget(self) -> None:
-        self.forgotten += 1
-
-
-def _rule_after_roll_back(tmp_path, definition: str) -> Forgetful:
+def _rule_after_roll_back(tmp_path, definition: str) -> ForgetfulRule:
     """The rule of a learner rolled back, under ``definition``, to a champion checkpointed under 0..10."""
     policy = nn.Linear(2, 1)
     cfg = AlgorithmConfig(optimizer_kernel="for_loop")
-    saved = Trainables(policy, None, build_optimizers(cfg, policy, None), Forgetful())
+    saved = Trainables(policy, None, build_optimizers(cfg, policy, None), ForgetfulRule())
     state = gather_training_state(saved, RewardJoiner(RewardConfig(**_fields(ZERO_TO_TEN)), 10),
                                   Progress(step=2, version=7), ONE_PROCESS)
     Checkpointer(tmp_path).save(state)
-    live = Trainables(policy, None, build_optimizers(cfg, policy, None), Forgetful())
+    live = Trainables(policy, None, build_optimizers(cfg, policy, None), ForgetfulRule())
     assert restore_version(Checkpointer(tmp_path), live, 7, ONE_PROCESS, definition)
     return live.algorithm
 
